@@ -1,0 +1,183 @@
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <distoptim/optim/option_bag.h>
+
+namespace distoptim {
+namespace optim {
+
+/// A group of parameters and the options that override the optimizer's defaults for them
+/// (Python's `{"params": [...], "lr": 0.1}`). Keys left out take the optimizer's defaults.
+struct ParamGroup {
+  ParamGroup(std::vector<at::Tensor> params, OptionBag overrides = {})
+      : params(std::move(params)), overrides(std::move(overrides)) {}
+  std::vector<at::Tensor> params;
+  OptionBag overrides;
+};
+
+/// The state one parameter carries between steps: a step count and the optimizer's buffers,
+/// one slot per name of `FunctionalOptimizer::state_names()`; a slot is undefined until created.
+struct ParamState {
+  int64_t step = 0;
+  std::vector<at::Tensor> buffers;
+  bool empty() const;
+};
+
+/// A checkpointable snapshot of a FunctionalOptimizer, keyed by stable parameter index (the
+/// position of a parameter in the flat list `params()`), as Python's `state_dict()` is.
+/// Tensors are copies: later steps do not change a snapshot.
+struct OptimizerStateDict {
+  struct Group {
+    std::vector<int64_t> param_indices;
+    OptionBag overrides;
+  };
+  struct State {
+    int64_t step = 0;
+    std::map<std::string, at::Tensor> buffers;
+  };
+  std::string optimizer;
+  OptionBag defaults;
+  std::vector<Group> param_groups;
+  std::map<int64_t, State> state;
+
+  /// A nested GenericDict that LibTorch serialization (torch::pickle_save, torch::save) stores
+  /// and that Python's torch.load reads back.
+  c10::IValue to_ivalue() const;
+  static OptimizerStateDict from_ivalue(const c10::IValue& value);
+};
+
+/// Writes `dict` to `path` with LibTorch's pickle serialization; `load_state_dict_file` reads it.
+void save_state_dict(const OptimizerStateDict& dict, const std::string& path);
+OptimizerStateDict load_state_dict_file(const std::string& path);
+
+/// A functional optimizer: its update is computed from an explicit list of gradients, never from
+/// `.grad`, so gradients may come from anywhere (a distributed autograd context, a shard of a
+/// data-parallel reduction) and many threads may each drive their own instance.
+///
+/// Parameters are held in groups, each with its own options; `step(gradients)` takes one gradient
+/// per parameter in the order of `params()` (groups concatenated), an undefined tensor meaning
+/// "no gradient: leave this parameter and its state alone".
+///
+/// Thread safety: an instance is not synchronized; calls on one instance must not overlap.
+/// Distinct instances are independent. `step` parallelizes internally over LibTorch's intra-op
+/// thread pool.
+/// Errors: bad input throws c10::Error (ValueError, TypeError or IndexError) naming the argument,
+/// its index and value, before any parameter or state is touched.
+/// Parameters: dense CPU tensors of float32 or float64, each at most once across all groups.
+class FunctionalOptimizer {
+ public:
+  virtual ~FunctionalOptimizer();
+  /// One parameter to update in a step, as `update` receives it.
+  struct ParamUpdate {
+    int64_t index;
+    const at::Tensor* param;
+    const at::Tensor* grad;
+    ParamState* state;
+  };
+
+  FunctionalOptimizer(const FunctionalOptimizer&) = delete;
+  FunctionalOptimizer& operator=(const FunctionalOptimizer&) = delete;
+
+  /// Applies one update. `gradients.size()` must equal `params().size()`.
+  void step(const std::vector<at::Tensor>& gradients);
+
+  /// Appends a group; its parameters get the next indices. Checks everything first.
+  void add_param_group(const ParamGroup& group);
+
+  /// Every parameter, groups concatenated: the order `step` expects gradients in.
+  const std::vector<at::Tensor>& params() const { return params_; }
+  size_t num_param_groups() const { return groups_.size(); }
+  /// The parameters of group `group`, as indices into `params()`.
+  const std::vector<int64_t>& group_param_indices(size_t group) const;
+  /// Defaults merged with the group's overrides.
+  OptionBag group_options(size_t group) const;
+  const OptionBag& group_overrides(size_t group) const;
+  /// Replaces some of a group's options (a learning-rate schedule sets "lr" here). Validated
+  /// as a whole first; on error nothing changes.
+  void set_group_options(size_t group, const OptionBag& overrides);
+  const OptionBag& defaults() const { return defaults_; }
+
+  /// The registry name of this optimizer ("sgd", "adam", ...).
+  const std::string& name() const { return name_; }
+  /// Names of the per-parameter state buffers, in slot order (Adam: exp_avg, exp_avg_sq,
+  /// max_exp_avg_sq).
+  const std::vector<std::string>& state_names() const { return state_names_; }
+  const ParamState& state(size_t param_index) const;
+
+  OptimizerStateDict state_dict() const;
+  /// Loads a snapshot taken from an optimizer of the same name over parameters of the same
+  /// shapes and grouping. Validated as a whole first; on error nothing changes. Buffers are
+  /// copied into this optimizer's own storage (with the parameter's dtype and layout).
+  void load_state_dict(const OptimizerStateDict& dict);
+
+ protected:
+  /// `defaults` must hold every option key of the concrete optimizer.
+  FunctionalOptimizer(std::string name, std::vector<std::string> state_names, OptionBag defaults);
+
+  /// Throws if `resolved` (defaults merged with overrides, complete) is not a valid option set;
+  /// names the key and the value.
+  virtual void check_options(const OptionBag& resolved) const = 0;
+  /// Called after a group's options were (re)set and checked, so a subclass can cache them.
+  virtual void on_group_options(size_t group, const OptionBag& resolved) = 0;
+  /// Creates state that exists before the first step (Adagrad's sum). Default: nothing.
+  virtual void init_state(size_t group, const at::Tensor& param, ParamState& state);
+  /// Updates the parameters of `group` that have gradients this step. Inputs are checked.
+  virtual void update(size_t group, const std::vector<ParamUpdate>& updates) = 0;
+
+  /// A new zero-filled buffer laid out like `param` (same strides when `param` is dense).
+  static at::Tensor new_state_buffer(const at::Tensor& param);
+
+ private:
+  struct Group {
+    std::vector<int64_t> param_indices;
+    OptionBag overrides;
+  };
+  void check_new_params(const std::vector<at::Tensor>& params) const;
+  void check_gradients(const std::vector<at::Tensor>& gradients) const;
+
+  std::string name_;
+  std::vector<std::string> state_names_;
+  OptionBag defaults_;
+  std::vector<at::Tensor> params_;
+  std::vector<size_t> param_group_;
+  std::vector<ParamState> states_;
+  std::vector<Group> groups_;
+  // Scratch reused by step() so a step allocates nothing once warm.
+  std::vector<std::vector<ParamUpdate>> scratch_updates_;
+};
+
+/// Base for an optimizer with a typed options struct (see SGDOptions for the shape an options
+/// struct takes). Caches each group's typed options so `update` reads them without parsing.
+template <class Options>
+class TypedFunctionalOptimizer : public FunctionalOptimizer {
+ public:
+  /// The typed options of `group`.
+  const Options& options(size_t group) const { return group_options_.at(group); }
+
+ protected:
+  TypedFunctionalOptimizer(std::string name, std::vector<std::string> state_names,
+                           const Options& defaults)
+      : FunctionalOptimizer(std::move(name), std::move(state_names), options_to_bag(defaults)) {}
+
+  void check_options(const OptionBag& resolved) const override {
+    options_from_bag<Options>(resolved).validate();
+  }
+  void on_group_options(size_t group, const OptionBag& resolved) override {
+    if (group_options_.size() <= group) group_options_.resize(group + 1);
+    group_options_[group] = options_from_bag<Options>(resolved);
+  }
+
+ private:
+  std::vector<Options> group_options_;
+};
+
+}  // namespace optim
+}  // namespace distoptim

@@ -1,0 +1,78 @@
+#include <distoptim/optim/adadelta.h>
+
+#include "update_common.h"
+
+namespace distoptim {
+namespace optim {
+
+namespace {
+
+using kernels::Algorithm;
+using kernels::UpdateTask;
+
+// items[i].operands: param, grad, square_avg, acc_delta.
+void run_adadelta(const std::vector<detail::UpdateItem>& items, const AdadeltaOptions& o) {
+  uint32_t flags = 0;
+  if (o.maximize()) flags |= kernels::kMaximize;
+  if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
+  kernels::UpdateBatch batch;
+  for (const auto& item : items) {
+    const at::Tensor& p = *item.operands[0];
+    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kAdadelta, p.scalar_type(), flags),
+                                 item.operands, item.num_operands);
+    task.scalars[0] = o.weight_decay();
+    task.scalars[1] = o.rho();
+    task.scalars[2] = 1 - o.rho();
+    task.scalars[3] = o.eps();
+    task.scalars[4] = o.lr();
+  }
+  batch.run();
+}
+
+}  // namespace
+
+namespace functional {
+void adadelta(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+              const std::vector<at::Tensor>& square_avgs, const std::vector<at::Tensor>& acc_deltas,
+              const AdadeltaOptions& options) {
+  options.validate();
+  detail::check_lists("functional::adadelta", params, grads,
+                      {{"square_avgs", &square_avgs}, {"acc_deltas", &acc_deltas}});
+  std::vector<detail::UpdateItem> items(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    items[i].operands[0] = &params[i];
+    items[i].operands[1] = &grads[i];
+    items[i].operands[2] = &square_avgs[i];
+    items[i].operands[3] = &acc_deltas[i];
+    items[i].num_operands = 4;
+  }
+  run_adadelta(items, options);
+}
+}  // namespace functional
+
+Adadelta::Adadelta(std::vector<ParamGroup> groups, const AdadeltaOptions& defaults)
+    : TypedFunctionalOptimizer("adadelta", {"square_avg", "acc_delta"}, defaults) {
+  defaults.validate();
+  for (const auto& g : groups) add_param_group(g);
+}
+
+void Adadelta::update(size_t group, const std::vector<ParamUpdate>& updates) {
+  std::vector<detail::UpdateItem> items(updates.size());
+  for (size_t i = 0; i < updates.size(); ++i) {
+    auto& buffers = updates[i].state->buffers;
+    if (!buffers[0].defined()) {
+      buffers[0] = detail::new_state_buffer(*updates[i].param);
+      buffers[1] = detail::new_state_buffer(*updates[i].param);
+    }
+    ++updates[i].state->step;
+    items[i].operands[0] = updates[i].param;
+    items[i].operands[1] = updates[i].grad;
+    items[i].operands[2] = &buffers[0];
+    items[i].operands[3] = &buffers[1];
+    items[i].num_operands = 4;
+  }
+  run_adadelta(items, options(group));
+}
+
+}  // namespace optim
+}  // namespace distoptim

@@ -1,0 +1,85 @@
+#include <distoptim/optim/adamax.h>
+
+#include <cmath>
+
+#include "update_common.h"
+
+namespace distoptim {
+namespace optim {
+
+namespace {
+
+using kernels::Algorithm;
+using kernels::UpdateTask;
+
+// items[i].operands: param, grad, exp_avg, exp_inf.
+void run_adamax(const std::vector<detail::UpdateItem>& items, const AdamaxOptions& o) {
+  uint32_t flags = 0;
+  if (o.maximize()) flags |= kernels::kMaximize;
+  if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
+  const double beta1 = std::get<0>(o.betas());
+  const double beta2 = std::get<1>(o.betas());
+  kernels::UpdateBatch batch;
+  for (const auto& item : items) {
+    const at::Tensor& p = *item.operands[0];
+    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kAdamax, p.scalar_type(), flags),
+                                 item.operands, item.num_operands);
+    task.scalars[0] = o.weight_decay();
+    task.scalars[1] = beta1;
+    task.scalars[2] = 1 - beta1;
+    task.scalars[3] = beta2;
+    task.scalars[4] = o.eps();
+    task.scalars[5] = o.lr() / (1 - std::pow(beta1, static_cast<double>(item.step)));
+  }
+  batch.run();
+}
+
+}  // namespace
+
+namespace functional {
+void adamax(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+            const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_infs,
+            const std::vector<int64_t>& steps, const AdamaxOptions& options) {
+  options.validate();
+  detail::check_lists("functional::adamax", params, grads,
+                      {{"exp_avgs", &exp_avgs}, {"exp_infs", &exp_infs}});
+  detail::check_steps("functional::adamax", params, steps);
+  std::vector<detail::UpdateItem> items(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    items[i].operands[0] = &params[i];
+    items[i].operands[1] = &grads[i];
+    items[i].operands[2] = &exp_avgs[i];
+    items[i].operands[3] = &exp_infs[i];
+    items[i].num_operands = 4;
+    items[i].step = steps[i];
+  }
+  run_adamax(items, options);
+}
+}  // namespace functional
+
+Adamax::Adamax(std::vector<ParamGroup> groups, const AdamaxOptions& defaults)
+    : TypedFunctionalOptimizer("adamax", {"exp_avg", "exp_inf"}, defaults) {
+  defaults.validate();
+  for (const auto& g : groups) add_param_group(g);
+}
+
+void Adamax::update(size_t group, const std::vector<ParamUpdate>& updates) {
+  std::vector<detail::UpdateItem> items(updates.size());
+  for (size_t i = 0; i < updates.size(); ++i) {
+    auto& buffers = updates[i].state->buffers;
+    if (!buffers[0].defined()) {
+      buffers[0] = detail::new_state_buffer(*updates[i].param);
+      buffers[1] = detail::new_state_buffer(*updates[i].param);
+    }
+    items[i].operands[0] = updates[i].param;
+    items[i].operands[1] = updates[i].grad;
+    items[i].operands[2] = &buffers[0];
+    items[i].operands[3] = &buffers[1];
+    items[i].num_operands = 4;
+    items[i].step = ++updates[i].state->step;
+  }
+  run_adamax(items, options(group));
+}
+
+}  // namespace optim
+}  // namespace distoptim

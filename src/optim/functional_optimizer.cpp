@@ -1,0 +1,293 @@
+#include <distoptim/optim/functional_optimizer.h>
+
+#include <fstream>
+#include <iterator>
+#include <unordered_set>
+
+#include <c10/util/Exception.h>
+#include <torch/serialize.h>
+
+#include "update_common.h"
+
+namespace distoptim {
+namespace optim {
+
+namespace {
+
+void check_param(const at::Tensor& p, const std::string& where) {
+  TORCH_CHECK_VALUE(p.defined(), where, " is an undefined tensor");
+  TORCH_CHECK_VALUE(p.layout() == at::kStrided, where, " has layout ", p.layout(),
+                    "; only dense (strided) parameters are supported");
+  TORCH_CHECK_VALUE(p.device().is_cpu(), where, " is on device ", p.device(),
+                    "; only CPU parameters are supported");
+  TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, where,
+                   " has dtype ", p.scalar_type(), "; supported: Float, Double");
+}
+
+}  // namespace
+
+bool ParamState::empty() const {
+  for (const auto& b : buffers) {
+    if (b.defined()) return false;
+  }
+  return step == 0;
+}
+
+FunctionalOptimizer::FunctionalOptimizer(std::string name, std::vector<std::string> state_names,
+                                         OptionBag defaults)
+    : name_(std::move(name)), state_names_(std::move(state_names)), defaults_(std::move(defaults)) {}
+
+FunctionalOptimizer::~FunctionalOptimizer() = default;
+
+void FunctionalOptimizer::init_state(size_t, const at::Tensor&, ParamState&) {}
+
+at::Tensor FunctionalOptimizer::new_state_buffer(const at::Tensor& param) {
+  return detail::new_state_buffer(param);
+}
+
+void FunctionalOptimizer::check_new_params(const std::vector<at::Tensor>& params) const {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : params_) seen.insert(p.unsafeGetTensorImpl());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string where = name_ + ": parameter " + std::to_string(i) + " of the new group";
+    check_param(params[i], where);
+    TORCH_CHECK_VALUE(seen.insert(params[i].unsafeGetTensorImpl()).second, where,
+                      " appears more than once in the optimizer's parameters");
+  }
+}
+
+void FunctionalOptimizer::add_param_group(const ParamGroup& group) {
+  check_new_params(group.params);
+  const OptionBag resolved = defaults_.merged_with(group.overrides);
+  check_options(resolved);
+  // Everything is checked: from here on nothing throws except allocation failure.
+  const size_t g = groups_.size();
+  on_group_options(g, resolved);
+  Group entry;
+  entry.overrides = group.overrides;
+  for (const auto& p : group.params) {
+    entry.param_indices.push_back(static_cast<int64_t>(params_.size()));
+    params_.push_back(p);
+    param_group_.push_back(g);
+    states_.emplace_back();
+    states_.back().buffers.resize(state_names_.size());
+    init_state(g, p, states_.back());
+  }
+  groups_.push_back(std::move(entry));
+}
+
+const std::vector<int64_t>& FunctionalOptimizer::group_param_indices(size_t group) const {
+  TORCH_CHECK_INDEX(group < groups_.size(), name_, ": param group ", group, " out of range (",
+                    groups_.size(), " groups)");
+  return groups_[group].param_indices;
+}
+
+OptionBag FunctionalOptimizer::group_options(size_t group) const {
+  return defaults_.merged_with(group_overrides(group));
+}
+
+const OptionBag& FunctionalOptimizer::group_overrides(size_t group) const {
+  TORCH_CHECK_INDEX(group < groups_.size(), name_, ": param group ", group, " out of range (",
+                    groups_.size(), " groups)");
+  return groups_[group].overrides;
+}
+
+void FunctionalOptimizer::set_group_options(size_t group, const OptionBag& overrides) {
+  const OptionBag merged_overrides = group_overrides(group).merged_with(overrides);
+  const OptionBag resolved = defaults_.merged_with(merged_overrides);
+  check_options(resolved);
+  on_group_options(group, resolved);
+  groups_[group].overrides = merged_overrides;
+}
+
+const ParamState& FunctionalOptimizer::state(size_t param_index) const {
+  TORCH_CHECK_INDEX(param_index < states_.size(), name_, ": parameter index ", param_index,
+                    " out of range (", states_.size(), " parameters)");
+  return states_[param_index];
+}
+
+void FunctionalOptimizer::check_gradients(const std::vector<at::Tensor>& gradients) const {
+  TORCH_CHECK_VALUE(gradients.size() == params_.size(), name_, ".step: got ", gradients.size(),
+                    " gradients for ", params_.size(), " parameters");
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const at::Tensor& g = gradients[i];
+    if (!g.defined()) continue;
+    const at::Tensor& p = params_[i];
+    TORCH_CHECK_VALUE(g.layout() == at::kStrided, name_, ".step: gradients[", i, "] has layout ",
+                      g.layout(), "; sparse gradients are not supported");
+    TORCH_CHECK_VALUE(g.device() == p.device(), name_, ".step: gradients[", i, "] is on ",
+                      g.device(), " but its parameter is on ", p.device());
+    TORCH_CHECK_TYPE(g.scalar_type() == p.scalar_type(), name_, ".step: gradients[", i,
+                     "] has dtype ", g.scalar_type(), " but its parameter has ", p.scalar_type());
+    TORCH_CHECK_VALUE(g.sizes() == p.sizes(), name_, ".step: gradients[", i, "] has shape ",
+                      g.sizes(), " but its parameter has shape ", p.sizes());
+  }
+}
+
+void FunctionalOptimizer::step(const std::vector<at::Tensor>& gradients) {
+  check_gradients(gradients);
+  scratch_updates_.resize(groups_.size());
+  for (auto& u : scratch_updates_) u.clear();
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (!gradients[i].defined()) continue;
+    scratch_updates_[param_group_[i]].push_back(
+        ParamUpdate{static_cast<int64_t>(i), &params_[i], &gradients[i], &states_[i]});
+  }
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!scratch_updates_[g].empty()) update(g, scratch_updates_[g]);
+  }
+}
+
+OptimizerStateDict FunctionalOptimizer::state_dict() const {
+  OptimizerStateDict dict;
+  dict.optimizer = name_;
+  dict.defaults = defaults_;
+  for (const auto& g : groups_) dict.param_groups.push_back({g.param_indices, g.overrides});
+  for (size_t i = 0; i < states_.size(); ++i) {
+    const ParamState& s = states_[i];
+    if (s.empty()) continue;
+    OptimizerStateDict::State entry;
+    entry.step = s.step;
+    for (size_t k = 0; k < state_names_.size(); ++k) {
+      if (s.buffers[k].defined()) entry.buffers[state_names_[k]] = s.buffers[k].clone();
+    }
+    dict.state[static_cast<int64_t>(i)] = std::move(entry);
+  }
+  return dict;
+}
+
+void FunctionalOptimizer::load_state_dict(const OptimizerStateDict& dict) {
+  TORCH_CHECK_VALUE(dict.optimizer == name_, name_, ".load_state_dict: the state dict is of "
+                    "optimizer '", dict.optimizer, "'");
+  TORCH_CHECK_VALUE(dict.param_groups.size() == groups_.size(), name_,
+                    ".load_state_dict: the state dict has ", dict.param_groups.size(),
+                    " param groups, the optimizer ", groups_.size());
+  std::vector<OptionBag> resolved(groups_.size());
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    TORCH_CHECK_VALUE(dict.param_groups[g].param_indices == groups_[g].param_indices, name_,
+                      ".load_state_dict: param group ", g, " holds other parameters (",
+                      dict.param_groups[g].param_indices.size(), " in the state dict, ",
+                      groups_[g].param_indices.size(), " here)");
+    resolved[g] = dict.defaults.merged_with(dict.param_groups[g].overrides);
+    check_options(resolved[g]);
+  }
+  check_options(dict.defaults);
+  std::vector<ParamState> new_states(states_.size());
+  for (auto& s : new_states) s.buffers.resize(state_names_.size());
+  for (const auto& item : dict.state) {
+    const int64_t i = item.first;
+    TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), name_,
+                      ".load_state_dict: state for parameter ", i, " but the optimizer has ",
+                      params_.size(), " parameters");
+    TORCH_CHECK_VALUE(item.second.step >= 0, name_, ".load_state_dict: parameter ", i,
+                      " has step ", item.second.step);
+    const at::Tensor& p = params_[i];
+    new_states[i].step = item.second.step;
+    for (const auto& buf : item.second.buffers) {
+      auto it = std::find(state_names_.begin(), state_names_.end(), buf.first);
+      TORCH_CHECK_VALUE(it != state_names_.end(), name_, ".load_state_dict: unknown state '",
+                        buf.first, "' for parameter ", i);
+      TORCH_CHECK_VALUE(buf.second.defined() && buf.second.sizes() == p.sizes(), name_,
+                        ".load_state_dict: state '", buf.first, "' of parameter ", i,
+                        " has shape ", buf.second.defined() ? buf.second.sizes() : at::IntArrayRef{},
+                        ", the parameter ", p.sizes());
+      at::Tensor own = new_state_buffer(p);
+      own.copy_(buf.second);
+      new_states[i].buffers[it - state_names_.begin()] = std::move(own);
+    }
+  }
+  // Checked and built: commit.
+  defaults_ = dict.defaults;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    groups_[g].overrides = dict.param_groups[g].overrides;
+    on_group_options(g, resolved[g]);
+  }
+  states_ = std::move(new_states);
+}
+
+c10::IValue OptimizerStateDict::to_ivalue() const {
+  using c10::impl::GenericDict;
+  GenericDict groups_list_holder(c10::StringType::get(), c10::AnyType::get());
+  c10::impl::GenericList groups(c10::AnyType::get());
+  for (const auto& g : param_groups) {
+    GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+    entry.insert("params", c10::List<int64_t>(g.param_indices));
+    entry.insert("overrides", g.overrides.to_ivalue());
+    groups.push_back(entry);
+  }
+  GenericDict states(c10::IntType::get(), c10::AnyType::get());
+  for (const auto& item : state) {
+    GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+    entry.insert("step", item.second.step);
+    for (const auto& buf : item.second.buffers) entry.insert(buf.first, buf.second);
+    states.insert(item.first, entry);
+  }
+  GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  out.insert("optimizer", optimizer);
+  out.insert("defaults", defaults.to_ivalue());
+  out.insert("param_groups", groups);
+  out.insert("state", states);
+  return out;
+}
+
+OptimizerStateDict OptimizerStateDict::from_ivalue(const c10::IValue& value) {
+  const char* what = "OptimizerStateDict::from_ivalue";
+  TORCH_CHECK_TYPE(value.isGenericDict(), what, ": expected a dict, got ", value.tagKind());
+  const auto top = value.toGenericDict();
+  for (const char* key : {"optimizer", "defaults", "param_groups", "state"}) {
+    TORCH_CHECK_VALUE(top.contains(key), what, ": missing key '", key, "'");
+  }
+  OptimizerStateDict dict;
+  TORCH_CHECK_TYPE(top.at("optimizer").isString(), what, ": 'optimizer' must be a string");
+  dict.optimizer = top.at("optimizer").toStringRef();
+  dict.defaults = OptionBag::from_ivalue(top.at("defaults"));
+  TORCH_CHECK_TYPE(top.at("param_groups").isList(), what, ": 'param_groups' must be a list");
+  for (const auto& g : top.at("param_groups").toListRef()) {
+    TORCH_CHECK_TYPE(g.isGenericDict(), what, ": each param group must be a dict");
+    const auto entry = g.toGenericDict();
+    TORCH_CHECK_VALUE(entry.contains("params") && entry.contains("overrides"), what,
+                      ": a param group needs 'params' and 'overrides'");
+    TORCH_CHECK_TYPE(entry.at("params").isIntList(), what, ": 'params' must be a list of ints");
+    Group group;
+    group.param_indices = entry.at("params").toIntVector();
+    group.overrides = OptionBag::from_ivalue(entry.at("overrides"));
+    dict.param_groups.push_back(std::move(group));
+  }
+  TORCH_CHECK_TYPE(top.at("state").isGenericDict(), what, ": 'state' must be a dict");
+  for (const auto& item : top.at("state").toGenericDict()) {
+    TORCH_CHECK_TYPE(item.key().isInt() && item.value().isGenericDict(), what,
+                     ": 'state' maps parameter indices to dicts");
+    State s;
+    for (const auto& field : item.value().toGenericDict()) {
+      TORCH_CHECK_TYPE(field.key().isString(), what, ": state keys must be strings");
+      const std::string& key = field.key().toStringRef();
+      if (key == "step") {
+        TORCH_CHECK_TYPE(field.value().isInt(), what, ": 'step' must be an int");
+        s.step = field.value().toInt();
+      } else {
+        TORCH_CHECK_TYPE(field.value().isTensor(), what, ": state '", key, "' must be a tensor");
+        s.buffers[key] = field.value().toTensor();
+      }
+    }
+    dict.state[item.key().toInt()] = std::move(s);
+  }
+  return dict;
+}
+
+void save_state_dict(const OptimizerStateDict& dict, const std::string& path) {
+  const std::vector<char> bytes = torch::pickle_save(dict.to_ivalue());
+  std::ofstream out(path, std::ios::binary);
+  TORCH_CHECK(out.good(), "save_state_dict: cannot open '", path, "' for writing");
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  TORCH_CHECK(out.good(), "save_state_dict: writing '", path, "' failed");
+}
+
+OptimizerStateDict load_state_dict_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "load_state_dict_file: cannot open '", path, "'");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return OptimizerStateDict::from_ivalue(torch::pickle_load(bytes));
+}
+
+}  // namespace optim
+}  // namespace distoptim

@@ -1,0 +1,88 @@
+#include <distoptim/optim/sgd.h>
+
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
+
+#include "update_common.h"
+
+namespace distoptim {
+namespace optim {
+
+namespace {
+
+using kernels::Algorithm;
+using kernels::UpdateTask;
+
+// One SGD step over parameters whose momentum buffers (when momentum != 0) may still be
+// undefined: those are created here and filled by the kernel's first-step variant, so the
+// first step too is a single pass.
+void run_sgd(const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
+             const std::vector<at::Tensor*>& buffers, const SGDOptions& o) {
+  const bool momentum = o.momentum() != 0;
+  uint32_t flags = 0;
+  if (o.maximize()) flags |= kernels::kMaximize;
+  if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
+  if (momentum) flags |= kernels::kVariantA;
+  if (o.nesterov()) flags |= kernels::kVariantB;
+  kernels::UpdateBatch batch;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = *params[i];
+    uint32_t item_flags = flags;
+    const at::Tensor* operands[3] = {&p, grads[i], buffers[i]};
+    int num_operands = 2;
+    if (momentum) {
+      if (!buffers[i]->defined()) {
+        *buffers[i] = detail::new_state_buffer(p);
+        item_flags |= kernels::kVariantC;
+      }
+      num_operands = 3;
+    }
+    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kSgd, p.scalar_type(), item_flags),
+                                 operands, num_operands);
+    task.scalars[0] = o.lr();
+    task.scalars[1] = o.weight_decay();
+    task.scalars[2] = o.momentum();
+    task.scalars[3] = 1 - o.dampening();
+  }
+  batch.run();
+}
+
+}  // namespace
+
+namespace functional {
+void sgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+         std::vector<at::Tensor>& momentum_buffers, const SGDOptions& options) {
+  options.validate();
+  detail::check_lists("functional::sgd", params, grads, {});
+  TORCH_CHECK_VALUE(momentum_buffers.size() == params.size(), "functional::sgd: ",
+                    momentum_buffers.size(), " momentum_buffers for ", params.size(), " params");
+  std::vector<const at::Tensor*> p(params.size()), g(params.size());
+  std::vector<at::Tensor*> b(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    p[i] = &params[i];
+    g[i] = &grads[i];
+    b[i] = &momentum_buffers[i];
+  }
+  run_sgd(p, g, b, options);
+}
+}  // namespace functional
+
+SGD::SGD(std::vector<ParamGroup> groups, const SGDOptions& defaults)
+    : TypedFunctionalOptimizer("sgd", {"momentum_buffer"}, defaults) {
+  defaults.validate();
+  for (const auto& g : groups) add_param_group(g);
+}
+
+void SGD::update(size_t group, const std::vector<ParamUpdate>& updates) {
+  std::vector<const at::Tensor*> p(updates.size()), g(updates.size());
+  std::vector<at::Tensor*> b(updates.size());
+  for (size_t i = 0; i < updates.size(); ++i) {
+    p[i] = updates[i].param;
+    g[i] = updates[i].grad;
+    b[i] = &updates[i].state->buffers[0];
+  }
+  run_sgd(p, g, b, options(group));
+}
+
+}  // namespace optim
+}  // namespace distoptim

@@ -1,0 +1,1 @@
+// LibTorch adapter: being written.

@@ -1,0 +1,63 @@
+#include "update_common.h"
+
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+
+namespace distoptim {
+namespace optim {
+namespace detail {
+
+at::Tensor new_state_buffer(const at::Tensor& param) {
+  if (param.is_non_overlapping_and_dense()) {
+    return at::zeros_like(param, at::MemoryFormat::Preserve);
+  }
+  return at::zeros(param.sizes(), param.options());
+}
+
+namespace {
+void check_like(const char* function, const char* list, size_t i, const at::Tensor& t,
+                const at::Tensor& param) {
+  TORCH_CHECK_VALUE(t.defined(), function, ": ", list, "[", i, "] is undefined");
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided && t.device() == param.device(), function, ": ",
+                    list, "[", i, "] must be a dense tensor on ", param.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == param.scalar_type(), function, ": ", list, "[", i,
+                   "] has dtype ", t.scalar_type(), ", params[", i, "] ", param.scalar_type());
+  TORCH_CHECK_VALUE(t.sizes() == param.sizes(), function, ": ", list, "[", i, "] has shape ",
+                    t.sizes(), ", params[", i, "] ", param.sizes());
+}
+}  // namespace
+
+void check_lists(const char* function, const std::vector<at::Tensor>& params,
+                 const std::vector<at::Tensor>& grads,
+                 std::initializer_list<std::pair<const char*, const std::vector<at::Tensor>*>> buffers) {
+  TORCH_CHECK_VALUE(grads.size() == params.size(), function, ": ", grads.size(),
+                    " grads for ", params.size(), " params");
+  for (const auto& b : buffers) {
+    TORCH_CHECK_VALUE(b.second->size() == params.size(), function, ": ", b.second->size(), " ",
+                      b.first, " for ", params.size(), " params");
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK_VALUE(p.defined() && p.layout() == at::kStrided && p.device().is_cpu(), function,
+                      ": params[", i, "] must be a defined dense CPU tensor");
+    TORCH_CHECK_TYPE(p.scalar_type() == at::kFloat || p.scalar_type() == at::kDouble, function,
+                     ": params[", i, "] has dtype ", p.scalar_type(), "; supported: Float, Double");
+    check_like(function, "grads", i, grads[i], p);
+    for (const auto& b : buffers) check_like(function, b.first, i, (*b.second)[i], p);
+  }
+}
+
+void check_steps(const char* function, const std::vector<at::Tensor>& params,
+                 const std::vector<int64_t>& steps) {
+  TORCH_CHECK_VALUE(steps.size() == params.size(), function, ": ", steps.size(), " steps for ",
+                    params.size(), " params");
+  for (size_t i = 0; i < steps.size(); ++i) {
+    TORCH_CHECK_VALUE(steps[i] >= 1, function, ": steps[", i, "] = ", steps[i],
+                      " (the count after this step, so >= 1)");
+  }
+}
+
+}  // namespace detail
+}  // namespace optim
+}  // namespace distoptim
