@@ -1,5 +1,6 @@
 #include <distoptim/optim/option_bag.h>
 
+#include <charconv>
 #include <sstream>
 
 #include <ATen/core/Dict.h>
@@ -10,9 +11,23 @@ namespace optim {
 
 namespace {
 
+// The shortest text that reads back as the same double: 0.1 prints as 0.1.
+std::string render_double(double value) {
+  char buffer[32];
+  const auto result = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  return std::string(buffer, result.ptr);
+}
+
 std::string render(const c10::IValue& value) {
   std::ostringstream out;
-  if (value.isBool()) {
+  if (value.isDouble()) {
+    out << render_double(value.toDouble());
+  } else if (value.isTuple()) {
+    out << '(';
+    const auto& elements = value.toTupleRef().elements();
+    for (size_t i = 0; i < elements.size(); ++i) out << (i ? ", " : "") << render(elements[i]);
+    out << ')';
+  } else if (value.isBool()) {
     out << (value.toBool() ? "true" : "false");
   } else if (value.isString()) {
     out << '"' << value.toStringRef() << '"';
