@@ -38,14 +38,7 @@ void adadelta(const std::vector<at::Tensor>& params, const std::vector<at::Tenso
   options.validate();
   detail::check_lists("functional::adadelta", params, grads,
                       {{"square_avgs", &square_avgs}, {"acc_deltas", &acc_deltas}});
-  std::vector<detail::UpdateItem> items(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    items[i].operands[0] = &params[i];
-    items[i].operands[1] = &grads[i];
-    items[i].operands[2] = &square_avgs[i];
-    items[i].operands[3] = &acc_deltas[i];
-    items[i].num_operands = 4;
-  }
+  const auto items = detail::items_from_lists(params, grads, {&square_avgs, &acc_deltas});
   run_adadelta(items, options);
 }
 }  // namespace functional
@@ -57,20 +50,9 @@ Adadelta::Adadelta(std::vector<ParamGroup> groups, const AdadeltaOptions& defaul
 }
 
 void Adadelta::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  std::vector<detail::UpdateItem> items(updates.size());
-  for (size_t i = 0; i < updates.size(); ++i) {
-    auto& buffers = updates[i].state->buffers;
-    if (!buffers[0].defined()) {
-      buffers[0] = detail::new_state_buffer(*updates[i].param);
-      buffers[1] = detail::new_state_buffer(*updates[i].param);
-    }
-    ++updates[i].state->step;
-    items[i].operands[0] = updates[i].param;
-    items[i].operands[1] = updates[i].grad;
-    items[i].operands[2] = &buffers[0];
-    items[i].operands[3] = &buffers[1];
-    items[i].num_operands = 4;
-  }
+  std::vector<detail::UpdateItem> items;
+  items.reserve(updates.size());
+  for (const auto& u : updates) items.push_back(detail::stateful_item(u, {{0}, {1}}));
   run_adadelta(items, options(group));
 }
 

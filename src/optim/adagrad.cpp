@@ -36,14 +36,7 @@ void adagrad(const std::vector<at::Tensor>& params, const std::vector<at::Tensor
   options.validate();
   detail::check_lists("functional::adagrad", params, grads, {{"state_sums", &state_sums}});
   detail::check_steps("functional::adagrad", params, steps);
-  std::vector<detail::UpdateItem> items(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    items[i].operands[0] = &params[i];
-    items[i].operands[1] = &grads[i];
-    items[i].operands[2] = &state_sums[i];
-    items[i].num_operands = 3;
-    items[i].step = steps[i];
-  }
+  const auto items = detail::items_from_lists(params, grads, {&state_sums}, &steps);
   run_adagrad(items, options);
 }
 }  // namespace functional
@@ -55,22 +48,19 @@ Adagrad::Adagrad(std::vector<ParamGroup> groups, const AdagradOptions& defaults)
 }
 
 void Adagrad::init_state(size_t group, const at::Tensor& param, ParamState& state) {
-  state.buffers[0] = detail::new_state_buffer(param).fill_(options(group).initial_accumulator_value());
+  state.buffers[0] = detail::new_state_buffer(param);
+  state.buffers[0].fill_(options(group).initial_accumulator_value());
 }
 
 void Adagrad::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  std::vector<detail::UpdateItem> items(updates.size());
-  for (size_t i = 0; i < updates.size(); ++i) {
-    auto& buffers = updates[i].state->buffers;
-    // A state dict may lack the sum (e.g. loaded from an empty state): start it as PyTorch would.
-    if (!buffers[0].defined()) init_state(group, *updates[i].param, *updates[i].state);
-    items[i].operands[0] = updates[i].param;
-    items[i].operands[1] = updates[i].grad;
-    items[i].operands[2] = &buffers[0];
-    items[i].num_operands = 3;
-    items[i].step = ++updates[i].state->step;
+  const AdagradOptions& o = options(group);
+  std::vector<detail::UpdateItem> items;
+  items.reserve(updates.size());
+  // The sum exists from construction; a state dict without it starts it as PyTorch would.
+  for (const auto& u : updates) {
+    items.push_back(detail::stateful_item(u, {{0, o.initial_accumulator_value()}}));
   }
-  run_adagrad(items, options(group));
+  run_adagrad(items, o);
 }
 
 }  // namespace optim

@@ -67,23 +67,22 @@ void run_functional(const char* name, const std::vector<at::Tensor>& params,
     detail::check_lists(name, params, grads, {{"exp_avgs", &exp_avgs}, {"exp_avg_sqs", &exp_avg_sqs}});
   }
   detail::check_steps(name, params, steps);
-  std::vector<detail::UpdateItem> items(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    auto& item = items[i];
-    item.operands[0] = &params[i];
-    item.operands[1] = &grads[i];
-    item.operands[2] = &exp_avgs[i];
-    item.operands[3] = &exp_avg_sqs[i];
-    item.operands[4] = s.amsgrad ? &max_exp_avg_sqs[i] : nullptr;
-    item.num_operands = s.amsgrad ? 5 : 4;
-    item.step = steps[i];
-  }
+  const auto items = detail::items_from_lists(
+      params, grads, {&exp_avgs, &exp_avg_sqs, s.amsgrad ? &max_exp_avg_sqs : nullptr}, &steps);
   run_adam(items, s);
 }
 
-// The stateful step shared by Adam and AdamW: creates state at a parameter's first gradient.
-void update_state(const std::vector<FunctionalOptimizer::ParamUpdate>& updates,
-                  const AdamSettings& s, std::vector<detail::UpdateItem>& items);
+// The stateful step shared by Adam and AdamW. exp_avg and exp_avg_sq start at a parameter's
+// first gradient; max_exp_avg_sq when amsgrad is on (it may be switched on later).
+void update_adam(const std::vector<FunctionalOptimizer::ParamUpdate>& updates,
+                 const AdamSettings& s) {
+  std::vector<detail::UpdateItem> items;
+  items.reserve(updates.size());
+  for (const auto& u : updates) {
+    items.push_back(detail::stateful_item(u, {{0}, {1}, {s.amsgrad ? 2 : -1}}));
+  }
+  run_adam(items, s);
+}
 
 }  // namespace
 
@@ -119,43 +118,12 @@ AdamW::AdamW(std::vector<ParamGroup> groups, const AdamWOptions& defaults)
   for (const auto& g : groups) add_param_group(g);
 }
 
-namespace {
-void update_state(const std::vector<FunctionalOptimizer::ParamUpdate>& updates,
-                  const AdamSettings& s, std::vector<detail::UpdateItem>& items) {
-  items.resize(updates.size());
-  for (size_t i = 0; i < updates.size(); ++i) {
-    const at::Tensor& p = *updates[i].param;
-    auto& buffers = updates[i].state->buffers;
-    if (!buffers[0].defined()) {
-      buffers[0] = detail::new_state_buffer(p);
-      buffers[1] = detail::new_state_buffer(p);
-    }
-    // amsgrad may be switched on later (set_group_options): its buffer starts then.
-    if (s.amsgrad && !buffers[2].defined()) buffers[2] = detail::new_state_buffer(p);
-    auto& item = items[i];
-    item.operands[0] = &p;
-    item.operands[1] = updates[i].grad;
-    item.operands[2] = &buffers[0];
-    item.operands[3] = &buffers[1];
-    item.operands[4] = &buffers[2];
-    item.num_operands = s.amsgrad ? 5 : 4;
-    item.step = ++updates[i].state->step;
-  }
-}
-}  // namespace
-
 void Adam::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  const AdamSettings s = settings_of(options(group), false);
-  std::vector<detail::UpdateItem> items;
-  update_state(updates, s, items);
-  run_adam(items, s);
+  update_adam(updates, settings_of(options(group), false));
 }
 
 void AdamW::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  const AdamSettings s = settings_of(options(group), true);
-  std::vector<detail::UpdateItem> items;
-  update_state(updates, s, items);
-  run_adam(items, s);
+  update_adam(updates, settings_of(options(group), true));
 }
 
 }  // namespace optim

@@ -44,15 +44,7 @@ void adamax(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>
   detail::check_lists("functional::adamax", params, grads,
                       {{"exp_avgs", &exp_avgs}, {"exp_infs", &exp_infs}});
   detail::check_steps("functional::adamax", params, steps);
-  std::vector<detail::UpdateItem> items(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    items[i].operands[0] = &params[i];
-    items[i].operands[1] = &grads[i];
-    items[i].operands[2] = &exp_avgs[i];
-    items[i].operands[3] = &exp_infs[i];
-    items[i].num_operands = 4;
-    items[i].step = steps[i];
-  }
+  const auto items = detail::items_from_lists(params, grads, {&exp_avgs, &exp_infs}, &steps);
   run_adamax(items, options);
 }
 }  // namespace functional
@@ -64,20 +56,9 @@ Adamax::Adamax(std::vector<ParamGroup> groups, const AdamaxOptions& defaults)
 }
 
 void Adamax::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  std::vector<detail::UpdateItem> items(updates.size());
-  for (size_t i = 0; i < updates.size(); ++i) {
-    auto& buffers = updates[i].state->buffers;
-    if (!buffers[0].defined()) {
-      buffers[0] = detail::new_state_buffer(*updates[i].param);
-      buffers[1] = detail::new_state_buffer(*updates[i].param);
-    }
-    items[i].operands[0] = updates[i].param;
-    items[i].operands[1] = updates[i].grad;
-    items[i].operands[2] = &buffers[0];
-    items[i].operands[3] = &buffers[1];
-    items[i].num_operands = 4;
-    items[i].step = ++updates[i].state->step;
-  }
+  std::vector<detail::UpdateItem> items;
+  items.reserve(updates.size());
+  for (const auto& u : updates) items.push_back(detail::stateful_item(u, {{0}, {1}}));
   run_adamax(items, options(group));
 }
 

@@ -45,15 +45,10 @@ void rmsprop(const std::vector<at::Tensor>& params, const std::vector<at::Tensor
   if (options.momentum() > 0) {
     detail::check_lists(name, params, grads, {{"momentum_buffers", &momentum_buffers}});
   }
-  std::vector<detail::UpdateItem> items(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    items[i].operands[0] = &params[i];
-    items[i].operands[1] = &grads[i];
-    items[i].operands[2] = &square_avgs[i];
-    items[i].operands[3] = options.momentum() > 0 ? &momentum_buffers[i] : nullptr;
-    items[i].operands[4] = options.centered() ? &grad_avgs[i] : nullptr;
-    items[i].num_operands = 5;
-  }
+  const auto items = detail::items_from_lists(
+      params, grads,
+      {&square_avgs, options.momentum() > 0 ? &momentum_buffers : nullptr,
+       options.centered() ? &grad_avgs : nullptr});
   run_rmsprop(items, options);
 }
 }  // namespace functional
@@ -66,23 +61,13 @@ RMSprop::RMSprop(std::vector<ParamGroup> groups, const RMSpropOptions& defaults)
 
 void RMSprop::update(size_t group, const std::vector<ParamUpdate>& updates) {
   const RMSpropOptions& o = options(group);
-  const bool momentum = o.momentum() > 0;
-  std::vector<detail::UpdateItem> items(updates.size());
-  for (size_t i = 0; i < updates.size(); ++i) {
-    const at::Tensor& p = *updates[i].param;
-    auto& buffers = updates[i].state->buffers;
-    // PyTorch creates all of a parameter's buffers at its first gradient; a buffer whose option
-    // is switched on later (set_group_options) starts at zero then.
-    if (!buffers[0].defined()) buffers[0] = detail::new_state_buffer(p);
-    if (momentum && !buffers[1].defined()) buffers[1] = detail::new_state_buffer(p);
-    if (o.centered() && !buffers[2].defined()) buffers[2] = detail::new_state_buffer(p);
-    ++updates[i].state->step;
-    items[i].operands[0] = &p;
-    items[i].operands[1] = updates[i].grad;
-    items[i].operands[2] = &buffers[0];
-    items[i].operands[3] = momentum ? &buffers[1] : nullptr;
-    items[i].operands[4] = o.centered() ? &buffers[2] : nullptr;
-    items[i].num_operands = 5;
+  // PyTorch creates a parameter's buffers at its first gradient; one whose option is switched
+  // on later (set_group_options) starts at zero then.
+  std::vector<detail::UpdateItem> items;
+  items.reserve(updates.size());
+  for (const auto& u : updates) {
+    items.push_back(
+        detail::stateful_item(u, {{0}, {o.momentum() > 0 ? 1 : -1}, {o.centered() ? 2 : -1}}));
   }
   run_rmsprop(items, o);
 }

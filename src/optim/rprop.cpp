@@ -35,14 +35,7 @@ void rprop(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>&
   options.validate();
   detail::check_lists("functional::rprop", params, grads,
                       {{"prevs", &prevs}, {"step_sizes", &step_sizes}});
-  std::vector<detail::UpdateItem> items(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    items[i].operands[0] = &params[i];
-    items[i].operands[1] = &grads[i];
-    items[i].operands[2] = &prevs[i];
-    items[i].operands[3] = &step_sizes[i];
-    items[i].num_operands = 4;
-  }
+  const auto items = detail::items_from_lists(params, grads, {&prevs, &step_sizes});
   run_rprop(items, options);
 }
 }  // namespace functional
@@ -55,21 +48,10 @@ Rprop::Rprop(std::vector<ParamGroup> groups, const RpropOptions& defaults)
 
 void Rprop::update(size_t group, const std::vector<ParamUpdate>& updates) {
   const RpropOptions& o = options(group);
-  std::vector<detail::UpdateItem> items(updates.size());
-  for (size_t i = 0; i < updates.size(); ++i) {
-    const at::Tensor& p = *updates[i].param;
-    auto& buffers = updates[i].state->buffers;
-    if (!buffers[0].defined()) {
-      buffers[0] = detail::new_state_buffer(p);
-      buffers[1] = detail::new_state_buffer(p).fill_(o.lr());
-    }
-    ++updates[i].state->step;
-    items[i].operands[0] = &p;
-    items[i].operands[1] = updates[i].grad;
-    items[i].operands[2] = &buffers[0];
-    items[i].operands[3] = &buffers[1];
-    items[i].num_operands = 4;
-  }
+  std::vector<detail::UpdateItem> items;
+  items.reserve(updates.size());
+  // prev starts at zero, step_size at the group's lr.
+  for (const auto& u : updates) items.push_back(detail::stateful_item(u, {{0}, {1, o.lr()}}));
   run_rprop(items, o);
 }
 

@@ -15,6 +15,45 @@ at::Tensor new_state_buffer(const at::Tensor& param) {
   return at::zeros(param.sizes(), param.options());
 }
 
+UpdateItem stateful_item(const FunctionalOptimizer::ParamUpdate& update,
+                         std::initializer_list<StateSlot> slots) {
+  UpdateItem item;
+  item.operands[0] = update.param;
+  item.operands[1] = update.grad;
+  int k = 2;
+  for (const StateSlot& slot : slots) {
+    if (slot.index >= 0) {
+      at::Tensor& buffer = update.state->buffers[slot.index];
+      if (!buffer.defined()) {
+        buffer = new_state_buffer(*update.param);
+        if (slot.initial_value != 0) buffer.fill_(slot.initial_value);
+      }
+      item.operands[k] = &buffer;
+    }
+    ++k;
+  }
+  item.num_operands = k;
+  item.step = ++update.state->step;
+  return item;
+}
+
+std::vector<UpdateItem> items_from_lists(
+    const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+    std::initializer_list<const std::vector<at::Tensor>*> buffer_lists,
+    const std::vector<int64_t>* steps) {
+  std::vector<UpdateItem> items(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    UpdateItem& item = items[i];
+    item.operands[0] = &params[i];
+    item.operands[1] = &grads[i];
+    int k = 2;
+    for (const auto* list : buffer_lists) item.operands[k++] = list ? &(*list)[i] : nullptr;
+    item.num_operands = k;
+    item.step = steps ? (*steps)[i] : 0;
+  }
+  return items;
+}
+
 namespace {
 void check_like(const char* function, const char* list, size_t i, const at::Tensor& t,
                 const at::Tensor& param) {
