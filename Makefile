@@ -1,0 +1,47 @@
+# Developer shortcuts, once `bash scripts/setup.sh` (or scripts/demo.sh / scripts/test.sh) has
+# installed the Debian packages. Builds go to $(BUILD_DIR) (Release) and $(ASAN_BUILD_DIR).
+#
+#   make build   configure and build everything (Release)
+#   make test    build, then run the whole CTest suite (as the last step of scripts/test.sh)
+#   make asan    ASan + UBSan build, then the unit tests under it (scripts/test.sh asan)
+#   make demo    build and run examples/custom_qhm (scripts/demo.sh)
+#   make bench   build, then run every benchmark; results in $(BUILD_DIR)/bench-results/*.json
+#   make format  clang-format every C++ file in place
+
+BUILD_DIR ?= build
+ASAN_BUILD_DIR ?= build-asan
+JOBS ?= 2
+
+export DISTOPTIM_BUILD_DIR := $(BUILD_DIR)
+export DISTOPTIM_ASAN_BUILD_DIR := $(ASAN_BUILD_DIR)
+export DISTOPTIM_JOBS := $(JOBS)
+
+CXX_SOURCES = $(shell git ls-files --cached --others --exclude-standard -- \
+                '*.h' '*.cpp' 2>/dev/null)
+
+.PHONY: all configure build test asan demo bench format
+
+all: build
+
+configure:
+	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DDISTOPTIM_SANITIZE=OFF \
+	  -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
+
+build: configure
+	cmake --build $(BUILD_DIR) -j$(JOBS)
+
+test:
+	bash scripts/test.sh release
+
+asan:
+	bash scripts/test.sh asan
+
+demo:
+	bash scripts/demo.sh
+
+# The benchmarks run one after another (no -j): they measure speed on a quiet machine.
+bench: build
+	cmake --build $(BUILD_DIR) --target bench
+
+format:
+	clang-format -i --style=file $(CXX_SOURCES)

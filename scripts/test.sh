@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# All setup, then every test:
+#   1. scripts/setup.sh (installs the Debian 12 packages; fast when they are there);
+#   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (build-asan) running the unit tests;
+#   3. the Release build (build) running the whole suite, CTest's summary printed last.
+# Stops with a non-zero exit status at the first step that fails. Works from any directory.
+#
+# Usage: bash scripts/test.sh [all|asan|release]   (default all; the Makefile uses the others)
+#
+# Environment (all optional): DISTOPTIM_BUILD_DIR (default build), DISTOPTIM_ASAN_BUILD_DIR
+# (default build-asan), DISTOPTIM_JOBS (parallel compile jobs, default 2), ASAN_OPTIONS and
+# UBSAN_OPTIONS (replace the defaults below).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+BUILD_DIR="${DISTOPTIM_BUILD_DIR:-build}"
+ASAN_BUILD_DIR="${DISTOPTIM_ASAN_BUILD_DIR:-build-asan}"
+JOBS="${DISTOPTIM_JOBS:-2}"
+WHAT="${1:-all}"
+
+start=$SECONDS
+phase() {
+  echo "==== test.sh: $1 (at $((SECONDS - start)) s)"
+}
+
+sanitizer_tests() {
+  # LeakSanitizer stays on: LibTorch is not built with ASan, but what it keeps for the life of
+  # the process stays reachable from its globals, so the unit tests report no leaks. The options
+  # must hold while building too: gtest_discover_tests runs each test binary to list its tests.
+  export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1}"
+  export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
+  phase "sanitizer build (ASan + UBSan) in $ASAN_BUILD_DIR"
+  cmake -S . -B "$ASAN_BUILD_DIR" \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DDISTOPTIM_SANITIZE=ON \
+    -DDISTOPTIM_BUILD_TESTS=ON \
+    -DDISTOPTIM_BUILD_BENCH=OFF \
+    -DDISTOPTIM_BUILD_EXAMPLES=OFF
+  cmake --build "$ASAN_BUILD_DIR" -j"$JOBS"
+  phase "unit tests under ASan + UBSan"
+  # Each test is its own process, mostly LibTorch start-up under ASan: run two at a time.
+  ctest --test-dir "$ASAN_BUILD_DIR" -L unit --output-on-failure --no-tests=error -j"$JOBS"
+}
+
+release_tests() {
+  phase "Release build in $BUILD_DIR"
+  cmake -S . -B "$BUILD_DIR" \
+    -DCMAKE_BUILD_TYPE=Release \
+    -DDISTOPTIM_SANITIZE=OFF \
+    -DDISTOPTIM_BUILD_TESTS=ON \
+    -DDISTOPTIM_BUILD_BENCH=ON \
+    -DDISTOPTIM_BUILD_EXAMPLES=ON
+  cmake --build "$BUILD_DIR" -j"$JOBS"
+  phase "full test suite (Release)"
+  ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error
+}
+
+case "$WHAT" in
+  all | asan | release) ;;
+  *)
+    echo "usage: bash scripts/test.sh [all|asan|release]" >&2
+    exit 2
+    ;;
+esac
+
+phase "setup"
+bash scripts/setup.sh
+if [[ "$WHAT" != release ]]; then
+  # In a subshell, so the sanitizer options do not reach the Release build and tests.
+  (sanitizer_tests)
+fi
+if [[ "$WHAT" != asan ]]; then
+  release_tests
+fi
