@@ -1,0 +1,606 @@
+// optim_bench: how fast are our optimizer steps, against the machine and against PyTorch?
+//
+// In one run it measures
+//   (a) the memory-bandwidth limit for this kind of kernel: an in-place STREAM-style
+//       a[i] += s * b[i] (12 bytes per element) over arrays far larger than the cache;
+//   (b) our step: distoptim::optim::create_optimizer(...)->step(gradients);
+//   (c) LibTorch's torch::optim step;
+//   (d) PyTorch's torch.optim step in Python (bench/optim/pytorch_step.py under the system
+//       Python, the faster of foreach=True and foreach=False);
+// for SGD with momentum, Adam, AdamW, Adagrad and RMSprop over two parameter sets: the seed's
+// model (20 x Linear(2000, 2000), about 80M floats) and 2000 tensors of 1000 floats. Every time is
+// the minimum over repetitions (the machine is shared and noisy). It prints a table and writes
+// the same as JSON to the file named by --json.
+//
+// Usage: optim_bench --json PATH [--reps N] [--quick] [--optimizers LIST] [--warm-cache]
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fmt/core.h>
+#include <torch/torch.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <distoptim/optim.h>
+#include <distoptim/optim/kernel_isa.h>
+
+#include "child_process.h"
+#include "stream_kernel.h"
+
+namespace distoptim {
+namespace bench {
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kThreads = 2;
+// Untimed steps before the timed ones: the first creates the optimizer state (and touches its
+// pages), the second runs with everything in place.
+constexpr int kWarmupSteps = 2;
+constexpr int kMinStreamReps = 5;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// --- (a) the bandwidth limit ---------------------------------------------------------------------
+
+struct StreamVariant {
+  const char* name;
+  StreamUpdateFn fn;
+  bool supported;
+  // Best time of a whole pass over the arrays, and of one block of a pass (see kStreamBlock).
+  double best_s = std::numeric_limits<double>::infinity();
+  double best_block_s = std::numeric_limits<double>::infinity();
+};
+
+// Each pass is also timed block by block. On a busy machine the minimum of many short windows
+// is less often cut by another process than that of a pass over the whole arrays, and the
+// optimizer steps it is compared with (the small set moves 40-56 MB) are short windows too, so
+// timing whole passes only would set the limit low and flatter the steps. A block's 2 x 16 MB
+// (48 MB moved) exceeds the 36 MB L3, and the pass reaches it after sweeping the rest of the
+// arrays, so it still comes from memory.
+constexpr int64_t kStreamBlock = int64_t{4} << 20;
+// The s of a += s*b: a (from 1) stays far from overflow over any number of passes, yet each pass
+// changes it (1e-6 is above half an ulp of 1).
+constexpr float kStreamScale = 1e-6f;
+
+struct StreamResult {
+  int64_t elements = 0;
+  int64_t block_elements = 0;
+  int reps = 0;
+  std::vector<StreamVariant> variants;
+  double limit_gbps = 0;
+  std::string limit_variant;
+};
+
+// Runs `fn` over [0, n) split between the intra-op threads, as the optimizer kernels are.
+void parallel_stream(StreamUpdateFn fn, float* a, const float* b, float s, int64_t n) {
+  at::parallel_for(0, n, /*grain_size=*/1 << 16,
+                   [&](int64_t begin, int64_t end) { fn(a + begin, b + begin, s, end - begin); });
+}
+
+// Owns the two arrays, allocated and filled once (fill_ writes every page, in parallel, so no
+// page fault lands in a timed pass), and accumulates each variant's best times over all rounds.
+// The limit is the best over rounds spread through the run: before everything, before each case
+// and at the end, so one busy moment on the shared machine does not set it.
+class StreamBench {
+ public:
+  explicit StreamBench(int64_t n)
+      : a_(at::empty({n}, at::kFloat).fill_(1.0f)), b_(at::empty({n}, at::kFloat).fill_(1.0f)) {
+    __builtin_cpu_init();
+    result_.elements = n;
+    result_.block_elements = std::min(n, kStreamBlock);
+    result_.variants = {
+        {"default (SSE2)", &stream_update_default, true},
+        {"avx2", &stream_update_avx2,
+         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")},
+        {"avx512", &stream_update_avx512, static_cast<bool>(__builtin_cpu_supports("avx512f"))},
+    };
+    for (auto& v : result_.variants) {
+      if (v.supported) {
+        parallel_stream(v.fn, a_.data_ptr<float>(), b_.data_ptr<float>(), kStreamScale, n);
+      }
+    }
+  }
+
+  /// `reps` timed passes of every supported variant.
+  void round(int reps);
+  const StreamResult& result() const { return result_; }
+
+ private:
+  StreamResult result_;
+  at::Tensor a_;
+  at::Tensor b_;
+};
+
+void StreamBench::round(int reps) {
+  StreamResult& result = result_;
+  const int64_t n = result.elements;
+  float* pa = a_.data_ptr<float>();
+  const float* pb = b_.data_ptr<float>();
+  // Variants take turns within each repetition, so a noisy moment does not favour one of them.
+  for (int r = 0; r < reps; ++r) {
+    for (auto& v : result.variants) {
+      if (!v.supported) continue;
+      const auto start = Clock::now();
+      for (int64_t begin = 0; begin < n; begin += result.block_elements) {
+        const int64_t count = std::min(result.block_elements, n - begin);
+        const auto block_start = Clock::now();
+        parallel_stream(v.fn, pa + begin, pb + begin, kStreamScale, count);
+        if (count == result.block_elements) {
+          v.best_block_s = std::min(v.best_block_s, seconds_since(block_start));
+        }
+      }
+      v.best_s = std::min(v.best_s, seconds_since(start));
+    }
+  }
+  result.reps += reps;
+  TORCH_CHECK(std::isfinite(a_[n - 1].item<float>()), "stream kernel produced a non-finite value");
+  result.limit_gbps = 0;
+  for (const auto& v : result.variants) {
+    if (!v.supported) continue;
+    // The faster of whole passes and blocks: the higher limit, the stricter fraction.
+    const double pass_gbps = 12.0 * static_cast<double>(n) / v.best_s / 1e9;
+    const double block_gbps =
+        12.0 * static_cast<double>(result.block_elements) / v.best_block_s / 1e9;
+    if (std::max(pass_gbps, block_gbps) > result.limit_gbps) {
+      result.limit_gbps = std::max(pass_gbps, block_gbps);
+      result.limit_variant =
+          fmt::format("{}, {}", v.name, block_gbps > pass_gbps ? "block" : "whole pass");
+    }
+  }
+}
+
+// --- the cases -----------------------------------------------------------------------------------
+
+// A parameter set: `shapes` repeated `repeat` times (per layer of a model: weight, bias).
+struct ParamSet {
+  std::string name;
+  std::string description;
+  int64_t repeat;
+  std::vector<std::vector<int64_t>> shapes;
+  // Timed steps are `rep_factor` x --reps: a small set's step takes milliseconds, and on a shared
+  // machine more samples make its minimum steadier at little cost.
+  int rep_factor = 1;
+
+  int64_t numel() const {
+    int64_t per_repeat = 0;
+    for (const auto& shape : shapes) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      per_repeat += n;
+    }
+    return repeat * per_repeat;
+  }
+  int64_t num_tensors() const { return repeat * static_cast<int64_t>(shapes.size()); }
+};
+
+using LibTorchFactory =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(const std::vector<at::Tensor>&)>;
+
+struct OptimizerSpec {
+  std::string name;  // registry name, also the torch.optim class key in pytorch_step.py
+  // Bytes an ideal one-pass float32 kernel must move per parameter; see kOptimizers.
+  int bytes_per_param;
+  optim::OptionBag bag;  // ours
+  json python_options;   // torch.optim keyword arguments
+  LibTorchFactory libtorch;
+};
+
+// The optimizers and options compared, with the bytes per parameter that an ideal kernel (one
+// pass over memory, each float32 operand read and/or written once, 4 bytes each) must move:
+//   sgd, momentum=0.9:         param r+w, grad r, momentum_buffer r+w          5 x 4 = 20 B
+//   adam / adamw (defaults):   param r+w, grad r, exp_avg r+w, exp_avg_sq r+w  7 x 4 = 28 B
+//   adagrad:                   param r+w, grad r, sum r+w                      5 x 4 = 20 B
+//   rmsprop (no momentum,      param r+w, grad r, square_avg r+w               5 x 4 = 20 B
+//            not centered):
+// AdamW's decoupled weight decay touches only the parameter, already counted.
+std::vector<OptimizerSpec> optimizer_specs() {
+  namespace to = torch::optim;
+  std::vector<OptimizerSpec> specs;
+  specs.push_back({"sgd", 20, optim::OptionBag{{"lr", 0.01}, {"momentum", 0.9}},
+                   json{{"lr", 0.01}, {"momentum", 0.9}}, [](const std::vector<at::Tensor>& p) {
+                     return std::unique_ptr<to::Optimizer>(
+                         new to::SGD(p, to::SGDOptions(0.01).momentum(0.9)));
+                   }});
+  specs.push_back({"adam", 28, optim::OptionBag{{"lr", 1e-3}}, json{{"lr", 1e-3}},
+                   [](const std::vector<at::Tensor>& p) {
+                     return std::unique_ptr<to::Optimizer>(new to::Adam(p, to::AdamOptions(1e-3)));
+                   }});
+  specs.push_back({"adamw", 28, optim::OptionBag{{"lr", 1e-3}}, json{{"lr", 1e-3}},
+                   [](const std::vector<at::Tensor>& p) {
+                     return std::unique_ptr<to::Optimizer>(
+                         new to::AdamW(p, to::AdamWOptions(1e-3)));
+                   }});
+  specs.push_back({"adagrad", 20, optim::OptionBag{{"lr", 0.01}}, json{{"lr", 0.01}},
+                   [](const std::vector<at::Tensor>& p) {
+                     return std::unique_ptr<to::Optimizer>(
+                         new to::Adagrad(p, to::AdagradOptions(0.01)));
+                   }});
+  specs.push_back({"rmsprop", 20, optim::OptionBag{{"lr", 0.01}}, json{{"lr", 0.01}},
+                   [](const std::vector<at::Tensor>& p) {
+                     return std::unique_ptr<to::Optimizer>(
+                         new to::RMSprop(p, to::RMSpropOptions(0.01)));
+                   }});
+  return specs;
+}
+
+struct CaseResult {
+  std::string name;
+  const ParamSet* param_set;
+  const OptimizerSpec* optimizer;
+  double target_fraction;
+  double ours_s = 0;
+  double libtorch_s = 0;
+  double pytorch_s = 0;
+  bool pytorch_foreach = false;
+};
+
+// Reading a buffer several times the size of the last-level cache before a timed step evicts the
+// previous step's parameters and state (and writes back their dirty lines) outside the timed
+// region, so a step whose data would fit in the cache (the small set is about 40 MB against a
+// 36 MB L3) is still measured from memory, as it runs in training between forward and backward.
+class CacheEvictor {
+ public:
+  explicit CacheEvictor(int64_t floats) {
+    if (floats > 0) buffer_ = at::ones({floats}, at::kFloat);
+  }
+  int64_t floats() const { return buffer_.defined() ? buffer_.numel() : 0; }
+  void evict() {
+    if (buffer_.defined()) sink_ += buffer_.sum().item<float>();
+  }
+
+ private:
+  at::Tensor buffer_;
+  float sink_ = 0;
+};
+
+int64_t eviction_floats() {
+  long l3 = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (l3 <= 0) l3 = 64L << 20;
+  return std::max<int64_t>(int64_t{3} * l3, int64_t{64} << 20) / 4;
+}
+
+template <class Step>
+double min_step_time(int reps, CacheEvictor& evictor, Step&& step) {
+  for (int i = 0; i < kWarmupSteps; ++i) step();
+  double best = std::numeric_limits<double>::infinity();
+  for (int r = 0; r < reps; ++r) {
+    evictor.evict();
+    const auto start = Clock::now();
+    step();
+    best = std::min(best, seconds_since(start));
+  }
+  return best;
+}
+
+// --- (d) PyTorch, in one child process for every case -------------------------------------------
+
+void run_pytorch(const std::string& python, const std::string& script,
+                 const std::vector<ParamSet>& sets, std::vector<CaseResult>& cases, int reps,
+                 int64_t evict_floats, std::string& torch_version) {
+  json spec;
+  spec["threads"] = kThreads;
+  spec["warmup"] = kWarmupSteps;
+  spec["evict_floats"] = evict_floats;
+  spec["seed"] = 0;
+  for (const auto& set : sets) {
+    spec["param_sets"][set.name] = {
+        {"repeat", set.repeat}, {"shapes", set.shapes}, {"reps", reps * set.rep_factor}};
+  }
+  spec["cases"] = json::array();
+  for (const auto& c : cases) {
+    spec["cases"].push_back({{"case", c.name},
+                             {"optimizer", c.optimizer->name},
+                             {"param_set", c.param_set->name},
+                             {"options", c.optimizer->python_options}});
+  }
+  const ChildResult child = run_child({python, script}, spec.dump());
+  TORCH_CHECK(child.exit_code == 0, "optim_bench: '", python, " ", script, "' exited with code ",
+              child.exit_code);
+  json out;
+  try {
+    out = json::parse(child.stdout_text);
+  } catch (const json::exception& e) {
+    TORCH_CHECK(false, "optim_bench: cannot parse the output of ", script, ": ", e.what(),
+                "; output was: ", child.stdout_text);
+  }
+  TORCH_CHECK(out.at("threads").get<int>() == kThreads, "optim_bench: PyTorch ran with ",
+              out.at("threads").get<int>(), " threads, wanted ", kThreads);
+  torch_version = out.at("torch_version").get<std::string>();
+  for (auto& c : cases) {
+    bool found = false;
+    for (const auto& r : out.at("results")) {
+      if (r.at("case").get<std::string>() != c.name) continue;
+      c.pytorch_s = r.at("best_s").get<double>();
+      c.pytorch_foreach = r.at("foreach").get<bool>();
+      found = true;
+    }
+    TORCH_CHECK(found, "optim_bench: ", script, " reported no result for case ", c.name);
+  }
+}
+
+// --- (b) ours and (c) LibTorch, in this process --------------------------------------------------
+
+// `before_case` runs before each case (a round of the bandwidth measurement).
+void run_cpp(const std::vector<ParamSet>& sets, std::vector<CaseResult>& cases, int reps,
+             CacheEvictor& evictor, const std::function<void()>& before_case) {
+  torch::manual_seed(0);
+  for (const auto& set : sets) {
+    // Parameters and their fixed gradients, shared by our optimizers and LibTorch's (each
+    // optimizer has its own state and is destroyed before the next is made). randn writes every
+    // page, so no first-touch fault lands in a timed step.
+    std::vector<at::Tensor> params;
+    std::vector<at::Tensor> grads;
+    for (int64_t r = 0; r < set.repeat; ++r) {
+      for (const auto& shape : set.shapes) {
+        params.push_back(torch::randn(shape));
+        grads.push_back(torch::randn(shape));
+      }
+    }
+    for (auto& c : cases) {
+      if (c.param_set != &set) continue;
+      before_case();
+      fmt::print(stderr, "optim_bench: {}: ours...", c.name);
+      {
+        auto ours = optim::create_optimizer(c.optimizer->name, {optim::ParamGroup(params)},
+                                            c.optimizer->bag);
+        c.ours_s = min_step_time(reps * set.rep_factor, evictor, [&] { ours->step(grads); });
+      }
+      fmt::print(stderr, " {:.2f} ms; libtorch...", c.ours_s * 1e3);
+      for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i];
+      {
+        auto theirs = c.optimizer->libtorch(params);
+        c.libtorch_s = min_step_time(reps * set.rep_factor, evictor, [&] { theirs->step(); });
+      }
+      for (auto& p : params) p.mutable_grad() = at::Tensor();
+      fmt::print(stderr, " {:.2f} ms\n", c.libtorch_s * 1e3);
+      for (const auto& p : params) {
+        TORCH_CHECK(p.isfinite().all().item<bool>(), "optim_bench: ", c.name,
+                    " made a parameter non-finite");
+      }
+    }
+  }
+}
+
+// --- report --------------------------------------------------------------------------------------
+
+double gbps_of(const CaseResult& c) {
+  return static_cast<double>(c.optimizer->bytes_per_param) *
+         static_cast<double>(c.param_set->numel()) / c.ours_s / 1e9;
+}
+
+void print_report(const StreamResult& stream, const std::vector<ParamSet>& sets,
+                  const std::vector<CaseResult>& cases, int reps, bool evict,
+                  const std::string& torch_version) {
+  fmt::print("\noptim_bench: {} threads, our kernels: {}, LibTorch {}, PyTorch {} (Python)\n",
+             at::get_num_threads(), optim::kernel_isa(), TORCH_VERSION, torch_version);
+  fmt::print("times: minimum over the timed steps after {} warm-up steps{}\n", kWarmupSteps,
+             evict ? ", caches evicted before each timed step" : ", caches left warm");
+  for (const auto& set : sets) {
+    fmt::print("  {:<6} {} ({} tensors, {:.1f}M floats), {} timed steps\n", set.name,
+               set.description, set.num_tensors(), static_cast<double>(set.numel()) / 1e6,
+               reps * set.rep_factor);
+  }
+  fmt::print(
+      "\n(a) bandwidth limit: a[i] += s*b[i] over 2 x {}M floats, 12 B/element, best of {} "
+      "(rounds at the start, before each case and at the end)\n",
+      stream.elements >> 20, stream.reps);
+  for (const auto& v : stream.variants) {
+    if (!v.supported) {
+      fmt::print("  {:<16} not supported by this CPU\n", v.name);
+      continue;
+    }
+    fmt::print(
+        "  {:<16} whole pass {:6.2f} GB/s ({:6.2f} ms), best {}M-float block {:6.2f} GB/s "
+        "({:5.2f} ms)\n",
+        v.name, 12.0 * static_cast<double>(stream.elements) / v.best_s / 1e9, v.best_s * 1e3,
+        stream.block_elements >> 20,
+        12.0 * static_cast<double>(stream.block_elements) / v.best_block_s / 1e9,
+        v.best_block_s * 1e3);
+  }
+  fmt::print("  limit: {:.2f} GB/s ({})\n", stream.limit_gbps, stream.limit_variant);
+  // On a quiet machine the best whole pass comes within a few percent of the best block; far
+  // below it means other processes held the cores or the memory for much of the run, and every
+  // time here, ours included, is then unreliable.
+  double best_pass_gbps = 0;
+  for (const auto& v : stream.variants) {
+    if (v.supported) {
+      best_pass_gbps =
+          std::max(best_pass_gbps, 12.0 * static_cast<double>(stream.elements) / v.best_s / 1e9);
+    }
+  }
+  if (best_pass_gbps < 0.8 * stream.limit_gbps) {
+    fmt::print(
+        "  WARNING: the best whole pass reached only {:.0f}% of the best block: the machine "
+        "was busy during this run; rerun on a quiet machine before trusting the numbers\n",
+        100 * best_pass_gbps / stream.limit_gbps);
+  }
+  fmt::print("\n");
+
+  fmt::print("{:<15} {:>5} {:>10} {:>7} {:>7} {:>11} {:>8} {:>11} {:>9} {:>8}  {}\n", "case",
+             "B/par", "ours ms", "GB/s", "limit", "libtorch ms", "vs lt", "pytorch ms", "(variant)",
+             "vs py", "target");
+  for (const auto& c : cases) {
+    const double gbps = gbps_of(c);
+    const double fraction = gbps / stream.limit_gbps;
+    const double vs_libtorch = c.libtorch_s / c.ours_s;
+    std::string verdict;
+    if (fraction < c.target_fraction) {
+      verdict += fmt::format("below {:.0f}% of limit", c.target_fraction * 100);
+    }
+    if (vs_libtorch <= 1.0)
+      verdict += verdict.empty() ? "slower than LibTorch" : ", slower than LibTorch";
+    if (verdict.empty())
+      verdict = fmt::format("ok (>= {:.0f}%, beats LibTorch)", c.target_fraction * 100);
+    fmt::print(
+        "{:<15} {:>5} {:>10.2f} {:>7.2f} {:>6.0f}% {:>11.2f} {:>7.2f}x {:>11.2f} {:>9} {:>7.2f}x  "
+        "{}\n",
+        c.name, c.optimizer->bytes_per_param, c.ours_s * 1e3, gbps, fraction * 100,
+        c.libtorch_s * 1e3, vs_libtorch, c.pytorch_s * 1e3,
+        c.pytorch_foreach ? "foreach" : "for-loop", c.pytorch_s / c.ours_s, verdict);
+  }
+  fmt::print(
+      "\nGB/s = bytes an ideal one-pass kernel moves (B/par x params) / our time; "
+      "limit = that / bandwidth limit;\nvs lt, vs py = LibTorch's, PyTorch's time / ours; "
+      "targets: large >= 80% of limit, small >= 50%, faster than LibTorch.\n");
+}
+
+json to_json(const StreamResult& stream, const std::vector<CaseResult>& cases) {
+  json out = json::array();
+  for (const auto& c : cases) {
+    const double gbps = gbps_of(c);
+    out.push_back({{"case", c.name},
+                   {"ours_s", c.ours_s},
+                   {"libtorch_s", c.libtorch_s},
+                   {"pytorch_s", c.pytorch_s},
+                   {"gbps", gbps},
+                   {"limit_gbps", stream.limit_gbps},
+                   {"limit_fraction", gbps / stream.limit_gbps},
+                   {"speedup_vs_libtorch", c.libtorch_s / c.ours_s},
+                   {"speedup_vs_pytorch", c.pytorch_s / c.ours_s}});
+  }
+  return out;
+}
+
+int run(int argc, char** argv) {
+  std::string json_path;
+  int reps = 0;
+  bool quick = false;
+  bool warm_cache = false;
+  std::string python = DISTOPTIM_REFERENCE_PYTHON;
+  std::string script = DISTOPTIM_PYTORCH_STEP_SCRIPT;
+
+  CLI::App app{
+      "Optimizer-step benchmark: our functional optimizers against the memory-bandwidth limit, "
+      "LibTorch's torch::optim and PyTorch's torch.optim, on 2 threads."};
+  app.add_option("--json", json_path, "Write the results as JSON to this file")->required();
+  app.add_option("--reps", reps,
+                 "Timed repetitions per measurement, the minimum is reported (default 7, or 2 "
+                 "with --quick; the small set's steps run 4 times as many)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--quick", quick,
+               "Smoke run: fewer repetitions and a 2-layer model instead of 20 layers");
+  std::vector<std::string> only;
+  app.add_option("--optimizers", only,
+                 "Run only these optimizers (comma-separated; default: sgd,adam,adamw,adagrad,"
+                 "rmsprop)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"sgd", "adam", "adamw", "adagrad", "rmsprop"}));
+  app.add_flag("--warm-cache", warm_cache,
+               "Do not evict the caches before each timed step (the small set then partly runs "
+               "from the L3 cache)");
+  app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
+  app.add_option("--pytorch-script", script, "pytorch_step.py")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  if (reps == 0) reps = quick ? 2 : 7;
+
+  // Opened now, so a bad path fails before minutes of measuring rather than after.
+  const std::filesystem::path path(json_path);
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
+  std::ofstream file(json_path);
+  TORCH_CHECK(file.good(), "optim_bench: cannot open --json file '", json_path, "' for writing");
+
+  // Exactly two threads for everything: the bandwidth kernel, our steps and LibTorch's here,
+  // PyTorch's in the child.
+  at::set_num_threads(kThreads);
+  TORCH_CHECK(at::get_num_threads() == kThreads, "optim_bench: at::get_num_threads() is ",
+              at::get_num_threads(), " after at::set_num_threads(", kThreads, ")");
+  // at::parallel_for is inlined here; it runs on one thread if this file was built without
+  // OpenMP (see bench/CMakeLists.txt), which would halve the bandwidth limit unnoticed.
+  std::atomic<int> chunks{0};
+  at::parallel_for(0, kThreads, 1, [&](int64_t, int64_t) { ++chunks; });
+  TORCH_CHECK(chunks.load() == kThreads, "optim_bench: at::parallel_for ran ", chunks.load(),
+              " chunk(s) on ", kThreads, " threads: build this file with OpenMP");
+
+  const std::vector<ParamSet> sets = {
+      {"large",
+       quick ? "2 x Linear(2000, 2000) (--quick; the seed's model has 20)"
+             : "the seed's model: 20 x Linear(2000, 2000), weight and bias per layer",
+       quick ? 2 : 20,
+       {{2000, 2000}, {2000}},
+       1},
+      {"small", "2000 tensors of 1000 floats", 2000, {{1000}}, 4},
+  };
+  std::vector<OptimizerSpec> optimizers = optimizer_specs();
+  if (!only.empty()) {
+    optimizers.erase(std::remove_if(optimizers.begin(), optimizers.end(),
+                                    [&](const OptimizerSpec& o) {
+                                      return std::find(only.begin(), only.end(), o.name) ==
+                                             only.end();
+                                    }),
+                     optimizers.end());
+  }
+  std::vector<CaseResult> cases;
+  for (const auto& set : sets) {
+    for (const auto& o : optimizers) {
+      CaseResult c;
+      c.name = o.name + "/" + set.name;
+      c.param_set = &set;
+      c.optimizer = &o;
+      c.target_fraction = set.name == "large" ? 0.8 : 0.5;
+      cases.push_back(c);
+    }
+  }
+
+  // (a) first, before anything else is allocated; then a round before each of our cases and a
+  // last one at the end (see StreamBench).
+  fmt::print(stderr, "optim_bench: measuring the bandwidth limit...\n");
+  StreamBench stream_bench(int64_t{quick ? 32 : 64} << 20);
+  const int stream_reps = std::max(kMinStreamReps, reps);
+  stream_bench.round(stream_reps);
+
+  // (d) next; this process sits idle waiting for the child.
+  const int64_t evict_floats = warm_cache ? 0 : eviction_floats();
+  fmt::print(stderr, "optim_bench: running {} {}...\n", python, script);
+  std::string torch_version;
+  run_pytorch(python, script, sets, cases, reps, evict_floats, torch_version);
+
+  // (b) and (c).
+  CacheEvictor evictor(evict_floats);
+  run_cpp(sets, cases, reps, evictor, [&] { stream_bench.round(1); });
+
+  fmt::print(stderr, "optim_bench: measuring the bandwidth limit again...\n");
+  stream_bench.round(stream_reps);
+  const StreamResult& stream = stream_bench.result();
+
+  print_report(stream, sets, cases, reps, !warm_cache, torch_version);
+
+  file << to_json(stream, cases).dump(2) << "\n";
+  file.close();
+  TORCH_CHECK(file.good(), "optim_bench: writing '", json_path, "' failed");
+  fmt::print("results written to {}\n", json_path);
+  return 0;
+}
+
+}  // namespace
+}  // namespace bench
+}  // namespace distoptim
+
+int main(int argc, char** argv) {
+  try {
+    return distoptim::bench::run(argc, argv);
+  } catch (const c10::Error& e) {
+    std::cerr << "optim_bench: error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "optim_bench: error: " << e.what() << "\n";
+    return 1;
+  }
+}
