@@ -1,0 +1,6 @@
+#pragma once
+
+// Layer 2 of distoptim: rendezvous and Gloo process groups.
+#include <distoptim/comm/errors.h>
+#include <distoptim/comm/process_group.h>
+#include <distoptim/comm/rendezvous.h>

@@ -1,0 +1,113 @@
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/arg.h>
+
+#include <distoptim/comm/rendezvous.h>
+
+namespace c10d {
+class ProcessGroup;
+class Store;
+}  // namespace c10d
+
+namespace distoptim {
+namespace comm {
+
+/// A set of ranks that run collectives together: LibTorch's c10d::ProcessGroup (Gloo) and the
+/// global ranks of its members. A rank outside the group holds a Group with `is_member()` false
+/// that still knows the members (PyTorch's NON_GROUP_MEMBER carries nothing).
+///
+/// Thread safety: a Group is an immutable handle and may be copied and read from any thread;
+/// collectives on it follow c10d's rules (issued in the same order on every member).
+/// Blocking and timeouts: collectives wait at most `timeout()`, then fail on every member.
+class Group {
+ public:
+  Group() = default;
+  Group(c10::intrusive_ptr<c10d::ProcessGroup> process_group, std::vector<int> ranks,
+        int global_rank, std::chrono::milliseconds timeout);
+
+  bool is_member() const { return rank_ >= 0; }
+  /// This process's rank in the group; -1 outside it.
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(ranks_.size()); }
+  /// The global rank of every member, by group rank.
+  const std::vector<int>& ranks() const { return ranks_; }
+  /// Throws c10::IndexError naming the rank when it is not in the group.
+  int global_rank(int group_rank) const;
+  int group_rank(int global_rank) const;
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// The c10d process group (null outside the group): allreduce, broadcast, ... on it.
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
+
+  /// Blocks until every member has called it (at most `timeout()`).
+  void barrier() const;
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  std::vector<int> ranks_;
+  int rank_ = -1;
+  std::chrono::milliseconds timeout_{0};
+};
+
+/// torch.distributed.init_process_group's arguments. Only the "gloo" backend exists here (CPU).
+struct ProcessGroupOptions {
+  /* implicit */ ProcessGroupOptions(std::string init_method = "env://")
+      : init_method_(std::move(init_method)) {}
+  TORCH_ARG(std::string, backend) = "gloo";
+  TORCH_ARG(std::string, init_method);
+  TORCH_ARG(int, rank) = -1;
+  TORCH_ARG(int, world_size) = -1;
+  /// For the rendezvous and for every collective (PyTorch's default: 30 minutes).
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+  /// The address Gloo listens on. Empty: loopback when the ranks met on a loopback address,
+  /// else this machine's hostname.
+  TORCH_ARG(std::string, gloo_hostname);
+  TORCH_ARG(std::optional<LaunchEnv>, launch_env) = std::nullopt;
+};
+
+/// Meets the other ranks and creates the default group (torch.distributed.init_process_group).
+/// Errors as `rendezvous`; c10::ValueError when already initialized or for another backend.
+/// Not thread safe with the other functions of this header that touch the default group.
+void init_process_group(const ProcessGroupOptions& options = {});
+bool is_initialized();
+/// Drops the default group and every group made from it (their handles stay valid but their
+/// collectives fail once the peers are gone).
+void destroy_process_group();
+
+/// The group of all ranks (torch.distributed.group.WORLD). Throws when not initialized.
+const Group& world();
+int get_rank();
+int get_world_size();
+/// This rank's position among the ranks on its host, and their number.
+int get_local_rank();
+int get_local_world_size();
+/// The store the ranks met on, for layers that exchange small values (never for tensors).
+c10::intrusive_ptr<c10d::Store> default_store();
+
+/// A group of the given global ranks (torch.distributed.new_group). Collective: every rank of
+/// the world calls it, in the same order as its other new_group calls, with the same list; a
+/// rank that never calls it makes the others fail with distoptim::TimeoutError naming it, and a
+/// different list is a c10::ValueError naming the rank that disagrees. Empty `ranks` means all.
+Group new_group(std::vector<int> ranks = {},
+                std::optional<std::chrono::milliseconds> timeout = std::nullopt);
+
+/// Splits the world into subgroups (torch.distributed.new_subgroups) and returns this rank's
+/// subgroup and all of them. `group_size` consecutive ranks each (the world size must be a
+/// multiple of it); by default one subgroup per host: the intra-node subgroups that
+/// hierarchical averaging uses, which work on CPU (PyTorch's need CUDA). Collective.
+std::pair<Group, std::vector<Group>> new_subgroups(std::optional<int> group_size = std::nullopt);
+
+/// One subgroup per list of global ranks (torch.distributed.new_subgroups_by_enumeration);
+/// the lists must not overlap. Collective.
+std::pair<Group, std::vector<Group>> new_subgroups_by_enumeration(
+    const std::vector<std::vector<int>>& ranks_per_subgroup);
+
+}  // namespace comm
+}  // namespace distoptim

@@ -1,0 +1,82 @@
+#pragma once
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
+#include <torch/arg.h>
+
+namespace c10d {
+class Store;
+}
+
+namespace distoptim {
+namespace comm {
+
+/// Where this process stands in a job, as its launcher describes it in the environment. Read
+/// once, by `from_environment`; the library reads no environment variable anywhere else.
+struct LaunchEnv {
+  std::optional<int> rank;
+  std::optional<int> world_size;
+  std::optional<int> local_rank;
+  std::optional<int> local_world_size;
+  std::optional<std::string> master_addr;
+  std::optional<int> master_port;
+
+  /// torchrun's and distrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+  /// MASTER_PORT; where RANK or WORLD_SIZE is unset, Open MPI's OMPI_COMM_WORLD_{RANK,SIZE,
+  /// LOCAL_RANK,LOCAL_SIZE}, then SLURM's SLURM_{PROCID,NTASKS,LOCALID}. A set variable that is
+  /// not a whole number in range throws c10::ValueError naming it.
+  static LaunchEnv from_environment();
+};
+
+/// How ranks find each other (torch.distributed's `init_method`, `rank`, `world_size`,
+/// `timeout`). init_method is one of
+///   "env://"            MASTER_ADDR / MASTER_PORT (and RANK / WORLD_SIZE unless given here);
+///   "tcp://HOST:PORT"   rank 0 serves the store on PORT, the others connect to HOST:PORT;
+///   "file:///PATH"      a file every rank can reach (a fresh one per job).
+/// rank and world_size of -1 mean "from the environment" (env:// only).
+struct RendezvousOptions {
+  /* implicit */ RendezvousOptions(std::string init_method = "env://")
+      : init_method_(std::move(init_method)) {}
+  TORCH_ARG(std::string, init_method);
+  TORCH_ARG(int, rank) = -1;
+  TORCH_ARG(int, world_size) = -1;
+  /// How long to wait for every rank (and, for rank 0's peers, the store) to arrive.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+  /// Keys of this rendezvous live under this prefix, so several rendezvous (a process group
+  /// and an RPC agent) can share one store.
+  TORCH_ARG(std::string, prefix) = "distoptim/default";
+  /// Where this process stands if not read from the environment (tests, embedding launchers).
+  TORCH_ARG(std::optional<LaunchEnv>, launch_env) = std::nullopt;
+};
+
+/// The outcome of a rendezvous: a key-value store every rank shares, and who is where.
+struct Rendezvous {
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = -1;
+  int world_size = 0;
+  /// The host of every rank (its hostname), by rank.
+  std::vector<std::string> hosts;
+  /// This rank's position among the ranks on its own host, and how many those are.
+  int local_rank = -1;
+  int local_world_size = 0;
+  /// The address ranks met at (tcp:// and env://), empty for file://.
+  std::string master_addr;
+  std::chrono::milliseconds timeout{0};
+};
+
+/// Meets the other ranks. Blocks until all `world_size` ranks have arrived or `timeout` passes.
+/// Errors: c10::ValueError for a bad init_method, rank or world_size (named, with its value);
+/// distoptim::TimeoutError naming the ranks that never arrived (or the store that could not be
+/// reached); c10::ValueError when two processes claim one rank or ranks disagree on the world
+/// size. Thread safety: safe to call from any thread; each call is independent.
+Rendezvous rendezvous(const RendezvousOptions& options);
+
+/// True when `host` names this machine's loopback ("localhost", 127.0.0.0/8, "::1").
+bool is_loopback_address(const std::string& host);
+
+}  // namespace comm
+}  // namespace distoptim

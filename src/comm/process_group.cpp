@@ -1,0 +1,288 @@
+#include <distoptim/comm/process_group.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <distoptim/comm/errors.h>
+
+namespace distoptim {
+namespace comm {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The default group and what new groups are made from. Guarded by `state_mutex`; a Group handed
+// out is an immutable copy, so collectives never take this lock.
+struct DefaultState {
+  Rendezvous rendezvous;
+  Group world;
+  std::string gloo_hostname;
+  // Every rank numbers its new_group calls the same way: the number keys the group's store.
+  int64_t groups_made = 0;
+};
+
+std::mutex state_mutex;
+std::unique_ptr<DefaultState> state;
+
+DefaultState& initialized_state(const char* caller) {
+  TORCH_CHECK_VALUE(state != nullptr, caller,
+                    ": the default process group is not initialized; call "
+                    "distoptim::comm::init_process_group first");
+  return *state;
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  return "[" + c10::Join(", ", ranks) + "]";
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                       int rank, int size,
+                                                       std::chrono::milliseconds timeout,
+                                                       const std::string& hostname) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+// Checks every rank of the world passed the same `ranks` to the new_group call numbered `id`,
+// waiting for all of them at most `timeout`. Called by members only.
+void agree_on_members(c10d::Store& store, const std::string& key_prefix, int world_size,
+                      int my_rank, const std::vector<int>& ranks,
+                      std::chrono::milliseconds timeout, int64_t id) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back(key_prefix + std::to_string(r));
+  const auto deadline = Clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  while (!store.check(keys)) {
+    if (Clock::now() >= deadline) {
+      std::vector<int> missing;
+      for (int r = 0; r < world_size; ++r) {
+        if (!store.check({keys[r]})) missing.push_back(r);
+      }
+      DISTOPTIM_THROW(TimeoutError, "new_group(ranks=", ranks_text(ranks), ") (call #", id,
+                      "): rank ", my_rank, " waited ", timeout.count(),
+                      " ms; these ranks never called it: ", c10::Join(", ", missing));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+  const std::string mine = ranks_text(ranks);
+  for (int r = 0; r < world_size; ++r) {
+    const std::vector<uint8_t> bytes = store.get(keys[r]);
+    const std::string theirs(bytes.begin(), bytes.end());
+    TORCH_CHECK_VALUE(theirs == mine, "new_group (call #", id, "): rank ", r,
+                      " passed ranks=", theirs, " but rank ", my_rank, " passed ranks=", mine,
+                      "; every rank must make the same groups in the same order");
+  }
+}
+
+}  // namespace
+
+Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> process_group, std::vector<int> ranks,
+             int global_rank, std::chrono::milliseconds timeout)
+    : process_group_(std::move(process_group)), ranks_(std::move(ranks)), timeout_(timeout) {
+  const auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
+  rank_ = it == ranks_.end() ? -1 : static_cast<int>(it - ranks_.begin());
+  TORCH_INTERNAL_ASSERT(is_member() == static_cast<bool>(process_group_));
+}
+
+int Group::global_rank(int group_rank) const {
+  TORCH_CHECK_INDEX(group_rank >= 0 && group_rank < size(), "Group::global_rank: group_rank = ",
+                    group_rank, " is not in [0, ", size(), ")");
+  return ranks_[group_rank];
+}
+
+int Group::group_rank(int global_rank) const {
+  const auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
+  TORCH_CHECK_INDEX(it != ranks_.end(), "Group::group_rank: global rank ", global_rank,
+                    " is not a member of the group ", ranks_text(ranks_));
+  return static_cast<int>(it - ranks_.begin());
+}
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& Group::process_group() const {
+  return process_group_;
+}
+
+void Group::barrier() const {
+  TORCH_CHECK_VALUE(is_member(), "Group::barrier: this rank is not a member of the group ",
+                    ranks_text(ranks_));
+  c10d::BarrierOptions options;
+  options.timeout = timeout_;
+  process_group_->barrier(options)->wait(timeout_);
+}
+
+void init_process_group(const ProcessGroupOptions& options) {
+  TORCH_CHECK_VALUE(options.backend() == "gloo", "init_process_group: backend '",
+                    options.backend(), "' is not available; this build has 'gloo' (CPU)");
+  std::lock_guard<std::mutex> lock(state_mutex);
+  TORCH_CHECK_VALUE(state == nullptr,
+                    "init_process_group: the default process group is already initialized");
+  auto fresh = std::make_unique<DefaultState>();
+  fresh->rendezvous = rendezvous(RendezvousOptions(options.init_method())
+                                     .rank(options.rank())
+                                     .world_size(options.world_size())
+                                     .timeout(options.timeout())
+                                     .launch_env(options.launch_env()));
+  const Rendezvous& rdzv = fresh->rendezvous;
+  fresh->gloo_hostname = options.gloo_hostname();
+  if (fresh->gloo_hostname.empty()) {
+    const bool local = rdzv.master_addr.empty() || is_loopback_address(rdzv.master_addr);
+    fresh->gloo_hostname = local ? "127.0.0.1" : rdzv.hosts[rdzv.rank];
+  }
+  std::vector<int> all(rdzv.world_size);
+  for (int r = 0; r < rdzv.world_size; ++r) all[r] = r;
+  auto store = c10::make_intrusive<c10d::PrefixStore>("world/", rdzv.store);
+  fresh->world = Group(make_gloo_group(store, rdzv.rank, rdzv.world_size, options.timeout(),
+                                       fresh->gloo_hostname),
+                       all, rdzv.rank, options.timeout());
+  state = std::move(fresh);
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  return state != nullptr;
+}
+
+void destroy_process_group() {
+  std::unique_ptr<DefaultState> dropped;
+  {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    dropped = std::move(state);
+  }
+}
+
+const Group& world() {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  return initialized_state("world").world;
+}
+
+int get_rank() {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  return initialized_state("get_rank").rendezvous.rank;
+}
+
+int get_world_size() {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  return initialized_state("get_world_size").rendezvous.world_size;
+}
+
+int get_local_rank() {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  return initialized_state("get_local_rank").rendezvous.local_rank;
+}
+
+int get_local_world_size() {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  return initialized_state("get_local_world_size").rendezvous.local_world_size;
+}
+
+c10::intrusive_ptr<c10d::Store> default_store() {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  return initialized_state("default_store").rendezvous.store;
+}
+
+Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds> timeout) {
+  std::unique_lock<std::mutex> lock(state_mutex);
+  DefaultState& s = initialized_state("new_group");
+  const int world_size = s.rendezvous.world_size;
+  const int my_rank = s.rendezvous.rank;
+  if (ranks.empty()) {
+    for (int r = 0; r < world_size; ++r) ranks.push_back(r);
+  }
+  std::set<int> seen;
+  for (int r : ranks) {
+    TORCH_CHECK_VALUE(r >= 0 && r < world_size, "new_group: rank ", r, " in ranks=",
+                      ranks_text(ranks), " is not in [0, ", world_size, ")");
+    TORCH_CHECK_VALUE(seen.insert(r).second, "new_group: rank ", r, " appears twice in ranks=",
+                      ranks_text(ranks));
+  }
+  const std::chrono::milliseconds group_timeout = timeout.value_or(s.rendezvous.timeout);
+  TORCH_CHECK_VALUE(group_timeout.count() > 0, "new_group: timeout = ", group_timeout.count(),
+                    " ms; must be positive");
+  // Group ranks follow global order, as PyTorch's new_group sorts its ranks.
+  std::sort(ranks.begin(), ranks.end());
+  const int64_t id = ++s.groups_made;
+  const c10::intrusive_ptr<c10d::Store> store = s.rendezvous.store;
+  const std::string hostname = s.gloo_hostname;
+  lock.unlock();  // the waits below may be long; the group number is already taken
+
+  const std::string prefix = "group/" + std::to_string(id) + "/";
+  const std::string announced = ranks_text(ranks);
+  store->set(prefix + "ranks/" + std::to_string(my_rank),
+             std::vector<uint8_t>(announced.begin(), announced.end()));
+  const auto it = std::find(ranks.begin(), ranks.end(), my_rank);
+  if (it == ranks.end()) return Group({}, ranks, my_rank, group_timeout);
+  agree_on_members(*store, prefix + "ranks/", world_size, my_rank, ranks, group_timeout, id);
+  auto group_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "pg/", store);
+  const int group_rank = static_cast<int>(it - ranks.begin());
+  return Group(make_gloo_group(group_store, group_rank, static_cast<int>(ranks.size()),
+                               group_timeout, hostname),
+               ranks, my_rank, group_timeout);
+}
+
+std::pair<Group, std::vector<Group>> new_subgroups(std::optional<int> group_size) {
+  std::vector<std::vector<int>> ranks_per_subgroup;
+  {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    const Rendezvous& rdzv = initialized_state("new_subgroups").rendezvous;
+    if (group_size.has_value()) {
+      TORCH_CHECK_VALUE(*group_size >= 1 && *group_size <= rdzv.world_size,
+                        "new_subgroups: group_size = ", *group_size, " is not in [1, ",
+                        rdzv.world_size, "]");
+      TORCH_CHECK_VALUE(rdzv.world_size % *group_size == 0, "new_subgroups: world size ",
+                        rdzv.world_size, " is not a multiple of group_size = ", *group_size);
+      for (int first = 0; first < rdzv.world_size; first += *group_size) {
+        std::vector<int> ranks(*group_size);
+        for (int i = 0; i < *group_size; ++i) ranks[i] = first + i;
+        ranks_per_subgroup.push_back(std::move(ranks));
+      }
+    } else {
+      // One subgroup per host, in the order hosts first appear among the ranks.
+      std::map<std::string, size_t> subgroup_of_host;
+      for (int r = 0; r < rdzv.world_size; ++r) {
+        const auto inserted = subgroup_of_host.emplace(rdzv.hosts[r], ranks_per_subgroup.size());
+        if (inserted.second) ranks_per_subgroup.emplace_back();
+        ranks_per_subgroup[inserted.first->second].push_back(r);
+      }
+    }
+  }
+  return new_subgroups_by_enumeration(ranks_per_subgroup);
+}
+
+std::pair<Group, std::vector<Group>> new_subgroups_by_enumeration(
+    const std::vector<std::vector<int>>& ranks_per_subgroup) {
+  TORCH_CHECK_VALUE(!ranks_per_subgroup.empty(),
+                    "new_subgroups_by_enumeration: ranks_per_subgroup is empty");
+  {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    initialized_state("new_subgroups_by_enumeration");
+  }
+  std::set<int> seen;
+  for (size_t g = 0; g < ranks_per_subgroup.size(); ++g) {
+    TORCH_CHECK_VALUE(!ranks_per_subgroup[g].empty(),
+                      "new_subgroups_by_enumeration: subgroup ", g, " is empty");
+    for (int r : ranks_per_subgroup[g]) {
+      TORCH_CHECK_VALUE(seen.insert(r).second, "new_subgroups_by_enumeration: rank ", r,
+                        " is in more than one subgroup (again in subgroup ", g, ")");
+    }
+  }
+  Group mine;
+  std::vector<Group> subgroups;
+  for (const auto& ranks : ranks_per_subgroup) {
+    subgroups.push_back(new_group(ranks));
+    if (subgroups.back().is_member()) mine = subgroups.back();
+  }
+  return {mine, subgroups};
+}
+
+}  // namespace comm
+}  // namespace distoptim

@@ -1,0 +1,345 @@
+#include <distoptim/comm/rendezvous.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <thread>
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <distoptim/comm/errors.h>
+
+namespace distoptim {
+namespace comm {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The value of environment variable `name` as an int in [min, max]; nullopt when unset.
+std::optional<int> env_int(const char* name, int min, int max) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  errno = 0;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  TORCH_CHECK_VALUE(errno == 0 && *end == '\0' && value >= min && value <= max,
+                    "environment variable ", name, " = '", text,
+                    "' is not a whole number in [", min, ", ", max, "]");
+  return static_cast<int>(value);
+}
+
+std::optional<std::string> env_string(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  return std::string(text);
+}
+
+std::string this_hostname() {
+  char name[HOST_NAME_MAX + 1] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
+  return name;
+}
+
+std::vector<uint8_t> to_bytes(const std::string& text) {
+  return std::vector<uint8_t>(text.begin(), text.end());
+}
+
+std::string from_bytes(const std::vector<uint8_t>& bytes) {
+  return std::string(bytes.begin(), bytes.end());
+}
+
+std::string seconds_text(std::chrono::milliseconds ms) {
+  return c10::str(static_cast<double>(ms.count()) / 1000.0, " s");
+}
+
+// "host:port" or "[v6]:port" of a tcp:// init_method, checked.
+std::pair<std::string, int> parse_host_port(const std::string& init_method,
+                                            const std::string& rest) {
+  std::string host;
+  std::string port_text;
+  if (!rest.empty() && rest.front() == '[') {
+    const size_t close = rest.find(']');
+    TORCH_CHECK_VALUE(close != std::string::npos && close + 1 < rest.size() &&
+                          rest[close + 1] == ':',
+                      "rendezvous: init_method '", init_method, "' is not tcp://[ADDRESS]:PORT");
+    host = rest.substr(1, close - 1);
+    port_text = rest.substr(close + 2);
+  } else {
+    const size_t colon = rest.rfind(':');
+    TORCH_CHECK_VALUE(colon != std::string::npos && colon > 0,
+                      "rendezvous: init_method '", init_method, "' is not tcp://HOST:PORT");
+    host = rest.substr(0, colon);
+    port_text = rest.substr(colon + 1);
+  }
+  char* end = nullptr;
+  const long port = std::strtol(port_text.c_str(), &end, 10);
+  TORCH_CHECK_VALUE(!port_text.empty() && *end == '\0' && port >= 1 && port <= 65535,
+                    "rendezvous: init_method '", init_method, "' has port '", port_text,
+                    "'; expected 1..65535");
+  return {host, static_cast<int>(port)};
+}
+
+c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int port, int rank,
+                                                  int world_size,
+                                                  std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(port);
+  store_options.isServer = rank == 0;
+  store_options.numWorkers = static_cast<size_t>(world_size);
+  // We wait for the ranks ourselves, so a timeout can name the ones missing.
+  store_options.waitWorkers = false;
+  store_options.timeout = timeout;
+  // A process group and an RPC agent of one process may meet on the same address.
+  store_options.multiTenant = true;
+  // c10d reports socket failures as std::runtime_error, not c10::Error.
+  if (rank == 0) {
+    try {
+      return c10::make_intrusive<c10d::TCPStore>(host, store_options);
+    } catch (const std::exception& e) {
+      DISTOPTIM_THROW(DistributedError, "rendezvous: rank 0 could not serve the store on ", host,
+                      ":", port, ": ", c10::GetExceptionString(e));
+    }
+  }
+  // LibTorch 1.13's client gives up at once when rank 0 is not listening yet (connection
+  // refused), whatever its timeout: retry until ours has passed.
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    try {
+      store_options.timeout = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                           deadline - Clock::now()),
+                                       std::chrono::milliseconds(1));
+      return c10::make_intrusive<c10d::TCPStore>(host, store_options);
+    } catch (const std::exception& e) {
+      if (Clock::now() >= deadline) {
+        DISTOPTIM_THROW(TimeoutError, "rendezvous: rank ", rank,
+                        " could not reach rank 0's store at ", host, ":", port, " within ",
+                        seconds_text(timeout), ": ", c10::GetExceptionString(e));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+}
+
+// Keys of the rendezvous protocol, under the rendezvous prefix. Each rank claims its rank,
+// then announces itself; after reading everyone's announcement it marks itself done, and rank 0
+// (which may serve the store) returns only when all are done. A rank that fails leaves a mark,
+// and rank 0 publishes its own failure and lingers until the others have seen it, so they fail
+// with its message rather than with a lost connection to its store.
+const std::string kClaimKey = "rdzv/claim/";
+const std::string kArrivedKey = "rdzv/rank/";
+const std::string kDoneKey = "rdzv/done/";
+const std::string kLeftKey = "rdzv/left/";
+const std::string kFailedKey = "rdzv/failed";
+// How long rank 0 lingers after a failure for the others to see it.
+constexpr auto kFailureGrace = std::chrono::seconds(2);
+
+// Rank 0's failure, as published: "timeout\n<message>" or "error\n<message>".
+[[noreturn]] void throw_published_failure(const std::string& published, int rank) {
+  const size_t newline = published.find('\n');
+  const std::string kind = published.substr(0, newline);
+  const std::string message = c10::str("rendezvous failed at rank 0 (seen by rank ", rank,
+                                       "): ", published.substr(newline + 1));
+  if (kind == "timeout") DISTOPTIM_THROW(TimeoutError, message);
+  DISTOPTIM_THROW(DistributedError, message);
+}
+
+// Waits until every rank r in [0, world_size) has set `prefix + r`, polling so that a timeout
+// can name the ranks that never did, and so that rank 0's published failure is seen. `what`
+// says what was awaited, for the error.
+void wait_for_ranks(c10d::Store& store, const std::string& prefix, int rank, int world_size,
+                    Clock::time_point deadline, const std::string& what) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back(prefix + std::to_string(r));
+  auto pause = std::chrono::milliseconds(1);
+  try {
+    while (!store.check(keys)) {
+      if (rank != 0 && store.check({kFailedKey})) {
+        throw_published_failure(from_bytes(store.get(kFailedKey)), rank);
+      }
+      if (Clock::now() >= deadline) {
+        std::vector<int> missing;
+        for (int r = 0; r < world_size; ++r) {
+          if (!store.check({keys[r]})) missing.push_back(r);
+        }
+        DISTOPTIM_THROW(TimeoutError, what, "; these ranks never arrived: ",
+                        c10::Join(", ", missing));
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    }
+  } catch (const DistributedError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // The store itself failed (c10d throws std::runtime_error): rank 0, which serves it, is gone.
+    DISTOPTIM_THROW(PeerLostError, what, "; lost the rendezvous store (rank 0): ",
+                    c10::GetExceptionString(e));
+  }
+}
+
+// Announces this rank, waits for all, and fills in `result` from what the ranks announced.
+void meet(c10d::Store& store, const std::string& method, Clock::time_point deadline,
+          const std::string& context, Rendezvous& result) {
+  const int rank = result.rank;
+  const int world_size = result.world_size;
+  const int64_t claims = store.add(kClaimKey + std::to_string(rank), 1);
+  TORCH_CHECK_VALUE(claims == 1, "rendezvous(", method, "): rank ", rank,
+                    " is claimed by more than one process (", claims, " claims)");
+  const std::string host = this_hostname();
+  store.set(kArrivedKey + std::to_string(rank),
+            to_bytes(std::to_string(world_size) + "\n" + host));
+  wait_for_ranks(store, kArrivedKey, rank, world_size, deadline, context);
+
+  result.hosts.resize(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    const std::string value = from_bytes(store.get(kArrivedKey + std::to_string(r)));
+    const size_t newline = value.find('\n');
+    const std::string their_size = value.substr(0, newline);
+    TORCH_CHECK_VALUE(newline != std::string::npos && their_size == std::to_string(world_size),
+                      "rendezvous(", method, "): rank ", r, " has world_size ", their_size,
+                      ", rank ", rank, " has ", world_size);
+    result.hosts[r] = value.substr(newline + 1);
+  }
+  result.local_rank = static_cast<int>(
+      std::count(result.hosts.begin(), result.hosts.begin() + rank, result.hosts[rank]));
+  result.local_world_size =
+      static_cast<int>(std::count(result.hosts.begin(), result.hosts.end(), result.hosts[rank]));
+
+  store.set(kDoneKey + std::to_string(rank), to_bytes("1"));
+  if (rank == 0) {
+    wait_for_ranks(store, kDoneKey, rank, world_size, deadline,
+                   context + " for the other ranks to read the rendezvous");
+  }
+}
+
+// After a failure of `meet` on this rank: leave a mark; rank 0 also publishes the failure and
+// waits (briefly) until every rank that had claimed its rank has left. Never throws.
+void announce_failure(c10d::Store& store, int rank, int world_size, const c10::Error& error) {
+  try {
+    store.add(kLeftKey + std::to_string(rank), 1);
+    if (rank != 0) return;
+    const bool timeout = dynamic_cast<const TimeoutError*>(&error) != nullptr;
+    store.set(kFailedKey,
+              to_bytes(std::string(timeout ? "timeout" : "error") + "\n" +
+                       error.what_without_backtrace()));
+    const auto until = Clock::now() + kFailureGrace;
+    // Every process that claimed a rank (two may have claimed one) must have left.
+    for (int r = 1; r < world_size; ++r) {
+      const std::string claim = kClaimKey + std::to_string(r);
+      const std::string left = kLeftKey + std::to_string(r);
+      while (Clock::now() < until && store.add(left, 0) < store.add(claim, 0)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+  } catch (const std::exception&) {
+    // The store is gone too: nothing more to tell anyone.
+  }
+}
+
+}  // namespace
+
+LaunchEnv LaunchEnv::from_environment() {
+  LaunchEnv env;
+  env.rank = env_int("RANK", 0, INT_MAX);
+  env.world_size = env_int("WORLD_SIZE", 1, INT_MAX);
+  env.local_rank = env_int("LOCAL_RANK", 0, INT_MAX);
+  env.local_world_size = env_int("LOCAL_WORLD_SIZE", 1, INT_MAX);
+  if (!env.rank || !env.world_size) {
+    // Open MPI's mpirun, then SLURM's srun.
+    if (auto rank = env_int("OMPI_COMM_WORLD_RANK", 0, INT_MAX)) {
+      env.rank = rank;
+      env.world_size = env_int("OMPI_COMM_WORLD_SIZE", 1, INT_MAX);
+      env.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0, INT_MAX);
+      env.local_world_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1, INT_MAX);
+    } else if (auto procid = env_int("SLURM_PROCID", 0, INT_MAX)) {
+      env.rank = procid;
+      env.world_size = env_int("SLURM_NTASKS", 1, INT_MAX);
+      env.local_rank = env_int("SLURM_LOCALID", 0, INT_MAX);
+    }
+  }
+  env.master_addr = env_string("MASTER_ADDR");
+  env.master_port = env_int("MASTER_PORT", 1, 65535);
+  return env;
+}
+
+bool is_loopback_address(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
+}
+
+Rendezvous rendezvous(const RendezvousOptions& options) {
+  const std::string& method = options.init_method();
+  TORCH_CHECK_VALUE(options.timeout().count() > 0, "rendezvous: timeout = ",
+                    options.timeout().count(), " ms; must be positive");
+  TORCH_CHECK_VALUE(!options.prefix().empty(), "rendezvous: prefix must not be empty");
+  const bool is_env = method.rfind("env://", 0) == 0;
+  const bool is_tcp = method.rfind("tcp://", 0) == 0;
+  const bool is_file = method.rfind("file://", 0) == 0;
+  TORCH_CHECK_VALUE(is_env || is_tcp || is_file, "rendezvous: init_method '", method,
+                    "' is not env://, tcp://HOST:PORT or file:///PATH");
+
+  // Rank and world size: given, else from the launcher's environment.
+  const LaunchEnv env =
+      options.launch_env() ? *options.launch_env() : LaunchEnv::from_environment();
+  const int rank = options.rank() >= 0 ? options.rank() : env.rank.value_or(-1);
+  const int world_size = options.world_size() >= 0 ? options.world_size()
+                                                   : env.world_size.value_or(-1);
+  TORCH_CHECK_VALUE(world_size >= 1, "rendezvous(", method, "): world_size = ", world_size,
+                    (options.world_size() < 0 ? " (not given, and WORLD_SIZE is unset)" : ""),
+                    "; must be at least 1");
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "rendezvous(", method, "): rank = ", rank,
+                    (options.rank() < 0 ? " (not given, and RANK is unset)" : ""),
+                    "; must be in [0, ", world_size, ")");
+
+  Rendezvous result;
+  result.rank = rank;
+  result.world_size = world_size;
+  result.timeout = options.timeout();
+  c10::intrusive_ptr<c10d::Store> store;
+  if (is_file) {
+    const std::string path = method.substr(std::string("file://").size());
+    TORCH_CHECK_VALUE(!path.empty(), "rendezvous: init_method '", method, "' names no file");
+    store = c10::make_intrusive<c10d::FileStore>(path, world_size);
+    store->setTimeout(options.timeout());
+  } else {
+    std::string host;
+    int port = 0;
+    if (is_tcp) {
+      std::tie(host, port) = parse_host_port(method, method.substr(std::string("tcp://").size()));
+    } else {
+      TORCH_CHECK_VALUE(env.master_addr.has_value(),
+                        "rendezvous(env://): MASTER_ADDR is unset (rank ", rank, ")");
+      TORCH_CHECK_VALUE(env.master_port.has_value(),
+                        "rendezvous(env://): MASTER_PORT is unset (rank ", rank, ")");
+      host = *env.master_addr;
+      port = *env.master_port;
+    }
+    result.master_addr = host;
+    store = connect_tcp_store(host, port, rank, world_size, options.timeout());
+  }
+  result.store = c10::make_intrusive<c10d::PrefixStore>(options.prefix() + "/", store);
+  const auto deadline = Clock::now() + options.timeout();
+  const std::string context = c10::str("rendezvous(", method, "): rank ", rank, " of ",
+                                       world_size, " waited ", seconds_text(options.timeout()));
+  try {
+    meet(*result.store, method, deadline, context, result);
+  } catch (const c10::Error& e) {
+    announce_failure(*result.store, rank, world_size, e);
+    throw;
+  } catch (const std::exception& e) {
+    const PeerLostError lost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                             context + "; the rendezvous store failed: " + c10::GetExceptionString(e));
+    announce_failure(*result.store, rank, world_size, lost);
+    throw lost;
+  }
+  return result;
+}
+
+}  // namespace comm
+}  // namespace distoptim

@@ -1,0 +1,198 @@
+// Process groups on Gloo: the default group, new_group and subgroups, with real collectives
+// across real processes, and the ways they fail.
+
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/torch.h>
+
+#include <distoptim/comm.h>
+
+#include "../harness/multiprocess.h"
+#include "../optim/test_util.h"
+
+namespace distoptim {
+namespace comm {
+namespace {
+
+using distoptim::testing::expect_error_containing;
+using distoptim::testing::run_ranks;
+using namespace std::chrono_literals;
+
+// The sum over `group` of (global rank + 1), by an allreduce, as a double.
+double allreduce_rank_sum(const Group& group) {
+  std::vector<at::Tensor> tensors = {torch::full({5}, static_cast<double>(get_rank() + 1))};
+  group.process_group()->allreduce(tensors)->wait();
+  EXPECT_TRUE(at::equal(tensors[0], torch::full({5}, tensors[0][0].item<double>())));
+  return tensors[0][0].item<double>();
+}
+
+double expected_sum(const std::vector<int>& ranks) {
+  double sum = 0;
+  for (int r : ranks) sum += r + 1;
+  return sum;
+}
+
+TEST(ProcessGroup, NotInitializedAndBadBackend) {
+  expect_error_containing([] { get_rank(); }, {"get_rank", "not initialized"});
+  expect_error_containing([] { new_group({0}); }, {"new_group", "not initialized"});
+  expect_error_containing([] { init_process_group(ProcessGroupOptions().backend("nccl")); },
+                          {"backend 'nccl'"});
+  EXPECT_FALSE(is_initialized());
+}
+
+TEST(ProcessGroup, WorldAllreduceAndBarrier) {
+  for (int world_size : {2, 3}) {
+    SCOPED_TRACE(world_size);
+    run_ranks(world_size, [](int rank, int world_size) {
+      init_process_group(ProcessGroupOptions("env://").timeout(30s));
+      EXPECT_TRUE(is_initialized());
+      EXPECT_EQ(get_rank(), rank);
+      EXPECT_EQ(get_world_size(), world_size);
+      EXPECT_EQ(get_local_rank(), rank);
+      EXPECT_EQ(get_local_world_size(), world_size);
+      EXPECT_EQ(world().rank(), rank);
+      EXPECT_EQ(world().size(), world_size);
+      std::vector<int> all;
+      for (int r = 0; r < world_size; ++r) all.push_back(r);
+      EXPECT_EQ(allreduce_rank_sum(world()), expected_sum(all));
+      world().barrier();
+      expect_error_containing([] { init_process_group(); }, {"already initialized"});
+      destroy_process_group();
+      EXPECT_FALSE(is_initialized());
+    });
+  }
+}
+
+TEST(ProcessGroup, NewGroupOfSomeRanks) {
+  run_ranks(3, [](int rank, int) {
+    init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    // Unsorted on purpose: group ranks follow global order.
+    const Group pair = new_group({2, 0});
+    EXPECT_EQ(pair.ranks(), (std::vector<int>{0, 2}));
+    EXPECT_EQ(pair.is_member(), rank != 1);
+    EXPECT_EQ(pair.global_rank(1), 2);
+    EXPECT_EQ(pair.group_rank(2), 1);
+    expect_error_containing([&] { pair.group_rank(1); }, {"global rank 1", "[0, 2]"});
+    if (rank == 1) {
+      EXPECT_EQ(pair.rank(), -1);
+      EXPECT_FALSE(pair.process_group());
+    } else {
+      EXPECT_EQ(pair.rank(), rank / 2);
+      EXPECT_EQ(allreduce_rank_sum(pair), expected_sum({0, 2}));
+    }
+    // The world still works after a subgroup has been made.
+    EXPECT_EQ(allreduce_rank_sum(world()), expected_sum({0, 1, 2}));
+    destroy_process_group();
+  });
+}
+
+TEST(ProcessGroup, Subgroups) {
+  run_ranks(3, [](int rank, int) {
+    init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    // By host: one machine, so one subgroup of everyone (PyTorch's needs CUDA for this).
+    auto [by_host, all_by_host] = new_subgroups();
+    ASSERT_EQ(all_by_host.size(), 1u);
+    EXPECT_EQ(by_host.ranks(), (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(allreduce_rank_sum(by_host), expected_sum({0, 1, 2}));
+    // Singletons.
+    auto [alone, singletons] = new_subgroups(1);
+    ASSERT_EQ(singletons.size(), 3u);
+    EXPECT_EQ(alone.ranks(), (std::vector<int>{rank}));
+    EXPECT_EQ(allreduce_rank_sum(alone), rank + 1);
+    // Uneven, by enumeration.
+    auto [mine, listed] = new_subgroups_by_enumeration({{0, 1}, {2}});
+    ASSERT_EQ(listed.size(), 2u);
+    EXPECT_EQ(mine.ranks(), rank < 2 ? (std::vector<int>{0, 1}) : (std::vector<int>{2}));
+    EXPECT_EQ(allreduce_rank_sum(mine), expected_sum(mine.ranks()));
+    EXPECT_FALSE(listed[rank < 2 ? 1 : 0].is_member());
+    // Bad input, checked before anything is made (so every rank throws alike).
+    expect_error_containing([] { new_subgroups(2); }, {"world size 3", "group_size = 2"});
+    expect_error_containing([] { new_subgroups(0); }, {"group_size = 0"});
+    expect_error_containing([] { new_subgroups_by_enumeration({{0, 1}, {1, 2}}); },
+                            {"rank 1 is in more than one subgroup"});
+    expect_error_containing([] { new_group({0, 3}); }, {"rank 3", "[0, 3)"});
+    expect_error_containing([] { new_group({0, 0}); }, {"rank 0 appears twice"});
+    destroy_process_group();
+  });
+}
+
+TEST(ProcessGroupFailure, DisagreeingNewGroupIsNamed) {
+  run_ranks(3, [](int rank, int) {
+    init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    const std::vector<int> ranks = rank == 1 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
+    try {
+      const Group group = new_group(ranks, 10s);
+      EXPECT_EQ(rank, 2) << "only rank 2, outside its own list, returns";
+      EXPECT_FALSE(group.is_member());
+    } catch (const c10::ValueError& e) {
+      const std::string expected = rank == 0 ? "rank 1 passed ranks=[0, 1, 2] but rank 0 passed"
+                                             : "rank 0 passed ranks=[0, 1] but rank 1 passed";
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+    world().barrier();
+    destroy_process_group();
+  });
+}
+
+TEST(ProcessGroupFailure, RankThatNeverCallsNewGroupIsNamed) {
+  run_ranks(3, [](int rank, int) {
+    init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    if (rank != 2) {
+      try {
+        new_group({0, 1}, 1s);
+        ADD_FAILURE() << "expected a TimeoutError";
+      } catch (const TimeoutError& e) {
+        EXPECT_NE(std::string(e.what()).find("these ranks never called it: 2"), std::string::npos)
+            << e.what();
+      }
+    }
+    world().barrier();
+    destroy_process_group();
+  });
+}
+
+// Gloo reports collective failures as its own exceptions (std::exception, not c10::Error).
+void expect_allreduce_fails_with(const Group& group, const std::string& part) {
+  std::vector<at::Tensor> tensors = {torch::ones({3})};
+  try {
+    group.process_group()->allreduce(tensors)->wait();
+    ADD_FAILURE() << "expected the allreduce to fail";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+TEST(ProcessGroupFailure, CollectiveOnSomeRanksTimesOut) {
+  run_ranks(3, [](int rank, int) {
+    init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    const Group impatient = new_group({}, 1s);
+    if (rank == 2) {
+      // Skips the collective, but stays connected until the others have given up.
+      std::this_thread::sleep_for(3s);
+    } else {
+      expect_allreduce_fails_with(impatient, "Timed out");
+    }
+  });
+}
+
+TEST(ProcessGroupFailure, DeadRankFailsTheOthers) {
+  distoptim::testing::RunRanksOptions options;
+  options.expected_exit_codes[2] = 3;
+  run_ranks(
+      3,
+      [](int rank, int) {
+        init_process_group(ProcessGroupOptions("env://").timeout(20s));
+        if (rank == 2) std::_Exit(3);
+        // "Connection closed by peer" or "Connection reset by peer", as the socket saw it.
+        expect_allreduce_fails_with(world(), "by peer");
+      },
+      options);
+}
+
+}  // namespace
+}  // namespace comm
+}  // namespace distoptim

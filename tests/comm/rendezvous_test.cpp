@@ -1,0 +1,245 @@
+// Rendezvous: the env://, tcp:// and file:// forms, the launcher variables, and every way a
+// rendezvous can fail (missing rank, rank claimed twice, disagreeing world sizes, no store).
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <distoptim/comm.h>
+
+#include "../harness/multiprocess.h"
+#include "../optim/test_util.h"
+
+namespace distoptim {
+namespace comm {
+namespace {
+
+using distoptim::testing::expect_error_containing;
+using distoptim::testing::run_ranks;
+using namespace std::chrono_literals;
+
+// Sets environment variables for one test and restores them after.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (const auto& [name, value] : vars) {
+      const char* old = std::getenv(name);
+      saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
+      if (value) {
+        ::setenv(name, value, 1);
+      } else {
+        ::unsetenv(name);
+      }
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& [name, value] : saved_) {
+      if (value) {
+        ::setenv(name.c_str(), value->c_str(), 1);
+      } else {
+        ::unsetenv(name.c_str());
+      }
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+constexpr std::initializer_list<std::pair<const char*, const char*>> kNoLauncher = {
+    {"RANK", nullptr},          {"WORLD_SIZE", nullptr},           {"LOCAL_RANK", nullptr},
+    {"LOCAL_WORLD_SIZE", nullptr}, {"OMPI_COMM_WORLD_RANK", nullptr}, {"SLURM_PROCID", nullptr},
+    {"MASTER_ADDR", nullptr},   {"MASTER_PORT", nullptr}};
+
+std::string port_text() { return std::getenv("MASTER_PORT"); }
+
+TEST(LaunchEnv, TorchrunVariables) {
+  ScopedEnv clean(kNoLauncher);
+  ScopedEnv env({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
+                 {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29400"}});
+  const LaunchEnv launch = LaunchEnv::from_environment();
+  EXPECT_EQ(launch.rank, 5);
+  EXPECT_EQ(launch.world_size, 8);
+  EXPECT_EQ(launch.local_rank, 1);
+  EXPECT_EQ(launch.local_world_size, 4);
+  EXPECT_EQ(launch.master_addr, "10.1.2.3");
+  EXPECT_EQ(launch.master_port, 29400);
+}
+
+TEST(LaunchEnv, OpenMpiAndSlurmVariables) {
+  ScopedEnv clean(kNoLauncher);
+  {
+    ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "6"},
+                   {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"}});
+    const LaunchEnv launch = LaunchEnv::from_environment();
+    EXPECT_EQ(launch.rank, 2);
+    EXPECT_EQ(launch.world_size, 6);
+    EXPECT_EQ(launch.local_rank, 0);
+    EXPECT_EQ(launch.local_world_size, 3);
+  }
+  {
+    ScopedEnv env({{"SLURM_PROCID", "7"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "3"}});
+    const LaunchEnv launch = LaunchEnv::from_environment();
+    EXPECT_EQ(launch.rank, 7);
+    EXPECT_EQ(launch.world_size, 16);
+    EXPECT_EQ(launch.local_rank, 3);
+  }
+}
+
+TEST(LaunchEnv, BadValueNamesTheVariable) {
+  ScopedEnv clean(kNoLauncher);
+  ScopedEnv env({{"RANK", "two"}});
+  expect_error_containing([] { LaunchEnv::from_environment(); }, {"RANK", "'two'"});
+  ScopedEnv port({{"RANK", "0"}, {"MASTER_PORT", "70000"}});
+  expect_error_containing([] { LaunchEnv::from_environment(); }, {"MASTER_PORT", "'70000'"});
+}
+
+TEST(RendezvousBadInput, NamesTheArgument) {
+  ScopedEnv clean(kNoLauncher);
+  expect_error_containing([] { rendezvous(RendezvousOptions("udp://host:1").rank(0).world_size(1)); },
+                          {"init_method 'udp://host:1'"});
+  expect_error_containing(
+      [] { rendezvous(RendezvousOptions("tcp://127.0.0.1:99999").rank(0).world_size(1)); },
+      {"port '99999'"});
+  expect_error_containing(
+      [] { rendezvous(RendezvousOptions("tcp://127.0.0.1:1234").rank(5).world_size(2)); },
+      {"rank = 5", "[0, 2)"});
+  expect_error_containing([] { rendezvous(RendezvousOptions("env://")); },
+                          {"world_size = -1", "WORLD_SIZE is unset"});
+  expect_error_containing([] { rendezvous(RendezvousOptions("env://").rank(0).world_size(1)); },
+                          {"MASTER_ADDR is unset"});
+  expect_error_containing(
+      [] { rendezvous(RendezvousOptions("tcp://127.0.0.1:1234").rank(0).world_size(1).timeout(0ms)); },
+      {"timeout = 0 ms"});
+}
+
+TEST(RendezvousFailure, UnreachableStoreTimesOut) {
+  const int port = distoptim::testing::free_port();
+  const std::string method = "tcp://127.0.0.1:" + std::to_string(port);
+  try {
+    rendezvous(RendezvousOptions(method).rank(1).world_size(2).timeout(1s));
+    ADD_FAILURE() << "expected a TimeoutError";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 could not reach rank 0's store at 127.0.0.1:" +
+                                         std::to_string(port)),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+void expect_meets_everyone(const Rendezvous& r, int rank, int world_size) {
+  EXPECT_EQ(r.rank, rank);
+  EXPECT_EQ(r.world_size, world_size);
+  ASSERT_EQ(r.hosts.size(), static_cast<size_t>(world_size));
+  for (const auto& host : r.hosts) EXPECT_EQ(host, r.hosts[0]);
+  // One host: local positions are global ones.
+  EXPECT_EQ(r.local_rank, rank);
+  EXPECT_EQ(r.local_world_size, world_size);
+  // The store is shared: every rank sees what every other rank wrote.
+  r.store->set("hello/" + std::to_string(rank), {static_cast<uint8_t>(rank)});
+  for (int other = 0; other < world_size; ++other) {
+    r.store->wait({"hello/" + std::to_string(other)}, 20s);
+    EXPECT_EQ(r.store->get("hello/" + std::to_string(other)),
+              std::vector<uint8_t>{static_cast<uint8_t>(other)});
+  }
+}
+
+// Rank 0 serves the TCP store, so it leaves last.
+void leave(const Rendezvous& r) {
+  r.store->add("left", 1);
+  if (r.rank != 0) return;
+  while (r.store->add("left", 0) < r.world_size) std::this_thread::sleep_for(1ms);
+}
+
+TEST(Rendezvous, EnvMethodThreeRanks) {
+  run_ranks(3, [](int rank, int world_size) {
+    const Rendezvous r = rendezvous(RendezvousOptions("env://").timeout(20s));
+    expect_meets_everyone(r, rank, world_size);
+    EXPECT_EQ(r.master_addr, "127.0.0.1");
+    leave(r);
+  });
+}
+
+TEST(Rendezvous, TcpMethodTwoRanks) {
+  run_ranks(2, [](int rank, int world_size) {
+    const Rendezvous r = rendezvous(RendezvousOptions("tcp://127.0.0.1:" + port_text())
+                                        .rank(rank)
+                                        .world_size(world_size)
+                                        .timeout(20s));
+    expect_meets_everyone(r, rank, world_size);
+    leave(r);
+  });
+}
+
+TEST(Rendezvous, FileMethodThreeRanks) {
+  run_ranks(3, [](int rank, int world_size) {
+    const std::string path = "/tmp/distoptim-file-rendezvous-" + port_text();
+    const Rendezvous r =
+        rendezvous(RendezvousOptions("file://" + path).rank(rank).world_size(world_size).timeout(20s));
+    expect_meets_everyone(r, rank, world_size);
+    EXPECT_EQ(r.master_addr, "");
+  });
+}
+
+TEST(RendezvousFailure, MissingRankIsNamed) {
+  run_ranks(3, [](int rank, int) {
+    if (rank == 2) return;  // never arrives
+    try {
+      rendezvous(RendezvousOptions("env://").timeout(1500ms));
+      ADD_FAILURE() << "rank " << rank << ": expected a TimeoutError";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("these ranks never arrived: 2"), std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+TEST(RendezvousFailure, DisagreeingWorldSizeIsNamed) {
+  run_ranks(2, [](int rank, int) {
+    // Rank 1 believes in a world of 3. Rank 0 sees the disagreement and says so to rank 1, which
+    // would otherwise wait in vain for a rank 2.
+    try {
+      rendezvous(RendezvousOptions("env://").world_size(rank == 1 ? 3 : 2).timeout(5s));
+      ADD_FAILURE() << "rank " << rank << ": expected an error";
+    } catch (const DistributedError& e) {
+      EXPECT_EQ(rank, 1) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rendezvous failed at rank 0 (seen by rank 1)"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 1 has world_size 3, rank 0 has 2"),
+                std::string::npos)
+          << e.what();
+    } catch (const c10::ValueError& e) {
+      EXPECT_EQ(rank, 0) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 1 has world_size 3, rank 0 has 2"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+TEST(RendezvousFailure, RankClaimedTwice) {
+  run_ranks(3, [](int rank, int) {
+    // The process started as rank 2 claims rank 1 as well: whichever of the two claims second is
+    // told so, the other waits in vain for rank 2, as does rank 0.
+    try {
+      rendezvous(RendezvousOptions("env://").rank(rank == 2 ? 1 : rank).timeout(1500ms));
+      ADD_FAILURE() << "rank " << rank << ": expected an error";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("never arrived: 2"), std::string::npos) << e.what();
+    } catch (const c10::ValueError& e) {
+      EXPECT_NE(rank, 0) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 1 is claimed by more than one process"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+}  // namespace
+}  // namespace comm
+}  // namespace distoptim

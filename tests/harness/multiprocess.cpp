@@ -1,0 +1,207 @@
+#include "multiprocess.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+extern char** environ;
+
+namespace distoptim {
+namespace testing {
+
+namespace {
+
+// Set in a rank's environment: the rank's own process runs the body instead of supervising.
+constexpr const char* kChildVariable = "DISTOPTIM_TEST_RANK_PROCESS";
+
+struct Rank {
+  pid_t pid = -1;
+  std::string log_path;
+  bool done = false;
+  int status = 0;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return std::string("was killed by signal ") + strsignal(WTERMSIG(status));
+  return "stopped";
+}
+
+pid_t spawn_rank(int call, int rank, int world_size, int port, const std::string& filter,
+                 const std::string& log_path) {
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    // The launcher's variables of an enclosing job must not leak into the ranks.
+    bool ours = false;
+    for (const char* name : {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
+                             "MASTER_ADDR=", "MASTER_PORT=", "DISTOPTIM_TEST_RANK_PROCESS="}) {
+      if (entry.rfind(name, 0) == 0) ours = true;
+    }
+    if (!ours) env_strings.push_back(entry);
+  }
+  env_strings.push_back(std::string(kChildVariable) + "=" + std::to_string(call));
+  env_strings.push_back("RANK=" + std::to_string(rank));
+  env_strings.push_back("WORLD_SIZE=" + std::to_string(world_size));
+  env_strings.push_back("LOCAL_RANK=" + std::to_string(rank));
+  env_strings.push_back("LOCAL_WORLD_SIZE=" + std::to_string(world_size));
+  env_strings.push_back("MASTER_ADDR=127.0.0.1");
+  env_strings.push_back("MASTER_PORT=" + std::to_string(port));
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+
+  std::string exe = "/proc/self/exe";
+  std::string filter_arg = "--gtest_filter=" + filter;
+  std::vector<char*> argv = {exe.data(), filter_arg.data(), nullptr};
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log_path.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  pid_t pid = -1;
+  const int error = posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (error != 0) return -1;
+  return pid;
+}
+
+void kill_all(std::vector<Rank>& ranks) {
+  for (auto& r : ranks) {
+    if (!r.done && r.pid > 0) ::kill(r.pid, SIGKILL);
+  }
+  for (auto& r : ranks) {
+    if (!r.done && r.pid > 0) {
+      ::waitpid(r.pid, &r.status, 0);
+      r.done = true;
+    }
+  }
+}
+
+}  // namespace
+
+bool in_rank_process() { return std::getenv(kChildVariable) != nullptr; }
+
+namespace {
+// The number of the run_ranks call within the current test: a rank process runs the body of the
+// call it was started for and skips the test's other calls.
+int next_call_of_test(const std::string& test) {
+  static std::string current;
+  static int calls = 0;
+  if (test != current) {
+    current = test;
+    calls = 0;
+  }
+  return calls++;
+}
+}  // namespace
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
+}
+
+void run_ranks(int world_size, const std::function<void(int, int)>& body,
+               const RunRanksOptions& options) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string filter = std::string(info->test_suite_name()) + "." + info->name();
+  const int call = next_call_of_test(filter);
+  if (in_rank_process()) {
+    if (std::atoi(std::getenv(kChildVariable)) == call) {
+      body(std::atoi(std::getenv("RANK")), std::atoi(std::getenv("WORLD_SIZE")));
+    }
+    return;
+  }
+  const int port = free_port();
+  ASSERT_GT(port, 0) << "no free port on 127.0.0.1";
+
+  std::vector<Rank> ranks(world_size);
+  char dir_template[] = "/tmp/distoptim-ranks-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  for (int r = 0; r < world_size; ++r) {
+    ranks[r].log_path = dir + "/rank" + std::to_string(r) + ".log";
+    ranks[r].pid = spawn_rank(call, r, world_size, port, filter, ranks[r].log_path);
+    if (ranks[r].pid < 0) {
+      kill_all(ranks);
+      FAIL() << "could not start rank " << r;
+    }
+  }
+
+  auto expected_status = [&](int r) {
+    const auto it = options.expected_exit_codes.find(r);
+    return it == options.expected_exit_codes.end() ? 0 : it->second;
+  };
+  auto output_of = [&](int r) {
+    return "---- output of rank " + std::to_string(r) + " ----\n" + read_file(ranks[r].log_path);
+  };
+
+  const auto deadline = std::chrono::steady_clock::now() + options.deadline;
+  int remaining = world_size;
+  std::string failure;
+  while (remaining > 0 && failure.empty()) {
+    for (int r = 0; r < world_size; ++r) {
+      if (ranks[r].done) continue;
+      if (::waitpid(ranks[r].pid, &ranks[r].status, WNOHANG) != ranks[r].pid) continue;
+      ranks[r].done = true;
+      --remaining;
+      const int status = ranks[r].status;
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != expected_status(r)) {
+        failure = "rank " + std::to_string(r) + " " + describe_status(status) + " (expected " +
+                  std::to_string(expected_status(r)) + ")\n" + output_of(r);
+      }
+    }
+    if (failure.empty() && remaining > 0 && std::chrono::steady_clock::now() >= deadline) {
+      failure = "deadline of " + std::to_string(options.deadline.count()) +
+                " s passed; still running:";
+      for (int r = 0; r < world_size; ++r) {
+        if (!ranks[r].done) failure += " rank " + std::to_string(r);
+      }
+      for (int r = 0; r < world_size; ++r) failure += "\n" + output_of(r);
+    }
+    if (failure.empty() && remaining > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  kill_all(ranks);
+  for (int r = 0; r < world_size; ++r) ::unlink(ranks[r].log_path.c_str());
+  ::rmdir(dir.c_str());
+  if (!failure.empty()) FAIL() << failure;
+}
+
+}  // namespace testing
+}  // namespace distoptim

@@ -1,0 +1,41 @@
+#pragma once
+
+// Multi-rank tests as real processes (the pattern of Gloo's multiproc tests).
+//
+//   TEST(Comm, Allreduce) {
+//     distoptim::testing::run_ranks(3, [](int rank, int world_size) { ... gtest assertions ... });
+//   }
+//
+// The test process re-runs its own executable once per rank, filtered to the current test, with
+// RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT set.
+// In those children run_ranks calls the body; in the parent it supervises them: the first rank
+// to fail (non-zero exit, signal) makes it kill the others and fail the test at once with that
+// rank's output, and ranks still running at the deadline are killed and named. Nothing hangs.
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <string>
+
+namespace distoptim {
+namespace testing {
+
+struct RunRanksOptions {
+  std::chrono::seconds deadline{60};
+  /// Exit statuses expected of some ranks (a rank that kills itself on purpose, say), by rank.
+  /// Every other rank must exit 0.
+  std::map<int, int> expected_exit_codes;
+};
+
+/// Runs `body(rank, world_size)` in `world_size` processes; see the file comment.
+void run_ranks(int world_size, const std::function<void(int rank, int world_size)>& body,
+               const RunRanksOptions& options = {});
+
+/// True inside a rank's process.
+bool in_rank_process();
+
+/// A TCP port on 127.0.0.1 that was free a moment ago.
+int free_port();
+
+}  // namespace testing
+}  // namespace distoptim
