@@ -4,7 +4,6 @@
 #include <map>
 #include <mutex>
 #include <set>
-#include <thread>
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -12,6 +11,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <distoptim/comm/errors.h>
+
+#include "store_wait.h"
 
 namespace distoptim {
 namespace comm {
@@ -58,26 +59,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<
 void agree_on_members(c10d::Store& store, const std::string& key_prefix, int world_size,
                       int my_rank, const std::vector<int>& ranks,
                       std::chrono::milliseconds timeout, int64_t id) {
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back(key_prefix + std::to_string(r));
-  const auto deadline = Clock::now() + timeout;
-  auto pause = std::chrono::milliseconds(1);
-  while (!store.check(keys)) {
-    if (Clock::now() >= deadline) {
-      std::vector<int> missing;
-      for (int r = 0; r < world_size; ++r) {
-        if (!store.check({keys[r]})) missing.push_back(r);
-      }
-      DISTOPTIM_THROW(TimeoutError, "new_group(ranks=", ranks_text(ranks), ") (call #", id,
-                      "): rank ", my_rank, " waited ", timeout.count(),
-                      " ms; these ranks never called it: ", c10::Join(", ", missing));
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(50));
-  }
+  const std::vector<int> missing =
+      wait_for_rank_keys(store, key_prefix, world_size, Clock::now() + timeout);
+  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "new_group(ranks=", ranks_text(ranks),
+                       ") (call #", id, "): rank ", my_rank, " waited ", timeout.count(),
+                       " ms; these ranks never called it: ", c10::Join(", ", missing));
   const std::string mine = ranks_text(ranks);
   for (int r = 0; r < world_size; ++r) {
-    const std::vector<uint8_t> bytes = store.get(keys[r]);
+    const std::vector<uint8_t> bytes = store.get(key_prefix + std::to_string(r));
     const std::string theirs(bytes.begin(), bytes.end());
     TORCH_CHECK_VALUE(theirs == mine, "new_group (call #", id, "): rank ", r,
                       " passed ranks=", theirs, " but rank ", my_rank, " passed ranks=", mine,

@@ -16,6 +16,8 @@
 
 #include <distoptim/comm/errors.h>
 
+#include "store_wait.h"
+
 namespace distoptim {
 namespace comm {
 
@@ -156,25 +158,13 @@ constexpr auto kFailureGrace = std::chrono::seconds(2);
 // says what was awaited, for the error.
 void wait_for_ranks(c10d::Store& store, const std::string& prefix, int rank, int world_size,
                     Clock::time_point deadline, const std::string& what) {
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back(prefix + std::to_string(r));
-  auto pause = std::chrono::milliseconds(1);
+  std::vector<int> missing;
   try {
-    while (!store.check(keys)) {
+    missing = wait_for_rank_keys(store, prefix, world_size, deadline, [&] {
       if (rank != 0 && store.check({kFailedKey})) {
         throw_published_failure(from_bytes(store.get(kFailedKey)), rank);
       }
-      if (Clock::now() >= deadline) {
-        std::vector<int> missing;
-        for (int r = 0; r < world_size; ++r) {
-          if (!store.check({keys[r]})) missing.push_back(r);
-        }
-        DISTOPTIM_THROW(TimeoutError, what, "; these ranks never arrived: ",
-                        c10::Join(", ", missing));
-      }
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::milliseconds(50));
-    }
+    });
   } catch (const DistributedError&) {
     throw;
   } catch (const std::exception& e) {
@@ -182,6 +172,8 @@ void wait_for_ranks(c10d::Store& store, const std::string& prefix, int rank, int
     DISTOPTIM_THROW(PeerLostError, what, "; lost the rendezvous store (rank 0): ",
                     c10::GetExceptionString(e));
   }
+  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), what, "; these ranks never arrived: ",
+                       c10::Join(", ", missing));
 }
 
 // Announces this rank, waits for all, and fills in `result` from what the ranks announced.
