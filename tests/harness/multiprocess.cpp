@@ -181,8 +181,12 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
       --remaining;
       const int status = ranks[r].status;
       if (!WIFEXITED(status) || WEXITSTATUS(status) != expected_status(r)) {
+        // The failing rank's output first, then the others' up to now (they are killed next).
         failure = "rank " + std::to_string(r) + " " + describe_status(status) + " (expected " +
                   std::to_string(expected_status(r)) + ")\n" + output_of(r);
+        for (int other = 0; other < world_size; ++other) {
+          if (other != r) failure += "\n" + output_of(other);
+        }
       }
     }
     if (failure.empty() && remaining > 0 && std::chrono::steady_clock::now() >= deadline) {

@@ -9,13 +9,9 @@
 
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <distoptim/comm/rendezvous.h>
-
-namespace c10d {
-class ProcessGroup;
-class Store;
-}  // namespace c10d
 
 namespace distoptim {
 namespace comm {

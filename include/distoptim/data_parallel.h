@@ -1,0 +1,5 @@
+#pragma once
+
+// Layer 3 of distoptim: data parallel training.
+#include <distoptim/data_parallel/distributed_data_parallel.h>
+#include <distoptim/data_parallel/post_local_sgd_hook.h>

@@ -1,0 +1,150 @@
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <distoptim/comm/process_group.h>
+
+namespace distoptim {
+namespace data_parallel {
+
+/// torch.nn.parallel.DistributedDataParallel's options, named and defaulted as in PyTorch 1.13.
+struct DistributedDataParallelOptions {
+  /// The group that averages gradients; by default the world (comm::world()).
+  TORCH_ARG(std::optional<comm::Group>, process_group) = std::nullopt;
+  /// Gradients are allreduced in buckets of about this many MiB (the first bucket: 1 MiB), each
+  /// launched as soon as its gradients are ready, while backward still runs.
+  TORCH_ARG(double, bucket_cap_mb) = 25;
+  /// Broadcast rank 0's buffers (batch-norm statistics, ...) before every forward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Walk the graph from the outputs after each forward to find parameters that take no part
+  /// in it, so their buckets still complete. Needs forward to return tensors.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// Gradients become views into the allreduce buckets (saves one copy and the memory of one
+  /// set of gradients).
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+};
+
+/// The communication hooks LibTorch has built in (c10d::BuiltinCommHookType).
+enum class BuiltinCommHook {
+  /// Average by allreduce (what no hook does too).
+  kAllReduce,
+  /// Cast each bucket to float16, allreduce, cast back: half the bytes on the wire.
+  kFp16Compress,
+};
+
+/// The gradient synchronisation of one model replica, without the module's type: everything
+/// of DistributedDataParallel but `forward`. Built on LibTorch's c10d::Reducer.
+///
+/// Thread safety: one replica is driven by one thread (forward, backward, hooks); the
+/// allreduces run on Gloo's threads. Blocking: construction and the buffer broadcast before a
+/// forward are collectives of the group (every rank must construct, every rank must forward);
+/// they and the gradient allreduces fail after the group's timeout.
+/// Errors: construction throws when a rank's parameters differ in number, shape or dtype from
+/// rank 0's (c10::Error naming the ranks); a module without trainable parameters is a
+/// c10::ValueError.
+class GradientSync {
+ public:
+  GradientSync(const torch::nn::Module& module, DistributedDataParallelOptions options);
+  ~GradientSync();
+  GradientSync(const GradientSync&) = delete;
+  GradientSync& operator=(const GradientSync&) = delete;
+
+  /// Called by DistributedDataParallel::forward around the module's forward.
+  void before_forward();
+  void after_forward(const std::vector<at::Tensor>& outputs);
+
+  /// While the returned guard lives, backward passes accumulate gradients locally without
+  /// synchronizing them (torch's no_sync()); the first backward after it synchronizes the sum.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(GradientSync& sync);
+    ~NoSyncGuard();
+    NoSyncGuard(NoSyncGuard&& other) noexcept;
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+
+   private:
+    GradientSync* sync_;
+    bool previous_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  /// Replaces how each bucket is reduced. Call once, before the first forward (as in PyTorch).
+  /// The hook gets every bucket with its flat gradient buffer and returns a future of the
+  /// reduced buffer; see post_local_sgd_hook.h for one.
+  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
+  void register_builtin_comm_hook(BuiltinCommHook hook);
+
+  const comm::Group& process_group() const;
+  /// The parameters whose gradients are synchronized (those that require grad), in module order.
+  const std::vector<at::Tensor>& parameters() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+namespace detail {
+inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) {
+  out.push_back(t);
+}
+inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename... T>
+void collect_tensors(const std::tuple<T...>& t, std::vector<at::Tensor>& out) {
+  std::apply([&](const auto&... items) { (collect_tensors(items, out), ...); }, t);
+}
+template <typename T>
+void collect_tensors(const T&, std::vector<at::Tensor>&) {}
+}  // namespace detail
+
+/// torch.nn.parallel.DistributedDataParallel for a LibTorch module: rank 0's parameters and
+/// buffers are broadcast at construction, and every backward pass averages the gradients over
+/// the process group in buckets launched while backward still runs, so after `backward()` each
+/// rank's `.grad` equals the gradient of the mean loss over all ranks' batches.
+///
+///   auto model = torch::nn::Sequential(torch::nn::Linear(4, 8), torch::nn::ReLU(), ...);
+///   DistributedDataParallel ddp(model);           // collective
+///   ddp.forward(x).sum().backward();              // gradients averaged over ranks
+///
+/// `ModuleHolder` is a LibTorch module holder (torch::nn::Linear, Sequential, a TORCH_MODULE of
+/// yours) or a std::shared_ptr to a module; `forward` forwards its arguments to the module's.
+/// Threading, blocking and errors: as GradientSync.
+template <typename ModuleHolder>
+class DistributedDataParallel : public GradientSync {
+ public:
+  explicit DistributedDataParallel(ModuleHolder module, DistributedDataParallelOptions options = {})
+      : GradientSync(*module, std::move(options)), module_(std::move(module)) {}
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    before_forward();
+    auto output = module_->forward(std::forward<Args>(args)...);
+    std::vector<at::Tensor> tensors;
+    detail::collect_tensors(output, tensors);
+    after_forward(tensors);
+    return output;
+  }
+
+  ModuleHolder& module() { return module_; }
+  const ModuleHolder& module() const { return module_; }
+
+ private:
+  ModuleHolder module_;
+};
+
+}  // namespace data_parallel
+}  // namespace distoptim

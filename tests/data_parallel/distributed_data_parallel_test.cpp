@@ -1,0 +1,244 @@
+// DistributedDataParallel: after backward every rank's gradients equal the gradients of the mean
+// loss over all ranks' batches, computed here in one process on the concatenated batch.
+
+#include <string>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <distoptim/comm.h>
+#include <distoptim/data_parallel.h>
+
+#include "../harness/multiprocess.h"
+#include "../optim/test_util.h"
+
+namespace distoptim {
+namespace data_parallel {
+namespace {
+
+using distoptim::testing::expect_error_containing;
+using distoptim::testing::run_ranks;
+using namespace std::chrono_literals;
+
+constexpr int64_t kRowsPerRank = 4;
+
+torch::nn::Sequential make_model(int64_t seed, int64_t hidden = 16) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential model(torch::nn::Linear(6, hidden), torch::nn::Tanh(),
+                              torch::nn::Linear(hidden, 4));
+  model->to(torch::kFloat64);
+  return model;
+}
+
+// A global batch every rank can build; rank r trains on rows [4r, 4r + 4).
+struct Batch {
+  at::Tensor x, y;
+  Batch(int64_t seed, int world_size) {
+    torch::manual_seed(seed);
+    x = torch::randn({kRowsPerRank * world_size, 6}, torch::kFloat64);
+    y = torch::randn({kRowsPerRank * world_size, 4}, torch::kFloat64);
+  }
+  at::Tensor local_x(int rank) const { return x.narrow(0, kRowsPerRank * rank, kRowsPerRank); }
+  at::Tensor local_y(int rank) const { return y.narrow(0, kRowsPerRank * rank, kRowsPerRank); }
+};
+
+void expect_grads_close(const std::vector<at::Tensor>& params,
+                        const std::vector<at::Tensor>& reference, double rtol, double atol,
+                        const std::string& what) {
+  ASSERT_EQ(params.size(), reference.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(params[i].grad().defined()) << what << ": parameter " << i;
+    EXPECT_TRUE(at::allclose(params[i].grad(), reference[i].grad(), rtol, atol))
+        << what << ": gradient of parameter " << i << "\n"
+        << params[i].grad() << "\nexpected\n"
+        << reference[i].grad();
+  }
+}
+
+void init(int) { comm::init_process_group(comm::ProcessGroupOptions("env://").timeout(30s)); }
+
+TEST(DistributedDataParallel, GradientsEqualTheFullBatch) {
+  for (int world : {2, 3}) {
+    run_ranks(world, [](int rank, int world_size) {
+      init(rank);
+      // Each rank starts from its own weights: DDP gives everyone rank 0's.
+      auto model = make_model(100 + rank);
+      // Tiny buckets: several allreduces per backward, rebuilt after the first iteration.
+      DistributedDataParallel ddp(model, DistributedDataParallelOptions().bucket_cap_mb(0.0005));
+      auto reference = make_model(100);
+      distoptim::testing::expect_all_equal(model->parameters(), reference->parameters());
+
+      torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.1));
+      torch::optim::SGD reference_sgd(reference->parameters(), torch::optim::SGDOptions(0.1));
+      for (int iteration = 0; iteration < 3; ++iteration) {
+        const Batch batch(7 + iteration, world_size);
+        sgd.zero_grad();
+        reference_sgd.zero_grad();
+        torch::mse_loss(ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+        torch::mse_loss(reference->forward(batch.x), batch.y).backward();
+        expect_grads_close(model->parameters(), reference->parameters(), 1e-10, 1e-12,
+                           "iteration " + std::to_string(iteration));
+        sgd.step();
+        reference_sgd.step();
+      }
+      comm::destroy_process_group();
+    });
+  }
+}
+
+TEST(DistributedDataParallel, NoSyncAccumulatesLocallyThenSyncsTheSum) {
+  run_ranks(3, [](int rank, int world_size) {
+    init(rank);
+    auto model = make_model(5);
+    DistributedDataParallel ddp(model);
+    auto reference = make_model(5);
+    auto local_reference = make_model(5);
+    const Batch first(11, world_size);
+    const Batch second(12, world_size);
+    {
+      auto guard = ddp.no_sync();
+      torch::mse_loss(ddp.forward(first.local_x(rank)), first.local_y(rank)).backward();
+    }
+    // Inside no_sync, gradients are this rank's own.
+    torch::mse_loss(local_reference->forward(first.local_x(rank)), first.local_y(rank)).backward();
+    expect_grads_close(model->parameters(), local_reference->parameters(), 1e-12, 1e-14,
+                       "after the unsynchronized backward");
+    torch::mse_loss(ddp.forward(second.local_x(rank)), second.local_y(rank)).backward();
+    (torch::mse_loss(reference->forward(first.x), first.y) +
+     torch::mse_loss(reference->forward(second.x), second.y))
+        .backward();
+    expect_grads_close(model->parameters(), reference->parameters(), 1e-10, 1e-12,
+                       "after the synchronized backward");
+    comm::destroy_process_group();
+  });
+}
+
+TEST(DistributedDataParallel, Fp16CompressionHook) {
+  run_ranks(2, [](int rank, int world_size) {
+    init(rank);
+    auto model = make_model(3);
+    model->to(torch::kFloat32);
+    DistributedDataParallel ddp(model);
+    ddp.register_builtin_comm_hook(BuiltinCommHook::kFp16Compress);
+    auto reference = make_model(3);
+    const Batch batch(13, world_size);
+    torch::mse_loss(ddp.forward(batch.local_x(rank).to(torch::kFloat32)),
+                    batch.local_y(rank).to(torch::kFloat32))
+        .backward();
+    torch::mse_loss(reference->forward(batch.x), batch.y).backward();
+    // The float16 round trip keeps about 3 decimal digits.
+    std::vector<at::Tensor> as_float;
+    for (const auto& p : reference->parameters()) {
+      auto copy = p.detach().to(torch::kFloat32).requires_grad_();
+      copy.mutable_grad() = p.grad().to(torch::kFloat32);
+      as_float.push_back(copy);
+    }
+    expect_grads_close(model->parameters(), as_float, 2e-3, 1e-4, "fp16 hook");
+    // Not the exact average: the hook really compressed.
+    bool any_different = false;
+    for (size_t i = 0; i < as_float.size(); ++i) {
+      any_different |= !at::equal(model->parameters()[i].grad(), as_float[i].grad());
+    }
+    EXPECT_TRUE(any_different);
+    comm::destroy_process_group();
+  });
+}
+
+TEST(DistributedDataParallel, PostLocalSgdHookAveragesGloballyThenInSubgroups) {
+  run_ranks(2, [](int rank, int world_size) {
+    init(rank);
+    auto model = make_model(9);
+    DistributedDataParallel ddp(model);
+    auto [alone, all_singletons] = comm::new_subgroups(1);
+    auto state = std::make_shared<PostLocalSgdState>(std::nullopt, alone, /*start=*/2);
+    ddp.register_comm_hook(post_local_sgd_hook(state));
+    for (int iteration = 0; iteration < 4; ++iteration) {
+      const Batch batch(20 + iteration, world_size);
+      auto reference = make_model(9);
+      for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+      torch::mse_loss(ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      if (iteration < 2) {
+        torch::mse_loss(reference->forward(batch.x), batch.y).backward();
+      } else {
+        torch::mse_loss(reference->forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      }
+      expect_grads_close(model->parameters(), reference->parameters(), 1e-10, 1e-12,
+                         "iteration " + std::to_string(iteration));
+    }
+    EXPECT_EQ(state->iter, 2);
+    comm::destroy_process_group();
+  });
+}
+
+// A module with a buffer, to see buffers broadcast from rank 0.
+struct WithBufferImpl : torch::nn::Module {
+  WithBufferImpl() {
+    linear = register_module("linear", torch::nn::Linear(3, 3));
+    counter = register_buffer("counter", torch::zeros({2}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return linear->forward(x) + counter.sum(); }
+  torch::nn::Linear linear{nullptr};
+  at::Tensor counter;
+};
+TORCH_MODULE(WithBuffer);
+
+TEST(DistributedDataParallel, BuffersFollowRankZero) {
+  run_ranks(2, [](int rank, int) {
+    init(rank);
+    WithBuffer model;
+    model->counter.fill_(rank + 1);
+    DistributedDataParallel ddp(model);
+    EXPECT_TRUE(at::equal(model->counter, torch::full({2}, 1.0)));
+    // A rank's local change is overwritten by rank 0's buffers before the next forward.
+    if (rank == 1) model->counter.fill_(42);
+    ddp.forward(torch::ones({1, 3})).sum().backward();
+    EXPECT_TRUE(at::equal(model->counter, torch::full({2}, 1.0)));
+    comm::destroy_process_group();
+  });
+}
+
+TEST(DistributedDataParallelBadInput, DifferentModelsAcrossRanks) {
+  run_ranks(3, [](int rank, int) {
+    init(rank);
+    // Every rank is told, not only the one that differs.
+    auto wider = make_model(1, rank == 2 ? 17 : 16);
+    expect_error_containing([&] { DistributedDataParallel ddp(wider); },
+                            {"DistributedDataParallel: parameter 0 of rank 2 is Double[17, 6], "
+                             "of rank 0 Double[16, 6]"});
+    auto deeper = rank == 1 ? torch::nn::Sequential(torch::nn::Linear(2, 2)) : make_model(1);
+    expect_error_containing([&] { DistributedDataParallel ddp(deeper); },
+                            {"rank 1 has 2 parameters, rank 0 has 4"});
+    // The group is still usable afterwards.
+    auto same = make_model(1);
+    DistributedDataParallel ddp(same);
+    comm::destroy_process_group();
+  });
+}
+
+TEST(DistributedDataParallelBadInput, Arguments) {
+  run_ranks(2, [](int rank, int) {
+    init(rank);
+    auto model = make_model(1);
+    expect_error_containing(
+        [&] { DistributedDataParallel ddp(model, DistributedDataParallelOptions().bucket_cap_mb(0)); },
+        {"bucket_cap_mb = 0"});
+    for (auto& p : model->parameters()) p.requires_grad_(false);
+    expect_error_containing([&] { DistributedDataParallel ddp(model); },
+                            {"no parameter that requires a gradient"});
+    const comm::Group only_zero = comm::new_group({0});
+    if (rank == 1) {
+      auto trainable = make_model(1);
+      expect_error_containing(
+          [&] {
+            DistributedDataParallel ddp(trainable,
+                                        DistributedDataParallelOptions().process_group(only_zero));
+          },
+          {"not a member"});
+    }
+    comm::destroy_process_group();
+  });
+}
+
+}  // namespace
+}  // namespace data_parallel
+}  // namespace distoptim
