@@ -1,0 +1,184 @@
+// distrun's command line, parsed and validated in-process (the launcher library).
+
+#include "distrun/launcher.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace distoptim {
+namespace launcher {
+namespace {
+
+using Args = std::vector<std::string>;
+
+// Expects parsing `args` to throw UsageError whose message contains every one of `parts`.
+void expect_usage_error(const Args& args, const std::vector<std::string>& parts) {
+  try {
+    parse_command_line(args);
+  } catch (const UsageError& e) {
+    const std::string message = e.what();
+    for (const auto& part : parts) {
+      EXPECT_NE(message.find(part), std::string::npos) << "message lacks '" << part
+                                                       << "': " << message;
+    }
+    return;
+  }
+  ADD_FAILURE() << "expected a UsageError";
+}
+
+TEST(DistrunOptions, DefaultsNeedOnlyTheProcessCountAndTheProgram) {
+  const LaunchOptions options = parse_command_line({"--nproc-per-node", "3", "prog"});
+  EXPECT_EQ(options.nproc_per_node, 3);
+  EXPECT_EQ(options.nnodes, 1);
+  EXPECT_EQ(options.node_rank, 0);
+  EXPECT_EQ(options.master_addr, "");
+  EXPECT_EQ(options.master_port, 0);
+  EXPECT_EQ(options.grace_seconds, 5.0);
+  EXPECT_EQ(options.command, Args{"prog"});
+}
+
+TEST(DistrunOptions, ParsesEveryOption) {
+  const LaunchOptions options = parse_command_line(
+      {"--nproc-per-node=2", "--nnodes", "4", "--node-rank", "3", "--master-addr", "10.0.0.7",
+       "--master-port", "29500", "--grace-seconds", "0.5", "prog", "a"});
+  EXPECT_EQ(options.nproc_per_node, 2);
+  EXPECT_EQ(options.nnodes, 4);
+  EXPECT_EQ(options.node_rank, 3);
+  EXPECT_EQ(options.master_addr, "10.0.0.7");
+  EXPECT_EQ(options.master_port, 29500);
+  EXPECT_EQ(options.grace_seconds, 0.5);
+  EXPECT_EQ(options.command, (Args{"prog", "a"}));
+}
+
+TEST(DistrunOptions, AcceptsTorchrunSpellings) {
+  const LaunchOptions options =
+      parse_command_line({"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1",
+                          "--master_addr", "host", "--master_port", "1234", "prog"});
+  EXPECT_EQ(options.nproc_per_node, 2);
+  EXPECT_EQ(options.node_rank, 1);
+  EXPECT_EQ(options.master_addr, "host");
+  EXPECT_EQ(options.master_port, 1234);
+}
+
+TEST(DistrunOptions, EverythingFromTheProgramOnIsPassedUntouched) {
+  const Args command = {"prog", "--nproc-per-node", "9", "--", "-x", "--help", ""};
+  Args args = {"--nproc-per-node", "2"};
+  args.insert(args.end(), command.begin(), command.end());
+  EXPECT_EQ(parse_command_line(args).command, command);
+}
+
+TEST(DistrunOptions, DoubleDashEndsDistrunsOptions) {
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "1", "--", "prog", "--nnodes", "2"}).command,
+            (Args{"prog", "--nnodes", "2"}));
+  // After --, a program whose name starts with a dash is a program.
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "1", "--", "-prog"}).command, Args{"-prog"});
+}
+
+TEST(DistrunOptions, HelpNamesTheOptionsAndTheEnvironment) {
+  try {
+    parse_command_line({"--help"});
+    ADD_FAILURE() << "expected HelpRequested";
+  } catch (const HelpRequested& help) {
+    const std::string text = help.what();
+    EXPECT_EQ(text, help_text());
+    for (const char* part : {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
+                             "--master-port", "--grace-seconds", "RANK", "WORLD_SIZE",
+                             "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+      EXPECT_NE(text.find(part), std::string::npos) << part;
+    }
+  }
+}
+
+TEST(DistrunOptions, RejectsBadValuesNamingTheOptionAndValue) {
+  expect_usage_error({"prog"}, {"--nproc-per-node", "required"});
+  expect_usage_error({"--nproc-per-node", "0", "prog"}, {"--nproc-per-node 0", "at least 1"});
+  expect_usage_error({"--nproc-per-node", "-3", "prog"}, {"--nproc-per-node -3"});
+  expect_usage_error({"--nproc-per-node", "abc", "prog"}, {"--nproc-per-node", "abc"});
+  expect_usage_error({"--nproc-per-node", "2", "--nnodes", "0", "prog"}, {"--nnodes 0"});
+  expect_usage_error({"--nproc-per-node", "2", "--node-rank", "1", "prog"},
+                     {"--node-rank 1", "[0, 1)"});
+  expect_usage_error({"--nproc-per-node", "2", "--node-rank", "-1", "prog"}, {"--node-rank -1"});
+  expect_usage_error({"--nproc-per-node", "2", "--master-port", "0", "prog"},
+                     {"--master-port 0", "1..65535"});
+  expect_usage_error({"--nproc-per-node", "2", "--master-port", "65536", "prog"},
+                     {"--master-port 65536", "1..65535"});
+  expect_usage_error({"--nproc-per-node", "2", "--master-addr", "", "prog"}, {"--master-addr"});
+  expect_usage_error({"--nproc-per-node", "2", "--grace-seconds", "-1", "prog"},
+                     {"--grace-seconds -1"});
+  expect_usage_error({"--nproc-per-node", "65536", "--nnodes", "65536", "prog"},
+                     {"--nnodes 65536", "--nproc-per-node 65536"});
+  expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "--nnodes", "3", "prog"},
+                     {"--nnodes"});
+}
+
+TEST(DistrunOptions, SeveralNodesNeedTheMasterAddressAndPort) {
+  expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "prog"},
+                     {"--master-addr", "--nnodes 2"});
+  expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h", "prog"},
+                     {"--master-port", "--nnodes 2"});
+  expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "--master-port", "80", "prog"},
+                     {"--master-addr", "--nnodes 2"});
+}
+
+TEST(DistrunOptions, RejectsAMissingProgramAndUnknownOptions) {
+  expect_usage_error({"--nproc-per-node", "2"}, {"PROGRAM"});
+  expect_usage_error({"--nproc-per-node", "2", "--"}, {"PROGRAM"});
+  expect_usage_error({"--nproc-per-node", "2", "--", ""}, {"PROGRAM ''"});
+  expect_usage_error({"--nproc-per-node", "2", "--nproc", "4", "prog"}, {"unknown option --nproc"});
+  expect_usage_error({"--nproc-per-node", "2", "-x", "prog"}, {"unknown option -x"});
+}
+
+TEST(DistrunOptions, ValidateChecksOptionsBuiltInCode) {
+  LaunchOptions options;
+  options.nproc_per_node = 2;
+  options.command = {"prog"};
+  EXPECT_NO_THROW(validate(options));
+  options.node_rank = 1;
+  EXPECT_THROW(validate(options), UsageError);
+  options.node_rank = 0;
+  options.command.clear();
+  EXPECT_THROW(validate(options), UsageError);
+  options.command = {"prog"};
+  options.master_port = 70000;
+  EXPECT_THROW(validate(options), UsageError);
+  EXPECT_THROW(run(options), UsageError);
+}
+
+TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
+  LaunchOptions options;
+  options.nproc_per_node = 4;
+  options.nnodes = 3;
+  options.node_rank = 2;
+  options.master_addr = "10.1.2.3";
+  options.master_port = 29400;
+  options.command = {"prog"};
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {"RANK", "9"},        {"WORLD_SIZE", "12"},          {"LOCAL_RANK", "1"},
+      {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "2"},      {"MASTER_ADDR", "10.1.2.3"},
+      {"MASTER_PORT", "29400"}};
+  EXPECT_EQ(rank_environment(options, 1), expected);
+}
+
+TEST(DistrunOptions, ResolveMasterDefaultsToLoopbackAndAFreePort) {
+  LaunchOptions options;
+  options.nproc_per_node = 1;
+  options.command = {"prog"};
+  const LaunchOptions resolved = resolve_master(options);
+  EXPECT_EQ(resolved.master_addr, "127.0.0.1");
+  EXPECT_GE(resolved.master_port, 1);
+  EXPECT_LE(resolved.master_port, 65535);
+
+  // Given values are kept.
+  options.master_addr = "example.org";
+  options.master_port = 4242;
+  const LaunchOptions kept = resolve_master(options);
+  EXPECT_EQ(kept.master_addr, "example.org");
+  EXPECT_EQ(kept.master_port, 4242);
+}
+
+}  // namespace
+}  // namespace launcher
+}  // namespace distoptim

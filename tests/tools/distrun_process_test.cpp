@@ -1,0 +1,459 @@
+// The real distrun binary, run on distrun_child: environment, output relaying, failure handling,
+// signals, usage errors. Every run is killed after kRunTimeout and then fails the test.
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+extern char** environ;
+
+namespace {
+
+constexpr auto kRunTimeout = std::chrono::seconds(30);
+const std::string kDistrun = DISTOPTIM_DISTRUN_PATH;
+const std::string kChild = DISTOPTIM_DISTRUN_CHILD_PATH;
+
+using Args = std::vector<std::string>;
+using Clock = std::chrono::steady_clock;
+
+struct RunResult {
+  int status = -1;  // distrun's exit status, or 128 + the signal that killed it
+  bool timed_out = false;
+  std::string out;
+  std::string err;
+};
+
+// Called after each read with distrun's pid and its output so far; may send signals.
+using OutputHook = std::function<void(pid_t, const RunResult&)>;
+
+// Runs distrun with `args` and this process's environment with `extra_env` (NAME=value) set,
+// collecting its stdout and stderr until it exits. Kills it if it runs longer than kRunTimeout.
+RunResult run_distrun(const Args& args, const OutputHook& hook = {}, const Args& extra_env = {}) {
+  RunResult result;
+  int out[2];
+  int err[2];
+  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
+    ADD_FAILURE() << "pipe2 failed";
+    return result;
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
+
+  Args argv_strings = {kDistrun};
+  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
+  Args env_strings = extra_env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry = *e;
+    const std::string name = entry.substr(0, entry.find('=') + 1);
+    if (std::none_of(extra_env.begin(), extra_env.end(),
+                     [&](const std::string& extra) { return extra.rfind(name, 0) == 0; })) {
+      env_strings.push_back(entry);
+    }
+  }
+  std::vector<char*> argv;
+  std::vector<char*> envp;
+  for (auto& s : argv_strings) argv.push_back(s.data());
+  for (auto& s : env_strings) envp.push_back(s.data());
+  argv.push_back(nullptr);
+  envp.push_back(nullptr);
+
+  pid_t pid = -1;
+  const int spawn_error =
+      ::posix_spawn(&pid, kDistrun.c_str(), &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+  ::close(err[1]);
+  if (spawn_error != 0) {
+    ::close(out[0]);
+    ::close(err[0]);
+    ADD_FAILURE() << "cannot start " << kDistrun << ": " << std::strerror(spawn_error);
+    return result;
+  }
+
+  // distrun's death closes the pipes (its ranks die with it), so reading ends after a kill too;
+  // the second deadline only guards against a broken test.
+  const auto deadline = Clock::now() + kRunTimeout;
+  pollfd fds[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
+  std::string* sinks[2] = {&result.out, &result.err};
+  while (fds[0].fd >= 0 || fds[1].fd >= 0) {
+    const auto now = Clock::now();
+    if (!result.timed_out && now >= deadline) {
+      result.timed_out = true;
+      ::kill(pid, SIGKILL);
+    }
+    if (now >= deadline + std::chrono::seconds(10)) break;
+    ::poll(fds, 2, 100);
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || fds[i].revents == 0) continue;
+      char buffer[65536];
+      const ssize_t n = ::read(fds[i].fd, buffer, sizeof buffer);
+      if (n > 0) {
+        sinks[i]->append(buffer, static_cast<size_t>(n));
+      } else if (n == 0 || errno != EINTR) {
+        ::close(fds[i].fd);
+        fds[i].fd = -1;
+      }
+    }
+    if (hook) hook(pid, result);
+  }
+  for (const auto& fd : fds) {
+    if (fd.fd >= 0) ::close(fd.fd);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  result.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  EXPECT_FALSE(result.timed_out) << "distrun ran longer than " << kRunTimeout.count()
+                                 << " s and was killed; stdout:\n"
+                                 << result.out << "\nstderr:\n"
+                                 << result.err;
+  return result;
+}
+
+Args split_lines(const std::string& text) {
+  Args lines;
+  size_t start = 0;
+  while (start < text.size()) {
+    const size_t newline = text.find('\n', start);
+    if (newline == std::string::npos) {
+      ADD_FAILURE() << "output does not end with a newline: ..." << text.substr(start);
+      lines.push_back(text.substr(start));
+      break;
+    }
+    lines.push_back(text.substr(start, newline - start));
+    start = newline + 1;
+  }
+  return lines;
+}
+
+// Lines of `text` by rank, prefix removed. Lines without a rank prefix (distrun's own) go to
+// `other`.
+std::map<int, Args> lines_by_rank(const std::string& text, Args* other = nullptr) {
+  static const std::regex prefix(R"(^\[rank (\d+)\] )");
+  std::map<int, Args> by_rank;
+  for (const auto& line : split_lines(text)) {
+    std::smatch match;
+    if (std::regex_search(line, match, prefix)) {
+      by_rank[std::stoi(match[1])].push_back(match.suffix());
+    } else if (other != nullptr) {
+      other->push_back(line);
+    } else {
+      ADD_FAILURE() << "line without a rank prefix: " << line;
+    }
+  }
+  return by_rank;
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// The pid of every rank that printed "ready pid=P" so far.
+std::map<int, pid_t> ready_ranks(const std::string& out) {
+  static const std::regex ready(R"(\[rank (\d+)\] ready pid=(\d+))");
+  std::map<int, pid_t> pids;
+  for (std::sregex_iterator it(out.begin(), out.end(), ready), end; it != end; ++it) {
+    pids[std::stoi((*it)[1])] = std::stoi((*it)[2]);
+  }
+  return pids;
+}
+
+// A hook that, once `ranks` ranks are ready, calls `action(distrun_pid, rank_pids)` once.
+OutputHook when_ready(size_t ranks, std::function<void(pid_t, const std::map<int, pid_t>&)> action) {
+  auto done = std::make_shared<bool>(false);
+  return [=](pid_t distrun, const RunResult& so_far) {
+    if (*done) return;
+    const auto pids = ready_ranks(so_far.out);
+    if (pids.size() < ranks) return;
+    *done = true;
+    action(distrun, pids);
+  };
+}
+
+// Whether process `pid` is gone or a zombie.
+bool process_gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string content;
+  if (!std::getline(stat, content)) return true;
+  const size_t paren = content.rfind(')');
+  return paren == std::string::npos || paren + 2 >= content.size() || content[paren + 2] == 'Z' ||
+         content[paren + 2] == 'X';
+}
+
+TEST(Distrun, EachLocalRankGetsItsEnvironment) {
+  const RunResult r = run_distrun({"--nproc-per-node", "3", kChild, "env"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  const auto by_rank = lines_by_rank(r.out);
+  ASSERT_EQ(by_rank.size(), 3u) << r.out;
+  // The port is found free at start; every rank must see the same one.
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(by_rank.at(0).at(0), match, std::regex(R"(MASTER_PORT=(\d+)$)")));
+  const int port = std::stoi(match[1]);
+  EXPECT_GE(port, 1);
+  EXPECT_LE(port, 65535);
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string expected =
+        "RANK=" + std::to_string(rank) + " WORLD_SIZE=3 LOCAL_RANK=" + std::to_string(rank) +
+        " LOCAL_WORLD_SIZE=3 GROUP_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+        std::to_string(port);
+    EXPECT_EQ(by_rank.at(rank), Args{expected}) << "rank " << rank;
+  }
+}
+
+TEST(Distrun, SecondNodeOfTwoGetsTheUpperRanks) {
+  const RunResult r = run_distrun({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2",
+                                   "--master-addr", "10.0.0.5", "--master-port", "29512", kChild,
+                                   "env"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::map<int, Args> expected = {
+      {2,
+       {"RANK=2 WORLD_SIZE=4 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 MASTER_ADDR=10.0.0.5 "
+        "MASTER_PORT=29512"}},
+      {3,
+       {"RANK=3 WORLD_SIZE=4 LOCAL_RANK=1 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 MASTER_ADDR=10.0.0.5 "
+        "MASTER_PORT=29512"}}};
+  EXPECT_EQ(lines_by_rank(r.out), expected);
+}
+
+TEST(Distrun, DistrunsVariablesReplaceInheritedOnes) {
+  const RunResult r = run_distrun({"--nproc-per-node", "1", kChild, "env"}, {},
+                                  {"RANK=77", "MASTER_ADDR=elsewhere", "WORLD_SIZE=9"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0] RANK=0 WORLD_SIZE=1 ")) << r.out;
+  EXPECT_TRUE(contains(r.out, " MASTER_ADDR=127.0.0.1 ")) << r.out;
+}
+
+TEST(Distrun, ArgumentsReachTheProgramUntouched) {
+  const RunResult r = run_distrun(
+      {"--nproc-per-node", "1", kChild, "args", "--nproc-per-node", "9", "--", "-x", "--help"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out,
+            "[rank 0] arg=--nproc-per-node\n[rank 0] arg=9\n[rank 0] arg=--\n[rank 0] arg=-x\n"
+            "[rank 0] arg=--help\n");
+
+  const RunResult dashed = run_distrun({"--nproc-per-node", "1", "--", kChild, "args", "-y"});
+  ASSERT_EQ(dashed.status, 0) << dashed.err;
+  EXPECT_EQ(dashed.out, "[rank 0] arg=-y\n");
+}
+
+TEST(Distrun, FindsTheProgramOnPath) {
+  const std::string dir = kChild.substr(0, kChild.rfind('/'));
+  const std::string name = kChild.substr(kChild.rfind('/') + 1);
+  const RunResult r = run_distrun({"--nproc-per-node", "2", name, "args", "ok"}, {},
+                                  {"PATH=" + dir + ":/usr/bin:/bin"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::map<int, Args> expected = {{0, {"arg=ok"}}, {1, {"arg=ok"}}};
+  EXPECT_EQ(lines_by_rank(r.out), expected);
+}
+
+TEST(Distrun, EveryLineIsPrefixedWholeAndInOrder) {
+  constexpr int kRanks = 4;
+  constexpr int kLines = 300;
+  const RunResult r =
+      run_distrun({"--nproc-per-node", std::to_string(kRanks), kChild, "lines",
+                   std::to_string(kLines)});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto out = lines_by_rank(r.out);
+  const auto err = lines_by_rank(r.err);
+  ASSERT_EQ(out.size(), static_cast<size_t>(kRanks));
+  ASSERT_EQ(err.size(), static_cast<size_t>(kRanks));
+  for (int rank = 0; rank < kRanks; ++rank) {
+    Args expected_out;
+    Args expected_err;
+    for (int i = 0; i < kLines; ++i) {
+      const std::string id = std::to_string(rank) + "-" + std::to_string(i);
+      expected_out.push_back("line " + id + " " +
+                             std::string(80, static_cast<char>('a' + (rank + i) % 26)));
+      expected_err.push_back("err " + id);
+    }
+    // The partial last lines, completed with a newline at end of file.
+    expected_out.push_back("tail " + std::to_string(rank));
+    expected_err.push_back("errtail " + std::to_string(rank));
+    EXPECT_EQ(out.at(rank), expected_out) << "stdout of rank " << rank;
+    EXPECT_EQ(err.at(rank), expected_err) << "stderr of rank " << rank;
+  }
+}
+
+TEST(Distrun, ALineLongerThan64KiBIsWrittenInPieces) {
+  constexpr size_t kBytes = 200000;
+  constexpr size_t kPiece = 64 * 1024;
+  const RunResult r =
+      run_distrun({"--nproc-per-node", "1", kChild, "long", std::to_string(kBytes)});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto out = lines_by_rank(r.out);
+  ASSERT_EQ(out.size(), 1u);
+  const Args& pieces = out.at(0);
+  ASSERT_EQ(pieces.size(), (kBytes + kPiece - 1) / kPiece);
+  std::string joined;
+  for (const auto& piece : pieces) {
+    EXPECT_LE(piece.size(), kPiece);
+    joined += piece;
+  }
+  std::string expected(kBytes, ' ');
+  for (size_t i = 0; i < kBytes; ++i) expected[i] = static_cast<char>('a' + i % 26);
+  EXPECT_EQ(joined, expected);
+}
+
+// Ranks print "ready pid=P"; once all are ready, rank `failing` is told to fail.
+RunResult run_with_failing_rank(const Args& distrun_args, int ranks, int failing,
+                                const std::string& how, int n, const std::string& others) {
+  Args args = distrun_args;
+  for (const std::string& a : {std::string("--nproc-per-node"), std::to_string(ranks), kChild,
+                               std::string("fail-on"), std::to_string(failing), how,
+                               std::to_string(n), others}) {
+    args.push_back(a);
+  }
+  return run_distrun(args, when_ready(ranks, [failing](pid_t, const std::map<int, pid_t>& pids) {
+                       ::kill(pids.at(failing), SIGUSR1);
+                     }));
+}
+
+TEST(Distrun, AFailingRankStopsTheOthersAndSetsTheExitStatus) {
+  const RunResult r = run_with_failing_rank({}, 3, 1, "exit", 3, "sleep");
+  EXPECT_EQ(r.status, 3) << r.err;
+  const auto pids = ready_ranks(r.out);
+  ASSERT_EQ(pids.size(), 3u) << r.out;
+  EXPECT_TRUE(contains(r.err, "distrun: rank 1 (pid " + std::to_string(pids.at(1)) +
+                                  ") exited with status 3\n"))
+      << r.err;
+  // The sleeping ranks were stopped by distrun's SIGTERM, before their sleep ended.
+  for (int rank : {0, 2}) {
+    EXPECT_TRUE(contains(r.err, "distrun: rank " + std::to_string(rank) + " (pid " +
+                                    std::to_string(pids.at(rank)) +
+                                    ") was killed by signal SIGTERM\n"))
+        << r.err;
+  }
+  EXPECT_FALSE(contains(r.out, "done")) << r.out;
+}
+
+TEST(Distrun, ARankKilledByASignalGivesStatus128PlusTheSignal) {
+  const RunResult r = run_with_failing_rank({}, 2, 0, "signal", SIGKILL, "sleep");
+  EXPECT_EQ(r.status, 128 + SIGKILL) << r.err;
+  EXPECT_TRUE(contains(r.err, "distrun: rank 0 (pid ")) << r.err;
+  EXPECT_TRUE(contains(r.err, ") was killed by signal SIGKILL\n")) << r.err;
+  EXPECT_FALSE(contains(r.out, "done")) << r.out;
+}
+
+TEST(Distrun, RanksIgnoringSigtermAreKilledAfterTheGracePeriod) {
+  const RunResult r = run_with_failing_rank({"--grace-seconds", "0.5"}, 3, 2, "exit", 5,
+                                            "ignore-term");
+  EXPECT_EQ(r.status, 5) << r.err;
+  EXPECT_TRUE(contains(r.err, "distrun: rank 2 (pid ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "sending SIGKILL to rank(s) 0 1\n")) << r.err;
+  for (int rank : {0, 1}) {
+    EXPECT_TRUE(std::regex_search(r.err, std::regex("distrun: rank " + std::to_string(rank) +
+                                                    R"( \(pid \d+\) was killed by signal SIGKILL)")))
+        << r.err;
+  }
+  EXPECT_FALSE(contains(r.out, "done")) << r.out;
+}
+
+class DistrunSignal : public ::testing::TestWithParam<int> {};
+
+TEST_P(DistrunSignal, ASignalToDistrunReachesEveryRank) {
+  const int signo = GetParam();
+  const RunResult r = run_distrun(
+      {"--nproc-per-node", "3", kChild, "trap"},
+      when_ready(3, [signo](pid_t distrun, const std::map<int, pid_t>&) { ::kill(distrun, signo); }));
+  EXPECT_EQ(r.status, 128 + signo) << r.err;
+  const std::string got = std::string("got SIG") + ::sigabbrev_np(signo);
+  const auto out = lines_by_rank(r.out);
+  ASSERT_EQ(out.size(), 3u) << r.out;
+  for (const auto& [rank, lines] : out) {
+    EXPECT_EQ(lines.back(), got) << "rank " << rank << "\n" << r.out;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(SigtermAndSigint, DistrunSignal, ::testing::Values(SIGTERM, SIGINT));
+
+TEST(Distrun, RanksDieWhenDistrunIsKilled) {
+  std::map<int, pid_t> rank_pids;
+  const RunResult r = run_distrun({"--nproc-per-node", "2", kChild, "sleep"},
+                                  when_ready(2, [&](pid_t distrun, const std::map<int, pid_t>& pids) {
+                                    rank_pids = pids;
+                                    ::kill(distrun, SIGKILL);
+                                  }));
+  EXPECT_EQ(r.status, 128 + SIGKILL);
+  ASSERT_EQ(rank_pids.size(), 2u) << r.out;
+  // PR_SET_PDEATHSIG: the kernel kills them; allow it a moment (bounded) to happen.
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  for (const auto& [rank, pid] : rank_pids) {
+    while (!process_gone(pid) && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_TRUE(process_gone(pid)) << "rank " << rank << " (pid " << pid << ") outlived distrun";
+    if (!process_gone(pid)) ::kill(pid, SIGKILL);
+  }
+}
+
+TEST(Distrun, AProgramThatCannotBeRunExits127) {
+  const RunResult r = run_distrun({"--nproc-per-node", "2", "/nonexistent/program", "x"});
+  EXPECT_EQ(r.status, 127);
+  Args distrun_lines;
+  const auto err = lines_by_rank(r.err, &distrun_lines);
+  ASSERT_FALSE(err.empty()) << r.err;
+  for (const auto& [rank, lines] : err) {
+    EXPECT_EQ(lines,
+              Args{"distrun: cannot execute '/nonexistent/program': No such file or directory"})
+        << "rank " << rank;
+  }
+  ASSERT_FALSE(distrun_lines.empty());
+  EXPECT_TRUE(contains(distrun_lines.front(), "exited with status 127")) << r.err;
+}
+
+TEST(Distrun, BadArgumentsExit2NamingTheOption) {
+  struct Case {
+    Args args;
+    Args parts;
+  };
+  const std::vector<Case> cases = {
+      {{"--nproc-per-node", "0", kChild, "env"}, {"--nproc-per-node 0"}},
+      {{"--nproc-per-node", "two", kChild, "env"}, {"--nproc-per-node", "two"}},
+      {{"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h",
+        "--master-port", "1", kChild, "env"},
+       {"--node-rank 2"}},
+      {{"--nproc-per-node", "1", "--master-port", "70000", kChild, "env"},
+       {"--master-port 70000"}},
+      {{"--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", kChild, "env"},
+       {"--master-addr"}},
+      {{"--nproc-per-node", "1", "--grace-seconds", "-2", kChild}, {"--grace-seconds -2"}},
+      {{"--nproc-per-node", "1", "--bogus", kChild}, {"unknown option --bogus"}},
+      {{"--nproc-per-node", "1"}, {"no PROGRAM"}},
+      {{kChild, "env"}, {"--nproc-per-node", "required"}},
+  };
+  for (const auto& c : cases) {
+    const RunResult r = run_distrun(c.args);
+    EXPECT_EQ(r.status, 2) << r.err;
+    EXPECT_EQ(r.out, "") << "a usage error must start no rank";
+    EXPECT_TRUE(contains(r.err, "distrun: ")) << r.err;
+    for (const auto& part : c.parts) EXPECT_TRUE(contains(r.err, part)) << r.err;
+  }
+}
+
+TEST(Distrun, HelpExitsZero) {
+  const RunResult r = run_distrun({"--help"});
+  EXPECT_EQ(r.status, 0);
+  EXPECT_TRUE(contains(r.out, "--nproc-per-node")) << r.out;
+}
+
+}  // namespace
