@@ -30,8 +30,6 @@
 #include <distoptim/optim/rprop.h>
 #include <distoptim/optim/sgd.h>
 
-#include <sys/wait.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -53,11 +51,16 @@
 #include <gtest/gtest.h>
 #include <torch/serialize.h>
 
+#include "../harness/command.h"
+
 namespace distoptim {
 namespace optim {
 namespace {
 
 namespace fs = std::filesystem;
+using distoptim::testing::CommandResult;
+using distoptim::testing::run_command;
+using distoptim::testing::shell_quote;
 
 const char* const kScript = DISTOPTIM_SOURCE_DIR "/tests/optim/reference/optim_reference.py";
 const char* const kPython = DISTOPTIM_REFERENCE_PYTHON;
@@ -65,43 +68,6 @@ const char* const kUnavailable = "reference_unavailable";
 
 // ---------------------------------------------------------------------------------------------
 // Running the reference.
-
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (char ch : s) {
-    if (ch == '\'') {
-      out += "'\\''";
-    } else {
-      out += ch;
-    }
-  }
-  return out + "'";
-}
-
-struct CommandResult {
-  bool ok = false;
-  std::string output;
-};
-
-// Runs `command` through the shell, stdout and stderr captured together.
-CommandResult run_command(const std::string& command) {
-  CommandResult result;
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) {
-    result.output = "popen failed for: " + command;
-    return result;
-  }
-  char buffer[4096];
-  size_t n;
-  while ((n = fread(buffer, 1, sizeof(buffer), pipe)) > 0) result.output.append(buffer, n);
-  const int status = pclose(pipe);
-  result.ok = status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-  if (!result.ok) {
-    result.output = "command failed (status " + std::to_string(status) + "): " + command + "\n" +
-                    result.output;
-  }
-  return result;
-}
 
 std::string reference_command(const std::string& args) {
   return shell_quote(kPython) + " " + shell_quote(kScript) + " " + args;
@@ -130,8 +96,7 @@ const std::vector<ListedCase>& listed_cases() {
       while (lines >> name >> functional) out.push_back({name, functional != 0, ""});
     }
     if (out.empty()) {
-      out.push_back({kUnavailable, true,
-                     "the reference script listed no cases.\n" + r.output});
+      out.push_back({kUnavailable, true, "the reference script listed no cases.\n" + r.output});
     }
     return out;
   }();
@@ -184,8 +149,8 @@ class ReferenceData {
   // The file of case `name`, or an empty path with `error` set.
   fs::path case_file(const std::string& name, std::string& error) const {
     if (!ready_) {
-      error = "the reference (" + std::string(kScript) + " under " + kPython +
-              ") did not run:\n" + error_;
+      error = "the reference (" + std::string(kScript) + " under " + kPython + ") did not run:\n" +
+              error_;
       return {};
     }
     const fs::path file = dir_ / (name + ".pt");
@@ -432,8 +397,8 @@ struct ErrorSummary {
   double max_ratio = 0;  // max |ours - ref| / allowed; above 1 fails
   std::string max_ratio_where;
   std::string str() const {
-    return "max relative error " + fmt(max_rel) + " (" + max_rel_where +
-           "); max error/allowed " + fmt(max_ratio) + " (" + max_ratio_where + ")";
+    return "max relative error " + fmt(max_rel) + " (" + max_rel_where + "); max error/allowed " +
+           fmt(max_ratio) + " (" + max_ratio_where + ")";
   }
 };
 
@@ -447,13 +412,13 @@ struct ErrorSummary {
                                               ErrorSummary& summary) {
   if (!ours.defined()) return ::testing::AssertionFailure() << what << ": missing";
   if (ours.scalar_type() != dtype || ref.scalar_type() != dtype) {
-    return ::testing::AssertionFailure() << what << ": dtype " << ours.scalar_type()
-                                         << ", reference " << ref.scalar_type() << ", case "
-                                         << dtype;
+    return ::testing::AssertionFailure()
+           << what << ": dtype " << ours.scalar_type() << ", reference " << ref.scalar_type()
+           << ", case " << dtype;
   }
   if (ours.sizes() != ref.sizes()) {
-    return ::testing::AssertionFailure() << what << ": shape " << ours.sizes() << ", reference "
-                                         << ref.sizes();
+    return ::testing::AssertionFailure()
+           << what << ": shape " << ours.sizes() << ", reference " << ref.sizes();
   }
   if (ref.numel() == 0) return ::testing::AssertionSuccess();
   const double rtol = rtol_for(dtype);
@@ -470,16 +435,14 @@ struct ErrorSummary {
 
   const at::Tensor nonzero = abs_r.gt(0);
   const double max_rel =
-      nonzero.any().item<bool>() ? (diff.masked_select(nonzero) / abs_r.masked_select(nonzero))
-                                       .max()
-                                       .item<double>()
-                                 : 0.0;
+      nonzero.any().item<bool>()
+          ? (diff.masked_select(nonzero) / abs_r.masked_select(nonzero)).max().item<double>()
+          : 0.0;
   // Where allowed is 0 (exact zeros in an all-zero tensor) any difference is an infinite ratio.
-  const at::Tensor ratio = at::where(allowed.gt(0), diff / allowed,
-                                     at::where(diff.gt(0), at::full_like(diff, INFINITY),
-                                               at::zeros_like(diff)));
-  const at::Tensor ratio_or_nan =
-      at::where(at::isfinite(o), ratio, at::full_like(ratio, INFINITY));
+  const at::Tensor ratio =
+      at::where(allowed.gt(0), diff / allowed,
+                at::where(diff.gt(0), at::full_like(diff, INFINITY), at::zeros_like(diff)));
+  const at::Tensor ratio_or_nan = at::where(at::isfinite(o), ratio, at::full_like(ratio, INFINITY));
   const int64_t worst = ratio_or_nan.argmax().item<int64_t>();
   const double worst_ratio = ratio_or_nan[worst].item<double>();
   if (std::isnan(max_rel) || max_rel > summary.max_rel) {
@@ -589,8 +552,8 @@ class ParityFixture : public ::testing::TestWithParam<ListedCase> {
   void load() {
     const ListedCase& listed = GetParam();
     ASSERT_TRUE(listed.error.empty())
-        << "the reference (" << kScript << " under " << kPython
-        << ") could not list its cases:\n" << listed.error;
+        << "the reference (" << kScript << " under " << kPython << ") could not list its cases:\n"
+        << listed.error;
     std::string error;
     const fs::path file = ReferenceData::instance().case_file(listed.name, error);
     ASSERT_FALSE(file.empty()) << error;
@@ -746,7 +709,8 @@ TEST_P(FunctionalParityTest, matches_torch_optim) {
       try {
         if (name == "sgd") {
           functional::sgd(P, G, L["momentum_buffer"], options_from_bag<SGDOptions>(bag));
-          for (size_t k = 0; k < idx.size(); ++k) buf["momentum_buffer"][idx[k]] = L["momentum_buffer"][k];
+          for (size_t k = 0; k < idx.size(); ++k)
+            buf["momentum_buffer"][idx[k]] = L["momentum_buffer"][k];
         } else if (name == "adam") {
           functional::adam(P, G, L["exp_avg"], L["exp_avg_sq"], L["max_exp_avg_sq"], S,
                            options_from_bag<AdamOptions>(bag));

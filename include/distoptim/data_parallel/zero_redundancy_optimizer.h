@@ -1,0 +1,101 @@
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <distoptim/comm/process_group.h>
+#include <distoptim/optim/functional_optimizer.h>
+#include <distoptim/optim/option_bag.h>
+
+namespace distoptim {
+namespace data_parallel {
+
+/// PyTorch's sorted-greedy partition of ZeroRedundancyOptimizer: for parameters given as the
+/// element counts of each group (global indices run through the groups in order), the indices
+/// each of `world_size` ranks owns, ascending. Group by group, parameters are taken largest
+/// first (ties in list order) and each goes to the rank with the fewest elements so far (the
+/// lowest such rank on ties). Throws c10::ValueError for world_size < 1 or a negative count.
+std::vector<std::vector<int64_t>> zero_partition(
+    const std::vector<std::vector<int64_t>>& group_numels, int world_size);
+
+struct ZeroRedundancyOptimizerOptions {
+  /// The data-parallel ranks that share the optimizer state; by default the world.
+  TORCH_ARG(std::optional<comm::Group>, process_group) = std::nullopt;
+  /// Keep each rank's shard of parameters in one flat buffer per dtype, the parameters being
+  /// views into it, so a step sends one broadcast per rank and dtype instead of one per
+  /// parameter.
+  TORCH_ARG(bool, parameters_as_bucket_view) = false;
+};
+
+/// torch.distributed.optim.ZeroRedundancyOptimizer: every rank of a data-parallel group holds
+/// all parameters, but the optimizer state of only its share of them (about 1/world of it).
+/// `step` updates this rank's share with a local optimizer of the registry (any built-in, or
+/// one a user registered, made with the given defaults), then every rank broadcasts its updated
+/// parameters so all replicas are identical again.
+///
+/// Partition: PyTorch's sorted-greedy one (group by group, largest parameter first, each to the
+/// rank with the fewest elements so far; each parameter wholly owned by one rank), so a rank
+/// updates the same parameters as under PyTorch for the same list and world size. Parameters
+/// may have different floating dtypes (PyTorch refuses them).
+///
+/// State dicts are global, keyed by the parameter's index in params() as Python's are:
+/// `consolidate_state_dict(to)` gathers every rank's shard on rank `to` only, one rank at a time
+/// (PyTorch broadcasts every shard to every rank); `state_dict()` there returns it;
+/// `load_state_dict` takes this rank's part of a global dict, so a dict saved under another
+/// world size loads too.
+///
+/// Thread safety: not synchronized; one thread drives an instance. Collective: construction,
+/// step, add_param_group, consolidate_state_dict (and load_state_dict, which checks on every
+/// rank) must be called by every rank of the group in the same order; they fail after the
+/// group's timeout when a rank does not. Errors: bad input throws c10::ValueError naming the
+/// argument (and rank), before anything changes.
+class ZeroRedundancyOptimizer {
+ public:
+  ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups, const std::string& optimizer,
+                          const optim::OptionBag& defaults = {},
+                          ZeroRedundancyOptimizerOptions options = {});
+  ZeroRedundancyOptimizer(std::vector<at::Tensor> params, const std::string& optimizer,
+                          const optim::OptionBag& defaults = {},
+                          ZeroRedundancyOptimizerOptions options = {});
+  ~ZeroRedundancyOptimizer();
+
+  /// Updates this rank's parameters from their `.grad` (a parameter without one is skipped),
+  /// then synchronizes all parameters across the ranks.
+  void step();
+  /// The same with explicit gradients: one per parameter of params(), undefined to skip; only
+  /// this rank's entries are read.
+  void step(const std::vector<at::Tensor>& gradients);
+  /// Sets every parameter's `.grad` to undefined (set_to_none, PyTorch's default) or zero.
+  void zero_grad(bool set_to_none = true);
+
+  /// Adds a group (repartitioning; parameters already present keep their rank). Collective.
+  void add_param_group(const optim::ParamGroup& group);
+
+  /// Gathers the whole optimizer state on rank `to` (a rank of the group). Collective.
+  void consolidate_state_dict(int to = 0);
+  /// The state last consolidated on this rank; throws c10::ValueError if there is none.
+  optim::OptimizerStateDict state_dict() const;
+  /// Loads this rank's part of a global state dict; every rank checks the whole dict first, so
+  /// a bad dict fails on all ranks alike and changes nothing.
+  void load_state_dict(const optim::OptimizerStateDict& dict);
+
+  /// All parameters, groups concatenated (the indices of state dicts).
+  const std::vector<at::Tensor>& params() const;
+  /// For each rank of the group, the indices (into params()) of the parameters it updates.
+  const std::vector<std::vector<int64_t>>& partition() const;
+  /// The local optimizer over this rank's parameters.
+  const optim::FunctionalOptimizer& local_optimizer() const;
+  const comm::Group& process_group() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace data_parallel
+}  // namespace distoptim

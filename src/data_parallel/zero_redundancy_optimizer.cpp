@@ -1,0 +1,447 @@
+#include <distoptim/data_parallel/zero_redundancy_optimizer.h>
+
+#include <algorithm>
+#include <map>
+#include <numeric>
+#include <unordered_set>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize.h>
+
+#include <distoptim/comm/errors.h>
+#include <distoptim/optim/registry.h>
+
+#include "parameter_check.h"
+
+namespace distoptim {
+namespace data_parallel {
+
+namespace {
+
+constexpr const char* kName = "ZeroRedundancyOptimizer";
+// Tag of the point-to-point messages of consolidate_state_dict.
+constexpr int kConsolidateTag = 0x2e50;
+
+std::vector<optim::ParamGroup> single_group(std::vector<at::Tensor> params) {
+  return {optim::ParamGroup(std::move(params))};
+}
+
+// Checks the parameters of `groups` (and that none is in `existing`) before anything is built.
+void check_params(const std::vector<optim::ParamGroup>& groups,
+                  const std::vector<at::Tensor>& existing, int global_rank,
+                  const std::string& caller) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : existing) seen.insert(p.unsafeGetTensorImpl());
+  int64_t index = static_cast<int64_t>(existing.size());
+  for (const auto& group : groups) {
+    for (const auto& p : group.params) {
+      TORCH_CHECK_VALUE(p.defined(), caller, ": parameter ", index, " is undefined (rank ",
+                        global_rank, ")");
+      TORCH_CHECK_VALUE(p.layout() == at::kStrided, caller, ": parameter ", index,
+                        " is sparse (layout ", p.layout(),
+                        "); only dense parameters are "
+                        "supported (rank ",
+                        global_rank, ")");
+      TORCH_CHECK_VALUE(p.device().is_cpu(), caller, ": parameter ", index, " is on ", p.device(),
+                        "; only CPU parameters are supported (rank ", global_rank, ")");
+      TORCH_CHECK_VALUE(at::isFloatingType(p.scalar_type()), caller, ": parameter ", index,
+                        " has dtype ", p.scalar_type(),
+                        "; parameters must be floating point "
+                        "(rank ",
+                        global_rank, ")");
+      TORCH_CHECK_VALUE(seen.insert(p.unsafeGetTensorImpl()).second, caller, ": parameter ", index,
+                        " appears more than once (rank ", global_rank, ")");
+      ++index;
+    }
+  }
+}
+
+// Waits for a point-to-point message, turning Gloo's failure into one that names the peer.
+void wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
+              const std::string& what) {
+  try {
+    work->wait(timeout);
+  } catch (const std::exception& e) {
+    DISTOPTIM_THROW(DistributedError, what, " failed: ", c10::GetExceptionString(e));
+  }
+}
+
+}  // namespace
+
+std::vector<std::vector<int64_t>> zero_partition(
+    const std::vector<std::vector<int64_t>>& group_numels, int world_size) {
+  TORCH_CHECK_VALUE(world_size >= 1, "zero_partition: world_size = ", world_size,
+                    " must be at least 1");
+  std::vector<int64_t> sizes(world_size, 0);
+  std::vector<std::vector<int64_t>> partition(world_size);
+  int64_t first = 0;
+  for (const auto& numels : group_numels) {
+    std::vector<int64_t> order(numels.size());
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return numels[a] > numels[b]; });
+    std::vector<int> owner(numels.size());
+    for (int64_t i : order) {
+      TORCH_CHECK_VALUE(numels[i] >= 0, "zero_partition: parameter ", first + i, " has numel ",
+                        numels[i]);
+      const int rank =
+          static_cast<int>(std::min_element(sizes.begin(), sizes.end()) - sizes.begin());
+      owner[i] = rank;
+      sizes[rank] += numels[i];
+    }
+    for (size_t i = 0; i < numels.size(); ++i) partition[owner[i]].push_back(first + i);
+    first += static_cast<int64_t>(numels.size());
+  }
+  return partition;
+}
+
+namespace {
+
+// The rank owning each parameter (see zero_partition).
+std::vector<int> sorted_greedy_owners(const std::vector<at::Tensor>& params,
+                                      const std::vector<std::vector<int64_t>>& group_indices,
+                                      int world_size) {
+  // Groups hold consecutive indices of params, in order.
+  std::vector<std::vector<int64_t>> group_numels;
+  for (const auto& indices : group_indices) {
+    std::vector<int64_t> numels;
+    for (int64_t i : indices) numels.push_back(params[i].numel());
+    group_numels.push_back(std::move(numels));
+  }
+  std::vector<int> owner(params.size(), -1);
+  const auto partition = zero_partition(group_numels, world_size);
+  for (int r = 0; r < world_size; ++r) {
+    for (int64_t i : partition[r]) owner[i] = r;
+  }
+  return owner;
+}
+
+}  // namespace
+
+struct ZeroRedundancyOptimizer::Impl {
+  comm::Group group;
+  bool bucket_view = false;
+  std::vector<at::Tensor> params;
+  std::vector<std::vector<int64_t>> group_indices;
+  std::vector<int> owner;
+  // partition[r]: the parameters rank r updates, in params() order; its local optimizer holds
+  // them group by group in that order.
+  std::vector<std::vector<int64_t>> partition;
+  std::unique_ptr<optim::FunctionalOptimizer> local;
+  // With parameters_as_bucket_view: buckets[r] holds rank r's parameters, one flat tensor per
+  // dtype.
+  std::vector<std::vector<at::Tensor>> buckets;
+  std::optional<optim::OptimizerStateDict> consolidated;
+
+  int my_rank() const { return group.rank(); }
+
+  std::vector<std::vector<int64_t>> partition_of(const std::vector<int>& owners) const {
+    std::vector<std::vector<int64_t>> out(group.size());
+    for (const auto& indices : group_indices) {
+      for (int64_t i : indices) out[owners[i]].push_back(i);
+    }
+    return out;
+  }
+
+  // Rank r's parameters of group g: the ParamGroup its local optimizer holds.
+  std::vector<at::Tensor> owned_in_group(size_t g, int r) const {
+    std::vector<at::Tensor> out;
+    for (int64_t i : group_indices[g]) {
+      if (owner[i] == r) out.push_back(params[i]);
+    }
+    return out;
+  }
+
+  void build_buckets() {
+    buckets.assign(group.size(), {});
+    if (!bucket_view) return;
+    at::NoGradGuard no_grad;
+    for (int r = 0; r < group.size(); ++r) {
+      std::map<at::ScalarType, std::vector<int64_t>> by_dtype;
+      for (int64_t i : partition[r]) by_dtype[params[i].scalar_type()].push_back(i);
+      for (const auto& [dtype, indices] : by_dtype) {
+        int64_t total = 0;
+        for (int64_t i : indices) total += params[i].numel();
+        if (total == 0) continue;
+        at::Tensor bucket = at::empty({total}, params[indices[0]].options());
+        int64_t offset = 0;
+        for (int64_t i : indices) {
+          at::Tensor& p = params[i];
+          const int64_t n = p.numel();
+          if (n == 0) continue;
+          at::Tensor slot = bucket.narrow(0, offset, n);
+          slot.copy_(p.detach().reshape({-1}));
+          p.set_data(slot.view(p.sizes()));
+          offset += n;
+        }
+        buckets[r].push_back(bucket);
+      }
+    }
+  }
+
+  // Every rank sends the parameters it updated to all others.
+  void sync_params() {
+    const auto& pg = group.process_group();
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int r = 0; r < group.size(); ++r) {
+      c10d::BroadcastOptions options;
+      options.rootRank = r;
+      options.timeout = group.timeout();
+      std::vector<at::Tensor> sources;
+      if (bucket_view) {
+        sources = buckets[r];
+      } else {
+        for (int64_t i : partition[r]) {
+          if (params[i].numel() > 0) sources.push_back(params[i].detach());
+        }
+      }
+      for (auto& t : sources) {
+        std::vector<at::Tensor> one = {t};
+        works.push_back(pg->broadcast(one, options));
+      }
+    }
+    try {
+      for (auto& w : works) w->wait(group.timeout());
+    } catch (const std::exception& e) {
+      DISTOPTIM_THROW(DistributedError, kName, ".step: synchronizing the parameters across the ",
+                      group.size(), " ranks of the group failed on rank ",
+                      group.global_rank(my_rank()),
+                      " (every rank must call step(); a rank that "
+                      "does not, or died, makes the others fail after the group's timeout of ",
+                      group.timeout().count(), " ms): ", c10::GetExceptionString(e));
+    }
+  }
+
+  // Rank r's local state dict in global indices, merged into `global`.
+  void merge_local(const optim::OptimizerStateDict& local_dict, int r,
+                   optim::OptimizerStateDict& global) const {
+    const std::vector<int64_t>& order = partition[r];
+    for (const auto& [local_index, state] : local_dict.state) {
+      TORCH_CHECK_VALUE(local_index >= 0 && local_index < static_cast<int64_t>(order.size()), kName,
+                        ".consolidate_state_dict: rank ", group.global_rank(r),
+                        " sent state for its parameter ", local_index, " but owns ", order.size());
+      global.state[order[local_index]] = state;
+    }
+  }
+};
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
+                                                 const std::string& optimizer,
+                                                 const optim::OptionBag& defaults,
+                                                 ZeroRedundancyOptimizerOptions options)
+    : ZeroRedundancyOptimizer(single_group(std::move(params)), optimizer, defaults,
+                              std::move(options)) {}
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups,
+                                                 const std::string& optimizer,
+                                                 const optim::OptionBag& defaults,
+                                                 ZeroRedundancyOptimizerOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  s.group = options.process_group().value_or(comm::world());
+  TORCH_CHECK_VALUE(s.group.is_member(), kName,
+                    ": this rank is not a member of the process "
+                    "group it was given");
+  TORCH_CHECK_VALUE(!groups.empty(), kName, ": no parameter groups given");
+  const int global_rank = s.group.global_rank(s.group.rank());
+  check_params(groups, {}, global_rank, kName);
+  s.bucket_view = options.parameters_as_bucket_view();
+  for (const auto& group : groups) {
+    std::vector<int64_t> indices;
+    for (const auto& p : group.params) {
+      indices.push_back(static_cast<int64_t>(s.params.size()));
+      s.params.push_back(p);
+    }
+    s.group_indices.push_back(std::move(indices));
+  }
+  TORCH_CHECK_VALUE(!s.params.empty(), kName, ": got an empty parameter list");
+  check_same_parameters_across_ranks(s.group, s.params, kName);
+  s.owner = sorted_greedy_owners(s.params, s.group_indices, s.group.size());
+  s.partition = s.partition_of(s.owner);
+  std::vector<optim::ParamGroup> local_groups;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    local_groups.emplace_back(s.owned_in_group(g, s.my_rank()), groups[g].overrides);
+  }
+  // Also checks the options, on every rank alike (a rank owning nothing gets empty groups).
+  s.local = optim::create_optimizer(optimizer, std::move(local_groups), defaults);
+  s.build_buckets();
+}
+
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
+
+void ZeroRedundancyOptimizer::step() {
+  std::vector<at::Tensor> gradients(impl_->params.size());
+  for (int64_t i : impl_->partition[impl_->my_rank()]) gradients[i] = impl_->params[i].grad();
+  step(gradients);
+}
+
+void ZeroRedundancyOptimizer::step(const std::vector<at::Tensor>& gradients) {
+  Impl& s = *impl_;
+  TORCH_CHECK_VALUE(gradients.size() == s.params.size(), kName, ".step: got ", gradients.size(),
+                    " gradients for ", s.params.size(), " parameters");
+  std::vector<at::Tensor> local_gradients;
+  for (int64_t i : s.partition[s.my_rank()]) local_gradients.push_back(gradients[i]);
+  s.local->step(local_gradients);
+  s.sync_params();
+}
+
+void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
+  for (auto& p : impl_->params) {
+    if (!p.grad().defined()) continue;
+    if (set_to_none) {
+      p.mutable_grad() = at::Tensor();
+    } else {
+      p.mutable_grad().detach_();
+      p.mutable_grad().zero_();
+    }
+  }
+}
+
+void ZeroRedundancyOptimizer::add_param_group(const optim::ParamGroup& group) {
+  Impl& s = *impl_;
+  check_params({group}, s.params, s.group.global_rank(s.my_rank()),
+               std::string(kName) + ".add_param_group");
+  check_same_parameters_across_ranks(s.group, group.params,
+                                     std::string(kName) + ".add_param_group");
+  // The partition is built group by group, so the parameters already there keep their rank.
+  std::vector<at::Tensor> params = s.params;
+  std::vector<int64_t> indices;
+  for (const auto& p : group.params) {
+    indices.push_back(static_cast<int64_t>(params.size()));
+    params.push_back(p);
+  }
+  auto group_indices = s.group_indices;
+  group_indices.push_back(indices);
+  const std::vector<int> owner = sorted_greedy_owners(params, group_indices, s.group.size());
+  std::vector<at::Tensor> mine;
+  for (int64_t i : indices) {
+    if (owner[i] == s.my_rank()) mine.push_back(params[i]);
+  }
+  s.local->add_param_group(optim::ParamGroup(mine, group.overrides));  // checks the options
+  s.params = std::move(params);
+  s.group_indices = std::move(group_indices);
+  s.owner = owner;
+  s.partition = s.partition_of(s.owner);
+  s.build_buckets();
+}
+
+void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
+  Impl& s = *impl_;
+  TORCH_CHECK_VALUE(to >= 0 && to < s.group.size(), kName, ".consolidate_state_dict: to = ", to,
+                    " is not a rank of the group (size ", s.group.size(), ")");
+  const auto& pg = s.group.process_group();
+  const optim::OptimizerStateDict local_dict = s.local->state_dict();
+  if (s.my_rank() != to) {
+    const std::vector<char> bytes = torch::pickle_save(local_dict.to_ivalue());
+    std::vector<at::Tensor> size = {at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong)};
+    std::vector<at::Tensor> payload = {at::empty({static_cast<int64_t>(bytes.size())}, at::kByte)};
+    std::copy(bytes.begin(), bytes.end(), static_cast<char*>(payload[0].data_ptr()));
+    const std::string what =
+        c10::str(kName, ".consolidate_state_dict(to=", to, "): sending this rank's shard to rank ",
+                 s.group.global_rank(to));
+    wait_for(pg->send(size, to, kConsolidateTag), s.group.timeout(), what);
+    wait_for(pg->send(payload, to, kConsolidateTag), s.group.timeout(), what);
+    return;
+  }
+  optim::OptimizerStateDict global;
+  global.optimizer = s.local->name();
+  global.defaults = s.local->defaults();
+  for (size_t g = 0; g < s.group_indices.size(); ++g) {
+    global.param_groups.push_back({s.group_indices[g], s.local->group_overrides(g)});
+  }
+  s.merge_local(local_dict, s.my_rank(), global);
+  // One foreign shard at a time: received, merged, and freed before the next.
+  for (int r = 0; r < s.group.size(); ++r) {
+    if (r == to) continue;
+    const std::string what = c10::str(kName, ".consolidate_state_dict(to=", to,
+                                      "): receiving the shard of rank ", s.group.global_rank(r));
+    std::vector<at::Tensor> size = {at::empty({1}, at::kLong)};
+    wait_for(pg->recv(size, r, kConsolidateTag), s.group.timeout(), what);
+    std::vector<at::Tensor> payload = {at::empty({size[0].item<int64_t>()}, at::kByte)};
+    wait_for(pg->recv(payload, r, kConsolidateTag), s.group.timeout(), what);
+    const char* data = static_cast<const char*>(payload[0].data_ptr());
+    s.merge_local(optim::OptimizerStateDict::from_ivalue(
+                      torch::pickle_load(std::vector<char>(data, data + payload[0].numel()))),
+                  r, global);
+  }
+  s.consolidated = std::move(global);
+}
+
+optim::OptimizerStateDict ZeroRedundancyOptimizer::state_dict() const {
+  const Impl& s = *impl_;
+  TORCH_CHECK_VALUE(s.consolidated.has_value(), kName,
+                    ".state_dict: the optimizer state has not "
+                    "been consolidated on rank ",
+                    s.group.global_rank(s.my_rank()),
+                    "; call consolidate_state_dict(to=", s.my_rank(), ") on all ranks first");
+  return *s.consolidated;
+}
+
+void ZeroRedundancyOptimizer::load_state_dict(const optim::OptimizerStateDict& dict) {
+  Impl& s = *impl_;
+  const std::string caller = std::string(kName) + ".load_state_dict";
+  // The whole dict is checked on every rank, so a bad one fails everywhere alike.
+  TORCH_CHECK_VALUE(dict.optimizer == s.local->name(), caller, ": the state dict is of optimizer '",
+                    dict.optimizer, "', this one runs '", s.local->name(), "'");
+  TORCH_CHECK_VALUE(dict.param_groups.size() == s.group_indices.size(), caller,
+                    ": the state dict has ", dict.param_groups.size(),
+                    " param groups, the "
+                    "optimizer ",
+                    s.group_indices.size());
+  for (size_t g = 0; g < s.group_indices.size(); ++g) {
+    TORCH_CHECK_VALUE(dict.param_groups[g].param_indices == s.group_indices[g], caller,
+                      ": param group ", g, " holds other parameters (",
+                      dict.param_groups[g].param_indices.size(), " in the state dict, ",
+                      s.group_indices[g].size(), " here)");
+  }
+  const auto& names = s.local->state_names();
+  for (const auto& [index, state] : dict.state) {
+    TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(s.params.size()), caller,
+                      ": state for parameter ", index, " but the optimizer has ", s.params.size());
+    for (const auto& [name, tensor] : state.buffers) {
+      TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), name) != names.end(), caller,
+                        ": unknown state '", name, "' for parameter ", index);
+      TORCH_CHECK_VALUE(tensor.defined() && tensor.sizes() == s.params[index].sizes(), caller,
+                        ": state '", name, "' of parameter ", index, " has shape ",
+                        tensor.defined() ? tensor.sizes() : at::IntArrayRef{}, ", the parameter ",
+                        s.params[index].sizes());
+    }
+  }
+  // This rank's part, in the local optimizer's indices.
+  optim::OptimizerStateDict local_dict;
+  local_dict.optimizer = dict.optimizer;
+  local_dict.defaults = dict.defaults;
+  std::vector<int64_t> local_index_of(s.params.size(), -1);
+  int64_t next = 0;
+  for (size_t g = 0; g < s.group_indices.size(); ++g) {
+    optim::OptimizerStateDict::Group group{{}, dict.param_groups[g].overrides};
+    for (int64_t i : s.group_indices[g]) {
+      if (s.owner[i] != s.my_rank()) continue;
+      local_index_of[i] = next;
+      group.param_indices.push_back(next++);
+    }
+    local_dict.param_groups.push_back(std::move(group));
+  }
+  for (const auto& [index, state] : dict.state) {
+    if (local_index_of[index] >= 0) local_dict.state[local_index_of[index]] = state;
+  }
+  s.local->load_state_dict(local_dict);
+}
+
+const std::vector<at::Tensor>& ZeroRedundancyOptimizer::params() const { return impl_->params; }
+
+const std::vector<std::vector<int64_t>>& ZeroRedundancyOptimizer::partition() const {
+  return impl_->partition;
+}
+
+const optim::FunctionalOptimizer& ZeroRedundancyOptimizer::local_optimizer() const {
+  return *impl_->local;
+}
+
+const comm::Group& ZeroRedundancyOptimizer::process_group() const { return impl_->group; }
+
+}  // namespace data_parallel
+}  // namespace distoptim

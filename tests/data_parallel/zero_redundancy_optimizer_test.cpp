@@ -1,0 +1,453 @@
+// ZeroRedundancyOptimizer: PyTorch's partition (computed by the reference), DDP + ZeRO equal to
+// one process training on the concatenated batch, consolidated state equal to that process's
+// optimizer state, resharding a checkpoint to another world size, and bad input.
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <distoptim/comm.h>
+#include <distoptim/data_parallel.h>
+#include <distoptim/optim.h>
+
+#include "../harness/command.h"
+#include "../harness/multiprocess.h"
+#include "../optim/test_util.h"
+
+namespace distoptim {
+namespace data_parallel {
+namespace {
+
+using distoptim::testing::expect_error_containing;
+using distoptim::testing::run_ranks;
+using namespace std::chrono_literals;
+
+constexpr int64_t kRowsPerRank = 4;
+
+void init(std::chrono::milliseconds timeout = 30s) {
+  comm::init_process_group(comm::ProcessGroupOptions("env://").timeout(timeout));
+}
+
+// Parameter numels 96, 16, 64, 4: with two ranks, rank 0 owns only the first weight. The first
+// layer is float64, the second float64 or float32 (mixed dtypes), cast around.
+struct NetImpl : torch::nn::Module {
+  NetImpl(torch::Dtype second_layer)
+      : first(register_module("first", torch::nn::Linear(6, 16))),
+        second(register_module("second", torch::nn::Linear(16, 4))) {
+    first->to(torch::kFloat64);
+    second->to(second_layer);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto hidden = torch::tanh(first->forward(x));
+    return second->forward(hidden.to(second->weight.scalar_type())).to(torch::kFloat64);
+  }
+  torch::nn::Linear first;
+  torch::nn::Linear second;
+};
+TORCH_MODULE(Net);
+
+Net make_model(int64_t seed, torch::Dtype second_layer = torch::kFloat64) {
+  torch::manual_seed(seed);
+  return Net(second_layer);
+}
+
+// A global batch every rank can build; rank r trains on rows [4r, 4r + 4).
+struct Batch {
+  at::Tensor x, y;
+  Batch(int64_t seed, int world_size) {
+    torch::manual_seed(seed);
+    x = torch::randn({kRowsPerRank * world_size, 6}, torch::kFloat64);
+    y = torch::randn({kRowsPerRank * world_size, 4}, torch::kFloat64);
+  }
+  at::Tensor local_x(int rank) const { return x.narrow(0, kRowsPerRank * rank, kRowsPerRank); }
+  at::Tensor local_y(int rank) const { return y.narrow(0, kRowsPerRank * rank, kRowsPerRank); }
+};
+
+// Two groups: the first layer with the defaults, the second with its own lr.
+std::vector<optim::ParamGroup> param_groups(Net& model) {
+  return {optim::ParamGroup(model->first->parameters()),
+          optim::ParamGroup(model->second->parameters(), optim::OptionBag{{"lr", 0.02}})};
+}
+
+const optim::OptionBag kAdamDefaults{{"lr", 0.01}, {"weight_decay", 0.01}, {"amsgrad", true}};
+
+// One process training `reference` on the whole batch of every iteration: what ZeRO must equal.
+class SingleProcessRun {
+ public:
+  explicit SingleProcessRun(torch::Dtype second_layer = torch::kFloat64)
+      : model_(make_model(100, second_layer)),
+        optimizer_(optim::create_optimizer("adam", param_groups(model_), kAdamDefaults)) {}
+
+  void train(int iteration, int world_size) {
+    const Batch batch(7 + iteration, world_size);
+    model_->zero_grad();
+    torch::mse_loss(model_->forward(batch.x), batch.y).backward();
+    std::vector<at::Tensor> gradients;
+    for (const auto& p : optimizer_->params()) gradients.push_back(p.grad());
+    optimizer_->step(gradients);
+  }
+
+  std::vector<at::Tensor> params() const { return optimizer_->params(); }
+  optim::OptimizerStateDict state_dict() const { return optimizer_->state_dict(); }
+
+ private:
+  Net model_;
+  std::unique_ptr<optim::FunctionalOptimizer> optimizer_;
+};
+
+// One iteration on this rank's rows; gradients averaged by `ddp` when given.
+void ddp_zero_iteration(DistributedDataParallel<Net>* ddp, Net& model,
+                        ZeroRedundancyOptimizer& zero, int iteration, int rank, int world_size) {
+  const Batch batch(7 + iteration, world_size);
+  zero.zero_grad();
+  const auto x = batch.local_x(rank);
+  const auto output = ddp != nullptr ? ddp->forward(x) : model->forward(x);
+  torch::mse_loss(output, batch.local_y(rank)).backward();
+  zero.step();
+}
+
+// Relative tolerance 1e-10, or 1e-5 when float32 took part (`float32_in_graph` for float64
+// parameters whose gradients flowed through float32 arithmetic).
+void expect_params_close(const std::vector<at::Tensor>& params,
+                         const std::vector<at::Tensor>& expected, const std::string& what,
+                         bool float32_in_graph = false) {
+  ASSERT_EQ(params.size(), expected.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool float32 = float32_in_graph || params[i].scalar_type() == at::kFloat;
+    const double rtol = float32 ? 1e-5 : 1e-10;
+    EXPECT_TRUE(at::allclose(params[i], expected[i], rtol, rtol * 1e-2))
+        << what << ": parameter " << i << "\n"
+        << params[i] << "\nexpected\n"
+        << expected[i];
+  }
+}
+
+// Every rank's parameters are bit-identical to rank 0's.
+void expect_replicas_identical(const std::vector<at::Tensor>& params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    std::vector<at::Tensor> root = {params[i].detach().clone()};
+    comm::world().process_group()->broadcast(root)->wait();
+    EXPECT_TRUE(at::equal(root[0], params[i])) << "parameter " << i << " differs from rank 0's";
+  }
+}
+
+void expect_state_dicts_close(const optim::OptimizerStateDict& actual,
+                              const optim::OptimizerStateDict& expected) {
+  EXPECT_EQ(actual.optimizer, expected.optimizer);
+  EXPECT_EQ(actual.defaults, expected.defaults);
+  ASSERT_EQ(actual.param_groups.size(), expected.param_groups.size());
+  for (size_t g = 0; g < actual.param_groups.size(); ++g) {
+    EXPECT_EQ(actual.param_groups[g].param_indices, expected.param_groups[g].param_indices);
+    EXPECT_EQ(actual.param_groups[g].overrides, expected.param_groups[g].overrides);
+  }
+  ASSERT_EQ(actual.state.size(), expected.state.size());
+  for (const auto& [index, state] : expected.state) {
+    ASSERT_EQ(actual.state.count(index), 1u) << "no state for parameter " << index;
+    const auto& got = actual.state.at(index);
+    EXPECT_EQ(got.step, state.step) << "parameter " << index;
+    ASSERT_EQ(got.buffers.size(), state.buffers.size()) << "parameter " << index;
+    for (const auto& [name, tensor] : state.buffers) {
+      ASSERT_EQ(got.buffers.count(name), 1u) << name << " of parameter " << index;
+      EXPECT_TRUE(at::allclose(got.buffers.at(name), tensor, 1e-10, 1e-12))
+          << name << " of parameter " << index;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(ZeroPartition, EqualsPyTorchsForTheSameParametersAndWorldSize) {
+  // Random groups with many ties and empty parameters, for world sizes 1 to 5.
+  std::mt19937 random(1234);
+  nlohmann::json cases = nlohmann::json::array();
+  std::vector<std::pair<int, std::vector<std::vector<int64_t>>>> inputs;
+  for (int c = 0; c < 60; ++c) {
+    const int world_size = 1 + c % 5;
+    std::vector<std::vector<int64_t>> groups(1 + random() % 3);
+    for (auto& group : groups) {
+      group.resize(random() % 9);
+      for (auto& numel : group) numel = (random() % 4 == 0) ? 0 : 1 + random() % 6;
+    }
+    cases.push_back({{"world_size", world_size}, {"groups", groups}});
+    inputs.emplace_back(world_size, groups);
+  }
+  const auto result = distoptim::testing::run_command(
+      distoptim::testing::shell_quote(DISTOPTIM_REFERENCE_PYTHON) + " " +
+      distoptim::testing::shell_quote(DISTOPTIM_SOURCE_DIR
+                                      "/tests/data_parallel/reference/zero_partition.py") +
+      " " + distoptim::testing::shell_quote(cases.dump()));
+  ASSERT_TRUE(result.ok) << result.output;
+  const auto expected = nlohmann::json::parse(result.output);
+  ASSERT_EQ(expected.size(), inputs.size());
+  for (size_t c = 0; c < inputs.size(); ++c) {
+    const auto partition = zero_partition(inputs[c].second, inputs[c].first);
+    EXPECT_EQ(nlohmann::json(partition), expected[c]) << "case " << cases[c].dump();
+  }
+}
+
+TEST(ZeroPartition, RejectsABadWorldSize) {
+  expect_error_containing([] { zero_partition({{1, 2}}, 0); }, {"world_size = 0"});
+}
+
+class ZeroStep : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(ZeroStep, DdpPlusZeroEqualsOneProcessOnTheFullBatch) {
+  const auto [world, bucket_view] = GetParam();
+  run_ranks(world, [bucket_view = bucket_view](int rank, int world_size) {
+    init();
+    auto model = make_model(100 + rank);  // DDP gives every rank rank 0's weights
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer zero(
+        param_groups(model), "adam", kAdamDefaults,
+        ZeroRedundancyOptimizerOptions().parameters_as_bucket_view(bucket_view));
+    // The partition is the documented one, and this rank's optimizer holds its share of it.
+    std::vector<std::vector<int64_t>> numels(2);
+    for (int g = 0; g < 2; ++g) {
+      for (const auto& p : (g == 0 ? model->first : model->second)->parameters())
+        numels[g].push_back(p.numel());
+    }
+    EXPECT_EQ(zero.partition(), zero_partition(numels, world_size));
+    EXPECT_EQ(zero.local_optimizer().params().size(), zero.partition()[rank].size());
+
+    SingleProcessRun reference;
+    for (int iteration = 0; iteration < 6; ++iteration) {
+      ddp_zero_iteration(&ddp, model, zero, iteration, rank, world_size);
+      reference.train(iteration, world_size);
+      expect_params_close(zero.params(), reference.params(),
+                          "iteration " + std::to_string(iteration));
+      expect_replicas_identical(zero.params());
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldAndBucketView, ZeroStep,
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()));
+
+TEST(ZeroRedundancyOptimizer, ParametersOfMixedDtypesAreBucketedPerDtype) {
+  run_ranks(2, [](int rank, int world_size) {
+    init();
+    auto model = make_model(100 + rank, torch::kFloat32);
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults,
+                                 ZeroRedundancyOptimizerOptions().parameters_as_bucket_view(true));
+    SingleProcessRun reference(torch::kFloat32);
+    for (int iteration = 0; iteration < 4; ++iteration) {
+      ddp_zero_iteration(&ddp, model, zero, iteration, rank, world_size);
+      reference.train(iteration, world_size);
+    }
+    EXPECT_EQ(zero.params()[2].scalar_type(), at::kFloat);
+    expect_params_close(zero.params(), reference.params(), "after 4 iterations",
+                        /*float32_in_graph=*/true);
+    expect_replicas_identical(zero.params());
+  });
+}
+
+TEST(ZeroRedundancyOptimizer, AddedParamGroupIsPartitionedAndTrained) {
+  run_ranks(2, [](int rank, int world_size) {
+    init();
+    auto model = make_model(100);
+    ZeroRedundancyOptimizer zero(model->first->parameters(), "sgd",
+                                 {{"lr", 0.1}, {"momentum", 0.9}});
+    const auto before = zero.partition();
+    zero.add_param_group(optim::ParamGroup(model->second->parameters(), {{"lr", 0.05}}));
+    // Parameters already there keep their rank.
+    for (int r = 0; r < world_size; ++r) {
+      for (int64_t i : before[r]) {
+        EXPECT_NE(std::find(zero.partition()[r].begin(), zero.partition()[r].end(), i),
+                  zero.partition()[r].end());
+      }
+    }
+    EXPECT_EQ(zero.partition(), zero_partition({{96, 16}, {64, 4}}, world_size));
+    auto expected = make_model(100);
+    auto sgd =
+        optim::create_optimizer("sgd",
+                                {optim::ParamGroup(expected->first->parameters()),
+                                 optim::ParamGroup(expected->second->parameters(), {{"lr", 0.05}})},
+                                {{"lr", 0.1}, {"momentum", 0.9}});
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      std::vector<at::Tensor> gradients;
+      for (const auto& p : zero.params()) gradients.push_back(torch::full_like(p, 0.5 + iteration));
+      zero.step(gradients);
+      sgd->step(gradients);
+    }
+    (void)rank;
+    expect_params_close(zero.params(), sgd->params(), "after 3 steps");
+    expect_replicas_identical(zero.params());
+  });
+}
+
+std::string checkpoint_path(const std::string& name) {
+  return ::testing::TempDir() + "/distoptim_zero_" + name;
+}
+
+TEST(ZeroRedundancyOptimizer, ConsolidatedStateEqualsOneProcessAndLoadsUnderAnotherWorldSize) {
+  const std::string optimizer_file = checkpoint_path("optimizer.pt");
+  const std::string model_file = checkpoint_path("model.pt");
+  // Three ranks train 4 iterations; rank 1 gathers the state and saves it with the model.
+  run_ranks(3, [&](int rank, int world_size) {
+    init();
+    auto model = make_model(100 + rank);
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults);
+    SingleProcessRun reference;
+    for (int iteration = 0; iteration < 4; ++iteration) {
+      ddp_zero_iteration(&ddp, model, zero, iteration, rank, world_size);
+      reference.train(iteration, world_size);
+    }
+    zero.consolidate_state_dict(/*to=*/1);
+    if (rank != 1) {
+      expect_error_containing(
+          [&] { zero.state_dict(); },
+          {"not been consolidated on rank " + std::to_string(rank), "consolidate_state_dict"});
+      return;
+    }
+    expect_state_dicts_close(zero.state_dict(), reference.state_dict());
+    optim::save_state_dict(zero.state_dict(), optimizer_file);
+    torch::save(model, model_file);
+  });
+  // Two ranks resume from it: their shards differ from the three ranks' ones.
+  run_ranks(2, [&](int rank, int world_size) {
+    init();
+    auto model = make_model(100 + rank);
+    torch::load(model, model_file);
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults);
+    zero.load_state_dict(optim::load_state_dict_file(optimizer_file));
+    SingleProcessRun reference;
+    for (int iteration = 0; iteration < 4; ++iteration) reference.train(iteration, 3);
+    for (int iteration = 4; iteration < 8; ++iteration) {
+      ddp_zero_iteration(&ddp, model, zero, iteration, rank, world_size);
+      reference.train(iteration, world_size);
+    }
+    expect_params_close(zero.params(), reference.params(), "4 iterations after resuming");
+    zero.consolidate_state_dict(0);
+    if (rank == 0) expect_state_dicts_close(zero.state_dict(), reference.state_dict());
+  });
+  // Rank processes run the rest of the test body too: only the test process cleans up.
+  if (!distoptim::testing::in_rank_process()) {
+    std::remove(optimizer_file.c_str());
+    std::remove(model_file.c_str());
+  }
+}
+
+TEST(ZeroRedundancyOptimizer, ABadStateDictFailsOnEveryRankAndChangesNothing) {
+  run_ranks(2, [](int rank, int world_size) {
+    init();
+    auto model = make_model(100);
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults);
+    for (int iteration = 0; iteration < 2; ++iteration) {
+      ddp_zero_iteration(nullptr, model, zero, iteration, rank, world_size);
+    }
+    zero.consolidate_state_dict(0);
+    // Every rank builds the same dicts, from rank 0's consolidated state.
+    std::vector<at::Tensor> bytes;
+    optim::OptimizerStateDict good;
+    if (rank == 0) good = zero.state_dict();
+    {
+      const auto pickled = torch::pickle_save(good.to_ivalue());
+      std::vector<at::Tensor> size = {torch::full({1}, static_cast<int64_t>(pickled.size()))};
+      comm::world().process_group()->broadcast(size)->wait();
+      std::vector<at::Tensor> payload = {torch::empty({size[0].item<int64_t>()}, torch::kByte)};
+      if (rank == 0) std::memcpy(payload[0].data_ptr(), pickled.data(), pickled.size());
+      comm::world().process_group()->broadcast(payload)->wait();
+      const char* data = static_cast<const char*>(payload[0].data_ptr());
+      good = optim::OptimizerStateDict::from_ivalue(
+          torch::pickle_load(std::vector<char>(data, data + payload[0].numel())));
+    }
+    const auto local_before = zero.local_optimizer().state_dict();
+
+    // Parameter 0 belongs to rank 0 alone; rank 1 must refuse the dict all the same.
+    auto wrong_shape = good;
+    wrong_shape.state[0].buffers["exp_avg"] = torch::zeros({3}, torch::kFloat64);
+    expect_error_containing([&] { zero.load_state_dict(wrong_shape); },
+                            {"load_state_dict", "exp_avg", "parameter 0", "shape"});
+    auto wrong_groups = good;
+    wrong_groups.param_groups.pop_back();
+    expect_error_containing([&] { zero.load_state_dict(wrong_groups); },
+                            {"load_state_dict", "1 param groups", "2"});
+    auto wrong_optimizer = good;
+    wrong_optimizer.optimizer = "sgd";
+    expect_error_containing([&] { zero.load_state_dict(wrong_optimizer); },
+                            {"load_state_dict", "'sgd'", "'adam'"});
+    auto out_of_range = good;
+    out_of_range.state[7] = good.state.begin()->second;
+    expect_error_containing([&] { zero.load_state_dict(out_of_range); },
+                            {"load_state_dict", "parameter 7", "has 4"});
+    expect_state_dicts_close(zero.local_optimizer().state_dict(), local_before);
+  });
+}
+
+TEST(ZeroRedundancyOptimizer, BadInputIsRejectedNamingTheArgument) {
+  run_ranks(2, [](int rank, int) {
+    init();
+    auto weight = torch::randn({4, 3}, torch::kFloat64);
+    expect_error_containing(
+        [&] { ZeroRedundancyOptimizer({torch::zeros({3}, torch::kLong)}, "adam"); },
+        {"parameter 0", "Long", "floating point", "rank " + std::to_string(rank)});
+    expect_error_containing(
+        [&] {
+          ZeroRedundancyOptimizer({weight, weight}, "adam");
+        },
+        {"parameter 1", "appears more than once"});
+    expect_error_containing([&] { ZeroRedundancyOptimizer({torch::eye(3).to_sparse()}, "adam"); },
+                            {"parameter 0", "sparse"});
+    expect_error_containing([&] { ZeroRedundancyOptimizer({weight}, "no_such_optimizer"); },
+                            {"no_such_optimizer"});
+    expect_error_containing(
+        [&] {
+          ZeroRedundancyOptimizer({weight}, "adam", {{"lr", -1.0}});
+        },
+        {"lr", "-1"});
+    // Parameters that differ across ranks: every rank gets the error, naming rank 1.
+    auto mismatched = torch::randn({4, rank == 0 ? 3 : 5}, torch::kFloat64);
+    expect_error_containing([&] { ZeroRedundancyOptimizer({mismatched}, "adam"); },
+                            {"rank 1", "parameter 0"});
+
+    ZeroRedundancyOptimizer zero({weight}, "adam");
+    expect_error_containing(
+        [&] {
+          zero.step({weight, weight});
+        },
+        {"step", "2 gradients", "1 parameters"});
+    expect_error_containing([&] { zero.consolidate_state_dict(2); },
+                            {"consolidate_state_dict", "to = 2", "size 2"});
+    expect_error_containing([&] { zero.add_param_group(optim::ParamGroup({weight})); },
+                            {"add_param_group", "appears more than once"});
+    // Still usable: a step with a gradient works on both ranks.
+    const auto before = weight.clone();
+    zero.step({torch::ones_like(weight)});
+    EXPECT_FALSE(at::equal(weight, before));
+    expect_replicas_identical({weight});
+  });
+}
+
+TEST(ZeroRedundancyOptimizer, AStepOnOnlySomeRanksFailsAfterTheTimeout) {
+  run_ranks(2, [](int rank, int) {
+    init(/*timeout=*/2s);
+    auto weight = torch::randn({64}, torch::kFloat64);
+    auto bias = torch::randn({8}, torch::kFloat64);
+    ZeroRedundancyOptimizer zero({weight, bias}, "sgd", {{"lr", 0.1}});
+    if (rank == 0) {
+      expect_error_containing(
+          [&] {
+            zero.step({torch::ones_like(weight), torch::ones_like(bias)});
+          },
+          {"ZeroRedundancyOptimizer.step", "every rank must call step()", "rank 0"});
+    } else {
+      std::this_thread::sleep_for(4s);  // rank 1 never steps, but stays connected
+    }
+  });
+}
+
+}  // namespace
+}  // namespace data_parallel
+}  // namespace distoptim
