@@ -25,6 +25,10 @@ PACKAGES=(
   nlohmann-json3-dev libfmt-dev libcli11-dev
   # Transports and collectives (rpc and comm layers).
   libtensorpipe-dev libgloo-dev
+  # The rpc layer's wire schema: protobuf, the same libprotobuf LibTorch already links.
+  libprotobuf-dev protobuf-compiler
+  # libFuzzer for the rpc message decoder's fuzz test (clang's runtime; the build stays on g++).
+  clang-14 libclang-rt-14-dev
   # /etc/services and /etc/protocols, which a minimal system lacks and TCP name lookups read.
   netbase
 )

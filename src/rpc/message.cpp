@@ -1,0 +1,484 @@
+#include "message.h"
+
+#include <limits>
+
+#include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
+#include <ATen/core/jit_type.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include "wire.pb.h"
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+namespace {
+
+constexpr size_t kMaxEncodeDepth = 64;
+
+bool is_allowed_dtype(int32_t dtype) {
+  switch (static_cast<c10::ScalarType>(dtype)) {
+    case c10::ScalarType::Byte:
+    case c10::ScalarType::Char:
+    case c10::ScalarType::Short:
+    case c10::ScalarType::Int:
+    case c10::ScalarType::Long:
+    case c10::ScalarType::Half:
+    case c10::ScalarType::Float:
+    case c10::ScalarType::Double:
+    case c10::ScalarType::ComplexFloat:
+    case c10::ScalarType::ComplexDouble:
+    case c10::ScalarType::Bool:
+    case c10::ScalarType::BFloat16:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void put_le(std::string* out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) {
+    out->push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+  }
+}
+
+uint64_t get_le(std::string_view in, size_t offset, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) {
+    value |= static_cast<uint64_t>(static_cast<unsigned char>(in[offset + i])) << (8 * i);
+  }
+  return value;
+}
+
+// Encoding: IValue -> wire::Value, collecting tensors in order of appearance.
+class Encoder {
+ public:
+  explicit Encoder(wire::Body* body) : body_(body) {}
+
+  void encode(const c10::IValue& value, wire::Value* out, size_t depth = 0) {
+    TORCH_CHECK_VALUE(depth <= kMaxEncodeDepth, "rpc: values nested deeper than ", kMaxEncodeDepth,
+                      " levels cannot be sent");
+    if (value.isNone()) {
+      out->set_none(true);
+    } else if (value.isBool()) {
+      out->set_bool_value(value.toBool());
+    } else if (value.isInt()) {
+      out->set_int_value(value.toInt());
+    } else if (value.isDouble()) {
+      out->set_double_value(value.toDouble());
+    } else if (value.isString()) {
+      out->set_string_value(value.toStringRef());
+    } else if (value.isTensor()) {
+      out->set_tensor_index(add_tensor(value.toTensor()));
+    } else if (value.isList()) {
+      wire::ListValue* list = out->mutable_list();
+      for (const c10::IValue& item : value.toListRef()) {
+        encode(item, list->add_items(), depth + 1);
+      }
+    } else if (value.isTuple()) {
+      wire::ListValue* tuple = out->mutable_tuple();
+      for (const c10::IValue& item : value.toTupleRef().elements()) {
+        encode(item, tuple->add_items(), depth + 1);
+      }
+    } else if (value.isGenericDict()) {
+      wire::DictValue* dict = out->mutable_dict();
+      for (const auto& entry : value.toGenericDict()) {
+        const c10::IValue& key = entry.key();
+        TORCH_CHECK_TYPE(key.isString() || key.isInt(),
+                         "rpc: dict keys must be strings or ints, got a key of type ",
+                         key.tagKind());
+        wire::DictEntry* wire_entry = dict->add_entries();
+        encode(key, wire_entry->mutable_key(), depth + 1);
+        encode(entry.value(), wire_entry->mutable_value(), depth + 1);
+      }
+    } else if (value.isRRef()) {
+      auto* reference = dynamic_cast<RRefReference*>(value.toRRef().get());
+      TORCH_CHECK_TYPE(reference != nullptr, "rpc: only distoptim RRefs can be sent");
+      const RRefIds& ids = reference->ids();
+      wire::RRefValue* rref = out->mutable_rref();
+      rref->set_owner_id(ids.owner_id);
+      rref->set_rref_created_on(ids.rref_created_on);
+      rref->set_rref_local_id(ids.rref_local_id);
+      rref->set_fork_created_on(ids.fork_created_on);
+      rref->set_fork_local_id(ids.fork_local_id);
+      rref->set_type_name(ids.type_name);
+    } else {
+      TORCH_CHECK_TYPE(false, "rpc: a value of kind ", value.tagKind(),
+                       " cannot be sent (supported: None, bool, int, double, string, tensor, "
+                       "list, tuple, dict, RRef)");
+    }
+  }
+
+  std::vector<at::Tensor> take_tensors() { return std::move(tensors_); }
+
+ private:
+  uint32_t add_tensor(const at::Tensor& tensor) {
+    TORCH_CHECK_VALUE(tensor.defined(), "rpc: an undefined tensor cannot be sent");
+    TORCH_CHECK_VALUE(tensor.device().is_cpu(), "rpc: only CPU tensors can be sent, got one on ",
+                      tensor.device());
+    TORCH_CHECK_VALUE(tensor.layout() == c10::kStrided,
+                      "rpc: only dense (strided) tensors can be sent, got layout ",
+                      tensor.layout());
+    TORCH_CHECK_TYPE(is_allowed_dtype(static_cast<int32_t>(tensor.scalar_type())),
+                     "rpc: tensors of dtype ", tensor.scalar_type(), " cannot be sent");
+    // A contiguous tensor (a view included) is sent straight from its memory; a strided view
+    // is compacted first, since only its own elements should travel.
+    at::Tensor dense = tensor.detach();
+    if (!dense.is_contiguous()) {
+      dense = dense.contiguous();
+    }
+    wire::TensorMeta* meta = body_->add_tensors();
+    meta->set_dtype(static_cast<int32_t>(dense.scalar_type()));
+    for (int64_t size : dense.sizes()) {
+      meta->add_sizes(size);
+    }
+    tensors_.push_back(std::move(dense));
+    return static_cast<uint32_t>(tensors_.size() - 1);
+  }
+
+  wire::Body* body_;
+  std::vector<at::Tensor> tensors_;
+};
+
+EncodedMessage finish(MessageType type, uint64_t id, const wire::Body& body,
+                      std::vector<at::Tensor> tensors) {
+  EncodedMessage message;
+  TORCH_CHECK_VALUE(body.SerializeToString(&message.body), "rpc: failed to serialize a message");
+  TORCH_CHECK_VALUE(message.body.size() <= WireLimits{}.max_body_bytes,
+                    "rpc: the non-tensor part of a message is ", message.body.size(),
+                    " bytes, over the limit of ", WireLimits{}.max_body_bytes);
+  MessageHeader header;
+  header.type = type;
+  header.id = id;
+  header.body_length = static_cast<uint32_t>(message.body.size());
+  header.tensor_count = static_cast<uint32_t>(tensors.size());
+  message.header = encode_header(header);
+  message.tensors = std::move(tensors);
+  return message;
+}
+
+// Decoding: wire::Value -> IValue, within the limits.
+class Decoder {
+ public:
+  Decoder(const std::vector<at::Tensor>& tensors, const WireLimits& limits)
+      : tensors_(tensors), limits_(limits) {}
+
+  Status decode(const wire::Value& value, c10::IValue* out, size_t depth = 0) {
+    if (depth > limits_.max_nesting_depth) {
+      return c10::str("values nested deeper than ", limits_.max_nesting_depth, " levels");
+    }
+    if (++value_count_ > limits_.max_values) {
+      return c10::str("more than ", limits_.max_values, " values");
+    }
+    switch (value.kind_case()) {
+      case wire::Value::kNone:
+        *out = c10::IValue();
+        return std::nullopt;
+      case wire::Value::kIntValue:
+        *out = c10::IValue(static_cast<int64_t>(value.int_value()));
+        return std::nullopt;
+      case wire::Value::kDoubleValue:
+        *out = c10::IValue(value.double_value());
+        return std::nullopt;
+      case wire::Value::kBoolValue:
+        *out = c10::IValue(value.bool_value());
+        return std::nullopt;
+      case wire::Value::kStringValue:
+        *out = c10::IValue(value.string_value());
+        return std::nullopt;
+      case wire::Value::kTensorIndex:
+        if (value.tensor_index() >= tensors_.size()) {
+          return c10::str("tensor index ", value.tensor_index(), " out of range (", tensors_.size(),
+                          " tensors)");
+        }
+        *out = c10::IValue(tensors_[value.tensor_index()]);
+        return std::nullopt;
+      case wire::Value::kList: {
+        c10::impl::GenericList list(c10::AnyType::get());
+        list.reserve(value.list().items_size());
+        for (const wire::Value& item : value.list().items()) {
+          c10::IValue element;
+          if (Status error = decode(item, &element, depth + 1)) {
+            return error;
+          }
+          list.push_back(std::move(element));
+        }
+        *out = c10::IValue(std::move(list));
+        return std::nullopt;
+      }
+      case wire::Value::kTuple: {
+        std::vector<c10::IValue> elements;
+        elements.reserve(value.tuple().items_size());
+        for (const wire::Value& item : value.tuple().items()) {
+          c10::IValue element;
+          if (Status error = decode(item, &element, depth + 1)) {
+            return error;
+          }
+          elements.push_back(std::move(element));
+        }
+        *out = c10::IValue(c10::ivalue::Tuple::create(std::move(elements)));
+        return std::nullopt;
+      }
+      case wire::Value::kDict:
+        return decode_dict(value.dict(), out, depth);
+      case wire::Value::kRref: {
+        const wire::RRefValue& rref = value.rref();
+        RRefIds ids;
+        ids.owner_id = rref.owner_id();
+        ids.rref_created_on = rref.rref_created_on();
+        ids.rref_local_id = rref.rref_local_id();
+        ids.fork_created_on = rref.fork_created_on();
+        ids.fork_local_id = rref.fork_local_id();
+        ids.type_name = rref.type_name();
+        *out = c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(
+            c10::make_intrusive<RRefReference>(std::move(ids))));
+        return std::nullopt;
+      }
+      case wire::Value::KIND_NOT_SET:
+        break;
+    }
+    return std::string("a value of unknown kind");
+  }
+
+ private:
+  Status decode_dict(const wire::DictValue& dict, c10::IValue* out, size_t depth) {
+    // Keys are all strings or all ints (an empty dict is typed by string keys).
+    bool int_keys =
+        dict.entries_size() > 0 && dict.entries(0).key().kind_case() == wire::Value::kIntValue;
+    c10::TypePtr key_type =
+        int_keys ? c10::TypePtr(c10::IntType::get()) : c10::TypePtr(c10::StringType::get());
+    c10::impl::GenericDict result(std::move(key_type), c10::AnyType::get());
+    result.reserve(dict.entries_size());
+    for (const wire::DictEntry& entry : dict.entries()) {
+      const auto expected = int_keys ? wire::Value::kIntValue : wire::Value::kStringValue;
+      if (entry.key().kind_case() != expected) {
+        return std::string("a dict whose keys are not all strings or all ints");
+      }
+      c10::IValue key;
+      c10::IValue item;
+      if (Status error = decode(entry.key(), &key, depth + 1)) {
+        return error;
+      }
+      if (Status error = decode(entry.value(), &item, depth + 1)) {
+        return error;
+      }
+      if (!result.insert(std::move(key), std::move(item)).second) {
+        return std::string("a dict with a repeated key");
+      }
+    }
+    *out = c10::IValue(std::move(result));
+    return std::nullopt;
+  }
+
+  const std::vector<at::Tensor>& tensors_;
+  const WireLimits& limits_;
+  size_t value_count_ = 0;
+};
+
+// Turns a received byte buffer into the tensor its metadata describes, or says why it cannot.
+Status typed_tensor(const wire::TensorMeta& meta, const at::Tensor& bytes, const WireLimits& limits,
+                    at::Tensor* out) {
+  if (!is_allowed_dtype(meta.dtype())) {
+    return c10::str("tensor dtype ", meta.dtype(), " is not allowed");
+  }
+  if (static_cast<size_t>(meta.sizes_size()) > limits.max_tensor_dims) {
+    return c10::str("a tensor of ", meta.sizes_size(), " dimensions (at most ",
+                    limits.max_tensor_dims, ")");
+  }
+  const auto dtype = static_cast<c10::ScalarType>(meta.dtype());
+  const uint64_t item_size = c10::elementSize(dtype);
+  uint64_t numel = 1;
+  for (int64_t size : meta.sizes()) {
+    if (size < 0) {
+      return c10::str("a tensor with negative size ", size);
+    }
+    if (size != 0 && numel > std::numeric_limits<uint64_t>::max() / static_cast<uint64_t>(size)) {
+      return std::string("a tensor whose element count overflows");
+    }
+    numel *= static_cast<uint64_t>(size);
+  }
+  const uint64_t received = static_cast<uint64_t>(bytes.numel());
+  if (numel > received / item_size || numel * item_size != received) {
+    return c10::str("a tensor announced as ", received, " bytes whose sizes need ", numel,
+                    " elements of ", item_size, " bytes");
+  }
+  if (dtype == c10::ScalarType::Bool) {
+    // Any byte but 0 or 1 in a bool is undefined behaviour to read.
+    const uint8_t* data = bytes.data_ptr<uint8_t>();
+    for (uint64_t i = 0; i < received; ++i) {
+      if (data[i] > 1) {
+        return std::string("a bool tensor holding a byte other than 0 or 1");
+      }
+    }
+  }
+  std::vector<int64_t> sizes(meta.sizes().begin(), meta.sizes().end());
+  *out = bytes.view(dtype).view(sizes);
+  return std::nullopt;
+}
+
+}  // namespace
+
+const c10::TypePtr RRefReference::type() const {
+  return c10::RRefType::create(c10::AnyType::get());
+}
+
+std::string encode_header(const MessageHeader& header) {
+  std::string out;
+  out.reserve(MessageHeader::kEncodedSize);
+  put_le(&out, MessageHeader::kMagic, 4);
+  put_le(&out, MessageHeader::kVersion, 1);
+  put_le(&out, static_cast<uint8_t>(header.type), 1);
+  put_le(&out, header.flags, 2);
+  put_le(&out, header.id, 8);
+  put_le(&out, header.body_length, 4);
+  put_le(&out, header.tensor_count, 4);
+  return out;
+}
+
+Status decode_header(std::string_view bytes, MessageHeader* header) {
+  if (bytes.size() != MessageHeader::kEncodedSize) {
+    return c10::str("a header of ", bytes.size(), " bytes (expected ", MessageHeader::kEncodedSize,
+                    ")");
+  }
+  if (get_le(bytes, 0, 4) != MessageHeader::kMagic) {
+    return std::string("not a distoptim rpc message (bad magic)");
+  }
+  if (get_le(bytes, 4, 1) != MessageHeader::kVersion) {
+    return c10::str("wire version ", get_le(bytes, 4, 1), " (this build speaks ",
+                    static_cast<int>(MessageHeader::kVersion), ")");
+  }
+  const uint64_t type = get_le(bytes, 5, 1);
+  if (type < 1 || type > 3) {
+    return c10::str("unknown message type ", type);
+  }
+  header->type = static_cast<MessageType>(type);
+  header->flags = static_cast<uint16_t>(get_le(bytes, 6, 2));
+  if (header->flags != 0) {
+    return c10::str("unknown header flags ", header->flags);
+  }
+  header->id = get_le(bytes, 8, 8);
+  header->body_length = static_cast<uint32_t>(get_le(bytes, 16, 4));
+  header->tensor_count = static_cast<uint32_t>(get_le(bytes, 20, 4));
+  return std::nullopt;
+}
+
+Status check_announced_sizes(const MessageHeader& header,
+                             const std::vector<size_t>& payload_lengths,
+                             const std::vector<size_t>& tensor_lengths, const WireLimits& limits) {
+  if (payload_lengths.size() != 1) {
+    return c10::str(payload_lengths.size(), " payloads (expected 1)");
+  }
+  if (payload_lengths[0] != header.body_length) {
+    return c10::str("a body of ", payload_lengths[0], " bytes where the header says ",
+                    header.body_length);
+  }
+  if (header.body_length > limits.max_body_bytes) {
+    return c10::str("a body of ", header.body_length, " bytes (at most ", limits.max_body_bytes,
+                    ")");
+  }
+  if (tensor_lengths.size() != header.tensor_count) {
+    return c10::str(tensor_lengths.size(), " tensors where the header says ", header.tensor_count);
+  }
+  if (tensor_lengths.size() > limits.max_tensors) {
+    return c10::str(tensor_lengths.size(), " tensors (at most ", limits.max_tensors, ")");
+  }
+  size_t total = header.body_length;
+  for (size_t length : tensor_lengths) {
+    if (length > limits.max_message_bytes - total) {
+      return c10::str("a message over ", limits.max_message_bytes, " bytes");
+    }
+    total += length;
+  }
+  return std::nullopt;
+}
+
+EncodedMessage encode_request(uint64_t id, const std::string& callable,
+                              const std::vector<c10::IValue>& args, int64_t timeout_ms) {
+  wire::Body body;
+  Encoder encoder(&body);
+  wire::Request* request = body.mutable_request();
+  request->set_callable(callable);
+  request->set_timeout_ms(timeout_ms);
+  for (const c10::IValue& arg : args) {
+    encoder.encode(arg, request->add_args());
+  }
+  return finish(MessageType::kRequest, id, body, encoder.take_tensors());
+}
+
+EncodedMessage encode_response(uint64_t id, const c10::IValue& result) {
+  wire::Body body;
+  Encoder encoder(&body);
+  encoder.encode(result, body.mutable_response()->mutable_result());
+  return finish(MessageType::kResponse, id, body, encoder.take_tensors());
+}
+
+EncodedMessage encode_error(uint64_t id, const std::string& message, const std::string& worker) {
+  wire::Body body;
+  body.mutable_error()->set_message(message);
+  body.mutable_error()->set_worker_name(worker);
+  return finish(MessageType::kError, id, body, {});
+}
+
+Status decode_body(const MessageHeader& header, std::string_view body,
+                   std::vector<at::Tensor> tensor_buffers, const WireLimits& limits,
+                   DecodedMessage* message) {
+  if (body.size() != header.body_length || body.size() > limits.max_body_bytes) {
+    return c10::str("a body of ", body.size(), " bytes where the header says ", header.body_length);
+  }
+  wire::Body parsed;
+  if (!parsed.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
+    return std::string("a body that is not a valid protobuf Body");
+  }
+  if (static_cast<size_t>(parsed.tensors_size()) != tensor_buffers.size()) {
+    return c10::str(parsed.tensors_size(), " tensor descriptions for ", tensor_buffers.size(),
+                    " tensors");
+  }
+  std::vector<at::Tensor> tensors(tensor_buffers.size());
+  for (size_t i = 0; i < tensor_buffers.size(); ++i) {
+    if (Status error = typed_tensor(parsed.tensors(static_cast<int>(i)), tensor_buffers[i], limits,
+                                    &tensors[i])) {
+      return c10::str("tensor ", i, ": ", *error);
+    }
+  }
+  Decoder decoder(tensors, limits);
+  message->header = header;
+  switch (header.type) {
+    case MessageType::kRequest: {
+      if (parsed.content_case() != wire::Body::kRequest) {
+        return std::string("a request header over a body that is not a request");
+      }
+      const wire::Request& request = parsed.request();
+      message->callable = request.callable();
+      message->timeout_ms = request.timeout_ms();
+      message->args.resize(request.args_size());
+      for (int i = 0; i < request.args_size(); ++i) {
+        if (Status error = decoder.decode(request.args(i), &message->args[i])) {
+          return c10::str("argument ", i, ": ", *error);
+        }
+      }
+      return std::nullopt;
+    }
+    case MessageType::kResponse:
+      if (parsed.content_case() != wire::Body::kResponse) {
+        return std::string("a response header over a body that is not a response");
+      }
+      if (Status error = decoder.decode(parsed.response().result(), &message->result)) {
+        return c10::str("result: ", *error);
+      }
+      return std::nullopt;
+    case MessageType::kError:
+      if (parsed.content_case() != wire::Body::kError) {
+        return std::string("an error header over a body that is not an error");
+      }
+      message->error_message = parsed.error().message();
+      message->error_worker = parsed.error().worker_name();
+      return std::nullopt;
+  }
+  return std::string("unknown message type");
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

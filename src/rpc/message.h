@@ -1,0 +1,125 @@
+#pragma once
+
+// The RPC wire format: one TensorPipe message per request, response or
+// error. Its TensorPipe metadata is a fixed 24-byte header, payload 0 is a protobuf `Body`
+// (wire.proto) with every non-tensor value, and each tensor is its own TensorPipe tensor
+// payload, sent from and received into tensor storage without a copy.
+//
+// Everything here is pure (no I/O, no globals) so that the decoder can be fuzzed on its own.
+// Decoding treats its input as hostile: every length is checked before anything is allocated,
+// and a malformed message yields an error string, never an exception or a crash.
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+enum class MessageType : uint8_t { kRequest = 1, kResponse = 2, kError = 3 };
+
+/// The fixed header, carried in TensorPipe's message metadata.
+struct MessageHeader {
+  static constexpr uint32_t kMagic = 0x3152444f;  // "ODR1" little-endian.
+  static constexpr uint8_t kVersion = 1;
+  static constexpr size_t kEncodedSize = 24;
+
+  MessageType type = MessageType::kRequest;
+  uint16_t flags = 0;  // None defined yet; a set bit is rejected.
+  uint64_t id = 0;
+  uint32_t body_length = 0;
+  uint32_t tensor_count = 0;
+};
+
+/// Bounds a receiver enforces. The defaults admit any message a sane peer sends.
+struct WireLimits {
+  size_t max_body_bytes = size_t{64} << 20;
+  size_t max_tensors = 1 << 16;
+  size_t max_message_bytes = size_t{16} << 30;  // body plus all tensors
+  size_t max_nesting_depth = 64;
+  size_t max_values = size_t{1} << 22;  // values of all kinds in one body
+  size_t max_tensor_dims = 64;
+};
+
+/// An error text, or nothing on success.
+using Status = std::optional<std::string>;
+
+std::string encode_header(const MessageHeader& header);
+Status decode_header(std::string_view bytes, MessageHeader* header);
+
+/// Checks what a peer announces (TensorPipe's descriptor) before anything is allocated for it.
+Status check_announced_sizes(const MessageHeader& header,
+                             const std::vector<size_t>& payload_lengths,
+                             const std::vector<size_t>& tensor_lengths, const WireLimits& limits);
+
+/// A message ready to send. `tensors` are dense (contiguous) CPU tensors whose bytes are sent as
+/// they lie in memory; the message keeps them alive until TensorPipe has written them.
+struct EncodedMessage {
+  std::string header;
+  std::string body;
+  std::vector<at::Tensor> tensors;
+};
+
+/// Encoders throw c10::TypeError / c10::ValueError for values that cannot travel (a CUDA or
+/// sparse tensor, an unsupported IValue kind, a dict with keys other than strings or ints).
+EncodedMessage encode_request(uint64_t id, const std::string& callable,
+                              const std::vector<c10::IValue>& args, int64_t timeout_ms);
+EncodedMessage encode_response(uint64_t id, const c10::IValue& result);
+EncodedMessage encode_error(uint64_t id, const std::string& message, const std::string& worker);
+
+/// A received message, decoded.
+struct DecodedMessage {
+  MessageHeader header;
+  // kRequest
+  std::string callable;
+  std::vector<c10::IValue> args;
+  int64_t timeout_ms = 0;
+  // kResponse
+  c10::IValue result;
+  // kError
+  std::string error_message;
+  std::string error_worker;
+};
+
+/// Decodes a body and its tensors. `tensor_buffers` are the byte buffers (kByte, 1-D) TensorPipe
+/// filled, of the lengths check_announced_sizes accepted; on success they become typed views of
+/// the same memory.
+Status decode_body(const MessageHeader& header, std::string_view body,
+                   std::vector<at::Tensor> tensor_buffers, const WireLimits& limits,
+                   DecodedMessage* message);
+
+/// Ids of an RRef as they travel (layer 4's RRef protocol builds on them).
+struct RRefIds {
+  int32_t owner_id = -1;
+  int32_t rref_created_on = -1;
+  int64_t rref_local_id = -1;
+  int32_t fork_created_on = -1;
+  int64_t fork_local_id = -1;
+  std::string type_name;
+};
+
+/// How an RRef reference sits inside a c10::IValue between the decoder and the RRef layer.
+class RRefReference : public c10::RRefInterface {
+ public:
+  explicit RRefReference(RRefIds ids) : ids_(std::move(ids)) {}
+  const RRefIds& ids() const { return ids_; }
+  c10::worker_id_t owner() const override { return static_cast<c10::worker_id_t>(ids_.owner_id); }
+  std::string ownerName() const override { return {}; }
+  bool isOwner() const override { return false; }
+  bool confirmedByOwner() const override { return false; }
+  const c10::TypePtr type() const override;
+
+ private:
+  RRefIds ids_;
+};
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

@@ -1,0 +1,351 @@
+// The RPC wire format: every value kind round-trips exactly, tensors keep dtype, shape and
+// contents (views and strided tensors included), and malformed or hostile input of every kind
+// is rejected with an error rather than a crash.
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <ATen/ATen.h>
+#include <ATen/core/Dict.h>
+#include <gtest/gtest.h>
+
+#include "message.h"
+#include "wire.pb.h"
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+namespace {
+
+// What a receiver does with what a sender encodes: copy each tensor into a fresh byte buffer
+// of the announced length (TensorPipe's part), check the sizes, decode.
+Status receive(const EncodedMessage& sent, DecodedMessage* out, const WireLimits& limits = {}) {
+  MessageHeader header;
+  if (Status error = decode_header(sent.header, &header)) {
+    return error;
+  }
+  std::vector<size_t> lengths;
+  std::vector<at::Tensor> buffers;
+  for (const at::Tensor& tensor : sent.tensors) {
+    EXPECT_TRUE(tensor.is_contiguous());
+    at::Tensor buffer = at::empty({static_cast<int64_t>(tensor.nbytes())}, at::kByte);
+    std::memcpy(buffer.data_ptr(), tensor.data_ptr(), tensor.nbytes());
+    lengths.push_back(tensor.nbytes());
+    buffers.push_back(buffer);
+  }
+  if (Status error = check_announced_sizes(header, {sent.body.size()}, lengths, limits)) {
+    return error;
+  }
+  return decode_body(header, sent.body, std::move(buffers), limits, out);
+}
+
+c10::IValue round_trip(const c10::IValue& value) {
+  DecodedMessage decoded;
+  Status error = receive(encode_response(7, value), &decoded);
+  EXPECT_FALSE(error.has_value()) << *error;
+  EXPECT_EQ(decoded.header.id, 7u);
+  return decoded.result;
+}
+
+void expect_same_tensor(const at::Tensor& expected, const at::Tensor& actual) {
+  EXPECT_EQ(actual.scalar_type(), expected.scalar_type());
+  EXPECT_EQ(actual.sizes(), expected.sizes());
+  EXPECT_TRUE(at::equal(actual, expected));
+}
+
+TEST(RpcMessage, HeaderRoundTrip) {
+  MessageHeader header;
+  header.type = MessageType::kError;
+  header.id = 0x0123456789abcdefull;
+  header.body_length = 77;
+  header.tensor_count = 3;
+  const std::string bytes = encode_header(header);
+  ASSERT_EQ(bytes.size(), MessageHeader::kEncodedSize);
+  MessageHeader decoded;
+  ASSERT_FALSE(decode_header(bytes, &decoded).has_value());
+  EXPECT_EQ(decoded.type, MessageType::kError);
+  EXPECT_EQ(decoded.id, header.id);
+  EXPECT_EQ(decoded.body_length, 77u);
+  EXPECT_EQ(decoded.tensor_count, 3u);
+}
+
+TEST(RpcMessage, ScalarsAndStrings) {
+  EXPECT_TRUE(round_trip(c10::IValue()).isNone());
+  EXPECT_EQ(round_trip(int64_t{-5}).toInt(), -5);
+  EXPECT_EQ(round_trip(int64_t{1} << 62).toInt(), int64_t{1} << 62);
+  EXPECT_EQ(round_trip(0.1).toDouble(), 0.1);
+  EXPECT_EQ(round_trip(true).toBool(), true);
+  EXPECT_EQ(round_trip(false).toBool(), false);
+  EXPECT_EQ(round_trip(std::string("héllo")).toStringRef(), "héllo");
+  EXPECT_EQ(round_trip(std::string()).toStringRef(), "");
+}
+
+TEST(RpcMessage, ContainersNest) {
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  dict.insert("lr", 0.5);
+  dict.insert("steps", c10::List<int64_t>({1, 2, 3}));
+  c10::IValue tuple = c10::ivalue::Tuple::create(
+      {c10::IValue(int64_t{1}), c10::IValue(dict), c10::IValue(std::string("x"))});
+  const c10::IValue back = round_trip(tuple);
+  ASSERT_TRUE(back.isTuple());
+  const auto& elements = back.toTupleRef().elements();
+  ASSERT_EQ(elements.size(), 3u);
+  EXPECT_EQ(elements[0].toInt(), 1);
+  EXPECT_EQ(elements[2].toStringRef(), "x");
+  const auto back_dict = elements[1].toGenericDict();
+  EXPECT_EQ(back_dict.at("lr").toDouble(), 0.5);
+  std::vector<int64_t> steps;
+  for (const c10::IValue& step : back_dict.at("steps").toListRef()) {
+    steps.push_back(step.toInt());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3}));
+
+  c10::impl::GenericDict by_int(c10::IntType::get(), c10::AnyType::get());
+  by_int.insert(int64_t{4}, std::string("four"));
+  EXPECT_EQ(round_trip(by_int).toGenericDict().at(int64_t{4}).toStringRef(), "four");
+  EXPECT_EQ(round_trip(c10::impl::GenericList(c10::AnyType::get())).toListRef().size(), 0u);
+}
+
+TEST(RpcMessage, TensorsOfEveryDtypeAndShape) {
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong, at::kInt,
+                     at::kShort, at::kChar, at::kByte, at::kComplexFloat}) {
+    at::Tensor tensor = (at::arange(24, at::kDouble) - 5).to(dtype).view({2, 3, 4});
+    expect_same_tensor(tensor, round_trip(tensor).toTensor());
+  }
+  at::Tensor flags = at::arange(10) % 3 == 0;
+  expect_same_tensor(flags, round_trip(flags).toTensor());
+  expect_same_tensor(at::empty({0, 5}), round_trip(at::empty({0, 5})).toTensor());
+  expect_same_tensor(at::scalar_tensor(3.5), round_trip(at::scalar_tensor(3.5)).toTensor());
+}
+
+TEST(RpcMessage, ViewsAndStridedTensorsSendOnlyTheirElements) {
+  at::Tensor base = at::arange(100, at::kFloat).view({10, 10});
+  at::Tensor transposed = base.t();
+  at::Tensor column = base.select(1, 3);
+  at::Tensor rows = base.narrow(0, 2, 3);  // Contiguous view with a storage offset.
+  at::Tensor expanded = at::arange(3, at::kFloat).view({3, 1}).expand({3, 4});
+  for (const at::Tensor& tensor : {transposed, column, rows, expanded}) {
+    const EncodedMessage sent = encode_response(1, tensor);
+    ASSERT_EQ(sent.tensors.size(), 1u);
+    EXPECT_EQ(sent.tensors[0].nbytes(), tensor.numel() * sizeof(float));
+    DecodedMessage decoded;
+    ASSERT_FALSE(receive(sent, &decoded).has_value());
+    expect_same_tensor(tensor, decoded.result.toTensor());
+  }
+  // A contiguous view travels from its own memory: no copy on the way out.
+  EXPECT_EQ(encode_response(1, rows).tensors[0].data_ptr(), rows.data_ptr());
+}
+
+TEST(RpcMessage, RequestsAndErrors) {
+  DecodedMessage decoded;
+  ASSERT_FALSE(receive(encode_request(9, "add", {at::ones({2}), int64_t{3}}, 1500), &decoded));
+  EXPECT_EQ(decoded.header.type, MessageType::kRequest);
+  EXPECT_EQ(decoded.callable, "add");
+  EXPECT_EQ(decoded.timeout_ms, 1500);
+  ASSERT_EQ(decoded.args.size(), 2u);
+  expect_same_tensor(at::ones({2}), decoded.args[0].toTensor());
+  EXPECT_EQ(decoded.args[1].toInt(), 3);
+
+  ASSERT_FALSE(receive(encode_error(4, "boom", "worker1"), &decoded));
+  EXPECT_EQ(decoded.header.type, MessageType::kError);
+  EXPECT_EQ(decoded.error_message, "boom");
+  EXPECT_EQ(decoded.error_worker, "worker1");
+}
+
+TEST(RpcMessage, RRefIdsRoundTrip) {
+  RRefIds ids{2, 1, 77, 0, 78, "EmbeddingTable"};
+  c10::IValue value(
+      c10::intrusive_ptr<c10::RRefInterface>(c10::make_intrusive<RRefReference>(ids)));
+  const c10::IValue back = round_trip(value);
+  ASSERT_TRUE(back.isRRef());
+  const auto* reference = dynamic_cast<const RRefReference*>(back.toRRef().get());
+  ASSERT_NE(reference, nullptr);
+  EXPECT_EQ(reference->ids().owner_id, 2);
+  EXPECT_EQ(reference->ids().rref_local_id, 77);
+  EXPECT_EQ(reference->ids().fork_local_id, 78);
+  EXPECT_EQ(reference->ids().type_name, "EmbeddingTable");
+}
+
+TEST(RpcMessage, UnsendableValuesThrowOnEncode) {
+  EXPECT_THROW(encode_response(1, at::ones({2}).to_sparse()), c10::Error);
+  EXPECT_THROW(encode_response(1, at::Tensor()), c10::Error);
+  c10::impl::GenericDict float_keys(c10::FloatType::get(), c10::AnyType::get());
+  float_keys.insert(1.5, int64_t{1});
+  EXPECT_THROW(encode_response(1, float_keys), c10::TypeError);
+  c10::IValue deep(int64_t{1});
+  for (int i = 0; i < 100; ++i) {
+    deep = c10::ivalue::Tuple::create({deep});
+  }
+  EXPECT_THROW(encode_response(1, deep), c10::ValueError);
+}
+
+void expect_rejected(const Status& status, const std::string& part) {
+  ASSERT_TRUE(status.has_value()) << "accepted; expected an error containing '" << part << "'";
+  EXPECT_NE(status->find(part), std::string::npos) << *status;
+}
+
+TEST(RpcMessage, BadHeadersAreRejected) {
+  MessageHeader header;
+  std::string good = encode_header(header);
+  expect_rejected(decode_header(good.substr(0, 10), &header), "header of 10 bytes");
+  std::string bad_magic = good;
+  bad_magic[0] ^= 1;
+  expect_rejected(decode_header(bad_magic, &header), "bad magic");
+  std::string bad_version = good;
+  bad_version[4] = 9;
+  expect_rejected(decode_header(bad_version, &header), "wire version 9");
+  std::string bad_type = good;
+  bad_type[5] = 42;
+  expect_rejected(decode_header(bad_type, &header), "unknown message type 42");
+  std::string bad_flags = good;
+  bad_flags[6] = 1;
+  expect_rejected(decode_header(bad_flags, &header), "unknown header flags");
+}
+
+TEST(RpcMessage, AnnouncedSizesAreBounded) {
+  MessageHeader header;
+  header.body_length = 10;
+  header.tensor_count = 2;
+  WireLimits limits;
+  limits.max_message_bytes = 1000;
+  limits.max_body_bytes = 100;
+  EXPECT_FALSE(check_announced_sizes(header, {10}, {100, 200}, limits));
+  expect_rejected(check_announced_sizes(header, {10, 1}, {1, 1}, limits), "2 payloads");
+  expect_rejected(check_announced_sizes(header, {11}, {1, 1}, limits), "header says 10");
+  expect_rejected(check_announced_sizes(header, {10}, {1}, limits), "header says 2");
+  expect_rejected(check_announced_sizes(header, {10}, {500, 500}, limits), "over 1000 bytes");
+  expect_rejected(check_announced_sizes(header, {10}, {SIZE_MAX, 5}, limits), "over 1000");
+  header.body_length = 101;
+  expect_rejected(check_announced_sizes(header, {101}, {1, 1}, limits), "at most 100");
+}
+
+TEST(RpcMessage, MalformedBodiesAreRejected) {
+  const EncodedMessage sent = encode_response(3, at::arange(6, at::kFloat));
+  MessageHeader header;
+  ASSERT_FALSE(decode_header(sent.header, &header));
+  auto buffer = [](int64_t bytes) { return at::zeros({bytes}, at::kByte); };
+  DecodedMessage out;
+  // Truncated body.
+  MessageHeader truncated = header;
+  truncated.body_length = header.body_length - 1;
+  expect_rejected(
+      decode_body(truncated, std::string_view(sent.body).substr(0, sent.body.size() - 1),
+                  {buffer(24)}, {}, &out),
+      "");
+  // Garbage body.
+  std::string garbage(sent.body.size(), '\xff');
+  expect_rejected(decode_body(header, garbage, {buffer(24)}, {}, &out), "not a valid protobuf");
+  // Tensor bytes that do not match its sizes.
+  expect_rejected(decode_body(header, sent.body, {buffer(23)}, {}, &out), "tensor 0");
+  // Missing tensor.
+  expect_rejected(decode_body(header, sent.body, {}, {}, &out), "1 tensor descriptions for 0");
+  // A request header over a response body.
+  MessageHeader as_request = header;
+  as_request.type = MessageType::kRequest;
+  expect_rejected(decode_body(as_request, sent.body, {buffer(24)}, {}, &out), "not a request");
+}
+
+// Crafted bodies: things no honest encoder writes.
+Status decode_crafted(const wire::Body& body, std::vector<at::Tensor> buffers,
+                      const WireLimits& limits = {}) {
+  std::string bytes;
+  body.SerializeToString(&bytes);
+  MessageHeader header;
+  header.type = MessageType::kResponse;
+  header.body_length = static_cast<uint32_t>(bytes.size());
+  header.tensor_count = static_cast<uint32_t>(buffers.size());
+  DecodedMessage out;
+  return decode_body(header, bytes, std::move(buffers), limits, &out);
+}
+
+TEST(RpcMessage, HostileValuesAreRejected) {
+  wire::Body body;
+  body.mutable_response()->mutable_result()->set_tensor_index(5);
+  expect_rejected(decode_crafted(body, {}), "tensor index 5 out of range");
+
+  body.mutable_response()->mutable_result()->Clear();
+  expect_rejected(decode_crafted(body, {}), "unknown kind");
+
+  wire::Body tensors;
+  tensors.mutable_response()->mutable_result()->set_tensor_index(0);
+  wire::TensorMeta* meta = tensors.add_tensors();
+  meta->set_dtype(static_cast<int32_t>(at::kFloat));
+  meta->add_sizes(-4);
+  expect_rejected(decode_crafted(tensors, {at::zeros({16}, at::kByte)}), "negative size");
+  meta->set_sizes(0, int64_t{1} << 40);
+  meta->add_sizes(int64_t{1} << 40);
+  expect_rejected(decode_crafted(tensors, {at::zeros({16}, at::kByte)}), "overflows");
+  meta->clear_sizes();
+  meta->add_sizes(4);
+  meta->set_dtype(1000);
+  expect_rejected(decode_crafted(tensors, {at::zeros({16}, at::kByte)}), "dtype 1000");
+  meta->set_dtype(static_cast<int32_t>(at::kBool));
+  at::Tensor not_bools = at::zeros({4}, at::kByte);
+  not_bools[2] = 7;
+  expect_rejected(decode_crafted(tensors, {not_bools}), "other than 0 or 1");
+
+  wire::Body dict;
+  wire::DictValue* entries = dict.mutable_response()->mutable_result()->mutable_dict();
+  for (int i = 0; i < 2; ++i) {
+    wire::DictEntry* entry = entries->add_entries();
+    entry->mutable_key()->set_string_value("same");
+    entry->mutable_value()->set_int_value(i);
+  }
+  expect_rejected(decode_crafted(dict, {}), "repeated key");
+  entries->mutable_entries(1)->mutable_key()->set_int_value(3);
+  expect_rejected(decode_crafted(dict, {}), "not all strings or all ints");
+
+  wire::Body deep;
+  wire::Value* value = deep.mutable_response()->mutable_result();
+  for (int i = 0; i < 40; ++i) {
+    value = value->mutable_list()->add_items();
+  }
+  value->set_int_value(1);
+  WireLimits limits;
+  limits.max_nesting_depth = 20;
+  expect_rejected(decode_crafted(deep, {}, limits), "nested deeper than 20");
+
+  wire::Body many;
+  for (int i = 0; i < 100; ++i) {
+    many.mutable_response()->mutable_result()->mutable_list()->add_items()->set_none(true);
+  }
+  limits.max_values = 50;
+  expect_rejected(decode_crafted(many, {}, limits), "more than 50 values");
+}
+
+// Writes valid messages of every kind as seeds for the fuzz test (tests/rpc/fuzz), into the
+// directory named by DISTOPTIM_FUZZ_CORPUS_DIR. Skipped when it is unset.
+TEST(MessageFuzzSeeds, Write) {
+  const char* dir = std::getenv("DISTOPTIM_FUZZ_CORPUS_DIR");
+  if (dir == nullptr) {
+    GTEST_SKIP() << "DISTOPTIM_FUZZ_CORPUS_DIR is not set";
+  }
+  std::filesystem::create_directories(dir);
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+  dict.insert("k", c10::List<double>({1.0, 2.0}));
+  const std::vector<EncodedMessage> seeds = {
+      encode_request(1, "add", {at::ones({2, 2}), int64_t{3}, std::string("s")}, 100),
+      encode_response(2, c10::ivalue::Tuple::create({c10::IValue(dict), c10::IValue(true)})),
+      encode_response(3, at::arange(4) % 2 == 0), encode_error(4, "message", "worker")};
+  int index = 0;
+  for (const EncodedMessage& seed : seeds) {
+    std::string bytes = seed.header + seed.body;
+    for (const at::Tensor& tensor : seed.tensors) {
+      const auto length = static_cast<uint32_t>(tensor.nbytes());
+      for (int b = 0; b < 4; ++b) {
+        bytes.push_back(static_cast<char>((length >> (8 * b)) & 0xff));
+      }
+    }
+    for (const at::Tensor& tensor : seed.tensors) {
+      bytes.append(static_cast<const char*>(tensor.data_ptr()), tensor.nbytes());
+    }
+    std::ofstream(std::filesystem::path(dir) / ("seed" + std::to_string(index++)), std::ios::binary)
+        << bytes;
+  }
+}
+
+}  // namespace
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim
