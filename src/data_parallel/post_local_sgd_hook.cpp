@@ -5,21 +5,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include "bucket_allreduce.h"
+
 namespace distoptim {
 namespace data_parallel {
 
 namespace {
-
-// Averages `bucket` over `group` in place, as PyTorch's _allreduce_fut does: divide, then sum.
-c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const comm::Group& group,
-                                                       at::Tensor bucket) {
-  bucket.div_(group.size());
-  std::vector<at::Tensor> tensors = {bucket};
-  auto reduced = group.process_group()->allreduce(tensors)->getFuture();
-  return reduced->then(
-      [](c10::ivalue::Future& done) { return c10::IValue(done.value().toTensorVector()[0]); },
-      c10::TensorType::get());
-}
 
 class PostLocalSgdHook : public c10d::CommHookInterface {
  public:
@@ -54,8 +45,9 @@ PostLocalSgdState::PostLocalSgdState(std::optional<comm::Group> process_group,
       subgroup(subgroup ? *subgroup : comm::new_subgroups().first),
       start_local_sgd_iter(start_local_sgd_iter),
       post_local_gradient_allreduce(post_local_gradient_allreduce) {
-  TORCH_CHECK_VALUE(start_local_sgd_iter >= 1, "PostLocalSgdState: start_local_sgd_iter = ",
-                    start_local_sgd_iter, "; must be at least 1");
+  TORCH_CHECK_VALUE(start_local_sgd_iter >= 1,
+                    "PostLocalSgdState: start_local_sgd_iter = ", start_local_sgd_iter,
+                    "; must be at least 1");
   TORCH_CHECK_VALUE(this->process_group.is_member() && this->subgroup.is_member(),
                     "PostLocalSgdState: this rank is not a member of the process_group or the "
                     "subgroup");

@@ -232,6 +232,56 @@ TEST_P(ZeroStep, DdpPlusZeroEqualsOneProcessOnTheFullBatch) {
 INSTANTIATE_TEST_SUITE_P(WorldAndBucketView, ZeroStep,
                          ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()));
 
+class ZeroOverlap : public ::testing::TestWithParam<int> {};
+
+// The update runs inside backward, from the first iteration, on Gloo; with one bucket per
+// parameter (tiny bucket_cap_mb) the updates and broadcasts interleave bucket by bucket.
+TEST_P(ZeroOverlap, UpdatesInsideBackwardEqualOneProcessFromTheFirstIteration) {
+  run_ranks(GetParam(), [](int rank, int world_size) {
+    init();
+    auto model = make_model(100 + rank);
+    DistributedDataParallel ddp(model, DistributedDataParallelOptions().bucket_cap_mb(0.0005));
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults,
+                                 ZeroRedundancyOptimizerOptions().overlap_with_ddp(true));
+    ddp.register_comm_hook(hook_with_zero_step(zero));
+    SingleProcessRun reference;
+    for (int iteration = 0; iteration < 5; ++iteration) {
+      const Batch batch(7 + iteration, world_size);
+      zero.zero_grad();
+      torch::mse_loss(ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      zero.step();  // does nothing: backward did it
+      reference.train(iteration, world_size);
+      expect_params_close(zero.params(), reference.params(),
+                          "iteration " + std::to_string(iteration));
+      expect_replicas_identical(zero.params());
+    }
+    zero.consolidate_state_dict(0);
+    if (rank == 0) expect_state_dicts_close(zero.state_dict(), reference.state_dict());
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(World, ZeroOverlap, ::testing::Values(2, 3));
+
+TEST(ZeroRedundancyOptimizer, OverlapHookRejectsAMismatchedDdpOrOptimizer) {
+  run_ranks(2, [](int rank, int) {
+    init();
+    auto model = make_model(100);
+    ZeroRedundancyOptimizer plain(param_groups(model), "adam");
+    expect_error_containing([&] { hook_with_zero_step(plain); },
+                            {"hook_with_zero_step", "overlap_with_ddp = false"});
+    // The optimizer holds only the first layer: the second layer's bucket is refused.
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer first_layer_only(
+        model->first->parameters(), "adam", {},
+        ZeroRedundancyOptimizerOptions().overlap_with_ddp(true));
+    ddp.register_comm_hook(hook_with_zero_step(first_layer_only));
+    const Batch batch(7, 2);
+    expect_error_containing(
+        [&] { torch::mse_loss(ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward(); },
+        {"hook_with_zero_step", "is not a parameter of this ZeroRedundancyOptimizer"});
+  });
+}
+
 TEST(ZeroRedundancyOptimizer, ParametersOfMixedDtypesAreBucketedPerDtype) {
   run_ranks(2, [](int rank, int world_size) {
     init();

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <distoptim/comm/process_group.h>
 #include <distoptim/optim/functional_optimizer.h>
@@ -30,6 +31,14 @@ struct ZeroRedundancyOptimizerOptions {
   /// views into it, so a step sends one broadcast per rank and dtype instead of one per
   /// parameter.
   TORCH_ARG(bool, parameters_as_bucket_view) = false;
+  /// Run the update inside DDP's backward pass instead of in step(): register
+  /// hook_with_zero_step(zero) with the DistributedDataParallel. Each rank updates its
+  /// parameters of a bucket as soon as that bucket's gradients are averaged, and broadcasts them
+  /// while the next buckets are processed; when backward returns, every replica holds the new
+  /// parameters. Unlike PyTorch's, this works on Gloo and updates from the first iteration (the
+  /// partition does not depend on DDP's buckets). step() then does nothing;
+  /// parameters_as_bucket_view is ignored.
+  TORCH_ARG(bool, overlap_with_ddp) = false;
 };
 
 /// torch.distributed.optim.ZeroRedundancyOptimizer: every rank of a data-parallel group holds
@@ -65,7 +74,8 @@ class ZeroRedundancyOptimizer {
   ~ZeroRedundancyOptimizer();
 
   /// Updates this rank's parameters from their `.grad` (a parameter without one is skipped),
-  /// then synchronizes all parameters across the ranks.
+  /// then synchronizes all parameters across the ranks. With overlap_with_ddp, does nothing
+  /// (and warns once): the DDP hook has done the update.
   void step();
   /// The same with explicit gradients: one per parameter of params(), undefined to skip; only
   /// this rank's entries are read.
@@ -93,9 +103,28 @@ class ZeroRedundancyOptimizer {
   const comm::Group& process_group() const;
 
  private:
+  friend std::unique_ptr<c10d::CommHookInterface> hook_with_zero_step(
+      ZeroRedundancyOptimizer& zero, std::unique_ptr<c10d::CommHookInterface> hook);
   struct Impl;
+  class StepHook;  // the hook of hook_with_zero_step
   std::unique_ptr<Impl> impl_;
 };
+
+/// PyTorch's hook_with_zero_step: a DDP communication hook that reduces each bucket with `hook`
+/// (allreduce_hook() over zero's group when null) and runs `zero`'s update as part of the
+/// backward pass (see ZeroRedundancyOptimizerOptions::overlap_with_ddp). Register it with the
+/// DistributedDataParallel whose parameters `zero` optimizes:
+///
+///   ZeroRedundancyOptimizer zero(model->parameters(), "adam", {{"lr", 0.01}},
+///                                ZeroRedundancyOptimizerOptions().overlap_with_ddp(true));
+///   ddp.register_comm_hook(hook_with_zero_step(zero));
+///   ddp.forward(x).sum().backward();   // parameters updated and synchronized
+///
+/// `zero` must outlive the DDP's backward passes. Throws c10::ValueError if `zero` was built
+/// without overlap_with_ddp; a backward pass throws c10::ValueError naming the parameter when
+/// a DDP parameter is not one of zero's, or one of zero's is in no bucket.
+std::unique_ptr<c10d::CommHookInterface> hook_with_zero_step(
+    ZeroRedundancyOptimizer& zero, std::unique_ptr<c10d::CommHookInterface> hook = nullptr);
 
 }  // namespace data_parallel
 }  // namespace distoptim

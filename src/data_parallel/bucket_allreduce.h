@@ -1,0 +1,16 @@
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <distoptim/comm/process_group.h>
+
+namespace distoptim {
+namespace data_parallel {
+
+/// Averages a DDP gradient bucket over `group` in place, as PyTorch's allreduce hook does
+/// (divide by the group size, then sum). The future's value is the bucket tensor.
+c10::intrusive_ptr<c10::ivalue::Future> allreduce_mean(const comm::Group& group, at::Tensor bucket);
+
+}  // namespace data_parallel
+}  // namespace distoptim
