@@ -10,6 +10,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
+#include <torch/optim/optimizer.h>
 #include <torch/serialize.h>
 
 #include <distoptim/comm/errors.h>
@@ -132,7 +133,9 @@ struct ZeroRedundancyOptimizer::Impl {
   // partition[r]: the parameters rank r updates, in params() order; its local optimizer holds
   // them group by group in that order.
   std::vector<std::vector<int64_t>> partition;
+  // The local optimizer over this rank's parameters: ours, or else LibTorch's.
   std::unique_ptr<optim::FunctionalOptimizer> local;
+  std::unique_ptr<torch::optim::Optimizer> torch_local;
   // With parameters_as_bucket_view: buckets[r] holds rank r's parameters, one flat tensor per
   // dtype.
   std::vector<std::vector<at::Tensor>> buckets;
@@ -140,6 +143,95 @@ struct ZeroRedundancyOptimizer::Impl {
   bool overlap_with_ddp = false;
 
   int my_rank() const { return group.rank(); }
+
+  // Everything but the local optimizer: checks, parameters, partition. Returns this rank's
+  // share of `groups`, group by group (empty groups where it owns nothing).
+  std::vector<optim::ParamGroup> init(std::vector<optim::ParamGroup> groups,
+                                      const ZeroRedundancyOptimizerOptions& options) {
+    group = options.process_group().value_or(comm::world());
+    TORCH_CHECK_VALUE(group.is_member(), kName,
+                      ": this rank is not a member of the process group it was given");
+    TORCH_CHECK_VALUE(!groups.empty(), kName, ": no parameter groups given");
+    check_params(groups, {}, group.global_rank(group.rank()), kName);
+    overlap_with_ddp = options.overlap_with_ddp();
+    // With overlap, parameters travel in DDP's buckets: no views of our own.
+    bucket_view = options.parameters_as_bucket_view() && !overlap_with_ddp;
+    for (const auto& g : groups) {
+      std::vector<int64_t> indices;
+      for (const auto& p : g.params) {
+        indices.push_back(static_cast<int64_t>(params.size()));
+        params.push_back(p);
+      }
+      group_indices.push_back(std::move(indices));
+    }
+    TORCH_CHECK_VALUE(!params.empty(), kName, ": got an empty parameter list");
+    check_same_parameters_across_ranks(group, params, kName);
+    owner = sorted_greedy_owners(params, group_indices, group.size());
+    partition = partition_of(owner);
+    std::vector<optim::ParamGroup> local_groups;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      local_groups.emplace_back(owned_in_group(g, my_rank()), groups[g].overrides);
+    }
+    return local_groups;
+  }
+
+  // A user's factory must build the local optimizer over exactly the parameters it was given.
+  void check_local_params(size_t count, bool built) const {
+    TORCH_CHECK_VALUE(built, kName, ": the local optimizer factory returned null (rank ",
+                      group.global_rank(my_rank()), ")");
+    TORCH_CHECK_VALUE(count == partition[my_rank()].size(), kName,
+                      ": the local optimizer factory built an optimizer over ", count,
+                      " parameters; it must hold the ", partition[my_rank()].size(),
+                      " it was given (rank ", group.global_rank(my_rank()), ")");
+  }
+
+  // Steps the local optimizer with one gradient per parameter of partition[my_rank()]
+  // (undefined: skip).
+  void local_step(const std::vector<at::Tensor>& gradients) {
+    if (local != nullptr) {
+      local->step(gradients);
+      return;
+    }
+    // LibTorch's optimizers read `.grad`: lend them the gradients for the step, checked first
+    // as ours would check them.
+    const std::vector<int64_t>& mine = partition[my_rank()];
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const at::Tensor& g = gradients[k];
+      const at::Tensor& p = params[mine[k]];
+      if (!g.defined()) continue;
+      TORCH_CHECK_VALUE(g.layout() == at::kStrided && g.device() == p.device() &&
+                            g.scalar_type() == p.scalar_type() && g.sizes() == p.sizes(),
+                        kName, ".step: the gradient of parameter ", mine[k], " is a ",
+                        g.scalar_type(), " tensor of shape ", g.sizes(), " on ", g.device(),
+                        "; the parameter is ", p.scalar_type(), " of shape ", p.sizes(), " on ",
+                        p.device(), " (rank ", group.global_rank(my_rank()), ")");
+    }
+    std::vector<at::Tensor> saved(mine.size());
+    for (size_t k = 0; k < mine.size(); ++k) {
+      at::Tensor& p = params[mine[k]];
+      saved[k] = p.grad();
+      p.mutable_grad() = gradients[k];
+    }
+    auto restore = [&] {
+      for (size_t k = 0; k < mine.size(); ++k) params[mine[k]].mutable_grad() = saved[k];
+    };
+    try {
+      torch_local->step();
+    } catch (...) {
+      restore();
+      throw;
+    }
+    restore();
+  }
+
+  // State dicts are ours: LibTorch's optimizers key their state by tensor address, which does
+  // not carry across ranks.
+  void require_functional_local(const char* method) const {
+    TORCH_CHECK_VALUE(local != nullptr, kName, ".", method,
+                      ": needs a distoptim optimizer (by registry name or factory) as the local "
+                      "optimizer; this one runs a LibTorch torch::optim::Optimizer, whose state "
+                      "is keyed by tensor address and cannot be gathered or resharded");
+  }
 
   // The index in params() of each parameter, by identity (for the DDP hook's buckets).
   std::unordered_map<const c10::TensorImpl*, int64_t> index_of_param() const {
@@ -250,36 +342,35 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
                                                  const optim::OptionBag& defaults,
                                                  ZeroRedundancyOptimizerOptions options)
     : impl_(std::make_unique<Impl>()) {
-  Impl& s = *impl_;
-  s.group = options.process_group().value_or(comm::world());
-  TORCH_CHECK_VALUE(s.group.is_member(), kName,
-                    ": this rank is not a member of the process "
-                    "group it was given");
-  TORCH_CHECK_VALUE(!groups.empty(), kName, ": no parameter groups given");
-  const int global_rank = s.group.global_rank(s.group.rank());
-  check_params(groups, {}, global_rank, kName);
-  s.overlap_with_ddp = options.overlap_with_ddp();
-  // With overlap, parameters travel in DDP's buckets: no views of our own.
-  s.bucket_view = options.parameters_as_bucket_view() && !s.overlap_with_ddp;
-  for (const auto& group : groups) {
-    std::vector<int64_t> indices;
-    for (const auto& p : group.params) {
-      indices.push_back(static_cast<int64_t>(s.params.size()));
-      s.params.push_back(p);
-    }
-    s.group_indices.push_back(std::move(indices));
-  }
-  TORCH_CHECK_VALUE(!s.params.empty(), kName, ": got an empty parameter list");
-  check_same_parameters_across_ranks(s.group, s.params, kName);
-  s.owner = sorted_greedy_owners(s.params, s.group_indices, s.group.size());
-  s.partition = s.partition_of(s.owner);
-  std::vector<optim::ParamGroup> local_groups;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    local_groups.emplace_back(s.owned_in_group(g, s.my_rank()), groups[g].overrides);
-  }
+  const auto local_groups = impl_->init(std::move(groups), options);
   // Also checks the options, on every rank alike (a rank owning nothing gets empty groups).
-  s.local = optim::create_optimizer(optimizer, std::move(local_groups), defaults);
-  s.build_buckets();
+  impl_->local = optim::create_optimizer(optimizer, local_groups, defaults);
+  impl_->build_buckets();
+}
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups,
+                                                 const LocalOptimizerFactory& make_local,
+                                                 ZeroRedundancyOptimizerOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK_VALUE(make_local != nullptr, kName, ": the local optimizer factory is empty");
+  auto local_groups = impl_->init(std::move(groups), options);
+  impl_->local = make_local(std::move(local_groups));
+  impl_->check_local_params(impl_->local != nullptr ? impl_->local->params().size() : 0,
+                            impl_->local != nullptr);
+  impl_->build_buckets();
+}
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
+                                                 const LibTorchOptimizerFactory& make_local,
+                                                 ZeroRedundancyOptimizerOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  TORCH_CHECK_VALUE(make_local != nullptr, kName, ": the local optimizer factory is empty");
+  auto local_groups = impl_->init(single_group(std::move(params)), options);
+  impl_->torch_local = make_local(std::move(local_groups[0].params));
+  impl_->check_local_params(
+      impl_->torch_local != nullptr ? impl_->torch_local->parameters().size() : 0,
+      impl_->torch_local != nullptr);
+  impl_->build_buckets();
 }
 
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
@@ -308,7 +399,7 @@ void ZeroRedundancyOptimizer::step(const std::vector<at::Tensor>& gradients) {
                     " gradients for ", s.params.size(), " parameters");
   std::vector<at::Tensor> local_gradients;
   for (int64_t i : s.partition[s.my_rank()]) local_gradients.push_back(gradients[i]);
-  s.local->step(local_gradients);
+  s.local_step(local_gradients);
   s.sync_params();
 }
 
@@ -326,6 +417,10 @@ void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
 
 void ZeroRedundancyOptimizer::add_param_group(const optim::ParamGroup& group) {
   Impl& s = *impl_;
+  TORCH_CHECK_VALUE(s.local != nullptr || group.overrides.empty(), kName,
+                    ".add_param_group: the group overrides options (", group.overrides.to_string(),
+                    "), which a LibTorch local optimizer cannot "
+                    "take from an OptionBag; its groups take the optimizer's defaults");
   check_params({group}, s.params, s.group.global_rank(s.my_rank()),
                std::string(kName) + ".add_param_group");
   check_same_parameters_across_ranks(s.group, group.params,
@@ -344,7 +439,11 @@ void ZeroRedundancyOptimizer::add_param_group(const optim::ParamGroup& group) {
   for (int64_t i : indices) {
     if (owner[i] == s.my_rank()) mine.push_back(params[i]);
   }
-  s.local->add_param_group(optim::ParamGroup(mine, group.overrides));  // checks the options
+  if (s.local != nullptr) {
+    s.local->add_param_group(optim::ParamGroup(mine, group.overrides));  // checks the options
+  } else {
+    s.torch_local->add_param_group(torch::optim::OptimizerParamGroup(mine));
+  }
   s.params = std::move(params);
   s.group_indices = std::move(group_indices);
   s.owner = owner;
@@ -354,6 +453,7 @@ void ZeroRedundancyOptimizer::add_param_group(const optim::ParamGroup& group) {
 
 void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
   Impl& s = *impl_;
+  s.require_functional_local("consolidate_state_dict");
   TORCH_CHECK_VALUE(to >= 0 && to < s.group.size(), kName, ".consolidate_state_dict: to = ", to,
                     " is not a rank of the group (size ", s.group.size(), ")");
   const auto& pg = s.group.process_group();
@@ -406,6 +506,7 @@ optim::OptimizerStateDict ZeroRedundancyOptimizer::state_dict() const {
 
 void ZeroRedundancyOptimizer::load_state_dict(const optim::OptimizerStateDict& dict) {
   Impl& s = *impl_;
+  s.require_functional_local("load_state_dict");
   const std::string caller = std::string(kName) + ".load_state_dict";
   // The whole dict is checked on every rank, so a bad one fails everywhere alike.
   TORCH_CHECK_VALUE(dict.optimizer == s.local->name(), caller, ": the state dict is of optimizer '",
@@ -462,7 +563,12 @@ const std::vector<std::vector<int64_t>>& ZeroRedundancyOptimizer::partition() co
 }
 
 const optim::FunctionalOptimizer& ZeroRedundancyOptimizer::local_optimizer() const {
+  impl_->require_functional_local("local_optimizer");
   return *impl_->local;
+}
+
+torch::optim::Optimizer* ZeroRedundancyOptimizer::libtorch_local_optimizer() const {
+  return impl_->torch_local.get();
 }
 
 const comm::Group& ZeroRedundancyOptimizer::process_group() const { return impl_->group; }
@@ -552,7 +658,7 @@ class ZeroRedundancyOptimizer::StepHook : public c10d::CommHookInterface {
             reduced.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes());
         any = true;
       }
-      if (any) s_.local->step(local_gradients);
+      if (any) s_.local_step(local_gradients);
       for (int r = 0; r < s_.group.size(); ++r) {
         std::vector<int64_t> owned;
         int64_t total = 0;

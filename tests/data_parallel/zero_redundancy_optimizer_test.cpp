@@ -282,6 +282,88 @@ TEST(ZeroRedundancyOptimizer, OverlapHookRejectsAMismatchedDdpOrOptimizer) {
   });
 }
 
+TEST(ZeroRedundancyOptimizer, LocalOptimizerByTypeEqualsByName) {
+  run_ranks(2, [](int rank, int world_size) {
+    init();
+    auto model = make_model(100 + rank);
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer zero(param_groups(model), [](std::vector<optim::ParamGroup> shard) {
+      return std::make_unique<optim::Adam>(
+          std::move(shard), optim::AdamOptions().lr(0.01).weight_decay(0.01).amsgrad(true));
+    });
+    SingleProcessRun reference;
+    for (int iteration = 0; iteration < 4; ++iteration) {
+      ddp_zero_iteration(&ddp, model, zero, iteration, rank, world_size);
+      reference.train(iteration, world_size);
+    }
+    expect_params_close(zero.params(), reference.params(), "after 4 iterations");
+    // A factory that ignores its shard is refused.
+    expect_error_containing(
+        [&] {
+          ZeroRedundancyOptimizer(
+              {optim::ParamGroup({torch::zeros({5}, torch::kFloat64)})},
+              [](std::vector<optim::ParamGroup>) {
+                return std::make_unique<optim::Adam>(std::vector<optim::ParamGroup>{
+                    optim::ParamGroup({torch::zeros({2}), torch::zeros({3})})});
+              });
+        },
+        {"factory built an optimizer over 2 parameters"});
+  });
+}
+
+// LibTorch's Adam as the local optimizer, with and without overlap: the same parameters as
+// LibTorch's Adam in one process on the full batch.
+TEST(ZeroRedundancyOptimizer, LibTorchLocalOptimizerTrainsLikeItDoesInOneProcess) {
+  run_ranks(2, [](int rank, int world_size) {
+    init();
+    auto make_adam = [](std::vector<at::Tensor> shard) {
+      return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(0.01));
+    };
+    auto model = make_model(100 + rank);
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer zero(model->parameters(), make_adam);
+    ASSERT_NE(zero.libtorch_local_optimizer(), nullptr);
+    EXPECT_EQ(zero.libtorch_local_optimizer()->parameters().size(), zero.partition()[rank].size());
+
+    auto overlapped_model = make_model(100 + rank);
+    DistributedDataParallel overlapped_ddp(overlapped_model,
+                                           DistributedDataParallelOptions().bucket_cap_mb(0.0005));
+    ZeroRedundancyOptimizer overlapped(overlapped_model->parameters(), make_adam,
+                                       ZeroRedundancyOptimizerOptions().overlap_with_ddp(true));
+    overlapped_ddp.register_comm_hook(hook_with_zero_step(overlapped));
+
+    auto reference = make_model(100);
+    torch::optim::Adam reference_adam(reference->parameters(), torch::optim::AdamOptions(0.01));
+    for (int iteration = 0; iteration < 4; ++iteration) {
+      const Batch batch(7 + iteration, world_size);
+      zero.zero_grad();
+      torch::mse_loss(ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      zero.step();
+      overlapped.zero_grad();
+      torch::mse_loss(overlapped_ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      reference_adam.zero_grad();
+      torch::mse_loss(reference->forward(batch.x), batch.y).backward();
+      reference_adam.step();
+    }
+    expect_params_close(zero.params(), reference->parameters(), "after 4 iterations");
+    expect_params_close(overlapped.params(), reference->parameters(),
+                        "after 4 overlapped iterations");
+    expect_replicas_identical(zero.params());
+
+    expect_error_containing([&] { zero.consolidate_state_dict(0); },
+                            {"consolidate_state_dict", "LibTorch", "tensor address"});
+    expect_error_containing([&] { zero.local_optimizer(); }, {"local_optimizer", "LibTorch"});
+    auto extra = torch::zeros({3}, torch::kFloat64);
+    expect_error_containing(
+        [&] {
+          zero.add_param_group(optim::ParamGroup({extra}, {{"lr", 0.1}}));
+        },
+        {"add_param_group", "lr", "LibTorch"});
+    zero.add_param_group(optim::ParamGroup({extra}));
+    EXPECT_EQ(zero.params().size(), 5u);
+  });
+}
+
 TEST(ZeroRedundancyOptimizer, ParametersOfMixedDtypesAreBucketedPerDtype) {
   run_ranks(2, [](int rank, int world_size) {
     init();

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -7,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
+#include <torch/optim/optimizer.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <distoptim/comm/process_group.h>
@@ -43,9 +45,10 @@ struct ZeroRedundancyOptimizerOptions {
 
 /// torch.distributed.optim.ZeroRedundancyOptimizer: every rank of a data-parallel group holds
 /// all parameters, but the optimizer state of only its share of them (about 1/world of it).
-/// `step` updates this rank's share with a local optimizer of the registry (any built-in, or
-/// one a user registered, made with the given defaults), then every rank broadcasts its updated
-/// parameters so all replicas are identical again.
+/// `step` updates this rank's share with a local optimizer (ours by registry name or by type
+/// through a factory, or a LibTorch torch::optim::Optimizer), then every rank broadcasts its
+/// updated parameters so all replicas are identical again; with overlap_with_ddp the same runs
+/// inside DDP's backward pass (hook_with_zero_step).
 ///
 /// Partition: PyTorch's sorted-greedy one (group by group, largest parameter first, each to the
 /// rank with the fewest elements so far; each parameter wholly owned by one rank), so a rank
@@ -65,11 +68,38 @@ struct ZeroRedundancyOptimizerOptions {
 /// argument (and rank), before anything changes.
 class ZeroRedundancyOptimizer {
  public:
+  /// Builds one of our optimizers over this rank's share of the groups (each group keeps its
+  /// overrides; groups where the rank owns nothing stay, empty). Example:
+  ///   [](std::vector<optim::ParamGroup> groups) {
+  ///     return std::make_unique<optim::Adam>(std::move(groups), optim::AdamOptions().lr(0.01));
+  ///   }
+  using LocalOptimizerFactory = std::function<std::unique_ptr<optim::FunctionalOptimizer>(
+      std::vector<optim::ParamGroup> shard)>;
+  /// Builds a LibTorch optimizer over this rank's share of the parameters (maybe none):
+  ///   [](std::vector<at::Tensor> shard) {
+  ///     return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(0.01));
+  ///   }
+  using LibTorchOptimizerFactory =
+      std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> shard)>;
+
+  /// The local optimizer by registry name ("adam", a user's registered one, ...) with `defaults`
+  /// (PyTorch's optimizer_class and **defaults).
   ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups, const std::string& optimizer,
                           const optim::OptionBag& defaults = {},
                           ZeroRedundancyOptimizerOptions options = {});
   ZeroRedundancyOptimizer(std::vector<at::Tensor> params, const std::string& optimizer,
                           const optim::OptionBag& defaults = {},
+                          ZeroRedundancyOptimizerOptions options = {});
+  /// The local optimizer by type, from a factory (see LocalOptimizerFactory).
+  ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups,
+                          const LocalOptimizerFactory& make_local,
+                          ZeroRedundancyOptimizerOptions options = {});
+  /// A LibTorch torch::optim::Optimizer as the local optimizer. Training works as with ours
+  /// (step, add_param_group without overrides, overlap_with_ddp); state dicts do not: LibTorch
+  /// keys optimizer state by tensor address, so consolidate_state_dict, state_dict and
+  /// load_state_dict throw c10::ValueError.
+  ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
+                          const LibTorchOptimizerFactory& make_local,
                           ZeroRedundancyOptimizerOptions options = {});
   ~ZeroRedundancyOptimizer();
 
@@ -98,8 +128,11 @@ class ZeroRedundancyOptimizer {
   const std::vector<at::Tensor>& params() const;
   /// For each rank of the group, the indices (into params()) of the parameters it updates.
   const std::vector<std::vector<int64_t>>& partition() const;
-  /// The local optimizer over this rank's parameters.
+  /// The local optimizer over this rank's parameters; throws c10::ValueError when it is a
+  /// LibTorch one (see libtorch_local_optimizer()).
   const optim::FunctionalOptimizer& local_optimizer() const;
+  /// The LibTorch local optimizer, or null when the local optimizer is ours.
+  torch::optim::Optimizer* libtorch_local_optimizer() const;
   const comm::Group& process_group() const;
 
  private:
