@@ -1,0 +1,7 @@
+#pragma once
+
+// Layer 4 of distoptim: the RPC framework on TensorPipe (torch.distributed.rpc).
+#include <distoptim/rpc/api.h>
+#include <distoptim/rpc/errors.h>
+#include <distoptim/rpc/registry.h>
+#include <distoptim/rpc/values.h>

@@ -1,0 +1,197 @@
+#pragma once
+
+// torch.distributed.rpc for C++: named workers calling each other's registered functions.
+//
+//   distoptim::rpc::init_rpc("trainer", rank, world_size, RpcBackendOptions("env://"));
+//   auto sum = distoptim::rpc::rpc_sync<int64_t>("ps", "add", std::tuple{1, 2});
+//   auto future = distoptim::rpc::rpc_async<at::Tensor>("ps", "scale", std::tuple{t, 2.0});
+//   at::Tensor scaled = future.wait();
+//   distoptim::rpc::shutdown();
+//
+// Threading: one agent per process. Every function here is safe to call from any thread once
+// init_rpc has returned and until shutdown starts. Requests a worker receives run on its pool of
+// `num_worker_threads` threads, never on TensorPipe's event loop, so a callable may itself make
+// RPCs (nested calls, calls back to the caller). Futures complete on one completion thread; a
+// then() callback runs there and must not block on another RPC's result.
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
+#include <torch/arg.h>
+
+#include <distoptim/comm/rendezvous.h>
+#include <distoptim/rpc/errors.h>
+#include <distoptim/rpc/values.h>
+
+namespace distoptim {
+namespace rpc {
+
+/// Use the agent's default timeout (RpcBackendOptions::rpc_timeout), as PyTorch's -1 does.
+constexpr std::chrono::milliseconds kDefaultTimeout{-1};
+/// No timeout at all.
+constexpr std::chrono::milliseconds kNoTimeout{0};
+
+/// Options of the TensorPipe agent (PyTorch's TensorPipeRpcBackendOptions), builder style.
+struct RpcBackendOptions {
+  /* implicit */ RpcBackendOptions(std::string init_method = "env://")
+      : init_method_(std::move(init_method)) {}
+  /// How workers meet: "env://", "tcp://HOST:PORT" or "file:///PATH", as in the comm layer.
+  TORCH_ARG(std::string, init_method);
+  /// Default per-call timeout; 0 means none. PyTorch's default is 60 s.
+  TORCH_ARG(std::chrono::milliseconds, rpc_timeout) = std::chrono::seconds(60);
+  /// Threads that run incoming requests (PyTorch's default is 16).
+  TORCH_ARG(int, num_worker_threads) = 16;
+  /// How long init_rpc waits for every worker, and graceful shutdown for each of its barriers.
+  TORCH_ARG(std::chrono::milliseconds, init_timeout) = std::chrono::minutes(5);
+  TORCH_ARG(std::chrono::milliseconds, shutdown_timeout) = std::chrono::minutes(1);
+  /// The IP address to listen on; empty: 127.0.0.1 when the rendezvous address is loopback,
+  /// else the address of this host's name.
+  TORCH_ARG(std::string, listen_address) = "";
+  /// Let workers on one host exchange data through shared memory (TensorPipe's shm transport).
+  TORCH_ARG(bool, enable_shared_memory) = true;
+  /// Where this process stands if not read from the environment (env:// only).
+  TORCH_ARG(std::optional<comm::LaunchEnv>, launch_env) = std::nullopt;
+};
+
+/// A worker: its unique name and its id (= its rank).
+struct WorkerInfo {
+  std::string name;
+  int id = -1;
+  bool operator==(const WorkerInfo& other) const { return name == other.name && id == other.id; }
+};
+
+/// Names a destination by worker name, id or WorkerInfo, as PyTorch's `to` argument does.
+class WorkerRef {
+ public:
+  /* implicit */ WorkerRef(std::string name) : name_(std::move(name)) {}
+  /* implicit */ WorkerRef(const char* name) : name_(name) {}
+  /* implicit */ WorkerRef(int id) : id_(id) {}
+  /* implicit */ WorkerRef(const WorkerInfo& info) : id_(info.id) {}
+  const std::optional<std::string>& name() const { return name_; }
+  const std::optional<int>& id() const { return id_; }
+
+ private:
+  std::optional<std::string> name_;
+  std::optional<int> id_;
+};
+
+/// Starts this process's agent and meets the other workers. Blocks until all `world_size`
+/// workers have arrived (or init_timeout passes: distoptim::TimeoutError naming the missing
+/// ranks). `name` must be 1-128 characters of [A-Za-z0-9_.:-] and unique among the workers.
+/// Errors: c10::ValueError for a bad name, rank, world size or options, or a name taken by
+/// another rank; DistributedError if an agent is already running. On error nothing is left
+/// running and init_rpc may be called again.
+void init_rpc(const std::string& name, int rank, int world_size,
+              const RpcBackendOptions& options = {});
+
+/// Stops the agent. graceful: a barrier across every worker (each must call shutdown), then
+/// waits for this worker's outstanding calls and requests, a second barrier, then stops. Not
+/// graceful: stops at once; pending futures fail with DistributedError. Either way no agent
+/// thread is left afterwards. Errors: DistributedError if no agent runs; TimeoutError naming the
+/// workers missing from a barrier (the agent is stopped all the same).
+void shutdown(bool graceful = true);
+
+/// This worker, a worker by name or id, and all workers (by id). Throw c10::ValueError for an
+/// unknown name or id, DistributedError if no agent runs.
+WorkerInfo get_worker_info();
+WorkerInfo get_worker_info(const std::string& name);
+WorkerInfo get_worker_info(int id);
+std::vector<WorkerInfo> get_worker_infos();
+
+/// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.
+/// wait() blocks until the result arrives (the call's timeout bounds it) and returns it, or
+/// throws: RemoteError (the callable raised, or the worker refused the call), TimeoutError,
+/// PeerLostError (the worker died), DistributedError (the agent shut down), c10::TypeError (the
+/// result does not convert to T). Thread-safe.
+template <class T = c10::IValue>
+class RpcFuture {
+ public:
+  explicit RpcFuture(c10::intrusive_ptr<c10::ivalue::Future> future, std::string description)
+      : future_(std::move(future)), description_(std::move(description)) {}
+
+  T wait() const {
+    future_->waitAndThrow();
+    return from_value<T>(future_->constValue(), "the result of " + description_);
+  }
+  bool completed() const { return future_->completed(); }
+  bool has_error() const { return future_->completed() && future_->hasError(); }
+
+  /// Runs `callback(const RpcFuture<T>&)` once the result (or error) is in, on the completion
+  /// thread, or at once on this thread if it already is. The callback must not block.
+  template <class Callback>
+  void add_done_callback(Callback callback) const {
+    auto self = *this;
+    future_->addCallback(
+        [self, callback = std::move(callback)](c10::ivalue::Future&) { callback(self); });
+  }
+
+  /// A future of `callback(result)`, PyTorch's Future.then: an error (of this call or thrown by
+  /// the callback) passes to the new future.
+  template <class Callback, class U = std::decay_t<std::invoke_result_t<Callback, T>>>
+  RpcFuture<U> then(Callback callback) const {
+    auto self = *this;
+    auto next = future_->then(
+        [self, callback = std::move(callback)](c10::ivalue::Future&) -> c10::IValue {
+          if constexpr (std::is_void_v<U>) {
+            callback(self.wait());
+            return c10::IValue();
+          } else {
+            return to_value(callback(self.wait()));
+          }
+        },
+        c10::AnyType::get());
+    return RpcFuture<U>(std::move(next), "then() of " + description_);
+  }
+
+  const c10::intrusive_ptr<c10::ivalue::Future>& raw() const { return future_; }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::string description_;
+};
+
+template <>
+inline void RpcFuture<void>::wait() const {
+  future_->waitAndThrow();
+}
+
+/// The untyped call every typed one goes through: runs the function registered as `function`
+/// on `to` with `args`. Throws c10::ValueError / c10::TypeError for a bad destination or an
+/// argument that cannot be sent (before anything is sent), DistributedError if no agent runs.
+/// A destination known to be dead gives a future failed with PeerLostError at once.
+c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(
+    const WorkerRef& to, const std::string& function, std::vector<c10::IValue> args,
+    std::chrono::milliseconds timeout = kDefaultTimeout);
+
+/// Calls `function` on `to` with `args` (a tuple, PyTorch's `args=`), returning a future of its
+/// result as a T. timeout: kDefaultTimeout, kNoTimeout or a positive duration. Errors as
+/// rpc_async_values; the call's own failures arrive through the future.
+template <class T = c10::IValue, class... Args>
+RpcFuture<T> rpc_async(const WorkerRef& to, const std::string& function,
+                       std::tuple<Args...> args = {},
+                       std::chrono::milliseconds timeout = kDefaultTimeout) {
+  std::vector<c10::IValue> values;
+  values.reserve(sizeof...(Args));
+  std::apply([&](auto&&... arg) { (values.push_back(to_value(std::move(arg))), ...); },
+             std::move(args));
+  return RpcFuture<T>(rpc_async_values(to, function, std::move(values), timeout),
+                      "'" + function + "'");
+}
+
+/// rpc_async(...).wait(): blocks for the result and throws what the future would.
+template <class T = c10::IValue, class... Args>
+T rpc_sync(const WorkerRef& to, const std::string& function, std::tuple<Args...> args = {},
+           std::chrono::milliseconds timeout = kDefaultTimeout) {
+  return rpc_async<T>(to, function, std::move(args), timeout).wait();
+}
+
+}  // namespace rpc
+}  // namespace distoptim

@@ -1,0 +1,579 @@
+#include "agent.h"
+
+#include <unistd.h>
+#include <algorithm>
+#include <atomic>
+#include <random>
+
+#include <ATen/ATen.h>
+#include <tensorpipe/tensorpipe.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <distoptim/comm/errors.h>
+
+#include "../comm/store_wait.h"
+#include "registry_internal.h"
+
+namespace tp = tensorpipe;
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+namespace {
+
+constexpr const char* kStorePrefix = "distoptim/rpc/";
+// TensorPipe prefers the transport of highest priority both ends can use: shared memory on one
+// host, TCP otherwise (PyTorch's agent ranks them the same way).
+constexpr int64_t kUvPriority = 100;
+constexpr int64_t kShmPriority = 200;
+
+template <class E>
+std::exception_ptr make_error(std::string message) {
+  return std::make_exception_ptr(
+      E({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::move(message)));
+}
+
+std::string describe_missing(const std::vector<int>& missing,
+                             const std::vector<WorkerInfo>& workers) {
+  std::string out;
+  for (int rank : missing) {
+    if (!out.empty()) out += ", ";
+    if (rank < static_cast<int>(workers.size()) && !workers[rank].name.empty()) {
+      out += "'" + workers[rank].name + "' (rank " + std::to_string(rank) + ")";
+    } else {
+      out += "rank " + std::to_string(rank);
+    }
+  }
+  return out;
+}
+
+std::string unique_shm_address() {
+  std::random_device random;
+  return "shm://distoptim_rpc_" + std::to_string(::getpid()) + "_" + std::to_string(random());
+}
+
+}  // namespace
+
+Agent::Agent(const std::string& name, int rank, int world_size, const RpcBackendOptions& options)
+    : rank_(rank), world_size_(world_size), options_(options) {
+  request_pool_ = std::make_unique<Executor>(options.num_worker_threads());
+  completion_ = std::make_unique<Executor>(1);
+  timer_ = std::thread([this] { run_timer(); });
+  try {
+    rendezvous_ = comm::rendezvous(comm::RendezvousOptions(options.init_method())
+                                       .rank(rank)
+                                       .world_size(world_size)
+                                       .timeout(options.init_timeout())
+                                       .prefix("distoptim/rpc/rendezvous")
+                                       .launch_env(options.launch_env()));
+    start_listening();
+    exchange_addresses(name);
+    // Only now, with every worker known, take peers' pipes (TensorPipe holds them till then).
+    accept_next();
+  } catch (...) {
+    stop();
+    throw;
+  }
+}
+
+Agent::~Agent() {
+  try {
+    stop();
+  } catch (...) {
+  }
+}
+
+void Agent::start_listening() {
+  std::string address = options_.listen_address();
+  if (address.empty()) {
+    if (rendezvous_.master_addr.empty() || comm::is_loopback_address(rendezvous_.master_addr)) {
+      address = "127.0.0.1";
+    } else {
+      auto [error, host_address] = tp::transport::uv::lookupAddrForHostname();
+      DISTOPTIM_CHECK_WITH(DistributedError, !error, "init_rpc: cannot find this host's address (",
+                           error.what(), "); set RpcBackendOptions::listen_address");
+      address = host_address;
+    }
+  }
+  context_ = std::make_shared<tp::Context>(
+      tp::ContextOptions().name("distoptim-rpc-" + std::to_string(rank_)));
+  context_->registerTransport(kUvPriority, "uv", tp::transport::uv::create());
+  std::vector<std::string> urls = {"uv://" + address + ":0"};
+  if (options_.enable_shared_memory()) {
+    auto shm = tp::transport::shm::create();
+    if (shm->isViable()) {
+      context_->registerTransport(kShmPriority, "shm", shm);
+      urls.push_back(unique_shm_address());
+    }
+  }
+  context_->registerChannel(0, "basic", tp::channel::basic::create());
+  listener_ = context_->listen(urls);
+}
+
+void Agent::exchange_addresses(const std::string& name) {
+  c10d::Store& store = *rendezvous_.store;
+  const std::string key_prefix = std::string(kStorePrefix) + "worker/";
+  const std::string url = listener_->url("uv");
+  store.set(key_prefix + std::to_string(rank_), std::vector<uint8_t>(name.begin(), name.end()));
+  store.set(key_prefix + std::to_string(rank_) + "/url",
+            std::vector<uint8_t>(url.begin(), url.end()));
+  const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
+  const std::vector<int> missing =
+      comm::wait_for_rank_keys(store, key_prefix, world_size_, deadline);
+  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "init_rpc: worker '", name, "' (rank ", rank_,
+                       ") waited ", options_.init_timeout().count(),
+                       " ms for workers that never arrived: ", describe_missing(missing, {}));
+  workers_.resize(world_size_);
+  urls_.resize(world_size_);
+  for (int id = 0; id < world_size_; ++id) {
+    const std::vector<uint8_t> peer_name = store.get(key_prefix + std::to_string(id));
+    const std::vector<uint8_t> peer_url = store.get(key_prefix + std::to_string(id) + "/url");
+    workers_[id] = WorkerInfo{std::string(peer_name.begin(), peer_name.end()), id};
+    urls_[id] = std::string(peer_url.begin(), peer_url.end());
+    auto [it, inserted] = ids_by_name_.emplace(workers_[id].name, id);
+    TORCH_CHECK_VALUE(inserted, "init_rpc: the worker name '", workers_[id].name,
+                      "' is used by both rank ", it->second, " and rank ", id);
+  }
+}
+
+int Agent::resolve(const WorkerRef& to) const {
+  if (to.name()) {
+    auto it = ids_by_name_.find(*to.name());
+    if (it == ids_by_name_.end()) {
+      std::string known;
+      for (const WorkerInfo& worker : workers_) {
+        known += (known.empty() ? "'" : ", '") + worker.name + "'";
+      }
+      TORCH_CHECK_VALUE(false, "rpc: no worker is named '", *to.name(), "' (workers: ", known, ")");
+    }
+    return it->second;
+  }
+  const int id = to.id().value_or(-1);
+  TORCH_CHECK_VALUE(id >= 0 && id < world_size_, "rpc: worker id ", id, " is out of range [0, ",
+                    world_size_, ")");
+  return id;
+}
+
+void Agent::accept_next() {
+  listener_->accept([this](const tp::Error& error, std::shared_ptr<tp::Pipe> pipe) {
+    if (error) {
+      return;  // The listener closed (shutdown) or failed; no more peers can connect.
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (state_ == State::kStopped) {
+        return;
+      }
+      incoming_.push_back(pipe);
+    }
+    read_next(pipe, -1);
+    accept_next();
+  });
+}
+
+// Runs on TensorPipe's loop: check what the peer announces, allocate exactly that, read it.
+void Agent::read_next(const std::shared_ptr<tp::Pipe>& pipe, int peer) {
+  pipe->readDescriptor([this, pipe, peer](const tp::Error& error, tp::Descriptor descriptor) {
+    if (error) {
+      if (peer >= 0) {
+        on_pipe_failed(peer, error.what());
+      }
+      return;
+    }
+    MessageHeader header;
+    Status status = decode_header(descriptor.metadata, &header);
+    std::vector<size_t> payload_lengths;
+    std::vector<size_t> tensor_lengths;
+    for (const auto& payload : descriptor.payloads) {
+      payload_lengths.push_back(payload.length);
+    }
+    for (const auto& tensor : descriptor.tensors) {
+      if (tensor.sourceDevice.type != tp::kCpuDeviceType ||
+          (tensor.targetDevice && tensor.targetDevice->type != tp::kCpuDeviceType)) {
+        status = "a tensor on a device other than the CPU";
+      }
+      tensor_lengths.push_back(tensor.length);
+    }
+    if (!status) {
+      status = check_announced_sizes(header, payload_lengths, tensor_lengths, limits_);
+    }
+    if (status) {
+      // The peer broke the protocol: nothing it sends on this pipe can be trusted any more.
+      pipe->close();
+      if (peer >= 0) {
+        on_pipe_failed(peer, "it sent a malformed message: " + *status);
+      }
+      return;
+    }
+    auto body = std::make_shared<std::string>(header.body_length, '\0');
+    std::vector<at::Tensor> buffers;
+    tp::Allocation allocation;
+    allocation.payloads.push_back({body->data()});
+    for (size_t length : tensor_lengths) {
+      at::Tensor buffer = at::empty({static_cast<int64_t>(length)}, at::kByte);
+      allocation.tensors.push_back({tp::CpuBuffer{buffer.data_ptr()}});
+      buffers.push_back(std::move(buffer));
+    }
+    pipe->read(std::move(allocation),
+               [this, pipe, peer, header, body, buffers](const tp::Error& error) {
+                 if (error) {
+                   if (peer >= 0) {
+                     on_pipe_failed(peer, error.what());
+                   }
+                   return;
+                 }
+                 read_next(pipe, peer);
+                 on_message(pipe, peer, header, body, buffers);
+               });
+  });
+}
+
+void Agent::on_message(const std::shared_ptr<tp::Pipe>& pipe, int peer, MessageHeader header,
+                       std::shared_ptr<std::string> body, std::vector<at::Tensor> buffers) {
+  if (header.type == MessageType::kRequest) {
+    if (peer >= 0) {
+      return;  // Requests come on the pipes peers open to us, never on ours to them.
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (state_ == State::kStopped) {
+        return;
+      }
+      ++in_flight_requests_;
+    }
+    request_pool_->post([this, pipe, header, body, buffers = std::move(buffers)]() mutable {
+      handle_request(pipe, header, *body, std::move(buffers));
+      std::lock_guard<std::mutex> lock(mutex_);
+      --in_flight_requests_;
+      idle_.notify_all();
+    });
+  } else if (peer >= 0) {
+    completion_->post([this, peer, header, body, buffers = std::move(buffers)]() mutable {
+      handle_reply(peer, header, *body, std::move(buffers));
+    });
+  }
+}
+
+void Agent::handle_request(const std::shared_ptr<tp::Pipe>& pipe, const MessageHeader& header,
+                           const std::string& body, std::vector<at::Tensor> buffers) {
+  const std::string& me = self().name;
+  EncodedMessage reply;
+  std::optional<std::string> failure;
+  try {
+    DecodedMessage request;
+    if (Status error = decode_body(header, body, std::move(buffers), limits_, &request)) {
+      failure = "malformed request: " + *error;
+    } else if (auto function = find_function(request.callable)) {
+      reply = encode_response(header.id, (*function)(std::move(request.args)));
+    } else {
+      failure = "no function is registered as '" + request.callable + "'";
+    }
+  } catch (const c10::Error& error) {
+    failure = error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    failure = error.what();
+  } catch (...) {
+    failure = "an exception that is not a std::exception";
+  }
+  if (failure) {
+    reply = encode_error(header.id, *failure, me);
+  }
+  // A failed write means the caller is gone; its side reports that.
+  write(pipe, std::move(reply), [](const std::string&) {});
+}
+
+void Agent::handle_reply(int peer, const MessageHeader& header, const std::string& body,
+                         std::vector<at::Tensor> buffers) {
+  PendingCall call;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = pending_.find(header.id);
+    // Late replies (the call timed out) and replies from a worker the call did not go to are
+    // dropped.
+    if (it == pending_.end() || it->second.to != peer) {
+      return;
+    }
+    call = std::move(it->second);
+    pending_.erase(it);
+    if (call.has_deadline) {
+      auto range = deadlines_.equal_range(call.deadline);
+      for (auto d = range.first; d != range.second; ++d) {
+        if (d->second == header.id) {
+          deadlines_.erase(d);
+          break;
+        }
+      }
+    }
+    idle_.notify_all();
+  }
+  const std::string& worker = workers_[peer].name;
+  DecodedMessage reply;
+  if (Status error = decode_body(header, body, std::move(buffers), limits_, &reply)) {
+    call.future->setError(make_error<DistributedError>("rpc: worker '" + worker +
+                                                       "' sent a malformed reply to '" +
+                                                       call.function + "': " + *error));
+  } else if (header.type == MessageType::kError) {
+    call.future->setError(std::make_exception_ptr(RemoteError(
+        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, worker, reply.error_message)));
+  } else {
+    call.future->markCompleted(std::move(reply.result));
+  }
+}
+
+void Agent::on_pipe_failed(int peer, const std::string& why) {
+  std::vector<PendingCall> failed;
+  bool stopping = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping = state_ != State::kRunning;
+    outgoing_.erase(peer);
+    lost_peers_.emplace(peer, why);
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (it->second.to == peer) {
+        if (it->second.has_deadline) {
+          auto range = deadlines_.equal_range(it->second.deadline);
+          for (auto d = range.first; d != range.second; ++d) {
+            if (d->second == it->first) {
+              deadlines_.erase(d);
+              break;
+            }
+          }
+        }
+        failed.push_back(std::move(it->second));
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    idle_.notify_all();
+  }
+  const std::string worker = workers_[peer].name;
+  fail_calls(std::move(failed), [worker, why, stopping](const PendingCall& call) {
+    if (stopping) {
+      return make_error<DistributedError>("rpc: the agent shut down before worker '" + worker +
+                                          "' answered '" + call.function + "'");
+    }
+    return make_error<PeerLostError>("rpc: worker '" + worker + "' is gone (" + why +
+                                     "); the call to '" + call.function + "' failed");
+  });
+}
+
+void Agent::fail_calls(std::vector<PendingCall> calls,
+                       std::function<std::exception_ptr(const PendingCall&)> make_error) {
+  if (calls.empty()) {
+    return;
+  }
+  completion_->post([calls = std::move(calls), make_error = std::move(make_error)] {
+    for (const PendingCall& call : calls) {
+      call.future->setErrorIfNeeded(make_error(call));
+    }
+  });
+}
+
+void Agent::write(const std::shared_ptr<tp::Pipe>& pipe, EncodedMessage message,
+                  std::function<void(const std::string& error)> on_written) {
+  auto holder = std::make_shared<EncodedMessage>(std::move(message));
+  tp::Message out;
+  out.metadata = holder->header;
+  tp::Message::Payload payload;
+  payload.data = holder->body.data();
+  payload.length = holder->body.size();
+  out.payloads.push_back(std::move(payload));
+  for (const at::Tensor& tensor : holder->tensors) {
+    tp::Message::Tensor entry;
+    entry.buffer = tp::CpuBuffer{tensor.data_ptr()};
+    entry.length = tensor.nbytes();
+    out.tensors.push_back(std::move(entry));
+  }
+  // `holder` keeps the body and the tensors' memory alive until TensorPipe is done with them.
+  pipe->write(std::move(out), [holder, on_written = std::move(on_written)](const tp::Error& error) {
+    on_written(error ? error.what() : std::string());
+  });
+}
+
+std::shared_ptr<tp::Pipe> Agent::pipe_to(int peer) {
+  auto it = outgoing_.find(peer);
+  if (it != outgoing_.end()) {
+    return it->second;
+  }
+  auto pipe = context_->connect(urls_[peer], tp::PipeOptions().remoteName(workers_[peer].name));
+  outgoing_.emplace(peer, pipe);
+  read_next(pipe, peer);
+  return pipe;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& function,
+                                                    std::vector<c10::IValue> args,
+                                                    std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "rpc: timeout of ",
+                    timeout.count(), " ms calling '", function, "' on worker '", workers_[to].name,
+                    "' (use a positive value, kNoTimeout or kDefaultTimeout)");
+  TORCH_CHECK_VALUE(!function.empty(), "rpc: the function name is empty (calling worker '",
+                    workers_[to].name, "')");
+  const std::chrono::milliseconds effective =
+      timeout == kDefaultTimeout ? options_.rpc_timeout() : timeout;
+  static std::atomic<uint64_t> next_id{1};
+  const uint64_t id = next_id.fetch_add(1);
+  // Encoding checks every argument (and may throw) before the call is registered anywhere.
+  EncodedMessage message = encode_request(id, function, args, effective.count());
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  std::shared_ptr<tp::Pipe> pipe;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    DISTOPTIM_CHECK_WITH(DistributedError, state_ == State::kRunning,
+                         "rpc: the agent is shutting down; cannot call '", function,
+                         "' on worker '", workers_[to].name, "'");
+    auto lost = lost_peers_.find(to);
+    if (lost != lost_peers_.end()) {
+      future->setError(make_error<PeerLostError>("rpc: worker '" + workers_[to].name +
+                                                 "' is gone (" + lost->second + "); cannot call '" +
+                                                 function + "'"));
+      return future;
+    }
+    pipe = pipe_to(to);
+    PendingCall call;
+    call.future = future;
+    call.to = to;
+    call.function = function;
+    if (effective.count() > 0) {
+      call.has_deadline = true;
+      call.deadline = std::chrono::steady_clock::now() + effective;
+      const bool earliest = deadlines_.empty() || call.deadline < deadlines_.begin()->first;
+      deadlines_.emplace(call.deadline, id);
+      if (earliest) {
+        timer_wake_.notify_one();
+      }
+    }
+    pending_.emplace(id, std::move(call));
+  }
+  write(pipe, std::move(message), [this, id, to](const std::string& error) {
+    if (!error.empty()) {
+      on_pipe_failed(to, error);
+    }
+    (void)id;
+  });
+  return future;
+}
+
+void Agent::run_timer() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (state_ != State::kStopped) {
+    if (deadlines_.empty()) {
+      timer_wake_.wait(lock);
+      continue;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now < deadlines_.begin()->first) {
+      timer_wake_.wait_until(lock, deadlines_.begin()->first);
+      continue;
+    }
+    std::vector<PendingCall> expired;
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      auto it = pending_.find(deadlines_.begin()->second);
+      deadlines_.erase(deadlines_.begin());
+      if (it != pending_.end()) {
+        expired.push_back(std::move(it->second));
+        pending_.erase(it);
+      }
+    }
+    idle_.notify_all();
+    lock.unlock();
+    fail_calls(std::move(expired), [this](const PendingCall& call) {
+      return make_error<TimeoutError>("rpc: the call to '" + call.function + "' on worker '" +
+                                      workers_[call.to].name + "' timed out");
+    });
+    lock.lock();
+  }
+}
+
+void Agent::barrier(const std::string& round, bool wait) {
+  c10d::Store& store = *rendezvous_.store;
+  const std::string prefix = std::string(kStorePrefix) + "shutdown/" + round + "/";
+  store.set(prefix + std::to_string(rank_), std::vector<uint8_t>{1});
+  if (!wait) {
+    return;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
+  const std::vector<int> missing = comm::wait_for_rank_keys(store, prefix, world_size_, deadline);
+  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "rpc shutdown: worker '", self().name,
+                       "' waited ", options_.shutdown_timeout().count(), " ms at barrier '", round,
+                       "' for workers that never arrived: ", describe_missing(missing, workers_));
+}
+
+void Agent::shutdown(bool graceful) {
+  std::exception_ptr failure;
+  if (graceful) {
+    try {
+      barrier("entered");
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        const bool idle = idle_.wait_for(lock, options_.shutdown_timeout(), [this] {
+          return pending_.empty() && in_flight_requests_ == 0;
+        });
+        DISTOPTIM_CHECK_WITH(TimeoutError, idle, "rpc shutdown: worker '", self().name,
+                             "' still had ", pending_.size(), " call(s) and ", in_flight_requests_,
+                             " request(s) outstanding after ", options_.shutdown_timeout().count(),
+                             " ms");
+      }
+      barrier("drained");
+      // Rank 0 serves the store: it leaves last, once every worker is past the barrier.
+      barrier("left", /*wait=*/rank_ == 0);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  stop();
+  if (failure) {
+    std::rethrow_exception(failure);
+  }
+}
+
+void Agent::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (state_ != State::kRunning) {
+      return;
+    }
+    state_ = State::kStopping;
+  }
+  if (listener_) {
+    listener_->close();
+  }
+  if (context_) {
+    context_->close();
+    context_->join();  // After this no TensorPipe callback runs any more.
+  }
+  std::vector<PendingCall> left;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    state_ = State::kStopped;
+    for (auto& [id, call] : pending_) {
+      left.push_back(std::move(call));
+    }
+    pending_.clear();
+    deadlines_.clear();
+    outgoing_.clear();
+    incoming_.clear();
+  }
+  timer_wake_.notify_all();
+  idle_.notify_all();
+  // Fail what is left before joining the request pool: a request blocked on a nested call
+  // is waiting for exactly these futures.
+  fail_calls(std::move(left), [this](const PendingCall& call) {
+    return make_error<DistributedError>("rpc: the agent shut down before worker '" +
+                                        workers_[call.to].name + "' answered '" + call.function +
+                                        "'");
+  });
+  request_pool_->stop();
+  completion_->stop();
+  if (timer_.joinable()) {
+    timer_.join();
+  }
+  listener_.reset();
+  context_.reset();
+  rendezvous_.store.reset();
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

@@ -1,0 +1,103 @@
+#include <distoptim/rpc/api.h>
+
+#include <algorithm>
+#include <cctype>
+#include <memory>
+#include <mutex>
+
+#include <distoptim/comm/errors.h>
+
+#include "agent.h"
+
+namespace distoptim {
+namespace rpc {
+namespace {
+
+std::mutex g_agent_mutex;
+std::shared_ptr<detail::Agent> g_agent;  // guarded by g_agent_mutex
+
+std::shared_ptr<detail::Agent> current_agent(const char* what) {
+  std::lock_guard<std::mutex> lock(g_agent_mutex);
+  DISTOPTIM_CHECK_WITH(DistributedError, g_agent != nullptr, "rpc: ", what,
+                       " needs a running agent (call init_rpc first)");
+  return g_agent;
+}
+
+bool is_valid_worker_name(const std::string& name) {
+  if (name.empty() || name.size() > 128) {
+    return false;
+  }
+  return std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.' ||
+           c == ':';
+  });
+}
+
+}  // namespace
+
+void init_rpc(const std::string& name, int rank, int world_size, const RpcBackendOptions& options) {
+  TORCH_CHECK_VALUE(is_valid_worker_name(name), "init_rpc: name '", name,
+                    "' is not 1-128 characters of [A-Za-z0-9_.:-]");
+  TORCH_CHECK_VALUE(world_size >= 1, "init_rpc: world_size must be at least 1, got ", world_size,
+                    " (worker '", name, "')");
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "init_rpc: rank ", rank,
+                    " is out of range [0, ", world_size, ") (worker '", name, "')");
+  TORCH_CHECK_VALUE(options.num_worker_threads() >= 1,
+                    "init_rpc: num_worker_threads must be at least 1, got ",
+                    options.num_worker_threads());
+  TORCH_CHECK_VALUE(options.rpc_timeout().count() >= 0, "init_rpc: rpc_timeout of ",
+                    options.rpc_timeout().count(), " ms (use 0 for none)");
+  TORCH_CHECK_VALUE(options.init_timeout().count() > 0 && options.shutdown_timeout().count() > 0,
+                    "init_rpc: init_timeout and shutdown_timeout must be positive");
+  // Holding the lock through the rendezvous keeps a second init_rpc from racing this one.
+  std::lock_guard<std::mutex> lock(g_agent_mutex);
+  DISTOPTIM_CHECK_WITH(DistributedError, g_agent == nullptr,
+                       "init_rpc: an agent is already running ", "as worker '",
+                       g_agent ? g_agent->self().name : "", "'; call shutdown first");
+  g_agent = std::make_shared<detail::Agent>(name, rank, world_size, options);
+}
+
+void shutdown(bool graceful) {
+  std::shared_ptr<detail::Agent> agent = current_agent("shutdown");
+  // Not under g_agent_mutex: requests still running during a graceful shutdown look the agent up.
+  std::exception_ptr failure;
+  try {
+    agent->shutdown(graceful);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_agent_mutex);
+    if (g_agent == agent) {
+      g_agent.reset();
+    }
+  }
+  if (failure) {
+    std::rethrow_exception(failure);
+  }
+}
+
+WorkerInfo get_worker_info() { return current_agent("get_worker_info")->self(); }
+
+WorkerInfo get_worker_info(const std::string& name) {
+  auto agent = current_agent("get_worker_info");
+  return agent->workers()[agent->resolve(name)];
+}
+
+WorkerInfo get_worker_info(int id) {
+  auto agent = current_agent("get_worker_info");
+  return agent->workers()[agent->resolve(id)];
+}
+
+std::vector<WorkerInfo> get_worker_infos() { return current_agent("get_worker_infos")->workers(); }
+
+c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(const WorkerRef& to,
+                                                         const std::string& function,
+                                                         std::vector<c10::IValue> args,
+                                                         std::chrono::milliseconds timeout) {
+  auto agent = current_agent("rpc_async");
+  return agent->send(agent->resolve(to), function, std::move(args), timeout);
+}
+
+}  // namespace rpc
+}  // namespace distoptim

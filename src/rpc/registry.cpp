@@ -1,0 +1,53 @@
+#include <distoptim/rpc/registry.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "registry_internal.h"
+
+namespace distoptim {
+namespace rpc {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<std::string, std::shared_ptr<const RawFunction>> functions;  // by mutex
+};
+
+// Function-local static: registrations run during static initialization of other files.
+Registry& registry() {
+  static Registry* instance = new Registry();  // Never destroyed: registrars may outlive main.
+  return *instance;
+}
+
+}  // namespace
+
+void register_raw_function(const std::string& name, RawFunction function) {
+  TORCH_CHECK_VALUE(!name.empty(), "register_function: the name must not be empty");
+  TORCH_CHECK_VALUE(function != nullptr, "register_function: no function given for '", name, "'");
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const bool inserted =
+      r.functions.emplace(name, std::make_shared<const RawFunction>(std::move(function))).second;
+  TORCH_CHECK_VALUE(inserted, "register_function: a function named '", name,
+                    "' is already registered");
+}
+
+bool is_function_registered(const std::string& name) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.functions.count(name) > 0;
+}
+
+namespace detail {
+
+std::shared_ptr<const RawFunction> find_function(const std::string& name) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.functions.find(name);
+  return it == r.functions.end() ? nullptr : it->second;
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

@@ -1,0 +1,326 @@
+// The RPC agent across real processes on loopback (tests/harness): calls of every value kind,
+// remote errors, timeouts, nested calls, concurrency, large and strided tensors, a killed
+// worker, shutdown. Every rank is its own process; every wait is bounded.
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <distoptim/rpc.h>
+
+#include "../harness/multiprocess.h"
+
+namespace distoptim {
+namespace rpc {
+namespace {
+
+using namespace std::chrono_literals;
+using distoptim::testing::run_ranks;
+
+// The callables, registered in every process.
+int64_t add(int64_t a, int64_t b) { return a + b; }
+DISTOPTIM_RPC_FUNCTION("add", add);
+DISTOPTIM_RPC_FUNCTION("echo", [](c10::IValue value) { return value; });
+DISTOPTIM_RPC_FUNCTION("scale",
+                       [](const at::Tensor& tensor, double factor) { return tensor * factor; });
+DISTOPTIM_RPC_FUNCTION("describe", [](const std::map<std::string, std::vector<int64_t>>& lists,
+                                      const std::string& prefix) {
+  std::vector<std::string> names;
+  int64_t total = 0;
+  for (const auto& [name, values] : lists) {
+    names.push_back(prefix + name);
+    for (int64_t value : values) total += value;
+  }
+  return std::make_tuple(names, total, std::optional<double>());
+});
+DISTOPTIM_RPC_FUNCTION("fail", [](const std::string& why) -> int64_t {
+  TORCH_CHECK_VALUE(false, "refusing: ", why);
+});
+DISTOPTIM_RPC_FUNCTION("sleep_ms", [](int64_t ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+});
+DISTOPTIM_RPC_FUNCTION("whoami", [] { return get_worker_info().name; });
+// Nested: calls `hop` on `next` and appends this worker's name.
+DISTOPTIM_RPC_FUNCTION("relay", [](std::vector<std::string> path) {
+  const std::string me = get_worker_info().name;
+  path.push_back(me);
+  if (path.size() == 1) {  // worker0 -> worker1: go on to worker2, then back to worker0.
+    path = rpc_sync<std::vector<std::string>>("worker2", "relay", std::tuple{path});
+    return rpc_sync<std::vector<std::string>>("worker0", "relay", std::tuple{path});
+  }
+  return path;
+});
+DISTOPTIM_RPC_FUNCTION("exit_after_ms", [](int64_t ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  ::_exit(7);
+});
+
+std::string worker(int rank) { return "worker" + std::to_string(rank); }
+
+RpcBackendOptions test_options() {
+  return RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(30s);
+}
+
+int thread_count() {
+  int count = 0;
+  if (DIR* dir = ::opendir("/proc/self/task")) {
+    while (dirent* entry = ::readdir(dir)) {
+      count += entry->d_name[0] != '.';
+    }
+    ::closedir(dir);
+  }
+  return count;
+}
+
+TEST(Rpc, CallsCarryEveryValueKind) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    EXPECT_EQ(get_worker_info().name, worker(rank));
+    EXPECT_EQ(get_worker_info("worker1").id, 1);
+    EXPECT_EQ(get_worker_info(0).name, "worker0");
+    EXPECT_EQ(get_worker_infos().size(), 2u);
+    const std::string peer = worker(1 - rank);
+
+    EXPECT_EQ(rpc_sync<int64_t>(peer, "add", std::tuple{40, 2}), 42);
+    EXPECT_EQ(rpc_sync<std::string>(peer, "whoami"), peer);
+    EXPECT_EQ(rpc_sync<std::string>(1 - rank, "whoami"), peer);              // by id
+    EXPECT_EQ(rpc_sync<std::string>(worker(rank), "whoami"), worker(rank));  // to itself
+    EXPECT_EQ(rpc_sync<std::string>(peer, "echo", std::tuple{std::string("héllo")}), "héllo");
+    EXPECT_EQ(rpc_sync<double>(peer, "echo", std::tuple{0.25}), 0.25);
+    EXPECT_EQ(rpc_sync<bool>(peer, "echo", std::tuple{true}), true);
+    EXPECT_TRUE(rpc_sync(peer, "echo", std::tuple{c10::IValue()}).isNone());
+
+    at::Tensor t = at::arange(12, at::kFloat).view({3, 4});
+    EXPECT_TRUE(at::equal(rpc_sync<at::Tensor>(peer, "scale", std::tuple{t, 2}), t * 2));
+
+    std::map<std::string, std::vector<int64_t>> lists{{"a", {1, 2}}, {"b", {}}, {"c", {10}}};
+    auto [names, total, nothing] =
+        rpc_sync<std::tuple<std::vector<std::string>, int64_t, std::optional<double>>>(
+            peer, "describe", std::tuple{lists, std::string("k_")});
+    EXPECT_EQ(names, (std::vector<std::string>{"k_a", "k_b", "k_c"}));
+    EXPECT_EQ(total, 13);
+    EXPECT_FALSE(nothing.has_value());
+
+    auto future = rpc_async<int64_t>(peer, "add", std::tuple{1, 2});
+    auto doubled = future.then([](int64_t sum) { return sum * 2; });
+    EXPECT_EQ(future.wait(), 3);
+    EXPECT_EQ(doubled.wait(), 6);
+    shutdown();
+  });
+}
+
+TEST(Rpc, RemoteErrorsNameTheWorker) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    const std::string peer = worker(1 - rank);
+    try {
+      rpc_sync<int64_t>(peer, "fail", std::tuple{std::string("bad weather")});
+      ADD_FAILURE() << "no error";
+    } catch (const RemoteError& error) {
+      EXPECT_EQ(error.worker_name(), peer);
+      EXPECT_NE(error.remote_message().find("refusing: bad weather"), std::string::npos)
+          << error.remote_message();
+    }
+    try {
+      rpc_sync(peer, "no_such_function");
+      ADD_FAILURE() << "no error";
+    } catch (const RemoteError& error) {
+      EXPECT_NE(error.remote_message().find("no function is registered as 'no_such_function'"),
+                std::string::npos);
+    }
+    try {
+      rpc_sync(peer, "add", std::tuple{std::string("x"), 1});
+      ADD_FAILURE() << "no error";
+    } catch (const RemoteError& error) {
+      EXPECT_NE(error.remote_message().find("argument 0 of 'add': expected int, got String"),
+                std::string::npos)
+          << error.remote_message();
+    }
+    try {
+      rpc_sync(peer, "add", std::tuple{1});
+      ADD_FAILURE() << "no error";
+    } catch (const RemoteError& error) {
+      EXPECT_NE(error.remote_message().find("'add' takes 2 argument(s), got 1"), std::string::npos);
+    }
+    // Bad input on the caller's side is refused before anything is sent.
+    EXPECT_THROW(rpc_sync("nobody", "add", std::tuple{1, 2}), c10::ValueError);
+    EXPECT_THROW(rpc_sync(5, "add", std::tuple{1, 2}), c10::ValueError);
+    EXPECT_THROW(rpc_sync(peer, "echo", std::tuple{at::ones({2}).to_sparse()}), c10::Error);
+    EXPECT_THROW(rpc_sync(peer, "add", std::tuple{1, 2}, -5ms), c10::ValueError);
+    // The worker still serves after all that.
+    EXPECT_EQ(rpc_sync<int64_t>(peer, "add", std::tuple{2, 3}), 5);
+    shutdown();
+  });
+}
+
+TEST(Rpc, TimeoutsFailTheCall) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options().rpc_timeout(300ms));
+    if (rank == 0) {
+      EXPECT_THROW(rpc_sync(worker(1), "sleep_ms", std::tuple{2000}, 100ms), TimeoutError);
+      EXPECT_THROW(rpc_sync(worker(1), "sleep_ms", std::tuple{2000}), TimeoutError);  // default
+      EXPECT_EQ(rpc_sync<int64_t>(worker(1), "sleep_ms", std::tuple{500}, kNoTimeout), 500);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(1), "sleep_ms", std::tuple{10}), 10);
+    }
+    shutdown();
+  });
+}
+
+TEST(Rpc, NestedCallsDoNotDeadlock) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options().num_worker_threads(4));
+    if (rank == 0) {
+      // worker0 -> worker1 -> worker2, then worker1 -> worker0 while worker0 waits on worker1.
+      const auto path = rpc_sync<std::vector<std::string>>("worker1", "relay",
+                                                           std::tuple{std::vector<std::string>{}});
+      EXPECT_EQ(path, (std::vector<std::string>{"worker1", "worker2", "worker0"}));
+    }
+    shutdown();
+  });
+}
+
+TEST(Rpc, ManyThreadsCallAtOnce) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    constexpr int kThreads = 8;
+    constexpr int kCalls = 250;
+    std::atomic<int> wrong{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        std::vector<std::pair<int64_t, RpcFuture<int64_t>>> futures;
+        for (int i = 0; i < kCalls; ++i) {
+          const int64_t a = rank * 1000000 + t * 1000 + i;
+          futures.emplace_back(a, rpc_async<int64_t>(worker((rank + 1 + i % 2) % world_size), "add",
+                                                     std::tuple{a, 7}));
+        }
+        for (auto& [a, future] : futures) {
+          wrong += future.wait() != a + 7;
+        }
+      });
+    }
+    for (auto& thread : threads) thread.join();
+    EXPECT_EQ(wrong.load(), 0);
+    shutdown();
+  });
+}
+
+TEST(Rpc, LargeAndStridedTensors) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      // 100 MB.
+      at::Tensor big = at::arange(25 * 1024 * 1024, at::kInt);
+      at::Tensor back = rpc_sync<at::Tensor>(worker(1), "echo", std::tuple{big});
+      EXPECT_TRUE(at::equal(back, big));
+      at::Tensor base = at::randn({64, 48}, at::kDouble);
+      for (const at::Tensor& view :
+           {base.t(), base.select(1, 5), base.narrow(0, 3, 10), base.slice(1, 0, 48, 3),
+            base.view({8, 8, 48}).permute({2, 0, 1}), at::ones({3, 1}).expand({3, 5})}) {
+        at::Tensor echoed = rpc_sync<at::Tensor>(worker(1), "echo", std::tuple{view});
+        EXPECT_EQ(echoed.sizes(), view.sizes());
+        EXPECT_TRUE(at::equal(echoed, view));
+      }
+      // The same tensor twice, and tensors inside containers.
+      std::vector<at::Tensor> pair{base.t(), base.t()};
+      auto echoed = rpc_sync<std::vector<at::Tensor>>(worker(1), "echo", std::tuple{pair});
+      ASSERT_EQ(echoed.size(), 2u);
+      EXPECT_TRUE(at::equal(echoed[0], base.t()));
+      EXPECT_TRUE(at::equal(echoed[1], base.t()));
+    }
+    shutdown();
+  });
+}
+
+TEST(Rpc, KilledWorkerFailsPendingAndNewCalls) {
+  distoptim::testing::RunRanksOptions options;
+  options.expected_exit_codes = {{1, 7}};
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size, test_options());
+        if (rank == 1) {
+          std::this_thread::sleep_for(30s);  // Ends by exit_after_ms's _exit(7).
+          return;
+        }
+        auto pending = rpc_async(worker(1), "sleep_ms", std::tuple{20000}, 30s);
+        auto dying = rpc_async(worker(1), "exit_after_ms", std::tuple{200}, 30s);
+        const auto start = std::chrono::steady_clock::now();
+        EXPECT_THROW(pending.wait(), PeerLostError);
+        EXPECT_THROW(dying.wait(), PeerLostError);
+        EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+        // New calls to the dead worker fail at once.
+        auto after = rpc_async(worker(1), "add", std::tuple{1, 2});
+        EXPECT_TRUE(after.has_error());
+        EXPECT_THROW(after.wait(), PeerLostError);
+        shutdown(/*graceful=*/false);
+      },
+      options);
+}
+
+TEST(Rpc, GracefulShutdownWaitsForOutstandingWorkAndLeavesNoThread) {
+  run_ranks(2, [](int rank, int world_size) {
+    (void)at::ones({8}).sum();  // Start LibTorch's own pools before counting.
+    const int threads_before = thread_count();
+    init_rpc(worker(rank), rank, world_size, test_options());
+    std::optional<RpcFuture<int64_t>> outstanding;
+    if (rank == 1) {
+      outstanding = rpc_async<int64_t>(worker(0), "sleep_ms", std::tuple{300});
+    }
+    shutdown();
+    if (outstanding) {
+      EXPECT_TRUE(outstanding->completed());
+      EXPECT_EQ(outstanding->wait(), 300);
+    }
+    EXPECT_EQ(thread_count(), threads_before);
+    EXPECT_THROW(rpc_sync(worker(0), "add", std::tuple{1, 2}), DistributedError);
+    // And an agent can start again afterwards (fresh rendezvous keys by a new prefix).
+  });
+}
+
+TEST(RpcUnit, BadArgumentsAreRefused) {
+  EXPECT_THROW(init_rpc("", 0, 1), c10::ValueError);
+  EXPECT_THROW(init_rpc("has space", 0, 1), c10::ValueError);
+  EXPECT_THROW(init_rpc("w", 1, 1), c10::ValueError);
+  EXPECT_THROW(init_rpc("w", 0, 0), c10::ValueError);
+  EXPECT_THROW(init_rpc("w", 0, 1, RpcBackendOptions().num_worker_threads(0)), c10::ValueError);
+  EXPECT_THROW(rpc_sync("w", "add", std::tuple{1, 2}), DistributedError);
+  EXPECT_THROW(shutdown(), DistributedError);
+  EXPECT_THROW(get_worker_info(), DistributedError);
+  EXPECT_THROW(register_function("add", add), c10::ValueError);  // taken
+  EXPECT_THROW(register_function("", add), c10::ValueError);
+  EXPECT_TRUE(is_function_registered("add"));
+  EXPECT_FALSE(is_function_registered("no_such_function"));
+}
+
+TEST(RpcUnit, ValuesConvertWithClearErrors) {
+  EXPECT_EQ(from_value<int32_t>(to_value(int64_t{5}), "x"), 5);
+  EXPECT_THROW(from_value<int8_t>(to_value(300), "x"), c10::ValueError);
+  EXPECT_THROW(from_value<uint32_t>(to_value(-1), "x"), c10::ValueError);
+  EXPECT_EQ(from_value<float>(to_value(3), "x"), 3.0f);
+  try {
+    from_value<std::vector<int64_t>>(to_value(std::vector<c10::IValue>{1, std::string("b")}),
+                                     "argument 1 of 'f'");
+    ADD_FAILURE();
+  } catch (const c10::TypeError& error) {
+    EXPECT_NE(std::string(error.what()).find("argument 1 of 'f'[1]: expected int, got String"),
+              std::string::npos)
+        << error.what();
+  }
+  auto dict = from_value<std::unordered_map<int64_t, std::string>>(
+      to_value(std::map<int64_t, std::string>{{1, "a"}}), "x");
+  EXPECT_EQ(dict.at(1), "a");
+  auto pair = from_value<std::pair<std::string, at::Tensor>>(
+      to_value(std::make_pair(std::string("w"), at::ones({1}))), "x");
+  EXPECT_EQ(pair.first, "w");
+}
+
+}  // namespace
+}  // namespace rpc
+}  // namespace distoptim
