@@ -463,8 +463,10 @@ void Agent::run_timer() {
       continue;
     }
     const auto now = std::chrono::steady_clock::now();
-    if (now < deadlines_.begin()->first) {
-      timer_wake_.wait_until(lock, deadlines_.begin()->first);
+    // A copy: wait_until reads the deadline again after waking, when the entry may be gone.
+    const auto earliest = deadlines_.begin()->first;
+    if (now < earliest) {
+      timer_wake_.wait_until(lock, earliest);
       continue;
     }
     std::vector<PendingCall> expired;

@@ -30,7 +30,9 @@ Status receive(const EncodedMessage& sent, DecodedMessage* out, const WireLimits
   for (const at::Tensor& tensor : sent.tensors) {
     EXPECT_TRUE(tensor.is_contiguous());
     at::Tensor buffer = at::empty({static_cast<int64_t>(tensor.nbytes())}, at::kByte);
-    std::memcpy(buffer.data_ptr(), tensor.data_ptr(), tensor.nbytes());
+    if (tensor.nbytes() > 0) {
+      std::memcpy(buffer.data_ptr(), tensor.data_ptr(), tensor.nbytes());
+    }
     lengths.push_back(tensor.nbytes());
     buffers.push_back(buffer);
   }
