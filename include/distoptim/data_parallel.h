@@ -5,3 +5,5 @@
 #include <distoptim/data_parallel/distributed_data_parallel.h>
 #include <distoptim/data_parallel/post_local_sgd_hook.h>
 #include <distoptim/data_parallel/zero_redundancy_optimizer.h>
+#include <distoptim/data_parallel/model_averaging.h>
+#include <distoptim/data_parallel/post_local_sgd_optimizer.h>
