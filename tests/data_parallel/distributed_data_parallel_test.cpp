@@ -11,6 +11,7 @@
 
 #include "../harness/multiprocess.h"
 #include "../optim/test_util.h"
+#include "global_batch.h"
 
 namespace distoptim {
 namespace data_parallel {
@@ -20,8 +21,6 @@ using distoptim::testing::expect_error_containing;
 using distoptim::testing::run_ranks;
 using namespace std::chrono_literals;
 
-constexpr int64_t kRowsPerRank = 4;
-
 torch::nn::Sequential make_model(int64_t seed, int64_t hidden = 16) {
   torch::manual_seed(seed);
   torch::nn::Sequential model(torch::nn::Linear(6, hidden), torch::nn::Tanh(),
@@ -29,18 +28,6 @@ torch::nn::Sequential make_model(int64_t seed, int64_t hidden = 16) {
   model->to(torch::kFloat64);
   return model;
 }
-
-// A global batch every rank can build; rank r trains on rows [4r, 4r + 4).
-struct Batch {
-  at::Tensor x, y;
-  Batch(int64_t seed, int world_size) {
-    torch::manual_seed(seed);
-    x = torch::randn({kRowsPerRank * world_size, 6}, torch::kFloat64);
-    y = torch::randn({kRowsPerRank * world_size, 4}, torch::kFloat64);
-  }
-  at::Tensor local_x(int rank) const { return x.narrow(0, kRowsPerRank * rank, kRowsPerRank); }
-  at::Tensor local_y(int rank) const { return y.narrow(0, kRowsPerRank * rank, kRowsPerRank); }
-};
 
 void expect_grads_close(const std::vector<at::Tensor>& params,
                         const std::vector<at::Tensor>& reference, double rtol, double atol,
@@ -220,7 +207,9 @@ TEST(DistributedDataParallelBadInput, Arguments) {
     init(rank);
     auto model = make_model(1);
     expect_error_containing(
-        [&] { DistributedDataParallel ddp(model, DistributedDataParallelOptions().bucket_cap_mb(0)); },
+        [&] {
+          DistributedDataParallel ddp(model, DistributedDataParallelOptions().bucket_cap_mb(0));
+        },
         {"bucket_cap_mb = 0"});
     for (auto& p : model->parameters()) p.requires_grad_(false);
     expect_error_containing([&] { DistributedDataParallel ddp(model); },

@@ -22,6 +22,7 @@
 #include "../harness/command.h"
 #include "../harness/multiprocess.h"
 #include "../optim/test_util.h"
+#include "global_batch.h"
 
 namespace distoptim {
 namespace data_parallel {
@@ -30,8 +31,6 @@ namespace {
 using distoptim::testing::expect_error_containing;
 using distoptim::testing::run_ranks;
 using namespace std::chrono_literals;
-
-constexpr int64_t kRowsPerRank = 4;
 
 void init(std::chrono::milliseconds timeout = 30s) {
   comm::init_process_group(comm::ProcessGroupOptions("env://").timeout(timeout));
@@ -59,18 +58,6 @@ Net make_model(int64_t seed, torch::Dtype second_layer = torch::kFloat64) {
   torch::manual_seed(seed);
   return Net(second_layer);
 }
-
-// A global batch every rank can build; rank r trains on rows [4r, 4r + 4).
-struct Batch {
-  at::Tensor x, y;
-  Batch(int64_t seed, int world_size) {
-    torch::manual_seed(seed);
-    x = torch::randn({kRowsPerRank * world_size, 6}, torch::kFloat64);
-    y = torch::randn({kRowsPerRank * world_size, 4}, torch::kFloat64);
-  }
-  at::Tensor local_x(int rank) const { return x.narrow(0, kRowsPerRank * rank, kRowsPerRank); }
-  at::Tensor local_y(int rank) const { return y.narrow(0, kRowsPerRank * rank, kRowsPerRank); }
-};
 
 // Two groups: the first layer with the defaults, the second with its own lr.
 std::vector<optim::ParamGroup> param_groups(Net& model) {
