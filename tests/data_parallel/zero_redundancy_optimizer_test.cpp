@@ -519,6 +519,13 @@ TEST(ZeroRedundancyOptimizer, BadInputIsRejectedNamingTheArgument) {
         {"parameter 1", "appears more than once"});
     expect_error_containing([&] { ZeroRedundancyOptimizer({torch::eye(3).to_sparse()}, "adam"); },
                             {"parameter 0", "sparse"});
+    // No accelerator here: the meta device stands for any non-CPU one.
+    expect_error_containing(
+        [&] {
+          ZeroRedundancyOptimizer({torch::empty({3}, torch::TensorOptions().device(at::kMeta))},
+                                  "adam");
+        },
+        {"parameter 0", "meta", "only CPU parameters"});
     expect_error_containing([&] { ZeroRedundancyOptimizer({weight}, "no_such_optimizer"); },
                             {"no_such_optimizer"});
     expect_error_containing(
