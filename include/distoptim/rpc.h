@@ -4,4 +4,5 @@
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/errors.h>
 #include <distoptim/rpc/registry.h>
+#include <distoptim/rpc/rref.h>
 #include <distoptim/rpc/values.h>

@@ -47,6 +47,37 @@ std::string describe_missing(const std::vector<int>& missing,
   return out;
 }
 
+// The message a failed future carries to the caller: a RemoteError's own text (not wrapped
+// twice), else the exception's message without LibTorch's backtrace.
+std::string error_text(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const RemoteError& remote) {
+    return remote.remote_message();
+  } catch (const c10::Error& c10_error) {
+    return c10_error.what_without_backtrace();
+  } catch (const std::exception& other) {
+    return other.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+// The rank in a TensorPipe context name "distoptim-rpc-<rank>", or -1.
+int rank_of_context_name(const std::string& name) {
+  const std::string prefix = "distoptim-rpc-";
+  if (name.compare(0, prefix.size(), prefix) != 0 || name.size() == prefix.size() ||
+      name.size() > prefix.size() + 9) {
+    return -1;
+  }
+  int rank = 0;
+  for (size_t i = prefix.size(); i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return -1;
+    rank = rank * 10 + (name[i] - '0');
+  }
+  return rank;
+}
+
 std::string unique_shm_address() {
   std::random_device random;
   return "shm://distoptim_rpc_" + std::to_string(::getpid()) + "_" + std::to_string(random());
@@ -57,6 +88,7 @@ std::string unique_shm_address() {
 Agent::Agent(const std::string& name, int rank, int world_size, const RpcBackendOptions& options)
     : rank_(rank), world_size_(world_size), options_(options) {
   request_pool_ = std::make_unique<Executor>(options.num_worker_threads());
+  ordered_ = std::make_unique<Executor>(1);
   completion_ = std::make_unique<Executor>(1);
   timer_ = std::thread([this] { run_timer(); });
   try {
@@ -68,6 +100,7 @@ Agent::Agent(const std::string& name, int rank, int world_size, const RpcBackend
                                        .launch_env(options.launch_env()));
     start_listening();
     exchange_addresses(name);
+    rrefs_ = std::make_unique<RRefContext>(*this, rank_, world_size_);
     // Only now, with every worker known, take peers' pipes (TensorPipe holds them till then).
     accept_next();
   } catch (...) {
@@ -177,6 +210,12 @@ void Agent::read_next(const std::shared_ptr<tp::Pipe>& pipe, int peer) {
     if (error) {
       if (peer >= 0) {
         on_pipe_failed(peer, error.what());
+      } else {
+        // A caller's pipe closed: it died or stopped. Forks it held are gone with it.
+        const int caller = rank_of_context_name(pipe->getRemoteName());
+        if (caller >= 0 && caller < world_size_ && caller != rank_) {
+          completion_->post([this, caller] { rrefs_->on_peer_lost(caller); });
+        }
       }
       return;
     }
@@ -241,7 +280,9 @@ void Agent::on_message(const std::shared_ptr<tp::Pipe>& pipe, int peer, MessageH
       }
       ++in_flight_requests_;
     }
-    request_pool_->post([this, pipe, header, body, buffers = std::move(buffers)]() mutable {
+    // RRef control messages keep their order of arrival (on one thread); they never block.
+    Executor& executor = (header.flags & MessageHeader::kOrdered) ? *ordered_ : *request_pool_;
+    executor.post([this, pipe, header, body, buffers = std::move(buffers)]() mutable {
       handle_request(pipe, header, *body, std::move(buffers));
       std::lock_guard<std::mutex> lock(mutex_);
       --in_flight_requests_;
@@ -257,29 +298,89 @@ void Agent::on_message(const std::shared_ptr<tp::Pipe>& pipe, int peer, MessageH
 void Agent::handle_request(const std::shared_ptr<tp::Pipe>& pipe, const MessageHeader& header,
                            const std::string& body, std::vector<at::Tensor> buffers) {
   const std::string& me = self().name;
-  EncodedMessage reply;
+  int caller = -1;
   std::optional<std::string> failure;
   try {
     DecodedMessage request;
+    const bool ordered = (header.flags & MessageHeader::kOrdered) != 0;
     if (Status error = decode_body(header, body, std::move(buffers), limits_, &request)) {
       failure = "malformed request: " + *error;
+    } else if (request.caller_id < 0 || request.caller_id >= world_size_) {
+      failure = "malformed request: caller id " + std::to_string(request.caller_id) +
+                " is not a worker id (world size " + std::to_string(world_size_) + ")";
+    } else if (ordered != RRefContext::is_control(request.callable)) {
+      failure = "'" + request.callable + "' cannot be called " +
+                (ordered ? "as an ordered control message" : "by name");
+    } else if (ordered) {
+      caller = request.caller_id;
+      auto result = rrefs_->handle_control(request.callable, std::move(request.args), caller);
+      // The reply may wait (a fetch of a value still being created); it is written by whoever
+      // completes `result`.
+      result->addCallback([this, pipe, id = header.id, caller](c10::ivalue::Future& done) {
+        reply(pipe, id, caller, done);
+      });
+      return;
     } else if (auto function = find_function(request.callable)) {
-      reply = encode_response(header.id, (*function)(std::move(request.args)));
+      caller = request.caller_id;
+      for (c10::IValue& arg : request.args) {
+        arg = rrefs_->receive(arg);
+      }
+      auto result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+      result->markCompleted((*function)(std::move(request.args)));
+      reply(pipe, header.id, caller, *result);
+      return;
     } else {
-      failure = "no function is registered as '" + request.callable + "'";
+      failure = "no function or class is registered as '" + request.callable + "'";
     }
-  } catch (const c10::Error& error) {
-    failure = error.what_without_backtrace();
-  } catch (const std::exception& error) {
-    failure = error.what();
   } catch (...) {
-    failure = "an exception that is not a std::exception";
-  }
-  if (failure) {
-    reply = encode_error(header.id, *failure, me);
+    failure = error_text(std::current_exception());
   }
   // A failed write means the caller is gone; its side reports that.
-  write(pipe, std::move(reply), [](const std::string&) {});
+  write(pipe, encode_error(header.id, *failure, me), [](const std::string&) {});
+}
+
+void Agent::reply(const std::shared_ptr<tp::Pipe>& pipe, uint64_t id, int caller,
+                  const c10::ivalue::Future& result) {
+  EncodedMessage message;
+  if (result.hasError()) {
+    message = encode_error(id, error_text(result.exception_ptr()), self().name);
+  } else {
+    ForkBatch forks;
+    try {
+      message = encode_response(id, rrefs_->prepare_to_send(result.constValue(), caller, &forks));
+    } catch (...) {
+      rrefs_->rollback(forks);
+      message = encode_error(id, error_text(std::current_exception()), self().name);
+    }
+  }
+  write(pipe, std::move(message), [](const std::string&) {});
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Agent::run_locally(const std::string& callable,
+                                                           std::vector<c10::IValue> args) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    DISTOPTIM_CHECK_WITH(DistributedError, state_ == State::kRunning,
+                         "rpc: the agent is shutting down; cannot run '", callable, "'");
+    ++in_flight_requests_;
+  }
+  request_pool_->post([this, future, callable, args = std::move(args)]() mutable {
+    try {
+      auto function = find_function(callable);
+      TORCH_CHECK_VALUE(function != nullptr, "no function or class is registered as '", callable,
+                        "'");
+      future->markCompleted((*function)(std::move(args)));
+    } catch (...) {
+      future->setErrorIfNeeded(
+          std::make_exception_ptr(RemoteError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                              self().name, error_text(std::current_exception()))));
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    --in_flight_requests_;
+    idle_.notify_all();
+  });
+  return future;
 }
 
 void Agent::handle_reply(int peer, const MessageHeader& header, const std::string& body,
@@ -316,7 +417,13 @@ void Agent::handle_reply(int peer, const MessageHeader& header, const std::strin
     call.future->setError(std::make_exception_ptr(RemoteError(
         {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, worker, reply.error_message)));
   } else {
-    call.future->markCompleted(std::move(reply.result));
+    try {
+      call.future->markCompleted(rrefs_->receive(reply.result));
+    } catch (...) {
+      call.future->setError(make_error<DistributedError>(
+          "rpc: worker '" + worker + "' sent an unusable reply to '" + call.function +
+          "': " + error_text(std::current_exception())));
+    }
   }
 }
 
@@ -346,6 +453,9 @@ void Agent::on_pipe_failed(int peer, const std::string& why) {
       }
     }
     idle_.notify_all();
+  }
+  if (!stopping) {
+    completion_->post([this, peer] { rrefs_->on_peer_lost(peer); });
   }
   const std::string worker = workers_[peer].name;
   fail_calls(std::move(failed), [worker, why, stopping](const PendingCall& call) {
@@ -404,7 +514,8 @@ std::shared_ptr<tp::Pipe> Agent::pipe_to(int peer) {
 
 c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& function,
                                                     std::vector<c10::IValue> args,
-                                                    std::chrono::milliseconds timeout) {
+                                                    std::chrono::milliseconds timeout,
+                                                    uint16_t flags) {
   TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "rpc: timeout of ",
                     timeout.count(), " ms calling '", function, "' on worker '", workers_[to].name,
                     "' (use a positive value, kNoTimeout or kDefaultTimeout)");
@@ -414,19 +525,37 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& f
       timeout == kDefaultTimeout ? options_.rpc_timeout() : timeout;
   static std::atomic<uint64_t> next_id{1};
   const uint64_t id = next_id.fetch_add(1);
-  // Encoding checks every argument (and may throw) before the call is registered anywhere.
-  EncodedMessage message = encode_request(id, function, args, effective.count());
+  // Encoding checks every argument (and may throw) before the call is registered anywhere;
+  // forks of RRefs among the arguments are undone if the message is not sent.
+  ForkBatch forks;
+  EncodedMessage message;
+  try {
+    for (c10::IValue& arg : args) {
+      arg = rrefs_->prepare_to_send(arg, to, &forks);
+    }
+    message = encode_request(id, function, args, effective.count(), rank_, flags);
+  } catch (...) {
+    rrefs_->rollback(forks);
+    throw;
+  }
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
   std::shared_ptr<tp::Pipe> pipe;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    DISTOPTIM_CHECK_WITH(DistributedError, state_ == State::kRunning,
-                         "rpc: the agent is shutting down; cannot call '", function,
-                         "' on worker '", workers_[to].name, "'");
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (state_ != State::kRunning) {
+      lock.unlock();
+      rrefs_->rollback(forks);
+      DISTOPTIM_CHECK_WITH(DistributedError, false,
+                           "rpc: the agent is shutting down; cannot call '", function,
+                           "' on worker '", workers_[to].name, "'");
+    }
     auto lost = lost_peers_.find(to);
     if (lost != lost_peers_.end()) {
+      const std::string why = lost->second;
+      lock.unlock();
+      rrefs_->rollback(forks);
       future->setError(make_error<PeerLostError>("rpc: worker '" + workers_[to].name +
-                                                 "' is gone (" + lost->second + "); cannot call '" +
+                                                 "' is gone (" + why + "); cannot call '" +
                                                  function + "'"));
       return future;
     }
@@ -507,6 +636,9 @@ void Agent::shutdown(bool graceful) {
   if (graceful) {
     try {
       barrier("entered");
+      // Every worker has stopped making calls: delete the RRefs its users still hold, so that
+      // owners free their values before the agents stop (PyTorch does the same at shutdown).
+      rrefs_->release_all_users(std::chrono::steady_clock::now() + options_.shutdown_timeout());
       {
         std::unique_lock<std::mutex> lock(mutex_);
         const bool idle = idle_.wait_for(lock, options_.shutdown_timeout(), [this] {
@@ -567,7 +699,11 @@ void Agent::stop() {
                                         "'");
   });
   request_pool_->stop();
+  ordered_->stop();
   completion_->stop();
+  if (rrefs_) {
+    owned_at_stop_ = rrefs_->close();
+  }
   if (timer_.joinable()) {
     timer_.join();
   }

@@ -20,6 +20,7 @@
 
 #include "executor.h"
 #include "message.h"
+#include "rref_context.h"
 
 namespace tensorpipe {
 class Context;
@@ -37,10 +38,12 @@ namespace detail {
 /// Threads: TensorPipe's event loops (I/O only: they decode headers, allocate buffers and post
 /// work), `request_pool_` (runs incoming requests, any number of which may block on nested
 /// calls), `completion_` (one thread: decodes responses and completes futures), `timer_` (fails
-/// calls past their deadline). One mutex, `mutex_`, guards the fields marked below; no future is
-/// completed and no user code runs while it is held. Every pending call completes exactly once:
+/// calls past their deadline), `ordered_` (one thread: RRef control messages, in the order they
+/// arrive on their pipe; never blocks). One mutex, `mutex_`, guards the fields marked below; no
+/// future is completed and no user code runs while it is held, and it is never taken before
+/// the RRef context's. Every pending call completes exactly once:
 /// whoever erases it from `pending_` (response, timeout, lost peer, shutdown) completes it.
-class Agent {
+class Agent : public std::enable_shared_from_this<Agent> {
  public:
   Agent(const std::string& name, int rank, int world_size, const RpcBackendOptions& options);
   ~Agent();
@@ -49,9 +52,22 @@ class Agent {
   const std::vector<WorkerInfo>& workers() const { return workers_; }
   int resolve(const WorkerRef& to) const;
 
+  /// Sends a request; RRefs among `args` are forked to `to`. `flags`: MessageHeader::kOrdered
+  /// for RRef control messages.
   c10::intrusive_ptr<c10::ivalue::Future> send(int to, const std::string& function,
                                                std::vector<c10::IValue> args,
-                                               std::chrono::milliseconds timeout);
+                                               std::chrono::milliseconds timeout,
+                                               uint16_t flags = 0);
+  /// Runs the registered `callable` on the request pool of this worker; the future fails with a
+  /// RemoteError naming this worker if it throws or is unknown.
+  c10::intrusive_ptr<c10::ivalue::Future> run_locally(const std::string& callable,
+                                                      std::vector<c10::IValue> args);
+  std::chrono::milliseconds effective_timeout(std::chrono::milliseconds timeout) const {
+    return timeout == kDefaultTimeout ? options_.rpc_timeout() : timeout;
+  }
+  RRefContext& rref_context() { return *rrefs_; }
+  /// Values still owned when the agent stopped (after a graceful shutdown: 0 unless leaked).
+  size_t owned_at_stop() const { return owned_at_stop_; }
   void shutdown(bool graceful);
 
  private:
@@ -72,6 +88,8 @@ class Agent {
                   std::shared_ptr<std::string> body, std::vector<at::Tensor> buffers);
   void handle_request(const std::shared_ptr<tensorpipe::Pipe>& pipe, const MessageHeader& header,
                       const std::string& body, std::vector<at::Tensor> buffers);
+  void reply(const std::shared_ptr<tensorpipe::Pipe>& pipe, uint64_t id, int caller,
+             const c10::ivalue::Future& result);
   void handle_reply(int peer, const MessageHeader& header, const std::string& body,
                     std::vector<at::Tensor> buffers);
   void on_pipe_failed(int peer, const std::string& why);
@@ -108,7 +126,11 @@ class Agent {
   std::map<int, std::string> lost_peers_;  // why each is lost; guarded by mutex_
   int in_flight_requests_ = 0;             // guarded by mutex_
 
+  std::unique_ptr<RRefContext> rrefs_;
+  size_t owned_at_stop_ = 0;
+
   std::unique_ptr<Executor> request_pool_;
+  std::unique_ptr<Executor> ordered_;
   std::unique_ptr<Executor> completion_;
   std::thread timer_;
 };

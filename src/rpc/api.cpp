@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/rpc/rref.h>
 
 #include "agent.h"
 
@@ -15,6 +16,7 @@ namespace {
 
 std::mutex g_agent_mutex;
 std::shared_ptr<detail::Agent> g_agent;  // guarded by g_agent_mutex
+size_t g_owned_at_last_stop = 0;         // guarded by g_agent_mutex
 
 std::shared_ptr<detail::Agent> current_agent(const char* what) {
   std::lock_guard<std::mutex> lock(g_agent_mutex);
@@ -70,6 +72,7 @@ void shutdown(bool graceful) {
     std::lock_guard<std::mutex> lock(g_agent_mutex);
     if (g_agent == agent) {
       g_agent.reset();
+      g_owned_at_last_stop = agent->owned_at_stop();
     }
   }
   if (failure) {
@@ -99,5 +102,68 @@ c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(const WorkerRef& to,
   return agent->send(agent->resolve(to), function, std::move(args), timeout);
 }
 
+namespace detail {
+namespace {
+
+const RRefImpl& impl_of(const RRefHandle& handle) {
+  auto* impl = dynamic_cast<const RRefImpl*>(handle.get());
+  TORCH_CHECK_VALUE(impl != nullptr, "rpc: not a distoptim RRef");
+  return *impl;
+}
+
+}  // namespace
+
+RRefHandle make_owned_rref(c10::IValue value) {
+  return current_agent("RRef")->rref_context().make_owned(std::move(value));
+}
+
+RRefHandle remote_values(const WorkerRef& to, const std::string& callable,
+                         std::vector<c10::IValue> args, std::chrono::milliseconds timeout) {
+  auto agent = current_agent("remote");
+  const int owner = agent->resolve(to);
+  TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "remote: timeout of ",
+                    timeout.count(), " ms creating '", callable, "' on worker '",
+                    agent->workers()[owner].name,
+                    "' (use a positive value, kNoTimeout or kDefaultTimeout)");
+  return agent->rref_context().remote(owner, callable, std::move(args), timeout);
+}
+
+bool is_rref_handle(const RRefHandle& handle) {
+  return dynamic_cast<const RRefImpl*>(handle.get()) != nullptr;
+}
+
+WorkerInfo rref_owner(const RRefHandle& handle) {
+  const RRefImpl& impl = impl_of(handle);
+  return WorkerInfo{impl.ownerName(), static_cast<int>(impl.owner())};
+}
+
+bool rref_is_owner(const RRefHandle& handle) { return impl_of(handle).isOwner(); }
+
+c10::IValue rref_to_here(const RRefHandle& handle, std::chrono::milliseconds timeout) {
+  auto agent = current_agent("RRef::to_here");
+  TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "to_here: timeout of ",
+                    timeout.count(), " ms for ", impl_of(handle).describe());
+  return agent->rref_context().to_here(impl_of(handle), timeout);
+}
+
+c10::IValue rref_local_value(const RRefHandle& handle) {
+  return current_agent("RRef::local_value")
+      ->rref_context()
+      .local_value(impl_of(handle), kDefaultTimeout);
+}
+
+std::string describe_rref(const RRefHandle& handle) { return impl_of(handle).describe(); }
+
+size_t owned_rref_count() {
+  std::shared_ptr<Agent> agent;
+  {
+    std::lock_guard<std::mutex> lock(g_agent_mutex);
+    if (!g_agent) return g_owned_at_last_stop;
+    agent = g_agent;
+  }
+  return agent->rref_context().owned_count();
+}
+
+}  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

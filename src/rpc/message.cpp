@@ -17,6 +17,7 @@ namespace detail {
 namespace {
 
 constexpr size_t kMaxEncodeDepth = 64;
+constexpr size_t kMaxRRefTypeName = 256;
 
 bool is_allowed_dtype(int32_t dtype) {
   switch (static_cast<c10::ScalarType>(dtype)) {
@@ -104,6 +105,10 @@ class Encoder {
       rref->set_fork_created_on(ids.fork_created_on);
       rref->set_fork_local_id(ids.fork_local_id);
       rref->set_type_name(ids.type_name);
+    } else if (value.isCapsule()) {
+      TORCH_CHECK_TYPE(false,
+                       "rpc: an object of a remote class cannot be sent; it stays on its owner "
+                       "and is used through an RRef (rref.rpc_sync().method(...))");
     } else {
       TORCH_CHECK_TYPE(false, "rpc: a value of kind ", value.tagKind(),
                        " cannot be sent (supported: None, bool, int, double, string, tensor, "
@@ -225,6 +230,15 @@ class Decoder {
         return decode_dict(value.dict(), out, depth);
       case wire::Value::kRref: {
         const wire::RRefValue& rref = value.rref();
+        // Worker ids are checked against the world size by the RRef layer, which knows it.
+        if (rref.owner_id() < 0 || rref.rref_created_on() < 0 || rref.fork_created_on() < 0 ||
+            rref.rref_local_id() < 0 || rref.fork_local_id() < 0) {
+          return std::string("an RRef with a negative worker or local id");
+        }
+        if (rref.type_name().size() > kMaxRRefTypeName) {
+          return c10::str("an RRef type name of ", rref.type_name().size(), " bytes (at most ",
+                          kMaxRRefTypeName, ")");
+        }
         RRefIds ids;
         ids.owner_id = rref.owner_id();
         ids.rref_created_on = rref.rref_created_on();
@@ -355,7 +369,7 @@ Status decode_header(std::string_view bytes, MessageHeader* header) {
   }
   header->type = static_cast<MessageType>(type);
   header->flags = static_cast<uint16_t>(get_le(bytes, 6, 2));
-  if (header->flags != 0) {
+  if ((header->flags & ~MessageHeader::kKnownFlags) != 0) {
     return c10::str("unknown header flags ", header->flags);
   }
   header->id = get_le(bytes, 8, 8);
@@ -395,16 +409,27 @@ Status check_announced_sizes(const MessageHeader& header,
 }
 
 EncodedMessage encode_request(uint64_t id, const std::string& callable,
-                              const std::vector<c10::IValue>& args, int64_t timeout_ms) {
+                              const std::vector<c10::IValue>& args, int64_t timeout_ms,
+                              int32_t caller_id, uint16_t flags) {
+  TORCH_CHECK_VALUE((flags & ~MessageHeader::kKnownFlags) == 0, "rpc: unknown message flags ",
+                    flags);
   wire::Body body;
   Encoder encoder(&body);
   wire::Request* request = body.mutable_request();
   request->set_callable(callable);
   request->set_timeout_ms(timeout_ms);
+  request->set_caller_id(caller_id);
   for (const c10::IValue& arg : args) {
     encoder.encode(arg, request->add_args());
   }
-  return finish(MessageType::kRequest, id, body, encoder.take_tensors());
+  EncodedMessage message = finish(MessageType::kRequest, id, body, encoder.take_tensors());
+  if (flags != 0) {
+    MessageHeader header;
+    TORCH_INTERNAL_ASSERT(!decode_header(message.header, &header));
+    header.flags = flags;
+    message.header = encode_header(header);
+  }
+  return message;
 }
 
 EncodedMessage encode_response(uint64_t id, const c10::IValue& result) {
@@ -452,6 +477,7 @@ Status decode_body(const MessageHeader& header, std::string_view body,
       const wire::Request& request = parsed.request();
       message->callable = request.callable();
       message->timeout_ms = request.timeout_ms();
+      message->caller_id = request.caller_id();
       message->args.resize(request.args_size());
       for (int i = 0; i < request.args_size(); ++i) {
         if (Status error = decoder.decode(request.args(i), &message->args[i])) {

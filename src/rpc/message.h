@@ -31,8 +31,13 @@ struct MessageHeader {
   static constexpr uint8_t kVersion = 1;
   static constexpr size_t kEncodedSize = 24;
 
+  /// The request must be handled in the order it arrived on its pipe (RRef control messages:
+  /// a fork's registration before its deletion). Bit 0 is reserved; unknown bits are rejected.
+  static constexpr uint16_t kOrdered = 1 << 1;
+  static constexpr uint16_t kKnownFlags = kOrdered;
+
   MessageType type = MessageType::kRequest;
-  uint16_t flags = 0;  // None defined yet; a set bit is rejected.
+  uint16_t flags = 0;
   uint64_t id = 0;
   uint32_t body_length = 0;
   uint32_t tensor_count = 0;
@@ -70,7 +75,8 @@ struct EncodedMessage {
 /// Encoders throw c10::TypeError / c10::ValueError for values that cannot travel (a CUDA or
 /// sparse tensor, an unsupported IValue kind, a dict with keys other than strings or ints).
 EncodedMessage encode_request(uint64_t id, const std::string& callable,
-                              const std::vector<c10::IValue>& args, int64_t timeout_ms);
+                              const std::vector<c10::IValue>& args, int64_t timeout_ms,
+                              int32_t caller_id = -1, uint16_t flags = 0);
 EncodedMessage encode_response(uint64_t id, const c10::IValue& result);
 EncodedMessage encode_error(uint64_t id, const std::string& message, const std::string& worker);
 
@@ -81,6 +87,7 @@ struct DecodedMessage {
   std::string callable;
   std::vector<c10::IValue> args;
   int64_t timeout_ms = 0;
+  int32_t caller_id = -1;  // as sent; range-checked by the agent, which knows the world size
   // kResponse
   c10::IValue result;
   // kError

@@ -20,17 +20,25 @@ Registry& registry() {
   return *instance;
 }
 
+constexpr const char* kReservedPrefix = "__distoptim.";
+
+void insert_function(const std::string& name, RawFunction function) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const bool inserted =
+      r.functions.emplace(name, std::make_shared<const RawFunction>(std::move(function))).second;
+  TORCH_CHECK_VALUE(inserted, "register_function: a function or class named '", name,
+                    "' is already registered");
+}
+
 }  // namespace
 
 void register_raw_function(const std::string& name, RawFunction function) {
   TORCH_CHECK_VALUE(!name.empty(), "register_function: the name must not be empty");
   TORCH_CHECK_VALUE(function != nullptr, "register_function: no function given for '", name, "'");
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  const bool inserted =
-      r.functions.emplace(name, std::make_shared<const RawFunction>(std::move(function))).second;
-  TORCH_CHECK_VALUE(inserted, "register_function: a function named '", name,
-                    "' is already registered");
+  TORCH_CHECK_VALUE(name.rfind(kReservedPrefix, 0) != 0, "register_function: the name '", name,
+                    "' starts with '", kReservedPrefix, "', which is reserved for distoptim");
+  insert_function(name, std::move(function));
 }
 
 bool is_function_registered(const std::string& name) {
@@ -40,6 +48,10 @@ bool is_function_registered(const std::string& name) {
 }
 
 namespace detail {
+
+void register_internal_function(const std::string& name, RawFunction function) {
+  insert_function(name, std::move(function));
+}
 
 std::shared_ptr<const RawFunction> find_function(const std::string& name) {
   Registry& r = registry();

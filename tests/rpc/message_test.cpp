@@ -149,6 +149,14 @@ TEST(RpcMessage, RequestsAndErrors) {
   expect_same_tensor(at::ones({2}), decoded.args[0].toTensor());
   EXPECT_EQ(decoded.args[1].toInt(), 3);
 
+  // The caller's id travels; the ordered flag (RRef control messages) is a known header bit.
+  ASSERT_FALSE(receive(encode_request(10, "__distoptim.rref.fetch", {int64_t{0}, int64_t{1}}, 0,
+                                      /*caller_id=*/2, MessageHeader::kOrdered),
+                       &decoded));
+  EXPECT_EQ(decoded.caller_id, 2);
+  EXPECT_EQ(decoded.header.flags, MessageHeader::kOrdered);
+  EXPECT_THROW(encode_request(11, "add", {}, 0, 0, /*flags=*/1 << 7), c10::ValueError);
+
   ASSERT_FALSE(receive(encode_error(4, "boom", "worker1"), &decoded));
   EXPECT_EQ(decoded.header.type, MessageType::kError);
   EXPECT_EQ(decoded.error_message, "boom");
@@ -202,6 +210,8 @@ TEST(RpcMessage, BadHeadersAreRejected) {
   expect_rejected(decode_header(bad_type, &header), "unknown message type 42");
   std::string bad_flags = good;
   bad_flags[6] = 1;
+  expect_rejected(decode_header(bad_flags, &header), "unknown header flags");
+  bad_flags[6] = static_cast<char>(MessageHeader::kOrdered | 8);
   expect_rejected(decode_header(bad_flags, &header), "unknown header flags");
 }
 
@@ -314,6 +324,18 @@ TEST(RpcMessage, HostileValuesAreRejected) {
   }
   limits.max_values = 50;
   expect_rejected(decode_crafted(many, {}, limits), "more than 50 values");
+
+  wire::Body rref;
+  wire::RRefValue* ids = rref.mutable_response()->mutable_result()->mutable_rref();
+  ids->set_owner_id(1);
+  ids->set_fork_local_id(-3);
+  expect_rejected(decode_crafted(rref, {}), "negative worker or local id");
+  ids->set_fork_local_id(3);
+  ids->set_owner_id(-1);
+  expect_rejected(decode_crafted(rref, {}), "negative worker or local id");
+  ids->set_owner_id(1);
+  ids->set_type_name(std::string(1000, 'x'));
+  expect_rejected(decode_crafted(rref, {}), "type name of 1000 bytes");
 }
 
 // Writes valid messages of every kind as seeds for the fuzz test (tests/rpc/fuzz), into the

@@ -131,8 +131,9 @@ TEST(Rpc, RemoteErrorsNameTheWorker) {
       rpc_sync(peer, "no_such_function");
       ADD_FAILURE() << "no error";
     } catch (const RemoteError& error) {
-      EXPECT_NE(error.remote_message().find("no function is registered as 'no_such_function'"),
-                std::string::npos);
+      EXPECT_NE(
+          error.remote_message().find("no function or class is registered as 'no_such_function'"),
+          std::string::npos);
     }
     try {
       rpc_sync(peer, "add", std::tuple{std::string("x"), 1});

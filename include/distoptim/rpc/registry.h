@@ -8,6 +8,8 @@
 //   DISTOPTIM_RPC_FUNCTION("add", add);
 //
 // Parameters and results may be any mix of the types of values.h; a void result returns None.
+//
+// Names starting with "__distoptim." are reserved.
 
 #include <functional>
 #include <string>
@@ -28,7 +30,8 @@ namespace rpc {
 /// A callable on IValues: what the registry stores. Arguments arrive by value.
 using RawFunction = std::function<c10::IValue(std::vector<c10::IValue> args)>;
 
-/// Registers `function` under `name`. Throws c10::ValueError if `name` is empty or taken.
+/// Registers `function` under `name`. Throws c10::ValueError if `name` is empty, taken or
+/// reserved (starts with "__distoptim.").
 /// Thread safety: safe from any thread (a mutex guards the registry); functions run on the
 /// RPC worker threads, so they must be safe to call concurrently.
 void register_raw_function(const std::string& name, RawFunction function);

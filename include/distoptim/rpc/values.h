@@ -33,6 +33,12 @@ namespace rpc {
 template <class T, class Enable = void>
 struct ValueTraits;
 
+/// Whether T converts to and from a c10::IValue (has a ValueTraits specialization).
+template <class T, class = void>
+struct has_value_traits : std::false_type {};
+template <class T>
+struct has_value_traits<T, std::void_t<decltype(ValueTraits<T>::name())>> : std::true_type {};
+
 template <class T>
 c10::IValue to_value(T&& value) {
   return ValueTraits<std::decay_t<T>>::to(std::forward<T>(value));

@@ -1,0 +1,139 @@
+#pragma once
+
+// Remote references (torch.distributed.rpc.RRef) and remote().
+//
+//   RRef<at::Tensor> sum = remote<at::Tensor>("ps", "add_tensors", std::tuple{a, b});
+//   at::Tensor here = sum.to_here();                  // fetched from "ps"
+//   rpc_sync("worker2", "consume", std::tuple{sum});  // worker2 gets its own reference
+//
+// An RRef names a value that lives on one worker, its owner. Copies of an RRef<T> in one
+// process share one reference; sending it in the arguments or the result of an RPC gives the
+// receiver a reference of its own (to the owner it arrives as a reference to the local value).
+// The owner frees the value once no reference to it is left on any worker: every worker's
+// references are counted by the protocol of PyTorch's RRefs (src/rpc/rref_context.h), also
+// across workers that pass references on before the owner has heard of them.
+//
+// Threading: every member is safe to call from any thread while the agent runs. An RRef
+// outliving the agent is inert (its owner freed the value at shutdown); only dropping it is
+// allowed then.
+
+#include <chrono>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
+
+#include <distoptim/rpc/api.h>
+#include <distoptim/rpc/values.h>
+
+namespace distoptim {
+namespace rpc {
+
+namespace detail {
+using RRefHandle = c10::intrusive_ptr<c10::RRefInterface>;
+
+// The untyped operations behind RRef<T> (src/rpc/api.cpp). Errors as documented on RRef<T>.
+RRefHandle make_owned_rref(c10::IValue value);
+RRefHandle remote_values(const WorkerRef& to, const std::string& callable,
+                         std::vector<c10::IValue> args, std::chrono::milliseconds timeout);
+bool is_rref_handle(const RRefHandle& handle);
+WorkerInfo rref_owner(const RRefHandle& handle);
+bool rref_is_owner(const RRefHandle& handle);
+c10::IValue rref_to_here(const RRefHandle& handle, std::chrono::milliseconds timeout);
+c10::IValue rref_local_value(const RRefHandle& handle);
+std::string describe_rref(const RRefHandle& handle);
+
+/// For tests and diagnostics: how many values this worker owns that some other worker (or a
+/// message in flight) still references, i.e. the size of its owner table. Values referenced
+/// only by RRefs on the owner itself are not counted. With no agent running: the count the last
+/// agent left when it stopped (0 after a clean graceful shutdown), or 0. Thread-safe.
+size_t owned_rref_count();
+}  // namespace detail
+
+/// A reference to a value of type T on some worker (T: any type of values.h).
+///
+/// Errors: to_here throws RemoteError when creating the value failed on the owner (with the
+/// owner's message) or the owner refused; TimeoutError past the timeout (of remote() itself, or
+/// of to_here); PeerLostError when the owner died; DistributedError with no agent running.
+/// local_value throws c10::ValueError on a worker that is not the owner. Using an empty RRef
+/// (default-constructed) is a c10::ValueError.
+template <class T = c10::IValue>
+class RRef {
+ public:
+  /// An empty reference.
+  RRef() = default;
+  /// A reference to `value`, owned by this worker (PyTorch's RRef(value)). Needs a running agent.
+  template <class U = T, class = std::enable_if_t<has_value_traits<U>::value>>
+  explicit RRef(T value) : handle_(detail::make_owned_rref(to_value(std::move(value)))) {}
+  /// Wraps an untyped handle (what from_value produces).
+  explicit RRef(detail::RRefHandle handle) : handle_(std::move(handle)) {}
+
+  bool defined() const { return handle_ != nullptr; }
+  /// The worker that owns the value.
+  WorkerInfo owner() const { return detail::rref_owner(checked()); }
+  bool is_owner() const { return detail::rref_is_owner(checked()); }
+
+  /// A copy of the value, fetched from the owner (read directly on the owner). Blocks for at most
+  /// `timeout` (kDefaultTimeout: the agent's; kNoTimeout: none).
+  T to_here(std::chrono::milliseconds timeout = kDefaultTimeout) const {
+    static_assert(has_value_traits<T>::value,
+                  "to_here: objects of remote classes stay on their owner; call their methods "
+                  "through rpc_sync()/rpc_async()/remote()");
+    return from_value<T>(detail::rref_to_here(checked(), timeout),
+                         "the value of " + detail::describe_rref(handle_));
+  }
+
+  /// The value itself, on the owner only (a tensor shares its storage with the owner's). Waits
+  /// up to the agent's default timeout for a value still being created.
+  T local_value() const {
+    return from_value<T>(detail::rref_local_value(checked()),
+                         "the value of " + detail::describe_rref(handle_));
+  }
+
+  const detail::RRefHandle& handle() const { return handle_; }
+
+ private:
+  const detail::RRefHandle& checked() const {
+    TORCH_CHECK_VALUE(handle_ != nullptr, "rpc: use of an empty RRef");
+    return handle_;
+  }
+
+  detail::RRefHandle handle_;
+};
+
+/// RRefs travel as arguments and results of RPCs.
+template <class T>
+struct ValueTraits<RRef<T>> {
+  static constexpr const char* name() { return "RRef"; }
+  static c10::IValue to(RRef<T> rref) {
+    TORCH_CHECK_VALUE(rref.defined(), "rpc: an empty RRef cannot be sent");
+    return c10::IValue(rref.handle());
+  }
+  static RRef<T> from(const c10::IValue& value, const std::string& context) {
+    if (!value.isRRef() || !detail::is_rref_handle(value.toRRef())) {
+      detail::throw_type_mismatch(context, name(), value);
+    }
+    return RRef<T>(value.toRRef());
+  }
+};
+
+/// Runs the function (or constructs the class) registered as `callable` on `to` with `args` and
+/// returns a reference to the result, owned by `to`, at once (PyTorch's rpc.remote). Errors
+/// creating the value arrive at to_here. Throws c10::ValueError / c10::TypeError for a bad
+/// destination or an argument that cannot be sent, DistributedError if no agent runs.
+template <class T = c10::IValue, class... Args>
+RRef<T> remote(const WorkerRef& to, const std::string& callable, std::tuple<Args...> args = {},
+               std::chrono::milliseconds timeout = kDefaultTimeout) {
+  std::vector<c10::IValue> values;
+  values.reserve(sizeof...(Args));
+  std::apply([&](auto&&... arg) { (values.push_back(to_value(std::move(arg))), ...); },
+             std::move(args));
+  return RRef<T>(detail::remote_values(to, callable, std::move(values), timeout));
+}
+
+}  // namespace rpc
+}  // namespace distoptim

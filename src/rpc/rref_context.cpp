@@ -1,0 +1,516 @@
+#include "rref_context.h"
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
+#include <ATen/core/jit_type.h>
+#include <c10/util/Exception.h>
+
+#include <distoptim/comm/errors.h>
+#include <distoptim/rpc/errors.h>
+
+#include "agent.h"
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+namespace {
+
+const std::string kCreate = std::string(RRefContext::kControlPrefix) + "create";
+const std::string kFetch = std::string(RRefContext::kControlPrefix) + "fetch";
+const std::string kFork = std::string(RRefContext::kControlPrefix) + "fork";
+const std::string kAccept = std::string(RRefContext::kControlPrefix) + "accept";
+const std::string kDelete = std::string(RRefContext::kControlPrefix) + "delete";
+
+bool contains_rref(const c10::IValue& value) {
+  if (value.isRRef()) return true;
+  if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) {
+      if (contains_rref(item)) return true;
+    }
+  } else if (value.isTuple()) {
+    for (const c10::IValue& item : value.toTupleRef().elements()) {
+      if (contains_rref(item)) return true;
+    }
+  } else if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) {
+      if (contains_rref(entry.value())) return true;
+    }
+  }
+  return false;
+}
+
+// A copy of `value` with every RRef replaced by map(rref); containers without RRefs are shared.
+template <class Map>
+c10::IValue map_rrefs(const c10::IValue& value, const Map& map) {
+  if (!contains_rref(value)) return value;
+  if (value.isRRef()) return map(value.toRRef());
+  if (value.isList()) {
+    c10::impl::GenericList list(c10::AnyType::get());
+    for (const c10::IValue& item : value.toListRef()) list.push_back(map_rrefs(item, map));
+    return c10::IValue(std::move(list));
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const c10::IValue& item : value.toTupleRef().elements()) {
+      elements.push_back(map_rrefs(item, map));
+    }
+    return c10::IValue(c10::ivalue::Tuple::create(std::move(elements)));
+  }
+  const auto dict = value.toGenericDict();
+  c10::impl::GenericDict out(dict.keyType(), c10::AnyType::get());
+  for (const auto& entry : dict) out.insert(entry.key(), map_rrefs(entry.value(), map));
+  return c10::IValue(std::move(out));
+}
+
+int64_t int_arg(const std::vector<c10::IValue>& args, size_t index, const std::string& callable) {
+  TORCH_CHECK_VALUE(index < args.size() && args[index].isInt(), "rref control message '", callable,
+                    "': argument ", index, " is missing or not an int");
+  return args[index].toInt();
+}
+
+// Waits for `future` at most `timeout` (kNoTimeout: without limit); whether it completed.
+bool wait_for(const c10::intrusive_ptr<c10::ivalue::Future>& future,
+              std::chrono::milliseconds timeout) {
+  if (future->completed()) return true;
+  if (timeout == kNoTimeout) {
+    future->wait();
+    return true;
+  }
+  struct Waiter {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+  };
+  auto waiter = std::make_shared<Waiter>();
+  future->addCallback([waiter](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(waiter->mutex);
+    waiter->done = true;
+    waiter->done_cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(waiter->mutex);
+  return waiter->done_cv.wait_for(lock, timeout, [&] { return waiter->done; });
+}
+
+}  // namespace
+
+RRefImpl::RRefImpl(std::weak_ptr<Agent> agent, int owner, std::string owner_name, GlobalId rref_id,
+                   std::shared_ptr<OwnedValue> value)
+    : agent_(std::move(agent)),
+      owner_(owner),
+      owner_name_(std::move(owner_name)),
+      rref_id_(rref_id),
+      value_(std::move(value)) {}
+
+RRefImpl::RRefImpl(std::weak_ptr<Agent> agent, int owner, std::string owner_name, GlobalId rref_id,
+                   GlobalId fork_id, c10::intrusive_ptr<c10::ivalue::Future> creation)
+    : agent_(std::move(agent)),
+      owner_(owner),
+      owner_name_(std::move(owner_name)),
+      rref_id_(rref_id),
+      fork_id_(fork_id),
+      creation_(std::move(creation)) {}
+
+void RRefImpl::release_resources() { on_last_handle_dropped(); }
+
+RRefImpl::~RRefImpl() { on_last_handle_dropped(); }
+
+// c10::intrusive_ptr calls release_resources() when the last strong reference goes and weak
+// ones (the user table's) remain, and only the destructor otherwise: either may come first.
+void RRefImpl::on_last_handle_dropped() noexcept {
+  if (isOwner() || !release()) return;
+  try {
+    if (auto agent = agent_.lock()) agent->rref_context().on_user_deleted(*this);
+  } catch (...) {
+    // The agent is stopping; the owner frees the value when it stops too.
+  }
+}
+
+const c10::TypePtr RRefImpl::type() const { return c10::RRefType::create(c10::AnyType::get()); }
+
+std::string RRefImpl::describe() const {
+  return "RRef " + rref_id_.str() + " owned by worker '" + owner_name_ + "'";
+}
+
+RRefContext::RRefContext(Agent& agent, int self, int world_size)
+    : agent_(agent), self_(self), world_size_(world_size) {}
+
+bool RRefContext::is_control(const std::string& callable) {
+  return callable.compare(0, std::char_traits<char>::length(kControlPrefix), kControlPrefix) == 0;
+}
+
+int RRefContext::checked_worker(int64_t id, const char* what) const {
+  TORCH_CHECK_VALUE(id >= 0 && id < world_size_, "rref: ", what, " ", id,
+                    " is not a worker id (world size ", world_size_, ")");
+  return static_cast<int>(id);
+}
+
+void RRefContext::send_control(int to, const std::string& name, std::vector<c10::IValue> args) {
+  try {
+    agent_.send(to, name, std::move(args), kDefaultTimeout, MessageHeader::kOrdered);
+  } catch (const c10::Error&) {
+    // The agent is shutting down: every table goes with it.
+  }
+}
+
+c10::intrusive_ptr<RRefImpl> RRefContext::make_owned(c10::IValue value) {
+  auto owned = std::make_shared<OwnedValue>();
+  owned->future->markCompleted(std::move(value));
+  return c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), self_, agent_.self().name, new_id(),
+                                       std::move(owned));
+}
+
+c10::intrusive_ptr<RRefImpl> RRefContext::remote(int to, const std::string& callable,
+                                                 std::vector<c10::IValue> args,
+                                                 std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(!callable.empty() && !is_control(callable), "remote: '", callable,
+                    "' is not a function or class name (calling worker '",
+                    agent_.workers()[to].name, "')");
+  const GlobalId rref_id = new_id();
+  const std::string& owner_name = agent_.workers()[to].name;
+  if (to == self_) {
+    // Owned here: run it on the request pool straight away, no message and no copy.
+    auto owned = std::make_shared<OwnedValue>();
+    auto result = agent_.run_locally(callable, std::move(args));
+    result->addCallback([owned](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        owned->future->setErrorIfNeeded(done.exception_ptr());
+      } else {
+        owned->future->markCompleted(done.value());
+      }
+    });
+    return c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), to, owner_name, rref_id,
+                                         std::move(owned));
+  }
+  const GlobalId fork_id = new_id();
+  c10::impl::GenericList call_args(c10::AnyType::get());
+  for (auto& arg : args) call_args.push_back(std::move(arg));
+  auto creation = agent_.send(to, kCreate,
+                              {rref_id.created_on, rref_id.local_id, fork_id.created_on,
+                               fork_id.local_id, callable, c10::IValue(std::move(call_args))},
+                              timeout, MessageHeader::kOrdered);
+  auto user = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), to, owner_name, rref_id,
+                                            fork_id, std::move(creation));
+  std::lock_guard<std::mutex> lock(mutex_);
+  users_.emplace(fork_id, c10::weak_intrusive_ptr<RRefImpl>(user));
+  return user;
+}
+
+c10::IValue RRefContext::local_value(const RRefImpl& rref, std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(rref.isOwner(), "local_value: ", rref.describe(), ", not by this worker '",
+                    agent_.self().name, "'; use to_here() on a user");
+  const auto& future = rref.value()->future;
+  DISTOPTIM_CHECK_WITH(TimeoutError, wait_for(future, agent_.effective_timeout(timeout)),
+                       "rref: the value of ", rref.describe(), " was not created within ",
+                       agent_.effective_timeout(timeout).count(), " ms");
+  if (future->hasError()) std::rethrow_exception(future->exception_ptr());
+  return future->value();
+}
+
+c10::IValue RRefContext::to_here(const RRefImpl& rref, std::chrono::milliseconds timeout) {
+  if (rref.isOwner()) return local_value(rref, timeout);
+  // remote() itself failed (timed out, or the owner refused or died): that is the answer.
+  if (rref.creation() && rref.creation()->completed() && rref.creation()->hasError()) {
+    std::rethrow_exception(rref.creation()->exception_ptr());
+  }
+  auto fetched = agent_.send(static_cast<int>(rref.owner()), kFetch,
+                             {rref.rref_id().created_on, rref.rref_id().local_id}, timeout,
+                             MessageHeader::kOrdered);
+  fetched->waitAndThrow();
+  return fetched->value();
+}
+
+std::shared_ptr<OwnedValue> RRefContext::get_or_create_locked(const GlobalId& rref_id) {
+  OwnerEntry& entry = owners_[rref_id];
+  if (!entry.value) entry.value = std::make_shared<OwnedValue>();
+  return entry.value;
+}
+
+std::shared_ptr<OwnedValue> RRefContext::erase_fork_locked(const GlobalId& rref_id,
+                                                           const GlobalId& fork_id) {
+  auto it = owners_.find(rref_id);
+  if (it == owners_.end()) return nullptr;
+  it->second.forks.erase(fork_id);
+  if (!it->second.forks.empty()) return nullptr;
+  std::shared_ptr<OwnedValue> freed = std::move(it->second.value);
+  owners_.erase(it);
+  return freed;
+}
+
+c10::IValue RRefContext::prepare_to_send(const c10::IValue& value, int to, ForkBatch* batch) {
+  return map_rrefs(value, [&](const c10::intrusive_ptr<c10::RRefInterface>& any) -> c10::IValue {
+    auto* rref = dynamic_cast<RRefImpl*>(any.get());
+    TORCH_CHECK_TYPE(rref != nullptr || dynamic_cast<RRefReference*>(any.get()) != nullptr,
+                     "rpc: only distoptim RRefs can be sent");
+    if (rref == nullptr) return c10::IValue(any);
+    const GlobalId fork_id = new_id();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (rref->isOwner()) {
+        // Early registration: the receiver's fork exists from now on, before it arrives.
+        OwnerEntry& entry = owners_[rref->rref_id()];
+        if (!entry.value) entry.value = rref->value();
+        entry.forks[fork_id] = to;
+        batch->owner_forks.emplace_back(rref->rref_id(), fork_id);
+      } else {
+        // Kept alive here until the receiver's fork is registered on the owner (accept()).
+        pending_children_[fork_id] = PendingChild{any, to};
+        batch->pending_children.push_back(fork_id);
+      }
+    }
+    RRefIds ids;
+    ids.owner_id = static_cast<int32_t>(rref->owner());
+    ids.rref_created_on = rref->rref_id().created_on;
+    ids.rref_local_id = rref->rref_id().local_id;
+    ids.fork_created_on = fork_id.created_on;
+    ids.fork_local_id = fork_id.local_id;
+    return c10::IValue(
+        c10::intrusive_ptr<c10::RRefInterface>(c10::make_intrusive<RRefReference>(std::move(ids))));
+  });
+}
+
+void RRefContext::rollback(const ForkBatch& batch) {
+  std::vector<std::shared_ptr<OwnedValue>> freed;
+  std::vector<c10::intrusive_ptr<c10::RRefInterface>> children;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [rref_id, fork_id] : batch.owner_forks) {
+      freed.push_back(erase_fork_locked(rref_id, fork_id));
+    }
+    for (const GlobalId& fork_id : batch.pending_children) {
+      auto it = pending_children_.find(fork_id);
+      if (it != pending_children_.end()) {
+        children.push_back(std::move(it->second.rref));
+        pending_children_.erase(it);
+      }
+    }
+    children_done_.notify_all();
+  }
+  // `freed` and `children` are dropped here, outside the lock: a value may hold RRefs itself.
+}
+
+c10::IValue RRefContext::receive(const c10::IValue& value) {
+  return map_rrefs(value, [&](const c10::intrusive_ptr<c10::RRefInterface>& any) -> c10::IValue {
+    auto* reference = dynamic_cast<RRefReference*>(any.get());
+    if (reference == nullptr) return c10::IValue(any);  // Already a handle (a local call).
+    const RRefIds& ids = reference->ids();
+    const int owner = checked_worker(ids.owner_id, "the owner of a received RRef,");
+    checked_worker(ids.rref_created_on, "the creator of a received RRef,");
+    const int parent = checked_worker(ids.fork_created_on, "the sender of a received RRef,");
+    const GlobalId rref_id{ids.rref_created_on, ids.rref_local_id};
+    const GlobalId fork_id{ids.fork_created_on, ids.fork_local_id};
+    const std::string& owner_name = agent_.workers()[owner].name;
+    if (owner == self_) {
+      std::shared_ptr<OwnedValue> owned;
+      std::shared_ptr<OwnedValue> freed;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        owned = get_or_create_locked(rref_id);
+        // Sent to ourselves: the fork registered while sending has done its job.
+        if (parent == self_) freed = erase_fork_locked(rref_id, fork_id);
+      }
+      // From a user: the owner holds no fork for this handle (PyTorch's "phantom fork"); only
+      // the sender's pending child needs releasing.
+      if (parent != self_) send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
+      return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(c10::make_intrusive<RRefImpl>(
+          agent_.weak_from_this(), owner, owner_name, rref_id, std::move(owned))));
+    }
+    auto user = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), owner, owner_name, rref_id,
+                                              fork_id, c10::intrusive_ptr<c10::ivalue::Future>());
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      users_.emplace(fork_id, c10::weak_intrusive_ptr<RRefImpl>(user));
+    }
+    if (parent != owner) {
+      // A fork of a user: register it on the owner, then release the sender's pending child.
+      try {
+        auto registered = agent_.send(
+            owner, kFork,
+            {rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id},
+            kDefaultTimeout, MessageHeader::kOrdered);
+        registered->addCallback([this, parent, fork_id](c10::ivalue::Future&) {
+          send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
+        });
+      } catch (const c10::Error&) {
+        // Shutting down.
+      }
+    }
+    return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(user)));
+  });
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::string& callable,
+                                                                    std::vector<c10::IValue> args,
+                                                                    int caller) {
+  auto done = [] {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    future->markCompleted(c10::IValue());
+    return future;
+  };
+  auto id_at = [&](size_t index) {
+    return GlobalId{checked_worker(int_arg(args, index, callable), "a creator id"), [&] {
+                      const int64_t local = int_arg(args, index + 1, callable);
+                      TORCH_CHECK_VALUE(local >= 0, "rref control message '", callable,
+                                        "': negative local id ", local);
+                      return local;
+                    }()};
+  };
+  if (callable == kCreate) {
+    TORCH_CHECK_VALUE(args.size() == 6 && args[4].isString() && args[5].isList(),
+                      "rref control message 'create': malformed arguments");
+    const GlobalId rref_id = id_at(0);
+    const GlobalId fork_id = id_at(2);
+    std::vector<c10::IValue> call_args;
+    for (const c10::IValue& arg : args[5].toListRef()) call_args.push_back(receive(arg));
+    std::shared_ptr<OwnedValue> owned;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      owned = get_or_create_locked(rref_id);
+      owners_[rref_id].forks[fork_id] = caller;
+    }
+    auto reply = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    auto result = agent_.run_locally(args[4].toStringRef(), std::move(call_args));
+    result->addCallback([owned, reply](c10::ivalue::Future& created) {
+      // A failed creation is the value's error, reported at to_here; remote() itself succeeded.
+      if (created.hasError()) {
+        owned->future->setErrorIfNeeded(created.exception_ptr());
+      } else if (!owned->future->completed()) {
+        owned->future->markCompleted(created.value());
+      }
+      reply->markCompleted(c10::IValue());
+    });
+    return reply;
+  }
+  if (callable == kFetch) {
+    TORCH_CHECK_VALUE(args.size() == 2, "rref control message 'fetch': malformed arguments");
+    const GlobalId rref_id = id_at(0);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = owners_.find(rref_id);
+    TORCH_CHECK_VALUE(it != owners_.end(), "worker '", agent_.self().name, "' owns no RRef ",
+                      rref_id.str(), " (deleted, or never created)");
+    return it->second.value->future;
+  }
+  if (callable == kFork) {
+    TORCH_CHECK_VALUE(args.size() == 4, "rref control message 'fork': malformed arguments");
+    const GlobalId rref_id = id_at(0);
+    const GlobalId fork_id = id_at(2);
+    std::lock_guard<std::mutex> lock(mutex_);
+    get_or_create_locked(rref_id);
+    owners_[rref_id].forks[fork_id] = caller;
+    return done();
+  }
+  if (callable == kDelete) {
+    TORCH_CHECK_VALUE(args.size() == 4, "rref control message 'delete': malformed arguments");
+    const GlobalId rref_id = id_at(0);
+    const GlobalId fork_id = id_at(2);
+    std::shared_ptr<OwnedValue> freed;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      freed = erase_fork_locked(rref_id, fork_id);
+    }
+    return done();  // `freed` goes outside the lock.
+  }
+  if (callable == kAccept) {
+    TORCH_CHECK_VALUE(args.size() == 2, "rref control message 'accept': malformed arguments");
+    const GlobalId fork_id = id_at(0);
+    c10::intrusive_ptr<c10::RRefInterface> child;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = pending_children_.find(fork_id);
+      if (it != pending_children_.end()) {
+        child = std::move(it->second.rref);
+        pending_children_.erase(it);
+        children_done_.notify_all();
+      }
+    }
+    return done();
+  }
+  TORCH_CHECK_VALUE(false, "unknown rref control message '", callable, "'");
+}
+
+void RRefContext::on_user_deleted(const RRefImpl& rref) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    users_.erase(rref.fork_id());
+    if (closed_) return;
+  }
+  send_control(static_cast<int>(rref.owner()), kDelete,
+               {rref.rref_id().created_on, rref.rref_id().local_id, rref.fork_id().created_on,
+                rref.fork_id().local_id});
+}
+
+void RRefContext::on_peer_lost(int peer) {
+  std::vector<std::shared_ptr<OwnedValue>> freed;
+  std::vector<c10::intrusive_ptr<c10::RRefInterface>> children;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = owners_.begin(); it != owners_.end();) {
+      auto& forks = it->second.forks;
+      for (auto fork = forks.begin(); fork != forks.end();) {
+        fork = fork->second == peer ? forks.erase(fork) : std::next(fork);
+      }
+      if (forks.empty()) {
+        freed.push_back(std::move(it->second.value));
+        it = owners_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto it = pending_children_.begin(); it != pending_children_.end();) {
+      if (it->second.child == peer) {
+        children.push_back(std::move(it->second.rref));
+        it = pending_children_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    children_done_.notify_all();
+  }
+}
+
+bool RRefContext::release_all_users(std::chrono::steady_clock::time_point deadline) {
+  std::vector<c10::intrusive_ptr<RRefImpl>> alive;
+  bool settled = false;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    settled =
+        children_done_.wait_until(lock, deadline, [this] { return pending_children_.empty(); });
+    for (auto& [fork_id, weak] : users_) {
+      if (auto user = weak.lock()) alive.push_back(std::move(user));
+    }
+  }
+  for (const auto& user : alive) {
+    if (user->release()) on_user_deleted(*user);
+  }
+  return settled;
+}
+
+size_t RRefContext::close() {
+  std::map<GlobalId, OwnerEntry> owners;
+  std::map<GlobalId, PendingChild> children;
+  std::map<GlobalId, c10::weak_intrusive_ptr<RRefImpl>> users;
+  size_t left = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    closed_ = true;
+    left = owners_.size();
+    owners.swap(owners_);
+    children.swap(pending_children_);
+    users.swap(users_);
+    children_done_.notify_all();
+  }
+  return left;
+}
+
+size_t RRefContext::owned_count() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return owners_.size();
+}
+
+size_t RRefContext::pending_children_count() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pending_children_.size();
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

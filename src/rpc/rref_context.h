@@ -1,0 +1,205 @@
+#pragma once
+
+// Distributed reference counting of RRefs, after PyTorch's RRef protocol
+// (torch/csrc/distributed/rpc/rref_context.h). Terms:
+//
+// - An RRef names a value by its RRefId (the worker that made the id, a local counter). The
+//   value lives on its owner; every other worker holding the RRef is a user, and each user
+//   holds its own ForkId.
+// - The owner keeps `owners_`: for each RRef some user still holds, the value and the set of
+//   forks (ForkId -> the worker holding it). When that set becomes empty the entry is erased and
+//   the value is freed, once no handle on the owner itself holds it either.
+// - Users keep `users_` (to delete them at graceful shutdown) and `pending_children_`: an RRef a
+//   user sent to another worker stays alive on the sender until the owner has registered the
+//   receiver's fork, so the owner never frees a value whose new fork is still on its way.
+//
+// Control messages (requests with MessageHeader::kOrdered, handled on one thread in the order
+// they arrive on their pipe, so that a fork's registration precedes its deletion):
+//   create(rref, fork, callable, args)  user -> owner: register the creator's fork, then run the
+//                                        callable on the request pool; its result (or error) is
+//                                        the value. Replies once the value is set.
+//   fetch(rref)                          user -> owner: replies with the value when it is set.
+//   fork(rref, fork)                     new user -> owner: register a fork a user sent on.
+//   accept(fork)                         new user (or the owner) -> the sender: release the pending
+//                                        child.
+//   delete(rref, fork)                   user -> owner: the user dropped its last handle.
+// Sending an RRef: the owner registers the receiver's fork at once (no messages needed); a user
+// makes a pending child, and the receiver sends fork() to the owner and then accept() to the
+// sender, or, when the receiver is the owner, accept() only.
+//
+// Peer death: forks held by a lost worker are erased on the owner (and values freed), pending
+// children sent to it are released; a user's to_here on a lost owner fails with PeerLostError
+// and its delete is dropped.
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
+
+#include "message.h"
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+class Agent;
+
+/// (worker that made it, counter on that worker): unique across the job.
+struct GlobalId {
+  int32_t created_on = -1;
+  int64_t local_id = -1;
+  bool operator<(const GlobalId& other) const {
+    return created_on != other.created_on ? created_on < other.created_on
+                                          : local_id < other.local_id;
+  }
+  bool operator==(const GlobalId& other) const {
+    return created_on == other.created_on && local_id == other.local_id;
+  }
+  std::string str() const { return std::to_string(created_on) + ":" + std::to_string(local_id); }
+};
+
+/// The value an owner holds: a future that completes with it, or with the error creating it
+/// raised (a RemoteError naming the owner).
+struct OwnedValue {
+  c10::intrusive_ptr<c10::ivalue::Future> future =
+      c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+};
+
+/// One handle on an RRef in this process (shared by every copy of an RRef<T>). An owner handle
+/// holds the value; a user handle holds its ForkId and tells the owner when it dies. Immutable
+/// after construction except `released_`; thread-safe.
+class RRefImpl : public c10::RRefInterface {
+ public:
+  /// An owner handle.
+  RRefImpl(std::weak_ptr<Agent> agent, int owner, std::string owner_name, GlobalId rref_id,
+           std::shared_ptr<OwnedValue> value);
+  /// A user handle. `creation` (may be null) is the create() call for RRefs made by remote().
+  RRefImpl(std::weak_ptr<Agent> agent, int owner, std::string owner_name, GlobalId rref_id,
+           GlobalId fork_id, c10::intrusive_ptr<c10::ivalue::Future> creation);
+  ~RRefImpl() override;
+  void release_resources() override;
+
+  c10::worker_id_t owner() const override { return static_cast<c10::worker_id_t>(owner_); }
+  std::string ownerName() const override { return owner_name_; }
+  bool isOwner() const override { return value_ != nullptr; }
+  bool confirmedByOwner() const override { return true; }
+  const c10::TypePtr type() const override;
+
+  const GlobalId& rref_id() const { return rref_id_; }
+  const GlobalId& fork_id() const { return fork_id_; }
+  const std::shared_ptr<OwnedValue>& value() const { return value_; }
+  const c10::intrusive_ptr<c10::ivalue::Future>& creation() const { return creation_; }
+  /// Marks a user handle as already deleted on the owner (graceful shutdown deleted it); returns
+  /// whether it was not yet.
+  bool release() { return !released_.exchange(true); }
+  std::string describe() const;
+
+ private:
+  void on_last_handle_dropped() noexcept;
+
+  const std::weak_ptr<Agent> agent_;
+  const int owner_;
+  const std::string owner_name_;
+  const GlobalId rref_id_;
+  const GlobalId fork_id_;
+  const std::shared_ptr<OwnedValue> value_;
+  const c10::intrusive_ptr<c10::ivalue::Future> creation_;
+  std::atomic<bool> released_{false};
+};
+
+/// What prepare_to_send registered for one outgoing message, undone if it is never sent.
+struct ForkBatch {
+  std::vector<std::pair<GlobalId, GlobalId>> owner_forks;  // (rref, fork) added to owners_
+  std::vector<GlobalId> pending_children;
+};
+
+/// The RRef tables of one agent. Thread safety: one mutex guards the tables; it is never held
+/// while sending a message, completing a future or running user code (lock order: this mutex
+/// is never taken inside the agent's).
+class RRefContext {
+ public:
+  static constexpr const char* kControlPrefix = "__distoptim.rref.";
+
+  RRefContext(Agent& agent, int self, int world_size);
+
+  GlobalId new_id() { return GlobalId{self_, next_local_id_.fetch_add(1)}; }
+
+  /// An owner handle on `value`, on this worker (PyTorch's RRef(value)).
+  c10::intrusive_ptr<RRefImpl> make_owned(c10::IValue value);
+  /// remote(): the value is `callable(args)` run on `to`. Throws what sending throws.
+  c10::intrusive_ptr<RRefImpl> remote(int to, const std::string& callable,
+                                      std::vector<c10::IValue> args,
+                                      std::chrono::milliseconds timeout);
+  /// The value, fetched from the owner (or read on it). Throws RemoteError (creating it failed,
+  /// or the owner refused), TimeoutError, PeerLostError.
+  c10::IValue to_here(const RRefImpl& rref, std::chrono::milliseconds timeout);
+  /// The value on its owner; c10::ValueError on a user.
+  c10::IValue local_value(const RRefImpl& rref, std::chrono::milliseconds timeout);
+
+  /// Replaces every RRef handle in `value` by its wire reference for a message to `to`,
+  /// registering the forks (recorded in `batch` for rollback).
+  c10::IValue prepare_to_send(const c10::IValue& value, int to, ForkBatch* batch);
+  void rollback(const ForkBatch& batch);
+  /// Replaces every wire reference in a received `value` by a handle. Throws c10::ValueError for
+  /// a reference naming a worker outside the world.
+  c10::IValue receive(const c10::IValue& value);
+
+  static bool is_control(const std::string& callable);
+  /// Handles a control message (on the agent's ordered thread); returns the reply's future.
+  /// Throws c10::ValueError for malformed arguments.
+  c10::intrusive_ptr<c10::ivalue::Future> handle_control(const std::string& callable,
+                                                         std::vector<c10::IValue> args, int caller);
+
+  /// A user handle died: tell the owner.
+  void on_user_deleted(const RRefImpl& rref);
+  void on_peer_lost(int peer);
+  /// Graceful shutdown: waits (until `deadline`) for pending children to be accepted, then
+  /// deletes every user handle still alive on its owner. Returns false on timeout.
+  bool release_all_users(std::chrono::steady_clock::time_point deadline);
+  /// Drops every table (the agent is stopping); returns how many values were still owned.
+  size_t close();
+
+  size_t owned_count();
+  size_t pending_children_count();
+
+ private:
+  struct OwnerEntry {
+    std::shared_ptr<OwnedValue> value;
+    std::map<GlobalId, int> forks;  // ForkId -> the worker holding it
+  };
+  struct PendingChild {
+    c10::intrusive_ptr<c10::RRefInterface> rref;
+    int child = -1;
+  };
+
+  std::shared_ptr<OwnedValue> get_or_create_locked(const GlobalId& rref_id);  // requires mutex_
+  // Erases a fork; returns the value if that freed it (to be dropped outside the lock).
+  std::shared_ptr<OwnedValue> erase_fork_locked(const GlobalId& rref_id,
+                                                const GlobalId& fork_id);  // requires mutex_
+  int checked_worker(int64_t id, const char* what) const;
+  void send_control(int to, const std::string& name, std::vector<c10::IValue> args);
+
+  Agent& agent_;
+  const int self_;
+  const int world_size_;
+  std::atomic<int64_t> next_local_id_{0};
+
+  std::mutex mutex_;
+  std::condition_variable children_done_;
+  std::map<GlobalId, OwnerEntry> owners_;                        // guarded by mutex_
+  std::map<GlobalId, PendingChild> pending_children_;            // by fork id; guarded by mutex_
+  std::map<GlobalId, c10::weak_intrusive_ptr<RRefImpl>> users_;  // by fork id; guarded by mutex_
+  bool closed_ = false;                                          // guarded by mutex_
+};
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

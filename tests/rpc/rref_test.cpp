@@ -1,0 +1,267 @@
+// RRefs and remote() across real processes on loopback (tests/harness): values, owners and users,
+// forks to a third worker, distributed reference counting (the owner's table empties), creation
+// errors, graceful shutdown with deletes in flight, and a user that dies. Every wait is bounded.
+
+#include <unistd.h>
+
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <distoptim/rpc.h>
+
+#include "../harness/multiprocess.h"
+
+namespace distoptim {
+namespace rpc {
+namespace {
+
+using namespace std::chrono_literals;
+using distoptim::testing::run_ranks;
+
+// The callables, registered in every process.
+DISTOPTIM_RPC_FUNCTION("add", [](int64_t a, int64_t b) { return a + b; });
+DISTOPTIM_RPC_FUNCTION("scale",
+                       [](const at::Tensor& tensor, double factor) { return tensor * factor; });
+DISTOPTIM_RPC_FUNCTION("fail", [](const std::string& why) -> int64_t {
+  TORCH_CHECK_VALUE(false, "refusing: ", why);
+});
+DISTOPTIM_RPC_FUNCTION("sleep_ms", [](int64_t ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  return ms;
+});
+DISTOPTIM_RPC_FUNCTION("owned_count",
+                       [] { return static_cast<int64_t>(detail::owned_rref_count()); });
+// On the owner an RRef argument arrives as a reference to the local value.
+DISTOPTIM_RPC_FUNCTION("plus_one_on_owner", [](RRef<int64_t> rref) {
+  TORCH_CHECK(rref.is_owner(), "expected to run on the owner");
+  return rref.local_value() + 1;
+});
+// An RRef as a result: owned by the worker that made it.
+DISTOPTIM_RPC_FUNCTION("make_rref", [](int64_t value) { return RRef<int64_t>(value); });
+// On a third worker: a user of its own, which fetches the value (after a while, so that the
+// sender may have dropped its reference meanwhile).
+DISTOPTIM_RPC_FUNCTION("fetch_later", [](RRef<at::Tensor> rref, std::string owner,
+                                         int64_t delay_ms) {
+  TORCH_CHECK(!rref.is_owner(), "expected a user");
+  TORCH_CHECK(rref.owner().name == owner, "owner ", rref.owner().name, ", expected ", owner);
+  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  return rref.to_here();
+});
+// Passes the RRef on once more, to the owner's neighbour, returning what it fetched.
+DISTOPTIM_RPC_FUNCTION("pass_on", [](RRef<at::Tensor> rref, std::string next) {
+  return rpc_sync<at::Tensor>(next, "fetch_later", std::tuple{rref, rref.owner().name, 0});
+});
+
+std::string worker(int rank) { return "worker" + std::to_string(rank); }
+
+RpcBackendOptions test_options() {
+  return RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(30s);
+}
+
+// Polls `worker`'s owner table until it is empty; whether it emptied within `limit`.
+bool owner_table_empties(const std::string& owner, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (rpc_sync<int64_t>(owner, "owned_count") == 0) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return false;
+}
+
+TEST(RRef, RemoteValuesOwnersAndUsers) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      RRef<int64_t> sum = remote<int64_t>("worker1", "add", std::tuple{40, 2});
+      EXPECT_EQ(sum.owner(), get_worker_info("worker1"));
+      EXPECT_FALSE(sum.is_owner());
+      EXPECT_EQ(sum.to_here(), 42);
+      EXPECT_EQ(sum.to_here(5s), 42);  // fetched again, the value is still there
+      EXPECT_THROW(sum.local_value(), c10::ValueError);
+
+      at::Tensor t = at::arange(6, at::kFloat).view({2, 3});
+      auto scaled = remote<at::Tensor>(1, "scale", std::tuple{t, 3.0});  // by id
+      EXPECT_TRUE(at::equal(scaled.to_here(), t * 3));
+
+      // Owned here: remote() to itself, and RRef(value).
+      auto mine = remote<int64_t>("worker0", "add", std::tuple{1, 2});
+      EXPECT_TRUE(mine.is_owner());
+      EXPECT_EQ(mine.local_value(), 3);
+      EXPECT_EQ(mine.to_here(), 3);
+      RRef<at::Tensor> local(t);
+      EXPECT_TRUE(local.is_owner());
+      EXPECT_EQ(local.owner().name, "worker0");
+      EXPECT_EQ(local.local_value().data_ptr(), t.data_ptr());  // the value itself, not a copy
+
+      // To the owner an RRef arrives as the local value; as a result it arrives as a user.
+      EXPECT_EQ(rpc_sync<int64_t>("worker1", "plus_one_on_owner", std::tuple{sum}), 43);
+      auto made = rpc_sync<RRef<int64_t>>("worker1", "make_rref", std::tuple{7});
+      EXPECT_EQ(made.owner().name, "worker1");
+      EXPECT_FALSE(made.is_owner());
+      EXPECT_EQ(made.to_here(), 7);
+      // Copies share one reference; the value is still there after the first copy goes.
+      {
+        RRef<int64_t> copy = made;
+        EXPECT_EQ(copy.to_here(), 7);
+      }
+      EXPECT_EQ(made.to_here(), 7);
+      // An RRef to oneself through the owner of another: worker1 gets a user of worker0's value.
+      EXPECT_EQ(rpc_sync<int64_t>("worker0", "plus_one_on_owner", std::tuple{mine}), 4);
+    }
+    shutdown();
+    EXPECT_EQ(detail::owned_rref_count(), 0u);
+  });
+}
+
+TEST(RRef, ForksToAThirdWorkerAndOnward) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      at::Tensor t = at::randn({4, 5});
+      auto rref = remote<at::Tensor>("worker1", "scale", std::tuple{t, 2.0});
+      // A fork to worker2, which fetches from worker1 itself.
+      EXPECT_TRUE(at::equal(rpc_sync<at::Tensor>("worker2", "fetch_later",
+                                                 std::tuple{rref, std::string("worker1"), 0}),
+                            t * 2));
+      // Forks of forks: worker2 passes it on to worker0 (ourselves, a second user here).
+      EXPECT_TRUE(at::equal(
+          rpc_sync<at::Tensor>("worker2", "pass_on", std::tuple{rref, std::string("worker0")}),
+          t * 2));
+      // The sender drops its reference while the fork is still on its way and worker2 fetches
+      // later: the value must survive until worker2 is done with it.
+      RpcFuture<at::Tensor> later = [&] {
+        auto dropped = remote<at::Tensor>("worker1", "scale", std::tuple{t, 5.0});
+        return rpc_async<at::Tensor>("worker2", "fetch_later",
+                                     std::tuple{dropped, std::string("worker1"), 300});
+      }();
+      EXPECT_TRUE(at::equal(later.wait(), t * 5));
+      rref = RRef<at::Tensor>();
+      EXPECT_TRUE(owner_table_empties("worker1", 20s));
+    }
+    shutdown();
+  });
+}
+
+TEST(RRef, CreatingAndDropping10000ValuesLeavesTheOwnerTableEmpty) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      std::vector<RRef<int64_t>> kept;
+      for (int64_t i = 0; i < 10000; ++i) {
+        auto rref = remote<int64_t>("worker1", "add", std::tuple{i, 1});
+        if (i % 1000 == 0) kept.push_back(rref);
+      }
+      for (size_t k = 0; k < kept.size(); ++k) {
+        EXPECT_EQ(kept[k].to_here(), static_cast<int64_t>(k) * 1000 + 1);
+      }
+      // The fetches above followed the creations in order, so the kept ones are registered.
+      EXPECT_GE(rpc_sync<int64_t>("worker1", "owned_count"), static_cast<int64_t>(kept.size()));
+      kept.clear();
+      EXPECT_TRUE(owner_table_empties("worker1", 60s));
+    }
+    shutdown();
+  });
+}
+
+TEST(RRef, CreationErrorsArriveAtToHere) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      auto failing = remote<int64_t>("worker1", "fail", std::tuple{std::string("no value")});
+      try {
+        failing.to_here();
+        ADD_FAILURE() << "no error";
+      } catch (const RemoteError& error) {
+        EXPECT_EQ(error.worker_name(), "worker1");
+        EXPECT_NE(error.remote_message().find("refusing: no value"), std::string::npos)
+            << error.remote_message();
+      }
+      auto unknown = remote<int64_t>("worker1", "no_such_function");
+      try {
+        unknown.to_here();
+        ADD_FAILURE() << "no error";
+      } catch (const RemoteError& error) {
+        EXPECT_NE(
+            error.remote_message().find("no function or class is registered as 'no_such_function'"),
+            std::string::npos)
+            << error.remote_message();
+      }
+      auto failing_here = remote<int64_t>("worker0", "fail", std::tuple{std::string("here")});
+      EXPECT_THROW(failing_here.local_value(), RemoteError);
+      auto wrong_type = remote<std::string>("worker1", "add", std::tuple{1, 2});
+      EXPECT_THROW(wrong_type.to_here(), c10::TypeError);
+      // remote() past its timeout: to_here reports it.
+      auto slow = remote<int64_t>("worker1", "sleep_ms", std::tuple{1500}, 100ms);
+      std::this_thread::sleep_for(300ms);
+      EXPECT_THROW(slow.to_here(), TimeoutError);
+      // to_here past its own timeout.
+      auto slower = remote<int64_t>("worker1", "sleep_ms", std::tuple{1500}, kNoTimeout);
+      EXPECT_THROW(slower.to_here(100ms), TimeoutError);
+      EXPECT_EQ(slower.to_here(10s), 1500);
+      // Bad input, refused at once.
+      EXPECT_THROW(remote<int64_t>("nobody", "add", std::tuple{1, 2}), c10::ValueError);
+      EXPECT_THROW(remote<int64_t>("worker1", "add", std::tuple{1, 2}, -3ms), c10::ValueError);
+      EXPECT_THROW(remote<int64_t>("worker1", "__distoptim.rref.fetch"), c10::ValueError);
+      EXPECT_THROW(RRef<int64_t>().to_here(), c10::ValueError);
+      EXPECT_THROW(rpc_sync("worker1", "add", std::tuple{RRef<int64_t>(), 1}), c10::ValueError);
+      EXPECT_THROW(rpc_sync("worker1", "__distoptim.rref.fetch", std::tuple{0, 0}), RemoteError);
+      EXPECT_THROW(register_function("__distoptim.mine", [] { return 1; }), c10::ValueError);
+      // The worker still serves.
+      EXPECT_EQ(remote<int64_t>("worker1", "add", std::tuple{2, 3}).to_here(), 5);
+    }
+    shutdown();
+    EXPECT_EQ(detail::owned_rref_count(), 0u);
+  });
+}
+
+TEST(RRef, GracefulShutdownWaitsForPendingDeletes) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    std::vector<RRef<int64_t>> kept;
+    if (rank == 0) {
+      for (int64_t i = 0; i < 200; ++i) {
+        auto rref = remote<int64_t>("worker1", "add", std::tuple{i, i});
+        if (i % 2 == 0) kept.push_back(rref);  // the others are dropped at once
+      }
+    }
+    // Deletes of the dropped ones are still in flight, and `kept` outlives the agent: graceful
+    // shutdown deletes those too before the owner stops.
+    shutdown();
+    EXPECT_EQ(detail::owned_rref_count(), 0u);
+    kept.clear();  // inert now
+  });
+}
+
+TEST(RRef, TheOwnerForgetsTheForksOfADeadUser) {
+  distoptim::testing::RunRanksOptions options;
+  options.expected_exit_codes = {{1, 7}};
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size, test_options());
+        if (rank == 1) {
+          std::vector<RRef<int64_t>> held;
+          for (int64_t i = 0; i < 10; ++i) {
+            held.push_back(remote<int64_t>("worker0", "add", std::tuple{i, 1}));
+          }
+          EXPECT_EQ(held.back().to_here(), 10);
+          ::_exit(7);  // Dies holding every reference.
+        }
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        while (detail::owned_rref_count() == 0 && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(10ms);
+        }
+        while (detail::owned_rref_count() != 0 && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(10ms);
+        }
+        EXPECT_EQ(detail::owned_rref_count(), 0u);
+        shutdown(/*graceful=*/false);
+      },
+      options);
+}
+
+}  // namespace
+}  // namespace rpc
+}  // namespace distoptim
