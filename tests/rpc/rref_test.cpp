@@ -8,6 +8,11 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/rnn.h>
+#include <torch/utils.h>
 
 #include <distoptim/rpc.h>
 
@@ -52,6 +57,63 @@ DISTOPTIM_RPC_FUNCTION("fetch_later", [](RRef<at::Tensor> rref, std::string owne
 // Passes the RRef on once more, to the owner's neighbour, returning what it fetched.
 DISTOPTIM_RPC_FUNCTION("pass_on", [](RRef<at::Tensor> rref, std::string next) {
   return rpc_sync<at::Tensor>(next, "fetch_later", std::tuple{rref, rref.owner().name, 0});
+});
+
+// The parameter server of PyTorch's RNN tutorial (the seed's example): an embedding table and a
+// decoder live on "ps"; the trainer creates them remotely and calls their forward.
+struct EmbeddingTable : torch::nn::Module {
+  EmbeddingTable(int64_t ntoken, int64_t ninp, double dropout)
+      : encoder(register_module("encoder", torch::nn::Embedding(ntoken, ninp))),
+        drop(register_module("drop", torch::nn::Dropout(dropout))) {
+    torch::NoGradGuard no_grad;
+    encoder->weight.uniform_(-0.1, 0.1);
+  }
+  at::Tensor forward(const at::Tensor& input) { return drop(encoder(input)); }
+  // PyTorch's _parameter_rrefs: an RRef (owned here) to each parameter.
+  std::vector<RRef<at::Tensor>> parameter_rrefs() {
+    std::vector<RRef<at::Tensor>> rrefs;
+    for (const at::Tensor& parameter : parameters()) rrefs.emplace_back(parameter);
+    return rrefs;
+  }
+  std::vector<at::Tensor> parameter_values() { return parameters(); }
+
+  torch::nn::Embedding encoder;
+  torch::nn::Dropout drop;
+};
+DISTOPTIM_RPC_CLASS(EmbeddingTable, int64_t, int64_t, double);
+DISTOPTIM_RPC_METHOD(EmbeddingTable, forward);
+DISTOPTIM_RPC_METHOD(EmbeddingTable, parameter_rrefs);
+DISTOPTIM_RPC_METHOD(EmbeddingTable, parameter_values);
+
+struct Decoder : torch::nn::Module {
+  Decoder(int64_t ntoken, int64_t nhid, double dropout)
+      : decoder(register_module("decoder", torch::nn::Linear(nhid, ntoken))),
+        drop(register_module("drop", torch::nn::Dropout(dropout))) {
+    torch::NoGradGuard no_grad;
+    decoder->bias.zero_();
+    decoder->weight.uniform_(-0.1, 0.1);
+  }
+  at::Tensor forward(const at::Tensor& output) { return decoder(drop(output)); }
+  std::vector<RRef<at::Tensor>> parameter_rrefs() {
+    std::vector<RRef<at::Tensor>> rrefs;
+    for (const at::Tensor& parameter : parameters()) rrefs.emplace_back(parameter);
+    return rrefs;
+  }
+  std::vector<at::Tensor> parameter_values() { return parameters(); }
+
+  torch::nn::Linear decoder;
+  torch::nn::Dropout drop;
+};
+DISTOPTIM_RPC_CLASS(Decoder, int64_t, int64_t, double);
+DISTOPTIM_RPC_METHOD(Decoder, forward);
+DISTOPTIM_RPC_METHOD(Decoder, parameter_rrefs);
+DISTOPTIM_RPC_METHOD(Decoder, parameter_values);
+
+// On the owner, an RRef to an object gives the object itself.
+DISTOPTIM_RPC_FUNCTION("embedding_rows", [](RRef<EmbeddingTable> table) {
+  TORCH_CHECK(table.is_owner(), "expected to run on the owner");
+  std::shared_ptr<EmbeddingTable> object = table.local_value();
+  return object->encoder->weight.size(0);
 });
 
 std::string worker(int rank) { return "worker" + std::to_string(rank); }
@@ -260,6 +322,115 @@ TEST(RRef, TheOwnerForgetsTheForksOfADeadUser) {
         shutdown(/*graceful=*/false);
       },
       options);
+}
+
+TEST(RemoteClasses, ParameterServerModulesCreatedAndCalledThroughRRefs) {
+  run_ranks(2, [](int rank, int world_size) {
+    const std::string name = rank == 0 ? "ps" : "trainer";
+    init_rpc(name, rank, world_size, test_options());
+    if (rank == 1) {
+      constexpr int64_t kTokens = 10, kInputs = 4, kHidden = 6;
+      auto table =
+          remote<EmbeddingTable>("ps", "EmbeddingTable", std::tuple{kTokens, kInputs, 0.0});
+      auto decoder = remote<Decoder>("ps", "Decoder", std::tuple{kTokens, kHidden, 0.0});
+      EXPECT_EQ(table.owner().name, "ps");
+      EXPECT_FALSE(table.is_owner());
+
+      // The trainer's forward: remote embedding, local LSTM, remote decoder.
+      const at::Tensor input = at::randint(kTokens, {5, 3}, at::kLong);
+      const at::Tensor emb = table.rpc_sync().method<at::Tensor>("forward", input);
+      torch::nn::LSTM lstm(torch::nn::LSTMOptions(kInputs, kHidden));
+      const at::Tensor output = std::get<0>(lstm(emb));
+      const at::Tensor decoded = decoder.rpc_sync().method<at::Tensor>("forward", output);
+      EXPECT_EQ(decoded.sizes(), (at::IntArrayRef{5, 3, kTokens}));
+
+      // Against the parameters the modules hold on ps.
+      const auto table_params =
+          table.rpc_sync().method<std::vector<at::Tensor>>("parameter_values");
+      const auto decoder_params =
+          decoder.rpc_async().method<std::vector<at::Tensor>>("parameter_values").wait();
+      ASSERT_EQ(table_params.size(), 1u);
+      ASSERT_EQ(decoder_params.size(), 2u);
+      EXPECT_TRUE(at::allclose(emb, at::embedding(table_params[0], input)));
+      EXPECT_TRUE(at::allclose(decoded, at::linear(output, decoder_params[0], decoder_params[1])));
+
+      // parameter_rrefs: RRefs owned by ps whose values are the modules' parameters.
+      auto param_rrefs = table.rpc_sync().method<std::vector<RRef<at::Tensor>>>("parameter_rrefs");
+      param_rrefs.push_back(
+          decoder.rpc_sync().method<std::vector<RRef<at::Tensor>>>("parameter_rrefs")[0]);
+      param_rrefs.push_back(
+          decoder.rpc_sync().method<std::vector<RRef<at::Tensor>>>("parameter_rrefs")[1]);
+      std::vector<at::Tensor> expected = table_params;
+      expected.insert(expected.end(), decoder_params.begin(), decoder_params.end());
+      ASSERT_EQ(param_rrefs.size(), 3u);
+      for (size_t i = 0; i < param_rrefs.size(); ++i) {
+        EXPECT_EQ(param_rrefs[i].owner().name, "ps");
+        EXPECT_FALSE(param_rrefs[i].is_owner());
+        EXPECT_TRUE(at::equal(param_rrefs[i].to_here(), expected[i])) << "parameter " << i;
+      }
+
+      // remote() through the proxy, and an RRef to an object passed back to its owner.
+      auto remote_emb = table.remote().method<at::Tensor>("forward", input);
+      EXPECT_TRUE(at::equal(remote_emb.to_here(), emb));
+      EXPECT_EQ(remote_emb.owner().name, "ps");
+      EXPECT_EQ(rpc_sync<int64_t>("ps", "embedding_rows", std::tuple{table}), kTokens);
+
+      // Clear remote errors naming what is unknown.
+      try {
+        table.rpc_sync().method<at::Tensor>("backward", input);
+        ADD_FAILURE() << "no error";
+      } catch (const RemoteError& error) {
+        EXPECT_EQ(error.worker_name(), "ps");
+        EXPECT_NE(error.remote_message().find("class 'EmbeddingTable' has no method 'backward'"),
+                  std::string::npos)
+            << error.remote_message();
+      }
+      auto unknown = remote<EmbeddingTable>("ps", "NoSuchModule", std::tuple{1, 2});
+      try {
+        unknown.rpc_sync().method<at::Tensor>("forward", input);
+        ADD_FAILURE() << "no error";
+      } catch (const RemoteError& error) {
+        EXPECT_NE(error.remote_message().find("no function or class is registered as "
+                                              "'NoSuchModule'"),
+                  std::string::npos)
+            << error.remote_message();
+      }
+      try {
+        table.rpc_sync().method<at::Tensor>("forward", std::string("not a tensor"));
+        ADD_FAILURE() << "no error";
+      } catch (const RemoteError& error) {
+        EXPECT_NE(error.remote_message().find(
+                      "argument 0 of 'EmbeddingTable.forward': expected Tensor, got String"),
+                  std::string::npos)
+            << error.remote_message();
+      }
+      auto not_an_object = remote<int64_t>("ps", "add", std::tuple{1, 2});
+      EXPECT_THROW(RRef<EmbeddingTable>(not_an_object.handle()).rpc_sync().method("forward", input),
+                   RemoteError);
+      // Objects never travel: fetching one is refused by the owner.
+      EXPECT_THROW(RRef<c10::IValue>(table.handle()).to_here(), RemoteError);
+
+      table = RRef<EmbeddingTable>();
+      decoder = RRef<Decoder>();
+      param_rrefs.clear();
+      remote_emb = RRef<at::Tensor>();
+      unknown = RRef<EmbeddingTable>();
+      not_an_object = RRef<int64_t>();
+      EXPECT_TRUE(owner_table_empties("ps", 20s));
+    }
+    shutdown();
+  });
+}
+
+TEST(RemoteClassesUnit, RegistrationIsCheckedAndObjectsConvertByType) {
+  EXPECT_THROW((register_class<EmbeddingTable, int64_t, int64_t, double>("EmbeddingTable")),
+               c10::ValueError);  // taken
+  EXPECT_THROW(register_method<Decoder>("Decoder", "forward", &Decoder::forward), c10::ValueError);
+  EXPECT_EQ(registered_class_name(typeid(Decoder)), "Decoder");
+  EXPECT_THROW(registered_class_name(typeid(std::string)), c10::TypeError);
+  const c10::IValue object = to_value(std::make_shared<Decoder>(3, 2, 0.0));
+  EXPECT_NE(from_value<std::shared_ptr<Decoder>>(object, "x"), nullptr);
+  EXPECT_THROW(from_value<std::shared_ptr<EmbeddingTable>>(object, "x"), c10::TypeError);
 }
 
 }  // namespace

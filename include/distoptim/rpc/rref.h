@@ -18,6 +18,7 @@
 // allowed then.
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -28,6 +29,7 @@
 #include <ATen/core/ivalue_inl.h>
 
 #include <distoptim/rpc/api.h>
+#include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/values.h>
 
 namespace distoptim {
@@ -54,7 +56,84 @@ std::string describe_rref(const RRefHandle& handle);
 size_t owned_rref_count();
 }  // namespace detail
 
-/// A reference to a value of type T on some worker (T: any type of values.h).
+template <class T>
+class RRef;
+
+namespace detail {
+template <class... Args>
+std::vector<c10::IValue> to_values(Args&&... args) {
+  std::vector<c10::IValue> values;
+  values.reserve(sizeof...(Args));
+  (values.push_back(to_value(std::forward<Args>(args))), ...);
+  return values;
+}
+}  // namespace detail
+
+/// Calls a registered method of the object an RRef refers to, on the RRef's owner: what
+/// rref.rpc_sync(), rref.rpc_async() and rref.remote() return (PyTorch's proxies, where
+/// `rref.rpc_sync().forward(x)` reads `rref.rpc_sync().method<at::Tensor>("forward", x)` here).
+/// Each call is one RPC to the owner; the method runs there on the request pool. Errors: an
+/// unknown method, arguments of the wrong types or an exception in the method are RemoteErrors
+/// naming the owner (rpc_sync throws; rpc_async's future and remote's to_here carry them).
+/// Thread-safe; holds its RRef, so it may outlive the RRef it came from.
+class RRefSyncProxy {
+ public:
+  RRefSyncProxy(detail::RRefHandle rref, std::chrono::milliseconds timeout)
+      : rref_(std::move(rref)), timeout_(timeout) {}
+  template <class R = c10::IValue, class... Args>
+  R method(const std::string& name, Args&&... args) const {
+    return async<R>(name, detail::to_values(std::forward<Args>(args)...)).wait();
+  }
+
+ private:
+  template <class R>
+  RpcFuture<R> async(const std::string& name, std::vector<c10::IValue> args) const {
+    return RpcFuture<R>(
+        rpc_async_values(detail::rref_owner(rref_).id, detail::kCallMethod,
+                         detail::method_call_args(rref_, name, std::move(args)), timeout_),
+        "method '" + name + "' of " + detail::describe_rref(rref_));
+  }
+  friend class RRefAsyncProxy;
+
+  detail::RRefHandle rref_;
+  std::chrono::milliseconds timeout_;
+};
+
+/// rref.rpc_async(): method<R>(name, args...) returns the future of the result.
+class RRefAsyncProxy {
+ public:
+  RRefAsyncProxy(detail::RRefHandle rref, std::chrono::milliseconds timeout)
+      : sync_(std::move(rref), timeout) {}
+  template <class R = c10::IValue, class... Args>
+  RpcFuture<R> method(const std::string& name, Args&&... args) const {
+    return sync_.async<R>(name, detail::to_values(std::forward<Args>(args)...));
+  }
+
+ private:
+  RRefSyncProxy sync_;
+};
+
+/// rref.remote(): method<R>(name, args...) returns an RRef<R> to the result, owned by the
+/// owner of the object.
+class RRefRemoteProxy {
+ public:
+  RRefRemoteProxy(detail::RRefHandle rref, std::chrono::milliseconds timeout)
+      : rref_(std::move(rref)), timeout_(timeout) {}
+  template <class R = c10::IValue, class... Args>
+  RRef<R> method(const std::string& name, Args&&... args) const {
+    return RRef<R>(detail::remote_values(
+        detail::rref_owner(rref_).id, detail::kCallMethod,
+        detail::method_call_args(rref_, name, detail::to_values(std::forward<Args>(args)...)),
+        timeout_));
+  }
+
+ private:
+  detail::RRefHandle rref_;
+  std::chrono::milliseconds timeout_;
+};
+
+/// A reference to a value of type T on some worker: T is any type of values.h, or a remote class
+/// (classes.h), whose object stays on its owner and is used through rpc_sync() and friends.
 ///
 /// Errors: to_here throws RemoteError when creating the value failed on the owner (with the
 /// owner's message) or the owner refused; TimeoutError past the timeout (of remote() itself, or
@@ -87,11 +166,26 @@ class RRef {
                          "the value of " + detail::describe_rref(handle_));
   }
 
+  /// What local_value() gives: T, or for a remote class a shared pointer to the object.
+  using LocalValue = std::conditional_t<has_value_traits<T>::value, T, std::shared_ptr<T>>;
+
   /// The value itself, on the owner only (a tensor shares its storage with the owner's). Waits
   /// up to the agent's default timeout for a value still being created.
-  T local_value() const {
-    return from_value<T>(detail::rref_local_value(checked()),
-                         "the value of " + detail::describe_rref(handle_));
+  LocalValue local_value() const {
+    return from_value<LocalValue>(detail::rref_local_value(checked()),
+                                  "the value of " + detail::describe_rref(handle_));
+  }
+
+  /// Method calls on the owner's object: rref.rpc_sync().method<R>("forward", x) blocks for the
+  /// result, rpc_async() returns an RpcFuture<R>, remote() an RRef<R> owned by the owner.
+  RRefSyncProxy rpc_sync(std::chrono::milliseconds timeout = kDefaultTimeout) const {
+    return RRefSyncProxy(checked(), timeout);
+  }
+  RRefAsyncProxy rpc_async(std::chrono::milliseconds timeout = kDefaultTimeout) const {
+    return RRefAsyncProxy(checked(), timeout);
+  }
+  RRefRemoteProxy remote(std::chrono::milliseconds timeout = kDefaultTimeout) const {
+    return RRefRemoteProxy(checked(), timeout);
   }
 
   const detail::RRefHandle& handle() const { return handle_; }
