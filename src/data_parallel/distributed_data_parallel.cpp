@@ -3,10 +3,13 @@
 #include <algorithm>
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <distoptim/comm/errors.h>
 
 #include "parameter_check.h"
 
@@ -33,8 +36,32 @@ struct GradientSync::Impl {
   bool sync_gradients = true;
   bool sync_buffers_next = true;
 
-  void broadcast_buffers() {
-    if (!buffers.empty()) c10d::broadcast_coalesced(group.process_group(), buffers, kBroadcastBucketBytes, 0);
+  void broadcast_buffers(int root = 0) {
+    if (!buffers.empty()) {
+      c10d::broadcast_coalesced(group.process_group(), buffers, kBroadcastBucketBytes, root);
+    }
+  }
+
+  // The highest group rank for which `candidate` holds on any rank (PyTorch's
+  // _find_common_rank): under Join, where rank 0 may have stopped training.
+  int common_rank(bool candidate) const {
+    std::vector<at::Tensor> rank = {
+        at::full({1}, candidate ? static_cast<float>(group.rank()) : -1.0f)};
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::MAX;
+    options.timeout = group.timeout();
+    group.process_group()->allreduce(rank, options)->wait(group.timeout());
+    const int chosen = static_cast<int>(rank[0].item<float>());
+    TORCH_CHECK(chosen >= 0, "DistributedDataParallel (Join): no rank qualifies as the source");
+    return chosen;
+  }
+
+  // Tells joined ranks whether this iteration synchronizes gradients (not waited for).
+  c10::intrusive_ptr<c10d::Work> announce_gradient_sync(bool sync) const {
+    std::vector<at::Tensor> flag = {at::full({1}, sync ? 1.0f : 0.0f)};
+    c10d::AllreduceOptions options;
+    options.timeout = group.timeout();
+    return group.process_group()->allreduce(flag, options);
   }
 };
 
@@ -42,14 +69,17 @@ GradientSync::GradientSync(const torch::nn::Module& module, DistributedDataParal
     : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.group = options.process_group().value_or(comm::world());
-  TORCH_CHECK_VALUE(s.group.is_member(), "DistributedDataParallel: this rank is not a member of "
+  TORCH_CHECK_VALUE(s.group.is_member(),
+                    "DistributedDataParallel: this rank is not a member of "
                     "the process group it was given");
-  TORCH_CHECK_VALUE(options.bucket_cap_mb() > 0, "DistributedDataParallel: bucket_cap_mb = ",
-                    options.bucket_cap_mb(), "; must be positive");
+  TORCH_CHECK_VALUE(options.bucket_cap_mb() > 0,
+                    "DistributedDataParallel: bucket_cap_mb = ", options.bucket_cap_mb(),
+                    "; must be positive");
   for (const auto& p : module.parameters()) {
     if (p.requires_grad()) s.parameters.push_back(p);
   }
-  TORCH_CHECK_VALUE(!s.parameters.empty(), "DistributedDataParallel: the module has no parameter "
+  TORCH_CHECK_VALUE(!s.parameters.empty(),
+                    "DistributedDataParallel: the module has no parameter "
                     "that requires a gradient");
   for (size_t i = 0; i < s.parameters.size(); ++i) {
     const at::Tensor& p = s.parameters[i];
@@ -100,11 +130,98 @@ GradientSync::~GradientSync() {
 
 void GradientSync::before_forward() {
   Impl& s = *impl_;
-  if (at::GradMode::is_enabled() && s.sync_gradients) s.reducer->prepare_for_forward();
-  // After the first synchronized backward, buckets are rebuilt in the order gradients actually
-  // became ready (rank 0's order, so all ranks agree).
-  if (at::GradMode::is_enabled()) s.reducer->rebuild_buckets();
-  if (s.sync_buffers_next && s.options.broadcast_buffers()) s.broadcast_buffers();
+  const bool grad_enabled = at::GradMode::is_enabled();
+  if (grad_enabled && s.sync_gradients) s.reducer->prepare_for_forward();
+  try {
+    // Under a Join: count this rank as training; the count is the divisor if asked.
+    if (auto work = Join::notify_join_context(*this)) {
+      s.reducer->set_forward_pass_work_handle(
+          work, join_config().hook_options.divide_by_initial_world_size());
+    }
+    // After the first synchronized backward, buckets are rebuilt in the order gradients
+    // actually became ready (rank 0's order, so all ranks agree).
+    if (grad_enabled) s.reducer->rebuild_buckets();
+    if (s.sync_buffers_next && s.options.broadcast_buffers()) {
+      s.broadcast_buffers(join_config().enable ? s.common_rank(true) : 0);
+    }
+    if (join_config().enable) s.announce_gradient_sync(grad_enabled && s.sync_gradients);
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    // Gloo's own exceptions say only what timed out: say what it means here.
+    DISTOPTIM_THROW(DistributedError,
+                    "DistributedDataParallel.forward: synchronizing with the "
+                    "other ranks of the group failed on rank ",
+                    s.group.global_rank(s.group.rank()),
+                    " (every rank must run forward and backward equally often, within the "
+                    "group's timeout of ",
+                    s.group.timeout().count(),
+                    " ms; for uneven inputs "
+                    "use Join): ",
+                    e.what());
+  }
+}
+
+// A joined rank's part in DistributedDataParallel's iterations (see GradientSync::join_hook).
+class GradientSync::ReplicaJoinHook : public JoinHook {
+ public:
+  explicit ReplicaJoinHook(Impl& state) : s_(state) {}
+
+  void main_hook() override {
+    s_.reducer->rebuild_buckets();
+    if (s_.sync_buffers_next && s_.options.broadcast_buffers()) {
+      s_.broadcast_buffers(s_.common_rank(false));
+    }
+    // Does any rank synchronize gradients this iteration (or are all inside no_sync)?
+    auto flag = s_.announce_gradient_sync(false);
+    flag->wait(s_.group.timeout());
+    const bool sync = flag->result().front().item<float>() > 0;
+    s_.sync_buffers_next = sync;
+    if (!sync) return;
+    // One reduction per bucket, as the training ranks' backward makes, with zeros from here.
+    std::vector<c10d::GradBucket> buckets = s_.reducer->get_grad_buckets(true);
+    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+    for (auto& bucket : buckets) futures.push_back(s_.reducer->run_comm_hook(bucket));
+    at::NoGradGuard no_grad;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      futures[b]->wait();
+      if (futures[b]->hasError()) {
+        DISTOPTIM_THROW(DistributedError, "DistributedDataParallel (Join): reducing bucket ", b,
+                        " failed: ", futures[b]->tryRetrieveErrorMessage());
+      }
+      const c10::IValue& value = futures[b]->value();
+      const at::Tensor reduced = value.isTensor() ? value.toTensor() : value.toTensorVector()[0];
+      // The training ranks' averaged gradients, into this rank's .grad.
+      const std::vector<at::Tensor> views = buckets[b].getGradients();
+      const std::vector<at::Tensor> params = buckets[b].getParameters();
+      const int64_t base = buckets[b].getBufferRef().storage_offset();
+      for (size_t k = 0; k < params.size(); ++k) {
+        at::Tensor p = params[k];
+        p.mutable_grad() =
+            reduced.narrow(0, views[k].storage_offset() - base, p.numel()).view(p.sizes()).clone();
+      }
+    }
+    s_.reducer->push_rebuilt_params_for_all_indices();
+  }
+
+  void post_hook(bool is_last_joiner) override {
+    // Ranks that joined earlier hold stale parameters: a last joiner's are everyone's.
+    const int root = s_.common_rank(is_last_joiner);
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> states = s_.parameters;
+    states.insert(states.end(), s_.buffers.begin(), s_.buffers.end());
+    c10d::broadcast_coalesced(s_.group.process_group(), states, kBroadcastBucketBytes, root);
+  }
+
+ private:
+  Impl& s_;
+};
+
+std::unique_ptr<JoinHook> GradientSync::join_hook(const JoinHookOptions&) {
+  TORCH_CHECK_VALUE(!impl_->options.find_unused_parameters(),
+                    "DistributedDataParallel::join_hook: find_unused_parameters = true is not "
+                    "supported under Join");
+  return std::make_unique<ReplicaJoinHook>(*impl_);
 }
 
 void GradientSync::after_forward(const std::vector<at::Tensor>& outputs) {
@@ -112,7 +229,8 @@ void GradientSync::after_forward(const std::vector<at::Tensor>& outputs) {
   if (at::GradMode::is_enabled() && s.sync_gradients) {
     s.sync_buffers_next = true;
     if (s.options.find_unused_parameters()) {
-      TORCH_CHECK_VALUE(!outputs.empty(), "DistributedDataParallel: find_unused_parameters needs "
+      TORCH_CHECK_VALUE(!outputs.empty(),
+                        "DistributedDataParallel: find_unused_parameters needs "
                         "forward to return a tensor, a vector or a tuple of tensors");
       s.reducer->prepare_for_backward(outputs);
     } else {

@@ -185,6 +185,22 @@ struct ZeroRedundancyOptimizer::Impl {
                       " it was given (rank ", group.global_rank(my_rank()), ")");
   }
 
+  // One gradient per parameter: this rank's from `.grad`, the others undefined.
+  std::vector<at::Tensor> shard_gradients_from_grad() const {
+    std::vector<at::Tensor> gradients(params.size());
+    for (int64_t i : partition[my_rank()]) gradients[i] = params[i].grad();
+    return gradients;
+  }
+
+  // Updates this rank's parameters from `gradients` (one per parameter; only this rank's are
+  // read), then every rank's are broadcast from their owners.
+  void step_and_sync(const std::vector<at::Tensor>& gradients) {
+    std::vector<at::Tensor> local_gradients;
+    for (int64_t i : partition[my_rank()]) local_gradients.push_back(gradients[i]);
+    local_step(local_gradients);
+    sync_params();
+  }
+
   // Steps the local optimizer with one gradient per parameter of partition[my_rank()]
   // (undefined: skip).
   void local_step(const std::vector<at::Tensor>& gradients) {
@@ -382,9 +398,7 @@ void ZeroRedundancyOptimizer::step() {
                     "DDP hook (hook_with_zero_step); leave step() out of the training loop");
     return;
   }
-  std::vector<at::Tensor> gradients(impl_->params.size());
-  for (int64_t i : impl_->partition[impl_->my_rank()]) gradients[i] = impl_->params[i].grad();
-  step(gradients);
+  step(impl_->shard_gradients_from_grad());
 }
 
 void ZeroRedundancyOptimizer::step(const std::vector<at::Tensor>& gradients) {
@@ -397,11 +411,30 @@ void ZeroRedundancyOptimizer::step(const std::vector<at::Tensor>& gradients) {
   }
   TORCH_CHECK_VALUE(gradients.size() == s.params.size(), kName, ".step: got ", gradients.size(),
                     " gradients for ", s.params.size(), " parameters");
-  std::vector<at::Tensor> local_gradients;
-  for (int64_t i : s.partition[s.my_rank()]) local_gradients.push_back(gradients[i]);
-  s.local_step(local_gradients);
-  s.sync_params();
+  Join::notify_join_context(*this);
+  s.step_and_sync(gradients);
 }
+
+// A joined rank's part in ZeRO's iterations: it still owns its share of the parameters, so it
+// updates them from `.grad` (where DDP's join hook puts the training ranks' average) and joins
+// the broadcasts. With overlap_with_ddp, DDP's join hook runs hook_with_zero_step, which does
+// all of it.
+class ZeroRedundancyOptimizer::ShardJoinHook : public JoinHook {
+ public:
+  explicit ShardJoinHook(Impl& state) : s_(state) {}
+  void main_hook() override {
+    if (!s_.overlap_with_ddp) s_.step_and_sync(s_.shard_gradients_from_grad());
+  }
+
+ private:
+  Impl& s_;
+};
+
+std::unique_ptr<JoinHook> ZeroRedundancyOptimizer::join_hook(const JoinHookOptions&) {
+  return std::make_unique<ShardJoinHook>(*impl_);
+}
+
+const comm::Group& ZeroRedundancyOptimizer::join_process_group() const { return impl_->group; }
 
 void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
   for (auto& p : impl_->params) {

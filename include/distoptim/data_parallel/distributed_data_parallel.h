@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <distoptim/comm/process_group.h>
+#include <distoptim/data_parallel/join.h>
 
 namespace distoptim {
 namespace data_parallel {
@@ -53,7 +54,7 @@ enum class BuiltinCommHook {
 /// Errors: construction throws when a rank's parameters differ in number, shape or dtype from
 /// rank 0's (c10::Error naming the ranks); a module without trainable parameters is a
 /// c10::ValueError.
-class GradientSync {
+class GradientSync : public Joinable {
  public:
   GradientSync(const torch::nn::Module& module, DistributedDataParallelOptions options);
   ~GradientSync();
@@ -91,15 +92,26 @@ class GradientSync {
   /// The parameters whose gradients are synchronized (those that require grad), in module order.
   const std::vector<at::Tensor>& parameters() const;
 
+  /// Joinable (see join.h). Under a Join, each forward announces that this rank still trains
+  /// and buffers are broadcast from a rank still training. A joined rank's hook shadows one
+  /// iteration: the bucket rebuild, the buffer broadcast, the gradient allreduces (with zeros,
+  /// through the registered comm hook; the averaged result lands in this rank's `.grad`, so a
+  /// ZeroRedundancyOptimizer can still update this rank's share), and at the end broadcasts
+  /// the parameters and buffers of a last joiner to all. With divide_by_initial_world_size
+  /// false, gradients are averaged over the ranks still training (default comm hook only).
+  /// find_unused_parameters is not supported under Join (c10::ValueError).
+  std::unique_ptr<JoinHook> join_hook(const JoinHookOptions& options) override;
+  c10::Device join_device() const override { return c10::Device(c10::kCPU); }
+  const comm::Group& join_process_group() const override { return process_group(); }
+
  private:
   struct Impl;
+  class ReplicaJoinHook;  // what join_hook returns
   std::unique_ptr<Impl> impl_;
 };
 
 namespace detail {
-inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) {
-  out.push_back(t);
-}
+inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
 inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
   out.insert(out.end(), ts.begin(), ts.end());
 }

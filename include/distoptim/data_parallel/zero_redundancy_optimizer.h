@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <distoptim/comm/process_group.h>
+#include <distoptim/data_parallel/join.h>
 #include <distoptim/optim/functional_optimizer.h>
 #include <distoptim/optim/option_bag.h>
 
@@ -66,7 +67,7 @@ struct ZeroRedundancyOptimizerOptions {
 /// rank) must be called by every rank of the group in the same order; they fail after the
 /// group's timeout when a rank does not. Errors: bad input throws c10::ValueError naming the
 /// argument (and rank), before anything changes.
-class ZeroRedundancyOptimizer {
+class ZeroRedundancyOptimizer : public Joinable {
  public:
   /// Builds one of our optimizers over this rank's share of the groups (each group keeps its
   /// overrides; groups where the rank owns nothing stay, empty). Example:
@@ -135,11 +136,19 @@ class ZeroRedundancyOptimizer {
   torch::optim::Optimizer* libtorch_local_optimizer() const;
   const comm::Group& process_group() const;
 
+  /// Joinable (see join.h; list it after the DistributedDataParallel): a joined rank still
+  /// updates its share of the parameters, from the average of the training ranks' gradients
+  /// that DDP's join hook leaves in `.grad`, and joins the parameter broadcasts.
+  std::unique_ptr<JoinHook> join_hook(const JoinHookOptions& options) override;
+  c10::Device join_device() const override { return c10::Device(c10::kCPU); }
+  const comm::Group& join_process_group() const override;
+
  private:
   friend std::unique_ptr<c10d::CommHookInterface> hook_with_zero_step(
       ZeroRedundancyOptimizer& zero, std::unique_ptr<c10d::CommHookInterface> hook);
   struct Impl;
-  class StepHook;  // the hook of hook_with_zero_step
+  class StepHook;       // the hook of hook_with_zero_step
+  class ShardJoinHook;  // what join_hook returns
   std::unique_ptr<Impl> impl_;
 };
 
