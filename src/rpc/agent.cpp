@@ -12,6 +12,7 @@
 #include <distoptim/comm/errors.h>
 
 #include "../comm/store_wait.h"
+#include "handshake.h"
 #include "registry_internal.h"
 
 namespace tp = tensorpipe;
@@ -26,6 +27,8 @@ constexpr const char* kStorePrefix = "distoptim/rpc/";
 // host, TCP otherwise (PyTorch's agent ranks them the same way).
 constexpr int64_t kUvPriority = 100;
 constexpr int64_t kShmPriority = 200;
+// Pipes of refused peers left open for them to read the refusal (see Agent::refuse).
+constexpr size_t kKeptRefusedPipes = 16;
 
 template <class E>
 std::exception_ptr make_error(std::string message) {
@@ -63,19 +66,13 @@ std::string error_text(const std::exception_ptr& error) {
   }
 }
 
-// The rank in a TensorPipe context name "distoptim-rpc-<rank>", or -1.
-int rank_of_context_name(const std::string& name) {
-  const std::string prefix = "distoptim-rpc-";
-  if (name.compare(0, prefix.size(), prefix) != 0 || name.size() == prefix.size() ||
-      name.size() > prefix.size() + 9) {
-    return -1;
-  }
-  int rank = 0;
-  for (size_t i = prefix.size(); i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9') return -1;
-    rank = rank * 10 + (name[i] - '0');
-  }
-  return rank;
+// What a handshake message may be: a small body and nothing else.
+WireLimits handshake_limits() {
+  WireLimits limits;
+  limits.max_body_bytes = 4096;
+  limits.max_tensors = 0;
+  limits.max_message_bytes = 4096;
+  return limits;
 }
 
 std::string unique_shm_address() {
@@ -199,78 +196,281 @@ void Agent::accept_next() {
       }
       incoming_.push_back(pipe);
     }
-    read_next(pipe, -1);
+    challenge(pipe);
     accept_next();
   });
 }
 
-// Runs on TensorPipe's loop: check what the peer announces, allocate exactly that, read it.
-void Agent::read_next(const std::shared_ptr<tp::Pipe>& pipe, int peer) {
-  pipe->readDescriptor([this, pipe, peer](const tp::Error& error, tp::Descriptor descriptor) {
+// Connection handshake. Every pipe starts with three messages (wire.proto's Handshake):
+//   1. the accepting worker sends a challenge: a fresh random nonce and its id;
+//   2. the connecting worker answers with its own fresh nonce, its id, and a proof:
+//      HMAC-SHA256(secret, "connecting", both nonces, both ids);
+//   3. the accepting worker checks the proof and either refuses (and closes the pipe) or
+//      accepts with its own proof, HMAC-SHA256(secret, "accepting", the same fields), which the
+//      connecting worker checks in turn before it sends any call.
+// So both ends prove they know the secret without sending it, a recorded proof is worthless on
+// another pipe (fresh nonces on both sides), and each pipe is bound to the authenticated id of
+// the worker at its other end: requests claiming another caller id are refused. The accepting
+// worker reads nothing from a pipe but the proof until it has checked it.
+
+void Agent::read_handshake(const std::shared_ptr<tp::Pipe>& pipe, HandshakeCallback done) {
+  pipe->readDescriptor([pipe, done](const tp::Error& error, tp::Descriptor descriptor) {
     if (error) {
-      if (peer >= 0) {
-        on_pipe_failed(peer, error.what());
-      } else {
-        // A caller's pipe closed: it died or stopped. Forks it held are gone with it.
-        const int caller = rank_of_context_name(pipe->getRemoteName());
-        if (caller >= 0 && caller < world_size_ && caller != rank_) {
-          completion_->post([this, caller] { rrefs_->on_peer_lost(caller); });
-        }
-      }
+      done(std::string(error.what()), true, {});
       return;
     }
     MessageHeader header;
     Status status = decode_header(descriptor.metadata, &header);
-    std::vector<size_t> payload_lengths;
-    std::vector<size_t> tensor_lengths;
-    for (const auto& payload : descriptor.payloads) {
-      payload_lengths.push_back(payload.length);
-    }
-    for (const auto& tensor : descriptor.tensors) {
-      if (tensor.sourceDevice.type != tp::kCpuDeviceType ||
-          (tensor.targetDevice && tensor.targetDevice->type != tp::kCpuDeviceType)) {
-        status = "a tensor on a device other than the CPU";
-      }
-      tensor_lengths.push_back(tensor.length);
+    if (!status && header.type != MessageType::kHandshake) {
+      status = "a message other than the handshake before the handshake ended";
     }
     if (!status) {
-      status = check_announced_sizes(header, payload_lengths, tensor_lengths, limits_);
+      std::vector<size_t> payload_lengths;
+      std::vector<size_t> tensor_lengths;
+      for (const auto& payload : descriptor.payloads) payload_lengths.push_back(payload.length);
+      for (const auto& tensor : descriptor.tensors) tensor_lengths.push_back(tensor.length);
+      status = check_announced_sizes(header, payload_lengths, tensor_lengths, handshake_limits());
     }
     if (status) {
-      // The peer broke the protocol: nothing it sends on this pipe can be trusted any more.
-      pipe->close();
-      if (peer >= 0) {
-        on_pipe_failed(peer, "it sent a malformed message: " + *status);
-      }
+      done(status, false, {});
       return;
     }
     auto body = std::make_shared<std::string>(header.body_length, '\0');
-    std::vector<at::Tensor> buffers;
     tp::Allocation allocation;
     allocation.payloads.push_back({body->data()});
-    for (size_t length : tensor_lengths) {
-      at::Tensor buffer = at::empty({static_cast<int64_t>(length)}, at::kByte);
-      allocation.tensors.push_back({tp::CpuBuffer{buffer.data_ptr()}});
-      buffers.push_back(std::move(buffer));
-    }
-    pipe->read(std::move(allocation),
-               [this, pipe, peer, header, body, buffers](const tp::Error& error) {
-                 if (error) {
-                   if (peer >= 0) {
-                     on_pipe_failed(peer, error.what());
-                   }
-                   return;
-                 }
-                 read_next(pipe, peer);
-                 on_message(pipe, peer, header, body, buffers);
-               });
+    pipe->read(std::move(allocation), [header, body, done](const tp::Error& error) {
+      if (error) {
+        done(std::string(error.what()), true, {});
+        return;
+      }
+      DecodedMessage message;
+      Status status = decode_body(header, *body, {}, handshake_limits(), &message);
+      done(status, false, status ? HandshakeMessage() : std::move(message.handshake));
+    });
   });
 }
 
-void Agent::on_message(const std::shared_ptr<tp::Pipe>& pipe, int peer, MessageHeader header,
-                       std::shared_ptr<std::string> body, std::vector<at::Tensor> buffers) {
+// Accepting side: steps 1 and 3.
+void Agent::challenge(const std::shared_ptr<tp::Pipe>& pipe) {
+  using Step = HandshakeMessage::Step;
+  HandshakeMessage question;
+  question.step = Step::kChallenge;
+  question.server_nonce = random_nonce();
+  question.server_id = rank_;
+  write(pipe, encode_handshake(question), [](const std::string&) {});
+  read_handshake(
+      pipe, [this, pipe, question](Status failure, bool pipe_failed, HandshakeMessage answer) {
+        if (pipe_failed) {
+          forget_incoming(pipe);  // The peer left before proving anything.
+          return;
+        }
+        std::string why;
+        if (failure) {
+          why = "it sent " + *failure;
+        } else if (answer.step != Step::kProof || answer.server_nonce != question.server_nonce ||
+                   answer.server_id != rank_) {
+          why = "its answer is not a proof for this worker's challenge";
+        } else if (answer.client_id < 0 || answer.client_id >= world_size_) {
+          why = "it claims worker id " + std::to_string(answer.client_id) + ", outside [0, " +
+                std::to_string(world_size_) + ")";
+        } else if (!proofs_equal(answer.proof,
+                                 handshake_proof(options_.shared_secret(),
+                                                 HandshakeRole::kConnecting, question.server_nonce,
+                                                 answer.client_nonce, answer.client_id, rank_))) {
+          why = "it did not prove that it knows the shared secret";
+        }
+        if (!why.empty()) {
+          refuse(pipe, why);
+          return;
+        }
+        HandshakeMessage accept;
+        accept.step = Step::kAccept;
+        accept.proof =
+            handshake_proof(options_.shared_secret(), HandshakeRole::kAccepting,
+                            question.server_nonce, answer.client_nonce, answer.client_id, rank_);
+        write(pipe, encode_handshake(accept), [](const std::string&) {});
+        read_next(pipe, answer.client_id, /*outgoing=*/false);
+      });
+}
+
+void Agent::refuse(const std::shared_ptr<tp::Pipe>& pipe, const std::string& why) {
+  // The peer is named as it names itself: nothing it said can be trusted.
+  TORCH_WARN("rpc: worker '", self().name, "' refused a connection from a peer calling itself '",
+             pipe->getRemoteName(), "': ", why);
+  HandshakeMessage refusal;
+  refusal.step = HandshakeMessage::Step::kRefuse;
+  refusal.refusal = "worker '" + self().name + "' refused the connection: " + why;
+  write(pipe, encode_handshake(refusal), [](const std::string&) {});
+  // Closing the pipe now could cut the refusal off in flight (the peer would see only an end of
+  // file); the peer closes it once it has read why. Nothing more is read from it, and only the
+  // last kKeptRefusedPipes stay open, so refused peers cannot pile up connections.
+  std::shared_ptr<tp::Pipe> oldest;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    incoming_.erase(std::remove(incoming_.begin(), incoming_.end(), pipe), incoming_.end());
+    refused_.push_back(pipe);
+    if (refused_.size() > kKeptRefusedPipes) {
+      oldest = std::move(refused_.front());
+      refused_.pop_front();
+    }
+  }
+  if (oldest) {
+    oldest->close();
+  }
+}
+
+void Agent::forget_incoming(const std::shared_ptr<tp::Pipe>& pipe) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  incoming_.erase(std::remove(incoming_.begin(), incoming_.end(), pipe), incoming_.end());
+}
+
+// Connecting side: step 2, then the check of step 3. Calls made meanwhile wait in `held`.
+void Agent::answer_challenge(const std::shared_ptr<tp::Pipe>& pipe, int peer) {
+  using Step = HandshakeMessage::Step;
+  read_handshake(pipe, [this, pipe, peer](Status failure, bool pipe_failed,
+                                          HandshakeMessage question) {
+    if (!failure && (question.step != Step::kChallenge || question.server_id != peer)) {
+      failure = "a handshake that is not a challenge from worker id " + std::to_string(peer);
+    }
+    if (failure) {
+      pipe->close();
+      on_pipe_failed(peer, pipe_failed ? *failure : "it broke the handshake: it sent " + *failure);
+      return;
+    }
+    HandshakeMessage answer;
+    answer.step = Step::kProof;
+    answer.server_nonce = question.server_nonce;
+    answer.client_nonce = random_nonce();
+    answer.client_id = rank_;
+    answer.server_id = peer;
+    answer.proof = handshake_proof(options_.shared_secret(), HandshakeRole::kConnecting,
+                                   answer.server_nonce, answer.client_nonce, rank_, peer);
+    write(pipe, encode_handshake(answer), [this, peer](const std::string& error) {
+      if (!error.empty()) on_pipe_failed(peer, error);
+    });
+    read_handshake(pipe, [this, pipe, peer, answer](Status failure, bool pipe_failed,
+                                                    HandshakeMessage verdict) {
+      std::string why;
+      if (failure) {
+        why = pipe_failed ? *failure : "it broke the handshake: it sent " + *failure;
+      } else if (verdict.step == Step::kRefuse) {
+        why = verdict.refusal.empty() ? "it refused the connection" : verdict.refusal;
+      } else if (verdict.step != Step::kAccept ||
+                 !proofs_equal(
+                     verdict.proof,
+                     handshake_proof(options_.shared_secret(), HandshakeRole::kAccepting,
+                                     answer.server_nonce, answer.client_nonce, rank_, peer))) {
+        why = "it did not prove that it knows the shared secret";
+      }
+      if (!why.empty()) {
+        pipe->close();
+        on_pipe_failed(peer, why);
+        return;
+      }
+      read_next(pipe, peer, /*outgoing=*/true);
+      release_held(peer, pipe);
+    });
+  });
+}
+
+// Writes the calls made during the handshake, in order, then lets new calls write directly.
+// New calls go on being held while a batch is written, so the order on the pipe stays the order
+// in which calls were made.
+void Agent::release_held(int peer, const std::shared_ptr<tp::Pipe>& pipe) {
+  while (true) {
+    std::vector<EncodedMessage> batch;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = outgoing_.find(peer);
+      if (it == outgoing_.end() || it->second.pipe != pipe) {
+        return;  // The pipe failed meanwhile; its calls were failed with it.
+      }
+      if (it->second.held.empty()) {
+        it->second.ready = true;
+        return;
+      }
+      batch.swap(it->second.held);
+    }
+    for (EncodedMessage& message : batch) {
+      write(pipe, std::move(message), [this, peer](const std::string& error) {
+        if (!error.empty()) on_pipe_failed(peer, error);
+      });
+    }
+  }
+}
+
+// Runs on TensorPipe's loop: check what the peer announces, allocate exactly that, read it.
+void Agent::read_next(const std::shared_ptr<tp::Pipe>& pipe, int peer, bool outgoing) {
+  pipe->readDescriptor(
+      [this, pipe, peer, outgoing](const tp::Error& error, tp::Descriptor descriptor) {
+        if (error) {
+          if (outgoing) {
+            on_pipe_failed(peer, error.what());
+          } else {
+            // A caller's pipe closed: it died or stopped. Forks it held are gone with it.
+            forget_incoming(pipe);
+            if (peer != rank_) {
+              completion_->post([this, peer] { rrefs_->on_peer_lost(peer); });
+            }
+          }
+          return;
+        }
+        MessageHeader header;
+        Status status = decode_header(descriptor.metadata, &header);
+        std::vector<size_t> payload_lengths;
+        std::vector<size_t> tensor_lengths;
+        for (const auto& payload : descriptor.payloads) {
+          payload_lengths.push_back(payload.length);
+        }
+        for (const auto& tensor : descriptor.tensors) {
+          if (tensor.sourceDevice.type != tp::kCpuDeviceType ||
+              (tensor.targetDevice && tensor.targetDevice->type != tp::kCpuDeviceType)) {
+            status = "a tensor on a device other than the CPU";
+          }
+          tensor_lengths.push_back(tensor.length);
+        }
+        if (!status) {
+          status = check_announced_sizes(header, payload_lengths, tensor_lengths, limits_);
+        }
+        if (status) {
+          // The peer broke the protocol: nothing it sends on this pipe can be trusted any more.
+          pipe->close();
+          if (outgoing) {
+            on_pipe_failed(peer, "it sent a malformed message: " + *status);
+          }
+          return;
+        }
+        auto body = std::make_shared<std::string>(header.body_length, '\0');
+        std::vector<at::Tensor> buffers;
+        tp::Allocation allocation;
+        allocation.payloads.push_back({body->data()});
+        for (size_t length : tensor_lengths) {
+          at::Tensor buffer = at::empty({static_cast<int64_t>(length)}, at::kByte);
+          allocation.tensors.push_back({tp::CpuBuffer{buffer.data_ptr()}});
+          buffers.push_back(std::move(buffer));
+        }
+        pipe->read(std::move(allocation),
+                   [this, pipe, peer, outgoing, header, body, buffers](const tp::Error& error) {
+                     if (error) {
+                       if (outgoing) {
+                         on_pipe_failed(peer, error.what());
+                       }
+                       return;
+                     }
+                     read_next(pipe, peer, outgoing);
+                     on_message(pipe, peer, outgoing, header, body, buffers);
+                   });
+      });
+}
+
+void Agent::on_message(const std::shared_ptr<tp::Pipe>& pipe, int peer, bool outgoing,
+                       MessageHeader header, std::shared_ptr<std::string> body,
+                       std::vector<at::Tensor> buffers) {
+  if (header.type == MessageType::kHandshake) {
+    return;  // The handshake is over; a late copy changes nothing.
+  }
   if (header.type == MessageType::kRequest) {
-    if (peer >= 0) {
+    if (outgoing) {
       return;  // Requests come on the pipes peers open to us, never on ours to them.
     }
     {
@@ -282,21 +482,22 @@ void Agent::on_message(const std::shared_ptr<tp::Pipe>& pipe, int peer, MessageH
     }
     // RRef control messages keep their order of arrival (on one thread); they never block.
     Executor& executor = (header.flags & MessageHeader::kOrdered) ? *ordered_ : *request_pool_;
-    executor.post([this, pipe, header, body, buffers = std::move(buffers)]() mutable {
-      handle_request(pipe, header, *body, std::move(buffers));
+    executor.post([this, pipe, peer, header, body, buffers = std::move(buffers)]() mutable {
+      handle_request(pipe, peer, header, *body, std::move(buffers));
       std::lock_guard<std::mutex> lock(mutex_);
       --in_flight_requests_;
       idle_.notify_all();
     });
-  } else if (peer >= 0) {
+  } else if (outgoing) {
     completion_->post([this, peer, header, body, buffers = std::move(buffers)]() mutable {
       handle_reply(peer, header, *body, std::move(buffers));
     });
   }
 }
 
-void Agent::handle_request(const std::shared_ptr<tp::Pipe>& pipe, const MessageHeader& header,
-                           const std::string& body, std::vector<at::Tensor> buffers) {
+void Agent::handle_request(const std::shared_ptr<tp::Pipe>& pipe, int pipe_peer,
+                           const MessageHeader& header, const std::string& body,
+                           std::vector<at::Tensor> buffers) {
   const std::string& me = self().name;
   int caller = -1;
   std::optional<std::string> failure;
@@ -305,9 +506,9 @@ void Agent::handle_request(const std::shared_ptr<tp::Pipe>& pipe, const MessageH
     const bool ordered = (header.flags & MessageHeader::kOrdered) != 0;
     if (Status error = decode_body(header, body, std::move(buffers), limits_, &request)) {
       failure = "malformed request: " + *error;
-    } else if (request.caller_id < 0 || request.caller_id >= world_size_) {
+    } else if (request.caller_id != pipe_peer) {
       failure = "malformed request: caller id " + std::to_string(request.caller_id) +
-                " is not a worker id (world size " + std::to_string(world_size_) + ")";
+                " on the connection of worker id " + std::to_string(pipe_peer);
     } else if (ordered != RRefContext::is_control(request.callable)) {
       failure = "'" + request.callable + "' cannot be called " +
                 (ordered ? "as an ordered control message" : "by name");
@@ -463,7 +664,7 @@ void Agent::on_pipe_failed(int peer, const std::string& why) {
       return make_error<DistributedError>("rpc: the agent shut down before worker '" + worker +
                                           "' answered '" + call.function + "'");
     }
-    return make_error<PeerLostError>("rpc: worker '" + worker + "' is gone (" + why +
+    return make_error<PeerLostError>("rpc: lost the connection to worker '" + worker + "' (" + why +
                                      "); the call to '" + call.function + "' failed");
   });
 }
@@ -501,15 +702,15 @@ void Agent::write(const std::shared_ptr<tp::Pipe>& pipe, EncodedMessage message,
   });
 }
 
-std::shared_ptr<tp::Pipe> Agent::pipe_to(int peer) {
+Agent::Outgoing& Agent::pipe_to(int peer) {
   auto it = outgoing_.find(peer);
   if (it != outgoing_.end()) {
     return it->second;
   }
-  auto pipe = context_->connect(urls_[peer], tp::PipeOptions().remoteName(workers_[peer].name));
-  outgoing_.emplace(peer, pipe);
-  read_next(pipe, peer);
-  return pipe;
+  Outgoing& out = outgoing_[peer];
+  out.pipe = context_->connect(urls_[peer], tp::PipeOptions().remoteName(workers_[peer].name));
+  answer_challenge(out.pipe, peer);
+  return out;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& function,
@@ -554,12 +755,12 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& f
       const std::string why = lost->second;
       lock.unlock();
       rrefs_->rollback(forks);
-      future->setError(make_error<PeerLostError>("rpc: worker '" + workers_[to].name +
-                                                 "' is gone (" + why + "); cannot call '" +
-                                                 function + "'"));
+      future->setError(make_error<PeerLostError>("rpc: lost the connection to worker '" +
+                                                 workers_[to].name + "' (" + why +
+                                                 "); cannot call '" + function + "'"));
       return future;
     }
-    pipe = pipe_to(to);
+    Outgoing& out = pipe_to(to);
     PendingCall call;
     call.future = future;
     call.to = to;
@@ -574,6 +775,11 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& f
       }
     }
     pending_.emplace(id, std::move(call));
+    if (!out.ready) {
+      out.held.push_back(std::move(message));
+      return future;
+    }
+    pipe = out.pipe;
   }
   write(pipe, std::move(message), [this, id, to](const std::string& error) {
     if (!error.empty()) {
@@ -688,6 +894,7 @@ void Agent::stop() {
     deadlines_.clear();
     outgoing_.clear();
     incoming_.clear();
+    refused_.clear();
   }
   timer_wake_.notify_all();
   idle_.notify_all();

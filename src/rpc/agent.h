@@ -3,6 +3,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -43,6 +45,11 @@ namespace detail {
 /// future is completed and no user code runs while it is held, and it is never taken before
 /// the RRef context's. Every pending call completes exactly once:
 /// whoever erases it from `pending_` (response, timeout, lost peer, shutdown) completes it.
+///
+/// Pipes: each worker opens one pipe to each peer it calls (`outgoing_`) and accepts the pipes
+/// peers open to it (`incoming_`). Requests travel on the caller's pipe, replies come back on it.
+/// Every pipe begins with the handshake (agent.cpp); until it has succeeded, messages for the
+/// peer wait in `Outgoing::held`, and nothing a connecting peer sends is read but its proof.
 class Agent : public std::enable_shared_from_this<Agent> {
  public:
   Agent(const std::string& name, int rank, int world_size, const RpcBackendOptions& options);
@@ -79,15 +86,34 @@ class Agent : public std::enable_shared_from_this<Agent> {
     bool has_deadline = false;
   };
   enum class State { kRunning, kStopping, kStopped };
+  struct Outgoing {
+    std::shared_ptr<tensorpipe::Pipe> pipe;
+    bool ready = false;                // the handshake succeeded and `held` is written
+    std::vector<EncodedMessage> held;  // messages sent before then, in order
+  };
+  /// Called with the handshake message, or with what went wrong: `pipe_failed` when the pipe
+  /// itself failed (the peer went away), else the peer sent something that is not a handshake.
+  using HandshakeCallback =
+      std::function<void(Status failure, bool pipe_failed, HandshakeMessage message)>;
 
   void start_listening();
   void exchange_addresses(const std::string& name);
   void accept_next();
-  void read_next(const std::shared_ptr<tensorpipe::Pipe>& pipe, int peer);
-  void on_message(const std::shared_ptr<tensorpipe::Pipe>& pipe, int peer, MessageHeader header,
-                  std::shared_ptr<std::string> body, std::vector<at::Tensor> buffers);
-  void handle_request(const std::shared_ptr<tensorpipe::Pipe>& pipe, const MessageHeader& header,
-                      const std::string& body, std::vector<at::Tensor> buffers);
+  void read_handshake(const std::shared_ptr<tensorpipe::Pipe>& pipe, HandshakeCallback done);
+  void challenge(const std::shared_ptr<tensorpipe::Pipe>& pipe);
+  void refuse(const std::shared_ptr<tensorpipe::Pipe>& pipe, const std::string& why);
+  void answer_challenge(const std::shared_ptr<tensorpipe::Pipe>& pipe, int peer);
+  void release_held(int peer, const std::shared_ptr<tensorpipe::Pipe>& pipe);
+  void forget_incoming(const std::shared_ptr<tensorpipe::Pipe>& pipe);
+  /// Reads messages from a pipe whose handshake succeeded, one after another. `peer`: the
+  /// worker on its other end; `outgoing`: whether we opened it (it carries our calls).
+  void read_next(const std::shared_ptr<tensorpipe::Pipe>& pipe, int peer, bool outgoing);
+  void on_message(const std::shared_ptr<tensorpipe::Pipe>& pipe, int peer, bool outgoing,
+                  MessageHeader header, std::shared_ptr<std::string> body,
+                  std::vector<at::Tensor> buffers);
+  void handle_request(const std::shared_ptr<tensorpipe::Pipe>& pipe, int caller,
+                      const MessageHeader& header, const std::string& body,
+                      std::vector<at::Tensor> buffers);
   void reply(const std::shared_ptr<tensorpipe::Pipe>& pipe, uint64_t id, int caller,
              const c10::ivalue::Future& result);
   void handle_reply(int peer, const MessageHeader& header, const std::string& body,
@@ -95,7 +121,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   void on_pipe_failed(int peer, const std::string& why);
   void write(const std::shared_ptr<tensorpipe::Pipe>& pipe, EncodedMessage message,
              std::function<void(const std::string& error)> on_written);
-  std::shared_ptr<tensorpipe::Pipe> pipe_to(int peer);  // requires mutex_
+  Outgoing& pipe_to(int peer);  // requires mutex_
   void fail_calls(std::vector<PendingCall> calls,
                   std::function<std::exception_ptr(const PendingCall&)> make_error);
   void run_timer();
@@ -121,8 +147,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   uint64_t next_id_ = 1;                                                      // guarded by mutex_
   std::unordered_map<uint64_t, PendingCall> pending_;                         // guarded by mutex_
   std::multimap<std::chrono::steady_clock::time_point, uint64_t> deadlines_;  // by mutex_
-  std::unordered_map<int, std::shared_ptr<tensorpipe::Pipe>> outgoing_;       // by mutex_
+  std::unordered_map<int, Outgoing> outgoing_;                                // by mutex_
   std::vector<std::shared_ptr<tensorpipe::Pipe>> incoming_;                   // by mutex_
+  std::deque<std::shared_ptr<tensorpipe::Pipe>> refused_;                     // by mutex_
   std::map<int, std::string> lost_peers_;  // why each is lost; guarded by mutex_
   int in_flight_requests_ = 0;             // guarded by mutex_
 

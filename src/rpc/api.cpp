@@ -51,6 +51,8 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
                     options.rpc_timeout().count(), " ms (use 0 for none)");
   TORCH_CHECK_VALUE(options.init_timeout().count() > 0 && options.shutdown_timeout().count() > 0,
                     "init_rpc: init_timeout and shutdown_timeout must be positive");
+  TORCH_CHECK_VALUE(options.shared_secret().size() <= 4096, "init_rpc: shared_secret of ",
+                    options.shared_secret().size(), " bytes (at most 4096) (worker '", name, "')");
   // Holding the lock through the rendezvous keeps a second init_rpc from racing this one.
   std::lock_guard<std::mutex> lock(g_agent_mutex);
   DISTOPTIM_CHECK_WITH(DistributedError, g_agent == nullptr,

@@ -332,6 +332,47 @@ Status typed_tensor(const wire::TensorMeta& meta, const at::Tensor& bytes, const
   return std::nullopt;
 }
 
+// Each step carries exactly its fields, of exactly their sizes.
+Status decode_handshake(const wire::Handshake& in, HandshakeMessage* out) {
+  using Step = HandshakeMessage::Step;
+  const auto sized = [](const std::string& bytes, size_t size) { return bytes.size() == size; };
+  switch (in.step()) {
+    case wire::Handshake::CHALLENGE:
+      if (!sized(in.server_nonce(), HandshakeMessage::kNonceBytes)) {
+        return std::string("a handshake challenge without a nonce of its size");
+      }
+      break;
+    case wire::Handshake::PROOF:
+      if (!sized(in.server_nonce(), HandshakeMessage::kNonceBytes) ||
+          !sized(in.client_nonce(), HandshakeMessage::kNonceBytes) ||
+          !sized(in.proof(), HandshakeMessage::kProofBytes)) {
+        return std::string("a handshake proof without nonces and proof of their sizes");
+      }
+      break;
+    case wire::Handshake::ACCEPT:
+      if (!sized(in.proof(), HandshakeMessage::kProofBytes)) {
+        return std::string("a handshake acceptance without a proof of its size");
+      }
+      break;
+    case wire::Handshake::REFUSE:
+      if (in.refusal().size() > HandshakeMessage::kMaxRefusalBytes) {
+        return c10::str("a handshake refusal of ", in.refusal().size(), " bytes (at most ",
+                        HandshakeMessage::kMaxRefusalBytes, ")");
+      }
+      break;
+    default:
+      return c10::str("unknown handshake step ", static_cast<int>(in.step()));
+  }
+  out->step = static_cast<Step>(in.step());
+  out->server_nonce = in.server_nonce();
+  out->client_nonce = in.client_nonce();
+  out->client_id = in.client_id();
+  out->server_id = in.server_id();
+  out->proof = in.proof();
+  out->refusal = in.refusal();
+  return std::nullopt;
+}
+
 }  // namespace
 
 const c10::TypePtr RRefReference::type() const {
@@ -364,7 +405,7 @@ Status decode_header(std::string_view bytes, MessageHeader* header) {
                     static_cast<int>(MessageHeader::kVersion), ")");
   }
   const uint64_t type = get_le(bytes, 5, 1);
-  if (type < 1 || type > 3) {
+  if (type < 1 || type > 4) {
     return c10::str("unknown message type ", type);
   }
   header->type = static_cast<MessageType>(type);
@@ -446,6 +487,19 @@ EncodedMessage encode_error(uint64_t id, const std::string& message, const std::
   return finish(MessageType::kError, id, body, {});
 }
 
+EncodedMessage encode_handshake(const HandshakeMessage& handshake) {
+  wire::Body body;
+  wire::Handshake* out = body.mutable_handshake();
+  out->set_step(static_cast<wire::Handshake::Step>(handshake.step));
+  out->set_server_nonce(handshake.server_nonce);
+  out->set_client_nonce(handshake.client_nonce);
+  out->set_client_id(handshake.client_id);
+  out->set_server_id(handshake.server_id);
+  out->set_proof(handshake.proof);
+  out->set_refusal(handshake.refusal);
+  return finish(MessageType::kHandshake, 0, body, {});
+}
+
 Status decode_body(const MessageHeader& header, std::string_view body,
                    std::vector<at::Tensor> tensor_buffers, const WireLimits& limits,
                    DecodedMessage* message) {
@@ -501,6 +555,11 @@ Status decode_body(const MessageHeader& header, std::string_view body,
       message->error_message = parsed.error().message();
       message->error_worker = parsed.error().worker_name();
       return std::nullopt;
+    case MessageType::kHandshake:
+      if (parsed.content_case() != wire::Body::kHandshake || !tensors.empty()) {
+        return std::string("a handshake header over a body that is not a handshake");
+      }
+      return decode_handshake(parsed.handshake(), &message->handshake);
   }
   return std::string("unknown message type");
 }

@@ -5,6 +5,9 @@
 // (wire.proto) with every non-tensor value, and each tensor is its own TensorPipe tensor
 // payload, sent from and received into tensor storage without a copy.
 //
+// Every pipe begins with a three-message handshake (kHandshake) before any request travels on it;
+// agent.cpp describes it.
+//
 // Everything here is pure (no I/O, no globals) so that the decoder can be fuzzed on its own.
 // Decoding treats its input as hostile: every length is checked before anything is allocated,
 // and a malformed message yields an error string, never an exception or a crash.
@@ -23,7 +26,7 @@ namespace distoptim {
 namespace rpc {
 namespace detail {
 
-enum class MessageType : uint8_t { kRequest = 1, kResponse = 2, kError = 3 };
+enum class MessageType : uint8_t { kRequest = 1, kResponse = 2, kError = 3, kHandshake = 4 };
 
 /// The fixed header, carried in TensorPipe's message metadata.
 struct MessageHeader {
@@ -80,6 +83,25 @@ EncodedMessage encode_request(uint64_t id, const std::string& callable,
 EncodedMessage encode_response(uint64_t id, const c10::IValue& result);
 EncodedMessage encode_error(uint64_t id, const std::string& message, const std::string& worker);
 
+/// One step of the connection handshake (wire.proto's Handshake). Which fields a step carries is
+/// checked by the decoder: nonces and proofs have exactly their sizes.
+struct HandshakeMessage {
+  static constexpr size_t kNonceBytes = 32;
+  static constexpr size_t kProofBytes = 32;  // HMAC-SHA256
+  static constexpr size_t kMaxRefusalBytes = 1024;
+  enum class Step : uint8_t { kChallenge = 1, kProof = 2, kAccept = 3, kRefuse = 4 };
+
+  Step step = Step::kChallenge;
+  std::string server_nonce;  // kChallenge, kProof
+  std::string client_nonce;  // kProof
+  int32_t client_id = -1;    // kProof
+  int32_t server_id = -1;    // kChallenge, kProof
+  std::string proof;         // kProof, kAccept
+  std::string refusal;       // kRefuse
+};
+
+EncodedMessage encode_handshake(const HandshakeMessage& handshake);
+
 /// A received message, decoded.
 struct DecodedMessage {
   MessageHeader header;
@@ -93,6 +115,8 @@ struct DecodedMessage {
   // kError
   std::string error_message;
   std::string error_worker;
+  // kHandshake
+  HandshakeMessage handshake;
 };
 
 /// Decodes a body and its tensors. `tensor_buffers` are the byte buffers (kByte, 1-D) TensorPipe

@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include "message.h"
@@ -161,6 +162,70 @@ TEST(RpcMessage, RequestsAndErrors) {
   EXPECT_EQ(decoded.header.type, MessageType::kError);
   EXPECT_EQ(decoded.error_message, "boom");
   EXPECT_EQ(decoded.error_worker, "worker1");
+}
+
+HandshakeMessage proof_step() {
+  HandshakeMessage proof;
+  proof.step = HandshakeMessage::Step::kProof;
+  proof.server_nonce = std::string(HandshakeMessage::kNonceBytes, 's');
+  proof.client_nonce = std::string(HandshakeMessage::kNonceBytes, 'c');
+  proof.client_id = 2;
+  proof.server_id = 0;
+  proof.proof = std::string(HandshakeMessage::kProofBytes, 'p');
+  return proof;
+}
+
+TEST(RpcMessage, HandshakeStepsRoundTrip) {
+  DecodedMessage decoded;
+  ASSERT_FALSE(receive(encode_handshake(proof_step()), &decoded));
+  EXPECT_EQ(decoded.header.type, MessageType::kHandshake);
+  EXPECT_EQ(decoded.handshake.step, HandshakeMessage::Step::kProof);
+  EXPECT_EQ(decoded.handshake.server_nonce, proof_step().server_nonce);
+  EXPECT_EQ(decoded.handshake.client_nonce, proof_step().client_nonce);
+  EXPECT_EQ(decoded.handshake.client_id, 2);
+  EXPECT_EQ(decoded.handshake.server_id, 0);
+  EXPECT_EQ(decoded.handshake.proof, proof_step().proof);
+
+  HandshakeMessage refusal;
+  refusal.step = HandshakeMessage::Step::kRefuse;
+  refusal.refusal = "no";
+  ASSERT_FALSE(receive(encode_handshake(refusal), &decoded));
+  EXPECT_EQ(decoded.handshake.refusal, "no");
+}
+
+TEST(RpcMessage, MalformedHandshakesAreRejected) {
+  DecodedMessage decoded;
+  HandshakeMessage short_nonce = proof_step();
+  short_nonce.client_nonce.pop_back();
+  EXPECT_THAT(receive(encode_handshake(short_nonce), &decoded).value_or(""),
+              ::testing::HasSubstr("handshake proof without nonces and proof of their sizes"));
+  HandshakeMessage long_proof = proof_step();
+  long_proof.proof += "x";
+  EXPECT_TRUE(receive(encode_handshake(long_proof), &decoded).has_value());
+  HandshakeMessage no_proof;
+  no_proof.step = HandshakeMessage::Step::kAccept;
+  EXPECT_THAT(receive(encode_handshake(no_proof), &decoded).value_or(""),
+              ::testing::HasSubstr("acceptance without a proof"));
+  HandshakeMessage long_refusal;
+  long_refusal.step = HandshakeMessage::Step::kRefuse;
+  long_refusal.refusal = std::string(HandshakeMessage::kMaxRefusalBytes + 1, 'r');
+  EXPECT_THAT(receive(encode_handshake(long_refusal), &decoded).value_or(""),
+              ::testing::HasSubstr("refusal of 1025 bytes"));
+  // A request body under a handshake header, and a handshake body under a request header.
+  EncodedMessage request = encode_request(1, "add", {int64_t{1}}, 0);
+  EncodedMessage handshake = encode_handshake(proof_step());
+  std::swap(request.body, handshake.body);
+  MessageHeader header;
+  ASSERT_FALSE(decode_header(handshake.header, &header));
+  header.body_length = static_cast<uint32_t>(handshake.body.size());
+  handshake.header = encode_header(header);
+  EXPECT_THAT(receive(handshake, &decoded).value_or(""),
+              ::testing::HasSubstr("a handshake header over a body that is not a handshake"));
+  ASSERT_FALSE(decode_header(request.header, &header));
+  header.body_length = static_cast<uint32_t>(request.body.size());
+  request.header = encode_header(header);
+  EXPECT_THAT(receive(request, &decoded).value_or(""),
+              ::testing::HasSubstr("a request header over a body that is not a request"));
 }
 
 TEST(RpcMessage, RRefIdsRoundTrip) {
@@ -351,7 +416,8 @@ TEST(MessageFuzzSeeds, Write) {
   const std::vector<EncodedMessage> seeds = {
       encode_request(1, "add", {at::ones({2, 2}), int64_t{3}, std::string("s")}, 100),
       encode_response(2, c10::ivalue::Tuple::create({c10::IValue(dict), c10::IValue(true)})),
-      encode_response(3, at::arange(4) % 2 == 0), encode_error(4, "message", "worker")};
+      encode_response(3, at::arange(4) % 2 == 0), encode_error(4, "message", "worker"),
+      encode_handshake(proof_step())};
   int index = 0;
   for (const EncodedMessage& seed : seeds) {
     std::string bytes = seed.header + seed.body;

@@ -57,6 +57,14 @@ struct RpcBackendOptions {
   TORCH_ARG(std::string, listen_address) = "";
   /// Let workers on one host exchange data through shared memory (TensorPipe's shm transport).
   TORCH_ARG(bool, enable_shared_memory) = true;
+  /// A secret every worker of the job knows (at most 4096 bytes). Each pipe starts with a
+  /// challenge-response handshake (HMAC-SHA256 over fresh nonces) in both directions: a peer
+  /// that cannot prove it knows the same secret is refused before any of its requests is read,
+  /// and a worker that cannot prove it to us is never sent one. Empty (the default): workers
+  /// still run the handshake, with an empty key, so a worker with a secret refuses one without.
+  /// The secret never travels. Keep it out of command lines: read it from a file or the
+  /// environment. (PyTorch's RPC has no authentication.)
+  TORCH_ARG(std::string, shared_secret) = "";
   /// Where this process stands if not read from the environment (env:// only).
   TORCH_ARG(std::optional<comm::LaunchEnv>, launch_env) = std::nullopt;
 };
