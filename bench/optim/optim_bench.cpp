@@ -38,7 +38,8 @@
 #include <distoptim/optim.h>
 #include <distoptim/optim/kernel_isa.h>
 
-#include "child_process.h"
+#include "../common/child_process.h"
+#include "../common/report.h"
 #include "stream_kernel.h"
 
 namespace distoptim {
@@ -511,11 +512,7 @@ int run(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   if (reps == 0) reps = quick ? 2 : 7;
 
-  // Opened now, so a bad path fails before minutes of measuring rather than after.
-  const std::filesystem::path path(json_path);
-  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-  std::ofstream file(json_path);
-  TORCH_CHECK(file.good(), "optim_bench: cannot open --json file '", json_path, "' for writing");
+  ResultsFile results_file(json_path, "optim_bench");
 
   // Exactly two threads for everything: the bandwidth kernel, our steps and LibTorch's here,
   // PyTorch's in the child.
@@ -582,9 +579,7 @@ int run(int argc, char** argv) {
 
   print_report(stream, sets, cases, reps, !warm_cache, torch_version);
 
-  file << to_json(stream, cases).dump(2) << "\n";
-  file.close();
-  TORCH_CHECK(file.good(), "optim_bench: writing '", json_path, "' failed");
+  results_file.write(to_json(stream, cases));
   fmt::print("results written to {}\n", json_path);
   return 0;
 }

@@ -70,7 +70,8 @@
 #include <distoptim/comm/rendezvous.h>
 #include <distoptim/rpc.h>
 
-#include "../optim/child_process.h"
+#include "../common/child_process.h"
+#include "../common/report.h"
 
 namespace distoptim {
 namespace bench {
@@ -82,7 +83,6 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 constexpr int kWorldSize = 3;
-constexpr std::string_view kResultPrefix = "RESULT ";
 constexpr int64_t kEchoFloats = 1 << 20;
 constexpr int64_t kEchoBytes = kEchoFloats * static_cast<int64_t>(sizeof(float));
 // The first and last calls of the sustained load whose median latencies are compared.
@@ -104,17 +104,6 @@ struct Config {
   int caller_warmup = 200;
   int deadline_seconds = 240;
 };
-
-long status_kb(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.compare(0, field.size() + 1, field + ":") == 0) {
-      return std::stol(line.substr(field.size() + 1));
-    }
-  }
-  return -1;
-}
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
@@ -141,7 +130,7 @@ struct MemoryMark {
   std::atomic<long> rss_kb{-1};
   std::atomic<int64_t> heap_bytes{-1};
   void take() {
-    rss_kb = status_kb("VmRSS");
+    rss_kb = proc_status_kb("VmRSS");
     heap_bytes = heap_in_use_bytes();
   }
 };
@@ -234,13 +223,6 @@ LoadResult run_load(const std::string& server, int64_t calls, int64_t window, in
 DISTOPTIM_RPC_FUNCTION("bench.load", run_load);
 
 // --- worker0: the measurements -------------------------------------------------------------------
-
-double median(std::vector<double> values) {
-  TORCH_CHECK(!values.empty(), "median of nothing");
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
 
 // Nearest-rank percentile (pytorch_rpc.py computes it the same way).
 double percentile(std::vector<double> values, double p) {
@@ -420,13 +402,9 @@ Json run_side(const std::string& what, std::vector<std::string> argv, const Conf
               " s and was killed; its output:\n", child.stdout_text);
   TORCH_CHECK(child.exit_code == 0, what, " exited with ", child.exit_code, "; its output:\n",
               child.stdout_text);
-  std::istringstream lines(child.stdout_text);
-  std::string line;
-  while (std::getline(lines, line)) {
-    const auto at = line.find(kResultPrefix);
-    if (at != std::string::npos) return Json::parse(line.substr(at + kResultPrefix.size()));
-  }
-  TORCH_CHECK(false, what, " printed no RESULT line; its output:\n", child.stdout_text);
+  const std::vector<Json> results = result_lines(child.stdout_text);
+  TORCH_CHECK(!results.empty(), what, " printed no RESULT line; its output:\n", child.stdout_text);
+  return results.front();
 }
 
 std::vector<std::string> worker_args(const Config& config, int64_t sustained_calls) {
@@ -556,16 +534,11 @@ int run(int argc, char** argv) {
     run_worker(config);
     return 0;
   }
-  TORCH_CHECK(!json_path.empty(), "--json PATH is required");
   TORCH_CHECK_VALUE(config.sustained_calls % 2 == 0 && config.pytorch_sustained_calls % 2 == 0,
                     "--sustained-calls and --pytorch-sustained-calls must be even "
                     "(half per caller), got ",
                     config.sustained_calls, " and ", config.pytorch_sustained_calls);
-  // Opened now, so a bad path fails before the measuring rather than after.
-  const std::filesystem::path path(json_path);
-  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-  std::ofstream file(json_path);
-  TORCH_CHECK(file.good(), "cannot open --json file '", json_path, "' for writing");
+  ResultsFile results_file(json_path, "rpc_bench");
 
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   std::vector<std::string> ours_argv{DISTOPTIM_DISTRUN_PATH, "--nproc-per-node",
@@ -590,15 +563,12 @@ int run(int argc, char** argv) {
     problems.push_back(std::move(p));
   }
   if (!problems.empty()) {
-    file.close();
-    std::filesystem::remove(path);
+    results_file.discard();
     for (const auto& p : problems) fmt::print(stderr, "rpc_bench: wrong or failed calls: {}\n", p);
     fmt::print(stderr, "rpc_bench: no results written\n");
     return 1;
   }
-  file << to_json(ours, pytorch).dump(2) << "\n";
-  file.close();
-  TORCH_CHECK(file.good(), "writing '", json_path, "' failed");
+  results_file.write(to_json(ours, pytorch));
   fmt::print("results written to {}\n", json_path);
   return 0;
 }

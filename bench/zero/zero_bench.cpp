@@ -33,7 +33,8 @@
 #include <distoptim/comm.h>
 #include <distoptim/data_parallel.h>
 
-#include "../optim/child_process.h"
+#include "../common/child_process.h"
+#include "../common/report.h"
 
 namespace distoptim {
 namespace bench {
@@ -44,7 +45,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kWorldSize = 2;
 constexpr int kThreadsPerRank = 1;
-constexpr std::string_view kResultPrefix = "RESULT ";
 
 struct Config {
   int layers = 20;
@@ -54,24 +54,13 @@ struct Config {
   int iterations = 7;
 };
 
-long status_kb(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.compare(0, field.size() + 1, field + ":") == 0) {
-      return std::stol(line.substr(field.size() + 1));
-    }
-  }
-  return -1;
-}
-
 // --- a rank of ours ------------------------------------------------------------------------------
 
 // Trains as pytorch_zero.py's run_rank does and prints the same RESULT line.
 void run_worker(const Config& config, bool bucket_view) {
   torch::set_num_threads(kThreadsPerRank);
   comm::init_process_group();
-  const long start_kb = status_kb("VmRSS");
+  const long start_kb = proc_status_kb("VmRSS");
   torch::manual_seed(0);
   torch::nn::Sequential model;
   for (int i = 0; i < config.layers; ++i) {
@@ -107,7 +96,7 @@ void run_worker(const Config& config, bool bucket_view) {
                     {"times", times},
                     {"step_times", step_times},
                     {"start_kb", start_kb},
-                    {"peak_kb", status_kb("VmHWM")}};
+                    {"peak_kb", proc_status_kb("VmHWM")}};
   fmt::print("{}{}\n", kResultPrefix, result.dump());
   std::fflush(stdout);
   comm::destroy_process_group();
@@ -131,22 +120,9 @@ struct CaseResult {
   Side pytorch;
 };
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
-}
-
 // Reads the RESULT lines of every rank (possibly behind distrun's "[rank R] " prefix).
 Side parse_results(const std::string& what, const std::string& output, const Config& config) {
-  std::vector<json> ranks;
-  std::istringstream lines(output);
-  std::string line;
-  while (std::getline(lines, line)) {
-    const auto at = line.find(kResultPrefix);
-    if (at != std::string::npos)
-      ranks.push_back(json::parse(line.substr(at + kResultPrefix.size())));
-  }
+  const std::vector<json> ranks = result_lines(output);
   TORCH_CHECK(ranks.size() == kWorldSize, "zero_bench: ", what, " reported ", ranks.size(), " of ",
               kWorldSize, " ranks; its output:\n", output);
   Side side;
@@ -291,12 +267,7 @@ int run(int argc, char** argv) {
     run_worker(config, bucket_view);
     return 0;
   }
-  TORCH_CHECK(!json_path.empty(), "zero_bench: --json PATH is required");
-  // Opened now, so a bad path fails before minutes of measuring rather than after.
-  const std::filesystem::path path(json_path);
-  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
-  std::ofstream file(json_path);
-  TORCH_CHECK(file.good(), "zero_bench: cannot open --json file '", json_path, "' for writing");
+  ResultsFile results_file(json_path, "zero_bench");
 
   std::vector<CaseResult> cases;
   for (const bool view : {false, true}) {
@@ -310,9 +281,7 @@ int run(int argc, char** argv) {
     cases.push_back(c);
   }
   print_table(config, cases);
-  file << to_json(config, cases).dump(2) << "\n";
-  file.close();
-  TORCH_CHECK(file.good(), "zero_bench: writing '", json_path, "' failed");
+  results_file.write(to_json(config, cases));
   fmt::print("results written to {}\n", json_path);
   return 0;
 }

@@ -1,0 +1,51 @@
+#pragma once
+
+// What every benchmark does around its measurements: small statistics, reading this process's
+// memory counters, collecting the "RESULT {json}" lines its worker processes print, and writing
+// its JSON results file.
+
+#include <fstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace distoptim {
+namespace bench {
+
+/// The marker before the JSON a benchmark's worker process prints as its result.
+constexpr std::string_view kResultPrefix = "RESULT ";
+
+/// The median of `values` (the mean of the middle two for an even count). Throws c10::Error
+/// for an empty list.
+double median(std::vector<double> values);
+
+/// A "kB" field of /proc/self/status (VmRSS, VmHWM, RssAnon, ...), or -1 if it is missing.
+long proc_status_kb(const std::string& field);
+
+/// The JSON after kResultPrefix on every line of `output` that has it, in order; the marker
+/// may follow a prefix (distrun's "[rank R] "). Throws nlohmann::json's parse_error on bad JSON.
+std::vector<nlohmann::json> result_lines(const std::string& output);
+
+/// The file a benchmark writes its results to (--json PATH). Opened, with its folder created,
+/// at construction, so a bad path fails before minutes of measuring rather than after.
+class ResultsFile {
+ public:
+  /// `program` names the benchmark in error messages. Throws c10::Error if the file cannot be
+  /// opened.
+  ResultsFile(const std::string& path, const std::string& program);
+  /// Writes `results` (indented) and closes the file; throws c10::Error if writing failed.
+  void write(const nlohmann::json& results);
+  /// Closes and removes the file, for a run whose results must not be used.
+  void discard();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::string program_;
+  std::ofstream file_;
+};
+
+}  // namespace bench
+}  // namespace distoptim
