@@ -29,6 +29,9 @@ constexpr int64_t kUvPriority = 100;
 constexpr int64_t kShmPriority = 200;
 // Pipes of refused peers left open for them to read the refusal (see Agent::refuse).
 constexpr size_t kKeptRefusedPipes = 16;
+// Accepted pipes whose peer has not proven itself yet, beyond one per worker of the job: past
+// that many, the oldest is closed (see Agent::accept_next).
+constexpr size_t kExtraUnprovenPipes = 64;
 
 template <class E>
 std::exception_ptr make_error(std::string message) {
@@ -189,12 +192,25 @@ void Agent::accept_next() {
     if (error) {
       return;  // The listener closed (shutdown) or failed; no more peers can connect.
     }
+    // Connections that never answer the challenge must not pile up: a job's workers open at
+    // most one pipe each to us and prove themselves within milliseconds, so beyond
+    // world_size + kExtraUnprovenPipes pipes waiting for a proof, the oldest is a peer that
+    // stalls, and it is closed.
+    std::shared_ptr<tp::Pipe> evicted;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (state_ == State::kStopped) {
         return;
       }
       incoming_.push_back(pipe);
+      unproven_.push_back(pipe);
+      if (unproven_.size() > static_cast<size_t>(world_size_) + kExtraUnprovenPipes) {
+        evicted = std::move(unproven_.front());
+        unproven_.pop_front();
+      }
+    }
+    if (evicted) {
+      evicted->close();  // Its pending read fails, and challenge() forgets it.
     }
     challenge(pipe);
     accept_next();
@@ -288,6 +304,10 @@ void Agent::challenge(const std::shared_ptr<tp::Pipe>& pipe) {
         accept.proof =
             handshake_proof(options_.shared_secret(), HandshakeRole::kAccepting,
                             question.server_nonce, answer.client_nonce, answer.client_id, rank_);
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          unproven_.erase(std::remove(unproven_.begin(), unproven_.end(), pipe), unproven_.end());
+        }
         write(pipe, encode_handshake(accept), [](const std::string&) {});
         read_next(pipe, answer.client_id, /*outgoing=*/false);
       });
@@ -308,6 +328,7 @@ void Agent::refuse(const std::shared_ptr<tp::Pipe>& pipe, const std::string& why
   {
     std::lock_guard<std::mutex> lock(mutex_);
     incoming_.erase(std::remove(incoming_.begin(), incoming_.end(), pipe), incoming_.end());
+    unproven_.erase(std::remove(unproven_.begin(), unproven_.end(), pipe), unproven_.end());
     refused_.push_back(pipe);
     if (refused_.size() > kKeptRefusedPipes) {
       oldest = std::move(refused_.front());
@@ -322,6 +343,7 @@ void Agent::refuse(const std::shared_ptr<tp::Pipe>& pipe, const std::string& why
 void Agent::forget_incoming(const std::shared_ptr<tp::Pipe>& pipe) {
   std::lock_guard<std::mutex> lock(mutex_);
   incoming_.erase(std::remove(incoming_.begin(), incoming_.end(), pipe), incoming_.end());
+  unproven_.erase(std::remove(unproven_.begin(), unproven_.end(), pipe), unproven_.end());
 }
 
 // Connecting side: step 2, then the check of step 3. Calls made meanwhile wait in `held`.
@@ -894,6 +916,7 @@ void Agent::stop() {
     deadlines_.clear();
     outgoing_.clear();
     incoming_.clear();
+    unproven_.clear();
     refused_.clear();
   }
   timer_wake_.notify_all();

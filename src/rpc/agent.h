@@ -50,6 +50,7 @@ namespace detail {
 /// peers open to it (`incoming_`). Requests travel on the caller's pipe, replies come back on it.
 /// Every pipe begins with the handshake (agent.cpp); until it has succeeded, messages for the
 /// peer wait in `Outgoing::held`, and nothing a connecting peer sends is read but its proof.
+/// Accepted pipes still waiting for a proof (`unproven_`) are bounded in number.
 class Agent : public std::enable_shared_from_this<Agent> {
  public:
   Agent(const std::string& name, int rank, int world_size, const RpcBackendOptions& options);
@@ -149,9 +150,10 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::multimap<std::chrono::steady_clock::time_point, uint64_t> deadlines_;  // by mutex_
   std::unordered_map<int, Outgoing> outgoing_;                                // by mutex_
   std::vector<std::shared_ptr<tensorpipe::Pipe>> incoming_;                   // by mutex_
-  std::deque<std::shared_ptr<tensorpipe::Pipe>> refused_;                     // by mutex_
-  std::map<int, std::string> lost_peers_;  // why each is lost; guarded by mutex_
-  int in_flight_requests_ = 0;             // guarded by mutex_
+  std::deque<std::shared_ptr<tensorpipe::Pipe>> unproven_;  // in handshake, oldest first; by mutex_
+  std::deque<std::shared_ptr<tensorpipe::Pipe>> refused_;   // by mutex_
+  std::map<int, std::string> lost_peers_;                   // why each is lost; guarded by mutex_
+  int in_flight_requests_ = 0;                              // guarded by mutex_
 
   std::unique_ptr<RRefContext> rrefs_;
   size_t owned_at_stop_ = 0;

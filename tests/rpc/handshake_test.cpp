@@ -83,15 +83,25 @@ TEST(RpcHandshake, WorkersWithAnotherSecretAreRefusedBothWays) {
 // A TensorPipe peer that speaks our wire format but knows no secret.
 class RawPeer {
  public:
-  explicit RawPeer(const std::string& url) {
-    context_ = std::make_shared<tensorpipe::Context>(tensorpipe::ContextOptions().name("rogue"));
-    context_->registerTransport(0, "uv", tensorpipe::transport::uv::create());
-    context_->registerChannel(0, "basic", tensorpipe::channel::basic::create());
+  /// A connection of its own context, or of `shared` (which the caller closes).
+  explicit RawPeer(const std::string& url, std::shared_ptr<tensorpipe::Context> shared = nullptr)
+      : owns_context_(shared == nullptr) {
+    context_ = owns_context_ ? make_context() : std::move(shared);
     pipe_ = context_->connect(url);
   }
   ~RawPeer() {
-    context_->close();
-    context_->join();
+    if (owns_context_) {
+      context_->close();
+      context_->join();
+    }
+  }
+
+  static std::shared_ptr<tensorpipe::Context> make_context() {
+    auto context =
+        std::make_shared<tensorpipe::Context>(tensorpipe::ContextOptions().name("rogue"));
+    context->registerTransport(0, "uv", tensorpipe::transport::uv::create());
+    context->registerChannel(0, "basic", tensorpipe::channel::basic::create());
+    return context;
   }
 
   void send(EncodedMessage message) {
@@ -134,11 +144,15 @@ class RawPeer {
         promise->set_value(message.handshake);
       });
     });
-    EXPECT_EQ(result.wait_for(20s), std::future_status::ready) << "the worker never answered";
+    if (result.wait_for(20s) != std::future_status::ready) {
+      ADD_FAILURE() << "the worker neither answered nor closed the connection within 20 s";
+      return std::nullopt;
+    }
     return result.get();
   }
 
  private:
+  bool owns_context_;
   std::shared_ptr<tensorpipe::Context> context_;
   std::shared_ptr<tensorpipe::Pipe> pipe_;
 };
@@ -195,6 +209,33 @@ TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
       }
       // Nothing the rogues sent ran on worker 0.
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 0);
+    }
+    shutdown();
+  });
+}
+
+// Connections that answer nothing cannot pile up: past world size + 64 of them waiting for a
+// proof, the oldest is closed, and workers still connect and call.
+TEST(RpcHandshake, StalledConnectionsAreBoundedInNumber) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    if (rank == 1) {
+      constexpr int kStalled = 2 + 64 + 1;
+      const std::string url = url_of_worker0();
+      auto context = RawPeer::make_context();
+      std::vector<std::unique_ptr<RawPeer>> stalled;
+      for (int i = 0; i < kStalled; ++i) {
+        stalled.push_back(std::make_unique<RawPeer>(url, context));
+        // Waiting for each challenge makes the worker accept them in this order.
+        auto challenge = stalled.back()->receive();
+        ASSERT_TRUE(challenge) << "connection " << i << " got no challenge";
+      }
+      // The first one was closed when the last arrived; the last is still waiting.
+      EXPECT_FALSE(stalled.front()->receive()) << "the oldest stalled connection is still open";
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+      stalled.clear();
+      context->close();
+      context->join();
     }
     shutdown();
   });
