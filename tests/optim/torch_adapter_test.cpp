@@ -75,6 +75,28 @@ void train(torch::nn::Sequential model, torch::optim::Optimizer& optimizer, cons
   }
 }
 
+// Trains `a` with `opt_a` and `b` (a copy of `a`) with `opt_b` on the same gradients: those of
+// `a`'s loss, copied to `b`. Training each on its own gradients would amplify the last-bit
+// differences of two correct optimizers (an FMA or not in a kernel) through the model, step
+// after step, past any tolerance that still tests the update; on shared gradients only the
+// optimizers' own differences remain.
+void train_side_by_side(torch::nn::Sequential a, torch::optim::Optimizer& opt_a,
+                        torch::nn::Sequential b, torch::optim::Optimizer& opt_b, const Data& d,
+                        int steps) {
+  for (int s = 0; s < steps; ++s) {
+    opt_a.zero_grad();
+    opt_b.zero_grad();
+    loss_of(a, d).backward();
+    auto pa = a->parameters();
+    auto pb = b->parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      if (pa[i].grad().defined()) pb[i].mutable_grad() = pa[i].grad().clone();
+    }
+    opt_a.step();
+    opt_b.step();
+  }
+}
+
 // Drives a functional optimizer by hand: gradients read from .grad and passed explicitly.
 void train_functional(torch::nn::Sequential model, dopt::FunctionalOptimizer& optimizer,
                       const Data& d, int steps) {
@@ -128,8 +150,7 @@ void expect_parity_with_libtorch(const MakeOptimizer& ours, const MakeOptimizer&
   torch::nn::Sequential b = copy_of(a);
   auto opt_a = ours(a->parameters());
   auto opt_b = theirs(b->parameters());
-  train(a, *opt_a, d, kSteps);
-  train(b, *opt_b, d, kSteps);
+  train_side_by_side(a, *opt_a, b, *opt_b, d, kSteps);
   // Training moved the weights: the comparison is not trivially between initial values.
   EXPECT_FALSE(torch::allclose(a->parameters()[0], make_model()->parameters()[0])) << what;
   expect_all_close(a->parameters(), b->parameters(), what);
@@ -428,13 +449,11 @@ TEST(TorchAdapter, LearningRateChangeThroughParamGroupsTakesEffect) {
   torch::nn::Sequential b = copy_of(a);
   dopt::TorchAdam ours(a->parameters(), dopt::AdamOptions(1e-2));
   torch::optim::Adam theirs(b->parameters(), torch::optim::AdamOptions(1e-2));
-  train(a, ours, d, 5);
-  train(b, theirs, d, 5);
+  train_side_by_side(a, ours, b, theirs, d, 5);
   ours.param_groups()[0].options().set_lr(3e-2);
   theirs.param_groups()[0].options().set_lr(3e-2);
   EXPECT_DOUBLE_EQ(ours.param_groups()[0].options().get_lr(), 3e-2);
-  train(a, ours, d, 5);
-  train(b, theirs, d, 5);
+  train_side_by_side(a, ours, b, theirs, d, 5);
   EXPECT_DOUBLE_EQ(ours.functional().options(0).lr(), 3e-2);
   EXPECT_DOUBLE_EQ(ours.functional().group_options(0).get_double("lr"), 3e-2);
   expect_all_close(a->parameters(), b->parameters(), "Adam after set_lr");
@@ -483,8 +502,7 @@ TEST(TorchAdapter, StepLRSchedulerDrivesAdapter) {
   torch::optim::StepLR sched_ours(ours, /*step_size=*/3, /*gamma=*/0.5);
   torch::optim::StepLR sched_theirs(theirs, /*step_size=*/3, /*gamma=*/0.5);
   for (int s = 0; s < 12; ++s) {
-    train(a, ours, d, 1);
-    train(b, theirs, d, 1);
+    train_side_by_side(a, ours, b, theirs, d, 1);
     sched_ours.step();
     sched_theirs.step();
   }
@@ -507,8 +525,7 @@ TEST(TorchAdapter, ParametersWithoutGradAreSkipped) {
   params.insert(params.begin() + 1, unused);
   dopt::TorchAdam ours(params, dopt::AdamOptions(1e-2));
   torch::optim::Adam theirs(b->parameters(), torch::optim::AdamOptions(1e-2));
-  train(a, ours, d, 10);
-  train(b, theirs, d, 10);
+  train_side_by_side(a, ours, b, theirs, d, 10);
   EXPECT_FALSE(unused.grad().defined());
   EXPECT_TRUE(torch::equal(unused.detach(), unused_before));
   EXPECT_TRUE(ours.functional().state(1).empty());
@@ -536,8 +553,7 @@ TEST(TorchAdapter, AddParamGroupLibTorchStyle) {
   EXPECT_DOUBLE_EQ(ours.param_groups()[1].options().get_lr(), 3e-2);
   EXPECT_TRUE(ours.functional().options(1).amsgrad());
   EXPECT_FALSE(ours.functional().options(0).amsgrad());
-  train(a, ours, d, kSteps);
-  train(b, theirs, d, kSteps);
+  train_side_by_side(a, ours, b, theirs, d, kSteps);
   expect_all_close(a->parameters(), b->parameters(), "Adam with two groups");
 }
 
@@ -584,8 +600,7 @@ TEST(TorchAdapter, AddParamGroupThroughBaseClassIsForwardedAtStep) {
       {pb[2], pb[3]},
       std::make_unique<torch::optim::SGDOptions>(torch::optim::SGDOptions(0.02).momentum(0.5))));
   EXPECT_EQ(ours.functional().num_param_groups(), 1u);
-  train(a, ours, d, kSteps);
-  train(b, theirs, d, kSteps);
+  train_side_by_side(a, ours, b, theirs, d, kSteps);
   ASSERT_EQ(ours.functional().num_param_groups(), 2u);
   EXPECT_DOUBLE_EQ(ours.functional().options(1).lr(), 0.02);
   EXPECT_DOUBLE_EQ(ours.functional().options(1).momentum(), 0.5);
@@ -611,8 +626,7 @@ TEST(TorchAdapter, ConstructFromLibTorchStyleGroups) {
   // A group's options are complete, as in LibTorch: group 1 has momentum 0, not the default's.
   EXPECT_DOUBLE_EQ(ours.functional().options(1).momentum(), 0.0);
   EXPECT_DOUBLE_EQ(ours.functional().options(0).momentum(), 0.3);
-  train(a, ours, d, kSteps);
-  train(b, theirs, d, kSteps);
+  train_side_by_side(a, ours, b, theirs, d, kSteps);
   expect_all_close(a->parameters(), b->parameters(), "RMSprop with LibTorch-style groups");
 }
 
