@@ -27,6 +27,8 @@ PACKAGES=(
   libtensorpipe-dev libgloo-dev
   # The rpc layer's wire schema: protobuf, the same libprotobuf LibTorch already links.
   libprotobuf-dev protobuf-compiler
+  # The rpc layer's transport: standalone Asio (header-only) for TCP connections.
+  libasio-dev
   # HMAC-SHA256 and random nonces for the rpc layer's connection handshake (libcrypto).
   libssl-dev
   # libFuzzer for the rpc message decoder's fuzz test (clang's runtime; the build stays on g++).

@@ -1,6 +1,6 @@
 #pragma once
 
-// Layer 4 of distoptim: the RPC framework on TensorPipe (torch.distributed.rpc).
+// Layer 4 of distoptim: the RPC framework (torch.distributed.rpc).
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/errors.h>
 #include <distoptim/rpc/registry.h>

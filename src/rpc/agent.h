@@ -20,37 +20,41 @@
 #include <distoptim/comm/rendezvous.h>
 #include <distoptim/rpc/api.h>
 
-#include "executor.h"
-#include "message.h"
-#include "rref_context.h"
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
 
-namespace tensorpipe {
-class Context;
-class Listener;
-class Pipe;
-class Error;
-}  // namespace tensorpipe
+#include "executor.h"
+#include "handshake.h"
+#include "message.h"
+#include "pending_calls.h"
+#include "rref_context.h"
+#include "transport/connection.h"
 
 namespace distoptim {
 namespace rpc {
 namespace detail {
 
-/// The TensorPipe agent behind the rpc API.
+class Connection;
+class Listener;
+
+/// The agent behind the rpc API, on the library's own TCP transport (transport/connection.h).
 ///
-/// Threads: TensorPipe's event loops (I/O only: they decode headers, allocate buffers and post
-/// work), `request_pool_` (runs incoming requests, any number of which may block on nested
-/// calls), `completion_` (one thread: decodes responses and completes futures), `timer_` (fails
-/// calls past their deadline), `ordered_` (one thread: RRef control messages, in the order they
-/// arrive on their pipe; never blocks). One mutex, `mutex_`, guards the fields marked below; no
-/// future is completed and no user code runs while it is held, and it is never taken before
-/// the RRef context's. Every pending call completes exactly once:
-/// whoever erases it from `pending_` (response, timeout, lost peer, shutdown) completes it.
+/// Threads (docs/threading.md): one I/O thread (Asio: reads and writes frames, runs handshakes;
+/// never blocks), `request_pool_` (runs incoming requests, any number of which may block on
+/// nested calls), `completion_` (one thread: decodes responses and completes futures), the
+/// pending calls' timer, `ordered_` (one thread: RRef control messages in the order they
+/// arrive on their connection, and the RRef bookkeeping of a lost peer after them; never
+/// blocks). One mutex, `mutex_`, guards the fields marked below; no future is completed and no
+/// user code runs while it is held, and it is never taken before the RRef context's.
 ///
-/// Pipes: each worker opens one pipe to each peer it calls (`outgoing_`) and accepts the pipes
-/// peers open to it (`incoming_`). Requests travel on the caller's pipe, replies come back on it.
-/// Every pipe begins with the handshake (agent.cpp); until it has succeeded, messages for the
-/// peer wait in `Outgoing::held`, and nothing a connecting peer sends is read but its proof.
-/// Accepted pipes still waiting for a proof (`unproven_`) are bounded in number.
+/// Connections: each worker opens one connection to each peer it calls (`outgoing_`) and
+/// accepts the connections peers open to it (`incoming_`). Requests travel on the caller's
+/// connection, replies come back on it. Every connection begins with the handshake
+/// (handshake.h); until it has succeeded, calls for the peer wait in `Outgoing::held`, and
+/// nothing a connecting peer sends is read but one small handshake frame. Accepted
+/// connections still in their handshake (`unproven_`) are bounded in number and in time.
+/// Requests received and not yet finished are bounded in bytes (options().inbound_queue_bytes):
+/// past it, reading from callers pauses until they drain.
 class Agent : public std::enable_shared_from_this<Agent> {
  public:
   Agent(const std::string& name, int rank, int world_size, const RpcBackendOptions& options);
@@ -79,53 +83,46 @@ class Agent : public std::enable_shared_from_this<Agent> {
   void shutdown(bool graceful);
 
  private:
-  struct PendingCall {
-    c10::intrusive_ptr<c10::ivalue::Future> future;
-    int to = -1;
-    std::string function;
-    std::chrono::steady_clock::time_point deadline;
-    bool has_deadline = false;
-  };
   enum class State { kRunning, kStopping, kStopped };
   struct Outgoing {
-    std::shared_ptr<tensorpipe::Pipe> pipe;
-    bool ready = false;                // the handshake succeeded and `held` is written
-    std::vector<EncodedMessage> held;  // messages sent before then, in order
+    std::shared_ptr<Connection> connection;  // null while connecting
+    bool ready = false;                      // the handshake succeeded and `held` is written
+    std::vector<EncodedMessage> held;        // messages sent before then, in order
+    int attempts = 0;                        // connections tried so far
+    std::string farewell;                    // why the peer said it closes, if it did
   };
-  /// Called with the handshake message, or with what went wrong: `pipe_failed` when the pipe
-  /// itself failed (the peer went away), else the peer sent something that is not a handshake.
-  using HandshakeCallback =
-      std::function<void(Status failure, bool pipe_failed, HandshakeMessage message)>;
 
+  HandshakeConfig handshake_config() const;
   void start_listening();
   void exchange_addresses(const std::string& name);
-  void accept_next();
-  void read_handshake(const std::shared_ptr<tensorpipe::Pipe>& pipe, HandshakeCallback done);
-  void challenge(const std::shared_ptr<tensorpipe::Pipe>& pipe);
-  void refuse(const std::shared_ptr<tensorpipe::Pipe>& pipe, const std::string& why);
-  void answer_challenge(const std::shared_ptr<tensorpipe::Pipe>& pipe, int peer);
-  void release_held(int peer, const std::shared_ptr<tensorpipe::Pipe>& pipe);
-  void forget_incoming(const std::shared_ptr<tensorpipe::Pipe>& pipe);
-  /// Reads messages from a pipe whose handshake succeeded, one after another. `peer`: the
-  /// worker on its other end; `outgoing`: whether we opened it (it carries our calls).
-  void read_next(const std::shared_ptr<tensorpipe::Pipe>& pipe, int peer, bool outgoing);
-  void on_message(const std::shared_ptr<tensorpipe::Pipe>& pipe, int peer, bool outgoing,
-                  MessageHeader header, std::shared_ptr<std::string> body,
-                  std::vector<at::Tensor> buffers);
-  void handle_request(const std::shared_ptr<tensorpipe::Pipe>& pipe, int caller,
+  void on_accepted(const std::shared_ptr<Connection>& connection);
+  void on_caller_proven(const std::shared_ptr<Connection>& connection, int caller);
+  void forget_incoming(const std::shared_ptr<Connection>& connection);
+  /// Opens (or re-opens, after a connection lost during its handshake) the connection to `peer`.
+  void connect_to(int peer);
+  void on_connected(int peer, const std::shared_ptr<Connection>& connection);
+  void on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connection,
+                        const std::string& why, bool retry);
+  bool on_request_frame(const std::shared_ptr<Connection>& connection, int caller, Frame frame);
+  bool on_reply_frame(const std::shared_ptr<Connection>& connection, int peer, Frame frame);
+  void protocol_error(const std::shared_ptr<Connection>& connection, const std::string& why);
+  /// The message that tells a peer why we close its connection (logged here too).
+  EncodedMessage farewell(Connection* connection, const std::string& why);
+  /// Logs the reason a peer gave for closing a connection, and returns it.
+  std::string log_farewell(const Frame& frame);
+  void request_done(size_t bytes);
+  void discard_rrefs(const std::vector<c10::IValue>& values);
+  void handle_request(const std::shared_ptr<Connection>& connection, int caller,
                       const MessageHeader& header, const std::string& body,
                       std::vector<at::Tensor> buffers);
-  void reply(const std::shared_ptr<tensorpipe::Pipe>& pipe, uint64_t id, int caller,
+  void reply(const std::shared_ptr<Connection>& connection, uint64_t id, int caller,
              const c10::ivalue::Future& result);
   void handle_reply(int peer, const MessageHeader& header, const std::string& body,
                     std::vector<at::Tensor> buffers);
   void on_pipe_failed(int peer, const std::string& why);
-  void write(const std::shared_ptr<tensorpipe::Pipe>& pipe, EncodedMessage message,
-             std::function<void(const std::string& error)> on_written);
-  Outgoing& pipe_to(int peer);  // requires mutex_
+  void on_calls_expired(std::vector<PendingCall> expired);
   void fail_calls(std::vector<PendingCall> calls,
                   std::function<std::exception_ptr(const PendingCall&)> make_error);
-  void run_timer();
   void barrier(const std::string& round, bool wait = true);
   void stop();
 
@@ -136,32 +133,31 @@ class Agent : public std::enable_shared_from_this<Agent> {
   comm::Rendezvous rendezvous_;
   std::vector<WorkerInfo> workers_;
   std::unordered_map<std::string, int> ids_by_name_;
-  std::vector<std::string> urls_;  // each worker's uv:// URL, by id
+  std::vector<std::pair<std::string, int>> addresses_;  // each worker's (IP, port), by id
 
-  std::shared_ptr<tensorpipe::Context> context_;
-  std::shared_ptr<tensorpipe::Listener> listener_;
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> io_work_;
+  std::thread io_thread_;
+  std::shared_ptr<Listener> listener_;
 
   std::mutex mutex_;
-  std::condition_variable idle_;  // signalled when pending_ or in_flight_requests_ drop
-  std::condition_variable timer_wake_;
-  State state_ = State::kRunning;                                             // guarded by mutex_
-  uint64_t next_id_ = 1;                                                      // guarded by mutex_
-  std::unordered_map<uint64_t, PendingCall> pending_;                         // guarded by mutex_
-  std::multimap<std::chrono::steady_clock::time_point, uint64_t> deadlines_;  // by mutex_
-  std::unordered_map<int, Outgoing> outgoing_;                                // by mutex_
-  std::vector<std::shared_ptr<tensorpipe::Pipe>> incoming_;                   // by mutex_
-  std::deque<std::shared_ptr<tensorpipe::Pipe>> unproven_;  // in handshake, oldest first; by mutex_
-  std::deque<std::shared_ptr<tensorpipe::Pipe>> refused_;   // by mutex_
-  std::map<int, std::string> lost_peers_;                   // why each is lost; guarded by mutex_
-  int in_flight_requests_ = 0;                              // guarded by mutex_
+  std::condition_variable idle_;  // signalled when in_flight_requests_ drops
+  State state_ = State::kRunning;                                   // guarded by mutex_
+  std::unordered_map<int, Outgoing> outgoing_;                      // guarded by mutex_
+  std::vector<std::shared_ptr<Connection>> incoming_;               // guarded by mutex_
+  std::deque<std::shared_ptr<Connection>> unproven_;  // in handshake, oldest first; by mutex_
+  std::map<int, std::string> lost_peers_;             // why each is lost; guarded by mutex_
+  int in_flight_requests_ = 0;                        // guarded by mutex_
+  size_t inbound_bytes_ = 0;  // of requests received and not finished; guarded by mutex_
+  std::vector<std::shared_ptr<Connection>> paused_;  // reading paused for it; by mutex_
 
+  std::unique_ptr<PendingCalls> pending_;
   std::unique_ptr<RRefContext> rrefs_;
   size_t owned_at_stop_ = 0;
 
   std::unique_ptr<Executor> request_pool_;
   std::unique_ptr<Executor> ordered_;
   std::unique_ptr<Executor> completion_;
-  std::thread timer_;
 };
 
 }  // namespace detail

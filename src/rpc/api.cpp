@@ -49,8 +49,10 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
                     options.num_worker_threads());
   TORCH_CHECK_VALUE(options.rpc_timeout().count() >= 0, "init_rpc: rpc_timeout of ",
                     options.rpc_timeout().count(), " ms (use 0 for none)");
-  TORCH_CHECK_VALUE(options.init_timeout().count() > 0 && options.shutdown_timeout().count() > 0,
-                    "init_rpc: init_timeout and shutdown_timeout must be positive");
+  TORCH_CHECK_VALUE(options.init_timeout().count() > 0 && options.shutdown_timeout().count() > 0 &&
+                        options.handshake_timeout().count() > 0,
+                    "init_rpc: init_timeout, shutdown_timeout and handshake_timeout must be "
+                    "positive");
   TORCH_CHECK_VALUE(options.shared_secret().size() <= 4096, "init_rpc: shared_secret of ",
                     options.shared_secret().size(), " bytes (at most 4096) (worker '", name, "')");
   // Holding the lock through the rendezvous keeps a second init_rpc from racing this one.

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "message.h"
+#include "transport/connection.h"
 
 namespace distoptim {
 namespace rpc {
@@ -18,6 +19,52 @@ void append_u32(std::string* out, uint32_t value) {
   for (int byte = 0; byte < 4; ++byte) {
     out->push_back(static_cast<char>((value >> (8 * byte)) & 0xff));
   }
+}
+
+// `done` of a handshake, run at most once whichever of frame, close or deadline comes first.
+std::function<void(HandshakeOutcome)> once(std::function<void(HandshakeOutcome)> done) {
+  auto called = std::make_shared<bool>(false);
+  return [called, done = std::move(done)](HandshakeOutcome outcome) {
+    if (!*called) {
+      *called = true;
+      done(std::move(outcome));
+    }
+  };
+}
+
+// Decodes a handshake frame, or says what is wrong with it.
+Status decode_handshake_frame(const Frame& frame, HandshakeMessage* message) {
+  DecodedMessage decoded;
+  Status status = decode_body(frame.header, *frame.body, frame.buffers, handshake_limits(),
+                              &decoded);
+  if (!status) {
+    *message = std::move(decoded.handshake);
+  }
+  return status;
+}
+
+HandshakeOutcome failed(std::string why, bool refused = false) {
+  HandshakeOutcome outcome;
+  outcome.why = std::move(why);
+  outcome.refused = refused;
+  return outcome;
+}
+
+// The refusal a connecting peer reads, logged here too. The peer is named by its address:
+// nothing it said can be trusted.
+EncodedMessage refusal(Connection* connection, const HandshakeConfig& config,
+                       const std::string& why) {
+  TORCH_WARN("rpc: worker '", config.self_name, "' refused a connection from ",
+             connection->peer_address(), ": ", why);
+  HandshakeMessage message;
+  message.step = HandshakeMessage::Step::kRefuse;
+  message.refusal = "worker '" + config.self_name + "' refused the connection: " + why;
+  return encode_handshake(message);
+}
+
+std::string deadline_text(const HandshakeConfig& config) {
+  return "it did not complete the handshake within " + std::to_string(config.timeout.count()) +
+         " ms";
 }
 
 }  // namespace
@@ -58,6 +105,119 @@ std::string handshake_proof(const std::string& secret, HandshakeRole role,
 
 bool proofs_equal(const std::string& a, const std::string& b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
+
+void accept_handshake(const std::shared_ptr<Connection>& connection, const HandshakeConfig& config,
+                      std::function<void(HandshakeOutcome)> done) {
+  using Step = HandshakeMessage::Step;
+  done = once(std::move(done));
+  HandshakeMessage question;
+  question.step = Step::kChallenge;
+  question.server_nonce = random_nonce();
+  question.server_id = config.self_id;
+  connection->arm_deadline(config.timeout, deadline_text(config));
+  connection->send(encode_handshake(question));
+  Connection* raw = connection.get();  // The handlers run only while the connection lives.
+  // A peer that breaks the framing (a request before the proof, an absurd length) hears why.
+  connection->set_farewell(
+      [raw, config](const std::string& why) { return refusal(raw, config, why); });
+  auto on_frame = [raw, config, question, done](Frame frame) {
+    HandshakeMessage answer;
+    std::string why;
+    if (Status failure = decode_handshake_frame(frame, &answer)) {
+      why = "it sent " + *failure;
+    } else if (answer.step != Step::kProof || answer.server_nonce != question.server_nonce ||
+               answer.server_id != config.self_id) {
+      why = "its answer is not a proof for this worker's challenge";
+    } else if (answer.client_id < 0 || answer.client_id >= config.world_size) {
+      why = "it claims worker id " + std::to_string(answer.client_id) + ", outside [0, " +
+            std::to_string(config.world_size) + ")";
+    } else if (!proofs_equal(answer.proof,
+                             handshake_proof(config.secret, HandshakeRole::kConnecting,
+                                             question.server_nonce, answer.client_nonce,
+                                             answer.client_id, config.self_id))) {
+      why = "it did not prove that it knows the shared secret";
+    }
+    if (!why.empty()) {
+      raw->close_after(refusal(raw, config, why), "refused: " + why, std::chrono::seconds(1));
+      done(failed(why, /*refused=*/true));
+      return false;
+    }
+    HandshakeMessage accept;
+    accept.step = Step::kAccept;
+    accept.proof = handshake_proof(config.secret, HandshakeRole::kAccepting,
+                                   question.server_nonce, answer.client_nonce, answer.client_id,
+                                   config.self_id);
+    raw->disarm_deadline();
+    raw->send(encode_handshake(accept));
+    HandshakeOutcome outcome;
+    outcome.accepted = true;
+    outcome.peer = answer.client_id;
+    done(std::move(outcome));
+    return false;
+  };
+  connection->read_frames(handshake_limits(), std::move(on_frame),
+                          [done](const std::string& why) { done(failed(why)); });
+}
+
+void connect_handshake(const std::shared_ptr<Connection>& connection, const HandshakeConfig& config,
+                       int peer, std::function<void(HandshakeOutcome)> done) {
+  using Step = HandshakeMessage::Step;
+  done = once(std::move(done));
+  connection->arm_deadline(config.timeout, deadline_text(config));
+  Connection* raw = connection.get();
+  auto answer = std::make_shared<HandshakeMessage>();  // our proof, once the challenge is in
+  auto on_frame = [raw, config, peer, answer, done](Frame frame) {
+    HandshakeMessage message;
+    Status failure = decode_handshake_frame(frame, &message);
+    if (answer->step != Step::kProof) {
+      if (!failure && (message.step != Step::kChallenge || message.server_id != peer)) {
+        failure = "a handshake that is not a challenge from worker id " + std::to_string(peer);
+      }
+      if (failure) {
+        raw->close("it broke the handshake: it sent " + *failure);
+        return false;
+      }
+      answer->step = Step::kProof;
+      answer->server_nonce = message.server_nonce;
+      answer->client_nonce = random_nonce();
+      answer->client_id = config.self_id;
+      answer->server_id = peer;
+      answer->proof = handshake_proof(config.secret, HandshakeRole::kConnecting,
+                                      answer->server_nonce, answer->client_nonce, config.self_id,
+                                      peer);
+      raw->send(encode_handshake(*answer));
+      return true;
+    }
+    std::string why;
+    bool refused = true;
+    if (failure) {
+      why = "it broke the handshake: it sent " + *failure;
+    } else if (message.step == Step::kRefuse) {
+      why = message.refusal.empty() ? "it refused the connection" : message.refusal;
+    } else if (message.step != Step::kAccept ||
+               !proofs_equal(message.proof,
+                             handshake_proof(config.secret, HandshakeRole::kAccepting,
+                                             answer->server_nonce, answer->client_nonce,
+                                             config.self_id, peer))) {
+      why = "it did not prove that it knows the shared secret";
+    } else {
+      refused = false;
+    }
+    if (refused) {
+      done(failed(why, /*refused=*/true));
+      raw->close(why);
+      return false;
+    }
+    raw->disarm_deadline();
+    HandshakeOutcome outcome;
+    outcome.accepted = true;
+    outcome.peer = peer;
+    done(std::move(outcome));
+    return false;
+  };
+  connection->read_frames(handshake_limits(), std::move(on_frame),
+                          [done](const std::string& why) { done(failed(why)); });
 }
 
 }  // namespace detail

@@ -1,10 +1,28 @@
 #pragma once
 
-// The cryptography of the connection handshake (agent.cpp describes the protocol): fresh nonces,
-// HMAC-SHA256 proofs keyed by the workers' shared secret, and their constant-time comparison.
-// OpenSSL's libcrypto does the work.
+// The connection handshake: every connection starts with three messages (wire.proto's Handshake)
+// before any call travels on it.
+//   1. the accepting worker sends a challenge: a fresh random nonce and its id;
+//   2. the connecting worker answers with its own fresh nonce, its id, and a proof:
+//      HMAC-SHA256(secret, "connecting", both nonces, both ids);
+//   3. the accepting worker checks the proof and either refuses (and closes the connection) or
+//      accepts with its own proof, HMAC-SHA256(secret, "accepting", the same fields), which the
+//      connecting worker checks in turn before it sends any call.
+// So both ends prove they know the secret without sending it, a recorded proof is worthless on
+// another connection (fresh nonces on both sides), and each connection is bound to the
+// authenticated id of the worker at its other end: requests claiming another caller id are
+// refused. Until the proof is checked, the accepting worker admits one small handshake frame
+// (message.h's handshake_limits) and nothing else, within a deadline.
+//
+// States, accepting side: kChallenged -> (proof ok) kAccepted | (else) kRefused.
+// Connecting side: kAwaitingChallenge -> (challenge) kProved -> (accept ok) kAccepted |
+// (refusal, bad proof) kRefused. A connection lost or past its deadline in any state fails.
+// OpenSSL's libcrypto does the cryptography.
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 
 namespace distoptim {
@@ -27,6 +45,33 @@ std::string handshake_proof(const std::string& secret, HandshakeRole role,
 
 /// Equality of two proofs in time independent of where they differ.
 bool proofs_equal(const std::string& a, const std::string& b);
+
+class Connection;
+
+/// What both sides of a handshake need to know.
+struct HandshakeConfig {
+  std::string secret;
+  int self_id = -1;
+  std::string self_name;
+  int world_size = 0;
+  std::chrono::milliseconds timeout{10000};  // the whole handshake, from its first byte
+};
+
+struct HandshakeOutcome {
+  bool accepted = false;
+  int peer = -1;          // the authenticated worker id, once accepted
+  std::string why;        // why not
+  bool refused = false;   // a side refused (a wrong secret, a bad proof): do not retry
+};
+
+/// Runs the accepting side on a connection just accepted (on the I/O thread). `done` runs once.
+/// On refusal the connection is closed after the refusal is written; on acceptance reading is
+/// paused, for the caller to resume with its own handlers.
+void accept_handshake(const std::shared_ptr<Connection>& connection, const HandshakeConfig& config,
+                      std::function<void(HandshakeOutcome)> done);
+/// Runs the connecting side towards worker `peer` (on the I/O thread). `done` runs once.
+void connect_handshake(const std::shared_ptr<Connection>& connection, const HandshakeConfig& config,
+                       int peer, std::function<void(HandshakeOutcome)> done);
 
 }  // namespace detail
 }  // namespace rpc

@@ -449,6 +449,52 @@ Status check_announced_sizes(const MessageHeader& header,
   return std::nullopt;
 }
 
+WireLimits handshake_limits() {
+  WireLimits limits;
+  limits.max_body_bytes = 4096;
+  limits.max_tensors = 0;
+  limits.max_message_bytes = 4096;
+  limits.handshake_only = true;
+  return limits;
+}
+
+Status check_header(const MessageHeader& header, const WireLimits& limits) {
+  if (limits.handshake_only && header.type != MessageType::kHandshake) {
+    return std::string("a message other than the handshake before the handshake ended");
+  }
+  if (header.body_length > limits.max_body_bytes) {
+    return c10::str("a body of ", header.body_length, " bytes (at most ", limits.max_body_bytes,
+                    ")");
+  }
+  if (header.tensor_count > limits.max_tensors) {
+    return c10::str(header.tensor_count, " tensors (at most ", limits.max_tensors, ")");
+  }
+  return std::nullopt;
+}
+
+std::string encode_tensor_lengths(const std::vector<at::Tensor>& tensors) {
+  std::string out;
+  out.reserve(tensors.size() * 8);
+  for (const at::Tensor& tensor : tensors) {
+    put_le(&out, tensor.nbytes(), 8);
+  }
+  return out;
+}
+
+Status decode_tensor_lengths(const MessageHeader& header, std::string_view bytes,
+                             const WireLimits& limits, std::vector<size_t>* lengths) {
+  if (bytes.size() != size_t{header.tensor_count} * 8) {
+    return c10::str(bytes.size(), " bytes of tensor lengths for ", header.tensor_count,
+                    " tensors");
+  }
+  lengths->clear();
+  lengths->reserve(header.tensor_count);
+  for (size_t i = 0; i < header.tensor_count; ++i) {
+    lengths->push_back(get_le(bytes, i * 8, 8));
+  }
+  return check_announced_sizes(header, {header.body_length}, *lengths, limits);
+}
+
 EncodedMessage encode_request(uint64_t id, const std::string& callable,
                               const std::vector<c10::IValue>& args, int64_t timeout_ms,
                               int32_t caller_id, uint16_t flags) {

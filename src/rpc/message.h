@@ -1,12 +1,12 @@
 #pragma once
 
-// The RPC wire format: one TensorPipe message per request, response or
-// error. Its TensorPipe metadata is a fixed 24-byte header, payload 0 is a protobuf `Body`
-// (wire.proto) with every non-tensor value, and each tensor is its own TensorPipe tensor
-// payload, sent from and received into tensor storage without a copy.
+// The RPC wire format (docs/wire_format.md describes it whole): one frame per request, response
+// or error on a TCP connection: a fixed 24-byte header, one 8-byte length per tensor, a protobuf
+// `Body` (wire.proto) with every non-tensor value, then each tensor's bytes, sent from and
+// received into tensor storage without a copy.
 //
-// Every pipe begins with a three-message handshake (kHandshake) before any request travels on it;
-// agent.cpp describes it.
+// Every connection begins with a three-message handshake (kHandshake) before any request travels
+// on it; handshake.h describes it.
 //
 // Everything here is pure (no I/O, no globals) so that the decoder can be fuzzed on its own.
 // Decoding treats its input as hostile: every length is checked before anything is allocated,
@@ -28,7 +28,7 @@ namespace detail {
 
 enum class MessageType : uint8_t { kRequest = 1, kResponse = 2, kError = 3, kHandshake = 4 };
 
-/// The fixed header, carried in TensorPipe's message metadata.
+/// The fixed header that starts every frame.
 struct MessageHeader {
   static constexpr uint32_t kMagic = 0x3152444f;  // "ODR1" little-endian.
   static constexpr uint8_t kVersion = 1;
@@ -54,7 +54,13 @@ struct WireLimits {
   size_t max_nesting_depth = 64;
   size_t max_values = size_t{1} << 22;  // values of all kinds in one body
   size_t max_tensor_dims = 64;
+  /// Only handshake messages are admitted (a connection whose peer has not proven itself yet).
+  bool handshake_only = false;
 };
+
+/// What a connection admits before its peer has proven the shared secret: one small handshake
+/// body, nothing else. Every byte a peer can make a worker allocate before then is bounded by it.
+WireLimits handshake_limits();
 
 /// An error text, or nothing on success.
 using Status = std::optional<std::string>;
@@ -62,13 +68,22 @@ using Status = std::optional<std::string>;
 std::string encode_header(const MessageHeader& header);
 Status decode_header(std::string_view bytes, MessageHeader* header);
 
-/// Checks what a peer announces (TensorPipe's descriptor) before anything is allocated for it.
+/// Checks what a peer announces (the body and tensor lengths) before anything is allocated for it.
 Status check_announced_sizes(const MessageHeader& header,
                              const std::vector<size_t>& payload_lengths,
                              const std::vector<size_t>& tensor_lengths, const WireLimits& limits);
 
+/// Checks a received header against `limits` before anything it announces is read.
+Status check_header(const MessageHeader& header, const WireLimits& limits);
+
+/// The bytes that follow the header on a connection: one little-endian u64 length per tensor.
+std::string encode_tensor_lengths(const std::vector<at::Tensor>& tensors);
+/// Decodes and checks them (`bytes` holds exactly header.tensor_count * 8 bytes).
+Status decode_tensor_lengths(const MessageHeader& header, std::string_view bytes,
+                             const WireLimits& limits, std::vector<size_t>* lengths);
+
 /// A message ready to send. `tensors` are dense (contiguous) CPU tensors whose bytes are sent as
-/// they lie in memory; the message keeps them alive until TensorPipe has written them.
+/// they lie in memory; the message keeps them alive until they are written.
 struct EncodedMessage {
   std::string header;
   std::string body;
@@ -119,7 +134,7 @@ struct DecodedMessage {
   HandshakeMessage handshake;
 };
 
-/// Decodes a body and its tensors. `tensor_buffers` are the byte buffers (kByte, 1-D) TensorPipe
+/// Decodes a body and its tensors. `tensor_buffers` are the byte buffers (kByte, 1-D) the transport
 /// filled, of the lengths check_announced_sizes accepted; on success they become typed views of
 /// the same memory.
 Status decode_body(const MessageHeader& header, std::string_view body,

@@ -1,15 +1,22 @@
 // The connection handshake across real processes on loopback: workers configured with different
-// shared secrets refuse each other in both directions, and connections that do not prove they
-// know the secret (a raw TensorPipe peer sending a request at once, or answering the challenge
-// with a forged proof) are refused without any callable running for them.
+// shared secrets refuse each other in both directions; connections that do not prove they know
+// the secret (a raw TCP peer sending a request at once, or answering the challenge with a forged
+// proof) are refused without any callable running for them; and what an attacker sends before
+// the handshake (garbage, absurd lengths, stalls, connect-and-close) neither crashes the worker,
+// nor grows its memory, nor stops its listener.
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdlib>
-#include <future>
+#include <fstream>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <tensorpipe/tensorpipe.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -80,85 +87,94 @@ TEST(RpcHandshake, WorkersWithAnotherSecretAreRefusedBothWays) {
   });
 }
 
-// A TensorPipe peer that speaks our wire format but knows no secret.
+// A TCP peer that speaks the wire format (or not) but knows no secret.
 class RawPeer {
  public:
-  /// A connection of its own context, or of `shared` (which the caller closes).
-  explicit RawPeer(const std::string& url, std::shared_ptr<tensorpipe::Context> shared = nullptr)
-      : owns_context_(shared == nullptr) {
-    context_ = owns_context_ ? make_context() : std::move(shared);
-    pipe_ = context_->connect(url);
+  RawPeer(const std::string& address, int port) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in target{};
+    target.sin_family = AF_INET;
+    target.sin_port = htons(static_cast<uint16_t>(port));
+    ::inet_pton(AF_INET, address.c_str(), &target.sin_addr);
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&target), sizeof(target)) == 0;
   }
-  ~RawPeer() {
-    if (owns_context_) {
-      context_->close();
-      context_->join();
+  ~RawPeer() { ::close(fd_); }
+  bool connected() const { return connected_; }
+
+  /// Writes `bytes`; false once the worker has closed the connection.
+  bool send_bytes(const std::string& bytes) {
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::send(fd_, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
+      if (n <= 0) return false;
+      done += static_cast<size_t>(n);
     }
+    return true;
   }
-
-  static std::shared_ptr<tensorpipe::Context> make_context() {
-    auto context =
-        std::make_shared<tensorpipe::Context>(tensorpipe::ContextOptions().name("rogue"));
-    context->registerTransport(0, "uv", tensorpipe::transport::uv::create());
-    context->registerChannel(0, "basic", tensorpipe::channel::basic::create());
-    return context;
-  }
-
-  void send(EncodedMessage message) {
-    auto holder = std::make_shared<EncodedMessage>(std::move(message));
-    tensorpipe::Message out;
-    out.metadata = holder->header;
-    out.payloads.push_back({holder->body.data(), holder->body.size()});
-    for (const at::Tensor& tensor : holder->tensors) {
-      tensorpipe::Message::Tensor entry;
-      entry.buffer = tensorpipe::CpuBuffer{tensor.data_ptr()};
-      entry.length = tensor.nbytes();
-      out.tensors.push_back(std::move(entry));
+  void send(const EncodedMessage& message) {
+    std::string frame = message.header + detail::encode_tensor_lengths(message.tensors) +
+                        message.body;
+    for (const at::Tensor& tensor : message.tensors) {
+      frame.append(static_cast<const char*>(tensor.data_ptr()), tensor.nbytes());
     }
-    pipe_->write(std::move(out), [holder](const tensorpipe::Error&) {});
+    send_bytes(frame);
   }
 
-  /// The next handshake message, or nothing once the worker has closed the pipe.
+  /// The next handshake message, or nothing once the worker has closed the connection.
   std::optional<HandshakeMessage> receive() {
-    auto promise = std::make_shared<std::promise<std::optional<HandshakeMessage>>>();
-    auto result = promise->get_future();
-    pipe_->readDescriptor([this, promise](const tensorpipe::Error& error,
-                                          tensorpipe::Descriptor descriptor) {
-      if (error || descriptor.payloads.size() != 1 || !descriptor.tensors.empty()) {
-        promise->set_value(std::nullopt);
-        return;
-      }
-      auto header = std::make_shared<std::string>(descriptor.metadata);
-      auto body = std::make_shared<std::string>(descriptor.payloads[0].length, '\0');
-      tensorpipe::Allocation allocation;
-      allocation.payloads.push_back({body->data()});
-      pipe_->read(std::move(allocation), [promise, header, body](const tensorpipe::Error& error) {
-        detail::MessageHeader decoded_header;
-        DecodedMessage message;
-        if (error || detail::decode_header(*header, &decoded_header) ||
-            detail::decode_body(decoded_header, *body, {}, {}, &message) ||
-            decoded_header.type != detail::MessageType::kHandshake) {
-          promise->set_value(std::nullopt);
-          return;
-        }
-        promise->set_value(message.handshake);
-      });
-    });
-    if (result.wait_for(20s) != std::future_status::ready) {
-      ADD_FAILURE() << "the worker neither answered nor closed the connection within 20 s";
+    std::string header_bytes;
+    if (!read_exactly(detail::MessageHeader::kEncodedSize, &header_bytes)) return std::nullopt;
+    detail::MessageHeader header;
+    std::string body;
+    DecodedMessage message;
+    if (detail::decode_header(header_bytes, &header) || header.tensor_count != 0 ||
+        header.type != detail::MessageType::kHandshake || !read_exactly(header.body_length, &body) ||
+        detail::decode_body(header, body, {}, {}, &message)) {
+      ADD_FAILURE() << "the worker sent something other than a handshake message";
       return std::nullopt;
     }
-    return result.get();
+    return message.handshake;
+  }
+
+  /// Whether the worker closes the connection within `limit` (reading and dropping what comes).
+  bool closed_within(std::chrono::milliseconds limit) {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    char sink[4096];
+    while (std::chrono::steady_clock::now() < deadline) {
+      pollfd entry{fd_, POLLIN, 0};
+      if (::poll(&entry, 1, 50) == 1) {
+        const ssize_t n = ::recv(fd_, sink, sizeof(sink), 0);
+        if (n <= 0) return true;
+      }
+    }
+    return false;
   }
 
  private:
-  bool owns_context_;
-  std::shared_ptr<tensorpipe::Context> context_;
-  std::shared_ptr<tensorpipe::Pipe> pipe_;
+  bool read_exactly(size_t length, std::string* out) {
+    out->assign(length, '\0');
+    size_t done = 0;
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (done < length) {
+      pollfd entry{fd_, POLLIN, 0};
+      if (std::chrono::steady_clock::now() > deadline) {
+        ADD_FAILURE() << "the worker neither answered nor closed the connection within 20 s";
+        return false;
+      }
+      if (::poll(&entry, 1, 100) != 1) continue;
+      const ssize_t n = ::recv(fd_, out->data() + done, length - done, 0);
+      if (n <= 0) return false;
+      done += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  int fd_ = -1;
+  bool connected_ = false;
 };
 
-// Worker 0's listening address, as the agent publishes it in the rendezvous store.
-std::string url_of_worker0() {
+// Worker 0's listening address and port, as the agent publishes them in the rendezvous store.
+std::pair<std::string, int> address_of_worker0() {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
   store_options.isServer = false;
@@ -166,18 +182,32 @@ std::string url_of_worker0() {
   store_options.timeout = 20s;
   auto store = c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR"), store_options);
   c10d::PrefixStore rendezvous("distoptim/rpc/rendezvous/", store);
-  const std::vector<uint8_t> url = rendezvous.get("distoptim/rpc/worker/0/url");
-  return std::string(url.begin(), url.end());
+  const std::vector<uint8_t> bytes = rendezvous.get("distoptim/rpc/worker/0/url");
+  const std::string text(bytes.begin(), bytes.end());
+  const size_t space = text.rfind(' ');
+  return {text.substr(0, space), std::stoi(text.substr(space + 1))};
 }
+
+// Resident memory of this process, in bytes (/proc/self/statm).
+size_t resident_bytes_of(pid_t pid) {
+  std::ifstream statm("/proc/" + std::to_string(pid) + "/statm");
+  size_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+DISTOPTIM_RPC_FUNCTION("resident_bytes", [] {
+  return static_cast<int64_t>(resident_bytes_of(::getpid()));
+});
 
 TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
     if (rank == 1) {
-      const std::string url = url_of_worker0();
+      const auto [address, port] = address_of_worker0();
       {
         // A request at once, ignoring the challenge.
-        RawPeer rogue(url);
+        RawPeer rogue(address, port);
         rogue.send(detail::encode_request(1, "record", {}, 0, /*caller_id=*/1));
         auto challenge = rogue.receive();
         ASSERT_TRUE(challenge);
@@ -189,7 +219,7 @@ TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
       }
       {
         // A forged proof, then a request right behind it.
-        RawPeer rogue(url);
+        RawPeer rogue(address, port);
         auto challenge = rogue.receive();
         ASSERT_TRUE(challenge);
         HandshakeMessage forged;
@@ -221,21 +251,103 @@ TEST(RpcHandshake, StalledConnectionsAreBoundedInNumber) {
     init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
     if (rank == 1) {
       constexpr int kStalled = 2 + 64 + 1;
-      const std::string url = url_of_worker0();
-      auto context = RawPeer::make_context();
+      const auto [address, port] = address_of_worker0();
       std::vector<std::unique_ptr<RawPeer>> stalled;
       for (int i = 0; i < kStalled; ++i) {
-        stalled.push_back(std::make_unique<RawPeer>(url, context));
+        stalled.push_back(std::make_unique<RawPeer>(address, port));
         // Waiting for each challenge makes the worker accept them in this order.
         auto challenge = stalled.back()->receive();
         ASSERT_TRUE(challenge) << "connection " << i << " got no challenge";
       }
       // The first one was closed when the last arrived; the last is still waiting.
-      EXPECT_FALSE(stalled.front()->receive()) << "the oldest stalled connection is still open";
+      EXPECT_TRUE(stalled.front()->closed_within(5s)) << "the oldest stalled connection is open";
+      EXPECT_FALSE(stalled.back()->closed_within(200ms));
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
-      stalled.clear();
-      context->close();
-      context->join();
+    }
+    shutdown();
+  });
+}
+
+// A peer that stalls in the handshake is closed once handshake_timeout has passed.
+TEST(RpcHandshake, StalledHandshakesTimeOut) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size,
+             options_with_secret("the-secret").handshake_timeout(1s));
+    if (rank == 1) {
+      const auto [address, port] = address_of_worker0();
+      RawPeer silent(address, port);
+      RawPeer half_header(address, port);
+      ASSERT_TRUE(silent.receive());
+      ASSERT_TRUE(half_header.receive());
+      half_header.send_bytes(std::string(10, 'x'));
+      EXPECT_TRUE(silent.closed_within(10s));
+      EXPECT_TRUE(half_header.closed_within(10s));
+    }
+    shutdown();
+  });
+}
+
+// What an attacker can send before proving anything: garbage, absurd lengths, connections that
+// close at once, and frames that announce gigabytes and then stall. The worker stays up, keeps
+// listening, allocates nothing beyond the handshake bound, and its peers still call it.
+TEST(RpcHandshake, HostileBytesBeforeTheHandshake) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size,
+             options_with_secret("the-secret").handshake_timeout(20s));
+    if (rank == 1) {
+      const auto [address, port] = address_of_worker0();
+      const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
+      // Connect and close at once, many times.
+      for (int i = 0; i < 200; ++i) {
+        RawPeer peer(address, port);
+        ASSERT_TRUE(peer.connected()) << "connection " << i << " was refused";
+      }
+      // 64 KiB of random bytes.
+      {
+        RawPeer peer(address, port);
+        std::string noise(64 << 10, '\0');
+        for (char& c : noise) c = static_cast<char>(std::rand());
+        peer.send_bytes(noise);
+        EXPECT_TRUE(peer.closed_within(10s));
+      }
+      // An 8-byte length field of 2^63 - 1, as a length-prefixed protocol would read it.
+      {
+        RawPeer peer(address, port);
+        peer.send_bytes(std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) + std::string(64, 'a'));
+        EXPECT_TRUE(peer.closed_within(10s));
+      }
+      // Well-formed headers that announce a 4 GiB body or 2^32 - 1 tensors, then silence: each is
+      // refused on its header alone.
+      std::vector<std::unique_ptr<RawPeer>> announcers;
+      for (int i = 0; i < 32; ++i) {
+        detail::MessageHeader header;
+        header.type = detail::MessageType::kHandshake;
+        header.body_length = i % 2 ? 0xffffffffu : 0;
+        header.tensor_count = i % 2 ? 0 : 0xffffffffu;
+        announcers.push_back(std::make_unique<RawPeer>(address, port));
+        announcers.back()->send_bytes(detail::encode_header(header));
+      }
+      for (auto& peer : announcers) {
+        EXPECT_TRUE(peer->closed_within(10s));
+      }
+      // A handshake-sized frame whose body is random bytes.
+      {
+        RawPeer peer(address, port);
+        detail::MessageHeader header;
+        header.type = detail::MessageType::kHandshake;
+        header.body_length = 1000;
+        std::string body(1000, '\0');
+        for (char& c : body) c = static_cast<char>(std::rand());
+        peer.send_bytes(detail::encode_header(header) + body);
+        EXPECT_TRUE(peer.closed_within(10s));
+      }
+      // The worker is alive, still listening, and grew by no more than noise.
+      RawPeer late(address, port);
+      EXPECT_TRUE(late.connected());
+      EXPECT_TRUE(late.receive());
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+      const int64_t resident_after = rpc_sync<int64_t>(worker(0), "resident_bytes");
+      EXPECT_LT(resident_after - resident_before, int64_t{64} << 20);
     }
     shutdown();
   });

@@ -20,7 +20,7 @@ namespace detail {
 namespace {
 
 // What a receiver does with what a sender encodes: copy each tensor into a fresh byte buffer
-// of the announced length (TensorPipe's part), check the sizes, decode.
+// of the announced length (the transport's part), check the sizes, decode.
 Status receive(const EncodedMessage& sent, DecodedMessage* out, const WireLimits& limits = {}) {
   MessageHeader header;
   if (Status error = decode_header(sent.header, &header)) {

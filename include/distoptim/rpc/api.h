@@ -10,7 +10,7 @@
 //
 // Threading: one agent per process. Every function here is safe to call from any thread once
 // init_rpc has returned and until shutdown starts. Requests a worker receives run on its pool of
-// `num_worker_threads` threads, never on TensorPipe's event loop, so a callable may itself make
+// `num_worker_threads` threads, never on the I/O thread, so a callable may itself make
 // RPCs (nested calls, calls back to the caller). Futures complete on one completion thread; a
 // then() callback runs there and must not block on another RPC's result.
 
@@ -39,7 +39,7 @@ constexpr std::chrono::milliseconds kDefaultTimeout{-1};
 /// No timeout at all.
 constexpr std::chrono::milliseconds kNoTimeout{0};
 
-/// Options of the TensorPipe agent (PyTorch's TensorPipeRpcBackendOptions), builder style.
+/// Options of the agent (PyTorch's TensorPipeRpcBackendOptions), builder style.
 struct RpcBackendOptions {
   /* implicit */ RpcBackendOptions(std::string init_method = "env://")
       : init_method_(std::move(init_method)) {}
@@ -55,8 +55,13 @@ struct RpcBackendOptions {
   /// The IP address to listen on; empty: 127.0.0.1 when the rendezvous address is loopback,
   /// else the address of this host's name.
   TORCH_ARG(std::string, listen_address) = "";
-  /// Let workers on one host exchange data through shared memory (TensorPipe's shm transport).
-  TORCH_ARG(bool, enable_shared_memory) = true;
+  /// How long a connection may take from its first byte to the end of its handshake; a peer
+  /// slower than that (one that stalls) is disconnected.
+  TORCH_ARG(std::chrono::milliseconds, handshake_timeout) = std::chrono::seconds(10);
+  /// Bytes of requests this worker has received and not yet finished running. Past it, the
+  /// worker stops reading from its callers until the queue drains below half (backpressure
+  /// through TCP); a single larger request is still admitted when the queue is empty.
+  TORCH_ARG(size_t, inbound_queue_bytes) = size_t{256} << 20;
   /// A secret every worker of the job knows (at most 4096 bytes). Each pipe starts with a
   /// challenge-response handshake (HMAC-SHA256 over fresh nonces) in both directions: a peer
   /// that cannot prove it knows the same secret is refused before any of its requests is read,

@@ -1,0 +1,135 @@
+#include "pending_calls.h"
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+PendingCalls::PendingCalls(ExpiredHandler on_expired) : on_expired_(std::move(on_expired)) {
+  timer_ = std::thread([this] { run_timer(); });
+}
+
+PendingCalls::~PendingCalls() { stop(); }
+
+void PendingCalls::add(PendingCall call) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (call.has_deadline) {
+    const bool earliest = deadlines_.empty() || call.deadline < deadlines_.begin()->first;
+    deadlines_.emplace(call.deadline, call.id);
+    if (earliest) {
+      changed_.notify_all();
+    }
+  }
+  const uint64_t id = call.id;
+  calls_.emplace(id, std::move(call));
+}
+
+void PendingCalls::erase_deadline_locked(const PendingCall& call) {
+  if (!call.has_deadline) {
+    return;
+  }
+  auto range = deadlines_.equal_range(call.deadline);
+  for (auto it = range.first; it != range.second; ++it) {
+    if (it->second == call.id) {
+      deadlines_.erase(it);
+      return;
+    }
+  }
+}
+
+std::optional<PendingCall> PendingCalls::take(uint64_t id, int from) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = calls_.find(id);
+  if (it == calls_.end() || it->second.to != from) {
+    return std::nullopt;
+  }
+  PendingCall call = std::move(it->second);
+  calls_.erase(it);
+  erase_deadline_locked(call);
+  changed_.notify_all();
+  return call;
+}
+
+std::vector<PendingCall> PendingCalls::take_to(int peer) {
+  std::vector<PendingCall> taken;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = calls_.begin(); it != calls_.end();) {
+    if (it->second.to == peer) {
+      erase_deadline_locked(it->second);
+      taken.push_back(std::move(it->second));
+      it = calls_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  changed_.notify_all();
+  return taken;
+}
+
+std::vector<PendingCall> PendingCalls::take_all() {
+  std::vector<PendingCall> taken;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [id, call] : calls_) {
+    taken.push_back(std::move(call));
+  }
+  calls_.clear();
+  deadlines_.clear();
+  changed_.notify_all();
+  return taken;
+}
+
+bool PendingCalls::wait_empty(std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return changed_.wait_until(lock, deadline, [this] { return calls_.empty(); });
+}
+
+size_t PendingCalls::size() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return calls_.size();
+}
+
+void PendingCalls::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  if (timer_.joinable()) {
+    timer_.join();
+  }
+}
+
+void PendingCalls::run_timer() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stopping_) {
+    if (deadlines_.empty()) {
+      changed_.wait(lock);
+      continue;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    // A copy: wait_until reads the deadline again after waking, when the entry may be gone.
+    const auto earliest = deadlines_.begin()->first;
+    if (now < earliest) {
+      changed_.wait_until(lock, earliest);
+      continue;
+    }
+    std::vector<PendingCall> expired;
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      auto it = calls_.find(deadlines_.begin()->second);
+      deadlines_.erase(deadlines_.begin());
+      if (it != calls_.end()) {
+        expired.push_back(std::move(it->second));
+        calls_.erase(it);
+      }
+    }
+    changed_.notify_all();
+    lock.unlock();
+    if (!expired.empty()) {
+      on_expired_(std::move(expired));
+    }
+    lock.lock();
+  }
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

@@ -1,0 +1,72 @@
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+/// A call sent and not yet answered.
+struct PendingCall {
+  uint64_t id = 0;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  int to = -1;
+  std::string function;
+  std::chrono::steady_clock::time_point deadline;
+  bool has_deadline = false;
+};
+
+/// The calls a worker has made and not yet seen answered, with their deadlines. Every call is
+/// taken out exactly once: by its reply (take), its worker's loss (take_to), the stop
+/// (take_all), or its deadline, when a timer thread takes it and hands it to `on_expired`
+/// (outside the lock). Whoever takes a call completes its future. Thread-safe: one mutex guards
+/// both tables; no future is completed and no handler runs while it is held.
+class PendingCalls {
+ public:
+  using ExpiredHandler = std::function<void(std::vector<PendingCall> expired)>;
+
+  explicit PendingCalls(ExpiredHandler on_expired);
+  ~PendingCalls();
+  PendingCalls(const PendingCalls&) = delete;
+  PendingCalls& operator=(const PendingCalls&) = delete;
+
+  void add(PendingCall call);
+  /// The call `id`, if it is pending and went to `from`.
+  std::optional<PendingCall> take(uint64_t id, int from);
+  std::vector<PendingCall> take_to(int peer);
+  std::vector<PendingCall> take_all();
+  /// Waits until no call is pending or `deadline` passes; returns whether none is.
+  bool wait_empty(std::chrono::steady_clock::time_point deadline);
+  size_t size();
+  /// Stops the timer thread (calls still pending stay, for take_all).
+  void stop();
+
+ private:
+  void erase_deadline_locked(const PendingCall& call);  // requires mutex_
+  void run_timer();
+
+  const ExpiredHandler on_expired_;
+  std::mutex mutex_;
+  std::condition_variable changed_;  // a call left, or an earlier deadline arrived, or stop
+  std::unordered_map<uint64_t, PendingCall> calls_;                           // guarded by mutex_
+  std::multimap<std::chrono::steady_clock::time_point, uint64_t> deadlines_;  // guarded by mutex_
+  bool stopping_ = false;                                                     // guarded by mutex_
+  std::thread timer_;
+};
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

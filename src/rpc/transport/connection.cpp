@@ -1,0 +1,456 @@
+#include "connection.h"
+
+#include <unistd.h>
+
+#include <asio/connect.hpp>
+#include <asio/dispatch.hpp>
+#include <asio/ip/host_name.hpp>
+#include <asio/post.hpp>
+#include <asio/read.hpp>
+#include <asio/write.hpp>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <distoptim/comm/errors.h>
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+namespace {
+
+// Messages gathered into one write: enough to batch a burst, few enough that one slow write
+// does not delay the completion of many.
+constexpr size_t kMaxMessagesPerWrite = 64;
+// Waits before re-creating a failed listening socket, or after running out of descriptors.
+constexpr std::chrono::milliseconds kListenerRetry{100};
+// How long a connection closed for a protocol error waits for the peer to read why.
+constexpr std::chrono::milliseconds kFarewellLinger{1000};
+
+std::string describe(const asio::error_code& error) {
+  return error == asio::error::eof ? std::string("end of file") : error.message();
+}
+
+std::string endpoint_text(const asio::ip::tcp::endpoint& endpoint) {
+  const asio::ip::address address = endpoint.address();
+  return (address.is_v6() ? "[" + address.to_string() + "]" : address.to_string()) + ":" +
+         std::to_string(endpoint.port());
+}
+
+}  // namespace
+
+Connection::Connection(asio::io_context& io, asio::ip::tcp::socket socket)
+    : io_(io), socket_(std::move(socket)), deadline_(io) {
+  asio::error_code ignored;
+  socket_.set_option(asio::ip::tcp::no_delay(true), ignored);
+  const auto remote = socket_.remote_endpoint(ignored);
+  peer_address_ = ignored ? std::string("an unknown address") : endpoint_text(remote);
+}
+
+Connection::~Connection() = default;
+
+void Connection::read_frames(const WireLimits& limits, FrameHandler on_frame,
+                             ClosedHandler on_closed) {
+  limits_ = limits;
+  on_frame_ = std::make_shared<FrameHandler>(std::move(on_frame));
+  on_closed_ = std::move(on_closed);
+  paused_ = false;
+  if (!closed_ && !reading_) {
+    read_header();
+  }
+}
+
+void Connection::arm_deadline(std::chrono::milliseconds timeout, std::string why) {
+  deadline_.expires_after(timeout);
+  deadline_.async_wait([weak = weak_from_this(), why = std::move(why)](const asio::error_code& error) {
+    if (auto self = weak.lock(); self && !error) {
+      self->fail(why);
+    }
+  });
+}
+
+void Connection::disarm_deadline() { deadline_.cancel(); }
+
+void Connection::read_header() {
+  reading_ = true;
+  asio::async_read(socket_, asio::buffer(header_bytes_),
+                   [self = shared_from_this()](const asio::error_code& error, size_t) {
+                     self->reading_ = false;
+                     if (self->closed_) {
+                       return;
+                     }
+                     if (error) {
+                       self->fail(describe(error));
+                       return;
+                     }
+                     self->on_header();
+                   });
+}
+
+void Connection::on_header() {
+  MessageHeader header;
+  Status status = decode_header(std::string_view(header_bytes_, sizeof(header_bytes_)), &header);
+  if (!status) {
+    status = check_header(header, limits_);
+  }
+  if (status) {
+    violation("it sent " + *status);
+    return;
+  }
+  frame_.header = header;
+  length_bytes_.assign(size_t{header.tensor_count} * 8, '\0');
+  if (length_bytes_.empty()) {
+    read_payload();
+    return;
+  }
+  reading_ = true;
+  asio::async_read(socket_, asio::buffer(length_bytes_),
+                   [self = shared_from_this()](const asio::error_code& error, size_t) {
+                     self->reading_ = false;
+                     if (self->closed_) {
+                       return;
+                     }
+                     if (error) {
+                       self->fail(describe(error));
+                       return;
+                     }
+                     self->read_payload();
+                   });
+}
+
+// Allocates exactly what the (checked) header and lengths announce, and reads into it: the body
+// into a string, each tensor into its own byte tensor, which the decoder then views as typed.
+void Connection::read_payload() {
+  std::vector<size_t> lengths;
+  if (Status status = decode_tensor_lengths(frame_.header, length_bytes_, limits_, &lengths)) {
+    violation("it sent " + *status);
+    return;
+  }
+  frame_.body = std::make_shared<std::string>(frame_.header.body_length, '\0');
+  frame_.buffers.clear();
+  std::vector<asio::mutable_buffer> targets;
+  targets.reserve(lengths.size() + 1);
+  targets.push_back(asio::buffer(*frame_.body));
+  for (size_t length : lengths) {
+    at::Tensor buffer = at::empty({static_cast<int64_t>(length)}, at::kByte);
+    if (length > 0) {
+      targets.push_back(asio::buffer(buffer.data_ptr(), length));
+    }
+    frame_.buffers.push_back(std::move(buffer));
+  }
+  reading_ = true;
+  asio::async_read(socket_, targets,
+                   [self = shared_from_this()](const asio::error_code& error, size_t) {
+                     self->reading_ = false;
+                     if (self->closed_) {
+                       return;
+                     }
+                     if (error) {
+                       self->fail(describe(error));
+                       return;
+                     }
+                     Frame frame = std::move(self->frame_);
+                     self->frame_ = Frame();
+                     if (self->closing_) {  // close_after: nothing more is handed on
+                       self->read_header();
+                       return;
+                     }
+                     // A copy of the handler: it may replace itself (read_frames) while it runs.
+                     std::shared_ptr<FrameHandler> handler = self->on_frame_;
+                     const bool go_on = handler && *handler && (*handler)(std::move(frame));
+                     // Closed, or reading again (the handler called read_frames).
+                     if (self->closed_ || self->reading_) {
+                       return;
+                     }
+                     if (go_on) {
+                       self->read_header();
+                     } else {
+                       self->paused_ = true;
+                     }
+                   });
+}
+
+void Connection::resume_reading() {
+  asio::dispatch(io_, [self = shared_from_this()] {
+    if (self->paused_ && !self->closed_ && !self->reading_) {
+      self->paused_ = false;
+      self->read_header();
+    }
+  });
+}
+
+void Connection::send(EncodedMessage message, WrittenHandler on_written) {
+  asio::dispatch(io_, [self = shared_from_this(), message = std::move(message),
+                       on_written = std::move(on_written)]() mutable {
+    if (self->closed_) {
+      if (on_written) on_written("the connection is closed");
+      return;
+    }
+    Outgoing out{std::move(message), {}, std::move(on_written)};
+    out.lengths = encode_tensor_lengths(out.message.tensors);
+    self->queue_.push_back(std::move(out));
+    self->write_next();
+  });
+}
+
+void Connection::drop_queued(uint64_t id) {
+  asio::dispatch(io_, [self = shared_from_this(), id] {
+    auto& queue = self->queue_;
+    for (auto it = queue.begin(); it != queue.end(); ++it) {
+      MessageHeader header;
+      if (!decode_header(it->message.header, &header) && header.id == id) {
+        queue.erase(it);
+        return;
+      }
+    }
+  });
+}
+
+// One gathered write at a time, of up to kMaxMessagesPerWrite queued messages in order. The tensors' memory is written where it lies; `in_flight_` keeps it alive meanwhile.
+void Connection::write_next() {
+  if (writing_ || closed_) {
+    return;
+  }
+  in_flight_.clear();
+  while (!queue_.empty() && in_flight_.size() < kMaxMessagesPerWrite) {
+    in_flight_.push_back(std::move(queue_.front()));
+    queue_.pop_front();
+  }
+  if (in_flight_.empty()) {
+    return;
+  }
+  std::vector<asio::const_buffer> buffers;
+  for (const Outgoing& out : in_flight_) {
+    buffers.push_back(asio::buffer(out.message.header));
+    buffers.push_back(asio::buffer(out.lengths));
+    buffers.push_back(asio::buffer(out.message.body));
+    for (const at::Tensor& tensor : out.message.tensors) {
+      if (tensor.nbytes() > 0) {
+        buffers.push_back(asio::buffer(tensor.data_ptr(), tensor.nbytes()));
+      }
+    }
+  }
+  writing_ = true;
+  asio::async_write(socket_, buffers,
+                    [self = shared_from_this()](const asio::error_code& error, size_t) {
+                      self->writing_ = false;
+                      std::vector<Outgoing> done = std::move(self->in_flight_);
+                      self->in_flight_.clear();
+                      const std::string why = error ? describe(error) : std::string();
+                      for (Outgoing& out : done) {
+                        if (out.on_written) out.on_written(why);
+                      }
+                      if (error) {
+                        self->fail(why);
+                      } else {
+                        self->write_next();
+                      }
+                    });
+}
+
+void Connection::close(const std::string& why) {
+  asio::dispatch(io_, [self = shared_from_this(), why] { self->fail(why); });
+}
+
+void Connection::close_after(EncodedMessage farewell, const std::string& why,
+                             std::chrono::milliseconds linger) {
+  asio::dispatch(io_, [self = shared_from_this(), farewell = std::move(farewell), why,
+                       linger]() mutable {
+    if (self->closed_) {
+      return;
+    }
+    // Nothing more the peer sends is handed on; once the farewell is written our side of the
+    // stream ends, and the connection closes when the peer closes its side (so the farewell is
+    // not lost to a reset) or after `linger`.
+    self->closing_ = true;
+    self->limits_ = handshake_limits();
+    self->limits_.handshake_only = false;
+    self->queue_.clear();
+    self->arm_deadline(linger, why);
+    Outgoing out{std::move(farewell), {}, [weak = std::weak_ptr<Connection>(self)](const std::string&) {
+                   if (auto conn = weak.lock()) {
+                     asio::error_code ignored;
+                     conn->socket_.shutdown(asio::ip::tcp::socket::shutdown_send, ignored);
+                   }
+                 }};
+    out.lengths = encode_tensor_lengths(out.message.tensors);
+    self->queue_.push_back(std::move(out));
+    self->on_closed_ = [self_closed = self->on_closed_, why](const std::string&) {
+      if (self_closed) self_closed(why);
+    };
+    self->write_next();
+    if (!self->reading_) {
+      self->paused_ = false;
+      self->read_header();
+    }
+  });
+}
+
+void Connection::set_farewell(FarewellMaker make_farewell) {
+  make_farewell_ = std::move(make_farewell);
+}
+
+void Connection::violation(const std::string& why) {
+  if (make_farewell_ && !closing_) {
+    close_after(make_farewell_(why), why, kFarewellLinger);
+  } else {
+    fail(why);
+  }
+}
+
+void Connection::fail(const std::string& why) {
+  if (closed_) {
+    return;
+  }
+  closed_ = true;
+  asio::error_code ignored;
+  deadline_.cancel();
+  socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
+  socket_.close(ignored);
+  std::deque<Outgoing> unsent;
+  unsent.swap(queue_);
+  for (Outgoing& out : unsent) {
+    if (out.on_written) out.on_written(why);
+  }
+  // Dropping the handlers also drops whatever they hold (often this connection).
+  on_frame_ = nullptr;
+  make_farewell_ = nullptr;
+  ClosedHandler on_closed = std::move(on_closed_);
+  on_closed_ = nullptr;
+  if (on_closed) {
+    on_closed(why);
+  }
+}
+
+Listener::Listener(asio::io_context& io, const std::string& address, int port)
+    : io_(io), acceptor_(io), retry_(io), address_(address), port_(port) {
+  try {
+    open();
+  } catch (const std::exception& error) {
+    DISTOPTIM_THROW(DistributedError, "rpc: cannot listen on ", address, ":", port, ": ",
+                    error.what());
+  }
+}
+
+void Listener::open() {
+  asio::ip::tcp::endpoint endpoint(asio::ip::make_address(address_),
+                                   static_cast<uint16_t>(port_));
+  acceptor_.open(endpoint.protocol());
+  acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true));
+  acceptor_.bind(endpoint);
+  acceptor_.listen(asio::socket_base::max_listen_connections);
+  port_ = acceptor_.local_endpoint().port();
+}
+
+void Listener::start(AcceptHandler on_accept) {
+  on_accept_ = std::move(on_accept);
+  accept_next();
+}
+
+void Listener::accept_next() {
+  acceptor_.async_accept([self = shared_from_this()](const asio::error_code& error,
+                                                     asio::ip::tcp::socket socket) {
+    if (self->closed_) {
+      return;
+    }
+    if (!error) {
+      self->on_accept_(std::make_shared<Connection>(self->io_, std::move(socket)));
+      self->accept_next();
+      return;
+    }
+    // A connection that failed before we took it costs only itself.
+    if (error == asio::error::connection_aborted || error == asio::error::connection_reset ||
+        error == asio::error::try_again || error == asio::error::interrupted) {
+      self->accept_next();
+      return;
+    }
+    // Out of descriptors or memory: the pending connections wait in the backlog meanwhile.
+    if (error == asio::error::no_descriptors || error == asio::error::no_buffer_space ||
+        error == asio::error::no_memory) {
+      TORCH_WARN("rpc: accepting on ", self->address_, ":", self->port_, " failed (",
+                 error.message(), "); retrying in ", kListenerRetry.count(), " ms");
+      self->retry_.expires_after(kListenerRetry);
+      self->retry_.async_wait([self](const asio::error_code& wait_error) {
+        if (!wait_error && !self->closed_) self->accept_next();
+      });
+      return;
+    }
+    self->reopen_later(error.message());
+  });
+}
+
+void Listener::reopen_later(const std::string& why) {
+  TORCH_WARN("rpc: the listening socket on ", address_, ":", port_, " failed (", why,
+             "); re-creating it");
+  asio::error_code ignored;
+  acceptor_.close(ignored);
+  retry_.expires_after(kListenerRetry);
+  retry_.async_wait([self = shared_from_this()](const asio::error_code& error) {
+    if (error || self->closed_) {
+      return;
+    }
+    try {
+      self->open();
+      self->accept_next();
+    } catch (const std::exception& failure) {
+      self->reopen_later(failure.what());
+    }
+  });
+}
+
+void Listener::close() {
+  asio::dispatch(io_, [self = shared_from_this()] {
+    self->closed_ = true;
+    asio::error_code ignored;
+    self->retry_.cancel();
+    self->acceptor_.close(ignored);
+  });
+}
+
+void connect(asio::io_context& io, const std::string& address, int port,
+             std::function<void(std::shared_ptr<Connection>, const std::string& error)> done) {
+  asio::dispatch(io, [&io, address, port, done = std::move(done)] {
+    asio::error_code error;
+    const asio::ip::address ip = asio::ip::make_address(address, error);
+    if (error) {
+      done(nullptr, "'" + address + "' is not an IP address");
+      return;
+    }
+    auto socket = std::make_shared<asio::ip::tcp::socket>(io);
+    socket->async_connect(asio::ip::tcp::endpoint(ip, static_cast<uint16_t>(port)),
+                          [&io, socket, done](const asio::error_code& error) {
+                            if (error) {
+                              done(nullptr, error.message());
+                            } else {
+                              done(std::make_shared<Connection>(io, std::move(*socket)), "");
+                            }
+                          });
+  });
+}
+
+std::string host_address() {
+  asio::io_context io;
+  asio::ip::tcp::resolver resolver(io);
+  asio::error_code error;
+  const std::string name = asio::ip::host_name(error);
+  DISTOPTIM_CHECK_WITH(DistributedError, !error, "init_rpc: cannot read this host's name (",
+                       error.message(), "); set RpcBackendOptions::listen_address");
+  const auto results = resolver.resolve(name, "", error);
+  DISTOPTIM_CHECK_WITH(DistributedError, !error, "init_rpc: cannot resolve this host's name '",
+                       name, "' (", error.message(), "); set RpcBackendOptions::listen_address");
+  std::string fallback;
+  for (const auto& entry : results) {
+    const asio::ip::address address = entry.endpoint().address();
+    if (address.is_loopback()) continue;
+    if (address.is_v4()) return address.to_string();
+    if (fallback.empty()) fallback = address.to_string();
+  }
+  DISTOPTIM_CHECK_WITH(DistributedError, !fallback.empty(), "init_rpc: this host's name '", name,
+                       "' resolves to no address other than loopback; set "
+                       "RpcBackendOptions::listen_address");
+  return fallback;
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

@@ -1,0 +1,154 @@
+#pragma once
+
+// The rpc layer's transport: framed messages over TCP, on Asio (docs/wire_format.md has the
+// frame layout, docs/threading.md the threads). The library owns every byte of a connection from
+// its first: until the peer has proven the shared secret, a connection admits only a small
+// handshake frame (message.h's handshake_limits) within a deadline, so nothing an
+// unauthenticated peer sends reaches a parser that allocates more than that bound.
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <asio/io_context.hpp>
+#include <asio/ip/tcp.hpp>
+#include <asio/steady_timer.hpp>
+
+#include "../message.h"
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+/// One received frame: its header, body and tensors (as byte buffers).
+struct Frame {
+  MessageHeader header;
+  std::shared_ptr<std::string> body;
+  std::vector<at::Tensor> buffers;
+};
+
+/// A framed TCP connection. Threading: every field is confined to the I/O thread of its
+/// io_context; send(), close() and resume_reading() may be called from any thread (they post to
+/// it). Callbacks run on the I/O thread and must not block. `on_closed` runs exactly once, when
+/// the connection fails or is closed, and no `on_frame` runs after it.
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  /// Returns whether to go on reading; false pauses reading until resume_reading().
+  using FrameHandler = std::function<bool(Frame frame)>;
+  using ClosedHandler = std::function<void(const std::string& why)>;
+  using WrittenHandler = std::function<void(const std::string& error)>;
+  /// The message that tells the peer why the connection closes for a protocol error.
+  using FarewellMaker = std::function<EncodedMessage(const std::string& why)>;
+
+  Connection(asio::io_context& io, asio::ip::tcp::socket socket);
+  ~Connection();
+
+  /// I/O thread only. Sets the handlers and the limits frames are checked against, and starts
+  /// (or goes on) reading.
+  void read_frames(const WireLimits& limits, FrameHandler on_frame, ClosedHandler on_closed);
+  /// I/O thread only. Closes the connection (reason `why`) unless disarmed before `timeout`.
+  void arm_deadline(std::chrono::milliseconds timeout, std::string why);
+  void disarm_deadline();
+  /// I/O thread only. When a frame breaks the framing or `limits` (a bad header, an absurd
+  /// length), the connection writes `make_farewell(why)` and closes (close_after); without one it
+  /// closes at once.
+  void set_farewell(FarewellMaker make_farewell);
+
+  /// Queues `message`; frames are written in the order they were queued. `on_written`
+  /// (optional) runs once the frame is written or has failed.
+  void send(EncodedMessage message, WrittenHandler on_written = {});
+  /// Drops a queued message not yet being written, by its header id (a call that timed out).
+  void drop_queued(uint64_t id);
+  /// Closes the connection: queued writes fail, `on_closed(why)` runs.
+  void close(const std::string& why);
+  /// Writes `farewell`, then closes (a refusal, a protocol error the peer should hear about);
+  /// closes after at most `linger` even if the peer does not read.
+  void close_after(EncodedMessage farewell, const std::string& why,
+                   std::chrono::milliseconds linger);
+  void resume_reading();
+
+  /// The peer's address as "ip:port" (fixed at construction).
+  const std::string& peer_address() const { return peer_address_; }
+
+ private:
+  struct Outgoing {
+    EncodedMessage message;
+    std::string lengths;
+    WrittenHandler on_written;
+  };
+
+  void read_header();
+  void on_header();
+  void read_payload();
+  void fail(const std::string& why);
+  void violation(const std::string& why);
+  void write_next();
+
+  asio::io_context& io_;
+  asio::ip::tcp::socket socket_;
+  asio::steady_timer deadline_;
+  std::string peer_address_;
+
+  // I/O thread only:
+  WireLimits limits_;
+  std::shared_ptr<FrameHandler> on_frame_;
+  ClosedHandler on_closed_;
+  FarewellMaker make_farewell_;
+  bool reading_ = false;  // a read is outstanding
+  bool paused_ = false;
+  bool closed_ = false;
+  bool closing_ = false;  // close_after: frames are read and dropped
+  bool writing_ = false;
+  char header_bytes_[MessageHeader::kEncodedSize];
+  std::string length_bytes_;
+  Frame frame_;
+  std::deque<Outgoing> queue_;
+  std::vector<Outgoing> in_flight_;
+};
+
+/// Accepts connections on an address, on the I/O thread; a failure of the listening socket is
+/// logged and the socket re-created on the same port (a failure to accept one connection never
+/// stops it). Threading as Connection.
+class Listener : public std::enable_shared_from_this<Listener> {
+ public:
+  using AcceptHandler = std::function<void(std::shared_ptr<Connection>)>;
+
+  /// Binds `address` (an IP address; port 0 picks one). Throws DistributedError if it cannot.
+  Listener(asio::io_context& io, const std::string& address, int port = 0);
+  /// I/O thread only.
+  void start(AcceptHandler on_accept);
+  /// Any thread.
+  void close();
+  int port() const { return port_; }
+  const std::string& address() const { return address_; }
+
+ private:
+  void open();
+  void accept_next();
+  void reopen_later(const std::string& why);
+
+  asio::io_context& io_;
+  asio::ip::tcp::acceptor acceptor_;
+  asio::steady_timer retry_;
+  const std::string address_;
+  int port_ = 0;
+  AcceptHandler on_accept_;
+  bool closed_ = false;
+  bool closing_ = false;  // close_after: frames are read and dropped
+};
+
+/// Connects to `address`:`port` on the I/O thread; `done` runs there with the connection, or
+/// with null and the reason.
+void connect(asio::io_context& io, const std::string& address, int port,
+             std::function<void(std::shared_ptr<Connection>, const std::string& error)> done);
+
+/// This host's address for peers on other hosts: the first non-loopback address its name
+/// resolves to. Throws DistributedError if there is none.
+std::string host_address();
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim
