@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <fstream>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -208,6 +209,51 @@ TEST(Rpc, ManyThreadsCallAtOnce) {
     }
     for (auto& thread : threads) thread.join();
     EXPECT_EQ(wrong.load(), 0);
+    shutdown();
+  });
+}
+
+// A flooding caller and a slow callee: past inbound_queue_bytes the callee stops reading (TCP
+// then holds the caller back), so its memory stays bounded, and every call still completes.
+DISTOPTIM_RPC_FUNCTION("slow_checksum", [](const at::Tensor& tensor) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  return tensor.sum().item<int64_t>();
+});
+int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t pages = 0;
+  int64_t resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<int64_t>(::sysconf(_SC_PAGESIZE));
+}
+DISTOPTIM_RPC_FUNCTION("resident_bytes", resident_bytes);
+
+TEST(Rpc, FloodingCallerIsHeldBackAndLosesNothing) {
+  run_ranks(2, [](int rank, int world_size) {
+    constexpr int64_t kQueueBytes = 8 << 20;
+    init_rpc(worker(rank), rank, world_size,
+             test_options().num_worker_threads(1).inbound_queue_bytes(kQueueBytes));
+    if (rank == 1) {
+      constexpr int kCalls = 400;
+      constexpr int64_t kElements = 1 << 18;  // 1 MiB of int32 per call: 400 MiB in all
+      const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
+      std::vector<std::pair<int64_t, RpcFuture<int64_t>>> futures;
+      for (int i = 0; i < kCalls; ++i) {
+        const at::Tensor tensor = at::full({kElements}, i, at::kInt);
+        futures.emplace_back(int64_t{i} * kElements,
+                             rpc_async<int64_t>(worker(0), "slow_checksum", std::tuple{tensor}));
+      }
+      // Sampled while the flood drains: the callee holds about the queue bound, not the flood.
+      int64_t resident_peak = 0;
+      for (int i = 0; i < 20; ++i) {
+        resident_peak = std::max(resident_peak, rpc_sync<int64_t>(worker(0), "resident_bytes"));
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      for (auto& [expected, future] : futures) {
+        EXPECT_EQ(future.wait(), expected);
+      }
+      EXPECT_LT(resident_peak - resident_before, int64_t{96} << 20);
+    }
     shutdown();
   });
 }
