@@ -87,7 +87,8 @@ std::string unique_shm_address() {
 
 Agent::Agent(const std::string& name, int rank, int world_size, const RpcBackendOptions& options)
     : rank_(rank), world_size_(world_size), options_(options) {
-  request_pool_ = std::make_unique<Executor>(options.num_worker_threads());
+  request_pool_ =
+      std::make_unique<Executor>(options.num_worker_threads(), options.max_extra_worker_threads());
   ordered_ = std::make_unique<Executor>(1);
   completion_ = std::make_unique<Executor>(1);
   timer_ = std::thread([this] { run_timer(); });

@@ -45,6 +45,8 @@ namespace detail {
 /// future is completed and no user code runs while it is held, and it is never taken before
 /// the RRef context's. Every pending call completes exactly once:
 /// whoever erases it from `pending_` (response, timeout, lost peer, shutdown) completes it.
+/// A request blocked in a nested wait gets a compensating pool thread, up to
+/// max_extra_worker_threads of them (executor.h, docs/threading.md).
 ///
 /// Pipes: each worker opens one pipe to each peer it calls (`outgoing_`) and accepts the pipes
 /// peers open to it (`incoming_`). Requests travel on the caller's pipe, replies come back on it.

@@ -47,6 +47,9 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
   TORCH_CHECK_VALUE(options.num_worker_threads() >= 1,
                     "init_rpc: num_worker_threads must be at least 1, got ",
                     options.num_worker_threads());
+  TORCH_CHECK_VALUE(options.max_extra_worker_threads() >= 0,
+                    "init_rpc: max_extra_worker_threads must be at least 0, got ",
+                    options.max_extra_worker_threads());
   TORCH_CHECK_VALUE(options.rpc_timeout().count() >= 0, "init_rpc: rpc_timeout of ",
                     options.rpc_timeout().count(), " ms (use 0 for none)");
   TORCH_CHECK_VALUE(options.init_timeout().count() > 0 && options.shutdown_timeout().count() > 0,
@@ -105,6 +108,13 @@ c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(const WorkerRef& to,
 }
 
 namespace detail {
+
+void wait_future(c10::ivalue::Future& future) {
+  if (future.completed()) return;
+  Executor::BlockingScope blocking;
+  future.wait();
+}
+
 namespace {
 
 const RRefImpl& impl_of(const RRefHandle& handle) {

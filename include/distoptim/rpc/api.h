@@ -11,8 +11,10 @@
 // Threading: one agent per process. Every function here is safe to call from any thread once
 // init_rpc has returned and until shutdown starts. Requests a worker receives run on its pool of
 // `num_worker_threads` threads, never on TensorPipe's event loop, so a callable may itself make
-// RPCs (nested calls, calls back to the caller). Futures complete on one completion thread; a
-// then() callback runs there and must not block on another RPC's result.
+// RPCs (nested calls, calls back to the caller). While a request blocks in such a call (wait(),
+// rpc_sync, RRef::to_here, RRef::local_value) the pool may start a thread in its place, up to
+// `max_extra_worker_threads` (docs/threading.md). Futures complete on one completion thread; a then() callback
+// runs there and must not block on another RPC's result.
 
 #include <chrono>
 #include <cstdint>
@@ -49,6 +51,15 @@ struct RpcBackendOptions {
   TORCH_ARG(std::chrono::milliseconds, rpc_timeout) = std::chrono::seconds(60);
   /// Threads that run incoming requests (PyTorch's default is 16).
   TORCH_ARG(int, num_worker_threads) = 16;
+  /// Threads the request pool may add beyond num_worker_threads while requests block in nested
+  /// waits (RpcFuture::wait, rpc_sync, RRef::to_here and local_value on a request's thread):
+  /// while requests are queued and fewer than num_worker_threads threads are not blocked, the
+  /// pool starts one more; the extra threads exit once the blocked requests resume and the queue
+  /// is empty. Past the bound, a blocked request waits without compensation (warned once):
+  /// queued requests then wait for a thread to resume, bounded only by their callers' timeouts.
+  /// 0 keeps the pool fixed. The default allows 512 blocked requests beyond the pool (each extra
+  /// thread reserves its stack's address space, not memory).
+  TORCH_ARG(int, max_extra_worker_threads) = 512;
   /// How long init_rpc waits for every worker, and graceful shutdown for each of its barriers.
   TORCH_ARG(std::chrono::milliseconds, init_timeout) = std::chrono::minutes(5);
   TORCH_ARG(std::chrono::milliseconds, shutdown_timeout) = std::chrono::minutes(1);
@@ -114,6 +125,13 @@ WorkerInfo get_worker_info(const std::string& name);
 WorkerInfo get_worker_info(int id);
 std::vector<WorkerInfo> get_worker_infos();
 
+namespace detail {
+/// Blocks until `future` completes. On a thread of the agent's request pool the wait is managed:
+/// the pool may start a thread in its place meanwhile
+/// (RpcBackendOptions::max_extra_worker_threads).
+void wait_future(c10::ivalue::Future& future);
+}  // namespace detail
+
 /// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.
 /// wait() blocks until the result arrives (the call's timeout bounds it) and returns it, or
 /// throws: RemoteError (the callable raised, or the worker refused the call), TimeoutError,
@@ -126,6 +144,7 @@ class RpcFuture {
       : future_(std::move(future)), description_(std::move(description)) {}
 
   T wait() const {
+    detail::wait_future(*future_);
     future_->waitAndThrow();
     return from_value<T>(future_->constValue(), "the result of " + description_);
   }
@@ -168,6 +187,7 @@ class RpcFuture {
 
 template <>
 inline void RpcFuture<void>::wait() const {
+  detail::wait_future(*future_);
   future_->waitAndThrow();
 }
 
