@@ -17,7 +17,8 @@ thread_local bool t_blocking = false;        // inside a BlockingScope
 void warn_at_bound(int max_threads) {
   TORCH_WARN("rpc: a request pool reached its bound of ", max_threads,
              " threads with requests queued and its threads blocked in nested waits; the queued "
-             "requests wait for one to resume (raise RpcBackendOptions::max_extra_worker_threads)");
+             "requests wait for one to resume (raise RpcBackendOptions::max_extra_worker_threads, "
+             "or make the waiting functions async_execution)");
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Requests that wait on other requests, across real processes on loopback (tests/harness): chains
 // of nested calls ping-ponging between two workers, many more of them than the request pool has
-// threads, made by handlers that block (the pool compensates); a method call on an object still
-// being created. And the request pool's compensation on its own. Every wait is bounded.
+// threads, made by handlers that block (the pool compensates) and by async_execution handlers
+// (that hold no thread); a method call on an object still being created. And the request pool's
+// compensation on its own. Every wait is bounded.
 
 #include <dirent.h>
 
@@ -48,6 +49,40 @@ DISTOPTIM_RPC_FUNCTION("hop_sync", [](int64_t remaining, Path path) {
   path.push_back(me);
   return path;
 });
+
+// The async_execution form: returns the future of the rest of the chain, and holds no thread.
+RpcFuture<Path> ready(Path path) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  future->markCompleted(to_value(std::move(path)));
+  return RpcFuture<Path>(std::move(future), "a finished chain");
+}
+DISTOPTIM_RPC_FUNCTION("hop_async", [](int64_t remaining, Path path) {
+  const std::string me = get_worker_info().name;
+  path.push_back(me);
+  if (remaining == 1) {
+    path.push_back(me);
+    return ready(std::move(path));
+  }
+  return rpc_async<Path>(other_worker(), "hop_async", std::tuple{remaining - 1, path})
+      .then([me](Path rest) {
+        rest.push_back(me);
+        return rest;
+      });
+});
+
+DISTOPTIM_RPC_FUNCTION("fail", [](const std::string& why) -> int64_t {
+  TORCH_CHECK_VALUE(false, "refusing: ", why);
+});
+// An async_execution function whose future fails.
+DISTOPTIM_RPC_FUNCTION("fail_async", [](const std::string& why) {
+  return rpc_async<int64_t>(other_worker(), "fail", std::tuple{why});
+});
+DISTOPTIM_RPC_FUNCTION("add_async", [](int64_t a, int64_t b) {
+  return rpc_async<int64_t>(other_worker(), "add_one", std::tuple{a}).then([b](int64_t a_plus_one) {
+    return a_plus_one + b;
+  });
+});
+DISTOPTIM_RPC_FUNCTION("add_one", [](int64_t a) { return a + 1; });
 
 // What chain `id` of depth kDepth started on worker0 returns.
 Path expected_path(int id) {
@@ -125,6 +160,35 @@ TEST(NestedCalls, BlockingChainsOutnumberingThePool) {
             after = rpc_sync<int64_t>("worker1", "thread_count");
           }
           EXPECT_LE(after, before);
+        }
+        shutdown();
+      },
+      generous_deadline());
+}
+
+TEST(NestedCalls, AsyncExecutionChainsHoldNoThread) {
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        // No compensating thread: four threads serve every chain, since none waits.
+        init_rpc(worker(rank), rank, world_size,
+                 test_options().num_worker_threads(4).max_extra_worker_threads(0).rpc_timeout(30s));
+        if (rank == 0) {
+          run_chains("hop_async");
+          EXPECT_EQ(rpc_sync<int64_t>("worker1", "add_async", std::tuple{40, 1}), 42);
+          EXPECT_EQ(remote<int64_t>("worker1", "add_async", std::tuple{10, 1}).to_here(), 12);
+          EXPECT_EQ(remote<int64_t>("worker0", "add_async", std::tuple{20, 1}).to_here(), 22);
+          try {
+            rpc_sync<int64_t>("worker1", "fail_async", std::tuple{std::string("later")});
+            ADD_FAILURE() << "no error";
+          } catch (const RemoteError& error) {
+            EXPECT_EQ(error.worker_name(), "worker1");
+            EXPECT_NE(error.remote_message().find("refusing: later"), std::string::npos)
+                << error.remote_message();
+          }
+          EXPECT_THROW(
+              remote<int64_t>("worker1", "fail_async", std::tuple{std::string("x")}).to_here(),
+              RemoteError);
         }
         shutdown();
       },

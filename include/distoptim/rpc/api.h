@@ -13,7 +13,9 @@
 // `num_worker_threads` threads, never on TensorPipe's event loop, so a callable may itself make
 // RPCs (nested calls, calls back to the caller). While a request blocks in such a call (wait(),
 // rpc_sync, RRef::to_here, RRef::local_value) the pool may start a thread in its place, up to
-// `max_extra_worker_threads` (docs/threading.md). Futures complete on one completion thread; a then() callback
+// `max_extra_worker_threads` (docs/threading.md). A registered function may instead return the
+// future of its result (async_execution, registry.h): its reply goes when the future completes,
+// and no thread waits meanwhile. Futures complete on one completion thread; a then() callback
 // runs there and must not block on another RPC's result.
 
 #include <chrono>
@@ -58,7 +60,7 @@ struct RpcBackendOptions {
   /// is empty. Past the bound, a blocked request waits without compensation (warned once):
   /// queued requests then wait for a thread to resume, bounded only by their callers' timeouts.
   /// 0 keeps the pool fixed. The default allows 512 blocked requests beyond the pool (each extra
-  /// thread reserves its stack's address space, not memory).
+  /// thread reserves its stack's address space, not memory); async_execution functions need none.
   TORCH_ARG(int, max_extra_worker_threads) = 512;
   /// How long init_rpc waits for every worker, and graceful shutdown for each of its barriers.
   TORCH_ARG(std::chrono::milliseconds, init_timeout) = std::chrono::minutes(5);
@@ -136,7 +138,8 @@ void wait_future(c10::ivalue::Future& future);
 /// wait() blocks until the result arrives (the call's timeout bounds it) and returns it, or
 /// throws: RemoteError (the callable raised, or the worker refused the call), TimeoutError,
 /// PeerLostError (the worker died), DistributedError (the agent shut down), c10::TypeError (the
-/// result does not convert to T). Thread-safe.
+/// result does not convert to T). Thread-safe. A registered function may return one
+/// (async_execution): its caller gets the result once it completes, see registry.h.
 template <class T = c10::IValue>
 class RpcFuture {
  public:
