@@ -76,6 +76,13 @@ class Agent : public std::enable_shared_from_this<Agent> {
     return timeout == kDefaultTimeout ? options_.rpc_timeout() : timeout;
   }
   RRefContext& rref_context() { return *rrefs_; }
+  /// Whether the caller runs on one of this agent's threads that run user code: its request
+  /// pool, its ordered thread or its completion thread.
+  bool on_own_thread() const {
+    const Executor* pool = Executor::current();
+    return pool != nullptr &&
+           (pool == request_pool_.get() || pool == ordered_.get() || pool == completion_.get());
+  }
   /// Values still owned when the agent stopped (after a graceful shutdown: 0 unless leaked).
   size_t owned_at_stop() const { return owned_at_stop_; }
   void shutdown(bool graceful);

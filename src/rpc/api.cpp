@@ -66,6 +66,12 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
 
 void shutdown(bool graceful) {
   std::shared_ptr<detail::Agent> agent = current_agent("shutdown");
+  // Stopping joins the threads that run requests and callbacks: not from one of them.
+  DISTOPTIM_CHECK_WITH(DistributedError, !agent->on_own_thread(),
+                       "rpc: shutdown() called from a request running on worker '",
+                       agent->self().name,
+                       "' (or from a future's callback); call it from the thread that called "
+                       "init_rpc");
   // Not under g_agent_mutex: requests still running during a graceful shutdown look the agent up.
   std::exception_ptr failure;
   try {

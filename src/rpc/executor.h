@@ -18,7 +18,7 @@ namespace detail {
 /// so a job (a future's completion) is never lost. A job that throws is a bug: the exception is
 /// swallowed so that the pool survives. The destructor calls stop(). stop() called from one of
 /// the pool's own jobs detaches that thread, which ends when the job returns: the pool must
-/// outlive it.
+/// outlive it (the agent refuses rpc::shutdown from a request for this reason).
 ///
 /// Managed blocking: a job about to wait for something a queued job may have to produce (a
 /// nested call's reply, a value still being created) opens a BlockingScope around the wait.

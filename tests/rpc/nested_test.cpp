@@ -1,8 +1,8 @@
 // Requests that wait on other requests, across real processes on loopback (tests/harness): chains
 // of nested calls ping-ponging between two workers, many more of them than the request pool has
 // threads, made by handlers that block (the pool compensates) and by async_execution handlers
-// (that hold no thread); a method call on an object still being created. And the request pool's
-// compensation on its own. Every wait is bounded.
+// (that hold no thread); a method call on an object still being created; shutdown() called from a
+// handler. And the request pool's compensation on its own. Every wait is bounded.
 
 #include <dirent.h>
 
@@ -236,6 +236,32 @@ TEST(NestedCalls, MethodCallOnAnObjectStillBeingCreatedWithOneThread) {
         shutdown();
       },
       generous_deadline());
+}
+
+DISTOPTIM_RPC_FUNCTION("shut_down_here", [] {
+  shutdown();
+  return true;
+});
+
+TEST(NestedCalls, ShutdownFromAHandlerIsAnError) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options().rpc_timeout(20s));
+    if (rank == 0) {
+      try {
+        rpc_sync<bool>("worker1", "shut_down_here");
+        ADD_FAILURE() << "no error";
+      } catch (const RemoteError& error) {
+        EXPECT_EQ(error.worker_name(), "worker1");
+        EXPECT_NE(error.remote_message().find("shutdown() called from a request running on "
+                                              "worker 'worker1'"),
+                  std::string::npos)
+            << error.remote_message();
+      }
+      // The worker still serves.
+      EXPECT_EQ(rpc_sync<int64_t>("worker1", "add_one", std::tuple{1}), 2);
+    }
+    shutdown();
+  });
 }
 
 // The request pool on its own: a job blocked (in a BlockingScope) on a job queued behind it.

@@ -116,8 +116,9 @@ void init_rpc(const std::string& name, int rank, int world_size,
 /// Stops the agent. graceful: a barrier across every worker (each must call shutdown), then
 /// waits for this worker's outstanding calls and requests, a second barrier, then stops. Not
 /// graceful: stops at once; pending futures fail with DistributedError. Either way no agent
-/// thread is left afterwards. Errors: DistributedError if no agent runs; TimeoutError naming the
-/// workers missing from a barrier (the agent is stopped all the same).
+/// thread is left afterwards. Errors: DistributedError if no agent runs, or if called on one of
+/// the agent's own threads (from a request or a future's callback; nothing is stopped then);
+/// TimeoutError naming the workers missing from a barrier (the agent is stopped all the same).
 void shutdown(bool graceful = true);
 
 /// This worker, a worker by name or id, and all workers (by id). Throw c10::ValueError for an
