@@ -73,7 +73,8 @@ size_t frame_bytes(const Frame& frame) {
 
 Agent::Agent(const std::string& name, int rank, int world_size, const RpcBackendOptions& options)
     : rank_(rank), world_size_(world_size), options_(options), io_work_(io_.get_executor()) {
-  request_pool_ = std::make_unique<Executor>(options.num_worker_threads());
+  request_pool_ =
+      std::make_unique<Executor>(options.num_worker_threads(), options.max_extra_worker_threads());
   ordered_ = std::make_unique<Executor>(1);
   completion_ = std::make_unique<Executor>(1);
   pending_ = std::make_unique<PendingCalls>(
@@ -461,8 +462,28 @@ void Agent::handle_request(const std::shared_ptr<Connection>& connection, int co
       for (c10::IValue& arg : request.args) {
         arg = rrefs_->receive(arg);
       }
+      c10::IValue value = (*function)(std::move(request.args));
+      if (value.isFuture()) {
+        // async_execution: the reply goes when the returned future completes, on whichever
+        // thread completes it, and the request counts as in flight until then. The future may
+        // outlive the agent: the callback holds it weakly.
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          ++in_flight_requests_;
+        }
+        value.toFuture()->addCallback(
+            [weak = weak_from_this(), connection, id = header.id, caller](c10::ivalue::Future& done) {
+              if (auto agent = weak.lock()) {
+                agent->reply(connection, id, caller, done);
+                std::lock_guard<std::mutex> lock(agent->mutex_);
+                --agent->in_flight_requests_;
+                agent->idle_.notify_all();
+              }
+            });
+        return;
+      }
       auto result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-      result->markCompleted((*function)(std::move(request.args)));
+      result->markCompleted(std::move(value));
       reply(connection, header.id, caller, *result);
       return;
     } else {
@@ -503,15 +524,36 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::run_locally(const std::string& ca
     ++in_flight_requests_;
   }
   request_pool_->post([this, future, callable, args = std::move(args)]() mutable {
+    auto remote_error = [me = self().name](const std::exception_ptr& error) {
+      return std::make_exception_ptr(RemoteError(
+          {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, me, error_text(error)));
+    };
     try {
       auto function = find_function(callable);
       TORCH_CHECK_VALUE(function != nullptr, "no function or class is registered as '", callable,
                         "'");
-      future->markCompleted((*function)(std::move(args)));
+      c10::IValue value = (*function)(std::move(args));
+      if (value.isFuture()) {
+        // async_execution, as in handle_request: done (and no longer in flight) when the
+        // returned future is.
+        value.toFuture()->addCallback(
+            [weak = weak_from_this(), future, remote_error](c10::ivalue::Future& done) {
+              if (done.hasError()) {
+                future->setErrorIfNeeded(remote_error(done.exception_ptr()));
+              } else {
+                future->markCompleted(done.value());
+              }
+              if (auto agent = weak.lock()) {
+                std::lock_guard<std::mutex> lock(agent->mutex_);
+                --agent->in_flight_requests_;
+                agent->idle_.notify_all();
+              }
+            });
+        return;
+      }
+      future->markCompleted(std::move(value));
     } catch (...) {
-      future->setErrorIfNeeded(std::make_exception_ptr(
-          RemoteError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, self().name,
-                      error_text(std::current_exception()))));
+      future->setErrorIfNeeded(remote_error(std::current_exception()));
     }
     std::lock_guard<std::mutex> lock(mutex_);
     --in_flight_requests_;

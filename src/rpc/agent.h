@@ -46,6 +46,8 @@ class Listener;
 /// arrive on their connection, and the RRef bookkeeping of a lost peer after them; never
 /// blocks). One mutex, `mutex_`, guards the fields marked below; no future is completed and no
 /// user code runs while it is held, and it is never taken before the RRef context's.
+/// A request blocked in a nested wait gets a compensating pool thread, up to
+/// max_extra_worker_threads of them (executor.h, docs/threading.md).
 ///
 /// Connections: each worker opens one connection to each peer it calls (`outgoing_`) and
 /// accepts the connections peers open to it (`incoming_`). Requests travel on the caller's
@@ -78,6 +80,13 @@ class Agent : public std::enable_shared_from_this<Agent> {
     return timeout == kDefaultTimeout ? options_.rpc_timeout() : timeout;
   }
   RRefContext& rref_context() { return *rrefs_; }
+  /// Whether the caller runs on one of this agent's threads that run user code: its request
+  /// pool, its ordered thread or its completion thread.
+  bool on_own_thread() const {
+    const Executor* pool = Executor::current();
+    return pool != nullptr &&
+           (pool == request_pool_.get() || pool == ordered_.get() || pool == completion_.get());
+  }
   /// Values still owned when the agent stopped (after a graceful shutdown: 0 unless leaked).
   size_t owned_at_stop() const { return owned_at_stop_; }
   void shutdown(bool graceful);

@@ -47,6 +47,9 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
   TORCH_CHECK_VALUE(options.num_worker_threads() >= 1,
                     "init_rpc: num_worker_threads must be at least 1, got ",
                     options.num_worker_threads());
+  TORCH_CHECK_VALUE(options.max_extra_worker_threads() >= 0,
+                    "init_rpc: max_extra_worker_threads must be at least 0, got ",
+                    options.max_extra_worker_threads());
   TORCH_CHECK_VALUE(options.rpc_timeout().count() >= 0, "init_rpc: rpc_timeout of ",
                     options.rpc_timeout().count(), " ms (use 0 for none)");
   TORCH_CHECK_VALUE(options.init_timeout().count() > 0 && options.shutdown_timeout().count() > 0 &&
@@ -65,6 +68,12 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
 
 void shutdown(bool graceful) {
   std::shared_ptr<detail::Agent> agent = current_agent("shutdown");
+  // Stopping joins the threads that run requests and callbacks: not from one of them.
+  DISTOPTIM_CHECK_WITH(DistributedError, !agent->on_own_thread(),
+                       "rpc: shutdown() called from a request running on worker '",
+                       agent->self().name,
+                       "' (or from a future's callback); call it from the thread that called "
+                       "init_rpc");
   // Not under g_agent_mutex: requests still running during a graceful shutdown look the agent up.
   std::exception_ptr failure;
   try {
@@ -107,6 +116,13 @@ c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(const WorkerRef& to,
 }
 
 namespace detail {
+
+void wait_future(c10::ivalue::Future& future) {
+  if (future.completed()) return;
+  Executor::BlockingScope blocking;
+  future.wait();
+}
+
 namespace {
 
 const RRefImpl& impl_of(const RRefHandle& handle) {

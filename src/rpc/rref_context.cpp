@@ -9,6 +9,7 @@
 #include <distoptim/rpc/errors.h>
 
 #include "agent.h"
+#include "executor.h"
 
 namespace distoptim {
 namespace rpc {
@@ -68,10 +69,13 @@ int64_t int_arg(const std::vector<c10::IValue>& args, size_t index, const std::s
   return args[index].toInt();
 }
 
-// Waits for `future` at most `timeout` (kNoTimeout: without limit); whether it completed.
+// Waits for `future` at most `timeout` (kNoTimeout: without limit); whether it completed. On a
+// request pool thread the pool may start another meanwhile: what this waits for (a value's
+// creation, a fetch's reply) may itself be queued on the same pool.
 bool wait_for(const c10::intrusive_ptr<c10::ivalue::Future>& future,
               std::chrono::milliseconds timeout) {
   if (future->completed()) return true;
+  Executor::BlockingScope blocking;
   if (timeout == kNoTimeout) {
     future->wait();
     return true;
@@ -215,6 +219,7 @@ c10::IValue RRefContext::to_here(const RRefImpl& rref, std::chrono::milliseconds
   auto fetched = agent_.send(static_cast<int>(rref.owner()), kFetch,
                              {rref.rref_id().created_on, rref.rref_id().local_id}, timeout,
                              MessageHeader::kOrdered);
+  wait_for(fetched, kNoTimeout);  // The fetch's own timeout bounds it.
   fetched->waitAndThrow();
   return fetched->value();
 }

@@ -11,8 +11,12 @@
 // Threading: one agent per process. Every function here is safe to call from any thread once
 // init_rpc has returned and until shutdown starts. Requests a worker receives run on its pool of
 // `num_worker_threads` threads, never on the I/O thread, so a callable may itself make
-// RPCs (nested calls, calls back to the caller). Futures complete on one completion thread; a
-// then() callback runs there and must not block on another RPC's result.
+// RPCs (nested calls, calls back to the caller). While a request blocks in such a call (wait(),
+// rpc_sync, RRef::to_here, RRef::local_value) the pool may start a thread in its place, up to
+// `max_extra_worker_threads` (docs/threading.md). A registered function may instead return the
+// future of its result (async_execution, registry.h): its reply goes when the future completes,
+// and no thread waits meanwhile. Futures complete on one completion thread; a then() callback
+// runs there and must not block on another RPC's result.
 
 #include <chrono>
 #include <cstdint>
@@ -49,6 +53,15 @@ struct RpcBackendOptions {
   TORCH_ARG(std::chrono::milliseconds, rpc_timeout) = std::chrono::seconds(60);
   /// Threads that run incoming requests (PyTorch's default is 16).
   TORCH_ARG(int, num_worker_threads) = 16;
+  /// Threads the request pool may add beyond num_worker_threads while requests block in nested
+  /// waits (RpcFuture::wait, rpc_sync, RRef::to_here and local_value on a request's thread):
+  /// while requests are queued and fewer than num_worker_threads threads are not blocked, the
+  /// pool starts one more; the extra threads exit once the blocked requests resume and the queue
+  /// is empty. Past the bound, a blocked request waits without compensation (warned once):
+  /// queued requests then wait for a thread to resume, bounded only by their callers' timeouts.
+  /// 0 keeps the pool fixed. The default allows 512 blocked requests beyond the pool (each extra
+  /// thread reserves its stack's address space, not memory); async_execution functions need none.
+  TORCH_ARG(int, max_extra_worker_threads) = 512;
   /// How long init_rpc waits for every worker, and graceful shutdown for each of its barriers.
   TORCH_ARG(std::chrono::milliseconds, init_timeout) = std::chrono::minutes(5);
   TORCH_ARG(std::chrono::milliseconds, shutdown_timeout) = std::chrono::minutes(1);
@@ -108,8 +121,9 @@ void init_rpc(const std::string& name, int rank, int world_size,
 /// Stops the agent. graceful: a barrier across every worker (each must call shutdown), then
 /// waits for this worker's outstanding calls and requests, a second barrier, then stops. Not
 /// graceful: stops at once; pending futures fail with DistributedError. Either way no agent
-/// thread is left afterwards. Errors: DistributedError if no agent runs; TimeoutError naming the
-/// workers missing from a barrier (the agent is stopped all the same).
+/// thread is left afterwards. Errors: DistributedError if no agent runs, or if called on one of
+/// the agent's own threads (from a request or a future's callback; nothing is stopped then);
+/// TimeoutError naming the workers missing from a barrier (the agent is stopped all the same).
 void shutdown(bool graceful = true);
 
 /// This worker, a worker by name or id, and all workers (by id). Throw c10::ValueError for an
@@ -119,11 +133,19 @@ WorkerInfo get_worker_info(const std::string& name);
 WorkerInfo get_worker_info(int id);
 std::vector<WorkerInfo> get_worker_infos();
 
+namespace detail {
+/// Blocks until `future` completes. On a thread of the agent's request pool the wait is managed:
+/// the pool may start a thread in its place meanwhile
+/// (RpcBackendOptions::max_extra_worker_threads).
+void wait_future(c10::ivalue::Future& future);
+}  // namespace detail
+
 /// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.
 /// wait() blocks until the result arrives (the call's timeout bounds it) and returns it, or
 /// throws: RemoteError (the callable raised, or the worker refused the call), TimeoutError,
 /// PeerLostError (the worker died), DistributedError (the agent shut down), c10::TypeError (the
-/// result does not convert to T). Thread-safe.
+/// result does not convert to T). Thread-safe. A registered function may return one
+/// (async_execution): its caller gets the result once it completes, see registry.h.
 template <class T = c10::IValue>
 class RpcFuture {
  public:
@@ -131,6 +153,7 @@ class RpcFuture {
       : future_(std::move(future)), description_(std::move(description)) {}
 
   T wait() const {
+    detail::wait_future(*future_);
     future_->waitAndThrow();
     return from_value<T>(future_->constValue(), "the result of " + description_);
   }
@@ -173,6 +196,7 @@ class RpcFuture {
 
 template <>
 inline void RpcFuture<void>::wait() const {
+  detail::wait_future(*future_);
   future_->waitAndThrow();
 }
 

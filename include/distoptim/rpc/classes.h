@@ -112,12 +112,7 @@ RawFunction wrap_method(std::string name, M method, c10::guts::typelist::typelis
       return ((*self).*method)(from_value<std::decay_t<Args>>(
           args[I + 1], "argument " + std::to_string(I) + " of '" + name + "'")...);
     };
-    if constexpr (std::is_void_v<R>) {
-      call();
-      return c10::IValue();
-    } else {
-      return to_value(call());
-    }
+    return result_to_value<R>(name, call);
   };
 }
 }  // namespace detail

@@ -9,6 +9,21 @@
 //
 // Parameters and results may be any mix of the types of values.h; a void result returns None.
 //
+// async_execution (PyTorch's @rpc.functions.async_execution): a function may return the future
+// of its result, an RpcFuture<T> (api.h) or a c10::intrusive_ptr<c10::ivalue::Future>; the
+// caller's reply (or the value of remote()) is sent when that future completes, and no thread
+// of the request pool waits for it meanwhile. An error in the future reaches the caller as a
+// RemoteError, as a throw would. The future's callbacks run on the completion thread: a then()
+// must not block.
+//
+//   DISTOPTIM_RPC_FUNCTION("add_via", [](std::string peer, int64_t a, int64_t b) {
+//     return rpc_async<int64_t>(peer, "add", std::tuple{a, b}).then([](int64_t sum) {
+//       return sum * 2;
+//     });
+//   });
+//
+// A RawFunction does the same by returning a c10::IValue that holds a future.
+//
 // Names starting with "__distoptim." are reserved.
 
 #include <functional>
@@ -19,6 +34,7 @@
 #include <vector>
 
 #include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/TypeTraits.h>
 
@@ -27,7 +43,11 @@
 namespace distoptim {
 namespace rpc {
 
-/// A callable on IValues: what the registry stores. Arguments arrive by value.
+template <class T>
+class RpcFuture;
+
+/// A callable on IValues: what the registry stores. Arguments arrive by value. A result holding
+/// a c10::ivalue::Future is the future of the result (async_execution).
 using RawFunction = std::function<c10::IValue(std::vector<c10::IValue> args)>;
 
 /// Registers `function` under `name`. Throws c10::ValueError if `name` is empty, taken or
@@ -40,6 +60,34 @@ void register_raw_function(const std::string& name, RawFunction function);
 bool is_function_registered(const std::string& name);
 
 namespace detail {
+template <class R>
+struct is_future_result : std::false_type {};
+template <class T>
+struct is_future_result<RpcFuture<T>> : std::true_type {};
+template <>
+struct is_future_result<c10::intrusive_ptr<c10::ivalue::Future>> : std::true_type {};
+
+/// What a typed function's result `call()` of type R becomes: None for void, the future itself
+/// for a future (async_execution), else to_value.
+template <class R, class Call>
+c10::IValue result_to_value(const std::string& name, Call&& call) {
+  if constexpr (std::is_void_v<R>) {
+    call();
+    return c10::IValue();
+  } else if constexpr (is_future_result<std::decay_t<R>>::value) {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    if constexpr (std::is_same_v<std::decay_t<R>, c10::intrusive_ptr<c10::ivalue::Future>>) {
+      future = call();
+    } else {
+      future = call().raw();
+    }
+    TORCH_CHECK_VALUE(future != nullptr, "'", name, "' returned a null future");
+    return c10::IValue(std::move(future));
+  } else {
+    return to_value(call());
+  }
+}
+
 template <class F, class R, class... Args, size_t... I>
 RawFunction wrap_typed(std::string name, F function, c10::guts::typelist::typelist<Args...>,
                        std::index_sequence<I...>) {
@@ -51,12 +99,7 @@ RawFunction wrap_typed(std::string name, F function, c10::guts::typelist::typeli
       return function(from_value<std::decay_t<Args>>(
           args[I], "argument " + std::to_string(I) + " of '" + name + "'")...);
     };
-    if constexpr (std::is_void_v<R>) {
-      call();
-      return c10::IValue();
-    } else {
-      return to_value(call());
-    }
+    return result_to_value<R>(name, call);
   };
 }
 }  // namespace detail

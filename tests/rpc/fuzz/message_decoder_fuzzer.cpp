@@ -1,8 +1,10 @@
 // libFuzzer target over the RPC message decoder: everything a peer controls, in the order the
 // agent sees it. Input layout: 24 header bytes, then the body (as long as the header says, or
 // whatever is left), then one little-endian u32 length per announced tensor, then tensor bytes.
-// Any outcome but an error string or a decoded message (a crash, a sanitizer report, an
-// exception) is a bug.
+// The same input is also read as the first bytes of a connection whose peer has not proven
+// itself: frames (header, tensor lengths, body) checked against handshake_limits, as
+// transport/connection.cpp reads them. Any outcome but an error string or a decoded message (a
+// crash, a sanitizer report, an exception) is a bug.
 
 #include <cstddef>
 #include <cstdint>
@@ -20,8 +22,36 @@ using distoptim::rpc::detail::DecodedMessage;
 using distoptim::rpc::detail::MessageHeader;
 using distoptim::rpc::detail::WireLimits;
 
+namespace {
+
+// Reads frames off the start of a connection until the bytes run out or a check fails.
+void read_connection_start(std::string_view input) {
+  using namespace distoptim::rpc::detail;
+  const WireLimits limits = handshake_limits();
+  while (input.size() >= MessageHeader::kEncodedSize) {
+    MessageHeader header;
+    if (decode_header(input.substr(0, MessageHeader::kEncodedSize), &header) ||
+        check_header(header, limits)) {
+      return;
+    }
+    input.remove_prefix(MessageHeader::kEncodedSize);
+    const size_t length_bytes = size_t{header.tensor_count} * 8;
+    if (input.size() < length_bytes) return;
+    std::vector<size_t> lengths;
+    if (decode_tensor_lengths(header, input.substr(0, length_bytes), limits, &lengths)) return;
+    input.remove_prefix(length_bytes);
+    if (input.size() < header.body_length) return;
+    DecodedMessage message;
+    if (decode_body(header, input.substr(0, header.body_length), {}, limits, &message)) return;
+    input.remove_prefix(header.body_length);
+  }
+}
+
+}  // namespace
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view input(reinterpret_cast<const char*>(data), size);
+  read_connection_start(input);
   if (input.size() < MessageHeader::kEncodedSize) {
     MessageHeader header;
     (void)decode_header(input, &header);
