@@ -58,6 +58,13 @@ std::string from_bytes(const std::vector<uint8_t>& bytes) {
   return std::string(bytes.begin(), bytes.end());
 }
 
+// Where a rank or world size that failed its check came from, for the message.
+std::string source_text(bool given, bool in_environment, const char* variable) {
+  if (given) return "";
+  if (in_environment) return " (from the launcher's environment)";
+  return c10::str(" (not given, and ", variable, " is unset)");
+}
+
 std::string seconds_text(std::chrono::milliseconds ms) {
   return c10::str(static_cast<double>(ms.count()) / 1000.0, " s");
 }
@@ -283,10 +290,10 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   const int world_size = options.world_size() >= 0 ? options.world_size()
                                                    : env.world_size.value_or(-1);
   TORCH_CHECK_VALUE(world_size >= 1, "rendezvous(", method, "): world_size = ", world_size,
-                    (options.world_size() < 0 ? " (not given, and WORLD_SIZE is unset)" : ""),
+                    source_text(options.world_size() >= 0, env.world_size.has_value(), "WORLD_SIZE"),
                     "; must be at least 1");
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "rendezvous(", method, "): rank = ", rank,
-                    (options.rank() < 0 ? " (not given, and RANK is unset)" : ""),
+                    source_text(options.rank() >= 0, env.rank.has_value(), "RANK"),
                     "; must be in [0, ", world_size, ")");
 
   Rendezvous result;
