@@ -11,8 +11,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <distoptim/comm/errors.h>
-
-#include "store_wait.h"
+#include <distoptim/comm/store_wait.h>
 
 namespace distoptim {
 namespace comm {
@@ -45,6 +44,8 @@ std::string ranks_text(const std::vector<int>& ranks) {
   return "[" + c10::Join(", ", ranks) + "]";
 }
 
+// Gloo meets its peers through `store`, a PrefixStore over the rendezvous's DeadlineStore: its
+// store operations too end by the rendezvous timeout.
 c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
                                                        int rank, int size,
                                                        std::chrono::milliseconds timeout,
@@ -56,17 +57,16 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<
 
 // Checks every rank of the world passed the same `ranks` to the new_group call numbered `id`,
 // waiting for all of them at most `timeout`. Called by members only.
-void agree_on_members(c10d::Store& store, const std::string& key_prefix, int world_size,
+void agree_on_members(DeadlineStore& store, const std::string& key_prefix, int world_size,
                       int my_rank, const std::vector<int>& ranks,
-                      std::chrono::milliseconds timeout, int64_t id) {
-  const std::vector<int> missing =
-      wait_for_rank_keys(store, key_prefix, world_size, Clock::now() + timeout);
+                      Clock::time_point deadline, std::chrono::milliseconds timeout, int64_t id) {
+  const std::vector<int> missing = wait_for_rank_keys(store, key_prefix, world_size, deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "new_group(ranks=", ranks_text(ranks),
                        ") (call #", id, "): rank ", my_rank, " waited ", timeout.count(),
                        " ms; these ranks never called it: ", c10::Join(", ", missing));
   const std::string mine = ranks_text(ranks);
   for (int r = 0; r < world_size; ++r) {
-    const std::vector<uint8_t> bytes = store.get(key_prefix + std::to_string(r));
+    const std::vector<uint8_t> bytes = store.get(key_prefix + std::to_string(r), deadline);
     const std::string theirs(bytes.begin(), bytes.end());
     TORCH_CHECK_VALUE(theirs == mine, "new_group (call #", id, "): rank ", r,
                       " passed ranks=", theirs, " but rank ", my_rank, " passed ranks=", mine,
@@ -174,7 +174,7 @@ int get_local_world_size() {
   return initialized_state("get_local_world_size").rendezvous.local_world_size;
 }
 
-c10::intrusive_ptr<c10d::Store> default_store() {
+c10::intrusive_ptr<DeadlineStore> default_store() {
   std::lock_guard<std::mutex> lock(state_mutex);
   return initialized_state("default_store").rendezvous.store;
 }
@@ -200,17 +200,19 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
   // Group ranks follow global order, as PyTorch's new_group sorts its ranks.
   std::sort(ranks.begin(), ranks.end());
   const int64_t id = ++s.groups_made;
-  const c10::intrusive_ptr<c10d::Store> store = s.rendezvous.store;
+  const c10::intrusive_ptr<DeadlineStore> store = s.rendezvous.store;
   const std::string hostname = s.gloo_hostname;
   lock.unlock();  // the waits below may be long; the group number is already taken
 
   const std::string prefix = "group/" + std::to_string(id) + "/";
   const std::string announced = ranks_text(ranks);
+  const auto deadline = Clock::now() + group_timeout;
   store->set(prefix + "ranks/" + std::to_string(my_rank),
-             std::vector<uint8_t>(announced.begin(), announced.end()));
+             std::vector<uint8_t>(announced.begin(), announced.end()), deadline);
   const auto it = std::find(ranks.begin(), ranks.end(), my_rank);
   if (it == ranks.end()) return Group({}, ranks, my_rank, group_timeout);
-  agree_on_members(*store, prefix + "ranks/", world_size, my_rank, ranks, group_timeout, id);
+  agree_on_members(*store, prefix + "ranks/", world_size, my_rank, ranks, deadline,
+                   group_timeout, id);
   auto group_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "pg/", store);
   const int group_rank = static_cast<int>(it - ranks.begin());
   return Group(make_gloo_group(group_store, group_rank, static_cast<int>(ranks.size()),

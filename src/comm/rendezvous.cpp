@@ -15,8 +15,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <distoptim/comm/errors.h>
-
-#include "store_wait.h"
+#include <distoptim/comm/store_wait.h>
 
 namespace distoptim {
 namespace comm {
@@ -56,6 +55,13 @@ std::vector<uint8_t> to_bytes(const std::string& text) {
 
 std::string from_bytes(const std::vector<uint8_t>& bytes) {
   return std::string(bytes.begin(), bytes.end());
+}
+
+// Where a rank or world size that failed its check came from, for the message.
+std::string source_text(bool given, bool in_environment, const char* variable) {
+  if (given) return "";
+  if (in_environment) return " (from the launcher's environment)";
+  return c10::str(" (not given, and ", variable, " is unset)");
 }
 
 std::string seconds_text(std::chrono::milliseconds ms) {
@@ -156,42 +162,33 @@ constexpr auto kFailureGrace = std::chrono::seconds(2);
 // Waits until every rank r in [0, world_size) has set `prefix + r`, polling so that a timeout
 // can name the ranks that never did, and so that rank 0's published failure is seen. `what`
 // says what was awaited, for the error.
-void wait_for_ranks(c10d::Store& store, const std::string& prefix, int rank, int world_size,
+void wait_for_ranks(DeadlineStore& store, const std::string& prefix, int rank, int world_size,
                     Clock::time_point deadline, const std::string& what) {
-  std::vector<int> missing;
-  try {
-    missing = wait_for_rank_keys(store, prefix, world_size, deadline, [&] {
-      if (rank != 0 && store.check({kFailedKey})) {
-        throw_published_failure(from_bytes(store.get(kFailedKey)), rank);
-      }
-    });
-  } catch (const DistributedError&) {
-    throw;
-  } catch (const std::exception& e) {
-    // The store itself failed (c10d throws std::runtime_error): rank 0, which serves it, is gone.
-    DISTOPTIM_THROW(PeerLostError, what, "; lost the rendezvous store (rank 0): ",
-                    c10::GetExceptionString(e));
-  }
+  const std::vector<int> missing = wait_for_rank_keys(store, prefix, world_size, deadline, [&] {
+    if (rank != 0 && store.check({kFailedKey}, deadline)) {
+      throw_published_failure(from_bytes(store.get(kFailedKey, deadline)), rank);
+    }
+  });
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), what, "; these ranks never arrived: ",
                        c10::Join(", ", missing));
 }
 
 // Announces this rank, waits for all, and fills in `result` from what the ranks announced.
-void meet(c10d::Store& store, const std::string& method, Clock::time_point deadline,
+void meet(DeadlineStore& store, const std::string& method, Clock::time_point deadline,
           const std::string& context, Rendezvous& result) {
   const int rank = result.rank;
   const int world_size = result.world_size;
-  const int64_t claims = store.add(kClaimKey + std::to_string(rank), 1);
+  const int64_t claims = store.add(kClaimKey + std::to_string(rank), 1, deadline);
   TORCH_CHECK_VALUE(claims == 1, "rendezvous(", method, "): rank ", rank,
                     " is claimed by more than one process (", claims, " claims)");
   const std::string host = this_hostname();
   store.set(kArrivedKey + std::to_string(rank),
-            to_bytes(std::to_string(world_size) + "\n" + host));
+            to_bytes(std::to_string(world_size) + "\n" + host), deadline);
   wait_for_ranks(store, kArrivedKey, rank, world_size, deadline, context);
 
   result.hosts.resize(world_size);
   for (int r = 0; r < world_size; ++r) {
-    const std::string value = from_bytes(store.get(kArrivedKey + std::to_string(r)));
+    const std::string value = from_bytes(store.get(kArrivedKey + std::to_string(r), deadline));
     const size_t newline = value.find('\n');
     const std::string their_size = value.substr(0, newline);
     TORCH_CHECK_VALUE(newline != std::string::npos && their_size == std::to_string(world_size),
@@ -204,7 +201,7 @@ void meet(c10d::Store& store, const std::string& method, Clock::time_point deadl
   result.local_world_size =
       static_cast<int>(std::count(result.hosts.begin(), result.hosts.end(), result.hosts[rank]));
 
-  store.set(kDoneKey + std::to_string(rank), to_bytes("1"));
+  store.set(kDoneKey + std::to_string(rank), to_bytes("1"), deadline);
   if (rank == 0) {
     wait_for_ranks(store, kDoneKey, rank, world_size, deadline,
                    context + " for the other ranks to read the rendezvous");
@@ -212,21 +209,23 @@ void meet(c10d::Store& store, const std::string& method, Clock::time_point deadl
 }
 
 // After a failure of `meet` on this rank: leave a mark; rank 0 also publishes the failure and
-// waits (briefly) until every rank that had claimed its rank has left. Never throws.
-void announce_failure(c10d::Store& store, int rank, int world_size, const c10::Error& error) {
+// waits (briefly) until every rank that had claimed its rank has left. Never throws; when the
+// store itself failed, its first operation fails at once (see DeadlineStore).
+void announce_failure(DeadlineStore& store, int rank, int world_size, const c10::Error& error) {
+  const auto until = Clock::now() + kFailureGrace;
   try {
-    store.add(kLeftKey + std::to_string(rank), 1);
+    store.add(kLeftKey + std::to_string(rank), 1, until);
     if (rank != 0) return;
     const bool timeout = dynamic_cast<const TimeoutError*>(&error) != nullptr;
     store.set(kFailedKey,
               to_bytes(std::string(timeout ? "timeout" : "error") + "\n" +
-                       error.what_without_backtrace()));
-    const auto until = Clock::now() + kFailureGrace;
+                       error.what_without_backtrace()),
+              until);
     // Every process that claimed a rank (two may have claimed one) must have left.
     for (int r = 1; r < world_size; ++r) {
       const std::string claim = kClaimKey + std::to_string(r);
       const std::string left = kLeftKey + std::to_string(r);
-      while (Clock::now() < until && store.add(left, 0) < store.add(claim, 0)) {
+      while (Clock::now() < until && store.add(left, 0, until) < store.add(claim, 0, until)) {
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
       }
     }
@@ -283,10 +282,10 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   const int world_size = options.world_size() >= 0 ? options.world_size()
                                                    : env.world_size.value_or(-1);
   TORCH_CHECK_VALUE(world_size >= 1, "rendezvous(", method, "): world_size = ", world_size,
-                    (options.world_size() < 0 ? " (not given, and WORLD_SIZE is unset)" : ""),
+                    source_text(options.world_size() >= 0, env.world_size.has_value(), "WORLD_SIZE"),
                     "; must be at least 1");
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "rendezvous(", method, "): rank = ", rank,
-                    (options.rank() < 0 ? " (not given, and RANK is unset)" : ""),
+                    source_text(options.rank() >= 0, env.rank.has_value(), "RANK"),
                     "; must be in [0, ", world_size, ")");
 
   Rendezvous result;
@@ -294,11 +293,13 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   result.world_size = world_size;
   result.timeout = options.timeout();
   c10::intrusive_ptr<c10d::Store> store;
+  std::string address;
   if (is_file) {
     const std::string path = method.substr(std::string("file://").size());
     TORCH_CHECK_VALUE(!path.empty(), "rendezvous: init_method '", method, "' names no file");
     store = c10::make_intrusive<c10d::FileStore>(path, world_size);
     store->setTimeout(options.timeout());
+    address = "file " + path;
   } else {
     std::string host;
     int port = 0;
@@ -314,21 +315,31 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
     }
     result.master_addr = host;
     store = connect_tcp_store(host, port, rank, world_size, options.timeout());
+    address = c10::str(host.find(':') == std::string::npos ? host : "[" + host + "]", ":", port);
   }
-  result.store = c10::make_intrusive<c10d::PrefixStore>(options.prefix() + "/", store);
+  result.store = c10::make_intrusive<DeadlineStore>(
+      c10::make_intrusive<c10d::PrefixStore>(options.prefix() + "/", store), address,
+      options.timeout());
   const auto deadline = Clock::now() + options.timeout();
   const std::string context = c10::str("rendezvous(", method, "): rank ", rank, " of ",
                                        world_size, " waited ", seconds_text(options.timeout()));
+  if (!is_file) {
+    // LibTorch 1.13's TCPStore sets its socket's receive timeout to the timeout of a wait and
+    // keeps it. After this wait for no keys (answered at once), no receive on the connection
+    // blocks longer than the rendezvous timeout: an operation that DeadlineStore abandoned at
+    // its deadline ends by then on its thread, even if the server never answers.
+    try {
+      result.store->wait({}, options.timeout());
+    } catch (c10::Error& e) {
+      e.add_context(c10::str("rendezvous(", method, "): rank ", rank, " was connecting"));
+      throw;
+    }
+  }
   try {
     meet(*result.store, method, deadline, context, result);
   } catch (const c10::Error& e) {
     announce_failure(*result.store, rank, world_size, e);
     throw;
-  } catch (const std::exception& e) {
-    const PeerLostError lost({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                             context + "; the rendezvous store failed: " + c10::GetExceptionString(e));
-    announce_failure(*result.store, rank, world_size, lost);
-    throw lost;
   }
   return result;
 }

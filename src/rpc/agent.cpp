@@ -9,8 +9,8 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/comm/store_wait.h>
 
-#include "../comm/store_wait.h"
 #include "registry_internal.h"
 
 namespace distoptim {
@@ -128,13 +128,14 @@ void Agent::start_listening() {
 }
 
 void Agent::exchange_addresses(const std::string& name) {
-  c10d::Store& store = *rendezvous_.store;
+  comm::DeadlineStore& store = *rendezvous_.store;
   const std::string key_prefix = std::string(kStorePrefix) + "worker/";
   const std::string url = listener_->address() + " " + std::to_string(listener_->port());
-  store.set(key_prefix + std::to_string(rank_), std::vector<uint8_t>(name.begin(), name.end()));
-  store.set(key_prefix + std::to_string(rank_) + "/url",
-            std::vector<uint8_t>(url.begin(), url.end()));
   const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
+  store.set(key_prefix + std::to_string(rank_), std::vector<uint8_t>(name.begin(), name.end()),
+            deadline);
+  store.set(key_prefix + std::to_string(rank_) + "/url",
+            std::vector<uint8_t>(url.begin(), url.end()), deadline);
   const std::vector<int> missing =
       comm::wait_for_rank_keys(store, key_prefix, world_size_, deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "init_rpc: worker '", name, "' (rank ", rank_,
@@ -143,8 +144,9 @@ void Agent::exchange_addresses(const std::string& name) {
   workers_.resize(world_size_);
   addresses_.resize(world_size_);
   for (int id = 0; id < world_size_; ++id) {
-    const std::vector<uint8_t> peer_name = store.get(key_prefix + std::to_string(id));
-    const std::vector<uint8_t> peer_url = store.get(key_prefix + std::to_string(id) + "/url");
+    const std::vector<uint8_t> peer_name = store.get(key_prefix + std::to_string(id), deadline);
+    const std::vector<uint8_t> peer_url =
+        store.get(key_prefix + std::to_string(id) + "/url", deadline);
     workers_[id] = WorkerInfo{std::string(peer_name.begin(), peer_name.end()), id};
     const std::string address(peer_url.begin(), peer_url.end());
     const size_t space = address.rfind(' ');
@@ -744,13 +746,15 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& f
 }
 
 void Agent::barrier(const std::string& round, bool wait) {
-  c10d::Store& store = *rendezvous_.store;
+  // Every store operation ends by the barrier's deadline: a store host that stopped answering
+  // fails it with TimeoutError, one that died with PeerLostError, both naming the store.
+  comm::DeadlineStore& store = *rendezvous_.store;
   const std::string prefix = std::string(kStorePrefix) + "shutdown/" + round + "/";
-  store.set(prefix + std::to_string(rank_), std::vector<uint8_t>{1});
+  const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
+  store.set(prefix + std::to_string(rank_), std::vector<uint8_t>{1}, deadline);
   if (!wait) {
     return;
   }
-  const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
   const std::vector<int> missing = comm::wait_for_rank_keys(store, prefix, world_size_, deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "rpc shutdown: worker '", self().name,
                        "' waited ", options_.shutdown_timeout().count(), " ms at barrier '", round,

@@ -110,6 +110,13 @@ TEST(RendezvousBadInput, NamesTheArgument) {
       {"rank = 5", "[0, 2)"});
   expect_error_containing([] { rendezvous(RendezvousOptions("env://")); },
                           {"world_size = -1", "WORLD_SIZE is unset"});
+  // A rank from the environment that is out of range is not called unset.
+  LaunchEnv launched;
+  launched.rank = 2;
+  launched.world_size = 2;
+  expect_error_containing(
+      [&] { rendezvous(RendezvousOptions("env://").launch_env(launched)); },
+      {"rank = 2 (from the launcher's environment); must be in [0, 2)"});
   expect_error_containing([] { rendezvous(RendezvousOptions("env://").rank(0).world_size(1)); },
                           {"MASTER_ADDR is unset"});
   expect_error_containing(

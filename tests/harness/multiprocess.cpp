@@ -135,6 +135,24 @@ int free_port() {
   return port;
 }
 
+char process_state(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return '?';
+  // "pid (command) S ...": the command may hold spaces and parentheses, the state follows the last.
+  const size_t close = line.rfind(')');
+  return close == std::string::npos || close + 2 >= line.size() ? '?' : line[close + 2];
+}
+
+bool wait_for_process_state(int pid, const std::string& states, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (states.find(process_state(pid)) == std::string::npos) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
 void run_ranks(int world_size, const std::function<void(int, int)>& body,
                const RunRanksOptions& options) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();

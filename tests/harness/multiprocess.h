@@ -37,5 +37,13 @@ bool in_rank_process();
 /// A TCP port on 127.0.0.1 that was free a moment ago.
 int free_port();
 
+/// The state letter of process `pid` in /proc/<pid>/stat ('T' stopped, 'Z' zombie, ...), or '?'
+/// when there is no such process.
+char process_state(int pid);
+
+/// Polls (every 10 ms, at most `limit`) until process `pid` is in one of `states` (letters as
+/// process_state's); false when it never was.
+bool wait_for_process_state(int pid, const std::string& states, std::chrono::milliseconds limit);
+
 }  // namespace testing
 }  // namespace distoptim

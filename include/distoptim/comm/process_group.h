@@ -84,8 +84,9 @@ int get_world_size();
 /// This rank's position among the ranks on its host, and their number.
 int get_local_rank();
 int get_local_world_size();
-/// The store the ranks met on, for layers that exchange small values (never for tensors).
-c10::intrusive_ptr<c10d::Store> default_store();
+/// The store the ranks met on, for layers that exchange small values (never for tensors). Its
+/// operations end by a deadline (see DeadlineStore).
+c10::intrusive_ptr<DeadlineStore> default_store();
 
 /// A group of the given global ranks (torch.distributed.new_group). Collective: every rank of
 /// the world calls it, in the same order as its other new_group calls, with the same list; a

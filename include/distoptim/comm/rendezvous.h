@@ -8,9 +8,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
 
-namespace c10d {
-class Store;
-}
+#include <distoptim/comm/store_wait.h>
 
 namespace distoptim {
 namespace comm {
@@ -55,7 +53,9 @@ struct RendezvousOptions {
 
 /// The outcome of a rendezvous: a key-value store every rank shares, and who is where.
 struct Rendezvous {
-  c10::intrusive_ptr<c10d::Store> store;
+  /// Keys under the rendezvous prefix. Every operation ends by a deadline (by default the
+  /// rendezvous timeout) and names the store's host:port (or file) when it fails.
+  c10::intrusive_ptr<DeadlineStore> store;
   int rank = -1;
   int world_size = 0;
   /// The host of every rank (its hostname), by rank.
@@ -70,9 +70,11 @@ struct Rendezvous {
 
 /// Meets the other ranks. Blocks until all `world_size` ranks have arrived or `timeout` passes.
 /// Errors: c10::ValueError for a bad init_method, rank or world_size (named, with its value);
-/// distoptim::TimeoutError naming the ranks that never arrived (or the store that could not be
-/// reached); c10::ValueError when two processes claim one rank or ranks disagree on the world
-/// size. Thread safety: safe to call from any thread; each call is independent.
+/// distoptim::TimeoutError naming the ranks that never arrived, or the store (host:port) that
+/// could not be reached or stopped answering; distoptim::PeerLostError naming the store when its
+/// connection breaks (rank 0 died); c10::ValueError when two processes claim one rank or ranks
+/// disagree on the world size. Bounded by `timeout` (a store that stops answering just before
+/// it may add up to DeadlineStore::kMinAnswerTime). Thread safety: safe to call from any thread; each call is independent.
 Rendezvous rendezvous(const RendezvousOptions& options);
 
 /// True when `host` names this machine's loopback ("localhost", 127.0.0.0/8, "::1").

@@ -1,0 +1,117 @@
+// A graceful shutdown whose store host (rank 0) is stopped or dead fails with one of our errors
+// naming the store, within a bound, instead of hanging or throwing a bare std::exception.
+
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include <distoptim/rpc.h>
+
+#include "../harness/multiprocess.h"
+
+namespace distoptim {
+namespace rpc {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+using distoptim::testing::run_ranks;
+
+std::atomic<bool> resumed{false};
+
+// Both reply with the caller's pid first, then stop (SIGSTOP) or die (as SIGKILL would: no
+// cleanup, the kernel closes the sockets) 100 ms later.
+DISTOPTIM_RPC_FUNCTION("stop_soon", [] {
+  std::thread([] {
+    std::this_thread::sleep_for(100ms);
+    ::raise(SIGSTOP);
+    resumed = true;
+  }).detach();
+  return static_cast<int64_t>(::getpid());
+});
+DISTOPTIM_RPC_FUNCTION("die_soon", [] {
+  std::thread([] {
+    std::this_thread::sleep_for(100ms);
+    ::_exit(9);
+  }).detach();
+  return static_cast<int64_t>(::getpid());
+});
+
+std::string worker(int rank) { return "worker" + std::to_string(rank); }
+
+// Rank 0 serves the store on MASTER_PORT: errors about it name it so.
+void expect_names_the_store(const c10::Error& error) {
+  const std::string store = "the store at 127.0.0.1:" + std::string(std::getenv("MASTER_PORT"));
+  EXPECT_NE(std::string(error.what()).find(store), std::string::npos) << error.what();
+}
+
+RpcBackendOptions options() {
+  return RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(3s);
+}
+
+TEST(RpcStoreFailure, GracefulShutdownWithStoppedStoreHostTimesOut) {
+  distoptim::testing::RunRanksOptions run_options;
+  run_options.deadline = 60s;
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size, options());
+        if (rank == 0) {
+          // Stopped by stop_soon, continued by rank 1 once its shutdown has failed.
+          for (int i = 0; i < 4000 && !resumed; ++i) std::this_thread::sleep_for(10ms);
+          EXPECT_TRUE(resumed);
+          shutdown(/*graceful=*/false);
+          return;
+        }
+        const auto pid = static_cast<pid_t>(rpc_sync<int64_t>(worker(0), "stop_soon"));
+        ASSERT_TRUE(distoptim::testing::wait_for_process_state(pid, "T", 20s));
+        const auto start = Clock::now();
+        try {
+          shutdown();
+          ADD_FAILURE() << "expected a TimeoutError";
+        } catch (const TimeoutError& e) {
+          expect_names_the_store(e);
+        }
+        // shutdown_timeout is 3 s; the bound only proves that it did not hang.
+        EXPECT_LT(Clock::now() - start, 20s);
+        ::kill(pid, SIGCONT);
+      },
+      run_options);
+}
+
+TEST(RpcStoreFailure, GracefulShutdownWithDeadStoreHostNamesTheStore) {
+  distoptim::testing::RunRanksOptions run_options;
+  run_options.deadline = 60s;
+  run_options.expected_exit_codes = {{0, 9}};
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size, options());
+        if (rank == 0) {
+          std::this_thread::sleep_for(40s);  // Ends by die_soon's _exit(9).
+          return;
+        }
+        const auto pid = static_cast<pid_t>(rpc_sync<int64_t>(worker(0), "die_soon"));
+        // Dead: a zombie until the harness reaps it, then gone.
+        ASSERT_TRUE(distoptim::testing::wait_for_process_state(pid, "Z?", 20s));
+        const auto start = Clock::now();
+        try {
+          shutdown();
+          ADD_FAILURE() << "expected a c10::Error";
+        } catch (const c10::Error& e) {
+          expect_names_the_store(e);
+        }
+        EXPECT_LT(Clock::now() - start, 20s);
+      },
+      run_options);
+}
+
+}  // namespace
+}  // namespace rpc
+}  // namespace distoptim
