@@ -244,7 +244,7 @@ void Agent::connect_to(int peer) {
   connect(io_, address, port,
           [this, peer](std::shared_ptr<Connection> connection, const std::string& error) {
             if (!connection) {
-              on_outgoing_lost(peer, nullptr, "cannot connect: " + error, /*retry=*/true);
+              on_outgoing_lost(peer, nullptr, "cannot connect: " + error, /*refused=*/false);
               return;
             }
             {
@@ -262,7 +262,7 @@ void Agent::connect_to(int peer) {
                                   on_connected(peer, connection);
                                 } else {
                                   on_outgoing_lost(peer, connection, outcome.why,
-                                                   /*retry=*/!outcome.refused);
+                                                   outcome.refused);
                                 }
                               });
           });
@@ -281,7 +281,7 @@ void Agent::on_connected(int peer, const std::shared_ptr<Connection>& connection
         return self && on_reply_frame(self, peer, std::move(frame));
       },
       [this, weak, peer](const std::string& why) {
-        on_outgoing_lost(peer, weak.lock(), why, /*retry=*/false);
+        on_outgoing_lost(peer, weak.lock(), why, /*refused=*/false);
       });
   std::vector<EncodedMessage> held;
   {
@@ -301,8 +301,9 @@ void Agent::on_connected(int peer, const std::shared_ptr<Connection>& connection
 
 // A connection to `peer` failed. Before its handshake ended, a lost connection is tried again a
 // few times (the calls wait in `held`); a refusal, or a loss after the handshake, loses the peer.
+// A peer lost other than by refusal counts as dead (graceful shutdown does not wait for it).
 void Agent::on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connection,
-                             const std::string& why, bool retry) {
+                             const std::string& why, bool refused) {
   std::string reason = why;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -313,7 +314,7 @@ void Agent::on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connec
     if (!it->second.farewell.empty()) {
       reason = it->second.farewell;
     }
-    if (state_ == State::kRunning && retry && !it->second.ready &&
+    if (state_ == State::kRunning && !refused && !it->second.ready &&
         ++it->second.attempts < kConnectAttempts) {
       it->second.connection = nullptr;
       auto timer = std::make_shared<asio::steady_timer>(io_, kReconnectDelay * it->second.attempts);
@@ -321,6 +322,9 @@ void Agent::on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connec
         if (!error) connect_to(peer);
       });
       return;
+    }
+    if (!refused) {
+      dead_peers_.emplace(peer, reason);
     }
   }
   on_pipe_failed(peer, reason);
@@ -452,11 +456,13 @@ void Agent::handle_request(const std::shared_ptr<Connection>& connection, int co
       discard_rrefs(request.args);
     } else if (ordered) {
       caller = request.caller_id;
-      auto result = rrefs_->handle_control(request.callable, std::move(request.args), caller);
+      auto result = rrefs_->handle_control(request.callable, std::move(request.args), caller,
+                                           header.id, request.metadata);
       // The reply may wait (a fetch of a value still being created); it is written by whoever
       // completes `result`.
-      result->addCallback([this, connection, id = header.id, caller](c10::ivalue::Future& done) {
-        reply(connection, id, caller, done);
+      result->addCallback([this, connection, id = header.id, caller,
+                           callable = request.callable](c10::ivalue::Future& done) {
+        reply(connection, id, caller, callable, done);
       });
       return;
     } else if (auto function = find_function(request.callable)) {
@@ -464,6 +470,10 @@ void Agent::handle_request(const std::shared_ptr<Connection>& connection, int co
       for (c10::IValue& arg : request.args) {
         arg = rrefs_->receive(arg);
       }
+      // Lives while the function runs (a context the interceptor set for it).
+      const std::shared_ptr<void> context = intercept_receive(
+          {MessageInfo::Kind::kRequest, caller, request.callable, header.id}, request.args,
+          request.metadata);
       c10::IValue value = (*function)(std::move(request.args));
       if (value.isFuture()) {
         // async_execution: the reply goes when the returned future completes, on whichever
@@ -474,9 +484,10 @@ void Agent::handle_request(const std::shared_ptr<Connection>& connection, int co
           ++in_flight_requests_;
         }
         value.toFuture()->addCallback(
-            [weak = weak_from_this(), connection, id = header.id, caller](c10::ivalue::Future& done) {
+            [weak = weak_from_this(), connection, id = header.id, caller,
+             callable = request.callable](c10::ivalue::Future& done) {
               if (auto agent = weak.lock()) {
-                agent->reply(connection, id, caller, done);
+                agent->reply(connection, id, caller, callable, done);
                 std::lock_guard<std::mutex> lock(agent->mutex_);
                 --agent->in_flight_requests_;
                 agent->idle_.notify_all();
@@ -485,8 +496,9 @@ void Agent::handle_request(const std::shared_ptr<Connection>& connection, int co
         return;
       }
       auto result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-      result->markCompleted(std::move(value));
-      reply(connection, header.id, caller, *result);
+      result->markCompleted(snapshot_shared_tensors(value, /*holders=*/1));
+      value = c10::IValue();
+      reply(connection, header.id, caller, request.callable, *result);
       return;
     } else {
       failure = "no function or class is registered as '" + request.callable + "'";
@@ -500,14 +512,20 @@ void Agent::handle_request(const std::shared_ptr<Connection>& connection, int co
 }
 
 void Agent::reply(const std::shared_ptr<Connection>& connection, uint64_t id, int caller,
-                  const c10::ivalue::Future& result) {
+                  const std::string& callable, const c10::ivalue::Future& result) {
   EncodedMessage message;
   if (result.hasError()) {
     message = encode_error(id, error_text(result.exception_ptr()), self().name);
   } else {
     ForkBatch forks;
     try {
-      message = encode_response(id, rrefs_->prepare_to_send(result.constValue(), caller, &forks));
+      std::vector<c10::IValue> values{result.constValue()};
+      const CallMetadata metadata =
+          RRefContext::carries_user_values(callable)
+              ? intercept_send({MessageInfo::Kind::kResponse, caller, callable, id}, values)
+              : CallMetadata();
+      message =
+          encode_response(id, rrefs_->prepare_to_send(values[0], caller, &forks), metadata);
     } catch (...) {
       rrefs_->rollback(forks);
       message = encode_error(id, error_text(std::current_exception()), self().name);
@@ -517,7 +535,8 @@ void Agent::reply(const std::shared_ptr<Connection>& connection, uint64_t id, in
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Agent::run_locally(const std::string& callable,
-                                                           std::vector<c10::IValue> args) {
+                                                           std::vector<c10::IValue> args,
+                                                           Preparation prepare) {
   auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -525,7 +544,8 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::run_locally(const std::string& ca
                          "rpc: the agent is shutting down; cannot run '", callable, "'");
     ++in_flight_requests_;
   }
-  request_pool_->post([this, future, callable, args = std::move(args)]() mutable {
+  request_pool_->post([this, future, callable, args = std::move(args),
+                       prepare = std::move(prepare)]() mutable {
     auto remote_error = [me = self().name](const std::exception_ptr& error) {
       return std::make_exception_ptr(RemoteError(
           {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, me, error_text(error)));
@@ -534,6 +554,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::run_locally(const std::string& ca
       auto function = find_function(callable);
       TORCH_CHECK_VALUE(function != nullptr, "no function or class is registered as '", callable,
                         "'");
+      const std::shared_ptr<void> context = prepare ? prepare(args) : nullptr;
       c10::IValue value = (*function)(std::move(args));
       if (value.isFuture()) {
         // async_execution, as in handle_request: done (and no longer in flight) when the
@@ -564,6 +585,37 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::run_locally(const std::string& ca
   return future;
 }
 
+std::vector<c10::IValue> Agent::through_wire_to_self(const std::string& callable,
+                                                     const std::vector<c10::IValue>& args) {
+  ForkBatch forks;
+  EncodedMessage message;
+  std::vector<c10::IValue> prepared;
+  try {
+    for (const c10::IValue& arg : args) {
+      prepared.push_back(rrefs_->prepare_to_send(arg, rank_, &forks));
+    }
+    message = encode_request(0, callable, prepared, 0, rank_);
+  } catch (...) {
+    rrefs_->rollback(forks);
+    throw;
+  }
+  MessageHeader header;
+  TORCH_INTERNAL_ASSERT(!decode_header(message.header, &header));
+  std::vector<at::Tensor> buffers;
+  for (const at::Tensor& tensor : message.tensors) {
+    // A copy of each tensor's bytes, as a receiver's would be.
+    buffers.push_back(tensor.reshape({-1}).view(at::kByte).clone());
+  }
+  DecodedMessage decoded;
+  const Status error = decode_body(header, message.body, std::move(buffers), limits_, &decoded);
+  TORCH_INTERNAL_ASSERT(!error, "rpc: a message to this worker itself did not decode: ",
+                        error.value_or(""));
+  for (c10::IValue& arg : decoded.args) {
+    arg = rrefs_->receive(arg);
+  }
+  return std::move(decoded.args);
+}
+
 void Agent::handle_reply(int peer, const MessageHeader& header, const std::string& body,
                          std::vector<at::Tensor> buffers) {
   // Replies from a worker the call did not go to are treated as late ones.
@@ -592,7 +644,12 @@ void Agent::handle_reply(int peer, const MessageHeader& header, const std::strin
     return;
   }
   try {
-    call->future->markCompleted(rrefs_->receive(reply.result));
+    std::vector<c10::IValue> values{rrefs_->receive(reply.result)};
+    if (RRefContext::carries_user_values(call->function)) {
+      (void)intercept_receive({MessageInfo::Kind::kResponse, peer, call->function, header.id},
+                              values, reply.metadata);
+    }
+    call->future->markCompleted(std::move(values[0]));
   } catch (...) {
     call->future->setError(DISTOPTIM_RPC_ERROR(
         DistributedError, "rpc: worker '" + worker + "' sent an unusable reply to '" +
@@ -679,7 +736,7 @@ void Agent::fail_calls(std::vector<PendingCall> calls,
 c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& function,
                                                     std::vector<c10::IValue> args,
                                                     std::chrono::milliseconds timeout,
-                                                    uint16_t flags) {
+                                                    uint16_t flags, SendInterception intercept) {
   TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "rpc: timeout of ",
                     timeout.count(), " ms calling '", function, "' on worker '", workers_[to].name,
                     "' (use a positive value, kNoTimeout or kDefaultTimeout)");
@@ -691,13 +748,19 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& f
   const uint64_t id = next_id.fetch_add(1);
   // Encoding checks every argument (and may throw) before the call is registered anywhere;
   // forks of RRefs among the arguments are undone if the message is not sent.
+  CallMetadata metadata;
+  if (intercept) {
+    metadata = intercept(id, args);
+  } else if ((flags & MessageHeader::kOrdered) == 0) {
+    metadata = intercept_send({MessageInfo::Kind::kRequest, to, function, id}, args);
+  }
   ForkBatch forks;
   EncodedMessage message;
   try {
     for (c10::IValue& arg : args) {
       arg = rrefs_->prepare_to_send(arg, to, &forks);
     }
-    message = encode_request(id, function, args, effective.count(), rank_, flags);
+    message = encode_request(id, function, args, effective.count(), rank_, flags, metadata);
   } catch (...) {
     rrefs_->rollback(forks);
     throw;
@@ -755,7 +818,24 @@ void Agent::barrier(const std::string& round, bool wait) {
   if (!wait) {
     return;
   }
-  const std::vector<int> missing = comm::wait_for_rank_keys(store, prefix, world_size_, deadline);
+  // A worker already known to be dead that has not arrived never will: fail now, not at the
+  // deadline. (A worker that refused us is alive: it is waited for.)
+  const auto check_lost = [&] {
+    std::map<int, std::string> lost;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      lost = dead_peers_;
+    }
+    for (const auto& [peer, why] : lost) {
+      if (!store.check({prefix + std::to_string(peer)}, deadline)) {
+        DISTOPTIM_THROW(PeerLostError, "rpc shutdown: worker '", self().name, "' cannot pass barrier '",
+                        round, "': worker ", describe_missing({peer}, workers_),
+                        " is lost (", why, ")");
+      }
+    }
+  };
+  const std::vector<int> missing =
+      comm::wait_for_rank_keys(store, prefix, world_size_, deadline, check_lost);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "rpc shutdown: worker '", self().name,
                        "' waited ", options_.shutdown_timeout().count(), " ms at barrier '", round,
                        "' for workers that never arrived: ", describe_missing(missing, workers_));

@@ -66,16 +66,28 @@ class Agent : public std::enable_shared_from_this<Agent> {
   const std::vector<WorkerInfo>& workers() const { return workers_; }
   int resolve(const WorkerRef& to) const;
 
+  /// Runs the interceptor over a request's arguments once its id is known; returns the metadata.
+  using SendInterception =
+      std::function<CallMetadata(uint64_t id, std::vector<c10::IValue>& args)>;
   /// Sends a request; RRefs among `args` are forked to `to`. `flags`: MessageHeader::kOrdered
-  /// for RRef control messages.
+  /// for RRef control messages. The interceptor sees the arguments of every request but control
+  /// messages, unless `intercept` says otherwise.
   c10::intrusive_ptr<c10::ivalue::Future> send(int to, const std::string& function,
                                                std::vector<c10::IValue> args,
                                                std::chrono::milliseconds timeout,
-                                               uint16_t flags = 0);
+                                               uint16_t flags = 0,
+                                               SendInterception intercept = nullptr);
   /// Runs the registered `callable` on the request pool of this worker; the future fails with a
-  /// RemoteError naming this worker if it throws or is unknown.
+  /// RemoteError naming this worker if it throws or is unknown. `prepare` (optional) runs first,
+  /// on the same thread, and what it returns lives while the callable runs.
+  using Preparation = std::function<std::shared_ptr<void>(std::vector<c10::IValue>& args)>;
   c10::intrusive_ptr<c10::ivalue::Future> run_locally(const std::string& callable,
-                                                      std::vector<c10::IValue> args);
+                                                      std::vector<c10::IValue> args,
+                                                      Preparation prepare = nullptr);
+  /// `args` as a worker receives them from this one (encoded, decoded: copies, with the RRefs
+  /// among them forked), for a call to this worker itself that must behave as to another.
+  std::vector<c10::IValue> through_wire_to_self(const std::string& callable,
+                                                const std::vector<c10::IValue>& args);
   std::chrono::milliseconds effective_timeout(std::chrono::milliseconds timeout) const {
     return timeout == kDefaultTimeout ? options_.rpc_timeout() : timeout;
   }
@@ -111,7 +123,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   void connect_to(int peer);
   void on_connected(int peer, const std::shared_ptr<Connection>& connection);
   void on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connection,
-                        const std::string& why, bool retry);
+                        const std::string& why, bool refused);
   bool on_request_frame(const std::shared_ptr<Connection>& connection, int caller, Frame frame);
   bool on_reply_frame(const std::shared_ptr<Connection>& connection, int peer, Frame frame);
   void protocol_error(const std::shared_ptr<Connection>& connection, const std::string& why);
@@ -125,7 +137,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
                       const MessageHeader& header, const std::string& body,
                       std::vector<at::Tensor> buffers);
   void reply(const std::shared_ptr<Connection>& connection, uint64_t id, int caller,
-             const c10::ivalue::Future& result);
+             const std::string& callable, const c10::ivalue::Future& result);
   void handle_reply(int peer, const MessageHeader& header, const std::string& body,
                     std::vector<at::Tensor> buffers);
   void on_pipe_failed(int peer, const std::string& why);
@@ -156,6 +168,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::vector<std::shared_ptr<Connection>> incoming_;               // guarded by mutex_
   std::deque<std::shared_ptr<Connection>> unproven_;  // in handshake, oldest first; by mutex_
   std::map<int, std::string> lost_peers_;             // why each is lost; guarded by mutex_
+  std::map<int, std::string> dead_peers_;  // lost other than by refusal; guarded by mutex_
   int in_flight_requests_ = 0;                        // guarded by mutex_
   size_t inbound_bytes_ = 0;  // of requests received and not finished; guarded by mutex_
   std::vector<std::shared_ptr<Connection>> paused_;  // reading paused for it; by mutex_

@@ -9,6 +9,7 @@
 #include <distoptim/rpc/rref.h>
 
 #include "agent.h"
+#include "message.h"
 
 namespace distoptim {
 namespace rpc {
@@ -95,6 +96,13 @@ void shutdown(bool graceful) {
 
 WorkerInfo get_worker_info() { return current_agent("get_worker_info")->self(); }
 
+InPlaceUpdateGuard::InPlaceUpdateGuard() { detail::in_place_update_mutex().lock(); }
+InPlaceUpdateGuard::~InPlaceUpdateGuard() { detail::in_place_update_mutex().unlock(); }
+
+std::chrono::milliseconds get_rpc_timeout() {
+  return current_agent("get_rpc_timeout")->effective_timeout(kDefaultTimeout);
+}
+
 WorkerInfo get_worker_info(const std::string& name) {
   auto agent = current_agent("get_worker_info");
   return agent->workers()[agent->resolve(name)];
@@ -170,6 +178,17 @@ c10::IValue rref_local_value(const RRefHandle& handle) {
   return current_agent("RRef::local_value")
       ->rref_context()
       .local_value(impl_of(handle), kDefaultTimeout);
+}
+
+bool rref_confirmed_by_owner(const RRefHandle& handle) {
+  return impl_of(handle).confirmedByOwner();
+}
+
+void rref_confirm(const RRefHandle& handle, std::chrono::milliseconds timeout) {
+  auto agent = current_agent("RRef::confirm");
+  TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "confirm: timeout of ",
+                    timeout.count(), " ms for ", impl_of(handle).describe());
+  agent->rref_context().confirm(impl_of(handle), timeout);
 }
 
 std::string describe_rref(const RRefHandle& handle) { return impl_of(handle).describe(); }

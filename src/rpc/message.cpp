@@ -1,6 +1,8 @@
 #include "message.h"
 
+#include <functional>
 #include <limits>
+#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
@@ -495,9 +497,111 @@ Status decode_tensor_lengths(const MessageHeader& header, std::string_view bytes
   return check_announced_sizes(header, {header.body_length}, *lengths, limits);
 }
 
+std::shared_mutex& in_place_update_mutex() {
+  static std::shared_mutex mutex;
+  return mutex;
+}
+
+c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders) {
+  std::unordered_map<const c10::TensorImpl*, long> occurrences;
+  std::function<void(const c10::IValue&)> count = [&](const c10::IValue& item) {
+    if (item.isTensor()) {
+      ++occurrences[item.toTensor().unsafeGetTensorImpl()];
+    } else if (item.isList()) {
+      for (const c10::IValue& element : item.toListRef()) count(element);
+    } else if (item.isTuple()) {
+      for (const c10::IValue& element : item.toTupleRef().elements()) count(element);
+    } else if (item.isGenericDict()) {
+      for (const auto& entry : item.toGenericDict()) count(entry.value());
+    }
+  };
+  count(value);
+  if (occurrences.empty()) {
+    return value;
+  }
+  std::shared_lock<std::shared_mutex> no_update_meanwhile(in_place_update_mutex());
+  std::function<c10::IValue(const c10::IValue&)> copy = [&](const c10::IValue& item) {
+    if (item.isTensor()) {
+      const at::Tensor& tensor = item.toTensor();
+      const long expected = occurrences[tensor.unsafeGetTensorImpl()] * holders;
+      const bool exclusive = holders > 0 && static_cast<long>(tensor.use_count()) <= expected &&
+                             tensor.storage().use_count() <= 1;
+      return exclusive ? item : c10::IValue(tensor.detach().clone());
+    }
+    if (item.isList()) {
+      c10::impl::GenericList list(c10::AnyType::get());
+      for (const c10::IValue& element : item.toListRef()) list.push_back(copy(element));
+      return c10::IValue(std::move(list));
+    }
+    if (item.isTuple()) {
+      std::vector<c10::IValue> elements;
+      for (const c10::IValue& element : item.toTupleRef().elements()) {
+        elements.push_back(copy(element));
+      }
+      return c10::IValue(c10::ivalue::Tuple::create(std::move(elements)));
+    }
+    if (item.isGenericDict()) {
+      const auto dict = item.toGenericDict();
+      c10::impl::GenericDict out(dict.keyType(), c10::AnyType::get());
+      for (const auto& entry : dict) out.insert(entry.key(), copy(entry.value()));
+      return c10::IValue(std::move(out));
+    }
+    return item;
+  };
+  return copy(value);
+}
+
+namespace {
+
+// Metadata's bounds, as interceptor.h states them; the error text or nothing.
+Status check_metadata_entry(const std::string& key, size_t value_bytes, size_t* total) {
+  if (key.empty() || key.size() > kMaxMetadataKeyBytes) {
+    return c10::str("a metadata key of ", key.size(), " bytes (1 to ", kMaxMetadataKeyBytes,
+                    ")");
+  }
+  *total += key.size() + value_bytes;
+  if (*total > kMaxMetadataBytes) {
+    return c10::str("metadata over ", kMaxMetadataBytes, " bytes");
+  }
+  return std::nullopt;
+}
+
+template <class Entries>
+void encode_metadata(const CallMetadata& metadata, Entries* out) {
+  TORCH_CHECK_VALUE(metadata.size() <= kMaxMetadataEntries, "rpc: ", metadata.size(),
+                    " metadata entries (at most ", kMaxMetadataEntries, ")");
+  size_t total = 0;
+  for (const auto& [key, value] : metadata) {
+    const Status error = check_metadata_entry(key, value.size(), &total);
+    TORCH_CHECK_VALUE(!error, "rpc: ", error.value_or(""));
+    auto* entry = out->Add();
+    entry->set_key(key);
+    entry->set_value(value);
+  }
+}
+
+template <class Entries>
+Status decode_metadata(const Entries& entries, CallMetadata* metadata) {
+  if (static_cast<size_t>(entries.size()) > kMaxMetadataEntries) {
+    return c10::str(entries.size(), " metadata entries (at most ", kMaxMetadataEntries, ")");
+  }
+  size_t total = 0;
+  for (const auto& entry : entries) {
+    if (Status error = check_metadata_entry(entry.key(), entry.value().size(), &total)) {
+      return error;
+    }
+    if (!metadata->emplace(entry.key(), entry.value()).second) {
+      return std::string("a metadata key that appears twice");
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 EncodedMessage encode_request(uint64_t id, const std::string& callable,
                               const std::vector<c10::IValue>& args, int64_t timeout_ms,
-                              int32_t caller_id, uint16_t flags) {
+                              int32_t caller_id, uint16_t flags, const CallMetadata& metadata) {
   TORCH_CHECK_VALUE((flags & ~MessageHeader::kKnownFlags) == 0, "rpc: unknown message flags ",
                     flags);
   wire::Body body;
@@ -506,6 +610,7 @@ EncodedMessage encode_request(uint64_t id, const std::string& callable,
   request->set_callable(callable);
   request->set_timeout_ms(timeout_ms);
   request->set_caller_id(caller_id);
+  encode_metadata(metadata, request->mutable_metadata());
   for (const c10::IValue& arg : args) {
     encoder.encode(arg, request->add_args());
   }
@@ -519,9 +624,11 @@ EncodedMessage encode_request(uint64_t id, const std::string& callable,
   return message;
 }
 
-EncodedMessage encode_response(uint64_t id, const c10::IValue& result) {
+EncodedMessage encode_response(uint64_t id, const c10::IValue& result,
+                               const CallMetadata& metadata) {
   wire::Body body;
   Encoder encoder(&body);
+  encode_metadata(metadata, body.mutable_response()->mutable_metadata());
   encoder.encode(result, body.mutable_response()->mutable_result());
   return finish(MessageType::kResponse, id, body, encoder.take_tensors());
 }
@@ -578,6 +685,9 @@ Status decode_body(const MessageHeader& header, std::string_view body,
       message->callable = request.callable();
       message->timeout_ms = request.timeout_ms();
       message->caller_id = request.caller_id();
+      if (Status error = decode_metadata(request.metadata(), &message->metadata)) {
+        return c10::str("metadata: ", *error);
+      }
       message->args.resize(request.args_size());
       for (int i = 0; i < request.args_size(); ++i) {
         if (Status error = decoder.decode(request.args(i), &message->args[i])) {
@@ -589,6 +699,9 @@ Status decode_body(const MessageHeader& header, std::string_view body,
     case MessageType::kResponse:
       if (parsed.content_case() != wire::Body::kResponse) {
         return std::string("a response header over a body that is not a response");
+      }
+      if (Status error = decode_metadata(parsed.response().metadata(), &message->metadata)) {
+        return c10::str("metadata: ", *error);
       }
       if (Status error = decoder.decode(parsed.response().result(), &message->result)) {
         return c10::str("result: ", *error);

@@ -15,12 +15,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+
+#include <distoptim/rpc/interceptor.h>
 
 namespace distoptim {
 namespace rpc {
@@ -90,12 +93,24 @@ struct EncodedMessage {
   std::vector<at::Tensor> tensors;
 };
 
+/// `value` with copies of the tensors whose memory someone else may write while a reply is
+/// being written (a parameter a method returns, a view of a buffer, a value an owner keeps), so
+/// that a reply never carries a mixture of old and new values. `holders`: how many references
+/// the caller holds to the tree `value` (1: a handler's result held only by the caller; 0: copy
+/// every tensor). A tensor referenced only from within those is sent where it lies.
+/// The copies are taken holding in_place_update_mutex() shared (api.h's InPlaceUpdateGuard).
+c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders);
+std::shared_mutex& in_place_update_mutex();
+
 /// Encoders throw c10::TypeError / c10::ValueError for values that cannot travel (a CUDA or
 /// sparse tensor, an unsupported IValue kind, a dict with keys other than strings or ints).
+/// `metadata` past its bounds (interceptor.h) is a c10::ValueError.
 EncodedMessage encode_request(uint64_t id, const std::string& callable,
                               const std::vector<c10::IValue>& args, int64_t timeout_ms,
-                              int32_t caller_id = -1, uint16_t flags = 0);
-EncodedMessage encode_response(uint64_t id, const c10::IValue& result);
+                              int32_t caller_id = -1, uint16_t flags = 0,
+                              const CallMetadata& metadata = {});
+EncodedMessage encode_response(uint64_t id, const c10::IValue& result,
+                               const CallMetadata& metadata = {});
 EncodedMessage encode_error(uint64_t id, const std::string& message, const std::string& worker);
 
 /// One step of the connection handshake (wire.proto's Handshake). Which fields a step carries is
@@ -127,6 +142,8 @@ struct DecodedMessage {
   int32_t caller_id = -1;  // as sent; range-checked by the agent, which knows the world size
   // kResponse
   c10::IValue result;
+  // kRequest, kResponse
+  CallMetadata metadata;
   // kError
   std::string error_message;
   std::string error_worker;

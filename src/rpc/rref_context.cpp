@@ -142,6 +142,10 @@ bool RRefContext::is_control(const std::string& callable) {
   return callable.compare(0, std::char_traits<char>::length(kControlPrefix), kControlPrefix) == 0;
 }
 
+bool RRefContext::carries_user_values(const std::string& callable) {
+  return !is_control(callable) || callable == kFetch;
+}
+
 int RRefContext::checked_worker(int64_t id, const char* what) const {
   TORCH_CHECK_VALUE(id >= 0 && id < world_size_, "rref: ", what, " ", id,
                     " is not a worker id (world size ", world_size_, ")");
@@ -172,9 +176,16 @@ c10::intrusive_ptr<RRefImpl> RRefContext::remote(int to, const std::string& call
   const GlobalId rref_id = new_id();
   const std::string& owner_name = agent_.workers()[to].name;
   if (to == self_) {
-    // Owned here: run it on the request pool straight away, no message and no copy.
+    // Owned here, but as to another worker: the callable gets copies of the arguments, through
+    // the wire format without the network, and the interceptor sees both sides.
+    const MessageInfo info{MessageInfo::Kind::kRequest, self_, callable, 0};
+    const CallMetadata metadata = intercept_send(info, args);
     auto owned = std::make_shared<OwnedValue>();
-    auto result = agent_.run_locally(callable, std::move(args));
+    auto result = agent_.run_locally(
+        callable, agent_.through_wire_to_self(callable, args),
+        [info, metadata](std::vector<c10::IValue>& values) {
+          return intercept_receive(info, values, metadata);
+        });
     result->addCallback([owned](c10::ivalue::Future& done) {
       if (done.hasError()) {
         owned->future->setErrorIfNeeded(done.exception_ptr());
@@ -188,10 +199,21 @@ c10::intrusive_ptr<RRefImpl> RRefContext::remote(int to, const std::string& call
   const GlobalId fork_id = new_id();
   c10::impl::GenericList call_args(c10::AnyType::get());
   for (auto& arg : args) call_args.push_back(std::move(arg));
+  // The interceptor sees the creation's arguments, as those of a call of `callable`.
+  auto intercept = [to, callable](uint64_t id, std::vector<c10::IValue>& create_args) {
+    std::vector<c10::IValue> values;
+    for (const c10::IValue& arg : create_args[5].toListRef()) values.push_back(arg);
+    CallMetadata metadata =
+        intercept_send({MessageInfo::Kind::kRequest, to, callable, id}, values);
+    c10::impl::GenericList replaced(c10::AnyType::get());
+    for (c10::IValue& value : values) replaced.push_back(std::move(value));
+    create_args[5] = c10::IValue(std::move(replaced));
+    return metadata;
+  };
   auto creation = agent_.send(to, kCreate,
                               {rref_id.created_on, rref_id.local_id, fork_id.created_on,
                                fork_id.local_id, callable, c10::IValue(std::move(call_args))},
-                              timeout, MessageHeader::kOrdered);
+                              timeout, MessageHeader::kOrdered, intercept);
   auto user = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), to, owner_name, rref_id,
                                             fork_id, std::move(creation));
   std::lock_guard<std::mutex> lock(mutex_);
@@ -208,6 +230,21 @@ c10::IValue RRefContext::local_value(const RRefImpl& rref, std::chrono::millisec
                        agent_.effective_timeout(timeout).count(), " ms");
   if (future->hasError()) std::rethrow_exception(future->exception_ptr());
   return future->value();
+}
+
+void RRefContext::confirm(const RRefImpl& rref, std::chrono::milliseconds timeout) {
+  if (rref.isOwner()) {
+    (void)local_value(rref, timeout);
+    return;
+  }
+  if (!rref.creation()) {
+    return;
+  }
+  // The creation's own timeout (remote()'s) bounds it too.
+  DISTOPTIM_CHECK_WITH(TimeoutError, wait_for(rref.creation(), agent_.effective_timeout(timeout)),
+                       "rref: ", rref.describe(), " was not confirmed by its owner within ",
+                       agent_.effective_timeout(timeout).count(), " ms");
+  rref.creation()->waitAndThrow();
 }
 
 c10::IValue RRefContext::to_here(const RRefImpl& rref, std::chrono::milliseconds timeout) {
@@ -345,7 +382,8 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
 
 c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::string& callable,
                                                                     std::vector<c10::IValue> args,
-                                                                    int caller) {
+                                                                    int caller, uint64_t id,
+                                                                    const CallMetadata& metadata) {
   auto done = [] {
     auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
     future->markCompleted(c10::IValue());
@@ -373,12 +411,21 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::s
       owners_[rref_id].forks[fork_id] = caller;
     }
     auto reply = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-    auto result = agent_.run_locally(args[4].toStringRef(), std::move(call_args));
+    const MessageInfo info{MessageInfo::Kind::kRequest, caller, args[4].toStringRef(), id};
+    auto result = agent_.run_locally(
+        info.callable, std::move(call_args),
+        [info, metadata](std::vector<c10::IValue>& values) {
+          return intercept_receive(info, values, metadata);
+        });
     result->addCallback([owned, reply](c10::ivalue::Future& created) {
-      // A failed creation is the value's error, reported at to_here; remote() itself succeeded.
+      // A failed creation is the value's error, and the reply's: the creator learns it at
+      // confirm() or to_here().
       if (created.hasError()) {
         owned->future->setErrorIfNeeded(created.exception_ptr());
-      } else if (!owned->future->completed()) {
+        reply->setError(created.exception_ptr());
+        return;
+      }
+      if (!owned->future->completed()) {
         owned->future->markCompleted(created.value());
       }
       reply->markCompleted(c10::IValue());
@@ -388,11 +435,25 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::s
   if (callable == kFetch) {
     TORCH_CHECK_VALUE(args.size() == 2, "rref control message 'fetch': malformed arguments");
     const GlobalId rref_id = id_at(0);
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = owners_.find(rref_id);
-    TORCH_CHECK_VALUE(it != owners_.end(), "worker '", agent_.self().name, "' owns no RRef ",
-                      rref_id.str(), " (deleted, or never created)");
-    return it->second.value->future;
+    c10::intrusive_ptr<c10::ivalue::Future> owned;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = owners_.find(rref_id);
+      TORCH_CHECK_VALUE(it != owners_.end(), "worker '", agent_.self().name, "' owns no RRef ",
+                        rref_id.str(), " (deleted, or never created)");
+      owned = it->second.value->future;
+    }
+    // The owner keeps the value and may update it in place (a parameter server stepping its
+    // weights): the reply carries a copy taken when the value is read, never a torn one.
+    auto fetched = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    owned->addCallback([fetched](c10::ivalue::Future& done) {
+      if (done.hasError()) {
+        fetched->setError(done.exception_ptr());
+      } else {
+        fetched->markCompleted(snapshot_shared_tensors(done.value(), /*holders=*/0));
+      }
+    });
+    return fetched;
   }
   if (callable == kFork) {
     TORCH_CHECK_VALUE(args.size() == 4, "rref control message 'fork': malformed arguments");

@@ -90,7 +90,12 @@ class RRefImpl : public c10::RRefInterface {
   c10::worker_id_t owner() const override { return static_cast<c10::worker_id_t>(owner_); }
   std::string ownerName() const override { return owner_name_; }
   bool isOwner() const override { return value_ != nullptr; }
-  bool confirmedByOwner() const override { return true; }
+  /// An owner handle: always. A user made by remote(): once the owner has created the value.
+  /// A user that received the RRef from another worker: always (its sender keeps the value alive
+  /// until the owner has registered the receiver).
+  bool confirmedByOwner() const override {
+    return !creation_ || (creation_->completed() && !creation_->hasError());
+  }
   const c10::TypePtr type() const override;
 
   const GlobalId& rref_id() const { return rref_id_; }
@@ -143,6 +148,9 @@ class RRefContext {
   c10::IValue to_here(const RRefImpl& rref, std::chrono::milliseconds timeout);
   /// The value on its owner; c10::ValueError on a user.
   c10::IValue local_value(const RRefImpl& rref, std::chrono::milliseconds timeout);
+  /// Waits until the owner has confirmed `rref` (for remote(): created its value); throws the
+  /// error creating it raised (RemoteError naming the owner), TimeoutError, PeerLostError.
+  void confirm(const RRefImpl& rref, std::chrono::milliseconds timeout);
 
   /// Replaces every RRef handle in `value` by its wire reference for a message to `to`,
   /// registering the forks (recorded in `batch` for rollback).
@@ -153,10 +161,17 @@ class RRefContext {
   c10::IValue receive(const c10::IValue& value);
 
   static bool is_control(const std::string& callable);
+  /// Whether replies to `callable` carry user values the interceptor sees: those of every call
+  /// but the control messages, of which only a fetch's (to_here's result). A create's arguments
+  /// are seen on their own (RRefContext::remote, handle_control).
+  static bool carries_user_values(const std::string& callable);
   /// Handles a control message (on the agent's ordered thread); returns the reply's future.
   /// Throws c10::ValueError for malformed arguments.
+  /// `id` and `metadata`: the request's, for the interceptor of a create.
   c10::intrusive_ptr<c10::ivalue::Future> handle_control(const std::string& callable,
-                                                         std::vector<c10::IValue> args, int caller);
+                                                         std::vector<c10::IValue> args, int caller,
+                                                         uint64_t id = 0,
+                                                         const CallMetadata& metadata = {});
 
   /// A user handle died: tell the owner.
   void on_user_deleted(const RRefImpl& rref);

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <fstream>
+#include <mutex>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -256,6 +257,80 @@ TEST(Rpc, FloodingCallerIsHeldBackAndLosesNothing) {
     }
     shutdown();
   });
+}
+
+// A reply carries the values as they were when the handler returned, even when the handler
+// returns memory that is updated in place right after, under an InPlaceUpdateGuard (a parameter
+// server stepping its weights while a reply of them is still being written).
+std::mutex g_weights_mutex;
+at::Tensor g_weights;  // guarded by g_weights_mutex
+DISTOPTIM_RPC_FUNCTION("weights", [] {
+  std::lock_guard<std::mutex> lock(g_weights_mutex);
+  if (!g_weights.defined()) g_weights = at::zeros({int64_t{8} << 20});  // 32 MiB
+  return g_weights;
+});
+DISTOPTIM_RPC_FUNCTION("step_weights", [](double value) {
+  std::lock_guard<std::mutex> lock(g_weights_mutex);
+  if (!g_weights.defined()) g_weights = at::zeros({int64_t{8} << 20});
+  InPlaceUpdateGuard updating;
+  g_weights.fill_(value);
+  return value;
+});
+
+TEST(Rpc, RepliesNeverCarryTornTensors) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options().num_worker_threads(4));
+    if (rank == 1) {
+      for (int i = 0; i < 20; ++i) {
+        const at::Tensor weights = rpc_sync<at::Tensor>(worker(0), "weights");
+        EXPECT_EQ(weights.min().item<float>(), weights.max().item<float>())
+            << "a reply mixed two steps' values (fetch " << i << ")";
+      }
+    } else if (rank == 2) {
+      for (int i = 0; i < 200; ++i) {
+        rpc_sync<double>(worker(0), "step_weights", std::tuple{static_cast<double>(i)});
+      }
+    }
+    shutdown();
+  });
+}
+
+// get_rpc_timeout() is the agent's default timeout.
+TEST(Rpc, GetRpcTimeoutIsTheDefault) {
+  run_ranks(1, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options().rpc_timeout(1234ms));
+    EXPECT_EQ(get_rpc_timeout(), 1234ms);
+    shutdown();
+    EXPECT_THROW(get_rpc_timeout(), DistributedError);
+  });
+}
+
+// Graceful shutdown does not wait its whole timeout for a worker it already knows is dead: the
+// barrier fails with PeerLostError naming it (shutdown_timeout is far beyond the test's deadline).
+TEST(Rpc, GracefulShutdownFailsFastOnALostPeer) {
+  distoptim::testing::RunRanksOptions options;
+  options.expected_exit_codes = {{2, 7}};
+  options.deadline = std::chrono::seconds(60);
+  run_ranks(
+      3,
+      [](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size,
+                 test_options().shutdown_timeout(std::chrono::minutes(10)));
+        if (rank == 2) {
+          ::_exit(7);
+        }
+        // Learn of worker2's death through a call to it.
+        EXPECT_THROW(rpc_sync(worker(2), "sleep_ms", std::tuple{int64_t{60000}}), PeerLostError);
+        try {
+          shutdown();
+          ADD_FAILURE() << "shutdown() passed its barrier without worker2";
+        } catch (const PeerLostError& error) {
+          EXPECT_NE(std::string(error.what()).find("'worker2' (rank 2) is lost"),
+                    std::string::npos)
+              << error.what();
+        }
+      },
+      options);
 }
 
 TEST(Rpc, LargeAndStridedTensors) {

@@ -450,6 +450,89 @@ TEST(RemoteClasses, Issue11BurstOfCreationsThenCallsKeepsTheConnection) {
   });
 }
 
+// confirm() shows a construction error at construction, naming the owner; confirmed_by_owner()
+// turns true once the owner has created the value; owner_name() is the owner's name.
+TEST(RRef, ConfirmShowsConstructionErrorsAtConstruction) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      auto good = remote<int64_t>("worker1", "sleep_ms", std::tuple{int64_t{200}});
+      EXPECT_EQ(good.owner_name(), "worker1");
+      good.confirm();
+      EXPECT_TRUE(good.confirmed_by_owner());
+      EXPECT_EQ(good.to_here(), 200);
+      auto bad = remote<int64_t>("worker1", "fail", std::tuple{std::string("bad option")});
+      try {
+        bad.confirm();
+        ADD_FAILURE() << "confirm() did not throw";
+      } catch (const RemoteError& error) {
+        EXPECT_EQ(error.worker_name(), "worker1");
+        EXPECT_NE(error.remote_message().find("refusing: bad option"), std::string::npos)
+            << error.remote_message();
+      }
+      EXPECT_FALSE(bad.confirmed_by_owner());
+      RRef<int64_t> mine(int64_t{5});
+      EXPECT_TRUE(mine.confirmed_by_owner());
+      EXPECT_EQ(mine.owner_name(), "worker0");
+      mine.confirm();
+    }
+    shutdown();
+  });
+}
+
+// Issue 11, item 7: replies carrying RRefs that arrive after their call timed out are not
+// dropped undecoded: their RRefs are released, and the owner's table empties.
+std::vector<RRef<int64_t>> make_rrefs_later(int64_t value, int64_t delay_ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  return {RRef<int64_t>(value), RRef<int64_t>(value + 1)};
+}
+DISTOPTIM_RPC_FUNCTION("make_rref_later", make_rrefs_later);
+
+TEST(RRef, Issue11LateRepliesReleaseTheirRRefs) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      for (int64_t i = 0; i < 8; ++i) {
+        auto late = rpc_async<std::vector<RRef<int64_t>>>(
+            "worker1", "make_rref_later", std::tuple{i, int64_t{300}}, 50ms);
+        EXPECT_THROW(late.wait(), TimeoutError);
+      }
+      EXPECT_TRUE(owner_table_empties("worker1", 20s));
+    }
+    shutdown();
+  });
+}
+
+// Issue 11, item 9: a creator killed with remote() requests in flight: the owner drops the forks
+// of the dead worker, also those whose create messages it handles after learning of the death.
+TEST(RRef, Issue11KilledCreatorsRemotesDrain) {
+  distoptim::testing::RunRanksOptions options;
+  options.expected_exit_codes = {{1, 9}};
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size, test_options());
+        if (rank == 1) {
+          std::vector<RRef<int64_t>> held;
+          for (int64_t i = 0; i < 300; ++i) {
+            held.push_back(remote<int64_t>("worker0", "add", std::tuple{i, 1}));
+          }
+          ::_exit(9);  // Dies with creations in flight.
+        }
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        // Some creations arrive; then, the creator being dead, every one is dropped.
+        while (detail::owned_rref_count() == 0 && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(5ms);
+        }
+        while (detail::owned_rref_count() != 0 && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(10ms);
+        }
+        EXPECT_EQ(detail::owned_rref_count(), 0u);
+        shutdown(/*graceful=*/false);
+      },
+      options);
+}
+
 TEST(RemoteClassesUnit, RegistrationIsCheckedAndObjectsConvertByType) {
   EXPECT_THROW((register_class<EmbeddingTable, int64_t, int64_t, double>("EmbeddingTable")),
                c10::ValueError);  // taken

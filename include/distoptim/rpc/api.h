@@ -126,6 +126,24 @@ void init_rpc(const std::string& name, int rank, int world_size,
 /// TimeoutError naming the workers missing from a barrier (the agent is stopped all the same).
 void shutdown(bool graceful = true);
 
+/// Hold one while updating in place a tensor that handlers return or RRefs hold (a parameter
+/// server stepping its weights). Replies are written from tensor memory without a copy, except
+/// for tensors something besides the reply references (a parameter a method returns, a view, the
+/// value an RRef holds): of those, a reply takes a copy under this lock, shared, so no reply
+/// carries a mixture of old and new values. One process-wide reader-writer lock: guards exclude
+/// each other and the copies; copies run concurrently. Not reentrant.
+class InPlaceUpdateGuard {
+ public:
+  InPlaceUpdateGuard();
+  ~InPlaceUpdateGuard();
+  InPlaceUpdateGuard(const InPlaceUpdateGuard&) = delete;
+  InPlaceUpdateGuard& operator=(const InPlaceUpdateGuard&) = delete;
+};
+
+/// The default timeout of calls (RpcBackendOptions::rpc_timeout; 0: none), PyTorch's
+/// get_rpc_timeout(). Throws DistributedError if no agent runs.
+std::chrono::milliseconds get_rpc_timeout();
+
 /// This worker, a worker by name or id, and all workers (by id). Throw c10::ValueError for an
 /// unknown name or id, DistributedError if no agent runs.
 WorkerInfo get_worker_info();

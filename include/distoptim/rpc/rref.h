@@ -47,6 +47,8 @@ WorkerInfo rref_owner(const RRefHandle& handle);
 bool rref_is_owner(const RRefHandle& handle);
 c10::IValue rref_to_here(const RRefHandle& handle, std::chrono::milliseconds timeout);
 c10::IValue rref_local_value(const RRefHandle& handle);
+bool rref_confirmed_by_owner(const RRefHandle& handle);
+void rref_confirm(const RRefHandle& handle, std::chrono::milliseconds timeout);
 std::string describe_rref(const RRefHandle& handle);
 
 /// For tests and diagnostics: how many values this worker owns that some other worker (or a
@@ -154,7 +156,19 @@ class RRef {
   bool defined() const { return handle_ != nullptr; }
   /// The worker that owns the value.
   WorkerInfo owner() const { return detail::rref_owner(checked()); }
+  /// The owner's name (PyTorch's owner_name()).
+  std::string owner_name() const { return owner().name; }
   bool is_owner() const { return detail::rref_is_owner(checked()); }
+  /// Whether the owner has confirmed this reference (PyTorch's confirmed_by_owner()): always on
+  /// the owner and for references received from other workers; for one made by remote(), once
+  /// the owner has created the value. Does not block.
+  bool confirmed_by_owner() const { return detail::rref_confirmed_by_owner(checked()); }
+  /// Blocks until confirmed_by_owner() (at most `timeout`), so that an error constructing the
+  /// value on the owner shows here, at construction: throws it as a RemoteError naming the owner;
+  /// TimeoutError, PeerLostError as to_here.
+  void confirm(std::chrono::milliseconds timeout = kDefaultTimeout) const {
+    detail::rref_confirm(checked(), timeout);
+  }
 
   /// A copy of the value, fetched from the owner (read directly on the owner). Blocks for at most
   /// `timeout` (kDefaultTimeout: the agent's; kNoTimeout: none).
