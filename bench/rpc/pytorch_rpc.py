@@ -191,36 +191,36 @@ def percentile(values, p):
     return values[min(max(rank, 1), len(values)) - 1]
 
 
-def measure_latency(args, result):
+def measure_round_trips(key, warmup, calls, call, result):
+    """Times warmup + calls round trips of torch.ones(4), call(tiny) making one and returning what
+    came back; writes <key>_median_us, <key>_p99_us and <key>_mismatches (as rpc_bench.cpp)."""
     tiny = torch.ones(4)
     times_us = []
     wrong = 0
-    for i in range(LATENCY_WARMUP + args.latency_calls):
+    for i in range(warmup + calls):
         begin = time.perf_counter()
-        back = rpc.rpc_sync("worker1", echo, args=(tiny,), timeout=CALL_TIMEOUT_S)
+        back = call(tiny)
         us = (time.perf_counter() - begin) * 1e6
-        if i >= LATENCY_WARMUP:
+        if i >= warmup:
             times_us.append(us)
         wrong += not torch.equal(back, tiny)
-    result["latency_median_us"] = statistics.median(times_us)
-    result["latency_p99_us"] = percentile(times_us, 99)
-    result["latency_mismatches"] = wrong
+    result[key + "_median_us"] = statistics.median(times_us)
+    result[key + "_p99_us"] = percentile(times_us, 99)
+    result[key + "_mismatches"] = wrong
+
+
+def measure_latency(args, result):
+    measure_round_trips(
+        "latency", LATENCY_WARMUP, args.latency_calls,
+        lambda tiny: rpc.rpc_sync("worker1", echo, args=(tiny,), timeout=CALL_TIMEOUT_S), result)
 
 
 def measure_chain(args, result):
-    tiny = torch.ones(4)
-    times_us = []
-    wrong = 0
-    for i in range(CHAIN_WARMUP + args.chain_calls):
-        begin = time.perf_counter()
-        back = rpc.rpc_sync("worker1", chain, args=(CHAIN_DEPTH, tiny), timeout=CALL_TIMEOUT_S)
-        us = (time.perf_counter() - begin) * 1e6
-        if i >= CHAIN_WARMUP:
-            times_us.append(us)
-        wrong += not torch.equal(back, tiny)
-    result["chain4_median_us"] = statistics.median(times_us)
-    result["chain4_p99_us"] = percentile(times_us, 99)
-    result["chain4_mismatches"] = wrong
+    measure_round_trips(
+        "chain4", CHAIN_WARMUP, args.chain_calls,
+        lambda tiny: rpc.rpc_sync("worker1", chain, args=(CHAIN_DEPTH, tiny),
+                                  timeout=CALL_TIMEOUT_S),
+        result)
 
 
 def measure_echo(args, result):

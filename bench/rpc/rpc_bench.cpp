@@ -283,38 +283,43 @@ double elapsed_us(Clock::time_point from) {
   return std::chrono::duration<double, std::micro>(Clock::now() - from).count();
 }
 
-void measure_latency(const Config& config, Json& result) {
+// Times `warmup` + `calls` round trips of at::ones({4}), `call` making one and returning what came
+// back, and writes <key>_median_us, <key>_p99_us and <key>_mismatches.
+template <typename Call>
+void measure_round_trips(const std::string& key, int warmup, int calls, const Call& call,
+                         Json& result) {
   const at::Tensor tiny = at::ones({4});
   std::vector<double> times_us;
   int64_t wrong = 0;
-  for (int i = 0; i < config.latency_warmup + config.latency_calls; ++i) {
+  for (int i = 0; i < warmup + calls; ++i) {
     const auto begin = Clock::now();
-    const auto back =
-        rpc::rpc_sync<at::Tensor>("worker1", "bench.echo", std::tuple{tiny}, kCallTimeout);
+    const at::Tensor back = call(tiny);
     const double us = elapsed_us(begin);
-    if (i >= config.latency_warmup) times_us.push_back(us);
+    if (i >= warmup) times_us.push_back(us);
     wrong += !back.equal(tiny);
   }
-  result["latency_median_us"] = median(times_us);
-  result["latency_p99_us"] = percentile(times_us, 99);
-  result["latency_mismatches"] = wrong;
+  result[key + "_median_us"] = median(times_us);
+  result[key + "_p99_us"] = percentile(times_us, 99);
+  result[key + "_mismatches"] = wrong;
+}
+
+void measure_latency(const Config& config, Json& result) {
+  measure_round_trips(
+      "latency", config.latency_warmup, config.latency_calls,
+      [](const at::Tensor& tiny) {
+        return rpc::rpc_sync<at::Tensor>("worker1", "bench.echo", std::tuple{tiny}, kCallTimeout);
+      },
+      result);
 }
 
 void measure_chain(const Config& config, Json& result) {
-  const at::Tensor tiny = at::ones({4});
-  std::vector<double> times_us;
-  int64_t wrong = 0;
-  for (int i = 0; i < config.chain_warmup + config.chain_calls; ++i) {
-    const auto begin = Clock::now();
-    const auto back = rpc::rpc_sync<at::Tensor>("worker1", "bench.chain",
-                                                std::tuple{kChainDepth, tiny}, kCallTimeout);
-    const double us = elapsed_us(begin);
-    if (i >= config.chain_warmup) times_us.push_back(us);
-    wrong += !back.equal(tiny);
-  }
-  result["chain4_median_us"] = median(times_us);
-  result["chain4_p99_us"] = percentile(times_us, 99);
-  result["chain4_mismatches"] = wrong;
+  measure_round_trips(
+      "chain4", config.chain_warmup, config.chain_calls,
+      [](const at::Tensor& tiny) {
+        return rpc::rpc_sync<at::Tensor>("worker1", "bench.chain", std::tuple{kChainDepth, tiny},
+                                         kCallTimeout);
+      },
+      result);
 }
 
 void measure_echo(const Config& config, Json& result) {
