@@ -1,6 +1,9 @@
 #include "report.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <sstream>
 
@@ -14,6 +17,20 @@ double median(std::vector<double> values) {
   std::sort(values.begin(), values.end());
   const size_t n = values.size();
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
+double percentile(std::vector<double> values, double p) {
+  TORCH_CHECK(!values.empty(), "percentile of nothing");
+  std::sort(values.begin(), values.end());
+  const auto rank = static_cast<size_t>(std::ceil(p / 100.0 * values.size()));
+  return values[std::clamp<size_t>(rank, 1, values.size()) - 1];
+}
+
+double process_cpu_seconds() {
+  struct rusage usage {};
+  ::getrusage(RUSAGE_SELF, &usage);
+  auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
 }
 
 long proc_status_kb(const std::string& field) {

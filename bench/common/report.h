@@ -1,8 +1,8 @@
 #pragma once
 
 // What every benchmark does around its measurements: small statistics, reading this process's
-// memory counters, collecting the "RESULT {json}" lines its worker processes print, and writing
-// its JSON results file.
+// memory and CPU counters, collecting the "RESULT {json}" lines its worker processes print, and
+// writing its JSON results file.
 
 #include <fstream>
 #include <string>
@@ -20,6 +20,13 @@ constexpr std::string_view kResultPrefix = "RESULT ";
 /// The median of `values` (the mean of the middle two for an even count). Throws c10::Error
 /// for an empty list.
 double median(std::vector<double> values);
+
+/// The nearest-rank `p`-th percentile of `values` (0 < p <= 100), as the Python sides compute it.
+/// Throws c10::Error for an empty list.
+double percentile(std::vector<double> values, double p);
+
+/// CPU time this process has used so far, every thread, user plus system (getrusage), seconds.
+double process_cpu_seconds();
 
 /// A "kB" field of /proc/self/status (VmRSS, VmHWM, RssAnon, ...), or -1 if it is missing.
 long proc_status_kb(const std::string& field);

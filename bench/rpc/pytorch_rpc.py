@@ -2,19 +2,30 @@
 as rpc_bench measures distoptim::rpc (see the header comment of rpc_bench.cpp for the cases and
 their exact definitions; this file keeps to them).
 
-Spawns --world-size (3) workers with torch.multiprocessing, MASTER_ADDR=127.0.0.1 and a free port,
-each with TensorPipeRpcBackendOptions(num_worker_threads=--threads) and 1 intra-op thread.
-worker0 measures:
+Spawns --world-size workers with torch.multiprocessing, MASTER_ADDR=127.0.0.1 and a free port,
+each with TensorPipeRpcBackendOptions(num_worker_threads=--threads, rpc_timeout=30,
+init_method="env://") and 1 intra-op thread; every other setting is PyTorch's default.
+
+--case main (3 workers): worker0 measures
   latency: rpc_sync to worker1 of echo(torch.ones(4)), 200 warm-up then --latency-calls timed;
+  chain4: rpc_sync to worker1 of chain(4, torch.ones(4)), which with remaining > 1 makes a
+    blocking rpc_sync of itself to the other of worker1 and worker2 with remaining - 1 and
+    returns its result (worker0 -> worker1 -> worker2 -> worker1 -> worker2), 50 warm-up then
+    --chain-calls timed;
   echo: rpc_sync of echo on a 4 MiB float tensor, 20 warm-up then --echo-calls timed; MB/s counts
     both directions (2 * 4,194,304 bytes per call over the summed call times, 1 MB = 10^6 bytes);
   sustained: worker1 and worker2 each send half of --sustained-calls rpc_async calls of
     plus_one (an int64 tensor of 4 equal values, plus one) to worker0, each keeping --window in
-    flight, every result checked; latency from just before the send to the done callback.
+    flight, every result checked; latency from just before the send to the done callback;
+    CPU time (getrusage, every thread) of the server from its first plus_one to its last plus
+    each caller's from after its warm-up to its last completion, per 1,000 calls;
 and prints one line `RESULT {json}` with the same keys as rpc_bench's workers.
+--case idle (2 workers): each makes one rpc_sync to the other, then sleeps --idle-seconds and
+  prints `RESULT {"idle_cpu_s": ..., "idle_wall_s": ...}`, the CPU time it used during the sleep.
 
-Usage: pytorch_rpc.py [--world-size 3] [--threads 16] [--window 32] [--sustained-calls 100000]
-                      [--latency-calls 2000] [--echo-calls 200] [--deadline-seconds 240]
+Usage: pytorch_rpc.py [--case main|idle] [--world-size 3|2] [--threads 16] [--window 32]
+                      [--sustained-calls 100000] [--latency-calls 2000] [--echo-calls 200]
+                      [--chain-calls 500] [--idle-seconds 10] [--deadline-seconds 240]
 """
 
 import argparse
@@ -22,6 +33,7 @@ import ctypes
 import json
 import math
 import os
+import resource
 import socket
 import statistics
 import threading
@@ -32,6 +44,8 @@ import torch.distributed.rpc as rpc
 import torch.multiprocessing as mp
 
 LATENCY_WARMUP = 200
+CHAIN_WARMUP = 50
+CHAIN_DEPTH = 4
 ECHO_WARMUP = 20
 CALLER_WARMUP = 200
 ECHO_FLOATS = 1 << 20
@@ -52,6 +66,12 @@ def worker_name(rank):
     return f"worker{rank}"
 
 
+def process_cpu_seconds():
+    """CPU time of this process so far, every thread, user plus system (as rpc_bench.cpp)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 # --- the RPC functions (every worker has them) ---------------------------------------------------
 
 class _MallInfo2(ctypes.Structure):
@@ -70,13 +90,18 @@ def heap_in_use_bytes():
     return info.uordblks + info.hblkhd
 
 
-# Calls of plus_one served by this process, and its (VmRSS kB, heap bytes) when the count reached
-# EDGE_CALLS and when it reached _expected_calls, the last call of the load (as rpc_bench.cpp).
+# Calls of plus_one served by this process, and its (VmRSS kB, heap bytes, CPU seconds) when the
+# count reached 1, EDGE_CALLS and _expected_calls, the last call of the load (as rpc_bench.cpp).
 _served = 0
 _served_lock = threading.Lock()
 _expected_calls = -1
-_at_edge = (-1, -1)
-_at_end = (-1, -1)
+_at_first = (-1, -1, -1.0)
+_at_edge = (-1, -1, -1.0)
+_at_end = (-1, -1, -1.0)
+
+
+def server_mark():
+    return (status_kb("VmRSS"), heap_in_use_bytes(), process_cpu_seconds())
 
 
 def echo(tensor):
@@ -84,24 +109,36 @@ def echo(tensor):
 
 
 def plus_one(tensor):
-    global _served, _at_edge, _at_end
+    global _served, _at_first, _at_edge, _at_end
     with _served_lock:
         _served += 1
         served = _served
+    if served == 1:
+        _at_first = server_mark()
     if served == EDGE_CALLS:
-        _at_edge = (status_kb("VmRSS"), heap_in_use_bytes())
+        _at_edge = server_mark()
     if served == _expected_calls:
-        _at_end = (status_kb("VmRSS"), heap_in_use_bytes())
+        _at_end = server_mark()
     return tensor + 1
+
+
+def chain(remaining, tensor):
+    """The chain case: worker1 and worker2 call each other until remaining reaches 1."""
+    if remaining <= 1:
+        return tensor
+    other = "worker2" if rpc.get_worker_info().name == "worker1" else "worker1"
+    return rpc.rpc_sync(other, chain, args=(remaining - 1, tensor), timeout=CALL_TIMEOUT_S)
 
 
 def run_load(server, calls, window, first_value, warmup, deadline_s):
     """One caller's share of the sustained load (runs on worker1 or worker2, inside worker0's
     request): per call in send order its send time and latency (ns), then the counts of wrong
-    results and failed calls."""
+    results and failed calls, and the CPU time used from after the warm-up to the last
+    completion."""
     for _ in range(warmup):
         rpc.rpc_sync(server, echo, args=(torch.ones(4),), timeout=CALL_TIMEOUT_S)
     deadline = time.monotonic() + deadline_s
+    cpu_begin = process_cpu_seconds()
     sent_ns = [0] * calls
     latency_ns = [-1] * calls
     counts = {"mismatches": 0, "failures": 0, "completed": 0}
@@ -140,8 +177,9 @@ def run_load(server, calls, window, first_value, warmup, deadline_s):
     if not all_done.wait(timeout=max(0.0, deadline - time.monotonic())):
         raise RuntimeError(f"rpc_bench: {rpc.get_worker_info().name} had calls outstanding at "
                            "its deadline")
+    cpu_s = process_cpu_seconds() - cpu_begin
     return (torch.tensor(sent_ns, dtype=torch.int64), torch.tensor(latency_ns, dtype=torch.int64),
-            counts["mismatches"], counts["failures"])
+            counts["mismatches"], counts["failures"], cpu_s)
 
 
 # --- worker0: the measurements -------------------------------------------------------------------
@@ -153,20 +191,36 @@ def percentile(values, p):
     return values[min(max(rank, 1), len(values)) - 1]
 
 
-def measure_latency(args, result):
+def measure_round_trips(key, warmup, calls, call, result):
+    """Times warmup + calls round trips of torch.ones(4), call(tiny) making one and returning what
+    came back; writes <key>_median_us, <key>_p99_us and <key>_mismatches (as rpc_bench.cpp)."""
     tiny = torch.ones(4)
     times_us = []
     wrong = 0
-    for i in range(LATENCY_WARMUP + args.latency_calls):
+    for i in range(warmup + calls):
         begin = time.perf_counter()
-        back = rpc.rpc_sync("worker1", echo, args=(tiny,), timeout=CALL_TIMEOUT_S)
+        back = call(tiny)
         us = (time.perf_counter() - begin) * 1e6
-        if i >= LATENCY_WARMUP:
+        if i >= warmup:
             times_us.append(us)
         wrong += not torch.equal(back, tiny)
-    result["latency_median_us"] = statistics.median(times_us)
-    result["latency_p99_us"] = percentile(times_us, 99)
-    result["latency_mismatches"] = wrong
+    result[key + "_median_us"] = statistics.median(times_us)
+    result[key + "_p99_us"] = percentile(times_us, 99)
+    result[key + "_mismatches"] = wrong
+
+
+def measure_latency(args, result):
+    measure_round_trips(
+        "latency", LATENCY_WARMUP, args.latency_calls,
+        lambda tiny: rpc.rpc_sync("worker1", echo, args=(tiny,), timeout=CALL_TIMEOUT_S), result)
+
+
+def measure_chain(args, result):
+    measure_round_trips(
+        "chain4", CHAIN_WARMUP, args.chain_calls,
+        lambda tiny: rpc.rpc_sync("worker1", chain, args=(CHAIN_DEPTH, tiny),
+                                  timeout=CALL_TIMEOUT_S),
+        result)
 
 
 def measure_echo(args, result):
@@ -198,13 +252,15 @@ def measure_sustained(args, result):
     ]
     calls = []  # (sent ns, latency ns)
     mismatches = failures = 0
+    callers_cpu_s = 0.0
     for load in loads:
-        sent, latency, wrong, failed = load.wait()
+        sent, latency, wrong, failed, cpu_s = load.wait()
         if sent.numel() != per_caller or latency.numel() != per_caller:
             raise RuntimeError(f"rpc_bench: a caller timed {sent.numel()} calls of {per_caller}")
         calls.extend(zip(sent.tolist(), latency.tolist()))
         mismatches += wrong
         failures += failed
+        callers_cpu_s += cpu_s
     calls.sort()
     n = len(calls)
     last_done_ns = max(s + l for s, l in calls)
@@ -222,6 +278,8 @@ def measure_sustained(args, result):
         "sustained_server_rss_end_mb": _at_end[0] * 1024 / 1e6,
         "sustained_server_rss_growth_mb": (_at_end[0] - _at_edge[0]) * 1024 / 1e6,
         "sustained_server_heap_growth_mb": (_at_end[1] - _at_edge[1]) / 1e6,
+        "sustained_cpu_s_per_1000_calls":
+            (_at_end[2] - _at_first[2] + callers_cpu_s) / (n / 1000.0),
         "sustained_served": _served,
         "sustained_mismatches": mismatches,
         "sustained_failures": failures,
@@ -237,29 +295,46 @@ def run_worker(rank, args, port):
                                               rpc_timeout=CALL_TIMEOUT_S, init_method="env://")
     rpc.init_rpc(worker_name(rank), rank=rank, world_size=args.world_size,
                  rpc_backend_options=options)
-    if rank == 0:
+    if args.case == "idle":
+        rpc.rpc_sync(worker_name(1 - rank), echo, args=(torch.ones(4),), timeout=CALL_TIMEOUT_S)
+        cpu_begin = process_cpu_seconds()
+        begin = time.perf_counter()
+        time.sleep(args.idle_seconds)
+        print_result({"idle_cpu_s": process_cpu_seconds() - cpu_begin,
+                      "idle_wall_s": time.perf_counter() - begin})
+    elif rank == 0:
         result = {}
         measure_latency(args, result)
+        measure_chain(args, result)
         measure_echo(args, result)
         measure_sustained(args, result)
-        # One write, so it never interleaves with another process's output on the shared pipe.
-        os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
+        print_result(result)
     # worker1 and worker2 serve (and run their load) until worker0 gets here too.
     rpc.shutdown(timeout=args.deadline_seconds)
 
 
+def print_result(result):
+    # One write, so it never interleaves with another process's output on the shared pipe.
+    os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=("main", "idle"), default="main")
     parser.add_argument("--world-size", type=int, default=3)
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--sustained-calls", type=int, default=100000)
     parser.add_argument("--latency-calls", type=int, default=2000)
     parser.add_argument("--echo-calls", type=int, default=200)
+    parser.add_argument("--chain-calls", type=int, default=500)
+    parser.add_argument("--idle-seconds", type=int, default=10)
     parser.add_argument("--deadline-seconds", type=int, default=240)
     args = parser.parse_args()
-    if args.world_size != 3:
+    if args.case == "main" and args.world_size != 3:
         parser.error("--world-size must be 3 (worker0 serves, worker1 and worker2 call)")
+    if args.case == "idle" and args.world_size != 2:
+        parser.error("--case idle: --world-size must be 2")
     if args.sustained_calls < 2 * EDGE_CALLS or args.sustained_calls % 2:
         parser.error(f"--sustained-calls must be even and at least {2 * EDGE_CALLS}")
     with socket.socket() as s:

@@ -8,6 +8,11 @@
 // Each side's worker0 measures and prints one "RESULT {json}" line with the same keys:
 //   latency_median_us, latency_p99_us: rpc_sync from worker0 to worker1 of a function returning
 //     its argument, at::ones({4}); 2000 timed calls after 200 warm-up ones. p99 is nearest-rank.
+//   chain4_median_us, chain4_p99_us: rpc_sync from worker0 to worker1 of a function that, with
+//     `remaining` > 1, makes a blocking rpc_sync of itself to the other of worker1 and worker2
+//     with remaining - 1 inside the request and returns its result: worker0 -> worker1 ->
+//     worker2 -> worker1 -> worker2, 4 calls nested, the last returning the argument,
+//     at::ones({4}); 500 timed calls after 50 warm-up ones.
 //   echo_4mb_mb_per_s: rpc_sync of the same function on a 4 MiB float tensor (1M floats), 200
 //     timed calls after 20 warm-up ones. MB/s counts BOTH directions: 2 * 4,194,304 bytes per
 //     call over the summed call times, 1 MB = 10^6 bytes.
@@ -24,22 +29,47 @@
 //     allocated with malloc and not freed (glibc's mallinfo2). RSS grows also where nothing
 //     leaks: shared-memory ring pages become resident as they are first written, and malloc
 //     keeps freed memory; the heap shows what the process itself still holds.
+//     sustained_cpu_s_per_1000_calls: CPU time (user + system, getrusage, every thread) of the
+//     server from its first plus_one to its last plus each caller's from after its warm-up to
+//     its last completion, per 1,000 calls.
 // Each caller first makes 200 sequential warm-up calls so connection set-up is not timed.
 // PyTorch's side is too slow for the time budget at 100,000 calls (about 75 s here), so it makes
 // --pytorch-sustained-calls (default 40,000) while ours keeps 100,000; the table says so, and
 // its last-10k median and growth then cover a shorter run than ours. A wrong result or a failed
 // call makes the benchmark exit non-zero and write no JSON.
 //
+// Two more runs of each side, of 2 workers each, measure idle CPU: each worker runs init_rpc,
+// makes one rpc_sync to the other (so connections are open, as PyTorch's init_rpc leaves them
+// after its all-gather), then sleeps --idle-seconds (10) and calls shutdown. idle_cpu_s: CPU
+// time (getrusage, every thread of the worker) used during the sleep, measured by each worker
+// at its start and end, summed over both; idle_cpu_percent_per_worker: that sum over the summed
+// sleep time, as a percentage of one core.
+//
+// The transport's floor (transport_floor.h), in the same run: two processes of ours (distrun,
+// --floor-worker) ping-pong the latency case's 16 bytes and the echo's 4 MiB over a bare Asio
+// TCP connection (a 24-byte header plus the payload) and over a bare TensorPipe pipe (uv
+// transport, basic channel), with the latency and echo cases' call counts.
+//
 // The JSON written to --json is a list of {case, ours, pytorch, unit, ratio}. ratio is >1 where
-// ours is better: pytorch/ours for times, growth factors and memory, ours/pytorch for
+// ours is better: pytorch/ours for times, growth factors, memory and CPU time, ours/pytorch for
 // throughputs; null where a value is not positive (an RSS that did not grow) and for the row
-// sustained_calls, which records how many calls each side made.
+// sustained_calls, which records how many calls each side made. Rows about the floor are not a
+// comparison with PyTorch, and have pytorch and ratio null: floor_<asio|tensorpipe>_* hold the
+// bare transport's measurement in `ours` (it is neither side's RPC), and
+// tiny_round_trip_over_<asio|tensorpipe>_floor hold in `ours` our latency_median_us divided by
+// that floor's tiny median (the table also prints PyTorch's).
+//
+// Settings: both sides run 16 RPC worker threads (--threads), 1 intra-op thread and a 30 s
+// RPC timeout; PyTorch runs at its defaults otherwise (TensorPipe chooses its transports and
+// channels). The table states them.
 //
 // Every wait is bounded: RPCs carry timeouts, and each side runs under timeout(1), which kills
 // its whole process group (distrun's ranks, Python's spawned workers) past --deadline-seconds.
+// SIGINT or SIGTERM to rpc_bench is forwarded to the running side's process group
+// (run_child), so Ctrl-C stops the children too.
 //
 // Usage: rpc_bench --json PATH [--sustained-calls N] [--pytorch-sustained-calls N] [--window N]
-//                  [--threads N] [--deadline-seconds N]
+//                  [--threads N] [--chain-calls N] [--idle-seconds N] [--deadline-seconds N]
 
 #include <malloc.h>
 #include <algorithm>
@@ -57,6 +87,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -72,6 +103,7 @@
 
 #include "../common/child_process.h"
 #include "../common/report.h"
+#include "transport_floor.h"
 
 namespace distoptim {
 namespace bench {
@@ -83,6 +115,10 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 constexpr int kWorldSize = 3;
+// The idle case's workers, and the floor's two ends.
+constexpr int kPairSize = 2;
+// Calls nested in one call of the chain case.
+constexpr int64_t kChainDepth = 4;
 constexpr int64_t kEchoFloats = 1 << 20;
 constexpr int64_t kEchoBytes = kEchoFloats * static_cast<int64_t>(sizeof(float));
 // The first and last calls of the sustained load whose median latencies are compared.
@@ -96,6 +132,9 @@ struct Config {
   int latency_calls = 2000;
   int echo_warmup = 20;
   int echo_calls = 200;
+  int chain_warmup = 50;
+  int chain_calls = 500;
+  int idle_seconds = 10;
   int64_t sustained_calls = 100000;
   // PyTorch needs about 75 s for 100,000 calls on this 2-core machine (0.75 s per 1,000), over
   // the time budget, so its side makes fewer by default; the table and JSON show both counts.
@@ -122,33 +161,46 @@ int64_t heap_in_use_bytes() {
   return static_cast<int64_t>(info.uordblks + info.hblkhd);
 }
 
-// Calls of bench.plus_one served by this process, and its VmRSS and heap in use when the count
-// reached kEdgeCalls and when it reached g_expected_calls, the last call of the load. Both are
+// Calls of bench.plus_one served by this process, and its VmRSS, heap in use and CPU time when
+// the count reached 1, kEdgeCalls and g_expected_calls, the last call of the load. They are
 // taken inside the server function, so the growth leaves out the timings the callers send back
 // at the end (several MB at 100,000 calls).
-struct MemoryMark {
+struct ServerMark {
   std::atomic<long> rss_kb{-1};
   std::atomic<int64_t> heap_bytes{-1};
+  std::atomic<double> cpu_s{-1};
   void take() {
     rss_kb = proc_status_kb("VmRSS");
     heap_bytes = heap_in_use_bytes();
+    cpu_s = process_cpu_seconds();
   }
 };
 std::atomic<int64_t> g_served{0};
 std::atomic<int64_t> g_expected_calls{-1};
-MemoryMark g_at_edge;
-MemoryMark g_at_end;
+ServerMark g_at_first;
+ServerMark g_at_edge;
+ServerMark g_at_end;
 
 at::Tensor echo(const at::Tensor& tensor) { return tensor; }
 DISTOPTIM_RPC_FUNCTION("bench.echo", echo);
 
 at::Tensor plus_one(const at::Tensor& tensor) {
   const int64_t served = g_served.fetch_add(1) + 1;
+  if (served == 1) g_at_first.take();
   if (served == kEdgeCalls) g_at_edge.take();
   if (served == g_expected_calls.load()) g_at_end.take();
   return tensor + 1;
 }
 DISTOPTIM_RPC_FUNCTION("bench.plus_one", plus_one);
+
+// The chain case: worker1 and worker2 call each other until `remaining` reaches 1.
+at::Tensor chain(int64_t remaining, const at::Tensor& tensor) {
+  if (remaining <= 1) return tensor;
+  const std::string other = rpc::get_worker_info().name == "worker1" ? "worker2" : "worker1";
+  return rpc::rpc_sync<at::Tensor>(other, "bench.chain", std::tuple{remaining - 1, tensor},
+                                   kCallTimeout);
+}
+DISTOPTIM_RPC_FUNCTION("bench.chain", chain);
 
 bool is_plus_one(const at::Tensor& result, int64_t value) {
   if (result.scalar_type() != at::kLong || result.dim() != 1 || result.size(0) != 4) return false;
@@ -158,8 +210,9 @@ bool is_plus_one(const at::Tensor& result, int64_t value) {
 }
 
 // One caller's share of the sustained load, per call in its send order: send time and latency
-// (ns), then the counts of wrong results and of failed calls.
-using LoadResult = std::tuple<at::Tensor, at::Tensor, int64_t, int64_t>;
+// (ns), then the counts of wrong results and of failed calls, and the CPU time the caller used
+// from after its warm-up to its last completion.
+using LoadResult = std::tuple<at::Tensor, at::Tensor, int64_t, int64_t, double>;
 
 // What the completion callbacks share with the sending thread; callbacks hold it by shared_ptr,
 // so it outlives a sender that gave up.
@@ -181,6 +234,7 @@ LoadResult run_load(const std::string& server, int64_t calls, int64_t window, in
     rpc::rpc_sync<at::Tensor>(server, "bench.echo", std::tuple{at::ones({4})}, kCallTimeout);
   }
   const auto deadline = Clock::now() + std::chrono::milliseconds(deadline_ms);
+  const double cpu_begin = process_cpu_seconds();
   auto state = std::make_shared<LoadState>(calls);
   std::vector<int64_t> sent_ns(calls);
   for (int64_t i = 0; i < calls; ++i) {
@@ -217,40 +271,55 @@ LoadResult run_load(const std::string& server, int64_t calls, int64_t window, in
   TORCH_CHECK(state->changed.wait_until(lock, deadline, [&] { return state->completed == calls; }),
               rpc::get_worker_info().name, " had ", calls - state->completed,
               " calls outstanding at its deadline");
+  const double cpu_s = process_cpu_seconds() - cpu_begin;
   return {at::tensor(sent_ns, at::kLong), at::tensor(state->latency_ns, at::kLong),
-          state->mismatches.load(), state->failures.load()};
+          state->mismatches.load(), state->failures.load(), cpu_s};
 }
 DISTOPTIM_RPC_FUNCTION("bench.load", run_load);
 
 // --- worker0: the measurements -------------------------------------------------------------------
 
-// Nearest-rank percentile (pytorch_rpc.py computes it the same way).
-double percentile(std::vector<double> values, double p) {
-  TORCH_CHECK(!values.empty(), "percentile of nothing");
-  std::sort(values.begin(), values.end());
-  const auto rank = static_cast<size_t>(std::ceil(p / 100.0 * values.size()));
-  return values[std::clamp<size_t>(rank, 1, values.size()) - 1];
-}
-
 double elapsed_us(Clock::time_point from) {
   return std::chrono::duration<double, std::micro>(Clock::now() - from).count();
 }
 
-void measure_latency(const Config& config, Json& result) {
+// Times `warmup` + `calls` round trips of at::ones({4}), `call` making one and returning what came
+// back, and writes <key>_median_us, <key>_p99_us and <key>_mismatches.
+template <typename Call>
+void measure_round_trips(const std::string& key, int warmup, int calls, const Call& call,
+                         Json& result) {
   const at::Tensor tiny = at::ones({4});
   std::vector<double> times_us;
   int64_t wrong = 0;
-  for (int i = 0; i < config.latency_warmup + config.latency_calls; ++i) {
+  for (int i = 0; i < warmup + calls; ++i) {
     const auto begin = Clock::now();
-    const auto back =
-        rpc::rpc_sync<at::Tensor>("worker1", "bench.echo", std::tuple{tiny}, kCallTimeout);
+    const at::Tensor back = call(tiny);
     const double us = elapsed_us(begin);
-    if (i >= config.latency_warmup) times_us.push_back(us);
+    if (i >= warmup) times_us.push_back(us);
     wrong += !back.equal(tiny);
   }
-  result["latency_median_us"] = median(times_us);
-  result["latency_p99_us"] = percentile(times_us, 99);
-  result["latency_mismatches"] = wrong;
+  result[key + "_median_us"] = median(times_us);
+  result[key + "_p99_us"] = percentile(times_us, 99);
+  result[key + "_mismatches"] = wrong;
+}
+
+void measure_latency(const Config& config, Json& result) {
+  measure_round_trips(
+      "latency", config.latency_warmup, config.latency_calls,
+      [](const at::Tensor& tiny) {
+        return rpc::rpc_sync<at::Tensor>("worker1", "bench.echo", std::tuple{tiny}, kCallTimeout);
+      },
+      result);
+}
+
+void measure_chain(const Config& config, Json& result) {
+  measure_round_trips(
+      "chain4", config.chain_warmup, config.chain_calls,
+      [](const at::Tensor& tiny) {
+        return rpc::rpc_sync<at::Tensor>("worker1", "bench.chain", std::tuple{kChainDepth, tiny},
+                                         kCallTimeout);
+      },
+      result);
 }
 
 void measure_echo(const Config& config, Json& result) {
@@ -287,8 +356,9 @@ void measure_sustained(const Config& config, Json& result) {
   std::vector<std::pair<int64_t, int64_t>> calls;  // (sent ns, latency ns)
   int64_t mismatches = 0;
   int64_t failures = 0;
+  double callers_cpu_s = 0;
   for (const auto& load : loads) {
-    const auto [sent, latency, wrong, failed] = load.wait();
+    const auto [sent, latency, wrong, failed, cpu_s] = load.wait();
     TORCH_CHECK(sent.numel() == per_caller && latency.numel() == per_caller, "a caller timed ",
                 sent.numel(), " calls of ", per_caller);
     const at::Tensor sent_c = sent.contiguous();
@@ -298,6 +368,7 @@ void measure_sustained(const Config& config, Json& result) {
     for (int64_t i = 0; i < per_caller; ++i) calls.emplace_back(sent_ns[i], latency_ns[i]);
     mismatches += wrong;
     failures += failed;
+    callers_cpu_s += cpu_s;
   }
   std::sort(calls.begin(), calls.end());
   const int64_t n = static_cast<int64_t>(calls.size());
@@ -323,6 +394,8 @@ void measure_sustained(const Config& config, Json& result) {
       (g_at_end.rss_kb.load() - g_at_edge.rss_kb.load()) * 1024 / 1e6;
   result["sustained_server_heap_growth_mb"] =
       (g_at_end.heap_bytes.load() - g_at_edge.heap_bytes.load()) / 1e6;
+  result["sustained_cpu_s_per_1000_calls"] =
+      (g_at_end.cpu_s.load() - g_at_first.cpu_s.load() + callers_cpu_s) / (n / 1000.0);
   result["sustained_served"] = g_served.load();
   result["sustained_mismatches"] = mismatches;
   result["sustained_failures"] = failures;
@@ -330,31 +403,76 @@ void measure_sustained(const Config& config, Json& result) {
 
 // --- a worker of ours ----------------------------------------------------------------------------
 
-void run_worker(const Config& config) {
-  // The work is messaging, not compute: keep the 3 processes off each other's 2 cores.
+// This process's rank in a job of `world_size` started by distrun (`flag` names the mode).
+comm::LaunchEnv launch_env(int world_size, const char* flag) {
+  comm::LaunchEnv env = comm::LaunchEnv::from_environment();
+  TORCH_CHECK(env.rank && env.world_size == world_size, flag,
+              ": start it with distrun --nproc-per-node ", world_size);
+  return env;
+}
+
+void init_worker(const Config& config, const comm::LaunchEnv& env) {
+  // The work is messaging, not compute: keep the processes off each other's 2 cores.
   at::set_num_threads(1);
-  const comm::LaunchEnv env = comm::LaunchEnv::from_environment();
-  TORCH_CHECK(env.rank && env.world_size == kWorldSize,
-              "--worker: start it with distrun --nproc-per-node ", kWorldSize);
-  const int rank = *env.rank;
-  const auto deadline = std::chrono::seconds(config.deadline_seconds);
-  rpc::init_rpc(worker_name(rank), rank, kWorldSize,
+  rpc::init_rpc(worker_name(*env.rank), *env.rank, *env.world_size,
                 rpc::RpcBackendOptions("env://")
                     .num_worker_threads(config.threads)
                     .rpc_timeout(kCallTimeout)
                     .init_timeout(60s)
-                    .shutdown_timeout(deadline)
+                    .shutdown_timeout(std::chrono::seconds(config.deadline_seconds))
                     .launch_env(env));
-  if (rank == 0) {
+}
+
+void print_result(const Json& result) {
+  fmt::print("{}{}\n", kResultPrefix, result.dump());
+  std::fflush(stdout);
+}
+
+void run_worker(const Config& config) {
+  const comm::LaunchEnv env = launch_env(kWorldSize, "--worker");
+  init_worker(config, env);
+  if (*env.rank == 0) {
     Json result;
     measure_latency(config, result);
+    measure_chain(config, result);
     measure_echo(config, result);
     measure_sustained(config, result);
-    fmt::print("{}{}\n", kResultPrefix, result.dump());
-    std::fflush(stdout);
+    print_result(result);
   }
   // worker1 and worker2 serve (and run their load) until worker0 gets here too.
   rpc::shutdown();
+}
+
+// The idle case: each of the 2 workers prints its own RESULT.
+void run_idle_worker(const Config& config) {
+  const comm::LaunchEnv env = launch_env(kPairSize, "--idle-worker");
+  init_worker(config, env);
+  const at::Tensor tiny = at::ones({4});
+  rpc::rpc_sync<at::Tensor>(worker_name(1 - *env.rank), "bench.echo", std::tuple{tiny},
+                            kCallTimeout);
+  const double cpu_begin = process_cpu_seconds();
+  const auto begin = Clock::now();
+  std::this_thread::sleep_for(std::chrono::seconds(config.idle_seconds));
+  const double cpu_s = process_cpu_seconds() - cpu_begin;
+  print_result({{"idle_cpu_s", cpu_s}, {"idle_wall_s", elapsed_us(begin) * 1e-6}});
+  rpc::shutdown();
+}
+
+// The transport's floor: rank 1 echoes, rank 0 measures and prints the RESULT.
+void run_floor_worker(const Config& config) {
+  const comm::LaunchEnv env = launch_env(kPairSize, "--floor-worker");
+  const comm::Rendezvous meeting = comm::rendezvous(
+      comm::RendezvousOptions("env://").launch_env(env).timeout(60s).prefix("rpc_bench/floor"));
+  FloorConfig floor;
+  floor.tiny_warmup = config.latency_warmup;
+  floor.tiny_calls = config.latency_calls;
+  floor.echo_warmup = config.echo_warmup;
+  floor.echo_calls = config.echo_calls;
+  floor.tiny_bytes = 4 * static_cast<int64_t>(sizeof(float));
+  floor.echo_bytes = kEchoBytes;
+  floor.timeout = std::chrono::duration_cast<std::chrono::seconds>(kCallTimeout);
+  const Json result = run_transport_floor(floor, *meeting.store, meeting.rank);
+  if (meeting.rank == 0) print_result(result);
 }
 
 // --- the driver ----------------------------------------------------------------------------------
@@ -373,6 +491,8 @@ const std::vector<Row>& rows() {
   static const std::vector<Row> kRows{
       {"latency_median_us", "us", Better::kLower},
       {"latency_p99_us", "us", Better::kLower},
+      {"chain4_median_us", "us", Better::kLower},
+      {"chain4_p99_us", "us", Better::kLower},
       {"echo_4mb_mb_per_s", "MB/s", Better::kHigher},
       {"sustained_calls", "calls", Better::kNone},
       {"sustained_calls_per_s", "calls/s", Better::kHigher},
@@ -381,8 +501,20 @@ const std::vector<Row>& rows() {
       {"sustained_latency_growth", "x", Better::kLower},
       {"sustained_server_rss_growth_mb", "MB", Better::kLower},
       {"sustained_server_heap_growth_mb", "MB", Better::kLower},
+      {"sustained_cpu_s_per_1000_calls", "CPU-s", Better::kLower},
+      {"idle_cpu_s", "CPU-s", Better::kLower},
+      {"idle_cpu_percent_per_worker", "% core", Better::kLower},
   };
   return kRows;
+}
+
+// The floor's transports, as named in its RESULT keys, and how the table names them.
+const std::vector<std::pair<std::string, std::string>>& floors() {
+  static const std::vector<std::pair<std::string, std::string>> kFloors{
+      {"asio", "Asio TCP, 24-byte header + payload"},
+      {"tensorpipe", "TensorPipe pipe, uv + basic"},
+  };
+  return kFloors;
 }
 
 std::optional<double> ratio(const Row& row, double ours, double pytorch) {
@@ -390,8 +522,10 @@ std::optional<double> ratio(const Row& row, double ours, double pytorch) {
   return row.better == Better::kLower ? pytorch / ours : ours / pytorch;
 }
 
-// Runs `argv` under timeout(1) and returns worker0's RESULT (possibly behind distrun's prefix).
-Json run_side(const std::string& what, std::vector<std::string> argv, const Config& config) {
+// Runs `argv` under timeout(1) and returns every RESULT it printed (possibly behind distrun's
+// prefix), at least one.
+std::vector<Json> run_side(const std::string& what, std::vector<std::string> argv,
+                           const Config& config) {
   // timeout(1) runs the side in a process group of its own and signals the whole group, so
   // grandchildren (distrun's ranks, Python's spawned workers) go too; SIGKILL 10 s later.
   argv.insert(argv.begin(),
@@ -404,7 +538,20 @@ Json run_side(const std::string& what, std::vector<std::string> argv, const Conf
               child.stdout_text);
   const std::vector<Json> results = result_lines(child.stdout_text);
   TORCH_CHECK(!results.empty(), what, " printed no RESULT line; its output:\n", child.stdout_text);
-  return results.front();
+  return results;
+}
+
+// The idle case's keys from its 2 workers' RESULTs.
+Json idle_result(const std::string& what, const std::vector<Json>& workers) {
+  TORCH_CHECK(workers.size() == kPairSize, what, " printed ", workers.size(),
+              " idle RESULT lines, expected ", kPairSize);
+  double cpu_s = 0;
+  double wall_s = 0;
+  for (const Json& worker : workers) {
+    cpu_s += worker.at("idle_cpu_s").get<double>();
+    wall_s += worker.at("idle_wall_s").get<double>();
+  }
+  return {{"idle_cpu_s", cpu_s}, {"idle_cpu_percent_per_worker", 100.0 * cpu_s / wall_s}};
 }
 
 std::vector<std::string> worker_args(const Config& config, int64_t sustained_calls) {
@@ -413,6 +560,8 @@ std::vector<std::string> worker_args(const Config& config, int64_t sustained_cal
           "--sustained-calls",  std::to_string(sustained_calls),
           "--latency-calls",    std::to_string(config.latency_calls),
           "--echo-calls",       std::to_string(config.echo_calls),
+          "--chain-calls",      std::to_string(config.chain_calls),
+          "--idle-seconds",     std::to_string(config.idle_seconds),
           "--deadline-seconds", std::to_string(config.deadline_seconds)};
 }
 
@@ -420,8 +569,8 @@ std::vector<std::string> worker_args(const Config& config, int64_t sustained_cal
 std::vector<std::string> check_results(const std::string& side, const Json& result,
                                        int64_t sustained_calls) {
   std::vector<std::string> problems;
-  for (const char* key :
-       {"latency_mismatches", "echo_mismatches", "sustained_mismatches", "sustained_failures"}) {
+  for (const char* key : {"latency_mismatches", "chain4_mismatches", "echo_mismatches",
+                          "sustained_mismatches", "sustained_failures"}) {
     if (result.at(key).get<int64_t>() != 0) {
       problems.push_back(fmt::format("{}: {} = {}", side, key, result.at(key).get<int64_t>()));
     }
@@ -435,20 +584,37 @@ std::vector<std::string> check_results(const std::string& side, const Json& resu
   return problems;
 }
 
-// Whole numbers from 100 up, two decimals below.
+// Whole numbers from 100 up, two decimals below, three significant digits below 0.1 (idle CPU).
 std::string format_value(double value) {
-  return std::abs(value) >= 100 ? fmt::format("{:.0f}", value) : fmt::format("{:.2f}", value);
+  if (std::abs(value) >= 100) return fmt::format("{:.0f}", value);
+  if (value != 0 && std::abs(value) < 0.1) return fmt::format("{:.3g}", value);
+  return fmt::format("{:.2f}", value);
 }
 
-void print_table(const Config& config, const Json& ours, const Json& pytorch) {
+// Our tiny round trip's median over a floor's.
+double over_floor(const Json& side, const Json& floor, const std::string& name) {
+  return side.at("latency_median_us").get<double>() /
+         floor.at("floor_" + name + "_tiny_median_us").get<double>();
+}
+
+void print_table(const Config& config, const Json& ours, const Json& pytorch, const Json& floor) {
   fmt::print(
       "\nrpc_bench: distoptim::rpc vs PyTorch {} torch.distributed.rpc (TensorPipe), {} workers "
-      "on loopback, {} RPC worker threads each\n",
-      "1.13", kWorldSize, config.threads);
+      "on loopback (the idle case: 2)\n",
+      "1.13", kWorldSize);
   fmt::print(
-      "latency: rpc_sync worker0 -> worker1 echoing ones(4), {} calls after {} warm-up; echo: "
-      "4 MiB float tensor, {} calls, MB/s counts both directions\n",
-      config.latency_calls, config.latency_warmup, config.echo_calls);
+      "settings, both sides: {} RPC worker threads (PyTorch: TensorPipeRpcBackendOptions("
+      "num_worker_threads={}, rpc_timeout=30, init_method='env://')), 1 intra-op thread "
+      "(at::set_num_threads / torch.set_num_threads(1)), RPC timeout 30 s; PyTorch's other "
+      "settings are its defaults\n",
+      config.threads, config.threads);
+  fmt::print(
+      "latency: rpc_sync worker0 -> worker1 echoing ones(4), {} calls after {} warm-up; chain4: "
+      "worker0 -> worker1 -> worker2 -> worker1 -> worker2, each a blocking rpc_sync inside the "
+      "request, returning ones(4), {} calls after {} warm-up; echo: 4 MiB float tensor, {} "
+      "calls, MB/s counts both directions\n",
+      config.latency_calls, config.latency_warmup, config.chain_calls, config.chain_warmup,
+      config.echo_calls);
   fmt::print(
       "sustained: rpc_async worker1 + worker2 -> worker0 (arg + 1, every result checked), window "
       "{} per caller; ours {} calls, pytorch {} calls{}\n",
@@ -458,7 +624,11 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch) {
             "its last10k and growth cover a shorter run)"
           : "");
   fmt::print(
-      "ratio > 1: ours better (pytorch/ours for times, x and MB; ours/pytorch for "
+      "cpu per 1000 calls: server + both callers over the load; idle: 2 workers, init_rpc, one "
+      "call each way, then CPU time over a {} s sleep, summed over both\n",
+      config.idle_seconds);
+  fmt::print(
+      "ratio > 1: ours better (pytorch/ours for times, x, MB and CPU; ours/pytorch for "
       "throughputs)\n\n");
   fmt::print("{:<32} {:>12} {:>12} {:>8} {:>8}\n", "case", "ours", "pytorch", "unit", "ratio");
   for (const Row& row : rows()) {
@@ -476,9 +646,24 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch) {
       pytorch.at("sustained_server_rss_at_10k_mb").get<double>(),
       pytorch.at("sustained_server_rss_end_mb").get<double>(),
       ours.at("sustained_seconds").get<double>(), pytorch.at("sustained_seconds").get<double>());
+  fmt::print(
+      "transport floor: a bare ping-pong between 2 processes with the same payloads and call "
+      "counts (not an RPC)\n");
+  fmt::print("{:<40} {:>12} {:>12} {:>12} {:>16} {:>16}\n", "floor", "median us", "p99 us",
+             "MB/s (4 MiB)", "ours / floor", "pytorch / floor");
+  for (const auto& [name, description] : floors()) {
+    fmt::print("{:<40} {:>12} {:>12} {:>12} {:>15.2f}x {:>15.2f}x\n", description,
+               format_value(floor.at("floor_" + name + "_tiny_median_us").get<double>()),
+               format_value(floor.at("floor_" + name + "_tiny_p99_us").get<double>()),
+               format_value(floor.at("floor_" + name + "_echo_4mb_mb_per_s").get<double>()),
+               over_floor(ours, floor, name), over_floor(pytorch, floor, name));
+  }
+  fmt::print(
+      "(the last two columns: the tiny round trip's median, latency_median_us, over the "
+      "floor's)\n\n");
 }
 
-Json to_json(const Json& ours, const Json& pytorch) {
+Json to_json(const Json& ours, const Json& pytorch, const Json& floor) {
   Json out = Json::array();
   for (const Row& row : rows()) {
     const double o = ours.at(row.key).get<double>();
@@ -490,6 +675,22 @@ Json to_json(const Json& ours, const Json& pytorch) {
                    {"unit", row.unit},
                    {"ratio", r ? Json(*r) : Json(nullptr)}});
   }
+  // Not comparisons with PyTorch: see the file comment.
+  auto floor_row = [&](const std::string& key, double value, const char* unit) {
+    out.push_back(
+        {{"case", key}, {"ours", value}, {"pytorch", nullptr}, {"unit", unit}, {"ratio", nullptr}});
+  };
+  for (const auto& [name, description] : floors()) {
+    const std::string prefix = "floor_" + name + "_";
+    for (const auto& [key, unit] :
+         {std::pair{"tiny_median_us", "us"}, std::pair{"tiny_p99_us", "us"},
+          std::pair{"echo_4mb_mb_per_s", "MB/s"}}) {
+      floor_row(prefix + key, floor.at(prefix + key).get<double>(), unit);
+    }
+  }
+  for (const auto& [name, description] : floors()) {
+    floor_row("tiny_round_trip_over_" + name + "_floor", over_floor(ours, floor, name), "x");
+  }
   return out;
 }
 
@@ -497,6 +698,8 @@ int run(int argc, char** argv) {
   Config config;
   std::string json_path;
   bool worker = false;
+  bool idle_worker = false;
+  bool floor_worker = false;
   std::string python = DISTOPTIM_REFERENCE_PYTHON;
   std::string script = DISTOPTIM_PYTORCH_RPC_SCRIPT;
   CLI::App app{"RPC benchmark: distoptim::rpc against PyTorch's torch.distributed.rpc"};
@@ -521,6 +724,12 @@ int run(int argc, char** argv) {
   app.add_option("--echo-calls", config.echo_calls, "timed rpc_sync calls of 4 MiB")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--chain-calls", config.chain_calls, "timed rpc_sync calls of the depth-4 chain")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--idle-seconds", config.idle_seconds, "the idle case's sleep")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--deadline-seconds", config.deadline_seconds,
                  "each side is killed after this long")
       ->capture_default_str()
@@ -528,10 +737,20 @@ int run(int argc, char** argv) {
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_option("--pytorch-script", script, "pytorch_rpc.py")->capture_default_str();
   app.add_flag("--worker", worker, "Run as one of our workers (started by the benchmark itself)");
+  app.add_flag("--idle-worker", idle_worker, "Run as one of our idle case's workers (ditto)");
+  app.add_flag("--floor-worker", floor_worker, "Run as one end of the transport floor (ditto)");
   CLI11_PARSE(app, argc, argv);
 
   if (worker) {
     run_worker(config);
+    return 0;
+  }
+  if (idle_worker) {
+    run_idle_worker(config);
+    return 0;
+  }
+  if (floor_worker) {
+    run_floor_worker(config);
     return 0;
   }
   TORCH_CHECK_VALUE(config.sustained_calls % 2 == 0 && config.pytorch_sustained_calls % 2 == 0,
@@ -541,26 +760,47 @@ int run(int argc, char** argv) {
   ResultsFile results_file(json_path, "rpc_bench");
 
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  std::vector<std::string> ours_argv{DISTOPTIM_DISTRUN_PATH, "--nproc-per-node",
-                                     std::to_string(kWorldSize), self, "--worker"};
-  for (auto& arg : worker_args(config, config.sustained_calls)) ours_argv.push_back(arg);
-  std::vector<std::string> pytorch_argv{python, script, "--world-size", std::to_string(kWorldSize)};
-  for (auto& arg : worker_args(config, config.pytorch_sustained_calls)) {
-    pytorch_argv.push_back(arg);
-  }
+  auto ours_argv = [&](int processes, const char* mode) {
+    std::vector<std::string> argv{DISTOPTIM_DISTRUN_PATH, "--nproc-per-node",
+                                  std::to_string(processes), self, mode};
+    for (auto& arg : worker_args(config, config.sustained_calls)) argv.push_back(arg);
+    return argv;
+  };
+  auto pytorch_argv = [&](const char* test_case, int world_size) {
+    std::vector<std::string> argv{python,    script,         "--case",
+                                  test_case, "--world-size", std::to_string(world_size)};
+    for (auto& arg : worker_args(config, config.pytorch_sustained_calls)) argv.push_back(arg);
+    return argv;
+  };
+  // Runs one side and says how long it took.
+  auto timed = [&](const std::string& label, const std::string& what,
+                   const std::vector<std::string>& argv) {
+    fmt::print(stderr, "rpc_bench: {}...", label);
+    const auto begin = Clock::now();
+    std::vector<Json> results = run_side(what, argv, config);
+    fmt::print(stderr, " {:.0f} s\n", elapsed_us(begin) * 1e-6);
+    return results;
+  };
 
-  fmt::print(stderr, "rpc_bench: ours...");
-  const auto ours_begin = Clock::now();
-  const Json ours = run_side("our workers (distrun)", ours_argv, config);
-  fmt::print(stderr, " {:.0f} s; pytorch...", elapsed_us(ours_begin) * 1e-6);
-  const auto pytorch_begin = Clock::now();
-  const Json pytorch = run_side(script, pytorch_argv, config);
-  fmt::print(stderr, " {:.0f} s\n", elapsed_us(pytorch_begin) * 1e-6);
+  Json ours = timed("ours", "our workers (distrun)", ours_argv(kWorldSize, "--worker")).front();
+  Json pytorch = timed("pytorch", script, pytorch_argv("main", kWorldSize)).front();
+  const Json floor =
+      timed("transport floor", "the floor (distrun)", ours_argv(kPairSize, "--floor-worker"))
+          .front();
+  ours.update(idle_result("our idle workers", timed("ours idle", "our idle workers (distrun)",
+                                                    ours_argv(kPairSize, "--idle-worker"))));
+  pytorch.update(
+      idle_result(script, timed("pytorch idle", script, pytorch_argv("idle", kPairSize))));
 
-  print_table(config, ours, pytorch);
+  print_table(config, ours, pytorch, floor);
   std::vector<std::string> problems = check_results("ours", ours, config.sustained_calls);
   for (auto& p : check_results("pytorch", pytorch, config.pytorch_sustained_calls)) {
     problems.push_back(std::move(p));
+  }
+  for (const auto& [name, description] : floors()) {
+    if (const int64_t wrong = floor.at("floor_" + name + "_mismatches").get<int64_t>(); wrong) {
+      problems.push_back(fmt::format("floor: {} replies of {} differ", wrong, description));
+    }
   }
   if (!problems.empty()) {
     results_file.discard();
@@ -568,7 +808,7 @@ int run(int argc, char** argv) {
     fmt::print(stderr, "rpc_bench: no results written\n");
     return 1;
   }
-  results_file.write(to_json(ours, pytorch));
+  results_file.write(to_json(ours, pytorch, floor));
   fmt::print("results written to {}\n", json_path);
   return 0;
 }
