@@ -71,10 +71,13 @@ void Connection::arm_deadline(std::chrono::milliseconds timeout, std::string why
 
 void Connection::disarm_deadline() { deadline_.cancel(); }
 
-void Connection::read_header() {
+// Reads exactly `buffers`, then runs `next` unless the connection failed or closed meanwhile.
+template <class Buffers, class Next>
+void Connection::read_then(const Buffers& buffers, Next next) {
   reading_ = true;
-  asio::async_read(socket_, asio::buffer(header_bytes_),
-                   [self = shared_from_this()](const asio::error_code& error, size_t) {
+  asio::async_read(socket_, buffers,
+                   [self = shared_from_this(), next = std::move(next)](
+                       const asio::error_code& error, size_t) {
                      self->reading_ = false;
                      if (self->closed_) {
                        return;
@@ -83,8 +86,12 @@ void Connection::read_header() {
                        self->fail(describe(error));
                        return;
                      }
-                     self->on_header();
+                     next();
                    });
+}
+
+void Connection::read_header() {
+  read_then(asio::buffer(header_bytes_), [this] { on_header(); });
 }
 
 void Connection::on_header() {
@@ -101,21 +108,9 @@ void Connection::on_header() {
   length_bytes_.assign(size_t{header.tensor_count} * 8, '\0');
   if (length_bytes_.empty()) {
     read_payload();
-    return;
+  } else {
+    read_then(asio::buffer(length_bytes_), [this] { read_payload(); });
   }
-  reading_ = true;
-  asio::async_read(socket_, asio::buffer(length_bytes_),
-                   [self = shared_from_this()](const asio::error_code& error, size_t) {
-                     self->reading_ = false;
-                     if (self->closed_) {
-                       return;
-                     }
-                     if (error) {
-                       self->fail(describe(error));
-                       return;
-                     }
-                     self->read_payload();
-                   });
 }
 
 // Allocates exactly what the (checked) header and lengths announce, and reads into it: the body
@@ -138,36 +133,28 @@ void Connection::read_payload() {
     }
     frame_.buffers.push_back(std::move(buffer));
   }
-  reading_ = true;
-  asio::async_read(socket_, targets,
-                   [self = shared_from_this()](const asio::error_code& error, size_t) {
-                     self->reading_ = false;
-                     if (self->closed_) {
-                       return;
-                     }
-                     if (error) {
-                       self->fail(describe(error));
-                       return;
-                     }
-                     Frame frame = std::move(self->frame_);
-                     self->frame_ = Frame();
-                     if (self->closing_) {  // close_after: nothing more is handed on
-                       self->read_header();
-                       return;
-                     }
-                     // A copy of the handler: it may replace itself (read_frames) while it runs.
-                     std::shared_ptr<FrameHandler> handler = self->on_frame_;
-                     const bool go_on = handler && *handler && (*handler)(std::move(frame));
-                     // Closed, or reading again (the handler called read_frames).
-                     if (self->closed_ || self->reading_) {
-                       return;
-                     }
-                     if (go_on) {
-                       self->read_header();
-                     } else {
-                       self->paused_ = true;
-                     }
-                   });
+  read_then(targets, [this] { deliver_frame(); });
+}
+
+void Connection::deliver_frame() {
+  Frame frame = std::move(frame_);
+  frame_ = Frame();
+  if (closing_) {  // close_after: nothing more is handed on
+    read_header();
+    return;
+  }
+  // A copy of the handler: it may replace itself (read_frames) while it runs.
+  std::shared_ptr<FrameHandler> handler = on_frame_;
+  const bool go_on = handler && *handler && (*handler)(std::move(frame));
+  // Closed, or reading again (the handler called read_frames).
+  if (closed_ || reading_) {
+    return;
+  }
+  if (go_on) {
+    read_header();
+  } else {
+    paused_ = true;
+  }
 }
 
 void Connection::resume_reading() {

@@ -80,9 +80,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
     WrittenHandler on_written;
   };
 
+  template <class Buffers, class Next>
+  void read_then(const Buffers& buffers, Next next);
   void read_header();
   void on_header();
   void read_payload();
+  void deliver_frame();
   void fail(const std::string& why);
   void violation(const std::string& why);
   void write_next();
