@@ -327,7 +327,7 @@ void Agent::on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connec
       dead_peers_.emplace(peer, reason);
     }
   }
-  on_pipe_failed(peer, reason);
+  lose_peer(peer, reason);
 }
 
 bool Agent::on_request_frame(const std::shared_ptr<Connection>& connection, int caller,
@@ -657,7 +657,7 @@ void Agent::handle_reply(int peer, const MessageHeader& header, const std::strin
   }
 }
 
-void Agent::on_pipe_failed(int peer, const std::string& why) {
+void Agent::lose_peer(int peer, const std::string& why) {
   bool stopping = false;
   std::shared_ptr<Connection> connection;
   {

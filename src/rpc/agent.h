@@ -140,7 +140,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
              const std::string& callable, const c10::ivalue::Future& result);
   void handle_reply(int peer, const MessageHeader& header, const std::string& body,
                     std::vector<at::Tensor> buffers);
-  void on_pipe_failed(int peer, const std::string& why);
+  void lose_peer(int peer, const std::string& why);
   void on_calls_expired(std::vector<PendingCall> expired);
   void fail_calls(std::vector<PendingCall> calls,
                   std::function<std::exception_ptr(const PendingCall&)> make_error);

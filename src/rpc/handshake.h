@@ -29,7 +29,7 @@ namespace distoptim {
 namespace rpc {
 namespace detail {
 
-/// Which side of a pipe a proof speaks for: the worker that connected, or the one that accepted.
+/// Which side of a connection a proof speaks for: the worker that connected, or the one that accepted.
 /// A proof for one role never verifies as the other, so a peer cannot echo a proof back.
 enum class HandshakeRole { kConnecting, kAccepting };
 

@@ -37,7 +37,7 @@ struct MessageHeader {
   static constexpr uint8_t kVersion = 1;
   static constexpr size_t kEncodedSize = 24;
 
-  /// The request must be handled in the order it arrived on its pipe (RRef control messages:
+  /// The request must be handled in the order it arrived on its connection (RRef control messages:
   /// a fork's registration before its deletion). Bit 0 is reserved; unknown bits are rejected.
   static constexpr uint16_t kOrdered = 1 << 1;
   static constexpr uint16_t kKnownFlags = kOrdered;

@@ -14,7 +14,7 @@
 //   receiver's fork, so the owner never frees a value whose new fork is still on its way.
 //
 // Control messages (requests with MessageHeader::kOrdered, handled on one thread in the order
-// they arrive on their pipe, so that a fork's registration precedes its deletion):
+// they arrive on their connection, so that a fork's registration precedes its deletion):
 //   create(rref, fork, callable, args)  user -> owner: register the creator's fork, then run the
 //                                        callable on the request pool; its result (or error) is
 //                                        the value. Replies once the value is set.

@@ -75,7 +75,7 @@ struct RpcBackendOptions {
   /// worker stops reading from its callers until the queue drains below half (backpressure
   /// through TCP); a single larger request is still admitted when the queue is empty.
   TORCH_ARG(size_t, inbound_queue_bytes) = size_t{256} << 20;
-  /// A secret every worker of the job knows (at most 4096 bytes). Each pipe starts with a
+  /// A secret every worker of the job knows (at most 4096 bytes). Each connection starts with a
   /// challenge-response handshake (HMAC-SHA256 over fresh nonces) in both directions: a peer
   /// that cannot prove it knows the same secret is refused before any of its requests is read,
   /// and a worker that cannot prove it to us is never sent one. Empty (the default): workers
