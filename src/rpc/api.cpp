@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/rref.h>
 
 #include "agent.h"
@@ -134,7 +135,7 @@ void wait_future(c10::ivalue::Future& future) {
 namespace {
 
 const RRefImpl& impl_of(const RRefHandle& handle) {
-  auto* impl = dynamic_cast<const RRefImpl*>(handle.get());
+  const RRefImpl* impl = rref_impl(handle.get());
   TORCH_CHECK_VALUE(impl != nullptr, "rpc: not a distoptim RRef");
   return *impl;
 }
@@ -157,7 +158,7 @@ RRefHandle remote_values(const WorkerRef& to, const std::string& callable,
 }
 
 bool is_rref_handle(const RRefHandle& handle) {
-  return dynamic_cast<const RRefImpl*>(handle.get()) != nullptr;
+  return rref_impl(handle.get()) != nullptr;
 }
 
 WorkerInfo rref_owner(const RRefHandle& handle) {
@@ -192,6 +193,18 @@ void rref_confirm(const RRefHandle& handle, std::chrono::milliseconds timeout) {
 }
 
 std::string describe_rref(const RRefHandle& handle) { return impl_of(handle).describe(); }
+
+RRefHandle declare_rref_type(const RRefHandle& handle, const std::string& type_name) {
+  RRefImpl* impl = rref_impl(handle.get());
+  TORCH_CHECK_VALUE(impl != nullptr, "rpc: not a distoptim RRef");
+  if (type_name.empty()) {
+    return c10::intrusive_ptr<c10::RRefInterface>::reclaim_copy(impl);
+  }
+  return c10::make_intrusive<DeclaredRRef>(c10::intrusive_ptr<RRefImpl>::reclaim_copy(impl),
+                                           type_name);
+}
+
+std::string registered_class_name_of(std::type_index type) { return registered_class_name(type); }
 
 size_t owned_rref_count() {
   std::shared_ptr<Agent> agent;

@@ -6,7 +6,9 @@
 #include <c10/util/Exception.h>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/errors.h>
+#include <distoptim/rpc/values.h>
 
 #include "agent.h"
 #include "executor.h"
@@ -278,9 +280,44 @@ std::shared_ptr<OwnedValue> RRefContext::erase_fork_locked(const GlobalId& rref_
   return freed;
 }
 
+RRefImpl* rref_impl(c10::RRefInterface* rref) {
+  if (auto* declared = dynamic_cast<DeclaredRRef*>(rref)) return declared->impl().get();
+  return dynamic_cast<RRefImpl*>(rref);
+}
+
+namespace {
+
+// The type of a value as RRef type names speak of it (rref.h's rref_type_name).
+std::string value_type_name(const c10::IValue& value) {
+  if (value.isTensor()) return ValueTraits<at::Tensor>::name();
+  if (value.isBool()) return ValueTraits<bool>::name();
+  if (value.isInt()) return ValueTraits<int64_t>::name();
+  if (value.isDouble()) return ValueTraits<double>::name();
+  if (value.isString()) return ValueTraits<std::string>::name();
+  if (value.isList()) return "list";
+  if (value.isGenericDict()) return "dict";
+  if (value.isTuple()) return "tuple";
+  if (value.isRRef()) return "RRef";
+  if (value.isCapsule()) {
+    if (auto* holder = dynamic_cast<const ObjectHolder*>(value.toCapsule().get())) {
+      return holder->class_name();
+    }
+  }
+  return value.tagKind();
+}
+
+// Whether a value of type `actual` can be read as one of type `declared` (from_value's rules).
+bool type_fits(const std::string& declared, const std::string& actual) {
+  return declared == actual || declared == "optional value" ||
+         (declared == ValueTraits<double>::name() && actual == ValueTraits<int64_t>::name());
+}
+
+}  // namespace
+
 c10::IValue RRefContext::prepare_to_send(const c10::IValue& value, int to, ForkBatch* batch) {
   return map_rrefs(value, [&](const c10::intrusive_ptr<c10::RRefInterface>& any) -> c10::IValue {
-    auto* rref = dynamic_cast<RRefImpl*>(any.get());
+    RRefImpl* rref = rref_impl(any.get());
+    auto* declared = dynamic_cast<DeclaredRRef*>(any.get());
     TORCH_CHECK_TYPE(rref != nullptr || dynamic_cast<RRefReference*>(any.get()) != nullptr,
                      "rpc: only distoptim RRefs can be sent");
     if (rref == nullptr) return c10::IValue(any);
@@ -305,6 +342,7 @@ c10::IValue RRefContext::prepare_to_send(const c10::IValue& value, int to, ForkB
     ids.rref_local_id = rref->rref_id().local_id;
     ids.fork_created_on = fork_id.created_on;
     ids.fork_local_id = fork_id.local_id;
+    ids.type_name = declared ? declared->type_name() : std::string();
     return c10::IValue(
         c10::intrusive_ptr<c10::RRefInterface>(c10::make_intrusive<RRefReference>(std::move(ids))));
   });
@@ -331,7 +369,11 @@ void RRefContext::rollback(const ForkBatch& batch) {
 }
 
 c10::IValue RRefContext::receive(const c10::IValue& value) {
-  return map_rrefs(value, [&](const c10::intrusive_ptr<c10::RRefInterface>& any) -> c10::IValue {
+  // A type mismatch is reported once every reference in `value` has been taken (else the forks
+  // of those not yet taken would never be released).
+  std::string mismatch;
+  c10::IValue received =
+      map_rrefs(value, [&](const c10::intrusive_ptr<c10::RRefInterface>& any) -> c10::IValue {
     auto* reference = dynamic_cast<RRefReference*>(any.get());
     if (reference == nullptr) return c10::IValue(any);  // Already a handle (a local call).
     const RRefIds& ids = reference->ids();
@@ -353,8 +395,18 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
       // From a user: the owner holds no fork for this handle (PyTorch's "phantom fork"); only
       // the sender's pending child needs releasing.
       if (parent != self_) send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
-      return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(c10::make_intrusive<RRefImpl>(
-          agent_.weak_from_this(), owner, owner_name, rref_id, std::move(owned))));
+      auto local = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), owner, owner_name,
+                                                 rref_id, owned);
+      // The sender's RRef<T> against the value (one still being created is not checked).
+      const auto& future = owned->future;
+      if (!ids.type_name.empty() && mismatch.empty() && future->completed() &&
+          !future->hasError() && !type_fits(ids.type_name, value_type_name(future->value()))) {
+        mismatch = c10::str("rpc: worker '", agent_.workers()[parent].name, "' sent ",
+                            local->describe(), " as RRef<", ids.type_name,
+                            ">, but its value on worker '", owner_name, "' is ",
+                            value_type_name(future->value()));
+      }
+      return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(local)));
     }
     auto user = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), owner, owner_name, rref_id,
                                               fork_id, c10::intrusive_ptr<c10::ivalue::Future>());
@@ -378,6 +430,8 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
     }
     return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(user)));
   });
+  TORCH_CHECK_TYPE(mismatch.empty(), mismatch);
+  return received;
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::string& callable,

@@ -120,6 +120,28 @@ class RRefImpl : public c10::RRefInterface {
   std::atomic<bool> released_{false};
 };
 
+/// An RRef handle as it is sent as an RRef<T>: the handle and the name of T (rref.h's
+/// declare_rref_type). Used only between to_value and prepare_to_send; forwards the rest.
+class DeclaredRRef : public c10::RRefInterface {
+ public:
+  DeclaredRRef(c10::intrusive_ptr<RRefImpl> impl, std::string type_name)
+      : impl_(std::move(impl)), type_name_(std::move(type_name)) {}
+  const c10::intrusive_ptr<RRefImpl>& impl() const { return impl_; }
+  const std::string& type_name() const { return type_name_; }
+  c10::worker_id_t owner() const override { return impl_->owner(); }
+  std::string ownerName() const override { return impl_->ownerName(); }
+  bool isOwner() const override { return impl_->isOwner(); }
+  bool confirmedByOwner() const override { return impl_->confirmedByOwner(); }
+  const c10::TypePtr type() const override { return impl_->type(); }
+
+ private:
+  c10::intrusive_ptr<RRefImpl> impl_;
+  std::string type_name_;
+};
+
+/// The handle behind an RRef interface (unwrapping a DeclaredRRef), or null.
+RRefImpl* rref_impl(c10::RRefInterface* rref);
+
 /// What prepare_to_send registered for one outgoing message, undone if it is never sent.
 struct ForkBatch {
   std::vector<std::pair<GlobalId, GlobalId>> owner_forks;  // (rref, fork) added to owners_

@@ -533,6 +533,37 @@ TEST(RRef, Issue11KilledCreatorsRemotesDrain) {
       options);
 }
 
+// Issue 11, item 10: an RRef<T> carries the name of T on the wire, and the owner checks it
+// against the value: a mismatch fails the call with a c10::TypeError naming both types and the
+// worker, which reaches the caller as a RemoteError.
+DISTOPTIM_RPC_FUNCTION("string_on_owner",
+                       [](RRef<std::string> rref) { return rref.local_value(); });
+
+TEST(RRef, Issue11TypeNamesAreCheckedAtTheOwner) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      auto number = remote<int64_t>("worker1", "add", std::tuple{int64_t{1}, int64_t{2}});
+      number.confirm();
+      EXPECT_EQ(rpc_sync<int64_t>("worker1", "plus_one_on_owner", std::tuple{number}), 4);
+      RRef<std::string> wrong(number.handle());
+      try {
+        rpc_sync<std::string>("worker1", "string_on_owner", std::tuple{wrong});
+        ADD_FAILURE() << "a mismatched RRef type passed";
+      } catch (const RemoteError& error) {
+        EXPECT_EQ(error.worker_name(), "worker1");
+        EXPECT_NE(error.remote_message().find("worker 'worker0' sent RRef"), std::string::npos)
+            << error.remote_message();
+        EXPECT_NE(error.remote_message().find("as RRef<str>, but its value on worker 'worker1' "
+                                              "is int"),
+                  std::string::npos)
+            << error.remote_message();
+      }
+    }
+    shutdown();
+  });
+}
+
 TEST(RemoteClassesUnit, RegistrationIsCheckedAndObjectsConvertByType) {
   EXPECT_THROW((register_class<EmbeddingTable, int64_t, int64_t, double>("EmbeddingTable")),
                c10::ValueError);  // taken

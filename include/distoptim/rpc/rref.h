@@ -22,6 +22,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <typeindex>
 #include <utility>
 #include <vector>
 
@@ -50,6 +51,23 @@ c10::IValue rref_local_value(const RRefHandle& handle);
 bool rref_confirmed_by_owner(const RRefHandle& handle);
 void rref_confirm(const RRefHandle& handle, std::chrono::milliseconds timeout);
 std::string describe_rref(const RRefHandle& handle);
+/// `handle` as it is sent as an RRef<T>: carrying the name of T, which the owner checks against
+/// its value when the reference reaches it (empty: not checked).
+RRefHandle declare_rref_type(const RRefHandle& handle, const std::string& type_name);
+std::string registered_class_name_of(std::type_index type);
+
+/// The name of T as RRef type names go on the wire: ValueTraits<T>::name() for values, the
+/// registered class name for objects of remote classes; empty where any value will do.
+template <class T>
+std::string rref_type_name() {
+  if constexpr (std::is_same_v<T, c10::IValue>) {
+    return {};
+  } else if constexpr (has_value_traits<T>::value) {
+    return ValueTraits<T>::name();
+  } else {
+    return registered_class_name_of(typeid(T));
+  }
+}
 
 /// For tests and diagnostics: how many values this worker owns that some other worker (or a
 /// message in flight) still references, i.e. the size of its owner table. Values referenced
@@ -219,7 +237,7 @@ struct ValueTraits<RRef<T>> {
   static constexpr const char* name() { return "RRef"; }
   static c10::IValue to(RRef<T> rref) {
     TORCH_CHECK_VALUE(rref.defined(), "rpc: an empty RRef cannot be sent");
-    return c10::IValue(rref.handle());
+    return c10::IValue(detail::declare_rref_type(rref.handle(), detail::rref_type_name<T>()));
   }
   static RRef<T> from(const c10::IValue& value, const std::string& context) {
     if (!value.isRRef() || !detail::is_rref_handle(value.toRRef())) {
