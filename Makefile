@@ -1,25 +1,29 @@
 # Developer shortcuts, once `bash scripts/setup.sh` (or scripts/demo.sh / scripts/test.sh) has
-# installed the Debian packages. Builds go to $(BUILD_DIR) (Release) and $(ASAN_BUILD_DIR).
+# installed the Debian packages. Builds go to $(BUILD_DIR) (Release), $(ASAN_BUILD_DIR) and
+# $(TSAN_BUILD_DIR).
 #
 #   make build   configure and build everything (Release)
 #   make test    build, then run the whole CTest suite (as the last step of scripts/test.sh)
 #   make asan    ASan + UBSan build, then the unit tests under it (scripts/test.sh asan)
+#   make tsan    ThreadSanitizer build of comm and rpc, then their tests (scripts/test.sh tsan)
 #   make demo    build and run examples/custom_qhm (scripts/demo.sh)
 #   make bench   build, then run every benchmark; results in $(BUILD_DIR)/bench-results/*.json
 #   make format  clang-format every C++ file in place
 
 BUILD_DIR ?= build
 ASAN_BUILD_DIR ?= build-asan
+TSAN_BUILD_DIR ?= build-tsan
 JOBS ?= 2
 
 export DISTOPTIM_BUILD_DIR := $(BUILD_DIR)
 export DISTOPTIM_ASAN_BUILD_DIR := $(ASAN_BUILD_DIR)
+export DISTOPTIM_TSAN_BUILD_DIR := $(TSAN_BUILD_DIR)
 export DISTOPTIM_JOBS := $(JOBS)
 
 CXX_SOURCES = $(shell git ls-files --cached --others --exclude-standard -- \
                 '*.h' '*.cpp' 2>/dev/null)
 
-.PHONY: all configure build test asan demo bench format
+.PHONY: all configure build test asan tsan demo bench format
 
 all: build
 
@@ -35,6 +39,9 @@ test:
 
 asan:
 	bash scripts/test.sh asan
+
+tsan:
+	bash scripts/test.sh tsan
 
 demo:
 	bash scripts/demo.sh

@@ -253,7 +253,15 @@ TEST(Rpc, FloodingCallerIsHeldBackAndLosesNothing) {
       for (auto& [expected, future] : futures) {
         EXPECT_EQ(future.wait(), expected);
       }
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+      // Under ASan freed memory stays resident in its quarantine (256 MiB by default), under TSan
+      // every byte has shadow memory: the resident size says nothing about the queue bound there.
+      // The Release suite checks it.
+      (void)resident_before;
+      (void)resident_peak;
+#else
       EXPECT_LT(resident_peak - resident_before, int64_t{96} << 20);
+#endif
     }
     shutdown();
   });
@@ -399,6 +407,11 @@ TEST(Rpc, GracefulShutdownWaitsForOutstandingWorkAndLeavesNoThread) {
     if (outstanding) {
       EXPECT_TRUE(outstanding->completed());
       EXPECT_EQ(outstanding->wait(), 300);
+    }
+    // The store's operations run on detached threads (comm::DeadlineStore) that may still be
+    // exiting after they answered: give them a bounded moment (they take longer under sanitizers).
+    for (int i = 0; i < 500 && thread_count() > threads_before; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     EXPECT_EQ(thread_count(), threads_before);
     EXPECT_THROW(rpc_sync(worker(0), "add", std::tuple{1, 2}), DistributedError);
