@@ -851,15 +851,15 @@ void Agent::shutdown(bool graceful) {
       const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
       rrefs_->release_all_users(deadline);
       const bool calls_done = pending_->wait_empty(deadline);
-      bool requests_done = false;
+      int requests_left = 0;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        requests_done =
-            idle_.wait_until(lock, deadline, [this] { return in_flight_requests_ == 0; });
+        idle_.wait_until(lock, deadline, [this] { return in_flight_requests_ == 0; });
+        requests_left = in_flight_requests_;
       }
-      DISTOPTIM_CHECK_WITH(TimeoutError, calls_done && requests_done, "rpc shutdown: worker '",
-                           self().name, "' still had ", pending_->size(), " call(s) and ",
-                           in_flight_requests_, " request(s) outstanding after ",
+      DISTOPTIM_CHECK_WITH(TimeoutError, calls_done && requests_left == 0,
+                           "rpc shutdown: worker '", self().name, "' still had ", pending_->size(),
+                           " call(s) and ", requests_left, " request(s) outstanding after ",
                            options_.shutdown_timeout().count(), " ms");
       barrier("drained");
       // Rank 0 serves the store: it leaves last, once every worker is past the barrier.
