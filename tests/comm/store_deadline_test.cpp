@@ -66,6 +66,13 @@ TEST(StoreDeadline, RendezvousWithStoppedStoreHostTimesOut) {
           c10d::TCPStore store("127.0.0.1", store_options);
           std::ofstream(pid_file) << ::getpid() << std::endl;
           ::raise(SIGSTOP);
+          // Rank 1 still holds a client of this store (its timed-out operation's thread), and
+          // LibTorch's client aborts its process when the server resets the connection: serve
+          // until rank 1 has exited.
+          pid_t waiter = 0;
+          ASSERT_TRUE(eventually([&] { return bool(std::ifstream(pid_file + ".1") >> waiter); }, 20s));
+          ::unlink((pid_file + ".1").c_str());
+          EXPECT_TRUE(testing::wait_for_process_state(waiter, "Z?", 30s));
           return;
         }
         pid_t pid = 0;
@@ -83,6 +90,7 @@ TEST(StoreDeadline, RendezvousWithStoppedStoreHostTimesOut) {
         // The timeout, and at most DeadlineStore::kMinAnswerTime more; generous for a loaded
         // machine: the point is that it did not hang.
         EXPECT_LT(Clock::now() - start, 15s);
+        std::ofstream(pid_file + ".1") << ::getpid() << std::endl;
         ::kill(pid, SIGCONT);
       },
       options);
