@@ -26,39 +26,38 @@ phase() {
   echo "==== test.sh: $1 (at $((SECONDS - start)) s)"
 }
 
+# Builds tests with a sanitizer (DISTOPTIM_SANITIZE=$3) in $2 and runs those labelled $4; $1
+# names the build in the progress lines.
+sanitized_tests() {
+  local what="$1" dir="$2" sanitize="$3" label="$4"
+  phase "$what build in $dir"
+  cmake -S . -B "$dir" \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DDISTOPTIM_SANITIZE="$sanitize" \
+    -DDISTOPTIM_BUILD_TESTS=ON \
+    -DDISTOPTIM_BUILD_BENCH=OFF \
+    -DDISTOPTIM_BUILD_EXAMPLES=OFF
+  cmake --build "$dir" -j"$JOBS"
+  phase "tests labelled '$label' under $what"
+  # Each test is its own process, mostly LibTorch start-up under a sanitizer: two at a time.
+  ctest --test-dir "$dir" -L "$label" --output-on-failure --no-tests=error -j"$JOBS"
+}
+
 sanitizer_tests() {
   # LeakSanitizer stays on: LibTorch is not built with ASan, but what it keeps for the life of
   # the process stays reachable from its globals, so the unit tests report no leaks. The options
   # must hold while building too: gtest_discover_tests runs each test binary to list its tests.
   export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1}"
   export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
-  phase "sanitizer build (ASan + UBSan) in $ASAN_BUILD_DIR"
-  cmake -S . -B "$ASAN_BUILD_DIR" \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DDISTOPTIM_SANITIZE=ON \
-    -DDISTOPTIM_BUILD_TESTS=ON \
-    -DDISTOPTIM_BUILD_BENCH=OFF \
-    -DDISTOPTIM_BUILD_EXAMPLES=OFF
-  cmake --build "$ASAN_BUILD_DIR" -j"$JOBS"
-  phase "unit tests under ASan + UBSan"
-  # Each test is its own process, mostly LibTorch start-up under ASan: run two at a time.
-  ctest --test-dir "$ASAN_BUILD_DIR" -L unit --output-on-failure --no-tests=error -j"$JOBS"
+  sanitized_tests "ASan + UBSan" "$ASAN_BUILD_DIR" ON unit
 }
 
 thread_sanitizer_tests() {
   # LibTorch is not built with TSan: tests/tsan.supp names the reports that lie wholly inside it
-  # (docs/threading.md). Reports in our code halt the process, failing its test.
+  # (docs/threading.md). Reports in our code halt the process, failing its test. Only the comm
+  # and rpc layers and their tests are built (DISTOPTIM_SANITIZE=thread).
   export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp}"
-  phase "ThreadSanitizer build (comm and rpc only) in $TSAN_BUILD_DIR"
-  cmake -S . -B "$TSAN_BUILD_DIR" \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DDISTOPTIM_SANITIZE=thread \
-    -DDISTOPTIM_BUILD_TESTS=ON \
-    -DDISTOPTIM_BUILD_BENCH=OFF \
-    -DDISTOPTIM_BUILD_EXAMPLES=OFF
-  cmake --build "$TSAN_BUILD_DIR" -j"$JOBS"
-  phase "comm and rpc tests under TSan"
-  ctest --test-dir "$TSAN_BUILD_DIR" -L tsan --output-on-failure --no-tests=error -j"$JOBS"
+  sanitized_tests "ThreadSanitizer" "$TSAN_BUILD_DIR" thread tsan
 }
 
 release_tests() {
