@@ -551,28 +551,41 @@ void Agent::barrier(const std::string& round, bool wait) {
   comm::DeadlineStore& store = *rendezvous_.store;
   const std::string prefix = std::string(kStorePrefix) + "shutdown/" + round + "/";
   const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
-  store.set(prefix + std::to_string(rank_), std::vector<uint8_t>{1}, deadline);
-  if (!wait) {
-    return;
-  }
+  const auto lost_peers = [this] {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return dead_peers_;
+  };
+  const auto throw_lost = [&](int peer, const std::string& why, const std::string& then) {
+    DISTOPTIM_THROW(PeerLostError, "rpc shutdown: worker '", self().name, "' cannot pass barrier '",
+                    round, "': worker ", describe_missing({peer}, workers_), " is lost (", why,
+                    ")", then);
+  };
   // A worker already known to be dead that has not arrived never will: fail now, not at the
   // deadline. (A worker that refused us is alive: it is waited for.)
+  bool reported_lost = false;
   const auto check_lost = [&] {
-    std::map<int, std::string> lost;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      lost = dead_peers_;
-    }
-    for (const auto& [peer, why] : lost) {
+    for (const auto& [peer, why] : lost_peers()) {
       if (!store.check({prefix + std::to_string(peer)}, deadline)) {
-        DISTOPTIM_THROW(PeerLostError, "rpc shutdown: worker '", self().name, "' cannot pass barrier '",
-                        round, "': worker ", describe_missing({peer}, workers_),
-                        " is lost (", why, ")");
+        reported_lost = true;
+        throw_lost(peer, why, "");
       }
     }
   };
-  const std::vector<int> missing =
-      comm::wait_for_rank_keys(store, prefix, world_size_, deadline, check_lost);
+  std::vector<int> missing;
+  try {
+    store.set(prefix + std::to_string(rank_), std::vector<uint8_t>{1}, deadline);
+    if (!wait) {
+      return;
+    }
+    missing = comm::wait_for_rank_keys(store, prefix, world_size_, deadline, check_lost);
+  } catch (const DistributedError& error) {
+    // The store host may have left first, its own barrier failed by the same dead worker: the
+    // worker known to be lost is the cause to report, the store's failure its consequence.
+    const auto lost = lost_peers();
+    if (reported_lost || lost.empty()) throw;
+    throw_lost(lost.begin()->first, lost.begin()->second,
+               std::string("; then: ") + error.what_without_backtrace());
+  }
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "rpc shutdown: worker '", self().name,
                        "' waited ", options_.shutdown_timeout().count(), " ms at barrier '", round,
                        "' for workers that never arrived: ", describe_missing(missing, workers_));

@@ -243,7 +243,7 @@ void Connection::close_after(EncodedMessage farewell, const std::string& why,
                              std::chrono::milliseconds linger) {
   asio::dispatch(io_, [self = shared_from_this(), farewell = std::move(farewell), why,
                        linger]() mutable {
-    if (self->closed_) {
+    if (self->closed_ || self->closing_) {  // the first farewell stands
       return;
     }
     // Nothing more the peer sends is handed on; once the farewell is written our side of the
