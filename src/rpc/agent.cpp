@@ -412,7 +412,7 @@ void Agent::lose_peer(int peer, const std::string& why) {
   }
   std::vector<PendingCall> failed = pending_->take_to(peer);
   if (!stopping) {
-    ordered_->post([this, peer] { rrefs_->on_peer_lost(peer); });
+    ordered_->post([this, peer] { on_peer_gone(peer); });
   }
   const std::string worker = workers_[peer].name;
   fail_calls(std::move(failed), [worker, why, stopping](const PendingCall& call) {
@@ -543,6 +543,13 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& f
     connect_to(to);
   }
   return future;
+}
+
+void Agent::on_peer_gone(int peer) {
+  rrefs_->on_peer_lost(peer);
+  if (auto installed = interceptor()) {
+    installed->on_peer_lost(peer);
+  }
 }
 
 void Agent::barrier(const std::string& round, bool wait) {

@@ -145,6 +145,9 @@ class Agent : public std::enable_shared_from_this<Agent> {
   void fail_calls(std::vector<PendingCall> calls,
                   std::function<std::exception_ptr(const PendingCall&)> make_error);
   void barrier(const std::string& round, bool wait = true);
+  // A peer died or stopped: its forks are released and the interceptor is told. On the ordered
+  // thread, after the control messages the peer sent before.
+  void on_peer_gone(int peer);
   void stop();
 
   const int rank_;

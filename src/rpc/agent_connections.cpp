@@ -83,7 +83,7 @@ void Agent::on_caller_proven(const std::shared_ptr<Connection>& connection, int 
         // A caller's connection closed: it died or stopped. Forks it held are gone with it,
         // after the control messages it sent before (they run on the same ordered thread).
         if (caller != rank_) {
-          ordered_->post([this, caller] { rrefs_->on_peer_lost(caller); });
+          ordered_->post([this, caller] { on_peer_gone(caller); });
         }
       });
 }

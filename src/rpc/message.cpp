@@ -526,7 +526,9 @@ c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders) {
       const long expected = occurrences[tensor.unsafeGetTensorImpl()] * holders;
       const bool exclusive = holders > 0 && static_cast<long>(tensor.use_count()) <= expected &&
                              tensor.storage().use_count() <= 1;
-      return exclusive ? item : c10::IValue(tensor.detach().clone());
+      if (exclusive) return item;
+      // A copy that keeps its place in the autograd graph: distributed autograd records it.
+      return c10::IValue(tensor.requires_grad() ? tensor.clone() : tensor.detach().clone());
     }
     if (item.isList()) {
       c10::impl::GenericList list(c10::AnyType::get());

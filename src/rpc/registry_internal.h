@@ -13,9 +13,6 @@ namespace detail {
 /// returned pointer lives.
 std::shared_ptr<const RawFunction> find_function(const std::string& name);
 
-/// Registers a function under a name reserved for distoptim ("__distoptim.*").
-void register_internal_function(const std::string& name, RawFunction function);
-
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

@@ -255,9 +255,15 @@ c10::IValue RRefContext::to_here(const RRefImpl& rref, std::chrono::milliseconds
   if (rref.creation() && rref.creation()->completed() && rref.creation()->hasError()) {
     std::rethrow_exception(rref.creation()->exception_ptr());
   }
-  auto fetched = agent_.send(static_cast<int>(rref.owner()), kFetch,
-                             {rref.rref_id().created_on, rref.rref_id().local_id}, timeout,
-                             MessageHeader::kOrdered);
+  // The interceptor sees the fetch as a request without values, so that its reply (which carries
+  // the value) belongs to whatever the request's metadata says (a distributed autograd context).
+  const int owner = static_cast<int>(rref.owner());
+  auto intercept = [owner](uint64_t id, std::vector<c10::IValue>&) {
+    std::vector<c10::IValue> no_values;
+    return intercept_send({MessageInfo::Kind::kRequest, owner, kFetch, id}, no_values);
+  };
+  auto fetched = agent_.send(owner, kFetch, {rref.rref_id().created_on, rref.rref_id().local_id},
+                             timeout, MessageHeader::kOrdered, intercept);
   wait_for(fetched, kNoTimeout);  // The fetch's own timeout bounds it.
   fetched->waitAndThrow();
   return fetched->value();
@@ -488,6 +494,8 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::s
   }
   if (callable == kFetch) {
     TORCH_CHECK_VALUE(args.size() == 2, "rref control message 'fetch': malformed arguments");
+    std::vector<c10::IValue> no_values;
+    (void)intercept_receive({MessageInfo::Kind::kRequest, caller, kFetch, id}, no_values, metadata);
     const GlobalId rref_id = id_at(0);
     c10::intrusive_ptr<c10::ivalue::Future> owned;
     {

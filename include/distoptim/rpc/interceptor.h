@@ -63,6 +63,9 @@ class Interceptor {
                                            const CallMetadata& /*metadata*/) {
     return nullptr;
   }
+  /// A worker died or stopped (its connection closed); on one of the agent's threads, once per
+  /// loss. Calls to it have failed or are failing with PeerLostError.
+  virtual void on_peer_lost(int /*peer*/) {}
 };
 
 /// Installs this process's interceptor (null removes it). Thread-safe; messages already being

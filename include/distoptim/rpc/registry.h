@@ -60,6 +60,10 @@ void register_raw_function(const std::string& name, RawFunction function);
 bool is_function_registered(const std::string& name);
 
 namespace detail {
+/// Registers a function under a name reserved for distoptim ("__distoptim.*"): the layers above
+/// rpc (distributed autograd, the DistributedOptimizer) register theirs with it.
+void register_internal_function(const std::string& name, RawFunction function);
+
 template <class R>
 struct is_future_result : std::false_type {};
 template <class T>
