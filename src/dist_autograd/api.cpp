@@ -1,0 +1,112 @@
+#include <distoptim/dist_autograd/context.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <distoptim/comm/errors.h>
+#include <distoptim/rpc/api.h>
+
+#include "context.h"
+#include "engine.h"
+#include "recorder.h"
+
+namespace distoptim {
+namespace dist_autograd {
+
+namespace {
+
+std::shared_ptr<detail::Context> find_context(int64_t context_id, const char* where) {
+  auto context = detail::Container::instance().find(context_id);
+  TORCH_CHECK_VALUE(context != nullptr, where, ": could not find distributed autograd context ",
+                    context_id, " on this worker");
+  return context;
+}
+
+// Waits for `future` until `deadline` (none: no bound); false if it passed first.
+bool wait_until(c10::ivalue::Future& future,
+                std::optional<std::chrono::steady_clock::time_point> deadline) {
+  if (!deadline) {
+    future.wait();
+    return true;
+  }
+  auto state = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
+  future.addCallback([state](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(state->first);
+    state->second.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(state->first);
+  return state->second.wait_until(lock, *deadline, [&] { return future.completed(); });
+}
+
+}  // namespace
+
+ContextGuard::ContextGuard() : previous_(detail::current_context()) {
+  detail::install();
+  const int me = rpc::get_worker_info().id;  // DistributedError when no agent runs
+  id_ = detail::Container::instance().create(me)->id();
+  detail::current_context() = id_;
+}
+
+ContextGuard::~ContextGuard() {
+  detail::current_context() = previous_;
+  if (auto context = detail::Container::instance().release(id_)) {
+    detail::release_everywhere(context);
+  }
+}
+
+void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph) {
+  auto context = find_context(context_id, "dist_autograd::backward");
+  const int me = rpc::get_worker_info().id;
+  TORCH_CHECK_VALUE(context->creator() == me, "dist_autograd::backward: context ", context_id,
+                    " was created by worker '", rpc::get_worker_info(context->creator()).name,
+                    "'; only its creator runs backward on it");
+  TORCH_CHECK_VALUE(!roots.empty(), "dist_autograd::backward: no roots given");
+  torch::autograd::edge_list edges;
+  torch::autograd::variable_list grads;
+  for (size_t i = 0; i < roots.size(); ++i) {
+    const at::Tensor& root = roots[i];
+    TORCH_CHECK_VALUE(root.defined(), "dist_autograd::backward: roots[", i, "] is undefined");
+    TORCH_CHECK_VALUE(root.requires_grad(), "dist_autograd::backward: roots[", i,
+                      "] does not require grad (requires_grad not set on root)");
+    TORCH_CHECK_VALUE(root.numel() == 1, "dist_autograd::backward: roots[", i,
+                      "] must be a scalar, has shape ", root.sizes());
+    edges.push_back(torch::autograd::impl::gradient_edge(root));
+    grads.push_back(at::ones_like(root, at::MemoryFormat::Contiguous));
+  }
+  DISTOPTIM_CHECK_WITH(DistributedError, context->running_pass() == nullptr,
+                       "dist_autograd::backward: a backward pass already runs on context ",
+                       context_id);
+  const std::chrono::milliseconds timeout = rpc::get_rpc_timeout();
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+  if (timeout.count() > 0) deadline = std::chrono::steady_clock::now() + timeout;
+
+  bool started = false;
+  auto pass = context->pass_for(context->next_pass_id(), retain_graph, &started);
+  pass->start(edges, std::move(grads));
+  if (!wait_until(*pass->done(), deadline)) {
+    const std::string waiting = pass->waiting_for();
+    auto error = TimeoutError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                              "dist_autograd::backward on context " + std::to_string(context_id) +
+                                  " did not finish within " + std::to_string(timeout.count()) +
+                                  " ms; waiting for " + waiting);
+    pass->fail(std::make_exception_ptr(error));
+    throw error;
+  }
+  pass->done()->waitAndThrow();
+}
+
+c10::Dict<at::Tensor, at::Tensor> get_gradients(int64_t context_id) {
+  return find_context(context_id, "dist_autograd::get_gradients")->gradients();
+}
+
+std::optional<int64_t> current_context_id() { return detail::current_context(); }
+
+size_t context_count() { return detail::Container::instance().size(); }
+
+}  // namespace dist_autograd
+}  // namespace distoptim

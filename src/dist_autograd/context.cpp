@@ -1,0 +1,223 @@
+#include "context.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "engine.h"
+
+namespace distoptim {
+namespace dist_autograd {
+namespace detail {
+
+void Context::add_send(std::shared_ptr<SendBackward> send) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  workers_.insert(send->peer());
+  sends_.emplace(send->message_id(), std::move(send));
+}
+
+void Context::add_recv(std::shared_ptr<RecvBackward> recv) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  workers_.insert(recv->peer());
+  recvs_.push_back(std::move(recv));
+}
+
+void Context::add_worker(int worker) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  workers_.insert(worker);
+}
+
+std::vector<std::shared_ptr<SendBackward>> Context::sends() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::shared_ptr<SendBackward>> out;
+  out.reserve(sends_.size());
+  for (const auto& [id, send] : sends_) out.push_back(send);
+  return out;
+}
+
+std::vector<std::shared_ptr<RecvBackward>> Context::recvs() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return recvs_;
+}
+
+std::set<int> Context::workers() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return workers_;
+}
+
+void Context::accumulate(const at::Tensor& variable, at::Tensor grad) {
+  // A gradient handed on by a node may be shared with others (an add passes one gradient to
+  // both its inputs): keep it only when nothing else holds it, and never add in place.
+  const bool exclusive = grad.use_count() == 1 && !grad.is_view();
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = gradients_.find(variable);
+  if (it == gradients_.end()) {
+    gradients_.insert(variable, exclusive ? std::move(grad) : grad.clone());
+  } else {
+    it->setValue(it->value() + grad);
+  }
+}
+
+c10::Dict<at::Tensor, at::Tensor> Context::gradients() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return gradients_.copy();
+}
+
+std::shared_ptr<BackwardPass> Context::pass_for(int64_t pass_id, bool retain_graph,
+                                                bool* started) {
+  std::shared_ptr<BackwardPass> superseded;
+  std::shared_ptr<BackwardPass> pass;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    *started = false;
+    if (pass_ && pass_->id() == pass_id) {
+      return pass_;
+    }
+    if (pass_id <= newest_pass_) {
+      return nullptr;  // a pass finished (or given up) here already
+    }
+    superseded = std::move(pass_);
+    pass_ = pass = std::make_shared<BackwardPass>(
+        shared_from_this(), pass_id, retain_graph);
+    newest_pass_ = pass_id;
+    *started = true;
+  }
+  if (superseded) {
+    superseded->fail(std::make_exception_ptr(c10::Error(
+        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+        "distributed autograd context " + std::to_string(id_) + ": backward pass " +
+            std::to_string(superseded->id()) + " was superseded by pass " +
+            std::to_string(pass_id) + " before it finished here")));
+  }
+  return pass;
+}
+
+std::shared_ptr<BackwardPass> Context::running_pass() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pass_;
+}
+
+void Context::end_pass(const BackwardPass* pass) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (pass_.get() == pass) {
+    pass_.reset();
+  }
+}
+
+int64_t Context::next_pass_id() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return newest_pass_ + 1;
+}
+
+Container& Container::instance() {
+  static Container* container = new Container();  // never destroyed: used by late callbacks
+  return *container;
+}
+
+std::shared_ptr<Context> Container::create(int worker_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int64_t id = (static_cast<int64_t>(worker_id) << 48) | ++next_context_;
+  auto context = std::make_shared<Context>(id);
+  contexts_.emplace(id, context);
+  return context;
+}
+
+std::shared_ptr<Context> Container::find(int64_t id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = contexts_.find(id);
+  return it == contexts_.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<Context> Container::join(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = contexts_.find(id);
+  if (it != contexts_.end()) {
+    return it->second;
+  }
+  TORCH_CHECK_VALUE(released_.count(id) == 0, "distributed autograd context ", id,
+                    " was released on this worker; a message of it arrived after");
+  auto context = std::make_shared<Context>(id);
+  contexts_.emplace(id, context);
+  return context;
+}
+
+std::shared_ptr<Context> Container::release(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (released_.insert(id).second) {
+    release_order_.push_back(id);
+    if (release_order_.size() > kRememberedReleases) {
+      released_.erase(release_order_.front());
+      release_order_.pop_front();
+    }
+  }
+  forget_served(id);
+  auto it = contexts_.find(id);
+  if (it == contexts_.end()) {
+    return nullptr;
+  }
+  auto context = std::move(it->second);
+  contexts_.erase(it);
+  return context;
+}
+
+std::vector<std::shared_ptr<Context>> Container::release_created_by(int worker) {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, context] : contexts_) {
+      if (context->creator() == worker) ids.push_back(id);
+    }
+  }
+  std::vector<std::shared_ptr<Context>> released;
+  for (int64_t id : ids) {
+    if (auto context = release(id)) released.push_back(std::move(context));
+  }
+  return released;
+}
+
+std::vector<std::shared_ptr<Context>> Container::all() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<std::shared_ptr<Context>> out;
+  for (const auto& [id, context] : contexts_) out.push_back(context);
+  return out;
+}
+
+size_t Container::size() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return contexts_.size();
+}
+
+int64_t Container::next_message_id(int worker_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return (static_cast<int64_t>(worker_id) << 48) | ++next_message_;
+}
+
+void Container::serving(int caller, uint64_t call_id, int64_t context_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  serving_[{caller, call_id}] = context_id;
+}
+
+std::optional<int64_t> Container::served(int caller, uint64_t call_id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = serving_.find({caller, call_id});
+  if (it == serving_.end()) {
+    return std::nullopt;
+  }
+  const int64_t id = it->second;
+  serving_.erase(it);
+  return id;
+}
+
+void Container::forget_served(int64_t context_id) {
+  for (auto it = serving_.begin(); it != serving_.end();) {
+    it = it->second == context_id ? serving_.erase(it) : std::next(it);
+  }
+}
+
+std::optional<int64_t>& current_context() {
+  thread_local std::optional<int64_t> current;
+  return current;
+}
+
+}  // namespace detail
+}  // namespace dist_autograd
+}  // namespace distoptim

@@ -1,0 +1,131 @@
+#pragma once
+
+// A worker's copy of a distributed autograd context, and the container of all of them.
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/Tensor.h>
+
+#include "functions.h"
+
+namespace distoptim {
+namespace dist_autograd {
+namespace detail {
+
+class BackwardPass;
+
+/// What one worker knows of a context: the send/recv nodes its messages recorded here, the
+/// workers it exchanged messages with, the leaf gradients of its backward passes, and the pass
+/// running now. Thread-safe.
+class Context : public std::enable_shared_from_this<Context> {
+ public:
+  explicit Context(int64_t id) : id_(id) {}
+
+  int64_t id() const { return id_; }
+  /// The worker that created it (the one that runs backward).
+  int creator() const { return static_cast<int>(id_ >> 48); }
+
+  void add_send(std::shared_ptr<SendBackward> send);
+  void add_recv(std::shared_ptr<RecvBackward> recv);
+  void add_worker(int worker);
+  std::vector<std::shared_ptr<SendBackward>> sends() const;
+  std::vector<std::shared_ptr<RecvBackward>> recvs() const;
+  std::set<int> workers() const;
+
+  /// Adds `grad` to the gradient of the leaf `variable`.
+  void accumulate(const at::Tensor& variable, at::Tensor grad);
+  c10::Dict<at::Tensor, at::Tensor> gradients() const;
+
+  /// The pass `pass_id` (the initiator numbers them 1, 2, ...): the running one, a new one if
+  /// `pass_id` is newer than any seen (an older unfinished one is failed), or null if it is a
+  /// pass already finished here. `*started` tells whether this call made it.
+  std::shared_ptr<BackwardPass> pass_for(int64_t pass_id, bool retain_graph, bool* started);
+  /// The running pass, if any.
+  std::shared_ptr<BackwardPass> running_pass() const;
+  /// Called by a pass when it finishes, however it ends.
+  void end_pass(const BackwardPass* pass);
+  /// The next pass id (on the creator).
+  int64_t next_pass_id();
+
+ private:
+  const int64_t id_;
+  mutable std::mutex mutex_;
+  std::map<int64_t, std::shared_ptr<SendBackward>> sends_;  // by message id
+  std::vector<std::shared_ptr<RecvBackward>> recvs_;
+  std::set<int> workers_;
+  c10::Dict<at::Tensor, at::Tensor> gradients_;
+  std::shared_ptr<BackwardPass> pass_;
+  int64_t newest_pass_ = 0;
+};
+
+/// Every context this worker holds, by id; process-wide. Thread-safe.
+class Container {
+ public:
+  static Container& instance();
+
+  /// A new context created by this worker (`worker_id`).
+  std::shared_ptr<Context> create(int worker_id);
+  std::shared_ptr<Context> find(int64_t id) const;
+  /// The context `id` as a worker that received one of its messages joins it: found or made.
+  /// c10::ValueError if it was released here.
+  std::shared_ptr<Context> join(int64_t id);
+  /// Removes the context; later messages of it are refused. Null if it was not here.
+  std::shared_ptr<Context> release(int64_t id);
+  /// Removes every context `worker` created (it is gone).
+  std::vector<std::shared_ptr<Context>> release_created_by(int worker);
+  std::vector<std::shared_ptr<Context>> all() const;
+  size_t size() const;
+
+  /// A message id unique across the group: `worker_id << 48 | n`.
+  int64_t next_message_id(int worker_id);
+
+  /// While this worker serves a request of a context, its response belongs to it too.
+  void serving(int caller, uint64_t call_id, int64_t context_id);
+  std::optional<int64_t> served(int caller, uint64_t call_id);
+
+ private:
+  // Released ids are remembered up to this many, the oldest forgotten first.
+  static constexpr size_t kRememberedReleases = 1 << 16;
+
+  void forget_served(int64_t context_id);  // with mutex_ held
+
+  mutable std::mutex mutex_;
+  std::unordered_map<int64_t, std::shared_ptr<Context>> contexts_;
+  std::unordered_set<int64_t> released_;
+  std::deque<int64_t> release_order_;
+  std::map<std::pair<int, uint64_t>, int64_t> serving_;
+  int64_t next_context_ = 0;
+  int64_t next_message_ = 0;
+};
+
+/// This thread's current context id.
+std::optional<int64_t>& current_context();
+
+/// Makes a context current on this thread while it lives.
+class CurrentContextScope {
+ public:
+  explicit CurrentContextScope(std::optional<int64_t> id)
+      : previous_(current_context()) {
+    current_context() = id;
+  }
+  ~CurrentContextScope() { current_context() = previous_; }
+  CurrentContextScope(const CurrentContextScope&) = delete;
+  CurrentContextScope& operator=(const CurrentContextScope&) = delete;
+
+ private:
+  std::optional<int64_t> previous_;
+};
+
+}  // namespace detail
+}  // namespace dist_autograd
+}  // namespace distoptim

@@ -1,0 +1,312 @@
+// How distributed autograd rides on rpc: an interceptor that records send/recv pairs in the
+// current context and carries the context to the receiver, and the internal RPCs of backward
+// passes and releases. Installed when the program starts (this library is linked whole).
+
+#include <charconv>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+#include <distoptim/comm/errors.h>
+#include <distoptim/rpc/api.h>
+#include <distoptim/rpc/interceptor.h>
+#include <distoptim/rpc/registry.h>
+#include <distoptim/rpc/values.h>
+
+#include "context.h"
+#include "engine.h"
+#include "recorder.h"
+
+namespace distoptim {
+namespace dist_autograd {
+namespace detail {
+
+namespace {
+
+using rpc::CallMetadata;
+using rpc::MessageInfo;
+
+// Metadata keys. kRequiresGrad marks, per tensor of the message in order, '1' for those that
+// require grad; present only when some do.
+constexpr const char* kContextKey = "dist_autograd.context";
+constexpr const char* kMessageKey = "dist_autograd.message";
+constexpr const char* kRequiresGradKey = "dist_autograd.requires_grad";
+
+// Calls `visit(tensor)` for every tensor in `value`, in a fixed order that survives the wire;
+// the tensor may be replaced.
+void for_each_tensor(c10::IValue& value, const std::function<void(at::Tensor&)>& visit) {
+  if (value.isTensor()) {
+    at::Tensor tensor = value.toTensor();
+    visit(tensor);
+    value = c10::IValue(std::move(tensor));
+  } else if (value.isTensorList()) {
+    c10::List<at::Tensor> list = value.toTensorList();
+    for (size_t i = 0; i < list.size(); ++i) {
+      at::Tensor tensor = list.get(i);
+      visit(tensor);
+      list.set(i, std::move(tensor));
+    }
+  } else if (value.isList()) {
+    c10::List<c10::IValue> list = value.toList();
+    for (size_t i = 0; i < list.size(); ++i) {
+      c10::IValue item = list.get(i);
+      for_each_tensor(item, visit);
+      list.set(i, std::move(item));
+    }
+  } else if (value.isTuple()) {
+    auto tuple = value.toTuple();
+    for (size_t i = 0; i < tuple->elements().size(); ++i) {
+      c10::IValue item = tuple->elements()[i];
+      for_each_tensor(item, visit);
+      tuple->unsafeSetElement(i, std::move(item));
+    }
+  } else if (value.isGenericDict()) {
+    c10::Dict<c10::IValue, c10::IValue> dict = value.toGenericDict();
+    for (auto it = dict.begin(); it != dict.end(); ++it) {
+      c10::IValue item = it->value();
+      for_each_tensor(item, visit);
+      it->setValue(std::move(item));
+    }
+  }
+}
+
+int64_t parse_id(const CallMetadata& metadata, const char* key, const MessageInfo& info) {
+  const std::string& text = metadata.at(key);
+  int64_t id = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), id);
+  TORCH_CHECK_VALUE(error == std::errc() && end == text.data() + text.size() && id > 0,
+                    "distributed autograd: malformed ", key, " '", text, "' in '", info.callable,
+                    "' from worker id ", info.peer);
+  return id;
+}
+
+int self_id() { return rpc::get_worker_info().id; }
+
+class Recorder : public rpc::Interceptor {
+ public:
+  void on_send(const MessageInfo& info, std::vector<c10::IValue>& values,
+               CallMetadata& metadata) override {
+    if (is_internal(info.callable)) return;
+    Container& container = Container::instance();
+    std::optional<int64_t> id;
+    if (info.kind == MessageInfo::Kind::kRequest) {
+      // Under a no-grad guard the context does not travel: nothing is recorded anywhere.
+      if (c10::GradMode::is_enabled()) id = current_context();
+    } else {
+      id = container.served(info.peer, info.id);
+    }
+    if (!id) return;
+    std::shared_ptr<Context> context = container.find(*id);
+    if (!context) return;  // released meanwhile
+    metadata[kContextKey] = std::to_string(*id);
+    context->add_worker(info.peer);
+
+    std::vector<at::Tensor> tracked;
+    std::string requires_grad;
+    for (c10::IValue& value : values) {
+      for_each_tensor(value, [&](at::Tensor& tensor) {
+        const bool tracks = tensor.defined() && tensor.requires_grad();
+        requires_grad += tracks ? '1' : '0';
+        if (tracks) tracked.push_back(tensor);
+      });
+    }
+    if (tracked.empty()) return;
+    const int64_t message_id = container.next_message_id(self_id());
+    context->add_send(std::make_shared<SendBackward>(message_id, info.peer, tracked));
+    metadata[kMessageKey] = std::to_string(message_id);
+    metadata[kRequiresGradKey] = std::move(requires_grad);
+  }
+
+  std::shared_ptr<void> on_receive(const MessageInfo& info, std::vector<c10::IValue>& values,
+                                   const CallMetadata& metadata) override {
+    if (is_internal(info.callable) || metadata.count(kContextKey) == 0) return nullptr;
+    const int64_t id = parse_id(metadata, kContextKey, info);
+    Container& container = Container::instance();
+    std::shared_ptr<Context> context;
+    if (info.kind == MessageInfo::Kind::kRequest) {
+      context = container.join(id);
+      container.serving(info.peer, info.id, id);
+    } else {
+      context = container.find(id);
+      if (!context) return nullptr;  // the caller released it: nothing to record into
+    }
+    context->add_worker(info.peer);
+    if (metadata.count(kMessageKey) > 0) {
+      record_recv(*context, info, values, metadata);
+    }
+    if (info.kind == MessageInfo::Kind::kRequest) {
+      return std::make_shared<CurrentContextScope>(id);
+    }
+    return nullptr;
+  }
+
+  void on_peer_lost(int peer) override {
+    Container& container = Container::instance();
+    std::string name = "id " + std::to_string(peer);
+    try {
+      name = rpc::get_worker_info(peer).name;
+    } catch (const std::exception&) {
+    }
+    for (const auto& context : container.all()) {
+      if (auto pass = context->running_pass()) pass->peer_lost(peer, name);
+    }
+    // Contexts the lost worker created have no one left to run backward or release them.
+    for (const auto& context : container.release_created_by(peer)) {
+      if (auto pass = context->running_pass()) {
+        pass->fail(std::make_exception_ptr(PeerLostError(
+            {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+            "distributed autograd: worker '" + name + "', which created context " +
+                std::to_string(context->id()) + ", was lost")));
+      }
+    }
+  }
+
+ private:
+  static bool is_internal(const std::string& callable) {
+    return callable.rfind(kInternalPrefix, 0) == 0;
+  }
+
+  static void record_recv(Context& context, const MessageInfo& info,
+                          std::vector<c10::IValue>& values, const CallMetadata& metadata) {
+    const int64_t message_id = parse_id(metadata, kMessageKey, info);
+    auto marks = metadata.find(kRequiresGradKey);
+    TORCH_CHECK_VALUE(marks != metadata.end(), "distributed autograd: '", info.callable,
+                      "' from worker id ", info.peer, " has a message id but no ",
+                      kRequiresGradKey);
+    std::vector<at::Tensor> tracked;
+    size_t position = 0;
+    for (c10::IValue& value : values) {
+      for_each_tensor(value, [&](at::Tensor& tensor) {
+        TORCH_CHECK_VALUE(position < marks->second.size(), "distributed autograd: '",
+                          info.callable, "' from worker id ", info.peer, " has more tensors than ",
+                          kRequiresGradKey, " marks (", marks->second.size(), ")");
+        if (marks->second[position++] == '1') {
+          // A fresh alias: the tensor a call to this same worker passes stays as it was.
+          tensor = tensor.detach();
+          tracked.push_back(tensor);
+        }
+      });
+    }
+    TORCH_CHECK_VALUE(position == marks->second.size(), "distributed autograd: '", info.callable,
+                      "' from worker id ", info.peer, " has ", position, " tensor(s) for ",
+                      marks->second.size(), " ", kRequiresGradKey, " marks");
+    if (tracked.empty()) return;
+    context.add_recv(RecvBackward::attach(context.id(), message_id, info.peer, tracked));
+  }
+};
+
+// The answer to a message of pass `pass_id`: the pass's completion if this message started it
+// here, else at once.
+c10::intrusive_ptr<c10::ivalue::Future> answer(const std::shared_ptr<BackwardPass>& pass,
+                                               bool started) {
+  if (started) return pass->done();
+  auto now = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+  now->markCompleted(c10::IValue());
+  return now;
+}
+
+std::shared_ptr<Context> context_of_message(int64_t context_id) {
+  std::shared_ptr<Context> context = Container::instance().find(context_id);
+  TORCH_CHECK_VALUE(context != nullptr, "distributed autograd: no context ", context_id,
+                    " on this worker (released, or never reached it)");
+  return context;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> on_gradients(int64_t context_id, int64_t pass_id,
+                                                     bool retain_graph, int64_t message_id,
+                                                     std::vector<int64_t> slots,
+                                                     std::vector<at::Tensor> grads) {
+  std::shared_ptr<Context> context = context_of_message(context_id);
+  bool started = false;
+  std::shared_ptr<BackwardPass> pass = context->pass_for(pass_id, retain_graph, &started);
+  TORCH_CHECK_VALUE(pass != nullptr, "distributed autograd: gradients of context ", context_id,
+                    " for pass ", pass_id, ", which has finished on this worker");
+  if (started) pass->start({}, {});
+  pass->receive(message_id, slots, std::move(grads));
+  return answer(pass, started);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> on_begin(int64_t context_id, int64_t pass_id,
+                                                 bool retain_graph) {
+  std::shared_ptr<Context> context = context_of_message(context_id);
+  bool started = false;
+  std::shared_ptr<BackwardPass> pass = context->pass_for(pass_id, retain_graph, &started);
+  if (!pass) return answer(nullptr, false);  // this worker's part of that pass is done
+  if (started) pass->start({}, {});
+  return answer(pass, started);
+}
+
+}  // namespace
+
+void release_everywhere(const std::shared_ptr<Context>& context, int except) {
+  if (auto pass = context->running_pass()) {
+    pass->fail(std::make_exception_ptr(DistributedError(
+        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+        "distributed autograd: context " + std::to_string(context->id()) +
+            " was released during a backward pass")));
+  }
+  int me = -1;
+  try {
+    me = self_id();
+  } catch (const std::exception&) {
+    return;  // no agent: nothing to tell
+  }
+  for (int worker : context->workers()) {
+    if (worker == me || worker == except) continue;
+    try {
+      // Not waited for: a worker that is gone has dropped the context with its creator's loss.
+      rpc::rpc_async_values(worker, kReleaseFunction, {c10::IValue(context->id()), c10::IValue(me)});
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+void install() {
+  static const bool installed = [] {
+    rpc::set_interceptor(std::make_shared<Recorder>());
+    rpc::detail::register_internal_function(
+        kGradientsFunction, [](std::vector<c10::IValue> args) -> c10::IValue {
+          TORCH_CHECK_TYPE(args.size() == 6, "takes 6 arguments");
+          return on_gradients(
+              rpc::from_value<int64_t>(args[0], "the context id"),
+              rpc::from_value<int64_t>(args[1], "the pass id"),
+              rpc::from_value<bool>(args[2], "retain_graph"),
+              rpc::from_value<int64_t>(args[3], "the message id"),
+              rpc::from_value<std::vector<int64_t>>(args[4], "the gradients' slots"),
+              rpc::from_value<std::vector<at::Tensor>>(args[5], "the gradients"));
+        });
+    rpc::detail::register_internal_function(
+        kBeginFunction, [](std::vector<c10::IValue> args) -> c10::IValue {
+          TORCH_CHECK_TYPE(args.size() == 3, "takes 3 arguments");
+          return on_begin(rpc::from_value<int64_t>(args[0], "the context id"),
+                          rpc::from_value<int64_t>(args[1], "the pass id"),
+                          rpc::from_value<bool>(args[2], "retain_graph"));
+        });
+    rpc::detail::register_internal_function(
+        kReleaseFunction, [](std::vector<c10::IValue> args) -> c10::IValue {
+          TORCH_CHECK_TYPE(args.size() == 2, "takes 2 arguments");
+          const auto id = rpc::from_value<int64_t>(args[0], "the context id");
+          const auto from = rpc::from_value<int64_t>(args[1], "the sender");
+          if (auto context = Container::instance().release(id)) {
+            release_everywhere(context, static_cast<int>(from));
+          }
+          return c10::IValue();
+        });
+    return true;
+  }();
+  (void)installed;
+}
+
+}  // namespace detail
+}  // namespace dist_autograd
+}  // namespace distoptim
+
+// Installed at start-up, so a worker that only serves (a parameter server) records too. The
+// linker is told to keep this symbol (CMakeLists.txt), and with it this object.
+extern "C" const bool distoptim_dist_autograd_installed =
+    (distoptim::dist_autograd::detail::install(), true);

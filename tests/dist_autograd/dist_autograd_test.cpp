@@ -1,0 +1,413 @@
+// Distributed autograd across real processes on loopback (tests/harness). Every graph is also
+// computed in one process, on local copies of each worker's parameters, and every gradient (the
+// trainer's and each worker's, read from its copy of the context) must match it (float64,
+// rel 1e-9). Every wait is bounded.
+
+#include <unistd.h>
+
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <distoptim/dist_autograd.h>
+#include <distoptim/rpc.h>
+
+#include "../harness/multiprocess.h"
+
+namespace distoptim {
+namespace dist_autograd {
+namespace {
+
+using namespace std::chrono_literals;
+using distoptim::testing::run_ranks;
+using rpc::rpc_sync;
+
+std::string worker(int rank) { return "worker" + std::to_string(rank); }
+
+rpc::RpcBackendOptions test_options() {
+  return rpc::RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(30s).rpc_timeout(
+      30s);
+}
+
+// Each worker's parameters: different values on each worker, the same on every run.
+struct Params {
+  at::Tensor w;  // 4 x 4
+  at::Tensor b;  // 4
+};
+
+Params make_params(int rank) {
+  auto generator = at::detail::createCPUGenerator(1000 + rank);
+  auto options = at::TensorOptions().dtype(at::kDouble);
+  return {at::randn({4, 4}, generator, options).requires_grad_(),
+          at::randn({4}, generator, options).requires_grad_()};
+}
+
+Params& my_params() {
+  static Params params = make_params(rpc::get_worker_info().id);
+  return params;
+}
+
+at::Tensor layer(const Params& p, const at::Tensor& x) { return at::tanh(at::matmul(x, p.w) + p.b); }
+
+// The graphs' remote pieces, with the worker's parameters given: the registered functions run
+// them on their own, the reference on its local copies.
+at::Tensor nested_step(const Params& p, const at::Tensor& x,
+                       const std::function<at::Tensor(const at::Tensor&)>& next) {
+  return layer(p, next(layer(p, x) * 2.0) + x);
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> several(const Params& p, const at::Tensor& x) {
+  return {layer(p, x), at::ones({3}, at::kDouble), (x * p.b).sin()};
+}
+
+DISTOPTIM_RPC_FUNCTION("layer", [](const at::Tensor& x) { return layer(my_params(), x); });
+DISTOPTIM_RPC_FUNCTION("nested", [](const at::Tensor& x, const std::string& next) {
+  return nested_step(my_params(), x, [&](const at::Tensor& y) {
+    return rpc_sync<at::Tensor>(next, "layer", std::tuple{y});
+  });
+});
+DISTOPTIM_RPC_FUNCTION("several", [](const at::Tensor& x) { return several(my_params(), x); });
+DISTOPTIM_RPC_FUNCTION("weighted", [](const at::Tensor& x, const at::Tensor& scale) {
+  // `scale` does not require grad on the caller's side.
+  return layer(my_params(), x) * scale;
+});
+// This worker's gradients of its parameters in a context (None where it has none), and whether
+// LibTorch's .grad was touched.
+DISTOPTIM_RPC_FUNCTION("param_grads", [](int64_t context_id) {
+  auto grads = get_gradients(context_id);
+  auto of = [&](const at::Tensor& t) -> std::optional<at::Tensor> {
+    auto it = grads.find(t);
+    return it == grads.end() ? std::nullopt : std::optional<at::Tensor>(it->value());
+  };
+  TORCH_CHECK(!my_params().w.grad().defined() && !my_params().b.grad().defined(),
+              ".grad was written");
+  return std::make_tuple(of(my_params().w), of(my_params().b));
+});
+DISTOPTIM_RPC_FUNCTION("context_count", [] { return static_cast<int64_t>(context_count()); });
+
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  ASSERT_TRUE(actual.defined()) << what << ": no gradient";
+  ASSERT_TRUE(expected.defined()) << what << ": no reference gradient";
+  EXPECT_TRUE(at::allclose(actual, expected, 1e-9, 1e-12))
+      << what << ":\n" << actual << "\nexpected\n" << expected;
+}
+
+// The reference: each worker's parameters as local leaves.
+struct Reference {
+  std::map<int, Params> params;
+  Params& of(int rank) {
+    auto it = params.find(rank);
+    if (it == params.end()) it = params.emplace(rank, make_params(rank)).first;
+    return it->second;
+  }
+  at::Tensor layer_on(int rank, const at::Tensor& x) { return layer(of(rank), x); }
+};
+
+at::Tensor leaf(std::vector<int64_t> shape, uint64_t seed) {
+  auto generator = at::detail::createCPUGenerator(seed);
+  return at::randn(shape, generator, at::TensorOptions().dtype(at::kDouble)).requires_grad_();
+}
+
+// Compares each listed worker's parameter gradients in `context_id` with the reference's.
+void expect_worker_grads(int64_t context_id, Reference& reference, const at::Tensor& ref_loss,
+                         const std::vector<int>& ranks,
+                         const std::vector<at::Tensor>& local_leaves,
+                         const std::vector<at::Tensor>& ref_local_leaves) {
+  std::vector<at::Tensor> inputs = ref_local_leaves;
+  for (int rank : ranks) {
+    inputs.push_back(reference.of(rank).w);
+    inputs.push_back(reference.of(rank).b);
+  }
+  auto ref_grads = torch::autograd::grad({ref_loss}, inputs, {}, /*retain_graph=*/false,
+                                         /*create_graph=*/false, /*allow_unused=*/true);
+  auto grads = get_gradients(context_id);
+  for (size_t i = 0; i < local_leaves.size(); ++i) {
+    auto it = grads.find(local_leaves[i]);
+    ASSERT_TRUE(it != grads.end()) << "no gradient for local leaf " << i;
+    expect_close(it->value(), ref_grads[i], "local leaf " + std::to_string(i));
+    EXPECT_FALSE(local_leaves[i].grad().defined()) << ".grad written for local leaf " << i;
+  }
+  for (size_t k = 0; k < ranks.size(); ++k) {
+    auto [w, b] = rpc_sync<std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>>>(
+        worker(ranks[k]), "param_grads", std::tuple{context_id});
+    const at::Tensor& ref_w = ref_grads[local_leaves.size() + 2 * k];
+    const at::Tensor& ref_b = ref_grads[local_leaves.size() + 2 * k + 1];
+    ASSERT_TRUE(w.has_value() && b.has_value()) << worker(ranks[k]) << " has no gradients";
+    expect_close(*w, ref_w, worker(ranks[k]) + " w");
+    expect_close(*b, ref_b, worker(ranks[k]) + " b");
+  }
+}
+
+// Runs `trainer` on rank 0 of `world_size` workers; the others serve.
+void with_workers(int world_size, const std::function<void()>& trainer) {
+  run_ranks(world_size, [&](int rank, int size) {
+    rpc::init_rpc(worker(rank), rank, size, test_options());
+    if (rank == 0) trainer();
+    rpc::shutdown();
+  });
+}
+
+TEST(DistAutograd, ChainTrainerToPsAndBack) {
+  with_workers(2, [] {
+    at::Tensor x = leaf({3, 4}, 1), v = leaf({4}, 2);
+    ContextGuard context;
+    at::Tensor y = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x});
+    at::Tensor z = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{y * v});
+    at::Tensor loss = (z * z).sum();
+    backward(context.id(), {loss});
+
+    Reference reference;
+    at::Tensor xr = x.detach().requires_grad_(), vr = v.detach().requires_grad_();
+    at::Tensor ref_loss = [&] {
+      at::Tensor zr = reference.layer_on(1, reference.layer_on(1, xr) * vr);
+      return (zr * zr).sum();
+    }();
+    EXPECT_TRUE(at::allclose(loss, ref_loss, 1e-12, 0));
+    expect_worker_grads(context.id(), reference, ref_loss, {1}, {x, v}, {xr, vr});
+  });
+}
+
+TEST(DistAutograd, FanOutToTwoWorkers) {
+  with_workers(3, [] {
+    at::Tensor x = leaf({2, 4}, 3);
+    ContextGuard context;
+    at::Tensor a = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x});
+    at::Tensor b = rpc_sync<at::Tensor>(worker(2), "layer", std::tuple{x});
+    at::Tensor loss = (a * b).sum();
+    backward(context.id(), {loss});
+
+    Reference reference;
+    at::Tensor xr = x.detach().requires_grad_();
+    at::Tensor ref_loss = (reference.layer_on(1, xr) * reference.layer_on(2, xr)).sum();
+    expect_worker_grads(context.id(), reference, ref_loss, {1, 2}, {x}, {xr});
+  });
+}
+
+TEST(DistAutograd, NestedCallsAToBToC) {
+  with_workers(3, [] {
+    at::Tensor x = leaf({2, 4}, 4);
+    ContextGuard context;
+    at::Tensor y = rpc_sync<at::Tensor>(worker(1), "nested", std::tuple{x, worker(2)});
+    at::Tensor loss = y.pow(3).sum();
+    backward(context.id(), {loss});
+
+    Reference reference;
+    at::Tensor xr = x.detach().requires_grad_();
+    at::Tensor ref_loss = nested_step(reference.of(1), xr, [&](const at::Tensor& t) {
+                            return reference.layer_on(2, t);
+                          }).pow(3).sum();
+    expect_worker_grads(context.id(), reference, ref_loss, {1, 2}, {x}, {xr});
+  });
+}
+
+TEST(DistAutograd, TensorUsedLocallyAndRemotely) {
+  with_workers(2, [] {
+    at::Tensor x = leaf({3, 4}, 5), w = leaf({4, 4}, 6);
+    ContextGuard context;
+    at::Tensor local = at::matmul(x, w);
+    at::Tensor remote = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{local});
+    at::Tensor loss = (remote * local).sum() + x.sum();
+    backward(context.id(), {loss});
+
+    Reference reference;
+    at::Tensor xr = x.detach().requires_grad_(), wr = w.detach().requires_grad_();
+    at::Tensor local_r = at::matmul(xr, wr);
+    at::Tensor ref_loss = (reference.layer_on(1, local_r) * local_r).sum() + xr.sum();
+    expect_worker_grads(context.id(), reference, ref_loss, {1}, {x, w}, {xr, wr});
+  });
+}
+
+TEST(DistAutograd, RemoteCallReturningSeveralTensorsSomeWithoutGrad) {
+  with_workers(2, [] {
+    at::Tensor x = leaf({4}, 7);
+    ContextGuard context;
+    auto [a, constant, c] = rpc_sync<std::tuple<at::Tensor, at::Tensor, at::Tensor>>(
+        worker(1), "several", std::tuple{x});
+    EXPECT_FALSE(constant.requires_grad());
+    // A tensor that does not require grad goes along, and one comes back.
+    at::Tensor scale = at::full({4}, 0.5, at::kDouble);
+    at::Tensor d = rpc_sync<at::Tensor>(worker(1), "weighted", std::tuple{c, scale});
+    at::Tensor loss = (a * c).sum() + d.sum() + constant.sum();
+    backward(context.id(), {loss});
+
+    Reference reference;
+    at::Tensor xr = x.detach().requires_grad_();
+    auto [ar, constant_r, cr] = several(reference.of(1), xr);
+    at::Tensor ref_loss =
+        (ar * cr).sum() + (reference.layer_on(1, cr) * scale).sum() + constant_r.sum();
+    expect_worker_grads(context.id(), reference, ref_loss, {1}, {x}, {xr});
+  });
+}
+
+TEST(DistAutograd, SameRemoteModuleTwiceInOneIteration) {
+  with_workers(2, [] {
+    at::Tensor x = leaf({2, 4}, 8), y = leaf({2, 4}, 9);
+    ContextGuard context;
+    at::Tensor a = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x});
+    at::Tensor b = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{y + a});
+    at::Tensor loss = (a * b).sum();
+    backward(context.id(), {loss});
+
+    Reference reference;
+    at::Tensor xr = x.detach().requires_grad_(), yr = y.detach().requires_grad_();
+    at::Tensor ar = reference.layer_on(1, xr);
+    at::Tensor ref_loss = (ar * reference.layer_on(1, yr + ar)).sum();
+    expect_worker_grads(context.id(), reference, ref_loss, {1}, {x, y}, {xr, yr});
+  });
+}
+
+TEST(DistAutograd, UnusedRemoteResultDoesNotHang) {
+  with_workers(3, [] {
+    at::Tensor x = leaf({2, 4}, 10);
+    ContextGuard context;
+    at::Tensor used = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x});
+    at::Tensor unused = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x * 3.0});
+    at::Tensor unused_elsewhere = rpc_sync<at::Tensor>(worker(2), "layer", std::tuple{x});
+    at::Tensor loss = used.sum();
+    backward(context.id(), {loss});
+
+    Reference reference;
+    at::Tensor xr = x.detach().requires_grad_();
+    at::Tensor ref_loss = reference.layer_on(1, xr).sum();
+    expect_worker_grads(context.id(), reference, ref_loss, {1}, {x}, {xr});
+    // worker2 took part with nothing to do: it holds no gradients.
+    auto [w2, b2] = rpc_sync<std::tuple<std::optional<at::Tensor>, std::optional<at::Tensor>>>(
+        worker(2), "param_grads", std::tuple{context.id()});
+    EXPECT_FALSE(w2.has_value() || b2.has_value());
+  });
+}
+
+TEST(DistAutograd, RemoteAndToHere) {
+  with_workers(2, [] {
+    at::Tensor x = leaf({2, 4}, 11);
+    ContextGuard context;
+    rpc::RRef<at::Tensor> rref = rpc::remote<at::Tensor>(worker(1), "layer", std::tuple{x});
+    at::Tensor loss = rref.to_here().exp().sum();
+    backward(context.id(), {loss});
+
+    Reference reference;
+    at::Tensor xr = x.detach().requires_grad_();
+    at::Tensor ref_loss = reference.layer_on(1, xr).exp().sum();
+    expect_worker_grads(context.id(), reference, ref_loss, {1}, {x}, {xr});
+  });
+}
+
+TEST(DistAutograd, TwoTrainersAtOnceKeepTheirContextsApart) {
+  // Ranks 0 and 1 train against the parameters of rank 2, at the same time.
+  run_ranks(3, [](int rank, int size) {
+    rpc::init_rpc(worker(rank), rank, size, test_options());
+    if (rank < 2) {
+      for (int step = 0; step < 20; ++step) {
+        at::Tensor x = leaf({2, 4}, 100 * rank + step);
+        ContextGuard context;
+        at::Tensor loss = rpc_sync<at::Tensor>(worker(2), "layer", std::tuple{x}).pow(2).sum();
+        backward(context.id(), {loss});
+        Reference reference;
+        at::Tensor xr = x.detach().requires_grad_();
+        at::Tensor ref_loss = reference.layer_on(2, xr).pow(2).sum();
+        expect_worker_grads(context.id(), reference, ref_loss, {2}, {x}, {xr});
+      }
+    }
+    rpc::shutdown();
+  });
+}
+
+TEST(DistAutograd, NoGradGuardRecordsNothing) {
+  with_workers(2, [] {
+    at::Tensor x = leaf({2, 4}, 12);
+    ContextGuard context;
+    at::NoGradGuard no_grad;
+    at::Tensor y = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x});
+    EXPECT_FALSE(y.requires_grad());
+    // Neither call took the context to worker1.
+    EXPECT_EQ(rpc_sync<int64_t>(worker(1), "context_count"), 0);
+  });
+}
+
+TEST(DistAutograd, ReleasingAContextReleasesItEverywhere) {
+  with_workers(3, [] {
+    at::Tensor x = leaf({2, 4}, 13);
+    {
+      ContextGuard context;
+      at::Tensor y = rpc_sync<at::Tensor>(worker(1), "nested", std::tuple{x, worker(2)});
+      backward(context.id(), {y.sum()});
+      EXPECT_EQ(rpc_sync<int64_t>(worker(1), "context_count"), 1);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(2), "context_count"), 1);
+    }
+    EXPECT_EQ(context_count(), 0u);
+    // worker2 learns of the release from worker1 (the trainer never spoke to it).
+    for (int rank : {1, 2}) {
+      const auto deadline = std::chrono::steady_clock::now() + 20s;
+      while (rpc_sync<int64_t>(worker(rank), "context_count") != 0 &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(10ms);
+      }
+      EXPECT_EQ(rpc_sync<int64_t>(worker(rank), "context_count"), 0) << worker(rank);
+    }
+  });
+}
+
+TEST(DistAutograd, RetainGraphAccumulatesAndWithoutItASecondPassFails) {
+  with_workers(2, [] {
+    at::Tensor x = leaf({2, 4}, 14);
+    ContextGuard context;
+    at::Tensor loss = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x}).pow(2).sum();
+    backward(context.id(), {loss}, /*retain_graph=*/true);
+    const at::Tensor once = get_gradients(context.id()).at(x).clone();
+    backward(context.id(), {loss}, /*retain_graph=*/false);
+    expect_close(get_gradients(context.id()).at(x), once * 2, "x after two passes");
+    EXPECT_THROW(backward(context.id(), {loss}), c10::Error);
+  });
+}
+
+TEST(DistAutograd, BadArgumentsAreRefused) {
+  with_workers(1, [] {
+    at::Tensor x = leaf({2}, 15);
+    ContextGuard context;
+    try {
+      backward(context.id(), {x.detach().sum()});
+      ADD_FAILURE() << "a root without grad was accepted";
+    } catch (const c10::ValueError& error) {
+      EXPECT_NE(std::string(error.what()).find("roots[0] does not require grad"),
+                std::string::npos)
+          << error.what();
+    }
+    EXPECT_THROW(backward(context.id(), {x * 2}), c10::ValueError);  // not a scalar
+    EXPECT_THROW(backward(context.id() + 1000, {x.sum()}), c10::ValueError);
+    EXPECT_THROW(get_gradients(context.id() + 1000), c10::ValueError);
+    EXPECT_EQ(current_context_id(), context.id());
+  });
+}
+
+TEST(DistAutograd, LostWorkerFailsBackwardNamingIt) {
+  distoptim::testing::RunRanksOptions options;
+  options.expected_exit_codes = {{1, 7}};
+  run_ranks(
+      2,
+      [](int rank, int size) {
+        rpc::init_rpc(worker(rank), rank, size, test_options());
+        if (rank == 1) {
+          // Serve the forward, then die before the backward.
+          while (context_count() == 0) std::this_thread::sleep_for(1ms);
+          std::this_thread::sleep_for(200ms);
+          ::_exit(7);
+        }
+        at::Tensor x = leaf({2, 4}, 16);
+        ContextGuard context;
+        at::Tensor loss = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x}).sum();
+        std::this_thread::sleep_for(1s);
+        try {
+          backward(context.id(), {loss});
+          ADD_FAILURE() << "backward passed without worker1";
+        } catch (const PeerLostError& error) {
+          EXPECT_NE(std::string(error.what()).find("worker1"), std::string::npos) << error.what();
+        }
+        rpc::shutdown(/*graceful=*/false);
+      },
+      options);
+}
+
+}  // namespace
+}  // namespace dist_autograd
+}  // namespace distoptim
