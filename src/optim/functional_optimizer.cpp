@@ -247,9 +247,14 @@ OptimizerStateDict OptimizerStateDict::from_ivalue(const c10::IValue& value) {
     const auto entry = g.toGenericDict();
     TORCH_CHECK_VALUE(entry.contains("params") && entry.contains("overrides"), what,
                       ": a param group needs 'params' and 'overrides'");
-    TORCH_CHECK_TYPE(entry.at("params").isIntList(), what, ": 'params' must be a list of ints");
+    // A list of ints, typed (as saved) or generic (as a pickle of Python's or the wire gives it).
+    const c10::IValue params = entry.at("params");
+    TORCH_CHECK_TYPE(params.isList(), what, ": 'params' must be a list of ints");
     Group group;
-    group.param_indices = entry.at("params").toIntVector();
+    for (const c10::IValue& index : params.toListRef()) {
+      TORCH_CHECK_TYPE(index.isInt(), what, ": 'params' must be a list of ints");
+      group.param_indices.push_back(index.toInt());
+    }
     group.overrides = OptionBag::from_ivalue(entry.at("overrides"));
     dict.param_groups.push_back(std::move(group));
   }

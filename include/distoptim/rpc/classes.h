@@ -117,14 +117,34 @@ RawFunction wrap_method(std::string name, M method, c10::guts::typelist::typelis
 }
 }  // namespace detail
 
+namespace detail {
+/// The constructor of class C as a registered function: arguments of types CtorArgs.
+template <class C, class... CtorArgs>
+RawFunction class_constructor(const std::string& name) {
+  auto make = [](CtorArgs... args) -> std::shared_ptr<C> {
+    return std::make_shared<C>(std::move(args)...);
+  };
+  using Traits = c10::guts::infer_function_traits_t<decltype(make)>;
+  return wrap_typed<decltype(make), std::shared_ptr<C>>(
+      name, std::move(make), typename Traits::parameter_types{},
+      std::make_index_sequence<sizeof...(CtorArgs)>{});
+}
+
+/// register_class for the layers above rpc, under a name reserved for distoptim
+/// ("__distoptim.*"), which users cannot take.
+template <class C, class... CtorArgs>
+void register_internal_class(const std::string& name) {
+  register_class_name(typeid(C), name);
+  register_internal_function(name, class_constructor<C, CtorArgs...>(name));
+}
+}  // namespace detail
+
 /// Registers class C under `name`, constructible remotely with arguments of types CtorArgs
-/// (C must be constructible from them). Throws c10::ValueError if the name is taken.
+/// (C must be constructible from them). Throws c10::ValueError if the name is taken or reserved.
 template <class C, class... CtorArgs>
 void register_class(const std::string& name) {
   register_class_name(typeid(C), name);
-  register_function(name, [](CtorArgs... args) -> std::shared_ptr<C> {
-    return std::make_shared<C>(std::move(args)...);
-  });
+  register_raw_function(name, detail::class_constructor<C, CtorArgs...>(name));
 }
 
 /// Registers `method` (a pointer to a member function of C or of a base of C) as method

@@ -1,0 +1,351 @@
+// The DistributedOptimizer across real processes on loopback (tests/harness): against the same
+// training done in one process with the same functional optimizer, two trainers on one server,
+// owners without gradients, construction errors, checkpoints, and replies during steps. Every
+// wait is bounded.
+
+#include <fstream>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/optim/sgd.h>
+#include <torch/serialize.h>
+
+#include <distoptim/dist_autograd.h>
+#include <distoptim/dist_optim.h>
+#include <distoptim/optim/registry.h>
+#include <distoptim/rpc.h>
+
+#include "../harness/multiprocess.h"
+
+namespace distoptim {
+namespace dist_optim {
+namespace {
+
+using namespace std::chrono_literals;
+using dist_autograd::ContextGuard;
+using distoptim::testing::run_ranks;
+using optim::OptionBag;
+using rpc::RRef;
+using rpc::rpc_sync;
+
+std::string worker(int rank) { return "worker" + std::to_string(rank); }
+
+rpc::RpcBackendOptions test_options() {
+  return rpc::RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(30s).rpc_timeout(
+      60s);
+}
+
+// Each worker's parameters: w (4 x 4) and b (4), different on each worker, the same every run.
+std::vector<at::Tensor> make_params(int rank) {
+  auto generator = at::detail::createCPUGenerator(500 + rank);
+  auto options = at::TensorOptions().dtype(at::kDouble);
+  return {at::randn({4, 4}, generator, options).requires_grad_(),
+          at::randn({4}, generator, options).requires_grad_()};
+}
+
+std::vector<at::Tensor>& my_params() {
+  static std::vector<at::Tensor> params = make_params(rpc::get_worker_info().id);
+  return params;
+}
+
+at::Tensor layer(const std::vector<at::Tensor>& p, const at::Tensor& x) {
+  return at::tanh(at::matmul(x, p[0]) + p[1]);
+}
+
+at::Tensor input(int64_t step) {
+  auto generator = at::detail::createCPUGenerator(900 + step);
+  return at::randn({2, 4}, generator, at::TensorOptions().dtype(at::kDouble));
+}
+
+// A large parameter whose every element stays equal to the others across steps.
+at::Tensor& big_param() {
+  static at::Tensor param = at::zeros({1 << 20}, at::kDouble).requires_grad_();
+  return param;
+}
+
+DISTOPTIM_RPC_FUNCTION("layer", [](const at::Tensor& x) { return layer(my_params(), x); });
+DISTOPTIM_RPC_FUNCTION("param_rrefs", [] {
+  std::vector<RRef<at::Tensor>> rrefs;
+  for (const at::Tensor& p : my_params()) rrefs.emplace_back(p);
+  return rrefs;
+});
+DISTOPTIM_RPC_FUNCTION("params", [] {
+  std::vector<at::Tensor> copies;
+  for (const at::Tensor& p : my_params()) copies.push_back(p.detach().clone());
+  return copies;
+});
+DISTOPTIM_RPC_FUNCTION("set_params", [](const std::vector<at::Tensor>& values) {
+  rpc::InPlaceUpdateGuard guard;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < values.size(); ++i) my_params()[i].copy_(values[i]);
+});
+// The seed's example: torch.add on the owner, whose result is a parameter there.
+DISTOPTIM_RPC_FUNCTION("add_parameter", [](const at::Tensor& t, double s) {
+  return at::add(t, s).requires_grad_();
+});
+DISTOPTIM_RPC_FUNCTION("big_param_rref", [] { return RRef<at::Tensor>(big_param()); });
+DISTOPTIM_RPC_FUNCTION("big_param", [] { return big_param(); });
+DISTOPTIM_RPC_FUNCTION("scaled_big_param",
+                       [](double scale) { return (big_param() * scale).sum(); });
+std::atomic<int64_t> g_finished{0};
+DISTOPTIM_RPC_FUNCTION("finished", [] { return ++g_finished; });
+DISTOPTIM_RPC_FUNCTION("finished_count", [] { return g_finished.load(); });
+
+void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
+  EXPECT_TRUE(at::allclose(actual, expected, 1e-9, 1e-12))
+      << what << ":\n" << actual << "\nexpected\n" << expected;
+}
+
+// Runs `trainer` on rank 0 of `world_size` workers; the others serve.
+void with_workers(int world_size, const std::function<void()>& trainer) {
+  run_ranks(world_size, [&](int rank, int size) {
+    rpc::init_rpc(worker(rank), rank, size, test_options());
+    if (rank == 0) trainer();
+    rpc::shutdown();
+  });
+}
+
+std::vector<RRef<at::Tensor>> params_of(int rank) {
+  return rpc_sync<std::vector<RRef<at::Tensor>>>(worker(rank), "param_rrefs");
+}
+
+TEST(DistributedOptimizer, SeedExampleWorks) {
+  with_workers(2, [] {
+    ContextGuard context;
+    auto rref1 = rpc::remote<at::Tensor>(worker(1), "add_parameter",
+                                         std::tuple{at::ones({2}, at::kDouble), 3.0});
+    auto rref2 = rpc::remote<at::Tensor>(worker(1), "add_parameter",
+                                         std::tuple{at::ones({2}, at::kDouble), 1.0});
+    at::Tensor loss = rref1.to_here() + rref2.to_here();
+    dist_autograd::backward(context.id(), {loss.sum()});
+    DistributedOptimizer optimizer("sgd", {rref1, rref2}, OptionBag().set("lr", 0.05));
+    optimizer.step(context.id());
+
+    // The same in one process, with LibTorch's own SGD.
+    at::Tensor a = at::add(at::ones({2}, at::kDouble), 3.0).requires_grad_();
+    at::Tensor b = at::add(at::ones({2}, at::kDouble), 1.0).requires_grad_();
+    (a + b).sum().backward();
+    torch::optim::SGD sgd({a, b}, torch::optim::SGDOptions(0.05));
+    sgd.step();
+    EXPECT_TRUE(at::equal(rref1.to_here().detach(), a.detach()));
+    EXPECT_TRUE(at::equal(rref2.to_here().detach(), b.detach()));
+  });
+}
+
+// `steps` Adam steps of a model spread over worker1, worker2 and a parameter of this worker.
+std::vector<at::Tensor> train_remotely(DistributedOptimizer& optimizer, const at::Tensor& v,
+                                       int64_t first_step, int64_t steps) {
+  for (int64_t step = first_step; step < first_step + steps; ++step) {
+    ContextGuard context;
+    at::Tensor h = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{input(step)});
+    at::Tensor y = rpc_sync<at::Tensor>(worker(2), "layer", std::tuple{h * v});
+    dist_autograd::backward(context.id(), {y.pow(2).sum()});
+    optimizer.step(context.id());
+  }
+  std::vector<at::Tensor> out = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+  for (const at::Tensor& p : rpc_sync<std::vector<at::Tensor>>(worker(2), "params")) {
+    out.push_back(p);
+  }
+  out.push_back(v.detach().clone());
+  return out;
+}
+
+std::vector<RRef<at::Tensor>> model_params(const at::Tensor& v) {
+  std::vector<RRef<at::Tensor>> params = params_of(1);
+  for (const auto& p : params_of(2)) params.push_back(p);
+  params.emplace_back(v);  // owned by this worker
+  return params;
+}
+
+const OptionBag& adam_options() {
+  static const OptionBag options = OptionBag().set("lr", 0.01).set("amsgrad", true);
+  return options;
+}
+
+TEST(DistributedOptimizer, AdamOverThreeOwnersMatchesOneProcess) {
+  with_workers(3, [] {
+    const int64_t steps = 5;
+    at::Tensor v = at::linspace(0.5, 1.5, 4, at::kDouble).requires_grad_();
+    at::Tensor v0 = v.detach().clone();
+    DistributedOptimizer optimizer("adam", model_params(v), adam_options());
+    EXPECT_EQ(optimizer.owners(), (std::vector<std::string>{worker(1), worker(2), worker(0)}));
+    const std::vector<at::Tensor> trained = train_remotely(optimizer, v, 0, steps);
+
+    // The same model in one process, with the same functional optimizer.
+    std::vector<at::Tensor> p1 = make_params(1), p2 = make_params(2);
+    at::Tensor vr = v0.clone().requires_grad_();
+    std::vector<at::Tensor> all{p1[0], p1[1], p2[0], p2[1], vr};
+    auto local = optim::create_optimizer("adam", {optim::ParamGroup(all)}, adam_options());
+    for (int64_t step = 0; step < steps; ++step) {
+      at::Tensor loss = layer(p2, layer(p1, input(step)) * vr).pow(2).sum();
+      local->step(torch::autograd::grad({loss}, all));
+    }
+    ASSERT_EQ(trained.size(), all.size());
+    for (size_t i = 0; i < all.size(); ++i) {
+      expect_close(trained[i], all[i].detach(), "parameter " + std::to_string(i));
+    }
+  });
+}
+
+TEST(DistributedOptimizer, CheckpointResumesBitIdentically) {
+  with_workers(3, [] {
+    at::Tensor v = at::linspace(0.5, 1.5, 4, at::kDouble).requires_grad_();
+    const at::Tensor v0 = v.detach().clone();
+    const auto initial1 = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+    const auto initial2 = rpc_sync<std::vector<at::Tensor>>(worker(2), "params");
+    std::vector<at::Tensor> straight;
+    {
+      DistributedOptimizer optimizer("adam", model_params(v), adam_options());
+      straight = train_remotely(optimizer, v, 0, 6);
+    }
+    // Again from the start: 3 steps, a checkpoint through a file, a new optimizer, 3 more.
+    rpc_sync(worker(1), "set_params", std::tuple{initial1});
+    rpc_sync(worker(2), "set_params", std::tuple{initial2});
+    {
+      at::NoGradGuard no_grad;
+      v.copy_(v0);
+    }
+    const std::string path = ::testing::TempDir() + "/dist_optim_checkpoint.pt";
+    {
+      DistributedOptimizer optimizer("adam", model_params(v), adam_options());
+      train_remotely(optimizer, v, 0, 3);
+      const std::vector<char> bytes = torch::pickle_save(optimizer.state_dict().to_ivalue());
+      std::ofstream(path, std::ios::binary).write(bytes.data(), bytes.size());
+    }
+    std::ifstream in(path, std::ios::binary);
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
+                                  std::istreambuf_iterator<char>());
+    DistributedOptimizer resumed("adam", model_params(v), adam_options());
+    resumed.load_state_dict(DistributedOptimizerStateDict::from_ivalue(torch::pickle_load(bytes)));
+    const std::vector<at::Tensor> after = train_remotely(resumed, v, 3, 3);
+    ASSERT_EQ(after.size(), straight.size());
+    for (size_t i = 0; i < after.size(); ++i) {
+      EXPECT_TRUE(at::equal(after[i], straight[i])) << "parameter " << i;
+    }
+    // A dict of another shape is refused before anything is sent.
+    DistributedOptimizerStateDict wrong = resumed.state_dict();
+    std::swap(wrong.owners[0], wrong.owners[1]);
+    EXPECT_THROW(resumed.load_state_dict(wrong), c10::ValueError);
+  });
+}
+
+TEST(DistributedOptimizer, TwoTrainersOnOneServerLoseNoUpdate) {
+  // Ranks 0 and 1 each build an SGD optimizer over rank 2's parameter and step it 10 times with
+  // gradient 1 (rank 0) or 2 (rank 1): in any serial order, p = -lr * 10 * (1 + 2) exactly.
+  const int steps = 10;
+  const double lr = 0.25;
+  run_ranks(3, [&](int rank, int size) {
+    rpc::init_rpc(worker(rank), rank, size, test_options());
+    if (rank < 2) {
+      auto param = rpc_sync<RRef<at::Tensor>>(worker(2), "big_param_rref");
+      DistributedOptimizer optimizer("sgd", {param}, OptionBag().set("lr", lr));
+      for (int step = 0; step < steps; ++step) {
+        ContextGuard context;
+        at::Tensor loss =
+            rpc_sync<at::Tensor>(worker(2), "scaled_big_param", std::tuple{rank + 1.0});
+        dist_autograd::backward(context.id(), {loss});
+        optimizer.step(context.id());
+      }
+      rpc_sync<int64_t>(worker(2), "finished");
+      if (rank == 0) {
+        const auto deadline = std::chrono::steady_clock::now() + 30s;
+        while (rpc_sync<int64_t>(worker(2), "finished_count") < 2 &&
+               std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(10ms);
+        }
+        at::Tensor p = rpc_sync<at::Tensor>(worker(2), "big_param");
+        EXPECT_TRUE(at::equal(p, at::full_like(p, -lr * steps * 3)))
+            << p.min().item<double>() << " .. " << p.max().item<double>();
+      }
+    }
+    rpc::shutdown();
+  });
+}
+
+TEST(DistributedOptimizer, RepliesDuringStepsAreNeverTorn) {
+  with_workers(2, [] {
+    auto param = rpc_sync<RRef<at::Tensor>>(worker(1), "big_param_rref");
+    DistributedOptimizer optimizer("sgd", {param}, OptionBag().set("lr", 1.0));
+    std::atomic<bool> done{false};
+    std::atomic<int> torn{0}, reads{0};
+    std::thread reader([&] {
+      while (!done) {
+        // Both a function returning the parameter and a fetch through the RRef.
+        for (const at::Tensor& p :
+             {rpc_sync<at::Tensor>(worker(1), "big_param"), param.to_here()}) {
+          torn += !at::equal(p.min(), p.max());
+          ++reads;
+        }
+      }
+    });
+    for (int step = 0; step < 30; ++step) {
+      ContextGuard context;
+      at::Tensor loss = rpc_sync<at::Tensor>(worker(1), "scaled_big_param", std::tuple{-1.0});
+      dist_autograd::backward(context.id(), {loss});
+      optimizer.step(context.id());
+    }
+    done = true;
+    reader.join();
+    EXPECT_EQ(torn.load(), 0) << "of " << reads.load() << " reads";
+    EXPECT_GT(reads.load(), 0);
+  });
+}
+
+TEST(DistributedOptimizer, OwnerWithoutGradientsChangesNothing) {
+  with_workers(3, [] {
+    const auto before2 = rpc_sync<std::vector<at::Tensor>>(worker(2), "params");
+    const auto before1 = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+    std::vector<RRef<at::Tensor>> params = params_of(1);
+    for (const auto& p : params_of(2)) params.push_back(p);
+    DistributedOptimizer optimizer("adam", params, adam_options());
+    {
+      ContextGuard context;  // the loss uses worker1's parameters only
+      at::Tensor y = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{input(0)});
+      dist_autograd::backward(context.id(), {y.sum()});
+      optimizer.step(context.id());
+    }
+    const auto after1 = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+    const auto after2 = rpc_sync<std::vector<at::Tensor>>(worker(2), "params");
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_FALSE(at::equal(after1[i], before1[i])) << "worker1 parameter " << i;
+      EXPECT_TRUE(at::equal(after2[i], before2[i])) << "worker2 parameter " << i;
+    }
+    // Nor has worker2's optimizer state begun: a step there counts nothing.
+    for (const auto& owner : optimizer.state_dict().owners) {
+      EXPECT_EQ(owner.state.state.empty(), owner.worker == worker(2)) << owner.worker;
+    }
+  });
+}
+
+TEST(DistributedOptimizer, ConstructionErrorsNameTheWorker) {
+  with_workers(3, [] {
+    auto expect_refused = [](const std::function<void()>& build, const std::string& worker_name,
+                             const std::string& text) {
+      try {
+        build();
+        ADD_FAILURE() << "constructed";
+      } catch (const rpc::RemoteError& error) {
+        const std::string message = error.what();
+        EXPECT_NE(message.find("worker '" + worker_name + "'"), std::string::npos) << message;
+        EXPECT_NE(message.find(text), std::string::npos) << message;
+      }
+    };
+    expect_refused([] { DistributedOptimizer("no_such_optimizer", params_of(1)); }, worker(1),
+                   "no_such_optimizer");
+    std::vector<RRef<at::Tensor>> both = params_of(1);
+    both.push_back(params_of(2)[0]);
+    expect_refused([&] { DistributedOptimizer("sgd", both, OptionBag().set("lr", -1.0)); },
+                   worker(2), "lr");
+    // A tensor that does not require grad on its owner gets no gradient: refused.
+    auto constant = rpc::remote<at::Tensor>(worker(2), "layer", std::tuple{input(0)});
+    expect_refused([&] { DistributedOptimizer("sgd", {constant}, OptionBag().set("lr", 0.1)); },
+                   worker(2), "not a leaf");
+    EXPECT_THROW(DistributedOptimizer("sgd", {}), c10::ValueError);
+  });
+}
+
+}  // namespace
+}  // namespace dist_optim
+}  // namespace distoptim
