@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
 # All setup, then the main job: builds the Release build (in build/, only what the demo needs) and
-# runs examples/custom_qhm, which trains a small model with a user-registered QHM optimizer and
-# prints its progress and final loss. Arguments are passed to the example. Works from any
-# directory. DISTOPTIM_BUILD_DIR and DISTOPTIM_JOBS override build/ and -j2.
+# runs examples/rnn_parameter_server under distrun: PyTorch's RNN parameter-server example, a
+# server holding the embedding table and decoder and one trainer running the LSTM, trained with
+# distributed autograd and a DistributedOptimizer for about two minutes. It prints its progress,
+# the final loss and perplexity, and where the loss curve (CSV and PNG) went. Arguments are passed
+# to the example (see --help). Works from any directory. DISTOPTIM_BUILD_DIR and DISTOPTIM_JOBS
+# override build/ and -j2; DISTOPTIM_TRAINERS the number of trainers (1).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD_DIR="${DISTOPTIM_BUILD_DIR:-build}"
 JOBS="${DISTOPTIM_JOBS:-2}"
-TARGET=custom_qhm
+TRAINERS="${DISTOPTIM_TRAINERS:-1}"
 
 bash scripts/setup.sh
 
-echo "==== demo.sh: building $TARGET (Release) in $BUILD_DIR"
+echo "==== demo.sh: building rnn_parameter_server and distrun (Release) in $BUILD_DIR"
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DDISTOPTIM_SANITIZE=OFF \
-  -DDISTOPTIM_BUILD_EXAMPLES=ON
-cmake --build "$BUILD_DIR" -j"$JOBS" --target "$TARGET"
+  -DDISTOPTIM_BUILD_EXAMPLES=ON -DDISTOPTIM_BUILD_TOOLS=ON
+cmake --build "$BUILD_DIR" -j"$JOBS" --target rnn_parameter_server distrun
 
-binary="$BUILD_DIR/examples/custom_qhm/$TARGET"
-if [[ ! -x "$binary" ]]; then
-  binary="$(find "$BUILD_DIR" -type f -name "$TARGET" -perm -u+x -print -quit)"
-fi
-[[ -n "$binary" && -x "$binary" ]] || {
-  echo "demo.sh: error: built $TARGET but cannot find its executable under $BUILD_DIR" >&2
-  exit 1
-}
+example="$BUILD_DIR/examples/rnn_parameter_server/rnn_parameter_server"
+distrun="$BUILD_DIR/tools/distrun/distrun"
+for binary in "$example" "$distrun"; do
+  [[ -x "$binary" ]] || {
+    echo "demo.sh: error: built the demo but cannot find $binary" >&2
+    exit 1
+  }
+done
 
-echo "==== demo.sh: running $binary $*"
-exec "$binary" "$@"
+echo "==== demo.sh: running $distrun --nproc-per-node $((TRAINERS + 1)) $example $*"
+exec "$distrun" --nproc-per-node "$((TRAINERS + 1))" "$example" --out-dir rnn_ps_out "$@"

@@ -35,6 +35,9 @@ PACKAGES=(
   clang-14 libclang-rt-14-dev
   # /etc/services and /etc/protocols, which a minimal system lacks and TCP name lookups read.
   netbase
+  # The RNN parameter-server example draws its loss curve with gnuplot (PNG, no X11), and
+  # trains on the licence texts base-files installs under /usr/share/common-licenses.
+  gnuplot-nox base-files
 )
 
 LOG="${DISTOPTIM_SETUP_LOG:-${TMPDIR:-/tmp}/distoptim-setup.log}"

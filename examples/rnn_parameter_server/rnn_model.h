@@ -1,0 +1,78 @@
+#pragma once
+
+// The RNN language model of PyTorch's parameter-server tutorial, split between a parameter
+// server and a trainer: the embedding table and the decoder (most of the parameters) live on the
+// server as remote objects, the LSTM on the trainer. The trainer's forward pass sends the tokens
+// to the server's embedding table, runs its LSTM, and sends the LSTM's output to the server's
+// decoder; distributed autograd carries the gradients back the same way.
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/rnn.h>
+
+#include <distoptim/rpc.h>
+
+namespace rnn_ps {
+
+using distoptim::rpc::RRef;
+
+/// On the server: tokens (bptt x batch) to embeddings (bptt x batch x ninp), with dropout.
+struct EmbeddingTable : torch::nn::Module {
+  EmbeddingTable(int64_t ntoken, int64_t ninp, double dropout, int64_t seed);
+  at::Tensor forward(at::Tensor input);
+  /// References to its parameters, owned by the server, for the DistributedOptimizer.
+  std::vector<RRef<at::Tensor>> parameter_rrefs();
+
+  torch::nn::Embedding encoder{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+
+/// On the server: LSTM outputs (bptt x batch x nhid) to logits (bptt x batch x ntoken).
+struct Decoder : torch::nn::Module {
+  Decoder(int64_t ntoken, int64_t nhid, double dropout, int64_t seed);
+  at::Tensor forward(at::Tensor output);
+  std::vector<RRef<at::Tensor>> parameter_rrefs();
+
+  torch::nn::Linear decoder{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+
+struct ModelOptions {
+  int64_t ntoken = 10000;
+  int64_t ninp = 256;
+  int64_t nhid = 256;
+  int64_t nlayers = 2;
+  double dropout = 0.5;
+  int64_t seed = 0;  // each module is seeded from it, so one trainer's run is reproducible
+};
+
+/// On a trainer: the remote embedding table and decoder around a local LSTM.
+class RNNModel {
+ public:
+  using Hidden = std::tuple<at::Tensor, at::Tensor>;
+
+  /// Creates the server's modules on worker `ps` and waits until they exist.
+  RNNModel(const std::string& ps, const ModelOptions& options);
+  /// input: tokens (bptt x batch); returns the logits (bptt x batch x ntoken) and the next hidden
+  /// state.
+  std::tuple<at::Tensor, Hidden> forward(const at::Tensor& input, const Hidden& hidden);
+  /// The parameters of all three parts, as references (the LSTM's owned by this worker).
+  std::vector<RRef<at::Tensor>> parameter_rrefs();
+  /// A zero hidden state for `batch` sequences.
+  Hidden init_hidden(int64_t batch) const;
+
+ private:
+  ModelOptions options_;
+  RRef<EmbeddingTable> embedding_;
+  torch::nn::LSTM rnn_{nullptr};
+  RRef<Decoder> decoder_;
+};
+
+}  // namespace rnn_ps
