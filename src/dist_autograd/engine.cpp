@@ -66,6 +66,7 @@ BackwardPass::BackwardPass(std::shared_ptr<Context> context, int64_t id, bool re
 
 void BackwardPass::start(const torch::autograd::edge_list& roots, variable_list root_grads) {
   std::vector<Outgoing> outgoing;
+  std::exception_ptr early_error;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_INTERNAL_ASSERT(!started_, "a backward pass starts once");
@@ -112,6 +113,11 @@ void BackwardPass::start(const torch::autograd::edge_list& roots, variable_list 
     for (size_t i = 0; i < roots.size(); ++i) {
       if (roots[i].is_valid()) deliver(roots[i], std::move(root_grads[i]));
     }
+    early_error = accept_early();
+  }
+  if (early_error) {
+    fail(early_error);
+    return;
   }
   send(std::move(outgoing));
   run_ready();
@@ -119,36 +125,58 @@ void BackwardPass::start(const torch::autograd::edge_list& roots, variable_list 
 
 void BackwardPass::receive(int64_t message_id, const std::vector<int64_t>& slots,
                            std::vector<at::Tensor> grads) {
-  TORCH_CHECK_VALUE(slots.size() == grads.size(), "distributed autograd: a gradients message of ",
-                    "context ", context_->id(), " names ", slots.size(), " slot(s) for ",
-                    grads.size(), " gradient(s)");
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_) {
       return;
     }
-    auto it = sends_waiting_.find(message_id);
-    TORCH_CHECK_VALUE(it != sends_waiting_.end(), "distributed autograd: context ",
-                      context_->id(), " has no send awaiting gradients for message ", message_id,
-                      " in pass ", id_, " (unknown, or it got them already)");
-    const std::shared_ptr<SendBackward> send = it->second;
-    variable_list inputs(send->num_inputs());
-    for (size_t i = 0; i < slots.size(); ++i) {
-      TORCH_CHECK_VALUE(slots[i] >= 0 && static_cast<size_t>(slots[i]) < inputs.size() &&
-                            !inputs[slots[i]].defined(),
-                        "distributed autograd: a gradients message for message ", message_id,
-                        " names slot ", slots[i], " of ", inputs.size(), " (or twice)");
-      inputs[slots[i]] = conform(*send, static_cast<uint32_t>(slots[i]), std::move(grads[i]),
-                                 "a gradients message");
+    if (!started_) {
+      // Another thread made this pass and is starting it: the message waits for the count.
+      early_.push_back({message_id, slots, std::move(grads)});
+      return;
     }
-    sends_waiting_.erase(it);
-    Pending& pending = nodes_.at(send.get());
-    pending.inputs = std::move(inputs);
-    if (--pending.dependencies == 0) {
-      ready_.emplace_back(pending.node, std::move(pending.inputs));
-    }
+    accept(message_id, slots, std::move(grads));
   }
   run_ready();
+}
+
+void BackwardPass::accept(int64_t message_id, const std::vector<int64_t>& slots,
+                          std::vector<at::Tensor> grads) {
+  TORCH_CHECK_VALUE(slots.size() == grads.size(), "distributed autograd: a gradients message of ",
+                    "context ", context_->id(), " names ", slots.size(), " slot(s) for ",
+                    grads.size(), " gradient(s)");
+  auto it = sends_waiting_.find(message_id);
+  TORCH_CHECK_VALUE(it != sends_waiting_.end(), "distributed autograd: context ", context_->id(),
+                    " has no send awaiting gradients for message ", message_id, " in pass ", id_,
+                    " (unknown, or it got them already)");
+  const std::shared_ptr<SendBackward> send = it->second;
+  variable_list inputs(send->num_inputs());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    TORCH_CHECK_VALUE(slots[i] >= 0 && static_cast<size_t>(slots[i]) < inputs.size() &&
+                          !inputs[slots[i]].defined(),
+                      "distributed autograd: a gradients message for message ", message_id,
+                      " names slot ", slots[i], " of ", inputs.size(), " (or twice)");
+    inputs[slots[i]] = conform(*send, static_cast<uint32_t>(slots[i]), std::move(grads[i]),
+                               "a gradients message");
+  }
+  sends_waiting_.erase(it);
+  Pending& pending = nodes_.at(send.get());
+  pending.inputs = std::move(inputs);
+  if (--pending.dependencies == 0) {
+    ready_.emplace_back(pending.node, std::move(pending.inputs));
+  }
+}
+
+std::exception_ptr BackwardPass::accept_early() {
+  try {
+    for (Early& message : early_) {
+      accept(message.message_id, message.slots, std::move(message.grads));
+    }
+    early_.clear();
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
 }
 
 void BackwardPass::deliver(const Edge& edge, at::Tensor grad) {

@@ -87,7 +87,17 @@ class BackwardPass : public std::enable_shared_from_this<BackwardPass> {
     std::string what;
   };
 
+  // A gradients message that came before the pass had started.
+  struct Early {
+    int64_t message_id;
+    std::vector<int64_t> slots;
+    std::vector<at::Tensor> grads;
+  };
+
   // With mutex_ held.
+  void accept(int64_t message_id, const std::vector<int64_t>& slots,
+              std::vector<at::Tensor> grads);
+  std::exception_ptr accept_early();
   void deliver(const torch::autograd::Edge& edge, at::Tensor grad);
   bool finish_if_done();
   Outgoing gradients_message(const RecvBackward& recv,
@@ -111,6 +121,7 @@ class BackwardPass : public std::enable_shared_from_this<BackwardPass> {
   std::deque<std::pair<std::shared_ptr<torch::autograd::Node>, torch::autograd::variable_list>>
       ready_;
   size_t nodes_left_ = 0;
+  std::vector<Early> early_;
   std::map<uint64_t, std::string> unanswered_;  // messages sent and not answered, by number
   uint64_t sent_ = 0;
   bool running_ = false;  // a thread runs ready nodes
