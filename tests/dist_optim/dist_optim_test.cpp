@@ -15,6 +15,7 @@
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
 #include <distoptim/optim/registry.h>
+#include <distoptim/optim/sgd.h>
 #include <distoptim/rpc.h>
 
 #include "../harness/multiprocess.h"
@@ -92,6 +93,12 @@ DISTOPTIM_RPC_FUNCTION("scaled_big_param",
 std::atomic<int64_t> g_finished{0};
 DISTOPTIM_RPC_FUNCTION("finished", [] { return ++g_finished; });
 DISTOPTIM_RPC_FUNCTION("finished_count", [] { return g_finished.load(); });
+
+// A user's optimizer, registered in every process under a name of its own (here SGD with
+// Nesterov momentum as its defaults).
+const optim::OptimizerRegistration g_user_optimizer(
+    "user_nesterov", optim::typed_factory<optim::SGD, optim::SGDOptions>(
+                         optim::SGDOptions().lr(0.1).momentum(0.9).nesterov(true)));
 
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
   EXPECT_TRUE(at::allclose(actual, expected, 1e-9, 1e-12))
@@ -315,6 +322,27 @@ TEST(DistributedOptimizer, OwnerWithoutGradientsChangesNothing) {
     // Nor has worker2's optimizer state begun: a step there counts nothing.
     for (const auto& owner : optimizer.state_dict().owners) {
       EXPECT_EQ(owner.state.state.empty(), owner.worker == worker(2)) << owner.worker;
+    }
+  });
+}
+
+TEST(DistributedOptimizer, AUsersRegisteredOptimizerRunsOnEveryOwner) {
+  with_workers(3, [] {
+    at::Tensor v = at::linspace(0.5, 1.5, 4, at::kDouble).requires_grad_();
+    const at::Tensor v0 = v.detach().clone();
+    DistributedOptimizer optimizer("user_nesterov", model_params(v));
+    const std::vector<at::Tensor> trained = train_remotely(optimizer, v, 0, 3);
+
+    std::vector<at::Tensor> p1 = make_params(1), p2 = make_params(2);
+    at::Tensor vr = v0.clone().requires_grad_();
+    std::vector<at::Tensor> all{p1[0], p1[1], p2[0], p2[1], vr};
+    auto local = optim::create_optimizer("user_nesterov", {optim::ParamGroup(all)});
+    for (int64_t step = 0; step < 3; ++step) {
+      at::Tensor loss = layer(p2, layer(p1, input(step)) * vr).pow(2).sum();
+      local->step(torch::autograd::grad({loss}, all));
+    }
+    for (size_t i = 0; i < all.size(); ++i) {
+      expect_close(trained[i], all[i].detach(), "parameter " + std::to_string(i));
     }
   });
 }
