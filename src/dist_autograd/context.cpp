@@ -47,7 +47,8 @@ std::set<int> Context::workers() const {
 void Context::accumulate(const at::Tensor& variable, at::Tensor grad) {
   // A gradient handed on by a node may be shared with others (an add passes one gradient to
   // both its inputs): keep it only when nothing else holds it, and never add in place.
-  const bool exclusive = grad.use_count() == 1 && !grad.is_view();
+  const bool exclusive =
+      grad.use_count() == 1 && grad.storage().use_count() == 1 && !grad.is_view();
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = gradients_.find(variable);
   if (it == gradients_.end()) {

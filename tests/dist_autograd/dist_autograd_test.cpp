@@ -348,6 +348,31 @@ TEST(DistAutograd, ReleasingAContextReleasesItEverywhere) {
   });
 }
 
+TEST(DistAutograd, MessagesRacingTheirContextsReleaseLeaveNothingBehind) {
+  with_workers(2, [] {
+    at::Tensor x = leaf({2, 4}, 17);
+    std::vector<rpc::RpcFuture<at::Tensor>> calls;
+    for (int i = 0; i < 50; ++i) {
+      ContextGuard context;  // released while its call may still be on its way
+      calls.push_back(rpc::rpc_async<at::Tensor>(worker(1), "layer", std::tuple{x}));
+    }
+    for (auto& call : calls) {
+      try {
+        call.wait();
+      } catch (const rpc::RemoteError& error) {  // the release came first: refused, not recorded
+        EXPECT_NE(std::string(error.what()).find("was released"), std::string::npos)
+            << error.what();
+      }
+    }
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (rpc_sync<int64_t>(worker(1), "context_count") != 0 &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(10ms);
+    }
+    EXPECT_EQ(rpc_sync<int64_t>(worker(1), "context_count"), 0);
+  });
+}
+
 TEST(DistAutograd, RetainGraphAccumulatesAndWithoutItASecondPassFails) {
   with_workers(2, [] {
     at::Tensor x = leaf({2, 4}, 14);
