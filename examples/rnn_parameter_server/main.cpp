@@ -109,7 +109,8 @@ at::Tensor batchify(const std::vector<int64_t>& tokens, int64_t batch, int train
 void print_progress(double fraction, int64_t step, double loss, double tokens_per_second,
                     double remaining_seconds) {
   const int width = 30;
-  const int filled = static_cast<int>(std::round(std::clamp(fraction, 0.0, 1.0) * width));
+  fraction = std::clamp(fraction, 0.0, 1.0);
+  const int filled = static_cast<int>(std::round(fraction * width));
   fmt::print("[{}{}] {:3.0f}%  step {:5d}  loss {:6.3f}  {:6.0f} tokens/s  {:4.0f} s left\n",
              std::string(filled, '#'), std::string(width - filled, '.'), fraction * 100, step,
              loss, tokens_per_second, std::max(0.0, remaining_seconds));
