@@ -100,6 +100,18 @@ const optim::OptimizerRegistration g_user_optimizer(
     "user_nesterov", optim::typed_factory<optim::SGD, optim::SGDOptions>(
                          optim::SGDOptions().lr(0.1).momentum(0.9).nesterov(true)));
 
+// An optimizer whose every step fails: SGD that refuses to update.
+struct RefusingSGD : optim::SGD {
+  using optim::SGD::SGD;
+
+ protected:
+  void update(size_t, const std::vector<ParamUpdate>&) override {
+    TORCH_CHECK_VALUE(false, "refusing to step on ", rpc::get_worker_info().name);
+  }
+};
+const optim::OptimizerRegistration g_refusing_optimizer(
+    "refusing_sgd", optim::typed_factory<RefusingSGD, optim::SGDOptions>(optim::SGDOptions(0.1)));
+
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
   EXPECT_TRUE(at::allclose(actual, expected, 1e-9, 1e-12))
       << what << ":\n" << actual << "\nexpected\n" << expected;
@@ -343,6 +355,24 @@ TEST(DistributedOptimizer, AUsersRegisteredOptimizerRunsOnEveryOwner) {
     }
     for (size_t i = 0; i < all.size(); ++i) {
       expect_close(trained[i], all[i].detach(), "parameter " + std::to_string(i));
+    }
+  });
+}
+
+TEST(DistributedOptimizer, StepErrorsNameEveryFailingOwner) {
+  with_workers(3, [] {
+    at::Tensor v = at::linspace(0.5, 1.5, 4, at::kDouble).requires_grad_();
+    DistributedOptimizer optimizer("refusing_sgd", model_params(v));
+    try {
+      train_remotely(optimizer, v, 0, 1);
+      ADD_FAILURE() << "the step passed";
+    } catch (const rpc::RemoteError& error) {
+      const std::string message = error.what();
+      for (int rank : {0, 1, 2}) {
+        EXPECT_NE(message.find("worker '" + worker(rank) + "': "), std::string::npos) << message;
+        EXPECT_NE(message.find("refusing to step on " + worker(rank)), std::string::npos)
+            << message;
+      }
     }
   });
 }
