@@ -28,7 +28,12 @@
 //     same modules trained in one process by the same framework: forward, loss.backward(), an
 //     SGD step (ours: distoptim's functional "sgd", which the DistributedOptimizer runs on each
 //     owner; PyTorch's: torch.optim.SGD), gradients then set to none (so every backward makes
-//     fresh ones, as every distributed context does).
+//     fresh ones, as every distributed context does). That baseline runs after the job, in a
+//     process of its own without RPC (`--local`; the script's --local), with the same warm-up
+//     and timed iterations: run in the trainer between distributed iterations, it would pay for
+//     whatever the job still does in the background after an iteration (measured: PyTorch's
+//     local iteration doubled so). The table shows each side's medians and the distributed
+//     iteration's phases.
 //
 // Settings, both sides: kIntraOpThreads intra-op thread per process (at::set_num_threads /
 // torch.set_num_threads), 16 RPC worker threads (PyTorch's default, set explicitly), a 60 s RPC
@@ -49,6 +54,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -219,79 +225,132 @@ at::Tensor rnn_loss(const at::Tensor& output, const at::Tensor& target) {
   return torch::nn::functional::cross_entropy(output.view({-1, kRnnTokens}), target);
 }
 
-void measure_rnn(const Config& config, Json& result) {
-  rnn_ps::RNNModel model("worker1", rnn_options());
-  DistributedOptimizer optimizer("sgd", model.parameter_rrefs(),
-                                 optim::OptionBag().set("lr", kRnnLr));
-  rnn_ps::RNNModel::Hidden hidden = model.init_hidden(kRnnBatch);
-  // Per timed iteration: the whole of it, and its forward (to the loss), backward and step.
-  std::vector<double> iteration_s, forward_s, backward_s, step_s;
-  double loss_value = 0;
-  for (int i = 0; i < config.rnn.warmup + config.rnn.timed; ++i) {
-    const auto [input, target] = rnn_batch();
+using Hidden = rnn_ps::RNNModel::Hidden;
+
+Hidden detached(const Hidden& hidden) {
+  return {std::get<0>(hidden).detach(), std::get<1>(hidden).detach()};
+}
+
+double seconds_between(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
+// The parameter-server model and its DistributedOptimizer, trained one iteration at a time.
+class DistributedRnn {
+ public:
+  DistributedRnn()
+      : model_("worker1", rnn_options()),
+        optimizer_("sgd", model_.parameter_rrefs(), optim::OptionBag().set("lr", kRnnLr)),
+        hidden_(model_.init_hidden(kRnnBatch)) {}
+
+  // Seconds of the forward (to the loss), the backward and the step, and of all of the
+  // iteration (the context's release included).
+  struct Times {
+    double forward, backward, step, total;
+  };
+  Times iteration(const at::Tensor& input, const at::Tensor& target) {
     // The hidden state carries over, its history does not (the tutorial's detach).
-    hidden = {std::get<0>(hidden).detach(), std::get<1>(hidden).detach()};
+    hidden_ = detached(hidden_);
     const auto begin = Clock::now();
     Clock::time_point forward_end, backward_end, step_end;
     {
       ContextGuard context;
-      auto [output, next] = model.forward(input, hidden);
-      hidden = next;
+      auto [output, next] = model_.forward(input, hidden_);
+      hidden_ = next;
       const at::Tensor loss = rnn_loss(output, target);
       forward_end = Clock::now();
       dist_autograd::backward(context.id(), {loss});
       backward_end = Clock::now();
-      optimizer.step(context.id());
+      optimizer_.step(context.id());
       step_end = Clock::now();
-      loss_value = loss.item<double>();
+      last_loss = loss.item<double>();
     }
-    if (i >= config.rnn.warmup) {
-      iteration_s.push_back(seconds_since(begin));
-      forward_s.push_back(std::chrono::duration<double>(forward_end - begin).count());
-      backward_s.push_back(std::chrono::duration<double>(backward_end - forward_end).count());
-      step_s.push_back(std::chrono::duration<double>(step_end - backward_end).count());
-    }
+    return {seconds_between(begin, forward_end), seconds_between(forward_end, backward_end),
+            seconds_between(backward_end, step_end), seconds_since(begin)};
   }
-  double total_s = 0;
-  for (double s : iteration_s) total_s += s;
-  result["rnn_tokens_per_s"] = kRnnBptt * kRnnBatch * iteration_s.size() / total_s;
-  result["rnn_iteration_ms"] = median(iteration_s) * 1e3;
+  double last_loss = 0;
+
+ private:
+  rnn_ps::RNNModel model_;
+  DistributedOptimizer optimizer_;
+  Hidden hidden_;
+};
+
+// The same modules, sizes and step in this process alone.
+class LocalRnn {
+ public:
+  LocalRnn()
+      : embedding_(kRnnTokens, kRnnWidth, kRnnDropout, 1),
+        lstm_(torch::nn::LSTMOptions(kRnnWidth, kRnnWidth)
+                  .num_layers(kRnnLayers)
+                  .dropout(kRnnDropout)),
+        decoder_(kRnnTokens, kRnnWidth, kRnnDropout, 2),
+        hidden_(at::zeros({kRnnLayers, kRnnBatch, kRnnWidth}),
+                at::zeros({kRnnLayers, kRnnBatch, kRnnWidth})) {
+    params_ = embedding_.parameters();
+    for (const auto& p : lstm_->parameters()) params_.push_back(p);
+    for (const auto& p : decoder_.parameters()) params_.push_back(p);
+    sgd_ = optim::create_optimizer("sgd", {optim::ParamGroup(params_)},
+                                   optim::OptionBag().set("lr", kRnnLr));
+  }
+
+  // Seconds of one iteration.
+  double iteration(const at::Tensor& input, const at::Tensor& target) {
+    hidden_ = detached(hidden_);
+    const auto begin = Clock::now();
+    auto [output, next] = lstm_->forward(embedding_.forward(input), hidden_);
+    hidden_ = next;
+    rnn_loss(decoder_.forward(output), target).backward();
+    std::vector<at::Tensor> grads;
+    for (auto& p : params_) grads.push_back(p.grad());
+    sgd_->step(grads);
+    for (auto& p : params_) p.mutable_grad().reset();
+    return seconds_since(begin);
+  }
+
+ private:
+  rnn_ps::EmbeddingTable embedding_;
+  torch::nn::LSTM lstm_;
+  rnn_ps::Decoder decoder_;
+  Hidden hidden_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<optim::FunctionalOptimizer> sgd_;
+};
+
+void measure_rnn(const Config& config, Json& result) {
+  DistributedRnn distributed;
+  std::vector<double> total_s, forward_s, backward_s, step_s;
+  for (int i = 0; i < config.rnn.warmup + config.rnn.timed; ++i) {
+    const auto [input, target] = rnn_batch();
+    const DistributedRnn::Times times = distributed.iteration(input, target);
+    if (i < config.rnn.warmup) continue;
+    total_s.push_back(times.total);
+    forward_s.push_back(times.forward);
+    backward_s.push_back(times.backward);
+    step_s.push_back(times.step);
+  }
+  double sum_s = 0;
+  for (double s : total_s) sum_s += s;
+  result["rnn_tokens_per_s"] = kRnnBptt * kRnnBatch * total_s.size() / sum_s;
+  result["rnn_iteration_ms"] = median(total_s) * 1e3;
   result["rnn_forward_ms"] = median(forward_s) * 1e3;
   result["rnn_backward_ms"] = median(backward_s) * 1e3;
   result["rnn_step_ms"] = median(step_s) * 1e3;
-  result["rnn_last_loss"] = loss_value;
+  result["rnn_last_loss"] = distributed.last_loss;
 }
 
-// The same modules, sizes and step in this process alone.
-void measure_local_rnn(const Config& config, Json& result) {
-  const rnn_ps::ModelOptions options = rnn_options();
-  rnn_ps::EmbeddingTable embedding(options.ntoken, options.ninp, options.dropout, 1);
-  torch::nn::LSTM lstm(torch::nn::LSTMOptions(options.ninp, options.nhid)
-                           .num_layers(options.nlayers)
-                           .dropout(options.dropout));
-  rnn_ps::Decoder decoder(options.ntoken, options.nhid, options.dropout, 2);
-  std::vector<at::Tensor> params = embedding.parameters();
-  for (const auto& p : lstm->parameters()) params.push_back(p);
-  for (const auto& p : decoder.parameters()) params.push_back(p);
-  auto sgd = optim::create_optimizer("sgd", {optim::ParamGroup(params)},
-                                     optim::OptionBag().set("lr", kRnnLr));
-  std::tuple<at::Tensor, at::Tensor> hidden{at::zeros({options.nlayers, kRnnBatch, options.nhid}),
-                                            at::zeros({options.nlayers, kRnnBatch, options.nhid})};
-  std::vector<double> iteration_s;
+// Run in a process of its own, without RPC (--local).
+void run_local(const Config& config) {
+  at::set_num_threads(kIntraOpThreads);
+  LocalRnn local;
+  std::vector<double> seconds;
   for (int i = 0; i < config.rnn.warmup + config.rnn.timed; ++i) {
     const auto [input, target] = rnn_batch();
-    hidden = {std::get<0>(hidden).detach(), std::get<1>(hidden).detach()};
-    const auto begin = Clock::now();
-    auto [output, next] = lstm->forward(embedding.forward(input), hidden);
-    hidden = next;
-    rnn_loss(decoder.forward(output), target).backward();
-    std::vector<at::Tensor> grads;
-    for (auto& p : params) grads.push_back(p.grad());
-    sgd->step(grads);
-    for (auto& p : params) p.mutable_grad().reset();
-    if (i >= config.rnn.warmup) iteration_s.push_back(seconds_since(begin));
+    const double s = local.iteration(input, target);
+    if (i >= config.rnn.warmup) seconds.push_back(s);
   }
-  result["local_rnn_iteration_ms"] = median(iteration_s) * 1e3;
+  print_result({{"local_rnn_iteration_ms", median(seconds) * 1e3},
+                {"local_intra_op_threads", at::get_num_threads()}});
 }
 
 void run_worker(const Config& config) {
@@ -312,7 +371,6 @@ void run_worker(const Config& config) {
     measure_doc_step(config, result);
     measure_adam_step(config, result);
     measure_rnn(config, result);
-    measure_local_rnn(config, result);
     print_result(result);
   }
   rpc::shutdown();
@@ -366,9 +424,11 @@ std::vector<std::string> check_side(const std::string& side, const Json& result)
   if (!result.at("adam_parameters_ok").get<bool>()) {
     problems.push_back(side + ": the Adam case's parameters are not what its steps give");
   }
-  if (result.at("intra_op_threads").get<int>() != kIntraOpThreads) {
-    problems.push_back(fmt::format("{}: {} intra-op threads, expected {}", side,
-                                   result.at("intra_op_threads").get<int>(), kIntraOpThreads));
+  for (const char* key : {"intra_op_threads", "local_intra_op_threads"}) {
+    if (result.at(key).get<int>() != kIntraOpThreads) {
+      problems.push_back(fmt::format("{}: {} = {}, expected {}", side, key,
+                                     result.at(key).get<int>(), kIntraOpThreads));
+    }
   }
   if (!std::isfinite(result.at("rnn_last_loss").get<double>())) {
     problems.push_back(side + ": the rnn's loss is not finite");
@@ -403,7 +463,8 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch) {
       "rnn: ntoken {}, ninp = nhid = {}, {} LSTM layers, dropout {}, batch {}, bptt {}, random "
       "tokens, SGD lr {}; embedding + decoder on worker1 (ps), LSTM on worker0 (trainer); {} "
       "timed iterations after {} warm-up; overhead: median iteration minus the same model's in "
-      "one process (ours: LibTorch + distoptim's functional sgd, pytorch: torch.optim.SGD; grads "
+      "a process of its own without RPC (ours: LibTorch + distoptim's functional sgd, pytorch: "
+      "torch.optim.SGD; grads "
       "set to none each iteration)\n",
       kRnnTokens, kRnnWidth, kRnnLayers, kRnnDropout, kRnnBatch, kRnnBptt, kRnnLr, config.rnn.timed,
       config.rnn.warmup);
@@ -422,8 +483,10 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch) {
   for (const Row& row : rows()) {
     const double o = row.value(ours);
     const double p = row.value(pytorch);
-    fmt::print("{:<16} {:>12} {:>12} {:>10} {:>13.2f}x {:>8}\n", row.name, format_value(o),
-               format_value(p), row.unit, o / p, row.lower_is_better ? "lower" : "higher");
+    // A ratio of a negative overhead (noise) to a positive one says nothing.
+    const std::string ratio = o > 0 && p > 0 ? fmt::format("{:.2f}x", o / p) : "-";
+    fmt::print("{:<16} {:>12} {:>12} {:>10} {:>14} {:>8}\n", row.name, format_value(o),
+               format_value(p), row.unit, ratio, row.lower_is_better ? "lower" : "higher");
   }
   fmt::print("\n");
 }
@@ -455,6 +518,7 @@ int run(int argc, char** argv) {
   int iterations = 0;
   bool quick = false;
   bool worker = false;
+  bool local = false;
   std::string doc_counts, adam_counts, rnn_counts;
   std::string python = DISTOPTIM_REFERENCE_PYTHON;
   std::string script = DISTOPTIM_PYTORCH_DIST_OPTIM_SCRIPT;
@@ -471,6 +535,7 @@ int run(int argc, char** argv) {
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_option("--pytorch-script", script, "pytorch_dist_optim.py")->capture_default_str();
   app.add_flag("--worker", worker, "Run as one of our workers (started by the benchmark itself)");
+  app.add_flag("--local", local, "Run the rnn's one-process baseline (ditto)");
   // How the driver hands its counts to the workers: "warm-up,timed".
   app.add_option("--doc", doc_counts)->group("");
   app.add_option("--adam", adam_counts)->group("");
@@ -484,6 +549,10 @@ int run(int argc, char** argv) {
   }
   if (worker) {
     run_worker(config);
+    return 0;
+  }
+  if (local) {
+    run_local(config);
     return 0;
   }
   if (quick) config = Config{{5, 20}, {1, 3}, {1, 3}, config.deadline_seconds};
@@ -508,8 +577,14 @@ int run(int argc, char** argv) {
     fmt::print(stderr, " {:.0f} s\n", seconds_since(begin));
     return result;
   };
-  const Json ours = timed("ours", "our workers (distrun)", ours_argv);
-  const Json pytorch = timed("pytorch", script, pytorch_argv);
+  Json ours = timed("ours", "our workers (distrun)", ours_argv);
+  Json pytorch = timed("pytorch", script, pytorch_argv);
+  // The one-process baselines: the same programs, --local instead of the job.
+  ours_argv.erase(ours_argv.begin(), ours_argv.begin() + 3);
+  ours_argv[1] = "--local";
+  pytorch_argv.push_back("--local");
+  ours.update(timed("ours, one process", "our --local", ours_argv));
+  pytorch.update(timed("pytorch, one process", script + " --local", pytorch_argv));
 
   print_table(config, ours, pytorch);
   std::vector<std::string> problems = check_side("ours", ours);

@@ -9,7 +9,11 @@ intra-op thread; every other setting is PyTorch's default. worker0 measures and 
 `RESULT {json}` with the same keys as dist_optim_bench's worker0; worker1 and worker2 own
 parameters (worker1 is also the RNN's parameter server).
 
+With --local it runs only the rnn's one-process baseline, in this process without RPC, and
+prints `RESULT {"local_rnn_iteration_ms": ...}`.
+
 Usage: pytorch_dist_optim.py [--doc W,T] [--adam W,T] [--rnn W,T] [--deadline-seconds 240]
+                             [--local]
 (W warm-up and T timed iterations of each case)
 """
 
@@ -197,64 +201,101 @@ def init_hidden():
             torch.zeros(RNN_LAYERS, RNN_BATCH, RNN_WIDTH))
 
 
-def measure_rnn(counts, result):
-    warmup, timed = counts
-    model = RNNModel("worker1", RNN_TOKENS, RNN_WIDTH, RNN_WIDTH, RNN_LAYERS, RNN_DROPOUT)
-    dist_optim = DistributedOptimizer(optim.SGD, model.parameter_rrefs(), lr=RNN_LR)
-    criterion = nn.CrossEntropyLoss()
-    hidden = init_hidden()
-    # Per timed iteration: the whole of it, and its forward (to the loss), backward and step.
-    iteration_s, forward_s, backward_s, step_s = [], [], [], []
-    loss_value = 0.0
-    for i in range(warmup + timed):
-        data, target = rnn_batch()
+class DistributedRnn:
+    """The parameter-server model and its DistributedOptimizer, trained one iteration at a
+    time."""
+
+    def __init__(self):
+        self.model = RNNModel("worker1", RNN_TOKENS, RNN_WIDTH, RNN_WIDTH, RNN_LAYERS,
+                              RNN_DROPOUT)
+        self.optimizer = DistributedOptimizer(optim.SGD, self.model.parameter_rrefs(),
+                                              lr=RNN_LR)
+        self.criterion = nn.CrossEntropyLoss()
+        self.hidden = init_hidden()
+        self.last_loss = 0.0
+
+    def iteration(self, data, target):
+        """Seconds of the forward (to the loss), the backward and the step, and of all of the
+        iteration (the context's release included)."""
         # The hidden state carries over, its history does not (the tutorial's detach).
-        hidden = (hidden[0].detach(), hidden[1].detach())
+        self.hidden = (self.hidden[0].detach(), self.hidden[1].detach())
         begin = time.perf_counter()
         with dist_autograd.context() as context_id:
-            output, hidden = model(data, hidden)
-            loss = criterion(output.view(-1, RNN_TOKENS), target)
+            output, self.hidden = self.model(data, self.hidden)
+            loss = self.criterion(output.view(-1, RNN_TOKENS), target)
             forward_end = time.perf_counter()
             dist_autograd.backward(context_id, [loss])
             backward_end = time.perf_counter()
-            dist_optim.step(context_id)
+            self.optimizer.step(context_id)
             step_end = time.perf_counter()
-            loss_value = loss.item()
-        if i >= warmup:
-            iteration_s.append(time.perf_counter() - begin)
-            forward_s.append(forward_end - begin)
-            backward_s.append(backward_end - forward_end)
-            step_s.append(step_end - backward_end)
-    result["rnn_tokens_per_s"] = RNN_BPTT * RNN_BATCH * len(iteration_s) / sum(iteration_s)
-    result["rnn_iteration_ms"] = statistics.median(iteration_s) * 1e3
+            self.last_loss = loss.item()
+        return (forward_end - begin, backward_end - forward_end, step_end - backward_end,
+                time.perf_counter() - begin)
+
+
+class LocalRnn:
+    """The same modules, sizes and step in this process alone."""
+
+    def __init__(self):
+        self.embedding = EmbeddingTable(RNN_TOKENS, RNN_WIDTH, RNN_DROPOUT)
+        self.lstm = nn.LSTM(RNN_WIDTH, RNN_WIDTH, RNN_LAYERS, dropout=RNN_DROPOUT)
+        self.decoder = Decoder(RNN_TOKENS, RNN_WIDTH, RNN_DROPOUT)
+        params = (list(self.embedding.parameters()) + list(self.lstm.parameters())
+                  + list(self.decoder.parameters()))
+        self.optimizer = optim.SGD(params, lr=RNN_LR)
+        self.criterion = nn.CrossEntropyLoss()
+        self.hidden = init_hidden()
+
+    def iteration(self, data, target):
+        """Seconds of one iteration."""
+        self.hidden = (self.hidden[0].detach(), self.hidden[1].detach())
+        begin = time.perf_counter()
+        output, self.hidden = self.lstm(self.embedding(data), self.hidden)
+        self.criterion(self.decoder(output).view(-1, RNN_TOKENS), target).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - begin
+
+
+def measure_rnn(counts, result):
+    warmup, timed = counts
+    distributed = DistributedRnn()
+    forward_s, backward_s, step_s, total_s = [], [], [], []
+    for i in range(warmup + timed):
+        data, target = rnn_batch()
+        forward, backward, step, total = distributed.iteration(data, target)
+        if i < warmup:
+            continue
+        forward_s.append(forward)
+        backward_s.append(backward)
+        step_s.append(step)
+        total_s.append(total)
+    result["rnn_tokens_per_s"] = RNN_BPTT * RNN_BATCH * len(total_s) / sum(total_s)
+    result["rnn_iteration_ms"] = statistics.median(total_s) * 1e3
     result["rnn_forward_ms"] = statistics.median(forward_s) * 1e3
     result["rnn_backward_ms"] = statistics.median(backward_s) * 1e3
     result["rnn_step_ms"] = statistics.median(step_s) * 1e3
-    result["rnn_last_loss"] = loss_value
+    result["rnn_last_loss"] = distributed.last_loss
 
 
-def measure_local_rnn(counts, result):
-    """The same modules, sizes and step in this process alone."""
+def run_local(counts):
+    """The rnn's one-process baseline, in this process, without RPC (--local)."""
+    torch.set_num_threads(INTRA_OP_THREADS)
     warmup, timed = counts
-    embedding = EmbeddingTable(RNN_TOKENS, RNN_WIDTH, RNN_DROPOUT)
-    lstm = nn.LSTM(RNN_WIDTH, RNN_WIDTH, RNN_LAYERS, dropout=RNN_DROPOUT)
-    decoder = Decoder(RNN_TOKENS, RNN_WIDTH, RNN_DROPOUT)
-    params = list(embedding.parameters()) + list(lstm.parameters()) + list(decoder.parameters())
-    sgd = optim.SGD(params, lr=RNN_LR)
-    criterion = nn.CrossEntropyLoss()
-    hidden = init_hidden()
-    iteration_s = []
+    local = LocalRnn()
+    seconds = []
     for i in range(warmup + timed):
         data, target = rnn_batch()
-        hidden = (hidden[0].detach(), hidden[1].detach())
-        begin = time.perf_counter()
-        output, hidden = lstm(embedding(data), hidden)
-        criterion(decoder(output).view(-1, RNN_TOKENS), target).backward()
-        sgd.step()
-        sgd.zero_grad(set_to_none=True)
+        s = local.iteration(data, target)
         if i >= warmup:
-            iteration_s.append(time.perf_counter() - begin)
-    result["local_rnn_iteration_ms"] = statistics.median(iteration_s) * 1e3
+            seconds.append(s)
+    print_result({"local_rnn_iteration_ms": statistics.median(seconds) * 1e3,
+                  "local_intra_op_threads": torch.get_num_threads()})
+
+
+def print_result(result):
+    # One write, so it never interleaves with another process's output on the shared pipe.
+    os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
 
 
 def run_worker(rank, args, port):
@@ -272,9 +313,7 @@ def run_worker(rank, args, port):
         measure_doc_step(args.doc, result)
         measure_adam_step(args.adam, result)
         measure_rnn(args.rnn, result)
-        measure_local_rnn(args.rnn, result)
-        # One write, so it never interleaves with another process's output on the shared pipe.
-        os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())
+        print_result(result)
     rpc.shutdown(timeout=args.deadline_seconds)
 
 
@@ -292,7 +331,12 @@ def main():
     parser.add_argument("--adam", type=counts, default=(3, 20))
     parser.add_argument("--rnn", type=counts, default=(3, 20))
     parser.add_argument("--deadline-seconds", type=int, default=240)
+    parser.add_argument("--local", action="store_true",
+                        help="the rnn's one-process baseline, without RPC")
     args = parser.parse_args()
+    if args.local:
+        run_local(args.rnn)
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
