@@ -30,14 +30,17 @@
 //     owner; PyTorch's: torch.optim.SGD), gradients then set to none (so every backward makes
 //     fresh ones, as every distributed context does). That baseline runs after the job, in a
 //     process of its own without RPC (`--local`; the script's --local), with the same warm-up
-//     and timed iterations: run in the trainer between distributed iterations, it would pay for
-//     whatever the job still does in the background after an iteration (measured: PyTorch's
-//     local iteration doubled so). The table shows each side's medians and the distributed
-//     iteration's phases.
+//     and timed iterations: run in the trainer, it would share the 2 cores with the job's other
+//     workers (PyTorch's idle RPC workers take about 2/3 of a core each here, bench/rpc's idle
+//     case; its local iteration took 2-3 times as long there). The table shows each side's
+//     medians and the distributed iteration's phases.
 //
 // Settings, both sides: kIntraOpThreads intra-op thread per process (at::set_num_threads /
 // torch.set_num_threads), 16 RPC worker threads (PyTorch's default, set explicitly), a 60 s RPC
-// timeout; PyTorch at its defaults otherwise. The table states them.
+// timeout; PyTorch at its defaults otherwise. Matrix products go to the system BLAS, the same
+// library for both (Debian's OpenBLAS here), which keeps threads of its own whatever the
+// intra-op setting: each side reports how many (openblas_get_num_threads, -1 for another BLAS).
+// The table states them all.
 //
 // Every wait is bounded: RPCs carry timeouts, and each side runs under timeout(1) (run_side),
 // which kills its whole process group past --deadline-seconds. SIGINT or SIGTERM to this
@@ -48,6 +51,8 @@
 // "lower" or "higher".
 //
 // Usage: dist_optim_bench --json PATH [--iterations N] [--quick] [--deadline-seconds N]
+
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -144,6 +149,13 @@ DISTOPTIM_RPC_FUNCTION("bench.sum_parameters",
                          for (const auto& param : params) sum = sum + param.local_value().sum();
                          return sum;
                        });
+
+// The threads of the OpenBLAS this process loaded (LibTorch calls the system BLAS, and
+// at::set_num_threads does not reach it), or -1 where the BLAS is another.
+int blas_threads() {
+  auto get = reinterpret_cast<int (*)()>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get != nullptr ? get() : -1;
+}
 
 // --- worker0's measurements ------------------------------------------------------------------
 
@@ -367,7 +379,8 @@ void run_worker(const Config& config) {
                     .launch_env(env));
   if (*env.rank == 0) {
     Json result{{"intra_op_threads", at::get_num_threads()},
-                {"interop_threads", at::get_num_interop_threads()}};
+                {"interop_threads", at::get_num_interop_threads()},
+                {"blas_threads", blas_threads()}};
     measure_doc_step(config, result);
     measure_adam_step(config, result);
     measure_rnn(config, result);
@@ -450,9 +463,12 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch) {
       "settings, both sides: intra-op threads per process {} (ours: at::set_num_threads, "
       "pytorch: torch.set_num_threads), inter-op threads ours {} / pytorch {} (defaults), "
       "{} RPC worker threads (pytorch: TensorPipeRpcBackendOptions(num_worker_threads={}, "
-      "rpc_timeout=60)), RPC timeout 60 s; PyTorch's other settings are its defaults\n",
+      "rpc_timeout=60)), RPC timeout 60 s; PyTorch's other settings are its defaults; BLAS "
+      "threads (the system OpenBLAS's own pool, which the intra-op setting does not reach; -1: "
+      "not OpenBLAS) ours {} / pytorch {}\n",
       kIntraOpThreads, ours.at("interop_threads").get<int>(),
-      pytorch.at("interop_threads").get<int>(), kRpcThreads, kRpcThreads);
+      pytorch.at("interop_threads").get<int>(), kRpcThreads, kRpcThreads,
+      ours.at("blas_threads").get<int>(), pytorch.at("blas_threads").get<int>());
   fmt::print(
       "doc step: SGD lr {} over 2 RRefs on worker1, step alone, {} timed after {} warm-up; "
       "10M adam: Adam lr 0.001, {} x {} floats on each of worker1 and worker2, step alone, {} "

@@ -18,6 +18,7 @@ Usage: pytorch_dist_optim.py [--doc W,T] [--adam W,T] [--rnn W,T] [--deadline-se
 """
 
 import argparse
+import ctypes
 import json
 import os
 import socket
@@ -49,6 +50,19 @@ RNN_DROPOUT = 0.5
 RNN_BATCH = 20
 RNN_BPTT = 35
 RNN_LR = 0.05
+
+
+def blas_threads():
+    """The threads of the OpenBLAS this process loaded (torch calls the system BLAS, and
+    torch.set_num_threads does not reach it), or -1 where the BLAS is another."""
+    # torch's libraries are loaded RTLD_LOCAL: open the loaded BLAS by its path instead.
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "blas" in line and "/" in line}
+    for path in sorted(paths):
+        function = getattr(ctypes.CDLL(path), "openblas_get_num_threads", None)
+        if function is not None:
+            return function()
+    return -1
 
 
 def worker_name(rank):
@@ -309,7 +323,8 @@ def run_worker(rank, args, port):
     if rank == 0:
         result = {"torch_version": torch.__version__,
                   "intra_op_threads": torch.get_num_threads(),
-                  "interop_threads": torch.get_num_interop_threads()}
+                  "interop_threads": torch.get_num_interop_threads(),
+                  "blas_threads": blas_threads()}
         measure_doc_step(args.doc, result)
         measure_adam_step(args.adam, result)
         measure_rnn(args.rnn, result)
