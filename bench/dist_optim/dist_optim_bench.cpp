@@ -59,8 +59,10 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -122,6 +124,15 @@ struct Config {
 };
 
 std::string worker_name(int rank) { return "worker" + std::to_string(rank); }
+
+// The 1-minute load average (/proc/loadavg): the machine is shared, and the table says how busy
+// it was.
+double load_average() {
+  std::ifstream file("/proc/loadavg");
+  double load = -1;
+  file >> load;
+  return load;
+}
 
 double seconds_since(Clock::time_point from) {
   return std::chrono::duration<double>(Clock::now() - from).count();
@@ -453,7 +464,8 @@ std::string format_value(double value) {
   return std::abs(value) >= 100 ? fmt::format("{:.0f}", value) : fmt::format("{:.2f}", value);
 }
 
-void print_table(const Config& config, const Json& ours, const Json& pytorch) {
+void print_table(const Config& config, const Json& ours, const Json& pytorch,
+                 const std::pair<double, double>& load) {
   fmt::print(
       "\ndist_optim_bench: distoptim's DistributedOptimizer vs PyTorch {} "
       "torch.distributed.optim.DistributedOptimizer (TensorPipe RPC, CPU), {} workers on "
@@ -493,6 +505,10 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch) {
         result->at("rnn_step_ms").get<double>(),
         result->at("local_rnn_iteration_ms").get<double>());
   }
+  fmt::print(
+      "machine: {} cores, 1-minute load average {:.2f} at the start and {:.2f} at the end (the "
+      "machine is shared: above about 2, others' work competes with the measurements)\n",
+      std::thread::hardware_concurrency(), load.first, load.second);
   fmt::print("ours/pytorch: the plain ratio; 'better' says which way is better\n\n");
   fmt::print("{:<16} {:>12} {:>12} {:>10} {:>14} {:>8}\n", "case", "ours", "pytorch", "unit",
              "ours/pytorch", "better");
@@ -578,13 +594,17 @@ int run(int argc, char** argv) {
   ResultsFile results_file(json_path, "dist_optim_bench");
 
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  std::vector<std::string> ours_argv{DISTOPTIM_DISTRUN_PATH, "--nproc-per-node",
-                                     std::to_string(kWorldSize), self, "--worker"};
-  std::vector<std::string> pytorch_argv{python, script};
-  for (const auto& arg : worker_args(config)) {
-    ours_argv.push_back(arg);
-    pytorch_argv.push_back(arg);
-  }
+  // Our job is distrun running this program with --worker; each side's one-process baseline is
+  // its program again with --local.
+  auto with_counts = [&](std::vector<std::string> argv) {
+    for (auto& arg : worker_args(config)) argv.push_back(std::move(arg));
+    return argv;
+  };
+  const auto ours_argv = with_counts(
+      {DISTOPTIM_DISTRUN_PATH, "--nproc-per-node", std::to_string(kWorldSize), self, "--worker"});
+  const auto ours_local_argv = with_counts({self, "--local"});
+  const auto pytorch_argv = with_counts({python, script});
+  const auto pytorch_local_argv = with_counts({python, script, "--local"});
   auto timed = [&](const std::string& label, const std::string& what,
                    const std::vector<std::string>& argv) {
     fmt::print(stderr, "dist_optim_bench: {}...", label);
@@ -593,16 +613,15 @@ int run(int argc, char** argv) {
     fmt::print(stderr, " {:.0f} s\n", seconds_since(begin));
     return result;
   };
+  // Each side's baseline right after its job, so that the two parts of its overhead see the
+  // machine's load of the same minute.
+  const double load_at_start = load_average();
   Json ours = timed("ours", "our workers (distrun)", ours_argv);
+  ours.update(timed("ours, one process", "our --local", ours_local_argv));
   Json pytorch = timed("pytorch", script, pytorch_argv);
-  // The one-process baselines: the same programs, --local instead of the job.
-  ours_argv.erase(ours_argv.begin(), ours_argv.begin() + 3);
-  ours_argv[1] = "--local";
-  pytorch_argv.push_back("--local");
-  ours.update(timed("ours, one process", "our --local", ours_argv));
-  pytorch.update(timed("pytorch, one process", script + " --local", pytorch_argv));
+  pytorch.update(timed("pytorch, one process", script + " --local", pytorch_local_argv));
 
-  print_table(config, ours, pytorch);
+  print_table(config, ours, pytorch, {load_at_start, load_average()});
   std::vector<std::string> problems = check_side("ours", ours);
   for (auto& p : check_side("pytorch", pytorch)) problems.push_back(std::move(p));
   return results_file.write_unless(to_json(ours, pytorch), problems);
