@@ -4,10 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <sstream>
 
 #include <c10/util/Exception.h>
+
+#include "child_process.h"
 
 namespace distoptim {
 namespace bench {
@@ -57,6 +60,27 @@ std::vector<nlohmann::json> result_lines(const std::string& output) {
   return results;
 }
 
+void print_result(const nlohmann::json& result) {
+  std::fputs((std::string(kResultPrefix) + result.dump() + "\n").c_str(), stdout);
+  std::fflush(stdout);
+}
+
+std::vector<nlohmann::json> run_side(const std::string& what, std::vector<std::string> argv,
+                                     int deadline_seconds) {
+  argv.insert(argv.begin(),
+              {"/usr/bin/timeout", "--kill-after=10", std::to_string(deadline_seconds)});
+  const ChildResult child = run_child(argv, "");
+  // timeout(1) exits with 124 when it sent its signal; 137 when the child needed the SIGKILL.
+  TORCH_CHECK(child.exit_code != 124 && child.exit_code != 128 + 9, what,
+              " did not finish within its deadline of ", deadline_seconds,
+              " s and was killed; its output:\n", child.stdout_text);
+  TORCH_CHECK(child.exit_code == 0, what, " exited with ", child.exit_code, "; its output:\n",
+              child.stdout_text);
+  std::vector<nlohmann::json> results = result_lines(child.stdout_text);
+  TORCH_CHECK(!results.empty(), what, " printed no RESULT line; its output:\n", child.stdout_text);
+  return results;
+}
+
 ResultsFile::ResultsFile(const std::string& path, const std::string& program)
     : path_(path), program_(program) {
   TORCH_CHECK(!path.empty(), program, ": --json PATH is required");
@@ -75,6 +99,30 @@ void ResultsFile::write(const nlohmann::json& results) {
 void ResultsFile::discard() {
   file_.close();
   std::filesystem::remove(path_);
+}
+
+int ResultsFile::write_unless(const nlohmann::json& results,
+                              const std::vector<std::string>& problems) {
+  if (!problems.empty()) {
+    discard();
+    for (const auto& p : problems) std::fprintf(stderr, "%s: %s\n", program_.c_str(), p.c_str());
+    std::fprintf(stderr, "%s: no results written\n", program_.c_str());
+    return 1;
+  }
+  write(results);
+  std::printf("results written to %s\n", path_.c_str());
+  return 0;
+}
+
+int run_main(const char* program, int (*run)(int, char**), int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+  }
+  return 1;
 }
 
 }  // namespace bench

@@ -35,6 +35,23 @@ long proc_status_kb(const std::string& field);
 /// may follow a prefix (distrun's "[rank R] "). Throws nlohmann::json's parse_error on bad JSON.
 std::vector<nlohmann::json> result_lines(const std::string& output);
 
+/// Prints `result` as one RESULT line on standard output and flushes it, so the line reaches
+/// the benchmark before the worker goes on (or dies).
+void print_result(const nlohmann::json& result);
+
+/// Runs one side of a comparison, `argv` (a job of worker processes: distrun's ranks, or a
+/// Python script that spawns its own), under timeout(1), and returns every RESULT it printed,
+/// at least one. timeout(1) leads a process group of its own and signals all of it past
+/// `deadline_seconds`, so grandchildren go too; SIGKILL follows 10 s later. Throws c10::Error
+/// naming `what`, with the side's output, if it ran out of time, exited non-zero or printed no
+/// RESULT.
+std::vector<nlohmann::json> run_side(const std::string& what, std::vector<std::string> argv,
+                                     int deadline_seconds);
+
+/// A benchmark's main(): returns `run(argc, argv)`, or 1 after printing an exception it threw on
+/// standard error behind "`program`: ".
+int run_main(const char* program, int (*run)(int, char**), int argc, char** argv);
+
 /// The file a benchmark writes its results to (--json PATH). Opened, with its folder created,
 /// at construction, so a bad path fails before minutes of measuring rather than after.
 class ResultsFile {
@@ -46,6 +63,10 @@ class ResultsFile {
   void write(const nlohmann::json& results);
   /// Closes and removes the file, for a run whose results must not be used.
   void discard();
+  /// The end of a run: with no `problems`, writes `results`, says where on standard output and
+  /// returns 0; otherwise discards the file, prints each problem and that nothing was written
+  /// on standard error, and returns 1 (the benchmark's exit status).
+  int write_unless(const nlohmann::json& results, const std::vector<std::string>& problems);
   const std::string& path() const { return path_; }
 
  private:

@@ -124,7 +124,6 @@ constexpr int64_t kEchoBytes = kEchoFloats * static_cast<int64_t>(sizeof(float))
 // The first and last calls of the sustained load whose median latencies are compared.
 constexpr int64_t kEdgeCalls = 10000;
 constexpr auto kCallTimeout = 30s;
-constexpr char kTimeoutProgram[] = "/usr/bin/timeout";
 
 struct Config {
   int threads = 16;
@@ -423,11 +422,6 @@ void init_worker(const Config& config, const comm::LaunchEnv& env) {
                     .launch_env(env));
 }
 
-void print_result(const Json& result) {
-  fmt::print("{}{}\n", kResultPrefix, result.dump());
-  std::fflush(stdout);
-}
-
 void run_worker(const Config& config) {
   const comm::LaunchEnv env = launch_env(kWorldSize, "--worker");
   init_worker(config, env);
@@ -520,25 +514,6 @@ const std::vector<std::pair<std::string, std::string>>& floors() {
 std::optional<double> ratio(const Row& row, double ours, double pytorch) {
   if (row.better == Better::kNone || ours <= 0 || pytorch <= 0) return std::nullopt;
   return row.better == Better::kLower ? pytorch / ours : ours / pytorch;
-}
-
-// Runs `argv` under timeout(1) and returns every RESULT it printed (possibly behind distrun's
-// prefix), at least one.
-std::vector<Json> run_side(const std::string& what, std::vector<std::string> argv,
-                           const Config& config) {
-  // timeout(1) runs the side in a process group of its own and signals the whole group, so
-  // grandchildren (distrun's ranks, Python's spawned workers) go too; SIGKILL 10 s later.
-  argv.insert(argv.begin(),
-              {kTimeoutProgram, "--kill-after=10", std::to_string(config.deadline_seconds)});
-  const ChildResult child = run_child(argv, "");
-  TORCH_CHECK(child.exit_code != 124 && child.exit_code != 128 + 9, what,
-              " did not finish within --deadline-seconds ", config.deadline_seconds,
-              " s and was killed; its output:\n", child.stdout_text);
-  TORCH_CHECK(child.exit_code == 0, what, " exited with ", child.exit_code, "; its output:\n",
-              child.stdout_text);
-  const std::vector<Json> results = result_lines(child.stdout_text);
-  TORCH_CHECK(!results.empty(), what, " printed no RESULT line; its output:\n", child.stdout_text);
-  return results;
 }
 
 // The idle case's keys from its 2 workers' RESULTs.
@@ -777,7 +752,7 @@ int run(int argc, char** argv) {
                    const std::vector<std::string>& argv) {
     fmt::print(stderr, "rpc_bench: {}...", label);
     const auto begin = Clock::now();
-    std::vector<Json> results = run_side(what, argv, config);
+    std::vector<Json> results = run_side(what, argv, config.deadline_seconds);
     fmt::print(stderr, " {:.0f} s\n", elapsed_us(begin) * 1e-6);
     return results;
   };
@@ -802,15 +777,8 @@ int run(int argc, char** argv) {
       problems.push_back(fmt::format("floor: {} replies of {} differ", wrong, description));
     }
   }
-  if (!problems.empty()) {
-    results_file.discard();
-    for (const auto& p : problems) fmt::print(stderr, "rpc_bench: wrong or failed calls: {}\n", p);
-    fmt::print(stderr, "rpc_bench: no results written\n");
-    return 1;
-  }
-  results_file.write(to_json(ours, pytorch, floor));
-  fmt::print("results written to {}\n", json_path);
-  return 0;
+  for (auto& p : problems) p = "wrong or failed calls: " + p;
+  return results_file.write_unless(to_json(ours, pytorch, floor), problems);
 }
 
 }  // namespace
@@ -818,13 +786,5 @@ int run(int argc, char** argv) {
 }  // namespace distoptim
 
 int main(int argc, char** argv) {
-  try {
-    return distoptim::bench::run(argc, argv);
-  } catch (const c10::Error& e) {
-    fmt::print(stderr, "rpc_bench: {}\n", e.what_without_backtrace());
-    return 1;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "rpc_bench: {}\n", e.what());
-    return 1;
-  }
+  return distoptim::bench::run_main("rpc_bench", distoptim::bench::run, argc, argv);
 }
