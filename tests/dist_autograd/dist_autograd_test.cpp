@@ -85,6 +85,7 @@ DISTOPTIM_RPC_FUNCTION("param_grads", [](int64_t context_id) {
   return std::make_tuple(of(my_params().w), of(my_params().b));
 });
 DISTOPTIM_RPC_FUNCTION("context_count", [] { return static_cast<int64_t>(context_count()); });
+DISTOPTIM_RPC_FUNCTION("die", [] { ::_exit(7); });
 
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
   ASSERT_TRUE(actual.defined()) << what << ": no gradient";
@@ -413,15 +414,13 @@ TEST(DistAutograd, LostWorkerFailsBackwardNamingIt) {
       [](int rank, int size) {
         rpc::init_rpc(worker(rank), rank, size, test_options());
         if (rank == 1) {
-          // Serve the forward, then die before the backward.
-          while (context_count() == 0) std::this_thread::sleep_for(1ms);
-          std::this_thread::sleep_for(200ms);
-          ::_exit(7);
+          for (;;) std::this_thread::sleep_for(100ms);  // serves until told to die
         }
         at::Tensor x = leaf({2, 4}, 16);
         ContextGuard context;
         at::Tensor loss = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x}).sum();
-        std::this_thread::sleep_for(1s);
+        // worker1 dies after the forward pass, before the backward.
+        EXPECT_THROW(rpc_sync(worker(1), "die"), PeerLostError);
         try {
           backward(context.id(), {loss});
           ADD_FAILURE() << "backward passed without worker1";
