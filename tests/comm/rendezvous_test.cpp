@@ -196,7 +196,9 @@ TEST(RendezvousFailure, MissingRankIsNamed) {
   run_ranks(3, [](int rank, int) {
     if (rank == 2) return;  // never arrives
     try {
-      rendezvous(RendezvousOptions("env://").timeout(1500ms));
+      // Long enough for rank 0's store to come up before rank 1 gives up on reaching it, even
+      // under a sanitizer on a loaded machine: the timeout this test wants is the missing rank's.
+      rendezvous(RendezvousOptions("env://").timeout(6s));
       ADD_FAILURE() << "rank " << rank << ": expected a TimeoutError";
     } catch (const TimeoutError& e) {
       EXPECT_NE(std::string(e.what()).find("these ranks never arrived: 2"), std::string::npos)
@@ -234,7 +236,7 @@ TEST(RendezvousFailure, RankClaimedTwice) {
     // The process started as rank 2 claims rank 1 as well: whichever of the two claims second is
     // told so, the other waits in vain for rank 2, as does rank 0.
     try {
-      rendezvous(RendezvousOptions("env://").rank(rank == 2 ? 1 : rank).timeout(1500ms));
+      rendezvous(RendezvousOptions("env://").rank(rank == 2 ? 1 : rank).timeout(6s));
       ADD_FAILURE() << "rank " << rank << ": expected an error";
     } catch (const TimeoutError& e) {
       EXPECT_NE(std::string(e.what()).find("never arrived: 2"), std::string::npos) << e.what();
