@@ -269,17 +269,19 @@ TEST(Rpc, FloodingCallerIsHeldBackAndLosesNothing) {
 
 // A reply carries the values as they were when the handler returned, even when the handler
 // returns memory that is updated in place right after, under an InPlaceUpdateGuard (a parameter
-// server stepping its weights while a reply of them is still being written).
+// server stepping its weights while a reply of them is still being written). 16 MiB: beyond what
+// loopback sockets buffer, so writing a reply spans many steps.
+constexpr int64_t kWeightCount = int64_t{4} << 20;
 std::mutex g_weights_mutex;
 at::Tensor g_weights;  // guarded by g_weights_mutex
 DISTOPTIM_RPC_FUNCTION("weights", [] {
   std::lock_guard<std::mutex> lock(g_weights_mutex);
-  if (!g_weights.defined()) g_weights = at::zeros({int64_t{8} << 20});  // 32 MiB
+  if (!g_weights.defined()) g_weights = at::zeros({kWeightCount});
   return g_weights;
 });
 DISTOPTIM_RPC_FUNCTION("step_weights", [](double value) {
   std::lock_guard<std::mutex> lock(g_weights_mutex);
-  if (!g_weights.defined()) g_weights = at::zeros({int64_t{8} << 20});
+  if (!g_weights.defined()) g_weights = at::zeros({kWeightCount});
   InPlaceUpdateGuard updating;
   g_weights.fill_(value);
   return value;
@@ -287,9 +289,11 @@ DISTOPTIM_RPC_FUNCTION("step_weights", [](double value) {
 
 TEST(Rpc, RepliesNeverCarryTornTensors) {
   run_ranks(3, [](int rank, int world_size) {
-    init_rpc(worker(rank), rank, world_size, test_options().num_worker_threads(4));
+    // Rank 0 waits in shutdown while the others work: give it the harness's whole deadline.
+    init_rpc(worker(rank), rank, world_size,
+             test_options().num_worker_threads(4).shutdown_timeout(std::chrono::seconds(55)));
     if (rank == 1) {
-      for (int i = 0; i < 20; ++i) {
+      for (int i = 0; i < 12; ++i) {
         const at::Tensor weights = rpc_sync<at::Tensor>(worker(0), "weights");
         EXPECT_EQ(weights.min().item<float>(), weights.max().item<float>())
             << "a reply mixed two steps' values (fetch " << i << ")";
