@@ -62,14 +62,18 @@ void Connection::read_frames(const WireLimits& limits, FrameHandler on_frame,
 
 void Connection::arm_deadline(std::chrono::milliseconds timeout, std::string why) {
   deadline_.expires_after(timeout);
-  deadline_.async_wait([weak = weak_from_this(), why = std::move(why)](const asio::error_code& error) {
-    if (auto self = weak.lock(); self && !error) {
+  deadline_.async_wait([weak = weak_from_this(), generation = ++deadline_generation_,
+                        why = std::move(why)](const asio::error_code& error) {
+    if (auto self = weak.lock(); self && !error && generation == self->deadline_generation_) {
       self->fail(why);
     }
   });
 }
 
-void Connection::disarm_deadline() { deadline_.cancel(); }
+void Connection::disarm_deadline() {
+  ++deadline_generation_;
+  deadline_.cancel();
+}
 
 // Reads exactly `buffers`, then runs `next` unless the connection failed or closed meanwhile.
 template <class Buffers, class Next>

@@ -7,6 +7,7 @@
 // unauthenticated peer sends reaches a parser that allocates more than that bound.
 
 #include <chrono>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -93,6 +94,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   asio::io_context& io_;
   asio::ip::tcp::socket socket_;
   asio::steady_timer deadline_;
+  // Counts arm_deadline/disarm_deadline calls: an expiry already queued when the deadline was
+  // disarmed (cancel() cannot recall it) finds the count moved on and does nothing.
+  uint64_t deadline_generation_ = 0;
   std::string peer_address_;
 
   // I/O thread only:
