@@ -3,6 +3,7 @@
 #include <functional>
 #include <limits>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
@@ -502,31 +503,62 @@ std::shared_mutex& in_place_update_mutex() {
   return mutex;
 }
 
+namespace {
+
+void for_each_tensor(const c10::IValue& item, const std::function<void(const at::Tensor&)>& visit) {
+  if (item.isTensor()) {
+    visit(item.toTensor());
+  } else if (item.isList()) {
+    for (const c10::IValue& element : item.toListRef()) for_each_tensor(element, visit);
+  } else if (item.isTuple()) {
+    for (const c10::IValue& element : item.toTupleRef().elements()) for_each_tensor(element, visit);
+  } else if (item.isGenericDict()) {
+    for (const auto& entry : item.toGenericDict()) for_each_tensor(entry.value(), visit);
+  }
+}
+
+// Whether no one but the reply can reach `tensor`'s memory: the reply holds all `references` to
+// its TensorImpl, the memory is the library's own (not from_blob), and its storage is shared at
+// most with the base of a view that only the view keeps (a fresh result reshaped by .view(), as
+// Linear returns for batched input). Anything else may be written meanwhile: a parameter, a saved
+// tensor of an autograd graph, a detached alias.
+bool reachable_only_from_reply(const at::Tensor& tensor, long references) {
+  if (static_cast<long>(tensor.use_count()) > references) {
+    return false;
+  }
+  const c10::Storage& storage = tensor.storage();
+  if (storage.unsafeGetStorageImpl()->allocator() == nullptr) {
+    return false;
+  }
+  if (storage.use_count() == 1) {
+    return true;
+  }
+  return tensor.is_view() && storage.use_count() == 2 && tensor._base().use_count() == 1 &&
+         tensor._base().storage().is_alias_of(storage);
+}
+
+}  // namespace
+
 c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders) {
   std::unordered_map<const c10::TensorImpl*, long> occurrences;
-  std::function<void(const c10::IValue&)> count = [&](const c10::IValue& item) {
-    if (item.isTensor()) {
-      ++occurrences[item.toTensor().unsafeGetTensorImpl()];
-    } else if (item.isList()) {
-      for (const c10::IValue& element : item.toListRef()) count(element);
-    } else if (item.isTuple()) {
-      for (const c10::IValue& element : item.toTupleRef().elements()) count(element);
-    } else if (item.isGenericDict()) {
-      for (const auto& entry : item.toGenericDict()) count(entry.value());
+  for_each_tensor(value, [&](const at::Tensor& tensor) {
+    ++occurrences[tensor.unsafeGetTensorImpl()];
+  });
+  std::unordered_set<const c10::TensorImpl*> shared;
+  for_each_tensor(value, [&](const at::Tensor& tensor) {
+    const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+    if (holders == 0 || !reachable_only_from_reply(tensor, occurrences[impl] * holders)) {
+      shared.insert(impl);
     }
-  };
-  count(value);
-  if (occurrences.empty()) {
-    return value;
+  });
+  if (shared.empty()) {
+    return value;  // Nothing to copy: the reply is sent as it is.
   }
   std::shared_lock<std::shared_mutex> no_update_meanwhile(in_place_update_mutex());
   std::function<c10::IValue(const c10::IValue&)> copy = [&](const c10::IValue& item) {
     if (item.isTensor()) {
       const at::Tensor& tensor = item.toTensor();
-      const long expected = occurrences[tensor.unsafeGetTensorImpl()] * holders;
-      const bool exclusive = holders > 0 && static_cast<long>(tensor.use_count()) <= expected &&
-                             tensor.storage().use_count() <= 1;
-      if (exclusive) return item;
+      if (!shared.count(tensor.unsafeGetTensorImpl())) return item;
       // A copy that keeps its place in the autograd graph: distributed autograd records it.
       return c10::IValue(tensor.requires_grad() ? tensor.clone() : tensor.detach().clone());
     }

@@ -403,6 +403,70 @@ TEST(RpcMessage, HostileValuesAreRejected) {
   expect_rejected(decode_crafted(rref, {}), "type name of 1000 bytes");
 }
 
+// Whether a reply's tensor is sent where it lies (same memory) or copied first.
+// The value's references are the caller's: pass a fresh tensor by moving it.
+bool sent_in_place(at::Tensor tensor, int holders = 1) {
+  const void* before = tensor.data_ptr();
+  c10::IValue value(std::move(tensor));
+  const c10::IValue sent = snapshot_shared_tensors(value, holders);
+  return sent.toTensor().data_ptr() == before;
+}
+
+// A product reshaped by a view, whose base only the view keeps (Linear on batched input).
+at::Tensor batched_product(const at::Tensor& weight) {
+  return at::randn({6, weight.size(0)}).mm(weight).view({2, 3, weight.size(1)});
+}
+
+// A handler's result is copied before it is sent exactly when someone else can reach its memory.
+TEST(RpcSnapshot, OnlyTensorsOthersCanWriteAreCopied) {
+  const at::Tensor weight = at::randn({4, 5});
+  // Fresh results, alone or as a reshaping view whose base nothing else keeps (what Linear
+  // returns for batched input): sent in place.
+  EXPECT_TRUE(sent_in_place(at::randn({6, 4}).mm(weight)));
+  EXPECT_TRUE(sent_in_place(batched_product(weight)));
+  {
+    at::AutoGradMode grad(true);
+    EXPECT_TRUE(sent_in_place(batched_product(at::randn({4, 5}, at::requires_grad()))));
+  }
+  // Reachable otherwise: copied.
+  EXPECT_FALSE(sent_in_place(weight));  // a parameter the handler returns
+  EXPECT_FALSE(sent_in_place(weight.narrow(0, 1, 2)));  // a view of it
+  const at::Tensor kept_base = at::randn({6, 4}).mm(weight);
+  EXPECT_FALSE(sent_in_place(kept_base.view({2, 3, 5})));  // its base is kept
+  at::Tensor fresh = at::randn({3});
+  const at::Tensor alias = fresh.detach();  // another handle on the same memory
+  EXPECT_FALSE(sent_in_place(std::move(fresh)));
+  std::vector<float> buffer(8, 1.0f);
+  EXPECT_FALSE(sent_in_place(at::from_blob(buffer.data(), {8})));  // memory the user owns
+  EXPECT_FALSE(sent_in_place(at::randn({3}), /*holders=*/0));  // an owner's value (to_here)
+}
+
+// A reply whose tensors are all its own is returned as it is, containers included; one shared
+// tensor is copied without copying its neighbours.
+TEST(RpcSnapshot, ContainersAreRebuiltOnlyAroundCopies) {
+  const at::Tensor weight = at::randn({2, 2});
+  c10::impl::GenericList own(c10::AnyType::get());
+  own.push_back(at::randn({2}));
+  own.push_back(at::randn({3}));
+  const void* first = own.get(0).toTensor().data_ptr();
+  c10::IValue value(own);
+  own = c10::impl::GenericList(c10::AnyType::get());
+  c10::IValue sent = snapshot_shared_tensors(value, 1);
+  EXPECT_TRUE(sent.isSameIdentity(value));
+  EXPECT_EQ(sent.toListRef()[0].toTensor().data_ptr(), first);
+
+  c10::impl::GenericList mixed(c10::AnyType::get());
+  mixed.push_back(at::randn({2}));
+  mixed.push_back(weight);
+  const void* own_data = mixed.get(0).toTensor().data_ptr();
+  value = c10::IValue(mixed);
+  mixed = c10::impl::GenericList(c10::AnyType::get());
+  sent = snapshot_shared_tensors(value, 1);
+  EXPECT_EQ(sent.toListRef()[0].toTensor().data_ptr(), own_data);
+  EXPECT_NE(sent.toListRef()[1].toTensor().data_ptr(), weight.data_ptr());
+  EXPECT_TRUE(at::equal(sent.toListRef()[1].toTensor(), weight));
+}
+
 // Writes valid messages of every kind as seeds for the fuzz test (tests/rpc/fuzz), into the
 // directory named by DISTOPTIM_FUZZ_CORPUS_DIR. Skipped when it is unset.
 TEST(MessageFuzzSeeds, Write) {
