@@ -580,7 +580,10 @@ void Agent::barrier(const std::string& round, bool wait) {
   };
   std::vector<int> missing;
   try {
-    store.set(prefix + std::to_string(rank_), std::vector<uint8_t>{1}, deadline);
+    // add, not set: a TCPStore answers an add, so the key is in the store before this worker
+    // goes on; a set is not answered, and a worker that leaves right after could be taken for
+    // lost by rank 0 before its key arrives.
+    store.add(prefix + std::to_string(rank_), 1, deadline);
     if (!wait) {
       return;
     }
