@@ -78,15 +78,14 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool ret
     edges.push_back(torch::autograd::impl::gradient_edge(root));
     grads.push_back(at::ones_like(root, at::MemoryFormat::Contiguous));
   }
-  DISTOPTIM_CHECK_WITH(DistributedError, context->running_pass() == nullptr,
-                       "dist_autograd::backward: a backward pass already runs on context ",
-                       context_id);
   const std::chrono::milliseconds timeout = rpc::get_rpc_timeout();
   std::optional<std::chrono::steady_clock::time_point> deadline;
   if (timeout.count() > 0) deadline = std::chrono::steady_clock::now() + timeout;
 
-  bool started = false;
-  auto pass = context->pass_for(context->next_pass_id(), retain_graph, &started);
+  auto pass = context->begin_pass(retain_graph);
+  DISTOPTIM_CHECK_WITH(DistributedError, pass != nullptr,
+                       "dist_autograd::backward: a backward pass already runs on context ",
+                       context_id);
   pass->start(edges, std::move(grads));
   if (!wait_until(*pass->done(), deadline)) {
     const std::string waiting = pass->waiting_for();

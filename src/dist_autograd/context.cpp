@@ -104,9 +104,13 @@ void Context::end_pass(const BackwardPass* pass) {
   }
 }
 
-int64_t Context::next_pass_id() {
+std::shared_ptr<BackwardPass> Context::begin_pass(bool retain_graph) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return newest_pass_ + 1;
+  if (pass_) {
+    return nullptr;
+  }
+  pass_ = std::make_shared<BackwardPass>(shared_from_this(), ++newest_pass_, retain_graph);
+  return pass_;
 }
 
 Container& Container::instance() {

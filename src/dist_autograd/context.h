@@ -54,8 +54,9 @@ class Context : public std::enable_shared_from_this<Context> {
   std::shared_ptr<BackwardPass> running_pass() const;
   /// Called by a pass when it finishes, however it ends.
   void end_pass(const BackwardPass* pass);
-  /// The next pass id (on the creator).
-  int64_t next_pass_id();
+  /// On the creator: a new pass numbered after every earlier one, or null while one still runs
+  /// (checked and started under one lock, so two concurrent backward calls cannot both start).
+  std::shared_ptr<BackwardPass> begin_pass(bool retain_graph);
 
  private:
   const int64_t id_;

@@ -83,8 +83,12 @@ DistributedOptimizer::DistributedOptimizer(const std::string& optimizer,
   // The owners in order of their first parameter, and each one's parameters in list order.
   std::map<std::string, size_t> owner_index;
   std::vector<std::vector<rpc::RRef<at::Tensor>>> owner_params;
+  std::map<const void*, size_t> seen;  // RRef handle -> its first position
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK_VALUE(params[i].defined(), "DistributedOptimizer: params[", i, "] is empty");
+    const auto [first, fresh] = seen.emplace(params[i].handle().get(), i);
+    TORCH_CHECK_VALUE(fresh, "DistributedOptimizer: params[", i, "] repeats params[",
+                      first->second, "] (a parameter of worker '", params[i].owner().name, "')");
     const std::string worker = params[i].owner().name;
     auto [it, inserted] = owner_index.emplace(worker, owners_.size());
     if (inserted) {

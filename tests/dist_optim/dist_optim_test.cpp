@@ -19,6 +19,7 @@
 #include <distoptim/rpc.h>
 
 #include "../harness/multiprocess.h"
+#include "../harness/rpc_workers.h"
 
 namespace distoptim {
 namespace dist_optim {
@@ -27,16 +28,12 @@ namespace {
 using namespace std::chrono_literals;
 using dist_autograd::ContextGuard;
 using distoptim::testing::run_ranks;
+using distoptim::testing::worker;
 using optim::OptionBag;
 using rpc::RRef;
 using rpc::rpc_sync;
 
-std::string worker(int rank) { return "worker" + std::to_string(rank); }
-
-rpc::RpcBackendOptions test_options() {
-  return rpc::RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(30s).rpc_timeout(
-      60s);
-}
+rpc::RpcBackendOptions test_options() { return testing::test_options(60s); }
 
 // Each worker's parameters: w (4 x 4) and b (4), different on each worker, the same every run.
 std::vector<at::Tensor> make_params(int rank) {
@@ -117,13 +114,8 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, const st
       << what << ":\n" << actual << "\nexpected\n" << expected;
 }
 
-// Runs `trainer` on rank 0 of `world_size` workers; the others serve.
 void with_workers(int world_size, const std::function<void()>& trainer) {
-  run_ranks(world_size, [&](int rank, int size) {
-    rpc::init_rpc(worker(rank), rank, size, test_options());
-    if (rank == 0) trainer();
-    rpc::shutdown();
-  });
+  testing::with_workers(world_size, trainer, test_options());
 }
 
 std::vector<RRef<at::Tensor>> params_of(int rank) {
@@ -401,6 +393,17 @@ TEST(DistributedOptimizer, ConstructionErrorsNameTheWorker) {
     expect_refused([&] { DistributedOptimizer("sgd", {constant}, OptionBag().set("lr", 0.1)); },
                    worker(2), "not a leaf");
     EXPECT_THROW(DistributedOptimizer("sgd", {}), c10::ValueError);
+    std::vector<RRef<at::Tensor>> repeated = params_of(1);
+    repeated.push_back(repeated[0]);
+    try {
+      DistributedOptimizer("sgd", repeated, OptionBag().set("lr", 0.1));
+      ADD_FAILURE() << "constructed over a repeated parameter";
+    } catch (const c10::ValueError& error) {
+      EXPECT_NE(std::string(error.what()).find("params[" + std::to_string(repeated.size() - 1) +
+                                               "] repeats params[0]"),
+                std::string::npos)
+          << error.what();
+    }
   });
 }
 
