@@ -15,6 +15,7 @@
 #include <distoptim/rpc.h>
 
 #include "../harness/multiprocess.h"
+#include "../harness/rpc_workers.h"
 
 namespace distoptim {
 namespace dist_autograd {
@@ -22,14 +23,10 @@ namespace {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
+using distoptim::testing::worker;
 using rpc::rpc_sync;
 
-std::string worker(int rank) { return "worker" + std::to_string(rank); }
-
-rpc::RpcBackendOptions test_options() {
-  return rpc::RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(30s).rpc_timeout(
-      30s);
-}
+rpc::RpcBackendOptions test_options() { return testing::test_options(30s); }
 
 // Each worker's parameters: different values on each worker, the same on every run.
 struct Params {
@@ -140,13 +137,8 @@ void expect_worker_grads(int64_t context_id, Reference& reference, const at::Ten
   }
 }
 
-// Runs `trainer` on rank 0 of `world_size` workers; the others serve.
 void with_workers(int world_size, const std::function<void()>& trainer) {
-  run_ranks(world_size, [&](int rank, int size) {
-    rpc::init_rpc(worker(rank), rank, size, test_options());
-    if (rank == 0) trainer();
-    rpc::shutdown();
-  });
+  testing::with_workers(world_size, trainer, test_options());
 }
 
 TEST(DistAutograd, ChainTrainerToPsAndBack) {

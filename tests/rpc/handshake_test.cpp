@@ -23,6 +23,7 @@
 #include <distoptim/rpc.h>
 
 #include "../harness/multiprocess.h"
+#include "../harness/rpc_workers.h"
 #include "message.h"
 
 namespace distoptim {
@@ -34,14 +35,13 @@ using detail::DecodedMessage;
 using detail::EncodedMessage;
 using detail::HandshakeMessage;
 using distoptim::testing::run_ranks;
+using distoptim::testing::worker;
 using ::testing::HasSubstr;
 
 // How many times "record" ran in this process.
 std::atomic<int64_t> g_recorded{0};
 DISTOPTIM_RPC_FUNCTION("record", [] { return ++g_recorded; });
 DISTOPTIM_RPC_FUNCTION("recorded", [] { return g_recorded.load(); });
-
-std::string worker(int rank) { return "worker" + std::to_string(rank); }
 
 RpcBackendOptions options_with_secret(const std::string& secret) {
   return RpcBackendOptions("env://")

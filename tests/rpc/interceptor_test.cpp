@@ -13,6 +13,7 @@
 #include <distoptim/rpc/classes.h>
 
 #include "../harness/multiprocess.h"
+#include "../harness/rpc_workers.h"
 
 namespace distoptim {
 namespace rpc {
@@ -20,6 +21,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
+using distoptim::testing::worker;
 
 // The caller the running handler was sent by, as the interceptor saw it.
 thread_local std::string t_sent_by;
@@ -77,8 +79,6 @@ struct Greeter {
 DISTOPTIM_RPC_CLASS(Greeter, std::string);
 DISTOPTIM_RPC_METHOD(Greeter, created_for);
 DISTOPTIM_RPC_METHOD(Greeter, called_by);
-
-std::string worker(int rank) { return "worker" + std::to_string(rank); }
 
 TEST(RpcInterceptor, SeesEveryKindOfMessageOnBothSides) {
   run_ranks(2, [](int rank, int world_size) {

@@ -15,6 +15,7 @@
 #include <distoptim/rpc.h>
 
 #include "../harness/multiprocess.h"
+#include "../harness/rpc_workers.h"
 #include "executor.h"
 
 namespace distoptim {
@@ -23,19 +24,15 @@ namespace {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
+using distoptim::testing::worker;
+using distoptim::testing::test_options;
 using Path = std::vector<std::string>;
 
 constexpr int kCallerThreads = 8;
 constexpr int kChainsPerThread = 4;
 constexpr int64_t kDepth = 8;
 
-std::string worker(int rank) { return "worker" + std::to_string(rank); }
-
 std::string other_worker() { return get_worker_info().name == "worker0" ? "worker1" : "worker0"; }
-
-RpcBackendOptions test_options() {
-  return RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(30s);
-}
 
 // One hop of a chain: records this worker on the way in, has the other worker run the rest of the
 // chain, and records this worker again on the way back. The blocking form holds its pool thread

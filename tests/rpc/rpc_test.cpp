@@ -16,6 +16,7 @@
 #include <distoptim/rpc.h>
 
 #include "../harness/multiprocess.h"
+#include "../harness/rpc_workers.h"
 
 namespace distoptim {
 namespace rpc {
@@ -23,6 +24,8 @@ namespace {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
+using distoptim::testing::worker;
+using distoptim::testing::test_options;
 
 // The callables, registered in every process.
 int64_t add(int64_t a, int64_t b) { return a + b; }
@@ -62,12 +65,6 @@ DISTOPTIM_RPC_FUNCTION("exit_after_ms", [](int64_t ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   ::_exit(7);
 });
-
-std::string worker(int rank) { return "worker" + std::to_string(rank); }
-
-RpcBackendOptions test_options() {
-  return RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(30s);
-}
 
 int thread_count() {
   int count = 0;

@@ -17,6 +17,7 @@
 #include <distoptim/rpc.h>
 
 #include "../harness/multiprocess.h"
+#include "../harness/rpc_workers.h"
 
 namespace distoptim {
 namespace rpc {
@@ -24,6 +25,8 @@ namespace {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
+using distoptim::testing::worker;
+using distoptim::testing::test_options;
 
 // The callables, registered in every process.
 DISTOPTIM_RPC_FUNCTION("add", [](int64_t a, int64_t b) { return a + b; });
@@ -115,12 +118,6 @@ DISTOPTIM_RPC_FUNCTION("embedding_rows", [](RRef<EmbeddingTable> table) {
   std::shared_ptr<EmbeddingTable> object = table.local_value();
   return object->encoder->weight.size(0);
 });
-
-std::string worker(int rank) { return "worker" + std::to_string(rank); }
-
-RpcBackendOptions test_options() {
-  return RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(30s);
-}
 
 // Polls `worker`'s owner table until it is empty; whether it emptied within `limit`.
 bool owner_table_empties(const std::string& owner, std::chrono::seconds limit) {

@@ -14,6 +14,7 @@
 #include <distoptim/rpc.h>
 
 #include "../harness/multiprocess.h"
+#include "../harness/rpc_workers.h"
 
 namespace distoptim {
 namespace rpc {
@@ -22,6 +23,7 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using distoptim::testing::run_ranks;
+using distoptim::testing::worker;
 
 std::atomic<bool> resumed{false};
 
@@ -42,8 +44,6 @@ DISTOPTIM_RPC_FUNCTION("die_soon", [] {
   }).detach();
   return static_cast<int64_t>(::getpid());
 });
-
-std::string worker(int rank) { return "worker" + std::to_string(rank); }
 
 // Rank 0 serves the store on MASTER_PORT: errors about it name it so.
 void expect_names_the_store(const c10::Error& error) {
