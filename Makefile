@@ -5,8 +5,8 @@
 #   make build   configure and build everything (Release)
 #   make test    build, then run the whole CTest suite (as the last step of scripts/test.sh)
 #   make asan    ASan + UBSan build, then the unit tests under it (scripts/test.sh asan)
-#   make tsan    ThreadSanitizer build of comm and rpc, then their tests (scripts/test.sh tsan)
-#   make demo    build and run examples/custom_qhm (scripts/demo.sh)
+#   make tsan    ThreadSanitizer build of comm, rpc and dist_autograd, then their tests (scripts/test.sh tsan)
+#   make demo    build and run examples/rnn_parameter_server (scripts/demo.sh)
 #   make bench   build, then run every benchmark; results in $(BUILD_DIR)/bench-results/*.json
 #   make format  clang-format every C++ file in place
 

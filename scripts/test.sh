@@ -2,7 +2,8 @@
 # All setup, then every test:
 #   1. scripts/setup.sh (installs the Debian 12 packages; fast when they are there);
 #   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (build-asan) running the unit tests;
-#   3. a ThreadSanitizer build of the comm and rpc layers (build-tsan) running their tests (tsan);
+#   3. a ThreadSanitizer build of the comm, rpc and dist_autograd layers (build-tsan) running their
+#      tests (tsan);
 #   4. the Release build (build) running the whole suite, CTest's summary printed last.
 # Stops with a non-zero exit status at the first step that fails. Works from any directory.
 #
@@ -54,8 +55,8 @@ sanitizer_tests() {
 
 thread_sanitizer_tests() {
   # LibTorch is not built with TSan: tests/tsan.supp names the reports that lie wholly inside it
-  # (docs/threading.md). Reports in our code halt the process, failing its test. Only the comm
-  # and rpc layers and their tests are built (DISTOPTIM_SANITIZE=thread).
+  # (docs/threading.md). Reports in our code halt the process, failing its test. Only the comm,
+  # rpc and dist_autograd layers and their tests are built (DISTOPTIM_SANITIZE=thread).
   export TSAN_OPTIONS="${TSAN_OPTIONS:-halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/tsan.supp}"
   sanitized_tests "ThreadSanitizer" "$TSAN_BUILD_DIR" thread tsan
 }
