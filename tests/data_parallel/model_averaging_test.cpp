@@ -474,6 +474,9 @@ TEST(ModelAveragingBadInput, Averagers) {
     EXPECT_TRUE(at::equal(good, torch::ones({2}, torch::kFloat64)));
     expect_error_containing([&] { averager.set_step(-1); }, {"step = -1", "non-negative"});
     EXPECT_EQ(averager.step(), 0);
+    // The checks above are local: rank 0, which serves the store, leaves once the other rank is
+    // done with it (its groups are made).
+    comm::world().barrier();
     comm::destroy_process_group();
   });
 }
@@ -516,6 +519,7 @@ TEST(ModelAveragingBadInput, PostLocalSGDOptimizer) {
                                "on rank " + std::to_string(rank)});
       EXPECT_EQ(averager->step(), 4);
     }
+    comm::world().barrier();  // local checks: rank 0, which serves the store, leaves last
     comm::destroy_process_group();
   });
 }
