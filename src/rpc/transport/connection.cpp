@@ -1,5 +1,7 @@
 #include "connection.h"
 
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <asio/connect.hpp>
@@ -22,6 +24,8 @@ namespace {
 // Messages gathered into one write: enough to batch a burst, few enough that one slow write
 // does not delay the completion of many.
 constexpr size_t kMaxMessagesPerWrite = 64;
+// Pieces of a frame a direct write sends in one sendmsg (a frame with more tensors is queued).
+constexpr size_t kMaxDirectPieces = 64;
 // Waits before re-creating a failed listening socket, or after running out of descriptors.
 constexpr std::chrono::milliseconds kListenerRetry{100};
 // How long a connection closed for a protocol error waits for the peer to read why.
@@ -170,36 +174,93 @@ void Connection::resume_reading() {
   });
 }
 
-void Connection::send(EncodedMessage message, WrittenHandler on_written) {
-  asio::dispatch(io_, [self = shared_from_this(), message = std::move(message),
-                       on_written = std::move(on_written)]() mutable {
-    if (self->closed_) {
-      if (on_written) on_written("the connection is closed");
+std::vector<asio::const_buffer> Connection::frame_buffers(const Outgoing& out) {
+  std::vector<asio::const_buffer> buffers;
+  buffers.reserve(3 + out.message.tensors.size());
+  size_t skip = out.written;
+  auto add = [&](const void* data, size_t size) {
+    if (skip >= size) {
+      skip -= size;
       return;
     }
-    Outgoing out{std::move(message), {}, std::move(on_written)};
-    out.lengths = encode_tensor_lengths(out.message.tensors);
-    self->queue_.push_back(std::move(out));
-    self->write_next();
-  });
+    buffers.push_back(asio::buffer(static_cast<const char*>(data) + skip, size - skip));
+    skip = 0;
+  };
+  add(out.message.header.data(), out.message.header.size());
+  add(out.lengths.data(), out.lengths.size());
+  add(out.message.body.data(), out.message.body.size());
+  for (const at::Tensor& tensor : out.message.tensors) {
+    if (tensor.nbytes() > 0) add(tensor.data_ptr(), tensor.nbytes());
+  }
+  return buffers;
+}
+
+bool Connection::write_directly(Outgoing& out) {
+  const std::vector<asio::const_buffer> buffers = frame_buffers(out);
+  if (buffers.size() > kMaxDirectPieces) {
+    return false;
+  }
+  iovec pieces[kMaxDirectPieces];
+  size_t total = 0;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    pieces[i].iov_base = const_cast<void*>(buffers[i].data());
+    pieces[i].iov_len = buffers[i].size();
+    total += buffers[i].size();
+  }
+  msghdr message{};
+  message.msg_iov = pieces;
+  message.msg_iovlen = buffers.size();
+  // Never blocks, never raises SIGPIPE; a full socket or an error leaves the rest (or all) to the
+  // I/O thread's write, which waits for room or meets the error and closes the connection.
+  const ssize_t sent = ::sendmsg(socket_.native_handle(), &message, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (sent <= 0) {
+    return false;
+  }
+  out.written += static_cast<size_t>(sent);
+  return static_cast<size_t>(sent) == total;
+}
+
+void Connection::send(EncodedMessage message, WrittenHandler on_written) {
+  Outgoing out{std::move(message), {}, std::move(on_written)};
+  out.lengths = encode_tensor_lengths(out.message.tensors);
+  std::unique_lock<std::mutex> lock(write_mutex_);
+  if (write_closed_) {
+    lock.unlock();
+    if (out.on_written) {
+      asio::dispatch(io_, [on_written = std::move(out.on_written)] {
+        on_written("the connection is closed");
+      });
+    }
+    return;
+  }
+  const bool idle = !writing_ && queue_.empty();
+  if (idle && !out.on_written && write_directly(out)) {
+    return;
+  }
+  queue_.push_back(std::move(out));
+  lock.unlock();
+  if (idle) {
+    asio::dispatch(io_, [self = shared_from_this()] { self->write_next(); });
+  }
 }
 
 void Connection::drop_queued(uint64_t id) {
-  asio::dispatch(io_, [self = shared_from_this(), id] {
-    auto& queue = self->queue_;
-    for (auto it = queue.begin(); it != queue.end(); ++it) {
-      MessageHeader header;
-      if (!decode_header(it->message.header, &header) && header.id == id) {
-        queue.erase(it);
-        return;
-      }
+  std::lock_guard<std::mutex> lock(write_mutex_);
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    MessageHeader header;
+    // A frame partly written stays: the stream must not end mid-frame.
+    if (it->written == 0 && !decode_header(it->message.header, &header) && header.id == id) {
+      queue_.erase(it);
+      return;
     }
-  });
+  }
 }
 
-// One gathered write at a time, of up to kMaxMessagesPerWrite queued messages in order. The tensors' memory is written where it lies; `in_flight_` keeps it alive meanwhile.
+// One gathered write at a time, of up to kMaxMessagesPerWrite queued messages in order. The
+// tensors' memory is written where it lies; `in_flight_` keeps it alive meanwhile.
 void Connection::write_next() {
-  if (writing_ || closed_) {
+  std::lock_guard<std::mutex> lock(write_mutex_);
+  if (writing_ || write_closed_) {
     return;
   }
   in_flight_.clear();
@@ -212,21 +273,19 @@ void Connection::write_next() {
   }
   std::vector<asio::const_buffer> buffers;
   for (const Outgoing& out : in_flight_) {
-    buffers.push_back(asio::buffer(out.message.header));
-    buffers.push_back(asio::buffer(out.lengths));
-    buffers.push_back(asio::buffer(out.message.body));
-    for (const at::Tensor& tensor : out.message.tensors) {
-      if (tensor.nbytes() > 0) {
-        buffers.push_back(asio::buffer(tensor.data_ptr(), tensor.nbytes()));
-      }
-    }
+    const std::vector<asio::const_buffer> pieces = frame_buffers(out);
+    buffers.insert(buffers.end(), pieces.begin(), pieces.end());
   }
   writing_ = true;
   asio::async_write(socket_, buffers,
                     [self = shared_from_this()](const asio::error_code& error, size_t) {
-                      self->writing_ = false;
-                      std::vector<Outgoing> done = std::move(self->in_flight_);
-                      self->in_flight_.clear();
+                      std::vector<Outgoing> done;
+                      {
+                        std::lock_guard<std::mutex> lock(self->write_mutex_);
+                        self->writing_ = false;
+                        done = std::move(self->in_flight_);
+                        self->in_flight_.clear();
+                      }
                       const std::string why = error ? describe(error) : std::string();
                       for (Outgoing& out : done) {
                         if (out.on_written) out.on_written(why);
@@ -256,7 +315,6 @@ void Connection::close_after(EncodedMessage farewell, const std::string& why,
     self->closing_ = true;
     self->limits_ = handshake_limits();
     self->limits_.handshake_only = false;
-    self->queue_.clear();
     self->arm_deadline(linger, why);
     Outgoing out{std::move(farewell), {}, [weak = std::weak_ptr<Connection>(self)](const std::string&) {
                    if (auto conn = weak.lock()) {
@@ -265,7 +323,14 @@ void Connection::close_after(EncodedMessage farewell, const std::string& why,
                    }
                  }};
     out.lengths = encode_tensor_lengths(out.message.tensors);
-    self->queue_.push_back(std::move(out));
+    {
+      // Nothing queued goes out before the farewell, except a frame already partly written.
+      std::lock_guard<std::mutex> lock(self->write_mutex_);
+      auto first_unwritten = self->queue_.begin();
+      if (first_unwritten != self->queue_.end() && first_unwritten->written > 0) ++first_unwritten;
+      self->queue_.erase(first_unwritten, self->queue_.end());
+      self->queue_.push_back(std::move(out));
+    }
     self->on_closed_ = [self_closed = self->on_closed_, why](const std::string&) {
       if (self_closed) self_closed(why);
     };
@@ -294,12 +359,17 @@ void Connection::fail(const std::string& why) {
     return;
   }
   closed_ = true;
+  std::deque<Outgoing> unsent;
+  {
+    // No direct write uses the socket from here on.
+    std::lock_guard<std::mutex> lock(write_mutex_);
+    write_closed_ = true;
+    unsent.swap(queue_);
+  }
   asio::error_code ignored;
   deadline_.cancel();
   socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
-  std::deque<Outgoing> unsent;
-  unsent.swap(queue_);
   for (Outgoing& out : unsent) {
     if (out.on_written) out.on_written(why);
   }
