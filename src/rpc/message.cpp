@@ -505,18 +505,6 @@ std::shared_mutex& in_place_update_mutex() {
 
 namespace {
 
-void for_each_tensor(const c10::IValue& item, const std::function<void(const at::Tensor&)>& visit) {
-  if (item.isTensor()) {
-    visit(item.toTensor());
-  } else if (item.isList()) {
-    for (const c10::IValue& element : item.toListRef()) for_each_tensor(element, visit);
-  } else if (item.isTuple()) {
-    for (const c10::IValue& element : item.toTupleRef().elements()) for_each_tensor(element, visit);
-  } else if (item.isGenericDict()) {
-    for (const auto& entry : item.toGenericDict()) for_each_tensor(entry.value(), visit);
-  }
-}
-
 // Whether no one but the reply can reach `tensor`'s memory: the reply holds all `references` to
 // its TensorImpl, the memory is the library's own (not from_blob), and its storage is shared at
 // most with the base of a view that only the view keeps (a fresh result reshaped by .view(), as
@@ -541,15 +529,18 @@ bool reachable_only_from_reply(const at::Tensor& tensor, long references) {
 
 c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders) {
   std::unordered_map<const c10::TensorImpl*, long> occurrences;
-  for_each_tensor(value, [&](const at::Tensor& tensor) {
-    ++occurrences[tensor.unsafeGetTensorImpl()];
+  value.visit([&](const c10::IValue& item) {
+    if (item.isTensor()) ++occurrences[item.toTensor().unsafeGetTensorImpl()];
+    return false;  // and go on into containers
   });
   std::unordered_set<const c10::TensorImpl*> shared;
-  for_each_tensor(value, [&](const at::Tensor& tensor) {
-    const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
-    if (holders == 0 || !reachable_only_from_reply(tensor, occurrences[impl] * holders)) {
+  value.visit([&](const c10::IValue& item) {
+    if (!item.isTensor()) return false;
+    const c10::TensorImpl* impl = item.toTensor().unsafeGetTensorImpl();
+    if (holders == 0 || !reachable_only_from_reply(item.toTensor(), occurrences[impl] * holders)) {
       shared.insert(impl);
     }
+    return false;
   });
   if (shared.empty()) {
     return value;  // Nothing to copy: the reply is sent as it is.
