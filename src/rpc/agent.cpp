@@ -99,7 +99,28 @@ HandshakeConfig Agent::handshake_config() const {
   config.self_name = workers_.empty() ? std::string() : workers_[rank_].name;
   config.world_size = world_size_;
   config.timeout = options_.handshake_timeout();
+  config.peer_memory = options_.same_host_memory_reads();
   return config;
+}
+
+std::map<std::string, int64_t> Agent::debug_info() {
+  std::vector<std::shared_ptr<Connection>> open;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open = incoming_;
+    for (const auto& [peer, outgoing] : outgoing_) {
+      if (outgoing.connection) open.push_back(outgoing.connection);
+    }
+  }
+  int64_t peer_memory = 0;
+  int64_t bytes_read = 0;
+  for (const auto& connection : open) {
+    peer_memory += connection->peer_memory_enabled() ? 1 : 0;
+    bytes_read += static_cast<int64_t>(connection->peer_memory_bytes_read());
+  }
+  return {{"connections", static_cast<int64_t>(open.size())},
+          {"peer_memory.connections", peer_memory},
+          {"peer_memory.bytes_read", bytes_read}};
 }
 
 void Agent::start_listening() {

@@ -64,6 +64,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
 
   const WorkerInfo& self() const { return workers_[rank_]; }
   const std::vector<WorkerInfo>& workers() const { return workers_; }
+  std::map<std::string, int64_t> debug_info();
   int resolve(const WorkerRef& to) const;
 
   /// Runs the interceptor over a request's arguments once its id is known; returns the metadata.

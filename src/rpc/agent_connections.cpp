@@ -60,6 +60,7 @@ void Agent::on_accepted(const std::shared_ptr<Connection>& connection) {
       forget_incoming(connection);
       return;
     }
+    if (outcome.peer_memory) connection->enable_peer_memory(outcome.peer_pid);
     on_caller_proven(connection, outcome.peer);
   });
 }
@@ -116,6 +117,9 @@ void Agent::connect_to(int peer) {
             connect_handshake(connection, handshake_config(), peer,
                               [this, peer, connection](HandshakeOutcome outcome) {
                                 if (outcome.accepted) {
+                                  if (outcome.peer_memory) {
+                                    connection->enable_peer_memory(outcome.peer_pid);
+                                  }
                                   on_connected(peer, connection);
                                 } else {
                                   on_outgoing_lost(peer, connection, outcome.why,

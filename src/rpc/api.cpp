@@ -116,6 +116,10 @@ WorkerInfo get_worker_info(int id) {
 
 std::vector<WorkerInfo> get_worker_infos() { return current_agent("get_worker_infos")->workers(); }
 
+std::map<std::string, int64_t> get_debug_info() {
+  return current_agent("get_debug_info")->debug_info();
+}
+
 c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(const WorkerRef& to,
                                                          const std::string& function,
                                                          std::vector<c10::IValue> args,

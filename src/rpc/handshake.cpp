@@ -9,6 +9,7 @@
 
 #include "message.h"
 #include "transport/connection.h"
+#include "transport/peer_memory.h"
 
 namespace distoptim {
 namespace rpc {
@@ -41,6 +42,25 @@ Status decode_handshake_frame(const Frame& frame, HandshakeMessage* message) {
     *message = std::move(decoded.handshake);
   }
   return status;
+}
+
+uint64_t address_of(const std::string& bytes) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(bytes.data()));
+}
+
+// Announces this process and where its nonce lies in its memory, if the worker offers reads.
+void offer_peer_memory(const HandshakeConfig& config, const std::string& own_nonce,
+                       HandshakeMessage* message) {
+  if (config.peer_memory) {
+    message->pid = own_pid();
+    message->probe_address = address_of(own_nonce);
+  }
+}
+
+// Whether this process can read the peer's nonce where the peer said it lies.
+bool reads_peer(const HandshakeConfig& config, const HandshakeMessage& peer,
+                const std::string& peer_nonce) {
+  return config.peer_memory && peer_memory_holds(peer.pid, peer.probe_address, peer_nonce);
 }
 
 HandshakeOutcome failed(std::string why, bool refused = false) {
@@ -115,13 +135,16 @@ void accept_handshake(const std::shared_ptr<Connection>& connection, const Hands
   question.step = Step::kChallenge;
   question.server_nonce = random_nonce();
   question.server_id = config.self_id;
+  // The nonce at a fixed address for the peer to read, kept as long as the handshake runs.
+  auto probe = std::make_shared<const std::string>(question.server_nonce);
+  offer_peer_memory(config, *probe, &question);
   connection->arm_deadline(config.timeout, deadline_text(config));
   connection->send(encode_handshake(question));
   Connection* raw = connection.get();  // The handlers run only while the connection lives.
   // A peer that breaks the framing (a request before the proof, an absurd length) hears why.
   connection->set_farewell(
       [raw, config](const std::string& why) { return refusal(raw, config, why); });
-  auto on_frame = [raw, config, question, done](Frame frame) {
+  auto on_frame = [raw, config, question, probe, done](Frame frame) {
     HandshakeMessage answer;
     std::string why;
     if (Status failure = decode_handshake_frame(frame, &answer)) {
@@ -145,14 +168,16 @@ void accept_handshake(const std::shared_ptr<Connection>& connection, const Hands
     }
     HandshakeMessage accept;
     accept.step = Step::kAccept;
-    accept.proof = handshake_proof(config.secret, HandshakeRole::kAccepting,
-                                   question.server_nonce, answer.client_nonce, answer.client_id,
-                                   config.self_id);
+    accept.proof = handshake_proof(config.secret, HandshakeRole::kAccepting, question.server_nonce,
+                                   answer.client_nonce, answer.client_id, config.self_id);
+    accept.reads_peer = answer.reads_peer && reads_peer(config, answer, answer.client_nonce);
     raw->disarm_deadline();
     raw->send(encode_handshake(accept));
     HandshakeOutcome outcome;
     outcome.accepted = true;
     outcome.peer = answer.client_id;
+    outcome.peer_memory = accept.reads_peer;
+    outcome.peer_pid = answer.pid;
     done(std::move(outcome));
     return false;
   };
@@ -167,7 +192,8 @@ void connect_handshake(const std::shared_ptr<Connection>& connection, const Hand
   connection->arm_deadline(config.timeout, deadline_text(config));
   Connection* raw = connection.get();
   auto answer = std::make_shared<HandshakeMessage>();  // our proof, once the challenge is in
-  auto on_frame = [raw, config, peer, answer, done](Frame frame) {
+  auto peer_pid = std::make_shared<int32_t>(0);
+  auto on_frame = [raw, config, peer, answer, peer_pid, done](Frame frame) {
     HandshakeMessage message;
     Status failure = decode_handshake_frame(frame, &message);
     if (answer->step != Step::kProof) {
@@ -183,9 +209,13 @@ void connect_handshake(const std::shared_ptr<Connection>& connection, const Hand
       answer->client_nonce = random_nonce();
       answer->client_id = config.self_id;
       answer->server_id = peer;
-      answer->proof = handshake_proof(config.secret, HandshakeRole::kConnecting,
-                                      answer->server_nonce, answer->client_nonce, config.self_id,
-                                      peer);
+      answer->proof =
+          handshake_proof(config.secret, HandshakeRole::kConnecting, answer->server_nonce,
+                          answer->client_nonce, config.self_id, peer);
+      answer->reads_peer = reads_peer(config, message, message.server_nonce);
+      *peer_pid = message.pid;
+      // answer->client_nonce stays where it is until the handshake ends: the peer may read it.
+      offer_peer_memory(config, answer->client_nonce, answer.get());
       raw->send(encode_handshake(*answer));
       return true;
     }
@@ -213,6 +243,8 @@ void connect_handshake(const std::shared_ptr<Connection>& connection, const Hand
     HandshakeOutcome outcome;
     outcome.accepted = true;
     outcome.peer = peer;
+    outcome.peer_memory = answer->reads_peer && message.reads_peer;
+    outcome.peer_pid = *peer_pid;
     done(std::move(outcome));
     return false;
   };

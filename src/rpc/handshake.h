@@ -11,8 +11,15 @@
 // So both ends prove they know the secret without sending it, a recorded proof is worthless on
 // another connection (fresh nonces on both sides), and each connection is bound to the
 // authenticated id of the worker at its other end: requests claiming another caller id are
-// refused. Until the proof is checked, the accepting worker admits one small handshake frame
-// (message.h's handshake_limits) and nothing else, within a deadline.
+// refused.
+// Same-host memory reads (transport/peer_memory.h) ride on the same three messages: the challenge
+// and the proof each carry the sender's process id and the address of its own nonce in its
+// memory; the connecting worker says in its proof whether it read the challenger's nonce there,
+// the accepting worker says in its acceptance whether it read the prover's. Only when both did
+// may either side leave large tensors in its memory for the other to read. A peer that lies
+// gains nothing: a read at a wrong address fails, and a frame pointing at memory the reader
+// cannot read closes the connection. Until the proof is checked, the accepting worker admits one
+// small handshake frame (message.h's handshake_limits) and nothing else, within a deadline.
 //
 // States, accepting side: kChallenged -> (proof ok) kAccepted | (else) kRefused.
 // Connecting side: kAwaitingChallenge -> (challenge) kProved -> (accept ok) kAccepted |
@@ -55,13 +62,16 @@ struct HandshakeConfig {
   std::string self_name;
   int world_size = 0;
   std::chrono::milliseconds timeout{10000};  // the whole handshake, from its first byte
+  bool peer_memory = true;                   // offer same-host memory reads
 };
 
 struct HandshakeOutcome {
   bool accepted = false;
-  int peer = -1;          // the authenticated worker id, once accepted
-  std::string why;        // why not
-  bool refused = false;   // a side refused (a wrong secret, a bad proof): do not retry
+  int peer = -1;             // the authenticated worker id, once accepted
+  std::string why;           // why not
+  bool refused = false;      // a side refused (a wrong secret, a bad proof): do not retry
+  bool peer_memory = false;  // both sides read each other's memory (Connection::enable_peer_memory)
+  int32_t peer_pid = 0;
 };
 
 /// Runs the accepting side on a connection just accepted (on the I/O thread). `done` runs once.

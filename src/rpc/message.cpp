@@ -373,6 +373,9 @@ Status decode_handshake(const wire::Handshake& in, HandshakeMessage* out) {
   out->server_id = in.server_id();
   out->proof = in.proof();
   out->refusal = in.refusal();
+  out->pid = in.pid();
+  out->probe_address = in.probe_address();
+  out->reads_peer = in.reads_peer();
   return std::nullopt;
 }
 
@@ -408,7 +411,7 @@ Status decode_header(std::string_view bytes, MessageHeader* header) {
                     static_cast<int>(MessageHeader::kVersion), ")");
   }
   const uint64_t type = get_le(bytes, 5, 1);
-  if (type < 1 || type > 4) {
+  if (type < 1 || type > 5) {
     return c10::str("unknown message type ", type);
   }
   header->type = static_cast<MessageType>(type);
@@ -465,6 +468,14 @@ Status check_header(const MessageHeader& header, const WireLimits& limits) {
   if (limits.handshake_only && header.type != MessageType::kHandshake) {
     return std::string("a message other than the handshake before the handshake ended");
   }
+  if (header.type == MessageType::kRelease) {
+    if (!limits.peer_memory) {
+      return std::string("a release of memory on a connection without same-host reads");
+    }
+    if (header.body_length != 0 || header.tensor_count != 0) {
+      return std::string("a release with a body or tensors");
+    }
+  }
   if (header.body_length > limits.max_body_bytes) {
     return c10::str("a body of ", header.body_length, " bytes (at most ", limits.max_body_bytes,
                     ")");
@@ -475,25 +486,38 @@ Status check_header(const MessageHeader& header, const WireLimits& limits) {
   return std::nullopt;
 }
 
-std::string encode_tensor_lengths(const std::vector<at::Tensor>& tensors) {
+std::string encode_tensor_lengths(const std::vector<at::Tensor>& tensors,
+                                  const std::vector<bool>& in_sender_memory) {
   std::string out;
   out.reserve(tensors.size() * 8);
-  for (const at::Tensor& tensor : tensors) {
-    put_le(&out, tensor.nbytes(), 8);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const bool marked = i < in_sender_memory.size() && in_sender_memory[i];
+    put_le(&out, tensors[i].nbytes() | (marked ? kInSenderMemory : 0), 8);
   }
   return out;
 }
 
 Status decode_tensor_lengths(const MessageHeader& header, std::string_view bytes,
-                             const WireLimits& limits, std::vector<size_t>* lengths) {
+                             const WireLimits& limits, std::vector<size_t>* lengths,
+                             std::vector<bool>* in_sender_memory) {
   if (bytes.size() != size_t{header.tensor_count} * 8) {
     return c10::str(bytes.size(), " bytes of tensor lengths for ", header.tensor_count,
                     " tensors");
   }
   lengths->clear();
   lengths->reserve(header.tensor_count);
+  if (in_sender_memory != nullptr) in_sender_memory->assign(header.tensor_count, false);
   for (size_t i = 0; i < header.tensor_count; ++i) {
-    lengths->push_back(get_le(bytes, i * 8, 8));
+    uint64_t length = get_le(bytes, i * 8, 8);
+    if ((length & kInSenderMemory) != 0) {
+      if (!limits.peer_memory) {
+        return c10::str("tensor ", i, " announced in the sender's memory on a connection ",
+                        "without same-host reads");
+      }
+      length &= ~kInSenderMemory;
+      if (in_sender_memory != nullptr) (*in_sender_memory)[i] = true;
+    }
+    lengths->push_back(length);
   }
   return check_announced_sizes(header, {header.body_length}, *lengths, limits);
 }
@@ -675,6 +699,9 @@ EncodedMessage encode_handshake(const HandshakeMessage& handshake) {
   out->set_server_id(handshake.server_id);
   out->set_proof(handshake.proof);
   out->set_refusal(handshake.refusal);
+  out->set_pid(handshake.pid);
+  out->set_probe_address(handshake.probe_address);
+  out->set_reads_peer(handshake.reads_peer);
   return finish(MessageType::kHandshake, 0, body, {});
 }
 
@@ -744,6 +771,8 @@ Status decode_body(const MessageHeader& header, std::string_view body,
         return std::string("a handshake header over a body that is not a handshake");
       }
       return decode_handshake(parsed.handshake(), &message->handshake);
+    case MessageType::kRelease:
+      return std::string("a release is not a message with a body");
   }
   return std::string("unknown message type");
 }

@@ -29,7 +29,15 @@ namespace distoptim {
 namespace rpc {
 namespace detail {
 
-enum class MessageType : uint8_t { kRequest = 1, kResponse = 2, kError = 3, kHandshake = 4 };
+/// kRelease (header only) tells a same-host peer that the tensors of the oldest of its frames that
+/// lay in its memory have been read (see WireLimits::peer_memory); the transport consumes it.
+enum class MessageType : uint8_t {
+  kRequest = 1,
+  kResponse = 2,
+  kError = 3,
+  kHandshake = 4,
+  kRelease = 5
+};
 
 /// The fixed header that starts every frame.
 struct MessageHeader {
@@ -59,7 +67,15 @@ struct WireLimits {
   size_t max_tensor_dims = 64;
   /// Only handshake messages are admitted (a connection whose peer has not proven itself yet).
   bool handshake_only = false;
+  /// Tensors may be announced as lying in the sender's memory, to be read from there (a peer on
+  /// the same host whose memory this process proved it can read, handshake.h); kRelease frames
+  /// are admitted.
+  bool peer_memory = false;
 };
+
+/// A tensor length with this bit set announces a tensor left in the sender's memory: the frame
+/// carries its 8-byte address there instead of its bytes.
+constexpr uint64_t kInSenderMemory = uint64_t{1} << 63;
 
 /// What a connection admits before its peer has proven the shared secret: one small handshake
 /// body, nothing else. Every byte a peer can make a worker allocate before then is bounded by it.
@@ -79,11 +95,16 @@ Status check_announced_sizes(const MessageHeader& header,
 /// Checks a received header against `limits` before anything it announces is read.
 Status check_header(const MessageHeader& header, const WireLimits& limits);
 
-/// The bytes that follow the header on a connection: one little-endian u64 length per tensor.
-std::string encode_tensor_lengths(const std::vector<at::Tensor>& tensors);
-/// Decodes and checks them (`bytes` holds exactly header.tensor_count * 8 bytes).
+/// The bytes that follow the header on a connection: one little-endian u64 length per tensor,
+/// with kInSenderMemory set for those in `in_sender_memory` (all false when empty).
+std::string encode_tensor_lengths(const std::vector<at::Tensor>& tensors,
+                                  const std::vector<bool>& in_sender_memory = {});
+/// Decodes and checks them (`bytes` holds exactly header.tensor_count * 8 bytes). A length
+/// marked kInSenderMemory is an error unless limits.peer_memory; `in_sender_memory` (optional)
+/// receives the marks.
 Status decode_tensor_lengths(const MessageHeader& header, std::string_view bytes,
-                             const WireLimits& limits, std::vector<size_t>* lengths);
+                             const WireLimits& limits, std::vector<size_t>* lengths,
+                             std::vector<bool>* in_sender_memory = nullptr);
 
 /// A message ready to send. `tensors` are dense (contiguous) CPU tensors whose bytes are sent as
 /// they lie in memory; the message keeps them alive until they are written.
@@ -130,6 +151,12 @@ struct HandshakeMessage {
   int32_t server_id = -1;    // kChallenge, kProof
   std::string proof;         // kProof, kAccept
   std::string refusal;       // kRefuse
+  // Same-host memory reads (handshake.h), all optional: the sender's process id and the address
+  // of its own nonce in its memory (kChallenge, kProof), and whether the sender could read the
+  // peer's nonce there (kProof, kAccept).
+  int32_t pid = 0;
+  uint64_t probe_address = 0;
+  bool reads_peer = false;
 };
 
 EncodedMessage encode_handshake(const HandshakeMessage& handshake);

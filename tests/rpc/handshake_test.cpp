@@ -24,6 +24,7 @@
 
 #include "../harness/multiprocess.h"
 #include "../harness/rpc_workers.h"
+#include "handshake.h"
 #include "message.h"
 
 namespace distoptim {
@@ -238,6 +239,66 @@ TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
                     HasSubstr("it did not prove that it knows the shared secret"));
       }
       // Nothing the rogues sent ran on worker 0.
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 0);
+    }
+    shutdown();
+  });
+}
+
+// A peer that proves the secret and offers same-host memory reads, then announces a tensor at an
+// address its memory does not hold (or releases memory it was never lent): the worker closes that
+// connection with the reason, runs nothing for it, and goes on serving.
+TEST(RpcHandshake, SameHostReadsOfMemoryThePeerDoesNotHold) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    if (rank == 1) {
+      const auto [address, port] = address_of_worker0();
+      // The handshake as a worker runs it, offering reads of this process's memory.
+      auto prove = [](RawPeer& peer, const std::string& nonce) {
+        auto challenge = peer.receive();
+        EXPECT_TRUE(challenge && challenge->pid > 0 && challenge->probe_address != 0)
+            << "worker 0 did not offer same-host reads";
+        if (!challenge) return false;
+        HandshakeMessage proof;
+        proof.step = HandshakeMessage::Step::kProof;
+        proof.server_nonce = challenge->server_nonce;
+        proof.client_nonce = nonce;
+        proof.client_id = 1;
+        proof.server_id = 0;
+        proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
+                                              challenge->server_nonce, nonce, 1, 0);
+        proof.pid = ::getpid();
+        proof.probe_address = reinterpret_cast<uintptr_t>(nonce.data());
+        proof.reads_peer = true;
+        peer.send(detail::encode_handshake(proof));
+        auto verdict = peer.receive();
+        EXPECT_TRUE(verdict && verdict->step == HandshakeMessage::Step::kAccept &&
+                    verdict->reads_peer)
+            << "worker 0 did not accept, or could not read this process's nonce";
+        return verdict && verdict->reads_peer;
+      };
+      const std::string nonce(HandshakeMessage::kNonceBytes, 'q');
+      {
+        // A 1 MiB tensor at address 16, which no process maps.
+        RawPeer rogue(address, port);
+        ASSERT_TRUE(prove(rogue, nonce));
+        EncodedMessage request =
+            detail::encode_request(1, "record", {at::zeros({1 << 18})}, 0, /*caller_id=*/1);
+        std::string frame =
+            request.header + detail::encode_tensor_lengths(request.tensors, {true}) + request.body;
+        frame.append(std::string("\x10\0\0\0\0\0\0\0", 8));
+        rogue.send_bytes(frame);
+        EXPECT_TRUE(rogue.closed_within(10s));
+      }
+      {
+        // A release of memory never lent.
+        RawPeer rogue(address, port);
+        ASSERT_TRUE(prove(rogue, nonce));
+        detail::MessageHeader release;
+        release.type = detail::MessageType::kRelease;
+        rogue.send_bytes(detail::encode_header(release));
+        EXPECT_TRUE(rogue.closed_within(10s));
+      }
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 0);
     }
     shutdown();

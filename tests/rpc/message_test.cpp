@@ -185,6 +185,17 @@ TEST(RpcMessage, HandshakeStepsRoundTrip) {
   EXPECT_EQ(decoded.handshake.client_id, 2);
   EXPECT_EQ(decoded.handshake.server_id, 0);
   EXPECT_EQ(decoded.handshake.proof, proof_step().proof);
+  EXPECT_EQ(decoded.handshake.pid, 0);
+  EXPECT_FALSE(decoded.handshake.reads_peer);
+
+  HandshakeMessage offer = proof_step();
+  offer.pid = 4242;
+  offer.probe_address = 0x7fff12345678;
+  offer.reads_peer = true;
+  ASSERT_FALSE(receive(encode_handshake(offer), &decoded));
+  EXPECT_EQ(decoded.handshake.pid, 4242);
+  EXPECT_EQ(decoded.handshake.probe_address, 0x7fff12345678u);
+  EXPECT_TRUE(decoded.handshake.reads_peer);
 
   HandshakeMessage refusal;
   refusal.step = HandshakeMessage::Step::kRefuse;
@@ -295,6 +306,40 @@ TEST(RpcMessage, AnnouncedSizesAreBounded) {
   expect_rejected(check_announced_sizes(header, {10}, {SIZE_MAX, 5}, limits), "over 1000");
   header.body_length = 101;
   expect_rejected(check_announced_sizes(header, {101}, {1, 1}, limits), "at most 100");
+}
+
+// Tensors left in the sender's memory (same-host reads) are announced by a bit of their length,
+// admitted only where the connection reads its peer's memory, as are releases.
+TEST(RpcMessage, TensorsInTheSendersMemory) {
+  const std::vector<at::Tensor> tensors{at::zeros({4}), at::zeros({300})};
+  const std::string lengths = encode_tensor_lengths(tensors, {false, true});
+  MessageHeader header;
+  header.tensor_count = 2;
+  std::vector<size_t> decoded;
+  std::vector<bool> in_memory;
+  WireLimits limits;
+  expect_rejected(decode_tensor_lengths(header, lengths, limits, &decoded, &in_memory),
+                  "tensor 1 announced in the sender's memory on a connection without");
+  limits.peer_memory = true;
+  ASSERT_FALSE(decode_tensor_lengths(header, lengths, limits, &decoded, &in_memory));
+  EXPECT_EQ(decoded, (std::vector<size_t>{16, 1200}));
+  EXPECT_EQ(in_memory, (std::vector<bool>{false, true}));
+  // A marked length is still bounded by the limits.
+  limits.max_message_bytes = 1000;
+  expect_rejected(decode_tensor_lengths(header, lengths, limits, &decoded, &in_memory),
+                  "over 1000 bytes");
+
+  MessageHeader release;
+  release.type = MessageType::kRelease;
+  MessageHeader parsed;
+  ASSERT_FALSE(decode_header(encode_header(release), &parsed));
+  EXPECT_EQ(parsed.type, MessageType::kRelease);
+  expect_rejected(check_header(parsed, WireLimits{}), "a release of memory on a connection");
+  WireLimits reading;
+  reading.peer_memory = true;
+  EXPECT_FALSE(check_header(parsed, reading));
+  parsed.body_length = 1;
+  expect_rejected(check_header(parsed, reading), "a release with a body or tensors");
 }
 
 TEST(RpcMessage, MalformedBodiesAreRejected) {

@@ -374,6 +374,41 @@ TEST(Rpc, LargeAndStridedTensors) {
   });
 }
 
+DISTOPTIM_RPC_FUNCTION("debug_info", [] { return get_debug_info(); });
+
+// Between workers on one host, a tensor of 256 KiB or more is read straight from the sender's
+// memory, both ways (requests and replies), and arrives exact; smaller ones and workers where
+// either side turns it off use the stream.
+TEST(Rpc, LargeTensorsAreReadFromTheSendersMemoryOnOneHost) {
+  for (const bool both_allow : {true, false}) {
+    run_ranks(2, [both_allow](int rank, int world_size) {
+      init_rpc(worker(rank), rank, world_size,
+               test_options().same_host_memory_reads(both_allow || rank == 0));
+      if (rank == 0) {
+        const at::Tensor big = at::randn({1 << 20});  // 4 MiB
+        const at::Tensor small = at::randn({1000});
+        EXPECT_TRUE(at::equal(rpc_sync<at::Tensor>(worker(1), "echo", std::tuple{small}), small));
+        const int64_t read_before = get_debug_info().at("peer_memory.bytes_read");
+        EXPECT_EQ(read_before, 0) << "a 4 KB reply was read from the peer's memory";
+        const std::vector<at::Tensor> back = rpc_sync<std::vector<at::Tensor>>(
+            worker(1), "echo", std::tuple{std::vector<at::Tensor>{big, small, big.flip(0)}});
+        ASSERT_EQ(back.size(), 3u);
+        EXPECT_TRUE(at::equal(back[0], big));
+        EXPECT_TRUE(at::equal(back[1], small));
+        EXPECT_TRUE(at::equal(back[2], big.flip(0)));
+        const auto ours = get_debug_info();
+        const auto theirs = rpc_sync<std::map<std::string, int64_t>>(worker(1), "debug_info");
+        const int64_t expected = both_allow ? 2 * big.nbytes() : 0;
+        // The reply's two large tensors were read here, the request's there.
+        EXPECT_EQ(ours.at("peer_memory.bytes_read"), expected);
+        EXPECT_EQ(theirs.at("peer_memory.bytes_read"), expected);
+        EXPECT_EQ(ours.at("peer_memory.connections"), both_allow ? ours.at("connections") : 0);
+      }
+      shutdown();
+    });
+  }
+}
+
 TEST(Rpc, KilledWorkerFailsPendingAndNewCalls) {
   distoptim::testing::RunRanksOptions options;
   options.expected_exit_codes = {{1, 7}};

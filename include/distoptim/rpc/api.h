@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -83,6 +84,15 @@ struct RpcBackendOptions {
   /// The secret never travels. Keep it out of command lines: read it from a file or the
   /// environment. (PyTorch's RPC has no authentication.)
   TORCH_ARG(std::string, shared_secret) = "";
+  /// Whether a large tensor (256 KiB or more) travelling to or from a worker on the same host
+  /// is read straight out of the sender's memory (Linux cross-memory attach, process_vm_readv):
+  /// one copy instead of two through the kernel's socket buffers, as PyTorch's TensorPipe agent
+  /// does with its "cma" channel. Used on a connection only when both workers allow it and each
+  /// proved at the handshake that it can read the other (same host and PID namespace, ptrace
+  /// rules permitting); otherwise such tensors travel on the TCP stream. The sender keeps the
+  /// tensor until the reader says it has read it, as a tensor being written to the stream is
+  /// kept until written: do not modify a tensor in place while a call that sends it is pending.
+  TORCH_ARG(bool, same_host_memory_reads) = true;
   /// Where this process stands if not read from the environment (env:// only).
   TORCH_ARG(std::optional<comm::LaunchEnv>, launch_env) = std::nullopt;
 };
@@ -150,6 +160,12 @@ WorkerInfo get_worker_info();
 WorkerInfo get_worker_info(const std::string& name);
 WorkerInfo get_worker_info(int id);
 std::vector<WorkerInfo> get_worker_infos();
+
+/// Counters of this worker's agent over its open connections (PyTorch's RpcAgent::getDebugInfo in
+/// spirit): "connections", "peer_memory.connections" (those reading and lending same-host memory,
+/// RpcBackendOptions::same_host_memory_reads) and "peer_memory.bytes_read" (tensor bytes they
+/// read from the peers' memory). Throws DistributedError if no agent runs.
+std::map<std::string, int64_t> get_debug_info();
 
 namespace detail {
 /// Blocks until `future` completes. On a thread of the agent's request pool the wait is managed:

@@ -4,6 +4,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
+
 #include <asio/connect.hpp>
 #include <asio/dispatch.hpp>
 #include <asio/ip/host_name.hpp>
@@ -15,6 +17,8 @@
 #include <c10/util/Exception.h>
 
 #include <distoptim/comm/errors.h>
+
+#include "peer_memory.h"
 
 namespace distoptim {
 namespace rpc {
@@ -30,6 +34,9 @@ constexpr size_t kMaxDirectPieces = 64;
 constexpr std::chrono::milliseconds kListenerRetry{100};
 // How long a connection closed for a protocol error waits for the peer to read why.
 constexpr std::chrono::milliseconds kFarewellLinger{1000};
+// How long tensors lent to a peer stay alive after their connection closed: the peer may be
+// reading them at that moment, and must not read memory already reused.
+constexpr std::chrono::seconds kLentGrace{10};
 
 std::string describe(const asio::error_code& error) {
   return error == asio::error::eof ? std::string("end of file") : error.message();
@@ -56,6 +63,7 @@ Connection::~Connection() = default;
 void Connection::read_frames(const WireLimits& limits, FrameHandler on_frame,
                              ClosedHandler on_closed) {
   limits_ = limits;
+  limits_.peer_memory = peer_pid_ > 0;
   on_frame_ = std::make_shared<FrameHandler>(std::move(on_frame));
   on_closed_ = std::move(on_closed);
   paused_ = false;
@@ -112,6 +120,23 @@ void Connection::on_header() {
     violation("it sent " + *status);
     return;
   }
+  if (header.type == MessageType::kRelease) {
+    // The peer has read the tensors of the oldest frame that lent some: they may go.
+    std::vector<at::Tensor> released;
+    {
+      std::lock_guard<std::mutex> lock(write_mutex_);
+      if (!lent_.empty()) {
+        released = std::move(lent_.front().second);
+        lent_.pop_front();
+      }
+    }
+    if (released.empty()) {
+      violation("it sent a release of memory it had not been lent");
+    } else {
+      read_header();
+    }
+    return;
+  }
   frame_.header = header;
   length_bytes_.assign(size_t{header.tensor_count} * 8, '\0');
   if (length_bytes_.empty()) {
@@ -123,28 +148,64 @@ void Connection::on_header() {
 
 // Allocates exactly what the (checked) header and lengths announce, and reads into it: the body
 // into a string, each tensor into its own byte tensor, which the decoder then views as typed.
+// A tensor left in the peer's memory is read from there (read_from_peer_memory): the stream
+// carries its 8-byte address.
 void Connection::read_payload() {
   std::vector<size_t> lengths;
-  if (Status status = decode_tensor_lengths(frame_.header, length_bytes_, limits_, &lengths)) {
+  if (Status status = decode_tensor_lengths(frame_.header, length_bytes_, limits_, &lengths,
+                                            &in_peer_memory_)) {
     violation("it sent " + *status);
     return;
   }
   frame_.body = std::make_shared<std::string>(frame_.header.body_length, '\0');
   frame_.buffers.clear();
+  peer_addresses_.assign(lengths.size() * 8, '\0');
   std::vector<asio::mutable_buffer> targets;
   targets.reserve(lengths.size() + 1);
   targets.push_back(asio::buffer(*frame_.body));
-  for (size_t length : lengths) {
-    at::Tensor buffer = at::empty({static_cast<int64_t>(length)}, at::kByte);
-    if (length > 0) {
-      targets.push_back(asio::buffer(buffer.data_ptr(), length));
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    at::Tensor buffer = at::empty({static_cast<int64_t>(lengths[i])}, at::kByte);
+    if (in_peer_memory_[i]) {
+      targets.push_back(asio::buffer(&peer_addresses_[i * 8], 8));
+    } else if (lengths[i] > 0) {
+      targets.push_back(asio::buffer(buffer.data_ptr(), lengths[i]));
     }
     frame_.buffers.push_back(std::move(buffer));
   }
   read_then(targets, [this] { deliver_frame(); });
 }
 
+// Reads the frame's tensors that lie in the peer's memory, then tells the peer it may free
+// them. False (the connection closing) if the peer's memory does not hold what it announced.
+bool Connection::read_from_peer_memory() {
+  bool any = false;
+  for (size_t i = 0; i < in_peer_memory_.size(); ++i) {
+    if (!in_peer_memory_[i]) continue;
+    any = true;
+    uint64_t address = 0;
+    for (int byte = 7; byte >= 0; --byte) {
+      address = (address << 8) | static_cast<uint8_t>(peer_addresses_[i * 8 + byte]);
+    }
+    at::Tensor& buffer = frame_.buffers[i];
+    if (Status error = read_peer_memory(peer_pid_, address, buffer.data_ptr(), buffer.nbytes())) {
+      violation("it announced tensor " + std::to_string(i) + " in its memory, and there are " +
+                *error);
+      return false;
+    }
+    peer_memory_bytes_read_ += buffer.nbytes();
+  }
+  if (any) {
+    MessageHeader release;
+    release.type = MessageType::kRelease;
+    send(EncodedMessage{encode_header(release), {}, {}});
+  }
+  return true;
+}
+
 void Connection::deliver_frame() {
+  if (!closing_ && !read_from_peer_memory()) {
+    return;
+  }
   Frame frame = std::move(frame_);
   frame_ = Frame();
   if (closing_) {  // close_after: nothing more is handed on
@@ -189,10 +250,63 @@ std::vector<asio::const_buffer> Connection::frame_buffers(const Outgoing& out) {
   add(out.message.header.data(), out.message.header.size());
   add(out.lengths.data(), out.lengths.size());
   add(out.message.body.data(), out.message.body.size());
-  for (const at::Tensor& tensor : out.message.tensors) {
-    if (tensor.nbytes() > 0) add(tensor.data_ptr(), tensor.nbytes());
+  for (size_t i = 0; i < out.message.tensors.size(); ++i) {
+    const at::Tensor& tensor = out.message.tensors[i];
+    if (!out.in_memory.empty() && out.in_memory[i]) {
+      add(&out.addresses[i * 8], 8);
+    } else if (tensor.nbytes() > 0) {
+      add(tensor.data_ptr(), tensor.nbytes());
+    }
   }
   return buffers;
+}
+
+void Connection::enable_peer_memory(int32_t peer_pid) {
+  peer_pid_ = peer_pid;
+  limits_.peer_memory = true;
+  peer_memory_enabled_ = true;
+  std::lock_guard<std::mutex> lock(write_mutex_);
+  lend_ = true;
+}
+
+void Connection::prepare_locked(Outgoing& out) {
+  const std::vector<at::Tensor>& tensors = out.message.tensors;
+  std::vector<at::Tensor> lent;
+  if (lend_) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].nbytes() < kPeerMemoryBytes) continue;
+      if (out.in_memory.empty()) {
+        out.in_memory.assign(tensors.size(), false);
+        out.addresses.assign(tensors.size() * 8, '\0');
+      }
+      out.in_memory[i] = true;
+      const auto address =
+          static_cast<uint64_t>(reinterpret_cast<uintptr_t>(tensors[i].data_ptr()));
+      for (int byte = 0; byte < 8; ++byte) {
+        out.addresses[i * 8 + byte] = static_cast<char>((address >> (8 * byte)) & 0xff);
+      }
+      lent.push_back(tensors[i]);
+    }
+  }
+  out.lengths = encode_tensor_lengths(tensors, out.in_memory);
+  if (!lent.empty()) {
+    // In the order the frames go out: the peer releases them in the order it reads them.
+    out.lent = ++lent_count_;
+    lent_.emplace_back(out.lent, std::move(lent));
+  }
+}
+
+// The connection closed: what the peer was lent stays alive a while longer, in case it is
+// reading it right now.
+void Connection::release_lent() {
+  std::deque<std::pair<uint64_t, std::vector<at::Tensor>>> lent;
+  {
+    std::lock_guard<std::mutex> lock(write_mutex_);
+    lent.swap(lent_);
+  }
+  if (lent.empty()) return;
+  auto timer = std::make_shared<asio::steady_timer>(io_, kLentGrace);
+  timer->async_wait([timer, lent = std::move(lent)](const asio::error_code&) {});
 }
 
 bool Connection::write_directly(Outgoing& out) {
@@ -222,7 +336,6 @@ bool Connection::write_directly(Outgoing& out) {
 
 void Connection::send(EncodedMessage message, WrittenHandler on_written) {
   Outgoing out{std::move(message), {}, std::move(on_written)};
-  out.lengths = encode_tensor_lengths(out.message.tensors);
   std::unique_lock<std::mutex> lock(write_mutex_);
   if (write_closed_) {
     lock.unlock();
@@ -233,6 +346,7 @@ void Connection::send(EncodedMessage message, WrittenHandler on_written) {
     }
     return;
   }
+  prepare_locked(out);
   const bool idle = !writing_ && queue_.empty();
   if (idle && !out.on_written && write_directly(out)) {
     return;
@@ -250,6 +364,12 @@ void Connection::drop_queued(uint64_t id) {
     MessageHeader header;
     // A frame partly written stays: the stream must not end mid-frame.
     if (it->written == 0 && !decode_header(it->message.header, &header) && header.id == id) {
+      if (it->lent != 0) {
+        const uint64_t lent = it->lent;
+        auto entry = std::find_if(lent_.begin(), lent_.end(),
+                                  [lent](const auto& held) { return held.first == lent; });
+        if (entry != lent_.end()) lent_.erase(entry);
+      }
       queue_.erase(it);
       return;
     }
@@ -304,42 +424,45 @@ void Connection::close(const std::string& why) {
 
 void Connection::close_after(EncodedMessage farewell, const std::string& why,
                              std::chrono::milliseconds linger) {
-  asio::dispatch(io_, [self = shared_from_this(), farewell = std::move(farewell), why,
-                       linger]() mutable {
-    if (self->closed_ || self->closing_) {  // the first farewell stands
-      return;
-    }
-    // Nothing more the peer sends is handed on; once the farewell is written our side of the
-    // stream ends, and the connection closes when the peer closes its side (so the farewell is
-    // not lost to a reset) or after `linger`.
-    self->closing_ = true;
-    self->limits_ = handshake_limits();
-    self->limits_.handshake_only = false;
-    self->arm_deadline(linger, why);
-    Outgoing out{std::move(farewell), {}, [weak = std::weak_ptr<Connection>(self)](const std::string&) {
-                   if (auto conn = weak.lock()) {
-                     asio::error_code ignored;
-                     conn->socket_.shutdown(asio::ip::tcp::socket::shutdown_send, ignored);
-                   }
-                 }};
-    out.lengths = encode_tensor_lengths(out.message.tensors);
-    {
-      // Nothing queued goes out before the farewell, except a frame already partly written.
-      std::lock_guard<std::mutex> lock(self->write_mutex_);
-      auto first_unwritten = self->queue_.begin();
-      if (first_unwritten != self->queue_.end() && first_unwritten->written > 0) ++first_unwritten;
-      self->queue_.erase(first_unwritten, self->queue_.end());
-      self->queue_.push_back(std::move(out));
-    }
-    self->on_closed_ = [self_closed = self->on_closed_, why](const std::string&) {
-      if (self_closed) self_closed(why);
-    };
-    self->write_next();
-    if (!self->reading_) {
-      self->paused_ = false;
-      self->read_header();
-    }
-  });
+  asio::dispatch(
+      io_, [self = shared_from_this(), farewell = std::move(farewell), why, linger]() mutable {
+        if (self->closed_ || self->closing_) {  // the first farewell stands
+          return;
+        }
+        // Nothing more the peer sends is handed on; once the farewell is written our side of the
+        // stream ends, and the connection closes when the peer closes its side (so the farewell is
+        // not lost to a reset) or after `linger`.
+        self->closing_ = true;
+        self->limits_ = handshake_limits();
+        self->limits_.handshake_only = false;
+        self->limits_.peer_memory = self->peer_pid_ > 0;  // releases still come
+        self->arm_deadline(linger, why);
+        Outgoing out{
+            std::move(farewell), {}, [weak = std::weak_ptr<Connection>(self)](const std::string&) {
+              if (auto conn = weak.lock()) {
+                asio::error_code ignored;
+                conn->socket_.shutdown(asio::ip::tcp::socket::shutdown_send, ignored);
+              }
+            }};
+        out.lengths = encode_tensor_lengths(out.message.tensors);  // nothing lent: no tensors
+        {
+          // Nothing queued goes out before the farewell, except a frame already partly written.
+          std::lock_guard<std::mutex> lock(self->write_mutex_);
+          auto first_unwritten = self->queue_.begin();
+          if (first_unwritten != self->queue_.end() && first_unwritten->written > 0)
+            ++first_unwritten;
+          self->queue_.erase(first_unwritten, self->queue_.end());
+          self->queue_.push_back(std::move(out));
+        }
+        self->on_closed_ = [self_closed = self->on_closed_, why](const std::string&) {
+          if (self_closed) self_closed(why);
+        };
+        self->write_next();
+        if (!self->reading_) {
+          self->paused_ = false;
+          self->read_header();
+        }
+      });
 }
 
 void Connection::set_farewell(FarewellMaker make_farewell) {
@@ -370,6 +493,7 @@ void Connection::fail(const std::string& why) {
   deadline_.cancel();
   socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
+  release_lent();
   for (Outgoing& out : unsent) {
     if (out.on_written) out.on_written(why);
   }

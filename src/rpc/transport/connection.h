@@ -6,6 +6,7 @@
 // handshake frame (message.h's handshake_limits) within a deadline, so nothing an
 // unauthenticated peer sends reaches a parser that allocates more than that bound.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -77,6 +78,18 @@ class Connection : public std::enable_shared_from_this<Connection> {
                    std::chrono::milliseconds linger);
   void resume_reading();
 
+  /// I/O thread only, once the handshake proved both sides can read each other's memory
+  /// (handshake.h), before frames are read again. From then on tensors of at least
+  /// kPeerMemoryBytes are left in this process's memory for process `peer_pid` to read
+  /// (peer_memory.h), kept until the peer's kRelease for their frame, and such tensors the peer
+  /// announces are read from its memory.
+  void enable_peer_memory(int32_t peer_pid);
+  static constexpr size_t kPeerMemoryBytes = size_t{256} << 10;
+  /// Whether enable_peer_memory ran, and the bytes read from the peer's memory since (for
+  /// diagnostics: rpc::get_debug_info). Any thread.
+  bool peer_memory_enabled() const { return peer_memory_enabled_; }
+  uint64_t peer_memory_bytes_read() const { return peer_memory_bytes_read_; }
+
   /// The peer's address as "ip:port" (fixed at construction).
   const std::string& peer_address() const { return peer_address_; }
 
@@ -86,7 +99,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
     std::string lengths;
     WrittenHandler on_written;
     size_t written = 0;  // bytes of the frame a direct write already sent
+    // Tensors left in this process's memory: which, and their addresses (8 bytes each, sent in
+    // place of their bytes); `lent` numbers the frame among those that lend (0: none).
+    std::vector<bool> in_memory{};
+    std::string addresses{};
+    uint64_t lent = 0;
   };
+  // Prepares `out`'s lengths, and its large tensors for the peer to read when it may.
+  void prepare_locked(Outgoing& out);
+  void release_lent();
   // The frame's bytes (header, tensor lengths, body, tensors), from `out.written` on.
   static std::vector<asio::const_buffer> frame_buffers(const Outgoing& out);
   // send()'s direct write; write_mutex_ held. Returns whether the whole frame went.
@@ -97,6 +118,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void read_header();
   void on_header();
   void read_payload();
+  bool read_from_peer_memory();
   void deliver_frame();
   void fail(const std::string& why);
   void violation(const std::string& why);
@@ -122,6 +144,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   char header_bytes_[MessageHeader::kEncodedSize];
   std::string length_bytes_;
   Frame frame_;
+  int32_t peer_pid_ = 0;              // enable_peer_memory's peer; 0: none
+  std::vector<bool> in_peer_memory_;  // of frame_'s tensors
+  std::string peer_addresses_;        // 8 bytes per tensor in the peer's memory
+  std::atomic<bool> peer_memory_enabled_{false};
+  std::atomic<uint64_t> peer_memory_bytes_read_{0};
 
   // The write side, any thread, under write_mutex_: one writer at a time on the socket (a direct
   // write or the I/O thread's gathered one), frames in order, and no write once it is closed.
@@ -130,6 +157,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool write_closed_ = false;
   std::deque<Outgoing> queue_;
   std::vector<Outgoing> in_flight_;
+  // Lending to the peer (enable_peer_memory): the tensors of each frame that lent, oldest first,
+  // until the peer's kRelease for it.
+  bool lend_ = false;
+  uint64_t lent_count_ = 0;
+  std::deque<std::pair<uint64_t, std::vector<at::Tensor>>> lent_;
 };
 
 /// Accepts connections on an address, on the I/O thread; a failure of the listening socket is
