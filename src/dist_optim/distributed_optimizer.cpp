@@ -125,7 +125,7 @@ DistributedOptimizer::~DistributedOptimizer() = default;
 void DistributedOptimizer::step(int64_t context_id) {
   std::vector<rpc::RpcFuture<c10::IValue>> steps;
   for (const Owner& owner : owners_) {
-    steps.push_back(owner.optimizer.rpc_async().method<c10::IValue>("step", context_id));
+    steps.push_back(owner.optimizer.rpc_async().waited_method<c10::IValue>("step", context_id));
   }
   wait_all(steps, owners(), "step(" + std::to_string(context_id) + ")");
 }
@@ -133,7 +133,7 @@ void DistributedOptimizer::step(int64_t context_id) {
 DistributedOptimizerStateDict DistributedOptimizer::state_dict() const {
   std::vector<rpc::RpcFuture<c10::IValue>> states;
   for (const Owner& owner : owners_) {
-    states.push_back(owner.optimizer.rpc_async().method<c10::IValue>("state_dict"));
+    states.push_back(owner.optimizer.rpc_async().waited_method<c10::IValue>("state_dict"));
   }
   const std::vector<c10::IValue> values = wait_all(states, owners(), "state_dict()");
   DistributedOptimizerStateDict dict;
@@ -162,7 +162,7 @@ void DistributedOptimizer::load_state_dict(const DistributedOptimizerStateDict& 
   }
   std::vector<rpc::RpcFuture<c10::IValue>> loads;
   for (size_t k = 0; k < owners_.size(); ++k) {
-    loads.push_back(owners_[k].optimizer.rpc_async().method<c10::IValue>(
+    loads.push_back(owners_[k].optimizer.rpc_async().waited_method<c10::IValue>(
         "load_state_dict", dict.owners[k].state.to_ivalue()));
   }
   wait_all(loads, owners(), "load_state_dict()");

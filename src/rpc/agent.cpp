@@ -494,7 +494,8 @@ void Agent::fail_calls(std::vector<PendingCall> calls,
 c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& function,
                                                     std::vector<c10::IValue> args,
                                                     std::chrono::milliseconds timeout,
-                                                    uint16_t flags, SendInterception intercept) {
+                                                    uint16_t flags, SendInterception intercept,
+                                                    bool waited_only) {
   TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "rpc: timeout of ",
                     timeout.count(), " ms calling '", function, "' on worker '", workers_[to].name,
                     "' (use a positive value, kNoTimeout or kDefaultTimeout)");
@@ -546,6 +547,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& f
   call.future = future;
   call.to = to;
   call.function = function;
+  call.waited_only = waited_only;
   if (effective.count() > 0) {
     call.has_deadline = true;
     call.deadline = std::chrono::steady_clock::now() + effective;

@@ -77,7 +77,8 @@ class Agent : public std::enable_shared_from_this<Agent> {
                                                std::vector<c10::IValue> args,
                                                std::chrono::milliseconds timeout,
                                                uint16_t flags = 0,
-                                               SendInterception intercept = nullptr);
+                                               SendInterception intercept = nullptr,
+                                               bool waited_only = false);
   /// Runs the registered `callable` on the request pool of this worker; the future fails with a
   /// RemoteError naming this worker if it throws or is unknown. `prepare` (optional) runs first,
   /// on the same thread, and what it returns lives while the callable runs.

@@ -257,6 +257,14 @@ bool Agent::on_reply_frame(const std::shared_ptr<Connection>& connection, int pe
     protocol_error(connection, "a message other than a reply on this worker's connection");
     return false;
   }
+  // A reply to a caller that only waits completes its future here, when that cannot overtake a
+  // reply still queued for the completion thread: one thread hand-off (tens of microseconds on a
+  // virtual machine) fewer per blocking call. Every other reply goes to the completion thread,
+  // where the future's callbacks may run.
+  if (pending_->waited_only(header.id, peer) && completion_->quiescent()) {
+    handle_reply(peer, frame.header, *frame.body, std::move(frame.buffers));
+    return true;
+  }
   completion_->post([this, peer, frame = std::move(frame)]() mutable {
     handle_reply(peer, frame.header, *frame.body, std::move(frame.buffers));
   });

@@ -130,6 +130,19 @@ c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(const WorkerRef& to,
 
 namespace detail {
 
+c10::intrusive_ptr<c10::ivalue::Future> waited_call_values(const WorkerRef& to,
+                                                           const std::string& function,
+                                                           std::vector<c10::IValue> args,
+                                                           std::chrono::milliseconds timeout) {
+  auto agent = current_agent("rpc_sync");
+  return agent->send(agent->resolve(to), function, std::move(args), timeout, /*flags=*/0,
+                     /*intercept=*/nullptr, /*waited_only=*/true);
+}
+
+}  // namespace detail
+
+namespace detail {
+
 void wait_future(c10::ivalue::Future& future) {
   if (future.completed()) return;
   Executor::BlockingScope blocking;

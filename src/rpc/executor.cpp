@@ -47,6 +47,11 @@ int Executor::thread_count() {
   return live_;
 }
 
+bool Executor::quiescent() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return jobs_.empty() && idle_ == live_;
+}
+
 void Executor::post(std::function<void()> job) {
   bool queued = false;
   bool warn = false;

@@ -43,6 +43,9 @@ class Executor {
   static Executor* current();
   /// Threads running now, compensating ones included (for tests and diagnostics).
   int thread_count();
+  /// No job queued and every thread waiting for one: a job run elsewhere now cannot overtake
+  /// one posted before it.
+  bool quiescent();
 
   /// Marks the calling thread as blocked for its lifetime, if it is a pool thread (else, and
   /// inside another scope, it does nothing). Never throws.

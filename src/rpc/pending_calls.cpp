@@ -49,6 +49,12 @@ std::optional<PendingCall> PendingCalls::take(uint64_t id, int from) {
   return call;
 }
 
+bool PendingCalls::waited_only(uint64_t id, int from) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = calls_.find(id);
+  return it != calls_.end() && it->second.to == from && it->second.waited_only;
+}
+
 std::vector<PendingCall> PendingCalls::take_to(int peer) {
   std::vector<PendingCall> taken;
   std::lock_guard<std::mutex> lock(mutex_);

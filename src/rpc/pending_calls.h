@@ -27,6 +27,9 @@ struct PendingCall {
   std::string function;
   std::chrono::steady_clock::time_point deadline;
   bool has_deadline = false;
+  /// The caller only waits on the future (rpc_sync and the like: no callback is ever attached),
+  /// so its reply may complete it on the thread that reads it.
+  bool waited_only = false;
 };
 
 /// The calls a worker has made and not yet seen answered, with their deadlines. Every call is
@@ -46,6 +49,8 @@ class PendingCalls {
   void add(PendingCall call);
   /// The call `id`, if it is pending and went to `from`.
   std::optional<PendingCall> take(uint64_t id, int from);
+  /// Whether call `id`, made to `from`, is pending and waited_only.
+  bool waited_only(uint64_t id, int from);
   std::vector<PendingCall> take_to(int peer);
   std::vector<PendingCall> take_all();
   /// Waits until no call is pending or `deadline` passes; returns whether none is.

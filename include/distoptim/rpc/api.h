@@ -242,6 +242,24 @@ c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(
     const WorkerRef& to, const std::string& function, std::vector<c10::IValue> args,
     std::chrono::milliseconds timeout = kDefaultTimeout);
 
+namespace detail {
+/// rpc_async_values for a caller that only ever waits on the future (never attaches a callback,
+/// never hands it on): its reply may complete the future on the thread that reads it, one thread
+/// hand-off fewer (docs/threading.md). rpc_sync and the blocking RRef calls use it.
+c10::intrusive_ptr<c10::ivalue::Future> waited_call_values(
+    const WorkerRef& to, const std::string& function, std::vector<c10::IValue> args,
+    std::chrono::milliseconds timeout = kDefaultTimeout);
+
+template <class... Args>
+std::vector<c10::IValue> tuple_values(std::tuple<Args...> args) {
+  std::vector<c10::IValue> values;
+  values.reserve(sizeof...(Args));
+  std::apply([&](auto&&... arg) { (values.push_back(to_value(std::move(arg))), ...); },
+             std::move(args));
+  return values;
+}
+}  // namespace detail
+
 /// Calls `function` on `to` with `args` (a tuple, PyTorch's `args=`), returning a future of its
 /// result as a T. timeout: kDefaultTimeout, kNoTimeout or a positive duration. Errors as
 /// rpc_async_values; the call's own failures arrive through the future.
@@ -249,19 +267,20 @@ template <class T = c10::IValue, class... Args>
 RpcFuture<T> rpc_async(const WorkerRef& to, const std::string& function,
                        std::tuple<Args...> args = {},
                        std::chrono::milliseconds timeout = kDefaultTimeout) {
-  std::vector<c10::IValue> values;
-  values.reserve(sizeof...(Args));
-  std::apply([&](auto&&... arg) { (values.push_back(to_value(std::move(arg))), ...); },
-             std::move(args));
-  return RpcFuture<T>(rpc_async_values(to, function, std::move(values), timeout),
-                      "'" + function + "'");
+  return RpcFuture<T>(
+      rpc_async_values(to, function, detail::tuple_values(std::move(args)), timeout),
+      "'" + function + "'");
 }
 
 /// rpc_async(...).wait(): blocks for the result and throws what the future would.
 template <class T = c10::IValue, class... Args>
 T rpc_sync(const WorkerRef& to, const std::string& function, std::tuple<Args...> args = {},
            std::chrono::milliseconds timeout = kDefaultTimeout) {
-  return rpc_async<T>(to, function, std::move(args), timeout).wait();
+  return RpcFuture<T>(
+             detail::waited_call_values(to, function, detail::tuple_values(std::move(args)),
+                                        timeout),
+             "'" + function + "'")
+      .wait();
 }
 
 }  // namespace rpc

@@ -102,16 +102,18 @@ class RRefSyncProxy {
       : rref_(std::move(rref)), timeout_(timeout) {}
   template <class R = c10::IValue, class... Args>
   R method(const std::string& name, Args&&... args) const {
-    return async<R>(name, detail::to_values(std::forward<Args>(args)...)).wait();
+    return async<R>(name, detail::to_values(std::forward<Args>(args)...), /*waited_only=*/true)
+        .wait();
   }
 
  private:
   template <class R>
-  RpcFuture<R> async(const std::string& name, std::vector<c10::IValue> args) const {
-    return RpcFuture<R>(
-        rpc_async_values(detail::rref_owner(rref_).id, detail::kCallMethod,
-                         detail::method_call_args(rref_, name, std::move(args)), timeout_),
-        "method '" + name + "' of " + detail::describe_rref(rref_));
+  RpcFuture<R> async(const std::string& name, std::vector<c10::IValue> args,
+                     bool waited_only) const {
+    const auto call = waited_only ? detail::waited_call_values : rpc_async_values;
+    return RpcFuture<R>(call(detail::rref_owner(rref_).id, detail::kCallMethod,
+                             detail::method_call_args(rref_, name, std::move(args)), timeout_),
+                        "method '" + name + "' of " + detail::describe_rref(rref_));
   }
   friend class RRefAsyncProxy;
 
@@ -126,7 +128,15 @@ class RRefAsyncProxy {
       : sync_(std::move(rref), timeout) {}
   template <class R = c10::IValue, class... Args>
   RpcFuture<R> method(const std::string& name, Args&&... args) const {
-    return sync_.async<R>(name, detail::to_values(std::forward<Args>(args)...));
+    return sync_.async<R>(name, detail::to_values(std::forward<Args>(args)...),
+                          /*waited_only=*/false);
+  }
+  /// method() for a caller that only ever waits on the future (detail::waited_call_values):
+  /// several such calls in flight at once, each reply completing its future where it is read.
+  template <class R = c10::IValue, class... Args>
+  RpcFuture<R> waited_method(const std::string& name, Args&&... args) const {
+    return sync_.async<R>(name, detail::to_values(std::forward<Args>(args)...),
+                          /*waited_only=*/true);
   }
 
  private:
