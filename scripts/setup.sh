@@ -31,6 +31,8 @@ PACKAGES=(
   libasio-dev
   # HMAC-SHA256 and random nonces for the rpc layer's connection handshake (libcrypto).
   libssl-dev
+  # libzip: checkpoint files are verified record by record (CRC-32) before they are loaded.
+  libzip-dev
   # libFuzzer for the rpc message decoder's fuzz test (clang's runtime; the build stays on g++).
   clang-14 libclang-rt-14-dev
   # /etc/services and /etc/protocols, which a minimal system lacks and TCP name lookups read.

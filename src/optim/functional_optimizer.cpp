@@ -1,12 +1,11 @@
 #include <distoptim/optim/functional_optimizer.h>
 
-#include <fstream>
-#include <iterator>
 #include <unordered_set>
 
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
 
+#include "checkpoint_file.h"
 #include "update_common.h"
 
 namespace distoptim {
@@ -280,18 +279,28 @@ OptimizerStateDict OptimizerStateDict::from_ivalue(const c10::IValue& value) {
 }
 
 void save_state_dict(const OptimizerStateDict& dict, const std::string& path) {
-  const std::vector<char> bytes = torch::pickle_save(dict.to_ivalue());
-  std::ofstream out(path, std::ios::binary);
-  TORCH_CHECK(out.good(), "save_state_dict: cannot open '", path, "' for writing");
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  TORCH_CHECK(out.good(), "save_state_dict: writing '", path, "' failed");
+  detail::write_checkpoint_file(path, torch::pickle_save(dict.to_ivalue()), "save_state_dict");
 }
 
 OptimizerStateDict load_state_dict_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "load_state_dict_file: cannot open '", path, "'");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return OptimizerStateDict::from_ivalue(torch::pickle_load(bytes));
+  const char* caller = "load_state_dict_file";
+  const std::vector<char> bytes = detail::read_checkpoint_file(path, caller);
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, caller, ": '", path,
+                "' holds no readable pickle: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, caller, ": '", path, "' holds no readable pickle: ", e.what());
+  }
+  try {
+    return OptimizerStateDict::from_ivalue(value);
+  } catch (c10::Error& e) {
+    // Keeps the error's type (ValueError, TypeError), adds the file.
+    e.add_context(std::string("while loading '") + path + "'");
+    throw;
+  }
 }
 
 }  // namespace optim

@@ -54,8 +54,19 @@ struct OptimizerStateDict {
   static OptimizerStateDict from_ivalue(const c10::IValue& value);
 };
 
-/// Writes `dict` to `path` with LibTorch's pickle serialization; `load_state_dict_file` reads it.
+/// Writes `dict` to `path` with LibTorch's pickle serialization (a zip archive that Python's
+/// torch.load reads). Atomic: the bytes go to a temporary file in the same directory, which is
+/// fsynced and renamed over `path` (the directory is fsynced too), so a crash or a failed write
+/// leaves either the previous file or the new one, never a mix. Errors: `c10::Error` naming
+/// `path` and the reason; the temporary file is removed and an existing `path` is unchanged.
 void save_state_dict(const OptimizerStateDict& dict, const std::string& path);
+/// Reads a file that `save_state_dict` (or Python's torch.save of such a dict) wrote. Before
+/// anything is deserialized the whole file is checked: a zip archive with consistent headers,
+/// records stored uncompressed, every record's data matching its stored CRC-32 (LibTorch's own
+/// reader checks none). Errors: `c10::Error` naming `path` (and the record, for a corrupted one)
+/// for a missing, unreadable, empty, truncated, garbage or corrupted file or a directory; nothing
+/// beyond the file's size is allocated for a bad file. A well-formed file holding something else
+/// throws `ValueError` or `TypeError` from `from_ivalue`, with `path` added to the message.
 OptimizerStateDict load_state_dict_file(const std::string& path);
 
 /// A functional optimizer: its update is computed from an explicit list of gradients, never from

@@ -1,0 +1,29 @@
+#pragma once
+
+// The one place the library opens a checkpoint file by path: every file it reads or writes goes
+// through these two functions, so each one is verified on load and replaced atomically on save.
+
+#include <string>
+#include <vector>
+
+namespace distoptim {
+namespace optim {
+namespace detail {
+
+/// Reads the whole regular file at `path` (one allocation of the file's size) and checks that it
+/// is a zip archive as LibTorch's and PyTorch's serialization write it: consistent headers,
+/// records stored uncompressed, and every record's data matching its CRC-32. Errors, all
+/// `c10::Error` starting with `caller` and naming `path` (and the record, for a bad one): a
+/// missing or unreadable file, a directory, an empty, truncated, garbage or corrupted file.
+std::vector<char> read_checkpoint_file(const std::string& path, const char* caller);
+
+/// Replaces `path` with `bytes` atomically: writes a temporary file in the same directory,
+/// fsyncs it, renames it over `path` and fsyncs the directory, so a crash leaves either the old
+/// file or the new one. On failure the temporary file is removed, an existing `path` is left as
+/// it was, and a `c10::Error` starting with `caller` names `path` and the reason.
+void write_checkpoint_file(const std::string& path, const std::vector<char>& bytes,
+                           const char* caller);
+
+}  // namespace detail
+}  // namespace optim
+}  // namespace distoptim

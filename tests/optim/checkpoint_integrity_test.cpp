@@ -1,0 +1,316 @@
+// Checkpoint files: a damaged file never loads silently, every failure to load or save is a
+// c10::Error naming the file, and a failed save leaves the previous checkpoint as it was.
+
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/serialize.h>
+
+#include <distoptim/optim/adam.h>
+
+#include "test_util.h"
+
+namespace distoptim {
+namespace optim {
+namespace {
+
+using testing::expect_error_containing;
+
+std::vector<char> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void write_bytes(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good()) << path;
+}
+
+// One record of a zip archive: its name, where its data starts and its size.
+struct Record {
+  std::string name;
+  size_t data_offset;
+  size_t size;
+};
+
+// The records of a zip archive: the central directory gives each record's name, size and local
+// header (LibTorch writes the sizes after the data, not in the local header); the local header
+// gives where the data starts.
+std::vector<Record> zip_records(const std::vector<char>& bytes) {
+  const auto byte = [&](size_t at) -> uint64_t {
+    if (at >= bytes.size()) throw std::out_of_range("zip header past the end of the file");
+    return static_cast<uint8_t>(bytes[at]);
+  };
+  const auto u16 = [&](size_t at) { return byte(at) | byte(at + 1) << 8; };
+  const auto u32 = [&](size_t at) { return u16(at) | u16(at + 2) << 16; };
+  if (bytes.size() < 22) throw std::runtime_error("too short for a zip archive");
+  size_t end = bytes.size() - 22;  // the end of central directory record, before any comment
+  while (u32(end) != 0x06054b50) {
+    if (end == 0) throw std::runtime_error("no end of central directory record");
+    --end;
+  }
+  const size_t count = u16(end + 10);
+  size_t at = u32(end + 16);
+  if (count == 0xFFFF || at == 0xFFFFFFFF) throw std::runtime_error("zip64 in a small file");
+  std::vector<Record> records;
+  for (size_t i = 0; i < count; ++i) {
+    if (u32(at) != 0x02014b50) throw std::runtime_error("bad central directory header");
+    if (u16(at + 10) != 0) throw std::runtime_error("a compressed record");
+    const size_t size = u32(at + 20);
+    const size_t name_length = u16(at + 28);
+    const size_t local = u32(at + 42);
+    if (size == 0xFFFFFFFF || local == 0xFFFFFFFF) throw std::runtime_error("zip64 record");
+    if (u32(local) != 0x04034b50) throw std::runtime_error("bad local header");
+    records.push_back({std::string(bytes.data() + at + 46, name_length),
+                       local + 30 + u16(local + 26) + u16(local + 28), size});
+    at += 46 + name_length + u16(at + 30) + u16(at + 32);
+  }
+  return records;
+}
+
+void expect_same_dict(const OptimizerStateDict& a, const OptimizerStateDict& b) {
+  EXPECT_EQ(a.optimizer, b.optimizer);
+  EXPECT_EQ(a.defaults, b.defaults);
+  ASSERT_EQ(a.param_groups.size(), b.param_groups.size());
+  for (size_t g = 0; g < a.param_groups.size(); ++g) {
+    EXPECT_EQ(a.param_groups[g].param_indices, b.param_groups[g].param_indices);
+    EXPECT_EQ(a.param_groups[g].overrides, b.param_groups[g].overrides);
+  }
+  ASSERT_EQ(a.state.size(), b.state.size());
+  for (const auto& item : b.state) {
+    const OptimizerStateDict::State& loaded = a.state.at(item.first);
+    EXPECT_EQ(loaded.step, item.second.step);
+    ASSERT_EQ(loaded.buffers.size(), item.second.buffers.size());
+    for (const auto& buffer : item.second.buffers) {
+      const at::Tensor& t = loaded.buffers.at(buffer.first);
+      EXPECT_EQ(t.scalar_type(), buffer.second.scalar_type());
+      EXPECT_TRUE(at::equal(t, buffer.second)) << "param " << item.first << " " << buffer.first;
+    }
+  }
+}
+
+// Restores a resource limit when it goes out of scope.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    ::getrlimit(RLIMIT_FSIZE, &saved_);
+    // Without this, going over the limit ends the process instead of failing the write.
+    previous_handler_ = ::signal(SIGXFSZ, SIG_IGN);
+    rlimit limit = saved_;
+    limit.rlim_cur = bytes;
+    ::setrlimit(RLIMIT_FSIZE, &limit);
+  }
+  ~FileSizeLimit() {
+    ::setrlimit(RLIMIT_FSIZE, &saved_);
+    ::signal(SIGXFSZ, previous_handler_);
+  }
+
+ private:
+  rlimit saved_{};
+  void (*previous_handler_)(int) = nullptr;
+};
+
+class CheckpointFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string base = ::testing::TempDir();
+    if (!base.empty() && base.back() == '/') base.pop_back();
+    std::string pattern = base + "/distoptim_checkpoint_XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override {
+    ::chmod(dir_.c_str(), 0700);
+    std::filesystem::remove_all(dir_);
+  }
+
+  std::vector<std::string> listing() const {
+    std::vector<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
+      names.push_back(entry.path().filename().string());
+    }
+    std::sort(names.begin(), names.end());
+    return names;
+  }
+
+  // The state of an Adam that has taken `steps` steps over parameters of several shapes.
+  static OptimizerStateDict adam_state(int steps) {
+    at::manual_seed(7);
+    std::vector<at::Tensor> params = {at::randn({8, 8}), at::randn({33}), at::randn({})};
+    Adam adam(params, AdamOptions(1e-3).amsgrad(true));
+    for (int k = 0; k < steps; ++k) {
+      std::vector<at::Tensor> grads;
+      for (const auto& p : params) grads.push_back(at::randn(p.sizes()));
+      adam.step(grads);
+    }
+    return adam.state_dict();
+  }
+
+  std::string dir_;
+};
+
+TEST_F(CheckpointFile, FlippedBytesInATensorRecordAreRefusedNamingTheRecord) {
+  const std::string path = dir_ + "/adam.pt";
+  const OptimizerStateDict saved = adam_state(3);
+  save_state_dict(saved, path);
+  const std::vector<char> bytes = read_bytes(path);
+
+  // The largest tensor record: the 8x8 parameter's state.
+  const std::vector<Record> records = zip_records(bytes);
+  const Record* target = nullptr;
+  for (const Record& r : records) {
+    if (r.name.find("/data/") != std::string::npos && (!target || r.size > target->size)) {
+      target = &r;
+    }
+  }
+  ASSERT_NE(target, nullptr) << "no tensor record among " << records.size();
+  ASSERT_GE(target->size, 64u);
+  std::vector<char> damaged = bytes;
+  const size_t from = target->data_offset + target->size / 2 - 8;
+  for (size_t i = from; i < from + 16; ++i) damaged[i] = static_cast<char>(damaged[i] ^ 0x5a);
+  const std::string damaged_path = dir_ + "/adam_damaged.pt";
+  write_bytes(damaged_path, damaged);
+
+  expect_error_containing([&] { load_state_dict_file(damaged_path); },
+                          {"load_state_dict_file: '" + damaged_path + "' is corrupted",
+                           "record '" + target->name + "'", "CRC-32"});
+  // The undamaged file still loads, to exactly the saved state.
+  expect_same_dict(load_state_dict_file(path), saved);
+}
+
+TEST_F(CheckpointFile, TruncatedFileIsRefusedNamingThePath) {
+  const std::string path = dir_ + "/adam.pt";
+  save_state_dict(adam_state(2), path);
+  const std::vector<char> bytes = read_bytes(path);
+  const std::vector<Record> records = zip_records(bytes);
+  ASSERT_GE(records.size(), 2u);
+  const std::string cut_path = dir_ + "/cut.pt";
+  // Inside the first header, inside a tensor record, after the last record's data (inside the
+  // central directory), and one byte short of the end.
+  size_t last_data_end = 0;
+  for (const Record& r : records) last_data_end = std::max(last_data_end, r.data_offset + r.size);
+  for (size_t size : {size_t{1}, size_t{20}, records[1].data_offset + 3, last_data_end,
+                      last_data_end + 50, bytes.size() - 1}) {
+    SCOPED_TRACE("truncated to " + std::to_string(size) + " of " + std::to_string(bytes.size()));
+    write_bytes(cut_path, std::vector<char>(bytes.begin(), bytes.begin() + size));
+    expect_error_containing([&] { load_state_dict_file(cut_path); },
+                            {"load_state_dict_file: '" + cut_path + "' is not a valid checkpoint",
+                             std::to_string(size) + " bytes"});
+  }
+}
+
+TEST_F(CheckpointFile, GarbageFileIsRefusedNamingThePath) {
+  const std::string path = dir_ + "/garbage.pt";
+  std::vector<char> garbage(4096);
+  uint32_t x = 12345;
+  for (char& c : garbage) {
+    x = x * 1664525u + 1013904223u;
+    c = static_cast<char>(x >> 24);
+  }
+  write_bytes(path, garbage);
+  expect_error_containing([&] { load_state_dict_file(path); },
+                          {"load_state_dict_file: '" + path + "' is not a valid checkpoint"});
+}
+
+TEST_F(CheckpointFile, EmptyFileIsRefusedNamingThePath) {
+  const std::string path = dir_ + "/empty.pt";
+  write_bytes(path, {});
+  expect_error_containing([&] { load_state_dict_file(path); },
+                          {"load_state_dict_file: '" + path + "' is empty"});
+}
+
+TEST_F(CheckpointFile, DirectoryIsRefusedNamingThePath) {
+  expect_error_containing([&] { load_state_dict_file(dir_); },
+                          {"load_state_dict_file: '" + dir_ + "' is a directory"});
+  expect_error_containing([&] { save_state_dict(adam_state(1), dir_); },
+                          {"save_state_dict: cannot save '" + dir_ + "': it is a directory"});
+  EXPECT_TRUE(listing().empty());
+}
+
+TEST_F(CheckpointFile, MissingFileIsRefusedNamingThePath) {
+  const std::string path = dir_ + "/missing.pt";
+  expect_error_containing(
+      [&] { load_state_dict_file(path); },
+      {"load_state_dict_file: cannot open '" + path + "': No such file or directory"});
+}
+
+TEST_F(CheckpointFile, ArchiveOfAnotherValueIsRefusedNamingThePath) {
+  const std::string path = dir_ + "/int.pt";
+  write_bytes(path, torch::pickle_save(c10::IValue(int64_t{42})));
+  expect_error_containing([&] { load_state_dict_file(path); }, {"while loading '" + path + "'"});
+}
+
+TEST_F(CheckpointFile, UnwritableTargetIsRefusedNamingThePath) {
+  const std::string in_missing_dir = dir_ + "/no/such/dir/adam.pt";
+  expect_error_containing(
+      [&] { save_state_dict(adam_state(1), in_missing_dir); },
+      {"save_state_dict: cannot save '" + in_missing_dir + "'", "No such file or directory"});
+
+  const std::string locked = dir_ + "/locked";
+  ASSERT_EQ(::mkdir(locked.c_str(), 0755), 0);
+  ASSERT_EQ(::chmod(dir_.c_str(), 0755), 0);
+  const std::string path = locked + "/adam.pt";
+  const OptimizerStateDict state = adam_state(1);
+  if (::geteuid() == 0) {
+    // Root writes anywhere: drop to "nobody" (effective uid only) for the save, then come back.
+    ASSERT_EQ(::seteuid(65534), 0);
+    try {
+      save_state_dict(state, path);
+      ::seteuid(0);
+      ADD_FAILURE() << "saving into a directory that only root may write succeeded";
+    } catch (const c10::Error& e) {
+      ASSERT_EQ(::seteuid(0), 0);
+      const std::string message = e.what_without_backtrace();
+      EXPECT_NE(message.find("save_state_dict: cannot save '" + path + "'"), std::string::npos)
+          << message;
+      EXPECT_NE(message.find("Permission denied"), std::string::npos) << message;
+    } catch (...) {
+      ::seteuid(0);
+      throw;
+    }
+  } else {
+    ASSERT_EQ(::chmod(locked.c_str(), 0555), 0);
+    expect_error_containing([&] { save_state_dict(state, path); },
+                            {"save_state_dict: cannot save '" + path + "'", "Permission denied"});
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(locked));
+}
+
+TEST_F(CheckpointFile, FailedSaveLeavesThePreviousCheckpointIntact) {
+  const std::string path = dir_ + "/adam.pt";
+  const OptimizerStateDict first = adam_state(2);
+  save_state_dict(first, path);
+  EXPECT_EQ(listing(), std::vector<std::string>{"adam.pt"});
+  const auto size = static_cast<rlim_t>(read_bytes(path).size());
+
+  // A write that fails half-way (as on a full disk): files may not grow past half the size.
+  const OptimizerStateDict second = adam_state(5);
+  {
+    FileSizeLimit limit(size / 2);
+    expect_error_containing([&] { save_state_dict(second, path); },
+                            {"save_state_dict: cannot save '" + path + "'", "File too large"});
+  }
+  EXPECT_EQ(listing(), std::vector<std::string>{"adam.pt"});
+  expect_same_dict(load_state_dict_file(path), first);
+
+  save_state_dict(second, path);
+  EXPECT_EQ(listing(), std::vector<std::string>{"adam.pt"});
+  expect_same_dict(load_state_dict_file(path), second);
+}
+
+}  // namespace
+}  // namespace optim
+}  // namespace distoptim
