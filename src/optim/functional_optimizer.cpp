@@ -155,24 +155,20 @@ OptimizerStateDict FunctionalOptimizer::state_dict() const {
   return dict;
 }
 
-void FunctionalOptimizer::load_state_dict(const OptimizerStateDict& dict) {
+void FunctionalOptimizer::check_state_dict(const OptimizerStateDict& dict) const {
   TORCH_CHECK_VALUE(dict.optimizer == name_, name_, ".load_state_dict: the state dict is of "
                     "optimizer '", dict.optimizer, "'");
   TORCH_CHECK_VALUE(dict.param_groups.size() == groups_.size(), name_,
                     ".load_state_dict: the state dict has ", dict.param_groups.size(),
                     " param groups, the optimizer ", groups_.size());
-  std::vector<OptionBag> resolved(groups_.size());
   for (size_t g = 0; g < groups_.size(); ++g) {
     TORCH_CHECK_VALUE(dict.param_groups[g].param_indices == groups_[g].param_indices, name_,
                       ".load_state_dict: param group ", g, " holds other parameters (",
                       dict.param_groups[g].param_indices.size(), " in the state dict, ",
                       groups_[g].param_indices.size(), " here)");
-    resolved[g] = dict.defaults.merged_with(dict.param_groups[g].overrides);
-    check_options(resolved[g]);
+    check_options(dict.defaults.merged_with(dict.param_groups[g].overrides));
   }
   check_options(dict.defaults);
-  std::vector<ParamState> new_states(states_.size());
-  for (auto& s : new_states) s.buffers.resize(state_names_.size());
   for (const auto& item : dict.state) {
     const int64_t i = item.first;
     TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), name_,
@@ -181,25 +177,41 @@ void FunctionalOptimizer::load_state_dict(const OptimizerStateDict& dict) {
     TORCH_CHECK_VALUE(item.second.step >= 0, name_, ".load_state_dict: parameter ", i,
                       " has step ", item.second.step);
     const at::Tensor& p = params_[i];
-    new_states[i].step = item.second.step;
     for (const auto& buf : item.second.buffers) {
-      auto it = std::find(state_names_.begin(), state_names_.end(), buf.first);
-      TORCH_CHECK_VALUE(it != state_names_.end(), name_, ".load_state_dict: unknown state '",
-                        buf.first, "' for parameter ", i);
+      TORCH_CHECK_VALUE(
+          std::find(state_names_.begin(), state_names_.end(), buf.first) != state_names_.end(),
+          name_, ".load_state_dict: unknown state '", buf.first, "' for parameter ", i);
       TORCH_CHECK_VALUE(buf.second.defined() && buf.second.sizes() == p.sizes(), name_,
                         ".load_state_dict: state '", buf.first, "' of parameter ", i,
                         " has shape ", buf.second.defined() ? buf.second.sizes() : at::IntArrayRef{},
                         ", the parameter ", p.sizes());
+      // A sparse tensor would pass the checks above and fail only in load_state_dict's copy.
+      TORCH_CHECK_VALUE(buf.second.layout() == at::kStrided, name_, ".load_state_dict: state '",
+                        buf.first, "' of parameter ", i, " has layout ", buf.second.layout(),
+                        "; state must be dense");
+    }
+  }
+}
+
+void FunctionalOptimizer::load_state_dict(const OptimizerStateDict& dict) {
+  check_state_dict(dict);
+  std::vector<ParamState> new_states(states_.size());
+  for (auto& s : new_states) s.buffers.resize(state_names_.size());
+  for (const auto& item : dict.state) {
+    const at::Tensor& p = params_[item.first];
+    new_states[item.first].step = item.second.step;
+    for (const auto& buf : item.second.buffers) {
       at::Tensor own = new_state_buffer(p);
       own.copy_(buf.second);
-      new_states[i].buffers[it - state_names_.begin()] = std::move(own);
+      const auto slot = std::find(state_names_.begin(), state_names_.end(), buf.first);
+      new_states[item.first].buffers[slot - state_names_.begin()] = std::move(own);
     }
   }
   // Checked and built: commit.
   defaults_ = dict.defaults;
   for (size_t g = 0; g < groups_.size(); ++g) {
     groups_[g].overrides = dict.param_groups[g].overrides;
-    on_group_options(g, resolved[g]);
+    on_group_options(g, dict.defaults.merged_with(dict.param_groups[g].overrides));
   }
   states_ = std::move(new_states);
 }

@@ -128,6 +128,9 @@ class FunctionalOptimizer {
   /// shapes and grouping. Validated as a whole first; on error nothing changes. Buffers are
   /// copied into this optimizer's own storage (with the parameter's dtype and layout).
   void load_state_dict(const OptimizerStateDict& dict);
+  /// Checks `dict` as load_state_dict does and throws what it would throw, changing nothing:
+  /// after it returns, load_state_dict(dict) can fail only by running out of memory.
+  void check_state_dict(const OptimizerStateDict& dict) const;
 
  protected:
   /// `defaults` must hold every option key of the concrete optimizer.
