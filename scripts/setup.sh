@@ -29,7 +29,8 @@ PACKAGES=(
   libprotobuf-dev protobuf-compiler
   # The rpc layer's transport: standalone Asio (header-only) for TCP connections.
   libasio-dev
-  # HMAC-SHA256 and random nonces for the rpc layer's connection handshake (libcrypto).
+  # libcrypto: HMAC-SHA256 and random nonces for the rpc layer's connection handshake, SHA-256
+  # of the state dicts ZeroRedundancyOptimizer's ranks compare before loading.
   libssl-dev
   # libzip: checkpoint files are verified record by record (CRC-32) before they are loaded.
   libzip-dev

@@ -40,28 +40,29 @@ std::vector<ParamDescription> parse(const int64_t* data, size_t length) {
   return out;
 }
 
-std::vector<at::Tensor> allgather(const comm::Group& group, const at::Tensor& mine) {
+}  // namespace
+
+std::vector<at::Tensor> allgather_tensor(const comm::Group& group, const at::Tensor& mine) {
   std::vector<at::Tensor> gathered;
   for (int r = 0; r < group.size(); ++r) gathered.push_back(at::empty_like(mine));
   std::vector<std::vector<at::Tensor>> outputs = {gathered};
   std::vector<at::Tensor> inputs = {mine};
-  group.process_group()->allgather(outputs, inputs)->wait();
+  group.process_group()->allgather(outputs, inputs)->wait(group.timeout());
   return outputs[0];
 }
-
-}  // namespace
 
 void check_same_parameters_across_ranks(const comm::Group& group,
                                         const std::vector<at::Tensor>& parameters,
                                         const std::string& caller) {
   const std::vector<int64_t> mine = describe(parameters);
   // Descriptions differ in length between ranks that differ: agree on the longest, then pad.
-  const auto lengths = allgather(group, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong));
+  const auto lengths =
+      allgather_tensor(group, at::full({1}, static_cast<int64_t>(mine.size()), at::kLong));
   int64_t longest = 0;
   for (const auto& l : lengths) longest = std::max(longest, l.item<int64_t>());
   at::Tensor padded = at::zeros({longest}, at::kLong);
   std::copy(mine.begin(), mine.end(), padded.data_ptr<int64_t>());
-  const auto all = allgather(group, padded);
+  const auto all = allgather_tensor(group, padded);
 
   const auto reference = parse(all[0].data_ptr<int64_t>(), static_cast<size_t>(longest));
   for (int r = 1; r < group.size(); ++r) {

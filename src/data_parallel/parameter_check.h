@@ -10,6 +10,10 @@
 namespace distoptim {
 namespace data_parallel {
 
+/// Every rank's `mine` (of the same shape and dtype on all), by group rank. Collective; waits at
+/// most the group's timeout.
+std::vector<at::Tensor> allgather_tensor(const comm::Group& group, const at::Tensor& mine);
+
 /// Checks that every rank of `group` holds parameters of the same number, dtypes and shapes as
 /// rank 0 (two allgathers of a small description). Collective. On a mismatch every rank throws
 /// the same c10::ValueError, `caller` first, naming the first rank and parameter that differ;

@@ -18,6 +18,7 @@
 #include <distoptim/optim/registry.h>
 
 #include "parameter_check.h"
+#include "state_dict_agreement.h"
 
 namespace distoptim {
 namespace data_parallel {
@@ -60,6 +61,12 @@ void check_params(const std::vector<optim::ParamGroup>& groups,
       ++index;
     }
   }
+}
+
+// An exception's message without LibTorch's backtrace.
+std::string error_text(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr ? error->what_without_backtrace() : e.what();
 }
 
 // Waits for a point-to-point message, turning Gloo's failure into one that names the peer.
@@ -333,6 +340,79 @@ struct ZeroRedundancyOptimizer::Impl {
     }
   }
 
+  // Checks a global state dict against this optimizer, as every rank must (so a bad dict fails
+  // on all ranks alike), and returns this rank's part in the local optimizer's indices, checked
+  // by it too. Changes nothing.
+  optim::OptimizerStateDict local_part(const optim::OptimizerStateDict& dict) const {
+    const std::string caller = std::string(kName) + ".load_state_dict";
+    TORCH_CHECK_VALUE(dict.optimizer == local->name(), caller, ": the state dict is of optimizer '",
+                      dict.optimizer, "', this one runs '", local->name(), "'");
+    TORCH_CHECK_VALUE(dict.param_groups.size() == group_indices.size(), caller,
+                      ": the state dict has ", dict.param_groups.size(),
+                      " param groups, the optimizer ", group_indices.size());
+    for (size_t g = 0; g < group_indices.size(); ++g) {
+      TORCH_CHECK_VALUE(dict.param_groups[g].param_indices == group_indices[g], caller,
+                        ": param group ", g, " holds other parameters (",
+                        dict.param_groups[g].param_indices.size(), " in the state dict, ",
+                        group_indices[g].size(), " here)");
+    }
+    const auto& names = local->state_names();
+    for (const auto& [index, state] : dict.state) {
+      TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(params.size()), caller,
+                        ": state for parameter ", index, " but the optimizer has ", params.size());
+      for (const auto& [name, tensor] : state.buffers) {
+        TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), name) != names.end(), caller,
+                          ": unknown state '", name, "' for parameter ", index);
+        TORCH_CHECK_VALUE(tensor.defined() && tensor.sizes() == params[index].sizes(), caller,
+                          ": state '", name, "' of parameter ", index, " has shape ",
+                          tensor.defined() ? tensor.sizes() : at::IntArrayRef{}, ", the parameter ",
+                          params[index].sizes());
+      }
+    }
+    optim::OptimizerStateDict local_dict;
+    local_dict.optimizer = dict.optimizer;
+    local_dict.defaults = dict.defaults;
+    std::vector<int64_t> local_index_of(params.size(), -1);
+    int64_t next = 0;
+    for (size_t g = 0; g < group_indices.size(); ++g) {
+      optim::OptimizerStateDict::Group local_group{{}, dict.param_groups[g].overrides};
+      for (int64_t i : group_indices[g]) {
+        if (owner[i] != my_rank()) continue;
+        local_index_of[i] = next;
+        local_group.param_indices.push_back(next++);
+      }
+      local_dict.param_groups.push_back(std::move(local_group));
+    }
+    for (const auto& [index, state] : dict.state) {
+      if (local_index_of[index] >= 0) local_dict.state[local_index_of[index]] = state;
+    }
+    local->check_state_dict(local_dict);
+    return local_dict;
+  }
+
+  // The collective load: this rank checks `dict` (null when it could not get one, `error`
+  // saying why) and hashes it, the ranks agree, and only then does any rank load its part.
+  void load_agreed(const optim::OptimizerStateDict* dict, std::string error) {
+    require_functional_local("load_state_dict");
+    const std::string caller = std::string(kName) + ".load_state_dict";
+    StateDictCheck check;
+    optim::OptimizerStateDict local_dict;
+    if (dict != nullptr) {
+      try {
+        local_dict = local_part(*dict);
+        check.digest = state_dict_digest(*dict);
+      } catch (const std::exception& e) {
+        error = error_text(e);
+        // The other ranks' message starts with the caller already.
+        if (error.rfind(caller + ": ", 0) == 0) error.erase(0, caller.size() + 2);
+      }
+    }
+    check.error = std::move(error);
+    agree_on_state_dict(group, check, caller);
+    // Checked on every rank: only running out of memory can fail now.
+    local->load_state_dict(local_dict);
+  }
+
   // Rank r's local state dict in global indices, merged into `global`.
   void merge_local(const optim::OptimizerStateDict& local_dict, int r,
                    optim::OptimizerStateDict& global) const {
@@ -538,55 +618,19 @@ optim::OptimizerStateDict ZeroRedundancyOptimizer::state_dict() const {
 }
 
 void ZeroRedundancyOptimizer::load_state_dict(const optim::OptimizerStateDict& dict) {
-  Impl& s = *impl_;
-  s.require_functional_local("load_state_dict");
-  const std::string caller = std::string(kName) + ".load_state_dict";
-  // The whole dict is checked on every rank, so a bad one fails everywhere alike.
-  TORCH_CHECK_VALUE(dict.optimizer == s.local->name(), caller, ": the state dict is of optimizer '",
-                    dict.optimizer, "', this one runs '", s.local->name(), "'");
-  TORCH_CHECK_VALUE(dict.param_groups.size() == s.group_indices.size(), caller,
-                    ": the state dict has ", dict.param_groups.size(),
-                    " param groups, the "
-                    "optimizer ",
-                    s.group_indices.size());
-  for (size_t g = 0; g < s.group_indices.size(); ++g) {
-    TORCH_CHECK_VALUE(dict.param_groups[g].param_indices == s.group_indices[g], caller,
-                      ": param group ", g, " holds other parameters (",
-                      dict.param_groups[g].param_indices.size(), " in the state dict, ",
-                      s.group_indices[g].size(), " here)");
+  impl_->load_agreed(&dict, {});
+}
+
+void ZeroRedundancyOptimizer::load_state_dict_from_file(const std::string& path) {
+  impl_->require_functional_local("load_state_dict_from_file");
+  optim::OptimizerStateDict dict;
+  std::string error;
+  try {
+    dict = optim::load_state_dict_file(path);
+  } catch (const std::exception& e) {
+    error = c10::str("reading '", path, "' failed: ", error_text(e));
   }
-  const auto& names = s.local->state_names();
-  for (const auto& [index, state] : dict.state) {
-    TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(s.params.size()), caller,
-                      ": state for parameter ", index, " but the optimizer has ", s.params.size());
-    for (const auto& [name, tensor] : state.buffers) {
-      TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), name) != names.end(), caller,
-                        ": unknown state '", name, "' for parameter ", index);
-      TORCH_CHECK_VALUE(tensor.defined() && tensor.sizes() == s.params[index].sizes(), caller,
-                        ": state '", name, "' of parameter ", index, " has shape ",
-                        tensor.defined() ? tensor.sizes() : at::IntArrayRef{}, ", the parameter ",
-                        s.params[index].sizes());
-    }
-  }
-  // This rank's part, in the local optimizer's indices.
-  optim::OptimizerStateDict local_dict;
-  local_dict.optimizer = dict.optimizer;
-  local_dict.defaults = dict.defaults;
-  std::vector<int64_t> local_index_of(s.params.size(), -1);
-  int64_t next = 0;
-  for (size_t g = 0; g < s.group_indices.size(); ++g) {
-    optim::OptimizerStateDict::Group group{{}, dict.param_groups[g].overrides};
-    for (int64_t i : s.group_indices[g]) {
-      if (s.owner[i] != s.my_rank()) continue;
-      local_index_of[i] = next;
-      group.param_indices.push_back(next++);
-    }
-    local_dict.param_groups.push_back(std::move(group));
-  }
-  for (const auto& [index, state] : dict.state) {
-    if (local_index_of[index] >= 0) local_dict.state[local_index_of[index]] = state;
-  }
-  s.local->load_state_dict(local_dict);
+  impl_->load_agreed(error.empty() ? &dict : nullptr, error);
 }
 
 const std::vector<at::Tensor>& ZeroRedundancyOptimizer::params() const { return impl_->params; }

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <thread>
@@ -127,8 +128,9 @@ void expect_replicas_identical(const std::vector<at::Tensor>& params) {
   }
 }
 
+// Equal options and steps; buffers within 1e-10, or bit-identical when `exact`.
 void expect_state_dicts_close(const optim::OptimizerStateDict& actual,
-                              const optim::OptimizerStateDict& expected) {
+                              const optim::OptimizerStateDict& expected, bool exact = false) {
   EXPECT_EQ(actual.optimizer, expected.optimizer);
   EXPECT_EQ(actual.defaults, expected.defaults);
   ASSERT_EQ(actual.param_groups.size(), expected.param_groups.size());
@@ -144,7 +146,8 @@ void expect_state_dicts_close(const optim::OptimizerStateDict& actual,
     ASSERT_EQ(got.buffers.size(), state.buffers.size()) << "parameter " << index;
     for (const auto& [name, tensor] : state.buffers) {
       ASSERT_EQ(got.buffers.count(name), 1u) << name << " of parameter " << index;
-      EXPECT_TRUE(at::allclose(got.buffers.at(name), tensor, 1e-10, 1e-12))
+      EXPECT_TRUE(exact ? at::equal(got.buffers.at(name), tensor)
+                        : at::allclose(got.buffers.at(name), tensor, 1e-10, 1e-12))
           << name << " of parameter " << index;
     }
   }
@@ -503,6 +506,160 @@ TEST(ZeroRedundancyOptimizer, ABadStateDictFailsOnEveryRankAndChangesNothing) {
                             {"load_state_dict", "parameter 7", "has 4"});
     expect_state_dicts_close(zero.local_optimizer().state_dict(), local_before);
   });
+}
+
+// Three ranks train 2 iterations and rank 0 saves the consolidated state; every rank takes its
+// own copy of the file (its checkpoint), then all train a third iteration, so loading the copy
+// takes the state back and a refused load is seen to change nothing.
+struct Checkpointed {
+  Net model = make_model(100);
+  std::unique_ptr<ZeroRedundancyOptimizer> zero;
+  optim::OptimizerStateDict saved;  // as read back from this rank's copy
+  std::string file;                 // this rank's copy
+};
+
+std::string rank_copy(const std::string& name, int rank) {
+  return checkpoint_path(name + ".rank" + std::to_string(rank));
+}
+
+std::unique_ptr<Checkpointed> train_and_checkpoint(const std::string& name, int rank,
+                                                   int world_size) {
+  init();
+  auto c = std::make_unique<Checkpointed>();
+  c->zero =
+      std::make_unique<ZeroRedundancyOptimizer>(param_groups(c->model), "adam", kAdamDefaults);
+  for (int iteration = 0; iteration < 2; ++iteration) {
+    ddp_zero_iteration(nullptr, c->model, *c->zero, iteration, rank, world_size);
+  }
+  c->zero->consolidate_state_dict(0);
+  if (rank == 0) optim::save_state_dict(c->zero->state_dict(), checkpoint_path(name));
+  comm::world().barrier();
+  c->file = rank_copy(name, rank);
+  std::filesystem::copy_file(checkpoint_path(name), c->file,
+                             std::filesystem::copy_options::overwrite_existing);
+  c->saved = optim::load_state_dict_file(c->file);
+  ddp_zero_iteration(nullptr, c->model, *c->zero, 2, rank, world_size);
+  return c;
+}
+
+void remove_checkpoints(const std::string& name, int world_size) {
+  if (distoptim::testing::in_rank_process()) return;
+  std::remove(checkpoint_path(name).c_str());
+  for (int r = 0; r < world_size; ++r) std::remove(rank_copy(name, r).c_str());
+}
+
+// The message of the c10::ValueError `fn` throws; empty when it throws nothing.
+template <class Fn>
+std::string value_error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const c10::ValueError& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+// Every rank's `text` must equal rank 0's. Collective.
+void expect_same_on_every_rank(const std::string& text) {
+  constexpr int64_t kBytes = 8192;
+  ASSERT_LT(static_cast<int64_t>(text.size()), kBytes);
+  auto mine = torch::zeros({kBytes}, torch::kByte);
+  std::memcpy(mine.data_ptr(), text.data(), text.size());
+  std::vector<std::vector<at::Tensor>> all(1);
+  for (int r = 0; r < comm::get_world_size(); ++r) all[0].push_back(torch::empty_like(mine));
+  std::vector<at::Tensor> input = {mine};
+  comm::world().process_group()->allgather(all, input)->wait();
+  EXPECT_TRUE(at::equal(all[0][0], mine))
+      << "rank " << comm::get_rank() << " threw another error than rank 0: " << text;
+}
+
+// A refused load: every rank throws the same c10::ValueError with `parts`, and its state is
+// exactly what it was.
+template <class Fn>
+void expect_refused_everywhere(ZeroRedundancyOptimizer& zero, Fn&& load,
+                               const std::vector<std::string>& parts) {
+  const auto before = zero.local_optimizer().state_dict();
+  const std::string message = value_error_of(load);
+  EXPECT_FALSE(message.empty()) << "rank " << comm::get_rank() << " loaded the state dict";
+  for (const auto& part : parts) {
+    EXPECT_NE(message.find(part), std::string::npos)
+        << "message lacks '" << part << "': " << message;
+  }
+  expect_same_on_every_rank(message);
+  expect_state_dicts_close(zero.local_optimizer().state_dict(), before, /*exact=*/true);
+}
+
+TEST(ZeroLoadStateDict, IdenticalCopiesLoadOnEveryRankExactly) {
+  run_ranks(3, [](int rank, int world_size) {
+    auto c = train_and_checkpoint("identical.pt", rank, world_size);
+    c->zero->load_state_dict_from_file(c->file);
+    c->zero->consolidate_state_dict(0);
+    if (rank == 0) expect_state_dicts_close(c->zero->state_dict(), c->saved, /*exact=*/true);
+
+    // The digest covers values, not memory layout: rank 2's copy of a buffer is a transposed
+    // view with the same elements.
+    ddp_zero_iteration(nullptr, c->model, *c->zero, 3, rank, world_size);
+    auto dict = c->saved;
+    if (rank == 2) {
+      auto& exp_avg = dict.state.at(0).buffers.at("exp_avg");
+      exp_avg = exp_avg.t().contiguous().t();
+      ASSERT_FALSE(exp_avg.is_contiguous());
+    }
+    c->zero->load_state_dict(dict);
+    c->zero->consolidate_state_dict(0);
+    if (rank == 0) expect_state_dicts_close(c->zero->state_dict(), c->saved, /*exact=*/true);
+  });
+  remove_checkpoints("identical.pt", 3);
+}
+
+TEST(ZeroLoadStateDict, ADifferentCopyOnOneRankIsRefusedOnEveryRank) {
+  run_ranks(3, [](int rank, int world_size) {
+    auto c = train_and_checkpoint("different.pt", rank, world_size);
+    auto dict = c->saved;
+    // Rank 2 holds an older file, say: one of the buffers it owns differs.
+    if (rank == 2) dict.state.at(2).buffers.at("exp_avg_sq").add_(1e-3);
+    expect_refused_everywhere(
+        *c->zero, [&] { c->zero->load_state_dict(dict); },
+        {"ZeroRedundancyOptimizer.load_state_dict: ranks disagree on the "
+         "state dict: rank 2 differs from rank 0 (SHA-256 ",
+         " on rank 2, ", " on ranks 0, 1)", "nothing was loaded on any rank"});
+  });
+  remove_checkpoints("different.pt", 3);
+}
+
+TEST(ZeroLoadStateDict, ATruncatedFileOnOneRankIsRefusedOnEveryRank) {
+  run_ranks(3, [](int rank, int world_size) {
+    auto c = train_and_checkpoint("truncated.pt", rank, world_size);
+    if (rank == 2) {
+      std::filesystem::resize_file(c->file, std::filesystem::file_size(c->file) / 2);
+    }
+    expect_refused_everywhere(
+        *c->zero, [&] { c->zero->load_state_dict_from_file(c->file); },
+        {"ZeroRedundancyOptimizer.load_state_dict: rank 2 cannot load the state dict: reading '" +
+             rank_copy("truncated.pt", 2) + "' failed: ",
+         "zip archive", "; nothing was loaded on any rank"});
+    // A file that is no state dict at all.
+    if (rank == 2) {
+      std::ofstream(c->file, std::ios::binary | std::ios::trunc) << "not a checkpoint";
+    }
+    expect_refused_everywhere(*c->zero, [&] { c->zero->load_state_dict_from_file(c->file); },
+                              {"rank 2 cannot load the state dict: reading '" +
+                               rank_copy("truncated.pt", 2) + "' failed: "});
+  });
+  remove_checkpoints("truncated.pt", 3);
+}
+
+TEST(ZeroLoadStateDict, AWrongShapeOnOneRankIsRefusedOnEveryRank) {
+  run_ranks(3, [](int rank, int world_size) {
+    auto c = train_and_checkpoint("shape.pt", rank, world_size);
+    auto dict = c->saved;
+    if (rank == 2) dict.state.at(1).buffers["exp_avg"] = torch::zeros({6}, torch::kFloat64);
+    expect_refused_everywhere(*c->zero, [&] { c->zero->load_state_dict(dict); },
+                              {"ZeroRedundancyOptimizer.load_state_dict: rank 2 cannot load the "
+                               "state dict: state 'exp_avg' of parameter 1 has shape [6], the "
+                               "parameter [16]; nothing was loaded on any rank"});
+  });
+  remove_checkpoints("shape.pt", 3);
 }
 
 TEST(ZeroRedundancyOptimizer, BadInputIsRejectedNamingTheArgument) {

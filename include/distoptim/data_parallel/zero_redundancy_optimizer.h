@@ -60,13 +60,13 @@ struct ZeroRedundancyOptimizerOptions {
 /// `consolidate_state_dict(to)` gathers every rank's shard on rank `to` only, one rank at a time
 /// (PyTorch broadcasts every shard to every rank); `state_dict()` there returns it;
 /// `load_state_dict` takes this rank's part of a global dict, so a dict saved under another
-/// world size loads too.
+/// world size loads too; it loads only when every rank holds the same valid dict.
 ///
 /// Thread safety: not synchronized; one thread drives an instance. Collective: construction,
-/// step, add_param_group, consolidate_state_dict (and load_state_dict, which checks on every
-/// rank) must be called by every rank of the group in the same order; they fail after the
-/// group's timeout when a rank does not. Errors: bad input throws c10::ValueError naming the
-/// argument (and rank), before anything changes.
+/// step, add_param_group, consolidate_state_dict, load_state_dict and load_state_dict_from_file
+/// must be called by every rank of the group in the same order; they fail after the group's
+/// timeout when a rank does not. Errors: bad input throws c10::ValueError naming the argument
+/// (and rank), before anything changes.
 class ZeroRedundancyOptimizer : public Joinable {
  public:
   /// Builds one of our optimizers over this rank's share of the groups (each group keeps its
@@ -121,9 +121,27 @@ class ZeroRedundancyOptimizer : public Joinable {
   void consolidate_state_dict(int to = 0);
   /// The state last consolidated on this rank; throws c10::ValueError if there is none.
   optim::OptimizerStateDict state_dict() const;
-  /// Loads this rank's part of a global state dict; every rank checks the whole dict first, so
-  /// a bad dict fails on all ranks alike and changes nothing.
+  /// Loads this rank's part of a global state dict. Collective: every rank checks the whole of
+  /// its own copy (optimizer, groups, indices, state names and shapes, options) and hashes it
+  /// (SHA-256 of its values, not of the tensors' memory layout), then the ranks exchange their
+  /// results, and each loads its part only when every rank's check passed and all digests are
+  /// equal. Otherwise every rank throws the same c10::ValueError and no rank changes anything:
+  ///   ZeroRedundancyOptimizer.load_state_dict: rank 2 cannot load the state dict: state
+  ///   'exp_avg' of parameter 1 has shape [6], the parameter [5]; nothing was loaded on any rank
+  ///   ZeroRedundancyOptimizer.load_state_dict: ranks disagree on the state dict: rank 2 differs
+  ///   from rank 0 (SHA-256 1f0c...  on rank 2, 9ab2... on ranks 0, 1); nothing was loaded ...
+  /// A failing rank's own error text travels with it (its first 1024 bytes). Ranks whose
+  /// digest differs are named against the digest most ranks hold (on a tie, the one of the
+  /// lowest rank). A rank that does not call it makes the others throw
+  /// distoptim::DistributedError after the group's timeout, having loaded nothing.
   void load_state_dict(const optim::OptimizerStateDict& dict);
+  /// Reads the dict at `path` (optim::load_state_dict_file; each rank its own path or copy) and
+  /// loads it as load_state_dict does. Use it rather than load_state_dict_file followed by
+  /// load_state_dict: a rank whose file is missing, truncated or malformed still takes part,
+  /// so every rank throws the same c10::ValueError naming that rank, its path and its reading
+  /// error (`rank 2 cannot load the state dict: reading 'PATH' failed: ...`), and nothing is
+  /// loaded anywhere, instead of that rank alone throwing while the others load and go on.
+  void load_state_dict_from_file(const std::string& path);
 
   /// All parameters, groups concatenated (the indices of state dicts).
   const std::vector<at::Tensor>& params() const;
