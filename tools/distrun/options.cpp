@@ -1,0 +1,197 @@
+#include "distrun/options.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdint>
+#include <memory>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include "distrun/signals_fds.h"
+
+namespace distoptim {
+namespace launcher {
+namespace {
+
+constexpr double kMaxGraceSeconds = 86400.0;
+constexpr const char* kDefaultMasterAddr = "127.0.0.1";
+constexpr const char* kUsageLine = "distrun --nproc-per-node N [OPTIONS] [--] PROGRAM [ARGS...]";
+
+// CLI11's help, with distrun's usage line (CLI11's own would leave out PROGRAM).
+class HelpFormatter : public CLI::Formatter {
+ public:
+  std::string make_usage(const CLI::App*, std::string) const override {
+    return fmt::format("Usage: {}\n", kUsageLine);
+  }
+};
+
+// Registers distrun's options on `app`, storing into `options`. The underscore spellings are
+// torchrun's, accepted so its command lines port unchanged.
+void add_options(CLI::App& app, LaunchOptions& options) {
+  app.formatter(std::make_shared<HelpFormatter>());
+  app.get_formatter()->column_width(38);
+  app.description(
+      "Starts N processes (ranks) of PROGRAM on this node with the environment of a distributed\n"
+      "job, relays their output line by line, and stops them all when one fails.");
+  // Stop at PROGRAM: it and everything after it are the ranks' command line, never ours.
+  app.prefix_command();
+  app.add_option("--nproc-per-node,--nproc_per_node", options.nproc_per_node,
+                 "Processes (ranks) to start on this node, at least 1")
+      ->type_name("N")
+      ->required();
+  app.add_option("--nnodes", options.nnodes, "Nodes in the job, each running distrun (default 1)")
+      ->type_name("M");
+  app.add_option("--node-rank,--node_rank", options.node_rank,
+                 "This node's index in [0, M) (default 0)")
+      ->type_name("R");
+  app.add_option("--master-addr,--master_addr", options.master_addr,
+                 "Address of rank 0's rendezvous (default 127.0.0.1;\nrequired with M > 1)")
+      ->type_name("ADDR");
+  app.add_option("--master-port,--master_port", options.master_port,
+                 "Its port, 1..65535 (default: one free on 127.0.0.1;\nrequired with M > 1)")
+      ->type_name("PORT");
+  app.add_option("--grace-seconds,--grace_seconds", options.grace_seconds,
+                 "After a failure or SIGINT/SIGTERM, seconds the ranks\nhave between SIGTERM and "
+                 "SIGKILL (default 5)")
+      ->type_name("S");
+  app.footer(
+      "Each rank's environment gets RANK (R * N + local rank), WORLD_SIZE (M * N), LOCAL_RANK,\n"
+      "LOCAL_WORLD_SIZE (N), GROUP_RANK (R), MASTER_ADDR and MASTER_PORT.\n"
+      "Every line a rank writes is printed as \"[rank RANK] line\" on distrun's stdout or stderr.\n"
+      "When a rank exits non-zero or is killed by a signal, the others get SIGTERM, then SIGKILL\n"
+      "after the grace period.\n"
+      "Exit status: 0 if every rank exited 0; 128 + signal if distrun got SIGINT or SIGTERM; else\n"
+      "the first failing rank's status (128 + signal if it was killed); 2 for a bad command line.");
+}
+
+int find_free_port() {
+  const Fd sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!sock.valid()) throw errno_error(errno, "socket");
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = 0;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::bind(sock.get(), reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
+    throw errno_error(errno, "finding a free port: bind to 127.0.0.1 port 0");
+  }
+  socklen_t length = sizeof address;
+  if (::getsockname(sock.get(), reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    throw errno_error(errno, "finding a free port: getsockname");
+  }
+  return ntohs(address.sin_port);
+}
+
+}  // namespace
+
+std::string single_quoted(const std::string& s) { return fmt::format("'{}'", s); }
+
+LaunchOptions parse_command_line(const std::vector<std::string>& args) {
+  LaunchOptions options;
+  CLI::App app("", "distrun");
+  add_options(app, options);
+  // CLI11 takes the arguments last-first.
+  std::vector<std::string> reversed(args.rbegin(), args.rend());
+  try {
+    app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    throw HelpRequested(app.help());
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(e.what());
+  }
+  // Explicit values that mean "unset" in LaunchOptions are errors, not requests for a default.
+  if (app.count("--master-port") > 0 && options.master_port == 0) {
+    throw UsageError("--master-port 0: must be in 1..65535");
+  }
+  if (app.count("--master-addr") > 0 && options.master_addr.empty()) {
+    throw UsageError("--master-addr '': must not be empty");
+  }
+
+  // With prefix_command, remaining() holds an unknown option and what follows it, or "--" and
+  // the command, or the command.
+  std::vector<std::string> rest = app.remaining();
+  if (!rest.empty() && rest.front() == "--") {
+    rest.erase(rest.begin());
+  } else if (!rest.empty() && rest.front().size() > 1 && rest.front()[0] == '-') {
+    throw UsageError(fmt::format("unknown option {} (put -- before a PROGRAM that starts with -)",
+                                 rest.front()));
+  }
+  options.command = std::move(rest);
+  validate(options);
+  return options;
+}
+
+void validate(const LaunchOptions& options) {
+  if (options.nproc_per_node < 1) {
+    throw UsageError(
+        fmt::format("--nproc-per-node {}: must be at least 1", options.nproc_per_node));
+  }
+  if (options.nnodes < 1) {
+    throw UsageError(fmt::format("--nnodes {}: must be at least 1", options.nnodes));
+  }
+  if (static_cast<int64_t>(options.nnodes) * options.nproc_per_node > INT_MAX) {
+    throw UsageError(
+        fmt::format("--nnodes {} --nproc-per-node {}: the world size must be at most {}",
+                    options.nnodes, options.nproc_per_node, INT_MAX));
+  }
+  if (options.node_rank < 0 || options.node_rank >= options.nnodes) {
+    throw UsageError(fmt::format("--node-rank {}: must be in [0, {}) (--nnodes {})",
+                                 options.node_rank, options.nnodes, options.nnodes));
+  }
+  if (options.master_port < 0 || options.master_port > 65535) {
+    throw UsageError(fmt::format("--master-port {}: must be in 1..65535", options.master_port));
+  }
+  if (options.nnodes > 1 && (options.master_addr.empty() || options.master_port == 0)) {
+    throw UsageError(fmt::format(
+        "{} is required with --nnodes {}: the address of rank 0's rendezvous, the same on every "
+        "node (--master-addr {}, --master-port {})",
+        options.master_addr.empty() ? "--master-addr" : "--master-port", options.nnodes,
+        options.master_addr.empty() ? "not given" : options.master_addr,
+        options.master_port == 0 ? "not given" : std::to_string(options.master_port)));
+  }
+  if (!(options.grace_seconds >= 0 && options.grace_seconds <= kMaxGraceSeconds)) {
+    throw UsageError(fmt::format("--grace-seconds {}: must be in [0, {}]", options.grace_seconds,
+                                 kMaxGraceSeconds));
+  }
+  if (options.command.empty()) {
+    throw UsageError(fmt::format("no PROGRAM given; usage: {}", kUsageLine));
+  }
+  if (options.command.front().empty()) {
+    throw UsageError(
+        fmt::format("PROGRAM {}: must not be empty", single_quoted(options.command.front())));
+  }
+}
+
+std::string help_text() {
+  LaunchOptions options;
+  CLI::App app("", "distrun");
+  add_options(app, options);
+  return app.help();
+}
+
+LaunchOptions resolve_master(LaunchOptions options) {
+  if (options.master_addr.empty()) options.master_addr = kDefaultMasterAddr;
+  if (options.master_port == 0) options.master_port = find_free_port();
+  return options;
+}
+
+std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOptions& options,
+                                                                  int local_rank) {
+  const int rank = options.node_rank * options.nproc_per_node + local_rank;
+  return {
+      {"RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(options.nnodes * options.nproc_per_node)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
+      {"GROUP_RANK", std::to_string(options.node_rank)},
+      {"MASTER_ADDR", options.master_addr},
+      {"MASTER_PORT", std::to_string(options.master_port)},
+  };
+}
+
+}  // namespace launcher
+}  // namespace distoptim

@@ -1,0 +1,78 @@
+#pragma once
+
+// distrun's options: parsing and validating its command line, and the environment each rank
+// gets.
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace distoptim {
+namespace launcher {
+
+/// distrun's exit status for a bad command line.
+constexpr int kUsageExitCode = 2;
+
+/// A bad command line or option value. The message names the option and the value given.
+class UsageError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// Thrown by parse_command_line for --help; what() is the help text.
+class HelpRequested : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// What distrun runs: `nproc_per_node` copies of `command` on this node, which is node
+/// `node_rank` of `nnodes`.
+struct LaunchOptions {
+  /// Processes (ranks) started on this node; at least 1.
+  int nproc_per_node = 0;
+  /// Nodes in the job, each running its own distrun with the same nproc_per_node.
+  int nnodes = 1;
+  /// This node's index, in [0, nnodes); its ranks are node_rank * nproc_per_node + local rank.
+  int node_rank = 0;
+  /// Address of rank 0's rendezvous. Empty: 127.0.0.1 (only allowed with nnodes == 1).
+  std::string master_addr;
+  /// Port of rank 0's rendezvous, 1..65535. 0: a port free on 127.0.0.1 when distrun starts
+  /// (only allowed with nnodes == 1).
+  int master_port = 0;
+  /// After the first failure (or a signal), how long the other ranks have to exit after being
+  /// sent SIGTERM before they are sent SIGKILL. In [0, 86400].
+  double grace_seconds = 5.0;
+  /// PROGRAM and its arguments, passed to every rank untouched.
+  std::vector<std::string> command;
+};
+
+/// Parses distrun's arguments (without argv[0]):
+/// `--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
+///  [--grace-seconds S] [--] PROGRAM ARGS...`.
+/// Everything from PROGRAM on is kept as given, even words that look like distrun's options.
+/// Returns validated options (validate() has run). Throws UsageError, or HelpRequested for --help.
+LaunchOptions parse_command_line(const std::vector<std::string>& args);
+
+/// Checks every field; throws UsageError naming the first bad option and its value.
+void validate(const LaunchOptions& options);
+
+/// distrun's --help text.
+std::string help_text();
+
+/// `options` with master_addr and master_port filled in when they were left empty/0: 127.0.0.1
+/// and a port found free by binding a TCP socket to 127.0.0.1 port 0. Throws std::system_error
+/// if no socket can be bound.
+LaunchOptions resolve_master(LaunchOptions options);
+
+/// The variables set for local rank `local_rank`, in this order: RANK, WORLD_SIZE, LOCAL_RANK,
+/// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT (torchrun's names). `options` must be
+/// resolved (resolve_master) and valid.
+std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOptions& options,
+                                                                  int local_rank);
+
+/// `s` in single quotes, as error messages quote a program's name.
+std::string single_quoted(const std::string& s);
+
+}  // namespace launcher
+}  // namespace distoptim

@@ -1,0 +1,343 @@
+// The supervisor's state machine (Supervisor below; one poll loop, single-threaded):
+//
+//   starting  start_all() forks and execs every local rank in order, each with its stdout and
+//             stderr on pipes; a rank that cannot be started counts as a failure with status 1
+//             (the ranks already started are stopped as below).
+//   running   the loop relays output and reaps ranks as they exit. Exit status 0 changes
+//             nothing; a non-zero status or a signal is a failure.
+//   stopping  entered on the first failure, or when distrun gets SIGINT/SIGTERM: the first
+//             failure's status is kept; every rank still running is sent SIGTERM (or the signal
+//             distrun got, which is also passed on each time it comes again) and the grace
+//             period starts. Later failures are reported but change neither.
+//   killing   at the end of the grace period, SIGKILL to every rank still running.
+//   draining  once no rank runs: output still held open by the ranks' own children is relayed
+//             for at most kDrainTimeout, then closed.
+//   done      exit status: 128 + the signal distrun got, if any; else the first failure's status
+//             (128 + signal for a rank killed by one); else 0.
+
+#include "distrun/supervisor.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include <fmt/format.h>
+
+#include "distrun/output_relay.h"
+#include "distrun/signals_fds.h"
+
+extern char** environ;
+
+namespace distoptim {
+namespace launcher {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// At a rank's exit, read what is left in its pipes before reporting it, so a failure report
+// follows the rank's last words; bounded, as its own children may still be writing.
+constexpr int kMaxReadsAtExit = 16;
+// Once every rank has exited, how long output held open by their children is still read.
+constexpr auto kDrainTimeout = std::chrono::seconds(1);
+constexpr int kExecFailedStatus = 127;
+
+struct RankProcess {
+  int rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  std::vector<OutputRelay> outputs;  // stdout, stderr
+};
+
+// What a forked child needs to exec, all prepared before fork.
+struct ChildSetup {
+  pid_t parent = -1;
+  int stdout_fd = -1;
+  int stderr_fd = -1;
+  sigset_t mask{};
+  char* const* argv = nullptr;
+  char* const* envp = nullptr;
+  std::string exec_error;
+};
+
+[[noreturn]] void exec_child(const ChildSetup& setup) {
+  restore_default_signals();
+  // Die with distrun. If distrun died before this took effect, the child has been reparented.
+  if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != setup.parent) ::_exit(1);
+  if (::dup2(setup.stdout_fd, STDOUT_FILENO) < 0 || ::dup2(setup.stderr_fd, STDERR_FILENO) < 0) {
+    ::_exit(kExecFailedStatus);
+  }
+  ::sigprocmask(SIG_SETMASK, &setup.mask, nullptr);
+  ::execvpe(setup.argv[0], setup.argv, setup.envp);
+  const std::string message = setup.exec_error + std::strerror(errno) + "\n";
+  write_all(STDERR_FILENO, message);
+  ::_exit(kExecFailedStatus);
+}
+
+// distrun's environment without the variables distrun sets, then those, as NAME=value.
+std::vector<std::string> child_environment(
+    const std::vector<std::pair<std::string, std::string>>& variables) {
+  std::vector<std::string> env;
+  for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
+    const std::string item = *entry;
+    const bool overridden =
+        std::any_of(variables.begin(), variables.end(), [&](const auto& variable) {
+          return item.compare(0, variable.first.size() + 1, variable.first + "=") == 0;
+        });
+    if (!overridden) env.push_back(item);
+  }
+  for (const auto& [name, value] : variables) env.push_back(name + "=" + value);
+  return env;
+}
+
+std::vector<char*> c_strings(std::vector<std::string>& strings) {
+  std::vector<char*> pointers;
+  for (auto& s : strings) pointers.push_back(s.data());
+  pointers.push_back(nullptr);
+  return pointers;
+}
+
+// Runs the ranks of one node. See run() in supervisor.h for the behaviour. Single-threaded: one
+// poll loop waits on the self-pipe and every rank's stdout and stderr pipe, with a timeout only
+// while a deadline (SIGKILL after the grace period, end of draining) is pending; everything else
+// is driven by the ranks' output and exits.
+class Supervisor {
+ public:
+  explicit Supervisor(LaunchOptions options) : options_(std::move(options)) {}
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
+
+  // Only on an error path are ranks still running here: kill and reap them.
+  ~Supervisor() {
+    signal_running(SIGKILL);
+    for (auto& rank : ranks_) {
+      if (rank.running) ::waitpid(rank.pid, nullptr, 0);
+    }
+  }
+
+  int run() {
+    ensure_standard_fds_open();
+    start_all();
+    while (any_running() || any_output_open()) {
+      poll_once();
+      for (int signo : signals_.take()) {
+        if (signo == SIGINT || signo == SIGTERM) on_signal_received(signo);
+      }
+      reap();
+      enforce_deadlines();
+    }
+    if (received_signal_ != 0) return 128 + received_signal_;
+    return first_failure_status_;
+  }
+
+ private:
+  void start_all() {
+    for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
+      const int rank = options_.node_rank * options_.nproc_per_node + local_rank;
+      try {
+        start_rank(local_rank, rank);
+      } catch (const std::exception& e) {
+        write_all(STDERR_FILENO,
+                  fmt::format("distrun: cannot start rank {}: {}\n", rank, e.what()));
+        on_failure(1);
+        return;
+      }
+    }
+  }
+
+  void start_rank(int local_rank, int rank) {
+    std::vector<std::string> args = options_.command;
+    std::vector<std::string> env = child_environment(rank_environment(options_, local_rank));
+    const std::vector<char*> argv = c_strings(args);
+    const std::vector<char*> envp = c_strings(env);
+    Pipe out = make_pipe();
+    Pipe err = make_pipe();
+
+    ChildSetup setup;
+    setup.parent = ::getpid();
+    setup.stdout_fd = out.write.get();
+    setup.stderr_fd = err.write.get();
+    setup.argv = argv.data();
+    setup.envp = envp.data();
+    setup.exec_error = fmt::format("distrun: cannot execute {}: ", single_quoted(args.front()));
+
+    // Signals stay blocked across fork until the child has reset distrun's handlers.
+    sigset_t all;
+    sigfillset(&all);
+    ::sigprocmask(SIG_SETMASK, &all, &setup.mask);
+    const pid_t pid = ::fork();
+    if (pid == 0) exec_child(setup);
+    const int fork_errno = errno;
+    ::sigprocmask(SIG_SETMASK, &setup.mask, nullptr);
+    if (pid < 0) throw errno_error(fork_errno, "fork");
+
+    RankProcess process;
+    process.rank = rank;
+    process.pid = pid;
+    process.running = true;
+    const std::string prefix = fmt::format("[rank {}] ", rank);
+    process.outputs.emplace_back(std::move(out.read), prefix, STDOUT_FILENO);
+    process.outputs.emplace_back(std::move(err.read), prefix, STDERR_FILENO);
+    ranks_.push_back(std::move(process));
+  }
+
+  bool any_running() const {
+    return std::any_of(ranks_.begin(), ranks_.end(), [](const auto& r) { return r.running; });
+  }
+
+  bool any_output_open() const {
+    return std::any_of(ranks_.begin(), ranks_.end(), [](const auto& r) {
+      return std::any_of(r.outputs.begin(), r.outputs.end(),
+                         [](const auto& o) { return o.open(); });
+    });
+  }
+
+  // Waits for output, a signal or the next deadline, and relays what output there is.
+  void poll_once() {
+    std::vector<pollfd> fds{{signals_.read_fd(), POLLIN, 0}};
+    std::vector<OutputRelay*> relays{nullptr};
+    for (auto& rank : ranks_) {
+      for (auto& output : rank.outputs) {
+        if (!output.open()) continue;
+        fds.push_back({output.fd(), POLLIN, 0});
+        relays.push_back(&output);
+      }
+    }
+    if (::poll(fds.data(), fds.size(), poll_timeout_ms()) < 0) {
+      if (errno == EINTR) return;
+      throw errno_error(errno, "poll");
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) relays[i]->read_available(1);
+    }
+  }
+
+  std::optional<Clock::time_point> next_deadline() const {
+    if (drain_deadline_) return drain_deadline_;
+    if (grace_deadline_ && !killed_) return grace_deadline_;
+    return std::nullopt;
+  }
+
+  int poll_timeout_ms() const {
+    const auto deadline = next_deadline();
+    if (!deadline) return -1;
+    const auto left = *deadline - Clock::now();
+    if (left <= Clock::duration::zero()) return 0;
+    // Rounded up, so the loop does not spin through the last fraction of a millisecond.
+    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+    return static_cast<int>(std::min<int64_t>(ms, INT_MAX));
+  }
+
+  void reap() {
+    for (auto& rank : ranks_) {
+      if (!rank.running) continue;
+      int status = 0;
+      pid_t pid;
+      do {
+        pid = ::waitpid(rank.pid, &status, WNOHANG);
+      } while (pid < 0 && errno == EINTR);
+      if (pid == 0) continue;
+      const int wait_errno = errno;
+      rank.running = false;
+      for (auto& output : rank.outputs) {
+        if (output.open()) output.read_available(kMaxReadsAtExit);
+      }
+      if (pid < 0) {
+        write_all(STDERR_FILENO, fmt::format("distrun: rank {} (pid {}) cannot be waited for: {}\n",
+                                             rank.rank, rank.pid, std::strerror(wait_errno)));
+        on_failure(1);
+      } else if (WIFSIGNALED(status)) {
+        write_all(STDERR_FILENO, fmt::format("distrun: rank {} (pid {}) was killed by signal {}\n",
+                                             rank.rank, rank.pid, signal_name(WTERMSIG(status))));
+        on_failure(128 + WTERMSIG(status));
+      } else if (WEXITSTATUS(status) != 0) {
+        write_all(STDERR_FILENO, fmt::format("distrun: rank {} (pid {}) exited with status {}\n",
+                                             rank.rank, rank.pid, WEXITSTATUS(status)));
+        on_failure(WEXITSTATUS(status));
+      }
+    }
+  }
+
+  // A rank failed (or could not be started): the first failure sets the exit status and stops
+  // the other ranks.
+  void on_failure(int status) {
+    if (first_failure_status_ == 0) first_failure_status_ = status;
+    if (!grace_deadline_) {
+      start_grace_period();
+      signal_running(SIGTERM);
+    }
+  }
+
+  // distrun got SIGINT or SIGTERM: every one is passed on; the first starts the grace period.
+  void on_signal_received(int signo) {
+    if (received_signal_ == 0) received_signal_ = signo;
+    signal_running(signo);
+    if (!grace_deadline_) start_grace_period();
+  }
+
+  void start_grace_period() {
+    grace_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                         std::chrono::duration<double>(options_.grace_seconds));
+  }
+
+  void enforce_deadlines() {
+    const auto now = Clock::now();
+    if (grace_deadline_ && !killed_ && now >= *grace_deadline_) {
+      killed_ = true;
+      std::string running;
+      for (const auto& rank : ranks_) {
+        if (rank.running) running += fmt::format(" {}", rank.rank);
+      }
+      if (!running.empty()) {
+        write_all(STDERR_FILENO,
+                  fmt::format("distrun: grace period of {} s over; sending SIGKILL to rank(s){}\n",
+                              options_.grace_seconds, running));
+        signal_running(SIGKILL);
+      }
+    }
+    if (!drain_deadline_ && !any_running()) drain_deadline_ = now + kDrainTimeout;
+    if (drain_deadline_ && now >= *drain_deadline_) {
+      for (auto& rank : ranks_) {
+        for (auto& output : rank.outputs) {
+          if (output.open()) output.close();
+        }
+      }
+    }
+  }
+
+  // A rank that has exited but is not reaped yet is a zombie: its pid cannot have been reused.
+  void signal_running(int signo) {
+    for (const auto& rank : ranks_) {
+      if (rank.running) ::kill(rank.pid, signo);
+    }
+  }
+
+  LaunchOptions options_;
+  SignalPipe signals_;
+  std::vector<RankProcess> ranks_;
+  std::optional<Clock::time_point> grace_deadline_;
+  bool killed_ = false;
+  std::optional<Clock::time_point> drain_deadline_;
+  int received_signal_ = 0;
+  int first_failure_status_ = 0;
+};
+
+}  // namespace
+
+int run(const LaunchOptions& options) {
+  validate(options);
+  Supervisor supervisor(resolve_master(options));
+  return supervisor.run();
+}
+
+}  // namespace launcher
+}  // namespace distoptim

@@ -1,0 +1,32 @@
+#pragma once
+
+// Running and supervising the local ranks of a job: see run().
+
+#include "distrun/options.h"
+
+namespace distoptim {
+namespace launcher {
+
+/// Starts the local ranks of `options` (validated) and supervises them until every one has
+/// exited; returns the status distrun exits with.
+///
+/// Each rank runs `command` (execvp-style PATH lookup) with distrun's environment plus
+/// rank_environment(). A line a rank writes to stdout (stderr) is written whole to distrun's
+/// stdout (stderr) as `[rank R] line`; a trailing partial line is completed with a newline at
+/// end of file, and a line longer than 64 KiB is written in 64 KiB pieces.
+///
+/// When a rank exits non-zero or is killed by a signal, distrun reports it on stderr, sends
+/// SIGTERM to the others and SIGKILL to those still running grace_seconds later. SIGINT and
+/// SIGTERM sent to distrun while this runs are forwarded to every running rank, with the same
+/// grace period. Ranks are sent SIGKILL by the kernel if distrun dies (PR_SET_PDEATHSIG).
+///
+/// Returns 0 when every rank exited 0; otherwise 128 + the signal distrun received, if it was
+/// sent SIGINT or SIGTERM; otherwise the first failing rank's exit status, or 128 + its signal;
+/// 1 if a rank could not be started. Blocking: returns once all ranks are reaped and their output
+/// read to end of file (at most 1 s more for output held open by a rank's own children).
+/// Not thread-safe, and not reentrant: it installs process-wide signal handlers for its duration
+/// (SIGINT, SIGTERM, SIGCHLD, and SIGPIPE ignored), restoring the previous ones on return.
+int run(const LaunchOptions& options);
+
+}  // namespace launcher
+}  // namespace distoptim
