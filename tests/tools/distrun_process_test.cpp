@@ -178,7 +178,8 @@ std::map<int, pid_t> ready_ranks(const std::string& out) {
 }
 
 // A hook that, once `ranks` ranks are ready, calls `action(distrun_pid, rank_pids)` once.
-OutputHook when_ready(size_t ranks, std::function<void(pid_t, const std::map<int, pid_t>&)> action) {
+OutputHook when_ready(size_t ranks,
+                      std::function<void(pid_t, const std::map<int, pid_t>&)> action) {
   auto done = std::make_shared<bool>(false);
   return [=](pid_t distrun, const RunResult& so_far) {
     if (*done) return;
@@ -221,9 +222,9 @@ TEST(Distrun, EachLocalRankGetsItsEnvironment) {
 }
 
 TEST(Distrun, SecondNodeOfTwoGetsTheUpperRanks) {
-  const RunResult r = run_distrun({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2",
-                                   "--master-addr", "10.0.0.5", "--master-port", "29512", kChild,
-                                   "env"});
+  const RunResult r =
+      run_distrun({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr",
+                   "10.0.0.5", "--master-port", "29512", kChild, "env"});
   ASSERT_EQ(r.status, 0) << r.err;
   const std::map<int, Args> expected = {
       {2,
@@ -269,9 +270,8 @@ TEST(Distrun, FindsTheProgramOnPath) {
 TEST(Distrun, EveryLineIsPrefixedWholeAndInOrder) {
   constexpr int kRanks = 4;
   constexpr int kLines = 300;
-  const RunResult r =
-      run_distrun({"--nproc-per-node", std::to_string(kRanks), kChild, "lines",
-                   std::to_string(kLines)});
+  const RunResult r = run_distrun(
+      {"--nproc-per-node", std::to_string(kRanks), kChild, "lines", std::to_string(kLines)});
   ASSERT_EQ(r.status, 0) << r.err;
   const auto out = lines_by_rank(r.out);
   const auto err = lines_by_rank(r.err);
@@ -318,9 +318,9 @@ TEST(Distrun, ALineLongerThan64KiBIsWrittenInPieces) {
 RunResult run_with_failing_rank(const Args& distrun_args, int ranks, int failing,
                                 const std::string& how, int n, const std::string& others) {
   Args args = distrun_args;
-  for (const std::string& a : {std::string("--nproc-per-node"), std::to_string(ranks), kChild,
-                               std::string("fail-on"), std::to_string(failing), how,
-                               std::to_string(n), others}) {
+  for (const std::string& a :
+       {std::string("--nproc-per-node"), std::to_string(ranks), kChild, std::string("fail-on"),
+        std::to_string(failing), how, std::to_string(n), others}) {
     args.push_back(a);
   }
   return run_distrun(args, when_ready(ranks, [failing](pid_t, const std::map<int, pid_t>& pids) {
@@ -333,8 +333,8 @@ TEST(Distrun, AFailingRankStopsTheOthersAndSetsTheExitStatus) {
   EXPECT_EQ(r.status, 3) << r.err;
   const auto pids = ready_ranks(r.out);
   ASSERT_EQ(pids.size(), 3u) << r.out;
-  EXPECT_TRUE(contains(r.err, "distrun: rank 1 (pid " + std::to_string(pids.at(1)) +
-                                  ") exited with status 3\n"))
+  EXPECT_TRUE(contains(
+      r.err, "distrun: rank 1 (pid " + std::to_string(pids.at(1)) + ") exited with status 3\n"))
       << r.err;
   // The sleeping ranks were stopped by distrun's SIGTERM, before their sleep ended.
   for (int rank : {0, 2}) {
@@ -346,6 +346,28 @@ TEST(Distrun, AFailingRankStopsTheOthersAndSetsTheExitStatus) {
   EXPECT_FALSE(contains(r.out, "done")) << r.out;
 }
 
+// Rank 2 fails while rank 1 hangs (as a rank whose collective failed exits while the rank it
+// waited for still sleeps): the summary shows both, not only the first to exit.
+TEST(Distrun, AFailedJobEndsWithHowEveryRankEnded) {
+  const RunResult r = run_with_failing_rank({}, 3, 2, "exit", 3, "sleep");
+  EXPECT_EQ(r.status, 3) << r.err;
+  const auto pids = ready_ranks(r.out);
+  ASSERT_EQ(pids.size(), 3u) << r.out;
+  const auto stopped = [&](int rank) {
+    return "distrun:   rank " + std::to_string(rank) + " (pid " + std::to_string(pids.at(rank)) +
+           "): killed by signal SIGTERM; it was still running and distrun stopped it with "
+           "SIGTERM\n";
+  };
+  const std::string summary = "distrun: how each rank ended:\n" + stopped(0) + stopped(1) +
+                              "distrun:   rank 2 (pid " + std::to_string(pids.at(2)) +
+                              "): exited with status 3 (the first failure)\n";
+  EXPECT_TRUE(r.err.size() >= summary.size() &&
+              r.err.compare(r.err.size() - summary.size(), summary.size(), summary) == 0)
+      << "stderr does not end with:\n"
+      << summary << "stderr:\n"
+      << r.err;
+}
+
 TEST(Distrun, ARankKilledByASignalGivesStatus128PlusTheSignal) {
   const RunResult r = run_with_failing_rank({}, 2, 0, "signal", SIGKILL, "sleep");
   EXPECT_EQ(r.status, 128 + SIGKILL) << r.err;
@@ -355,14 +377,15 @@ TEST(Distrun, ARankKilledByASignalGivesStatus128PlusTheSignal) {
 }
 
 TEST(Distrun, RanksIgnoringSigtermAreKilledAfterTheGracePeriod) {
-  const RunResult r = run_with_failing_rank({"--grace-seconds", "0.5"}, 3, 2, "exit", 5,
-                                            "ignore-term");
+  const RunResult r =
+      run_with_failing_rank({"--grace-seconds", "0.5"}, 3, 2, "exit", 5, "ignore-term");
   EXPECT_EQ(r.status, 5) << r.err;
   EXPECT_TRUE(contains(r.err, "distrun: rank 2 (pid ")) << r.err;
   EXPECT_TRUE(contains(r.err, "sending SIGKILL to rank(s) 0 1\n")) << r.err;
   for (int rank : {0, 1}) {
-    EXPECT_TRUE(std::regex_search(r.err, std::regex("distrun: rank " + std::to_string(rank) +
-                                                    R"( \(pid \d+\) was killed by signal SIGKILL)")))
+    EXPECT_TRUE(
+        std::regex_search(r.err, std::regex("distrun: rank " + std::to_string(rank) +
+                                            R"( \(pid \d+\) was killed by signal SIGKILL)")))
         << r.err;
   }
   EXPECT_FALSE(contains(r.out, "done")) << r.out;
@@ -374,7 +397,8 @@ TEST_P(DistrunSignal, ASignalToDistrunReachesEveryRank) {
   const int signo = GetParam();
   const RunResult r = run_distrun(
       {"--nproc-per-node", "3", kChild, "trap"},
-      when_ready(3, [signo](pid_t distrun, const std::map<int, pid_t>&) { ::kill(distrun, signo); }));
+      when_ready(3,
+                 [signo](pid_t distrun, const std::map<int, pid_t>&) { ::kill(distrun, signo); }));
   EXPECT_EQ(r.status, 128 + signo) << r.err;
   const std::string got = std::string("got SIG") + ::sigabbrev_np(signo);
   const auto out = lines_by_rank(r.out);
@@ -388,11 +412,12 @@ INSTANTIATE_TEST_SUITE_P(SigtermAndSigint, DistrunSignal, ::testing::Values(SIGT
 
 TEST(Distrun, RanksDieWhenDistrunIsKilled) {
   std::map<int, pid_t> rank_pids;
-  const RunResult r = run_distrun({"--nproc-per-node", "2", kChild, "sleep"},
-                                  when_ready(2, [&](pid_t distrun, const std::map<int, pid_t>& pids) {
-                                    rank_pids = pids;
-                                    ::kill(distrun, SIGKILL);
-                                  }));
+  const RunResult r =
+      run_distrun({"--nproc-per-node", "2", kChild, "sleep"},
+                  when_ready(2, [&](pid_t distrun, const std::map<int, pid_t>& pids) {
+                    rank_pids = pids;
+                    ::kill(distrun, SIGKILL);
+                  }));
   EXPECT_EQ(r.status, 128 + SIGKILL);
   ASSERT_EQ(rank_pids.size(), 2u) << r.out;
   // PR_SET_PDEATHSIG: the kernel kills them; allow it a moment (bounded) to happen.
@@ -432,8 +457,7 @@ TEST(Distrun, BadArgumentsExit2NamingTheOption) {
       {{"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h",
         "--master-port", "1", kChild, "env"},
        {"--node-rank 2"}},
-      {{"--nproc-per-node", "1", "--master-port", "70000", kChild, "env"},
-       {"--master-port 70000"}},
+      {{"--nproc-per-node", "1", "--master-port", "70000", kChild, "env"}, {"--master-port 70000"}},
       {{"--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", kChild, "env"},
        {"--master-addr"}},
       {{"--nproc-per-node", "1", "--grace-seconds", "-2", kChild}, {"--grace-seconds -2"}},

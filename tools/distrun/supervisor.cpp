@@ -13,7 +13,9 @@
 //   draining  once no rank runs: output still held open by the ranks' own children is relayed
 //             for at most kDrainTimeout, then closed.
 //   done      exit status: 128 + the signal distrun got, if any; else the first failure's status
-//             (128 + signal for a rank killed by one); else 0.
+//             (128 + signal for a rank killed by one); else 0. When it is not 0, a summary on
+//             stderr gives how every rank ended and which ones distrun stopped, with which
+//             signals.
 
 #include "distrun/supervisor.h"
 
@@ -30,8 +32,11 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "distrun/output_relay.h"
 #include "distrun/signals_fds.h"
@@ -55,6 +60,9 @@ struct RankProcess {
   int rank = 0;
   pid_t pid = -1;
   bool running = false;
+  int status = 0;                    // as waitpid gives it, once reaped
+  bool waited = false;               // reaped with a status (not a failed waitpid)
+  std::vector<int> signals_sent;     // by distrun while it ran, in order
   std::vector<OutputRelay> outputs;  // stdout, stderr
 };
 
@@ -135,8 +143,9 @@ class Supervisor {
       reap();
       enforce_deadlines();
     }
-    if (received_signal_ != 0) return 128 + received_signal_;
-    return first_failure_status_;
+    const int status = received_signal_ != 0 ? 128 + received_signal_ : first_failure_status_;
+    if (status != 0) write_all(STDERR_FILENO, summary());
+    return status;
   }
 
  private:
@@ -248,6 +257,9 @@ class Supervisor {
       if (pid == 0) continue;
       const int wait_errno = errno;
       rank.running = false;
+      rank.status = status;
+      rank.waited = pid > 0;
+      if (first_failure_rank_ < 0 && (pid < 0 || status != 0)) first_failure_rank_ = rank.rank;
       for (auto& output : rank.outputs) {
         if (output.open()) output.read_available(kMaxReadsAtExit);
       }
@@ -316,9 +328,39 @@ class Supervisor {
 
   // A rank that has exited but is not reaped yet is a zombie: its pid cannot have been reused.
   void signal_running(int signo) {
-    for (const auto& rank : ranks_) {
-      if (rank.running) ::kill(rank.pid, signo);
+    for (auto& rank : ranks_) {
+      if (!rank.running) continue;
+      ::kill(rank.pid, signo);
+      if (rank.signals_sent.empty() || rank.signals_sent.back() != signo) {
+        rank.signals_sent.push_back(signo);
+      }
     }
+  }
+
+  // The whole picture of a failed job, one line per rank in order: how it ended, and whether
+  // distrun stopped it while it still ran (the first rank to fail is often not the culprit: a
+  // rank whose collective failed exits first while the rank it waited for still hangs).
+  std::string summary() const {
+    std::string text = "distrun: how each rank ended:\n";
+    for (const auto& rank : ranks_) {
+      std::string ended;
+      if (!rank.waited) {
+        ended = "could not be waited for";
+      } else if (WIFSIGNALED(rank.status)) {
+        ended = "killed by signal " + signal_name(WTERMSIG(rank.status));
+      } else {
+        ended = fmt::format("exited with status {}", WEXITSTATUS(rank.status));
+      }
+      if (rank.rank == first_failure_rank_) ended += " (the first failure)";
+      if (!rank.signals_sent.empty()) {
+        std::vector<std::string> names;
+        for (int signo : rank.signals_sent) names.push_back(signal_name(signo));
+        ended += fmt::format("; it was still running and distrun stopped it with {}",
+                             fmt::join(names, ", then "));
+      }
+      text += fmt::format("distrun:   rank {} (pid {}): {}\n", rank.rank, rank.pid, ended);
+    }
+    return text;
   }
 
   LaunchOptions options_;
@@ -329,6 +371,7 @@ class Supervisor {
   std::optional<Clock::time_point> drain_deadline_;
   int received_signal_ = 0;
   int first_failure_status_ = 0;
+  int first_failure_rank_ = -1;
 };
 
 }  // namespace
