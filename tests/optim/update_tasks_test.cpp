@@ -53,8 +53,8 @@ TEST(UpdateTasks, EveryElementOnce) {
   }
 }
 
-// Issue 2: the library was built without OpenMP, so at::parallel_for ran every step on the
-// calling thread alone. A step large enough to split must reach every intra-op thread.
+// Built without OpenMP, the library ran every at::parallel_for step on the calling thread
+// alone. A step large enough to split must reach every intra-op thread.
 TEST(UpdateTasks, LargeStepUsesEveryIntraOpThread) {
   at::set_num_threads(2);
   ASSERT_EQ(at::get_num_threads(), 2);

@@ -419,10 +419,10 @@ TEST(RemoteClasses, ParameterServerModulesCreatedAndCalledThroughRRefs) {
   });
 }
 
-// Issue 11, item 2: 48 remote() creations on one worker, then at once 48 method calls on them,
+// 48 remote() creations on one worker, then at once 48 method calls on them,
 // with 4 pool threads, used to lose the live connection ("eof") in some runs. Repeated, the
 // connection holds and every call returns its own object's result.
-TEST(RemoteClasses, Issue11BurstOfCreationsThenCallsKeepsTheConnection) {
+TEST(RemoteClasses, BurstOfCreationsThenCallsKeepsTheConnection) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(rank == 0 ? "ps" : "trainer", rank, world_size,
              test_options().num_worker_threads(4));
@@ -477,7 +477,7 @@ TEST(RRef, ConfirmShowsConstructionErrorsAtConstruction) {
   });
 }
 
-// Issue 11, item 7: replies carrying RRefs that arrive after their call timed out are not
+// Replies carrying RRefs that arrive after their call timed out are not
 // dropped undecoded: their RRefs are released, and the owner's table empties.
 std::vector<RRef<int64_t>> make_rrefs_later(int64_t value, int64_t delay_ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
@@ -485,7 +485,7 @@ std::vector<RRef<int64_t>> make_rrefs_later(int64_t value, int64_t delay_ms) {
 }
 DISTOPTIM_RPC_FUNCTION("make_rref_later", make_rrefs_later);
 
-TEST(RRef, Issue11LateRepliesReleaseTheirRRefs) {
+TEST(RRef, LateRepliesReleaseTheirRRefs) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
@@ -500,9 +500,9 @@ TEST(RRef, Issue11LateRepliesReleaseTheirRRefs) {
   });
 }
 
-// Issue 11, item 9: a creator killed with remote() requests in flight: the owner drops the forks
+// A creator killed with remote() requests in flight: the owner drops the forks
 // of the dead worker, also those whose create messages it handles after learning of the death.
-TEST(RRef, Issue11KilledCreatorsRemotesDrain) {
+TEST(RRef, KilledCreatorsRemotesDrain) {
   distoptim::testing::RunRanksOptions options;
   options.expected_exit_codes = {{1, 9}};
   run_ranks(
@@ -530,13 +530,13 @@ TEST(RRef, Issue11KilledCreatorsRemotesDrain) {
       options);
 }
 
-// Issue 11, item 10: an RRef<T> carries the name of T on the wire, and the owner checks it
+// An RRef<T> carries the name of T on the wire, and the owner checks it
 // against the value: a mismatch fails the call with a c10::TypeError naming both types and the
 // worker, which reaches the caller as a RemoteError.
 DISTOPTIM_RPC_FUNCTION("string_on_owner",
                        [](RRef<std::string> rref) { return rref.local_value(); });
 
-TEST(RRef, Issue11TypeNamesAreCheckedAtTheOwner) {
+TEST(RRef, TypeNamesAreCheckedAtTheOwner) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
