@@ -17,6 +17,21 @@
 namespace distoptim {
 namespace rpc {
 namespace detail {
+
+void put_le(std::string* out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) {
+    out->push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+  }
+}
+
+uint64_t get_le(std::string_view in, size_t offset, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) {
+    value |= static_cast<uint64_t>(static_cast<unsigned char>(in[offset + i])) << (8 * i);
+  }
+  return value;
+}
+
 namespace {
 
 constexpr size_t kMaxEncodeDepth = 64;
@@ -40,20 +55,6 @@ bool is_allowed_dtype(int32_t dtype) {
     default:
       return false;
   }
-}
-
-void put_le(std::string* out, uint64_t value, int bytes) {
-  for (int i = 0; i < bytes; ++i) {
-    out->push_back(static_cast<char>((value >> (8 * i)) & 0xff));
-  }
-}
-
-uint64_t get_le(std::string_view in, size_t offset, int bytes) {
-  uint64_t value = 0;
-  for (int i = 0; i < bytes; ++i) {
-    value |= static_cast<uint64_t>(static_cast<unsigned char>(in[offset + i])) << (8 * i);
-  }
-  return value;
 }
 
 // Encoding: IValue -> wire::Value, collecting tensors in order of appearance.

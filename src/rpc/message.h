@@ -84,6 +84,11 @@ WireLimits handshake_limits();
 /// An error text, or nothing on success.
 using Status = std::optional<std::string>;
 
+/// Every integer on the wire is little-endian: appends the low `bytes` bytes of `value` to `out`,
+/// and reads `bytes` bytes of `in` from `offset` (the caller has checked the size).
+void put_le(std::string* out, uint64_t value, int bytes);
+uint64_t get_le(std::string_view in, size_t offset, int bytes);
+
 std::string encode_header(const MessageHeader& header);
 Status decode_header(std::string_view bytes, MessageHeader* header);
 

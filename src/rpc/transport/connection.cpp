@@ -182,10 +182,7 @@ bool Connection::read_from_peer_memory() {
   for (size_t i = 0; i < in_peer_memory_.size(); ++i) {
     if (!in_peer_memory_[i]) continue;
     any = true;
-    uint64_t address = 0;
-    for (int byte = 7; byte >= 0; --byte) {
-      address = (address << 8) | static_cast<uint8_t>(peer_addresses_[i * 8 + byte]);
-    }
+    const uint64_t address = get_le(peer_addresses_, i * 8, 8);
     at::Tensor& buffer = frame_.buffers[i];
     if (Status error = read_peer_memory(peer_pid_, address, buffer.data_ptr(), buffer.nbytes())) {
       violation("it announced tensor " + std::to_string(i) + " in its memory, and there are " +
@@ -280,11 +277,9 @@ void Connection::prepare_locked(Outgoing& out) {
         out.addresses.assign(tensors.size() * 8, '\0');
       }
       out.in_memory[i] = true;
-      const auto address =
-          static_cast<uint64_t>(reinterpret_cast<uintptr_t>(tensors[i].data_ptr()));
-      for (int byte = 0; byte < 8; ++byte) {
-        out.addresses[i * 8 + byte] = static_cast<char>((address >> (8 * byte)) & 0xff);
-      }
+      std::string address;
+      put_le(&address, reinterpret_cast<uintptr_t>(tensors[i].data_ptr()), 8);
+      out.addresses.replace(i * 8, 8, address);
       lent.push_back(tensors[i]);
     }
   }
