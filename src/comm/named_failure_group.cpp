@@ -7,8 +7,13 @@
 // `<prefix>N/<its group rank>` ("alive, and N failed here") and polls, for a short grace of
 // min(timeout, 2 s) after the failure, for the keys of the other members. Those that did not
 // report are named: a dead or stopped process, a rank that never called the collective, or (a
-// superset, never a miss) a live member slow to notice the failure. Members every rank numbers
-// alike: c10d requires every member to issue the group's collectives in the same order.
+// superset, never a miss) a live member slow to notice the failure or whose part had already
+// succeeded (a broadcast's root). Every member numbers the collectives alike: c10d requires
+// every member to issue the group's collectives in the same order.
+//
+// The grace starts at the failure, so a timeout is reported after the group's timeout and the
+// grace, a lost peer after about the grace. Gloo's peer address (the port in its text) is not
+// mapped to a rank: the store report alone names the ranks.
 //
 // Ranks named once are remembered by the group and not waited for again: a group whose peer is
 // gone fails every outstanding collective, and each would otherwise add its own grace.
