@@ -13,6 +13,8 @@
 #include <distoptim/comm/errors.h>
 #include <distoptim/comm/store_wait.h>
 
+#include "named_failure_group.h"
+
 namespace distoptim {
 namespace comm {
 
@@ -44,15 +46,21 @@ std::string ranks_text(const std::vector<int>& ranks) {
   return "[" + c10::Join(", ", ranks) + "]";
 }
 
-// Gloo meets its peers through `store`, a PrefixStore over the rendezvous's DeadlineStore: its
-// store operations too end by the rendezvous timeout.
-c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                       int rank, int size,
-                                                       std::chrono::milliseconds timeout,
-                                                       const std::string& hostname) {
+// A Gloo group of the global ranks `ranks` (this process is `group_rank` among them). Gloo meets
+// its peers through a PrefixStore over the rendezvous's DeadlineStore: its store operations too
+// end by the rendezvous timeout. The same store, under `prefix + "failures/"`, is where members
+// report a failed collective, so that its error names the ranks at fault (named_failure_group.h).
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
+    const c10::intrusive_ptr<DeadlineStore>& store, const std::string& prefix,
+    const std::vector<int>& ranks, int group_rank, std::chrono::milliseconds timeout,
+    const std::string& hostname) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+      c10::make_intrusive<c10d::PrefixStore>(prefix, store), group_rank,
+      static_cast<int>(ranks.size()), options);
+  return name_failures(std::move(gloo),
+                       FailureChannel{store, prefix + "failures/", ranks, group_rank, timeout});
 }
 
 // Checks every rank of the world passed the same `ranks` to the new_group call numbered `id`,
@@ -129,8 +137,7 @@ void init_process_group(const ProcessGroupOptions& options) {
   }
   std::vector<int> all(rdzv.world_size);
   for (int r = 0; r < rdzv.world_size; ++r) all[r] = r;
-  auto store = c10::make_intrusive<c10d::PrefixStore>("world/", rdzv.store);
-  fresh->world = Group(make_gloo_group(store, rdzv.rank, rdzv.world_size, options.timeout(),
+  fresh->world = Group(make_gloo_group(rdzv.store, "world/", all, rdzv.rank, options.timeout(),
                                        fresh->gloo_hostname),
                        all, rdzv.rank, options.timeout());
   state = std::move(fresh);
@@ -213,10 +220,8 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
   if (it == ranks.end()) return Group({}, ranks, my_rank, group_timeout);
   agree_on_members(*store, prefix + "ranks/", world_size, my_rank, ranks, deadline,
                    group_timeout, id);
-  auto group_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "pg/", store);
   const int group_rank = static_cast<int>(it - ranks.begin());
-  return Group(make_gloo_group(group_store, group_rank, static_cast<int>(ranks.size()),
-                               group_timeout, hostname),
+  return Group(make_gloo_group(store, prefix + "pg/", ranks, group_rank, group_timeout, hostname),
                ranks, my_rank, group_timeout);
 }
 

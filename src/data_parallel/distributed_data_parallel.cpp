@@ -132,12 +132,13 @@ void GradientSync::before_forward() {
   Impl& s = *impl_;
   const bool grad_enabled = at::GradMode::is_enabled();
   if (grad_enabled && s.sync_gradients) s.reducer->prepare_for_forward();
+  // Under a Join: count this rank as training; the count is the divisor if asked. Its failure
+  // says what it means itself.
+  if (auto work = Join::notify_join_context(*this)) {
+    s.reducer->set_forward_pass_work_handle(
+        work, join_config().hook_options.divide_by_initial_world_size());
+  }
   try {
-    // Under a Join: count this rank as training; the count is the divisor if asked.
-    if (auto work = Join::notify_join_context(*this)) {
-      s.reducer->set_forward_pass_work_handle(
-          work, join_config().hook_options.divide_by_initial_world_size());
-    }
     // After the first synchronized backward, buckets are rebuilt in the order gradients
     // actually became ready (rank 0's order, so all ranks agree).
     if (grad_enabled) s.reducer->rebuild_buckets();
@@ -145,20 +146,21 @@ void GradientSync::before_forward() {
       s.broadcast_buffers(join_config().enable ? s.common_rank(true) : 0);
     }
     if (join_config().enable) s.announce_gradient_sync(grad_enabled && s.sync_gradients);
-  } catch (const c10::Error&) {
-    throw;
   } catch (const std::exception& e) {
-    // Gloo's own exceptions say only what timed out: say what it means here.
-    DISTOPTIM_THROW(DistributedError,
-                    "DistributedDataParallel.forward: synchronizing with the "
-                    "other ranks of the group failed on rank ",
-                    s.group.global_rank(s.group.rank()),
-                    " (every rank must run forward and backward equally often, within the "
-                    "group's timeout of ",
-                    s.group.timeout().count(),
-                    " ms; for uneven inputs "
-                    "use Join): ",
-                    e.what());
+    // Bad input passes as it is; a collective's error names the ranks at fault: say what it
+    // means here.
+    if (dynamic_cast<const c10::Error*>(&e) != nullptr &&
+        dynamic_cast<const DistributedError*>(&e) == nullptr) {
+      throw;
+    }
+    DISTOPTIM_RETHROW_WITH_CONTEXT(
+        e,
+        "DistributedDataParallel.forward: synchronizing with the other ranks of the group "
+        "failed on rank ",
+        s.group.global_rank(s.group.rank()),
+        " (every rank must run forward and backward equally often, within the group's timeout "
+        "of ",
+        s.group.timeout().count(), " ms; for uneven inputs use Join): ");
   }
 }
 
@@ -186,8 +188,12 @@ class GradientSync::ReplicaJoinHook : public JoinHook {
     for (size_t b = 0; b < buckets.size(); ++b) {
       futures[b]->wait();
       if (futures[b]->hasError()) {
-        DISTOPTIM_THROW(DistributedError, "DistributedDataParallel (Join): reducing bucket ", b,
-                        " failed: ", futures[b]->tryRetrieveErrorMessage());
+        try {
+          std::rethrow_exception(futures[b]->exception_ptr());
+        } catch (const std::exception& e) {
+          DISTOPTIM_RETHROW_WITH_CONTEXT(e, "DistributedDataParallel (Join): reducing bucket ", b,
+                                         " failed: ");
+        }
       }
       const c10::IValue& value = futures[b]->value();
       const at::Tensor reduced = value.isTensor() ? value.toTensor() : value.toTensorVector()[0];

@@ -32,11 +32,11 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const comm::Group& group, 
   try {
     work->wait(group.timeout());
   } catch (const std::exception& e) {
-    DISTOPTIM_THROW(DistributedError, "Join: ", what, " failed on rank ",
-                    group.global_rank(group.rank()),
-                    " (every rank must run its Join; a rank "
-                    "that does not, or died, makes the others fail after the group's timeout of ",
-                    group.timeout().count(), " ms): ", c10::GetExceptionString(e));
+    DISTOPTIM_RETHROW_WITH_CONTEXT(
+        e, "Join: ", what, " failed on rank ", group.global_rank(group.rank()),
+        " (every rank must run its Join; a rank that does not, or died, makes the others fail "
+        "after the group's timeout of ",
+        group.timeout().count(), " ms): ");
   }
 }
 

@@ -115,12 +115,8 @@ void average_parameters(const std::vector<at::Tensor>& params, const comm::Group
     }
     // All allreduces are in flight before the first wait, so they overlap.
     for (auto& work : works) work->wait(group.timeout());
-  } catch (const DistributedError&) {
-    throw;
-  } catch (const c10::Error& e) {
-    DISTOPTIM_THROW(DistributedError, failure_context, e.what_without_backtrace());
   } catch (const std::exception& e) {
-    DISTOPTIM_THROW(DistributedError, failure_context, e.what());
+    DISTOPTIM_RETHROW_WITH_CONTEXT(e, failure_context);
   }
 
   size_t flat_index = 0;

@@ -75,7 +75,7 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseco
   try {
     work->wait(timeout);
   } catch (const std::exception& e) {
-    DISTOPTIM_THROW(DistributedError, what, " failed: ", c10::GetExceptionString(e));
+    DISTOPTIM_RETHROW_WITH_CONTEXT(e, what, " failed: ");
   }
 }
 
@@ -331,12 +331,12 @@ struct ZeroRedundancyOptimizer::Impl {
     try {
       for (auto& w : works) w->wait(group.timeout());
     } catch (const std::exception& e) {
-      DISTOPTIM_THROW(DistributedError, kName, ".step: synchronizing the parameters across the ",
-                      group.size(), " ranks of the group failed on rank ",
-                      group.global_rank(my_rank()),
-                      " (every rank must call step(); a rank that "
-                      "does not, or died, makes the others fail after the group's timeout of ",
-                      group.timeout().count(), " ms): ", c10::GetExceptionString(e));
+      DISTOPTIM_RETHROW_WITH_CONTEXT(
+          e, kName, ".step: synchronizing the parameters across the ", group.size(),
+          " ranks of the group failed on rank ", group.global_rank(my_rank()),
+          " (every rank must call step(); a rank that does not, or died, makes the others fail "
+          "after the group's timeout of ",
+          group.timeout().count(), " ms): ");
     }
   }
 
@@ -770,10 +770,10 @@ class ZeroRedundancyOptimizer::StepHook : public c10d::CommHookInterface {
     try {
       for (auto& work : works) work->wait(s_.group.timeout());
     } catch (const std::exception& e) {
-      DISTOPTIM_THROW(DistributedError, kName,
-                      " (hook_with_zero_step): broadcasting the updated "
-                      "parameters failed on rank ",
-                      s_.group.global_rank(me), ": ", c10::GetExceptionString(e));
+      DISTOPTIM_RETHROW_WITH_CONTEXT(e, kName,
+                                     " (hook_with_zero_step): broadcasting the updated "
+                                     "parameters failed on rank ",
+                                     s_.group.global_rank(me), ": ");
     }
     for (const Receive& receive : receives) {
       int64_t offset = 0;

@@ -1,9 +1,13 @@
 // Process groups on Gloo: the default group, new_group and subgroups, with real collectives
 // across real processes, and the ways they fail.
 
+#include <csignal>
 #include <cstdlib>
+#include <regex>
 #include <string>
 #include <thread>
+
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -155,40 +159,108 @@ TEST(ProcessGroupFailure, RankThatNeverCallsNewGroupIsNamed) {
   });
 }
 
-// Gloo reports collective failures as its own exceptions (std::exception, not c10::Error).
-void expect_allreduce_fails_with(const Group& group, const std::string& part) {
+// Whether `message` lists global rank `rank` after `lead` ("these ranks never reached it: 1, 2",
+// "ranks 1, 2 are lost"). A list may hold more ranks than the one at fault: a live member slow
+// to notice the failure is named too.
+bool names_rank(const std::string& message, const std::string& lead, int rank,
+                const std::string& tail) {
+  const std::regex pattern(lead + "([0-9]+, )*" + std::to_string(rank) + "(, [0-9]+)*" + tail);
+  return std::regex_search(message, pattern);
+}
+
+// The message of the `Error` that the first allreduce on `group` (of ranks 0, 1, 2) must fail
+// with, checked for what every such message says first.
+template <class Error>
+std::string failed_allreduce_message(const Group& group) {
   std::vector<at::Tensor> tensors = {torch::ones({3})};
   try {
     group.process_group()->allreduce(tensors)->wait();
-    ADD_FAILURE() << "expected the allreduce to fail";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("allreduce #1 on group [0, 1, 2] failed at rank " +
+                           std::to_string(get_rank()) + ": "),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("; Gloo: "), std::string::npos) << message;
+    return message;
   }
+  ADD_FAILURE() << "expected the allreduce to fail";
+  return "";
 }
 
-TEST(ProcessGroupFailure, CollectiveOnSomeRanksTimesOut) {
+// Ranks 0 and 1 leave together: rank 0 serves the store, which rank 1 may still be polling for
+// the others' failure reports when rank 0 is done.
+void leave_together(int rank) {
+  const c10::intrusive_ptr<DeadlineStore> store = default_store();
+  if (rank == 1) store->set("test/done/1", {1});
+  if (rank == 0) store->wait({"test/done/1"}, 20s);
+}
+
+void expect_timeout_naming(const Group& group, int absent) {
+  const std::string message = failed_allreduce_message<TimeoutError>(group);
+  EXPECT_NE(message.find(": timed out; "), std::string::npos) << message;
+  EXPECT_TRUE(names_rank(message, "these ranks never reached it: ", absent, " \\(")) << message;
+}
+
+TEST(ProcessGroupFailure, CollectiveOnSomeRanksTimesOutNamingTheAbsentRank) {
   run_ranks(3, [](int rank, int) {
     init_process_group(ProcessGroupOptions("env://").timeout(30s));
     const Group impatient = new_group({}, 1s);
     if (rank == 2) {
       // Skips the collective, but stays connected until the others have given up.
-      std::this_thread::sleep_for(3s);
-    } else {
-      expect_allreduce_fails_with(impatient, "Timed out");
+      std::this_thread::sleep_for(4s);
+      return;
     }
+    expect_timeout_naming(impatient, 2);
+    leave_together(rank);
   });
 }
 
-TEST(ProcessGroupFailure, DeadRankFailsTheOthers) {
+TEST(ProcessGroupFailure, DeadRankIsNamedAsLost) {
   distoptim::testing::RunRanksOptions options;
   options.expected_exit_codes[2] = 3;
   run_ranks(
       3,
       [](int rank, int) {
-        init_process_group(ProcessGroupOptions("env://").timeout(20s));
+        // A long timeout: the survivors fail as soon as the others have reported, not after it.
+        init_process_group(ProcessGroupOptions("env://").timeout(30s));
         if (rank == 2) std::_Exit(3);
-        // "Connection closed by peer" or "Connection reset by peer", as the socket saw it.
-        expect_allreduce_fails_with(world(), "by peer");
+        const std::string message = failed_allreduce_message<PeerLostError>(world());
+        EXPECT_TRUE(names_rank(message, "ranks? ", 2, " (is|are) lost")) << message;
+        // Gloo's own text: "Connection closed by peer" or "Connection reset by peer", as the
+        // socket saw it.
+        EXPECT_NE(message.find("by peer"), std::string::npos) << message;
+        leave_together(rank);
+      },
+      options);
+}
+
+TEST(ProcessGroupFailure, StoppedRankIsNamedInTheTimeout) {
+  distoptim::testing::RunRanksOptions options;
+  options.expected_exit_codes[2] = 3;
+  run_ranks(
+      3,
+      [](int rank, int) {
+        init_process_group(ProcessGroupOptions("env://").timeout(30s));
+        const Group impatient = new_group({}, 2s);
+        const c10::intrusive_ptr<DeadlineStore> store = default_store();
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        if (rank == 2) {
+          const std::string pid = std::to_string(::getpid());
+          store->set("test/pid/2", std::vector<uint8_t>(pid.begin(), pid.end()), deadline);
+          ::raise(SIGSTOP);
+          // Continued by rank 0 once the others have checked their errors.
+          std::_Exit(3);
+        }
+        expect_timeout_naming(impatient, 2);
+        leave_together(rank);
+        if (rank == 1) return;
+        // Then rank 0 lets rank 2 go.
+        const std::vector<uint8_t> pid = store->get("test/pid/2", deadline);
+        const pid_t stopped = std::stoi(std::string(pid.begin(), pid.end()));
+        EXPECT_TRUE(distoptim::testing::wait_for_process_state(stopped, "T", 10s));
+        ::kill(stopped, SIGCONT);
+        EXPECT_TRUE(distoptim::testing::wait_for_process_state(stopped, "Z?", 20s));
       },
       options);
 }

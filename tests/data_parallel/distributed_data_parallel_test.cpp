@@ -1,6 +1,8 @@
 // DistributedDataParallel: after backward every rank's gradients equal the gradients of the mean
 // loss over all ranks' batches, computed here in one process on the concatenated batch.
 
+#include <cstdlib>
+#include <regex>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -226,6 +228,39 @@ TEST(DistributedDataParallelBadInput, Arguments) {
     }
     comm::destroy_process_group();
   });
+}
+
+TEST(DistributedDataParallelFailure, DeadRankIsNamedByBackward) {
+  distoptim::testing::RunRanksOptions options;
+  options.expected_exit_codes[2] = 3;
+  run_ranks(
+      3,
+      [](int rank, int) {
+        init(rank);
+        auto model = make_model(1);
+        DistributedDataParallel ddp(model);
+        if (rank == 2) std::_Exit(3);
+        // The gradient allreduce goes through c10d's Reducer and the bucket's future.
+        auto loss = ddp.forward(torch::ones({2, 6}, torch::kFloat64)).sum();
+        try {
+          loss.backward();
+          ADD_FAILURE() << "expected a PeerLostError";
+        } catch (const PeerLostError& e) {
+          const std::string message = e.what();
+          EXPECT_NE(message.find("failed at rank " + std::to_string(rank) + ": "),
+                    std::string::npos)
+              << message;
+          EXPECT_TRUE(std::regex_search(message, std::regex("ranks? ([0-9]+, )*2(, [0-9]+)* "
+                                                            "(is|are) lost")))
+              << message;
+          EXPECT_NE(message.find("by peer"), std::string::npos) << message;
+        }
+        // Rank 0 serves the store, which rank 1 may still be polling for the others' reports.
+        const auto store = comm::default_store();
+        if (rank == 1) store->set("test/done/1", {1});
+        if (rank == 0) store->wait({"test/done/1"}, 20s);
+      },
+      options);
 }
 
 }  // namespace

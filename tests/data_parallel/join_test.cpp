@@ -219,7 +219,7 @@ TEST(Join, WithoutJoinUnevenInputsFailAfterTheTimeout) {
     const Batch first(7, world_size);
     torch::mse_loss(ddp.forward(first.local_x(rank)), first.local_y(rank)).backward();
     if (rank == 0) {
-      std::this_thread::sleep_for(4s);
+      std::this_thread::sleep_for(6s);
       return;
     }
     const Batch second(8, world_size);

@@ -1,6 +1,8 @@
 #pragma once
 
+#include <exception>
 #include <string>
+#include <utility>
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -30,6 +32,19 @@ class PeerLostError : public DistributedError {
   using DistributedError::DistributedError;
 };
 
+/// Throws the failure `e` of a distributed operation again with `context` before its message:
+/// a TimeoutError or PeerLostError as the same class (so callers can still tell a timeout from a
+/// lost peer), anything else as a DistributedError. A c10::Error's backtrace is left out.
+/// Use DISTOPTIM_RETHROW_WITH_CONTEXT.
+[[noreturn]] inline void rethrow_with_context(c10::SourceLocation where, const std::exception& e,
+                                              const std::string& context) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  std::string message = context + (error != nullptr ? error->what_without_backtrace() : e.what());
+  if (dynamic_cast<const TimeoutError*>(&e) != nullptr) throw TimeoutError(where, message);
+  if (dynamic_cast<const PeerLostError*>(&e) != nullptr) throw PeerLostError(where, message);
+  throw DistributedError(where, std::move(message));
+}
+
 }  // namespace distoptim
 
 /// Throws `error_type` (one of the classes above) with the message c10::str(...) when `cond` is
@@ -45,3 +60,9 @@ class PeerLostError : public DistributedError {
 /// Throws `error_type` with the message c10::str(...).
 #define DISTOPTIM_THROW(error_type, ...) \
   throw error_type({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, ::c10::str(__VA_ARGS__))
+
+/// Throws the caught exception `e` again with the context c10::str(...) before its message (see
+/// distoptim::rethrow_with_context).
+#define DISTOPTIM_RETHROW_WITH_CONTEXT(e, ...)                                                  \
+  ::distoptim::rethrow_with_context({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, (e), \
+                                    ::c10::str(__VA_ARGS__))

@@ -23,6 +23,10 @@ namespace comm {
 /// Thread safety: a Group is an immutable handle and may be copied and read from any thread;
 /// collectives on it follow c10d's rules (issued in the same order on every member).
 /// Blocking and timeouts: collectives wait at most `timeout()`, then fail on every member.
+/// Errors: a collective of `process_group()` whose peer died fails, in its Work's `wait`,
+/// `exception` and `getFuture`, with distoptim::PeerLostError, one some member never reached
+/// with distoptim::TimeoutError, each naming the global ranks at fault and keeping Gloo's text;
+/// finding them costs up to min(timeout(), 2 s) after the failure (see docs/errors.md).
 class Group {
  public:
   Group() = default;
