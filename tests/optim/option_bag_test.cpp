@@ -8,7 +8,7 @@
 #include <distoptim/optim/rprop.h>
 #include <distoptim/optim/sgd.h>
 
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace optim {
