@@ -72,9 +72,9 @@ struct ParityCase {
 
 void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.name; }
 
-class PostLocalSgdParityTest : public ::testing::TestWithParam<ParityCase> {};
+class PostLocalSGDParityTest : public ::testing::TestWithParam<ParityCase> {};
 
-TEST_P(PostLocalSgdParityTest, MatchesPyTorchAfter30Iterations) {
+TEST_P(PostLocalSGDParityTest, MatchesPyTorchAfter30Iterations) {
   const ParityCase& c = GetParam();
   fs::path dir;
   if (!distoptim::testing::in_rank_process()) {
@@ -121,7 +121,7 @@ TEST_P(PostLocalSgdParityTest, MatchesPyTorchAfter30Iterations) {
     // Each rank alone after the warm-up: training is local, only the averager joins the ranks.
     auto alone = comm::new_subgroups(1).first;
     ddp.register_comm_hook(post_local_sgd_hook(
-        std::make_shared<PostLocalSgdState>(std::nullopt, alone, kParityWarmup)));
+        std::make_shared<PostLocalSGDState>(std::nullopt, alone, kParityWarmup)));
     PostLocalSGDOptimizer opt(c.make(model->parameters()), std::make_shared<PeriodicModelAverager>(
                                                                kParityPeriod, kParityWarmup));
     for (int iteration = 0; iteration < kParityIterations; ++iteration) {
@@ -148,7 +148,7 @@ TEST_P(PostLocalSgdParityTest, MatchesPyTorchAfter30Iterations) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Optimizers, PostLocalSgdParityTest,
+    Optimizers, PostLocalSGDParityTest,
     ::testing::Values(
         ParityCase{"LibTorchSGD", "sgd",
                    [](std::vector<at::Tensor> params) -> std::shared_ptr<torch::optim::Optimizer> {
