@@ -12,13 +12,13 @@ namespace data_parallel {
 
 namespace {
 
-class PostLocalSgdHook : public c10d::CommHookInterface {
+class PostLocalSGDHook : public c10d::CommHookInterface {
  public:
-  explicit PostLocalSgdHook(std::shared_ptr<PostLocalSgdState> state) : state_(std::move(state)) {}
+  explicit PostLocalSGDHook(std::shared_ptr<PostLocalSGDState> state) : state_(std::move(state)) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     at::Tensor buffer = bucket.getBufferRef();
-    PostLocalSgdState& s = *state_;
+    PostLocalSGDState& s = *state_;
     if (s.iter < s.start_local_sgd_iter) {
       if (bucket.isLast()) ++s.iter;
       return allreduce_mean(s.process_group, buffer);
@@ -32,12 +32,12 @@ class PostLocalSgdHook : public c10d::CommHookInterface {
   at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
 
  private:
-  std::shared_ptr<PostLocalSgdState> state_;
+  std::shared_ptr<PostLocalSGDState> state_;
 };
 
 }  // namespace
 
-PostLocalSgdState::PostLocalSgdState(std::optional<comm::Group> process_group,
+PostLocalSGDState::PostLocalSGDState(std::optional<comm::Group> process_group,
                                      std::optional<comm::Group> subgroup,
                                      int64_t start_local_sgd_iter,
                                      bool post_local_gradient_allreduce)
@@ -46,17 +46,17 @@ PostLocalSgdState::PostLocalSgdState(std::optional<comm::Group> process_group,
       start_local_sgd_iter(start_local_sgd_iter),
       post_local_gradient_allreduce(post_local_gradient_allreduce) {
   TORCH_CHECK_VALUE(start_local_sgd_iter >= 1,
-                    "PostLocalSgdState: start_local_sgd_iter = ", start_local_sgd_iter,
+                    "PostLocalSGDState: start_local_sgd_iter = ", start_local_sgd_iter,
                     "; must be at least 1");
   TORCH_CHECK_VALUE(this->process_group.is_member() && this->subgroup.is_member(),
-                    "PostLocalSgdState: this rank is not a member of the process_group or the "
+                    "PostLocalSGDState: this rank is not a member of the process_group or the "
                     "subgroup");
 }
 
 std::unique_ptr<c10d::CommHookInterface> post_local_sgd_hook(
-    std::shared_ptr<PostLocalSgdState> state) {
+    std::shared_ptr<PostLocalSGDState> state) {
   TORCH_CHECK_VALUE(state != nullptr, "post_local_sgd_hook: state is null");
-  return std::make_unique<PostLocalSgdHook>(std::move(state));
+  return std::make_unique<PostLocalSGDHook>(std::move(state));
 }
 
 }  // namespace data_parallel

@@ -15,8 +15,8 @@
 
 #include <distoptim/comm.h>
 
-#include "../harness/multiprocess.h"
-#include "../optim/test_util.h"
+#include "harness/multiprocess.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace comm {

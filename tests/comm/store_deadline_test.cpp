@@ -21,7 +21,7 @@
 
 #include <distoptim/comm.h>
 
-#include "../harness/multiprocess.h"
+#include "harness/multiprocess.h"
 
 namespace distoptim {
 namespace comm {

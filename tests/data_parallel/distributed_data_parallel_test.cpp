@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <regex>
 #include <string>
+#include <type_traits>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -11,9 +12,9 @@
 #include <distoptim/comm.h>
 #include <distoptim/data_parallel.h>
 
-#include "../harness/multiprocess.h"
-#include "../optim/test_util.h"
 #include "global_batch.h"
+#include "harness/multiprocess.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace data_parallel {
@@ -133,13 +134,19 @@ TEST(DistributedDataParallel, Fp16CompressionHook) {
   });
 }
 
-TEST(DistributedDataParallel, PostLocalSgdHookAveragesGloballyThenInSubgroups) {
+// Code written against the state's former name still builds (with a deprecation warning).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+static_assert(std::is_same<PostLocalSgdState, PostLocalSGDState>::value);
+#pragma GCC diagnostic pop
+
+TEST(DistributedDataParallel, PostLocalSGDHookAveragesGloballyThenInSubgroups) {
   run_ranks(2, [](int rank, int world_size) {
     init(rank);
     auto model = make_model(9);
     DistributedDataParallel ddp(model);
     auto [alone, all_singletons] = comm::new_subgroups(1);
-    auto state = std::make_shared<PostLocalSgdState>(std::nullopt, alone, /*start=*/2);
+    auto state = std::make_shared<PostLocalSGDState>(std::nullopt, alone, /*start=*/2);
     ddp.register_comm_hook(post_local_sgd_hook(state));
     for (int iteration = 0; iteration < 4; ++iteration) {
       const Batch batch(20 + iteration, world_size);

@@ -13,9 +13,9 @@
 #include <distoptim/data_parallel.h>
 #include <distoptim/optim.h>
 
-#include "../harness/multiprocess.h"
-#include "../optim/test_util.h"
 #include "global_batch.h"
+#include "harness/multiprocess.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace data_parallel {

@@ -20,8 +20,8 @@
 #include <distoptim/data_parallel.h>
 #include <distoptim/optim/torch_adapter.h>
 
-#include "../harness/multiprocess.h"
-#include "../optim/test_util.h"
+#include "harness/multiprocess.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace data_parallel {

@@ -11,9 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,14 +23,16 @@
 #include <distoptim/data_parallel.h>
 #include <distoptim/optim/torch_adapter.h>
 
-#include "../harness/command.h"
-#include "../harness/multiprocess.h"
+#include "harness/command.h"
+#include "harness/multiprocess.h"
+#include "support/tensor_files.h"
 
 namespace distoptim {
 namespace data_parallel {
 namespace {
 
 namespace fs = std::filesystem;
+using distoptim::testing::load_tensor_list;
 using distoptim::testing::run_ranks;
 using namespace std::chrono_literals;
 
@@ -50,17 +50,6 @@ constexpr double kParityRtol = 1e-5;
 constexpr double kParityAtol = 1e-6;
 
 using distoptim::testing::shell_quote;
-
-std::vector<at::Tensor> load_tensor_list(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
-                                std::istreambuf_iterator<char>());
-  TORCH_CHECK(!bytes.empty(), "cannot read ", file.string());
-  std::vector<at::Tensor> out;
-  const c10::IValue list = torch::pickle_load(bytes);
-  for (const auto& item : list.toListRef()) out.push_back(item.toTensor());
-  return out;
-}
 
 std::vector<at::Tensor> reference_params(const fs::path& dir, const std::string& optimizer,
                                          const std::string& mode, int rank) {
@@ -83,9 +72,9 @@ struct ParityCase {
 
 void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.name; }
 
-class PostLocalSgdParityTest : public ::testing::TestWithParam<ParityCase> {};
+class PostLocalSGDParityTest : public ::testing::TestWithParam<ParityCase> {};
 
-TEST_P(PostLocalSgdParityTest, MatchesPyTorchAfter30Iterations) {
+TEST_P(PostLocalSGDParityTest, MatchesPyTorchAfter30Iterations) {
   const ParityCase& c = GetParam();
   fs::path dir;
   if (!distoptim::testing::in_rank_process()) {
@@ -132,7 +121,7 @@ TEST_P(PostLocalSgdParityTest, MatchesPyTorchAfter30Iterations) {
     // Each rank alone after the warm-up: training is local, only the averager joins the ranks.
     auto alone = comm::new_subgroups(1).first;
     ddp.register_comm_hook(post_local_sgd_hook(
-        std::make_shared<PostLocalSgdState>(std::nullopt, alone, kParityWarmup)));
+        std::make_shared<PostLocalSGDState>(std::nullopt, alone, kParityWarmup)));
     PostLocalSGDOptimizer opt(c.make(model->parameters()), std::make_shared<PeriodicModelAverager>(
                                                                kParityPeriod, kParityWarmup));
     for (int iteration = 0; iteration < kParityIterations; ++iteration) {
@@ -159,7 +148,7 @@ TEST_P(PostLocalSgdParityTest, MatchesPyTorchAfter30Iterations) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Optimizers, PostLocalSgdParityTest,
+    Optimizers, PostLocalSGDParityTest,
     ::testing::Values(
         ParityCase{"LibTorchSGD", "sgd",
                    [](std::vector<at::Tensor> params) -> std::shared_ptr<torch::optim::Optimizer> {

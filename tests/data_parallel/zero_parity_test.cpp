@@ -10,8 +10,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,14 +21,16 @@
 #include <distoptim/data_parallel.h>
 #include <distoptim/optim.h>
 
-#include "../harness/command.h"
-#include "../harness/multiprocess.h"
+#include "harness/command.h"
+#include "harness/multiprocess.h"
+#include "support/tensor_files.h"
 
 namespace distoptim {
 namespace data_parallel {
 namespace {
 
 namespace fs = std::filesystem;
+using distoptim::testing::load_tensor_list;
 using distoptim::testing::run_ranks;
 using distoptim::testing::shell_quote;
 using namespace std::chrono_literals;
@@ -53,17 +53,6 @@ torch::nn::Sequential make_model() {
   return torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Tanh(),
                                torch::nn::Linear(16, 16), torch::nn::Tanh(),
                                torch::nn::Linear(16, 4));
-}
-
-std::vector<at::Tensor> load_tensor_list(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
-                                std::istreambuf_iterator<char>());
-  TORCH_CHECK(!bytes.empty(), "cannot read ", file.string());
-  std::vector<at::Tensor> out;
-  const c10::IValue list = torch::pickle_load(bytes);
-  for (const auto& item : list.toListRef()) out.push_back(item.toTensor());
-  return out;
 }
 
 // The model with the reference's initial parameters.

@@ -20,10 +20,10 @@
 #include <distoptim/data_parallel.h>
 #include <distoptim/optim.h>
 
-#include "../harness/command.h"
-#include "../harness/multiprocess.h"
-#include "../optim/test_util.h"
 #include "global_batch.h"
+#include "harness/command.h"
+#include "harness/multiprocess.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace data_parallel {

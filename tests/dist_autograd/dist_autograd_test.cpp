@@ -14,8 +14,8 @@
 #include <distoptim/dist_autograd.h>
 #include <distoptim/rpc.h>
 
-#include "../harness/multiprocess.h"
-#include "../harness/rpc_workers.h"
+#include "harness/multiprocess.h"
+#include "harness/rpc_workers.h"
 
 namespace distoptim {
 namespace dist_autograd {

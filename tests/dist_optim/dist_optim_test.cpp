@@ -18,8 +18,8 @@
 #include <distoptim/optim/sgd.h>
 #include <distoptim/rpc.h>
 
-#include "../harness/multiprocess.h"
-#include "../harness/rpc_workers.h"
+#include "harness/multiprocess.h"
+#include "harness/rpc_workers.h"
 
 namespace distoptim {
 namespace dist_optim {

@@ -9,7 +9,7 @@
 #include <distoptim/optim/sgd.h>
 
 #include "optimizer_cases.h"
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace optim {

@@ -20,7 +20,7 @@
 
 #include <distoptim/optim/adam.h>
 
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace optim {

@@ -1,5 +1,7 @@
 #include <distoptim/optim/option_bag.h>
 
+#include <type_traits>
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/serialize.h>
@@ -8,7 +10,7 @@
 #include <distoptim/optim/rprop.h>
 #include <distoptim/optim/sgd.h>
 
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace optim {
@@ -29,6 +31,25 @@ TEST(OptionBag, TypedOptionsRoundTripThroughBag) {
   EXPECT_EQ(back.weight_decay(), 0.1);
   EXPECT_TRUE(back.amsgrad());
   EXPECT_TRUE(back.maximize());
+}
+
+// Adam and AdamW share their options but keep PyTorch's defaults each (weight_decay 0 and
+// 1e-2), and a chain of setters keeps the struct it started from.
+TEST(OptionBag, AdamAndAdamWOptionsKeepTheirDefaultsAndType) {
+  static_assert(std::is_same<decltype(AdamWOptions().lr(0.1)), AdamWOptions&>::value);
+  static_assert(std::is_same<decltype(AdamOptions().maximize(true)), AdamOptions&>::value);
+  EXPECT_EQ(options_to_bag(AdamOptions()), OptionBag({{"lr", 1e-3},
+                                                      {"betas", std::make_tuple(0.9, 0.999)},
+                                                      {"eps", 1e-8},
+                                                      {"weight_decay", 0.0},
+                                                      {"amsgrad", false},
+                                                      {"maximize", false}}));
+  EXPECT_EQ(options_to_bag(AdamWOptions()), options_to_bag(AdamOptions().weight_decay(1e-2)));
+  const AdamWOptions w = AdamWOptions(0.01).betas({0.8, 0.95}).amsgrad(true);
+  EXPECT_EQ(w.lr(), 0.01);
+  EXPECT_EQ(w.betas(), std::make_tuple(0.8, 0.95));
+  EXPECT_EQ(w.weight_decay(), 1e-2);
+  EXPECT_TRUE(w.amsgrad());
 }
 
 TEST(OptionBag, PartialBagKeepsBaseValues) {

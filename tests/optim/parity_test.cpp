@@ -51,7 +51,7 @@
 #include <gtest/gtest.h>
 #include <torch/serialize.h>
 
-#include "../harness/command.h"
+#include "harness/command.h"
 
 namespace distoptim {
 namespace optim {

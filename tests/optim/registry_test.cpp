@@ -6,7 +6,7 @@
 #include <distoptim/optim/adam.h>
 #include <distoptim/optim/sgd.h>
 
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace optim {

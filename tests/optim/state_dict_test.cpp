@@ -12,7 +12,7 @@
 #include <distoptim/optim/registry.h>
 
 #include "optimizer_cases.h"
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace optim {

@@ -22,9 +22,9 @@
 
 #include <distoptim/rpc.h>
 
-#include "../harness/multiprocess.h"
-#include "../harness/rpc_workers.h"
 #include "handshake.h"
+#include "harness/multiprocess.h"
+#include "harness/rpc_workers.h"
 #include "message.h"
 
 namespace distoptim {

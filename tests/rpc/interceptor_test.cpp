@@ -12,8 +12,8 @@
 #include <distoptim/rpc.h>
 #include <distoptim/rpc/classes.h>
 
-#include "../harness/multiprocess.h"
-#include "../harness/rpc_workers.h"
+#include "harness/multiprocess.h"
+#include "harness/rpc_workers.h"
 
 namespace distoptim {
 namespace rpc {

@@ -14,9 +14,9 @@
 
 #include <distoptim/rpc.h>
 
-#include "../harness/multiprocess.h"
-#include "../harness/rpc_workers.h"
 #include "executor.h"
+#include "harness/multiprocess.h"
+#include "harness/rpc_workers.h"
 
 namespace distoptim {
 namespace rpc {

@@ -13,8 +13,8 @@
 
 #include <distoptim/rpc.h>
 
-#include "../harness/multiprocess.h"
-#include "../harness/rpc_workers.h"
+#include "harness/multiprocess.h"
+#include "harness/rpc_workers.h"
 
 namespace distoptim {
 namespace rpc {

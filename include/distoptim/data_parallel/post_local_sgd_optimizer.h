@@ -18,7 +18,7 @@ namespace data_parallel {
 /// `averager.average_parameters(param_groups())`, which averages the parameters across ranks
 /// when the averager's period comes round.
 ///
-///   auto state = std::make_shared<PostLocalSgdState>(std::nullopt, std::nullopt, 100);
+///   auto state = std::make_shared<PostLocalSGDState>(std::nullopt, std::nullopt, 100);
 ///   ddp.register_comm_hook(post_local_sgd_hook(state));
 ///   PostLocalSGDOptimizer opt(
 ///       std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.01)),

@@ -2,27 +2,40 @@
 
 #include <tuple>
 
-#include <torch/arg.h>
-
 #include <distoptim/optim/functional_optimizer.h>
 
 namespace distoptim {
 namespace optim {
 
-/// Options of Adam, named and defaulted as torch.optim.Adam's (PyTorch 1.13).
-struct AdamOptions {
-  using Pair = std::tuple<double, double>;
-  /* implicit */ AdamOptions(double lr = 1e-3) : lr_(lr) {}
-  TORCH_ARG(double, lr);
-  TORCH_ARG(Pair, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 0;
-  TORCH_ARG(bool, amsgrad) = false;
-  TORCH_ARG(bool, maximize) = false;
+// A TORCH_ARG whose setter returns the derived options struct (TORCH_ARG's returns the class
+// that declares it), so that a chain on AdamWOptions stays an AdamWOptions.
+#define DISTOPTIM_ADAM_ARG(T, name)                  \
+ public:                                             \
+  Derived& name(const T& new_##name) {               \
+    name##_ = new_##name;                            \
+    return static_cast<Derived&>(*this);             \
+  }                                                  \
+  const T& name() const noexcept { return name##_; } \
+  T& name() noexcept { return name##_; }             \
+                                                     \
+ private:                                            \
+  T name##_
 
+namespace detail {
+
+/// The options Adam and AdamW share, named as torch.optim.Adam's and torch.optim.AdamW's
+/// (PyTorch 1.13); only weight_decay's default differs. `Derived` is the options struct.
+template <class Derived>
+struct AdamOptionsBase {
+  using Pair = std::tuple<double, double>;
+  DISTOPTIM_ADAM_ARG(double, lr);
+  DISTOPTIM_ADAM_ARG(Pair, betas) = std::make_tuple(0.9, 0.999);
+  DISTOPTIM_ADAM_ARG(double, eps) = 1e-8;
+  DISTOPTIM_ADAM_ARG(double, weight_decay);
+  DISTOPTIM_ADAM_ARG(bool, amsgrad) = false;
+  DISTOPTIM_ADAM_ARG(bool, maximize) = false;
 
  public:
-  void validate() const;
   template <class V>
   void visit(V&& v) {
     v("lr", lr_);
@@ -32,31 +45,30 @@ struct AdamOptions {
     v("amsgrad", amsgrad_);
     v("maximize", maximize_);
   }
+
+ protected:
+  AdamOptionsBase(double lr, double weight_decay) : lr_(lr), weight_decay_(weight_decay) {}
 };
 
-/// Options of AdamW: Adam's, with decoupled weight decay defaulting to 1e-2.
-struct AdamWOptions {
-  using Pair = std::tuple<double, double>;
-  /* implicit */ AdamWOptions(double lr = 1e-3) : lr_(lr) {}
-  TORCH_ARG(double, lr);
-  TORCH_ARG(Pair, betas) = std::make_tuple(0.9, 0.999);
-  TORCH_ARG(double, eps) = 1e-8;
-  TORCH_ARG(double, weight_decay) = 1e-2;
-  TORCH_ARG(bool, amsgrad) = false;
-  TORCH_ARG(bool, maximize) = false;
+}  // namespace detail
 
+#undef DISTOPTIM_ADAM_ARG
 
- public:
+/// Options of Adam, named and defaulted as torch.optim.Adam's (PyTorch 1.13): lr 1e-3,
+/// betas (0.9, 0.999), eps 1e-8, weight_decay 0 (added to the gradient), amsgrad and maximize
+/// false.
+struct AdamOptions : detail::AdamOptionsBase<AdamOptions> {
+  /* implicit */ AdamOptions(double lr = 1e-3) : AdamOptionsBase(lr, /*weight_decay=*/0) {}
+  /// Throws c10::ValueError naming the option and its value.
   void validate() const;
-  template <class V>
-  void visit(V&& v) {
-    v("lr", lr_);
-    v("betas", betas_);
-    v("eps", eps_);
-    v("weight_decay", weight_decay_);
-    v("amsgrad", amsgrad_);
-    v("maximize", maximize_);
-  }
+};
+
+/// Options of AdamW: Adam's, with weight decay decoupled from the gradient (applied to the
+/// parameter) and defaulting to 1e-2, as torch.optim.AdamW's.
+struct AdamWOptions : detail::AdamOptionsBase<AdamWOptions> {
+  /* implicit */ AdamWOptions(double lr = 1e-3) : AdamOptionsBase(lr, /*weight_decay=*/1e-2) {}
+  /// Throws c10::ValueError naming the option and its value.
+  void validate() const;
 };
 
 namespace functional {

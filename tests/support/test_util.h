@@ -1,6 +1,6 @@
 #pragma once
 
-// Helpers shared by the optim tests.
+// Helpers the tests of every layer share: expected errors and tensor lists compared exactly.
 
 #include <string>
 #include <vector>
