@@ -2,10 +2,6 @@
 // contents (views and strided tensors included), and malformed or hostile input of every kind
 // is rejected with an error rather than a crash.
 
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
-
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <gmock/gmock.h>
@@ -510,38 +506,6 @@ TEST(RpcSnapshot, ContainersAreRebuiltOnlyAroundCopies) {
   EXPECT_EQ(sent.toListRef()[0].toTensor().data_ptr(), own_data);
   EXPECT_NE(sent.toListRef()[1].toTensor().data_ptr(), weight.data_ptr());
   EXPECT_TRUE(at::equal(sent.toListRef()[1].toTensor(), weight));
-}
-
-// Writes valid messages of every kind as seeds for the fuzz test (tests/rpc/fuzz), into the
-// directory named by DISTOPTIM_FUZZ_CORPUS_DIR. Skipped when it is unset.
-TEST(MessageFuzzSeeds, Write) {
-  const char* dir = std::getenv("DISTOPTIM_FUZZ_CORPUS_DIR");
-  if (dir == nullptr) {
-    GTEST_SKIP() << "DISTOPTIM_FUZZ_CORPUS_DIR is not set";
-  }
-  std::filesystem::create_directories(dir);
-  c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
-  dict.insert("k", c10::List<double>({1.0, 2.0}));
-  const std::vector<EncodedMessage> seeds = {
-      encode_request(1, "add", {at::ones({2, 2}), int64_t{3}, std::string("s")}, 100),
-      encode_response(2, c10::ivalue::Tuple::create({c10::IValue(dict), c10::IValue(true)})),
-      encode_response(3, at::arange(4) % 2 == 0), encode_error(4, "message", "worker"),
-      encode_handshake(proof_step())};
-  int index = 0;
-  for (const EncodedMessage& seed : seeds) {
-    std::string bytes = seed.header + seed.body;
-    for (const at::Tensor& tensor : seed.tensors) {
-      const auto length = static_cast<uint32_t>(tensor.nbytes());
-      for (int b = 0; b < 4; ++b) {
-        bytes.push_back(static_cast<char>((length >> (8 * b)) & 0xff));
-      }
-    }
-    for (const at::Tensor& tensor : seed.tensors) {
-      bytes.append(static_cast<const char*>(tensor.data_ptr()), tensor.nbytes());
-    }
-    std::ofstream(std::filesystem::path(dir) / ("seed" + std::to_string(index++)), std::ios::binary)
-        << bytes;
-  }
 }
 
 }  // namespace
