@@ -4,11 +4,11 @@
 
 #include <cstdio>
 
-#include <CLI/CLI.hpp>
-#include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/activation.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <CLI/CLI.hpp>
 
 #include "qhm.h"
 
@@ -27,8 +27,8 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   // y = sin(x0) + 0.5 * x1 * x2 + noise, 512 samples of 8 features.
   const at::Tensor x = torch::randn({512, 8});
-  const at::Tensor y = (x.select(1, 0).sin() + 0.5 * x.select(1, 1) * x.select(1, 2))
-                           .unsqueeze(1) + 0.01 * torch::randn({512, 1});
+  const at::Tensor y = (x.select(1, 0).sin() + 0.5 * x.select(1, 1) * x.select(1, 2)).unsqueeze(1) +
+                       0.01 * torch::randn({512, 1});
   torch::nn::Sequential model(torch::nn::Linear(8, 64), torch::nn::Tanh(),
                               torch::nn::Linear(64, 64), torch::nn::Tanh(),
                               torch::nn::Linear(64, 1));

@@ -90,8 +90,7 @@ class QHM : public distoptim::optim::TypedFunctionalOptimizer<QHMOptions> {
 /// Registers "qhm" in distoptim's optimizer registry (once; later calls do nothing).
 inline void register_qhm() {
   if (!distoptim::optim::is_optimizer_registered("qhm")) {
-    distoptim::optim::register_optimizer("qhm",
-                                         distoptim::optim::typed_factory<QHM, QHMOptions>());
+    distoptim::optim::register_optimizer("qhm", distoptim::optim::typed_factory<QHM, QHMOptions>());
   }
 }
 

@@ -22,11 +22,11 @@
 #include <string>
 #include <vector>
 
-#include <CLI/CLI.hpp>
+#include <ATen/ATen.h>
 #include <fmt/core.h>
 #include <fmt/ostream.h>
-#include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
+#include <CLI/CLI.hpp>
 
 #include <distoptim/comm.h>
 #include <distoptim/dist_autograd.h>
@@ -100,8 +100,8 @@ Corpus read_corpus(const std::string& dir) {
 at::Tensor batchify(const std::vector<int64_t>& tokens, int64_t batch, int trainer, int trainers) {
   const int64_t share = static_cast<int64_t>(tokens.size()) / trainers;
   const int64_t rows = share / batch;
-  at::Tensor data = at::tensor(std::vector<int64_t>(tokens.begin() + trainer * share,
-                                                    tokens.begin() + trainer * share + rows * batch));
+  at::Tensor data = at::tensor(std::vector<int64_t>(
+      tokens.begin() + trainer * share, tokens.begin() + trainer * share + rows * batch));
   return data.view({batch, rows}).t().contiguous();
 }
 
@@ -112,8 +112,8 @@ void print_progress(double fraction, int64_t step, double loss, double tokens_pe
   fraction = std::clamp(fraction, 0.0, 1.0);
   const int filled = static_cast<int>(std::round(fraction * width));
   fmt::print("[{}{}] {:3.0f}%  step {:5d}  loss {:6.3f}  {:6.0f} tokens/s  {:4.0f} s left\n",
-             std::string(filled, '#'), std::string(width - filled, '.'), fraction * 100, step,
-             loss, tokens_per_second, std::max(0.0, remaining_seconds));
+             std::string(filled, '#'), std::string(width - filled, '.'), fraction * 100, step, loss,
+             tokens_per_second, std::max(0.0, remaining_seconds));
   std::fflush(stdout);
 }
 
@@ -158,10 +158,11 @@ void train(const Settings& settings, int rank, int world_size) {
 
   const bool reporter = rank == 1;
   if (reporter) {
-    fmt::print("rnn_parameter_server: {} trainer(s), vocabulary {} words, {} tokens each; LSTM {}x{} "
-               "on the trainer, embedding and decoder on the server; {} lr {}; for {} s\n",
-               trainers, ntoken, data.numel(), settings.nlayers, settings.nhid,
-               settings.optimizer, settings.lr, settings.seconds);
+    fmt::print(
+        "rnn_parameter_server: {} trainer(s), vocabulary {} words, {} tokens each; LSTM {}x{} "
+        "on the trainer, embedding and decoder on the server; {} lr {}; for {} s\n",
+        trainers, ntoken, data.numel(), settings.nlayers, settings.nhid, settings.optimizer,
+        settings.lr, settings.seconds);
   }
   fs::create_directories(settings.out_dir);
   const fs::path csv = fs::path(settings.out_dir) / fmt::format("loss_rank{}.csv", rank);
@@ -216,9 +217,10 @@ void train(const Settings& settings, int rank, int world_size) {
   out.close();
   if (reporter) {
     const double t = elapsed();
-    fmt::print("final loss {:.4f} (mean of the last {} steps; first step {:.4f}), perplexity "
-               "{:.1f}; {} steps, {:.0f} tokens/s\n",
-               recent, last_losses.size(), first_loss, std::exp(recent), step, tokens / t);
+    fmt::print(
+        "final loss {:.4f} (mean of the last {} steps; first step {:.4f}), perplexity "
+        "{:.1f}; {} steps, {:.0f} tokens/s\n",
+        recent, last_losses.size(), first_loss, std::exp(recent), step, tokens / t);
     const fs::path png = fs::path(settings.out_dir) / "loss.png";
     plot(csv, png);
     fmt::print("wrote {} and {}\n", fs::absolute(csv).string(), fs::absolute(png).string());
@@ -255,8 +257,10 @@ int main(int argc, char** argv) {
     const int rank = env.rank.value_or(0);
     const int world_size = env.world_size.value_or(1);
     if (world_size < 2) {
-      fmt::print(stderr, "rnn_parameter_server: needs a server and at least one trainer: run it "
-                         "as distrun --nproc-per-node 2 (or more) {}\n", argv[0]);
+      fmt::print(stderr,
+                 "rnn_parameter_server: needs a server and at least one trainer: run it "
+                 "as distrun --nproc-per-node 2 (or more) {}\n",
+                 argv[0]);
       return 2;
     }
     at::manual_seed(static_cast<uint64_t>(s.seed * 1000 + rank));

@@ -30,7 +30,9 @@ EmbeddingTable::EmbeddingTable(int64_t ntoken, int64_t ninp, double dropout, int
   init_uniform(encoder->weight, 0.1, seed);
 }
 
-at::Tensor EmbeddingTable::forward(at::Tensor input) { return drop->forward(encoder->forward(input)); }
+at::Tensor EmbeddingTable::forward(at::Tensor input) {
+  return drop->forward(encoder->forward(input));
+}
 
 std::vector<RRef<at::Tensor>> EmbeddingTable::parameter_rrefs() { return rrefs_of(parameters()); }
 
@@ -71,7 +73,7 @@ RNNModel::RNNModel(const std::string& ps, const ModelOptions& options) : options
 }
 
 std::tuple<at::Tensor, RNNModel::Hidden> RNNModel::forward(const at::Tensor& input,
-                                                          const Hidden& hidden) {
+                                                           const Hidden& hidden) {
   at::Tensor emb = embedding_.rpc_sync().method<at::Tensor>("forward", input);
   auto [output, next] = rnn_->forward(emb, hidden);
   at::Tensor decoded = decoder_.rpc_sync().method<at::Tensor>("forward", output);

@@ -4,7 +4,7 @@
 #include <distoptim/data_parallel/comm_hooks.h>
 #include <distoptim/data_parallel/distributed_data_parallel.h>
 #include <distoptim/data_parallel/join.h>
-#include <distoptim/data_parallel/post_local_sgd_hook.h>
-#include <distoptim/data_parallel/zero_redundancy_optimizer.h>
 #include <distoptim/data_parallel/model_averaging.h>
+#include <distoptim/data_parallel/post_local_sgd_hook.h>
 #include <distoptim/data_parallel/post_local_sgd_optimizer.h>
+#include <distoptim/data_parallel/zero_redundancy_optimizer.h>

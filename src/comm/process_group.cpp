@@ -42,9 +42,7 @@ DefaultState& initialized_state(const char* caller) {
   return *state;
 }
 
-std::string ranks_text(const std::vector<int>& ranks) {
-  return "[" + c10::Join(", ", ranks) + "]";
-}
+std::string ranks_text(const std::vector<int>& ranks) { return "[" + c10::Join(", ", ranks) + "]"; }
 
 // A Gloo group of the global ranks `ranks` (this process is `group_rank` among them). Gloo meets
 // its peers through a PrefixStore over the rendezvous's DeadlineStore: its store operations too
@@ -66,8 +64,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
 // Checks every rank of the world passed the same `ranks` to the new_group call numbered `id`,
 // waiting for all of them at most `timeout`. Called by members only.
 void agree_on_members(DeadlineStore& store, const std::string& key_prefix, int world_size,
-                      int my_rank, const std::vector<int>& ranks,
-                      Clock::time_point deadline, std::chrono::milliseconds timeout, int64_t id) {
+                      int my_rank, const std::vector<int>& ranks, Clock::time_point deadline,
+                      std::chrono::milliseconds timeout, int64_t id) {
   const std::vector<int> missing = wait_for_rank_keys(store, key_prefix, world_size, deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "new_group(ranks=", ranks_text(ranks),
                        ") (call #", id, "): rank ", my_rank, " waited ", timeout.count(),
@@ -93,8 +91,9 @@ Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> process_group, std::vector<i
 }
 
 int Group::global_rank(int group_rank) const {
-  TORCH_CHECK_INDEX(group_rank >= 0 && group_rank < size(), "Group::global_rank: group_rank = ",
-                    group_rank, " is not in [0, ", size(), ")");
+  TORCH_CHECK_INDEX(group_rank >= 0 && group_rank < size(),
+                    "Group::global_rank: group_rank = ", group_rank, " is not in [0, ", size(),
+                    ")");
   return ranks_[group_rank];
 }
 
@@ -118,8 +117,8 @@ void Group::barrier() const {
 }
 
 void init_process_group(const ProcessGroupOptions& options) {
-  TORCH_CHECK_VALUE(options.backend() == "gloo", "init_process_group: backend '",
-                    options.backend(), "' is not available; this build has 'gloo' (CPU)");
+  TORCH_CHECK_VALUE(options.backend() == "gloo", "init_process_group: backend '", options.backend(),
+                    "' is not available; this build has 'gloo' (CPU)");
   std::lock_guard<std::mutex> lock(state_mutex);
   TORCH_CHECK_VALUE(state == nullptr,
                     "init_process_group: the default process group is already initialized");
@@ -196,10 +195,10 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
   }
   std::set<int> seen;
   for (int r : ranks) {
-    TORCH_CHECK_VALUE(r >= 0 && r < world_size, "new_group: rank ", r, " in ranks=",
-                      ranks_text(ranks), " is not in [0, ", world_size, ")");
-    TORCH_CHECK_VALUE(seen.insert(r).second, "new_group: rank ", r, " appears twice in ranks=",
-                      ranks_text(ranks));
+    TORCH_CHECK_VALUE(r >= 0 && r < world_size, "new_group: rank ", r,
+                      " in ranks=", ranks_text(ranks), " is not in [0, ", world_size, ")");
+    TORCH_CHECK_VALUE(seen.insert(r).second, "new_group: rank ", r,
+                      " appears twice in ranks=", ranks_text(ranks));
   }
   const std::chrono::milliseconds group_timeout = timeout.value_or(s.rendezvous.timeout);
   TORCH_CHECK_VALUE(group_timeout.count() > 0, "new_group: timeout = ", group_timeout.count(),
@@ -218,8 +217,8 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
              std::vector<uint8_t>(announced.begin(), announced.end()), deadline);
   const auto it = std::find(ranks.begin(), ranks.end(), my_rank);
   if (it == ranks.end()) return Group({}, ranks, my_rank, group_timeout);
-  agree_on_members(*store, prefix + "ranks/", world_size, my_rank, ranks, deadline,
-                   group_timeout, id);
+  agree_on_members(*store, prefix + "ranks/", world_size, my_rank, ranks, deadline, group_timeout,
+                   id);
   const int group_rank = static_cast<int>(it - ranks.begin());
   return Group(make_gloo_group(store, prefix + "pg/", ranks, group_rank, group_timeout, hostname),
                ranks, my_rank, group_timeout);
@@ -264,8 +263,8 @@ std::pair<Group, std::vector<Group>> new_subgroups_by_enumeration(
   }
   std::set<int> seen;
   for (size_t g = 0; g < ranks_per_subgroup.size(); ++g) {
-    TORCH_CHECK_VALUE(!ranks_per_subgroup[g].empty(),
-                      "new_subgroups_by_enumeration: subgroup ", g, " is empty");
+    TORCH_CHECK_VALUE(!ranks_per_subgroup[g].empty(), "new_subgroups_by_enumeration: subgroup ", g,
+                      " is empty");
     for (int r : ranks_per_subgroup[g]) {
       TORCH_CHECK_VALUE(seen.insert(r).second, "new_subgroups_by_enumeration: rank ", r,
                         " is in more than one subgroup (again in subgroup ", g, ")");

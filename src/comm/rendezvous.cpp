@@ -32,8 +32,8 @@ std::optional<int> env_int(const char* name, int min, int max) {
   char* end = nullptr;
   const long value = std::strtol(text, &end, 10);
   TORCH_CHECK_VALUE(errno == 0 && *end == '\0' && value >= min && value <= max,
-                    "environment variable ", name, " = '", text,
-                    "' is not a whole number in [", min, ", ", max, "]");
+                    "environment variable ", name, " = '", text, "' is not a whole number in [",
+                    min, ", ", max, "]");
   return static_cast<int>(value);
 }
 
@@ -75,15 +75,15 @@ std::pair<std::string, int> parse_host_port(const std::string& init_method,
   std::string port_text;
   if (!rest.empty() && rest.front() == '[') {
     const size_t close = rest.find(']');
-    TORCH_CHECK_VALUE(close != std::string::npos && close + 1 < rest.size() &&
-                          rest[close + 1] == ':',
-                      "rendezvous: init_method '", init_method, "' is not tcp://[ADDRESS]:PORT");
+    TORCH_CHECK_VALUE(
+        close != std::string::npos && close + 1 < rest.size() && rest[close + 1] == ':',
+        "rendezvous: init_method '", init_method, "' is not tcp://[ADDRESS]:PORT");
     host = rest.substr(1, close - 1);
     port_text = rest.substr(close + 2);
   } else {
     const size_t colon = rest.rfind(':');
-    TORCH_CHECK_VALUE(colon != std::string::npos && colon > 0,
-                      "rendezvous: init_method '", init_method, "' is not tcp://HOST:PORT");
+    TORCH_CHECK_VALUE(colon != std::string::npos && colon > 0, "rendezvous: init_method '",
+                      init_method, "' is not tcp://HOST:PORT");
     host = rest.substr(0, colon);
     port_text = rest.substr(colon + 1);
   }
@@ -121,9 +121,9 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int p
   const auto deadline = Clock::now() + timeout;
   while (true) {
     try {
-      store_options.timeout = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                           deadline - Clock::now()),
-                                       std::chrono::milliseconds(1));
+      store_options.timeout =
+          std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                   std::chrono::milliseconds(1));
       return c10::make_intrusive<c10d::TCPStore>(host, store_options);
     } catch (const std::exception& e) {
       if (Clock::now() >= deadline) {
@@ -169,8 +169,8 @@ void wait_for_ranks(DeadlineStore& store, const std::string& prefix, int rank, i
       throw_published_failure(from_bytes(store.get(kFailedKey, deadline)), rank);
     }
   });
-  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), what, "; these ranks never arrived: ",
-                       c10::Join(", ", missing));
+  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), what,
+                       "; these ranks never arrived: ", c10::Join(", ", missing));
 }
 
 // Announces this rank, waits for all, and fills in `result` from what the ranks announced.
@@ -182,8 +182,8 @@ void meet(DeadlineStore& store, const std::string& method, Clock::time_point dea
   TORCH_CHECK_VALUE(claims == 1, "rendezvous(", method, "): rank ", rank,
                     " is claimed by more than one process (", claims, " claims)");
   const std::string host = this_hostname();
-  store.set(kArrivedKey + std::to_string(rank),
-            to_bytes(std::to_string(world_size) + "\n" + host), deadline);
+  store.set(kArrivedKey + std::to_string(rank), to_bytes(std::to_string(world_size) + "\n" + host),
+            deadline);
   wait_for_ranks(store, kArrivedKey, rank, world_size, deadline, context);
 
   result.hosts.resize(world_size);
@@ -266,8 +266,8 @@ bool is_loopback_address(const std::string& host) {
 
 Rendezvous rendezvous(const RendezvousOptions& options) {
   const std::string& method = options.init_method();
-  TORCH_CHECK_VALUE(options.timeout().count() > 0, "rendezvous: timeout = ",
-                    options.timeout().count(), " ms; must be positive");
+  TORCH_CHECK_VALUE(options.timeout().count() > 0,
+                    "rendezvous: timeout = ", options.timeout().count(), " ms; must be positive");
   TORCH_CHECK_VALUE(!options.prefix().empty(), "rendezvous: prefix must not be empty");
   const bool is_env = method.rfind("env://", 0) == 0;
   const bool is_tcp = method.rfind("tcp://", 0) == 0;
@@ -279,11 +279,12 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   const LaunchEnv env =
       options.launch_env() ? *options.launch_env() : LaunchEnv::from_environment();
   const int rank = options.rank() >= 0 ? options.rank() : env.rank.value_or(-1);
-  const int world_size = options.world_size() >= 0 ? options.world_size()
-                                                   : env.world_size.value_or(-1);
-  TORCH_CHECK_VALUE(world_size >= 1, "rendezvous(", method, "): world_size = ", world_size,
-                    source_text(options.world_size() >= 0, env.world_size.has_value(), "WORLD_SIZE"),
-                    "; must be at least 1");
+  const int world_size =
+      options.world_size() >= 0 ? options.world_size() : env.world_size.value_or(-1);
+  TORCH_CHECK_VALUE(
+      world_size >= 1, "rendezvous(", method, "): world_size = ", world_size,
+      source_text(options.world_size() >= 0, env.world_size.has_value(), "WORLD_SIZE"),
+      "; must be at least 1");
   TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "rendezvous(", method, "): rank = ", rank,
                     source_text(options.rank() >= 0, env.rank.has_value(), "RANK"),
                     "; must be in [0, ", world_size, ")");
@@ -321,8 +322,8 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
       c10::make_intrusive<c10d::PrefixStore>(options.prefix() + "/", store), address,
       options.timeout());
   const auto deadline = Clock::now() + options.timeout();
-  const std::string context = c10::str("rendezvous(", method, "): rank ", rank, " of ",
-                                       world_size, " waited ", seconds_text(options.timeout()));
+  const std::string context = c10::str("rendezvous(", method, "): rank ", rank, " of ", world_size,
+                                       " waited ", seconds_text(options.timeout()));
   if (!is_file) {
     // LibTorch 1.13's TCPStore sets its socket's receive timeout to the timeout of a wait and
     // keeps it. After this wait for no keys (answered at once), no receive on the connection

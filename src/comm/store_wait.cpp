@@ -49,8 +49,7 @@ bool mentions_timeout(std::string text) {
   } catch (const DistributedError&) {
     throw;
   } catch (const std::system_error& e) {
-    DISTOPTIM_THROW(PeerLostError, "lost the store at ", address, " during ", what, ": ",
-                    e.what());
+    DISTOPTIM_THROW(PeerLostError, "lost the store at ", address, " during ", what, ": ", e.what());
   } catch (const c10::Error& e) {
     const std::string message = e.what_without_backtrace();
     if (mentions_timeout(message)) {
@@ -177,11 +176,10 @@ void DeadlineStore::set(const std::string& key, const std::vector<uint8_t>& valu
 std::vector<uint8_t> DeadlineStore::compareSet(const std::string& key,
                                                const std::vector<uint8_t>& current_value,
                                                const std::vector<uint8_t>& new_value) {
-  return run<std::vector<uint8_t>>(
-      "compareSet(" + key + ")", default_deadline(), false,
-      [key, current_value, new_value](c10d::Store& store) {
-        return store.compareSet(key, current_value, new_value);
-      });
+  return run<std::vector<uint8_t>>("compareSet(" + key + ")", default_deadline(), false,
+                                   [key, current_value, new_value](c10d::Store& store) {
+                                     return store.compareSet(key, current_value, new_value);
+                                   });
 }
 
 std::vector<uint8_t> DeadlineStore::get(const std::string& key) {
@@ -225,8 +223,7 @@ void DeadlineStore::wait(const std::vector<std::string>& keys) { wait(keys, time
 
 void DeadlineStore::wait(const std::vector<std::string>& keys,
                          const std::chrono::milliseconds& timeout) {
-  const auto deadline =
-      timeout == kNoTimeout ? Clock::time_point::max() : Clock::now() + timeout;
+  const auto deadline = timeout == kNoTimeout ? Clock::time_point::max() : Clock::now() + timeout;
   run<bool>("wait(" + keys_text(keys) + ")", deadline, true, [keys, timeout](c10d::Store& store) {
     store.wait(keys, timeout);
     return true;
@@ -238,8 +235,8 @@ void DeadlineStore::setTimeout(const std::chrono::milliseconds& timeout) {
   store_->setTimeout(timeout);
 }
 
-std::vector<int> wait_for_rank_keys(DeadlineStore& store, const std::string& prefix,
-                                    int world_size, Clock::time_point deadline,
+std::vector<int> wait_for_rank_keys(DeadlineStore& store, const std::string& prefix, int world_size,
+                                    Clock::time_point deadline,
                                     const std::function<void()>& each_poll) {
   std::vector<std::string> keys;
   for (int r = 0; r < world_size; ++r) keys.push_back(prefix + std::to_string(r));

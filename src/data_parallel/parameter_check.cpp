@@ -73,12 +73,11 @@ void check_same_parameters_across_ranks(const comm::Group& group,
                       theirs.size(), " parameters, rank ", global0, " has ", reference.size(),
                       "; every rank must hold the same model");
     for (size_t i = 0; i < theirs.size(); ++i) {
-      TORCH_CHECK_VALUE(theirs[i].sizes == reference[i].sizes &&
-                            theirs[i].dtype == reference[i].dtype,
-                        caller, ": parameter ", i, " of rank ", global, " is ", theirs[i].dtype,
-                        c10::IntArrayRef(theirs[i].sizes), ", of rank ", global0, " ",
-                        reference[i].dtype, c10::IntArrayRef(reference[i].sizes),
-                        "; every rank must hold the same model");
+      TORCH_CHECK_VALUE(
+          theirs[i].sizes == reference[i].sizes && theirs[i].dtype == reference[i].dtype, caller,
+          ": parameter ", i, " of rank ", global, " is ", theirs[i].dtype,
+          c10::IntArrayRef(theirs[i].sizes), ", of rank ", global0, " ", reference[i].dtype,
+          c10::IntArrayRef(reference[i].sizes), "; every rank must hold the same model");
     }
   }
 }

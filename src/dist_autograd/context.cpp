@@ -63,8 +63,7 @@ c10::Dict<at::Tensor, at::Tensor> Context::gradients() const {
   return gradients_.copy();
 }
 
-std::shared_ptr<BackwardPass> Context::pass_for(int64_t pass_id, bool retain_graph,
-                                                bool* started) {
+std::shared_ptr<BackwardPass> Context::pass_for(int64_t pass_id, bool retain_graph, bool* started) {
   std::shared_ptr<BackwardPass> superseded;
   std::shared_ptr<BackwardPass> pass;
   {
@@ -77,17 +76,16 @@ std::shared_ptr<BackwardPass> Context::pass_for(int64_t pass_id, bool retain_gra
       return nullptr;  // a pass finished (or given up) here already
     }
     superseded = std::move(pass_);
-    pass_ = pass = std::make_shared<BackwardPass>(
-        shared_from_this(), pass_id, retain_graph);
+    pass_ = pass = std::make_shared<BackwardPass>(shared_from_this(), pass_id, retain_graph);
     newest_pass_ = pass_id;
     *started = true;
   }
   if (superseded) {
-    superseded->fail(std::make_exception_ptr(c10::Error(
-        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        "distributed autograd context " + std::to_string(id_) + ": backward pass " +
-            std::to_string(superseded->id()) + " was superseded by pass " +
-            std::to_string(pass_id) + " before it finished here")));
+    superseded->fail(std::make_exception_ptr(
+        c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                   "distributed autograd context " + std::to_string(id_) + ": backward pass " +
+                       std::to_string(superseded->id()) + " was superseded by pass " +
+                       std::to_string(pass_id) + " before it finished here")));
   }
   return pass;
 }

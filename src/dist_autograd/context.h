@@ -115,8 +115,7 @@ std::optional<int64_t>& current_context();
 /// Makes a context current on this thread while it lives.
 class CurrentContextScope {
  public:
-  explicit CurrentContextScope(std::optional<int64_t> id)
-      : previous_(current_context()) {
+  explicit CurrentContextScope(std::optional<int64_t> id) : previous_(current_context()) {
     current_context() = id;
   }
   ~CurrentContextScope() { current_context() = previous_; }

@@ -106,9 +106,11 @@ void BackwardPass::start(const torch::autograd::edge_list& roots, variable_list 
     }
     // The peers holding the RecvBackwards that feed our SendBackwards take part.
     for (int peer : send_peers) {
-      outgoing.push_back({peer, kBeginFunction,
-                          {c10::IValue(context_->id()), c10::IValue(id_), c10::IValue(retain_graph_)},
-                          "the start of the pass on " + worker_name(peer)});
+      outgoing.push_back(
+          {peer,
+           kBeginFunction,
+           {c10::IValue(context_->id()), c10::IValue(id_), c10::IValue(retain_graph_)},
+           "the start of the pass on " + worker_name(peer)});
     }
     for (size_t i = 0; i < roots.size(); ++i) {
       if (roots[i].is_valid()) deliver(roots[i], std::move(root_grads[i]));
@@ -156,8 +158,8 @@ void BackwardPass::accept(int64_t message_id, const std::vector<int64_t>& slots,
                           !inputs[slots[i]].defined(),
                       "distributed autograd: a gradients message for message ", message_id,
                       " names slot ", slots[i], " of ", inputs.size(), " (or twice)");
-    inputs[slots[i]] = conform(*send, static_cast<uint32_t>(slots[i]), std::move(grads[i]),
-                               "a gradients message");
+    inputs[slots[i]] =
+        conform(*send, static_cast<uint32_t>(slots[i]), std::move(grads[i]), "a gradients message");
   }
   sends_waiting_.erase(it);
   Pending& pending = nodes_.at(send.get());
@@ -240,8 +242,8 @@ void BackwardPass::execute(const std::shared_ptr<Node>& node, variable_list inpu
   }
   if (auto* accumulate = dynamic_cast<torch::autograd::AccumulateGrad*>(node.get())) {
     if (inputs.size() == 1 && inputs[0].defined()) {
-      at::Tensor grad = torch::autograd::AccumulateGrad::callHooks(accumulate->variable,
-                                                                   std::move(inputs[0]));
+      at::Tensor grad =
+          torch::autograd::AccumulateGrad::callHooks(accumulate->variable, std::move(inputs[0]));
       context_->accumulate(accumulate->variable, std::move(grad));
     }
     return;
@@ -270,8 +272,8 @@ void BackwardPass::execute(const std::shared_ptr<Node>& node, variable_list inpu
   for (size_t i = 0; i < outputs.size(); ++i) {
     const Edge& edge = node->next_edge(i);
     if (!edge.is_valid()) continue;
-    deliveries->push_back(
-        {edge, conform(*edge.function, edge.input_nr, std::move(outputs[i]), node->name().c_str())});
+    deliveries->push_back({edge, conform(*edge.function, edge.input_nr, std::move(outputs[i]),
+                                         node->name().c_str())});
   }
 }
 
@@ -355,14 +357,16 @@ void BackwardPass::fail(std::exception_ptr error) {
 void BackwardPass::peer_lost(int peer, const std::string& peer_name) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const bool waiting = std::any_of(sends_waiting_.begin(), sends_waiting_.end(),
-                                     [&](const auto& entry) { return entry.second->peer() == peer; });
+    const bool waiting =
+        std::any_of(sends_waiting_.begin(), sends_waiting_.end(),
+                    [&](const auto& entry) { return entry.second->peer() == peer; });
     if (finished_ || !waiting) return;
   }
-  fail(std::make_exception_ptr(PeerLostError(
-      {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-      "distributed autograd: worker '" + peer_name + "' was lost before it sent its gradients "
-      "of context " + std::to_string(context_->id()))));
+  fail(std::make_exception_ptr(PeerLostError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                             "distributed autograd: worker '" + peer_name +
+                                                 "' was lost before it sent its gradients "
+                                                 "of context " +
+                                                 std::to_string(context_->id()))));
 }
 
 std::string BackwardPass::waiting_for() const {

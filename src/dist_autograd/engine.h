@@ -95,8 +95,7 @@ class BackwardPass : public std::enable_shared_from_this<BackwardPass> {
   };
 
   // With mutex_ held.
-  void accept(int64_t message_id, const std::vector<int64_t>& slots,
-              std::vector<at::Tensor> grads);
+  void accept(int64_t message_id, const std::vector<int64_t>& slots, std::vector<at::Tensor> grads);
   std::exception_ptr accept_early();
   void deliver(const torch::autograd::Edge& edge, at::Tensor grad);
   bool finish_if_done();

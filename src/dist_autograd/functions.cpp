@@ -37,8 +37,7 @@ RecvBackward::RecvBackward(int64_t context_id, int64_t message_id, int peer,
   }
 }
 
-std::shared_ptr<RecvBackward> RecvBackward::attach(int64_t context_id, int64_t message_id,
-                                                   int peer,
+std::shared_ptr<RecvBackward> RecvBackward::attach(int64_t context_id, int64_t message_id, int peer,
                                                    const std::vector<at::Tensor>& tensors) {
   auto node = std::make_shared<RecvBackward>(context_id, message_id, peer, tensors);
   for (size_t i = 0; i < tensors.size(); ++i) {

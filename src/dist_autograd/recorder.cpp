@@ -158,10 +158,10 @@ class Recorder : public rpc::Interceptor {
     // Contexts the lost worker created have no one left to run backward or release them.
     for (const auto& context : container.release_created_by(peer)) {
       if (auto pass = context->running_pass()) {
-        pass->fail(std::make_exception_ptr(PeerLostError(
-            {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-            "distributed autograd: worker '" + name + "', which created context " +
-                std::to_string(context->id()) + ", was lost")));
+        pass->fail(std::make_exception_ptr(
+            PeerLostError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                          "distributed autograd: worker '" + name + "', which created context " +
+                              std::to_string(context->id()) + ", was lost")));
       }
     }
   }
@@ -182,8 +182,8 @@ class Recorder : public rpc::Interceptor {
     size_t position = 0;
     for (c10::IValue& value : values) {
       for_each_tensor(value, [&](at::Tensor& tensor) {
-        TORCH_CHECK_VALUE(position < marks->second.size(), "distributed autograd: '",
-                          info.callable, "' from worker id ", info.peer, " has more tensors than ",
+        TORCH_CHECK_VALUE(position < marks->second.size(), "distributed autograd: '", info.callable,
+                          "' from worker id ", info.peer, " has more tensors than ",
                           kRequiresGradKey, " marks (", marks->second.size(), ")");
         if (marks->second[position++] == '1') {
           // A fresh alias: the tensor a call to this same worker passes stays as it was.
@@ -245,10 +245,10 @@ c10::intrusive_ptr<c10::ivalue::Future> on_begin(int64_t context_id, int64_t pas
 
 void release_everywhere(const std::shared_ptr<Context>& context, int except) {
   if (auto pass = context->running_pass()) {
-    pass->fail(std::make_exception_ptr(DistributedError(
-        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-        "distributed autograd: context " + std::to_string(context->id()) +
-            " was released during a backward pass")));
+    pass->fail(std::make_exception_ptr(
+        DistributedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                         "distributed autograd: context " + std::to_string(context->id()) +
+                             " was released during a backward pass")));
   }
   int me = -1;
   try {
@@ -260,7 +260,8 @@ void release_everywhere(const std::shared_ptr<Context>& context, int except) {
     if (worker == me || worker == except) continue;
     try {
       // Not waited for: a worker that is gone has dropped the context with its creator's loss.
-      rpc::rpc_async_values(worker, kReleaseFunction, {c10::IValue(context->id()), c10::IValue(me)});
+      rpc::rpc_async_values(worker, kReleaseFunction,
+                            {c10::IValue(context->id()), c10::IValue(me)});
     } catch (const std::exception&) {
     }
   }

@@ -87,8 +87,8 @@ DistributedOptimizer::DistributedOptimizer(const std::string& optimizer,
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK_VALUE(params[i].defined(), "DistributedOptimizer: params[", i, "] is empty");
     const auto [first, fresh] = seen.emplace(params[i].handle().get(), i);
-    TORCH_CHECK_VALUE(fresh, "DistributedOptimizer: params[", i, "] repeats params[",
-                      first->second, "] (a parameter of worker '", params[i].owner().name, "')");
+    TORCH_CHECK_VALUE(fresh, "DistributedOptimizer: params[", i, "] repeats params[", first->second,
+                      "] (a parameter of worker '", params[i].owner().name, "')");
     const std::string worker = params[i].owner().name;
     auto [it, inserted] = owner_index.emplace(worker, owners_.size());
     if (inserted) {
@@ -99,9 +99,9 @@ DistributedOptimizer::DistributedOptimizer(const std::string& optimizer,
     owner_params[it->second].push_back(params[i]);
   }
   for (size_t k = 0; k < owners_.size(); ++k) {
-    owners_[k].optimizer = rpc::remote<RemoteOptimizer>(
-        owners_[k].worker, detail::kRemoteOptimizerClass,
-        std::tuple{optimizer, owner_params[k], options.to_ivalue()});
+    owners_[k].optimizer =
+        rpc::remote<RemoteOptimizer>(owners_[k].worker, detail::kRemoteOptimizerClass,
+                                     std::tuple{optimizer, owner_params[k], options.to_ivalue()});
   }
   // Construction errors surface here, each naming its worker; the optimizers that were built
   // are freed with the last reference to them.
@@ -147,11 +147,10 @@ DistributedOptimizerStateDict DistributedOptimizer::state_dict() const {
 
 void DistributedOptimizer::load_state_dict(const DistributedOptimizerStateDict& dict) {
   TORCH_CHECK_VALUE(dict.optimizer == optimizer_, "DistributedOptimizer::load_state_dict: the ",
-                    "state is of optimizer '", dict.optimizer, "', this one is '", optimizer_,
-                    "'");
-  TORCH_CHECK_VALUE(dict.owners.size() == owners_.size(), "DistributedOptimizer::load_state_dict: ",
-                    "the state has ", dict.owners.size(), " owner(s), this optimizer ",
-                    owners_.size());
+                    "state is of optimizer '", dict.optimizer, "', this one is '", optimizer_, "'");
+  TORCH_CHECK_VALUE(dict.owners.size() == owners_.size(),
+                    "DistributedOptimizer::load_state_dict: ", "the state has ", dict.owners.size(),
+                    " owner(s), this optimizer ", owners_.size());
   for (size_t k = 0; k < owners_.size(); ++k) {
     TORCH_CHECK_VALUE(dict.owners[k].worker == owners_[k].worker &&
                           dict.owners[k].positions == owners_[k].positions,

@@ -18,8 +18,9 @@ void run_adadelta(const std::vector<detail::UpdateItem>& items, const AdadeltaOp
   kernels::UpdateBatch batch;
   for (const auto& item : items) {
     const at::Tensor& p = *item.operands[0];
-    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kAdadelta, p.scalar_type(), flags),
-                                 item.operands, item.num_operands);
+    UpdateTask& task =
+        batch.add(kernels::select_kernel(Algorithm::kAdadelta, p.scalar_type(), flags),
+                  item.operands, item.num_operands);
     task.scalars[0] = o.weight_decay();
     task.scalars[1] = o.rho();
     task.scalars[2] = 1 - o.rho();

@@ -18,8 +18,9 @@ void run_adagrad(const std::vector<detail::UpdateItem>& items, const AdagradOpti
   kernels::UpdateBatch batch;
   for (const auto& item : items) {
     const at::Tensor& p = *item.operands[0];
-    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kAdagrad, p.scalar_type(), flags),
-                                 item.operands, item.num_operands);
+    UpdateTask& task =
+        batch.add(kernels::select_kernel(Algorithm::kAdagrad, p.scalar_type(), flags),
+                  item.operands, item.num_operands);
     task.scalars[0] = o.weight_decay();
     task.scalars[1] = o.lr() / (1 + static_cast<double>(item.step - 1) * o.lr_decay());
     task.scalars[2] = o.eps();

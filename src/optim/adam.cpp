@@ -20,8 +20,14 @@ struct AdamSettings {
 
 template <class Options>
 AdamSettings settings_of(const Options& o, bool decoupled) {
-  return {o.lr(), std::get<0>(o.betas()), std::get<1>(o.betas()), o.eps(), o.weight_decay(),
-          o.amsgrad(), o.maximize(), decoupled};
+  return {o.lr(),
+          std::get<0>(o.betas()),
+          std::get<1>(o.betas()),
+          o.eps(),
+          o.weight_decay(),
+          o.amsgrad(),
+          o.maximize(),
+          decoupled};
 }
 
 // items[i].operands: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only).
@@ -64,7 +70,8 @@ void run_functional(const char* name, const std::vector<at::Tensor>& params,
                          {"exp_avg_sqs", &exp_avg_sqs},
                          {"max_exp_avg_sqs", &max_exp_avg_sqs}});
   } else {
-    detail::check_lists(name, params, grads, {{"exp_avgs", &exp_avgs}, {"exp_avg_sqs", &exp_avg_sqs}});
+    detail::check_lists(name, params, grads,
+                        {{"exp_avgs", &exp_avgs}, {"exp_avg_sqs", &exp_avg_sqs}});
   }
   detail::check_steps(name, params, steps);
   const auto items = detail::items_from_lists(
@@ -101,8 +108,8 @@ void adamw(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>&
            const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<int64_t>& steps,
            const AdamWOptions& options) {
   options.validate();
-  run_functional("functional::adamw", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                 steps, settings_of(options, true));
+  run_functional("functional::adamw", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                 settings_of(options, true));
 }
 }  // namespace functional
 

@@ -34,7 +34,9 @@ bool ParamState::empty() const {
 
 FunctionalOptimizer::FunctionalOptimizer(std::string name, std::vector<std::string> state_names,
                                          OptionBag defaults)
-    : name_(std::move(name)), state_names_(std::move(state_names)), defaults_(std::move(defaults)) {}
+    : name_(std::move(name)),
+      state_names_(std::move(state_names)),
+      defaults_(std::move(defaults)) {}
 
 FunctionalOptimizer::~FunctionalOptimizer() = default;
 
@@ -156,8 +158,10 @@ OptimizerStateDict FunctionalOptimizer::state_dict() const {
 }
 
 void FunctionalOptimizer::check_state_dict(const OptimizerStateDict& dict) const {
-  TORCH_CHECK_VALUE(dict.optimizer == name_, name_, ".load_state_dict: the state dict is of "
-                    "optimizer '", dict.optimizer, "'");
+  TORCH_CHECK_VALUE(dict.optimizer == name_, name_,
+                    ".load_state_dict: the state dict is of "
+                    "optimizer '",
+                    dict.optimizer, "'");
   TORCH_CHECK_VALUE(dict.param_groups.size() == groups_.size(), name_,
                     ".load_state_dict: the state dict has ", dict.param_groups.size(),
                     " param groups, the optimizer ", groups_.size());
@@ -174,16 +178,16 @@ void FunctionalOptimizer::check_state_dict(const OptimizerStateDict& dict) const
     TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), name_,
                       ".load_state_dict: state for parameter ", i, " but the optimizer has ",
                       params_.size(), " parameters");
-    TORCH_CHECK_VALUE(item.second.step >= 0, name_, ".load_state_dict: parameter ", i,
-                      " has step ", item.second.step);
+    TORCH_CHECK_VALUE(item.second.step >= 0, name_, ".load_state_dict: parameter ", i, " has step ",
+                      item.second.step);
     const at::Tensor& p = params_[i];
     for (const auto& buf : item.second.buffers) {
       TORCH_CHECK_VALUE(
           std::find(state_names_.begin(), state_names_.end(), buf.first) != state_names_.end(),
           name_, ".load_state_dict: unknown state '", buf.first, "' for parameter ", i);
       TORCH_CHECK_VALUE(buf.second.defined() && buf.second.sizes() == p.sizes(), name_,
-                        ".load_state_dict: state '", buf.first, "' of parameter ", i,
-                        " has shape ", buf.second.defined() ? buf.second.sizes() : at::IntArrayRef{},
+                        ".load_state_dict: state '", buf.first, "' of parameter ", i, " has shape ",
+                        buf.second.defined() ? buf.second.sizes() : at::IntArrayRef{},
                         ", the parameter ", p.sizes());
       // A sparse tensor would pass the checks above and fail only in load_state_dict's copy.
       TORCH_CHECK_VALUE(buf.second.layout() == at::kStrided, name_, ".load_state_dict: state '",

@@ -81,8 +81,8 @@ OptionBag::OptionBag(std::initializer_list<std::pair<const std::string, c10::IVa
 }
 
 OptionBag& OptionBag::set(const std::string& key, c10::IValue value) {
-  TORCH_CHECK_TYPE(is_allowed_value(value), "option '", key, "': value ", render(value), " of type ",
-                   value.tagKind(),
+  TORCH_CHECK_TYPE(is_allowed_value(value), "option '", key, "': value ", render(value),
+                   " of type ", value.tagKind(),
                    " is not an optimizer option value (number, bool, string or tuple of numbers)");
   // Lists of numbers are stored as tuples so equal options compare and serialize alike.
   if (value.isList()) {
@@ -216,8 +216,8 @@ void throw_unknown_option(const std::string& bag, const std::string& key,
                           const std::vector<std::string>& known) {
   std::ostringstream names;
   for (size_t i = 0; i < known.size(); ++i) names << (i ? ", " : "") << known[i];
-  TORCH_CHECK_VALUE(false, "unknown optimizer option '", key, "' in ", bag, "; known options: ",
-                    names.str());
+  TORCH_CHECK_VALUE(false, "unknown optimizer option '", key, "' in ", bag,
+                    "; known options: ", names.str());
 }
 
 }  // namespace detail

@@ -52,7 +52,8 @@ void SGDOptions::validate() const {
   require_non_negative("SGD", "weight_decay", weight_decay());
   TORCH_CHECK_VALUE(!nesterov() || (momentum() > 0 && dampening() == 0),
                     "SGD option nesterov = true requires momentum > 0 and dampening = 0 (got "
-                    "momentum = ", momentum(), ", dampening = ", dampening(), ")");
+                    "momentum = ",
+                    momentum(), ", dampening = ", dampening(), ")");
 }
 
 void AdamOptions::validate() const { validate_adam_like("Adam", *this); }

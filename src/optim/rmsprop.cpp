@@ -20,8 +20,9 @@ void run_rmsprop(const std::vector<detail::UpdateItem>& items, const RMSpropOpti
   kernels::UpdateBatch batch;
   for (const auto& item : items) {
     const at::Tensor& p = *item.operands[0];
-    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kRmsprop, p.scalar_type(), flags),
-                                 item.operands, item.num_operands);
+    UpdateTask& task =
+        batch.add(kernels::select_kernel(Algorithm::kRmsprop, p.scalar_type(), flags),
+                  item.operands, item.num_operands);
     task.scalars[0] = o.weight_decay();
     task.scalars[1] = o.alpha();
     task.scalars[2] = 1 - o.alpha();
@@ -45,10 +46,10 @@ void rmsprop(const std::vector<at::Tensor>& params, const std::vector<at::Tensor
   if (options.momentum() > 0) {
     detail::check_lists(name, params, grads, {{"momentum_buffers", &momentum_buffers}});
   }
-  const auto items = detail::items_from_lists(
-      params, grads,
-      {&square_avgs, options.momentum() > 0 ? &momentum_buffers : nullptr,
-       options.centered() ? &grad_avgs : nullptr});
+  const auto items =
+      detail::items_from_lists(params, grads,
+                               {&square_avgs, options.momentum() > 0 ? &momentum_buffers : nullptr,
+                                options.centered() ? &grad_avgs : nullptr});
   run_rmsprop(items, options);
 }
 }  // namespace functional

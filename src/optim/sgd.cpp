@@ -1,7 +1,7 @@
 #include <distoptim/optim/sgd.h>
 
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include "update_common.h"
 
@@ -16,8 +16,9 @@ using kernels::UpdateTask;
 // One SGD step over parameters whose momentum buffers (when momentum != 0) may still be
 // undefined: those are created here and filled by the kernel's first-step variant, so the
 // first step too is a single pass.
-void run_sgd(const std::vector<const at::Tensor*>& params, const std::vector<const at::Tensor*>& grads,
-             const std::vector<at::Tensor*>& buffers, const SGDOptions& o) {
+void run_sgd(const std::vector<const at::Tensor*>& params,
+             const std::vector<const at::Tensor*>& grads, const std::vector<at::Tensor*>& buffers,
+             const SGDOptions& o) {
   const bool momentum = o.momentum() != 0;
   uint32_t flags = 0;
   if (o.maximize()) flags |= kernels::kMaximize;
@@ -37,8 +38,9 @@ void run_sgd(const std::vector<const at::Tensor*>& params, const std::vector<con
       }
       num_operands = 3;
     }
-    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kSgd, p.scalar_type(), item_flags),
-                                 operands, num_operands);
+    UpdateTask& task =
+        batch.add(kernels::select_kernel(Algorithm::kSgd, p.scalar_type(), item_flags), operands,
+                  num_operands);
     task.scalars[0] = o.lr();
     task.scalars[1] = o.weight_decay();
     task.scalars[2] = o.momentum();
@@ -54,8 +56,9 @@ void sgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& g
          std::vector<at::Tensor>& momentum_buffers, const SGDOptions& options) {
   options.validate();
   detail::check_lists("functional::sgd", params, grads, {});
-  TORCH_CHECK_VALUE(momentum_buffers.size() == params.size(), "functional::sgd: ",
-                    momentum_buffers.size(), " momentum_buffers for ", params.size(), " params");
+  TORCH_CHECK_VALUE(momentum_buffers.size() == params.size(),
+                    "functional::sgd: ", momentum_buffers.size(), " momentum_buffers for ",
+                    params.size(), " params");
   std::vector<const at::Tensor*> p(params.size()), g(params.size());
   std::vector<at::Tensor*> b(params.size());
   for (size_t i = 0; i < params.size(); ++i) {

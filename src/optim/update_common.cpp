@@ -67,11 +67,12 @@ void check_like(const char* function, const char* list, size_t i, const at::Tens
 }
 }  // namespace
 
-void check_lists(const char* function, const std::vector<at::Tensor>& params,
-                 const std::vector<at::Tensor>& grads,
-                 std::initializer_list<std::pair<const char*, const std::vector<at::Tensor>*>> buffers) {
-  TORCH_CHECK_VALUE(grads.size() == params.size(), function, ": ", grads.size(),
-                    " grads for ", params.size(), " params");
+void check_lists(
+    const char* function, const std::vector<at::Tensor>& params,
+    const std::vector<at::Tensor>& grads,
+    std::initializer_list<std::pair<const char*, const std::vector<at::Tensor>*>> buffers) {
+  TORCH_CHECK_VALUE(grads.size() == params.size(), function, ": ", grads.size(), " grads for ",
+                    params.size(), " params");
   for (const auto& b : buffers) {
     TORCH_CHECK_VALUE(b.second->size() == params.size(), function, ": ", b.second->size(), " ",
                       b.first, " for ", params.size(), " params");

@@ -50,9 +50,10 @@ at::Tensor new_state_buffer(const at::Tensor& param);
 
 /// Checks the list arguments of a functional:: update: every list as long as `params`, every
 /// gradient and buffer defined and shaped like its parameter. Names the list and the index.
-void check_lists(const char* function, const std::vector<at::Tensor>& params,
-                 const std::vector<at::Tensor>& grads,
-                 std::initializer_list<std::pair<const char*, const std::vector<at::Tensor>*>> buffers);
+void check_lists(
+    const char* function, const std::vector<at::Tensor>& params,
+    const std::vector<at::Tensor>& grads,
+    std::initializer_list<std::pair<const char*, const std::vector<at::Tensor>*>> buffers);
 void check_steps(const char* function, const std::vector<at::Tensor>& params,
                  const std::vector<int64_t>& steps);
 

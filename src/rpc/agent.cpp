@@ -229,9 +229,9 @@ void Agent::handle_request(const std::shared_ptr<Connection>& connection, int co
         arg = rrefs_->receive(arg);
       }
       // Lives while the function runs (a context the interceptor set for it).
-      const std::shared_ptr<void> context = intercept_receive(
-          {MessageInfo::Kind::kRequest, caller, request.callable, header.id}, request.args,
-          request.metadata);
+      const std::shared_ptr<void> context =
+          intercept_receive({MessageInfo::Kind::kRequest, caller, request.callable, header.id},
+                            request.args, request.metadata);
       c10::IValue value = (*function)(std::move(request.args));
       if (value.isFuture()) {
         // async_execution: the reply goes when the returned future completes, on whichever
@@ -241,16 +241,15 @@ void Agent::handle_request(const std::shared_ptr<Connection>& connection, int co
           std::lock_guard<std::mutex> lock(mutex_);
           ++in_flight_requests_;
         }
-        value.toFuture()->addCallback(
-            [weak = weak_from_this(), connection, id = header.id, caller,
-             callable = request.callable](c10::ivalue::Future& done) {
-              if (auto agent = weak.lock()) {
-                agent->reply(connection, id, caller, callable, done);
-                std::lock_guard<std::mutex> lock(agent->mutex_);
-                --agent->in_flight_requests_;
-                agent->idle_.notify_all();
-              }
-            });
+        value.toFuture()->addCallback([weak = weak_from_this(), connection, id = header.id, caller,
+                                       callable = request.callable](c10::ivalue::Future& done) {
+          if (auto agent = weak.lock()) {
+            agent->reply(connection, id, caller, callable, done);
+            std::lock_guard<std::mutex> lock(agent->mutex_);
+            --agent->in_flight_requests_;
+            agent->idle_.notify_all();
+          }
+        });
         return;
       }
       auto result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
@@ -282,8 +281,7 @@ void Agent::reply(const std::shared_ptr<Connection>& connection, uint64_t id, in
           RRefContext::carries_user_values(callable)
               ? intercept_send({MessageInfo::Kind::kResponse, caller, callable, id}, values)
               : CallMetadata();
-      message =
-          encode_response(id, rrefs_->prepare_to_send(values[0], caller, &forks), metadata);
+      message = encode_response(id, rrefs_->prepare_to_send(values[0], caller, &forks), metadata);
     } catch (...) {
       rrefs_->rollback(forks);
       message = encode_error(id, error_text(std::current_exception()), self().name);
@@ -302,44 +300,44 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::run_locally(const std::string& ca
                          "rpc: the agent is shutting down; cannot run '", callable, "'");
     ++in_flight_requests_;
   }
-  request_pool_->post([this, future, callable, args = std::move(args),
-                       prepare = std::move(prepare)]() mutable {
-    auto remote_error = [me = self().name](const std::exception_ptr& error) {
-      return std::make_exception_ptr(RemoteError(
-          {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, me, error_text(error)));
-    };
-    try {
-      auto function = find_function(callable);
-      TORCH_CHECK_VALUE(function != nullptr, "no function or class is registered as '", callable,
-                        "'");
-      const std::shared_ptr<void> context = prepare ? prepare(args) : nullptr;
-      c10::IValue value = (*function)(std::move(args));
-      if (value.isFuture()) {
-        // async_execution, as in handle_request: done (and no longer in flight) when the
-        // returned future is.
-        value.toFuture()->addCallback(
-            [weak = weak_from_this(), future, remote_error](c10::ivalue::Future& done) {
-              if (done.hasError()) {
-                future->setErrorIfNeeded(remote_error(done.exception_ptr()));
-              } else {
-                future->markCompleted(done.value());
-              }
-              if (auto agent = weak.lock()) {
-                std::lock_guard<std::mutex> lock(agent->mutex_);
-                --agent->in_flight_requests_;
-                agent->idle_.notify_all();
-              }
-            });
-        return;
-      }
-      future->markCompleted(std::move(value));
-    } catch (...) {
-      future->setErrorIfNeeded(remote_error(std::current_exception()));
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    --in_flight_requests_;
-    idle_.notify_all();
-  });
+  request_pool_->post(
+      [this, future, callable, args = std::move(args), prepare = std::move(prepare)]() mutable {
+        auto remote_error = [me = self().name](const std::exception_ptr& error) {
+          return std::make_exception_ptr(RemoteError(
+              {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, me, error_text(error)));
+        };
+        try {
+          auto function = find_function(callable);
+          TORCH_CHECK_VALUE(function != nullptr, "no function or class is registered as '",
+                            callable, "'");
+          const std::shared_ptr<void> context = prepare ? prepare(args) : nullptr;
+          c10::IValue value = (*function)(std::move(args));
+          if (value.isFuture()) {
+            // async_execution, as in handle_request: done (and no longer in flight) when the
+            // returned future is.
+            value.toFuture()->addCallback(
+                [weak = weak_from_this(), future, remote_error](c10::ivalue::Future& done) {
+                  if (done.hasError()) {
+                    future->setErrorIfNeeded(remote_error(done.exception_ptr()));
+                  } else {
+                    future->markCompleted(done.value());
+                  }
+                  if (auto agent = weak.lock()) {
+                    std::lock_guard<std::mutex> lock(agent->mutex_);
+                    --agent->in_flight_requests_;
+                    agent->idle_.notify_all();
+                  }
+                });
+            return;
+          }
+          future->markCompleted(std::move(value));
+        } catch (...) {
+          future->setErrorIfNeeded(remote_error(std::current_exception()));
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        --in_flight_requests_;
+        idle_.notify_all();
+      });
   return future;
 }
 
@@ -366,8 +364,8 @@ std::vector<c10::IValue> Agent::through_wire_to_self(const std::string& callable
   }
   DecodedMessage decoded;
   const Status error = decode_body(header, message.body, std::move(buffers), limits_, &decoded);
-  TORCH_INTERNAL_ASSERT(!error, "rpc: a message to this worker itself did not decode: ",
-                        error.value_or(""));
+  TORCH_INTERNAL_ASSERT(
+      !error, "rpc: a message to this worker itself did not decode: ", error.value_or(""));
   for (c10::IValue& arg : decoded.args) {
     arg = rrefs_->receive(arg);
   }
@@ -443,8 +441,8 @@ void Agent::lose_peer(int peer, const std::string& why) {
                                                        "'");
     }
     return DISTOPTIM_RPC_ERROR(PeerLostError, "rpc: lost the connection to worker '" + worker +
-                                                  "' (" + why + "); the call to '" +
-                                                  call.function + "' failed");
+                                                  "' (" + why + "); the call to '" + call.function +
+                                                  "' failed");
   });
 }
 
@@ -587,8 +585,8 @@ void Agent::barrier(const std::string& round, bool wait) {
   };
   const auto throw_lost = [&](int peer, const std::string& why, const std::string& then) {
     DISTOPTIM_THROW(PeerLostError, "rpc shutdown: worker '", self().name, "' cannot pass barrier '",
-                    round, "': worker ", describe_missing({peer}, workers_), " is lost (", why,
-                    ")", then);
+                    round, "': worker ", describe_missing({peer}, workers_), " is lost (", why, ")",
+                    then);
   };
   // A worker already known to be dead that has not arrived never will: fail now, not at the
   // deadline. (A worker that refused us is alive: it is waited for.)
@@ -640,9 +638,9 @@ void Agent::shutdown(bool graceful) {
         idle_.wait_until(lock, deadline, [this] { return in_flight_requests_ == 0; });
         requests_left = in_flight_requests_;
       }
-      DISTOPTIM_CHECK_WITH(TimeoutError, calls_done && requests_left == 0,
-                           "rpc shutdown: worker '", self().name, "' still had ", pending_->size(),
-                           " call(s) and ", requests_left, " request(s) outstanding after ",
+      DISTOPTIM_CHECK_WITH(TimeoutError, calls_done && requests_left == 0, "rpc shutdown: worker '",
+                           self().name, "' still had ", pending_->size(), " call(s) and ",
+                           requests_left, " request(s) outstanding after ",
                            options_.shutdown_timeout().count(), " ms");
       barrier("drained");
       // Rank 0 serves the store: it leaves last, once every worker is past the barrier.

@@ -68,8 +68,7 @@ class Agent : public std::enable_shared_from_this<Agent> {
   int resolve(const WorkerRef& to) const;
 
   /// Runs the interceptor over a request's arguments once its id is known; returns the metadata.
-  using SendInterception =
-      std::function<CallMetadata(uint64_t id, std::vector<c10::IValue>& args)>;
+  using SendInterception = std::function<CallMetadata(uint64_t id, std::vector<c10::IValue>& args)>;
   /// Sends a request; RRefs among `args` are forked to `to`. `flags`: MessageHeader::kOrdered
   /// for RRef control messages. The interceptor sees the arguments of every request but control
   /// messages, unless `intercept` says otherwise.
@@ -167,14 +166,14 @@ class Agent : public std::enable_shared_from_this<Agent> {
   std::shared_ptr<Listener> listener_;
 
   std::mutex mutex_;
-  std::condition_variable idle_;  // signalled when in_flight_requests_ drops
-  State state_ = State::kRunning;                                   // guarded by mutex_
-  std::unordered_map<int, Outgoing> outgoing_;                      // guarded by mutex_
-  std::vector<std::shared_ptr<Connection>> incoming_;               // guarded by mutex_
-  std::deque<std::shared_ptr<Connection>> unproven_;  // in handshake, oldest first; by mutex_
-  std::map<int, std::string> lost_peers_;             // why each is lost; guarded by mutex_
+  std::condition_variable idle_;                       // signalled when in_flight_requests_ drops
+  State state_ = State::kRunning;                      // guarded by mutex_
+  std::unordered_map<int, Outgoing> outgoing_;         // guarded by mutex_
+  std::vector<std::shared_ptr<Connection>> incoming_;  // guarded by mutex_
+  std::deque<std::shared_ptr<Connection>> unproven_;   // in handshake, oldest first; by mutex_
+  std::map<int, std::string> lost_peers_;              // why each is lost; guarded by mutex_
   std::map<int, std::string> dead_peers_;  // lost other than by refusal; guarded by mutex_
-  int in_flight_requests_ = 0;                        // guarded by mutex_
+  int in_flight_requests_ = 0;             // guarded by mutex_
   size_t inbound_bytes_ = 0;  // of requests received and not finished; guarded by mutex_
   std::vector<std::shared_ptr<Connection>> paused_;  // reading paused for it; by mutex_
 

@@ -122,8 +122,7 @@ void Agent::connect_to(int peer) {
                                   }
                                   on_connected(peer, connection);
                                 } else {
-                                  on_outgoing_lost(peer, connection, outcome.why,
-                                                   outcome.refused);
+                                  on_outgoing_lost(peer, connection, outcome.why, outcome.refused);
                                 }
                               });
           });
@@ -216,8 +215,7 @@ bool Agent::on_request_frame(const std::shared_ptr<Connection>& connection, int 
     }
   }
   // RRef control messages keep their order of arrival (on one thread); they never block.
-  Executor& executor =
-      (frame.header.flags & MessageHeader::kOrdered) ? *ordered_ : *request_pool_;
+  Executor& executor = (frame.header.flags & MessageHeader::kOrdered) ? *ordered_ : *request_pool_;
   executor.post([this, connection, caller, bytes, frame = std::move(frame)]() mutable {
     handle_request(connection, caller, frame.header, *frame.body, std::move(frame.buffers));
     request_done(bytes);

@@ -174,9 +174,7 @@ RRefHandle remote_values(const WorkerRef& to, const std::string& callable,
   return agent->rref_context().remote(owner, callable, std::move(args), timeout);
 }
 
-bool is_rref_handle(const RRefHandle& handle) {
-  return rref_impl(handle.get()) != nullptr;
-}
+bool is_rref_handle(const RRefHandle& handle) { return rref_impl(handle.get()) != nullptr; }
 
 WorkerInfo rref_owner(const RRefHandle& handle) {
   const RRefImpl& impl = impl_of(handle);

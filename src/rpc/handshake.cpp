@@ -36,8 +36,8 @@ std::function<void(HandshakeOutcome)> once(std::function<void(HandshakeOutcome)>
 // Decodes a handshake frame, or says what is wrong with it.
 Status decode_handshake_frame(const Frame& frame, HandshakeMessage* message) {
   DecodedMessage decoded;
-  Status status = decode_body(frame.header, *frame.body, frame.buffers, handshake_limits(),
-                              &decoded);
+  Status status =
+      decode_body(frame.header, *frame.body, frame.buffers, handshake_limits(), &decoded);
   if (!status) {
     *message = std::move(decoded.handshake);
   }
@@ -155,10 +155,10 @@ void accept_handshake(const std::shared_ptr<Connection>& connection, const Hands
     } else if (answer.client_id < 0 || answer.client_id >= config.world_size) {
       why = "it claims worker id " + std::to_string(answer.client_id) + ", outside [0, " +
             std::to_string(config.world_size) + ")";
-    } else if (!proofs_equal(answer.proof,
-                             handshake_proof(config.secret, HandshakeRole::kConnecting,
-                                             question.server_nonce, answer.client_nonce,
-                                             answer.client_id, config.self_id))) {
+    } else if (!proofs_equal(
+                   answer.proof,
+                   handshake_proof(config.secret, HandshakeRole::kConnecting, question.server_nonce,
+                                   answer.client_nonce, answer.client_id, config.self_id))) {
       why = "it did not prove that it knows the shared secret";
     }
     if (!why.empty()) {
@@ -226,10 +226,10 @@ void connect_handshake(const std::shared_ptr<Connection>& connection, const Hand
     } else if (message.step == Step::kRefuse) {
       why = message.refusal.empty() ? "it refused the connection" : message.refusal;
     } else if (message.step != Step::kAccept ||
-               !proofs_equal(message.proof,
-                             handshake_proof(config.secret, HandshakeRole::kAccepting,
-                                             answer->server_nonce, answer->client_nonce,
-                                             config.self_id, peer))) {
+               !proofs_equal(
+                   message.proof,
+                   handshake_proof(config.secret, HandshakeRole::kAccepting, answer->server_nonce,
+                                   answer->client_nonce, config.self_id, peer))) {
       why = "it did not prove that it knows the shared secret";
     } else {
       refused = false;

@@ -36,8 +36,8 @@ namespace distoptim {
 namespace rpc {
 namespace detail {
 
-/// Which side of a connection a proof speaks for: the worker that connected, or the one that accepted.
-/// A proof for one role never verifies as the other, so a peer cannot echo a proof back.
+/// Which side of a connection a proof speaks for: the worker that connected, or the one that
+/// accepted. A proof for one role never verifies as the other, so a peer cannot echo a proof back.
 enum class HandshakeRole { kConnecting, kAccepting };
 
 /// HandshakeMessage::kNonceBytes bytes from the operating system's random source.

@@ -502,8 +502,7 @@ Status decode_tensor_lengths(const MessageHeader& header, std::string_view bytes
                              const WireLimits& limits, std::vector<size_t>* lengths,
                              std::vector<bool>* in_sender_memory) {
   if (bytes.size() != size_t{header.tensor_count} * 8) {
-    return c10::str(bytes.size(), " bytes of tensor lengths for ", header.tensor_count,
-                    " tensors");
+    return c10::str(bytes.size(), " bytes of tensor lengths for ", header.tensor_count, " tensors");
   }
   lengths->clear();
   lengths->reserve(header.tensor_count);
@@ -606,8 +605,7 @@ namespace {
 // Metadata's bounds, as interceptor.h states them; the error text or nothing.
 Status check_metadata_entry(const std::string& key, size_t value_bytes, size_t* total) {
   if (key.empty() || key.size() > kMaxMetadataKeyBytes) {
-    return c10::str("a metadata key of ", key.size(), " bytes (1 to ", kMaxMetadataKeyBytes,
-                    ")");
+    return c10::str("a metadata key of ", key.size(), " bytes (1 to ", kMaxMetadataKeyBytes, ")");
   }
   *total += key.size() + value_bytes;
   if (*total > kMaxMetadataBytes) {

@@ -183,11 +183,10 @@ c10::intrusive_ptr<RRefImpl> RRefContext::remote(int to, const std::string& call
     const MessageInfo info{MessageInfo::Kind::kRequest, self_, callable, 0};
     const CallMetadata metadata = intercept_send(info, args);
     auto owned = std::make_shared<OwnedValue>();
-    auto result = agent_.run_locally(
-        callable, agent_.through_wire_to_self(callable, args),
-        [info, metadata](std::vector<c10::IValue>& values) {
-          return intercept_receive(info, values, metadata);
-        });
+    auto result = agent_.run_locally(callable, agent_.through_wire_to_self(callable, args),
+                                     [info, metadata](std::vector<c10::IValue>& values) {
+                                       return intercept_receive(info, values, metadata);
+                                     });
     result->addCallback([owned](c10::ivalue::Future& done) {
       if (done.hasError()) {
         owned->future->setErrorIfNeeded(done.exception_ptr());
@@ -205,8 +204,7 @@ c10::intrusive_ptr<RRefImpl> RRefContext::remote(int to, const std::string& call
   auto intercept = [to, callable](uint64_t id, std::vector<c10::IValue>& create_args) {
     std::vector<c10::IValue> values;
     for (const c10::IValue& arg : create_args[5].toListRef()) values.push_back(arg);
-    CallMetadata metadata =
-        intercept_send({MessageInfo::Kind::kRequest, to, callable, id}, values);
+    CallMetadata metadata = intercept_send({MessageInfo::Kind::kRequest, to, callable, id}, values);
     c10::impl::GenericList replaced(c10::AnyType::get());
     for (c10::IValue& value : values) replaced.push_back(std::move(value));
     create_args[5] = c10::IValue(std::move(replaced));
@@ -380,62 +378,64 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
   std::string mismatch;
   c10::IValue received =
       map_rrefs(value, [&](const c10::intrusive_ptr<c10::RRefInterface>& any) -> c10::IValue {
-    auto* reference = dynamic_cast<RRefReference*>(any.get());
-    if (reference == nullptr) return c10::IValue(any);  // Already a handle (a local call).
-    const RRefIds& ids = reference->ids();
-    const int owner = checked_worker(ids.owner_id, "the owner of a received RRef,");
-    checked_worker(ids.rref_created_on, "the creator of a received RRef,");
-    const int parent = checked_worker(ids.fork_created_on, "the sender of a received RRef,");
-    const GlobalId rref_id{ids.rref_created_on, ids.rref_local_id};
-    const GlobalId fork_id{ids.fork_created_on, ids.fork_local_id};
-    const std::string& owner_name = agent_.workers()[owner].name;
-    if (owner == self_) {
-      std::shared_ptr<OwnedValue> owned;
-      std::shared_ptr<OwnedValue> freed;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        owned = get_or_create_locked(rref_id);
-        // Sent to ourselves: the fork registered while sending has done its job.
-        if (parent == self_) freed = erase_fork_locked(rref_id, fork_id);
-      }
-      // From a user: the owner holds no fork for this handle (PyTorch's "phantom fork"); only
-      // the sender's pending child needs releasing.
-      if (parent != self_) send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
-      auto local = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), owner, owner_name,
-                                                 rref_id, owned);
-      // The sender's RRef<T> against the value (one still being created is not checked).
-      const auto& future = owned->future;
-      if (!ids.type_name.empty() && mismatch.empty() && future->completed() &&
-          !future->hasError() && !type_fits(ids.type_name, value_type_name(future->value()))) {
-        mismatch = c10::str("rpc: worker '", agent_.workers()[parent].name, "' sent ",
-                            local->describe(), " as RRef<", ids.type_name,
-                            ">, but its value on worker '", owner_name, "' is ",
-                            value_type_name(future->value()));
-      }
-      return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(local)));
-    }
-    auto user = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), owner, owner_name, rref_id,
-                                              fork_id, c10::intrusive_ptr<c10::ivalue::Future>());
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      users_.emplace(fork_id, c10::weak_intrusive_ptr<RRefImpl>(user));
-    }
-    if (parent != owner) {
-      // A fork of a user: register it on the owner, then release the sender's pending child.
-      try {
-        auto registered = agent_.send(
-            owner, kFork,
-            {rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id},
-            kDefaultTimeout, MessageHeader::kOrdered);
-        registered->addCallback([this, parent, fork_id](c10::ivalue::Future&) {
-          send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
-        });
-      } catch (const c10::Error&) {
-        // Shutting down.
-      }
-    }
-    return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(user)));
-  });
+        auto* reference = dynamic_cast<RRefReference*>(any.get());
+        if (reference == nullptr) return c10::IValue(any);  // Already a handle (a local call).
+        const RRefIds& ids = reference->ids();
+        const int owner = checked_worker(ids.owner_id, "the owner of a received RRef,");
+        checked_worker(ids.rref_created_on, "the creator of a received RRef,");
+        const int parent = checked_worker(ids.fork_created_on, "the sender of a received RRef,");
+        const GlobalId rref_id{ids.rref_created_on, ids.rref_local_id};
+        const GlobalId fork_id{ids.fork_created_on, ids.fork_local_id};
+        const std::string& owner_name = agent_.workers()[owner].name;
+        if (owner == self_) {
+          std::shared_ptr<OwnedValue> owned;
+          std::shared_ptr<OwnedValue> freed;
+          {
+            std::lock_guard<std::mutex> lock(mutex_);
+            owned = get_or_create_locked(rref_id);
+            // Sent to ourselves: the fork registered while sending has done its job.
+            if (parent == self_) freed = erase_fork_locked(rref_id, fork_id);
+          }
+          // From a user: the owner holds no fork for this handle (PyTorch's "phantom fork"); only
+          // the sender's pending child needs releasing.
+          if (parent != self_)
+            send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
+          auto local = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), owner, owner_name,
+                                                     rref_id, owned);
+          // The sender's RRef<T> against the value (one still being created is not checked).
+          const auto& future = owned->future;
+          if (!ids.type_name.empty() && mismatch.empty() && future->completed() &&
+              !future->hasError() && !type_fits(ids.type_name, value_type_name(future->value()))) {
+            mismatch = c10::str("rpc: worker '", agent_.workers()[parent].name, "' sent ",
+                                local->describe(), " as RRef<", ids.type_name,
+                                ">, but its value on worker '", owner_name, "' is ",
+                                value_type_name(future->value()));
+          }
+          return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(local)));
+        }
+        auto user =
+            c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), owner, owner_name, rref_id,
+                                          fork_id, c10::intrusive_ptr<c10::ivalue::Future>());
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          users_.emplace(fork_id, c10::weak_intrusive_ptr<RRefImpl>(user));
+        }
+        if (parent != owner) {
+          // A fork of a user: register it on the owner, then release the sender's pending child.
+          try {
+            auto registered = agent_.send(
+                owner, kFork,
+                {rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id},
+                kDefaultTimeout, MessageHeader::kOrdered);
+            registered->addCallback([this, parent, fork_id](c10::ivalue::Future&) {
+              send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
+            });
+          } catch (const c10::Error&) {
+            // Shutting down.
+          }
+        }
+        return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(user)));
+      });
   TORCH_CHECK_TYPE(mismatch.empty(), mismatch);
   return received;
 }
@@ -472,11 +472,10 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::s
     }
     auto reply = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
     const MessageInfo info{MessageInfo::Kind::kRequest, caller, args[4].toStringRef(), id};
-    auto result = agent_.run_locally(
-        info.callable, std::move(call_args),
-        [info, metadata](std::vector<c10::IValue>& values) {
-          return intercept_receive(info, values, metadata);
-        });
+    auto result = agent_.run_locally(info.callable, std::move(call_args),
+                                     [info, metadata](std::vector<c10::IValue>& values) {
+                                       return intercept_receive(info, values, metadata);
+                                     });
     result->addCallback([owned, reply](c10::ivalue::Future& created) {
       // A failed creation is the value's error, and the reply's: the creator learns it at
       // confirm() or to_here().

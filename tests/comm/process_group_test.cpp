@@ -10,8 +10,8 @@
 #include <unistd.h>
 
 #include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <distoptim/comm.h>
 
@@ -116,8 +116,11 @@ TEST(ProcessGroup, Subgroups) {
     // Bad input, checked before anything is made (so every rank throws alike).
     expect_error_containing([] { new_subgroups(2); }, {"world size 3", "group_size = 2"});
     expect_error_containing([] { new_subgroups(0); }, {"group_size = 0"});
-    expect_error_containing([] { new_subgroups_by_enumeration({{0, 1}, {1, 2}}); },
-                            {"rank 1 is in more than one subgroup"});
+    expect_error_containing(
+        [] {
+          new_subgroups_by_enumeration({{0, 1}, {1, 2}});
+        },
+        {"rank 1 is in more than one subgroup"});
     expect_error_containing([] { new_group({0, 3}); }, {"rank 3", "[0, 3)"});
     expect_error_containing([] { new_group({0, 0}); }, {"rank 0 appears twice"});
     destroy_process_group();

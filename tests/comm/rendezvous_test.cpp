@@ -51,16 +51,25 @@ class ScopedEnv {
 };
 
 constexpr std::initializer_list<std::pair<const char*, const char*>> kNoLauncher = {
-    {"RANK", nullptr},          {"WORLD_SIZE", nullptr},           {"LOCAL_RANK", nullptr},
-    {"LOCAL_WORLD_SIZE", nullptr}, {"OMPI_COMM_WORLD_RANK", nullptr}, {"SLURM_PROCID", nullptr},
-    {"MASTER_ADDR", nullptr},   {"MASTER_PORT", nullptr}};
+    {"RANK", nullptr},
+    {"WORLD_SIZE", nullptr},
+    {"LOCAL_RANK", nullptr},
+    {"LOCAL_WORLD_SIZE", nullptr},
+    {"OMPI_COMM_WORLD_RANK", nullptr},
+    {"SLURM_PROCID", nullptr},
+    {"MASTER_ADDR", nullptr},
+    {"MASTER_PORT", nullptr}};
 
 std::string port_text() { return std::getenv("MASTER_PORT"); }
 
 TEST(LaunchEnv, TorchrunVariables) {
   ScopedEnv clean(kNoLauncher);
-  ScopedEnv env({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                 {"LOCAL_WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29400"}});
+  ScopedEnv env({{"RANK", "5"},
+                 {"WORLD_SIZE", "8"},
+                 {"LOCAL_RANK", "1"},
+                 {"LOCAL_WORLD_SIZE", "4"},
+                 {"MASTER_ADDR", "10.1.2.3"},
+                 {"MASTER_PORT", "29400"}});
   const LaunchEnv launch = LaunchEnv::from_environment();
   EXPECT_EQ(launch.rank, 5);
   EXPECT_EQ(launch.world_size, 8);
@@ -73,8 +82,10 @@ TEST(LaunchEnv, TorchrunVariables) {
 TEST(LaunchEnv, OpenMpiAndSlurmVariables) {
   ScopedEnv clean(kNoLauncher);
   {
-    ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "6"},
-                   {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"}});
+    ScopedEnv env({{"OMPI_COMM_WORLD_RANK", "2"},
+                   {"OMPI_COMM_WORLD_SIZE", "6"},
+                   {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"}});
     const LaunchEnv launch = LaunchEnv::from_environment();
     EXPECT_EQ(launch.rank, 2);
     EXPECT_EQ(launch.world_size, 6);
@@ -100,8 +111,9 @@ TEST(LaunchEnv, BadValueNamesTheVariable) {
 
 TEST(RendezvousBadInput, NamesTheArgument) {
   ScopedEnv clean(kNoLauncher);
-  expect_error_containing([] { rendezvous(RendezvousOptions("udp://host:1").rank(0).world_size(1)); },
-                          {"init_method 'udp://host:1'"});
+  expect_error_containing(
+      [] { rendezvous(RendezvousOptions("udp://host:1").rank(0).world_size(1)); },
+      {"init_method 'udp://host:1'"});
   expect_error_containing(
       [] { rendezvous(RendezvousOptions("tcp://127.0.0.1:99999").rank(0).world_size(1)); },
       {"port '99999'"});
@@ -114,13 +126,14 @@ TEST(RendezvousBadInput, NamesTheArgument) {
   LaunchEnv launched;
   launched.rank = 2;
   launched.world_size = 2;
-  expect_error_containing(
-      [&] { rendezvous(RendezvousOptions("env://").launch_env(launched)); },
-      {"rank = 2 (from the launcher's environment); must be in [0, 2)"});
+  expect_error_containing([&] { rendezvous(RendezvousOptions("env://").launch_env(launched)); },
+                          {"rank = 2 (from the launcher's environment); must be in [0, 2)"});
   expect_error_containing([] { rendezvous(RendezvousOptions("env://").rank(0).world_size(1)); },
                           {"MASTER_ADDR is unset"});
   expect_error_containing(
-      [] { rendezvous(RendezvousOptions("tcp://127.0.0.1:1234").rank(0).world_size(1).timeout(0ms)); },
+      [] {
+        rendezvous(RendezvousOptions("tcp://127.0.0.1:1234").rank(0).world_size(1).timeout(0ms));
+      },
       {"timeout = 0 ms"});
 }
 
@@ -185,8 +198,8 @@ TEST(Rendezvous, TcpMethodTwoRanks) {
 TEST(Rendezvous, FileMethodThreeRanks) {
   run_ranks(3, [](int rank, int world_size) {
     const std::string path = "/tmp/distoptim-file-rendezvous-" + port_text();
-    const Rendezvous r =
-        rendezvous(RendezvousOptions("file://" + path).rank(rank).world_size(world_size).timeout(20s));
+    const Rendezvous r = rendezvous(
+        RendezvousOptions("file://" + path).rank(rank).world_size(world_size).timeout(20s));
     expect_meets_everyone(r, rank, world_size);
     EXPECT_EQ(r.master_addr, "");
   });

@@ -70,7 +70,8 @@ TEST(StoreDeadline, RendezvousWithStoppedStoreHostTimesOut) {
           // LibTorch's client aborts its process when the server resets the connection: serve
           // until rank 1 has exited.
           pid_t waiter = 0;
-          ASSERT_TRUE(eventually([&] { return bool(std::ifstream(pid_file + ".1") >> waiter); }, 20s));
+          ASSERT_TRUE(
+              eventually([&] { return bool(std::ifstream(pid_file + ".1") >> waiter); }, 20s));
           ::unlink((pid_file + ".1").c_str());
           EXPECT_TRUE(testing::wait_for_process_state(waiter, "Z?", 30s));
           return;
@@ -84,8 +85,7 @@ TEST(StoreDeadline, RendezvousWithStoppedStoreHostTimesOut) {
           rendezvous(RendezvousOptions("env://").rank(rank).world_size(world_size).timeout(3s));
           ADD_FAILURE() << "expected a TimeoutError";
         } catch (const TimeoutError& e) {
-          expect_contains(e.what(), "the store at 127.0.0.1:" + master_port() +
-                                        " did not answer");
+          expect_contains(e.what(), "the store at 127.0.0.1:" + master_port() + " did not answer");
         }
         // The timeout, and at most DeadlineStore::kMinAnswerTime more; generous for a loaded
         // machine: the point is that it did not hang.
@@ -148,9 +148,7 @@ class BlockingStore : public c10d::Store {
   bool check(const std::vector<std::string>&) override { return block(), true; }
   int64_t getNumKeys() override { return block(), 0; }
   void wait(const std::vector<std::string>&) override { block(); }
-  void wait(const std::vector<std::string>&, const std::chrono::milliseconds&) override {
-    block();
-  }
+  void wait(const std::vector<std::string>&, const std::chrono::milliseconds&) override { block(); }
 
  private:
   void block() {

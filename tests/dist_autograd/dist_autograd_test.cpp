@@ -46,7 +46,9 @@ Params& my_params() {
   return params;
 }
 
-at::Tensor layer(const Params& p, const at::Tensor& x) { return at::tanh(at::matmul(x, p.w) + p.b); }
+at::Tensor layer(const Params& p, const at::Tensor& x) {
+  return at::tanh(at::matmul(x, p.w) + p.b);
+}
 
 // The graphs' remote pieces, with the worker's parameters given: the registered functions run
 // them on their own, the reference on its local copies.
@@ -87,8 +89,9 @@ DISTOPTIM_RPC_FUNCTION("die", [] { ::_exit(7); });
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
   ASSERT_TRUE(actual.defined()) << what << ": no gradient";
   ASSERT_TRUE(expected.defined()) << what << ": no reference gradient";
-  EXPECT_TRUE(at::allclose(actual, expected, 1e-9, 1e-12))
-      << what << ":\n" << actual << "\nexpected\n" << expected;
+  EXPECT_TRUE(at::allclose(actual, expected, 1e-9, 1e-12)) << what << ":\n"
+                                                           << actual << "\nexpected\n"
+                                                           << expected;
 }
 
 // The reference: each worker's parameters as local leaves.
@@ -109,8 +112,7 @@ at::Tensor leaf(std::vector<int64_t> shape, uint64_t seed) {
 
 // Compares each listed worker's parameter gradients in `context_id` with the reference's.
 void expect_worker_grads(int64_t context_id, Reference& reference, const at::Tensor& ref_loss,
-                         const std::vector<int>& ranks,
-                         const std::vector<at::Tensor>& local_leaves,
+                         const std::vector<int>& ranks, const std::vector<at::Tensor>& local_leaves,
                          const std::vector<at::Tensor>& ref_local_leaves) {
   std::vector<at::Tensor> inputs = ref_local_leaves;
   for (int rank : ranks) {
@@ -187,9 +189,10 @@ TEST(DistAutograd, NestedCallsAToBToC) {
 
     Reference reference;
     at::Tensor xr = x.detach().requires_grad_();
-    at::Tensor ref_loss = nested_step(reference.of(1), xr, [&](const at::Tensor& t) {
-                            return reference.layer_on(2, t);
-                          }).pow(3).sum();
+    at::Tensor ref_loss = nested_step(reference.of(1), xr,
+                                      [&](const at::Tensor& t) { return reference.layer_on(2, t); })
+                              .pow(3)
+                              .sum();
     expect_worker_grads(context.id(), reference, ref_loss, {1, 2}, {x}, {xr});
   });
 }
@@ -387,8 +390,7 @@ TEST(DistAutograd, BadArgumentsAreRefused) {
       backward(context.id(), {x.detach().sum()});
       ADD_FAILURE() << "a root without grad was accepted";
     } catch (const c10::ValueError& error) {
-      EXPECT_NE(std::string(error.what()).find("roots[0] does not require grad"),
-                std::string::npos)
+      EXPECT_NE(std::string(error.what()).find("roots[0] does not require grad"), std::string::npos)
           << error.what();
     }
     EXPECT_THROW(backward(context.id(), {x * 2}), c10::ValueError);  // not a scalar

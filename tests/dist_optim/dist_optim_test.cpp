@@ -30,8 +30,8 @@ using dist_autograd::ContextGuard;
 using distoptim::testing::run_ranks;
 using distoptim::testing::worker;
 using optim::OptionBag;
-using rpc::RRef;
 using rpc::rpc_sync;
+using rpc::RRef;
 
 rpc::RpcBackendOptions test_options() { return testing::test_options(60s); }
 
@@ -110,8 +110,9 @@ const optim::OptimizerRegistration g_refusing_optimizer(
     "refusing_sgd", optim::typed_factory<RefusingSGD, optim::SGDOptions>(optim::SGDOptions(0.1)));
 
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
-  EXPECT_TRUE(at::allclose(actual, expected, 1e-9, 1e-12))
-      << what << ":\n" << actual << "\nexpected\n" << expected;
+  EXPECT_TRUE(at::allclose(actual, expected, 1e-9, 1e-12)) << what << ":\n"
+                                                           << actual << "\nexpected\n"
+                                                           << expected;
 }
 
 void with_workers(int world_size, const std::function<void()>& trainer) {
@@ -399,8 +400,8 @@ TEST(DistributedOptimizer, ConstructionErrorsNameTheWorker) {
       DistributedOptimizer("sgd", repeated, OptionBag().set("lr", 0.1));
       ADD_FAILURE() << "constructed over a repeated parameter";
     } catch (const c10::ValueError& error) {
-      EXPECT_NE(std::string(error.what()).find("params[" + std::to_string(repeated.size() - 1) +
-                                               "] repeats params[0]"),
+      EXPECT_NE(std::string(error.what())
+                    .find("params[" + std::to_string(repeated.size() - 1) + "] repeats params[0]"),
                 std::string::npos)
           << error.what();
     }

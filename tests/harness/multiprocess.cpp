@@ -44,7 +44,8 @@ std::string read_file(const std::string& path) {
 
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return std::string("was killed by signal ") + strsignal(WTERMSIG(status));
+  if (WIFSIGNALED(status))
+    return std::string("was killed by signal ") + strsignal(WTERMSIG(status));
   return "stopped";
 }
 
@@ -208,8 +209,8 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
       }
     }
     if (failure.empty() && remaining > 0 && std::chrono::steady_clock::now() >= deadline) {
-      failure = "deadline of " + std::to_string(options.deadline.count()) +
-                " s passed; still running:";
+      failure =
+          "deadline of " + std::to_string(options.deadline.count()) + " s passed; still running:";
       for (int r = 0; r < world_size; ++r) {
         if (!ranks[r].done) failure += " rank " + std::to_string(r);
       }

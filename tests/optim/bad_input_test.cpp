@@ -45,8 +45,8 @@ class BadInput : public ::testing::TestWithParam<testing::OptimizerCase> {
         EXPECT_TRUE(at::equal(other.buffers.at(buf.first), buf.second)) << buf.first;
       }
     }
-    EXPECT_EQ(optimizer_->group_options(0), state_before_.defaults.merged_with(
-                                                   state_before_.param_groups[0].overrides));
+    EXPECT_EQ(optimizer_->group_options(0),
+              state_before_.defaults.merged_with(state_before_.param_groups[0].overrides));
   }
 
   std::vector<at::Tensor> params_;
@@ -56,35 +56,49 @@ class BadInput : public ::testing::TestWithParam<testing::OptimizerCase> {
 };
 
 TEST_P(BadInput, GradientCount) {
-  expect_error_containing([&] { optimizer_->step({at::randn({4, 3})}); },
-                          {"got 1 gradients for 2 parameters"});
+  expect_error_containing(
+      [&] {
+        optimizer_->step({at::randn({4, 3})});
+      },
+      {"got 1 gradients for 2 parameters"});
   expect_unchanged();
 }
 
 TEST_P(BadInput, GradientShapeAfterAGoodOne) {
-  expect_error_containing([&] { optimizer_->step({at::randn({4, 3}), at::randn({6})}); },
-                          {"gradients[1] has shape [6]", "parameter has shape [5]"});
+  expect_error_containing(
+      [&] {
+        optimizer_->step({at::randn({4, 3}), at::randn({6})});
+      },
+      {"gradients[1] has shape [6]", "parameter has shape [5]"});
   expect_unchanged();
 }
 
 TEST_P(BadInput, GradientDtype) {
   expect_error_containing(
-      [&] { optimizer_->step({at::randn({4, 3}, at::kDouble), at::randn({5})}); },
+      [&] {
+        optimizer_->step({at::randn({4, 3}, at::kDouble), at::randn({5})});
+      },
       {"gradients[0] has dtype Double", "parameter has Float"});
   expect_unchanged();
 }
 
 TEST_P(BadInput, SparseGradient) {
   const at::Tensor sparse = at::randn({5}).to_sparse();
-  expect_error_containing([&] { optimizer_->step({at::randn({4, 3}), sparse}); },
-                          {"gradients[1] has layout Sparse", "not supported"});
+  expect_error_containing(
+      [&] {
+        optimizer_->step({at::randn({4, 3}), sparse});
+      },
+      {"gradients[1] has layout Sparse", "not supported"});
   expect_unchanged();
 }
 
 TEST_P(BadInput, GradientOnAnotherDevice) {
   const at::Tensor meta = at::empty({5}, at::TensorOptions().device(at::kMeta));
-  expect_error_containing([&] { optimizer_->step({at::randn({4, 3}), meta}); },
-                          {"gradients[1] is on meta", "parameter is on cpu"});
+  expect_error_containing(
+      [&] {
+        optimizer_->step({at::randn({4, 3}), meta});
+      },
+      {"gradients[1] is on meta", "parameter is on cpu"});
   expect_unchanged();
 }
 
@@ -103,7 +117,9 @@ TEST_P(BadInput, UnknownOptionThroughGroupOptions) {
 
 TEST_P(BadInput, BadParameterGroup) {
   expect_error_containing(
-      [&] { optimizer_->add_param_group(ParamGroup({at::zeros({2}), params_[1]})); },
+      [&] {
+        optimizer_->add_param_group(ParamGroup({at::zeros({2}), params_[1]}));
+      },
       {"parameter 1 of the new group", "more than once"});
   expect_error_containing(
       [&] { optimizer_->add_param_group(ParamGroup({at::zeros({2}, at::kLong)})); },
@@ -147,13 +163,16 @@ TEST(BadOptions, EveryRuleNamesKeyAndValue) {
       {"adam", OptionBag().set("eps", -1e-8), {"Adam option eps = -1e-08"}},
       {"adamw", OptionBag().set("weight_decay", -0.1), {"AdamW option weight_decay = -0.1"}},
       {"adagrad", OptionBag().set("lr_decay", -1.0), {"Adagrad option lr_decay = -1"}},
-      {"adagrad", OptionBag().set("initial_accumulator_value", -1.0),
+      {"adagrad",
+       OptionBag().set("initial_accumulator_value", -1.0),
        {"Adagrad option initial_accumulator_value = -1"}},
       {"adadelta", OptionBag().set("rho", 1.5), {"Adadelta option rho = 1.5", "[0, 1]"}},
       {"adamax", OptionBag().set("betas", pair(0.9, -0.1)), {"Adamax option betas = (0.9, -0.1)"}},
       {"rmsprop", OptionBag().set("alpha", -0.5), {"RMSprop option alpha = -0.5"}},
       {"rprop", OptionBag().set("etas", pair(1.5, 1.2)), {"Rprop option etas = (1.5, 1.2)"}},
-      {"rprop", OptionBag().set("step_sizes", pair(1.0, 0.5)), {"Rprop option step_sizes = (1, 0.5)"}},
+      {"rprop",
+       OptionBag().set("step_sizes", pair(1.0, 0.5)),
+       {"Rprop option step_sizes = (1, 0.5)"}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.optimizer);
@@ -171,7 +190,9 @@ TEST(BadFunctionalCall, ListLengthsAndShapes) {
   std::vector<at::Tensor> params = {at::zeros({3})};
   std::vector<at::Tensor> buffers;
   expect_error_containing(
-      [&] { functional::sgd(params, {at::ones({3}), at::ones({3})}, buffers, SGDOptions(0.1)); },
+      [&] {
+        functional::sgd(params, {at::ones({3}), at::ones({3})}, buffers, SGDOptions(0.1));
+      },
       {"functional::sgd", "2 grads for 1 params"});
   expect_error_containing(
       [&] {

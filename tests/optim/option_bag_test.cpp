@@ -80,13 +80,17 @@ TEST(OptionBag, WrongTypeNamesKeyAndValue) {
                           {"nesterov", "must be a bool", "0.5"});
   expect_error_containing([] { options_from_bag<AdamOptions>(OptionBag().set("betas", 0.9)); },
                           {"betas", "pair of numbers"});
-  expect_error_containing([] { OptionBag().set("lr", at::ones({1})); }, {"lr", "not an optimizer option value"});
+  expect_error_containing([] { OptionBag().set("lr", at::ones({1})); },
+                          {"lr", "not an optimizer option value"});
 }
 
 TEST(OptionBag, SerializesThroughLibTorchPickle) {
   OptionBag bag;
-  bag.set("lr", 0.25).set("betas", c10::ivalue::Tuple::create({0.5, 0.75})).set("amsgrad", true)
-      .set("name", std::string("x")).set("count", int64_t{3});
+  bag.set("lr", 0.25)
+      .set("betas", c10::ivalue::Tuple::create({0.5, 0.75}))
+      .set("amsgrad", true)
+      .set("name", std::string("x"))
+      .set("count", int64_t{3});
   const std::vector<char> bytes = torch::pickle_save(bag.to_ivalue());
   const OptionBag back = OptionBag::from_ivalue(torch::pickle_load(bytes));
   EXPECT_EQ(back, bag);

@@ -20,8 +20,9 @@ c10::IValue run_reference(const c10::IValue& input, const std::string& tag) {
   const std::string out_path = dir + "/qhm_out_" + tag + ".pt";
   const std::vector<char> bytes = torch::pickle_save(input);
   std::ofstream(in_path, std::ios::binary).write(bytes.data(), bytes.size());
-  const std::string command = std::string(DISTOPTIM_REFERENCE_PYTHON) + " " DISTOPTIM_SOURCE_DIR
-                              "/tests/optim/qhm_reference.py " + in_path + " " + out_path;
+  const std::string command = std::string(DISTOPTIM_REFERENCE_PYTHON) +
+                              " " DISTOPTIM_SOURCE_DIR "/tests/optim/qhm_reference.py " + in_path +
+                              " " + out_path;
   const int status = std::system(command.c_str());
   EXPECT_EQ(status, 0) << "the reference failed: " << command;
   std::ifstream in(out_path, std::ios::binary);
@@ -49,10 +50,14 @@ TEST_P(QhmParity, MatchesRecipeFormula) {
                                      at::randn({}, opts), at::randn({0, 2}, opts)};
   std::vector<at::Tensor> params;
   for (const auto& p : initial) params.push_back(p.clone());
-  auto optimizer = distoptim::optim::create_optimizer(
-      "qhm", {distoptim::optim::ParamGroup(params)},
-      distoptim::optim::OptionBag().set("lr", 0.05).set("momentum", 0.8).set("nu", 0.6)
-          .set("weight_decay", c.weight_decay).set("weight_decay_type", c.weight_decay_type));
+  auto optimizer =
+      distoptim::optim::create_optimizer("qhm", {distoptim::optim::ParamGroup(params)},
+                                         distoptim::optim::OptionBag()
+                                             .set("lr", 0.05)
+                                             .set("momentum", 0.8)
+                                             .set("nu", 0.6)
+                                             .set("weight_decay", c.weight_decay)
+                                             .set("weight_decay_type", c.weight_decay_type));
 
   c10::impl::GenericList all_grads(c10::AnyType::get());
   for (int k = 0; k < 50; ++k) {

@@ -61,8 +61,8 @@ TEST(Registry, UserFactoryIsCalledWithGroupsAndBag) {
                        return std::unique_ptr<FunctionalOptimizer>(new SGD(std::move(groups), o));
                      });
   at::Tensor p = at::zeros({2});
-  auto opt = create_optimizer("registry_test_sgd_half_lr", {ParamGroup({p})},
-                              OptionBag().set("lr", 1.0));
+  auto opt =
+      create_optimizer("registry_test_sgd_half_lr", {ParamGroup({p})}, OptionBag().set("lr", 1.0));
   opt->step({at::ones({2})});
   EXPECT_TRUE(at::equal(p, at::full({2}, -0.5)));
 }

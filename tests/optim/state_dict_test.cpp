@@ -35,8 +35,8 @@ Model make_model(int64_t seed) {
   at::Tensor base_t = at::randn({9, 5});
   at::Tensor base_s = at::randn({6, 8});
   m.storage = {base_t, base_s};
-  m.params = {at::randn({7, 13}), base_t.t(), base_s.slice(1, 0, 8, 2), at::randn({}),
-              at::randn({0, 3}), at::randn({33})};
+  m.params = {at::randn({7, 13}), base_t.t(),        base_s.slice(1, 0, 8, 2),
+              at::randn({}),      at::randn({0, 3}), at::randn({33})};
   m.params.push_back(at::randn({17}));
   return m;
 }

@@ -113,8 +113,8 @@ class RawPeer {
     return true;
   }
   void send(const EncodedMessage& message) {
-    std::string frame = message.header + detail::encode_tensor_lengths(message.tensors) +
-                        message.body;
+    std::string frame =
+        message.header + detail::encode_tensor_lengths(message.tensors) + message.body;
     for (const at::Tensor& tensor : message.tensors) {
       frame.append(static_cast<const char*>(tensor.data_ptr()), tensor.nbytes());
     }
@@ -129,7 +129,8 @@ class RawPeer {
     std::string body;
     DecodedMessage message;
     if (detail::decode_header(header_bytes, &header) || header.tensor_count != 0 ||
-        header.type != detail::MessageType::kHandshake || !read_exactly(header.body_length, &body) ||
+        header.type != detail::MessageType::kHandshake ||
+        !read_exactly(header.body_length, &body) ||
         detail::decode_body(header, body, {}, {}, &message)) {
       ADD_FAILURE() << "the worker sent something other than a handshake message";
       return std::nullopt;
@@ -197,9 +198,8 @@ size_t resident_bytes_of(pid_t pid) {
   return resident * static_cast<size_t>(::sysconf(_SC_PAGESIZE));
 }
 
-DISTOPTIM_RPC_FUNCTION("resident_bytes", [] {
-  return static_cast<int64_t>(resident_bytes_of(::getpid()));
-});
+DISTOPTIM_RPC_FUNCTION("resident_bytes",
+                       [] { return static_cast<int64_t>(resident_bytes_of(::getpid())); });
 
 TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
   run_ranks(2, [](int rank, int world_size) {

@@ -470,7 +470,7 @@ TEST(RpcSnapshot, OnlyTensorsOthersCanWriteAreCopied) {
     EXPECT_TRUE(sent_in_place(batched_product(at::randn({4, 5}, at::requires_grad()))));
   }
   // Reachable otherwise: copied.
-  EXPECT_FALSE(sent_in_place(weight));  // a parameter the handler returns
+  EXPECT_FALSE(sent_in_place(weight));                  // a parameter the handler returns
   EXPECT_FALSE(sent_in_place(weight.narrow(0, 1, 2)));  // a view of it
   const at::Tensor kept_base = at::randn({6, 4}).mm(weight);
   EXPECT_FALSE(sent_in_place(kept_base.view({2, 3, 5})));  // its base is kept
@@ -479,7 +479,7 @@ TEST(RpcSnapshot, OnlyTensorsOthersCanWriteAreCopied) {
   EXPECT_FALSE(sent_in_place(std::move(fresh)));
   std::vector<float> buffer(8, 1.0f);
   EXPECT_FALSE(sent_in_place(at::from_blob(buffer.data(), {8})));  // memory the user owns
-  EXPECT_FALSE(sent_in_place(at::randn({3}), /*holders=*/0));  // an owner's value (to_here)
+  EXPECT_FALSE(sent_in_place(at::randn({3}), /*holders=*/0));      // an owner's value (to_here)
 }
 
 // A reply whose tensors are all its own is returned as it is, containers included; one shared

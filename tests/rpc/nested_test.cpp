@@ -24,8 +24,8 @@ namespace {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
-using distoptim::testing::worker;
 using distoptim::testing::test_options;
+using distoptim::testing::worker;
 using Path = std::vector<std::string>;
 
 constexpr int kCallerThreads = 8;

@@ -24,8 +24,8 @@ namespace {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
-using distoptim::testing::worker;
 using distoptim::testing::test_options;
+using distoptim::testing::worker;
 
 // The callables, registered in every process.
 int64_t add(int64_t a, int64_t b) { return a + b; }
@@ -339,8 +339,7 @@ TEST(Rpc, GracefulShutdownFailsFastOnALostPeer) {
           shutdown();
           ADD_FAILURE() << "shutdown() passed its barrier without worker2";
         } catch (const PeerLostError& error) {
-          EXPECT_NE(std::string(error.what()).find("'worker2' (rank 2) is lost"),
-                    std::string::npos)
+          EXPECT_NE(std::string(error.what()).find("'worker2' (rank 2) is lost"), std::string::npos)
               << error.what();
         }
       },

@@ -25,8 +25,8 @@ namespace {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
-using distoptim::testing::worker;
 using distoptim::testing::test_options;
+using distoptim::testing::worker;
 
 // The callables, registered in every process.
 DISTOPTIM_RPC_FUNCTION("add", [](int64_t a, int64_t b) { return a + b; });
@@ -424,8 +424,7 @@ TEST(RemoteClasses, ParameterServerModulesCreatedAndCalledThroughRRefs) {
 // connection holds and every call returns its own object's result.
 TEST(RemoteClasses, BurstOfCreationsThenCallsKeepsTheConnection) {
   run_ranks(2, [](int rank, int world_size) {
-    init_rpc(rank == 0 ? "ps" : "trainer", rank, world_size,
-             test_options().num_worker_threads(4));
+    init_rpc(rank == 0 ? "ps" : "trainer", rank, world_size, test_options().num_worker_threads(4));
     if (rank == 1) {
       constexpr int kObjects = 48;
       for (int round = 0; round < 5; ++round) {
@@ -490,8 +489,8 @@ TEST(RRef, LateRepliesReleaseTheirRRefs) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
       for (int64_t i = 0; i < 8; ++i) {
-        auto late = rpc_async<std::vector<RRef<int64_t>>>(
-            "worker1", "make_rref_later", std::tuple{i, int64_t{300}}, 50ms);
+        auto late = rpc_async<std::vector<RRef<int64_t>>>("worker1", "make_rref_later",
+                                                          std::tuple{i, int64_t{300}}, 50ms);
         EXPECT_THROW(late.wait(), TimeoutError);
       }
       EXPECT_TRUE(owner_table_empties("worker1", 20s));

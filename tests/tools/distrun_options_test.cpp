@@ -21,8 +21,8 @@ void expect_usage_error(const Args& args, const std::vector<std::string>& parts)
   } catch (const UsageError& e) {
     const std::string message = e.what();
     for (const auto& part : parts) {
-      EXPECT_NE(message.find(part), std::string::npos) << "message lacks '" << part
-                                                       << "': " << message;
+      EXPECT_NE(message.find(part), std::string::npos)
+          << "message lacks '" << part << "': " << message;
     }
     return;
   }
@@ -84,9 +84,9 @@ TEST(DistrunOptions, HelpNamesTheOptionsAndTheEnvironment) {
   } catch (const HelpRequested& help) {
     const std::string text = help.what();
     EXPECT_EQ(text, help_text());
-    for (const char* part : {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
-                             "--master-port", "--grace-seconds", "RANK", "WORLD_SIZE",
-                             "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+    for (const char* part :
+         {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+          "--grace-seconds", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
       EXPECT_NE(text.find(part), std::string::npos) << part;
     }
   }
@@ -156,8 +156,9 @@ TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
   options.master_port = 29400;
   options.command = {"prog"};
   const std::vector<std::pair<std::string, std::string>> expected = {
-      {"RANK", "9"},        {"WORLD_SIZE", "12"},          {"LOCAL_RANK", "1"},
-      {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "2"},      {"MASTER_ADDR", "10.1.2.3"},
+      {"RANK", "9"},           {"WORLD_SIZE", "12"},
+      {"LOCAL_RANK", "1"},     {"LOCAL_WORLD_SIZE", "4"},
+      {"GROUP_RANK", "2"},     {"MASTER_ADDR", "10.1.2.3"},
       {"MASTER_PORT", "29400"}};
   EXPECT_EQ(rank_environment(options, 1), expected);
 }

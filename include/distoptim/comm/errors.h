@@ -49,12 +49,12 @@ class PeerLostError : public DistributedError {
 
 /// Throws `error_type` (one of the classes above) with the message c10::str(...) when `cond` is
 /// false; the counterpart of TORCH_CHECK_WITH for distoptim's own error types.
-#define DISTOPTIM_CHECK_WITH(error_type, cond, ...)                                     \
-  do {                                                                                  \
-    if (C10_UNLIKELY_OR_CONST(!(cond))) {                                               \
-      throw error_type({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},           \
-                       ::c10::str(__VA_ARGS__));                                        \
-    }                                                                                   \
+#define DISTOPTIM_CHECK_WITH(error_type, cond, ...)                           \
+  do {                                                                        \
+    if (C10_UNLIKELY_OR_CONST(!(cond))) {                                     \
+      throw error_type({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, \
+                       ::c10::str(__VA_ARGS__));                              \
+    }                                                                         \
   } while (false)
 
 /// Throws `error_type` with the message c10::str(...).

@@ -74,7 +74,8 @@ struct Rendezvous {
 /// could not be reached or stopped answering; distoptim::PeerLostError naming the store when its
 /// connection breaks (rank 0 died); c10::ValueError when two processes claim one rank or ranks
 /// disagree on the world size. Bounded by `timeout` (a store that stops answering just before
-/// it may add up to DeadlineStore::kMinAnswerTime). Thread safety: safe to call from any thread; each call is independent.
+/// it may add up to DeadlineStore::kMinAnswerTime). Thread safety: safe to call from any thread;
+/// each call is independent.
 Rendezvous rendezvous(const RendezvousOptions& options);
 
 /// True when `host` names this machine's loopback ("localhost", 127.0.0.0/8, "::1").

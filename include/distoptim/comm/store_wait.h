@@ -64,8 +64,7 @@ class DeadlineStore : public c10d::Store {
   const std::string& address() const { return address_; }
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
-  std::vector<uint8_t> compareSet(const std::string& key,
-                                  const std::vector<uint8_t>& current_value,
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& current_value,
                                   const std::vector<uint8_t>& new_value) override;
   std::vector<uint8_t> get(const std::string& key) override;
   int64_t add(const std::string& key, int64_t value) override;
@@ -103,8 +102,8 @@ class DeadlineStore : public c10d::Store {
 /// Polling, unlike Store::wait, lets a timeout name who is missing. `each_poll` runs before every
 /// poll (it may throw to stop the wait). A store that stops answering or is lost throws as
 /// DeadlineStore's operations do.
-std::vector<int> wait_for_rank_keys(DeadlineStore& store, const std::string& prefix,
-                                    int world_size, DeadlineStore::Clock::time_point deadline,
+std::vector<int> wait_for_rank_keys(DeadlineStore& store, const std::string& prefix, int world_size,
+                                    DeadlineStore::Clock::time_point deadline,
                                     const std::function<void()>& each_poll = {});
 
 }  // namespace comm

@@ -80,8 +80,7 @@ c10::IValue option_to_ivalue(int64_t value);
 c10::IValue option_to_ivalue(bool value);
 c10::IValue option_to_ivalue(const std::string& value);
 c10::IValue option_to_ivalue(const std::tuple<double, double>& value);
-[[noreturn]] void throw_unknown_option(const std::string& bag,
-                                       const std::string& key,
+[[noreturn]] void throw_unknown_option(const std::string& bag, const std::string& key,
                                        const std::vector<std::string>& known);
 }  // namespace detail
 
@@ -112,7 +111,8 @@ OptionBag options_to_bag(const Options& options) {
   OptionBag bag;
   // visit is non-const so one declaration serves reads and writes.
   Options copy = options;
-  copy.visit([&](const char* name, auto& field) { bag.set(name, detail::option_to_ivalue(field)); });
+  copy.visit(
+      [&](const char* name, auto& field) { bag.set(name, detail::option_to_ivalue(field)); });
   return bag;
 }
 

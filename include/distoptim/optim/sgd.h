@@ -17,7 +17,6 @@ struct SGDOptions {
   TORCH_ARG(bool, nesterov) = false;
   TORCH_ARG(bool, maximize) = false;
 
-
  public:
   /// Throws c10::ValueError naming the option and its value.
   void validate() const;

@@ -276,10 +276,9 @@ RpcFuture<T> rpc_async(const WorkerRef& to, const std::string& function,
 template <class T = c10::IValue, class... Args>
 T rpc_sync(const WorkerRef& to, const std::string& function, std::tuple<Args...> args = {},
            std::chrono::milliseconds timeout = kDefaultTimeout) {
-  return RpcFuture<T>(
-             detail::waited_call_values(to, function, detail::tuple_values(std::move(args)),
-                                        timeout),
-             "'" + function + "'")
+  return RpcFuture<T>(detail::waited_call_values(to, function,
+                                                 detail::tuple_values(std::move(args)), timeout),
+                      "'" + function + "'")
       .wait();
 }
 

@@ -38,9 +38,9 @@ constexpr size_t kMaxMetadataBytes = 64 << 10;
 struct MessageInfo {
   enum class Kind { kRequest, kResponse };
   Kind kind = Kind::kRequest;
-  int peer = -1;          // the worker at the other end (this worker's id for a call to itself)
-  std::string callable;   // what the request calls (a response: what its request called)
-  uint64_t id = 0;        // the call's id, the same on both sides and in its response
+  int peer = -1;         // the worker at the other end (this worker's id for a call to itself)
+  std::string callable;  // what the request calls (a response: what its request called)
+  uint64_t id = 0;       // the call's id, the same on both sides and in its response
 };
 
 /// Thread safety: called from any thread, concurrently; implementations must be thread-safe. An

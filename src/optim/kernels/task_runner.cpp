@@ -42,7 +42,8 @@ UpdateTask& UpdateBatch::add(UpdateTask::Kernel kernel, const at::Tensor* const*
       task.data[k] = operand.data_ptr();
       continue;
     }
-    at::Tensor staged = param_dense ? at::empty_like(param) : at::empty(param.sizes(), param.options());
+    at::Tensor staged =
+        param_dense ? at::empty_like(param) : at::empty(param.sizes(), param.options());
     staged.copy_(operand);
     task.data[k] = staged.data_ptr();
     // The gradient (k == 1) is read only; everything else is written and must be copied back.

@@ -91,19 +91,19 @@ void Connection::disarm_deadline() {
 template <class Buffers, class Next>
 void Connection::read_then(const Buffers& buffers, Next next) {
   reading_ = true;
-  asio::async_read(socket_, buffers,
-                   [self = shared_from_this(), next = std::move(next)](
-                       const asio::error_code& error, size_t) {
-                     self->reading_ = false;
-                     if (self->closed_) {
-                       return;
-                     }
-                     if (error) {
-                       self->fail(describe(error));
-                       return;
-                     }
-                     next();
-                   });
+  asio::async_read(
+      socket_, buffers,
+      [self = shared_from_this(), next = std::move(next)](const asio::error_code& error, size_t) {
+        self->reading_ = false;
+        if (self->closed_) {
+          return;
+        }
+        if (error) {
+          self->fail(describe(error));
+          return;
+        }
+        next();
+      });
 }
 
 void Connection::read_header() {
@@ -513,8 +513,7 @@ Listener::Listener(asio::io_context& io, const std::string& address, int port)
 }
 
 void Listener::open() {
-  asio::ip::tcp::endpoint endpoint(asio::ip::make_address(address_),
-                                   static_cast<uint16_t>(port_));
+  asio::ip::tcp::endpoint endpoint(asio::ip::make_address(address_), static_cast<uint16_t>(port_));
   acceptor_.open(endpoint.protocol());
   acceptor_.set_option(asio::ip::tcp::acceptor::reuse_address(true));
   acceptor_.bind(endpoint);
@@ -528,35 +527,35 @@ void Listener::start(AcceptHandler on_accept) {
 }
 
 void Listener::accept_next() {
-  acceptor_.async_accept([self = shared_from_this()](const asio::error_code& error,
-                                                     asio::ip::tcp::socket socket) {
-    if (self->closed_) {
-      return;
-    }
-    if (!error) {
-      self->on_accept_(std::make_shared<Connection>(self->io_, std::move(socket)));
-      self->accept_next();
-      return;
-    }
-    // A connection that failed before we took it costs only itself.
-    if (error == asio::error::connection_aborted || error == asio::error::connection_reset ||
-        error == asio::error::try_again || error == asio::error::interrupted) {
-      self->accept_next();
-      return;
-    }
-    // Out of descriptors or memory: the pending connections wait in the backlog meanwhile.
-    if (error == asio::error::no_descriptors || error == asio::error::no_buffer_space ||
-        error == asio::error::no_memory) {
-      TORCH_WARN("rpc: accepting on ", self->address_, ":", self->port_, " failed (",
-                 error.message(), "); retrying in ", kListenerRetry.count(), " ms");
-      self->retry_.expires_after(kListenerRetry);
-      self->retry_.async_wait([self](const asio::error_code& wait_error) {
-        if (!wait_error && !self->closed_) self->accept_next();
+  acceptor_.async_accept(
+      [self = shared_from_this()](const asio::error_code& error, asio::ip::tcp::socket socket) {
+        if (self->closed_) {
+          return;
+        }
+        if (!error) {
+          self->on_accept_(std::make_shared<Connection>(self->io_, std::move(socket)));
+          self->accept_next();
+          return;
+        }
+        // A connection that failed before we took it costs only itself.
+        if (error == asio::error::connection_aborted || error == asio::error::connection_reset ||
+            error == asio::error::try_again || error == asio::error::interrupted) {
+          self->accept_next();
+          return;
+        }
+        // Out of descriptors or memory: the pending connections wait in the backlog meanwhile.
+        if (error == asio::error::no_descriptors || error == asio::error::no_buffer_space ||
+            error == asio::error::no_memory) {
+          TORCH_WARN("rpc: accepting on ", self->address_, ":", self->port_, " failed (",
+                     error.message(), "); retrying in ", kListenerRetry.count(), " ms");
+          self->retry_.expires_after(kListenerRetry);
+          self->retry_.async_wait([self](const asio::error_code& wait_error) {
+            if (!wait_error && !self->closed_) self->accept_next();
+          });
+          return;
+        }
+        self->reopen_later(error.message());
       });
-      return;
-    }
-    self->reopen_later(error.message());
-  });
 }
 
 void Listener::reopen_later(const std::string& why) {
