@@ -9,6 +9,8 @@
 #   make demo    build and run examples/rnn_parameter_server (scripts/demo.sh)
 #   make bench   build, then run every benchmark; results in $(BUILD_DIR)/bench-results/*.json
 #   make format  clang-format every C++ file in place
+#   make lint    the format check, and clang-tidy's naming checks over the uncommitted changes
+#                (scripts/lint.sh; LINT_BASE=main~3 checks what changed since then)
 
 BUILD_DIR ?= build
 ASAN_BUILD_DIR ?= build-asan
@@ -23,7 +25,7 @@ export DISTOPTIM_JOBS := $(JOBS)
 CXX_SOURCES = $(shell git ls-files --cached --others --exclude-standard -- \
                 '*.h' '*.cpp' 2>/dev/null)
 
-.PHONY: all configure build test asan tsan demo bench format
+.PHONY: all configure build test asan tsan demo bench format lint
 
 all: build
 
@@ -52,3 +54,7 @@ bench: build
 
 format:
 	clang-format -i --style=file $(CXX_SOURCES)
+
+LINT_BASE ?= HEAD
+lint:
+	bash scripts/lint.sh all $(LINT_BASE)

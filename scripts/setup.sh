@@ -36,6 +36,8 @@ PACKAGES=(
   libzip-dev
   # libFuzzer for the rpc message decoder's fuzz test (clang's runtime; the build stays on g++).
   clang-14 libclang-rt-14-dev
+  # The format check (scripts/test.sh, make lint) and the naming checks (make lint).
+  clang-format clang-tidy
   # /etc/services and /etc/protocols, which a minimal system lacks and TCP name lookups read.
   netbase
   # The RNN parameter-server example draws its loss curve with gnuplot (PNG, no X11), and

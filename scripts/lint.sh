@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The checks that keep the sources as they are:
+#   format  every C++ file of the repository is as clang-format (.clang-format) would write it;
+#   naming  clang-tidy's naming checks (.clang-tidy) pass on the C++ sources changed since BASE
+#           (default HEAD: the uncommitted changes), compiled as in $DISTOPTIM_BUILD_DIR (default
+#           build; configure it with -DCMAKE_EXPORT_COMPILE_COMMANDS=ON, as `make configure` does).
+#
+# Usage: bash scripts/lint.sh [format|naming|all] [BASE]   (default all; `make lint` runs all)
+# scripts/test.sh runs the format check before it builds anything. Exits non-zero on a finding.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+WHAT="${1:-all}"
+BASE="${2:-HEAD}"
+BUILD_DIR="${DISTOPTIM_BUILD_DIR:-build}"
+
+# The C++ files under version control (or, outside a git checkout, every one under the folders
+# that hold them), one per line.
+cxx_files() {
+  if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    git ls-files -- '*.h' '*.cpp'
+  else
+    find include src tests bench examples tools -name '*.h' -o -name '*.cpp'
+  fi
+}
+
+check_format() {
+  local files
+  mapfile -t files < <(cxx_files)
+  echo "lint: clang-format over ${#files[@]} files"
+  if ! clang-format --dry-run -Werror --style=file "${files[@]}"; then
+    echo "lint: the files above are not formatted; run \`make format\` and commit the result" >&2
+    return 1
+  fi
+}
+
+check_naming() {
+  if [[ ! -f "$BUILD_DIR/compile_commands.json" ]]; then
+    echo "lint: $BUILD_DIR/compile_commands.json is missing; run \`make configure\` first" >&2
+    return 1
+  fi
+  local files
+  mapfile -t files < <(git diff --name-only --diff-filter=d "$BASE" -- '*.cpp')
+  if [[ ${#files[@]} -eq 0 ]]; then
+    echo "lint: no C++ source changed since $BASE; nothing for clang-tidy"
+    return 0
+  fi
+  echo "lint: clang-tidy naming checks over ${#files[@]} changed sources (since $BASE)"
+  clang-tidy --quiet --warnings-as-errors='*' -p "$BUILD_DIR" "${files[@]}"
+}
+
+case "$WHAT" in
+  format) check_format ;;
+  naming) check_naming ;;
+  all)
+    check_format
+    check_naming
+    ;;
+  *)
+    echo "usage: bash scripts/lint.sh [format|naming|all] [BASE]" >&2
+    exit 2
+    ;;
+esac
