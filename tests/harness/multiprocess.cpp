@@ -1,6 +1,8 @@
 #include "multiprocess.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -9,9 +11,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iostream>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -49,6 +54,93 @@ std::string describe_status(int status) {
   return "stopped";
 }
 
+// The variables a rank's process gets (besides kChildVariable), as "NAME=value".
+std::vector<std::string> rank_variables(int rank, int world_size, int port) {
+  return {"RANK=" + std::to_string(rank),
+          "WORLD_SIZE=" + std::to_string(world_size),
+          "LOCAL_RANK=" + std::to_string(rank),
+          "LOCAL_WORLD_SIZE=" + std::to_string(world_size),
+          "MASTER_ADDR=127.0.0.1",
+          "MASTER_PORT=" + std::to_string(port)};
+}
+
+// The number of threads of this process.
+int thread_count() {
+  int threads = 0;
+  if (DIR* tasks = ::opendir("/proc/self/task")) {
+    while (const dirent* entry = ::readdir(tasks)) {
+      if (entry->d_name[0] != '.') ++threads;
+    }
+    ::closedir(tasks);
+  }
+  return threads;
+}
+
+// The threads OpenBLAS starts when it is loaded (its pool less the calling thread), or 0 when
+// LibTorch's BLAS is not OpenBLAS. OpenBLAS stops them before a fork (pthread_atfork) and starts
+// them again when next needed, so they do not make a fork unsafe.
+int openblas_pool_threads() {
+  using GetNumThreads = int (*)();
+  const auto get =
+      reinterpret_cast<GetNumThreads>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get == nullptr ? 0 : std::max(get() - 1, 0);
+}
+
+// Whether the ranks may be forked from this process rather than started afresh: a process whose
+// only threads are the main one and OpenBLAS's forks into a sound copy (LibTorch loaded and
+// initialized once, not once per rank: most of a rank's start-up, and more so under the
+// sanitizers); one with other threads would leave the copies with locks held by threads that do
+// not exist there. DISTOPTIM_TEST_RANKS=exec starts every rank afresh.
+bool may_fork_ranks() {
+  const char* mode = std::getenv("DISTOPTIM_TEST_RANKS");
+  if (mode != nullptr && std::string(mode) == "exec") return false;
+  return thread_count() <= 1 + openblas_pool_threads();
+}
+
+// Forks a rank's process: it runs `body` with the rank's variables set and its output going to
+// `log_path`, then exits with status 1 when `body` failed an assertion or threw, 0 otherwise.
+pid_t fork_rank(int call, int rank, int world_size, int port, const std::string& log_path,
+                const std::function<void(int, int)>& body) {
+  const ::testing::TestResult* result =
+      ::testing::UnitTest::GetInstance()->current_test_info()->result();
+  const int parts_before = result->total_part_count();
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid != 0) return pid;
+
+  const int log = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (log < 0) std::_Exit(125);
+  ::dup2(log, STDOUT_FILENO);
+  ::dup2(log, STDERR_FILENO);
+  ::close(log);
+  ::setenv(kChildVariable, std::to_string(call).c_str(), 1);
+  for (const std::string& variable : rank_variables(rank, world_size, port)) {
+    const size_t equals = variable.find('=');
+    ::setenv(variable.substr(0, equals).c_str(), variable.substr(equals + 1).c_str(), 1);
+  }
+  bool failed = false;
+  try {
+    body(rank, world_size);
+  } catch (const std::exception& e) {
+    std::cout << "rank " << rank << ": C++ exception with description \"" << e.what()
+              << "\" thrown in the rank's body." << std::endl;
+    failed = true;
+  } catch (...) {
+    std::cout << "rank " << rank << ": unknown C++ exception thrown in the rank's body."
+              << std::endl;
+    failed = true;
+  }
+  for (int i = parts_before; i < result->total_part_count(); ++i) {
+    if (result->GetTestPartResult(i).failed()) failed = true;
+  }
+  std::cout.flush();
+  // exit, not _Exit: the process ends as a started rank's does (static destructors, and the
+  // LeakSanitizer's check in sanitizer builds).
+  std::exit(failed ? 1 : 0);
+}
+
 pid_t spawn_rank(int call, int rank, int world_size, int port, const std::string& filter,
                  const std::string& log_path) {
   std::vector<std::string> env_strings;
@@ -63,12 +155,9 @@ pid_t spawn_rank(int call, int rank, int world_size, int port, const std::string
     if (!ours) env_strings.push_back(entry);
   }
   env_strings.push_back(std::string(kChildVariable) + "=" + std::to_string(call));
-  env_strings.push_back("RANK=" + std::to_string(rank));
-  env_strings.push_back("WORLD_SIZE=" + std::to_string(world_size));
-  env_strings.push_back("LOCAL_RANK=" + std::to_string(rank));
-  env_strings.push_back("LOCAL_WORLD_SIZE=" + std::to_string(world_size));
-  env_strings.push_back("MASTER_ADDR=127.0.0.1");
-  env_strings.push_back("MASTER_PORT=" + std::to_string(port));
+  for (std::string& variable : rank_variables(rank, world_size, port)) {
+    env_strings.push_back(std::move(variable));
+  }
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
@@ -172,9 +261,11 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
   char dir_template[] = "/tmp/distoptim-ranks-XXXXXX";
   ASSERT_NE(::mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
+  const bool fork_ranks = may_fork_ranks();
   for (int r = 0; r < world_size; ++r) {
     ranks[r].log_path = dir + "/rank" + std::to_string(r) + ".log";
-    ranks[r].pid = spawn_rank(call, r, world_size, port, filter, ranks[r].log_path);
+    ranks[r].pid = fork_ranks ? fork_rank(call, r, world_size, port, ranks[r].log_path, body)
+                              : spawn_rank(call, r, world_size, port, filter, ranks[r].log_path);
     if (ranks[r].pid < 0) {
       kill_all(ranks);
       FAIL() << "could not start rank " << r;
