@@ -268,7 +268,7 @@ void release_everywhere(const std::shared_ptr<Context>& context, int except) {
 }
 
 void install() {
-  static const bool installed = [] {
+  static const bool kInstalled = [] {
     rpc::set_interceptor(std::make_shared<Recorder>());
     rpc::detail::register_internal_function(
         kGradientsFunction, [](std::vector<c10::IValue> args) -> c10::IValue {
@@ -300,7 +300,7 @@ void install() {
         });
     return true;
   }();
-  (void)installed;
+  (void)kInstalled;
 }
 
 }  // namespace detail
@@ -308,6 +308,7 @@ void install() {
 }  // namespace distoptim
 
 // Installed at start-up, so a worker that only serves (a parameter server) records too. The
-// linker is told to keep this symbol (CMakeLists.txt), and with it this object.
-extern "C" const bool distoptim_dist_autograd_installed =
+// linker is told to keep this symbol (CMakeLists.txt), and with it this object: a C name, so
+// not in the house's naming scheme.
+extern "C" const bool distoptim_dist_autograd_installed =  // NOLINT(readability-identifier-naming)
     (distoptim::dist_autograd::detail::install(), true);

@@ -93,7 +93,7 @@ DISTOPTIM_RPC_FUNCTION("finished_count", [] { return g_finished.load(); });
 
 // A user's optimizer, registered in every process under a name of its own (here SGD with
 // Nesterov momentum as its defaults).
-const optim::OptimizerRegistration g_user_optimizer(
+const optim::OptimizerRegistration kUserOptimizer(
     "user_nesterov", optim::typed_factory<optim::SGD, optim::SGDOptions>(
                          optim::SGDOptions().lr(0.1).momentum(0.9).nesterov(true)));
 
@@ -106,7 +106,7 @@ struct RefusingSGD : optim::SGD {
     TORCH_CHECK_VALUE(false, "refusing to step on ", rpc::get_worker_info().name);
   }
 };
-const optim::OptimizerRegistration g_refusing_optimizer(
+const optim::OptimizerRegistration kRefusingOptimizer(
     "refusing_sgd", optim::typed_factory<RefusingSGD, optim::SGDOptions>(optim::SGDOptions(0.1)));
 
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
@@ -172,8 +172,8 @@ std::vector<RRef<at::Tensor>> model_params(const at::Tensor& v) {
 }
 
 const OptionBag& adam_options() {
-  static const OptionBag options = OptionBag().set("lr", 0.01).set("amsgrad", true);
-  return options;
+  static const OptionBag kOptions = OptionBag().set("lr", 0.01).set("amsgrad", true);
+  return kOptions;
 }
 
 TEST(DistributedOptimizer, AdamOverThreeOwnersMatchesOneProcess) {

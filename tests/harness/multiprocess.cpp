@@ -91,7 +91,13 @@ int openblas_pool_threads() {
 // initialized once, not once per rank: most of a rank's start-up, and more so under the
 // sanitizers); one with other threads would leave the copies with locks held by threads that do
 // not exist there. DISTOPTIM_TEST_RANKS=exec starts every rank afresh.
+//
+// Not under ThreadSanitizer: it counts OpenBLAS's threads at the fork (before OpenBLAS stops
+// them), and a child of what it saw as a multi-threaded process dies at its first new thread.
 bool may_fork_ranks() {
+#if defined(__SANITIZE_THREAD__)
+  return false;
+#endif
   const char* mode = std::getenv("DISTOPTIM_TEST_RANKS");
   if (mode != nullptr && std::string(mode) == "exec") return false;
   return thread_count() <= 1 + openblas_pool_threads();

@@ -95,7 +95,7 @@ template <class C, class R, class... A>
 struct MethodTraits<R (C::*)(A...)> {
   using Return = R;
   using Params = c10::guts::typelist::typelist<A...>;
-  static constexpr size_t arity = sizeof...(A);
+  static constexpr size_t kArity = sizeof...(A);
 };
 template <class C, class R, class... A>
 struct MethodTraits<R (C::*)(A...) const> : MethodTraits<R (C::*)(A...)> {};
@@ -155,7 +155,7 @@ void register_method(const std::string& class_name, const std::string& method_na
   register_raw_method(class_name, method_name,
                       detail::wrap_method<C, M, typename Traits::Return>(
                           class_name + "." + method_name, method, typename Traits::Params{},
-                          std::make_index_sequence<Traits::arity>{}));
+                          std::make_index_sequence<Traits::kArity>{}));
 }
 
 /// Registers a class or a method when constructed; the forms behind the macros below.

@@ -65,11 +65,11 @@ namespace detail {
 void register_internal_function(const std::string& name, RawFunction function);
 
 template <class R>
-struct is_future_result : std::false_type {};
+struct IsFutureResult : std::false_type {};
 template <class T>
-struct is_future_result<RpcFuture<T>> : std::true_type {};
+struct IsFutureResult<RpcFuture<T>> : std::true_type {};
 template <>
-struct is_future_result<c10::intrusive_ptr<c10::ivalue::Future>> : std::true_type {};
+struct IsFutureResult<c10::intrusive_ptr<c10::ivalue::Future>> : std::true_type {};
 
 /// What a typed function's result `call()` of type R becomes: None for void, the future itself
 /// for a future (async_execution), else to_value.
@@ -78,7 +78,7 @@ c10::IValue result_to_value(const std::string& name, Call&& call) {
   if constexpr (std::is_void_v<R>) {
     call();
     return c10::IValue();
-  } else if constexpr (is_future_result<std::decay_t<R>>::value) {
+  } else if constexpr (IsFutureResult<std::decay_t<R>>::value) {
     c10::intrusive_ptr<c10::ivalue::Future> future;
     if constexpr (std::is_same_v<std::decay_t<R>, c10::intrusive_ptr<c10::ivalue::Future>>) {
       future = call();

@@ -62,7 +62,7 @@ template <class T>
 std::string rref_type_name() {
   if constexpr (std::is_same_v<T, c10::IValue>) {
     return {};
-  } else if constexpr (has_value_traits<T>::value) {
+  } else if constexpr (HasValueTraits<T>::value) {
     return ValueTraits<T>::name();
   } else {
     return registered_class_name_of(typeid(T));
@@ -176,7 +176,7 @@ class RRef {
   /// An empty reference.
   RRef() = default;
   /// A reference to `value`, owned by this worker (PyTorch's RRef(value)). Needs a running agent.
-  template <class U = T, class = std::enable_if_t<has_value_traits<U>::value>>
+  template <class U = T, class = std::enable_if_t<HasValueTraits<U>::value>>
   explicit RRef(T value) : handle_(detail::make_owned_rref(to_value(std::move(value)))) {}
   /// Wraps an untyped handle (what from_value produces).
   explicit RRef(detail::RRefHandle handle) : handle_(std::move(handle)) {}
@@ -201,7 +201,7 @@ class RRef {
   /// A copy of the value, fetched from the owner (read directly on the owner). Blocks for at most
   /// `timeout` (kDefaultTimeout: the agent's; kNoTimeout: none).
   T to_here(std::chrono::milliseconds timeout = kDefaultTimeout) const {
-    static_assert(has_value_traits<T>::value,
+    static_assert(HasValueTraits<T>::value,
                   "to_here: objects of remote classes stay on their owner; call their methods "
                   "through rpc_sync()/rpc_async()/remote()");
     return from_value<T>(detail::rref_to_here(checked(), timeout),
@@ -209,7 +209,7 @@ class RRef {
   }
 
   /// What local_value() gives: T, or for a remote class a shared pointer to the object.
-  using LocalValue = std::conditional_t<has_value_traits<T>::value, T, std::shared_ptr<T>>;
+  using LocalValue = std::conditional_t<HasValueTraits<T>::value, T, std::shared_ptr<T>>;
 
   /// The value itself, on the owner only (a tensor shares its storage with the owner's). Waits
   /// up to the agent's default timeout for a value still being created.

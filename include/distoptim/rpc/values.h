@@ -35,9 +35,9 @@ struct ValueTraits;
 
 /// Whether T converts to and from a c10::IValue (has a ValueTraits specialization).
 template <class T, class = void>
-struct has_value_traits : std::false_type {};
+struct HasValueTraits : std::false_type {};
 template <class T>
-struct has_value_traits<T, std::void_t<decltype(ValueTraits<T>::name())>> : std::true_type {};
+struct HasValueTraits<T, std::void_t<decltype(ValueTraits<T>::name())>> : std::true_type {};
 
 template <class T>
 c10::IValue to_value(T&& value) {
