@@ -27,7 +27,7 @@ namespace bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using tcp = asio::ip::tcp;
+using tcp = asio::ip::tcp;  // NOLINT: the library's own spelling
 
 // Our frame header's size (docs/wire_format.md); the floor's header carries the payload length
 // at the offset of ours.

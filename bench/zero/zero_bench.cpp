@@ -40,7 +40,7 @@ namespace distoptim {
 namespace bench {
 namespace {
 
-using json = nlohmann::json;
+using json = nlohmann::json;  // NOLINT: the library's own spelling
 using Clock = std::chrono::steady_clock;
 
 constexpr int kWorldSize = 2;

@@ -31,24 +31,24 @@ struct Variant {
 using Report = std::map<int, std::map<std::string, Variant>>;
 
 Report parse(const std::string& output) {
-  static const std::regex line_re(R"(^\[rank (\d+)\] (.*)$)");
-  static const std::regex header_re(R"(^=== (.*) ===$)");
-  static const std::regex sum_re(R"(^params sum is: (\S+)$)");
-  static const std::regex extra_re(R"(^optimizer step\(\) extra memory: ([0-9.]+)MB$)");
+  static const std::regex kLineRe(R"(^\[rank (\d+)\] (.*)$)");
+  static const std::regex kHeaderRe(R"(^=== (.*) ===$)");
+  static const std::regex kSumRe(R"(^params sum is: (\S+)$)");
+  static const std::regex kExtraRe(R"(^optimizer step\(\) extra memory: ([0-9.]+)MB$)");
   Report report;
   std::map<int, std::string> current_variant;
   std::istringstream lines(output);
   std::string line;
   std::smatch m;
   while (std::getline(lines, line)) {
-    if (!std::regex_match(line, m, line_re)) continue;
+    if (!std::regex_match(line, m, kLineRe)) continue;
     const int rank = std::stoi(m[1]);
     const std::string text = m[2];
-    if (std::regex_match(text, m, header_re)) {
+    if (std::regex_match(text, m, kHeaderRe)) {
       current_variant[rank] = m[1];
-    } else if (std::regex_match(text, m, sum_re)) {
+    } else if (std::regex_match(text, m, kSumRe)) {
       report[rank][current_variant[rank]].params_sum = m[1];
-    } else if (std::regex_match(text, m, extra_re)) {
+    } else if (std::regex_match(text, m, kExtraRe)) {
       report[rank][current_variant[rank]].step_extra_mb = std::stod(m[1]);
     }
   }

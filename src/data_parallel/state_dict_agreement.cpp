@@ -122,7 +122,7 @@ std::string rank_list(const std::vector<int>& ranks) {
 }
 
 std::string short_hex(const StateDictDigest& digest) {
-  static const char* kHex = "0123456789abcdef";
+  static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
   for (size_t i = 0; i < 8; ++i) {
     out += kHex[digest[i] >> 4];

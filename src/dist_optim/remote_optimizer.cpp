@@ -88,5 +88,5 @@ bool register_remote_optimizer() {
 
 // Registered at start-up, so that an owner which never builds a DistributedOptimizer itself (a
 // parameter server) can host one. The linker is told to keep this symbol (CMakeLists.txt).
-extern "C" const bool distoptim_dist_optim_registered =
+extern "C" const bool distoptim_dist_optim_registered =  // NOLINT: a C name, kept by the linker
     distoptim::dist_optim::detail::register_remote_optimizer();

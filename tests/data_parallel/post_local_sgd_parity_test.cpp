@@ -70,6 +70,7 @@ struct ParityCase {
   std::function<std::shared_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> make;
 };
 
+// NOLINTNEXTLINE(readability-identifier-naming): gtest looks it up by this name.
 void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.name; }
 
 class PostLocalSGDParityTest : public ::testing::TestWithParam<ParityCase> {};

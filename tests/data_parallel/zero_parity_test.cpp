@@ -146,7 +146,7 @@ class ZeroParityTest : public ::testing::Test {
     });
   }
 
-  static fs::path* dir_;
+  static fs::path* dir_;  // NOLINT: a data member, so the trailing underscore
 };
 
 fs::path* ZeroParityTest::dir_ = nullptr;

@@ -81,12 +81,13 @@ struct ListedCase {
 };
 
 // gtest prints a parameter in test listings; the name is all there is to say.
+// NOLINTNEXTLINE(readability-identifier-naming): gtest looks it up by this name.
 void PrintTo(const ListedCase& c, std::ostream* os) { *os << c.name; }
 
 // The cases, as the reference script defines them (`--list` does not import torch, so this is
 // cheap enough to run whenever the binary starts, gtest's test listing included).
 const std::vector<ListedCase>& listed_cases() {
-  static const std::vector<ListedCase> cases = [] {
+  static const std::vector<ListedCase> kCases = [] {
     std::vector<ListedCase> out;
     const CommandResult r = run_command(reference_command("--list"));
     if (r.ok) {
@@ -100,7 +101,7 @@ const std::vector<ListedCase>& listed_cases() {
     }
     return out;
   }();
-  return cases;
+  return kCases;
 }
 
 std::vector<ListedCase> functional_cases() {
@@ -213,6 +214,7 @@ class ReferenceEnvironment : public ::testing::Environment {
   void TearDown() override { ReferenceData::instance().cleanup(); }
 };
 
+// NOLINTNEXTLINE(readability-identifier-naming): a constant; clang-tidy 14 calls it either kind.
 ::testing::Environment* const kReferenceEnvironment =
     ::testing::AddGlobalTestEnvironment(new ReferenceEnvironment);
 
@@ -673,9 +675,9 @@ TEST_P(FunctionalParityTest, matches_torch_optim) {
       for (int64_t i : c.groups[g].params) {
         if (c.grads[s][i].defined()) idx.push_back(static_cast<size_t>(i));
       }
-      std::vector<at::Tensor> P, G;
-      std::map<std::string, std::vector<at::Tensor>> L;
-      std::vector<int64_t> S;
+      std::vector<at::Tensor> params, grads;
+      std::map<std::string, std::vector<at::Tensor>> lists;
+      std::vector<int64_t> step_counts;
       for (size_t i : idx) {
         if (!initialized[i]) {
           const at::Tensor& param = p.params[i];
@@ -701,35 +703,40 @@ TEST_P(FunctionalParityTest, matches_torch_optim) {
           initialized[i] = true;
         }
         ++steps[i];
-        P.push_back(p.params[i]);
-        G.push_back(c.grads[s][i]);
-        S.push_back(steps[i]);
-        for (const auto& b : names) L[b].push_back(buf[b][i]);
+        params.push_back(p.params[i]);
+        grads.push_back(c.grads[s][i]);
+        step_counts.push_back(steps[i]);
+        for (const auto& b : names) lists[b].push_back(buf[b][i]);
       }
       try {
         if (name == "sgd") {
-          functional::sgd(P, G, L["momentum_buffer"], options_from_bag<SGDOptions>(bag));
+          functional::sgd(params, grads, lists["momentum_buffer"],
+                          options_from_bag<SGDOptions>(bag));
           for (size_t k = 0; k < idx.size(); ++k)
-            buf["momentum_buffer"][idx[k]] = L["momentum_buffer"][k];
+            buf["momentum_buffer"][idx[k]] = lists["momentum_buffer"][k];
         } else if (name == "adam") {
-          functional::adam(P, G, L["exp_avg"], L["exp_avg_sq"], L["max_exp_avg_sq"], S,
+          functional::adam(params, grads, lists["exp_avg"], lists["exp_avg_sq"],
+                           lists["max_exp_avg_sq"], step_counts,
                            options_from_bag<AdamOptions>(bag));
         } else if (name == "adamw") {
-          functional::adamw(P, G, L["exp_avg"], L["exp_avg_sq"], L["max_exp_avg_sq"], S,
+          functional::adamw(params, grads, lists["exp_avg"], lists["exp_avg_sq"],
+                            lists["max_exp_avg_sq"], step_counts,
                             options_from_bag<AdamWOptions>(bag));
         } else if (name == "adagrad") {
-          functional::adagrad(P, G, L["sum"], S, options_from_bag<AdagradOptions>(bag));
+          functional::adagrad(params, grads, lists["sum"], step_counts,
+                              options_from_bag<AdagradOptions>(bag));
         } else if (name == "adadelta") {
-          functional::adadelta(P, G, L["square_avg"], L["acc_delta"],
+          functional::adadelta(params, grads, lists["square_avg"], lists["acc_delta"],
                                options_from_bag<AdadeltaOptions>(bag));
         } else if (name == "adamax") {
-          functional::adamax(P, G, L["exp_avg"], L["exp_inf"], S,
+          functional::adamax(params, grads, lists["exp_avg"], lists["exp_inf"], step_counts,
                              options_from_bag<AdamaxOptions>(bag));
         } else if (name == "rmsprop") {
-          functional::rmsprop(P, G, L["square_avg"], L["grad_avg"], L["momentum_buffer"],
-                              options_from_bag<RMSpropOptions>(bag));
+          functional::rmsprop(params, grads, lists["square_avg"], lists["grad_avg"],
+                              lists["momentum_buffer"], options_from_bag<RMSpropOptions>(bag));
         } else if (name == "rprop") {
-          functional::rprop(P, G, L["prev"], L["step_size"], options_from_bag<RpropOptions>(bag));
+          functional::rprop(params, grads, lists["prev"], lists["step_size"],
+                            options_from_bag<RpropOptions>(bag));
         }
       } catch (const c10::Error& e) {
         FAIL() << "functional::" << name << " threw at step " << s << ", group " << g << ": "

@@ -148,11 +148,11 @@ Args split_lines(const std::string& text) {
 // Lines of `text` by rank, prefix removed. Lines without a rank prefix (distrun's own) go to
 // `other`.
 std::map<int, Args> lines_by_rank(const std::string& text, Args* other = nullptr) {
-  static const std::regex prefix(R"(^\[rank (\d+)\] )");
+  static const std::regex kPrefix(R"(^\[rank (\d+)\] )");
   std::map<int, Args> by_rank;
   for (const auto& line : split_lines(text)) {
     std::smatch match;
-    if (std::regex_search(line, match, prefix)) {
+    if (std::regex_search(line, match, kPrefix)) {
       by_rank[std::stoi(match[1])].push_back(match.suffix());
     } else if (other != nullptr) {
       other->push_back(line);
@@ -169,9 +169,9 @@ bool contains(const std::string& text, const std::string& part) {
 
 // The pid of every rank that printed "ready pid=P" so far.
 std::map<int, pid_t> ready_ranks(const std::string& out) {
-  static const std::regex ready(R"(\[rank (\d+)\] ready pid=(\d+))");
+  static const std::regex kReady(R"(\[rank (\d+)\] ready pid=(\d+))");
   std::map<int, pid_t> pids;
-  for (std::sregex_iterator it(out.begin(), out.end(), ready), end; it != end; ++it) {
+  for (std::sregex_iterator it(out.begin(), out.end(), kReady), end; it != end; ++it) {
     pids[std::stoi((*it)[1])] = std::stoi((*it)[2]);
   }
   return pids;
