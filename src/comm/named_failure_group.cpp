@@ -51,8 +51,6 @@ constexpr int kAnyPeer = -2;
 
 enum class FailureKind { kTimeout, kPeerLost, kOther };
 
-std::string ranks_text(const std::vector<int>& ranks) { return "[" + c10::Join(", ", ranks) + "]"; }
-
 std::string duration_text(std::chrono::milliseconds d) {
   return d.count() % 1000 == 0 ? std::to_string(d.count() / 1000) + " s"
                                : std::to_string(d.count()) + " ms";
@@ -396,6 +394,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> name_failures(c10::intrusive_ptr<c10d::Pr
                                                      FailureChannel channel) {
   return c10::make_intrusive<NamedFailureProcessGroup>(std::move(inner), std::move(channel));
 }
+
+std::string ranks_text(const std::vector<int>& ranks) { return "[" + c10::Join(", ", ranks) + "]"; }
 
 }  // namespace comm
 }  // namespace distoptim

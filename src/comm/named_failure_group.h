@@ -36,5 +36,8 @@ struct FailureChannel {
 c10::intrusive_ptr<c10d::ProcessGroup> name_failures(c10::intrusive_ptr<c10d::ProcessGroup> inner,
                                                      FailureChannel channel);
 
+/// Global ranks as the errors print them: "[0, 2]".
+std::string ranks_text(const std::vector<int>& ranks);
+
 }  // namespace comm
 }  // namespace distoptim

@@ -42,8 +42,6 @@ DefaultState& initialized_state(const char* caller) {
   return *state;
 }
 
-std::string ranks_text(const std::vector<int>& ranks) { return "[" + c10::Join(", ", ranks) + "]"; }
-
 // A Gloo group of the global ranks `ranks` (this process is `group_rank` among them). Gloo meets
 // its peers through a PrefixStore over the rendezvous's DeadlineStore: its store operations too
 // end by the rendezvous timeout. The same store, under `prefix + "failures/"`, is where members

@@ -13,23 +13,9 @@
 #include <ATen/core/Dict.h>
 
 #include "message.h"
+#include "sample_handshake.h"
 
 using namespace distoptim::rpc::detail;
-
-namespace {
-
-HandshakeMessage proof_step() {
-  HandshakeMessage proof;
-  proof.step = HandshakeMessage::Step::kProof;
-  proof.server_nonce = std::string(HandshakeMessage::kNonceBytes, 's');
-  proof.client_nonce = std::string(HandshakeMessage::kNonceBytes, 'c');
-  proof.client_id = 2;
-  proof.server_id = 0;
-  proof.proof = std::string(HandshakeMessage::kProofBytes, 'p');
-  return proof;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 2) {
@@ -44,7 +30,7 @@ int main(int argc, char** argv) {
       encode_request(1, "add", {at::ones({2, 2}), int64_t{3}, std::string("s")}, 100),
       encode_response(2, c10::ivalue::Tuple::create({c10::IValue(dict), c10::IValue(true)})),
       encode_response(3, at::arange(4) % 2 == 0), encode_error(4, "message", "worker"),
-      encode_handshake(proof_step())};
+      encode_handshake(sample_proof_step())};
   int index = 0;
   for (const EncodedMessage& seed : seeds) {
     std::string bytes = seed.header + seed.body;

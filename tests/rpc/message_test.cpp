@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "message.h"
+#include "sample_handshake.h"
 #include "wire.pb.h"
 
 namespace distoptim {
@@ -160,31 +161,20 @@ TEST(RpcMessage, RequestsAndErrors) {
   EXPECT_EQ(decoded.error_worker, "worker1");
 }
 
-HandshakeMessage proof_step() {
-  HandshakeMessage proof;
-  proof.step = HandshakeMessage::Step::kProof;
-  proof.server_nonce = std::string(HandshakeMessage::kNonceBytes, 's');
-  proof.client_nonce = std::string(HandshakeMessage::kNonceBytes, 'c');
-  proof.client_id = 2;
-  proof.server_id = 0;
-  proof.proof = std::string(HandshakeMessage::kProofBytes, 'p');
-  return proof;
-}
-
 TEST(RpcMessage, HandshakeStepsRoundTrip) {
   DecodedMessage decoded;
-  ASSERT_FALSE(receive(encode_handshake(proof_step()), &decoded));
+  ASSERT_FALSE(receive(encode_handshake(sample_proof_step()), &decoded));
   EXPECT_EQ(decoded.header.type, MessageType::kHandshake);
   EXPECT_EQ(decoded.handshake.step, HandshakeMessage::Step::kProof);
-  EXPECT_EQ(decoded.handshake.server_nonce, proof_step().server_nonce);
-  EXPECT_EQ(decoded.handshake.client_nonce, proof_step().client_nonce);
+  EXPECT_EQ(decoded.handshake.server_nonce, sample_proof_step().server_nonce);
+  EXPECT_EQ(decoded.handshake.client_nonce, sample_proof_step().client_nonce);
   EXPECT_EQ(decoded.handshake.client_id, 2);
   EXPECT_EQ(decoded.handshake.server_id, 0);
-  EXPECT_EQ(decoded.handshake.proof, proof_step().proof);
+  EXPECT_EQ(decoded.handshake.proof, sample_proof_step().proof);
   EXPECT_EQ(decoded.handshake.pid, 0);
   EXPECT_FALSE(decoded.handshake.reads_peer);
 
-  HandshakeMessage offer = proof_step();
+  HandshakeMessage offer = sample_proof_step();
   offer.pid = 4242;
   offer.probe_address = 0x7fff12345678;
   offer.reads_peer = true;
@@ -202,11 +192,11 @@ TEST(RpcMessage, HandshakeStepsRoundTrip) {
 
 TEST(RpcMessage, MalformedHandshakesAreRejected) {
   DecodedMessage decoded;
-  HandshakeMessage short_nonce = proof_step();
+  HandshakeMessage short_nonce = sample_proof_step();
   short_nonce.client_nonce.pop_back();
   EXPECT_THAT(receive(encode_handshake(short_nonce), &decoded).value_or(""),
               ::testing::HasSubstr("handshake proof without nonces and proof of their sizes"));
-  HandshakeMessage long_proof = proof_step();
+  HandshakeMessage long_proof = sample_proof_step();
   long_proof.proof += "x";
   EXPECT_TRUE(receive(encode_handshake(long_proof), &decoded).has_value());
   HandshakeMessage no_proof;
@@ -220,7 +210,7 @@ TEST(RpcMessage, MalformedHandshakesAreRejected) {
               ::testing::HasSubstr("refusal of 1025 bytes"));
   // A request body under a handshake header, and a handshake body under a request header.
   EncodedMessage request = encode_request(1, "add", {int64_t{1}}, 0);
-  EncodedMessage handshake = encode_handshake(proof_step());
+  EncodedMessage handshake = encode_handshake(sample_proof_step());
   std::swap(request.body, handshake.body);
   MessageHeader header;
   ASSERT_FALSE(decode_header(handshake.header, &header));

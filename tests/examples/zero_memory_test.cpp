@@ -10,7 +10,7 @@
 
 #include <gtest/gtest.h>
 
-#include "../../tests/harness/command.h"
+#include "../harness/command.h"
 
 namespace {
 
