@@ -317,18 +317,23 @@ class LocalRnn {
                                    optim::OptionBag().set("lr", kRnnLr));
   }
 
-  // Seconds of one iteration.
-  double iteration(const at::Tensor& input, const at::Tensor& target) {
+  // Seconds of the forward (to the loss), the backward, the step and the whole iteration.
+  DistributedRnn::Times iteration(const at::Tensor& input, const at::Tensor& target) {
     hidden_ = detached(hidden_);
     const auto begin = Clock::now();
     auto [output, next] = lstm_->forward(embedding_.forward(input), hidden_);
     hidden_ = next;
-    rnn_loss(decoder_.forward(output), target).backward();
+    const at::Tensor loss = rnn_loss(decoder_.forward(output), target);
+    const auto forward_end = Clock::now();
+    loss.backward();
+    const auto backward_end = Clock::now();
     std::vector<at::Tensor> grads;
     for (auto& p : params_) grads.push_back(p.grad());
     sgd_->step(grads);
     for (auto& p : params_) p.mutable_grad().reset();
-    return seconds_since(begin);
+    const auto step_end = Clock::now();
+    return {seconds_between(begin, forward_end), seconds_between(forward_end, backward_end),
+            seconds_between(backward_end, step_end), seconds_since(begin)};
   }
 
  private:
@@ -366,13 +371,20 @@ void measure_rnn(const Config& config, Json& result) {
 void run_local(const Config& config) {
   at::set_num_threads(kIntraOpThreads);
   LocalRnn local;
-  std::vector<double> seconds;
+  std::vector<double> total_s, forward_s, backward_s, step_s;
   for (int i = 0; i < config.rnn.warmup + config.rnn.timed; ++i) {
     const auto [input, target] = rnn_batch();
-    const double s = local.iteration(input, target);
-    if (i >= config.rnn.warmup) seconds.push_back(s);
+    const DistributedRnn::Times times = local.iteration(input, target);
+    if (i < config.rnn.warmup) continue;
+    total_s.push_back(times.total);
+    forward_s.push_back(times.forward);
+    backward_s.push_back(times.backward);
+    step_s.push_back(times.step);
   }
-  print_result({{"local_rnn_iteration_ms", median(seconds) * 1e3},
+  print_result({{"local_rnn_iteration_ms", median(total_s) * 1e3},
+                {"local_rnn_forward_ms", median(forward_s) * 1e3},
+                {"local_rnn_backward_ms", median(backward_s) * 1e3},
+                {"local_rnn_step_ms", median(step_s) * 1e3},
                 {"local_intra_op_threads", at::get_num_threads()}});
 }
 
@@ -499,11 +511,13 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch,
   for (const auto& [side, result] : {std::pair{"ours", &ours}, std::pair{"pytorch", &pytorch}}) {
     fmt::print(
         "rnn iteration, {}: median {:.1f} ms = forward {:.1f} + backward {:.1f} + step {:.1f} "
-        "(each a median); in one process {:.1f} ms\n",
+        "(each a median); in one process {:.1f} ms = {:.1f} + {:.1f} + {:.1f}\n",
         side, result->at("rnn_iteration_ms").get<double>(),
         result->at("rnn_forward_ms").get<double>(), result->at("rnn_backward_ms").get<double>(),
-        result->at("rnn_step_ms").get<double>(),
-        result->at("local_rnn_iteration_ms").get<double>());
+        result->at("rnn_step_ms").get<double>(), result->at("local_rnn_iteration_ms").get<double>(),
+        result->at("local_rnn_forward_ms").get<double>(),
+        result->at("local_rnn_backward_ms").get<double>(),
+        result->at("local_rnn_step_ms").get<double>());
   }
   fmt::print(
       "machine: {} cores, 1-minute load average {:.2f} at the start and {:.2f} at the end (the "
