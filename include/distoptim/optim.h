@@ -6,6 +6,7 @@
 #include <distoptim/optim/adam.h>
 #include <distoptim/optim/adamax.h>
 #include <distoptim/optim/functional_optimizer.h>
+#include <distoptim/optim/libtorch_optimizer_adapter.h>
 #include <distoptim/optim/option_bag.h>
 #include <distoptim/optim/registry.h>
 #include <distoptim/optim/rmsprop.h>

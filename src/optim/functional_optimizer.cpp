@@ -75,6 +75,7 @@ void FunctionalOptimizer::add_param_group(const ParamGroup& group) {
     init_state(g, p, states_.back());
   }
   groups_.push_back(std::move(entry));
+  on_group_added(g);
 }
 
 const std::vector<int64_t>& FunctionalOptimizer::group_param_indices(size_t group) const {
@@ -134,12 +135,21 @@ void FunctionalOptimizer::step(const std::vector<at::Tensor>& gradients) {
     scratch_updates_[param_group_[i]].push_back(
         ParamUpdate{static_cast<int64_t>(i), &params_[i], &gradients[i], &states_[i]});
   }
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    if (!scratch_updates_[g].empty()) update(g, scratch_updates_[g]);
+  apply_updates(scratch_updates_);
+}
+
+void FunctionalOptimizer::apply_updates(const std::vector<std::vector<ParamUpdate>>& by_group) {
+  for (size_t g = 0; g < by_group.size(); ++g) {
+    if (!by_group[g].empty()) update(g, by_group[g]);
   }
 }
 
+void FunctionalOptimizer::on_group_added(size_t /*group*/) {}
+
+void FunctionalOptimizer::check_portable_state(const char* /*method*/) const {}
+
 OptimizerStateDict FunctionalOptimizer::state_dict() const {
+  check_portable_state("state_dict");
   OptimizerStateDict dict;
   dict.optimizer = name_;
   dict.defaults = defaults_;
@@ -158,6 +168,7 @@ OptimizerStateDict FunctionalOptimizer::state_dict() const {
 }
 
 void FunctionalOptimizer::check_state_dict(const OptimizerStateDict& dict) const {
+  check_portable_state("load_state_dict");
   TORCH_CHECK_VALUE(dict.optimizer == name_, name_,
                     ".load_state_dict: the state dict is of "
                     "optimizer '",

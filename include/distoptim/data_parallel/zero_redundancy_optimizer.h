@@ -147,8 +147,8 @@ class ZeroRedundancyOptimizer : public Joinable {
   const std::vector<at::Tensor>& params() const;
   /// For each rank of the group, the indices (into params()) of the parameters it updates.
   const std::vector<std::vector<int64_t>>& partition() const;
-  /// The local optimizer over this rank's parameters; throws c10::ValueError when it is a
-  /// LibTorch one (see libtorch_local_optimizer()).
+  /// The local optimizer over this rank's parameters. A LibTorch one is seen through an
+  /// optim::LibTorchOptimizerAdapter (name() "libtorch", no state dicts).
   const optim::FunctionalOptimizer& local_optimizer() const;
   /// The LibTorch local optimizer, or null when the local optimizer is ours.
   torch::optim::Optimizer* libtorch_local_optimizer() const;

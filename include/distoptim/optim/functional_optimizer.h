@@ -145,6 +145,15 @@ class FunctionalOptimizer {
   virtual void init_state(size_t group, const at::Tensor& param, ParamState& state);
   /// Updates the parameters of `group` that have gradients this step. Inputs are checked.
   virtual void update(size_t group, const std::vector<ParamUpdate>& updates) = 0;
+  /// One step's updates, group by group (empty where a group has no gradient). Default: `update`
+  /// for each group with any; an optimizer that steps all groups at once overrides it.
+  virtual void apply_updates(const std::vector<std::vector<ParamUpdate>>& by_group);
+  /// Called when add_param_group has added group `group` (its parameters are in place).
+  /// Default: nothing.
+  virtual void on_group_added(size_t group);
+  /// Throws when this optimizer's state cannot be taken out or put in by index (state_dict,
+  /// load_state_dict, check_state_dict name themselves as `method`). Default: it can.
+  virtual void check_portable_state(const char* method) const;
 
   /// A new zero-filled buffer laid out like `param` (same strides when `param` is dense).
   static at::Tensor new_state_buffer(const at::Tensor& param);

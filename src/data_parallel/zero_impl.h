@@ -1,0 +1,313 @@
+#pragma once
+
+// ZeroRedundancyOptimizer's state and the helpers its files share: zero_redundancy_optimizer.cpp
+// (the optimizer), zero_partition.cpp (which rank updates which parameter) and
+// zero_step_hook.cpp (the DDP hook of overlap_with_ddp, hook_with_zero_step).
+
+#include <map>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <distoptim/comm/errors.h>
+#include <distoptim/data_parallel/zero_redundancy_optimizer.h>
+#include <distoptim/optim/libtorch_optimizer_adapter.h>
+#include <distoptim/optim/registry.h>
+
+#include "parameter_check.h"
+#include "state_dict_agreement.h"
+
+namespace distoptim {
+namespace data_parallel {
+namespace zero_detail {
+
+constexpr const char* kName = "ZeroRedundancyOptimizer";
+
+// Checks the parameters of `groups` (and that none is in `existing`) before anything is built.
+void check_params(const std::vector<optim::ParamGroup>& groups,
+                  const std::vector<at::Tensor>& existing, int global_rank,
+                  const std::string& caller);
+
+// An exception's message without LibTorch's backtrace.
+std::string error_text(const std::exception& e);
+
+// The rank owning each parameter (see zero_partition).
+std::vector<int> sorted_greedy_owners(const std::vector<at::Tensor>& params,
+                                      const std::vector<std::vector<int64_t>>& group_indices,
+                                      int world_size);
+
+}  // namespace zero_detail
+
+struct ZeroRedundancyOptimizer::Impl {
+  comm::Group group;
+  bool bucket_view = false;
+  std::vector<at::Tensor> params;
+  std::vector<std::vector<int64_t>> group_indices;
+  std::vector<int> owner;
+  // partition[r]: the parameters rank r updates, in params() order; its local optimizer holds
+  // them group by group in that order.
+  std::vector<std::vector<int64_t>> partition;
+  // The local optimizer over this rank's parameters (a LibTorch one through
+  // optim::LibTorchOptimizerAdapter).
+  std::unique_ptr<optim::FunctionalOptimizer> local;
+  // With parameters_as_bucket_view: buckets[r] holds rank r's parameters, one flat tensor per
+  // dtype.
+  std::vector<std::vector<at::Tensor>> buckets;
+  std::optional<optim::OptimizerStateDict> consolidated;
+  bool overlap_with_ddp = false;
+
+  int my_rank() const { return group.rank(); }
+
+  // Everything but the local optimizer: checks, parameters, partition. Returns this rank's
+  // share of `groups`, group by group (empty groups where it owns nothing).
+  std::vector<optim::ParamGroup> init(std::vector<optim::ParamGroup> groups,
+                                      const ZeroRedundancyOptimizerOptions& options) {
+    group = options.process_group().value_or(comm::world());
+    TORCH_CHECK_VALUE(group.is_member(), zero_detail::kName,
+                      ": this rank is not a member of the process group it was given");
+    TORCH_CHECK_VALUE(!groups.empty(), zero_detail::kName, ": no parameter groups given");
+    zero_detail::check_params(groups, {}, group.global_rank(group.rank()), zero_detail::kName);
+    overlap_with_ddp = options.overlap_with_ddp();
+    // With overlap, parameters travel in DDP's buckets: no views of our own.
+    bucket_view = options.parameters_as_bucket_view() && !overlap_with_ddp;
+    for (const auto& g : groups) {
+      std::vector<int64_t> indices;
+      for (const auto& p : g.params) {
+        indices.push_back(static_cast<int64_t>(params.size()));
+        params.push_back(p);
+      }
+      group_indices.push_back(std::move(indices));
+    }
+    TORCH_CHECK_VALUE(!params.empty(), zero_detail::kName, ": got an empty parameter list");
+    check_same_parameters_across_ranks(group, params, zero_detail::kName);
+    owner = zero_detail::sorted_greedy_owners(params, group_indices, group.size());
+    partition = partition_of(owner);
+    std::vector<optim::ParamGroup> local_groups;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      local_groups.emplace_back(owned_in_group(g, my_rank()), groups[g].overrides);
+    }
+    return local_groups;
+  }
+
+  // A user's factory must build the local optimizer over exactly the parameters it was given.
+  void check_local_params(size_t count, bool built) const {
+    TORCH_CHECK_VALUE(built, zero_detail::kName,
+                      ": the local optimizer factory returned null (rank ",
+                      group.global_rank(my_rank()), ")");
+    TORCH_CHECK_VALUE(count == partition[my_rank()].size(), zero_detail::kName,
+                      ": the local optimizer factory built an optimizer over ", count,
+                      " parameters; it must hold the ", partition[my_rank()].size(),
+                      " it was given (rank ", group.global_rank(my_rank()), ")");
+  }
+
+  // One gradient per parameter: this rank's from `.grad`, the others undefined.
+  std::vector<at::Tensor> shard_gradients_from_grad() const {
+    std::vector<at::Tensor> gradients(params.size());
+    for (int64_t i : partition[my_rank()]) gradients[i] = params[i].grad();
+    return gradients;
+  }
+
+  // Updates this rank's parameters from `gradients` (one per parameter; only this rank's are
+  // read), then every rank's are broadcast from their owners.
+  void step_and_sync(const std::vector<at::Tensor>& gradients) {
+    std::vector<at::Tensor> local_gradients;
+    for (int64_t i : partition[my_rank()]) local_gradients.push_back(gradients[i]);
+    local_step(local_gradients);
+    sync_params();
+  }
+
+  // Steps the local optimizer with one gradient per parameter of partition[my_rank()]
+  // (undefined: skip).
+  void local_step(const std::vector<at::Tensor>& gradients) { local->step(gradients); }
+
+  // The LibTorch optimizer behind the local one, or null when the local optimizer is ours.
+  optim::LibTorchOptimizerAdapter* libtorch_adapter() const {
+    return dynamic_cast<optim::LibTorchOptimizerAdapter*>(local.get());
+  }
+
+  // State dicts are ours: LibTorch's optimizers key their state by tensor address, which does
+  // not carry across ranks.
+  void require_functional_local(const char* method) const {
+    TORCH_CHECK_VALUE(libtorch_adapter() == nullptr, zero_detail::kName, ".", method,
+                      ": needs a distoptim optimizer (by registry name or factory) as the local "
+                      "optimizer; this one runs a LibTorch torch::optim::Optimizer, whose state "
+                      "is keyed by tensor address and cannot be gathered or resharded");
+  }
+
+  // The index in params() of each parameter, by identity (for the DDP hook's buckets).
+  std::unordered_map<const c10::TensorImpl*, int64_t> index_of_param() const {
+    std::unordered_map<const c10::TensorImpl*, int64_t> index;
+    for (size_t i = 0; i < params.size(); ++i) index[params[i].unsafeGetTensorImpl()] = i;
+    return index;
+  }
+
+  std::vector<std::vector<int64_t>> partition_of(const std::vector<int>& owners) const {
+    std::vector<std::vector<int64_t>> out(group.size());
+    for (const auto& indices : group_indices) {
+      for (int64_t i : indices) out[owners[i]].push_back(i);
+    }
+    return out;
+  }
+
+  // Rank r's parameters of group g: the ParamGroup its local optimizer holds.
+  std::vector<at::Tensor> owned_in_group(size_t g, int r) const {
+    std::vector<at::Tensor> out;
+    for (int64_t i : group_indices[g]) {
+      if (owner[i] == r) out.push_back(params[i]);
+    }
+    return out;
+  }
+
+  void build_buckets() {
+    buckets.assign(group.size(), {});
+    if (!bucket_view) return;
+    at::NoGradGuard no_grad;
+    for (int r = 0; r < group.size(); ++r) {
+      std::map<at::ScalarType, std::vector<int64_t>> by_dtype;
+      for (int64_t i : partition[r]) by_dtype[params[i].scalar_type()].push_back(i);
+      for (const auto& [dtype, indices] : by_dtype) {
+        int64_t total = 0;
+        for (int64_t i : indices) total += params[i].numel();
+        if (total == 0) continue;
+        at::Tensor bucket = at::empty({total}, params[indices[0]].options());
+        int64_t offset = 0;
+        for (int64_t i : indices) {
+          at::Tensor& p = params[i];
+          const int64_t n = p.numel();
+          if (n == 0) continue;
+          at::Tensor slot = bucket.narrow(0, offset, n);
+          slot.copy_(p.detach().reshape({-1}));
+          p.set_data(slot.view(p.sizes()));
+          offset += n;
+        }
+        buckets[r].push_back(bucket);
+      }
+    }
+  }
+
+  // Every rank sends the parameters it updated to all others.
+  void sync_params() {
+    const auto& pg = group.process_group();
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int r = 0; r < group.size(); ++r) {
+      c10d::BroadcastOptions options;
+      options.rootRank = r;
+      options.timeout = group.timeout();
+      std::vector<at::Tensor> sources;
+      if (bucket_view) {
+        sources = buckets[r];
+      } else {
+        for (int64_t i : partition[r]) {
+          if (params[i].numel() > 0) sources.push_back(params[i].detach());
+        }
+      }
+      for (auto& t : sources) {
+        std::vector<at::Tensor> one = {t};
+        works.push_back(pg->broadcast(one, options));
+      }
+    }
+    try {
+      for (auto& w : works) w->wait(group.timeout());
+    } catch (const std::exception& e) {
+      DISTOPTIM_RETHROW_WITH_CONTEXT(
+          e, zero_detail::kName, ".step: synchronizing the parameters across the ", group.size(),
+          " ranks of the group failed on rank ", group.global_rank(my_rank()),
+          " (every rank must call step(); a rank that does not, or died, makes the others fail "
+          "after the group's timeout of ",
+          group.timeout().count(), " ms): ");
+    }
+  }
+
+  // Checks a global state dict against this optimizer, as every rank must (so a bad dict fails
+  // on all ranks alike), and returns this rank's part in the local optimizer's indices, checked
+  // by it too. Changes nothing.
+  optim::OptimizerStateDict local_part(const optim::OptimizerStateDict& dict) const {
+    const std::string caller = std::string(zero_detail::kName) + ".load_state_dict";
+    TORCH_CHECK_VALUE(dict.optimizer == local->name(), caller, ": the state dict is of optimizer '",
+                      dict.optimizer, "', this one runs '", local->name(), "'");
+    TORCH_CHECK_VALUE(dict.param_groups.size() == group_indices.size(), caller,
+                      ": the state dict has ", dict.param_groups.size(),
+                      " param groups, the optimizer ", group_indices.size());
+    for (size_t g = 0; g < group_indices.size(); ++g) {
+      TORCH_CHECK_VALUE(dict.param_groups[g].param_indices == group_indices[g], caller,
+                        ": param group ", g, " holds other parameters (",
+                        dict.param_groups[g].param_indices.size(), " in the state dict, ",
+                        group_indices[g].size(), " here)");
+    }
+    const auto& names = local->state_names();
+    for (const auto& [index, state] : dict.state) {
+      TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(params.size()), caller,
+                        ": state for parameter ", index, " but the optimizer has ", params.size());
+      for (const auto& [name, tensor] : state.buffers) {
+        TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), name) != names.end(), caller,
+                          ": unknown state '", name, "' for parameter ", index);
+        TORCH_CHECK_VALUE(tensor.defined() && tensor.sizes() == params[index].sizes(), caller,
+                          ": state '", name, "' of parameter ", index, " has shape ",
+                          tensor.defined() ? tensor.sizes() : at::IntArrayRef{}, ", the parameter ",
+                          params[index].sizes());
+      }
+    }
+    optim::OptimizerStateDict local_dict;
+    local_dict.optimizer = dict.optimizer;
+    local_dict.defaults = dict.defaults;
+    std::vector<int64_t> local_index_of(params.size(), -1);
+    int64_t next = 0;
+    for (size_t g = 0; g < group_indices.size(); ++g) {
+      optim::OptimizerStateDict::Group local_group{{}, dict.param_groups[g].overrides};
+      for (int64_t i : group_indices[g]) {
+        if (owner[i] != my_rank()) continue;
+        local_index_of[i] = next;
+        local_group.param_indices.push_back(next++);
+      }
+      local_dict.param_groups.push_back(std::move(local_group));
+    }
+    for (const auto& [index, state] : dict.state) {
+      if (local_index_of[index] >= 0) local_dict.state[local_index_of[index]] = state;
+    }
+    local->check_state_dict(local_dict);
+    return local_dict;
+  }
+
+  // The collective load: this rank checks `dict` (null when it could not get one, `error`
+  // saying why) and hashes it, the ranks agree, and only then does any rank load its part.
+  void load_agreed(const optim::OptimizerStateDict* dict, std::string error) {
+    require_functional_local("load_state_dict");
+    const std::string caller = std::string(zero_detail::kName) + ".load_state_dict";
+    StateDictCheck check;
+    optim::OptimizerStateDict local_dict;
+    if (dict != nullptr) {
+      try {
+        local_dict = local_part(*dict);
+        check.digest = state_dict_digest(*dict);
+      } catch (const std::exception& e) {
+        error = zero_detail::error_text(e);
+        // The other ranks' message starts with the caller already.
+        if (error.rfind(caller + ": ", 0) == 0) error.erase(0, caller.size() + 2);
+      }
+    }
+    check.error = std::move(error);
+    agree_on_state_dict(group, check, caller);
+    // Checked on every rank: only running out of memory can fail now.
+    local->load_state_dict(local_dict);
+  }
+
+  // Rank r's local state dict in global indices, merged into `global`.
+  void merge_local(const optim::OptimizerStateDict& local_dict, int r,
+                   optim::OptimizerStateDict& global) const {
+    const std::vector<int64_t>& order = partition[r];
+    for (const auto& [local_index, state] : local_dict.state) {
+      TORCH_CHECK_VALUE(local_index >= 0 && local_index < static_cast<int64_t>(order.size()),
+                        zero_detail::kName, ".consolidate_state_dict: rank ", group.global_rank(r),
+                        " sent state for its parameter ", local_index, " but owns ", order.size());
+      global.state[order[local_index]] = state;
+    }
+  }
+};
+
+}  // namespace data_parallel
+}  // namespace distoptim
