@@ -63,12 +63,6 @@ void check_params(const std::vector<optim::ParamGroup>& groups,
   }
 }
 
-// An exception's message without LibTorch's backtrace.
-std::string error_text(const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  return error != nullptr ? error->what_without_backtrace() : e.what();
-}
-
 // Waits for a point-to-point message, turning Gloo's failure into one that names the peer.
 void wait_for(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout,
               const std::string& what) {
