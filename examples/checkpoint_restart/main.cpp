@@ -5,8 +5,9 @@
 //
 //   distrun --nproc-per-node 2 --max-restarts 3 checkpoint_restart --dir ckpt --fail-at 30
 //
-// distrun stops the other ranks, starts them all again with DISTRUN_RESTART_COUNT=1, and they
-// carry on from the checkpoint at step 25 (with --every 5); the loss goes on as if nothing had
+// distrun stops the other ranks and starts them all again with DISTRUN_RESTART_COUNT=1; they
+// carry on from the latest checkpoint, ckpt/epoch-1-step-10 (20 steps an epoch, a checkpoint
+// every 5), with the count of samples each had read; the loss goes on as if nothing had
 // happened, and a run without --fail-at ends with the same parameters.
 
 #include <cstdlib>
