@@ -86,6 +86,7 @@ int main(int argc, char** argv) {
         dp::TrainingPosition next = position;
         ++next.step;  // the checkpoint holds the state after this step
         dp::save_checkpoint(dir, next, items, comm::world());
+        if (rank == 0) dp::prune_checkpoints(dir, 2);  // older ones are not needed any more
       }
       if (rank == 0 && global_step % 10 == 0) {
         fmt::print("epoch {} step {}: loss {:.6f}\n", position.epoch, position.step,

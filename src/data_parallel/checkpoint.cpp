@@ -187,6 +187,24 @@ bool is_complete(const fs::path& checkpoint) {
   return true;
 }
 
+// The checkpoint directories in `directory`, newest (by epoch, then step) first; none when it
+// cannot be read.
+std::vector<fs::path> checkpoints_newest_first(const std::string& directory) {
+  static const std::regex kCheckpoint(R"(epoch-(\d{1,18})-step-(\d{1,18}))");
+  std::vector<std::tuple<int64_t, int64_t, fs::path>> found;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(directory, error)) {
+    std::smatch match;
+    const std::string name = entry.path().filename().string();
+    if (!std::regex_match(name, match, kCheckpoint) || !entry.is_directory(error)) continue;
+    found.emplace_back(std::stoll(match[1]), std::stoll(match[2]), entry.path());
+  }
+  std::sort(found.rbegin(), found.rend());
+  std::vector<fs::path> paths;
+  for (const auto& item : found) paths.push_back(std::get<2>(item));
+  return paths;
+}
+
 }  // namespace
 
 std::string checkpoint_path(const std::string& directory, const TrainingPosition& position) {
@@ -221,20 +239,25 @@ std::string save_checkpoint(const std::string& directory, const TrainingPosition
 }
 
 std::optional<std::string> latest_checkpoint(const std::string& directory) {
-  static const std::regex kCheckpoint(R"(epoch-(\d{1,18})-step-(\d{1,18}))");
-  std::vector<std::tuple<int64_t, int64_t, fs::path>> found;
-  std::error_code error;
-  for (const auto& entry : fs::directory_iterator(directory, error)) {
-    std::smatch match;
-    const std::string name = entry.path().filename().string();
-    if (!std::regex_match(name, match, kCheckpoint) || !entry.is_directory(error)) continue;
-    found.emplace_back(std::stoll(match[1]), std::stoll(match[2]), entry.path());
-  }
-  std::sort(found.rbegin(), found.rend());
-  for (const auto& [epoch, step, path] : found) {
+  for (const auto& path : checkpoints_newest_first(directory)) {
     if (is_complete(path)) return path.string();
   }
   return std::nullopt;
+}
+
+int prune_checkpoints(const std::string& directory, int keep) {
+  TORCH_CHECK_VALUE(keep >= 1, "prune_checkpoints: keep = ", keep, " must be at least 1");
+  int complete = 0;
+  int removed = 0;
+  for (const auto& path : checkpoints_newest_first(directory)) {
+    if (complete >= keep) {
+      fs::remove_all(path);
+      ++removed;
+    } else if (is_complete(path)) {
+      ++complete;
+    }
+  }
+  return removed;
 }
 
 TrainingPosition load_checkpoint(const std::string& path, const CheckpointItems& items,

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <regex>
 #include <string>
@@ -235,6 +236,18 @@ TEST(Checkpoint, ADamagedOrHalfWrittenCheckpointIsNeverPickedNorLoaded) {
     const dp::TrainingPosition loaded =
         dp::load_checkpoint((dir / "epoch-0-step-1").string(), items, comm::world());
     EXPECT_EQ(loaded.step, 1);
+
+    // Pruning keeps what is newer than the newest complete checkpoint (a save may still be
+    // writing it), and removes everything older than the newest `keep` complete ones.
+    comm::world().barrier();
+    if (rank == 0) EXPECT_EQ(dp::prune_checkpoints(dir.string(), 1), 0);
+    position.step = 4;
+    const std::string newest = dp::save_checkpoint(dir.string(), position, items, comm::world());
+    if (rank == 0) {
+      EXPECT_EQ(dp::prune_checkpoints(dir.string(), 1), 3);
+      EXPECT_EQ(dp::latest_checkpoint(dir.string()), newest);
+      EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1);
+    }
   });
   if (!distoptim::testing::in_rank_process()) fs::remove_all(dir);
 }

@@ -11,8 +11,8 @@
 // and, in rank 0's file only, the ZeroRedundancyOptimizer's state consolidated from every
 // rank. A checkpoint is complete when all W files are there and each passes the checks of
 // optim::load_state_dict_file (every record's CRC-32); latest_checkpoint picks the newest
-// complete one. DIR must be the same directory for every rank (on several hosts: a shared
-// file system), as every rank reads rank 0's file when it loads.
+// complete one, prune_checkpoints removes the old ones. DIR must be the same directory for every
+// rank (on several hosts: a shared file system), as every rank reads rank 0's file when it loads.
 //
 // Atomicity: each file is written to a temporary file beside it, fsynced and renamed over its
 // name, so a crash while saving leaves either no file of that name or a whole one; a checkpoint
@@ -78,6 +78,13 @@ std::string save_checkpoint(const std::string& directory, const TrainingPosition
 /// it looks at, newest first, until one is complete: incomplete ones (a file missing, damaged or
 /// left half-written by a crash) are skipped.
 std::optional<std::string> latest_checkpoint(const std::string& directory);
+
+/// Removes the checkpoints in `directory` older than its `keep` newest complete ones (complete
+/// or not; newer incomplete ones stay, as a save may be under way) and returns how many it
+/// removed. Local: call it on one rank (say rank 0, after save_checkpoint returned), on a
+/// directory no load is reading. c10::ValueError for keep < 1; std::filesystem's error when a
+/// checkpoint cannot be removed.
+int prune_checkpoints(const std::string& directory, int keep);
 
 /// Loads the checkpoint at `path` (a directory that save_checkpoint wrote) into `items` and
 /// returns this rank's position. Collective over `group`: each rank reads and checks its own
