@@ -93,8 +93,8 @@ int prune_checkpoints(const std::string& directory, int keep);
 /// only when every rank's checks passed and all read the same rank 0 file (SHA-256) does any
 /// rank change anything. Otherwise every rank throws the same c10::ValueError, naming each
 /// rank that failed with its reason and the file, e.g.
-///   load_checkpoint: rank 1 cannot load the checkpoint: load_checkpoint: 'DIR/epoch-0-step-8/
-///   rank-1-of-2.pt' is corrupted: ...; nothing was loaded on any rank
+///   load_checkpoint: rank 1 cannot load the checkpoint: 'DIR/epoch-0-step-8/rank-1-of-2.pt'
+///   is corrupted: ...; nothing was loaded on any rank
 /// and nothing changes on any rank. The ZeroRedundancyOptimizer's state is loaded first (as
 /// its load_state_dict, collective), then the parameters, buffers and averager step.
 TrainingPosition load_checkpoint(const std::string& path, const CheckpointItems& items,
