@@ -1,6 +1,7 @@
 #pragma once
 
 // Layer 3 of distoptim: data parallel training.
+#include <distoptim/data_parallel/checkpoint.h>
 #include <distoptim/data_parallel/comm_hooks.h>
 #include <distoptim/data_parallel/distributed_data_parallel.h>
 #include <distoptim/data_parallel/join.h>

@@ -212,16 +212,27 @@ StateDictDigest state_dict_digest(const optim::OptimizerStateDict& dict) {
   return h.finish();
 }
 
+StateDictDigest bytes_digest(const void* data, size_t size) {
+  Sha256 h;
+  h.bytes(data, size);
+  return h.finish();
+}
+
+std::string error_text(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr ? error->what_without_backtrace() : e.what();
+}
+
 void agree_on_state_dict(const comm::Group& group, const StateDictCheck& mine,
-                         const std::string& caller) {
+                         const std::string& caller, const AgreementWording& wording) {
   std::vector<at::Tensor> records;
   try {
     records = allgather_tensor(group, encode(mine));
   } catch (const std::exception& e) {
     DISTOPTIM_RETHROW_WITH_CONTEXT(e, caller, ": exchanging the state dict's checks across the ",
                                    group.size(), " ranks of the group failed on rank ",
-                                   group.global_rank(group.rank()),
-                                   " (every rank must call it; nothing was loaded on this rank): ");
+                                   group.global_rank(group.rank()), " (every rank must call it; ",
+                                   wording.outcome_here, "): ");
   }
   std::vector<std::pair<int, std::string>> failed;
   std::vector<std::pair<int, StateDictDigest>> digests;
@@ -236,8 +247,8 @@ void agree_on_state_dict(const comm::Group& group, const StateDictCheck& mine,
   std::vector<std::string> parts;
   const auto failures = group_ranks(failed);
   for (size_t i = 0; i < failures.size() && i < kShownGroups; ++i) {
-    parts.push_back(c10::str(rank_list(failures[i].second),
-                             " cannot load the state dict: ", failures[i].first));
+    parts.push_back(
+        c10::str(rank_list(failures[i].second), " ", wording.failed, ": ", failures[i].first));
   }
   if (failures.size() > kShownGroups) {
     parts.push_back(c10::str(failures.size() - kShownGroups, " more error(s) on other ranks"));
@@ -260,7 +271,7 @@ void agree_on_state_dict(const comm::Group& group, const StateDictCheck& mine,
       }
     }
     std::sort(differing.begin(), differing.end());
-    parts.push_back(c10::str("ranks disagree on the state dict: ", rank_list(differing),
+    parts.push_back(c10::str(wording.disagree, ": ", rank_list(differing),
                              (differing.size() == 1 ? " differs" : " differ"), " from rank ",
                              reference->second.front(), " (SHA-256 ", digests_text,
                              short_hex(reference->first), " on ", rank_list(reference->second),
@@ -269,7 +280,7 @@ void agree_on_state_dict(const comm::Group& group, const StateDictCheck& mine,
   if (parts.empty()) return;
   std::string message = caller + ": ";
   for (const auto& part : parts) message += part + "; ";
-  TORCH_CHECK_VALUE(false, message, "nothing was loaded on any rank");
+  TORCH_CHECK_VALUE(false, message, wording.outcome);
 }
 
 }  // namespace data_parallel

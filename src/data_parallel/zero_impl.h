@@ -33,9 +33,6 @@ void check_params(const std::vector<optim::ParamGroup>& groups,
                   const std::vector<at::Tensor>& existing, int global_rank,
                   const std::string& caller);
 
-// An exception's message without LibTorch's backtrace.
-std::string error_text(const std::exception& e);
-
 // The rank owning each parameter (see zero_partition).
 std::vector<int> sorted_greedy_owners(const std::vector<at::Tensor>& params,
                                       const std::vector<std::vector<int64_t>>& group_indices,
@@ -285,7 +282,7 @@ struct ZeroRedundancyOptimizer::Impl {
         local_dict = local_part(*dict);
         check.digest = state_dict_digest(*dict);
       } catch (const std::exception& e) {
-        error = zero_detail::error_text(e);
+        error = error_text(e);
         // The other ranks' message starts with the caller already.
         if (error.rfind(caller + ": ", 0) == 0) error.erase(0, caller.size() + 2);
       }

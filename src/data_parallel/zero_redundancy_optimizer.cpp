@@ -43,17 +43,10 @@ void check_params(const std::vector<optim::ParamGroup>& groups,
   }
 }
 
-// An exception's message without LibTorch's backtrace.
-std::string error_text(const std::exception& e) {
-  const auto* error = dynamic_cast<const c10::Error*>(&e);
-  return error != nullptr ? error->what_without_backtrace() : e.what();
-}
-
 }  // namespace zero_detail
 
 namespace {
 
-using zero_detail::error_text;
 using zero_detail::kName;
 
 // Tag of the point-to-point messages of consolidate_state_dict.

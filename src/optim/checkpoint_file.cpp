@@ -10,8 +10,10 @@
 #include <cerrno>
 #include <memory>
 #include <system_error>
+#include <utility>
 
 #include <c10/util/Exception.h>
+#include <torch/serialize.h>
 
 namespace distoptim {
 namespace optim {
@@ -213,6 +215,25 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& byt
     const int err = errno;
     save_failed(caller, path, "written, but syncing its directory '" + dir + "' failed", err);
   }
+}
+
+c10::IValue read_pickle_file(const std::string& path, const char* caller,
+                             std::vector<char>* bytes) {
+  std::vector<char> read = read_checkpoint_file(path, caller);
+  try {
+    c10::IValue value = torch::pickle_load(read);
+    if (bytes != nullptr) *bytes = std::move(read);
+    return value;
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, caller, ": '", path,
+                "' holds no readable pickle: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, caller, ": '", path, "' holds no readable pickle: ", e.what());
+  }
+}
+
+void write_pickle_file(const std::string& path, const c10::IValue& value, const char* caller) {
+  write_checkpoint_file(path, torch::pickle_save(value), caller);
 }
 
 }  // namespace detail

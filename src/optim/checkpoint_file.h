@@ -1,10 +1,13 @@
 #pragma once
 
 // The one place the library opens a checkpoint file by path: every file it reads or writes goes
-// through these two functions, so each one is verified on load and replaced atomically on save.
+// through these functions (the optimizers' state dicts, the data-parallel checkpoints), so each one
+// is verified on load and replaced atomically on save.
 
 #include <string>
 #include <vector>
+
+#include <ATen/core/ivalue.h>
 
 namespace distoptim {
 namespace optim {
@@ -23,6 +26,16 @@ std::vector<char> read_checkpoint_file(const std::string& path, const char* call
 /// it was, and a `c10::Error` starting with `caller` names `path` and the reason.
 void write_checkpoint_file(const std::string& path, const std::vector<char>& bytes,
                            const char* caller);
+
+/// read_checkpoint_file, then LibTorch's unpickling of its bytes (kept in `*bytes` when not
+/// null); a file that passes the checks but holds no pickle LibTorch can read is a `c10::Error`
+/// `caller: 'path' holds no readable pickle: ...`.
+c10::IValue read_pickle_file(const std::string& path, const char* caller,
+                             std::vector<char>* bytes = nullptr);
+
+/// `value` pickled by LibTorch (as torch::pickle_save; Python's torch.load reads it), written
+/// with write_checkpoint_file.
+void write_pickle_file(const std::string& path, const c10::IValue& value, const char* caller);
 
 }  // namespace detail
 }  // namespace optim

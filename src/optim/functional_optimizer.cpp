@@ -306,21 +306,11 @@ OptimizerStateDict OptimizerStateDict::from_ivalue(const c10::IValue& value) {
 }
 
 void save_state_dict(const OptimizerStateDict& dict, const std::string& path) {
-  detail::write_checkpoint_file(path, torch::pickle_save(dict.to_ivalue()), "save_state_dict");
+  detail::write_pickle_file(path, dict.to_ivalue(), "save_state_dict");
 }
 
 OptimizerStateDict load_state_dict_file(const std::string& path) {
-  const char* caller = "load_state_dict_file";
-  const std::vector<char> bytes = detail::read_checkpoint_file(path, caller);
-  c10::IValue value;
-  try {
-    value = torch::pickle_load(bytes);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, caller, ": '", path,
-                "' holds no readable pickle: ", e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, caller, ": '", path, "' holds no readable pickle: ", e.what());
-  }
+  const c10::IValue value = detail::read_pickle_file(path, "load_state_dict_file");
   try {
     return OptimizerStateDict::from_ivalue(value);
   } catch (c10::Error& e) {

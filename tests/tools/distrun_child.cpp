@@ -14,6 +14,9 @@
 //   trap                    print "ready pid=P", wait up to 60 s for SIGTERM or SIGINT, print
 //                           "got SIGTERM" / "got SIGINT" (or "done" if none came) and exit 0
 //   sleep                   print "ready pid=P", sleep 60 s, print "done"
+//   fail-until C R N        print "attempt DISTRUN_RESTART_COUNT=.. DISTRUN_MAX_RESTARTS=..
+//                           MASTER_PORT=.."; while DISTRUN_RESTART_COUNT < C, rank R exits with
+//                           status N and the others sleep 60 s; from restart C on, exit 0
 //
 // R is the RANK the launcher set. Output goes through write(2), so every piece reaches the pipe
 // when it is written.
@@ -126,6 +129,15 @@ int fail_on(int failing_rank, const std::string& how, int n, const std::string& 
   return 0;
 }
 
+int fail_until(int count, int failing_rank, int status) {
+  say("attempt DISTRUN_RESTART_COUNT=" + env("DISTRUN_RESTART_COUNT") + " DISTRUN_MAX_RESTARTS=" +
+      env("DISTRUN_MAX_RESTARTS") + " MASTER_PORT=" + env("MASTER_PORT") + "\n");
+  if (std::atoi(env("DISTRUN_RESTART_COUNT").c_str()) >= count) return 0;
+  if (rank() == failing_rank) return status;
+  sleep_then_done();
+  return 0;
+}
+
 int trap() {
   const int got = wait_for({SIGTERM, SIGINT});
   say(got == 0 ? "done\n" : std::string("got SIG") + ::sigabbrev_np(got) + "\n");
@@ -145,6 +157,9 @@ int main(int argc, char** argv) {
   if (mode == "long" && argc == 3) return print_long(std::strtoul(argv[2], nullptr, 10));
   if (mode == "fail-on" && argc == 6) {
     return fail_on(std::atoi(argv[2]), argv[3], std::atoi(argv[4]), argv[5]);
+  }
+  if (mode == "fail-until" && argc == 5) {
+    return fail_until(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
   }
   if (mode == "trap") return trap();
   if (mode == "sleep") {

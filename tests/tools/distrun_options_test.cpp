@@ -37,6 +37,7 @@ TEST(DistrunOptions, DefaultsNeedOnlyTheProcessCountAndTheProgram) {
   EXPECT_EQ(options.master_addr, "");
   EXPECT_EQ(options.master_port, 0);
   EXPECT_EQ(options.grace_seconds, 5.0);
+  EXPECT_EQ(options.max_restarts, 0);
   EXPECT_EQ(options.command, Args{"prog"});
 }
 
@@ -44,6 +45,8 @@ TEST(DistrunOptions, ParsesEveryOption) {
   const LaunchOptions options = parse_command_line(
       {"--nproc-per-node=2", "--nnodes", "4", "--node-rank", "3", "--master-addr", "10.0.0.7",
        "--master-port", "29500", "--grace-seconds", "0.5", "prog", "a"});
+  EXPECT_EQ(
+      parse_command_line({"--nproc-per-node", "2", "--max-restarts", "3", "prog"}).max_restarts, 3);
   EXPECT_EQ(options.nproc_per_node, 2);
   EXPECT_EQ(options.nnodes, 4);
   EXPECT_EQ(options.node_rank, 3);
@@ -57,6 +60,8 @@ TEST(DistrunOptions, AcceptsTorchrunSpellings) {
   const LaunchOptions options =
       parse_command_line({"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1",
                           "--master_addr", "host", "--master_port", "1234", "prog"});
+  EXPECT_EQ(
+      parse_command_line({"--nproc_per_node", "2", "--max_restarts", "1", "prog"}).max_restarts, 1);
   EXPECT_EQ(options.nproc_per_node, 2);
   EXPECT_EQ(options.node_rank, 1);
   EXPECT_EQ(options.master_addr, "host");
@@ -86,7 +91,8 @@ TEST(DistrunOptions, HelpNamesTheOptionsAndTheEnvironment) {
     EXPECT_EQ(text, help_text());
     for (const char* part :
          {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-          "--grace-seconds", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+          "--grace-seconds", "--max-restarts", "DISTRUN_RESTART_COUNT", "RANK", "WORLD_SIZE",
+          "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
       EXPECT_NE(text.find(part), std::string::npos) << part;
     }
   }
@@ -108,6 +114,8 @@ TEST(DistrunOptions, RejectsBadValuesNamingTheOptionAndValue) {
   expect_usage_error({"--nproc-per-node", "2", "--master-addr", "", "prog"}, {"--master-addr"});
   expect_usage_error({"--nproc-per-node", "2", "--grace-seconds", "-1", "prog"},
                      {"--grace-seconds -1"});
+  expect_usage_error({"--nproc-per-node", "2", "--max-restarts", "-1", "prog"},
+                     {"--max-restarts -1", "[0, 1000000]"});
   expect_usage_error({"--nproc-per-node", "65536", "--nnodes", "65536", "prog"},
                      {"--nnodes 65536", "--nproc-per-node 65536"});
   expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "--nnodes", "3", "prog"},
@@ -121,6 +129,17 @@ TEST(DistrunOptions, SeveralNodesNeedTheMasterAddressAndPort) {
                      {"--master-port", "--nnodes 2"});
   expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "--master-port", "80", "prog"},
                      {"--master-addr", "--nnodes 2"});
+}
+
+// One node's distrun cannot restart the ranks of the others, so restarts need a single node.
+TEST(DistrunOptions, RestartsNeedASingleNode) {
+  expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h",
+                      "--master-port", "80", "--max-restarts", "1", "prog"},
+                     {"--max-restarts 1 with --nnodes 2", "--nnodes 1"});
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h",
+                                "--master-port", "80", "--max-restarts", "0", "prog"})
+                .max_restarts,
+            0);
 }
 
 TEST(DistrunOptions, RejectsAMissingProgramAndUnknownOptions) {
@@ -155,12 +174,25 @@ TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
   options.master_addr = "10.1.2.3";
   options.master_port = 29400;
   options.command = {"prog"};
-  const std::vector<std::pair<std::string, std::string>> expected = {
-      {"RANK", "9"},           {"WORLD_SIZE", "12"},
-      {"LOCAL_RANK", "1"},     {"LOCAL_WORLD_SIZE", "4"},
-      {"GROUP_RANK", "2"},     {"MASTER_ADDR", "10.1.2.3"},
-      {"MASTER_PORT", "29400"}};
+  std::vector<std::pair<std::string, std::string>> expected = {{"RANK", "9"},
+                                                               {"WORLD_SIZE", "12"},
+                                                               {"LOCAL_RANK", "1"},
+                                                               {"LOCAL_WORLD_SIZE", "4"},
+                                                               {"GROUP_RANK", "2"},
+                                                               {"MASTER_ADDR", "10.1.2.3"},
+                                                               {"MASTER_PORT", "29400"},
+                                                               {"DISTRUN_RESTART_COUNT", "0"},
+                                                               {"DISTRUN_MAX_RESTARTS", "0"}};
   EXPECT_EQ(rank_environment(options, 1), expected);
+  options.nnodes = 1;
+  options.node_rank = 0;
+  options.max_restarts = 5;
+  expected[0].second = "1";
+  expected[1].second = "4";
+  expected[4].second = "0";
+  expected[7].second = "2";
+  expected[8].second = "5";
+  EXPECT_EQ(rank_environment(options, 1, 2), expected);
 }
 
 TEST(DistrunOptions, ResolveMasterDefaultsToLoopbackAndAFreePort) {

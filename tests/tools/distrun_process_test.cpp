@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -410,6 +411,96 @@ TEST_P(DistrunSignal, ASignalToDistrunReachesEveryRank) {
 
 INSTANTIATE_TEST_SUITE_P(SigtermAndSigint, DistrunSignal, ::testing::Values(SIGTERM, SIGINT));
 
+// The "attempt ..." lines of rank `rank`: {DISTRUN_RESTART_COUNT, DISTRUN_MAX_RESTARTS, port}.
+std::vector<std::array<int, 3>> attempts_of(const std::string& out, int rank) {
+  static const std::regex kAttempt(
+      R"(^attempt DISTRUN_RESTART_COUNT=(\d+) DISTRUN_MAX_RESTARTS=(\d+) MASTER_PORT=(\d+)$)");
+  std::vector<std::array<int, 3>> attempts;
+  const auto by_rank = lines_by_rank(out);
+  if (by_rank.count(rank) == 0) return attempts;
+  for (const auto& line : by_rank.at(rank)) {
+    std::smatch match;
+    if (!std::regex_match(line, match, kAttempt)) continue;
+    attempts.push_back({std::stoi(match[1]), std::stoi(match[2]), std::stoi(match[3])});
+  }
+  return attempts;
+}
+
+// Rank 1 fails in the first two attempts; each time every rank is stopped and all start again,
+// on a new port, with the restart count one higher; the third attempt succeeds.
+TEST(Distrun, RestartsEveryRankAfterAFailureUntilAnAttemptSucceeds) {
+  const RunResult r = run_distrun(
+      {"--nproc-per-node", "2", "--max-restarts", "3", kChild, "fail-until", "2", "1", "3"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  const auto attempts = attempts_of(r.out, 1);
+  ASSERT_EQ(attempts.size(), 3u) << r.out;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(attempts[i][0], i) << r.out;
+    EXPECT_EQ(attempts[i][1], 3) << r.out;
+  }
+  EXPECT_NE(attempts[0][2], attempts[1][2]) << "a restart must not reuse the old round's port";
+  EXPECT_NE(attempts[1][2], attempts[2][2]) << "a restart must not reuse the old round's port";
+  // Rank 0 of the last attempt met on the same port as rank 1.
+  const auto rank0 = attempts_of(r.out, 0);
+  ASSERT_FALSE(rank0.empty()) << r.out;
+  EXPECT_EQ(rank0.back(), attempts[2]) << r.out;
+  for (int restart : {1, 2}) {
+    EXPECT_TRUE(contains(
+        r.err, "distrun: attempt " + std::to_string(restart) +
+                   " failed (rank 1 failed first); restarting the 2 local rank(s): restart " +
+                   std::to_string(restart) +
+                   " of at most 3, DISTRUN_RESTART_COUNT=" + std::to_string(restart) +
+                   ", MASTER_PORT=" + std::to_string(attempts[restart][2]) + "\n"))
+        << r.err;
+  }
+  EXPECT_FALSE(contains(r.err, "attempt 3 failed")) << r.err;
+  // The sleeping rank 0 of the failed attempts was stopped, not left to finish.
+  EXPECT_FALSE(contains(r.out, "done")) << r.out;
+}
+
+TEST(Distrun, ARestartKeepsAPortGivenOnTheCommandLine) {
+  const RunResult r = run_distrun({"--nproc-per-node", "1", "--master-port", "29517",
+                                   "--max-restarts", "1", kChild, "fail-until", "1", "0", "3"});
+  EXPECT_EQ(r.status, 0) << r.err;
+  const auto attempts = attempts_of(r.out, 0);
+  ASSERT_EQ(attempts.size(), 2u) << r.out;
+  EXPECT_EQ(attempts[0][2], 29517);
+  EXPECT_EQ(attempts[1][2], 29517);
+}
+
+// Every attempt fails: the exit status is the last attempt's first failure, and stderr ends with
+// why no restart followed and how every rank ended in every attempt.
+TEST(Distrun, WhenNoRestartIsLeftTheJobEndsWithEveryAttempt) {
+  const RunResult r = run_distrun(
+      {"--nproc-per-node", "2", "--max-restarts", "2", kChild, "fail-until", "99", "0", "4"});
+  EXPECT_EQ(r.status, 4) << r.err;
+  EXPECT_EQ(attempts_of(r.out, 0).size(), 3u) << r.out;
+  std::string pattern =
+      R"(distrun: attempt 3 failed and no restart is left \(--max-restarts 2\); exit status 4\n)";
+  for (int attempt = 1; attempt <= 3; ++attempt) {
+    pattern += "distrun: attempt " + std::to_string(attempt) + R"( \(DISTRUN_RESTART_COUNT=)" +
+               std::to_string(attempt - 1) +
+               R"(\), how each rank ended:\n)"
+               R"(distrun:   rank 0 \(pid \d+\): exited with status 4 \(the first failure\)\n)"
+               R"(distrun:   rank 1 \(pid \d+\): killed by signal SIGTERM; it was still running )"
+               R"(and distrun stopped it with SIGTERM\n)";
+  }
+  EXPECT_TRUE(std::regex_search(r.err, std::regex(pattern + "$"))) << r.err;
+  EXPECT_TRUE(contains(r.err, "restart 2 of at most 2, DISTRUN_RESTART_COUNT=2")) << r.err;
+}
+
+TEST(Distrun, ASignalToDistrunIsNeverFollowedByARestart) {
+  const RunResult r = run_distrun(
+      {"--nproc-per-node", "2", "--max-restarts", "3", kChild, "trap"},
+      when_ready(2, [](pid_t distrun, const std::map<int, pid_t>&) { ::kill(distrun, SIGTERM); }));
+  EXPECT_EQ(r.status, 128 + SIGTERM) << r.err;
+  EXPECT_EQ(ready_ranks(r.out).size(), 2u) << r.out;
+  EXPECT_EQ(lines_by_rank(r.out)[0].size(), 2u) << "one attempt only\n" << r.out;
+  EXPECT_FALSE(contains(r.err, "restarting")) << r.err;
+  EXPECT_TRUE(contains(r.err, "distrun: got SIGTERM during attempt 1; no restart after a signal\n"))
+      << r.err;
+}
+
 TEST(Distrun, RanksDieWhenDistrunIsKilled) {
   std::map<int, pid_t> rank_pids;
   const RunResult r =
@@ -461,6 +552,9 @@ TEST(Distrun, BadArgumentsExit2NamingTheOption) {
       {{"--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", kChild, "env"},
        {"--master-addr"}},
       {{"--nproc-per-node", "1", "--grace-seconds", "-2", kChild}, {"--grace-seconds -2"}},
+      {{"--nproc-per-node", "1", "--nnodes", "2", "--master-addr", "h", "--master-port", "1",
+        "--max-restarts", "1", kChild},
+       {"--max-restarts 1 with --nnodes 2"}},
       {{"--nproc-per-node", "1", "--bogus", kChild}, {"unknown option --bogus"}},
       {{"--nproc-per-node", "1"}, {"no PROGRAM"}},
       {{kChild, "env"}, {"--nproc-per-node", "required"}},

@@ -19,6 +19,7 @@ namespace launcher {
 namespace {
 
 constexpr double kMaxGraceSeconds = 86400.0;
+constexpr int kMaxRestarts = 1000000;
 constexpr const char* kDefaultMasterAddr = "127.0.0.1";
 constexpr const char* kUsageLine = "distrun --nproc-per-node N [OPTIONS] [--] PROGRAM [ARGS...]";
 
@@ -59,14 +60,22 @@ void add_options(CLI::App& app, LaunchOptions& options) {
                  "After a failure or SIGINT/SIGTERM, seconds the ranks\nhave between SIGTERM and "
                  "SIGKILL (default 5)")
       ->type_name("S");
+  app.add_option("--max-restarts,--max_restarts", options.max_restarts,
+                 "After a rank fails, start all local ranks again, at most\nK times (default 0; "
+                 "only with M = 1)")
+      ->type_name("K");
   app.footer(
       "Each rank's environment gets RANK (R * N + local rank), WORLD_SIZE (M * N), LOCAL_RANK,\n"
-      "LOCAL_WORLD_SIZE (N), GROUP_RANK (R), MASTER_ADDR and MASTER_PORT.\n"
+      "LOCAL_WORLD_SIZE (N), GROUP_RANK (R), MASTER_ADDR, MASTER_PORT, DISTRUN_RESTART_COUNT\n"
+      "(restarts so far: 0 in the first attempt) and DISTRUN_MAX_RESTARTS (K).\n"
       "Every line a rank writes is printed as \"[rank RANK] line\" on distrun's stdout or stderr.\n"
       "When a rank exits non-zero or is killed by a signal, the others get SIGTERM, then SIGKILL\n"
-      "after the grace period.\n"
+      "after the grace period. With --max-restarts K, once all have exited, all are started again\n"
+      "(at most K times) on a new MASTER_PORT (the same one if --master-port was given);\n"
+      "SIGINT or SIGTERM to distrun never leads to a restart.\n"
       "Exit status: 0 if every rank exited 0; 128 + signal if distrun got SIGINT or SIGTERM; else\n"
-      "the first failing rank's status (128 + signal if it was killed); 2 for a bad command line.");
+      "the first failing rank's status in the last attempt (128 + signal if it was killed); 2 for\n"
+      "a bad command line.");
 }
 
 int find_free_port() {
@@ -157,6 +166,19 @@ void validate(const LaunchOptions& options) {
     throw UsageError(fmt::format("--grace-seconds {}: must be in [0, {}]", options.grace_seconds,
                                  kMaxGraceSeconds));
   }
+  if (options.max_restarts < 0 || options.max_restarts > kMaxRestarts) {
+    throw UsageError(
+        fmt::format("--max-restarts {}: must be in [0, {}]", options.max_restarts, kMaxRestarts));
+  }
+  // A restart is a new rendezvous round for the whole job; one node's distrun cannot make the
+  // other nodes' ranks stop and start again with it.
+  if (options.nnodes > 1 && options.max_restarts > 0) {
+    throw UsageError(fmt::format(
+        "--max-restarts {} with --nnodes {}: restarts need every node to start a new round "
+        "together, which distrun does not coordinate across nodes; use --max-restarts only with "
+        "--nnodes 1",
+        options.max_restarts, options.nnodes));
+  }
   if (options.command.empty()) {
     throw UsageError(fmt::format("no PROGRAM given; usage: {}", kUsageLine));
   }
@@ -180,7 +202,8 @@ LaunchOptions resolve_master(LaunchOptions options) {
 }
 
 std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOptions& options,
-                                                                  int local_rank) {
+                                                                  int local_rank,
+                                                                  int restart_count) {
   const int rank = options.node_rank * options.nproc_per_node + local_rank;
   return {
       {"RANK", std::to_string(rank)},
@@ -190,6 +213,8 @@ std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOp
       {"GROUP_RANK", std::to_string(options.node_rank)},
       {"MASTER_ADDR", options.master_addr},
       {"MASTER_PORT", std::to_string(options.master_port)},
+      {"DISTRUN_RESTART_COUNT", std::to_string(restart_count)},
+      {"DISTRUN_MAX_RESTARTS", std::to_string(options.max_restarts)},
   };
 }
 

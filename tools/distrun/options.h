@@ -43,13 +43,16 @@ struct LaunchOptions {
   /// After the first failure (or a signal), how long the other ranks have to exit after being
   /// sent SIGTERM before they are sent SIGKILL. In [0, 86400].
   double grace_seconds = 5.0;
+  /// How many times the whole group of local ranks is started again after a rank fails (torchrun's
+  /// --max-restarts). 0: a failure ends the job. Only with nnodes == 1.
+  int max_restarts = 0;
   /// PROGRAM and its arguments, passed to every rank untouched.
   std::vector<std::string> command;
 };
 
 /// Parses distrun's arguments (without argv[0]):
 /// `--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
-///  [--grace-seconds S] [--] PROGRAM ARGS...`.
+///  [--grace-seconds S] [--max-restarts K] [--] PROGRAM ARGS...`.
 /// Everything from PROGRAM on is kept as given, even words that look like distrun's options.
 /// Returns validated options (validate() has run). Throws UsageError, or HelpRequested for --help.
 LaunchOptions parse_command_line(const std::vector<std::string>& args);
@@ -65,11 +68,14 @@ std::string help_text();
 /// if no socket can be bound.
 LaunchOptions resolve_master(LaunchOptions options);
 
-/// The variables set for local rank `local_rank`, in this order: RANK, WORLD_SIZE, LOCAL_RANK,
-/// LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT (torchrun's names). `options` must be
-/// resolved (resolve_master) and valid.
+/// The variables set for local rank `local_rank` in the attempt after `restart_count` restarts,
+/// in this order: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+/// MASTER_PORT (torchrun's names), DISTRUN_RESTART_COUNT and DISTRUN_MAX_RESTARTS (torchrun's
+/// TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS). `options` must be resolved
+/// (resolve_master) and valid.
 std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOptions& options,
-                                                                  int local_rank);
+                                                                  int local_rank,
+                                                                  int restart_count = 0);
 
 /// `s` in single quotes, as error messages quote a program's name.
 std::string single_quoted(const std::string& s);

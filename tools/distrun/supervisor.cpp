@@ -1,4 +1,5 @@
-// The supervisor's state machine (Supervisor below; one poll loop, single-threaded):
+// The supervisor's state machine (Supervisor below; one poll loop, single-threaded). An attempt
+// runs the local ranks once:
 //
 //   starting  start_all() forks and execs every local rank in order, each with its stdout and
 //             stderr on pipes; a rank that cannot be started counts as a failure with status 1
@@ -11,11 +12,16 @@
 //             period starts. Later failures are reported but change neither.
 //   killing   at the end of the grace period, SIGKILL to every rank still running.
 //   draining  once no rank runs: output still held open by the ranks' own children is relayed
-//             for at most kDrainTimeout, then closed.
-//   done      exit status: 128 + the signal distrun got, if any; else the first failure's status
-//             (128 + signal for a rank killed by one); else 0. When it is not 0, a summary on
-//             stderr gives how every rank ended and which ones distrun stopped, with which
-//             signals.
+//             for at most kDrainTimeout, then closed. The attempt ends.
+//   restarting  after an attempt that failed, when distrun got no SIGINT/SIGTERM (during it or
+//             before this point) and fewer than --max-restarts restarts were made: every rank
+//             of the attempt has been reaped, so no process of the old round is left; the
+//             master port is renewed (unless given on the command line) and the next attempt
+//             starts with DISTRUN_RESTART_COUNT one higher.
+//   done      exit status: 128 + the signal distrun got, if any; else the last attempt's first
+//             failure's status (128 + signal for a rank killed by one); else 0. When it is not
+//             0, a summary on stderr gives, for every attempt, how every rank ended and which
+//             ones distrun stopped, with which signals.
 
 #include "distrun/supervisor.h"
 
@@ -120,7 +126,9 @@ std::vector<char*> c_strings(std::vector<std::string>& strings) {
 // is driven by the ranks' output and exits.
 class Supervisor {
  public:
-  explicit Supervisor(LaunchOptions options) : options_(std::move(options)) {}
+  // `port_given`: the master port came from the command line and is kept across restarts.
+  Supervisor(LaunchOptions options, bool port_given)
+      : options_(std::move(options)), port_given_(port_given) {}
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
 
@@ -134,21 +142,70 @@ class Supervisor {
 
   int run() {
     ensure_standard_fds_open();
-    start_all();
-    while (any_running() || any_output_open()) {
-      poll_once();
-      for (int signo : signals_.take()) {
-        if (signo == SIGINT || signo == SIGTERM) on_signal_received(signo);
+    for (restart_count_ = 0;; ++restart_count_) {
+      run_attempt();
+      summaries_.push_back(summary());
+      // A signal that came after the last rank was reaped still forbids a restart.
+      take_signals();
+      if (first_failure_status_ == 0 || received_signal_ != 0 ||
+          restart_count_ == options_.max_restarts) {
+        break;
       }
-      reap();
-      enforce_deadlines();
+      prepare_restart();
     }
     const int status = received_signal_ != 0 ? 128 + received_signal_ : first_failure_status_;
-    if (status != 0) write_all(STDERR_FILENO, summary());
+    if (status != 0) write_all(STDERR_FILENO, final_report());
     return status;
   }
 
  private:
+  // One attempt: from starting to the end of draining (see the top of this file).
+  void run_attempt() {
+    start_all();
+    while (any_running() || any_output_open()) {
+      poll_once();
+      take_signals();
+      reap();
+      enforce_deadlines();
+    }
+  }
+
+  void take_signals() {
+    for (int signo : signals_.take()) {
+      if (signo == SIGINT || signo == SIGTERM) on_signal_received(signo);
+    }
+  }
+
+  // Between attempts: every rank is reaped and every pipe closed; reset the attempt's state and
+  // give the new round its own rendezvous port.
+  void prepare_restart() {
+    const std::string failure = first_failure_rank_ >= 0
+                                    ? fmt::format("rank {} failed first", first_failure_rank_)
+                                    : std::string("a rank could not be started");
+    ranks_.clear();
+    grace_deadline_.reset();
+    killed_ = false;
+    drain_deadline_.reset();
+    first_failure_status_ = 0;
+    first_failure_rank_ = -1;
+    if (!port_given_) options_.master_port = fresh_port(options_.master_port);
+    write_all(STDERR_FILENO,
+              fmt::format("distrun: attempt {} failed ({}); restarting the {} local rank(s): "
+                          "restart {} of at most {}, DISTRUN_RESTART_COUNT={}, MASTER_PORT={}\n",
+                          restart_count_ + 1, failure, options_.nproc_per_node, restart_count_ + 1,
+                          options_.max_restarts, restart_count_ + 1, options_.master_port));
+  }
+
+  // A free port other than `previous` (if the system offers one within a few tries).
+  static int fresh_port(int previous) {
+    LaunchOptions unresolved;
+    int port = previous;
+    for (int attempt = 0; attempt < 10 && port == previous; ++attempt) {
+      port = resolve_master(unresolved).master_port;
+    }
+    return port;
+  }
+
   void start_all() {
     for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
       const int rank = options_.node_rank * options_.nproc_per_node + local_rank;
@@ -165,7 +222,8 @@ class Supervisor {
 
   void start_rank(int local_rank, int rank) {
     std::vector<std::string> args = options_.command;
-    std::vector<std::string> env = child_environment(rank_environment(options_, local_rank));
+    std::vector<std::string> env =
+        child_environment(rank_environment(options_, local_rank, restart_count_));
     const std::vector<char*> argv = c_strings(args);
     const std::vector<char*> envp = c_strings(env);
     Pipe out = make_pipe();
@@ -341,7 +399,11 @@ class Supervisor {
   // distrun stopped it while it still ran (the first rank to fail is often not the culprit: a
   // rank whose collective failed exits first while the rank it waited for still hangs).
   std::string summary() const {
-    std::string text = "distrun: how each rank ended:\n";
+    std::string text =
+        options_.max_restarts == 0
+            ? std::string("distrun: how each rank ended:\n")
+            : fmt::format("distrun: attempt {} (DISTRUN_RESTART_COUNT={}), how each rank ended:\n",
+                          restart_count_ + 1, restart_count_);
     for (const auto& rank : ranks_) {
       std::string ended;
       if (!rank.waited) {
@@ -363,8 +425,26 @@ class Supervisor {
     return text;
   }
 
+  // With restarts: why there is no further attempt, then every attempt's summary.
+  std::string final_report() const {
+    if (options_.max_restarts == 0) return summaries_.back();
+    std::string text =
+        received_signal_ != 0
+            ? fmt::format("distrun: got {} during attempt {}; no restart after a signal\n",
+                          signal_name(received_signal_), restart_count_ + 1)
+            : fmt::format(
+                  "distrun: attempt {} failed and no restart is left (--max-restarts {}); "
+                  "exit status {}\n",
+                  restart_count_ + 1, options_.max_restarts, first_failure_status_);
+    for (const auto& summary : summaries_) text += summary;
+    return text;
+  }
+
   LaunchOptions options_;
+  const bool port_given_;
   SignalPipe signals_;
+  int restart_count_ = 0;
+  std::vector<std::string> summaries_;  // one per attempt, in order
   std::vector<RankProcess> ranks_;
   std::optional<Clock::time_point> grace_deadline_;
   bool killed_ = false;
@@ -378,7 +458,7 @@ class Supervisor {
 
 int run(const LaunchOptions& options) {
   validate(options);
-  Supervisor supervisor(resolve_master(options));
+  Supervisor supervisor(resolve_master(options), options.master_port != 0);
   return supervisor.run();
 }
 

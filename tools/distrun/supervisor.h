@@ -20,12 +20,18 @@ namespace launcher {
 /// SIGTERM sent to distrun while this runs are forwarded to every running rank, with the same
 /// grace period. Ranks are sent SIGKILL by the kernel if distrun dies (PR_SET_PDEATHSIG).
 ///
-/// Returns 0 when every rank exited 0; otherwise 128 + the signal distrun received, if it was
-/// sent SIGINT or SIGTERM; otherwise the first failing rank's exit status, or 128 + its signal;
-/// 1 if a rank could not be started. Blocking: returns once all ranks are reaped and their output
-/// read to end of file (at most 1 s more for output held open by a rank's own children).
-/// Not thread-safe, and not reentrant: it installs process-wide signal handlers for its duration
-/// (SIGINT, SIGTERM, SIGCHLD, and SIGPIPE ignored), restoring the previous ones on return.
+/// With max_restarts > 0, once every rank of a failed attempt has been reaped, all local ranks
+/// are started again (at most max_restarts times) with DISTRUN_RESTART_COUNT one higher and, if
+/// the port was not given, a new free MASTER_PORT; a SIGINT or SIGTERM to distrun ends the job
+/// without a restart.
+///
+/// Returns 0 when every rank of an attempt exited 0; otherwise 128 + the signal distrun received,
+/// if it was sent SIGINT or SIGTERM; otherwise the last attempt's first failing rank's exit
+/// status, or 128 + its signal; 1 if a rank could not be started. Blocking: returns once all ranks
+/// are reaped and their output read to end of file (at most 1 s more for output held open by a
+/// rank's own children). Not thread-safe, and not reentrant: it installs process-wide signal
+/// handlers for its duration (SIGINT, SIGTERM, SIGCHLD, and SIGPIPE ignored), restoring the
+/// previous ones on return.
 int run(const LaunchOptions& options);
 
 }  // namespace launcher
