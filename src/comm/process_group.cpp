@@ -127,11 +127,8 @@ void init_process_group(const ProcessGroupOptions& options) {
                                      .timeout(options.timeout())
                                      .launch_env(options.launch_env()));
   const Rendezvous& rdzv = fresh->rendezvous;
-  fresh->gloo_hostname = options.gloo_hostname();
-  if (fresh->gloo_hostname.empty()) {
-    const bool local = rdzv.master_addr.empty() || is_loopback_address(rdzv.master_addr);
-    fresh->gloo_hostname = local ? "127.0.0.1" : rdzv.hosts[rdzv.rank];
-  }
+  fresh->gloo_hostname =
+      options.gloo_hostname().empty() ? rdzv.local_address : options.gloo_hostname();
   std::vector<int> all(rdzv.world_size);
   for (int r = 0; r < rdzv.world_size; ++r) all[r] = r;
   fresh->world = Group(make_gloo_group(rdzv.store, "world/", all, rdzv.rank, options.timeout(),

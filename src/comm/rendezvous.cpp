@@ -1,11 +1,15 @@
 #include <distoptim/comm/rendezvous.h>
 
+#include <netdb.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <thread>
 
 #include <c10/util/Exception.h>
@@ -134,6 +138,42 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int p
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
+}
+
+// The address this host sends from to reach host:port: the kernel picks it (the address of the
+// interface on the route there) when a UDP socket is connected, which sends nothing. The
+// hostname is no guide: it often resolves to 127.0.1.1, or to an address on another network.
+std::string source_address_toward(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const int resolved = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  DISTOPTIM_CHECK_WITH(DistributedError, resolved == 0, "rendezvous: cannot resolve '", host,
+                       "' to find the local address on its route: ", ::gai_strerror(resolved));
+  const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, ::freeaddrinfo);
+  std::string why = "no address";
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    sockaddr_storage local{};
+    socklen_t length = sizeof local;
+    const bool found_route = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+                             ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0;
+    if (!found_route) why = std::strerror(errno);
+    ::close(fd);
+    char text[NI_MAXHOST] = {};
+    if (found_route && ::getnameinfo(reinterpret_cast<sockaddr*>(&local), length, text, sizeof text,
+                                     nullptr, 0, NI_NUMERICHOST) == 0) {
+      return text;
+    }
+  }
+  DISTOPTIM_THROW(DistributedError, "rendezvous: no local address has a route to '", host,
+                  "': ", why);
 }
 
 // Keys of the rendezvous protocol, under the rendezvous prefix. Each rank claims its rank,
@@ -301,6 +341,7 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
     store = c10::make_intrusive<c10d::FileStore>(path, world_size);
     store->setTimeout(options.timeout());
     address = "file " + path;
+    result.local_address = "127.0.0.1";
   } else {
     std::string host;
     int port = 0;
@@ -316,6 +357,8 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
     }
     result.master_addr = host;
     store = connect_tcp_store(host, port, rank, world_size, options.timeout());
+    result.local_address =
+        is_loopback_address(host) ? "127.0.0.1" : source_address_toward(host, port);
     address = c10::str(host.find(':') == std::string::npos ? host : "[" + host + "]", ":", port);
   }
   result.store = c10::make_intrusive<DeadlineStore>(

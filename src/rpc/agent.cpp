@@ -124,12 +124,8 @@ std::map<std::string, int64_t> Agent::debug_info() {
 }
 
 void Agent::start_listening() {
-  std::string address = options_.listen_address();
-  if (address.empty()) {
-    address = rendezvous_.master_addr.empty() || comm::is_loopback_address(rendezvous_.master_addr)
-                  ? "127.0.0.1"
-                  : host_address();
-  }
+  const std::string& address =
+      options_.listen_address().empty() ? rendezvous_.local_address : options_.listen_address();
   listener_ = std::make_shared<Listener>(io_, address);
 }
 

@@ -1,6 +1,11 @@
 // Rendezvous: the env://, tcp:// and file:// forms, the launcher variables, and every way a
 // rendezvous can fail (missing rank, rank claimed twice, disagreeing world sizes, no store).
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -180,6 +185,7 @@ TEST(Rendezvous, EnvMethodThreeRanks) {
     const Rendezvous r = rendezvous(RendezvousOptions("env://").timeout(20s));
     expect_meets_everyone(r, rank, world_size);
     EXPECT_EQ(r.master_addr, "127.0.0.1");
+    EXPECT_EQ(r.local_address, "127.0.0.1");
     leave(r);
   });
 }
@@ -202,6 +208,33 @@ TEST(Rendezvous, FileMethodThreeRanks) {
         RendezvousOptions("file://" + path).rank(rank).world_size(world_size).timeout(20s));
     expect_meets_everyone(r, rank, world_size);
     EXPECT_EQ(r.master_addr, "");
+    EXPECT_EQ(r.local_address, "127.0.0.1");
+  });
+}
+
+// Met on an address of a network interface, a rank listens on the address its host reaches it
+// from: that address itself (on a multi-host job, this host's address on that network).
+TEST(Rendezvous, LocalAddressIsWhereThisHostReachesTheStoreFrom) {
+  std::string interface_address;
+  ifaddrs* interfaces = nullptr;
+  ASSERT_EQ(::getifaddrs(&interfaces), 0);
+  for (const ifaddrs* i = interfaces; i != nullptr; i = i->ifa_next) {
+    if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+    char text[INET_ADDRSTRLEN] = {};
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr, text,
+                sizeof text);
+    if (!is_loopback_address(text) && (i->ifa_flags & IFF_UP) != 0) {
+      interface_address = text;
+      break;
+    }
+  }
+  ::freeifaddrs(interfaces);
+  if (interface_address.empty()) GTEST_SKIP() << "this machine has no IPv4 address but loopback";
+  run_ranks(1, [&](int, int) {
+    const Rendezvous r = rendezvous(
+        RendezvousOptions("tcp://" + interface_address + ":" + port_text()).rank(0).world_size(1));
+    EXPECT_EQ(r.master_addr, interface_address);
+    EXPECT_EQ(r.local_address, interface_address);
   });
 }
 

@@ -66,8 +66,8 @@ struct ProcessGroupOptions {
   TORCH_ARG(int, world_size) = -1;
   /// For the rendezvous and for every collective (PyTorch's default: 30 minutes).
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
-  /// The address Gloo listens on. Empty: loopback when the ranks met on a loopback address,
-  /// else this machine's hostname.
+  /// The address (or hostname) Gloo listens on. Empty: Rendezvous::local_address, the address
+  /// this host reaches the rendezvous address from (loopback when the ranks met on loopback).
   TORCH_ARG(std::string, gloo_hostname);
   TORCH_ARG(std::optional<LaunchEnv>, launch_env) = std::nullopt;
 };

@@ -65,6 +65,11 @@ struct Rendezvous {
   int local_world_size = 0;
   /// The address ranks met at (tcp:// and env://), empty for file://.
   std::string master_addr;
+  /// The address this host reaches master_addr from: the source address its kernel picks on
+  /// the route there (its interface on the network the ranks met on). "127.0.0.1" when
+  /// master_addr is a loopback address or empty (file://). What Gloo and the RPC agent listen
+  /// on unless told otherwise, so that ranks on other hosts can reach them.
+  std::string local_address;
   std::chrono::milliseconds timeout{0};
 };
 

@@ -66,8 +66,8 @@ struct RpcBackendOptions {
   /// How long init_rpc waits for every worker, and graceful shutdown for each of its barriers.
   TORCH_ARG(std::chrono::milliseconds, init_timeout) = std::chrono::minutes(5);
   TORCH_ARG(std::chrono::milliseconds, shutdown_timeout) = std::chrono::minutes(1);
-  /// The IP address to listen on; empty: 127.0.0.1 when the rendezvous address is loopback,
-  /// else the address of this host's name.
+  /// The IP address to listen on; empty: comm::Rendezvous::local_address, the address this host
+  /// reaches the rendezvous address from (127.0.0.1 when that is loopback).
   TORCH_ARG(std::string, listen_address) = "";
   /// How long a connection may take from its first byte to the end of its handshake; a peer
   /// slower than that (one that stalls) is disconnected.

@@ -8,7 +8,6 @@
 
 #include <asio/connect.hpp>
 #include <asio/dispatch.hpp>
-#include <asio/ip/host_name.hpp>
 #include <asio/post.hpp>
 #include <asio/read.hpp>
 #include <asio/write.hpp>
@@ -605,29 +604,6 @@ void connect(asio::io_context& io, const std::string& address, int port,
                             }
                           });
   });
-}
-
-std::string host_address() {
-  asio::io_context io;
-  asio::ip::tcp::resolver resolver(io);
-  asio::error_code error;
-  const std::string name = asio::ip::host_name(error);
-  DISTOPTIM_CHECK_WITH(DistributedError, !error, "init_rpc: cannot read this host's name (",
-                       error.message(), "); set RpcBackendOptions::listen_address");
-  const auto results = resolver.resolve(name, "", error);
-  DISTOPTIM_CHECK_WITH(DistributedError, !error, "init_rpc: cannot resolve this host's name '",
-                       name, "' (", error.message(), "); set RpcBackendOptions::listen_address");
-  std::string fallback;
-  for (const auto& entry : results) {
-    const asio::ip::address address = entry.endpoint().address();
-    if (address.is_loopback()) continue;
-    if (address.is_v4()) return address.to_string();
-    if (fallback.empty()) fallback = address.to_string();
-  }
-  DISTOPTIM_CHECK_WITH(DistributedError, !fallback.empty(), "init_rpc: this host's name '", name,
-                       "' resolves to no address other than loopback; set "
-                       "RpcBackendOptions::listen_address");
-  return fallback;
 }
 
 }  // namespace detail

@@ -199,10 +199,6 @@ class Listener : public std::enable_shared_from_this<Listener> {
 void connect(asio::io_context& io, const std::string& address, int port,
              std::function<void(std::shared_ptr<Connection>, const std::string& error)> done);
 
-/// This host's address for peers on other hosts: the first non-loopback address its name
-/// resolves to. Throws DistributedError if there is none.
-std::string host_address();
-
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# Two "hosts" on one machine: network namespaces of this test's own, joined by a veth pair
+# (10.255.0.1 and 10.255.0.2, reachable from nowhere else), each running its own distrun of
+# tests/multihost/multihost_worker with two ranks (--nnodes 2, rank 0's store on host a).
+#   ddp_zero   DDP + ZeroRedundancyOptimizer: every rank ends with the same parameters, bit for
+#              bit equal to those of one host running the 4 ranks on loopback.
+#   rpc        an RPC group over both hosts: every worker calls every other one (rpc_sync), so
+#              calls cross between the namespaces both ways.
+#   link_down  host b's link is set down while the ranks are paused mid-training: host a's
+#              ranks fail (after the training group's timeout and grace) with the library's
+#              error naming ranks 2 and 3, and host a's distrun reports the failed rank.
+# Needs root (CAP_NET_ADMIN) and iproute2: without them it exits 77, which CTest counts as
+# skipped. The namespaces (and with them the veths) are deleted on every exit.
+# Usage: multihost_test.sh CASE DISTRUN WORKER WORKDIR
+set -euo pipefail
+case_name="$1" distrun="$2" worker="$3" work="$4"
+rm -rf "$work" && mkdir -p "$work"
+
+# Names from this shell's pid: parallel runs never share them, and a stale namespace left by a
+# killed run under the same pid cannot belong to a live one.
+ns_a="dmh$$a" ns_b="dmh$$b"
+addr_a=10.255.0.1 addr_b=10.255.0.2
+port=29500  # rank 0's store, inside host a's namespace: no other process can hold it
+pids=()
+
+cleanup() {
+  local pid
+  for pid in "${pids[@]}"; do kill -KILL "$pid" 2> /dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2> /dev/null || true; done
+  ip netns del "$ns_a" 2> /dev/null || true
+  ip netns del "$ns_b" 2> /dev/null || true
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+fail() {
+  local log
+  for log in "$work"/*.log; do
+    [[ -e "$log" ]] && { echo "---- $log"; cat "$log"; }
+  done
+  echo "FAILED: $*"
+  exit 1
+}
+
+skip() {
+  echo "SKIPPED: $*"
+  exit 77
+}
+
+command -v ip > /dev/null || skip "no 'ip' (iproute2) to create network namespaces"
+# Namespaces of runs killed before their cleanup (CTest's timeout sends SIGKILL): their pid is
+# not running any more, or is this one.
+for ns in $(ip netns list 2> /dev/null | sed -nE 's/^(dmh[0-9]+[ab])( .*)?$/\1/p'); do
+  pid="${ns:3:-1}"
+  if [[ $pid == "$$" ]] || ! kill -0 "$pid" 2> /dev/null; then ip netns del "$ns" || true; fi
+done
+why=$(ip netns add "$ns_a" 2>&1) ||
+  skip "cannot create a network namespace (needs root or CAP_NET_ADMIN): $why"
+ip netns add "$ns_b"
+# The veth pair is made inside the namespaces: nothing is added to the default one.
+why=$(ip -n "$ns_a" link add veth0 type veth peer name veth0 netns "$ns_b" 2>&1) ||
+  skip "cannot create a veth pair between network namespaces: $why"
+for ns in "$ns_a" "$ns_b"; do
+  ip -n "$ns" link set lo up
+  ip -n "$ns" link set veth0 up
+done
+ip -n "$ns_a" addr add "$addr_a/24" dev veth0
+ip -n "$ns_b" addr add "$addr_b/24" dev veth0
+
+# Starts host NAME's distrun (node rank RANK) in namespace NS in the background, with output in
+# WORKDIR/NAME.log; its pid goes to pids (ip netns exec becomes distrun, whose ranks die with it).
+start_host() {
+  local name="$1" ns="$2" node_rank="$3"
+  shift 3
+  ip netns exec "$ns" "$distrun" --nnodes 2 --node-rank "$node_rank" \
+    --master-addr "$addr_a" --master-port "$port" --nproc-per-node 2 --grace-seconds 2 \
+    "$worker" "$@" > "$work/$name.log" 2>&1 &
+  pids+=($!)
+}
+
+# Waits for background distrun PID, at most SECONDS more (then kills it); sets `status` to its
+# exit status (137 when killed here).
+wait_status() {
+  local pid="$1" deadline=$((SECONDS + $2))
+  while kill -0 "$pid" 2> /dev/null && ((SECONDS < deadline)); do sleep 0.1; done
+  kill -KILL "$pid" 2> /dev/null || true
+  status=0
+  wait "$pid" || status=$?
+}
+
+# Waits (at most 60 s) until FILE has COUNT lines matching PATTERN; fails if PID exits first.
+wait_for_lines() {
+  local file="$1" pattern="$2" count="$3" pid="$4"
+  local deadline=$((SECONDS + 60))
+  while [[ $(grep -c -- "$pattern" "$file" 2> /dev/null || true) -lt $count ]]; do
+    kill -0 "$pid" 2> /dev/null || fail "the distrun writing $file exited early"
+    ((SECONDS < deadline)) || fail "no $count lines '$pattern' in $file within 60 s"
+    sleep 0.1
+  done
+}
+
+case "$case_name" in
+  ddp_zero)
+    steps=8
+    mkdir -p "$work/two_hosts" "$work/one_host"
+    start_host a "$ns_a" 0 train "$steps" "$work/two_hosts" 60000
+    start_host b "$ns_b" 1 train "$steps" "$work/two_hosts" 60000
+    wait_status "${pids[0]}" 60 && status_a=$status
+    wait_status "${pids[1]}" 60 && status_b=$status
+    [[ $status_a == 0 && $status_b == 0 ]] ||
+      fail "distrun exited with status $status_a on host a, $status_b on host b"
+    timeout -k 5 60 "$distrun" --nproc-per-node 4 "$worker" train "$steps" "$work/one_host" \
+      60000 > "$work/one_host.log" 2>&1 || fail "the one-host run of 4 ranks failed"
+    for rank in 0 1 2 3; do
+      cmp "$work/two_hosts/rank$rank.bin" "$work/one_host/rank0.bin" ||
+        fail "rank $rank's parameters on two hosts differ from one host's"
+      cmp "$work/one_host/rank$rank.bin" "$work/one_host/rank0.bin" ||
+        fail "rank $rank's parameters on one host differ from rank 0's"
+    done
+    echo "PASSED: $steps steps of DDP + ZeRO on 2 hosts x 2 ranks:" \
+      "$(stat -c %s "$work/one_host/rank0.bin") bytes of parameters, bit-identical on every rank" \
+      "and to 1 host x 4 ranks"
+    ;;
+
+  rpc)
+    start_host a "$ns_a" 0 rpc 20000
+    start_host b "$ns_b" 1 rpc 20000
+    wait_status "${pids[0]}" 60 && status_a=$status
+    wait_status "${pids[1]}" 60 && status_b=$status
+    [[ $status_a == 0 && $status_b == 0 ]] ||
+      fail "distrun exited with status $status_a on host a, $status_b on host b"
+    # Ranks 0 and 1 run on host a, 2 and 3 on host b.
+    for caller in 0 1 2 3; do
+      for callee in 0 1 2 3; do
+        ((caller != callee)) || continue
+        where=same
+        ((caller / 2 == callee / 2)) || where=other
+        line="[rank $caller] worker$caller -> worker$callee: worker$callee"
+        line+=" (called by worker$caller) in $where namespace"
+        grep -qxF -- "$line" "$work/a.log" "$work/b.log" || fail "no line '$line'"
+      done
+    done
+    echo "PASSED: 12 rpc_sync calls among 4 workers on 2 hosts, 8 of them between the hosts"
+    ;;
+
+  link_down)
+    # The training group's timeout: a collective waiting on the cut-off ranks gives up after it
+    # (and a grace of at most 2 s for the failure reports, src/comm/named_failure_group.cpp).
+    timeout_ms=3000
+    start_host a "$ns_a" 0 train 6 "$work" "$timeout_ms" 3 "$work/go"
+    start_host b "$ns_b" 1 train 6 "$work" "$timeout_ms" 3 "$work/go"
+    wait_for_lines "$work/a.log" "paused" 2 "${pids[0]}"
+    wait_for_lines "$work/b.log" "paused" 2 "${pids[1]}"
+    ip -n "$ns_b" link set veth0 down
+    start=$SECONDS
+    touch "$work/go"
+    wait_status "${pids[0]}" 60 && status_a=$status
+    elapsed=$((SECONDS - start))
+    [[ $status_a == 3 ]] ||
+      fail "host a's distrun exited with status $status_a; expected 3 (a rank's distributed error)"
+    # The first of them to fail makes distrun stop the other, which may still be spending its
+    # grace on asking who is left: at least one reports, and every report names ranks 2 and 3.
+    errors=$(grep -E "^\[rank [01]\] rank [01]: " "$work/a.log" || true)
+    [[ -n $errors ]] || fail "no rank on host a reported an error"
+    named="TimeoutError: .*these ranks never reached it: 2, 3 "
+    named+="|PeerLostError: .*ranks 2, 3 are lost "
+    grep -vqE ": ($named)" <<< "$errors" && fail "a rank on host a failed without naming 2 and 3"
+    grep -qE "^distrun: rank [01] \(pid [0-9]+\) exited with status 3$" "$work/a.log" ||
+      fail "host a's distrun did not report its failed rank"
+    grep -qE "^distrun:   rank [01] \(pid [0-9]+\): exited with status 3 \(the first failure\)" \
+      "$work/a.log" || fail "host a's distrun summary does not give the first failure"
+    # Host b's ranks are cut off from rank 0's store too: they fail on their own, or are killed.
+    wait_status "${pids[1]}" 20 && status_b=$status
+    echo "host a's ranks failed ${elapsed} s after the link went down (training group timeout" \
+      "$((timeout_ms / 1000)) s); host b's distrun exited with status $status_b"
+    echo "$errors"
+    echo "PASSED: host a's ranks named the lost ranks 2 and 3"
+    ;;
+
+  *)
+    echo "unknown case '$case_name'"
+    exit 2
+    ;;
+esac
