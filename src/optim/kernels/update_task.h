@@ -152,6 +152,8 @@ struct UpdateTask {
   Kernel kernel = nullptr;
   void* data[kMaxOperands] = {};
   int64_t numel = 0;
+  /// Bytes per element of every operand (4 for float, 8 for double).
+  int64_t element_size = 0;
   KernelParams params = {};
 };
 
