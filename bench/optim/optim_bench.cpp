@@ -1,8 +1,9 @@
 // optim_bench: how fast are our optimizer steps, against the machine and against PyTorch?
 //
 // In one run it measures
-//   (a) the memory-bandwidth limit for this kind of kernel: an in-place STREAM-style
-//       a[i] += s * b[i] (12 bytes per element) over arrays far larger than the cache;
+//   (a) the memory-bandwidth limit for this kind of kernel: the fastest of several STREAM-style
+//       in-place probes over arrays far larger than the cache, from 2 to 7 streams of reads and
+//       writes (the optimizers' patterns lie within), see stream_kernel.h;
 //   (b) our step: distoptim::optim::create_optimizer(...)->step(gradients);
 //   (c) LibTorch's torch::optim step;
 //   (d) PyTorch's torch.optim step in Python (bench/optim/pytorch_step.py under the system
@@ -61,25 +62,33 @@ double seconds_since(Clock::time_point start) {
 
 // --- (a) the bandwidth limit ---------------------------------------------------------------------
 
+// One probe (see stream_kernel.h) compiled for one instruction set.
 struct StreamVariant {
-  const char* name;
-  StreamUpdateFn fn;
-  bool supported;
+  StreamProbeShape shape;
+  const char* isa;
+  StreamProbeFn fn;
   // Best time of a whole pass over the arrays, and of one block of a pass (see kStreamBlock).
   double best_s = std::numeric_limits<double>::infinity();
   double best_block_s = std::numeric_limits<double>::infinity();
 };
 
+std::string probe_name(const StreamProbeShape& shape) {
+  return fmt::format("{} streams ({} in place + {} read)", shape.streams(), shape.read_write,
+                     shape.read_only);
+}
+
 // Each pass is also timed block by block. On a busy machine the minimum of many short windows
 // is less often cut by another process than that of a pass over the whole arrays, and the
 // optimizer steps it is compared with (the small set moves 40-56 MB) are short windows too, so
-// timing whole passes only would set the limit low and flatter the steps. A block's 2 x 16 MB
-// (48 MB moved) exceeds the 36 MB L3, and the pass reaches it after sweeping the rest of the
-// arrays, so it still comes from memory.
+// timing whole passes only would set the limit low and flatter the steps. A block of the
+// smallest probe (one 16 MB array, read and written) is below the 32-36 MB L3, but the pass
+// reaches it after sweeping the rest of the arrays, so it still comes from memory.
 constexpr int64_t kStreamBlock = int64_t{4} << 20;
-// The s of a += s*b: a (from 1) stays far from overflow over any number of passes, yet each pass
-// changes it (1e-6 is above half an ulp of 1).
+// The s of the probes: the arrays (from 1) stay far from overflow over any number of passes, yet
+// each pass changes them (1e-6 is above half an ulp of 1).
 constexpr float kStreamScale = 1e-6f;
+// 17 cache lines: see StreamBench's constructor.
+constexpr int64_t kStreamStaggerFloats = 272;
 
 struct StreamResult {
   int64_t elements = 0;
@@ -91,31 +100,49 @@ struct StreamResult {
 };
 
 // Runs `fn` over [0, n) split between the intra-op threads, as the optimizer kernels are.
-void parallel_stream(StreamUpdateFn fn, float* a, const float* b, float s, int64_t n) {
+void parallel_stream(StreamProbeFn fn, float* const* x, int64_t n) {
   at::parallel_for(0, n, /*grain_size=*/1 << 16,
-                   [&](int64_t begin, int64_t end) { fn(a + begin, b + begin, s, end - begin); });
+                   [&](int64_t begin, int64_t end) { fn(x, kStreamScale, begin, end); });
 }
 
-// Owns the two arrays, allocated and filled once (fill_ writes every page, in parallel, so no
-// page fault lands in a timed pass), and accumulates each variant's best times over all rounds.
-// The limit is the best over rounds spread through the run: before everything, before each case
-// and at the end, so one busy moment on the shared machine does not set it.
+// Owns the arrays, allocated and filled once (fill_ writes every page, in parallel, so no page
+// fault lands in a timed pass), and accumulates each variant's best times over all rounds. The
+// limit is the best probe's best time over rounds spread through the run: before everything,
+// before each case and at the end, so one busy moment on the shared machine does not set it.
+// The probes bracket the optimizers' access patterns (2 to 7 streams): the memory system serves
+// some mixes of reads and writes faster than others, and the limit is the fastest of them, so
+// no optimizer's fraction of it can exceed 100% by streaming a friendlier mix.
 class StreamBench {
  public:
-  explicit StreamBench(int64_t n)
-      : a_(at::empty({n}, at::kFloat).fill_(1.0f)), b_(at::empty({n}, at::kFloat).fill_(1.0f)) {
+  explicit StreamBench(int64_t n) {
     __builtin_cpu_init();
+    // Array k starts k * 1088 bytes into its allocation: arrays that all start on a page
+    // boundary put the i-th elements of every stream at the same address modulo 4 KB, where the
+    // CPU mistakes loads for dependent on earlier stores (4K aliasing) and the probe measures
+    // that rather than memory.
+    for (int k = 0; k < kStreamProbeArrays; ++k) {
+      const int64_t stagger = k * kStreamStaggerFloats;
+      arrays_.push_back(at::empty({n + stagger}, at::kFloat).fill_(1.0f).narrow(0, stagger, n));
+      pointers_.push_back(arrays_.back().data_ptr<float>());
+    }
     result_.elements = n;
     result_.block_elements = std::min(n, kStreamBlock);
-    result_.variants = {
-        {"default (SSE2)", &stream_update_default, true},
-        {"avx2", &stream_update_avx2,
-         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")},
-        {"avx512", &stream_update_avx512, static_cast<bool>(__builtin_cpu_supports("avx512f"))},
+    struct Isa {
+      const char* name;
+      const StreamProbeFn* probes;
+      bool supported;
     };
-    for (auto& v : result_.variants) {
-      if (v.supported) {
-        parallel_stream(v.fn, a_.data_ptr<float>(), b_.data_ptr<float>(), kStreamScale, n);
+    const Isa isas[] = {
+        {"default", stream_probes_default(), true},
+        {"avx2", stream_probes_avx2(),
+         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")},
+        {"avx512", stream_probes_avx512(), static_cast<bool>(__builtin_cpu_supports("avx512f"))},
+    };
+    for (int k = 0; k < kNumStreamProbes; ++k) {
+      for (const Isa& isa : isas) {
+        if (!isa.supported) continue;
+        result_.variants.push_back({kStreamProbes[k], isa.name, isa.probes[k]});
+        parallel_stream(isa.probes[k], pointers_.data(), n);
       }
     }
   }
@@ -126,24 +153,30 @@ class StreamBench {
 
  private:
   StreamResult result_;
-  at::Tensor a_;
-  at::Tensor b_;
+  std::vector<at::Tensor> arrays_;
+  std::vector<float*> pointers_;
 };
+
+double pass_gbps(const StreamVariant& v, int64_t elements) {
+  return v.shape.bytes_per_element() * static_cast<double>(elements) / v.best_s / 1e9;
+}
+double block_gbps(const StreamVariant& v, int64_t block_elements) {
+  return v.shape.bytes_per_element() * static_cast<double>(block_elements) / v.best_block_s / 1e9;
+}
 
 void StreamBench::round(int reps) {
   StreamResult& result = result_;
   const int64_t n = result.elements;
-  float* pa = a_.data_ptr<float>();
-  const float* pb = b_.data_ptr<float>();
   // Variants take turns within each repetition, so a noisy moment does not favour one of them.
   for (int r = 0; r < reps; ++r) {
     for (auto& v : result.variants) {
-      if (!v.supported) continue;
       const auto start = Clock::now();
       for (int64_t begin = 0; begin < n; begin += result.block_elements) {
         const int64_t count = std::min(result.block_elements, n - begin);
+        std::vector<float*> block(pointers_.size());
+        for (size_t k = 0; k < block.size(); ++k) block[k] = pointers_[k] + begin;
         const auto block_start = Clock::now();
-        parallel_stream(v.fn, pa + begin, pb + begin, kStreamScale, count);
+        parallel_stream(v.fn, block.data(), count);
         if (count == result.block_elements) {
           v.best_block_s = std::min(v.best_block_s, seconds_since(block_start));
         }
@@ -152,18 +185,18 @@ void StreamBench::round(int reps) {
     }
   }
   result.reps += reps;
-  TORCH_CHECK(std::isfinite(a_[n - 1].item<float>()), "stream kernel produced a non-finite value");
+  for (const auto& a : arrays_) {
+    TORCH_CHECK(std::isfinite(a[n - 1].item<float>()), "a stream probe made a non-finite value");
+  }
   result.limit_gbps = 0;
   for (const auto& v : result.variants) {
-    if (!v.supported) continue;
     // The faster of whole passes and blocks: the higher limit, the stricter fraction.
-    const double pass_gbps = 12.0 * static_cast<double>(n) / v.best_s / 1e9;
-    const double block_gbps =
-        12.0 * static_cast<double>(result.block_elements) / v.best_block_s / 1e9;
-    if (std::max(pass_gbps, block_gbps) > result.limit_gbps) {
-      result.limit_gbps = std::max(pass_gbps, block_gbps);
-      result.limit_variant =
-          fmt::format("{}, {}", v.name, block_gbps > pass_gbps ? "block" : "whole pass");
+    const double pass = pass_gbps(v, n);
+    const double block = block_gbps(v, result.block_elements);
+    if (std::max(pass, block) > result.limit_gbps) {
+      result.limit_gbps = std::max(pass, block);
+      result.limit_variant = fmt::format("{}, {}, {}", probe_name(v.shape), v.isa,
+                                         block > pass ? "block" : "whole pass");
     }
   }
 }
@@ -400,21 +433,15 @@ void print_report(const StreamResult& stream, const std::vector<ParamSet>& sets,
                reps * set.rep_factor);
   }
   fmt::print(
-      "\n(a) bandwidth limit: a[i] += s*b[i] over 2 x {}M floats, 12 B/element, best of {} "
-      "(rounds at the start, before each case and at the end)\n",
-      stream.elements >> 20, stream.reps);
+      "\n(a) bandwidth limit: the fastest of {} streaming probes (x_j += s * reads, in place) over "
+      "{} arrays of {}M floats, best of {} (rounds at the start, before each case and at the "
+      "end); GB/s of the best whole pass / best {}M-float block\n",
+      kNumStreamProbes, kStreamProbeArrays, stream.elements >> 20, stream.reps,
+      stream.block_elements >> 20);
   for (const auto& v : stream.variants) {
-    if (!v.supported) {
-      fmt::print("  {:<16} not supported by this CPU\n", v.name);
-      continue;
-    }
-    fmt::print(
-        "  {:<16} whole pass {:6.2f} GB/s ({:6.2f} ms), best {}M-float block {:6.2f} GB/s "
-        "({:5.2f} ms)\n",
-        v.name, 12.0 * static_cast<double>(stream.elements) / v.best_s / 1e9, v.best_s * 1e3,
-        stream.block_elements >> 20,
-        12.0 * static_cast<double>(stream.block_elements) / v.best_block_s / 1e9,
-        v.best_block_s * 1e3);
+    fmt::print("  {:<36} {:<8} {:2} B/el  pass {:6.2f} GB/s  block {:6.2f} GB/s\n",
+               probe_name(v.shape), v.isa, v.shape.bytes_per_element(),
+               pass_gbps(v, stream.elements), block_gbps(v, stream.block_elements));
   }
   fmt::print("  limit: {:.2f} GB/s ({})\n", stream.limit_gbps, stream.limit_variant);
   // On a quiet machine the best whole pass comes within a few percent of the best block; far
@@ -422,10 +449,7 @@ void print_report(const StreamResult& stream, const std::vector<ParamSet>& sets,
   // time here, ours included, is then unreliable.
   double best_pass_gbps = 0;
   for (const auto& v : stream.variants) {
-    if (v.supported) {
-      best_pass_gbps =
-          std::max(best_pass_gbps, 12.0 * static_cast<double>(stream.elements) / v.best_s / 1e9);
-    }
+    best_pass_gbps = std::max(best_pass_gbps, pass_gbps(v, stream.elements));
   }
   if (best_pass_gbps < 0.8 * stream.limit_gbps) {
     fmt::print(
@@ -473,6 +497,7 @@ json to_json(const StreamResult& stream, const std::vector<CaseResult>& cases) {
                    {"pytorch_s", c.pytorch_s},
                    {"gbps", gbps},
                    {"limit_gbps", stream.limit_gbps},
+                   {"limit_probe", stream.limit_variant},
                    {"limit_fraction", gbps / stream.limit_gbps},
                    {"speedup_vs_libtorch", c.libtorch_s / c.ours_s},
                    {"speedup_vs_pytorch", c.pytorch_s / c.ours_s}});
@@ -559,7 +584,7 @@ int run(int argc, char** argv) {
   // (a) first, before anything else is allocated; then a round before each of our cases and a
   // last one at the end (see StreamBench).
   fmt::print(stderr, "optim_bench: measuring the bandwidth limit...\n");
-  StreamBench stream_bench(int64_t{quick ? 32 : 64} << 20);
+  StreamBench stream_bench(int64_t{quick ? 16 : 32} << 20);
   const int stream_reps = std::max(kMinStreamReps, reps);
   stream_bench.round(stream_reps);
 

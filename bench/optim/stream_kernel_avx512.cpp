@@ -1,16 +1,3 @@
-#include "stream_kernel.h"
-
-namespace distoptim {
-namespace bench {
-
-// A plain loop: with -O3 (and no aliasing, promised by __restrict) GCC vectorizes it for the
-// instruction set this file is compiled for. Nothing else is in this file, so no inline function
-// from a shared header is compiled with these flags.
-void stream_update_avx512(float* a, const float* b, float s, int64_t n) {
-  float* __restrict out = a;
-  const float* __restrict in = b;
-  for (int64_t i = 0; i < n; ++i) out[i] += s * in[i];
-}
-
-}  // namespace bench
-}  // namespace distoptim
+// The streaming probes compiled for the avx512 instruction set (flags in bench/CMakeLists.txt).
+#define DISTOPTIM_STREAM_PROBES_FN stream_probes_avx512
+#include "stream_probes.inc"

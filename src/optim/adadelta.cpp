@@ -21,11 +21,12 @@ void run_adadelta(const std::vector<detail::UpdateItem>& items, const AdadeltaOp
     UpdateTask& task =
         batch.add(kernels::select_kernel(Algorithm::kAdadelta, p.scalar_type(), flags),
                   item.operands, item.num_operands);
-    task.scalars[0] = o.weight_decay();
-    task.scalars[1] = o.rho();
-    task.scalars[2] = 1 - o.rho();
-    task.scalars[3] = o.eps();
-    task.scalars[4] = o.lr();
+    kernels::AdadeltaParams& args = task.params.adadelta;
+    args.weight_decay = o.weight_decay();
+    args.rho = o.rho();
+    args.one_minus_rho = 1 - o.rho();
+    args.eps = o.eps();
+    args.lr = o.lr();
   }
   batch.run();
 }

@@ -21,9 +21,10 @@ void run_adagrad(const std::vector<detail::UpdateItem>& items, const AdagradOpti
     UpdateTask& task =
         batch.add(kernels::select_kernel(Algorithm::kAdagrad, p.scalar_type(), flags),
                   item.operands, item.num_operands);
-    task.scalars[0] = o.weight_decay();
-    task.scalars[1] = o.lr() / (1 + static_cast<double>(item.step - 1) * o.lr_decay());
-    task.scalars[2] = o.eps();
+    kernels::AdagradParams& args = task.params.adagrad;
+    args.weight_decay = o.weight_decay();
+    args.clr = o.lr() / (1 + static_cast<double>(item.step - 1) * o.lr_decay());
+    args.eps = o.eps();
   }
   batch.run();
 }

@@ -35,8 +35,8 @@ void run_adam(const std::vector<detail::UpdateItem>& items, const AdamSettings& 
   uint32_t flags = 0;
   if (s.maximize) flags |= kernels::kMaximize;
   if (s.weight_decay != 0 && !s.decoupled) flags |= kernels::kWeightDecay;
-  if (s.amsgrad) flags |= kernels::kVariantA;
-  if (s.decoupled) flags |= kernels::kVariantB;
+  if (s.amsgrad) flags |= kernels::kAdamAmsgrad;
+  if (s.decoupled) flags |= kernels::kAdamDecoupled;
   kernels::UpdateBatch batch;
   for (const auto& item : items) {
     const at::Tensor& p = *item.operands[0];
@@ -46,15 +46,16 @@ void run_adam(const std::vector<detail::UpdateItem>& items, const AdamSettings& 
     const double step = static_cast<double>(item.step);
     const double bias_correction1 = 1 - std::pow(s.beta1, step);
     const double bias_correction2 = 1 - std::pow(s.beta2, step);
-    task.scalars[0] = s.weight_decay;
-    task.scalars[1] = s.beta1;
-    task.scalars[2] = 1 - s.beta1;
-    task.scalars[3] = s.beta2;
-    task.scalars[4] = 1 - s.beta2;
-    task.scalars[5] = s.lr / bias_correction1;
-    task.scalars[6] = std::sqrt(bias_correction2);
-    task.scalars[7] = s.eps;
-    task.scalars[8] = 1 - s.lr * s.weight_decay;
+    kernels::AdamParams& args = task.params.adam;
+    args.weight_decay = s.weight_decay;
+    args.beta1 = s.beta1;
+    args.one_minus_beta1 = 1 - s.beta1;
+    args.beta2 = s.beta2;
+    args.one_minus_beta2 = 1 - s.beta2;
+    args.step_size = s.lr / bias_correction1;
+    args.bias_correction2_sqrt = std::sqrt(bias_correction2);
+    args.eps = s.eps;
+    args.decay = 1 - s.lr * s.weight_decay;
   }
   batch.run();
 }

@@ -24,12 +24,13 @@ void run_adamax(const std::vector<detail::UpdateItem>& items, const AdamaxOption
     const at::Tensor& p = *item.operands[0];
     UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kAdamax, p.scalar_type(), flags),
                                  item.operands, item.num_operands);
-    task.scalars[0] = o.weight_decay();
-    task.scalars[1] = beta1;
-    task.scalars[2] = 1 - beta1;
-    task.scalars[3] = beta2;
-    task.scalars[4] = o.eps();
-    task.scalars[5] = o.lr() / (1 - std::pow(beta1, static_cast<double>(item.step)));
+    kernels::AdamaxParams& args = task.params.adamax;
+    args.weight_decay = o.weight_decay();
+    args.beta1 = beta1;
+    args.one_minus_beta1 = 1 - beta1;
+    args.beta2 = beta2;
+    args.eps = o.eps();
+    args.clr = o.lr() / (1 - std::pow(beta1, static_cast<double>(item.step)));
   }
   batch.run();
 }

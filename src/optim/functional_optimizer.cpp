@@ -23,6 +23,44 @@ void check_param(const at::Tensor& p, const std::string& where) {
                    " has dtype ", p.scalar_type(), "; supported: Float, Double");
 }
 
+// A step reads, per parameter, the metadata of the parameter, its gradient and its state
+// buffers (TensorImpl, StorageImpl): a few cache lines each, scattered over the heap and cold
+// after a forward and backward pass. Read one by one, each is a cache miss the CPU waits for,
+// which made a step over many small tensors cost more in misses than in memory traffic.
+// Prefetching all of them first, in passes of independent loads (the StorageImpl's address is
+// in the TensorImpl), overlaps the misses.
+void prefetch_lines(const void* address, size_t bytes) {
+  const char* p = static_cast<const char*>(address);
+  for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+}
+
+void prefetch_impl(const at::Tensor& t) {
+  if (t.defined()) prefetch_lines(t.unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+}
+
+void prefetch_storage(const at::Tensor& t) {
+  if (!t.defined() || t.layout() != at::kStrided || !t.has_storage()) return;
+  prefetch_lines(t.storage().unsafeGetStorageImpl(), sizeof(c10::StorageImpl));
+}
+
+void prefetch_metadata(const std::vector<at::Tensor>& params,
+                       const std::vector<at::Tensor>& gradients,
+                       const std::vector<ParamState>& states) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    prefetch_impl(params[i]);
+    prefetch_impl(gradients[i]);
+    prefetch_lines(states[i].buffers.data(), states[i].buffers.size() * sizeof(at::Tensor));
+  }
+  for (const ParamState& state : states) {
+    for (const at::Tensor& buffer : state.buffers) prefetch_impl(buffer);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    prefetch_storage(params[i]);
+    prefetch_storage(gradients[i]);
+    for (const at::Tensor& buffer : states[i].buffers) prefetch_storage(buffer);
+  }
+}
+
 }  // namespace
 
 bool ParamState::empty() const {
@@ -127,6 +165,7 @@ void FunctionalOptimizer::check_gradients(const std::vector<at::Tensor>& gradien
 }
 
 void FunctionalOptimizer::step(const std::vector<at::Tensor>& gradients) {
+  if (gradients.size() == params_.size()) prefetch_metadata(params_, gradients, states_);
   check_gradients(gradients);
   scratch_updates_.resize(groups_.size());
   for (auto& u : scratch_updates_) u.clear();

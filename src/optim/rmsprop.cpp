@@ -15,20 +15,21 @@ void run_rmsprop(const std::vector<detail::UpdateItem>& items, const RMSpropOpti
   uint32_t flags = 0;
   if (o.maximize()) flags |= kernels::kMaximize;
   if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
-  if (o.centered()) flags |= kernels::kVariantA;
-  if (o.momentum() > 0) flags |= kernels::kVariantB;
+  if (o.centered()) flags |= kernels::kRmspropCentered;
+  if (o.momentum() > 0) flags |= kernels::kRmspropMomentum;
   kernels::UpdateBatch batch;
   for (const auto& item : items) {
     const at::Tensor& p = *item.operands[0];
     UpdateTask& task =
         batch.add(kernels::select_kernel(Algorithm::kRmsprop, p.scalar_type(), flags),
                   item.operands, item.num_operands);
-    task.scalars[0] = o.weight_decay();
-    task.scalars[1] = o.alpha();
-    task.scalars[2] = 1 - o.alpha();
-    task.scalars[3] = o.eps();
-    task.scalars[4] = o.lr();
-    task.scalars[5] = o.momentum();
+    kernels::RmspropParams& args = task.params.rmsprop;
+    args.weight_decay = o.weight_decay();
+    args.alpha = o.alpha();
+    args.one_minus_alpha = 1 - o.alpha();
+    args.eps = o.eps();
+    args.lr = o.lr();
+    args.momentum = o.momentum();
   }
   batch.run();
 }

@@ -18,10 +18,11 @@ void run_rprop(const std::vector<detail::UpdateItem>& items, const RpropOptions&
     const at::Tensor& p = *item.operands[0];
     UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kRprop, p.scalar_type(), flags),
                                  item.operands, item.num_operands);
-    task.scalars[0] = std::get<0>(o.etas());
-    task.scalars[1] = std::get<1>(o.etas());
-    task.scalars[2] = std::get<0>(o.step_sizes());
-    task.scalars[3] = std::get<1>(o.step_sizes());
+    kernels::RpropParams& args = task.params.rprop;
+    args.etaminus = std::get<0>(o.etas());
+    args.etaplus = std::get<1>(o.etas());
+    args.step_size_min = std::get<0>(o.step_sizes());
+    args.step_size_max = std::get<1>(o.step_sizes());
   }
   batch.run();
 }

@@ -23,8 +23,8 @@ void run_sgd(const std::vector<const at::Tensor*>& params,
   uint32_t flags = 0;
   if (o.maximize()) flags |= kernels::kMaximize;
   if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
-  if (momentum) flags |= kernels::kVariantA;
-  if (o.nesterov()) flags |= kernels::kVariantB;
+  if (momentum) flags |= kernels::kSgdMomentum;
+  if (o.nesterov()) flags |= kernels::kSgdNesterov;
   kernels::UpdateBatch batch;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = *params[i];
@@ -34,17 +34,18 @@ void run_sgd(const std::vector<const at::Tensor*>& params,
     if (momentum) {
       if (!buffers[i]->defined()) {
         *buffers[i] = detail::new_state_buffer(p);
-        item_flags |= kernels::kVariantC;
+        item_flags |= kernels::kSgdFirstStep;
       }
       num_operands = 3;
     }
     UpdateTask& task =
         batch.add(kernels::select_kernel(Algorithm::kSgd, p.scalar_type(), item_flags), operands,
                   num_operands);
-    task.scalars[0] = o.lr();
-    task.scalars[1] = o.weight_decay();
-    task.scalars[2] = o.momentum();
-    task.scalars[3] = 1 - o.dampening();
+    kernels::SgdParams& args = task.params.sgd;
+    args.lr = o.lr();
+    args.weight_decay = o.weight_decay();
+    args.momentum = o.momentum();
+    args.one_minus_dampening = 1 - o.dampening();
   }
   batch.run();
 }
