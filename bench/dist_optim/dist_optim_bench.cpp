@@ -58,6 +58,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -489,10 +490,12 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch,
       "{} RPC worker threads (pytorch: TensorPipeRpcBackendOptions(num_worker_threads={}, "
       "rpc_timeout=60)), RPC timeout 60 s; PyTorch's other settings are its defaults; BLAS "
       "threads (the system OpenBLAS's own pool, which the intra-op setting does not reach; -1: "
-      "not OpenBLAS) ours {} / pytorch {}\n",
+      "not OpenBLAS) ours {} / pytorch {}, OPENBLAS_THREAD_TIMEOUT={} in every process of both "
+      "sides (distrun's value for ranks sharing a machine; OpenBLAS's default is 28)\n",
       kIntraOpThreads, ours.at("interop_threads").get<int>(),
       pytorch.at("interop_threads").get<int>(), kRpcThreads, kRpcThreads,
-      ours.at("blas_threads").get<int>(), pytorch.at("blas_threads").get<int>());
+      ours.at("blas_threads").get<int>(), pytorch.at("blas_threads").get<int>(),
+      std::getenv("OPENBLAS_THREAD_TIMEOUT"));
   fmt::print(
       "doc step: SGD lr {} over 2 RRefs on worker1, step alone, {} timed after {} warm-up; "
       "10M adam: Adam lr 0.001, {} x {} floats on each of worker1 and worker2, step alone, {} "
@@ -606,6 +609,12 @@ int run(int argc, char** argv) {
     config.doc.timed = config.adam.timed = config.rnn.timed = iterations;
   }
   ResultsFile results_file(json_path, "dist_optim_bench");
+  // OpenBLAS's idle-thread spin: distrun gives ranks that share a machine 2^4 cycles (see
+  // tools/distrun); every run of both sides gets the same value here, as with thread counts
+  // (one BLAS library, one setting). A value in the environment is kept, for both alike.
+  if (std::getenv("OPENBLAS_THREAD_TIMEOUT") == nullptr) {
+    ::setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1);
+  }
 
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   // Our job is distrun running this program with --worker; each side's one-process baseline is

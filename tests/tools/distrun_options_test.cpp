@@ -2,6 +2,7 @@
 
 #include "distrun/launcher.h"
 
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -167,6 +168,8 @@ TEST(DistrunOptions, ValidateChecksOptionsBuiltInCode) {
 }
 
 TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
+  ::unsetenv("OPENBLAS_THREAD_TIMEOUT");
+  ::unsetenv("GOTO_THREAD_TIMEOUT");
   LaunchOptions options;
   options.nproc_per_node = 4;
   options.nnodes = 3;
@@ -182,7 +185,8 @@ TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
                                                                {"MASTER_ADDR", "10.1.2.3"},
                                                                {"MASTER_PORT", "29400"},
                                                                {"DISTRUN_RESTART_COUNT", "0"},
-                                                               {"DISTRUN_MAX_RESTARTS", "0"}};
+                                                               {"DISTRUN_MAX_RESTARTS", "0"},
+                                                               {"OPENBLAS_THREAD_TIMEOUT", "4"}};
   EXPECT_EQ(rank_environment(options, 1), expected);
   options.nnodes = 1;
   options.node_rank = 0;
@@ -193,6 +197,32 @@ TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
   expected[7].second = "2";
   expected[8].second = "5";
   EXPECT_EQ(rank_environment(options, 1, 2), expected);
+}
+
+// Several ranks on one node get OpenBLAS's idle threads to sleep at once, unless the user chose
+// otherwise (either of OpenBLAS's two names); a single rank keeps OpenBLAS's default.
+TEST(DistrunOptions, SharedNodeRanksGetAShortBlasThreadTimeout) {
+  auto blas_timeout = [](int nproc_per_node) -> std::string {
+    LaunchOptions options;
+    options.nproc_per_node = nproc_per_node;
+    options.master_addr = "127.0.0.1";
+    options.master_port = 29400;
+    options.command = {"prog"};
+    for (const auto& [name, value] : rank_environment(options, 0)) {
+      if (name == "OPENBLAS_THREAD_TIMEOUT") return value;
+    }
+    return "(not set)";
+  };
+  ::unsetenv("OPENBLAS_THREAD_TIMEOUT");
+  ::unsetenv("GOTO_THREAD_TIMEOUT");
+  EXPECT_EQ(blas_timeout(2), "4");
+  EXPECT_EQ(blas_timeout(1), "(not set)");
+  ::setenv("OPENBLAS_THREAD_TIMEOUT", "12", 1);
+  EXPECT_EQ(blas_timeout(2), "(not set)");  // distrun's own environment passes it on
+  ::unsetenv("OPENBLAS_THREAD_TIMEOUT");
+  ::setenv("GOTO_THREAD_TIMEOUT", "12", 1);
+  EXPECT_EQ(blas_timeout(2), "(not set)");
+  ::unsetenv("GOTO_THREAD_TIMEOUT");
 }
 
 TEST(DistrunOptions, ResolveMasterDefaultsToLoopbackAndAFreePort) {

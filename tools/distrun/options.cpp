@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 
 #include <fmt/format.h>
@@ -67,7 +68,9 @@ void add_options(CLI::App& app, LaunchOptions& options) {
   app.footer(
       "Each rank's environment gets RANK (R * N + local rank), WORLD_SIZE (M * N), LOCAL_RANK,\n"
       "LOCAL_WORLD_SIZE (N), GROUP_RANK (R), MASTER_ADDR, MASTER_PORT, DISTRUN_RESTART_COUNT\n"
-      "(restarts so far: 0 in the first attempt) and DISTRUN_MAX_RESTARTS (K).\n"
+      "(restarts so far: 0 in the first attempt) and DISTRUN_MAX_RESTARTS (K); with N > 1,\n"
+      "also OPENBLAS_THREAD_TIMEOUT=4 unless set (idle OpenBLAS threads sleep at once rather\n"
+      "than spin on a core another rank needs).\n"
       "Every line a rank writes is printed as \"[rank RANK] line\" on distrun's stdout or stderr.\n"
       "When a rank exits non-zero or is killed by a signal, the others get SIGTERM, then SIGKILL\n"
       "after the grace period. With --max-restarts K, once all have exited, all are started again\n"
@@ -205,7 +208,7 @@ std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOp
                                                                   int local_rank,
                                                                   int restart_count) {
   const int rank = options.node_rank * options.nproc_per_node + local_rank;
-  return {
+  std::vector<std::pair<std::string, std::string>> environment = {
       {"RANK", std::to_string(rank)},
       {"WORLD_SIZE", std::to_string(options.nnodes * options.nproc_per_node)},
       {"LOCAL_RANK", std::to_string(local_rank)},
@@ -216,6 +219,14 @@ std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOp
       {"DISTRUN_RESTART_COUNT", std::to_string(restart_count)},
       {"DISTRUN_MAX_RESTARTS", std::to_string(options.max_restarts)},
   };
+  // Ranks sharing a machine: an idle OpenBLAS thread spins (sched_yield) for 2^28 cycles after
+  // each product, about 0.1 s, taking a core from the rank that computes while this one waits
+  // for it. 2^4 cycles: it sleeps at once. A value the user set stays.
+  if (options.nproc_per_node > 1 && std::getenv("OPENBLAS_THREAD_TIMEOUT") == nullptr &&
+      std::getenv("GOTO_THREAD_TIMEOUT") == nullptr) {
+    environment.emplace_back("OPENBLAS_THREAD_TIMEOUT", kSharedMachineBlasThreadTimeout);
+  }
+  return environment;
 }
 
 }  // namespace launcher

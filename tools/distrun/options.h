@@ -68,10 +68,15 @@ std::string help_text();
 /// if no socket can be bound.
 LaunchOptions resolve_master(LaunchOptions options);
 
+/// OpenBLAS's idle-thread spin, as a power of two of cycles, for ranks that share a machine.
+constexpr const char* kSharedMachineBlasThreadTimeout = "4";
+
 /// The variables set for local rank `local_rank` in the attempt after `restart_count` restarts,
 /// in this order: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 /// MASTER_PORT (torchrun's names), DISTRUN_RESTART_COUNT and DISTRUN_MAX_RESTARTS (torchrun's
-/// TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS). `options` must be resolved
+/// TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS); then, with several ranks on this
+/// node and neither OPENBLAS_THREAD_TIMEOUT nor GOTO_THREAD_TIMEOUT in distrun's environment,
+/// OPENBLAS_THREAD_TIMEOUT=kSharedMachineBlasThreadTimeout. `options` must be resolved
 /// (resolve_master) and valid.
 std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOptions& options,
                                                                   int local_rank,
