@@ -1,7 +1,11 @@
 #include <distoptim/rpc/api.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 
@@ -37,6 +41,23 @@ bool is_valid_worker_name(const std::string& name) {
   });
 }
 
+// RpcBackendOptions::keep_freed_memory: glibc keeps blocks below the mmap threshold in its heaps
+// and trims a heap's free top only past the trim threshold, so blocks up to 32 MiB (the largest
+// threshold glibc accepts) stay mapped once freed. Once per process: the settings are global.
+void keep_freed_memory() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* tunables = std::getenv("GLIBC_TUNABLES");
+    if ((tunables != nullptr && std::strstr(tunables, "glibc.malloc.") != nullptr) ||
+        std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+        std::getenv("MALLOC_TRIM_THRESHOLD_") != nullptr) {
+      return;  // The user's own tuning stands.
+    }
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  });
+}
+
 }  // namespace
 
 void init_rpc(const std::string& name, int rank, int world_size, const RpcBackendOptions& options) {
@@ -65,6 +86,7 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
   DISTOPTIM_CHECK_WITH(DistributedError, g_agent == nullptr,
                        "init_rpc: an agent is already running ", "as worker '",
                        g_agent ? g_agent->self().name : "", "'; call shutdown first");
+  if (options.keep_freed_memory()) keep_freed_memory();
   g_agent = std::make_shared<detail::Agent>(name, rank, world_size, options);
 }
 

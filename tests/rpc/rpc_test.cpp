@@ -3,12 +3,16 @@
 // worker, shutdown. Every rank is its own process; every wait is bounded.
 
 #include <dirent.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -312,6 +316,50 @@ TEST(Rpc, GetRpcTimeoutIsTheDefault) {
     shutdown();
     EXPECT_THROW(get_rpc_timeout(), DistributedError);
   });
+}
+
+// Minor page faults (pages the kernel mapped and zeroed) while this thread allocates, fills and
+// frees three blocks of `bytes`, in the third round of three: the pattern of a training
+// iteration's large activations and gradients.
+long page_faults_of_third_round(size_t bytes) {
+  long faults = 0;
+  for (int round = 0; round < 3; ++round) {
+    rusage before{}, after{};
+    getrusage(RUSAGE_THREAD, &before);
+    std::vector<void*> blocks;
+    for (int i = 0; i < 3; ++i) {
+      blocks.push_back(std::malloc(bytes));
+      std::memset(blocks.back(), round + 1, bytes);
+    }
+    for (void* block : blocks) std::free(block);
+    getrusage(RUSAGE_THREAD, &after);
+    faults = after.ru_minflt - before.ru_minflt;
+  }
+  return faults;
+}
+
+// With keep_freed_memory (the default), blocks freed in one round are reused by the next; with
+// it off, glibc's defaults trim the heap's freed top (past twice the largest block freed so far,
+// 64 MiB at most: these three make 72) and each round maps and zeroes the pages afresh. Each
+// setting in a process of its own: mallopt is global.
+TEST(Rpc, KeepFreedMemoryReusesLargeBlocks) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "the sanitizers' allocators replace glibc's malloc, which mallopt tunes";
+#endif
+  constexpr size_t kBytes = size_t{24} << 20;
+  const long pages = 3 * static_cast<long>(kBytes / ::sysconf(_SC_PAGESIZE));
+  for (const bool keep : {true, false}) {
+    run_ranks(1, [&](int rank, int world_size) {
+      init_rpc(worker(rank), rank, world_size, test_options().keep_freed_memory(keep));
+      const long faults = page_faults_of_third_round(kBytes);
+      shutdown();
+      if (keep) {
+        EXPECT_LT(faults, pages / 10) << "of " << pages << " pages";
+      } else {
+        EXPECT_GT(faults, pages / 2) << "of " << pages << " pages";
+      }
+    });
+  }
 }
 
 // Graceful shutdown does not wait its whole timeout for a worker it already knows is dead: the
