@@ -1,12 +1,15 @@
 #include <distoptim/comm/process_group.h>
 
 #include <algorithm>
+#include <cctype>
 #include <map>
 #include <mutex>
 #include <set>
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
+#include <gloo/common/error.h>
+#include <gloo/transport/tcp/address.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -42,19 +45,101 @@ DefaultState& initialized_state(const char* caller) {
   return *state;
 }
 
+// The global ranks among `ranks` (by group rank) whose Gloo address appears in `gloo_text`, a
+// failed connect's message ("connect [127.0.0.1]:54706: Connection refused"). Each member
+// publishes the addresses of its pairs, one per peer, under "<prefix>/0/<group rank>" (c10d's
+// PrefixStore joins with '/', c10d's Gloo group adds the device number): they are read back and
+// formatted by Gloo itself. A member whose key is absent or unreadable is not named.
+std::vector<int> ranks_at_address(DeadlineStore& store, const std::string& prefix,
+                                  const std::vector<int>& ranks, int group_rank,
+                                  const std::string& gloo_text, Clock::time_point deadline) {
+  const size_t entry_size = ::gloo::transport::tcp::Address().bytes().size();
+  std::vector<int> found;
+  for (int r = 0; r < static_cast<int>(ranks.size()); ++r) {
+    const std::string key = prefix + "/0/" + std::to_string(r);
+    if (r == group_rank || !store.check({key}, deadline)) continue;
+    const std::vector<uint8_t> bytes = store.get(key, deadline);
+    for (size_t at = 0; at + entry_size <= bytes.size(); at += entry_size) {
+      std::string address;
+      try {
+        address = ::gloo::transport::tcp::Address(
+                      std::vector<char>(bytes.begin() + at, bytes.begin() + at + entry_size))
+                      .str();
+      } catch (const std::exception&) {
+        continue;
+      }
+      // "[127.0.0.1]:1" must not match "[127.0.0.1]:1234".
+      const size_t pos = gloo_text.find(address);
+      if (pos == std::string::npos) continue;
+      const size_t end = pos + address.size();
+      if (end == gloo_text.size() || std::isdigit(gloo_text[end]) == 0) {
+        found.push_back(ranks[r]);
+        break;
+      }
+    }
+  }
+  return found;
+}
+
+// Throws Gloo's failure `e` to connect the group as a distoptim error naming the ranks it could
+// not reach: TimeoutError for a connect that ran out of time, PeerLostError for one refused or
+// broken, DistributedError for anything else. Gloo's exceptions are not c10::Errors: let
+// through, they pass handlers written for LibTorch's errors and end the process (std::terminate).
+[[noreturn]] void throw_connect_failure(DeadlineStore& store, const std::string& caller,
+                                        const std::string& prefix, const std::vector<int>& ranks,
+                                        int group_rank, std::chrono::milliseconds timeout,
+                                        const std::exception& e) {
+  const std::string gloo_text = e.what();
+  const std::string head = caller + ": connecting the Gloo group " + ranks_text(ranks) +
+                           " failed at rank " + std::to_string(ranks[group_rank]) + ": ";
+  if (dynamic_cast<const ::gloo::IoException*>(&e) == nullptr) {
+    DISTOPTIM_THROW(DistributedError, head, "Gloo: ", gloo_text);
+  }
+  std::vector<int> unreachable;
+  try {
+    unreachable =
+        ranks_at_address(store, prefix, ranks, group_rank, gloo_text,
+                         Clock::now() + std::min(timeout, std::chrono::milliseconds(2000)));
+  } catch (const c10::Error&) {
+    // The store is gone too: the error says no rank could be singled out.
+  }
+  const std::string culprits = unreachable.empty()
+                                   ? "the peer's rank is not known"
+                                   : "could not reach rank" +
+                                         std::string(unreachable.size() > 1 ? "s " : " ") +
+                                         c10::Join(", ", unreachable);
+  // Gloo's words for a connect that ran out of time: "Connect timeout", "Timed out".
+  const bool timed_out = gloo_text.find("timeout") != std::string::npos ||
+                         gloo_text.find("Timeout") != std::string::npos ||
+                         gloo_text.find("Timed out") != std::string::npos;
+  if (timed_out) {
+    DISTOPTIM_THROW(TimeoutError, head, "timed out after ", timeout.count(), " ms; ", culprits,
+                    "; Gloo: ", gloo_text);
+  }
+  DISTOPTIM_THROW(PeerLostError, head, culprits, "; Gloo: ", gloo_text);
+}
+
 // A Gloo group of the global ranks `ranks` (this process is `group_rank` among them). Gloo meets
 // its peers through a PrefixStore over the rendezvous's DeadlineStore: its store operations too
 // end by the rendezvous timeout. The same store, under `prefix + "failures/"`, is where members
 // report a failed collective, so that its error names the ranks at fault (named_failure_group.h).
+// `caller` names the call in errors.
 c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
-    const c10::intrusive_ptr<DeadlineStore>& store, const std::string& prefix,
-    const std::vector<int>& ranks, int group_rank, std::chrono::milliseconds timeout,
-    const std::string& hostname) {
+    const c10::intrusive_ptr<DeadlineStore>& store, const std::string& caller,
+    const std::string& prefix, const std::vector<int>& ranks, int group_rank,
+    std::chrono::milliseconds timeout, const std::string& hostname) {
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
-  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
-      c10::make_intrusive<c10d::PrefixStore>(prefix, store), group_rank,
-      static_cast<int>(ranks.size()), options);
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  try {
+    gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>(prefix, store), group_rank,
+        static_cast<int>(ranks.size()), options);
+  } catch (const c10::Error&) {
+    throw;  // the store's errors name who is missing already
+  } catch (const std::exception& e) {
+    throw_connect_failure(*store, caller, prefix, ranks, group_rank, timeout, e);
+  }
   return name_failures(std::move(gloo),
                        FailureChannel{store, prefix + "failures/", ranks, group_rank, timeout});
 }
@@ -131,8 +216,8 @@ void init_process_group(const ProcessGroupOptions& options) {
       options.gloo_hostname().empty() ? rdzv.local_address : options.gloo_hostname();
   std::vector<int> all(rdzv.world_size);
   for (int r = 0; r < rdzv.world_size; ++r) all[r] = r;
-  fresh->world = Group(make_gloo_group(rdzv.store, "world/", all, rdzv.rank, options.timeout(),
-                                       fresh->gloo_hostname),
+  fresh->world = Group(make_gloo_group(rdzv.store, "init_process_group", "world/", all, rdzv.rank,
+                                       options.timeout(), fresh->gloo_hostname),
                        all, rdzv.rank, options.timeout());
   state = std::move(fresh);
 }
@@ -215,8 +300,11 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
   agree_on_members(*store, prefix + "ranks/", world_size, my_rank, ranks, deadline, group_timeout,
                    id);
   const int group_rank = static_cast<int>(it - ranks.begin());
-  return Group(make_gloo_group(store, prefix + "pg/", ranks, group_rank, group_timeout, hostname),
-               ranks, my_rank, group_timeout);
+  const std::string caller =
+      "new_group(ranks=" + announced + ") (call #" + std::to_string(id) + ")";
+  return Group(
+      make_gloo_group(store, caller, prefix + "pg/", ranks, group_rank, group_timeout, hostname),
+      ranks, my_rank, group_timeout);
 }
 
 std::pair<Group, std::vector<Group>> new_subgroups(std::optional<int> group_size) {

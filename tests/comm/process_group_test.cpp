@@ -3,10 +3,14 @@
 
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <regex>
 #include <string>
 #include <thread>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -266,6 +270,62 @@ TEST(ProcessGroupFailure, StoppedRankIsNamedInTheTimeout) {
         EXPECT_TRUE(distoptim::testing::wait_for_process_state(stopped, "Z?", 20s));
       },
       options);
+}
+
+// Gloo's address of a listening socket as its tcp transport publishes it in the store
+// (gloo::transport::tcp::Address: a sockaddr_storage, then a sequence number, -1 for a pair's own
+// listener), for 127.0.0.1:`port`.
+std::vector<uint8_t> gloo_loopback_address(uint16_t port) {
+  sockaddr_storage storage{};
+  auto* address = reinterpret_cast<sockaddr_in*>(&storage);
+  address->sin_family = AF_INET;
+  address->sin_port = htons(port);
+  address->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int64_t sequence = -1;
+  std::vector<uint8_t> bytes(sizeof(storage) + sizeof(sequence));
+  std::memcpy(bytes.data(), &storage, sizeof(storage));
+  std::memcpy(bytes.data() + sizeof(storage), &sequence, sizeof(sequence));
+  return bytes;
+}
+
+TEST(ProcessGroupFailure, UnreachablePeerWhileMakingAGroupIsNamed) {
+  run_ranks(3, [](int rank, int) {
+    init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    const c10::intrusive_ptr<DeadlineStore> store = default_store();
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    if (rank == 2) {
+      // Joins new_group call #1 by hand and advertises, as its Gloo address for both peers, a
+      // port where nothing listens: the others' connects are refused. Port 256 sorts below any
+      // ephemeral port in Gloo's comparison, so the others are the connecting side.
+      const std::string ranks = "[0, 1, 2]";
+      store->set("group/1/ranks/2", std::vector<uint8_t>(ranks.begin(), ranks.end()), deadline);
+      const std::vector<uint8_t> one = gloo_loopback_address(256);
+      std::vector<uint8_t> addresses = one;
+      addresses.insert(addresses.end(), one.begin(), one.end());
+      // c10d's and Gloo's prefixes: "<group prefix>/<device>/<rank>".
+      store->set("group/1/pg//0/2", addresses, deadline);
+      char host[256] = {};
+      ::gethostname(host, sizeof(host) - 1);
+      store->set("group/1/pg//0/rank_2", std::vector<uint8_t>(host, host + std::strlen(host)),
+                 deadline);
+      store->wait({"test/done/0", "test/done/1"}, 20s);
+      return;
+    }
+    try {
+      new_group({}, 5s);
+      ADD_FAILURE() << "new_group succeeded with an unreachable member";
+    } catch (const PeerLostError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("new_group(ranks=[0, 1, 2]) (call #1): connecting the Gloo group "
+                             "[0, 1, 2] failed at rank " +
+                             std::to_string(rank) + ": "),
+                std::string::npos)
+          << message;
+      EXPECT_TRUE(names_rank(message, "could not reach ranks? ", 2, "; Gloo: ")) << message;
+      EXPECT_NE(message.find("Connection refused"), std::string::npos) << message;
+    }
+    store->set("test/done/" + std::to_string(rank), {1});
+  });
 }
 
 }  // namespace
