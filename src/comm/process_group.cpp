@@ -113,8 +113,10 @@ std::vector<int> ranks_at_address(DeadlineStore& store, const std::string& prefi
                          gloo_text.find("Timeout") != std::string::npos ||
                          gloo_text.find("Timed out") != std::string::npos;
   if (timed_out) {
-    DISTOPTIM_THROW(TimeoutError, head, "timed out after ", timeout.count(), " ms; ", culprits,
-                    "; Gloo: ", gloo_text);
+    // Gloo waits up to 5 times its timeout for a pair to connect (tcp/pair.h, Pair::waitUntil).
+    DISTOPTIM_THROW(TimeoutError, head,
+                    "timed out (Gloo waits up to 5 times the group's timeout of ", timeout.count(),
+                    " ms to connect); ", culprits, "; Gloo: ", gloo_text);
   }
   DISTOPTIM_THROW(PeerLostError, head, culprits, "; Gloo: ", gloo_text);
 }
