@@ -55,6 +55,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -346,18 +347,26 @@ class LocalRnn {
   std::unique_ptr<optim::FunctionalOptimizer> sgd_;
 };
 
-void measure_rnn(const Config& config, Json& result) {
-  DistributedRnn distributed;
-  std::vector<double> total_s, forward_s, backward_s, step_s;
+// The seconds of each timed iteration of `model` (DistributedRnn or LocalRnn), phase by phase:
+// total, forward, backward, step.
+template <class Model>
+std::array<std::vector<double>, 4> timed_iterations(Model& model, const Config& config) {
+  std::array<std::vector<double>, 4> seconds;
   for (int i = 0; i < config.rnn.warmup + config.rnn.timed; ++i) {
     const auto [input, target] = rnn_batch();
-    const DistributedRnn::Times times = distributed.iteration(input, target);
+    const DistributedRnn::Times times = model.iteration(input, target);
     if (i < config.rnn.warmup) continue;
-    total_s.push_back(times.total);
-    forward_s.push_back(times.forward);
-    backward_s.push_back(times.backward);
-    step_s.push_back(times.step);
+    seconds[0].push_back(times.total);
+    seconds[1].push_back(times.forward);
+    seconds[2].push_back(times.backward);
+    seconds[3].push_back(times.step);
   }
+  return seconds;
+}
+
+void measure_rnn(const Config& config, Json& result) {
+  DistributedRnn distributed;
+  const auto [total_s, forward_s, backward_s, step_s] = timed_iterations(distributed, config);
   double sum_s = 0;
   for (double s : total_s) sum_s += s;
   result["rnn_tokens_per_s"] = kRnnBptt * kRnnBatch * total_s.size() / sum_s;
@@ -372,16 +381,7 @@ void measure_rnn(const Config& config, Json& result) {
 void run_local(const Config& config) {
   at::set_num_threads(kIntraOpThreads);
   LocalRnn local;
-  std::vector<double> total_s, forward_s, backward_s, step_s;
-  for (int i = 0; i < config.rnn.warmup + config.rnn.timed; ++i) {
-    const auto [input, target] = rnn_batch();
-    const DistributedRnn::Times times = local.iteration(input, target);
-    if (i < config.rnn.warmup) continue;
-    total_s.push_back(times.total);
-    forward_s.push_back(times.forward);
-    backward_s.push_back(times.backward);
-    step_s.push_back(times.step);
-  }
+  const auto [total_s, forward_s, backward_s, step_s] = timed_iterations(local, config);
   print_result({{"local_rnn_iteration_ms", median(total_s) * 1e3},
                 {"local_rnn_forward_ms", median(forward_s) * 1e3},
                 {"local_rnn_backward_ms", median(backward_s) * 1e3},
