@@ -99,45 +99,36 @@ const optim::OptimizerRegistration kUserOptimizer(
     "user_nesterov", optim::typed_factory<optim::SGD, optim::SGDOptions>(
                          optim::SGDOptions().lr(0.1).momentum(0.9).nesterov(true)));
 
-// An optimizer whose every step fails: SGD that refuses to update.
-struct RefusingSGD : optim::SGD {
-  using optim::SGD::SGD;
-
- protected:
-  void update(size_t, const std::vector<ParamUpdate>&) override {
-    TORCH_CHECK_VALUE(false, "refusing to step on ", rpc::get_worker_info().name);
-  }
-};
-const optim::OptimizerRegistration kRefusingOptimizer(
-    "refusing_sgd", optim::typed_factory<RefusingSGD, optim::SGDOptions>(optim::SGDOptions(0.1)));
-
-// An optimizer whose process ends in the middle of its step on worker2 (as in a crash); SGD on
-// every other worker.
-struct DyingSGD : optim::SGD {
+// SGD (lr 0.1) with a fault injected before every update, registered as `name`.
+template <void (*kFault)()>
+struct FaultySGD : optim::SGD {
   using optim::SGD::SGD;
 
  protected:
   void update(size_t group, const std::vector<ParamUpdate>& updates) override {
-    if (rpc::get_worker_info().name == testing::worker(2)) std::_Exit(7);
+    kFault();
     optim::SGD::update(group, updates);
   }
 };
-const optim::OptimizerRegistration kDyingOptimizer(
-    "dying_sgd", optim::typed_factory<DyingSGD, optim::SGDOptions>(optim::SGDOptions(0.1)));
-// An optimizer that takes 4 s over its step on worker2, then steps as SGD; SGD elsewhere.
-struct StallingSGD : optim::SGD {
-  using optim::SGD::SGD;
+template <void (*kFault)()>
+optim::OptimizerRegistration register_faulty_sgd(const std::string& name) {
+  return {name, optim::typed_factory<FaultySGD<kFault>, optim::SGDOptions>(optim::SGDOptions(0.1))};
+}
 
- protected:
-  void update(size_t group, const std::vector<ParamUpdate>& updates) override {
-    if (rpc::get_worker_info().name == testing::worker(2)) {
-      std::this_thread::sleep_for(std::chrono::seconds(4));
-    }
-    optim::SGD::update(group, updates);
-  }
-};
-const optim::OptimizerRegistration kStallingOptimizer(
-    "stalling_sgd", optim::typed_factory<StallingSGD, optim::SGDOptions>(optim::SGDOptions(0.1)));
+bool on_worker2() { return rpc::get_worker_info().name == testing::worker(2); }
+void refuse() { TORCH_CHECK_VALUE(false, "refusing to step on ", rpc::get_worker_info().name); }
+void die_on_worker2() {  // as in a crash, in the middle of the step
+  if (on_worker2()) std::_Exit(7);
+}
+void stall_on_worker2() {
+  if (on_worker2()) std::this_thread::sleep_for(std::chrono::seconds(4));
+}
+// Every step fails; a process ends in its step on worker2; a step takes 4 s on worker2.
+const optim::OptimizerRegistration kRefusingOptimizer = register_faulty_sgd<refuse>("refusing_sgd");
+const optim::OptimizerRegistration kDyingOptimizer =
+    register_faulty_sgd<die_on_worker2>("dying_sgd");
+const optim::OptimizerRegistration kStallingOptimizer =
+    register_faulty_sgd<stall_on_worker2>("stalling_sgd");
 std::atomic<bool> g_leave{false};
 DISTOPTIM_RPC_FUNCTION("leave", [] { g_leave = true; });
 
