@@ -316,7 +316,7 @@ void BackwardPass::send(std::vector<Outgoing> messages) {
       auto self = weak.lock();
       if (!self) return;
       if (answered.hasError()) {
-        self->fail(answered.exception_ptr());
+        self->fail(self->explain_failed_answer(answered.exception_ptr(), number));
         return;
       }
       bool complete_now;
@@ -367,6 +367,32 @@ void BackwardPass::peer_lost(int peer, const std::string& peer_name) {
                                                  "' was lost before it sent its gradients "
                                                  "of context " +
                                                  std::to_string(context_->id()))));
+}
+
+std::exception_ptr BackwardPass::explain_failed_answer(std::exception_ptr error,
+                                                       uint64_t number) const {
+  std::string what = "message " + std::to_string(number);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = unanswered_.find(number);
+    if (it != unanswered_.end()) what = it->second;
+  }
+  try {
+    std::rethrow_exception(error);
+  } catch (const DistributedError& e) {
+    if (dynamic_cast<const TimeoutError*>(&e) == nullptr &&
+        dynamic_cast<const PeerLostError*>(&e) == nullptr) {
+      return error;  // a RemoteError, say, already says where and why
+    }
+    try {
+      DISTOPTIM_RETHROW_WITH_CONTEXT(e, "dist_autograd::backward on context ", context_->id(),
+                                     ": no answer to ", what, ": ");
+    } catch (...) {
+      return std::current_exception();
+    }
+  } catch (...) {
+  }
+  return error;
 }
 
 std::string BackwardPass::waiting_for() const {

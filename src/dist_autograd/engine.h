@@ -68,6 +68,9 @@ class BackwardPass : public std::enable_shared_from_this<BackwardPass> {
   void peer_lost(int peer, const std::string& peer_name);
   /// What the pass still waits for, for a timeout's message.
   std::string waiting_for() const;
+  /// The failure of the answer to message `number` (a timeout, a lost peer) with what that
+  /// message was in front: the rpc layer's own text names only the pass's internal function.
+  std::exception_ptr explain_failed_answer(std::exception_ptr error, uint64_t number) const;
 
  private:
   struct Pending {

@@ -3,6 +3,7 @@
 // trainer's and each worker's, read from its copy of the context) must match it (float64,
 // rel 1e-9). Every wait is bounded.
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <thread>
@@ -85,6 +86,7 @@ DISTOPTIM_RPC_FUNCTION("param_grads", [](int64_t context_id) {
 });
 DISTOPTIM_RPC_FUNCTION("context_count", [] { return static_cast<int64_t>(context_count()); });
 DISTOPTIM_RPC_FUNCTION("die", [] { ::_exit(7); });
+DISTOPTIM_RPC_FUNCTION("pid", [] { return int64_t{::getpid()}; });
 
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
   ASSERT_TRUE(actual.defined()) << what << ": no gradient";
@@ -424,6 +426,49 @@ TEST(DistAutograd, LostWorkerFailsBackwardNamingIt) {
         rpc::shutdown(/*graceful=*/false);
       },
       options);
+}
+
+// A worker stopped (SIGSTOP) between the forward pass and backward: backward fails after the
+// RPC timeout (1.5 s here) with TimeoutError saying what it waited for from worker1.
+// Continued, worker1 serves again, and a pass in a new context gives the exact gradient.
+TEST(DistAutograd, BackwardWithAStoppedWorkerTimesOutNamingIt) {
+  testing::with_workers(
+      2,
+      [] {
+        at::Tensor x = leaf({3, 4}, 1);
+        const int pid = static_cast<int>(rpc_sync<int64_t>(worker(1), "pid"));
+        {
+          ContextGuard context;
+          at::Tensor loss = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x}).sum();
+          ASSERT_TRUE(testing::stop_process(pid));
+          try {
+            backward(context.id(), {loss});
+            ADD_FAILURE() << "backward passed with worker1 stopped";
+          } catch (const TimeoutError& error) {
+            // The pass's deadline, or that of its message to worker1, whichever ends it first.
+            const std::string message = error.what();
+            EXPECT_EQ(message.rfind(
+                          "dist_autograd::backward on context " + std::to_string(context.id()), 0),
+                      0u)
+                << message;
+            EXPECT_TRUE(message.find("did not finish within 1500 ms; waiting for gradients from "
+                                     "'worker1'") != std::string::npos ||
+                        message.find(": no answer to the start of the pass on 'worker1': ") !=
+                            std::string::npos)
+                << message;
+          }
+          ASSERT_EQ(::kill(pid, SIGCONT), 0);
+        }
+        ContextGuard context;
+        at::Tensor loss = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x}).sum();
+        backward(context.id(), {loss});
+        Reference reference;
+        at::Tensor xr = x.detach().requires_grad_();
+        const at::Tensor expected =
+            torch::autograd::grad({reference.layer_on(1, xr).sum()}, {xr})[0];
+        EXPECT_TRUE(at::allclose(get_gradients(context.id()).at(x), expected, 1e-12, 0));
+      },
+      testing::test_options(1500ms));
 }
 
 }  // namespace

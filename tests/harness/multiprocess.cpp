@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -245,6 +246,22 @@ bool wait_for_process_state(int pid, const std::string& states, std::chrono::mil
   while (states.find(process_state(pid)) == std::string::npos) {
     if (std::chrono::steady_clock::now() >= until) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+bool stop_process(int pid, std::chrono::milliseconds limit) {
+  if (::kill(pid, SIGSTOP) != 0) return false;
+  const auto until = std::chrono::steady_clock::now() + limit;
+  // The signal stops the threads one by one: every one of them must show it.
+  for (const auto& task :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        until - std::chrono::steady_clock::now());
+    if (!wait_for_process_state(std::stoi(task.path().filename().string()), "T",
+                                std::max(left, std::chrono::milliseconds(0)))) {
+      return false;
+    }
   }
   return true;
 }

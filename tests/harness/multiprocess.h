@@ -51,5 +51,9 @@ char process_state(int pid);
 /// process_state's); false when it never was.
 bool wait_for_process_state(int pid, const std::string& states, std::chrono::milliseconds limit);
 
+/// Sends SIGSTOP to process `pid` and waits (at most `limit`) until every thread of it is
+/// stopped, so that nothing it was about to do runs after this returns; false when one never was.
+bool stop_process(int pid, std::chrono::milliseconds limit = std::chrono::seconds(10));
+
 }  // namespace testing
 }  // namespace distoptim

@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
@@ -449,13 +448,7 @@ TEST(Rpc, StoppedWorkerTimesOutCallsAndServesOnceContinued) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
       const int64_t pid = rpc_sync<int64_t>(worker(1), "pid");
-      ASSERT_EQ(::kill(static_cast<pid_t>(pid), SIGSTOP), 0);
-      // Every thread stopped, so that no call below can be served before the stop.
-      for (const auto& task :
-           std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
-        ASSERT_TRUE(distoptim::testing::wait_for_process_state(
-            std::stoi(task.path().filename().string()), "T", 10s));
-      }
+      ASSERT_TRUE(distoptim::testing::stop_process(static_cast<int>(pid)));
       std::vector<RpcFuture<int64_t>> pending;
       for (int i = 0; i < 3; ++i) {
         pending.push_back(rpc_async<int64_t>(worker(1), "add", std::tuple{i, 1}, 500ms));
