@@ -684,31 +684,33 @@ TEST(DistrunNodes, ASignalToOneNodeStopsEveryNodeWithoutARestart) {
   for (const auto& node : r) EXPECT_FALSE(contains(node.err, "restarts")) << node.err;
 }
 
+// A node's distrun that could not coordinate with the others: exit status 1, no rank started,
+// and `message` on stderr.
+void expect_coordination_failure(const RunResult& r, const std::string& message) {
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_EQ(r.out, "") << "no rank may start";
+  EXPECT_TRUE(contains(r.err, message)) << "stderr lacks: " << message << "\nstderr:\n" << r.err;
+}
+
 // Node 1 is never started: node 0 gives up after the join timeout, naming it, and starts no rank.
 TEST(DistrunNodes, ANodeThatNeverJoinsIsNamedAfterTheJoinTimeout) {
   const int port = free_loopback_port();
   const RunResult r =
       run_distrun(node_args(0, port, {"--max-restarts", "1", "--rdzv-timeout", "1"}, {"env"}));
-  EXPECT_EQ(r.status, 1) << r.err;
-  EXPECT_EQ(r.out, "");
-  EXPECT_TRUE(contains(r.err,
-                       "distrun: round 0: node(s) 1 never joined within 1 s "
-                       "(--rdzv-timeout); every node's distrun must be started with the "
-                       "same --nnodes, --master-addr and --master-port\n"))
-      << r.err;
+  expect_coordination_failure(r,
+                              "distrun: round 0: node(s) 1 never joined within 1 s "
+                              "(--rdzv-timeout); every node's distrun must be started with the "
+                              "same --nnodes, --master-addr and --master-port\n");
 
   // Node 1 alone cannot reach node 0's store, and says so.
   const RunResult alone =
       run_distrun(node_args(1, port, {"--max-restarts", "1", "--rdzv-timeout", "1"}, {"env"}));
-  EXPECT_EQ(alone.status, 1) << alone.err;
-  EXPECT_EQ(alone.out, "");
-  EXPECT_TRUE(contains(alone.err,
-                       "distrun: node 1 could not reach the launchers' store at "
-                       "127.0.0.1:" +
-                           std::to_string(port) +
-                           " (served by node 0's distrun) to join round 0 within 1 s "
-                           "(--rdzv-timeout): "))
-      << alone.err;
+  expect_coordination_failure(alone,
+                              "distrun: node 1 could not reach the launchers' store at "
+                              "127.0.0.1:" +
+                                  std::to_string(port) +
+                                  " (served by node 0's distrun) to join round 0 within "
+                                  "1 s (--rdzv-timeout): ");
 }
 
 // Node 1 gives another --max-restarts: both nodes refuse to start, naming it.
@@ -718,13 +720,10 @@ TEST(DistrunNodes, NodesMustAgreeOnTheirOptions) {
       run_distruns({node_args(0, port, {"--max-restarts", "1", "--rdzv-timeout", "20"}, {"env"}),
                     node_args(1, port, {"--max-restarts", "2", "--rdzv-timeout", "20"}, {"env"})});
   for (const auto& node : r) {
-    EXPECT_EQ(node.status, 1) << node.err;
-    EXPECT_EQ(node.out, "");
-    EXPECT_TRUE(contains(node.err,
-                         "distrun: round 0: node 1 has --nnodes 2 --nproc-per-node 1 "
-                         "--max-restarts 2, node 0 has --nnodes 2 --nproc-per-node 1 "
-                         "--max-restarts 1; every node must give the same\n"))
-        << node.err;
+    expect_coordination_failure(node,
+                                "distrun: round 0: node 1 has --nnodes 2 --nproc-per-node 1 "
+                                "--max-restarts 2, node 0 has --nnodes 2 --nproc-per-node 1 "
+                                "--max-restarts 1; every node must give the same\n");
   }
 }
 

@@ -279,8 +279,15 @@ class NodeCoordinator::Impl {
     const auto deadline = Clock::now() + kLeaveTimeout;
     while (Clock::now() < deadline && connected(deadline)) {
       try {
+        // Only nodes that ever came: one that never joined will not read anything.
         std::vector<int> missing = nodes_without("left/");
-        missing.erase(std::remove(missing.begin(), missing.end(), 0), missing.end());
+        const std::vector<int> never_came = nodes_without("claim/");
+        missing.erase(std::remove_if(missing.begin(), missing.end(),
+                                     [&](int node) {
+                                       return node == 0 || std::count(never_came.begin(),
+                                                                      never_came.end(), node) > 0;
+                                     }),
+                      missing.end());
         if (missing.empty()) return;
       } catch (const c10::Error& e) {
         drop_connection(e);

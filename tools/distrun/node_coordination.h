@@ -120,9 +120,9 @@ class NodeCoordinator {
   /// report within --rdzv-timeout (or the store it could not reach).
   RoundOutcome finish_round(const RoundOutcome& local, const SignalCheck& signal_check);
 
-  /// At the end of the job: the other nodes tell node 0 that they know how it ended (best
-  /// effort); node 0 waits up to kLeaveTimeout for every one of them before returning, as the
-  /// store goes away with it.
+  /// At the end of the job (also after a CoordinationError): the other nodes tell node 0 that
+  /// they know how it ended (best effort); node 0 waits up to kLeaveTimeout for every node that
+  /// ever joined before returning, as the store goes away with it.
   void leave();
 
  private:

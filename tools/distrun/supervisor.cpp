@@ -1,27 +1,46 @@
 // The supervisor's state machine (Supervisor below; one poll loop, single-threaded). An attempt
 // runs the local ranks once:
 //
+//   joining   only across nodes with restarts (--nnodes > 1, --max-restarts > 0): this node's
+//             distrun joins round k (= DISTRUN_RESTART_COUNT) in node 0's store
+//             (node_coordination.h) and waits, within --rdzv-timeout, until every node has;
+//             node 0 picks the round's MASTER_PORT. A signal, here or on another node, ends
+//             the job without an attempt.
 //   starting  start_all() forks and execs every local rank in order, each with its stdout and
 //             stderr on pipes; a rank that cannot be started counts as a failure with status 1
 //             (the ranks already started are stopped as below).
 //   running   the loop relays output and reaps ranks as they exit. Exit status 0 changes
-//             nothing; a non-zero status or a signal is a failure.
+//             nothing; a non-zero status or a signal is a failure. Across nodes, the loop also
+//             asks the store every 100 ms whether another node's failure, or a signal to another
+//             node's distrun, ended the round: then the local ranks are stopped as below (their
+//             ends count as its consequences, not as failures of this node).
 //   stopping  entered on the first failure, or when distrun gets SIGINT/SIGTERM: the first
-//             failure's status is kept; every rank still running is sent SIGTERM (or the signal
-//             distrun got, which is also passed on each time it comes again) and the grace
-//             period starts. Later failures are reported but change neither.
+//             failure's status is kept (across nodes, published as the round's failure first,
+//             unless another node's came first; a signal is published as the job's stop);
+//             every rank still running is sent SIGTERM (or the signal distrun got, which is also
+//             passed on each time it comes again) and the grace period starts. Later failures
+//             are reported but change neither.
 //   killing   at the end of the grace period, SIGKILL to every rank still running.
 //   draining  once no rank runs: output still held open by the ranks' own children is relayed
 //             for at most kDrainTimeout, then closed. The attempt ends.
-//   restarting  after an attempt that failed, when distrun got no SIGINT/SIGTERM (during it or
-//             before this point) and fewer than --max-restarts restarts were made: every rank
-//             of the attempt has been reaped, so no process of the old round is left; the
-//             master port is renewed (unless given on the command line) and the next attempt
-//             starts with DISTRUN_RESTART_COUNT one higher.
-//   done      exit status: 128 + the signal distrun got, if any; else the last attempt's first
-//             failure's status (128 + signal for a rank killed by one); else 0. When it is not
-//             0, a summary on stderr gives, for every attempt, how every rank ended and which
-//             ones distrun stopped, with which signals.
+//   ending    only across nodes: the round's outcome, the same on every node, from the store: a
+//             node whose ranks all exited 0 waits (within --rdzv-timeout) until every node's
+//             did, or one failed; a node cut off from the store keeps trying to reach it. A
+//             signal needs no answer.
+//   restarting  after an attempt that failed (across nodes: a round that failed on any node),
+//             when distrun got no SIGINT/SIGTERM (during it or before this point) and fewer than
+//             --max-restarts restarts were made: every rank of the attempt has been reaped, so
+//             no process of the old round is left; on one node, the master port is renewed
+//             (unless given on the command line); across nodes, the next round brings its own.
+//             The next attempt starts with DISTRUN_RESTART_COUNT one higher.
+//   done      exit status: 128 + the signal distrun got, if any; across nodes, the round's: 0,
+//             the status of the failure that ended it, or 128 + the signal another node's
+//             distrun got; 1 if the coordination failed; on one node, the last attempt's first
+//             failure's status (128 + signal for a rank killed by one), else 0. When it is not
+//             0, a summary on stderr gives, for every attempt, how every local rank ended and
+//             which ones distrun stopped, with which signals, and across nodes which node's
+//             failure (or signal) ended the round. Node 0's distrun, which serves the store,
+//             waits up to 5 s for the other nodes to have read how the job ended.
 
 #include "distrun/supervisor.h"
 
@@ -153,7 +172,9 @@ class Supervisor {
     } catch (const CoordinationError& e) {
       coordination_error_ = e.what();
     }
-    if (coordinator_ && coordination_error_.empty()) coordinator_->leave();
+    // Also after a coordination error: the other nodes may still have to read theirs (options
+    // that differ fail every node, each after reading every node's).
+    if (coordinator_) coordinator_->leave();
     const int status = exit_status();
     if (status != 0) write_all(STDERR_FILENO, final_report());
     return status;
