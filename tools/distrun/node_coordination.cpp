@@ -90,7 +90,7 @@ RoundOutcome RoundOutcome::stopped(int node, int signal) {
 std::string RoundOutcome::describe() const {
   switch (kind) {
     case Kind::kSucceeded:
-      return fmt::format("every rank of node {} exited with status 0", node);
+      return "every node's ranks exited with status 0";
     case Kind::kFailed:
       if (rank < 0) return fmt::format("node {} could not start a rank", node);
       return fmt::format("node {}'s rank {} failed with status {}", node, rank, status);

@@ -40,7 +40,7 @@ struct RoundOutcome {
   static RoundOutcome succeeded(int node);
   static RoundOutcome failed(int node, int rank, int status);
   static RoundOutcome stopped(int node, int signal);
-  /// "node 1's rank 3 exited with status 3", "node 0's distrun got SIGTERM", ...
+  /// "node 1's rank 3 failed with status 3", "node 0's distrun got SIGTERM", ...
   std::string describe() const;
 };
 

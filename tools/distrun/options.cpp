@@ -87,7 +87,9 @@ void add_options(CLI::App& app, LaunchOptions& options) {
       "failure, every node starts its ranks again together.\n"
       "Exit status: 0 if every rank exited 0; 128 + signal if distrun got SIGINT or SIGTERM; else\n"
       "the first failing rank's status in the last attempt (128 + signal if it was killed); 2 for\n"
-      "a bad command line.");
+      "a bad command line. Across nodes with K > 0, every node exits with the status of the\n"
+      "failure that ended the last round, 128 + signal when a node's distrun got one, or 1 when\n"
+      "the nodes could not coordinate (a node never joined within T, options that differ).");
 }
 
 }  // namespace
