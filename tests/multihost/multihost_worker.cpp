@@ -9,7 +9,8 @@
 //   resume STEPS OUT_DIR TIMEOUT_MS CKPT_DIR EVERY [PAUSE_STEP GO_FILE]
 //       as train, but starts from the latest complete checkpoint in CKPT_DIR, if any (printing
 //       "rank R resumed from PATH"), and saves one (data_parallel/checkpoint.h) after every
-//       EVERY steps; it pauses only in the first attempt (DISTRUN_RESTART_COUNT unset or 0).
+//       EVERY steps, with one DDP bucket per parameter; it pauses only in the first attempt
+//       (DISTRUN_RESTART_COUNT unset or 0).
 //   rpc TIMEOUT_MS
 //       joins an RPC group of every rank (worker<RANK>), calls every other worker with rpc_sync
 //       and prints, per call, "worker<R> -> worker<P>: <P's answer> in <same|other> namespace".
@@ -93,8 +94,15 @@ int train(int steps, const std::string& out_dir, milliseconds timeout, int pause
   torch::nn::Sequential model(torch::nn::Linear(6, 16), torch::nn::Tanh(),
                               torch::nn::Linear(16, 4));
   model->to(torch::kFloat64);
+  // Resumed training is bit-identical only if every step reduces its gradients in the same order.
+  // DDP builds its buckets again after its first iteration (in the order the gradients became
+  // ready, as PyTorch's does), so a resumed run's first step would use the first layout; with
+  // more than 2 ranks, Gloo's allreduce then adds a few elements in another order (1 ulp off).
+  // One bucket per parameter keeps the layout fixed.
+  const double bucket_cap_mb = checkpoints.every > 0 ? 1e-6 : 25;
   data_parallel::DistributedDataParallel ddp(
-      model, data_parallel::DistributedDataParallelOptions().process_group(group));
+      model, data_parallel::DistributedDataParallelOptions().process_group(group).bucket_cap_mb(
+                 bucket_cap_mb));
   data_parallel::ZeroRedundancyOptimizer zero(
       model->parameters(), "adam", distoptim::optim::OptionBag{{"lr", 0.01}},
       data_parallel::ZeroRedundancyOptimizerOptions().process_group(group));
