@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <thread>
 
 #include <asio/post.hpp>
 
@@ -19,6 +20,9 @@ namespace detail {
 namespace {
 
 constexpr const char* kStorePrefix = "distoptim/rpc/";
+// How long rank 0 keeps the store up, after a shutdown barrier failed, for the workers that
+// arrived to read why.
+constexpr auto kBarrierFailureGrace = std::chrono::seconds(2);
 
 // The exception for a future, located where it is made.
 #define DISTOPTIM_RPC_ERROR(type, message) \
@@ -584,6 +588,10 @@ void Agent::barrier(const std::string& round, bool wait) {
                     round, "': worker ", describe_missing({peer}, workers_), " is lost (", why, ")",
                     then);
   };
+  // Rank 0, which serves the store, tells the others why it gave up before it stops the store:
+  // otherwise they would see only the store's loss, not the workers that never came.
+  const std::string failed_key = prefix + "failed";
+  const auto left_key = [&](int rank) { return prefix + "left/" + std::to_string(rank); };
   // A worker already known to be dead that has not arrived never will: fail now, not at the
   // deadline. (A worker that refused us is alive: it is waited for.)
   bool reported_lost = false;
@@ -593,6 +601,12 @@ void Agent::barrier(const std::string& round, bool wait) {
         reported_lost = true;
         throw_lost(peer, why, "");
       }
+    }
+    if (rank_ != 0 && store.check({failed_key}, deadline)) {
+      const std::vector<uint8_t> why = store.get(failed_key, deadline);
+      store.add(left_key(rank_), 1, deadline);
+      DISTOPTIM_THROW(TimeoutError, "rpc shutdown: worker '", self().name,
+                      "' cannot pass barrier '", round, "': ", std::string(why.begin(), why.end()));
     }
   };
   std::vector<int> missing;
@@ -613,9 +627,36 @@ void Agent::barrier(const std::string& round, bool wait) {
     throw_lost(lost.begin()->first, lost.begin()->second,
                std::string("; then: ") + error.what_without_backtrace());
   }
-  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "rpc shutdown: worker '", self().name,
-                       "' waited ", options_.shutdown_timeout().count(), " ms at barrier '", round,
-                       "' for workers that never arrived: ", describe_missing(missing, workers_));
+  if (missing.empty()) {
+    return;
+  }
+  const std::string why =
+      "worker '" + self().name + "' waited " + std::to_string(options_.shutdown_timeout().count()) +
+      " ms at barrier '" + round +
+      "' for workers that never arrived: " + describe_missing(missing, workers_);
+  if (rank_ == 0) {
+    announce_barrier_failure(store, failed_key, why, missing, left_key);
+  }
+  DISTOPTIM_THROW(TimeoutError, "rpc shutdown: ", why);
+}
+
+void Agent::announce_barrier_failure(comm::DeadlineStore& store, const std::string& failed_key,
+                                     const std::string& why, const std::vector<int>& missing,
+                                     const std::function<std::string(int)>& left_key) {
+  // Bounded: the workers that arrived read it within their next poll (at most 50 ms apart).
+  const auto until = std::chrono::steady_clock::now() + kBarrierFailureGrace;
+  try {
+    store.set(failed_key, std::vector<uint8_t>(why.begin(), why.end()), until);
+    for (int rank = 1; rank < world_size_; ++rank) {
+      if (std::find(missing.begin(), missing.end(), rank) != missing.end()) continue;
+      while (!store.check({left_key(rank)}, until)) {
+        if (std::chrono::steady_clock::now() >= until) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+  } catch (const std::exception&) {
+    // The store failing too leaves nothing more to tell anyone.
+  }
 }
 
 void Agent::shutdown(bool graceful) {

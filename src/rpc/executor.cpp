@@ -55,14 +55,20 @@ bool Executor::quiescent() {
 void Executor::post(std::function<void()> job) {
   bool queued = false;
   bool warn = false;
+  bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!stopping_) {
       jobs_.push_back(std::move(job));
       queued = true;
       warn = grow_locked();
-      wake_.notify_one();
+      wake = idle_ > 0;
     }
+  }
+  // Woken after the lock is released: a thread woken while it is held would block on it at once
+  // (two more context switches per job).
+  if (wake) {
+    wake_.notify_one();
   }
   if (warn) {
     warn_at_bound(max_threads_);

@@ -13,14 +13,20 @@ PendingCalls::~PendingCalls() { stop(); }
 void PendingCalls::add(PendingCall call) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (call.has_deadline) {
-    const bool earliest = deadlines_.empty() || call.deadline < deadlines_.begin()->first;
     deadlines_.emplace(call.deadline, call.id);
-    if (earliest) {
-      changed_.notify_all();
+    if (call.deadline < timer_wakes_at_) {
+      timer_wakes_at_ = call.deadline;
+      timer_changed_.notify_one();
     }
   }
   const uint64_t id = call.id;
   calls_.emplace(id, std::move(call));
+}
+
+void PendingCalls::notify_if_empty_locked() {
+  if (calls_.empty() && empty_waiters_ > 0) {
+    emptied_.notify_all();
+  }
 }
 
 void PendingCalls::erase_deadline_locked(const PendingCall& call) {
@@ -45,7 +51,7 @@ std::optional<PendingCall> PendingCalls::take(uint64_t id, int from) {
   PendingCall call = std::move(it->second);
   calls_.erase(it);
   erase_deadline_locked(call);
-  changed_.notify_all();
+  notify_if_empty_locked();
   return call;
 }
 
@@ -67,7 +73,7 @@ std::vector<PendingCall> PendingCalls::take_to(int peer) {
       ++it;
     }
   }
-  changed_.notify_all();
+  notify_if_empty_locked();
   return taken;
 }
 
@@ -79,13 +85,16 @@ std::vector<PendingCall> PendingCalls::take_all() {
   }
   calls_.clear();
   deadlines_.clear();
-  changed_.notify_all();
+  notify_if_empty_locked();
   return taken;
 }
 
 bool PendingCalls::wait_empty(std::chrono::steady_clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mutex_);
-  return changed_.wait_until(lock, deadline, [this] { return calls_.empty(); });
+  ++empty_waiters_;
+  const bool empty = emptied_.wait_until(lock, deadline, [this] { return calls_.empty(); });
+  --empty_waiters_;
+  return empty;
 }
 
 size_t PendingCalls::size() {
@@ -98,7 +107,7 @@ void PendingCalls::stop() {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
-  changed_.notify_all();
+  timer_changed_.notify_all();
   if (timer_.joinable()) {
     timer_.join();
   }
@@ -107,17 +116,7 @@ void PendingCalls::stop() {
 void PendingCalls::run_timer() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stopping_) {
-    if (deadlines_.empty()) {
-      changed_.wait(lock);
-      continue;
-    }
     const auto now = std::chrono::steady_clock::now();
-    // A copy: wait_until reads the deadline again after waking, when the entry may be gone.
-    const auto earliest = deadlines_.begin()->first;
-    if (now < earliest) {
-      changed_.wait_until(lock, earliest);
-      continue;
-    }
     std::vector<PendingCall> expired;
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
       auto it = calls_.find(deadlines_.begin()->second);
@@ -127,12 +126,21 @@ void PendingCalls::run_timer() {
         calls_.erase(it);
       }
     }
-    changed_.notify_all();
-    lock.unlock();
     if (!expired.empty()) {
+      notify_if_empty_locked();
+      lock.unlock();
       on_expired_(std::move(expired));
+      lock.lock();
+      continue;
     }
-    lock.lock();
+    timer_wakes_at_ = deadlines_.empty() ? TimePoint::max() : deadlines_.begin()->first;
+    if (timer_wakes_at_ == TimePoint::max()) {
+      timer_changed_.wait(lock);
+    } else {
+      // A copy: add() may move timer_wakes_at_ while this waits.
+      const TimePoint wake_at = timer_wakes_at_;
+      timer_changed_.wait_until(lock, wake_at);
+    }
   }
 }
 

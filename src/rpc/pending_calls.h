@@ -63,12 +63,23 @@ class PendingCalls {
   void erase_deadline_locked(const PendingCall& call);  // requires mutex_
   void run_timer();
 
+  void notify_if_empty_locked();  // requires mutex_
+
+  using TimePoint = std::chrono::steady_clock::time_point;
   const ExpiredHandler on_expired_;
   std::mutex mutex_;
-  std::condition_variable changed_;  // a call left, or an earlier deadline arrived, or stop
-  std::unordered_map<uint64_t, PendingCall> calls_;                           // guarded by mutex_
-  std::multimap<std::chrono::steady_clock::time_point, uint64_t> deadlines_;  // guarded by mutex_
-  bool stopping_ = false;                                                     // guarded by mutex_
+  // The timer thread sleeps on `timer_changed_` until `timer_wakes_at_` (max(): nothing to
+  // time) and is woken only for a deadline sooner than that, or to stop: not once per call, as
+  // a wake-up on each call's way costs microseconds a round trip does not have. A deadline
+  // whose call was answered stays behind in its wait: the thread wakes for nothing then (at
+  // most once per deadline it waited for), and goes back to sleep.
+  std::condition_variable timer_changed_;
+  TimePoint timer_wakes_at_ = TimePoint::max();      // guarded by mutex_
+  std::condition_variable emptied_;                  // no call is pending any more (wait_empty)
+  int empty_waiters_ = 0;                            // guarded by mutex_
+  std::unordered_map<uint64_t, PendingCall> calls_;  // guarded by mutex_
+  std::multimap<TimePoint, uint64_t> deadlines_;     // guarded by mutex_
+  bool stopping_ = false;                            // guarded by mutex_
   std::thread timer_;
 };
 

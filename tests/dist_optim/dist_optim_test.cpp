@@ -3,6 +3,8 @@
 // owners without gradients, construction errors, checkpoints, and replies during steps. Every
 // wait is bounded.
 
+#include <atomic>
+#include <cstdlib>
 #include <fstream>
 #include <thread>
 
@@ -97,17 +99,38 @@ const optim::OptimizerRegistration kUserOptimizer(
     "user_nesterov", optim::typed_factory<optim::SGD, optim::SGDOptions>(
                          optim::SGDOptions().lr(0.1).momentum(0.9).nesterov(true)));
 
-// An optimizer whose every step fails: SGD that refuses to update.
-struct RefusingSGD : optim::SGD {
+// SGD (lr 0.1) with a fault injected before every update, registered as `name`.
+template <void (*kFault)()>
+struct FaultySGD : optim::SGD {
   using optim::SGD::SGD;
 
  protected:
-  void update(size_t, const std::vector<ParamUpdate>&) override {
-    TORCH_CHECK_VALUE(false, "refusing to step on ", rpc::get_worker_info().name);
+  void update(size_t group, const std::vector<ParamUpdate>& updates) override {
+    kFault();
+    optim::SGD::update(group, updates);
   }
 };
-const optim::OptimizerRegistration kRefusingOptimizer(
-    "refusing_sgd", optim::typed_factory<RefusingSGD, optim::SGDOptions>(optim::SGDOptions(0.1)));
+template <void (*kFault)()>
+optim::OptimizerRegistration register_faulty_sgd(const std::string& name) {
+  return {name, optim::typed_factory<FaultySGD<kFault>, optim::SGDOptions>(optim::SGDOptions(0.1))};
+}
+
+bool on_worker2() { return rpc::get_worker_info().name == testing::worker(2); }
+void refuse() { TORCH_CHECK_VALUE(false, "refusing to step on ", rpc::get_worker_info().name); }
+void die_on_worker2() {  // as in a crash, in the middle of the step
+  if (on_worker2()) std::_Exit(7);
+}
+void stall_on_worker2() {
+  if (on_worker2()) std::this_thread::sleep_for(std::chrono::seconds(4));
+}
+// Every step fails; a process ends in its step on worker2; a step takes 4 s on worker2.
+const optim::OptimizerRegistration kRefusingOptimizer = register_faulty_sgd<refuse>("refusing_sgd");
+const optim::OptimizerRegistration kDyingOptimizer =
+    register_faulty_sgd<die_on_worker2>("dying_sgd");
+const optim::OptimizerRegistration kStallingOptimizer =
+    register_faulty_sgd<stall_on_worker2>("stalling_sgd");
+std::atomic<bool> g_leave{false};
+DISTOPTIM_RPC_FUNCTION("leave", [] { g_leave = true; });
 
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
   EXPECT_TRUE(at::allclose(actual, expected, 1e-9, 1e-12)) << what << ":\n"
@@ -368,6 +391,67 @@ TEST(DistributedOptimizer, StepErrorsNameEveryFailingOwner) {
       }
     }
   });
+}
+
+// An owner lost in the middle of step(): the step fails with PeerLostError naming it, once the
+// other owners have answered (their steps are done: their parameters are one SGD step on).
+TEST(DistributedOptimizer, AnOwnerLostDuringStepIsNamed) {
+  testing::RunRanksOptions options;
+  options.expected_exit_codes = {{2, 7}};
+  run_ranks(
+      3,
+      [](int rank, int size) {
+        rpc::init_rpc(worker(rank), rank, size, test_options());
+        if (rank != 0) {
+          while (!g_leave) std::this_thread::sleep_for(10ms);  // serves until told to leave
+          rpc::shutdown(/*graceful=*/false);
+          return;
+        }
+        const at::Tensor v0 = at::linspace(0.5, 1.5, 4, at::kDouble);
+        at::Tensor v = v0.clone().requires_grad_();
+        try {
+          DistributedOptimizer optimizer("dying_sgd", model_params(v));
+          train_remotely(optimizer, v, 0, 1);
+          ADD_FAILURE() << "the step passed without worker2";
+        } catch (const PeerLostError& error) {
+          const std::string message = error.what();
+          EXPECT_NE(message.find("step("), std::string::npos) << message;
+          EXPECT_NE(message.find("worker '" + worker(2) + "': "), std::string::npos) << message;
+          EXPECT_EQ(message.find("worker '" + worker(1) + "': "), std::string::npos) << message;
+        }
+        // The same step in one process: worker1's parameters and v took it.
+        std::vector<at::Tensor> p1 = make_params(1), p2 = make_params(2);
+        at::Tensor vr = v0.clone().requires_grad_();
+        const at::Tensor loss = layer(p2, layer(p1, input(0)) * vr).pow(2).sum();
+        const std::vector<at::Tensor> grads = torch::autograd::grad({loss}, {p1[0], p1[1], vr});
+        const std::vector<at::Tensor> now = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+        expect_close(now[0], p1[0].detach() - 0.1 * grads[0], "worker1's w");
+        expect_close(now[1], p1[1].detach() - 0.1 * grads[1], "worker1's b");
+        expect_close(v.detach(), v0 - 0.1 * grads[2], "v");
+        rpc_sync(worker(1), "leave");
+        rpc::shutdown(/*graceful=*/false);
+      },
+      options);
+}
+
+// An owner whose step outlives the RPC timeout (1.5 s here): the step fails with TimeoutError
+// naming it, and only it.
+TEST(DistributedOptimizer, AnOwnerTimingOutDuringStepIsNamed) {
+  testing::with_workers(
+      3,
+      [] {
+        at::Tensor v = at::linspace(0.5, 1.5, 4, at::kDouble).requires_grad_();
+        DistributedOptimizer optimizer("stalling_sgd", model_params(v));
+        try {
+          train_remotely(optimizer, v, 0, 1);
+          ADD_FAILURE() << "the step passed in time";
+        } catch (const TimeoutError& error) {
+          const std::string message = error.what();
+          EXPECT_NE(message.find("worker '" + worker(2) + "': "), std::string::npos) << message;
+          EXPECT_EQ(message.find("worker '" + worker(1) + "': "), std::string::npos) << message;
+        }
+      },
+      testing::test_options(1500ms));
 }
 
 TEST(DistributedOptimizer, ConstructionErrorsNameTheWorker) {

@@ -142,8 +142,8 @@ TEST_P(Checkpoint, InstancesOnThreadsMatchSerialRuns) {
   for (int t = 0; t < kThreads; ++t) expect_all_equal(parallel[t].params, serial[t].params);
 }
 
-// Every instruction set this CPU has computes the same update up to rounding (the compiler may
-// fuse multiply-adds differently per target), over sizes around every vector width.
+// Every instruction set this CPU has computes the same update, bit for bit (the kernels are
+// compiled without fused multiply-adds), over sizes around every vector width.
 TEST_P(Checkpoint, EveryKernelIsaAgrees) {
   const std::vector<std::string> isas = supported_kernel_isas();
   const std::string original = kernel_isa();
@@ -167,8 +167,7 @@ TEST_P(Checkpoint, EveryKernelIsaAgrees) {
   set_kernel_isa(original);
   for (size_t r = 1; r < results.size(); ++r) {
     for (size_t i = 0; i < results[0].size(); ++i) {
-      const double rtol = results[0][i].scalar_type() == at::kDouble ? 1e-12 : 1e-5;
-      EXPECT_TRUE(at::allclose(results[r][i], results[0][i], rtol, rtol))
+      EXPECT_TRUE(at::equal(results[r][i], results[0][i]))
           << isas[r] << " vs " << isas[0] << ", tensor " << i << " of " << results[0][i].numel();
     }
   }

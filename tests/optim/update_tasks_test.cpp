@@ -72,52 +72,53 @@ TEST(UpdateTasks, LargeStepUsesEveryIntraOpThread) {
 // One step over many tensors runs them as one batch, split between the threads at element
 // counts that cut tensors in two, with the next tensor's memory prefetched. None of that may
 // change a result: every built-in optimizer's parameters and state after three steps over a
-// batch of mixed sizes equal, bit for bit, those of the same tensors stepped one per optimizer.
-//
-// The avx2 and avx512 kernels are compiled with GCC's default -ffp-contract=fast, under which
-// the vectorized loop and its scalar remainder may fuse a multiply and an add differently, so
-// there an element's last bit can depend on where a thread's range starts. The default kernels
-// (no FMA instructions) show what the batching itself does.
+// batch of mixed sizes equal, bit for bit, those of the same tensors stepped one per optimizer,
+// on every instruction set this CPU has (where an element falls, in a vectorized loop or in its
+// scalar remainder, must not matter either).
 TEST(UpdateTasks, BatchedStepEqualsOneTensorAtATime) {
   at::set_num_threads(2);
-  const std::string isa = kernel_isa();
-  set_kernel_isa("default");
+  const std::string original = kernel_isa();
   const std::vector<int64_t> sizes = {1, 7, 1000, 1003, 5000, 70001, 16, 1000, 3};
-  for (const auto& c : testing::all_optimizer_cases()) {
-    torch::manual_seed(0);
-    std::vector<at::Tensor> batched;
-    std::vector<std::vector<at::Tensor>> grads(3);
-    for (int r = 0; r < 12; ++r) {
-      for (int64_t size : sizes) {
-        batched.push_back(torch::randn({size}));
-        for (auto& g : grads) g.push_back(torch::randn({size}));
+  for (const std::string& isa : supported_kernel_isas()) {
+    set_kernel_isa(isa);
+    for (const auto& c : testing::all_optimizer_cases()) {
+      torch::manual_seed(0);
+      std::vector<at::Tensor> batched;
+      std::vector<std::vector<at::Tensor>> grads(3);
+      for (int r = 0; r < 12; ++r) {
+        for (int64_t size : sizes) {
+          batched.push_back(torch::randn({size}));
+          for (auto& g : grads) g.push_back(torch::randn({size}));
+        }
       }
-    }
-    std::vector<at::Tensor> alone;
-    for (const auto& p : batched) alone.push_back(p.clone());
-    auto batch_optimizer = create_optimizer(c.name, {ParamGroup(batched)}, c.options);
-    std::vector<std::unique_ptr<FunctionalOptimizer>> single;
-    for (const auto& p : alone)
-      single.push_back(create_optimizer(c.name, {ParamGroup({p})}, c.options));
-    for (const auto& g : grads) {
-      batch_optimizer->step(g);
-      for (size_t i = 0; i < alone.size(); ++i) single[i]->step({g[i]});
-    }
-    for (size_t i = 0; i < alone.size(); ++i) {
-      ASSERT_TRUE(at::equal(batched[i], alone[i])) << c.name << ": parameter " << i;
-      const ParamState& a = batch_optimizer->state(i);
-      const ParamState& b = single[i]->state(0);
-      ASSERT_EQ(a.buffers.size(), b.buffers.size());
-      for (size_t k = 0; k < a.buffers.size(); ++k) {
-        ASSERT_EQ(a.buffers[k].defined(), b.buffers[k].defined()) << c.name << " " << i;
-        if (a.buffers[k].defined()) {
-          ASSERT_TRUE(at::equal(a.buffers[k], b.buffers[k]))
-              << c.name << ": state " << batch_optimizer->state_names()[k] << " of parameter " << i;
+      std::vector<at::Tensor> alone;
+      for (const auto& p : batched) alone.push_back(p.clone());
+      auto batch_optimizer = create_optimizer(c.name, {ParamGroup(batched)}, c.options);
+      std::vector<std::unique_ptr<FunctionalOptimizer>> single;
+      for (const auto& p : alone)
+        single.push_back(create_optimizer(c.name, {ParamGroup({p})}, c.options));
+      for (const auto& g : grads) {
+        batch_optimizer->step(g);
+        for (size_t i = 0; i < alone.size(); ++i) single[i]->step({g[i]});
+      }
+      for (size_t i = 0; i < alone.size(); ++i) {
+        ASSERT_TRUE(at::equal(batched[i], alone[i]))
+            << isa << ", " << c.name << ": parameter " << i;
+        const ParamState& a = batch_optimizer->state(i);
+        const ParamState& b = single[i]->state(0);
+        ASSERT_EQ(a.buffers.size(), b.buffers.size());
+        for (size_t k = 0; k < a.buffers.size(); ++k) {
+          ASSERT_EQ(a.buffers[k].defined(), b.buffers[k].defined()) << c.name << " " << i;
+          if (a.buffers[k].defined()) {
+            ASSERT_TRUE(at::equal(a.buffers[k], b.buffers[k]))
+                << isa << ", " << c.name << ": state " << batch_optimizer->state_names()[k]
+                << " of parameter " << i;
+          }
         }
       }
     }
   }
-  set_kernel_isa(isa);
+  set_kernel_isa(original);
 }
 
 }  // namespace

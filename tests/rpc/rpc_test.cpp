@@ -3,12 +3,14 @@
 // worker, shutdown. Every rank is its own process; every wait is bounded.
 
 #include <dirent.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
@@ -55,6 +57,7 @@ DISTOPTIM_RPC_FUNCTION("sleep_ms", [](int64_t ms) {
   return ms;
 });
 DISTOPTIM_RPC_FUNCTION("whoami", [] { return get_worker_info().name; });
+DISTOPTIM_RPC_FUNCTION("pid", [] { return int64_t{::getpid()}; });
 // Nested: calls `hop` on `next` and appends this worker's name.
 DISTOPTIM_RPC_FUNCTION("relay", [](std::vector<std::string> path) {
   const std::string me = get_worker_info().name;
@@ -392,6 +395,77 @@ TEST(Rpc, GracefulShutdownFailsFastOnALostPeer) {
         }
       },
       options);
+}
+
+// A worker that never calls init_rpc: the others' init_rpc fails after init_timeout with
+// TimeoutError naming its rank.
+TEST(Rpc, InitWithAWorkerThatNeverArrivesNamesIt) {
+  run_ranks(3, [](int rank, int world_size) {
+    if (rank == 2) {
+      std::this_thread::sleep_for(3s);  // and never calls init_rpc
+      return;
+    }
+    try {
+      init_rpc(worker(rank), rank, world_size, test_options().init_timeout(1500ms));
+      ADD_FAILURE() << "init_rpc passed without rank 2";
+      shutdown(/*graceful=*/false);
+    } catch (const TimeoutError& error) {
+      EXPECT_NE(std::string(error.what()).find("never arrived: 2"), std::string::npos)
+          << error.what();
+    }
+  });
+}
+
+// A worker that never calls shutdown: the others' graceful shutdown fails after
+// shutdown_timeout with TimeoutError naming it (rank 0, the store's host, tells the others
+// before it stops the store), and stops their agents all the same.
+TEST(Rpc, GracefulShutdownWithAWorkerThatNeverCallsItNamesIt) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options().shutdown_timeout(1500ms));
+    EXPECT_EQ(rpc_sync<int64_t>(worker((rank + 1) % 3), "add", std::tuple{1, 2}), 3);
+    if (rank == 2) {
+      std::this_thread::sleep_for(4s);  // past the others' shutdown
+      shutdown(/*graceful=*/false);
+      return;
+    }
+    // Rank 1 comes later, so that rank 0, which serves the store, gives up first: rank 1 must
+    // still hear why (not just that the store is gone).
+    if (rank == 1) std::this_thread::sleep_for(300ms);
+    try {
+      shutdown();
+      ADD_FAILURE() << "shutdown() passed its barrier without worker2";
+    } catch (const TimeoutError& error) {
+      EXPECT_NE(std::string(error.what()).find("never arrived: 'worker2'"), std::string::npos)
+          << error.what();
+    }
+    EXPECT_THROW(rpc_sync<int64_t>(worker(1 - rank), "add", std::tuple{1, 2}), DistributedError);
+  });
+}
+
+// A worker stopped (SIGSTOP) with calls to it pending: they fail with TimeoutError; once it is
+// continued it answers again.
+TEST(Rpc, StoppedWorkerTimesOutCallsAndServesOnceContinued) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      const int64_t pid = rpc_sync<int64_t>(worker(1), "pid");
+      ASSERT_EQ(::kill(static_cast<pid_t>(pid), SIGSTOP), 0);
+      // Every thread stopped, so that no call below can be served before the stop.
+      for (const auto& task :
+           std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+        ASSERT_TRUE(distoptim::testing::wait_for_process_state(
+            std::stoi(task.path().filename().string()), "T", 10s));
+      }
+      std::vector<RpcFuture<int64_t>> pending;
+      for (int i = 0; i < 3; ++i) {
+        pending.push_back(rpc_async<int64_t>(worker(1), "add", std::tuple{i, 1}, 500ms));
+      }
+      for (auto& future : pending) EXPECT_THROW(future.wait(), TimeoutError);
+      ASSERT_EQ(::kill(static_cast<pid_t>(pid), SIGCONT), 0);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(1), "add", std::tuple{40, 2}), 42);
+    }
+    shutdown();
+  });
 }
 
 TEST(Rpc, LargeAndStridedTensors) {
