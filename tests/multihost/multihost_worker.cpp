@@ -10,7 +10,8 @@
 //       as train, but starts from the latest complete checkpoint in CKPT_DIR, if any (printing
 //       "rank R resumed from PATH"), and saves one (data_parallel/checkpoint.h) after every
 //       EVERY steps, with one DDP bucket per parameter; it pauses only in the first attempt
-//       (DISTRUN_RESTART_COUNT unset or 0).
+//       (DISTRUN_RESTART_COUNT unset or 0), and a restarted attempt bounds its collectives by
+//       60 s rather than TIMEOUT_MS.
 //   rpc TIMEOUT_MS
 //       joins an RPC group of every rank (worker<RANK>), calls every other worker with rpc_sync
 //       and prints, per call, "worker<R> -> worker<P>: <P's answer> in <same|other> namespace".
@@ -88,6 +89,9 @@ int train(int steps, const std::string& out_dir, milliseconds timeout, int pause
   comm::init_process_group(comm::ProcessGroupOptions("env://").timeout(std::chrono::seconds(60)));
   const int rank = comm::get_rank();
   const int world_size = comm::get_world_size();
+  // A restarted attempt fails nothing on purpose: it gets start-up's bound, so a rank slow to
+  // start on a busy machine does not fail the job again.
+  if (!checkpoints.dir.empty() && !first_attempt()) timeout = std::chrono::seconds(60);
   const comm::Group group = comm::new_group({}, timeout);
 
   torch::manual_seed(100 + rank);  // DDP gives every rank rank 0's weights
