@@ -9,6 +9,11 @@
 #   link_down  host b's link is set down while the ranks are paused mid-training: host a's
 #              ranks fail (after the training group's timeout and grace) with the library's
 #              error naming ranks 2 and 3, and host a's distrun reports the failed rank.
+#   link_down_resume
+#              the same cut with --max-restarts 1 on both hosts and checkpoints every 2 steps:
+#              the ranks fail, the link is set up again a few seconds later, host b's distrun
+#              reaches host a's again, both start their ranks again together, which resume from
+#              the last checkpoint and end bit-identical to an uninterrupted run.
 # Needs root (CAP_NET_ADMIN) and iproute2: without them it exits 77, which CTest counts as
 # skipped. The namespaces (and with them the veths) are deleted on every exit.
 # Usage: multihost_test.sh CASE DISTRUN WORKER WORKDIR
@@ -70,14 +75,16 @@ ip -n "$ns_b" addr add "$addr_b/24" dev veth0
 
 # Starts host NAME's distrun (node rank RANK) in namespace NS in the background, with output in
 # WORKDIR/NAME.log; its pid goes to pids (ip netns exec becomes distrun, whose ranks die with it).
+# distrun_options holds more options for distrun.
 start_host() {
   local name="$1" ns="$2" node_rank="$3"
   shift 3
   ip netns exec "$ns" "$distrun" --nnodes 2 --node-rank "$node_rank" \
     --master-addr "$addr_a" --master-port "$port" --nproc-per-node 2 --grace-seconds 2 \
-    "$worker" "$@" > "$work/$name.log" 2>&1 &
+    "${distrun_options[@]}" "$worker" "$@" > "$work/$name.log" 2>&1 &
   pids+=($!)
 }
+distrun_options=()
 
 # Waits for background distrun PID, at most SECONDS more (then kills it); sets `status` to its
 # exit status (137 when killed here).
@@ -176,6 +183,50 @@ case "$case_name" in
       "$((timeout_ms / 1000)) s); host b's distrun exited with status $status_b"
     echo "$errors"
     echo "PASSED: host a's ranks named the lost ranks 2 and 3"
+    ;;
+
+  link_down_resume)
+    timeout_ms=3000 steps=8 every=2 pause=5
+    mkdir -p "$work/out" "$work/ckpt" "$work/reference" "$work/reference_ckpt"
+    distrun_options=(--max-restarts 1 --rdzv-timeout 30)
+    job=(resume "$steps" "$work/out" "$timeout_ms" "$work/ckpt" "$every" "$pause" "$work/go")
+    start_host a "$ns_a" 0 "${job[@]}"
+    start_host b "$ns_b" 1 "${job[@]}"
+    wait_for_lines "$work/a.log" "paused" 2 "${pids[0]}"
+    wait_for_lines "$work/b.log" "paused" 2 "${pids[1]}"
+    ip -n "$ns_b" link set veth0 down
+    start=$SECONDS
+    touch "$work/go"
+    # Host a's ranks fail and its distrun learns the round's outcome; host b is cut off.
+    wait_for_lines "$work/a.log" "every node restarts its ranks" 1 "${pids[0]}"
+    sleep 2
+    ip -n "$ns_b" link set veth0 up
+    down=$((SECONDS - start))
+    wait_status "${pids[0]}" 40 && status_a=$status
+    wait_status "${pids[1]}" 40 && status_b=$status
+    [[ $status_a == 0 && $status_b == 0 ]] ||
+      fail "distrun exited with status $status_a on host a, $status_b on host b"
+    for log in a b; do
+      grep -q "^distrun: all 2 nodes joined round 1; the ranks meet on MASTER_PORT=" \
+        "$work/$log.log" || fail "host $log's distrun did not join round 1"
+      [[ $(grep -c "resumed from $work/ckpt/epoch-0-step-4$" "$work/$log.log") == 2 ]] ||
+        fail "host $log's ranks did not both resume from the checkpoint of step 4"
+    done
+    grep -q "^distrun: node 1 lost the launchers' store at $addr_a:$port" "$work/b.log" ||
+      fail "host b's distrun did not report losing the store"
+    grep -q "^distrun: node 1 reached the launchers' store at $addr_a:$port again$" \
+      "$work/b.log" || fail "host b's distrun did not report reaching the store again"
+    # The uninterrupted run: one host of 4 ranks, no pause, checkpoints all the same.
+    timeout -k 5 60 "$distrun" --nproc-per-node 4 "$worker" resume "$steps" \
+      "$work/reference" 60000 "$work/reference_ckpt" "$every" \
+      > "$work/reference.log" 2>&1 || fail "the uninterrupted run of 4 ranks failed"
+    for rank in 0 1 2 3; do
+      cmp "$work/out/rank$rank.bin" "$work/reference/rank$rank.bin" ||
+        fail "rank $rank's parameters after the restart differ from the uninterrupted run's"
+    done
+    echo "$(grep -h "attempt 1 failed" "$work/a.log")"
+    echo "PASSED: the link of host b was down for ${down} s; both hosts restarted together," \
+      "resumed from step 4 and ended bit-identical to an uninterrupted run"
     ;;
 
   *)

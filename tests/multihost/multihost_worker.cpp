@@ -6,6 +6,12 @@
 //       bounded by TIMEOUT_MS; writes its final parameters, raw, to OUT_DIR/rank<RANK>.bin and
 //       prints "rank R trained". With PAUSE_STEP, after that many steps it prints "rank R
 //       paused" and waits (at most 60 s) for GO_FILE to exist before going on.
+//   resume STEPS OUT_DIR TIMEOUT_MS CKPT_DIR EVERY [PAUSE_STEP GO_FILE]
+//       as train, but starts from the latest complete checkpoint in CKPT_DIR, if any (printing
+//       "rank R resumed from PATH"), and saves one (data_parallel/checkpoint.h) after every
+//       EVERY steps, with one DDP bucket per parameter; it pauses only in the first attempt
+//       (DISTRUN_RESTART_COUNT unset or 0), and a restarted attempt bounds its collectives by
+//       60 s rather than TIMEOUT_MS.
 //   rpc TIMEOUT_MS
 //       joins an RPC group of every rank (worker<RANK>), calls every other worker with rpc_sync
 //       and prints, per call, "worker<R> -> worker<P>: <P's answer> in <same|other> namespace".
@@ -65,26 +71,56 @@ void wait_for_file(const std::string& path, int rank) {
   }
 }
 
+// Where checkpoints go, for `resume`: every `every` steps into `dir`.
+struct Checkpoints {
+  std::string dir;
+  int every = 0;
+};
+
+bool first_attempt() {
+  const char* restarts = std::getenv("DISTRUN_RESTART_COUNT");
+  return restarts == nullptr || std::string(restarts) == "0";
+}
+
 int train(int steps, const std::string& out_dir, milliseconds timeout, int pause_step,
-          const std::string& go_file) {
+          const std::string& go_file, const Checkpoints& checkpoints = {}) {
   // Start-up (LibTorch loading on a busy machine) gets its own generous bound; the training
   // group's collectives get `timeout`.
   comm::init_process_group(comm::ProcessGroupOptions("env://").timeout(std::chrono::seconds(60)));
   const int rank = comm::get_rank();
   const int world_size = comm::get_world_size();
+  // A restarted attempt fails nothing on purpose: it gets start-up's bound, so a rank slow to
+  // start on a busy machine does not fail the job again.
+  if (!checkpoints.dir.empty() && !first_attempt()) timeout = std::chrono::seconds(60);
   const comm::Group group = comm::new_group({}, timeout);
 
   torch::manual_seed(100 + rank);  // DDP gives every rank rank 0's weights
   torch::nn::Sequential model(torch::nn::Linear(6, 16), torch::nn::Tanh(),
                               torch::nn::Linear(16, 4));
   model->to(torch::kFloat64);
+  // Resumed training is bit-identical only if every step reduces its gradients in the same order.
+  // DDP builds its buckets again after its first iteration (in the order the gradients became
+  // ready, as PyTorch's does), so a resumed run's first step would use the first layout; with
+  // more than 2 ranks, Gloo's allreduce then adds a few elements in another order (1 ulp off).
+  // One bucket per parameter keeps the layout fixed.
+  const double bucket_cap_mb = checkpoints.every > 0 ? 1e-6 : 25;
   data_parallel::DistributedDataParallel ddp(
-      model, data_parallel::DistributedDataParallelOptions().process_group(group));
+      model, data_parallel::DistributedDataParallelOptions().process_group(group).bucket_cap_mb(
+                 bucket_cap_mb));
   data_parallel::ZeroRedundancyOptimizer zero(
       model->parameters(), "adam", distoptim::optim::OptionBag{{"lr", 0.01}},
       data_parallel::ZeroRedundancyOptimizerOptions().process_group(group));
 
-  for (int step = 0; step < steps; ++step) {
+  const data_parallel::CheckpointItems items{model.ptr().get(), &zero, nullptr};
+  int start = 0;
+  if (!checkpoints.dir.empty()) {
+    if (const auto latest = data_parallel::latest_checkpoint(checkpoints.dir)) {
+      start = static_cast<int>(data_parallel::load_checkpoint(*latest, items, group).step);
+      std::cout << "rank " << rank << " resumed from " << *latest << std::endl;
+    }
+    if (!first_attempt()) pause_step = -1;
+  }
+  for (int step = start; step < steps; ++step) {
     if (step == pause_step) {
       std::cout << "rank " << rank << " paused" << std::endl;
       wait_for_file(go_file, rank);
@@ -98,6 +134,11 @@ int train(int steps, const std::string& out_dir, milliseconds timeout, int pause
                                       y.narrow(0, kRowsPerRank * rank, kRowsPerRank));
     loss.backward();
     zero.step();
+    if (checkpoints.every > 0 && (step + 1) % checkpoints.every == 0) {
+      data_parallel::TrainingPosition position;
+      position.step = step + 1;
+      data_parallel::save_checkpoint(checkpoints.dir, position, items, group);
+    }
   }
 
   std::ofstream out(out_dir + "/rank" + std::to_string(rank) + ".bin", std::ios::binary);
@@ -143,6 +184,11 @@ int run(int argc, char** argv) {
   if (mode == "train" && (argc == 5 || argc == 7)) {
     return train(std::stoi(argv[2]), argv[3], milliseconds(std::stol(argv[4])),
                  argc == 7 ? std::stoi(argv[5]) : -1, argc == 7 ? argv[6] : "");
+  }
+  if (mode == "resume" && (argc == 7 || argc == 9)) {
+    return train(std::stoi(argv[2]), argv[3], milliseconds(std::stol(argv[4])),
+                 argc == 9 ? std::stoi(argv[7]) : -1, argc == 9 ? argv[8] : "",
+                 Checkpoints{argv[5], std::stoi(argv[6])});
   }
   if (mode == "rpc" && argc == 3) return call_everyone(milliseconds(std::stol(argv[2])));
   std::cerr << "multihost_worker: bad arguments (mode '" << mode << "')" << std::endl;

@@ -92,8 +92,8 @@ TEST(DistrunOptions, HelpNamesTheOptionsAndTheEnvironment) {
     EXPECT_EQ(text, help_text());
     for (const char* part :
          {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-          "--grace-seconds", "--max-restarts", "DISTRUN_RESTART_COUNT", "RANK", "WORLD_SIZE",
-          "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+          "--grace-seconds", "--max-restarts", "--rdzv-timeout", "DISTRUN_RESTART_COUNT", "RANK",
+          "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
       EXPECT_NE(text.find(part), std::string::npos) << part;
     }
   }
@@ -132,15 +132,22 @@ TEST(DistrunOptions, SeveralNodesNeedTheMasterAddressAndPort) {
                      {"--master-addr", "--nnodes 2"});
 }
 
-// One node's distrun cannot restart the ranks of the others, so restarts need a single node.
-TEST(DistrunOptions, RestartsNeedASingleNode) {
-  expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h",
-                      "--master-port", "80", "--max-restarts", "1", "prog"},
-                     {"--max-restarts 1 with --nnodes 2", "--nnodes 1"});
-  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h",
-                                "--master-port", "80", "--max-restarts", "0", "prog"})
-                .max_restarts,
-            0);
+// Restarts across nodes are coordinated by the nodes' distruns, within a join timeout.
+TEST(DistrunOptions, RestartsAcrossNodesTakeAJoinTimeout) {
+  const LaunchOptions options =
+      parse_command_line({"--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h",
+                          "--master-port", "80", "--max-restarts", "1", "prog"});
+  EXPECT_EQ(options.max_restarts, 1);
+  EXPECT_EQ(options.rdzv_timeout_seconds, 900.0);
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "--rdzv_timeout", "2.5", "prog"})
+                .rdzv_timeout_seconds,
+            2.5);
+  expect_usage_error({"--nproc-per-node", "2", "--rdzv-timeout", "0", "prog"},
+                     {"--rdzv-timeout 0", "(0, 604800]"});
+  expect_usage_error({"--nproc-per-node", "2", "--rdzv-timeout", "1e9", "prog"},
+                     {"--rdzv-timeout 1000000000"});
+  expect_usage_error({"--nproc-per-node", "2", "--rdzv-timeout", "nan", "prog"},
+                     {"--rdzv-timeout nan"});
 }
 
 TEST(DistrunOptions, RejectsAMissingProgramAndUnknownOptions) {

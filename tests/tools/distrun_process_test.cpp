@@ -1,10 +1,13 @@
 // The real distrun binary, run on distrun_child: environment, output relaying, failure handling,
 // signals, usage errors. Every run is killed after kRunTimeout and then fails the test.
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -45,15 +48,19 @@ struct RunResult {
 // Called after each read with distrun's pid and its output so far; may send signals.
 using OutputHook = std::function<void(pid_t, const RunResult&)>;
 
-// Runs distrun with `args` and this process's environment with `extra_env` (NAME=value) set,
-// collecting its stdout and stderr until it exits. Kills it if it runs longer than kRunTimeout.
-RunResult run_distrun(const Args& args, const OutputHook& hook = {}, const Args& extra_env = {}) {
-  RunResult result;
+// Called after each read with the pid of every distrun and their output so far; may send
+// signals.
+using OutputsHook = std::function<void(const std::vector<pid_t>&, const std::vector<RunResult>&)>;
+
+// Starts distrun with `args` and this process's environment with `extra_env` (NAME=value) set,
+// its stdout and stderr on pipes whose read ends go to `out_fd` and `err_fd`. Returns its pid, or
+// -1 after a test failure.
+pid_t spawn_distrun(const Args& args, const Args& extra_env, int* out_fd, int* err_fd) {
   int out[2];
   int err[2];
   if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
     ADD_FAILURE() << "pipe2 failed";
-    return result;
+    return -1;
   }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
@@ -88,23 +95,52 @@ RunResult run_distrun(const Args& args, const OutputHook& hook = {}, const Args&
     ::close(out[0]);
     ::close(err[0]);
     ADD_FAILURE() << "cannot start " << kDistrun << ": " << std::strerror(spawn_error);
-    return result;
+    return -1;
+  }
+  *out_fd = out[0];
+  *err_fd = err[0];
+  return pid;
+}
+
+// Runs one distrun per element of `runs` at the same time (as the nodes of one job), collecting
+// their stdout and stderr until all have exited. Kills those still running after kRunTimeout.
+std::vector<RunResult> run_distruns(const std::vector<Args>& runs, const OutputsHook& hook = {},
+                                    const Args& extra_env = {}) {
+  std::vector<RunResult> results(runs.size());
+  std::vector<pid_t> pids;
+  std::vector<pollfd> fds;
+  std::vector<std::string*> sinks;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    int out = -1;
+    int err = -1;
+    const pid_t pid = spawn_distrun(runs[i], extra_env, &out, &err);
+    pids.push_back(pid);
+    if (pid < 0) continue;
+    fds.push_back({out, POLLIN, 0});
+    fds.push_back({err, POLLIN, 0});
+    sinks.push_back(&results[i].out);
+    sinks.push_back(&results[i].err);
   }
 
   // distrun's death closes the pipes (its ranks die with it), so reading ends after a kill too;
   // the second deadline only guards against a broken test.
   const auto deadline = Clock::now() + kRunTimeout;
-  pollfd fds[2] = {{out[0], POLLIN, 0}, {err[0], POLLIN, 0}};
-  std::string* sinks[2] = {&result.out, &result.err};
-  while (fds[0].fd >= 0 || fds[1].fd >= 0) {
+  bool killed = false;
+  const auto open = [&] {
+    return std::any_of(fds.begin(), fds.end(), [](const pollfd& fd) { return fd.fd >= 0; });
+  };
+  while (open()) {
     const auto now = Clock::now();
-    if (!result.timed_out && now >= deadline) {
-      result.timed_out = true;
-      ::kill(pid, SIGKILL);
+    if (!killed && now >= deadline) {
+      killed = true;
+      for (size_t i = 0; i < pids.size(); ++i) {
+        if (pids[i] > 0) ::kill(pids[i], SIGKILL);
+        results[i].timed_out = true;
+      }
     }
     if (now >= deadline + std::chrono::seconds(10)) break;
-    ::poll(fds, 2, 100);
-    for (int i = 0; i < 2; ++i) {
+    ::poll(fds.data(), fds.size(), 100);
+    for (size_t i = 0; i < fds.size(); ++i) {
       if (fds[i].fd < 0 || fds[i].revents == 0) continue;
       char buffer[65536];
       const ssize_t n = ::read(fds[i].fd, buffer, sizeof buffer);
@@ -115,19 +151,34 @@ RunResult run_distrun(const Args& args, const OutputHook& hook = {}, const Args&
         fds[i].fd = -1;
       }
     }
-    if (hook) hook(pid, result);
+    if (hook) hook(pids, results);
   }
   for (const auto& fd : fds) {
     if (fd.fd >= 0) ::close(fd.fd);
   }
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  result.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  EXPECT_FALSE(result.timed_out) << "distrun ran longer than " << kRunTimeout.count()
-                                 << " s and was killed; stdout:\n"
-                                 << result.out << "\nstderr:\n"
-                                 << result.err;
-  return result;
+  for (size_t i = 0; i < pids.size(); ++i) {
+    if (pids[i] < 0) continue;
+    int status = 0;
+    ::waitpid(pids[i], &status, 0);
+    RunResult& result = results[i];
+    result.status = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    EXPECT_FALSE(result.timed_out)
+        << "distrun ran longer than " << kRunTimeout.count() << " s and was killed; stdout:\n"
+        << result.out << "\nstderr:\n"
+        << result.err;
+  }
+  return results;
+}
+
+// Runs distrun with `args` (see run_distruns).
+RunResult run_distrun(const Args& args, const OutputHook& hook = {}, const Args& extra_env = {}) {
+  OutputsHook each;
+  if (hook) {
+    each = [&hook](const std::vector<pid_t>& pids, const std::vector<RunResult>& results) {
+      hook(pids[0], results[0]);
+    };
+  }
+  return run_distruns({args}, each, extra_env)[0];
 }
 
 Args split_lines(const std::string& text) {
@@ -501,6 +552,181 @@ TEST(Distrun, ASignalToDistrunIsNeverFollowedByARestart) {
       << r.err;
 }
 
+// Restarts across nodes: two distruns on loopback as nodes 0 and 1 of one job, one rank each,
+// meeting in node 0's store on a port free now.
+int free_loopback_port() {
+  const int sock = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof address;
+  const bool bound = ::bind(sock, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+                     ::getsockname(sock, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  ::close(sock);
+  EXPECT_TRUE(bound) << std::strerror(errno);
+  return ntohs(address.sin_port);
+}
+
+// The command line of node `node` of a job of two nodes with `options`, running `program`.
+Args node_args(int node, int port, const Args& options, const Args& program) {
+  Args args = {"--nnodes",         "2",         "--node-rank",   std::to_string(node),
+               "--master-addr",    "127.0.0.1", "--master-port", std::to_string(port),
+               "--nproc-per-node", "1"};
+  args.insert(args.end(), options.begin(), options.end());
+  args.push_back(kChild);
+  args.insert(args.end(), program.begin(), program.end());
+  return args;
+}
+
+std::vector<RunResult> run_two_nodes(const Args& options, const Args& program,
+                                     const OutputsHook& hook = {}) {
+  const int port = free_loopback_port();
+  return run_distruns({node_args(0, port, options, program), node_args(1, port, options, program)},
+                      hook);
+}
+
+// Rank 1, on node 1, fails in the first round: node 0 stops its rank 0, and both nodes start
+// their ranks again, together, on a new port; the second round succeeds on both.
+TEST(DistrunNodes, EveryNodeRestartsAfterAFailureOnOne) {
+  const auto r =
+      run_two_nodes({"--max-restarts", "2", "--rdzv-timeout", "20"}, {"fail-until", "1", "1", "3"});
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].status, 0) << r[0].err;
+  EXPECT_EQ(r[1].status, 0) << r[1].err;
+  const auto rank0 = attempts_of(r[0].out, 0);
+  const auto rank1 = attempts_of(r[1].out, 1);
+  ASSERT_EQ(rank0.size(), 2u) << r[0].out;
+  ASSERT_EQ(rank1.size(), 2u) << r[1].out;
+  for (int round = 0; round < 2; ++round) {
+    EXPECT_EQ(rank0[round][0], round);
+    EXPECT_EQ(rank1[round][0], round);
+    EXPECT_EQ(rank0[round][1], 2);
+    // Both nodes' ranks meet on the port node 0 picked for the round.
+    EXPECT_EQ(rank0[round][2], rank1[round][2]) << "round " << round;
+  }
+  EXPECT_NE(rank0[0][2], rank0[1][2]) << "a restart must not reuse the old round's port";
+  for (const auto& node : r) {
+    EXPECT_TRUE(contains(node.err,
+                         "distrun: attempt 1 failed (node 1's rank 1 failed with status 3); every "
+                         "node restarts its ranks: restart 1 of at most 2, "
+                         "DISTRUN_RESTART_COUNT=1\n"))
+        << node.err;
+    EXPECT_TRUE(contains(node.err,
+                         "distrun: all 2 nodes joined round 1; the ranks meet on "
+                         "MASTER_PORT=" +
+                             std::to_string(rank0[1][2]) + "\n"))
+        << node.err;
+  }
+  EXPECT_TRUE(contains(r[0].err,
+                       "distrun: attempt 1 ended on another node (node 1's rank 1 "
+                       "failed with status 3); stopping the local rank(s)\n"))
+      << r[0].err;
+  // Node 0's rank 0 of the first round was stopped, not left to sleep.
+  EXPECT_FALSE(contains(r[0].out, "done")) << r[0].out;
+}
+
+// Every round fails on node 1: both nodes exit with its status, and each summary names the node
+// whose failure ended every round.
+TEST(DistrunNodes, WhenNoRestartIsLeftEveryNodeExitsWithTheFailingStatus) {
+  const auto r = run_two_nodes({"--max-restarts", "1", "--rdzv-timeout", "20"},
+                               {"fail-until", "99", "1", "4"});
+  ASSERT_EQ(r.size(), 2u);
+  for (int node = 0; node < 2; ++node) {
+    const std::string& err = r[node].err;
+    EXPECT_EQ(r[node].status, 4) << err;
+    std::string pattern =
+        R"(distrun: attempt 2 failed \(node 1's rank 1 failed with status 4\) and no restart is )"
+        R"(left \(--max-restarts 1\); exit status 4\n)";
+    for (int attempt = 1; attempt <= 2; ++attempt) {
+      pattern += "distrun: attempt " + std::to_string(attempt) + R"( \(DISTRUN_RESTART_COUNT=)" +
+                 std::to_string(attempt - 1) +
+                 R"(\) ended on every node as node 1's rank 1 failed with status 4; how each )"
+                 "rank of node " +
+                 std::to_string(node) + R"( ended:\n)" + "distrun:   rank " + std::to_string(node) +
+                 R"( \(pid \d+\): )" +
+                 (node == 1 ? R"(exited with status 4 \(the first failure\)\n)"
+                            : R"(killed by signal SIGTERM; it was still running and distrun )"
+                              R"(stopped it with SIGTERM\n)");
+    }
+    EXPECT_TRUE(std::regex_search(err, std::regex(pattern + "$"))) << "node " << node << "\n"
+                                                                   << err;
+  }
+}
+
+// SIGTERM to node 0's distrun: its rank gets it, and so does node 1's; nothing restarts.
+TEST(DistrunNodes, ASignalToOneNodeStopsEveryNodeWithoutARestart) {
+  auto sent = std::make_shared<bool>(false);
+  const auto r = run_two_nodes(
+      {"--max-restarts", "3", "--rdzv-timeout", "20"}, {"trap"},
+      [sent](const std::vector<pid_t>& pids, const std::vector<RunResult>& so_far) {
+        if (*sent || ready_ranks(so_far[0].out).empty() || ready_ranks(so_far[1].out).empty()) {
+          return;
+        }
+        *sent = true;
+        ::kill(pids[0], SIGTERM);
+      });
+  ASSERT_TRUE(*sent);
+  EXPECT_EQ(r[0].status, 128 + SIGTERM) << r[0].err;
+  EXPECT_EQ(r[1].status, 128 + SIGTERM) << r[1].err;
+  for (int node = 0; node < 2; ++node) {
+    const Args lines = lines_by_rank(r[node].out)[node];
+    ASSERT_EQ(lines.size(), 2u) << "one attempt only\n" << r[node].out;
+    EXPECT_EQ(lines.back(), "got SIGTERM") << r[node].out;
+  }
+  EXPECT_TRUE(contains(r[0].err,
+                       "distrun: got SIGTERM during attempt 1; no restart after a "
+                       "signal (the other nodes are told to stop)\n"))
+      << r[0].err;
+  EXPECT_TRUE(contains(r[1].err,
+                       "distrun: node 0's distrun got SIGTERM during attempt 1, so "
+                       "every node stops; no restart after a signal\n"))
+      << r[1].err;
+  for (const auto& node : r) EXPECT_FALSE(contains(node.err, "restarts")) << node.err;
+}
+
+// A node's distrun that could not coordinate with the others: exit status 1, no rank started,
+// and `message` on stderr.
+void expect_coordination_failure(const RunResult& r, const std::string& message) {
+  EXPECT_EQ(r.status, 1) << r.err;
+  EXPECT_EQ(r.out, "") << "no rank may start";
+  EXPECT_TRUE(contains(r.err, message)) << "stderr lacks: " << message << "\nstderr:\n" << r.err;
+}
+
+// Node 1 is never started: node 0 gives up after the join timeout, naming it, and starts no rank.
+TEST(DistrunNodes, ANodeThatNeverJoinsIsNamedAfterTheJoinTimeout) {
+  const int port = free_loopback_port();
+  const RunResult r =
+      run_distrun(node_args(0, port, {"--max-restarts", "1", "--rdzv-timeout", "1"}, {"env"}));
+  expect_coordination_failure(r,
+                              "distrun: round 0: node(s) 1 never joined within 1 s "
+                              "(--rdzv-timeout); every node's distrun must be started with the "
+                              "same --nnodes, --master-addr and --master-port\n");
+
+  // Node 1 alone cannot reach node 0's store, and says so.
+  const RunResult alone =
+      run_distrun(node_args(1, port, {"--max-restarts", "1", "--rdzv-timeout", "1"}, {"env"}));
+  expect_coordination_failure(alone,
+                              "distrun: node 1 could not reach the launchers' store at "
+                              "127.0.0.1:" +
+                                  std::to_string(port) +
+                                  " (served by node 0's distrun) to join round 0 within "
+                                  "1 s (--rdzv-timeout): ");
+}
+
+// Node 1 gives another --max-restarts: both nodes refuse to start, naming it.
+TEST(DistrunNodes, NodesMustAgreeOnTheirOptions) {
+  const int port = free_loopback_port();
+  const auto r =
+      run_distruns({node_args(0, port, {"--max-restarts", "1", "--rdzv-timeout", "20"}, {"env"}),
+                    node_args(1, port, {"--max-restarts", "2", "--rdzv-timeout", "20"}, {"env"})});
+  for (const auto& node : r) {
+    expect_coordination_failure(node,
+                                "distrun: round 0: node 1 has --nnodes 2 --nproc-per-node 1 "
+                                "--max-restarts 2, node 0 has --nnodes 2 --nproc-per-node 1 "
+                                "--max-restarts 1; every node must give the same\n");
+  }
+}
+
 TEST(Distrun, RanksDieWhenDistrunIsKilled) {
   std::map<int, pid_t> rank_pids;
   const RunResult r =
@@ -552,9 +778,7 @@ TEST(Distrun, BadArgumentsExit2NamingTheOption) {
       {{"--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1", kChild, "env"},
        {"--master-addr"}},
       {{"--nproc-per-node", "1", "--grace-seconds", "-2", kChild}, {"--grace-seconds -2"}},
-      {{"--nproc-per-node", "1", "--nnodes", "2", "--master-addr", "h", "--master-port", "1",
-        "--max-restarts", "1", kChild},
-       {"--max-restarts 1 with --nnodes 2"}},
+      {{"--nproc-per-node", "1", "--rdzv-timeout", "-1", kChild}, {"--rdzv-timeout -1"}},
       {{"--nproc-per-node", "1", "--bogus", kChild}, {"unknown option --bogus"}},
       {{"--nproc-per-node", "1"}, {"no PROGRAM"}},
       {{kChild, "env"}, {"--nproc-per-node", "required"}},

@@ -3,11 +3,13 @@
 // The launcher behind `distrun`: its options, their parsing and validation, the environment each
 // rank gets, and the supervisor that starts the local ranks, relays their output and stops them
 // all when one fails. Used by tools/distrun/main.cpp and by the tests; not part of the installed
-// library. It does not use LibTorch (distrun starts any program), so its errors derive from the
-// standard exceptions instead of c10::Error.
+// library. It starts any program, so its errors derive from the standard exceptions instead of
+// c10::Error; it links LibTorch's c10d (through the comm layer) only for the store the nodes of a
+// job with restarts coordinate through.
 //
 // options.h: the command line and each rank's environment; supervisor.h: run(), which uses
-// signals_fds.h (descriptors, the self-pipe for signals) and output_relay.h (a rank's output).
+// signals_fds.h (descriptors, the self-pipe for signals), output_relay.h (a rank's output) and,
+// across nodes with restarts, node_coordination.h (the rounds every node goes through together).
 
 #include "distrun/options.h"
 #include "distrun/supervisor.h"

@@ -21,6 +21,7 @@ namespace {
 
 constexpr double kMaxGraceSeconds = 86400.0;
 constexpr int kMaxRestarts = 1000000;
+constexpr double kMaxRdzvTimeoutSeconds = 604800.0;
 constexpr const char* kDefaultMasterAddr = "127.0.0.1";
 constexpr const char* kUsageLine = "distrun --nproc-per-node N [OPTIONS] [--] PROGRAM [ARGS...]";
 
@@ -63,8 +64,12 @@ void add_options(CLI::App& app, LaunchOptions& options) {
       ->type_name("S");
   app.add_option("--max-restarts,--max_restarts", options.max_restarts,
                  "After a rank fails, start all local ranks again, at most\nK times (default 0; "
-                 "only with M = 1)")
+                 "with M > 1, every node restarts)")
       ->type_name("K");
+  app.add_option("--rdzv-timeout,--rdzv_timeout", options.rdzv_timeout_seconds,
+                 "With M > 1 and K > 0: seconds to wait for every node\nto join a round, or to "
+                 "report its end (default 900)")
+      ->type_name("T");
   app.footer(
       "Each rank's environment gets RANK (R * N + local rank), WORLD_SIZE (M * N), LOCAL_RANK,\n"
       "LOCAL_WORLD_SIZE (N), GROUP_RANK (R), MASTER_ADDR, MASTER_PORT, DISTRUN_RESTART_COUNT\n"
@@ -76,20 +81,29 @@ void add_options(CLI::App& app, LaunchOptions& options) {
       "after the grace period. With --max-restarts K, once all have exited, all are started again\n"
       "(at most K times) on a new MASTER_PORT (the same one if --master-port was given);\n"
       "SIGINT or SIGTERM to distrun never leads to a restart.\n"
+      "With M > 1 and K > 0, node 0's distrun serves the launchers' store on --master-addr and\n"
+      "--master-port; each round, every node joins, node 0 picks the ranks' MASTER_PORT (free on\n"
+      "node 0), and a failure or a signal on any node stops the ranks of every node; after a\n"
+      "failure, every node starts its ranks again together.\n"
       "Exit status: 0 if every rank exited 0; 128 + signal if distrun got SIGINT or SIGTERM; else\n"
       "the first failing rank's status in the last attempt (128 + signal if it was killed); 2 for\n"
-      "a bad command line.");
+      "a bad command line. Across nodes with K > 0, every node exits with the status of the\n"
+      "failure that ended the last round, 128 + signal when a node's distrun got one, or 1 when\n"
+      "the nodes could not coordinate (a node never joined within T, options that differ).");
 }
 
-int find_free_port() {
+}  // namespace
+
+int find_free_port(bool all_addresses) {
   const Fd sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!sock.valid()) throw errno_error(errno, "socket");
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_port = 0;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_addr.s_addr = htonl(all_addresses ? INADDR_ANY : INADDR_LOOPBACK);
   if (::bind(sock.get(), reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    throw errno_error(errno, "finding a free port: bind to 127.0.0.1 port 0");
+    throw errno_error(errno, fmt::format("finding a free port: bind to {} port 0",
+                                         all_addresses ? "0.0.0.0" : "127.0.0.1"));
   }
   socklen_t length = sizeof address;
   if (::getsockname(sock.get(), reinterpret_cast<sockaddr*>(&address), &length) != 0) {
@@ -98,7 +112,13 @@ int find_free_port() {
   return ntohs(address.sin_port);
 }
 
-}  // namespace
+int fresh_port(int previous, bool all_addresses) {
+  int port = previous;
+  for (int attempt = 0; attempt < 10 && port == previous; ++attempt) {
+    port = find_free_port(all_addresses);
+  }
+  return port;
+}
 
 std::string single_quoted(const std::string& s) { return fmt::format("'{}'", s); }
 
@@ -173,14 +193,10 @@ void validate(const LaunchOptions& options) {
     throw UsageError(
         fmt::format("--max-restarts {}: must be in [0, {}]", options.max_restarts, kMaxRestarts));
   }
-  // A restart is a new rendezvous round for the whole job; one node's distrun cannot make the
-  // other nodes' ranks stop and start again with it.
-  if (options.nnodes > 1 && options.max_restarts > 0) {
-    throw UsageError(fmt::format(
-        "--max-restarts {} with --nnodes {}: restarts need every node to start a new round "
-        "together, which distrun does not coordinate across nodes; use --max-restarts only with "
-        "--nnodes 1",
-        options.max_restarts, options.nnodes));
+  if (!(options.rdzv_timeout_seconds > 0 &&
+        options.rdzv_timeout_seconds <= kMaxRdzvTimeoutSeconds)) {
+    throw UsageError(fmt::format("--rdzv-timeout {}: must be in (0, {}]",
+                                 options.rdzv_timeout_seconds, kMaxRdzvTimeoutSeconds));
   }
   if (options.command.empty()) {
     throw UsageError(fmt::format("no PROGRAM given; usage: {}", kUsageLine));

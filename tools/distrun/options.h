@@ -44,15 +44,20 @@ struct LaunchOptions {
   /// sent SIGTERM before they are sent SIGKILL. In [0, 86400].
   double grace_seconds = 5.0;
   /// How many times the whole group of local ranks is started again after a rank fails (torchrun's
-  /// --max-restarts). 0: a failure ends the job. Only with nnodes == 1.
+  /// --max-restarts). 0: a failure ends the job. With nnodes > 1, every node's distrun restarts
+  /// its ranks together (node_coordination.h); all nodes must give the same value.
   int max_restarts = 0;
+  /// With nnodes > 1 and max_restarts > 0: how long a node's distrun waits for every node to
+  /// join a round, and for every node to report the end of a round its own ranks finished, in
+  /// seconds; in (0, 604800].
+  double rdzv_timeout_seconds = 900.0;
   /// PROGRAM and its arguments, passed to every rank untouched.
   std::vector<std::string> command;
 };
 
 /// Parses distrun's arguments (without argv[0]):
 /// `--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
-///  [--grace-seconds S] [--max-restarts K] [--] PROGRAM ARGS...`.
+///  [--grace-seconds S] [--max-restarts K] [--rdzv-timeout T] [--] PROGRAM ARGS...`.
 /// Everything from PROGRAM on is kept as given, even words that look like distrun's options.
 /// Returns validated options (validate() has run). Throws UsageError, or HelpRequested for --help.
 LaunchOptions parse_command_line(const std::vector<std::string>& args);
@@ -67,6 +72,15 @@ std::string help_text();
 /// and a port found free by binding a TCP socket to 127.0.0.1 port 0. Throws std::system_error
 /// if no socket can be bound.
 LaunchOptions resolve_master(LaunchOptions options);
+
+/// A TCP port free when called: on 127.0.0.1 or, with `all_addresses`, on every address of this
+/// machine (what a store listening on all of them needs), found by binding port 0. Throws
+/// std::system_error if no socket can be bound.
+int find_free_port(bool all_addresses = false);
+
+/// A port found free as find_free_port does, other than `previous` if the system offers another
+/// within a few tries: each round of a restarted job gets its own.
+int fresh_port(int previous, bool all_addresses = false);
 
 /// OpenBLAS's idle-thread spin, as a power of two of cycles, for ranks that share a machine.
 constexpr const char* kSharedMachineBlasThreadTimeout = "4";

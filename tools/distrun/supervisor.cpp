@@ -1,27 +1,46 @@
 // The supervisor's state machine (Supervisor below; one poll loop, single-threaded). An attempt
 // runs the local ranks once:
 //
+//   joining   only across nodes with restarts (--nnodes > 1, --max-restarts > 0): this node's
+//             distrun joins round k (= DISTRUN_RESTART_COUNT) in node 0's store
+//             (node_coordination.h) and waits, within --rdzv-timeout, until every node has;
+//             node 0 picks the round's MASTER_PORT. A signal, here or on another node, ends
+//             the job without an attempt.
 //   starting  start_all() forks and execs every local rank in order, each with its stdout and
 //             stderr on pipes; a rank that cannot be started counts as a failure with status 1
 //             (the ranks already started are stopped as below).
 //   running   the loop relays output and reaps ranks as they exit. Exit status 0 changes
-//             nothing; a non-zero status or a signal is a failure.
+//             nothing; a non-zero status or a signal is a failure. Across nodes, the loop also
+//             asks the store every 100 ms whether another node's failure, or a signal to another
+//             node's distrun, ended the round: then the local ranks are stopped as below (their
+//             ends count as its consequences, not as failures of this node).
 //   stopping  entered on the first failure, or when distrun gets SIGINT/SIGTERM: the first
-//             failure's status is kept; every rank still running is sent SIGTERM (or the signal
-//             distrun got, which is also passed on each time it comes again) and the grace
-//             period starts. Later failures are reported but change neither.
+//             failure's status is kept (across nodes, published as the round's failure first,
+//             unless another node's came first; a signal is published as the job's stop);
+//             every rank still running is sent SIGTERM (or the signal distrun got, which is also
+//             passed on each time it comes again) and the grace period starts. Later failures
+//             are reported but change neither.
 //   killing   at the end of the grace period, SIGKILL to every rank still running.
 //   draining  once no rank runs: output still held open by the ranks' own children is relayed
 //             for at most kDrainTimeout, then closed. The attempt ends.
-//   restarting  after an attempt that failed, when distrun got no SIGINT/SIGTERM (during it or
-//             before this point) and fewer than --max-restarts restarts were made: every rank
-//             of the attempt has been reaped, so no process of the old round is left; the
-//             master port is renewed (unless given on the command line) and the next attempt
-//             starts with DISTRUN_RESTART_COUNT one higher.
-//   done      exit status: 128 + the signal distrun got, if any; else the last attempt's first
-//             failure's status (128 + signal for a rank killed by one); else 0. When it is not
-//             0, a summary on stderr gives, for every attempt, how every rank ended and which
-//             ones distrun stopped, with which signals.
+//   ending    only across nodes: the round's outcome, the same on every node, from the store: a
+//             node whose ranks all exited 0 waits (within --rdzv-timeout) until every node's
+//             did, or one failed; a node cut off from the store keeps trying to reach it. A
+//             signal needs no answer.
+//   restarting  after an attempt that failed (across nodes: a round that failed on any node),
+//             when distrun got no SIGINT/SIGTERM (during it or before this point) and fewer than
+//             --max-restarts restarts were made: every rank of the attempt has been reaped, so
+//             no process of the old round is left; on one node, the master port is renewed
+//             (unless given on the command line); across nodes, the next round brings its own.
+//             The next attempt starts with DISTRUN_RESTART_COUNT one higher.
+//   done      exit status: 128 + the signal distrun got, if any; across nodes, the round's: 0,
+//             the status of the failure that ended it, or 128 + the signal another node's
+//             distrun got; 1 if the coordination failed; on one node, the last attempt's first
+//             failure's status (128 + signal for a rank killed by one), else 0. When it is not
+//             0, a summary on stderr gives, for every attempt, how every local rank ended and
+//             which ones distrun stopped, with which signals, and across nodes which node's
+//             failure (or signal) ended the round. Node 0's distrun, which serves the store,
+//             waits up to 5 s for the other nodes to have read how the job ended.
 
 #include "distrun/supervisor.h"
 
@@ -37,6 +56,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,6 +64,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "distrun/node_coordination.h"
 #include "distrun/output_relay.h"
 #include "distrun/signals_fds.h"
 
@@ -142,23 +163,93 @@ class Supervisor {
 
   int run() {
     ensure_standard_fds_open();
-    for (restart_count_ = 0;; ++restart_count_) {
-      run_attempt();
-      summaries_.push_back(summary());
-      // A signal that came after the last rank was reaped still forbids a restart.
-      take_signals();
-      if (first_failure_status_ == 0 || received_signal_ != 0 ||
-          restart_count_ == options_.max_restarts) {
-        break;
+    try {
+      // Across nodes, a restart is a new round for every node: their distruns coordinate.
+      if (options_.nnodes > 1 && options_.max_restarts > 0) {
+        coordinator_ = std::make_unique<NodeCoordinator>(options_);
       }
-      prepare_restart();
+      run_rounds();
+    } catch (const CoordinationError& e) {
+      coordination_error_ = e.what();
     }
-    const int status = received_signal_ != 0 ? 128 + received_signal_ : first_failure_status_;
+    // Also after a coordination error: the other nodes may still have to read theirs (options
+    // that differ fail every node, each after reading every node's).
+    if (coordinator_) coordinator_->leave();
+    const int status = exit_status();
     if (status != 0) write_all(STDERR_FILENO, final_report());
     return status;
   }
 
  private:
+  void run_rounds() {
+    for (restart_count_ = 0;; ++restart_count_) {
+      if (coordinator_ && !join_round()) return;
+      run_attempt();
+      // A signal that came after the last rank was reaped still forbids a restart.
+      take_signals();
+      if (coordinator_) {
+        try {
+          end_round();
+        } catch (const CoordinationError&) {
+          summaries_.push_back(summary());
+          throw;
+        }
+      }
+      summaries_.push_back(summary());
+      if (!restart_wanted()) return;
+      prepare_restart();
+    }
+  }
+
+  // Every node joins the round; node 0 picks the ranks' port. False when a distrun (this one,
+  // or another node's) stopped the job meanwhile.
+  bool join_round() {
+    round_outcome_.reset();
+    const auto joined = coordinator_->join_round(restart_count_, [this] {
+      take_signals();
+      return received_signal_;
+    });
+    if (joined.stopped) {
+      round_outcome_ = joined.stopped;
+      return false;
+    }
+    options_.master_port = joined.master_port;
+    if (restart_count_ > 0) {
+      write_all(STDERR_FILENO,
+                fmt::format("distrun: all {} nodes joined round {}; the ranks meet on "
+                            "MASTER_PORT={}\n",
+                            options_.nnodes, restart_count_, options_.master_port));
+    }
+    return true;
+  }
+
+  // Once the local ranks of the round have ended: how the round ended on every node.
+  void end_round() {
+    RoundOutcome local = RoundOutcome::succeeded(options_.node_rank);
+    if (received_signal_ != 0) {
+      local = RoundOutcome::stopped(options_.node_rank, received_signal_);
+    } else if (first_failure_status_ != 0) {
+      local = RoundOutcome::failed(options_.node_rank, first_failure_rank_, first_failure_status_);
+    }
+    round_outcome_ = coordinator_->finish_round(local, [this] {
+      take_signals();
+      return received_signal_;
+    });
+  }
+
+  bool restart_wanted() const {
+    if (received_signal_ != 0 || restart_count_ == options_.max_restarts) return false;
+    if (coordinator_) return round_outcome_->kind == RoundOutcome::Kind::kFailed;
+    return first_failure_status_ != 0;
+  }
+
+  int exit_status() const {
+    if (received_signal_ != 0) return 128 + received_signal_;
+    if (!coordination_error_.empty()) return 1;
+    if (coordinator_) return round_outcome_->status;
+    return first_failure_status_;
+  }
+
   // One attempt: from starting to the end of draining (see the top of this file).
   void run_attempt() {
     start_all();
@@ -166,6 +257,7 @@ class Supervisor {
       poll_once();
       take_signals();
       reap();
+      watch_other_nodes();
       enforce_deadlines();
     }
   }
@@ -176,10 +268,26 @@ class Supervisor {
     }
   }
 
+  // Another node's failure, or a signal to another node's distrun, ends this round here too.
+  void watch_other_nodes() {
+    if (!coordinator_ || ended_elsewhere_ || !any_running()) return;
+    const auto outcome = coordinator_->poll_round();
+    if (!outcome || outcome->node == options_.node_rank) return;
+    ended_elsewhere_ = outcome;
+    if (grace_deadline_) return;
+    write_all(STDERR_FILENO,
+              fmt::format("distrun: attempt {} ended on another node ({}); stopping the local "
+                          "rank(s)\n",
+                          restart_count_ + 1, outcome->describe()));
+    start_grace_period();
+    signal_running(SIGTERM);
+  }
+
   // Between attempts: every rank is reaped and every pipe closed; reset the attempt's state and
   // give the new round its own rendezvous port.
   void prepare_restart() {
-    const std::string failure = first_failure_rank_ >= 0
+    const std::string failure = coordinator_ ? round_outcome_->describe()
+                                : first_failure_rank_ >= 0
                                     ? fmt::format("rank {} failed first", first_failure_rank_)
                                     : std::string("a rank could not be started");
     ranks_.clear();
@@ -188,22 +296,22 @@ class Supervisor {
     drain_deadline_.reset();
     first_failure_status_ = 0;
     first_failure_rank_ = -1;
+    ended_elsewhere_.reset();
+    if (coordinator_) {
+      // The port comes with the next round (join_round).
+      write_all(STDERR_FILENO,
+                fmt::format("distrun: attempt {} failed ({}); every node restarts its ranks: "
+                            "restart {} of at most {}, DISTRUN_RESTART_COUNT={}\n",
+                            restart_count_ + 1, failure, restart_count_ + 1, options_.max_restarts,
+                            restart_count_ + 1));
+      return;
+    }
     if (!port_given_) options_.master_port = fresh_port(options_.master_port);
     write_all(STDERR_FILENO,
               fmt::format("distrun: attempt {} failed ({}); restarting the {} local rank(s): "
                           "restart {} of at most {}, DISTRUN_RESTART_COUNT={}, MASTER_PORT={}\n",
                           restart_count_ + 1, failure, options_.nproc_per_node, restart_count_ + 1,
                           options_.max_restarts, restart_count_ + 1, options_.master_port));
-  }
-
-  // A free port other than `previous` (if the system offers one within a few tries).
-  static int fresh_port(int previous) {
-    LaunchOptions unresolved;
-    int port = previous;
-    for (int attempt = 0; attempt < 10 && port == previous; ++attempt) {
-      port = resolve_master(unresolved).master_port;
-    }
-    return port;
   }
 
   void start_all() {
@@ -295,7 +403,12 @@ class Supervisor {
   }
 
   int poll_timeout_ms() const {
-    const auto deadline = next_deadline();
+    auto deadline = next_deadline();
+    // While ranks run, the store is asked every kRetryInterval whether the round ended elsewhere.
+    if (coordinator_ && !ended_elsewhere_ && any_running()) {
+      const auto watch = Clock::now() + NodeCoordinator::kRetryInterval;
+      deadline = deadline ? std::min(*deadline, watch) : watch;
+    }
     if (!deadline) return -1;
     const auto left = *deadline - Clock::now();
     if (left <= Clock::duration::zero()) return 0;
@@ -317,7 +430,10 @@ class Supervisor {
       rank.running = false;
       rank.status = status;
       rank.waited = pid > 0;
-      if (first_failure_rank_ < 0 && (pid < 0 || status != 0)) first_failure_rank_ = rank.rank;
+      // Once another node ended the round, the local ranks' ends are its consequences.
+      if (first_failure_rank_ < 0 && !ended_elsewhere_ && (pid < 0 || status != 0)) {
+        first_failure_rank_ = rank.rank;
+      }
       for (auto& output : rank.outputs) {
         if (output.open()) output.read_available(kMaxReadsAtExit);
       }
@@ -340,7 +456,13 @@ class Supervisor {
   // A rank failed (or could not be started): the first failure sets the exit status and stops
   // the other ranks.
   void on_failure(int status) {
-    if (first_failure_status_ == 0) first_failure_status_ = status;
+    if (ended_elsewhere_) return;
+    if (first_failure_status_ == 0) {
+      first_failure_status_ = status;
+      // Published before the ranks are stopped, so that the other nodes, whose ranks fail in
+      // turn, learn that this failure came first.
+      if (coordinator_) coordinator_->publish_failure(first_failure_rank_, status);
+    }
     if (!grace_deadline_) {
       start_grace_period();
       signal_running(SIGTERM);
@@ -349,7 +471,10 @@ class Supervisor {
 
   // distrun got SIGINT or SIGTERM: every one is passed on; the first starts the grace period.
   void on_signal_received(int signo) {
-    if (received_signal_ == 0) received_signal_ = signo;
+    if (received_signal_ == 0) {
+      received_signal_ = signo;
+      if (coordinator_) coordinator_->publish_stop(signo);
+    }
     signal_running(signo);
     if (!grace_deadline_) start_grace_period();
   }
@@ -399,11 +524,18 @@ class Supervisor {
   // distrun stopped it while it still ran (the first rank to fail is often not the culprit: a
   // rank whose collective failed exits first while the rank it waited for still hangs).
   std::string summary() const {
-    std::string text =
-        options_.max_restarts == 0
-            ? std::string("distrun: how each rank ended:\n")
-            : fmt::format("distrun: attempt {} (DISTRUN_RESTART_COUNT={}), how each rank ended:\n",
-                          restart_count_ + 1, restart_count_);
+    std::string text;
+    if (options_.max_restarts == 0) {
+      text = "distrun: how each rank ended:\n";
+    } else if (coordinator_ && round_outcome_) {
+      text = fmt::format(
+          "distrun: attempt {} (DISTRUN_RESTART_COUNT={}) ended on every node as {}; how each "
+          "rank of node {} ended:\n",
+          restart_count_ + 1, restart_count_, round_outcome_->describe(), options_.node_rank);
+    } else {
+      text = fmt::format("distrun: attempt {} (DISTRUN_RESTART_COUNT={}), how each rank ended:\n",
+                         restart_count_ + 1, restart_count_);
+    }
     for (const auto& rank : ranks_) {
       std::string ended;
       if (!rank.waited) {
@@ -428,14 +560,28 @@ class Supervisor {
   // With restarts: why there is no further attempt, then every attempt's summary.
   std::string final_report() const {
     if (options_.max_restarts == 0) return summaries_.back();
-    std::string text =
-        received_signal_ != 0
-            ? fmt::format("distrun: got {} during attempt {}; no restart after a signal\n",
-                          signal_name(received_signal_), restart_count_ + 1)
-            : fmt::format(
-                  "distrun: attempt {} failed and no restart is left (--max-restarts {}); "
-                  "exit status {}\n",
-                  restart_count_ + 1, options_.max_restarts, first_failure_status_);
+    // The round may have been stopped before its attempt started (while the nodes joined).
+    const std::string when =
+        fmt::format("{} attempt {}",
+                    summaries_.size() > static_cast<size_t>(restart_count_) ? "during" : "before",
+                    restart_count_ + 1);
+    std::string text;
+    if (!coordination_error_.empty()) {
+      text = fmt::format("distrun: {}\n", coordination_error_);
+    } else if (received_signal_ != 0) {
+      text = fmt::format("distrun: got {} {}; no restart after a signal{}\n",
+                         signal_name(received_signal_), when,
+                         coordinator_ ? " (the other nodes are told to stop)" : "");
+    } else if (coordinator_ && round_outcome_->kind == RoundOutcome::Kind::kStopped) {
+      text = fmt::format("distrun: {} {}, so every node stops; no restart after a signal\n",
+                         round_outcome_->describe(), when);
+    } else {
+      text = fmt::format(
+          "distrun: attempt {} failed{} and no restart is left (--max-restarts {}); exit status "
+          "{}\n",
+          restart_count_ + 1, coordinator_ ? " (" + round_outcome_->describe() + ")" : "",
+          options_.max_restarts, exit_status());
+    }
     for (const auto& summary : summaries_) text += summary;
     return text;
   }
@@ -443,6 +589,13 @@ class Supervisor {
   LaunchOptions options_;
   const bool port_given_;
   SignalPipe signals_;
+  // With --nnodes > 1 and --max-restarts > 0; null otherwise.
+  std::unique_ptr<NodeCoordinator> coordinator_;
+  // Coordinated: how the current (or last) round ended on every node, once known; whether
+  // another node ended it while the local ranks ran; why the coordination failed.
+  std::optional<RoundOutcome> round_outcome_;
+  std::optional<RoundOutcome> ended_elsewhere_;
+  std::string coordination_error_;
   int restart_count_ = 0;
   std::vector<std::string> summaries_;  // one per attempt, in order
   std::vector<RankProcess> ranks_;

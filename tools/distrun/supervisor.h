@@ -25,13 +25,23 @@ namespace launcher {
 /// the port was not given, a new free MASTER_PORT; a SIGINT or SIGTERM to distrun ends the job
 /// without a restart.
 ///
-/// Returns 0 when every rank of an attempt exited 0; otherwise 128 + the signal distrun received,
-/// if it was sent SIGINT or SIGTERM; otherwise the last attempt's first failing rank's exit
-/// status, or 128 + its signal; 1 if a rank could not be started. Blocking: returns once all ranks
-/// are reaped and their output read to end of file (at most 1 s more for output held open by a
-/// rank's own children). Not thread-safe, and not reentrant: it installs process-wide signal
-/// handlers for its duration (SIGINT, SIGTERM, SIGCHLD, and SIGPIPE ignored), restoring the
-/// previous ones on return.
+/// With nnodes > 1 and max_restarts > 0, every node's distrun goes through the rounds together
+/// (NodeCoordinator, node_coordination.h): each round starts once every node has joined, on a
+/// MASTER_PORT node 0 picked; a failure on any node stops the ranks of every node and, while
+/// restarts remain, every node starts its ranks again; a signal to any node's distrun stops every
+/// node. The options' master port is then the port of node 0's store, not the ranks'.
+///
+/// Returns 0 when every rank of an attempt (across nodes: of every node) exited 0; otherwise
+/// 128 + the signal distrun received, if it was sent SIGINT or SIGTERM; across nodes, the status
+/// of the failure that ended the last round, 128 + the signal another node's distrun got, or 1
+/// if the nodes could not coordinate (a node never joined within rdzv_timeout_seconds, options
+/// that differ, node 0's store unreachable); otherwise the last attempt's first failing rank's
+/// exit status, or 128 + its signal; 1 if a rank could not be started. Blocking: returns once all
+/// ranks are reaped and their output read to end of file (at most 1 s more for output held open
+/// by a rank's own children); across nodes, the waits for the other nodes end by
+/// rdzv_timeout_seconds (plus at most a second). Not thread-safe, and not reentrant: it installs
+/// process-wide signal handlers for its duration (SIGINT, SIGTERM, SIGCHLD, and SIGPIPE ignored),
+/// restoring the previous ones on return.
 int run(const LaunchOptions& options);
 
 }  // namespace launcher
