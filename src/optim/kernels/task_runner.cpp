@@ -79,7 +79,7 @@ UpdateTask& UpdateBatch::add(UpdateTask::Kernel kernel, const at::Tensor* const*
 }
 
 void UpdateBatch::run() {
-  run_update_tasks(tasks_);
+  run_update_tasks(tasks_, starts_);
   for (auto& item : write_back_) item.first.copy_(item.second);
   tasks_.clear();
   staged_.clear();
@@ -87,9 +87,14 @@ void UpdateBatch::run() {
 }
 
 void run_update_tasks(const std::vector<UpdateTask>& tasks) {
+  std::vector<int64_t> starts;
+  run_update_tasks(tasks, starts);
+}
+
+void run_update_tasks(const std::vector<UpdateTask>& tasks, std::vector<int64_t>& starts) {
   if (tasks.empty()) return;
   // starts[i] is the global index of task i's first element.
-  std::vector<int64_t> starts(tasks.size() + 1);
+  starts.resize(tasks.size() + 1);
   starts[0] = 0;
   for (size_t i = 0; i < tasks.size(); ++i) starts[i + 1] = starts[i] + tasks[i].numel;
   const int64_t total = starts.back();
