@@ -142,6 +142,14 @@ void expect_equal_state(const FunctionalOptimizer& cached, const std::vector<at:
   }
 }
 
+// The first half of `params` with the defaults, the second with another learning rate: a step
+// runs the tasks of both groups together.
+std::vector<ParamGroup> two_groups(const std::vector<at::Tensor>& params) {
+  const auto half = params.begin() + static_cast<std::ptrdiff_t>(params.size() / 2);
+  return {ParamGroup({params.begin(), half}),
+          ParamGroup({half, params.end()}, OptionBag().set("lr", 0.02))};
+}
+
 // A step finds the operands' addresses it cached at the step before unless something changed
 // them. Each change below must be noticed: a parameter given other storage (set_), a parameter
 // whose storage moved (resize_ up and back), a state dict loaded over the state, a parameter
@@ -157,7 +165,7 @@ TEST(UpdateTasks, CachedStepsEqualStepsWithoutCacheAfterChanges) {
     for (const auto& p : params) reference_params.push_back(p.clone());
     OptionBag options = c.options;
     if (c.name == "adam") options.set("amsgrad", false);
-    auto cached = create_optimizer(c.name, {ParamGroup(params)}, options);
+    auto cached = create_optimizer(c.name, two_groups(params), options);
     OptimizerStateDict reference = cached->state_dict();
     for (int step = 0; step < 8; ++step) {
       std::vector<at::Tensor> grads;
@@ -196,7 +204,7 @@ TEST(UpdateTasks, CachedStepsEqualStepsWithoutCacheAfterChanges) {
       }
       cached->step(grads);
       {
-        auto uncached = create_optimizer(c.name, {ParamGroup(reference_params)}, options);
+        auto uncached = create_optimizer(c.name, two_groups(reference_params), options);
         uncached->load_state_dict(reference);
         uncached->step(grads);
         reference = uncached->state_dict();
