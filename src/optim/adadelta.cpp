@@ -10,25 +10,27 @@ namespace {
 using kernels::Algorithm;
 using kernels::UpdateTask;
 
-// items[i].operands: param, grad, square_avg, acc_delta.
-void run_adadelta(const std::vector<detail::UpdateItem>& items, const AdadeltaOptions& o) {
+uint32_t adadelta_flags(const AdadeltaOptions& o) {
   uint32_t flags = 0;
   if (o.maximize()) flags |= kernels::kMaximize;
   if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
-  kernels::UpdateBatch batch;
-  for (const auto& item : items) {
-    const at::Tensor& p = *item.operands[0];
-    UpdateTask& task =
-        batch.add(kernels::select_kernel(Algorithm::kAdadelta, p.scalar_type(), flags),
-                  item.operands, item.num_operands);
-    kernels::AdadeltaParams& args = task.params.adadelta;
-    args.weight_decay = o.weight_decay();
-    args.rho = o.rho();
-    args.one_minus_rho = 1 - o.rho();
-    args.eps = o.eps();
-    args.lr = o.lr();
-  }
-  batch.run();
+  return flags;
+}
+
+void set_adadelta_params(UpdateTask& task, const AdadeltaOptions& o) {
+  kernels::AdadeltaParams& args = task.params.adadelta;
+  args.weight_decay = o.weight_decay();
+  args.rho = o.rho();
+  args.one_minus_rho = 1 - o.rho();
+  args.eps = o.eps();
+  args.lr = o.lr();
+}
+
+// items[i].operands: param, grad, square_avg, acc_delta.
+void run_adadelta(const std::vector<detail::UpdateItem>& items, const AdadeltaOptions& o) {
+  detail::KernelChoice kernel(Algorithm::kAdadelta, adadelta_flags(o));
+  detail::run_items(items, kernel,
+                    [&](UpdateTask& task, int64_t) { set_adadelta_params(task, o); });
 }
 
 }  // namespace
@@ -52,10 +54,10 @@ Adadelta::Adadelta(std::vector<ParamGroup> groups, const AdadeltaOptions& defaul
 }
 
 void Adadelta::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  std::vector<detail::UpdateItem> items;
-  items.reserve(updates.size());
-  for (const auto& u : updates) items.push_back(detail::stateful_item(u, {{0}, {1}}));
-  run_adadelta(items, options(group));
+  const AdadeltaOptions& o = options(group);
+  detail::KernelChoice kernel(Algorithm::kAdadelta, adadelta_flags(o));
+  detail::add_stateful_tasks(step_cache(), updates, kernel, {{0}, {1}},
+                             [&](UpdateTask& task, int64_t) { set_adadelta_params(task, o); });
 }
 
 }  // namespace optim

@@ -10,23 +10,25 @@ namespace {
 using kernels::Algorithm;
 using kernels::UpdateTask;
 
-// items[i].operands: param, grad, sum.
-void run_adagrad(const std::vector<detail::UpdateItem>& items, const AdagradOptions& o) {
+uint32_t adagrad_flags(const AdagradOptions& o) {
   uint32_t flags = 0;
   if (o.maximize()) flags |= kernels::kMaximize;
   if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
-  kernels::UpdateBatch batch;
-  for (const auto& item : items) {
-    const at::Tensor& p = *item.operands[0];
-    UpdateTask& task =
-        batch.add(kernels::select_kernel(Algorithm::kAdagrad, p.scalar_type(), flags),
-                  item.operands, item.num_operands);
-    kernels::AdagradParams& args = task.params.adagrad;
-    args.weight_decay = o.weight_decay();
-    args.clr = o.lr() / (1 + static_cast<double>(item.step - 1) * o.lr_decay());
-    args.eps = o.eps();
-  }
-  batch.run();
+  return flags;
+}
+
+void set_adagrad_params(UpdateTask& task, const AdagradOptions& o, int64_t step) {
+  kernels::AdagradParams& args = task.params.adagrad;
+  args.weight_decay = o.weight_decay();
+  args.clr = o.lr() / (1 + static_cast<double>(step - 1) * o.lr_decay());
+  args.eps = o.eps();
+}
+
+// items[i].operands: param, grad, sum.
+void run_adagrad(const std::vector<detail::UpdateItem>& items, const AdagradOptions& o) {
+  detail::KernelChoice kernel(Algorithm::kAdagrad, adagrad_flags(o));
+  detail::run_items(items, kernel,
+                    [&](UpdateTask& task, int64_t step) { set_adagrad_params(task, o, step); });
 }
 
 }  // namespace
@@ -56,13 +58,11 @@ void Adagrad::init_state(size_t group, const at::Tensor& param, ParamState& stat
 
 void Adagrad::update(size_t group, const std::vector<ParamUpdate>& updates) {
   const AdagradOptions& o = options(group);
-  std::vector<detail::UpdateItem> items;
-  items.reserve(updates.size());
+  detail::KernelChoice kernel(Algorithm::kAdagrad, adagrad_flags(o));
   // The sum exists from construction; a state dict without it starts it as PyTorch would.
-  for (const auto& u : updates) {
-    items.push_back(detail::stateful_item(u, {{0, o.initial_accumulator_value()}}));
-  }
-  run_adagrad(items, o);
+  detail::add_stateful_tasks(
+      step_cache(), updates, kernel, {{0, o.initial_accumulator_value()}},
+      [&](UpdateTask& task, int64_t step) { set_adagrad_params(task, o, step); });
 }
 
 }  // namespace optim

@@ -30,34 +30,50 @@ AdamSettings settings_of(const Options& o, bool decoupled) {
           decoupled};
 }
 
-// items[i].operands: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only).
-void run_adam(const std::vector<detail::UpdateItem>& items, const AdamSettings& s) {
+uint32_t adam_flags(const AdamSettings& s) {
   uint32_t flags = 0;
   if (s.maximize) flags |= kernels::kMaximize;
   if (s.weight_decay != 0 && !s.decoupled) flags |= kernels::kWeightDecay;
   if (s.amsgrad) flags |= kernels::kAdamAmsgrad;
   if (s.decoupled) flags |= kernels::kAdamDecoupled;
-  kernels::UpdateBatch batch;
-  for (const auto& item : items) {
-    const at::Tensor& p = *item.operands[0];
-    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kAdam, p.scalar_type(), flags),
-                                 item.operands, item.num_operands);
-    // Scalars as torch.optim.adam computes them, in double.
-    const double step = static_cast<double>(item.step);
-    const double bias_correction1 = 1 - std::pow(s.beta1, step);
-    const double bias_correction2 = 1 - std::pow(s.beta2, step);
-    kernels::AdamParams& args = task.params.adam;
-    args.weight_decay = s.weight_decay;
-    args.beta1 = s.beta1;
-    args.one_minus_beta1 = 1 - s.beta1;
-    args.beta2 = s.beta2;
-    args.one_minus_beta2 = 1 - s.beta2;
-    args.step_size = s.lr / bias_correction1;
-    args.bias_correction2_sqrt = std::sqrt(bias_correction2);
-    args.eps = s.eps;
-    args.decay = 1 - s.lr * s.weight_decay;
+  return flags;
+}
+
+// A task's scalars at step `step`, as torch.optim.adam computes them, in double. The parameters
+// of a group are usually at the same step: the last one's scalars are reused.
+class AdamScalars {
+ public:
+  explicit AdamScalars(const AdamSettings& s) : s_(s) {}
+  const kernels::AdamParams& at_step(int64_t step) {
+    if (step == step_) return args_;
+    step_ = step;
+    const double bias_correction1 = 1 - std::pow(s_.beta1, static_cast<double>(step));
+    const double bias_correction2 = 1 - std::pow(s_.beta2, static_cast<double>(step));
+    args_.weight_decay = s_.weight_decay;
+    args_.beta1 = s_.beta1;
+    args_.one_minus_beta1 = 1 - s_.beta1;
+    args_.beta2 = s_.beta2;
+    args_.one_minus_beta2 = 1 - s_.beta2;
+    args_.step_size = s_.lr / bias_correction1;
+    args_.bias_correction2_sqrt = std::sqrt(bias_correction2);
+    args_.eps = s_.eps;
+    args_.decay = 1 - s_.lr * s_.weight_decay;
+    return args_;
   }
-  batch.run();
+
+ private:
+  const AdamSettings& s_;
+  int64_t step_ = -1;
+  kernels::AdamParams args_ = {};
+};
+
+// items[i].operands: param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq (amsgrad only).
+void run_adam(const std::vector<detail::UpdateItem>& items, const AdamSettings& s) {
+  detail::KernelChoice kernel(Algorithm::kAdam, adam_flags(s));
+  AdamScalars scalars(s);
+  detail::run_items(items, kernel, [&](UpdateTask& task, int64_t step) {
+    task.params.adam = scalars.at_step(step);
+  });
 }
 
 void run_functional(const char* name, const std::vector<at::Tensor>& params,
@@ -82,14 +98,14 @@ void run_functional(const char* name, const std::vector<at::Tensor>& params,
 
 // The stateful step shared by Adam and AdamW. exp_avg and exp_avg_sq start at a parameter's
 // first gradient; max_exp_avg_sq when amsgrad is on (it may be switched on later).
-void update_adam(const std::vector<FunctionalOptimizer::ParamUpdate>& updates,
+void update_adam(detail::StepCache& cache,
+                 const std::vector<FunctionalOptimizer::ParamUpdate>& updates,
                  const AdamSettings& s) {
-  std::vector<detail::UpdateItem> items;
-  items.reserve(updates.size());
-  for (const auto& u : updates) {
-    items.push_back(detail::stateful_item(u, {{0}, {1}, {s.amsgrad ? 2 : -1}}));
-  }
-  run_adam(items, s);
+  detail::KernelChoice kernel(Algorithm::kAdam, adam_flags(s));
+  AdamScalars scalars(s);
+  detail::add_stateful_tasks(
+      cache, updates, kernel, {{0}, {1}, {s.amsgrad ? 2 : -1}},
+      [&](UpdateTask& task, int64_t step) { task.params.adam = scalars.at_step(step); });
 }
 
 }  // namespace
@@ -127,11 +143,11 @@ AdamW::AdamW(std::vector<ParamGroup> groups, const AdamWOptions& defaults)
 }
 
 void Adam::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  update_adam(updates, settings_of(options(group), false));
+  update_adam(step_cache(), updates, settings_of(options(group), false));
 }
 
 void AdamW::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  update_adam(updates, settings_of(options(group), true));
+  update_adam(step_cache(), updates, settings_of(options(group), true));
 }
 
 }  // namespace optim

@@ -12,27 +12,30 @@ namespace {
 using kernels::Algorithm;
 using kernels::UpdateTask;
 
-// items[i].operands: param, grad, exp_avg, exp_inf.
-void run_adamax(const std::vector<detail::UpdateItem>& items, const AdamaxOptions& o) {
+uint32_t adamax_flags(const AdamaxOptions& o) {
   uint32_t flags = 0;
   if (o.maximize()) flags |= kernels::kMaximize;
   if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
+  return flags;
+}
+
+void set_adamax_params(UpdateTask& task, const AdamaxOptions& o, int64_t step) {
   const double beta1 = std::get<0>(o.betas());
   const double beta2 = std::get<1>(o.betas());
-  kernels::UpdateBatch batch;
-  for (const auto& item : items) {
-    const at::Tensor& p = *item.operands[0];
-    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kAdamax, p.scalar_type(), flags),
-                                 item.operands, item.num_operands);
-    kernels::AdamaxParams& args = task.params.adamax;
-    args.weight_decay = o.weight_decay();
-    args.beta1 = beta1;
-    args.one_minus_beta1 = 1 - beta1;
-    args.beta2 = beta2;
-    args.eps = o.eps();
-    args.clr = o.lr() / (1 - std::pow(beta1, static_cast<double>(item.step)));
-  }
-  batch.run();
+  kernels::AdamaxParams& args = task.params.adamax;
+  args.weight_decay = o.weight_decay();
+  args.beta1 = beta1;
+  args.one_minus_beta1 = 1 - beta1;
+  args.beta2 = beta2;
+  args.eps = o.eps();
+  args.clr = o.lr() / (1 - std::pow(beta1, static_cast<double>(step)));
+}
+
+// items[i].operands: param, grad, exp_avg, exp_inf.
+void run_adamax(const std::vector<detail::UpdateItem>& items, const AdamaxOptions& o) {
+  detail::KernelChoice kernel(Algorithm::kAdamax, adamax_flags(o));
+  detail::run_items(items, kernel,
+                    [&](UpdateTask& task, int64_t step) { set_adamax_params(task, o, step); });
 }
 
 }  // namespace
@@ -57,10 +60,11 @@ Adamax::Adamax(std::vector<ParamGroup> groups, const AdamaxOptions& defaults)
 }
 
 void Adamax::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  std::vector<detail::UpdateItem> items;
-  items.reserve(updates.size());
-  for (const auto& u : updates) items.push_back(detail::stateful_item(u, {{0}, {1}}));
-  run_adamax(items, options(group));
+  const AdamaxOptions& o = options(group);
+  detail::KernelChoice kernel(Algorithm::kAdamax, adamax_flags(o));
+  detail::add_stateful_tasks(
+      step_cache(), updates, kernel, {{0}, {1}},
+      [&](UpdateTask& task, int64_t step) { set_adamax_params(task, o, step); });
 }
 
 }  // namespace optim

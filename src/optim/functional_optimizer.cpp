@@ -6,6 +6,7 @@
 #include <torch/serialize.h>
 
 #include "checkpoint_file.h"
+#include "step_cache.h"
 #include "update_common.h"
 
 namespace distoptim {
@@ -23,12 +24,13 @@ void check_param(const at::Tensor& p, const std::string& where) {
                    " has dtype ", p.scalar_type(), "; supported: Float, Double");
 }
 
-// A step reads, per parameter, the metadata of the parameter, its gradient and its state
-// buffers (TensorImpl, StorageImpl): a few cache lines each, scattered over the heap and cold
-// after a forward and backward pass. Read one by one, each is a cache miss the CPU waits for,
-// which made a step over many small tensors cost more in misses than in memory traffic.
-// Prefetching all of them first, in passes of independent loads (the StorageImpl's address is
-// in the TensorImpl), overlaps the misses.
+// A step reads, per parameter, the metadata of the parameter and its gradient (TensorImpl, then
+// StorageImpl for the data's address) and which tensors fill its state slots: cache lines
+// scattered over the heap and cold after a forward and backward pass. Read one by one, each is a
+// cache miss the CPU waits for, which made a step over many small tensors cost more in misses
+// than in memory traffic. Prefetching all of them first, in passes of independent loads (the
+// StorageImpl's address is in the TensorImpl), overlaps the misses. The state buffers' own
+// metadata is not read while their addresses are cached (see step_cache.h).
 void prefetch_lines(const void* address, size_t bytes) {
   const char* p = static_cast<const char*>(address);
   for (size_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
@@ -51,13 +53,9 @@ void prefetch_metadata(const std::vector<at::Tensor>& params,
     prefetch_impl(gradients[i]);
     prefetch_lines(states[i].buffers.data(), states[i].buffers.size() * sizeof(at::Tensor));
   }
-  for (const ParamState& state : states) {
-    for (const at::Tensor& buffer : state.buffers) prefetch_impl(buffer);
-  }
   for (size_t i = 0; i < params.size(); ++i) {
     prefetch_storage(params[i]);
     prefetch_storage(gradients[i]);
-    for (const at::Tensor& buffer : states[i].buffers) prefetch_storage(buffer);
   }
 }
 
@@ -74,7 +72,8 @@ FunctionalOptimizer::FunctionalOptimizer(std::string name, std::vector<std::stri
                                          OptionBag defaults)
     : name_(std::move(name)),
       state_names_(std::move(state_names)),
-      defaults_(std::move(defaults)) {}
+      defaults_(std::move(defaults)),
+      step_cache_(std::make_unique<detail::StepCache>()) {}
 
 FunctionalOptimizer::~FunctionalOptimizer() = default;
 
@@ -112,6 +111,7 @@ void FunctionalOptimizer::add_param_group(const ParamGroup& group) {
     states_.back().buffers.resize(state_names_.size());
     init_state(g, p, states_.back());
   }
+  step_cache_->params.resize(params_.size());
   groups_.push_back(std::move(entry));
   on_group_added(g);
 }
@@ -174,7 +174,16 @@ void FunctionalOptimizer::step(const std::vector<at::Tensor>& gradients) {
     scratch_updates_[param_group_[i]].push_back(
         ParamUpdate{static_cast<int64_t>(i), &params_[i], &gradients[i], &states_[i]});
   }
-  apply_updates(scratch_updates_);
+  // The built-in optimizers' update() adds its tasks to one batch, run here for all groups.
+  kernels::UpdateBatch& batch = step_cache_->batch;
+  try {
+    apply_updates(scratch_updates_);
+  } catch (...) {
+    // Only allocation failure gets here: the parameters whose step was counted are updated.
+    batch.run();
+    throw;
+  }
+  batch.run();
 }
 
 void FunctionalOptimizer::apply_updates(const std::vector<std::vector<ParamUpdate>>& by_group) {
@@ -268,6 +277,8 @@ void FunctionalOptimizer::load_state_dict(const OptimizerStateDict& dict) {
     on_group_options(g, dict.defaults.merged_with(dict.param_groups[g].overrides));
   }
   states_ = std::move(new_states);
+  // New buffers may reuse the addresses of the old ones: no cached entry may match them.
+  ++step_cache_->generation;
 }
 
 c10::IValue OptimizerStateDict::to_ivalue() const {

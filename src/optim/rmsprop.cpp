@@ -10,28 +10,29 @@ namespace {
 using kernels::Algorithm;
 using kernels::UpdateTask;
 
-// items[i].operands: param, grad, square_avg, momentum_buffer (or null), grad_avg (or null).
-void run_rmsprop(const std::vector<detail::UpdateItem>& items, const RMSpropOptions& o) {
+uint32_t rmsprop_flags(const RMSpropOptions& o) {
   uint32_t flags = 0;
   if (o.maximize()) flags |= kernels::kMaximize;
   if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
   if (o.centered()) flags |= kernels::kRmspropCentered;
   if (o.momentum() > 0) flags |= kernels::kRmspropMomentum;
-  kernels::UpdateBatch batch;
-  for (const auto& item : items) {
-    const at::Tensor& p = *item.operands[0];
-    UpdateTask& task =
-        batch.add(kernels::select_kernel(Algorithm::kRmsprop, p.scalar_type(), flags),
-                  item.operands, item.num_operands);
-    kernels::RmspropParams& args = task.params.rmsprop;
-    args.weight_decay = o.weight_decay();
-    args.alpha = o.alpha();
-    args.one_minus_alpha = 1 - o.alpha();
-    args.eps = o.eps();
-    args.lr = o.lr();
-    args.momentum = o.momentum();
-  }
-  batch.run();
+  return flags;
+}
+
+void set_rmsprop_params(UpdateTask& task, const RMSpropOptions& o) {
+  kernels::RmspropParams& args = task.params.rmsprop;
+  args.weight_decay = o.weight_decay();
+  args.alpha = o.alpha();
+  args.one_minus_alpha = 1 - o.alpha();
+  args.eps = o.eps();
+  args.lr = o.lr();
+  args.momentum = o.momentum();
+}
+
+// items[i].operands: param, grad, square_avg, momentum_buffer (or null), grad_avg (or null).
+void run_rmsprop(const std::vector<detail::UpdateItem>& items, const RMSpropOptions& o) {
+  detail::KernelChoice kernel(Algorithm::kRmsprop, rmsprop_flags(o));
+  detail::run_items(items, kernel, [&](UpdateTask& task, int64_t) { set_rmsprop_params(task, o); });
 }
 
 }  // namespace
@@ -63,15 +64,12 @@ RMSprop::RMSprop(std::vector<ParamGroup> groups, const RMSpropOptions& defaults)
 
 void RMSprop::update(size_t group, const std::vector<ParamUpdate>& updates) {
   const RMSpropOptions& o = options(group);
+  detail::KernelChoice kernel(Algorithm::kRmsprop, rmsprop_flags(o));
   // PyTorch creates a parameter's buffers at its first gradient; one whose option is switched
   // on later (set_group_options) starts at zero then.
-  std::vector<detail::UpdateItem> items;
-  items.reserve(updates.size());
-  for (const auto& u : updates) {
-    items.push_back(
-        detail::stateful_item(u, {{0}, {o.momentum() > 0 ? 1 : -1}, {o.centered() ? 2 : -1}}));
-  }
-  run_rmsprop(items, o);
+  detail::add_stateful_tasks(step_cache(), updates, kernel,
+                             {{0}, {o.momentum() > 0 ? 1 : -1}, {o.centered() ? 2 : -1}},
+                             [&](UpdateTask& task, int64_t) { set_rmsprop_params(task, o); });
 }
 
 }  // namespace optim

@@ -10,21 +10,22 @@ namespace {
 using kernels::Algorithm;
 using kernels::UpdateTask;
 
+uint32_t rprop_flags(const RpropOptions& o) {
+  return o.maximize() ? uint32_t{kernels::kMaximize} : 0u;
+}
+
+void set_rprop_params(UpdateTask& task, const RpropOptions& o) {
+  kernels::RpropParams& args = task.params.rprop;
+  args.etaminus = std::get<0>(o.etas());
+  args.etaplus = std::get<1>(o.etas());
+  args.step_size_min = std::get<0>(o.step_sizes());
+  args.step_size_max = std::get<1>(o.step_sizes());
+}
+
 // items[i].operands: param, grad, prev, step_size.
 void run_rprop(const std::vector<detail::UpdateItem>& items, const RpropOptions& o) {
-  const uint32_t flags = o.maximize() ? uint32_t{kernels::kMaximize} : 0u;
-  kernels::UpdateBatch batch;
-  for (const auto& item : items) {
-    const at::Tensor& p = *item.operands[0];
-    UpdateTask& task = batch.add(kernels::select_kernel(Algorithm::kRprop, p.scalar_type(), flags),
-                                 item.operands, item.num_operands);
-    kernels::RpropParams& args = task.params.rprop;
-    args.etaminus = std::get<0>(o.etas());
-    args.etaplus = std::get<1>(o.etas());
-    args.step_size_min = std::get<0>(o.step_sizes());
-    args.step_size_max = std::get<1>(o.step_sizes());
-  }
-  batch.run();
+  detail::KernelChoice kernel(Algorithm::kRprop, rprop_flags(o));
+  detail::run_items(items, kernel, [&](UpdateTask& task, int64_t) { set_rprop_params(task, o); });
 }
 
 }  // namespace
@@ -49,11 +50,10 @@ Rprop::Rprop(std::vector<ParamGroup> groups, const RpropOptions& defaults)
 
 void Rprop::update(size_t group, const std::vector<ParamUpdate>& updates) {
   const RpropOptions& o = options(group);
-  std::vector<detail::UpdateItem> items;
-  items.reserve(updates.size());
+  detail::KernelChoice kernel(Algorithm::kRprop, rprop_flags(o));
   // prev starts at zero, step_size at the group's lr.
-  for (const auto& u : updates) items.push_back(detail::stateful_item(u, {{0}, {1, o.lr()}}));
-  run_rprop(items, o);
+  detail::add_stateful_tasks(step_cache(), updates, kernel, {{0}, {1, o.lr()}},
+                             [&](UpdateTask& task, int64_t) { set_rprop_params(task, o); });
 }
 
 }  // namespace optim

@@ -13,6 +13,24 @@ namespace {
 using kernels::Algorithm;
 using kernels::UpdateTask;
 
+uint32_t sgd_flags(const SGDOptions& o) {
+  uint32_t flags = 0;
+  if (o.maximize()) flags |= kernels::kMaximize;
+  if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
+  if (o.momentum() != 0) flags |= kernels::kSgdMomentum;
+  if (o.nesterov()) flags |= kernels::kSgdNesterov;
+  return flags;
+}
+
+kernels::SgdParams sgd_params(const SGDOptions& o) {
+  kernels::SgdParams args;
+  args.lr = o.lr();
+  args.weight_decay = o.weight_decay();
+  args.momentum = o.momentum();
+  args.one_minus_dampening = 1 - o.dampening();
+  return args;
+}
+
 // One SGD step over parameters whose momentum buffers (when momentum != 0) may still be
 // undefined: those are created here and filled by the kernel's first-step variant, so the
 // first step too is a single pass.
@@ -20,11 +38,8 @@ void run_sgd(const std::vector<const at::Tensor*>& params,
              const std::vector<const at::Tensor*>& grads, const std::vector<at::Tensor*>& buffers,
              const SGDOptions& o) {
   const bool momentum = o.momentum() != 0;
-  uint32_t flags = 0;
-  if (o.maximize()) flags |= kernels::kMaximize;
-  if (o.weight_decay() != 0) flags |= kernels::kWeightDecay;
-  if (momentum) flags |= kernels::kSgdMomentum;
-  if (o.nesterov()) flags |= kernels::kSgdNesterov;
+  const uint32_t flags = sgd_flags(o);
+  const kernels::SgdParams args = sgd_params(o);
   kernels::UpdateBatch batch;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = *params[i];
@@ -41,11 +56,7 @@ void run_sgd(const std::vector<const at::Tensor*>& params,
     UpdateTask& task =
         batch.add(kernels::select_kernel(Algorithm::kSgd, p.scalar_type(), item_flags), operands,
                   num_operands);
-    kernels::SgdParams& args = task.params.sgd;
-    args.lr = o.lr();
-    args.weight_decay = o.weight_decay();
-    args.momentum = o.momentum();
-    args.one_minus_dampening = 1 - o.dampening();
+    task.params.sgd = args;
   }
   batch.run();
 }
@@ -78,14 +89,20 @@ SGD::SGD(std::vector<ParamGroup> groups, const SGDOptions& defaults)
 }
 
 void SGD::update(size_t group, const std::vector<ParamUpdate>& updates) {
-  std::vector<const at::Tensor*> p(updates.size()), g(updates.size());
-  std::vector<at::Tensor*> b(updates.size());
-  for (size_t i = 0; i < updates.size(); ++i) {
-    p[i] = updates[i].param;
-    g[i] = updates[i].grad;
-    b[i] = &updates[i].state->buffers[0];
+  const SGDOptions& o = options(group);
+  const bool momentum = o.momentum() != 0;
+  detail::KernelChoice kernel(Algorithm::kSgd, sgd_flags(o));
+  detail::KernelChoice first_step_kernel(Algorithm::kSgd, sgd_flags(o) | kernels::kSgdFirstStep);
+  const kernels::SgdParams args = sgd_params(o);
+  for (const auto& u : updates) {
+    // A momentum buffer created now (zeros) is set to the gradient by the first-step variant.
+    const bool first_step = momentum && !u.state->buffers[0].defined();
+    // SGD's state has no step count, as in torch.optim.
+    UpdateTask& task =
+        detail::add_stateful_task(step_cache(), u, first_step ? first_step_kernel : kernel,
+                                  {{momentum ? 0 : -1}}, /*count_step=*/false);
+    task.params.sgd = args;
   }
-  run_sgd(p, g, b, options(group));
 }
 
 }  // namespace optim

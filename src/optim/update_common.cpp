@@ -16,7 +16,7 @@ at::Tensor new_state_buffer(const at::Tensor& param) {
 }
 
 UpdateItem stateful_item(const FunctionalOptimizer::ParamUpdate& update,
-                         std::initializer_list<StateSlot> slots) {
+                         std::initializer_list<StateSlot> slots, bool count_step) {
   UpdateItem item;
   item.operands[0] = update.param;
   item.operands[1] = update.grad;
@@ -33,8 +33,98 @@ UpdateItem stateful_item(const FunctionalOptimizer::ParamUpdate& update,
     ++k;
   }
   item.num_operands = k;
-  item.step = ++update.state->step;
+  if (count_step) ++update.state->step;
+  item.step = update.state->step;
   return item;
+}
+
+kernels::UpdateTask::Kernel KernelChoice::operator()(at::ScalarType dtype) {
+  if (dtype == at::kFloat) {
+    if (float_kernel_ == nullptr) float_kernel_ = kernels::select_kernel(algorithm_, dtype, flags_);
+    return float_kernel_;
+  }
+  if (dtype == at::kDouble) {
+    if (double_kernel_ == nullptr) {
+      double_kernel_ = kernels::select_kernel(algorithm_, dtype, flags_);
+    }
+    return double_kernel_;
+  }
+  return kernels::select_kernel(algorithm_, dtype, flags_);  // throws: no kernel for it
+}
+
+namespace {
+
+// Whether `cached` still describes the operands of `update` for `slots`. Reads the parameter's
+// and the gradient's metadata, and of the state only which tensors fill the slots.
+bool cache_matches(const CachedOperands& cached, const FunctionalOptimizer::ParamUpdate& update,
+                   std::initializer_list<StateSlot> slots) {
+  const c10::TensorImpl* param = update.param->unsafeGetTensorImpl();
+  // step() has checked that the gradient's dtype and sizes are the parameter's.
+  if (!param->is_contiguous() || !update.grad->unsafeGetTensorImpl()->is_contiguous() ||
+      param->numel() != cached.numel || c10::typeMetaToScalarType(param->dtype()) != cached.dtype ||
+      param->data() != cached.param_data) {
+    return false;
+  }
+  for (const StateSlot& slot : slots) {
+    if (slot.index < 0) continue;
+    if (update.state->buffers[slot.index].unsafeGetTensorImpl() != cached.state_impl[slot.index] ||
+        cached.state_data[slot.index] == nullptr) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// What the next step may take from the cache about `update`, whose buffers exist now: nothing
+// unless the parameter is contiguous, so that its data, size and dtype fix its layout.
+CachedOperands cache_entry(const StepCache& cache, const FunctionalOptimizer::ParamUpdate& update) {
+  CachedOperands entry;
+  const at::Tensor& param = *update.param;
+  if (!param.is_contiguous() || param.numel() == 0) return entry;
+  const std::vector<at::Tensor>& buffers = update.state->buffers;
+  TORCH_INTERNAL_ASSERT(buffers.size() <= static_cast<size_t>(kMaxStateSlots));
+  entry.generation = cache.generation;
+  entry.param_data = param.data_ptr();
+  entry.numel = param.numel();
+  entry.dtype = param.scalar_type();
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    const at::Tensor& buffer = buffers[k];
+    entry.state_impl[k] = buffer.unsafeGetTensorImpl();
+    if (buffer.defined() && buffer.layout() == at::kStrided && buffer.device() == param.device() &&
+        buffer.scalar_type() == entry.dtype && buffer.numel() == entry.numel &&
+        buffer.is_contiguous()) {
+      entry.state_data[k] = buffer.data_ptr();
+    }
+  }
+  return entry;
+}
+
+}  // namespace
+
+kernels::UpdateTask& add_stateful_task(StepCache& cache,
+                                       const FunctionalOptimizer::ParamUpdate& update,
+                                       KernelChoice& kernel, std::initializer_list<StateSlot> slots,
+                                       bool count_step) {
+  CachedOperands& cached = cache.params[update.index];
+  if (cached.generation == cache.generation && cache_matches(cached, update, slots)) {
+    kernels::UpdateTask& task = cache.batch.add_direct();
+    task.kernel = kernel(cached.dtype);
+    task.data[0] = cached.param_data;
+    task.data[1] = update.grad->data_ptr();
+    int k = 2;
+    for (const StateSlot& slot : slots) {
+      task.data[k++] = slot.index >= 0 ? cached.state_data[slot.index] : nullptr;
+    }
+    task.numel = cached.numel;
+    task.element_size = static_cast<int64_t>(c10::elementSize(cached.dtype));
+    if (count_step) ++update.state->step;
+    return task;
+  }
+  const UpdateItem item = stateful_item(update, slots, count_step);
+  kernels::UpdateTask& task =
+      cache.batch.add(kernel(update.param->scalar_type()), item.operands, item.num_operands);
+  cached = cache_entry(cache, update);
+  return task;
 }
 
 std::vector<UpdateItem> items_from_lists(

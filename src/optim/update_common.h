@@ -13,6 +13,7 @@
 #include <distoptim/optim/functional_optimizer.h>
 
 #include "kernels/update_task.h"
+#include "step_cache.h"
 
 namespace distoptim {
 namespace optim {
@@ -34,9 +35,34 @@ struct StateSlot {
 };
 
 /// The item of one parameter in a stateful step: the parameter, its gradient, then the buffers
-/// of `slots` in order, creating those that do not exist yet. Counts the step.
+/// of `slots` in order, creating those that do not exist yet. Counts the step when `count_step`.
 UpdateItem stateful_item(const FunctionalOptimizer::ParamUpdate& update,
-                         std::initializer_list<StateSlot> slots);
+                         std::initializer_list<StateSlot> slots, bool count_step = true);
+
+/// The kernel of one algorithm and variant, selected at most once per dtype (a step's
+/// parameters are float or double).
+class KernelChoice {
+ public:
+  KernelChoice(kernels::Algorithm algorithm, uint32_t flags)
+      : algorithm_(algorithm), flags_(flags) {}
+  kernels::UpdateTask::Kernel operator()(at::ScalarType dtype);
+
+ private:
+  kernels::Algorithm algorithm_;
+  uint32_t flags_;
+  kernels::UpdateTask::Kernel float_kernel_ = nullptr;
+  kernels::UpdateTask::Kernel double_kernel_ = nullptr;
+};
+
+/// Adds the task of one parameter of a stateful step to the step's batch: the operands of
+/// stateful_item(update, slots, count_step) with `kernel`. Their addresses come from `cache`
+/// while the parameter's data, size and dtype, and the identity of the buffers in `slots`, are
+/// those it cached; else (the first step, a changed parameter, a buffer created or replaced)
+/// they are found anew and cached. Returns the task for the caller to fill in its scalars.
+kernels::UpdateTask& add_stateful_task(StepCache& cache,
+                                       const FunctionalOptimizer::ParamUpdate& update,
+                                       KernelChoice& kernel, std::initializer_list<StateSlot> slots,
+                                       bool count_step = true);
 
 /// The items of a list-based functional:: update: params[i], grads[i], then buffer_lists[k][i]
 /// for each k (a null list is an unused operand), with steps[i] when `steps` is given.
@@ -44,6 +70,30 @@ std::vector<UpdateItem> items_from_lists(
     const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
     std::initializer_list<const std::vector<at::Tensor>*> buffer_lists,
     const std::vector<int64_t>* steps = nullptr);
+
+/// Runs the tasks of a list-based functional:: update: `items` with `kernel`, each task's
+/// scalars set by `fill(task, item.step)`.
+template <class Fill>
+void run_items(const std::vector<UpdateItem>& items, KernelChoice& kernel, Fill&& fill) {
+  kernels::UpdateBatch batch;
+  for (const UpdateItem& item : items) {
+    fill(batch.add(kernel(item.operands[0]->scalar_type()), item.operands, item.num_operands),
+         item.step);
+  }
+  batch.run();
+}
+
+/// Adds the tasks of one group's stateful step to the step's batch (see add_stateful_task),
+/// each task's scalars set by `fill(task, step)` with the parameter's step count after it.
+template <class Fill>
+void add_stateful_tasks(StepCache& cache,
+                        const std::vector<FunctionalOptimizer::ParamUpdate>& updates,
+                        KernelChoice& kernel, std::initializer_list<StateSlot> slots, Fill&& fill) {
+  for (const FunctionalOptimizer::ParamUpdate& update : updates) {
+    kernels::UpdateTask& task = add_stateful_task(cache, update, kernel, slots);
+    fill(task, update.state->step);
+  }
+}
 
 /// A zero-filled buffer laid out like `param` (same strides when `param` is dense).
 at::Tensor new_state_buffer(const at::Tensor& param);

@@ -121,6 +121,100 @@ TEST(UpdateTasks, BatchedStepEqualsOneTensorAtATime) {
   set_kernel_isa(original);
 }
 
+// Every step of `optimizer` against the same step of a new optimizer that loads the state the
+// reference reached, so nothing of an earlier step is cached there: parameters and state must
+// be equal bit for bit.
+void expect_equal_state(const FunctionalOptimizer& cached, const std::vector<at::Tensor>& params,
+                        const OptimizerStateDict& reference,
+                        const std::vector<at::Tensor>& reference_params, const std::string& what) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(at::equal(params[i], reference_params[i])) << what << ": parameter " << i;
+  }
+  const OptimizerStateDict state = cached.state_dict();
+  ASSERT_EQ(state.state.size(), reference.state.size()) << what;
+  for (const auto& item : reference.state) {
+    const OptimizerStateDict::State& ours = state.state.at(item.first);
+    ASSERT_EQ(ours.step, item.second.step) << what << ": parameter " << item.first;
+    ASSERT_EQ(ours.buffers.size(), item.second.buffers.size()) << what;
+    for (const auto& buffer : item.second.buffers) {
+      ASSERT_TRUE(at::equal(ours.buffers.at(buffer.first), buffer.second))
+          << what << ": state " << buffer.first << " of parameter " << item.first;
+    }
+  }
+}
+
+// The first half of `params` with the defaults, the second with another learning rate: a step
+// runs the tasks of both groups together.
+std::vector<ParamGroup> two_groups(const std::vector<at::Tensor>& params) {
+  const auto half = params.begin() + static_cast<std::ptrdiff_t>(params.size() / 2);
+  return {ParamGroup({params.begin(), half}),
+          ParamGroup({half, params.end()}, OptionBag().set("lr", 0.02))};
+}
+
+// A step finds the operands' addresses it cached at the step before unless something changed
+// them. Each change below must be noticed: a parameter given other storage (set_), a parameter
+// whose storage moved (resize_ up and back), a state dict loaded over the state, a parameter
+// without a gradient, a gradient that is not contiguous, an option that adds a state buffer.
+TEST(UpdateTasks, CachedStepsEqualStepsWithoutCacheAfterChanges) {
+  at::set_num_threads(2);
+  const std::vector<int64_t> sizes = {1000, 7, 1000, 3, 1000, 16};
+  for (const auto& c : testing::all_optimizer_cases()) {
+    torch::manual_seed(0);
+    std::vector<at::Tensor> params;
+    for (int64_t size : sizes) params.push_back(torch::randn({size}));
+    std::vector<at::Tensor> reference_params;
+    for (const auto& p : params) reference_params.push_back(p.clone());
+    OptionBag options = c.options;
+    if (c.name == "adam") options.set("amsgrad", false);
+    auto cached = create_optimizer(c.name, two_groups(params), options);
+    OptimizerStateDict reference = cached->state_dict();
+    for (int step = 0; step < 8; ++step) {
+      std::vector<at::Tensor> grads;
+      for (int64_t size : sizes) grads.push_back(torch::randn({size}));
+      const std::string what = c.name + " step " + std::to_string(step);
+      if (step == 2) {
+        // Same values in new storage: a step into the old storage would leave params[2] as is.
+        params[2].set_(params[2].clone());
+      } else if (step == 3) {
+        // Same sizes, same StorageImpl, data moved.
+        const auto data = params[4].data_ptr();
+        params[4].resize_({20000});
+        params[4].resize_({sizes[4]});
+        ASSERT_NE(params[4].data_ptr(), data) << "resize_ kept the data in place";
+      } else if (step == 4) {
+        // New buffers, other values: a step into the old buffers would not show in the state.
+        OptimizerStateDict halved = cached->state_dict();
+        for (auto& item : halved.state) {
+          for (auto& buffer : item.second.buffers) buffer.second.mul_(0.5);
+        }
+        cached->load_state_dict(halved);
+        for (auto& item : reference.state) {
+          for (auto& buffer : item.second.buffers) buffer.second.mul_(0.5);
+        }
+      } else if (step == 5) {
+        grads[0] = at::Tensor();
+        grads[4] = torch::randn({sizes[4] * 2}).slice(0, 0, sizes[4] * 2, 2);
+      } else if (step == 6) {
+        // Adam's max_exp_avg_sq is created now, at its first use.
+        OptionBag change = OptionBag().set("lr", 0.003);
+        if (c.name == "adam") change.set("amsgrad", true);
+        cached->set_group_options(0, change);
+        // The reference's options come with its state dict.
+        OptionBag& overrides = reference.param_groups[0].overrides;
+        overrides = overrides.merged_with(change);
+      }
+      cached->step(grads);
+      {
+        auto uncached = create_optimizer(c.name, two_groups(reference_params), options);
+        uncached->load_state_dict(reference);
+        uncached->step(grads);
+        reference = uncached->state_dict();
+      }
+      expect_equal_state(*cached, params, reference, reference_params, what);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kernels
 }  // namespace optim

@@ -14,6 +14,10 @@
 namespace distoptim {
 namespace optim {
 
+namespace detail {
+struct StepCache;
+}
+
 /// A group of parameters and the options that override the optimizer's defaults for them
 /// (Python's `{"params": [...], "lr": 0.1}`). Keys left out take the optimizer's defaults.
 struct ParamGroup {
@@ -158,6 +162,10 @@ class FunctionalOptimizer {
   /// A new zero-filled buffer laid out like `param` (same strides when `param` is dense).
   static at::Tensor new_state_buffer(const at::Tensor& param);
 
+  /// The built-in optimizers' cache of operand addresses and the batch of the step's tasks,
+  /// which `step` runs once every group's `update` has added its own (internal).
+  detail::StepCache& step_cache() { return *step_cache_; }
+
  private:
   struct Group {
     std::vector<int64_t> param_indices;
@@ -175,6 +183,7 @@ class FunctionalOptimizer {
   std::vector<Group> groups_;
   // Scratch reused by step() so a step allocates nothing once warm.
   std::vector<std::vector<ParamUpdate>> scratch_updates_;
+  std::unique_ptr<detail::StepCache> step_cache_;
 };
 
 /// Base for an optimizer with a typed options struct (see SGDOptions for the shape an options

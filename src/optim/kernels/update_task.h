@@ -184,11 +184,20 @@ class UpdateBatch {
   /// the kernel variant does not touch. Returns the task so the
   /// caller can fill in its scalars. Empty tensors add nothing and return a scratch task.
   UpdateTask& add(UpdateTask::Kernel kernel, const at::Tensor* const* operands, int num_operands);
+  /// Adds a task whose operands the caller fills in: addresses it knows share one layout and
+  /// hold `numel` > 0 elements each.
+  UpdateTask& add_direct() {
+    tasks_.emplace_back();
+    return tasks_.back();
+  }
+  /// Runs the tasks added since the last run and forgets them (keeping the memory, so a batch
+  /// that lives from step to step allocates nothing once warm).
   void run();
   bool empty() const { return tasks_.empty(); }
 
  private:
   std::vector<UpdateTask> tasks_;
+  std::vector<int64_t> starts_;
   std::vector<at::Tensor> staged_;
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back_;
   UpdateTask scratch_;
@@ -196,6 +205,8 @@ class UpdateBatch {
 
 /// Runs `tasks` over LibTorch's intra-op thread pool, one parallel region for all of them.
 void run_update_tasks(const std::vector<UpdateTask>& tasks);
+/// The same with the caller's scratch vector for the tasks' offsets.
+void run_update_tasks(const std::vector<UpdateTask>& tasks, std::vector<int64_t>& starts);
 
 }  // namespace kernels
 }  // namespace optim
