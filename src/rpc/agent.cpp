@@ -573,6 +573,36 @@ void Agent::on_peer_gone(int peer) {
   }
 }
 
+namespace {
+
+std::string barrier_failed_key(const std::string& prefix) { return prefix + "failed"; }
+std::string barrier_left_key(const std::string& prefix, int rank) {
+  return prefix + "left/" + std::to_string(rank);
+}
+
+// Rank 0, whose shutdown barrier under `prefix` timed out: publishes `why`, then waits (briefly)
+// until the workers that arrived have read it, before it goes on to stop the store; otherwise
+// they would see only the store's loss, not the workers that never came. Never throws.
+void announce_barrier_failure(comm::DeadlineStore& store, const std::string& prefix, int world_size,
+                              const std::string& why, const std::vector<int>& missing) {
+  // Bounded: the workers that arrived read it within their next poll (at most 50 ms apart).
+  const auto until = std::chrono::steady_clock::now() + kBarrierFailureGrace;
+  try {
+    store.set(barrier_failed_key(prefix), std::vector<uint8_t>(why.begin(), why.end()), until);
+    for (int rank = 1; rank < world_size; ++rank) {
+      if (std::find(missing.begin(), missing.end(), rank) != missing.end()) continue;
+      while (!store.check({barrier_left_key(prefix, rank)}, until)) {
+        if (std::chrono::steady_clock::now() >= until) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+  } catch (const std::exception&) {
+    // The store failing too leaves nothing more to tell anyone.
+  }
+}
+
+}  // namespace
+
 void Agent::barrier(const std::string& round, bool wait) {
   // Every store operation ends by the barrier's deadline: a store host that stopped answering
   // fails it with TimeoutError, one that died with PeerLostError, both naming the store.
@@ -588,10 +618,6 @@ void Agent::barrier(const std::string& round, bool wait) {
                     round, "': worker ", describe_missing({peer}, workers_), " is lost (", why, ")",
                     then);
   };
-  // Rank 0, which serves the store, tells the others why it gave up before it stops the store:
-  // otherwise they would see only the store's loss, not the workers that never came.
-  const std::string failed_key = prefix + "failed";
-  const auto left_key = [&](int rank) { return prefix + "left/" + std::to_string(rank); };
   // A worker already known to be dead that has not arrived never will: fail now, not at the
   // deadline. (A worker that refused us is alive: it is waited for.)
   bool reported_lost = false;
@@ -602,9 +628,10 @@ void Agent::barrier(const std::string& round, bool wait) {
         throw_lost(peer, why, "");
       }
     }
-    if (rank_ != 0 && store.check({failed_key}, deadline)) {
-      const std::vector<uint8_t> why = store.get(failed_key, deadline);
-      store.add(left_key(rank_), 1, deadline);
+    // Rank 0, which serves the store, gave up: it says why (announce_barrier_failure).
+    if (rank_ != 0 && store.check({barrier_failed_key(prefix)}, deadline)) {
+      const std::vector<uint8_t> why = store.get(barrier_failed_key(prefix), deadline);
+      store.add(barrier_left_key(prefix, rank_), 1, deadline);
       DISTOPTIM_THROW(TimeoutError, "rpc shutdown: worker '", self().name,
                       "' cannot pass barrier '", round, "': ", std::string(why.begin(), why.end()));
     }
@@ -635,28 +662,9 @@ void Agent::barrier(const std::string& round, bool wait) {
       " ms at barrier '" + round +
       "' for workers that never arrived: " + describe_missing(missing, workers_);
   if (rank_ == 0) {
-    announce_barrier_failure(store, failed_key, why, missing, left_key);
+    announce_barrier_failure(store, prefix, world_size_, why, missing);
   }
   DISTOPTIM_THROW(TimeoutError, "rpc shutdown: ", why);
-}
-
-void Agent::announce_barrier_failure(comm::DeadlineStore& store, const std::string& failed_key,
-                                     const std::string& why, const std::vector<int>& missing,
-                                     const std::function<std::string(int)>& left_key) {
-  // Bounded: the workers that arrived read it within their next poll (at most 50 ms apart).
-  const auto until = std::chrono::steady_clock::now() + kBarrierFailureGrace;
-  try {
-    store.set(failed_key, std::vector<uint8_t>(why.begin(), why.end()), until);
-    for (int rank = 1; rank < world_size_; ++rank) {
-      if (std::find(missing.begin(), missing.end(), rank) != missing.end()) continue;
-      while (!store.check({left_key(rank)}, until)) {
-        if (std::chrono::steady_clock::now() >= until) return;
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-    }
-  } catch (const std::exception&) {
-    // The store failing too leaves nothing more to tell anyone.
-  }
 }
 
 void Agent::shutdown(bool graceful) {

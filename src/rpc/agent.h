@@ -146,11 +146,6 @@ class Agent : public std::enable_shared_from_this<Agent> {
   void fail_calls(std::vector<PendingCall> calls,
                   std::function<std::exception_ptr(const PendingCall&)> make_error);
   void barrier(const std::string& round, bool wait = true);
-  // Rank 0, whose barrier timed out: publishes `why` under `failed_key` and waits (briefly) for
-  // the workers that arrived to have read it, before it goes on to stop the store.
-  void announce_barrier_failure(comm::DeadlineStore& store, const std::string& failed_key,
-                                const std::string& why, const std::vector<int>& missing,
-                                const std::function<std::string(int)>& left_key);
   // A peer died or stopped: its forks are released and the interceptor is told. On the ordered
   // thread, after the control messages the peer sent before.
   void on_peer_gone(int peer);
