@@ -14,7 +14,7 @@
 #include <distoptim/rpc/rref.h>
 
 #include "agent.h"
-#include "message.h"
+#include "reply_snapshot.h"
 
 namespace distoptim {
 namespace rpc {
@@ -87,7 +87,7 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
                        "init_rpc: an agent is already running ", "as worker '",
                        g_agent ? g_agent->self().name : "", "'; call shutdown first");
   if (options.keep_freed_memory()) keep_freed_memory();
-  g_agent = std::make_shared<detail::Agent>(name, rank, world_size, options);
+  g_agent = detail::Agent::create(name, rank, world_size, options);
 }
 
 void shutdown(bool graceful) {
@@ -157,8 +157,8 @@ c10::intrusive_ptr<c10::ivalue::Future> waited_call_values(const WorkerRef& to,
                                                            std::vector<c10::IValue> args,
                                                            std::chrono::milliseconds timeout) {
   auto agent = current_agent("rpc_sync");
-  return agent->send(agent->resolve(to), function, std::move(args), timeout, /*flags=*/0,
-                     /*intercept=*/nullptr, /*waited_only=*/true);
+  return agent->send(agent->resolve(to), function, std::move(args), timeout,
+                     /*waited_only=*/true);
 }
 
 }  // namespace detail
@@ -206,16 +206,15 @@ WorkerInfo rref_owner(const RRefHandle& handle) {
 bool rref_is_owner(const RRefHandle& handle) { return impl_of(handle).isOwner(); }
 
 c10::IValue rref_to_here(const RRefHandle& handle, std::chrono::milliseconds timeout) {
-  auto agent = current_agent("RRef::to_here");
+  const RRefImpl& impl = impl_of(handle);
   TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "to_here: timeout of ",
-                    timeout.count(), " ms for ", impl_of(handle).describe());
-  return agent->rref_context().to_here(impl_of(handle), timeout);
+                    timeout.count(), " ms for ", impl.describe());
+  return impl.context()->to_here(impl, timeout);
 }
 
 c10::IValue rref_local_value(const RRefHandle& handle) {
-  return current_agent("RRef::local_value")
-      ->rref_context()
-      .local_value(impl_of(handle), kDefaultTimeout);
+  const RRefImpl& impl = impl_of(handle);
+  return impl.context()->local_value(impl, kDefaultTimeout);
 }
 
 bool rref_confirmed_by_owner(const RRefHandle& handle) {
@@ -223,10 +222,10 @@ bool rref_confirmed_by_owner(const RRefHandle& handle) {
 }
 
 void rref_confirm(const RRefHandle& handle, std::chrono::milliseconds timeout) {
-  auto agent = current_agent("RRef::confirm");
+  const RRefImpl& impl = impl_of(handle);
   TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "confirm: timeout of ",
-                    timeout.count(), " ms for ", impl_of(handle).describe());
-  agent->rref_context().confirm(impl_of(handle), timeout);
+                    timeout.count(), " ms for ", impl.describe());
+  impl.context()->confirm(impl, timeout);
 }
 
 std::string describe_rref(const RRefHandle& handle) { return impl_of(handle).describe(); }

@@ -162,7 +162,7 @@ void accept_handshake(const std::shared_ptr<Connection>& connection, const Hands
       why = "it did not prove that it knows the shared secret";
     }
     if (!why.empty()) {
-      raw->close_after(refusal(raw, config, why), "refused: " + why, std::chrono::seconds(1));
+      raw->close_after(refusal(raw, config, why), "refused: " + why);
       done(failed(why, /*refused=*/true));
       return false;
     }

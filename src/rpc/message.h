@@ -15,7 +15,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
-#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -118,17 +117,6 @@ struct EncodedMessage {
   std::string body;
   std::vector<at::Tensor> tensors;
 };
-
-/// `value` with copies of the tensors whose memory someone else may write while a reply is
-/// being written (a parameter a method returns, a view of a buffer, a value an owner keeps), so
-/// that a reply never carries a mixture of old and new values. `holders`: how many references
-/// the caller holds to the tree `value` (1: a handler's result held only by the caller; 0: copy
-/// every tensor). A tensor referenced only from within those, whose memory nothing else shares
-/// (or only the base of a view that the view alone keeps), is sent where it lies; when nothing
-/// needs a copy, `value` itself is returned.
-/// The copies are taken holding in_place_update_mutex() shared (api.h's InPlaceUpdateGuard).
-c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders);
-std::shared_mutex& in_place_update_mutex();
 
 /// Encoders throw c10::TypeError / c10::ValueError for values that cannot travel (a CUDA or
 /// sparse tensor, an unsupported IValue kind, a dict with keys other than strings or ints).

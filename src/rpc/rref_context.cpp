@@ -1,5 +1,6 @@
 #include "rref_context.h"
 
+#include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <ATen/core/jit_type.h>
@@ -10,8 +11,8 @@
 #include <distoptim/rpc/errors.h>
 #include <distoptim/rpc/values.h>
 
-#include "agent.h"
 #include "executor.h"
+#include "reply_snapshot.h"
 
 namespace distoptim {
 namespace rpc {
@@ -99,17 +100,18 @@ bool wait_for(const c10::intrusive_ptr<c10::ivalue::Future>& future,
 
 }  // namespace
 
-RRefImpl::RRefImpl(std::weak_ptr<Agent> agent, int owner, std::string owner_name, GlobalId rref_id,
-                   std::shared_ptr<OwnedValue> value)
-    : agent_(std::move(agent)),
+RRefImpl::RRefImpl(std::weak_ptr<RRefContext> context, int owner, std::string owner_name,
+                   GlobalId rref_id, std::shared_ptr<OwnedValue> value)
+    : context_(std::move(context)),
       owner_(owner),
       owner_name_(std::move(owner_name)),
       rref_id_(rref_id),
       value_(std::move(value)) {}
 
-RRefImpl::RRefImpl(std::weak_ptr<Agent> agent, int owner, std::string owner_name, GlobalId rref_id,
-                   GlobalId fork_id, c10::intrusive_ptr<c10::ivalue::Future> creation)
-    : agent_(std::move(agent)),
+RRefImpl::RRefImpl(std::weak_ptr<RRefContext> context, int owner, std::string owner_name,
+                   GlobalId rref_id, GlobalId fork_id,
+                   c10::intrusive_ptr<c10::ivalue::Future> creation)
+    : context_(std::move(context)),
       owner_(owner),
       owner_name_(std::move(owner_name)),
       rref_id_(rref_id),
@@ -125,7 +127,7 @@ RRefImpl::~RRefImpl() { on_last_handle_dropped(); }
 void RRefImpl::on_last_handle_dropped() noexcept {
   if (isOwner() || !release()) return;
   try {
-    if (auto agent = agent_.lock()) agent->rref_context().on_user_deleted(*this);
+    if (auto context = context_.lock()) context->on_user_deleted(*this);
   } catch (...) {
     // The agent is stopping; the owner frees the value when it stops too.
   }
@@ -133,12 +135,27 @@ void RRefImpl::on_last_handle_dropped() noexcept {
 
 const c10::TypePtr RRefImpl::type() const { return c10::RRefType::create(c10::AnyType::get()); }
 
+std::shared_ptr<RRefContext> RRefImpl::context() const {
+  std::shared_ptr<RRefContext> context = context_.lock();
+  DISTOPTIM_CHECK_WITH(DistributedError, context != nullptr, "rpc: ", describe(),
+                       " belongs to an agent that has stopped");
+  return context;
+}
+
 std::string RRefImpl::describe() const {
   return "RRef " + rref_id_.str() + " owned by worker '" + owner_name_ + "'";
 }
 
-RRefContext::RRefContext(Agent& agent, int self, int world_size)
-    : agent_(agent), self_(self), world_size_(world_size) {}
+RRefContext::RRefContext(RRefChannel& channel, const std::shared_ptr<void>& owner, int self,
+                         std::vector<WorkerInfo> workers, std::chrono::milliseconds default_timeout,
+                         WireLimits limits)
+    : channel_(channel),
+      handle_(std::shared_ptr<RRefContext>(owner, this)),
+      self_(self),
+      workers_(std::move(workers)),
+      world_size_(static_cast<int>(workers_.size())),
+      default_timeout_(default_timeout),
+      limits_(limits) {}
 
 bool RRefContext::is_control(const std::string& callable) {
   return callable.compare(0, std::char_traits<char>::length(kControlPrefix), kControlPrefix) == 0;
@@ -156,7 +173,7 @@ int RRefContext::checked_worker(int64_t id, const char* what) const {
 
 void RRefContext::send_control(int to, const std::string& name, std::vector<c10::IValue> args) {
   try {
-    agent_.send(to, name, std::move(args), kDefaultTimeout, MessageHeader::kOrdered);
+    channel_.send_control(to, name, std::move(args), kDefaultTimeout);
   } catch (const c10::Error&) {
     // The agent is shutting down: every table goes with it.
   }
@@ -165,28 +182,26 @@ void RRefContext::send_control(int to, const std::string& name, std::vector<c10:
 c10::intrusive_ptr<RRefImpl> RRefContext::make_owned(c10::IValue value) {
   auto owned = std::make_shared<OwnedValue>();
   owned->future->markCompleted(std::move(value));
-  return c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), self_, agent_.self().name, new_id(),
-                                       std::move(owned));
+  return c10::make_intrusive<RRefImpl>(handle_, self_, name(self_), new_id(), std::move(owned));
 }
 
 c10::intrusive_ptr<RRefImpl> RRefContext::remote(int to, const std::string& callable,
                                                  std::vector<c10::IValue> args,
                                                  std::chrono::milliseconds timeout) {
   TORCH_CHECK_VALUE(!callable.empty() && !is_control(callable), "remote: '", callable,
-                    "' is not a function or class name (calling worker '",
-                    agent_.workers()[to].name, "')");
+                    "' is not a function or class name (calling worker '", name(to), "')");
   const GlobalId rref_id = new_id();
-  const std::string& owner_name = agent_.workers()[to].name;
+  const std::string& owner_name = name(to);
   if (to == self_) {
     // Owned here, but as to another worker: the callable gets copies of the arguments, through
     // the wire format without the network, and the interceptor sees both sides.
     const MessageInfo info{MessageInfo::Kind::kRequest, self_, callable, 0};
     const CallMetadata metadata = intercept_send(info, args);
     auto owned = std::make_shared<OwnedValue>();
-    auto result = agent_.run_locally(callable, agent_.through_wire_to_self(callable, args),
-                                     [info, metadata](std::vector<c10::IValue>& values) {
-                                       return intercept_receive(info, values, metadata);
-                                     });
+    auto result = channel_.run_locally(callable, through_wire_to_self(callable, args),
+                                       [info, metadata](std::vector<c10::IValue>& values) {
+                                         return intercept_receive(info, values, metadata);
+                                       });
     result->addCallback([owned](c10::ivalue::Future& done) {
       if (done.hasError()) {
         owned->future->setErrorIfNeeded(done.exception_ptr());
@@ -194,8 +209,7 @@ c10::intrusive_ptr<RRefImpl> RRefContext::remote(int to, const std::string& call
         owned->future->markCompleted(done.value());
       }
     });
-    return c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), to, owner_name, rref_id,
-                                         std::move(owned));
+    return c10::make_intrusive<RRefImpl>(handle_, to, owner_name, rref_id, std::move(owned));
   }
   const GlobalId fork_id = new_id();
   c10::impl::GenericList call_args(c10::AnyType::get());
@@ -210,12 +224,13 @@ c10::intrusive_ptr<RRefImpl> RRefContext::remote(int to, const std::string& call
     create_args[5] = c10::IValue(std::move(replaced));
     return metadata;
   };
-  auto creation = agent_.send(to, kCreate,
-                              {rref_id.created_on, rref_id.local_id, fork_id.created_on,
-                               fork_id.local_id, callable, c10::IValue(std::move(call_args))},
-                              timeout, MessageHeader::kOrdered, intercept);
-  auto user = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), to, owner_name, rref_id,
-                                            fork_id, std::move(creation));
+  auto creation =
+      channel_.send_control(to, kCreate,
+                            {rref_id.created_on, rref_id.local_id, fork_id.created_on,
+                             fork_id.local_id, callable, c10::IValue(std::move(call_args))},
+                            timeout, intercept);
+  auto user =
+      c10::make_intrusive<RRefImpl>(handle_, to, owner_name, rref_id, fork_id, std::move(creation));
   std::lock_guard<std::mutex> lock(mutex_);
   users_.emplace(fork_id, c10::weak_intrusive_ptr<RRefImpl>(user));
   return user;
@@ -223,11 +238,11 @@ c10::intrusive_ptr<RRefImpl> RRefContext::remote(int to, const std::string& call
 
 c10::IValue RRefContext::local_value(const RRefImpl& rref, std::chrono::milliseconds timeout) {
   TORCH_CHECK_VALUE(rref.isOwner(), "local_value: ", rref.describe(), ", not by this worker '",
-                    agent_.self().name, "'; use to_here() on a user");
+                    name(self_), "'; use to_here() on a user");
   const auto& future = rref.value()->future;
-  DISTOPTIM_CHECK_WITH(TimeoutError, wait_for(future, agent_.effective_timeout(timeout)),
+  DISTOPTIM_CHECK_WITH(TimeoutError, wait_for(future, effective_timeout(timeout)),
                        "rref: the value of ", rref.describe(), " was not created within ",
-                       agent_.effective_timeout(timeout).count(), " ms");
+                       effective_timeout(timeout).count(), " ms");
   if (future->hasError()) std::rethrow_exception(future->exception_ptr());
   return future->value();
 }
@@ -241,9 +256,9 @@ void RRefContext::confirm(const RRefImpl& rref, std::chrono::milliseconds timeou
     return;
   }
   // The creation's own timeout (remote()'s) bounds it too.
-  DISTOPTIM_CHECK_WITH(TimeoutError, wait_for(rref.creation(), agent_.effective_timeout(timeout)),
+  DISTOPTIM_CHECK_WITH(TimeoutError, wait_for(rref.creation(), effective_timeout(timeout)),
                        "rref: ", rref.describe(), " was not confirmed by its owner within ",
-                       agent_.effective_timeout(timeout).count(), " ms");
+                       effective_timeout(timeout).count(), " ms");
   rref.creation()->waitAndThrow();
 }
 
@@ -260,11 +275,42 @@ c10::IValue RRefContext::to_here(const RRefImpl& rref, std::chrono::milliseconds
     std::vector<c10::IValue> no_values;
     return intercept_send({MessageInfo::Kind::kRequest, owner, kFetch, id}, no_values);
   };
-  auto fetched = agent_.send(owner, kFetch, {rref.rref_id().created_on, rref.rref_id().local_id},
-                             timeout, MessageHeader::kOrdered, intercept);
+  auto fetched = channel_.send_control(
+      owner, kFetch, {rref.rref_id().created_on, rref.rref_id().local_id}, timeout, intercept);
   wait_for(fetched, kNoTimeout);  // The fetch's own timeout bounds it.
   fetched->waitAndThrow();
   return fetched->value();
+}
+
+std::vector<c10::IValue> RRefContext::through_wire_to_self(const std::string& callable,
+                                                           const std::vector<c10::IValue>& args) {
+  ForkBatch forks;
+  EncodedMessage message;
+  std::vector<c10::IValue> prepared;
+  try {
+    for (const c10::IValue& arg : args) {
+      prepared.push_back(prepare_to_send(arg, self_, &forks));
+    }
+    message = encode_request(0, callable, prepared, 0, self_);
+  } catch (...) {
+    rollback(forks);
+    throw;
+  }
+  MessageHeader header;
+  TORCH_INTERNAL_ASSERT(!decode_header(message.header, &header));
+  std::vector<at::Tensor> buffers;
+  for (const at::Tensor& tensor : message.tensors) {
+    // A copy of each tensor's bytes, as a receiver's would be.
+    buffers.push_back(tensor.reshape({-1}).view(at::kByte).clone());
+  }
+  DecodedMessage decoded;
+  const Status error = decode_body(header, message.body, std::move(buffers), limits_, &decoded);
+  TORCH_INTERNAL_ASSERT(
+      !error, "rpc: a message to this worker itself did not decode: ", error.value_or(""));
+  for (c10::IValue& arg : decoded.args) {
+    arg = receive(arg);
+  }
+  return std::move(decoded.args);
 }
 
 std::shared_ptr<OwnedValue> RRefContext::get_or_create_locked(const GlobalId& rref_id) {
@@ -386,7 +432,7 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
         const int parent = checked_worker(ids.fork_created_on, "the sender of a received RRef,");
         const GlobalId rref_id{ids.rref_created_on, ids.rref_local_id};
         const GlobalId fork_id{ids.fork_created_on, ids.fork_local_id};
-        const std::string& owner_name = agent_.workers()[owner].name;
+        const std::string& owner_name = name(owner);
         if (owner == self_) {
           std::shared_ptr<OwnedValue> owned;
           std::shared_ptr<OwnedValue> freed;
@@ -400,22 +446,19 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
           // the sender's pending child needs releasing.
           if (parent != self_)
             send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
-          auto local = c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), owner, owner_name,
-                                                     rref_id, owned);
+          auto local = c10::make_intrusive<RRefImpl>(handle_, owner, owner_name, rref_id, owned);
           // The sender's RRef<T> against the value (one still being created is not checked).
           const auto& future = owned->future;
           if (!ids.type_name.empty() && mismatch.empty() && future->completed() &&
               !future->hasError() && !type_fits(ids.type_name, value_type_name(future->value()))) {
-            mismatch = c10::str("rpc: worker '", agent_.workers()[parent].name, "' sent ",
-                                local->describe(), " as RRef<", ids.type_name,
-                                ">, but its value on worker '", owner_name, "' is ",
-                                value_type_name(future->value()));
+            mismatch = c10::str("rpc: worker '", name(parent), "' sent ", local->describe(),
+                                " as RRef<", ids.type_name, ">, but its value on worker '",
+                                owner_name, "' is ", value_type_name(future->value()));
           }
           return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(local)));
         }
-        auto user =
-            c10::make_intrusive<RRefImpl>(agent_.weak_from_this(), owner, owner_name, rref_id,
-                                          fork_id, c10::intrusive_ptr<c10::ivalue::Future>());
+        auto user = c10::make_intrusive<RRefImpl>(handle_, owner, owner_name, rref_id, fork_id,
+                                                  c10::intrusive_ptr<c10::ivalue::Future>());
         {
           std::lock_guard<std::mutex> lock(mutex_);
           users_.emplace(fork_id, c10::weak_intrusive_ptr<RRefImpl>(user));
@@ -423,10 +466,10 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
         if (parent != owner) {
           // A fork of a user: register it on the owner, then release the sender's pending child.
           try {
-            auto registered = agent_.send(
+            auto registered = channel_.send_control(
                 owner, kFork,
                 {rref_id.created_on, rref_id.local_id, fork_id.created_on, fork_id.local_id},
-                kDefaultTimeout, MessageHeader::kOrdered);
+                kDefaultTimeout);
             registered->addCallback([this, parent, fork_id](c10::ivalue::Future&) {
               send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
             });
@@ -472,10 +515,10 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::s
     }
     auto reply = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
     const MessageInfo info{MessageInfo::Kind::kRequest, caller, args[4].toStringRef(), id};
-    auto result = agent_.run_locally(info.callable, std::move(call_args),
-                                     [info, metadata](std::vector<c10::IValue>& values) {
-                                       return intercept_receive(info, values, metadata);
-                                     });
+    auto result = channel_.run_locally(info.callable, std::move(call_args),
+                                       [info, metadata](std::vector<c10::IValue>& values) {
+                                         return intercept_receive(info, values, metadata);
+                                       });
     result->addCallback([owned, reply](c10::ivalue::Future& created) {
       // A failed creation is the value's error, and the reply's: the creator learns it at
       // confirm() or to_here().
@@ -500,7 +543,7 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::s
     {
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = owners_.find(rref_id);
-      TORCH_CHECK_VALUE(it != owners_.end(), "worker '", agent_.self().name, "' owns no RRef ",
+      TORCH_CHECK_VALUE(it != owners_.end(), "worker '", name(self_), "' owns no RRef ",
                         rref_id.str(), " (deleted, or never created)");
       owned = it->second.value->future;
     }

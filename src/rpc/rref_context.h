@@ -35,6 +35,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,13 +45,40 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/ivalue_inl.h>
 
+#include <distoptim/rpc/api.h>
+
 #include "message.h"
 
 namespace distoptim {
 namespace rpc {
 namespace detail {
 
-class Agent;
+class RRefContext;
+
+/// Runs the interceptor over a request's arguments once its id is known; returns the metadata.
+using SendInterception = std::function<CallMetadata(uint64_t id, std::vector<c10::IValue>& args)>;
+/// Runs first on the thread of a local call; what it returns lives while the callable runs.
+using Preparation = std::function<std::shared_ptr<void>(std::vector<c10::IValue>& args)>;
+
+/// What the RRef protocol needs of the agent under it: sending its control messages, and running
+/// a callable on this worker's request pool (the value of an RRef created here).
+class RRefChannel {
+ public:
+  /// Sends control message `function` to `to`, handled there in the order it arrives
+  /// (MessageHeader::kOrdered). `intercept` (optional) runs the interceptor over the arguments
+  /// and returns the metadata; without it control messages are not intercepted. Throws what
+  /// sending throws (DistributedError once the agent is stopping).
+  virtual c10::intrusive_ptr<c10::ivalue::Future> send_control(
+      int to, const std::string& function, std::vector<c10::IValue> args,
+      std::chrono::milliseconds timeout, SendInterception intercept = nullptr) = 0;
+  /// Runs the registered `callable` on this worker's request pool (Dispatcher::run_locally).
+  virtual c10::intrusive_ptr<c10::ivalue::Future> run_locally(const std::string& callable,
+                                                              std::vector<c10::IValue> args,
+                                                              Preparation prepare) = 0;
+
+ protected:
+  ~RRefChannel() = default;
+};
 
 /// (worker that made it, counter on that worker): unique across the job.
 struct GlobalId {
@@ -79,10 +107,10 @@ struct OwnedValue {
 class RRefImpl : public c10::RRefInterface {
  public:
   /// An owner handle.
-  RRefImpl(std::weak_ptr<Agent> agent, int owner, std::string owner_name, GlobalId rref_id,
+  RRefImpl(std::weak_ptr<RRefContext> context, int owner, std::string owner_name, GlobalId rref_id,
            std::shared_ptr<OwnedValue> value);
   /// A user handle. `creation` (may be null) is the create() call for RRefs made by remote().
-  RRefImpl(std::weak_ptr<Agent> agent, int owner, std::string owner_name, GlobalId rref_id,
+  RRefImpl(std::weak_ptr<RRefContext> context, int owner, std::string owner_name, GlobalId rref_id,
            GlobalId fork_id, c10::intrusive_ptr<c10::ivalue::Future> creation);
   ~RRefImpl() override;
   void release_resources() override;
@@ -106,11 +134,13 @@ class RRefImpl : public c10::RRefInterface {
   /// whether it was not yet.
   bool release() { return !released_.exchange(true); }
   std::string describe() const;
+  /// The RRef protocol of the agent this handle belongs to; DistributedError once it stopped.
+  std::shared_ptr<RRefContext> context() const;
 
  private:
   void on_last_handle_dropped() noexcept;
 
-  const std::weak_ptr<Agent> agent_;
+  const std::weak_ptr<RRefContext> context_;
   const int owner_;
   const std::string owner_name_;
   const GlobalId rref_id_;
@@ -148,14 +178,19 @@ struct ForkBatch {
   std::vector<GlobalId> pending_children;
 };
 
-/// The RRef tables of one agent. Thread safety: one mutex guards the tables; it is never held
-/// while sending a message, completing a future or running user code (lock order: this mutex
-/// is never taken inside the agent's).
+/// The RRef tables of one agent, and its side of the protocol. Thread safety: one mutex guards
+/// the tables; it is never held while sending a message, completing a future or running user
+/// code (lock order: this mutex is never taken inside the agent's).
 class RRefContext {
  public:
   static constexpr const char* kControlPrefix = "__distoptim.rref.";
 
-  RRefContext(Agent& agent, int self, int world_size);
+  /// `owner` owns this context and `channel` (the agent), and is already held by a shared
+  /// pointer: handles hold the context through it, so that a handle dropped while the agent
+  /// stops still finds it whole. `default_timeout` is kDefaultTimeout's meaning.
+  RRefContext(RRefChannel& channel, const std::shared_ptr<void>& owner, int self,
+              std::vector<WorkerInfo> workers, std::chrono::milliseconds default_timeout,
+              WireLimits limits);
 
   GlobalId new_id() { return GlobalId{self_, next_local_id_.fetch_add(1)}; }
 
@@ -223,10 +258,22 @@ class RRefContext {
                                                 const GlobalId& fork_id);  // requires mutex_
   int checked_worker(int64_t id, const char* what) const;
   void send_control(int to, const std::string& name, std::vector<c10::IValue> args);
+  std::chrono::milliseconds effective_timeout(std::chrono::milliseconds timeout) const {
+    return timeout == kDefaultTimeout ? default_timeout_ : timeout;
+  }
+  const std::string& name(int worker) const { return workers_[worker].name; }
+  /// `args` as a worker receives them from this one (encoded, decoded: copies, with the RRefs
+  /// among them forked), for a call to this worker itself that must behave as to another.
+  std::vector<c10::IValue> through_wire_to_self(const std::string& callable,
+                                                const std::vector<c10::IValue>& args);
 
-  Agent& agent_;
+  RRefChannel& channel_;
+  const std::weak_ptr<RRefContext> handle_;  // this, held through its owner
   const int self_;
+  const std::vector<WorkerInfo> workers_;
   const int world_size_;
+  const std::chrono::milliseconds default_timeout_;
+  const WireLimits limits_;
   std::atomic<int64_t> next_local_id_{0};
 
   std::mutex mutex_;

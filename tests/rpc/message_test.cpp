@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "message.h"
+#include "reply_snapshot.h"
 #include "sample_handshake.h"
 #include "wire.pb.h"
 

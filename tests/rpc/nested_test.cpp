@@ -146,7 +146,8 @@ TEST(NestedCalls, BlockingChainsOutnumberingThePool) {
         init_rpc(worker(rank), rank, world_size,
                  test_options().num_worker_threads(4).rpc_timeout(30s));
         if (rank == 0) {
-          // One chain first, so that both pipes (and TensorPipe's threads) exist before counting.
+          // One chain first, so that both connections (and their I/O threads) exist before
+          // counting.
           rpc_sync<Path>("worker1", "hop_sync", std::tuple{int64_t{2}, Path{}});
           const int64_t before = rpc_sync<int64_t>("worker1", "thread_count");
           run_chains("hop_sync");

@@ -31,8 +31,6 @@ constexpr size_t kMaxMessagesPerWrite = 64;
 constexpr size_t kMaxDirectPieces = 64;
 // Waits before re-creating a failed listening socket, or after running out of descriptors.
 constexpr std::chrono::milliseconds kListenerRetry{100};
-// How long a connection closed for a protocol error waits for the peer to read why.
-constexpr std::chrono::milliseconds kFarewellLinger{1000};
 // How long tensors lent to a peer stay alive after their connection closed: the peer may be
 // reading them at that moment, and must not read memory already reused.
 constexpr std::chrono::seconds kLentGrace{10};
@@ -465,7 +463,7 @@ void Connection::set_farewell(FarewellMaker make_farewell) {
 
 void Connection::violation(const std::string& why) {
   if (make_farewell_ && !closing_) {
-    close_after(make_farewell_(why), why, kFarewellLinger);
+    close_after(make_farewell_(why), why);
   } else {
     fail(why);
   }

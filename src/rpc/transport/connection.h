@@ -72,10 +72,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void drop_queued(uint64_t id);
   /// Closes the connection: queued writes fail, `on_closed(why)` runs.
   void close(const std::string& why);
+  /// How long a connection closed with a farewell waits for the peer to read it.
+  static constexpr std::chrono::milliseconds kFarewellLinger{1000};
   /// Writes `farewell`, then closes (a refusal, a protocol error the peer should hear about);
   /// closes after at most `linger` even if the peer does not read.
   void close_after(EncodedMessage farewell, const std::string& why,
-                   std::chrono::milliseconds linger);
+                   std::chrono::milliseconds linger = kFarewellLinger);
   void resume_reading();
 
   /// I/O thread only, once the handshake proved both sides can read each other's memory

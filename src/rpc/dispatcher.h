@@ -1,0 +1,127 @@
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/ivalue_inl.h>
+
+#include <distoptim/rpc/api.h>
+#include <distoptim/rpc/registry.h>
+
+#include "executor.h"
+#include "message.h"
+#include "pending_calls.h"
+#include "rref_context.h"
+#include "transport/connection.h"
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+/// Where a worker's messages go once they are off the wire: requests to the threads that run
+/// them, replies to the call table (pending_calls.h), and back.
+///
+/// Requests: a request frame is admitted (counted in flight, its bytes against the inbound bound
+/// options().inbound_queue_bytes: past it, reading from that caller pauses until requests drain
+/// below half), then run on `request_pool` (RRef control messages on `ordered`, one thread, in the
+/// order they arrived on their connection); the reply is written on the caller's connection. A
+/// registered function that returns a future (async_execution) is answered when the future
+/// completes, on whichever thread completes it, and stays in flight until then.
+///
+/// Replies: a reply completes its pending call's future on `completion` (one thread, where the
+/// future's callbacks run), or directly on the I/O thread for a caller that only waits
+/// (PendingCall::waited_only) when that cannot overtake a reply still queued there. Failed calls
+/// (lost peer, deadline, stop) are completed on `completion` too.
+///
+/// Threading: on_request_frame and on_reply_frame on the I/O thread (never block); the rest from
+/// any thread. One mutex guards the request counters; no future is completed and no user code
+/// runs while it is held.
+class Dispatcher {
+ public:
+  Dispatcher(const RpcBackendOptions& options, WireLimits limits, PendingCalls& calls);
+  ~Dispatcher();
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  /// Once the group is known: this worker's id and every worker's name (for messages), the RRef
+  /// protocol that takes the RRefs in messages, and `owner`, what owns this dispatcher and the
+  /// RRef protocol (the agent): a future completing after it is gone answers no one.
+  /// Before any frame arrives.
+  void start(int self, std::vector<std::string> names, RRefContext* rrefs,
+             std::weak_ptr<void> owner);
+
+  /// I/O thread: admits a request; returns whether to go on reading its connection.
+  bool on_request_frame(const std::shared_ptr<Connection>& connection, int caller, Frame frame);
+  /// I/O thread: a reply from `peer`.
+  void on_reply_frame(int peer, Frame frame);
+
+  /// Runs the registered `callable` on the request pool; the future fails with a RemoteError
+  /// naming this worker if it throws or is unknown. `prepare` (optional) runs first, on the same
+  /// thread, and what it returns lives while the callable runs. Throws DistributedError once
+  /// stopping.
+  c10::intrusive_ptr<c10::ivalue::Future> run_locally(const std::string& callable,
+                                                      std::vector<c10::IValue> args,
+                                                      Preparation prepare = nullptr);
+  /// Completes each call's future with make_error(call), on the completion thread.
+  void fail_calls(std::vector<PendingCall> calls,
+                  std::function<std::exception_ptr(const PendingCall&)> make_error);
+  /// Runs `job` on the ordered thread, after the control messages received before.
+  void post_ordered(std::function<void()> job);
+
+  /// Waits until no request is in flight or `deadline` passes; returns how many still are.
+  int wait_idle(std::chrono::steady_clock::time_point deadline);
+  /// Whether the caller runs on one of the threads that run user code here.
+  bool on_own_thread() const;
+  /// Refuses new requests (they are dropped unread).
+  void refuse_requests();
+  /// Joins the request pool, then the ordered and completion threads: jobs queued still run.
+  void stop();
+
+ private:
+  void handle_request(const std::shared_ptr<Connection>& connection, int caller,
+                      const MessageHeader& header, const std::string& body,
+                      std::vector<at::Tensor> buffers);
+  void handle_reply(int peer, const MessageHeader& header, const std::string& body,
+                    std::vector<at::Tensor> buffers);
+  void reply(const std::shared_ptr<Connection>& connection, uint64_t id, int caller,
+             const std::string& callable, const c10::ivalue::Future& result);
+  /// Runs `function` on `args` and returns its result as a completed future. A result that is a
+  /// future itself (async_execution) keeps the request in flight until it completes: then
+  /// `done(result, owner_alive)` runs, on the thread that completed it, and null is returned.
+  c10::intrusive_ptr<c10::ivalue::Future> invoke(
+      const RawFunction& function, std::vector<c10::IValue> args,
+      std::function<void(c10::ivalue::Future& result, bool owner_alive)> done);
+  void request_done(size_t bytes);
+  void discard_rrefs(const std::vector<c10::IValue>& values);
+  const std::string& name(int worker) const { return names_[worker]; }
+
+  const size_t inbound_limit_;
+  const WireLimits limits_;
+  PendingCalls& calls_;
+  int self_ = -1;
+  std::vector<std::string> names_;
+  RRefContext* rrefs_ = nullptr;
+  std::weak_ptr<void> owner_;
+
+  std::mutex mutex_;
+  std::condition_variable idle_;  // signalled when in_flight_ drops
+  bool refusing_ = false;         // guarded by mutex_
+  int in_flight_ = 0;             // guarded by mutex_
+  size_t inbound_bytes_ = 0;      // of requests received and not finished; guarded by mutex_
+  std::vector<std::shared_ptr<Connection>> paused_;  // reading paused for it; by mutex_
+
+  // Declared last: destroyed first, joining their threads while everything above still exists.
+  std::unique_ptr<Executor> request_pool_;
+  std::unique_ptr<Executor> ordered_;
+  std::unique_ptr<Executor> completion_;
+};
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

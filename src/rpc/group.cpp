@@ -1,0 +1,204 @@
+#include "group.h"
+
+#include <algorithm>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <distoptim/comm/errors.h>
+#include <distoptim/comm/store_wait.h>
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+namespace {
+
+constexpr const char* kStorePrefix = "distoptim/rpc/";
+// How long rank 0 keeps the store up, after a shutdown barrier failed, for the workers that
+// arrived to read why.
+constexpr auto kBarrierFailureGrace = std::chrono::seconds(2);
+
+std::string describe_missing(const std::vector<int>& missing,
+                             const std::vector<WorkerInfo>& workers) {
+  std::string out;
+  for (int rank : missing) {
+    if (!out.empty()) out += ", ";
+    if (rank < static_cast<int>(workers.size()) && !workers[rank].name.empty()) {
+      out += "'" + workers[rank].name + "' (rank " + std::to_string(rank) + ")";
+    } else {
+      out += "rank " + std::to_string(rank);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+WorkerGroup::WorkerGroup(int rank, int world_size, const RpcBackendOptions& options)
+    : rank_(rank),
+      world_size_(world_size),
+      options_(options),
+      rendezvous_(comm::rendezvous(comm::RendezvousOptions(options.init_method())
+                                       .rank(rank)
+                                       .world_size(world_size)
+                                       .timeout(options.init_timeout())
+                                       .prefix("distoptim/rpc/rendezvous")
+                                       .launch_env(options.launch_env()))) {}
+
+std::string WorkerGroup::listen_address() const {
+  return options_.listen_address().empty() ? rendezvous_.local_address : options_.listen_address();
+}
+
+std::vector<std::string> WorkerGroup::names() const {
+  std::vector<std::string> names;
+  for (const WorkerInfo& worker : workers_) names.push_back(worker.name);
+  return names;
+}
+
+void WorkerGroup::join(const std::string& name, const std::string& address, int port) {
+  comm::DeadlineStore& store = *rendezvous_.store;
+  const std::string key_prefix = std::string(kStorePrefix) + "worker/";
+  const std::string url = address + " " + std::to_string(port);
+  const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
+  store.set(key_prefix + std::to_string(rank_), std::vector<uint8_t>(name.begin(), name.end()),
+            deadline);
+  store.set(key_prefix + std::to_string(rank_) + "/url",
+            std::vector<uint8_t>(url.begin(), url.end()), deadline);
+  const std::vector<int> missing =
+      comm::wait_for_rank_keys(store, key_prefix, world_size_, deadline);
+  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "init_rpc: worker '", name, "' (rank ", rank_,
+                       ") waited ", options_.init_timeout().count(),
+                       " ms for workers that never arrived: ", describe_missing(missing, {}));
+  workers_.resize(world_size_);
+  addresses_.resize(world_size_);
+  for (int id = 0; id < world_size_; ++id) {
+    const std::vector<uint8_t> peer_name = store.get(key_prefix + std::to_string(id), deadline);
+    const std::vector<uint8_t> peer_url =
+        store.get(key_prefix + std::to_string(id) + "/url", deadline);
+    workers_[id] = WorkerInfo{std::string(peer_name.begin(), peer_name.end()), id};
+    const std::string published(peer_url.begin(), peer_url.end());
+    const size_t space = published.rfind(' ');
+    TORCH_CHECK_VALUE(space != std::string::npos, "init_rpc: worker ", id,
+                      " published a malformed address '", published, "'");
+    addresses_[id] = {published.substr(0, space), std::stoi(published.substr(space + 1))};
+    auto [it, inserted] = ids_by_name_.emplace(workers_[id].name, id);
+    TORCH_CHECK_VALUE(inserted, "init_rpc: the worker name '", workers_[id].name,
+                      "' is used by both rank ", it->second, " and rank ", id);
+  }
+}
+
+int WorkerGroup::resolve(const WorkerRef& to) const {
+  if (to.name()) {
+    auto it = ids_by_name_.find(*to.name());
+    if (it == ids_by_name_.end()) {
+      std::string known;
+      for (const WorkerInfo& worker : workers_) {
+        known += (known.empty() ? "'" : ", '") + worker.name + "'";
+      }
+      TORCH_CHECK_VALUE(false, "rpc: no worker is named '", *to.name(), "' (workers: ", known, ")");
+    }
+    return it->second;
+  }
+  const int id = to.id().value_or(-1);
+  TORCH_CHECK_VALUE(id >= 0 && id < world_size_, "rpc: worker id ", id, " is out of range [0, ",
+                    world_size_, ")");
+  return id;
+}
+
+namespace {
+
+std::string barrier_failed_key(const std::string& prefix) { return prefix + "failed"; }
+std::string barrier_left_key(const std::string& prefix, int rank) {
+  return prefix + "left/" + std::to_string(rank);
+}
+
+// Rank 0, whose shutdown barrier under `prefix` timed out: publishes `why`, then waits (briefly)
+// until the workers that arrived have read it, before it goes on to stop the store; otherwise
+// they would see only the store's loss, not the workers that never came. Never throws.
+void announce_barrier_failure(comm::DeadlineStore& store, const std::string& prefix, int world_size,
+                              const std::string& why, const std::vector<int>& missing) {
+  // Bounded: the workers that arrived read it within their next poll (at most 50 ms apart).
+  const auto until = std::chrono::steady_clock::now() + kBarrierFailureGrace;
+  try {
+    store.set(barrier_failed_key(prefix), std::vector<uint8_t>(why.begin(), why.end()), until);
+    for (int rank = 1; rank < world_size; ++rank) {
+      if (std::find(missing.begin(), missing.end(), rank) != missing.end()) continue;
+      while (!store.check({barrier_left_key(prefix, rank)}, until)) {
+        if (std::chrono::steady_clock::now() >= until) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+  } catch (const std::exception&) {
+    // The store failing too leaves nothing more to tell anyone.
+  }
+}
+
+}  // namespace
+
+void WorkerGroup::barrier(const std::string& round, bool wait,
+                          const std::function<std::map<int, std::string>()>& dead_peers) {
+  // Every store operation ends by the barrier's deadline: a store host that stopped answering
+  // fails it with TimeoutError, one that died with PeerLostError, both naming the store.
+  comm::DeadlineStore& store = *rendezvous_.store;
+  const std::string prefix = std::string(kStorePrefix) + "shutdown/" + round + "/";
+  const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
+  const auto& lost_peers = dead_peers;
+  const auto throw_lost = [&](int peer, const std::string& why, const std::string& then) {
+    DISTOPTIM_THROW(PeerLostError, "rpc shutdown: worker '", self().name, "' cannot pass barrier '",
+                    round, "': worker ", describe_missing({peer}, workers_), " is lost (", why, ")",
+                    then);
+  };
+  // A worker already known to be dead that has not arrived never will: fail now, not at the
+  // deadline. (A worker that refused us is alive: it is waited for.)
+  bool reported_lost = false;
+  const auto check_lost = [&] {
+    for (const auto& [peer, why] : lost_peers()) {
+      if (!store.check({prefix + std::to_string(peer)}, deadline)) {
+        reported_lost = true;
+        throw_lost(peer, why, "");
+      }
+    }
+    // Rank 0, which serves the store, gave up: it says why (announce_barrier_failure).
+    if (rank_ != 0 && store.check({barrier_failed_key(prefix)}, deadline)) {
+      const std::vector<uint8_t> why = store.get(barrier_failed_key(prefix), deadline);
+      store.add(barrier_left_key(prefix, rank_), 1, deadline);
+      DISTOPTIM_THROW(TimeoutError, "rpc shutdown: worker '", self().name,
+                      "' cannot pass barrier '", round, "': ", std::string(why.begin(), why.end()));
+    }
+  };
+  std::vector<int> missing;
+  try {
+    // add, not set: a TCPStore answers an add, so the key is in the store before this worker
+    // goes on; a set is not answered, and a worker that leaves right after could be taken for
+    // lost by rank 0 before its key arrives.
+    store.add(prefix + std::to_string(rank_), 1, deadline);
+    if (!wait) {
+      return;
+    }
+    missing = comm::wait_for_rank_keys(store, prefix, world_size_, deadline, check_lost);
+  } catch (const DistributedError& error) {
+    // The store host may have left first, its own barrier failed by the same dead worker: the
+    // worker known to be lost is the cause to report, the store's failure its consequence.
+    const auto lost = lost_peers();
+    if (reported_lost || lost.empty()) throw;
+    throw_lost(lost.begin()->first, lost.begin()->second,
+               std::string("; then: ") + error.what_without_backtrace());
+  }
+  if (missing.empty()) {
+    return;
+  }
+  const std::string why =
+      "worker '" + self().name + "' waited " + std::to_string(options_.shutdown_timeout().count()) +
+      " ms at barrier '" + round +
+      "' for workers that never arrived: " + describe_missing(missing, workers_);
+  if (rank_ == 0) {
+    announce_barrier_failure(store, prefix, world_size_, why, missing);
+  }
+  DISTOPTIM_THROW(TimeoutError, "rpc shutdown: ", why);
+}
+
+void WorkerGroup::close() { rendezvous_.store.reset(); }
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

@@ -1,0 +1,354 @@
+#include "peers.h"
+
+#include <algorithm>
+
+#include <asio/post.hpp>
+#include <asio/steady_timer.hpp>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+Peers::Peers(const std::string& address, WireLimits limits)
+    : limits_(limits), io_work_(io_.get_executor()) {
+  listener_ = std::make_shared<Listener>(io_, address);
+  io_thread_ = std::thread([this] { io_.run(); });
+}
+
+Peers::~Peers() { stop(); }
+
+const std::string& Peers::listen_address() const { return listener_->address(); }
+int Peers::listen_port() const { return listener_->port(); }
+
+void Peers::start(HandshakeConfig handshake, std::vector<std::pair<std::string, int>> addresses,
+                  PeerEvents events) {
+  handshake_ = std::move(handshake);
+  addresses_ = std::move(addresses);
+  events_ = std::move(events);
+  asio::post(io_, [this] {
+    listener_->start([this](std::shared_ptr<Connection> connection) { on_accepted(connection); });
+  });
+}
+
+std::map<std::string, int64_t> Peers::debug_info() {
+  std::vector<std::shared_ptr<Connection>> open;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open = incoming_;
+    for (const auto& [peer, outgoing] : outgoing_) {
+      if (outgoing.connection) open.push_back(outgoing.connection);
+    }
+  }
+  int64_t peer_memory = 0;
+  int64_t bytes_read = 0;
+  for (const auto& connection : open) {
+    peer_memory += connection->peer_memory_enabled() ? 1 : 0;
+    bytes_read += static_cast<int64_t>(connection->peer_memory_bytes_read());
+  }
+  return {{"connections", static_cast<int64_t>(open.size())},
+          {"peer_memory.connections", peer_memory},
+          {"peer_memory.bytes_read", bytes_read}};
+}
+
+std::map<int, std::string> Peers::dead_peers() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return dead_;
+}
+
+std::optional<std::string> Peers::send(int peer, EncodedMessage message) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (stopped_) return std::string("the agent stopped");
+  auto lost = lost_.find(peer);
+  if (lost != lost_.end()) return lost->second;
+  auto [it, created] = outgoing_.try_emplace(peer);
+  Outgoing& out = it->second;
+  if (out.ready) {
+    // Under the lock, so that messages reach the connection in the order they were sent.
+    out.connection->send(std::move(message));
+  } else {
+    out.held.push_back(std::move(message));
+  }
+  lock.unlock();
+  // On the I/O thread, never inline: the caller may hold its own lock, and a failed connect
+  // calls back into it (on_peer_lost).
+  if (created) asio::post(io_, [this, peer] { connect_to(peer); });
+  return std::nullopt;
+}
+
+// A message of a call past its deadline is dropped if not yet written, so that a stalled peer
+// cannot make a worker hold the arguments of calls that already failed.
+void Peers::drop_queued(int peer, uint64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = outgoing_.find(peer);
+  if (it == outgoing_.end()) return;
+  auto& held = it->second.held;
+  const size_t before = held.size();
+  held.erase(std::remove_if(held.begin(), held.end(),
+                            [&](const EncodedMessage& message) {
+                              MessageHeader header;
+                              return !decode_header(message.header, &header) && header.id == id;
+                            }),
+             held.end());
+  if (held.size() == before && it->second.connection) it->second.connection->drop_queued(id);
+}
+
+void Peers::lose(int peer, const std::string& why) {
+  std::shared_ptr<Connection> connection;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = outgoing_.find(peer);
+    if (it != outgoing_.end()) {
+      connection = std::move(it->second.connection);
+      outgoing_.erase(it);
+    }
+    lost_.emplace(peer, why);
+  }
+  if (connection) connection->close(why);
+  if (events_.on_peer_lost) events_.on_peer_lost(peer, why);
+}
+
+// Accepting side: every connection proves itself within the handshake timeout, and at most
+// world_size + kExtraUnprovenConnections wait at once: a job's workers open one connection each
+// and prove themselves within milliseconds, so past that the oldest is a peer that stalls.
+void Peers::on_accepted(const std::shared_ptr<Connection>& connection) {
+  std::shared_ptr<Connection> evicted;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) {
+      connection->close("the agent is stopping");
+      return;
+    }
+    incoming_.push_back(connection);
+    unproven_.push_back(connection);
+    if (unproven_.size() > static_cast<size_t>(handshake_.world_size) + kExtraUnprovenConnections) {
+      evicted = std::move(unproven_.front());
+      unproven_.pop_front();
+    }
+  }
+  if (evicted) {
+    evicted->close("too many connections waiting to prove themselves; this was the oldest");
+  }
+  accept_handshake(connection, handshake_, [this, connection](HandshakeOutcome outcome) {
+    if (!outcome.accepted) {
+      forget_incoming(connection);
+      return;
+    }
+    if (outcome.peer_memory) connection->enable_peer_memory(outcome.peer_pid);
+    on_caller_proven(connection, outcome.peer);
+  });
+}
+
+void Peers::on_caller_proven(const std::shared_ptr<Connection>& connection, int caller) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    unproven_.erase(std::remove(unproven_.begin(), unproven_.end(), connection), unproven_.end());
+  }
+  std::weak_ptr<Connection> weak = connection;
+  Connection* raw = connection.get();
+  connection->set_farewell([this, raw](const std::string& why) { return farewell(raw, why); });
+  connection->read_frames(
+      limits_,
+      [this, weak, caller](Frame frame) {
+        auto self = weak.lock();
+        return self && on_request_frame(self, caller, std::move(frame));
+      },
+      [this, weak, caller](const std::string&) {
+        if (auto self = weak.lock()) forget_incoming(self);
+        if (caller != handshake_.self_id) events_.on_caller_gone(caller);
+      });
+}
+
+void Peers::forget_incoming(const std::shared_ptr<Connection>& connection) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  incoming_.erase(std::remove(incoming_.begin(), incoming_.end(), connection), incoming_.end());
+  unproven_.erase(std::remove(unproven_.begin(), unproven_.end(), connection), unproven_.end());
+}
+
+// Connecting side. Messages sent meanwhile wait in `held`.
+void Peers::connect_to(int peer) {
+  const auto& [address, port] = addresses_[peer];
+  connect(io_, address, port,
+          [this, peer](std::shared_ptr<Connection> connection, const std::string& error) {
+            if (!connection) {
+              on_outgoing_lost(peer, nullptr, "cannot connect: " + error, /*refused=*/false);
+              return;
+            }
+            {
+              std::lock_guard<std::mutex> lock(mutex_);
+              auto it = outgoing_.find(peer);
+              if (stopped_ || it == outgoing_.end()) {
+                connection->close("the agent is stopping");
+                return;
+              }
+              it->second.connection = connection;
+            }
+            connect_handshake(connection, handshake_, peer,
+                              [this, peer, connection](HandshakeOutcome outcome) {
+                                if (outcome.accepted) {
+                                  if (outcome.peer_memory) {
+                                    connection->enable_peer_memory(outcome.peer_pid);
+                                  }
+                                  on_connected(peer, connection);
+                                } else {
+                                  on_outgoing_lost(peer, connection, outcome.why, outcome.refused);
+                                }
+                              });
+          });
+}
+
+// The handshake succeeded: read replies, then write the messages sent meanwhile, in order, and
+// let new ones be written directly.
+void Peers::on_connected(int peer, const std::shared_ptr<Connection>& connection) {
+  std::weak_ptr<Connection> weak = connection;
+  Connection* raw = connection.get();
+  connection->set_farewell([this, raw](const std::string& why) { return farewell(raw, why); });
+  connection->read_frames(
+      limits_,
+      [this, weak, peer](Frame frame) {
+        auto self = weak.lock();
+        return self && on_reply_frame(self, peer, std::move(frame));
+      },
+      [this, weak, peer](const std::string& why) {
+        on_outgoing_lost(peer, weak.lock(), why, /*refused=*/false);
+      });
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = outgoing_.find(peer);
+  if (it == outgoing_.end() || it->second.connection != connection) {
+    return;  // Lost meanwhile; its messages were dropped with it.
+  }
+  std::vector<EncodedMessage> held;
+  held.swap(it->second.held);
+  it->second.ready = true;
+  // Sent while the lock is held: a message sent now queues behind these on the connection.
+  for (EncodedMessage& message : held) {
+    connection->send(std::move(message));
+  }
+}
+
+// A connection to `peer` failed. Before its handshake ended, a lost connection is tried again a
+// few times (the messages wait in `held`); a refusal, or a loss after the handshake, loses the
+// peer. A peer lost other than by refusal counts as dead (graceful shutdown does not wait for it).
+void Peers::on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connection,
+                             const std::string& why, bool refused) {
+  std::string reason = why;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = outgoing_.find(peer);
+    if (it == outgoing_.end() || (connection && it->second.connection != connection)) {
+      return;
+    }
+    if (!it->second.farewell.empty()) {
+      reason = it->second.farewell;
+    }
+    if (!stopped_ && !refused && !it->second.ready && ++it->second.attempts < kConnectAttempts) {
+      it->second.connection = nullptr;
+      auto timer = std::make_shared<asio::steady_timer>(io_, kReconnectDelay * it->second.attempts);
+      timer->async_wait([this, peer, timer](const asio::error_code& error) {
+        if (!error) connect_to(peer);
+      });
+      return;
+    }
+    if (!refused) {
+      dead_.emplace(peer, reason);
+    }
+  }
+  lose(peer, reason);
+}
+
+bool Peers::on_request_frame(const std::shared_ptr<Connection>& connection, int caller,
+                             Frame frame) {
+  if (frame.header.type == MessageType::kError && frame.header.id == 0) {
+    log_farewell(frame);  // The caller closes its connection and says why.
+    return true;
+  }
+  if (frame.header.type != MessageType::kRequest) {
+    protocol_error(connection, "a message other than a request on its own connection");
+    return false;
+  }
+  return events_.on_request(connection, caller, std::move(frame));
+}
+
+bool Peers::on_reply_frame(const std::shared_ptr<Connection>& connection, int peer, Frame frame) {
+  const MessageHeader& header = frame.header;
+  if (header.type == MessageType::kError && header.id == 0) {
+    // The peer closes this connection and says why (a protocol error it saw).
+    const std::string why = log_farewell(frame);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = outgoing_.find(peer);
+    if (it != outgoing_.end() && it->second.connection == connection) {
+      it->second.farewell = why;
+    }
+    return true;
+  }
+  if (header.type != MessageType::kResponse && header.type != MessageType::kError) {
+    protocol_error(connection, "a message other than a reply on this worker's connection");
+    return false;
+  }
+  events_.on_reply(peer, std::move(frame));
+  return true;
+}
+
+// Closes a connection whose peer broke the protocol, telling the peer why first, so that both
+// sides say what happened.
+void Peers::protocol_error(const std::shared_ptr<Connection>& connection, const std::string& why) {
+  connection->close_after(farewell(connection.get(), "it sent " + why), why);
+}
+
+std::string Peers::log_farewell(const Frame& frame) {
+  DecodedMessage farewell;
+  std::string why = "the peer closed the connection without saying why";
+  if (!decode_body(frame.header, *frame.body, {}, limits_, &farewell)) {
+    why = farewell.error_message;
+  }
+  TORCH_WARN("rpc: worker '", handshake_.self_name, "' was told: ", why);
+  return why;
+}
+
+EncodedMessage Peers::farewell(Connection* connection, const std::string& why) {
+  const std::string text = "worker '" + handshake_.self_name + "' closed the connection with " +
+                           connection->peer_address() + ": " + why;
+  TORCH_WARN("rpc: ", text);
+  return encode_error(0, text, handshake_.self_name);
+}
+
+void Peers::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) return;
+    stopped_ = true;
+  }
+  // Close every connection on the I/O thread, then let it run out: after the join no transport
+  // callback runs any more.
+  asio::post(io_, [this] {
+    std::vector<std::shared_ptr<Connection>> connections;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& [peer, out] : outgoing_) {
+        if (out.connection) connections.push_back(out.connection);
+      }
+      connections.insert(connections.end(), incoming_.begin(), incoming_.end());
+    }
+    for (const auto& connection : connections) {
+      connection->close("the agent stopped");
+    }
+    listener_->close();
+  });
+  // Handlers run in the order they were posted: the connections are closed before the loop
+  // stops, and whatever the closing queued (cancelled reads, writes, timers) is dropped with it.
+  asio::post(io_, [this] { io_.stop(); });
+  io_work_.reset();
+  if (io_thread_.joinable()) {
+    io_thread_.join();
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  outgoing_.clear();
+  incoming_.clear();
+  unproven_.clear();
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

@@ -1,0 +1,144 @@
+#pragma once
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
+
+#include "handshake.h"
+#include "message.h"
+#include "transport/connection.h"
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+/// What Peers hands up: every callback runs on the I/O thread (on_peer_lost also on the thread
+/// that stops Peers) and must not block.
+struct PeerEvents {
+  /// A request frame (or a farewell) from `caller`, on the connection it opened and proved.
+  /// Returns whether to go on reading that connection; false pauses it until resume_reading().
+  std::function<bool(const std::shared_ptr<Connection>& connection, int caller, Frame frame)>
+      on_request;
+  /// A reply frame from `peer`, on the connection this worker opened to it.
+  std::function<void(int peer, Frame frame)> on_reply;
+  /// The connection `caller` opened to this worker closed: it died or stopped.
+  std::function<void(int caller)> on_caller_gone;
+  /// The connection to `peer` is lost for good (`why`); messages sent to it are dropped.
+  std::function<void(int peer, const std::string& why)> on_peer_lost;
+};
+
+/// A worker's connections to the other workers of its group, on the library's TCP transport
+/// (transport/connection.h): the I/O thread, the listener, one connection to each peer this
+/// worker calls, opened on first use, and the connections peers open to it. Knows nothing of
+/// calls, requests or RRefs: it moves frames and says when a peer is lost.
+///
+/// Connecting side: every connection begins with the handshake (handshake.h); until it has
+/// succeeded, messages for the peer wait in order, then go in the order they were sent. A
+/// connection lost before its handshake ends is tried again a few times (the peer's listener was
+/// busy, or it evicted us among stalled connections); a refusal, or a loss after the handshake,
+/// loses the peer for good. A peer lost other than by refusal counts as dead.
+///
+/// Accepting side: nothing a connecting peer sends is read but one small handshake frame until it
+/// has proven itself; connections still in their handshake are bounded in number (world size +
+/// kExtraUnprovenConnections, the oldest evicted past that) and in time (the handshake timeout).
+/// Replies to a caller go on the connection it opened (Connection::send).
+///
+/// Threading: one mutex guards the tables below; no callback runs while it is held. Lock order:
+/// a caller's own lock may be held around send() (the agent sends under its lock so that calls
+/// reach a connection in the order they were made); Peers never calls up while holding its lock.
+class Peers {
+ public:
+  /// Starts the I/O thread and listens on `address` (an IP address), port chosen by the system.
+  /// Throws DistributedError if it cannot.
+  Peers(const std::string& address, WireLimits limits);
+  ~Peers();
+  Peers(const Peers&) = delete;
+  Peers& operator=(const Peers&) = delete;
+
+  const std::string& listen_address() const;
+  int listen_port() const;
+
+  /// Once every worker's address is known: accepts connections from now on (they waited in the
+  /// backlog) and hands frames to `events`. `addresses[id]` is worker id's (IP, port).
+  void start(HandshakeConfig handshake, std::vector<std::pair<std::string, int>> addresses,
+             PeerEvents events);
+
+  /// Sends `message` to `peer` after those sent before it, opening the connection on first use.
+  /// Returns why the peer is lost if it is (nothing is sent then), else nothing.
+  std::optional<std::string> send(int peer, EncodedMessage message);
+  /// Drops a message to `peer` not yet written, by its header id (a call that timed out).
+  void drop_queued(int peer, uint64_t id);
+  /// Closes the connection to `peer` and counts it as lost (why); on_peer_lost runs.
+  void lose(int peer, const std::string& why);
+  /// Peers lost other than by refusal, with why.
+  std::map<int, std::string> dead_peers();
+  /// "connections", "peer_memory.connections", "peer_memory.bytes_read" (rpc::get_debug_info).
+  std::map<std::string, int64_t> debug_info();
+  /// Closes every connection and the listener and joins the I/O thread: no callback runs after.
+  /// Messages not yet written are dropped. Idempotent.
+  void stop();
+
+  /// Accepted connections whose peer has not proven itself yet, beyond one per worker.
+  static constexpr size_t kExtraUnprovenConnections = 64;
+  /// Connection attempts to a peer lost before its handshake ends, before it counts as lost.
+  static constexpr int kConnectAttempts = 5;
+  static constexpr std::chrono::milliseconds kReconnectDelay{100};
+
+ private:
+  struct Outgoing {
+    std::shared_ptr<Connection> connection;  // null while connecting
+    bool ready = false;                      // the handshake succeeded and `held` is written
+    std::vector<EncodedMessage> held;        // messages sent before then, in order
+    int attempts = 0;                        // connections tried so far
+    std::string farewell;                    // why the peer said it closes, if it did
+  };
+
+  void on_accepted(const std::shared_ptr<Connection>& connection);
+  void on_caller_proven(const std::shared_ptr<Connection>& connection, int caller);
+  void forget_incoming(const std::shared_ptr<Connection>& connection);
+  void connect_to(int peer);
+  void on_connected(int peer, const std::shared_ptr<Connection>& connection);
+  void on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connection,
+                        const std::string& why, bool refused);
+  bool on_request_frame(const std::shared_ptr<Connection>& connection, int caller, Frame frame);
+  bool on_reply_frame(const std::shared_ptr<Connection>& connection, int peer, Frame frame);
+  void protocol_error(const std::shared_ptr<Connection>& connection, const std::string& why);
+  /// The message that tells a peer why we close its connection (logged here too).
+  EncodedMessage farewell(Connection* connection, const std::string& why);
+  /// Logs the reason a peer gave for closing a connection, and returns it.
+  std::string log_farewell(const Frame& frame);
+
+  const WireLimits limits_;
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> io_work_;
+  std::thread io_thread_;
+  std::shared_ptr<Listener> listener_;
+  // Set by start(), then read-only.
+  HandshakeConfig handshake_;
+  std::vector<std::pair<std::string, int>> addresses_;
+  PeerEvents events_;
+
+  std::mutex mutex_;
+  bool stopped_ = false;                               // guarded by mutex_
+  std::unordered_map<int, Outgoing> outgoing_;         // guarded by mutex_
+  std::vector<std::shared_ptr<Connection>> incoming_;  // guarded by mutex_
+  std::deque<std::shared_ptr<Connection>> unproven_;   // in handshake, oldest first; by mutex_
+  std::map<int, std::string> lost_;                    // why each is lost; guarded by mutex_
+  std::map<int, std::string> dead_;  // lost other than by refusal; guarded by mutex_
+};
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim
