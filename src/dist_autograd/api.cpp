@@ -27,22 +27,6 @@ std::shared_ptr<detail::Context> find_context(int64_t context_id, const char* wh
   return context;
 }
 
-// Waits for `future` until `deadline` (none: no bound); false if it passed first.
-bool wait_until(c10::ivalue::Future& future,
-                std::optional<std::chrono::steady_clock::time_point> deadline) {
-  if (!deadline) {
-    future.wait();
-    return true;
-  }
-  auto state = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
-  future.addCallback([state](c10::ivalue::Future&) {
-    std::lock_guard<std::mutex> lock(state->first);
-    state->second.notify_all();
-  });
-  std::unique_lock<std::mutex> lock(state->first);
-  return state->second.wait_until(lock, *deadline, [&] { return future.completed(); });
-}
-
 }  // namespace
 
 ContextGuard::ContextGuard() : previous_(detail::current_context()) {
@@ -87,7 +71,7 @@ void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool ret
                        "dist_autograd::backward: a backward pass already runs on context ",
                        context_id);
   pass->start(edges, std::move(grads));
-  if (!wait_until(*pass->done(), deadline)) {
+  if (!rpc::detail::wait_future(*pass->done(), deadline)) {
     const std::string waiting = pass->waiting_for();
     auto error = TimeoutError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                               "dist_autograd::backward on context " + std::to_string(context_id) +

@@ -14,6 +14,7 @@
 
 #include <distoptim/comm/errors.h>
 #include <distoptim/rpc/api.h>
+#include <distoptim/rpc/detail/internal_registry.h>
 #include <distoptim/rpc/interceptor.h>
 #include <distoptim/rpc/registry.h>
 #include <distoptim/rpc/values.h>

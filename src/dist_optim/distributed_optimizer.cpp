@@ -7,6 +7,7 @@
 
 #include <distoptim/comm/errors.h>
 #include <distoptim/rpc/api.h>
+#include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/errors.h>
 
 #include "remote_optimizer.h"
@@ -53,6 +54,17 @@ void note_failure(const std::string& worker, std::exception_ptr* first, std::str
   } catch (...) {
     throw DistributedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
   }
+}
+
+// A call of `method` of the owner's optimizer whose future is only ever waited for (its reply
+// may complete it on the thread that reads it: rpc::detail::waited_call_values).
+rpc::RpcFuture<c10::IValue> waited_method(const rpc::RRef<RemoteOptimizer>& optimizer,
+                                          const std::string& method,
+                                          std::vector<c10::IValue> args) {
+  return rpc::RpcFuture<c10::IValue>(
+      rpc::detail::method_call_values(optimizer.handle(), method, std::move(args),
+                                      rpc::kDefaultTimeout, /*waited_only=*/true),
+      "method '" + method + "' of " + rpc::detail::describe_rref(optimizer.handle()));
 }
 
 // Waits for every owner's answer before reporting any failure.
@@ -125,7 +137,7 @@ DistributedOptimizer::~DistributedOptimizer() = default;
 void DistributedOptimizer::step(int64_t context_id) {
   std::vector<rpc::RpcFuture<c10::IValue>> steps;
   for (const Owner& owner : owners_) {
-    steps.push_back(owner.optimizer.rpc_async().waited_method<c10::IValue>("step", context_id));
+    steps.push_back(waited_method(owner.optimizer, "step", rpc::detail::to_values(context_id)));
   }
   wait_all(steps, owners(), "step(" + std::to_string(context_id) + ")");
 }
@@ -133,7 +145,7 @@ void DistributedOptimizer::step(int64_t context_id) {
 DistributedOptimizerStateDict DistributedOptimizer::state_dict() const {
   std::vector<rpc::RpcFuture<c10::IValue>> states;
   for (const Owner& owner : owners_) {
-    states.push_back(owner.optimizer.rpc_async().waited_method<c10::IValue>("state_dict"));
+    states.push_back(waited_method(owner.optimizer, "state_dict", {}));
   }
   const std::vector<c10::IValue> values = wait_all(states, owners(), "state_dict()");
   DistributedOptimizerStateDict dict;
@@ -161,8 +173,8 @@ void DistributedOptimizer::load_state_dict(const DistributedOptimizerStateDict& 
   }
   std::vector<rpc::RpcFuture<c10::IValue>> loads;
   for (size_t k = 0; k < owners_.size(); ++k) {
-    loads.push_back(owners_[k].optimizer.rpc_async().waited_method<c10::IValue>(
-        "load_state_dict", dict.owners[k].state.to_ivalue()));
+    loads.push_back(waited_method(owners_[k].optimizer, "load_state_dict",
+                                  rpc::detail::to_values(dict.owners[k].state.to_ivalue())));
   }
   wait_all(loads, owners(), "load_state_dict()");
 }

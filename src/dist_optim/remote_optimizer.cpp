@@ -8,6 +8,7 @@
 #include <distoptim/optim/registry.h>
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/classes.h>
+#include <distoptim/rpc/detail/internal_registry.h>
 
 namespace distoptim {
 namespace dist_optim {

@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include <distoptim/comm/errors.h>
 #include <distoptim/rpc/classes.h>
@@ -165,10 +167,27 @@ c10::intrusive_ptr<c10::ivalue::Future> waited_call_values(const WorkerRef& to,
 
 namespace detail {
 
-void wait_future(c10::ivalue::Future& future) {
-  if (future.completed()) return;
+bool wait_future(c10::ivalue::Future& future,
+                 std::optional<std::chrono::steady_clock::time_point> deadline) {
+  if (future.completed()) return true;
   Executor::BlockingScope blocking;
-  future.wait();
+  if (!deadline) {
+    future.wait();
+    return true;
+  }
+  struct Waiter {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+  };
+  auto waiter = std::make_shared<Waiter>();
+  future.addCallback([waiter](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(waiter->mutex);
+    waiter->done = true;
+    waiter->done_cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(waiter->mutex);
+  return waiter->done_cv.wait_until(lock, *deadline, [&] { return waiter->done; });
 }
 
 namespace {

@@ -3,6 +3,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <distoptim/rpc/detail/internal_registry.h>
 #include <distoptim/rpc/rref.h>
 
 #include "registry_internal.h"
@@ -108,6 +109,16 @@ std::vector<c10::IValue> method_call_args(const RRefHandle& rref, const std::str
   c10::impl::GenericList list(c10::AnyType::get());
   for (auto& arg : args) list.push_back(std::move(arg));
   return {c10::IValue(rref), c10::IValue(method), c10::IValue(std::move(list))};
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> method_call_values(const RRefHandle& rref,
+                                                           const std::string& method,
+                                                           std::vector<c10::IValue> args,
+                                                           std::chrono::milliseconds timeout,
+                                                           bool waited_only) {
+  const auto call = waited_only ? waited_call_values : rpc_async_values;
+  return call(rref_owner(rref).id, kCallMethod, method_call_args(rref, method, std::move(args)),
+              timeout);
 }
 
 }  // namespace detail

@@ -3,6 +3,8 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <distoptim/rpc/detail/internal_registry.h>
+
 #include "registry_internal.h"
 
 namespace distoptim {

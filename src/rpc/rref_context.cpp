@@ -72,30 +72,11 @@ int64_t int_arg(const std::vector<c10::IValue>& args, size_t index, const std::s
   return args[index].toInt();
 }
 
-// Waits for `future` at most `timeout` (kNoTimeout: without limit); whether it completed. On a
-// request pool thread the pool may start another meanwhile: what this waits for (a value's
-// creation, a fetch's reply) may itself be queued on the same pool.
+// Waits for `future` at most `timeout` (kNoTimeout: without limit); whether it completed.
 bool wait_for(const c10::intrusive_ptr<c10::ivalue::Future>& future,
               std::chrono::milliseconds timeout) {
-  if (future->completed()) return true;
-  Executor::BlockingScope blocking;
-  if (timeout == kNoTimeout) {
-    future->wait();
-    return true;
-  }
-  struct Waiter {
-    std::mutex mutex;
-    std::condition_variable done_cv;
-    bool done = false;
-  };
-  auto waiter = std::make_shared<Waiter>();
-  future->addCallback([waiter](c10::ivalue::Future&) {
-    std::lock_guard<std::mutex> lock(waiter->mutex);
-    waiter->done = true;
-    waiter->done_cv.notify_all();
-  });
-  std::unique_lock<std::mutex> lock(waiter->mutex);
-  return waiter->done_cv.wait_for(lock, timeout, [&] { return waiter->done; });
+  if (timeout == kNoTimeout) return wait_future(*future);
+  return wait_future(*future, std::chrono::steady_clock::now() + timeout);
 }
 
 }  // namespace

@@ -33,6 +33,7 @@
 #include <torch/arg.h>
 
 #include <distoptim/comm/rendezvous.h>
+#include <distoptim/rpc/detail/calls.h>
 #include <distoptim/rpc/errors.h>
 #include <distoptim/rpc/values.h>
 
@@ -177,13 +178,6 @@ std::vector<WorkerInfo> get_worker_infos();
 /// read from the peers' memory). Throws DistributedError if no agent runs.
 std::map<std::string, int64_t> get_debug_info();
 
-namespace detail {
-/// Blocks until `future` completes. On a thread of the agent's request pool the wait is managed:
-/// the pool may start a thread in its place meanwhile
-/// (RpcBackendOptions::max_extra_worker_threads).
-void wait_future(c10::ivalue::Future& future);
-}  // namespace detail
-
 /// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.
 /// wait() blocks until the result arrives (the call's timeout bounds it) and returns it, or
 /// throws: RemoteError (the callable raised, or the worker refused the call), TimeoutError,
@@ -251,24 +245,6 @@ inline void RpcFuture<void>::wait() const {
 c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(
     const WorkerRef& to, const std::string& function, std::vector<c10::IValue> args,
     std::chrono::milliseconds timeout = kDefaultTimeout);
-
-namespace detail {
-/// rpc_async_values for a caller that only ever waits on the future (never attaches a callback,
-/// never hands it on): its reply may complete the future on the thread that reads it, one thread
-/// hand-off fewer (docs/threading.md). rpc_sync and the blocking RRef calls use it.
-c10::intrusive_ptr<c10::ivalue::Future> waited_call_values(
-    const WorkerRef& to, const std::string& function, std::vector<c10::IValue> args,
-    std::chrono::milliseconds timeout = kDefaultTimeout);
-
-template <class... Args>
-std::vector<c10::IValue> tuple_values(std::tuple<Args...> args) {
-  std::vector<c10::IValue> values;
-  values.reserve(sizeof...(Args));
-  std::apply([&](auto&&... arg) { (values.push_back(to_value(std::move(arg))), ...); },
-             std::move(args));
-  return values;
-}
-}  // namespace detail
 
 /// Calls `function` on `to` with `args` (a tuple, PyTorch's `args=`), returning a future of its
 /// result as a T. timeout: kDefaultTimeout, kNoTimeout or a positive duration. Errors as

@@ -33,14 +33,6 @@
 namespace distoptim {
 namespace rpc {
 
-namespace detail {
-/// The internal function that runs a method through an RRef on its owner.
-constexpr const char* kCallMethod = "__distoptim.call_method";
-/// Its arguments: the RRef, the method's name, the method's arguments (src/rpc/classes.cpp).
-std::vector<c10::IValue> method_call_args(const c10::intrusive_ptr<c10::RRefInterface>& rref,
-                                          const std::string& method, std::vector<c10::IValue> args);
-}  // namespace detail
-
 /// Registers `function` as method `method` of the remote class `class_name`; its first argument
 /// is the object (a value of ObjectHolder). Throws c10::ValueError if taken. Thread-safe.
 void register_raw_method(const std::string& class_name, const std::string& method,
@@ -87,57 +79,6 @@ struct ValueTraits<std::shared_ptr<C>> {
     return std::static_pointer_cast<C>(holder->object());
   }
 };
-
-namespace detail {
-template <class M>
-struct MethodTraits;
-template <class C, class R, class... A>
-struct MethodTraits<R (C::*)(A...)> {
-  using Return = R;
-  using Params = c10::guts::typelist::typelist<A...>;
-  static constexpr size_t kArity = sizeof...(A);
-};
-template <class C, class R, class... A>
-struct MethodTraits<R (C::*)(A...) const> : MethodTraits<R (C::*)(A...)> {};
-
-template <class C, class M, class R, class... Args, size_t... I>
-RawFunction wrap_method(std::string name, M method, c10::guts::typelist::typelist<Args...>,
-                        std::index_sequence<I...>) {
-  return [name = std::move(name), method](std::vector<c10::IValue> args) -> c10::IValue {
-    TORCH_CHECK_TYPE(args.size() == sizeof...(Args) + 1, "'", name, "' takes ", sizeof...(Args),
-                     " argument(s), got ", static_cast<int64_t>(args.size()) - 1);
-    std::shared_ptr<C> self =
-        from_value<std::shared_ptr<C>>(args[0], "the object of '" + name + "'");
-    auto call = [&]() -> decltype(auto) {
-      return ((*self).*method)(from_value<std::decay_t<Args>>(
-          args[I + 1], "argument " + std::to_string(I) + " of '" + name + "'")...);
-    };
-    return result_to_value<R>(name, call);
-  };
-}
-}  // namespace detail
-
-namespace detail {
-/// The constructor of class C as a registered function: arguments of types CtorArgs.
-template <class C, class... CtorArgs>
-RawFunction class_constructor(const std::string& name) {
-  auto make = [](CtorArgs... args) -> std::shared_ptr<C> {
-    return std::make_shared<C>(std::move(args)...);
-  };
-  using Traits = c10::guts::infer_function_traits_t<decltype(make)>;
-  return wrap_typed<decltype(make), std::shared_ptr<C>>(
-      name, std::move(make), typename Traits::parameter_types{},
-      std::make_index_sequence<sizeof...(CtorArgs)>{});
-}
-
-/// register_class for the layers above rpc, under a name reserved for distoptim
-/// ("__distoptim.*"), which users cannot take.
-template <class C, class... CtorArgs>
-void register_internal_class(const std::string& name) {
-  register_class_name(typeid(C), name);
-  register_internal_function(name, class_constructor<C, CtorArgs...>(name));
-}
-}  // namespace detail
 
 /// Registers class C under `name`, constructible remotely with arguments of types CtorArgs
 /// (C must be constructible from them). Throws c10::ValueError if the name is taken or reserved.

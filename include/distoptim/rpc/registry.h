@@ -38,17 +38,15 @@
 #include <c10/util/Exception.h>
 #include <c10/util/TypeTraits.h>
 
+#include <distoptim/rpc/detail/typed_function.h>
 #include <distoptim/rpc/values.h>
 
 namespace distoptim {
 namespace rpc {
 
-template <class T>
-class RpcFuture;
-
 /// A callable on IValues: what the registry stores. Arguments arrive by value. A result holding
 /// a c10::ivalue::Future is the future of the result (async_execution).
-using RawFunction = std::function<c10::IValue(std::vector<c10::IValue> args)>;
+using RawFunction = detail::RawFunctionType;
 
 /// Registers `function` under `name`. Throws c10::ValueError if `name` is empty, taken or
 /// reserved (starts with "__distoptim.").
@@ -58,55 +56,6 @@ void register_raw_function(const std::string& name, RawFunction function);
 
 /// Whether a function is registered under `name`. Thread-safe.
 bool is_function_registered(const std::string& name);
-
-namespace detail {
-/// Registers a function under a name reserved for distoptim ("__distoptim.*"): the layers above
-/// rpc (distributed autograd, the DistributedOptimizer) register theirs with it.
-void register_internal_function(const std::string& name, RawFunction function);
-
-template <class R>
-struct IsFutureResult : std::false_type {};
-template <class T>
-struct IsFutureResult<RpcFuture<T>> : std::true_type {};
-template <>
-struct IsFutureResult<c10::intrusive_ptr<c10::ivalue::Future>> : std::true_type {};
-
-/// What a typed function's result `call()` of type R becomes: None for void, the future itself
-/// for a future (async_execution), else to_value.
-template <class R, class Call>
-c10::IValue result_to_value(const std::string& name, Call&& call) {
-  if constexpr (std::is_void_v<R>) {
-    call();
-    return c10::IValue();
-  } else if constexpr (IsFutureResult<std::decay_t<R>>::value) {
-    c10::intrusive_ptr<c10::ivalue::Future> future;
-    if constexpr (std::is_same_v<std::decay_t<R>, c10::intrusive_ptr<c10::ivalue::Future>>) {
-      future = call();
-    } else {
-      future = call().raw();
-    }
-    TORCH_CHECK_VALUE(future != nullptr, "'", name, "' returned a null future");
-    return c10::IValue(std::move(future));
-  } else {
-    return to_value(call());
-  }
-}
-
-template <class F, class R, class... Args, size_t... I>
-RawFunction wrap_typed(std::string name, F function, c10::guts::typelist::typelist<Args...>,
-                       std::index_sequence<I...>) {
-  return [name = std::move(name),
-          function = std::move(function)](std::vector<c10::IValue> args) -> c10::IValue {
-    TORCH_CHECK_TYPE(args.size() == sizeof...(Args), "'", name, "' takes ", sizeof...(Args),
-                     " argument(s), got ", args.size());
-    auto call = [&]() -> decltype(auto) {
-      return function(from_value<std::decay_t<Args>>(
-          args[I], "argument " + std::to_string(I) + " of '" + name + "'")...);
-    };
-    return result_to_value<R>(name, call);
-  };
-}
-}  // namespace detail
 
 /// Registers a typed function (function pointer, lambda or functor with one operator()).
 /// Arguments that do not convert to the parameter types fail the call with a c10::TypeError

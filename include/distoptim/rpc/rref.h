@@ -31,63 +31,14 @@
 
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/classes.h>
+#include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/values.h>
 
 namespace distoptim {
 namespace rpc {
 
-namespace detail {
-using RRefHandle = c10::intrusive_ptr<c10::RRefInterface>;
-
-// The untyped operations behind RRef<T> (src/rpc/api.cpp). Errors as documented on RRef<T>.
-RRefHandle make_owned_rref(c10::IValue value);
-RRefHandle remote_values(const WorkerRef& to, const std::string& callable,
-                         std::vector<c10::IValue> args, std::chrono::milliseconds timeout);
-bool is_rref_handle(const RRefHandle& handle);
-WorkerInfo rref_owner(const RRefHandle& handle);
-bool rref_is_owner(const RRefHandle& handle);
-c10::IValue rref_to_here(const RRefHandle& handle, std::chrono::milliseconds timeout);
-c10::IValue rref_local_value(const RRefHandle& handle);
-bool rref_confirmed_by_owner(const RRefHandle& handle);
-void rref_confirm(const RRefHandle& handle, std::chrono::milliseconds timeout);
-std::string describe_rref(const RRefHandle& handle);
-/// `handle` as it is sent as an RRef<T>: carrying the name of T, which the owner checks against
-/// its value when the reference reaches it (empty: not checked).
-RRefHandle declare_rref_type(const RRefHandle& handle, const std::string& type_name);
-std::string registered_class_name_of(std::type_index type);
-
-/// The name of T as RRef type names go on the wire: ValueTraits<T>::name() for values, the
-/// registered class name for objects of remote classes; empty where any value will do.
-template <class T>
-std::string rref_type_name() {
-  if constexpr (std::is_same_v<T, c10::IValue>) {
-    return {};
-  } else if constexpr (HasValueTraits<T>::value) {
-    return ValueTraits<T>::name();
-  } else {
-    return registered_class_name_of(typeid(T));
-  }
-}
-
-/// For tests and diagnostics: how many values this worker owns that some other worker (or a
-/// message in flight) still references, i.e. the size of its owner table. Values referenced
-/// only by RRefs on the owner itself are not counted. With no agent running: the count the last
-/// agent left when it stopped (0 after a clean graceful shutdown), or 0. Thread-safe.
-size_t owned_rref_count();
-}  // namespace detail
-
 template <class T>
 class RRef;
-
-namespace detail {
-template <class... Args>
-std::vector<c10::IValue> to_values(Args&&... args) {
-  std::vector<c10::IValue> values;
-  values.reserve(sizeof...(Args));
-  (values.push_back(to_value(std::forward<Args>(args))), ...);
-  return values;
-}
-}  // namespace detail
 
 /// Calls a registered method of the object an RRef refers to, on the RRef's owner: what
 /// rref.rpc_sync(), rref.rpc_async() and rref.remote() return (PyTorch's proxies, where
@@ -110,10 +61,9 @@ class RRefSyncProxy {
   template <class R>
   RpcFuture<R> async(const std::string& name, std::vector<c10::IValue> args,
                      bool waited_only) const {
-    const auto call = waited_only ? detail::waited_call_values : rpc_async_values;
-    return RpcFuture<R>(call(detail::rref_owner(rref_).id, detail::kCallMethod,
-                             detail::method_call_args(rref_, name, std::move(args)), timeout_),
-                        "method '" + name + "' of " + detail::describe_rref(rref_));
+    return RpcFuture<R>(
+        detail::method_call_values(rref_, name, std::move(args), timeout_, waited_only),
+        "method '" + name + "' of " + detail::describe_rref(rref_));
   }
   friend class RRefAsyncProxy;
 
@@ -130,13 +80,6 @@ class RRefAsyncProxy {
   RpcFuture<R> method(const std::string& name, Args&&... args) const {
     return sync_.async<R>(name, detail::to_values(std::forward<Args>(args)...),
                           /*waited_only=*/false);
-  }
-  /// method() for a caller that only ever waits on the future (detail::waited_call_values):
-  /// several such calls in flight at once, each reply completing its future where it is read.
-  template <class R = c10::IValue, class... Args>
-  RpcFuture<R> waited_method(const std::string& name, Args&&... args) const {
-    return sync_.async<R>(name, detail::to_values(std::forward<Args>(args)...),
-                          /*waited_only=*/true);
   }
 
  private:
@@ -264,11 +207,8 @@ struct ValueTraits<RRef<T>> {
 template <class T = c10::IValue, class... Args>
 RRef<T> remote(const WorkerRef& to, const std::string& callable, std::tuple<Args...> args = {},
                std::chrono::milliseconds timeout = kDefaultTimeout) {
-  std::vector<c10::IValue> values;
-  values.reserve(sizeof...(Args));
-  std::apply([&](auto&&... arg) { (values.push_back(to_value(std::move(arg))), ...); },
-             std::move(args));
-  return RRef<T>(detail::remote_values(to, callable, std::move(values), timeout));
+  return RRef<T>(
+      detail::remote_values(to, callable, detail::tuple_values(std::move(args)), timeout));
 }
 
 }  // namespace rpc

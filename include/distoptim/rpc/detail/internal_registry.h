@@ -1,0 +1,29 @@
+#pragma once
+
+// For the layers above rpc (distributed autograd, the DistributedOptimizer): functions and classes
+// registered under names reserved for distoptim ("__distoptim.*"), which users cannot take.
+// Not part of the public API.
+
+#include <string>
+
+#include <distoptim/rpc/classes.h>
+#include <distoptim/rpc/registry.h>
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+/// Registers a function under a name reserved for distoptim ("__distoptim.*"): the layers above
+/// rpc (distributed autograd, the DistributedOptimizer) register theirs with it.
+void register_internal_function(const std::string& name, RawFunction function);
+
+/// register_class for the layers above rpc, under a name reserved for distoptim
+/// ("__distoptim.*"), which users cannot take.
+template <class C, class... CtorArgs>
+void register_internal_class(const std::string& name) {
+  register_class_name(typeid(C), name);
+  register_internal_function(name, class_constructor<C, CtorArgs...>(name));
+}
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim
