@@ -4,4 +4,5 @@
 #include <distoptim/comm/errors.h>
 #include <distoptim/comm/process_group.h>
 #include <distoptim/comm/rendezvous.h>
+#include <distoptim/comm/store_round.h>
 #include <distoptim/comm/store_wait.h>

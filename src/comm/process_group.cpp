@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/comm/store_round.h>
 #include <distoptim/comm/store_wait.h>
 
 #include "named_failure_group.h"
@@ -146,18 +147,19 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
                        FailureChannel{store, prefix + "failures/", ranks, group_rank, timeout});
 }
 
-// Checks every rank of the world passed the same `ranks` to the new_group call numbered `id`,
-// waiting for all of them at most `timeout`. Called by members only.
-void agree_on_members(DeadlineStore& store, const std::string& key_prefix, int world_size,
-                      int my_rank, const std::vector<int>& ranks, Clock::time_point deadline,
-                      std::chrono::milliseconds timeout, int64_t id) {
-  const std::vector<int> missing = wait_for_rank_keys(store, key_prefix, world_size, deadline);
+// Checks every rank of the world passed the same `ranks` to the new_group call numbered `id`
+// (each arrived in `round` with the ranks it passed), waiting for all of them at most `timeout`.
+// Called by members only.
+void agree_on_members(DeadlineStore& store, const StoreRound& round, const std::vector<int>& ranks,
+                      Clock::time_point deadline, std::chrono::milliseconds timeout, int64_t id) {
+  const std::vector<int> missing = round.wait_for_all(deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "new_group(ranks=", ranks_text(ranks),
-                       ") (call #", id, "): rank ", my_rank, " waited ", timeout.count(),
+                       ") (call #", id, "): rank ", round.rank(), " waited ", timeout.count(),
                        " ms; these ranks never called it: ", c10::Join(", ", missing));
   const std::string mine = ranks_text(ranks);
-  for (int r = 0; r < world_size; ++r) {
-    const std::vector<uint8_t> bytes = store.get(key_prefix + std::to_string(r), deadline);
+  const int my_rank = round.rank();
+  for (int r = 0; r < round.world_size(); ++r) {
+    const std::vector<uint8_t> bytes = store.get(round.arrival_key(r), deadline);
     const std::string theirs(bytes.begin(), bytes.end());
     TORCH_CHECK_VALUE(theirs == mine, "new_group (call #", id, "): rank ", r,
                       " passed ranks=", theirs, " but rank ", my_rank, " passed ranks=", mine,
@@ -295,12 +297,11 @@ Group new_group(std::vector<int> ranks, std::optional<std::chrono::milliseconds>
   const std::string prefix = "group/" + std::to_string(id) + "/";
   const std::string announced = ranks_text(ranks);
   const auto deadline = Clock::now() + group_timeout;
-  store->set(prefix + "ranks/" + std::to_string(my_rank),
-             std::vector<uint8_t>(announced.begin(), announced.end()), deadline);
+  StoreRound round(*store, StoreRound::Keys::under(prefix + "ranks/"), my_rank, world_size);
+  round.arrive(std::vector<uint8_t>(announced.begin(), announced.end()), deadline);
   const auto it = std::find(ranks.begin(), ranks.end(), my_rank);
   if (it == ranks.end()) return Group({}, ranks, my_rank, group_timeout);
-  agree_on_members(*store, prefix + "ranks/", world_size, my_rank, ranks, deadline, group_timeout,
-                   id);
+  agree_on_members(*store, round, ranks, deadline, group_timeout, id);
   const int group_rank = static_cast<int>(it - ranks.begin());
   const std::string caller =
       "new_group(ranks=" + announced + ") (call #" + std::to_string(id) + ")";

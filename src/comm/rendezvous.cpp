@@ -19,6 +19,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/comm/store_round.h>
 #include <distoptim/comm/store_wait.h>
 
 namespace distoptim {
@@ -176,11 +177,12 @@ std::string source_address_toward(const std::string& host, int port) {
                   "': ", why);
 }
 
-// Keys of the rendezvous protocol, under the rendezvous prefix. Each rank claims its rank,
-// then announces itself; after reading everyone's announcement it marks itself done, and rank 0
-// (which may serve the store) returns only when all are done. A rank that fails leaves a mark,
-// and rank 0 publishes its own failure and lingers until the others have seen it, so they fail
-// with its message rather than with a lost connection to its store.
+// Keys of the rendezvous protocol, under the rendezvous prefix. Each rank claims its rank (its
+// arrival in the round, counted, so that two processes claiming one rank are seen), then
+// announces itself; after reading everyone's announcement it marks itself done, and rank 0
+// (which may serve the store) returns only when all are done. A rank that fails leaves, and
+// rank 0 publishes its own failure and lingers until the others have left, so they fail with its
+// message rather than with a lost connection to its store (StoreRound).
 const std::string kClaimKey = "rdzv/claim/";
 const std::string kArrivedKey = "rdzv/rank/";
 const std::string kDoneKey = "rdzv/done/";
@@ -199,32 +201,34 @@ constexpr auto kFailureGrace = std::chrono::seconds(2);
   DISTOPTIM_THROW(DistributedError, message);
 }
 
-// Waits until every rank r in [0, world_size) has set `prefix + r`, polling so that a timeout
-// can name the ranks that never did, and so that rank 0's published failure is seen. `what`
-// says what was awaited, for the error.
-void wait_for_ranks(DeadlineStore& store, const std::string& prefix, int rank, int world_size,
+// Waits until every rank r has set `prefix + r`, polling so that a timeout can name the ranks
+// that never did, and so that rank 0's published failure is seen. `what` says what was awaited,
+// for the error.
+void wait_for_ranks(StoreRound& round, DeadlineStore& store, const std::string& prefix,
                     Clock::time_point deadline, const std::string& what) {
-  const std::vector<int> missing = wait_for_rank_keys(store, prefix, world_size, deadline, [&] {
-    if (rank != 0 && store.check({kFailedKey}, deadline)) {
-      throw_published_failure(from_bytes(store.get(kFailedKey, deadline)), rank);
-    }
-  });
+  const std::vector<int> missing =
+      wait_for_rank_keys(store, prefix, round.world_size(), deadline, [&] {
+        if (auto published = round.read_failure(deadline)) {
+          throw_published_failure(*published, round.rank());
+        }
+      });
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), what,
                        "; these ranks never arrived: ", c10::Join(", ", missing));
 }
 
-// Announces this rank, waits for all, and fills in `result` from what the ranks announced.
-void meet(DeadlineStore& store, const std::string& method, Clock::time_point deadline,
-          const std::string& context, Rendezvous& result) {
+// Claims this rank, announces it, waits for all, and fills in `result` from what the ranks
+// announced.
+void meet(StoreRound& round, DeadlineStore& store, const std::string& method,
+          Clock::time_point deadline, const std::string& context, Rendezvous& result) {
   const int rank = result.rank;
   const int world_size = result.world_size;
-  const int64_t claims = store.add(kClaimKey + std::to_string(rank), 1, deadline);
+  const int64_t claims = round.arrive(deadline);
   TORCH_CHECK_VALUE(claims == 1, "rendezvous(", method, "): rank ", rank,
                     " is claimed by more than one process (", claims, " claims)");
   const std::string host = this_hostname();
   store.set(kArrivedKey + std::to_string(rank), to_bytes(std::to_string(world_size) + "\n" + host),
             deadline);
-  wait_for_ranks(store, kArrivedKey, rank, world_size, deadline, context);
+  wait_for_ranks(round, store, kArrivedKey, deadline, context);
 
   result.hosts.resize(world_size);
   for (int r = 0; r < world_size; ++r) {
@@ -243,35 +247,26 @@ void meet(DeadlineStore& store, const std::string& method, Clock::time_point dea
 
   store.set(kDoneKey + std::to_string(rank), to_bytes("1"), deadline);
   if (rank == 0) {
-    wait_for_ranks(store, kDoneKey, rank, world_size, deadline,
+    wait_for_ranks(round, store, kDoneKey, deadline,
                    context + " for the other ranks to read the rendezvous");
   }
 }
 
-// After a failure of `meet` on this rank: leave a mark; rank 0 also publishes the failure and
-// waits (briefly) until every rank that had claimed its rank has left. Never throws; when the
-// store itself failed, its first operation fails at once (see DeadlineStore).
-void announce_failure(DeadlineStore& store, int rank, int world_size, const c10::Error& error) {
+// After a failure of `meet` on this rank: leave; rank 0 also publishes the failure and waits
+// (briefly) until every process that had claimed a rank has left (two may have claimed one).
+// Never throws; when the store itself failed, its first operation fails at once (see
+// DeadlineStore).
+void announce_failure(StoreRound& round, const c10::Error& error) {
   const auto until = Clock::now() + kFailureGrace;
   try {
-    store.add(kLeftKey + std::to_string(rank), 1, until);
-    if (rank != 0) return;
-    const bool timeout = dynamic_cast<const TimeoutError*>(&error) != nullptr;
-    store.set(kFailedKey,
-              to_bytes(std::string(timeout ? "timeout" : "error") + "\n" +
-                       error.what_without_backtrace()),
-              until);
-    // Every process that claimed a rank (two may have claimed one) must have left.
-    for (int r = 1; r < world_size; ++r) {
-      const std::string claim = kClaimKey + std::to_string(r);
-      const std::string left = kLeftKey + std::to_string(r);
-      while (Clock::now() < until && store.add(left, 0, until) < store.add(claim, 0, until)) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-    }
+    round.leave(until);
   } catch (const std::exception&) {
-    // The store is gone too: nothing more to tell anyone.
+    return;  // the store is gone too: nothing more to tell anyone
   }
+  if (round.rank() != 0) return;
+  const bool timeout = dynamic_cast<const TimeoutError*>(&error) != nullptr;
+  round.publish_failure(
+      std::string(timeout ? "timeout" : "error") + "\n" + error.what_without_backtrace(), until);
 }
 
 }  // namespace
@@ -379,10 +374,12 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
       throw;
     }
   }
+  StoreRound round(*result.store, StoreRound::Keys{kClaimKey, kFailedKey, kLeftKey}, rank,
+                   world_size);
   try {
-    meet(*result.store, method, deadline, context, result);
+    meet(round, *result.store, method, deadline, context, result);
   } catch (const c10::Error& e) {
-    announce_failure(*result.store, rank, world_size, e);
+    announce_failure(round, e);
     throw;
   }
   return result;

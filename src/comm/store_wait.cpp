@@ -235,6 +235,18 @@ void DeadlineStore::setTimeout(const std::chrono::milliseconds& timeout) {
   store_->setTimeout(timeout);
 }
 
+std::vector<int> ranks_without_key(DeadlineStore& store, const std::string& prefix, int world_size,
+                                   Clock::time_point deadline) {
+  std::vector<std::string> keys;
+  for (int r = 0; r < world_size; ++r) keys.push_back(prefix + std::to_string(r));
+  if (store.check(keys, deadline)) return {};
+  std::vector<int> missing;
+  for (int r = 0; r < world_size; ++r) {
+    if (!store.check({keys[r]}, deadline)) missing.push_back(r);
+  }
+  return missing;
+}
+
 std::vector<int> wait_for_rank_keys(DeadlineStore& store, const std::string& prefix, int world_size,
                                     Clock::time_point deadline,
                                     const std::function<void()>& each_poll) {
@@ -249,11 +261,7 @@ std::vector<int> wait_for_rank_keys(DeadlineStore& store, const std::string& pre
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
-  std::vector<int> missing;
-  for (int r = 0; r < world_size; ++r) {
-    if (!store.check({keys[r]}, deadline)) missing.push_back(r);
-  }
-  return missing;
+  return ranks_without_key(store, prefix, world_size, deadline);
 }
 
 }  // namespace comm

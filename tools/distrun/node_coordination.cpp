@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <distoptim/comm/store_round.h>
 #include <distoptim/comm/store_wait.h>
 
 #include "distrun/signals_fds.h"
@@ -270,7 +271,7 @@ class NodeCoordinator::Impl {
     if (options_.node_rank != 0) {
       if (!connected(Clock::now())) return;
       try {
-        store_->set("left/" + std::to_string(options_.node_rank), to_bytes("1"));
+        job_round().leave(Clock::now() + kAnswerTimeout);
       } catch (const c10::Error& e) {
         drop_connection(e);
       }
@@ -279,16 +280,9 @@ class NodeCoordinator::Impl {
     const auto deadline = Clock::now() + kLeaveTimeout;
     while (Clock::now() < deadline && connected(deadline)) {
       try {
-        // Only nodes that ever came: one that never joined will not read anything.
-        std::vector<int> missing = nodes_without("left/");
-        const std::vector<int> never_came = nodes_without("claim/");
-        missing.erase(std::remove_if(missing.begin(), missing.end(),
-                                     [&](int node) {
-                                       return node == 0 || std::count(never_came.begin(),
-                                                                      never_came.end(), node) > 0;
-                                     }),
-                      missing.end());
-        if (missing.empty()) return;
+        // Only nodes that ever came (claimed their node rank): one that never joined will not
+        // read anything.
+        if (job_round().ranks_not_left(Clock::now() + kAnswerTimeout).empty()) return;
       } catch (const c10::Error& e) {
         drop_connection(e);
       }
@@ -377,14 +371,15 @@ class NodeCoordinator::Impl {
 
   // The nodes n for which `prefix + n` is not set.
   std::vector<int> nodes_without(const std::string& prefix) {
-    std::vector<std::string> keys;
-    for (int n = 0; n < options_.nnodes; ++n) keys.push_back(prefix + std::to_string(n));
-    if (store_->check(keys)) return {};
-    std::vector<int> missing;
-    for (int n = 0; n < options_.nnodes; ++n) {
-      if (!store_->check({keys[n]})) missing.push_back(n);
-    }
-    return missing;
+    return comm::ranks_without_key(*store_, prefix, options_.nnodes, Clock::now() + kAnswerTimeout);
+  }
+
+  // The job as one round of the nodes: a node arrives when it claims its node rank, and leaves
+  // once it knows how the job ended. Round failures are any node's (`round/K/failure`), so
+  // node 0 publishes none through it.
+  comm::StoreRound job_round() {
+    return comm::StoreRound(*store_, comm::StoreRound::Keys{"claim/", "", "left/"},
+                            options_.node_rank, options_.nnodes);
   }
 
   // Every node compares every node's options with node 0's, so all report the same node.

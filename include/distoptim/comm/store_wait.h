@@ -97,6 +97,13 @@ class DeadlineStore : public c10d::Store {
   const std::shared_ptr<Shared> shared_;
 };
 
+/// The ranks r in [0, world_size) whose key `prefix + r` is not set, by one look at the store
+/// (one `check` of all the keys, then one per key only when some are missing), every operation
+/// ending by `deadline`. A store that stops answering or is lost throws as DeadlineStore's
+/// operations do.
+std::vector<int> ranks_without_key(DeadlineStore& store, const std::string& prefix, int world_size,
+                                   DeadlineStore::Clock::time_point deadline);
+
 /// Polls until every rank r in [0, world_size) has set the key `prefix + r`, or `deadline`
 /// passes; returns the ranks whose key is still missing then (empty once all are there).
 /// Polling, unlike Store::wait, lets a timeout name who is missing. `each_poll` runs before every

@@ -1,0 +1,239 @@
+// StoreRound on a real TCPStore over loopback, every rank a real process: arrivals and the ranks
+// missing at the deadline, the host's published failure read with its exact text, the host's
+// wait for the ranks that arrived (and only those), and an each-poll hook that stops the wait.
+
+#include <cstdlib>
+#include <optional>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <distoptim/comm.h>
+
+#include "harness/multiprocess.h"
+
+namespace distoptim {
+namespace comm {
+namespace {
+
+using distoptim::testing::run_ranks;
+using namespace std::chrono_literals;
+using Clock = StoreRound::Clock;
+
+// Far beyond every test's deadline: a wait that should end by itself and does not fails the
+// test there (run_ranks kills the ranks and names them), instead of a timing assertion.
+constexpr auto kLongWait = 300s;
+
+testing::RunRanksOptions bounded() {
+  testing::RunRanksOptions options;
+  options.deadline = 40s;
+  return options;
+}
+
+// This rank's connection to the TCPStore on MASTER_PORT that rank 0 serves (rank 0 serves it).
+c10::intrusive_ptr<DeadlineStore> connect_store(int rank, int world_size) {
+  const std::string port = std::getenv("MASTER_PORT");
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(std::stoi(port));
+  options.isServer = rank == 0;
+  options.numWorkers = static_cast<size_t>(world_size);
+  options.waitWorkers = false;
+  options.timeout = 30s;
+  // The client gives up at once while rank 0 is not listening yet: try again.
+  const auto until = Clock::now() + 30s;
+  while (true) {
+    try {
+      return c10::make_intrusive<DeadlineStore>(
+          c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options), "127.0.0.1:" + port, 30s);
+    } catch (const std::exception&) {
+      if (Clock::now() >= until) throw;
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+}
+
+// The end of a test: rank 0 serves the store, so it returns only once the other processes in
+// `ranks` are done with it (a client whose server vanished mid-operation aborts its process).
+void finish(DeadlineStore& store, int rank, const std::vector<int>& ranks) {
+  if (rank != 0) {
+    store.add("finished/" + std::to_string(rank), 1);
+    return;
+  }
+  std::vector<std::string> keys;
+  for (int r : ranks) {
+    if (r != 0) keys.push_back("finished/" + std::to_string(r));
+  }
+  if (!keys.empty()) store.wait(keys, 30s);
+}
+
+// What a waiting rank's each-poll hook throws on reading the host's failure.
+struct Published {
+  std::string why;
+};
+
+TEST(StoreRound, EveryRankArrivesAndNoneIsMissing) {
+  for (int world_size = 1; world_size <= 4; ++world_size) {
+    SCOPED_TRACE(world_size);
+    run_ranks(
+        world_size,
+        [](int rank, int world_size) {
+          auto store = connect_store(rank, world_size);
+          const auto deadline = Clock::now() + 30s;
+          StoreRound counted(*store, StoreRound::Keys::under("counted/"), rank, world_size);
+          EXPECT_EQ(counted.arrive(deadline), 1);
+          EXPECT_EQ(counted.wait_for_all(deadline), std::vector<int>{});
+
+          // Arrivals that carry data: every rank reads every rank's value back.
+          StoreRound valued(*store, StoreRound::Keys::under("valued/"), rank, world_size);
+          const std::string mine = "rank " + std::to_string(rank);
+          valued.arrive(std::vector<uint8_t>(mine.begin(), mine.end()), deadline);
+          EXPECT_EQ(valued.wait_for_all(deadline), std::vector<int>{});
+          for (int r = 0; r < world_size; ++r) {
+            const std::vector<uint8_t> theirs = store->get(valued.arrival_key(r), deadline);
+            EXPECT_EQ(std::string(theirs.begin(), theirs.end()), "rank " + std::to_string(r));
+          }
+          std::vector<int> all(world_size);
+          for (int r = 0; r < world_size; ++r) all[r] = r;
+          finish(*store, rank, all);
+        },
+        bounded());
+  }
+}
+
+TEST(StoreRound, RankThatNeverArrivesIsNamedAtTheDeadline) {
+  run_ranks(
+      4,
+      [](int rank, int world_size) {
+        if (rank == 2) return;  // never arrives
+        auto store = connect_store(rank, world_size);
+        StoreRound round(*store, StoreRound::Keys::under("round/"), rank, world_size);
+        round.arrive(Clock::now() + 30s);
+        // The others arrive, however slowly their processes start; then a short deadline.
+        store->wait({"round/0", "round/1", "round/3"}, 30s);
+        EXPECT_EQ(round.wait_for_all(Clock::now() + 1s), std::vector<int>{2});
+        EXPECT_EQ(ranks_without_key(*store, "round/", world_size, Clock::now() + 10s),
+                  std::vector<int>{2});
+        finish(*store, rank, {0, 1, 3});
+      },
+      bounded());
+}
+
+TEST(StoreRound, HostsFailureIsReadWithItsExactTextAndTheHostStopsWaitingOnceItIs) {
+  // Rank 3 never arrives: rank 0 gives up on it, publishes why, and waits for ranks 1 and 2 (not
+  // for rank 3, which did not come) to read it; they stop waiting for rank 3 on reading it.
+  const std::string why = "rank 0 waited for rank 3\nwhich never came";
+  run_ranks(
+      4,
+      [&why](int rank, int world_size) {
+        if (rank == 3) return;
+        auto store = connect_store(rank, world_size);
+        StoreRound round(*store, StoreRound::Keys::under("round/"), rank, world_size);
+        round.arrive(Clock::now() + 30s);
+        if (rank == 0) {
+          store->wait({"round/1", "round/2"}, 30s);
+          EXPECT_EQ(round.wait_for_all(Clock::now() + 1s), std::vector<int>{3});
+          EXPECT_FALSE(round.read_failure(Clock::now() + 10s).has_value());
+          round.publish_failure(why, Clock::now() + kLongWait);
+          EXPECT_EQ(round.ranks_not_left(Clock::now() + 10s), std::vector<int>{});
+          const std::vector<uint8_t> failed = store->get("round/failed");
+          EXPECT_EQ(std::string(failed.begin(), failed.end()), why);
+        } else {
+          const auto deadline = Clock::now() + kLongWait;
+          try {
+            round.wait_for_all(deadline, [&] {
+              if (auto published = round.read_failure(deadline)) throw Published{*published};
+            });
+            ADD_FAILURE() << "rank " << rank << " did not read the host's failure";
+          } catch (const Published& published) {
+            EXPECT_EQ(published.why, why);
+          }
+          // It left once, by reading; leaving again does not count.
+          round.leave(Clock::now() + 10s);
+          EXPECT_EQ(store->add("round/left/" + std::to_string(rank), 0), 1);
+        }
+        finish(*store, rank, {0, 1, 2});
+      },
+      bounded());
+}
+
+TEST(StoreRound, HostWaitsForEveryProcessThatArrivedAsOneRank) {
+  // Processes 1 and 2 both arrive as rank 1 of a round of 2: the host waits until both read its
+  // failure, not only the first.
+  run_ranks(
+      3,
+      [](int process, int processes) {
+        auto store = connect_store(process, processes);
+        const int rank = process == 0 ? 0 : 1;
+        StoreRound round(*store, StoreRound::Keys::under("round/"), rank, 2);
+        const int64_t arrivals = round.arrive(Clock::now() + 30s);
+        store->add("arrived/" + std::to_string(process), arrivals);
+        if (process == 0) {
+          store->wait({"arrived/1", "arrived/2"}, 30s);
+          const std::set<int64_t> counts = {store->add("arrived/1", 0), store->add("arrived/2", 0)};
+          EXPECT_EQ(counts, (std::set<int64_t>{1, 2}));
+          round.publish_failure("stop", Clock::now() + kLongWait);
+          EXPECT_EQ(store->add("round/left/1", 0), 2);
+        } else {
+          // Only one of them reads it at first: the host goes on waiting for the other.
+          if (process == 2) store->wait({"round/left/1"}, 30s);
+          const auto deadline = Clock::now() + kLongWait;
+          std::optional<std::string> published;
+          while (!(published = round.read_failure(deadline))) {
+            std::this_thread::sleep_for(5ms);
+          }
+          EXPECT_EQ(*published, "stop");
+        }
+        finish(*store, process, {0, 1, 2});
+      },
+      bounded());
+}
+
+TEST(StoreRound, EachPollHookThatThrowsStopsTheWait) {
+  run_ranks(
+      1,
+      [](int rank, int) {
+        auto store = connect_store(rank, 1);
+        // A round of 2 whose rank 1 never comes: only the hook can end the wait before its
+        // deadline.
+        StoreRound round(*store, StoreRound::Keys::under("round/"), rank, 2);
+        round.arrive(Clock::now() + 30s);
+        int polls = 0;
+        try {
+          round.wait_for_all(Clock::now() + kLongWait, [&polls] {
+            if (++polls == 3) throw Published{"third poll"};
+          });
+          ADD_FAILURE() << "the wait went on after its hook threw";
+        } catch (const Published& stopped) {
+          EXPECT_EQ(stopped.why, "third poll");
+        }
+        EXPECT_EQ(polls, 3);
+      },
+      bounded());
+}
+
+TEST(StoreRound, ChecksItsRankAndHost) {
+  run_ranks(
+      1,
+      [](int rank, int) {
+        auto store = connect_store(rank, 1);
+        const auto keys = StoreRound::Keys::under("p/");
+        EXPECT_EQ(keys.arrived, "p/");
+        EXPECT_EQ(keys.failed, "p/failed");
+        EXPECT_EQ(keys.left, "p/left/");
+        EXPECT_THROW(StoreRound(*store, keys, 2, 2), c10::ValueError);
+        EXPECT_THROW(StoreRound(*store, keys, 0, 0), c10::ValueError);
+        StoreRound not_host(*store, keys, 1, 2);
+        EXPECT_THROW(not_host.publish_failure("no", Clock::now() + 10s), c10::ValueError);
+        EXPECT_FALSE(store->check({"p/failed"}));
+        EXPECT_FALSE(not_host.read_failure(Clock::now() + 10s).has_value());
+      },
+      bounded());
+}
+
+}  // namespace
+}  // namespace comm
+}  // namespace distoptim
