@@ -251,9 +251,12 @@ TEST(RRef, CreationErrorsArriveAtToHere) {
       EXPECT_THROW(failing_here.local_value(), RemoteError);
       auto wrong_type = remote<std::string>("worker1", "add", std::tuple{1, 2});
       EXPECT_THROW(wrong_type.to_here(), c10::TypeError);
-      // remote() past its timeout: to_here reports it.
+      // remote() past its timeout: confirm() waits until the creation has failed (its own 100 ms
+      // timeout ends it, long before confirm's 10 s bound) and throws that error; to_here then
+      // reports it too, without asking the owner.
       auto slow = remote<int64_t>("worker1", "sleep_ms", std::tuple{1500}, 100ms);
-      std::this_thread::sleep_for(300ms);
+      EXPECT_THROW(slow.confirm(10s), TimeoutError);
+      EXPECT_FALSE(slow.confirmed_by_owner());
       EXPECT_THROW(slow.to_here(), TimeoutError);
       // to_here past its own timeout.
       auto slower = remote<int64_t>("worker1", "sleep_ms", std::tuple{1500}, kNoTimeout);
