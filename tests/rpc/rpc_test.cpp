@@ -55,7 +55,10 @@ DISTOPTIM_RPC_FUNCTION("describe", [](const std::map<std::string, std::vector<in
 DISTOPTIM_RPC_FUNCTION("fail", [](const std::string& why) -> int64_t {
   TORCH_CHECK_VALUE(false, "refusing: ", why);
 });
+// How many sleep_ms calls have started in this process.
+std::atomic<int> g_sleeps_started{0};
 DISTOPTIM_RPC_FUNCTION("sleep_ms", [](int64_t ms) {
+  ++g_sleeps_started;
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   return ms;
 });
@@ -71,8 +74,12 @@ DISTOPTIM_RPC_FUNCTION("relay", [](std::vector<std::string> path) {
   }
   return path;
 });
-DISTOPTIM_RPC_FUNCTION("exit_after_ms", [](int64_t ms) {
-  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+// Ends this process once a sleep_ms call is being handled here (or after 20 s).
+DISTOPTIM_RPC_FUNCTION("exit_while_sleeping", [] {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (g_sleeps_started == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   ::_exit(7);
 });
 
@@ -601,11 +608,12 @@ TEST(Rpc, KilledWorkerFailsPendingAndNewCalls) {
       [](int rank, int world_size) {
         init_rpc(worker(rank), rank, world_size, test_options());
         if (rank == 1) {
-          std::this_thread::sleep_for(30s);  // Ends by exit_after_ms's _exit(7).
+          std::this_thread::sleep_for(30s);  // Ends by exit_while_sleeping's _exit(7).
           return;
         }
         auto pending = rpc_async(worker(1), "sleep_ms", std::tuple{20000}, 30s);
-        auto dying = rpc_async(worker(1), "exit_after_ms", std::tuple{200}, 30s);
+        // Dies while it handles `pending`.
+        auto dying = rpc_async(worker(1), "exit_while_sleeping", std::tuple{}, 30s);
         const auto start = std::chrono::steady_clock::now();
         EXPECT_THROW(pending.wait(), PeerLostError);
         EXPECT_THROW(dying.wait(), PeerLostError);

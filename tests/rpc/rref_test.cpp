@@ -189,7 +189,10 @@ TEST(RRef, ForksToAThirdWorkerAndOnward) {
           rpc_sync<at::Tensor>("worker2", "pass_on", std::tuple{rref, std::string("worker0")}),
           t * 2));
       // The sender drops its reference while the fork is still on its way and worker2 fetches
-      // later: the value must survive until worker2 is done with it.
+      // later: the value must survive until worker2 is done with it. fetch_later's 300 ms make
+      // it likely, not certain, that the owner handles the sender's delete before worker2's
+      // fetch: nothing a test can wait on says the owner has handled a delete. Either order must
+      // keep the value.
       RpcFuture<at::Tensor> later = [&] {
         auto dropped = remote<at::Tensor>("worker1", "scale", std::tuple{t, 5.0});
         return rpc_async<at::Tensor>("worker2", "fetch_later",
