@@ -8,15 +8,19 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <distoptim/rpc.h>
 
@@ -51,7 +55,10 @@ DISTOPTIM_RPC_FUNCTION("describe", [](const std::map<std::string, std::vector<in
 DISTOPTIM_RPC_FUNCTION("fail", [](const std::string& why) -> int64_t {
   TORCH_CHECK_VALUE(false, "refusing: ", why);
 });
+// How many sleep_ms calls have started in this process.
+std::atomic<int> g_sleeps_started{0};
 DISTOPTIM_RPC_FUNCTION("sleep_ms", [](int64_t ms) {
+  ++g_sleeps_started;
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   return ms;
 });
@@ -67,10 +74,65 @@ DISTOPTIM_RPC_FUNCTION("relay", [](std::vector<std::string> path) {
   }
   return path;
 });
-DISTOPTIM_RPC_FUNCTION("exit_after_ms", [](int64_t ms) {
-  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+// Ends this process once a sleep_ms call is being handled here (or after 20 s).
+DISTOPTIM_RPC_FUNCTION("exit_while_sleeping", [] {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (g_sleeps_started == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   ::_exit(7);
 });
+
+// The pids other workers told this one (tell_pid), by rank.
+std::mutex g_pids_mutex;
+std::condition_variable g_pids_noted;
+std::map<int64_t, int64_t> g_pids;  // guarded by g_pids_mutex
+DISTOPTIM_RPC_FUNCTION("note_pid", [](int64_t rank, int64_t pid) {
+  {
+    std::lock_guard<std::mutex> lock(g_pids_mutex);
+    g_pids[rank] = pid;
+  }
+  g_pids_noted.notify_all();
+  return pid;
+});
+
+// Tells worker `to` the pid of this process, so that it can wait for this process's exit.
+void tell_pid(const std::string& to) {
+  rpc_sync<int64_t>(to, "note_pid",
+                    std::tuple{int64_t{get_worker_info().id}, static_cast<int64_t>(::getpid())});
+}
+
+// Waits (at most `limit` in all) until rank `rank` has told this worker its pid and its process
+// has exited: a zombie until the harness reaps it, then gone. False when either never happened.
+bool wait_for_exit_of_rank(int rank, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  int64_t pid = 0;
+  {
+    std::unique_lock<std::mutex> lock(g_pids_mutex);
+    if (!g_pids_noted.wait_until(lock, until, [&] { return g_pids.count(rank) != 0; })) {
+      return false;
+    }
+    pid = g_pids.at(rank);
+  }
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+      until - std::chrono::steady_clock::now());
+  return distoptim::testing::wait_for_process_state(static_cast<int>(pid), "ZX?",
+                                                    std::max(left, std::chrono::milliseconds(0)));
+}
+
+// Waits (at most `limit`) until the agents' rendezvous store, which rank 0 serves, holds `key`,
+// one of the agent's own keys (src/rpc/agent.cpp); throws when it does not. Its client is gone
+// when this returns, so that it holds no connection when rank 0 stops the store.
+void wait_for_agent_key(const std::string& key, std::chrono::milliseconds limit) {
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
+  store_options.isServer = false;
+  store_options.waitWorkers = false;
+  store_options.timeout = limit;
+  auto store = c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR"), store_options);
+  c10d::PrefixStore rendezvous("distoptim/rpc/rendezvous/", store);
+  rendezvous.wait({key}, limit);
+}
 
 int thread_count() {
   int count = 0;
@@ -378,12 +440,15 @@ TEST(Rpc, GracefulShutdownFailsFastOnALostPeer) {
         if (rank == 2) {
           ::_exit(7);
         }
+        // Rank 0 calls worker1, not the other way round: worker1 never has a connection of its
+        // own to worker0 to lose when rank 0 exits.
+        if (rank == 0) tell_pid(worker(1));
         // Learn of worker2's death through a call to it.
         EXPECT_THROW(rpc_sync(worker(2), "sleep_ms", std::tuple{int64_t{60000}}), PeerLostError);
         if (rank == 1) {
-          // Usually lets rank 0, the store host, fail its barrier and exit first: the store's
-          // loss must not hide the cause, worker2.
-          std::this_thread::sleep_for(std::chrono::milliseconds(500));
+          // Rank 0, the store host, fails its barrier and exits first, and with it the store: the
+          // store's loss must not hide the cause, worker2.
+          ASSERT_TRUE(wait_for_exit_of_rank(0, 30s)) << "rank 0 did not exit";
         }
         try {
           shutdown();
@@ -420,20 +485,32 @@ TEST(Rpc, InitWithAWorkerThatNeverArrivesNamesIt) {
 // before it stops the store), and stops their agents all the same.
 TEST(Rpc, GracefulShutdownWithAWorkerThatNeverCallsItNamesIt) {
   run_ranks(3, [](int rank, int world_size) {
-    init_rpc(worker(rank), rank, world_size, test_options().shutdown_timeout(1500ms));
+    // Rank 0, which serves the store, gives up first: rank 1 would wait far longer, so it fails
+    // only by what rank 0 tells it, and it must still hear why (not just that the store is gone).
+    init_rpc(worker(rank), rank, world_size,
+             test_options().shutdown_timeout(rank == 1 ? 30000ms : 1500ms));
     EXPECT_EQ(rpc_sync<int64_t>(worker((rank + 1) % 3), "add", std::tuple{1, 2}), 3);
     if (rank == 2) {
-      std::this_thread::sleep_for(4s);  // past the others' shutdown
+      // Past the others' shutdown: until both processes have exited.
+      EXPECT_TRUE(wait_for_exit_of_rank(0, 30s)) << "rank 0 did not exit";
+      EXPECT_TRUE(wait_for_exit_of_rank(1, 30s)) << "rank 1 did not exit";
       shutdown(/*graceful=*/false);
       return;
     }
-    // Rank 1 comes later, so that rank 0, which serves the store, gives up first: rank 1 must
-    // still hear why (not just that the store is gone).
-    if (rank == 1) std::this_thread::sleep_for(300ms);
+    tell_pid(worker(2));
+    if (rank == 0) {
+      // Rank 0 enters the barrier once worker1 waits in it (worker1's key, the first thing its
+      // barrier sets), so that worker1 is there to be told when rank 0's 1.5 s have passed.
+      wait_for_agent_key("distoptim/rpc/shutdown/entered/1", 30s);
+    }
     try {
       shutdown();
       ADD_FAILURE() << "shutdown() passed its barrier without worker2";
     } catch (const TimeoutError& error) {
+      // Rank 0's own timeout; rank 1 heard it from rank 0.
+      EXPECT_NE(std::string(error.what()).find("worker 'worker0' waited 1500 ms"),
+                std::string::npos)
+          << error.what();
       EXPECT_NE(std::string(error.what()).find("never arrived: 'worker2'"), std::string::npos)
           << error.what();
     }
@@ -531,11 +608,12 @@ TEST(Rpc, KilledWorkerFailsPendingAndNewCalls) {
       [](int rank, int world_size) {
         init_rpc(worker(rank), rank, world_size, test_options());
         if (rank == 1) {
-          std::this_thread::sleep_for(30s);  // Ends by exit_after_ms's _exit(7).
+          std::this_thread::sleep_for(30s);  // Ends by exit_while_sleeping's _exit(7).
           return;
         }
         auto pending = rpc_async(worker(1), "sleep_ms", std::tuple{20000}, 30s);
-        auto dying = rpc_async(worker(1), "exit_after_ms", std::tuple{200}, 30s);
+        // Dies while it handles `pending`.
+        auto dying = rpc_async(worker(1), "exit_while_sleeping", std::tuple{}, 30s);
         const auto start = std::chrono::steady_clock::now();
         EXPECT_THROW(pending.wait(), PeerLostError);
         EXPECT_THROW(dying.wait(), PeerLostError);

@@ -189,7 +189,10 @@ TEST(RRef, ForksToAThirdWorkerAndOnward) {
           rpc_sync<at::Tensor>("worker2", "pass_on", std::tuple{rref, std::string("worker0")}),
           t * 2));
       // The sender drops its reference while the fork is still on its way and worker2 fetches
-      // later: the value must survive until worker2 is done with it.
+      // later: the value must survive until worker2 is done with it. fetch_later's 300 ms make
+      // it likely, not certain, that the owner handles the sender's delete before worker2's
+      // fetch: nothing a test can wait on says the owner has handled a delete. Either order must
+      // keep the value.
       RpcFuture<at::Tensor> later = [&] {
         auto dropped = remote<at::Tensor>("worker1", "scale", std::tuple{t, 5.0});
         return rpc_async<at::Tensor>("worker2", "fetch_later",
@@ -251,9 +254,12 @@ TEST(RRef, CreationErrorsArriveAtToHere) {
       EXPECT_THROW(failing_here.local_value(), RemoteError);
       auto wrong_type = remote<std::string>("worker1", "add", std::tuple{1, 2});
       EXPECT_THROW(wrong_type.to_here(), c10::TypeError);
-      // remote() past its timeout: to_here reports it.
+      // remote() past its timeout: confirm() waits until the creation has failed (its own 100 ms
+      // timeout ends it, long before confirm's 10 s bound) and throws that error; to_here then
+      // reports it too, without asking the owner.
       auto slow = remote<int64_t>("worker1", "sleep_ms", std::tuple{1500}, 100ms);
-      std::this_thread::sleep_for(300ms);
+      EXPECT_THROW(slow.confirm(10s), TimeoutError);
+      EXPECT_FALSE(slow.confirmed_by_owner());
       EXPECT_THROW(slow.to_here(), TimeoutError);
       // to_here past its own timeout.
       auto slower = remote<int64_t>("worker1", "sleep_ms", std::tuple{1500}, kNoTimeout);

@@ -25,25 +25,15 @@ using Clock = std::chrono::steady_clock;
 using distoptim::testing::run_ranks;
 using distoptim::testing::worker;
 
-std::atomic<bool> resumed{false};
-
-// Both reply with the caller's pid first, then stop (SIGSTOP) or die (as SIGKILL would: no
-// cleanup, the kernel closes the sockets) 100 ms later.
-DISTOPTIM_RPC_FUNCTION("stop_soon", [] {
-  std::thread([] {
-    std::this_thread::sleep_for(100ms);
-    ::raise(SIGSTOP);
-    resumed = true;
-  }).detach();
+// The pid of the caller of swap_pids (0: none yet).
+std::atomic<int64_t> g_caller_pid{0};
+// Notes the caller's pid and replies with this process's.
+DISTOPTIM_RPC_FUNCTION("swap_pids", [](int64_t caller_pid) {
+  g_caller_pid = caller_pid;
   return static_cast<int64_t>(::getpid());
 });
-DISTOPTIM_RPC_FUNCTION("die_soon", [] {
-  std::thread([] {
-    std::this_thread::sleep_for(100ms);
-    ::_exit(9);
-  }).detach();
-  return static_cast<int64_t>(::getpid());
-});
+// Dies as SIGKILL would (no cleanup, the kernel closes the sockets), without replying.
+DISTOPTIM_RPC_FUNCTION("die", [] { ::_exit(9); });
 
 // Rank 0 serves the store on MASTER_PORT: errors about it name it so.
 void expect_names_the_store(const c10::Error& error) {
@@ -63,14 +53,21 @@ TEST(RpcStoreFailure, GracefulShutdownWithStoppedStoreHostTimesOut) {
       [](int rank, int world_size) {
         init_rpc(worker(rank), rank, world_size, options());
         if (rank == 0) {
-          // Stopped by stop_soon, continued by rank 1 once its shutdown has failed.
-          for (int i = 0; i < 4000 && !resumed; ++i) std::this_thread::sleep_for(10ms);
-          EXPECT_TRUE(resumed);
+          // Stopped by rank 1, and continued once its shutdown has failed: serves until rank 1
+          // has exited (a zombie until the harness reaps it, then gone).
+          const auto until = Clock::now() + 20s;
+          while (g_caller_pid.load() == 0 && Clock::now() < until)
+            std::this_thread::sleep_for(10ms);
+          ASSERT_NE(g_caller_pid.load(), 0) << "rank 1 never called";
+          EXPECT_TRUE(distoptim::testing::wait_for_process_state(
+              static_cast<int>(g_caller_pid.load()), "ZX?", 40s));
           shutdown(/*graceful=*/false);
           return;
         }
-        const auto pid = static_cast<pid_t>(rpc_sync<int64_t>(worker(0), "stop_soon"));
-        ASSERT_TRUE(distoptim::testing::wait_for_process_state(pid, "T", 20s));
+        const auto pid = static_cast<pid_t>(rpc_sync<int64_t>(
+            worker(0), "swap_pids", std::tuple{static_cast<int64_t>(::getpid())}));
+        // Every thread of it stopped: it answers nothing from here on.
+        ASSERT_TRUE(distoptim::testing::stop_process(pid));
         const auto start = Clock::now();
         try {
           shutdown();
@@ -94,10 +91,12 @@ TEST(RpcStoreFailure, GracefulShutdownWithDeadStoreHostNamesTheStore) {
       [](int rank, int world_size) {
         init_rpc(worker(rank), rank, world_size, options());
         if (rank == 0) {
-          std::this_thread::sleep_for(40s);  // Ends by die_soon's _exit(9).
+          std::this_thread::sleep_for(40s);  // Ends by die's _exit(9).
           return;
         }
-        const auto pid = static_cast<pid_t>(rpc_sync<int64_t>(worker(0), "die_soon"));
+        const auto pid = static_cast<pid_t>(rpc_sync<int64_t>(
+            worker(0), "swap_pids", std::tuple{static_cast<int64_t>(::getpid())}));
+        EXPECT_THROW(rpc_sync(worker(0), "die"), PeerLostError);
         // Dead: a zombie until the harness reaps it, then gone.
         ASSERT_TRUE(distoptim::testing::wait_for_process_state(pid, "Z?", 20s));
         const auto start = Clock::now();
