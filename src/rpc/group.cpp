@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/comm/store_round.h>
 #include <distoptim/comm/store_wait.h>
 
 namespace distoptim {
@@ -60,19 +61,19 @@ void WorkerGroup::join(const std::string& name, const std::string& address, int 
   const std::string key_prefix = std::string(kStorePrefix) + "worker/";
   const std::string url = address + " " + std::to_string(port);
   const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
-  store.set(key_prefix + std::to_string(rank_), std::vector<uint8_t>(name.begin(), name.end()),
-            deadline);
+  // The address first: a worker that has arrived (its name is in) can be connected to.
   store.set(key_prefix + std::to_string(rank_) + "/url",
             std::vector<uint8_t>(url.begin(), url.end()), deadline);
-  const std::vector<int> missing =
-      comm::wait_for_rank_keys(store, key_prefix, world_size_, deadline);
+  comm::StoreRound exchange(store, comm::StoreRound::Keys::under(key_prefix), rank_, world_size_);
+  exchange.arrive(std::vector<uint8_t>(name.begin(), name.end()), deadline);
+  const std::vector<int> missing = exchange.wait_for_all(deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "init_rpc: worker '", name, "' (rank ", rank_,
                        ") waited ", options_.init_timeout().count(),
                        " ms for workers that never arrived: ", describe_missing(missing, {}));
   workers_.resize(world_size_);
   addresses_.resize(world_size_);
   for (int id = 0; id < world_size_; ++id) {
-    const std::vector<uint8_t> peer_name = store.get(key_prefix + std::to_string(id), deadline);
+    const std::vector<uint8_t> peer_name = store.get(exchange.arrival_key(id), deadline);
     const std::vector<uint8_t> peer_url =
         store.get(key_prefix + std::to_string(id) + "/url", deadline);
     workers_[id] = WorkerInfo{std::string(peer_name.begin(), peer_name.end()), id};
@@ -105,44 +106,14 @@ int WorkerGroup::resolve(const WorkerRef& to) const {
   return id;
 }
 
-namespace {
-
-std::string barrier_failed_key(const std::string& prefix) { return prefix + "failed"; }
-std::string barrier_left_key(const std::string& prefix, int rank) {
-  return prefix + "left/" + std::to_string(rank);
-}
-
-// Rank 0, whose shutdown barrier under `prefix` timed out: publishes `why`, then waits (briefly)
-// until the workers that arrived have read it, before it goes on to stop the store; otherwise
-// they would see only the store's loss, not the workers that never came. Never throws.
-void announce_barrier_failure(comm::DeadlineStore& store, const std::string& prefix, int world_size,
-                              const std::string& why, const std::vector<int>& missing) {
-  // Bounded: the workers that arrived read it within their next poll (at most 50 ms apart).
-  const auto until = std::chrono::steady_clock::now() + kBarrierFailureGrace;
-  try {
-    store.set(barrier_failed_key(prefix), std::vector<uint8_t>(why.begin(), why.end()), until);
-    for (int rank = 1; rank < world_size; ++rank) {
-      if (std::find(missing.begin(), missing.end(), rank) != missing.end()) continue;
-      while (!store.check({barrier_left_key(prefix, rank)}, until)) {
-        if (std::chrono::steady_clock::now() >= until) return;
-        std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      }
-    }
-  } catch (const std::exception&) {
-    // The store failing too leaves nothing more to tell anyone.
-  }
-}
-
-}  // namespace
-
 void WorkerGroup::barrier(const std::string& round, bool wait,
                           const std::function<std::map<int, std::string>()>& dead_peers) {
   // Every store operation ends by the barrier's deadline: a store host that stopped answering
   // fails it with TimeoutError, one that died with PeerLostError, both naming the store.
   comm::DeadlineStore& store = *rendezvous_.store;
   const std::string prefix = std::string(kStorePrefix) + "shutdown/" + round + "/";
+  comm::StoreRound barrier(store, comm::StoreRound::Keys::under(prefix), rank_, world_size_);
   const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
-  const auto& lost_peers = dead_peers;
   const auto throw_lost = [&](int peer, const std::string& why, const std::string& then) {
     DISTOPTIM_THROW(PeerLostError, "rpc shutdown: worker '", self().name, "' cannot pass barrier '",
                     round, "': worker ", describe_missing({peer}, workers_), " is lost (", why, ")",
@@ -152,34 +123,34 @@ void WorkerGroup::barrier(const std::string& round, bool wait,
   // deadline. (A worker that refused us is alive: it is waited for.)
   bool reported_lost = false;
   const auto check_lost = [&] {
-    for (const auto& [peer, why] : lost_peers()) {
-      if (!store.check({prefix + std::to_string(peer)}, deadline)) {
+    for (const auto& [peer, why] : dead_peers()) {
+      if (!store.check({barrier.arrival_key(peer)}, deadline)) {
         reported_lost = true;
         throw_lost(peer, why, "");
       }
     }
-    // Rank 0, which serves the store, gave up: it says why (announce_barrier_failure).
-    if (rank_ != 0 && store.check({barrier_failed_key(prefix)}, deadline)) {
-      const std::vector<uint8_t> why = store.get(barrier_failed_key(prefix), deadline);
-      store.add(barrier_left_key(prefix, rank_), 1, deadline);
-      DISTOPTIM_THROW(TimeoutError, "rpc shutdown: worker '", self().name,
-                      "' cannot pass barrier '", round, "': ", std::string(why.begin(), why.end()));
+    // Rank 0, which serves the store, gave up: it says why (publish_failure below).
+    if (rank_ != 0) {
+      if (std::optional<std::string> why = barrier.read_failure(deadline)) {
+        DISTOPTIM_THROW(TimeoutError, "rpc shutdown: worker '", self().name,
+                        "' cannot pass barrier '", round, "': ", *why);
+      }
     }
   };
   std::vector<int> missing;
   try {
-    // add, not set: a TCPStore answers an add, so the key is in the store before this worker
-    // goes on; a set is not answered, and a worker that leaves right after could be taken for
-    // lost by rank 0 before its key arrives.
-    store.add(prefix + std::to_string(rank_), 1, deadline);
+    // Counted (an add, not a set): a TCPStore answers an add, so the key is in the store before
+    // this worker goes on; a worker that leaves right after could otherwise be taken for lost by
+    // rank 0 before its key arrives.
+    barrier.arrive(deadline);
     if (!wait) {
       return;
     }
-    missing = comm::wait_for_rank_keys(store, prefix, world_size_, deadline, check_lost);
+    missing = barrier.wait_for_all(deadline, check_lost);
   } catch (const DistributedError& error) {
     // The store host may have left first, its own barrier failed by the same dead worker: the
     // worker known to be lost is the cause to report, the store's failure its consequence.
-    const auto lost = lost_peers();
+    const auto lost = dead_peers();
     if (reported_lost || lost.empty()) throw;
     throw_lost(lost.begin()->first, lost.begin()->second,
                std::string("; then: ") + error.what_without_backtrace());
@@ -192,7 +163,9 @@ void WorkerGroup::barrier(const std::string& round, bool wait,
       " ms at barrier '" + round +
       "' for workers that never arrived: " + describe_missing(missing, workers_);
   if (rank_ == 0) {
-    announce_barrier_failure(store, prefix, world_size_, why, missing);
+    // Rank 0 serves the store: the workers that arrived read why before it goes on to stop it
+    // (else they would see only the store's loss), within a bound.
+    barrier.publish_failure(why, std::chrono::steady_clock::now() + kBarrierFailureGrace);
   }
   DISTOPTIM_THROW(TimeoutError, "rpc shutdown: ", why);
 }
