@@ -1,8 +1,6 @@
 #include <distoptim/dist_autograd/context.h>
 
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

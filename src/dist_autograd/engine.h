@@ -45,6 +45,15 @@ constexpr const char* kBeginFunction = "__distoptim.dist_autograd.begin";
 constexpr const char* kReleaseFunction = "__distoptim.dist_autograd.release";
 constexpr const char* kInternalPrefix = "__distoptim.dist_autograd.";
 
+/// Registers the internal RPCs through which passes start and gradients arrive on this worker,
+/// and contexts are released (engine_rpc.cpp). Once per process, at start-up (recorder.h's
+/// install).
+void register_engine_functions();
+
+/// Fails the context's running pass and tells every worker it reached, except `except`, to
+/// release it (they tell theirs). Does not wait.
+void release_everywhere(const std::shared_ptr<Context>& context, int except = -1);
+
 class BackwardPass : public std::enable_shared_from_this<BackwardPass> {
  public:
   BackwardPass(std::shared_ptr<Context> context, int64_t id, bool retain_graph);

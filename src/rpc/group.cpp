@@ -149,10 +149,14 @@ void WorkerGroup::barrier(const std::string& round, bool wait,
     missing = barrier.wait_for_all(deadline, check_lost);
   } catch (const DistributedError& error) {
     // The store host may have left first, its own barrier failed by the same dead worker: the
-    // worker known to be lost is the cause to report, the store's failure its consequence.
+    // worker known to be lost is the cause to report, the store's failure its consequence. The
+    // store host itself is among the dead then: another dead worker is named before it.
     const auto lost = dead_peers();
     if (reported_lost || lost.empty()) throw;
-    throw_lost(lost.begin()->first, lost.begin()->second,
+    auto cause =
+        std::find_if(lost.begin(), lost.end(), [](const auto& dead) { return dead.first != 0; });
+    if (cause == lost.end()) cause = lost.begin();
+    throw_lost(cause->first, cause->second,
                std::string("; then: ") + error.what_without_backtrace());
   }
   if (missing.empty()) {
