@@ -5,6 +5,7 @@
 #include <distoptim/comm/errors.h>
 
 #include "future_errors.h"
+#include "interception.h"
 
 namespace distoptim {
 namespace rpc {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "future_errors.h"
+#include "interception.h"
 #include "registry_internal.h"
 #include "reply_snapshot.h"
 

@@ -1,4 +1,4 @@
-#include <distoptim/rpc/interceptor.h>
+#include "interception.h"
 
 #include <atomic>
 

@@ -12,6 +12,7 @@
 #include <distoptim/rpc/values.h>
 
 #include "executor.h"
+#include "interception.h"
 #include "reply_snapshot.h"
 
 namespace distoptim {
