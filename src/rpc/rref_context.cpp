@@ -82,6 +82,19 @@ bool wait_for(const c10::intrusive_ptr<c10::ivalue::Future>& future,
 
 }  // namespace
 
+// A user handle's last reference is gone: the owner is told (the protocol's delete). Defined
+// here, with the protocol; c10::intrusive_ptr calls release_resources() when the last strong
+// reference goes and weak ones (the user table's) remain, and only the destructor otherwise:
+// either may come first.
+void RRefImpl::on_last_handle_dropped() noexcept {
+  if (isOwner() || !release()) return;
+  try {
+    if (auto context = context_.lock()) context->on_user_deleted(*this);
+  } catch (...) {
+    // The agent is stopping; the owner frees the value when it stops too.
+  }
+}
+
 RRefContext::RRefContext(RRefChannel& channel, const std::shared_ptr<void>& owner, int self,
                          std::vector<WorkerInfo> workers, std::chrono::milliseconds default_timeout,
                          WireLimits limits)

@@ -4,8 +4,6 @@
 
 #include <distoptim/comm/errors.h>
 
-#include "rref_context.h"
-
 namespace distoptim {
 namespace rpc {
 namespace detail {
@@ -31,17 +29,6 @@ RRefImpl::RRefImpl(std::weak_ptr<RRefContext> context, int owner, std::string ow
 void RRefImpl::release_resources() { on_last_handle_dropped(); }
 
 RRefImpl::~RRefImpl() { on_last_handle_dropped(); }
-
-// c10::intrusive_ptr calls release_resources() when the last strong reference goes and weak
-// ones (the user table's) remain, and only the destructor otherwise: either may come first.
-void RRefImpl::on_last_handle_dropped() noexcept {
-  if (isOwner() || !release()) return;
-  try {
-    if (auto context = context_.lock()) context->on_user_deleted(*this);
-  } catch (...) {
-    // The agent is stopping; the owner frees the value when it stops too.
-  }
-}
 
 const c10::TypePtr RRefImpl::type() const { return c10::RRefType::create(c10::AnyType::get()); }
 
