@@ -85,6 +85,17 @@ DISTOPTIM_RPC_FUNCTION("param_grads", [](int64_t context_id) {
   return std::make_tuple(of(my_params().w), of(my_params().b));
 });
 DISTOPTIM_RPC_FUNCTION("context_count", [] { return static_cast<int64_t>(context_count()); });
+// A backward pass run inside a request: `x` becomes a leaf here, goes to `peer`'s "nested" step,
+// which calls this worker back, and the pass's gradients for that call back arrive here while the
+// request waits for its pass. Returns the leaf's gradient.
+DISTOPTIM_RPC_FUNCTION("backward_here", [](const at::Tensor& x, const std::string& peer) {
+  ContextGuard context;
+  at::Tensor leaf = x.detach().requires_grad_();
+  at::Tensor y =
+      rpc_sync<at::Tensor>(peer, "nested", std::tuple{leaf, rpc::get_worker_info().name});
+  backward(context.id(), {y.sum()});
+  return get_gradients(context.id()).at(leaf);
+});
 DISTOPTIM_RPC_FUNCTION("die", [] { ::_exit(7); });
 DISTOPTIM_RPC_FUNCTION("pid", [] { return int64_t{::getpid()}; });
 
@@ -426,6 +437,35 @@ TEST(DistAutograd, LostWorkerFailsBackwardNamingIt) {
         rpc::shutdown(/*graceful=*/false);
       },
       options);
+}
+
+// Requests that each run a backward pass, more of them at once than the pool has threads: a pass's
+// wait on a pool thread is managed as an RRef's is (the pool starts a thread in its place), so the
+// gradients every pass needs on worker1 find a thread to run on; unmanaged, each pass would wait
+// for threads held by the others until its timeout. Each gradient is exact.
+TEST(DistAutograd, BackwardsInsideMoreRequestsThanPoolThreads) {
+  constexpr int kRequests = 4;
+  testing::with_workers(
+      3,
+      [] {
+        std::vector<at::Tensor> inputs;
+        std::vector<rpc::RpcFuture<at::Tensor>> passes;
+        for (int i = 0; i < kRequests; ++i) {
+          inputs.push_back(leaf({2, 4}, 20 + i).detach());
+          passes.push_back(rpc::rpc_async<at::Tensor>(worker(1), "backward_here",
+                                                      std::tuple{inputs[i], worker(2)}));
+        }
+        Reference reference;
+        for (int i = 0; i < kRequests; ++i) {
+          at::Tensor xr = inputs[i].clone().requires_grad_();
+          at::Tensor ref = nested_step(reference.of(2), xr, [&](const at::Tensor& t) {
+                             return reference.layer_on(1, t);
+                           }).sum();
+          expect_close(passes[i].wait(), torch::autograd::grad({ref}, {xr})[0],
+                       "request " + std::to_string(i));
+        }
+      },
+      test_options().num_worker_threads(2));
 }
 
 // A worker stopped (SIGSTOP) between the forward pass and backward: backward fails after the
