@@ -3,9 +3,11 @@
 #include <map>
 #include <set>
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/optim/registry.h>
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/errors.h>
@@ -92,6 +94,15 @@ DistributedOptimizer::DistributedOptimizer(const std::string& optimizer,
                                            const optim::OptionBag& options)
     : optimizer_(optimizer) {
   TORCH_CHECK_VALUE(!params.empty(), "DistributedOptimizer: the parameter list is empty");
+  // The name and the options are checked here, as every owner would check them, so that a typo
+  // is one local error rather than one remote error per owner: an optimizer over one empty
+  // parameter is built and dropped.
+  try {
+    (void)optim::create_optimizer(optimizer, {optim::ParamGroup({at::empty({0})})}, options);
+  } catch (c10::Error& error) {
+    error.add_context("DistributedOptimizer: refused here, before any owner was asked");
+    throw;
+  }
   // The owners in order of their first parameter, and each one's parameters in list order.
   std::map<std::string, size_t> owner_index;
   std::vector<std::vector<rpc::RRef<at::Tensor>>> owner_params;

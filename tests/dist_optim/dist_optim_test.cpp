@@ -467,12 +467,29 @@ TEST(DistributedOptimizer, ConstructionErrorsNameTheWorker) {
         EXPECT_NE(message.find(text), std::string::npos) << message;
       }
     };
-    expect_refused([] { DistributedOptimizer("no_such_optimizer", params_of(1)); }, worker(1),
-                   "no_such_optimizer");
+    // An unknown name or a bad option: refused here, before any owner is asked (not a
+    // RemoteError), naming the registered optimizers or the option.
     std::vector<RRef<at::Tensor>> both = params_of(1);
     both.push_back(params_of(2)[0]);
-    expect_refused([&] { DistributedOptimizer("sgd", both, OptionBag().set("lr", -1.0)); },
-                   worker(2), "lr");
+    auto expect_refused_here = [](const std::function<void()>& build,
+                                  const std::vector<std::string>& texts) {
+      try {
+        build();
+        ADD_FAILURE() << "constructed";
+      } catch (const rpc::RemoteError& error) {
+        ADD_FAILURE() << "refused by an owner, not here: " << error.what();
+      } catch (const c10::ValueError& error) {
+        const std::string message = error.what();
+        EXPECT_NE(message.find("before any owner was asked"), std::string::npos) << message;
+        for (const std::string& text : texts) {
+          EXPECT_NE(message.find(text), std::string::npos) << message;
+        }
+      }
+    };
+    expect_refused_here([&] { DistributedOptimizer("no_such_optimizer", both); },
+                        {"unknown optimizer 'no_such_optimizer'", "adam", "sgd"});
+    expect_refused_here([&] { DistributedOptimizer("sgd", both, OptionBag().set("lr", -1.0)); },
+                        {"lr", "-1"});
     // A tensor that does not require grad on its owner gets no gradient: refused.
     auto constant = rpc::remote<at::Tensor>(worker(2), "layer", std::tuple{input(0)});
     expect_refused([&] { DistributedOptimizer("sgd", {constant}, OptionBag().set("lr", 0.1)); },

@@ -54,12 +54,14 @@ struct DistributedOptimizerStateDict {
 
 class DistributedOptimizer {
  public:
-  /// `optimizer`: a name registered in optim's registry (a user's own included) on every owner;
-  /// `params`: references to the parameters, each a leaf tensor that requires grad on its owner;
-  /// `options`: the optimizer's options (only the keys to change). Blocks until every owner has
-  /// built its optimizer. Errors: c10::ValueError for an empty or repeated parameter list here;
-  /// an owner's refusal (an unknown optimizer, a bad option, a parameter it cannot update) as
-  /// rpc::RemoteError naming that worker; nothing is left on any owner then.
+  /// `optimizer`: a name registered in optim's registry (a user's own included) in this process
+  /// and on every owner; `params`: references to the parameters, each a leaf tensor that requires
+  /// grad on its owner; `options`: the optimizer's options (only the keys to change). Blocks until
+  /// every owner has built its optimizer. Errors, before any message is sent: c10::ValueError for
+  /// an empty or repeated parameter list, an optimizer name not registered here (naming those
+  /// that are), or an option its optimizer refuses (naming it). An owner's refusal (a parameter it
+  /// cannot update, an optimizer registered here but not there) as rpc::RemoteError naming that
+  /// worker; nothing is left on any owner then.
   DistributedOptimizer(const std::string& optimizer, std::vector<rpc::RRef<at::Tensor>> params,
                        const optim::OptionBag& options = {});
   ~DistributedOptimizer();
