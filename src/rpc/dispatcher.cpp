@@ -99,14 +99,12 @@ void Dispatcher::discard_rrefs(const std::vector<c10::IValue>& values) {
   }
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> Dispatcher::invoke(
+std::optional<c10::IValue> Dispatcher::invoke(
     const RawFunction& function, std::vector<c10::IValue> args,
     std::function<void(c10::ivalue::Future& result, bool owner_alive)> done) {
-  c10::IValue value = function(std::move(args));
-  if (!value.isFuture()) {
-    auto result = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-    result->markCompleted(std::move(value));
-    return result;
+  std::optional<c10::IValue> value = function(std::move(args));
+  if (!value->isFuture()) {
+    return value;
   }
   // async_execution: done when the returned future is, on whichever thread completes it, and in
   // flight until then. The future may outlive the agent: the callback holds it weakly.
@@ -114,7 +112,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Dispatcher::invoke(
     std::lock_guard<std::mutex> lock(mutex_);
     ++in_flight_;
   }
-  value.toFuture()->addCallback(
+  value->toFuture()->addCallback(
       [this, owner = owner_, done = std::move(done)](c10::ivalue::Future& result) {
         const std::shared_ptr<void> alive = owner.lock();
         done(result, alive != nullptr);
@@ -169,9 +167,9 @@ void Dispatcher::handle_request(const std::shared_ptr<Connection>& connection, i
                              if (owner_alive) reply(connection, id, caller, callable, done);
                            });
       if (result) {
-        // Copies of what someone else may still write; the only other holder is `result`.
+        // Copies of what someone else may still write; `result` is the only other holder.
         auto sent = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
-        sent->markCompleted(snapshot_shared_tensors(result->constValue(), /*holders=*/1));
+        sent->markCompleted(snapshot_shared_tensors(*result, /*holders=*/1));
         result.reset();
         reply(connection, header.id, caller, request.callable, *sent);
       }
@@ -237,7 +235,9 @@ c10::intrusive_ptr<c10::ivalue::Future> Dispatcher::run_locally(const std::strin
               future->markCompleted(done.value());
             }
           };
-          if (auto result = invoke(*function, std::move(args), complete)) complete(*result, true);
+          if (auto result = invoke(*function, std::move(args), complete)) {
+            future->markCompleted(std::move(*result));
+          }
         } catch (...) {
           future->setErrorIfNeeded(remote_error(std::current_exception()));
         }

@@ -5,6 +5,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,10 +92,10 @@ class Dispatcher {
                     std::vector<at::Tensor> buffers);
   void reply(const std::shared_ptr<Connection>& connection, uint64_t id, int caller,
              const std::string& callable, const c10::ivalue::Future& result);
-  /// Runs `function` on `args` and returns its result as a completed future. A result that is a
-  /// future itself (async_execution) keeps the request in flight until it completes: then
-  /// `done(result, owner_alive)` runs, on the thread that completed it, and null is returned.
-  c10::intrusive_ptr<c10::ivalue::Future> invoke(
+  /// Runs `function` on `args` and returns its result. A result that is a future itself
+  /// (async_execution) keeps the request in flight until it completes: then
+  /// `done(result, owner_alive)` runs, on the thread that completed it, and nothing is returned.
+  std::optional<c10::IValue> invoke(
       const RawFunction& function, std::vector<c10::IValue> args,
       std::function<void(c10::ivalue::Future& result, bool owner_alive)> done);
   void request_done(size_t bytes);
