@@ -132,6 +132,10 @@ const OptionBag& FunctionalOptimizer::group_overrides(size_t group) const {
   return groups_[group].overrides;
 }
 
+void FunctionalOptimizer::check_group_options(size_t group, const OptionBag& overrides) const {
+  check_options(defaults_.merged_with(group_overrides(group).merged_with(overrides)));
+}
+
 void FunctionalOptimizer::set_group_options(size_t group, const OptionBag& overrides) {
   const OptionBag merged_overrides = group_overrides(group).merged_with(overrides);
   const OptionBag resolved = defaults_.merged_with(merged_overrides);

@@ -165,6 +165,17 @@ OptionBag OptionBag::from_ivalue(const c10::IValue& value) {
   return bag;
 }
 
+OptionBag OptionBag::changes_from(const OptionBag& current) const {
+  OptionBag changed;
+  for (const auto& item : values_) {
+    auto it = current.values_.find(item.first);
+    if (it == current.values_.end() || !same_value(item.second, it->second)) {
+      changed.values_.insert(item);
+    }
+  }
+  return changed;
+}
+
 std::string OptionBag::to_string() const {
   std::ostringstream out;
   out << '{';

@@ -118,6 +118,8 @@ class FunctionalOptimizer {
   /// Replaces some of a group's options (a learning-rate schedule sets "lr" here). Validated
   /// as a whole first; on error nothing changes.
   void set_group_options(size_t group, const OptionBag& overrides);
+  /// Throws what set_group_options(group, overrides) would throw, changing nothing.
+  void check_group_options(size_t group, const OptionBag& overrides) const;
   const OptionBag& defaults() const { return defaults_; }
 
   /// The registry name of this optimizer ("sgd", "adam", ...).
