@@ -3,6 +3,7 @@
 // Layer 4 of distoptim: the RPC framework (torch.distributed.rpc).
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/errors.h>
+#include <distoptim/rpc/futures.h>
 #include <distoptim/rpc/interceptor.h>
 #include <distoptim/rpc/registry.h>
 #include <distoptim/rpc/rref.h>

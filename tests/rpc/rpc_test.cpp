@@ -227,6 +227,62 @@ TEST(Rpc, RemoteErrorsNameTheWorker) {
   });
 }
 
+// torch.futures' wait_all and collect_all: both wait for every call, also past a failure; wait_all
+// throws the first failure in list order, of its class, saying which and how many more.
+TEST(Rpc, WaitAllAndCollectAllWaitForEveryCall) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      const std::string peer = worker(1);
+      std::vector<RpcFuture<int64_t>> fine = {rpc_async<int64_t>(peer, "add", std::tuple{1, 2}),
+                                              rpc_async<int64_t>(peer, "sleep_ms", std::tuple{300}),
+                                              rpc_async<int64_t>(peer, "add", std::tuple{3, 4})};
+      EXPECT_EQ(wait_all(fine), (std::vector<int64_t>{3, 300, 7}));
+
+      std::vector<RpcFuture<int64_t>> mixed = {
+          rpc_async<int64_t>(peer, "sleep_ms", std::tuple{400}),
+          rpc_async<int64_t>(peer, "fail", std::tuple{std::string("first")}),
+          rpc_async<int64_t>(peer, "fail", std::tuple{std::string("second")}),
+          rpc_async<int64_t>(peer, "add", std::tuple{1, 1})};
+      try {
+        wait_all(mixed);
+        ADD_FAILURE() << "no error";
+      } catch (const RemoteError& error) {
+        EXPECT_EQ(error.worker_name(), peer);
+        const std::string message = error.remote_message();
+        EXPECT_EQ(message.rfind("wait_all: future 1 of 4 failed (and 1 more): ", 0), 0u) << message;
+        EXPECT_NE(message.find("refusing: first"), std::string::npos) << message;
+      }
+      for (size_t i = 0; i < mixed.size(); ++i) {
+        EXPECT_TRUE(mixed[i].completed()) << "wait_all returned before future " << i;
+      }
+
+      std::vector<RpcFuture<int64_t>> collected = {
+          rpc_async<int64_t>(peer, "sleep_ms", std::tuple{300}),
+          rpc_async<int64_t>(peer, "fail", std::tuple{std::string("x")})};
+      collect_all(collected).wait();  // never throws: the failure stays in its future
+      EXPECT_TRUE(collected[0].completed());
+      EXPECT_EQ(collected[0].wait(), 300);
+      EXPECT_TRUE(collected[1].has_error());
+
+      std::vector<RpcFuture<int64_t>> late = {
+          rpc_async<int64_t>(peer, "sleep_ms", std::tuple{2000}, 100ms)};
+      try {
+        wait_all(late);
+        ADD_FAILURE() << "no error";
+      } catch (const TimeoutError& error) {
+        EXPECT_NE(std::string(error.what()).find("wait_all: future 0 of 1 failed: "),
+                  std::string::npos)
+            << error.what();
+      }
+      std::vector<RpcFuture<void>> discarded = {rpc_async<void>(peer, "add", std::tuple{1, 2})};
+      wait_all(discarded);
+      EXPECT_TRUE(discarded[0].completed());
+    }
+    shutdown();
+  });
+}
+
 TEST(Rpc, TimeoutsFailTheCall) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, test_options().rpc_timeout(300ms));
