@@ -1,6 +1,7 @@
 #include <distoptim/data_parallel/join.h>
 
 #include <exception>
+#include <utility>
 
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
@@ -70,9 +71,19 @@ Join::Join(std::vector<Joinable*> joinables, JoinOptions options)
   }
 }
 
-Join::~Join() noexcept(false) {
+Join::~Join() {
   if (!joined_ && options_.enable() && std::uncaught_exceptions() == uncaught_at_construction_) {
-    join();  // releases the joinables, also when it throws
+    try {
+      join();  // releases the joinables, also when it throws
+    } catch (const std::exception& e) {
+      TORCH_WARN(
+          "Join: joining when the Join was destroyed failed (thrown again at the next "
+          "iteration of each of its Joinables): ",
+          e.what());
+      for (Joinable* joinable : joinables_) {
+        joinable->destroyed_join_error_ = std::current_exception();
+      }
+    }
     return;
   }
   release();
@@ -121,6 +132,14 @@ void Join::notify_ranks_to_terminate() const {
 }
 
 c10::intrusive_ptr<c10d::Work> Join::notify_join_context(Joinable& joinable) {
+  if (joinable.destroyed_join_error_) {
+    const std::exception_ptr error = std::exchange(joinable.destroyed_join_error_, nullptr);
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      DISTOPTIM_RETHROW_WITH_CONTEXT(e, "Join: joining when the Join was destroyed failed: ");
+    }
+  }
   const Joinable::JoinConfig& config = joinable.join_config_;
   if (!config.enable || !config.is_first_joinable) return {};
   const comm::Group& group = joinable.join_process_group();

@@ -231,6 +231,39 @@ TEST(Join, WithoutJoinUnevenInputsFailAfterTheTimeout) {
   });
 }
 
+// A Join left without join() joins in its destructor, which must not throw: when that join
+// fails (here rank 0 never joins, so counting the ranks still training times out), the error
+// comes back, with its class, at the next iteration of the Joinable, and only once.
+TEST(Join, AJoinFailingInItsDestructorThrowsAtTheNextIteration) {
+  run_ranks(2, [](int rank, int world_size) {
+    init(/*timeout=*/2s);
+    auto model = make_model(100 + rank);
+    DistributedDataParallel ddp(model);
+    if (rank == 0) {
+      std::this_thread::sleep_for(6s);  // never joins, but stays connected
+      return;
+    }
+    { Join join({&ddp}); }
+    const Batch batch(7, world_size);
+    try {
+      ddp.forward(batch.local_x(rank));
+      ADD_FAILURE() << "the forward after the failed Join did not throw";
+    } catch (const TimeoutError& e) {
+      const std::string message = e.what();
+      for (const char* part : {"Join: joining when the Join was destroyed failed",
+                               "counting the ranks still training", "timed out"}) {
+        EXPECT_NE(message.find(part), std::string::npos) << "lacks '" << part << "': " << message;
+      }
+    }
+    // Thrown once: whatever the next forward does, it does not throw that error again.
+    try {
+      ddp.forward(batch.local_x(rank));
+    } catch (const std::exception& e) {
+      EXPECT_EQ(std::string(e.what()).find("Join: joining"), std::string::npos) << e.what();
+    }
+  });
+}
+
 }  // namespace
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <exception>
 #include <memory>
 #include <vector>
 
@@ -56,6 +57,8 @@ class Joinable {
   friend class Join;
   JoinConfig join_config_;
   const Join* join_ = nullptr;  // the Join this takes part in, if any
+  // The failure of a join() that ran in a Join's destructor, thrown at the next iteration.
+  std::exception_ptr destroyed_join_error_;
 };
 
 struct JoinOptions {
@@ -98,8 +101,12 @@ class Join {
  public:
   Join(std::vector<Joinable*> joinables, JoinOptions options = {});
   /// Calls join() if it was not called and no exception is propagating (as leaving PyTorch's
-  /// context does); an error it raises propagates. Then the Joinables are released.
-  ~Join() noexcept(false);
+  /// context does), then releases the Joinables. A destructor must not throw, so an error of
+  /// that join() is logged (TORCH_WARN) and kept by every Joinable of this Join: the next
+  /// iteration of each (DDP's forward, ZeroRedundancyOptimizer's step) throws it, with its class
+  /// (a TimeoutError stays one) and "Join: joining when the Join was destroyed failed" in front.
+  /// Call join() before the end of the scope to get the error where it happens.
+  ~Join();
   Join(const Join&) = delete;
   Join& operator=(const Join&) = delete;
 
