@@ -229,10 +229,10 @@ void agree_on_state_dict(const comm::Group& group, const StateDictCheck& mine,
   try {
     records = allgather_tensor(group, encode(mine));
   } catch (const std::exception& e) {
-    DISTOPTIM_RETHROW_WITH_CONTEXT(e, caller, ": exchanging the state dict's checks across the ",
+    DISTOPTIM_RETHROW_WITH_CONTEXT(e, caller, ": exchanging ", wording.exchanged, " across the ",
                                    group.size(), " ranks of the group failed on rank ",
-                                   group.global_rank(group.rank()), " (every rank must call it; ",
-                                   wording.outcome_here, "): ");
+                                   group.global_rank(group.rank()), " (every rank must call ",
+                                   wording.call, "; ", wording.outcome_here, "): ");
   }
   std::vector<std::pair<int, std::string>> failed;
   std::vector<std::pair<int, StateDictDigest>> digests;

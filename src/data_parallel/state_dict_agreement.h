@@ -37,13 +37,15 @@ struct StateDictCheck {
 constexpr size_t kMaxStateDictErrorBytes = 1024;
 
 /// How agree_on_state_dict words its errors: "rank R <failed>: <error>", "<disagree>: rank R
-/// differs ...", ending "<outcome>"; a failed exchange adds "(every rank must call it;
-/// <outcome_here>)".
+/// differs ...", ending "<outcome>"; a failed exchange says "exchanging <exchanged> ... failed
+/// (every rank must call <call>; <outcome_here>)".
 struct AgreementWording {
   std::string failed = "cannot load the state dict";
   std::string disagree = "ranks disagree on the state dict";
   std::string outcome = "nothing was loaded on any rank";
   std::string outcome_here = "nothing was loaded on this rank";
+  std::string exchanged = "the state dict's checks";
+  std::string call = "it";
 };
 
 /// Collective over `group`: every rank passes its own check, all are exchanged (one allgather

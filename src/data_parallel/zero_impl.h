@@ -1,8 +1,10 @@
 #pragma once
 
 // ZeroRedundancyOptimizer's state and the helpers its files share: zero_redundancy_optimizer.cpp
-// (the optimizer), zero_partition.cpp (which rank updates which parameter) and
-// zero_step_hook.cpp (the DDP hook of overlap_with_ddp, hook_with_zero_step).
+// (the optimizer), zero_partition.cpp (which rank updates which parameter),
+// zero_param_groups.cpp (the param groups a torch::optim::Optimizer shows, their options agreed
+// across the ranks) and zero_step_hook.cpp (the DDP hook of overlap_with_ddp,
+// hook_with_zero_step).
 
 #include <map>
 #include <optional>
@@ -57,6 +59,29 @@ struct ZeroRedundancyOptimizer::Impl {
   std::vector<std::vector<at::Tensor>> buckets;
   std::optional<optim::OptimizerStateDict> consolidated;
   bool overlap_with_ddp = false;
+  // The param groups as LibTorch sees them: the torch::optim::Optimizer base's param_groups_ of
+  // the optimizer holding this state. Their options are what a scheduler or the user sets;
+  // apply_group_options makes the local optimizer agree with them.
+  std::vector<torch::optim::OptimizerParamGroup>* mirror = nullptr;
+
+  // Param group options (zero_param_groups.cpp).
+  // Group g as the mirror holds it: all its parameters, the options the local optimizer runs.
+  torch::optim::OptimizerParamGroup mirror_group(size_t g) const;
+  // The options a new mirror group starts from (the base class's defaults()).
+  std::unique_ptr<torch::optim::OptimizerOptions> default_options() const;
+  // Replaces the mirror's options of group g with those the local optimizer runs.
+  void refresh_mirror_options(size_t g);
+  // The mirror's options of group g as a bag (with a LibTorch local optimizer, its "lr").
+  optim::OptionBag wanted_options(size_t g) const;
+  // The options the local optimizer runs for group g (as wanted_options words them).
+  optim::OptionBag current_options(size_t g) const;
+  // Throws what applying `changes` to group g would throw, changing nothing.
+  void check_group_change(size_t g, const optim::OptionBag& changes) const;
+  // Collective: checks every group's wanted options on this rank, makes sure every rank holds
+  // the same (agree_on_state_dict over their SHA-256), then applies the changes locally. On a
+  // refusal or a mismatch every rank throws the same c10::ValueError, `caller` first, and
+  // nothing changes. `call` is what every rank must call (for the error of a missing rank).
+  void apply_group_options(const std::string& caller, const std::string& call);
 
   int my_rank() const { return group.rank(); }
 
@@ -112,6 +137,7 @@ struct ZeroRedundancyOptimizer::Impl {
   // Updates this rank's parameters from `gradients` (one per parameter; only this rank's are
   // read), then every rank's are broadcast from their owners.
   void step_and_sync(const std::vector<at::Tensor>& gradients) {
+    apply_group_options(std::string(zero_detail::kName) + ".step", "step()");
     std::vector<at::Tensor> local_gradients;
     for (int64_t i : partition[my_rank()]) local_gradients.push_back(gradients[i]);
     local_step(local_gradients);
@@ -291,6 +317,7 @@ struct ZeroRedundancyOptimizer::Impl {
     agree_on_state_dict(group, check, caller);
     // Checked on every rank: only running out of memory can fail now.
     local->load_state_dict(local_dict);
+    for (size_t g = 0; g < group_indices.size(); ++g) refresh_mirror_options(g);
   }
 
   // Rank r's local state dict in global indices, merged into `global`.

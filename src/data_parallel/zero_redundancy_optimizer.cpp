@@ -6,6 +6,8 @@
 #include <ATen/ops/full.h>
 #include <torch/serialize.h>
 
+#include <distoptim/optim/torch_adapter.h>
+
 #include "zero_impl.h"
 
 namespace distoptim {
@@ -79,29 +81,37 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
                                                  const std::string& optimizer,
                                                  const optim::OptionBag& defaults,
                                                  ZeroRedundancyOptimizerOptions options)
-    : impl_(std::make_unique<Impl>()) {
+    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                              std::make_unique<optim::AdapterOptions>()),
+      impl_(std::make_unique<Impl>()) {
   const auto local_groups = impl_->init(std::move(groups), options);
   // Also checks the options, on every rank alike (a rank owning nothing gets empty groups).
   impl_->local = optim::create_optimizer(optimizer, local_groups, defaults);
   impl_->build_buckets();
+  expose_param_groups();
 }
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups,
                                                  const LocalOptimizerFactory& make_local,
                                                  ZeroRedundancyOptimizerOptions options)
-    : impl_(std::make_unique<Impl>()) {
+    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                              std::make_unique<optim::AdapterOptions>()),
+      impl_(std::make_unique<Impl>()) {
   TORCH_CHECK_VALUE(make_local != nullptr, kName, ": the local optimizer factory is empty");
   auto local_groups = impl_->init(std::move(groups), options);
   impl_->local = make_local(std::move(local_groups));
   impl_->check_local_params(impl_->local != nullptr ? impl_->local->params().size() : 0,
                             impl_->local != nullptr);
   impl_->build_buckets();
+  expose_param_groups();
 }
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
                                                  const LibTorchOptimizerFactory& make_local,
                                                  ZeroRedundancyOptimizerOptions options)
-    : impl_(std::make_unique<Impl>()) {
+    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{},
+                              std::make_unique<optim::AdapterOptions>()),
+      impl_(std::make_unique<Impl>()) {
   TORCH_CHECK_VALUE(make_local != nullptr, kName, ": the local optimizer factory is empty");
   auto local_groups = impl_->init(single_group(std::move(params)), options);
   std::unique_ptr<torch::optim::Optimizer> libtorch = make_local(local_groups[0].params);
@@ -109,18 +119,19 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
                             libtorch != nullptr);
   impl_->local = std::make_unique<optim::LibTorchOptimizerAdapter>(std::move(libtorch));
   impl_->build_buckets();
+  expose_param_groups();
 }
 
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
 
-void ZeroRedundancyOptimizer::step() {
-  if (impl_->overlap_with_ddp) {
-    TORCH_WARN_ONCE(kName,
-                    ".step() does nothing with overlap_with_ddp: the update runs in the "
-                    "DDP hook (hook_with_zero_step); leave step() out of the training loop");
-    return;
+at::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
   }
-  step(impl_->shard_gradients_from_grad());
+  step(impl_->overlap_with_ddp ? std::vector<at::Tensor>{} : impl_->shard_gradients_from_grad());
+  return loss;
 }
 
 void ZeroRedundancyOptimizer::step(const std::vector<at::Tensor>& gradients) {
@@ -201,6 +212,7 @@ void ZeroRedundancyOptimizer::add_param_group(const optim::ParamGroup& group) {
   s.owner = owner;
   s.partition = s.partition_of(s.owner);
   s.build_buckets();
+  param_groups_.push_back(s.mirror_group(s.group_indices.size() - 1));
 }
 
 void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
@@ -208,6 +220,8 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
   s.require_functional_local("consolidate_state_dict");
   TORCH_CHECK_VALUE(to >= 0 && to < s.group.size(), kName, ".consolidate_state_dict: to = ", to,
                     " is not a rank of the group (size ", s.group.size(), ")");
+  // The dict carries the options the next step would use.
+  s.apply_group_options(std::string(kName) + ".consolidate_state_dict", "consolidate_state_dict()");
   const auto& pg = s.group.process_group();
   const optim::OptimizerStateDict local_dict = s.local->state_dict();
   if (s.my_rank() != to) {
@@ -268,6 +282,28 @@ void ZeroRedundancyOptimizer::load_state_dict_from_file(const std::string& path)
     dict = optim::load_state_dict_file(path);
   } catch (const std::exception& e) {
     error = c10::str("reading '", path, "' failed: ", error_text(e));
+  }
+  impl_->load_agreed(error.empty() ? &dict : nullptr, error);
+}
+
+void ZeroRedundancyOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  // The entry the optimizer adapters write, so one reader serves both.
+  archive.write(optim::FunctionalOptimizerAdapter::kArchiveKey, state_dict().to_ivalue());
+}
+
+void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
+  impl_->require_functional_local("load");
+  optim::OptimizerStateDict dict;
+  std::string error;
+  try {
+    c10::IValue value;
+    TORCH_CHECK_VALUE(archive.try_read(optim::FunctionalOptimizerAdapter::kArchiveKey, value),
+                      "the archive has no '", optim::FunctionalOptimizerAdapter::kArchiveKey,
+                      "' entry (it was not written by torch::save of a ZeroRedundancyOptimizer "
+                      "or a distoptim optimizer adapter)");
+    dict = optim::OptimizerStateDict::from_ivalue(value);
+  } catch (const std::exception& e) {
+    error = error_text(e);
   }
   impl_->load_agreed(error.empty() ? &dict : nullptr, error);
 }

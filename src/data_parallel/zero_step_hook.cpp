@@ -60,6 +60,7 @@ class ZeroRedundancyOptimizer::StepHook : public c10d::CommHookInterface {
   };
 
   void update_and_broadcast(const std::vector<Pending>& buckets) {
+    s_.apply_group_options(std::string(kName) + " (hook_with_zero_step)", "backward()");
     const int me = s_.my_rank();
     const auto& pg = s_.group.process_group();
     // partition[me] is the local optimizer's parameter order.

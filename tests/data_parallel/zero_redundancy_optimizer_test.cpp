@@ -733,6 +733,231 @@ TEST(ZeroRedundancyOptimizer, AStepOnOnlySomeRanksFailsAfterTheTimeout) {
   });
 }
 
+// A schedule written against LibTorch's interface, as a user writes one: linear warm-up of every
+// group's learning rate over `steps` steps.
+class LinearWarmup : public torch::optim::LRScheduler {
+ public:
+  LinearWarmup(torch::optim::Optimizer& optimizer, unsigned steps)
+      : LRScheduler(optimizer), steps_(steps), base_(get_current_lrs()) {}
+
+ private:
+  std::vector<double> get_lrs() override {
+    const double factor = std::min(1.0, (step_count_ + 1.0) / steps_);
+    std::vector<double> lrs;
+    for (double lr : base_) lrs.push_back(lr * factor);
+    return lrs;
+  }
+  unsigned steps_;
+  std::vector<double> base_;
+};
+
+enum class Schedule { kStepLR, kWarmup };
+enum class ZeroMode { kPlain, kBucketView, kOverlap };
+
+std::unique_ptr<torch::optim::LRScheduler> make_schedule(Schedule schedule,
+                                                         torch::optim::Optimizer& optimizer) {
+  if (schedule == Schedule::kStepLR) {
+    return std::make_unique<torch::optim::StepLR>(optimizer, /*step_size=*/5, /*gamma=*/0.5);
+  }
+  return std::make_unique<LinearWarmup>(optimizer, 8);
+}
+
+class ZeroSchedule : public ::testing::TestWithParam<std::tuple<Schedule, ZeroMode>> {};
+
+// The same model twice, each under its own DDP on the same batches: one with ZeRO, one with the
+// whole optimizer on every rank (optim::FunctionalOptimizerAdapter), each driven by its own
+// instance of the same LibTorch scheduler over 20 steps. The gradients are the same bits, so
+// the parameters must be too.
+TEST_P(ZeroSchedule, ParametersEqualAWholeOptimizerUnderTheSameSchedule) {
+  const auto [schedule, mode] = GetParam();
+  run_ranks(2, [schedule = schedule, mode = mode](int rank, int world_size) {
+    init();
+    auto sharded_model = make_model(100 + rank);
+    auto whole_model = make_model(100 + rank);
+    DistributedDataParallel sharded_ddp(
+        sharded_model,
+        DistributedDataParallelOptions().bucket_cap_mb(mode == ZeroMode::kOverlap ? 0.0005 : 25.0));
+    DistributedDataParallel whole_ddp(whole_model);
+    ZeroRedundancyOptimizer zero(param_groups(sharded_model), "adam", kAdamDefaults,
+                                 ZeroRedundancyOptimizerOptions()
+                                     .parameters_as_bucket_view(mode == ZeroMode::kBucketView)
+                                     .overlap_with_ddp(mode == ZeroMode::kOverlap));
+    if (mode == ZeroMode::kOverlap) sharded_ddp.register_comm_hook(hook_with_zero_step(zero));
+    optim::FunctionalOptimizerAdapter whole("adam", param_groups(whole_model), kAdamDefaults);
+    auto zero_schedule = make_schedule(schedule, zero);
+    auto whole_schedule = make_schedule(schedule, whole);
+    const double initial_lr = zero.param_groups()[1].options().get_lr();
+    bool schedule_moved_the_rate = false;
+    for (int iteration = 0; iteration < 20; ++iteration) {
+      const Batch batch(7 + iteration, world_size);
+      zero.zero_grad();
+      torch::mse_loss(sharded_ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      zero.step();
+      zero_schedule->step();
+      schedule_moved_the_rate |= zero.param_groups()[1].options().get_lr() != initial_lr;
+      whole.zero_grad();
+      torch::mse_loss(whole_ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      whole.step();
+      whole_schedule->step();
+    }
+    const auto& expected = whole.functional().params();
+    ASSERT_EQ(zero.params().size(), expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_TRUE(at::equal(zero.params()[i], expected[i])) << "parameter " << i << "\n"
+                                                            << zero.params()[i] << "\nexpected\n"
+                                                            << expected[i];
+    }
+    EXPECT_TRUE(schedule_moved_the_rate);
+    ASSERT_EQ(zero.param_groups().size(), 2u);
+    for (size_t g = 0; g < 2; ++g) {
+      const double lr = whole.param_groups()[g].options().get_lr();
+      EXPECT_EQ(zero.param_groups()[g].options().get_lr(), lr) << "group " << g;
+      EXPECT_EQ(zero.local_optimizer().group_options(g).get_double("lr"), lr) << "group " << g;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(ScheduleAndMode, ZeroSchedule,
+                         ::testing::Values(std::tuple{Schedule::kStepLR, ZeroMode::kPlain},
+                                           std::tuple{Schedule::kWarmup, ZeroMode::kBucketView},
+                                           std::tuple{Schedule::kStepLR, ZeroMode::kOverlap}));
+
+// A LibTorch local optimizer takes the scheduled rate too.
+TEST(ZeroRedundancyOptimizer, StepLROnALibTorchLocalOptimizerEqualsTheSameOptimizerWhole) {
+  run_ranks(2, [](int rank, int world_size) {
+    init();
+    auto sharded_model = make_model(100 + rank);
+    auto whole_model = make_model(100 + rank);
+    DistributedDataParallel sharded_ddp(sharded_model);
+    DistributedDataParallel whole_ddp(whole_model);
+    ZeroRedundancyOptimizer zero(sharded_model->parameters(), [](std::vector<at::Tensor> shard) {
+      return std::make_unique<torch::optim::Adam>(shard, torch::optim::AdamOptions(0.01));
+    });
+    torch::optim::Adam whole(whole_model->parameters(), torch::optim::AdamOptions(0.01));
+    torch::optim::StepLR zero_schedule(zero, 3, 0.5);
+    torch::optim::StepLR whole_schedule(whole, 3, 0.5);
+    for (int iteration = 0; iteration < 8; ++iteration) {
+      const Batch batch(7 + iteration, world_size);
+      zero.zero_grad();
+      torch::mse_loss(sharded_ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      zero.step();
+      zero_schedule.step();
+      whole.zero_grad();
+      torch::mse_loss(whole_ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      whole.step();
+      whole_schedule.step();
+    }
+    const auto expected = whole_model->parameters();
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_TRUE(at::equal(zero.params()[i], expected[i])) << "parameter " << i;
+    }
+    EXPECT_EQ(zero.group_options(0).get_double("lr"), 0.01 * 0.5 * 0.5);
+    EXPECT_EQ(zero.libtorch_local_optimizer()->param_groups()[0].options().get_lr(),
+              0.01 * 0.5 * 0.5);
+    expect_error_containing(
+        [&] {
+          zero.set_group_options(0, {{"betas", std::tuple{0.8, 0.9}}});
+        },
+        {"set_group_options", "'betas'", "only 'lr'"});
+  });
+}
+
+// Options are checked where they are set, compared across the ranks at each step (a rank that
+// differs, or holds a value the optimizer refuses, makes every rank refuse the step before
+// anything moves), and travel in checkpoints.
+TEST(ZeroRedundancyOptimizer, GroupOptionsAreCheckedAgreedAcrossRanksAndCheckpointed) {
+  const std::string file = checkpoint_path("options.pt");
+  run_ranks(2, [&](int rank, int) {
+    init();
+    auto model = make_model(100);
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults);
+    const optim::OptionBag initial = zero.group_options(0);
+    EXPECT_EQ(initial, zero.local_optimizer().group_options(0));
+    EXPECT_EQ(initial.get_double("lr"), 0.01);
+    EXPECT_EQ(zero.num_param_groups(), 2u);
+
+    expect_error_containing(
+        [&] {
+          zero.set_group_options(2, {{"lr", 0.1}});
+        },
+        {"set_group_options", "param group 2 out of range (2 groups)"});
+    expect_error_containing(
+        [&] {
+          zero.set_group_options(0, {{"lr", -1.0}});
+        },
+        {"set_group_options(0", "lr", "nothing changed"});
+    expect_error_containing(
+        [&] {
+          zero.set_group_options(0, {{"momentum", 0.9}});
+        },
+        {"set_group_options(0", "momentum"});
+    EXPECT_EQ(zero.group_options(0), initial);
+
+    auto steps_are_refused = [&](const std::vector<std::string>& parts) {
+      std::vector<at::Tensor> before;
+      for (const auto& p : zero.params()) before.push_back(p.detach().clone());
+      std::vector<at::Tensor> gradients;
+      for (const auto& p : zero.params()) gradients.push_back(torch::ones_like(p));
+      expect_error_containing([&] { zero.step(gradients); }, parts);
+      for (size_t i = 0; i < before.size(); ++i) {
+        EXPECT_TRUE(at::equal(zero.params()[i], before[i])) << "parameter " << i << " moved";
+      }
+      EXPECT_EQ(zero.local_optimizer().group_options(1).get_double("lr"), 0.02);
+    };
+    // Rank 1 alone changes a rate.
+    if (rank == 1) zero.param_groups()[1].options().set_lr(0.5);
+    steps_are_refused({"ZeroRedundancyOptimizer.step", "ranks hold different param group options",
+                       "rank 1 differs", "no rank changed anything"});
+    // Both hold it now, but rank 0 holds a rate Adam refuses (set through LibTorch's interface,
+    // which checks nothing).
+    zero.param_groups()[1].options().set_lr(0.5);
+    if (rank == 0) zero.param_groups()[0].options().set_lr(-1.0);
+    steps_are_refused({"ZeroRedundancyOptimizer.step",
+                       "rank 0 cannot apply its param group "
+                       "options",
+                       "lr", "no rank changed anything"});
+    if (rank == 0) zero.param_groups()[0].options().set_lr(0.01);
+    std::vector<at::Tensor> gradients;
+    for (const auto& p : zero.params()) gradients.push_back(torch::ones_like(p));
+    zero.step(gradients);
+    EXPECT_EQ(zero.local_optimizer().group_options(1).get_double("lr"), 0.5);
+
+    // A change made since the last step is in the consolidated dict, and a load restores it.
+    zero.set_group_options(0, {{"lr", 0.003}});
+    zero.consolidate_state_dict(0);
+    if (rank == 0) {
+      EXPECT_EQ(zero.state_dict().param_groups[0].overrides.get_double("lr"), 0.003);
+      EXPECT_EQ(zero.state_dict().param_groups[1].overrides.get_double("lr"), 0.5);
+      optim::save_state_dict(zero.state_dict(), file);
+    }
+    comm::world().barrier();
+    auto fresh_model = make_model(100);
+    ZeroRedundancyOptimizer restored(param_groups(fresh_model), "adam", kAdamDefaults);
+    restored.load_state_dict_from_file(file);
+    EXPECT_EQ(restored.param_groups()[0].options().get_lr(), 0.003);
+    EXPECT_EQ(restored.group_options(1).get_double("lr"), 0.5);
+
+    // torch::save / torch::load carry the same dict (and so the options).
+    const std::string archive_file = file + ".archive";
+    if (rank == 0) torch::save(zero, archive_file);
+    comm::world().barrier();
+    auto third_model = make_model(100);
+    ZeroRedundancyOptimizer loaded(param_groups(third_model), "adam", kAdamDefaults);
+    torch::load(loaded, archive_file);
+    EXPECT_EQ(loaded.group_options(0).get_double("lr"), 0.003);
+    loaded.consolidate_state_dict(0);
+    if (rank == 0) {
+      expect_state_dicts_close(loaded.state_dict(), zero.state_dict(), /*exact=*/true);
+    } else {
+      expect_error_containing([&] { torch::save(zero, archive_file + ".1"); },
+                              {"has not been consolidated on rank 1"});
+    }
+    comm::world().barrier();
+    if (rank == 0) std::remove(archive_file.c_str());
+  });
+  std::remove(file.c_str());
+}
+
 }  // namespace
 }  // namespace data_parallel
 }  // namespace distoptim

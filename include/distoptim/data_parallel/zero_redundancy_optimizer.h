@@ -62,12 +62,27 @@ struct ZeroRedundancyOptimizerOptions {
 /// `load_state_dict` takes this rank's part of a global dict, so a dict saved under another
 /// world size loads too; it loads only when every rank holds the same valid dict.
 ///
+/// Param groups and learning-rate schedules: as PyTorch's, it is a torch::optim::Optimizer.
+/// `param_groups()` holds every group with all its parameters (not only this rank's) and the
+/// group's options: an optim::AdapterOptions (defaults merged with the group's overrides) when
+/// the local optimizer is ours, a copy of the LibTorch optimizer's own group options otherwise.
+/// LibTorch's LR schedulers (torch::optim::StepLR, a user's torch::optim::LRScheduler subclass)
+/// drive it through them, and so may a user: `zero.param_groups()[0].options().set_lr(0.01)`,
+/// or with typed access `zero.set_group_options(0, OptionBag().set("momentum", 0.95))`.
+/// Changes take effect at the next step (with overlap_with_ddp, the next backward pass's
+/// update), consolidate_state_dict or state_dict read after it. Every rank must hold the same
+/// options, as every rank runs the same schedule: each step first compares a SHA-256 of every
+/// rank's options (one allgather of a small fixed-size record; with a LibTorch local optimizer
+/// only the learning rates are compared) and checks this rank's changes, and on a mismatch or
+/// a refused value every rank throws the same c10::ValueError naming the ranks that differ or
+/// the refused option, before any rank changes anything.
+///
 /// Thread safety: not synchronized; one thread drives an instance. Collective: construction,
 /// step, add_param_group, consolidate_state_dict, load_state_dict and load_state_dict_from_file
 /// must be called by every rank of the group in the same order; they fail after the group's
 /// timeout when a rank does not. Errors: bad input throws c10::ValueError naming the argument
 /// (and rank), before anything changes.
-class ZeroRedundancyOptimizer : public Joinable {
+class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable {
  public:
   /// Builds one of our optimizers over this rank's share of the groups (each group keeps its
   /// overrides; groups where the rank owns nothing stay, empty). Example:
@@ -104,10 +119,11 @@ class ZeroRedundancyOptimizer : public Joinable {
                           ZeroRedundancyOptimizerOptions options = {});
   ~ZeroRedundancyOptimizer();
 
-  /// Updates this rank's parameters from their `.grad` (a parameter without one is skipped),
-  /// then synchronizes all parameters across the ranks. With overlap_with_ddp, does nothing
-  /// (and warns once): the DDP hook has done the update.
-  void step();
+  /// Runs `closure` (if any, with grad mode on) and returns its loss, then updates this rank's
+  /// parameters from their `.grad` (a parameter without one is skipped) and synchronizes all
+  /// parameters across the ranks. With overlap_with_ddp, only runs the closure (and warns once):
+  /// the DDP hook has done the update.
+  at::Tensor step(LossClosure closure = nullptr) override;
   /// The same with explicit gradients: one per parameter of params(), undefined to skip; only
   /// this rank's entries are read.
   void step(const std::vector<at::Tensor>& gradients);
@@ -115,7 +131,29 @@ class ZeroRedundancyOptimizer : public Joinable {
   void zero_grad(bool set_to_none = true);
 
   /// Adds a group (repartitioning; parameters already present keep their rank). Collective.
+  /// Groups are added here only: one appended to param_groups() through the base class makes
+  /// the next step throw.
   void add_param_group(const optim::ParamGroup& group);
+
+  /// The number of param groups.
+  size_t num_param_groups() const;
+  /// Group `group`'s options as the next step will use them (param_groups()'s, as a bag; with a
+  /// LibTorch local optimizer, its "lr" alone).
+  optim::OptionBag group_options(size_t group) const;
+  /// Changes some of group `group`'s options from the next step on, on this rank: every rank
+  /// must make the same change. Checked here against the local optimizer (c10::IndexError for a
+  /// group out of range, c10::ValueError naming a refused option; nothing changes then); with
+  /// a LibTorch local optimizer only "lr" can be set this way.
+  void set_group_options(size_t group, const optim::OptionBag& changes);
+
+  /// torch::save(zero, path): on a rank holding a consolidated state (consolidate_state_dict),
+  /// writes state_dict() as the optimizer adapters do (optim::FunctionalOptimizerAdapter's
+  /// kArchiveKey); elsewhere throws c10::ValueError as state_dict() does. torch::load(zero,
+  /// path): collective, loads as load_state_dict does (every rank its own copy). Prefer
+  /// load_state_dict_from_file: a rank whose file cannot be opened fails inside torch::load
+  /// before it reaches the collective, and the others then fail after the group's timeout.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
 
   /// Gathers the whole optimizer state on rank `to` (a rank of the group). Collective.
   void consolidate_state_dict(int to = 0);
@@ -164,6 +202,9 @@ class ZeroRedundancyOptimizer : public Joinable {
  private:
   friend std::unique_ptr<c10d::CommHookInterface> hook_with_zero_step(
       ZeroRedundancyOptimizer& zero, std::unique_ptr<c10d::CommHookInterface> hook);
+  // Fills the base class's param_groups() and defaults() from the local optimizer.
+  void expose_param_groups();
+
   struct Impl;
   class StepHook;       // the hook of hook_with_zero_step
   class ShardJoinHook;  // what join_hook returns
