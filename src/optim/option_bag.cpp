@@ -148,6 +148,18 @@ OptionBag OptionBag::merged_with(const OptionBag& overrides) const {
   return out;
 }
 
+OptionBag OptionBag::changed_from(const OptionBag& current) const {
+  OptionBag changed;
+  for (const auto& item : values_) {
+    auto it = current.values_.find(item.first);
+    // IValue equality, not same_value: a value of another type (1 for 1.0) is a change to check.
+    if (it == current.values_.end() || !(it->second == item.second)) {
+      changed.values_.emplace(item.first, item.second);
+    }
+  }
+  return changed;
+}
+
 c10::IValue OptionBag::to_ivalue() const {
   c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
   for (const auto& item : values_) dict.insert(item.first, item.second);

@@ -10,18 +10,6 @@ namespace optim {
 
 namespace {
 
-// The entries of `wanted` that `current` lacks or holds with another value: what must be pushed
-// to make `current` agree with `wanted`. Keys of `current` absent from `wanted` keep their value.
-OptionBag changed_entries(const OptionBag& wanted, const OptionBag& current) {
-  OptionBag changed;
-  for (const auto& item : wanted.items()) {
-    if (!current.contains(item.first) || !(current.at(item.first) == item.second)) {
-      changed.set(item.first, item.second);
-    }
-  }
-  return changed;
-}
-
 const AdapterOptions& adapter_options(const torch::optim::OptimizerOptions& options, size_t group) {
   const auto* adapter = dynamic_cast<const AdapterOptions*>(&options);
   TORCH_CHECK(adapter != nullptr, "FunctionalOptimizerAdapter: the options of param group ", group,
@@ -111,7 +99,7 @@ std::vector<ParamGroup> FunctionalOptimizerAdapter::to_param_groups(
     // need to become overrides (the others resolve to the same values).
     OptionBag overrides;
     if (groups[g].has_options()) {
-      overrides = changed_entries(adapter_options(groups[g].options(), g).bag(), defaults);
+      overrides = adapter_options(groups[g].options(), g).bag().changed_from(defaults);
     }
     converted.emplace_back(groups[g].params(), std::move(overrides));
   }
@@ -159,7 +147,7 @@ void FunctionalOptimizerAdapter::sync() {
     const OptionBag& wanted = adapter_options(mirror.options(), g).bag();
     const OptionBag current = optimizer_->group_options(g);
     if (wanted != current) {
-      const OptionBag changed = changed_entries(wanted, current);
+      const OptionBag changed = wanted.changed_from(current);
       if (!changed.empty()) optimizer_->set_group_options(g, changed);
       refresh_group_options(g);
     }
@@ -171,8 +159,7 @@ void FunctionalOptimizerAdapter::sync() {
     check_leaves(mirror.params(), g);
     OptionBag overrides;
     if (mirror.has_options()) {
-      overrides =
-          changed_entries(adapter_options(mirror.options(), g).bag(), optimizer_->defaults());
+      overrides = adapter_options(mirror.options(), g).bag().changed_from(optimizer_->defaults());
     }
     optimizer_->add_param_group(ParamGroup(mirror.params(), std::move(overrides)));
     refresh_group_options(g);
@@ -185,7 +172,7 @@ void FunctionalOptimizerAdapter::add_param_group(const torch::optim::OptimizerPa
   // A LibTorch group's options are complete: they replace defaults() as a whole.
   const OptionBag& options = group.has_options() ? adapter_options(group.options(), index).bag()
                                                  : adapter_options(*defaults_, index).bag();
-  append_group(ParamGroup(group.params(), changed_entries(options, optimizer_->defaults())));
+  append_group(ParamGroup(group.params(), options.changed_from(optimizer_->defaults())));
 }
 
 void FunctionalOptimizerAdapter::add_param_group(const ParamGroup& group) {
@@ -194,7 +181,7 @@ void FunctionalOptimizerAdapter::add_param_group(const ParamGroup& group) {
   // As in LibTorch, a new group starts from defaults() as they are now, which the user may have
   // changed since construction; its own overrides come on top.
   const OptionBag base =
-      changed_entries(adapter_options(*defaults_, index).bag(), optimizer_->defaults());
+      adapter_options(*defaults_, index).bag().changed_from(optimizer_->defaults());
   append_group(ParamGroup(group.params, base.merged_with(group.overrides)));
 }
 
@@ -244,12 +231,12 @@ void FunctionalOptimizerAdapter::save(torch::serialize::OutputArchive& archive) 
                   "FunctionalOptimizerAdapter::save: the parameters of param group ", g,
                   " were changed outside the optimizer");
       dict.param_groups[g].overrides = dict.param_groups[g].overrides.merged_with(
-          changed_entries(wanted, optimizer_->group_options(g)));
+          wanted.changed_from(optimizer_->group_options(g)));
     } else {
       OptimizerStateDict::Group group;
       for (size_t i = 0; i < mirror.params().size(); ++i)
         group.param_indices.push_back(next_index++);
-      group.overrides = changed_entries(wanted, optimizer_->defaults());
+      group.overrides = wanted.changed_from(optimizer_->defaults());
       dict.param_groups.push_back(std::move(group));
     }
   }

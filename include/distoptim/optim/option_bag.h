@@ -42,6 +42,9 @@ class OptionBag {
 
   /// Entries of `overrides` replace those of this bag; returns the merged bag.
   OptionBag merged_with(const OptionBag& overrides) const;
+  /// The entries of this bag that `current` lacks or holds with another value: what must be
+  /// set on `current` to make it agree with this bag (keys only `current` has are left out).
+  OptionBag changed_from(const OptionBag& current) const;
 
   /// Conversion to and from a GenericDict IValue, the form used by serialization.
   c10::IValue to_ivalue() const;
