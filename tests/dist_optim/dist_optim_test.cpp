@@ -494,7 +494,7 @@ TEST(DistributedOptimizer, ConstructionErrorsNameTheWorker) {
     auto constant = rpc::remote<at::Tensor>(worker(2), "layer", std::tuple{input(0)});
     expect_refused([&] { DistributedOptimizer("sgd", {constant}, OptionBag().set("lr", 0.1)); },
                    worker(2), "not a leaf");
-    EXPECT_THROW(DistributedOptimizer("sgd", {}), c10::ValueError);
+    EXPECT_THROW(DistributedOptimizer("sgd", std::vector<RRef<at::Tensor>>{}), c10::ValueError);
     std::vector<RRef<at::Tensor>> repeated = params_of(1);
     repeated.push_back(repeated[0]);
     try {
