@@ -5,6 +5,7 @@
 // training in one process through optim::FunctionalOptimizerAdapter. Every wait is bounded.
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 
 #include <ATen/ATen.h>
@@ -15,6 +16,7 @@
 
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
+#include <distoptim/optim/registry.h>
 #include <distoptim/optim/torch_adapter.h>
 #include <distoptim/rpc.h>
 
@@ -73,6 +75,22 @@ DISTOPTIM_RPC_FUNCTION("set_params", [](const std::vector<at::Tensor>& values) {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < values.size(); ++i) server_params()[i].copy_(values[i]);
 });
+
+// SGD that refuses its next option change in the process where "refuse_next_change" ran.
+std::atomic<bool> g_refuse_next_change{false};
+DISTOPTIM_RPC_FUNCTION("refuse_next_change", [] { g_refuse_next_change = true; });
+struct PickySGD : optim::SGD {
+  using optim::SGD::SGD;
+
+ protected:
+  void check_options(const OptionBag& resolved) const override {
+    TORCH_CHECK_VALUE(!g_refuse_next_change.exchange(false), "refusing an option change on ",
+                      rpc::get_worker_info().name);
+    optim::SGD::check_options(resolved);
+  }
+};
+const optim::OptimizerRegistration kPickySGD("picky_sgd",
+                                             optim::typed_factory<PickySGD, optim::SGDOptions>());
 
 void with_workers(const std::function<void()>& trainer) {
   testing::with_workers(2, trainer, testing::test_options(60s));
@@ -302,6 +320,44 @@ TEST(DistributedOptimizerSchedule, RefusedChangesChangeNothing) {
     for (int64_t step = 5; step < 7; ++step) {
       model.step(optimizer, step);
       local.step(reference, step);
+    }
+    expect_same_values(model.values(), local.values());
+  });
+}
+
+// An owner that refused a change (its step failed) is sent it again with the next step; the
+// owner that took it is not held back.
+TEST(DistributedOptimizerSchedule, AnOwnerThatFailedGetsTheChangeAgain) {
+  with_workers([] {
+    DistributedModel model;
+    DistributedOptimizer optimizer(
+        "picky_sgd", {{model.server}, {std::vector<RRef<at::Tensor>>{RRef<at::Tensor>(model.v)}}},
+        sgd_defaults());
+    // The same in one process, the server's parameters and v apart: v takes the step that the
+    // server refused.
+    LocalModel local;
+    optim::TorchSGD server_reference(local.p, optim::SGDOptions(0.1));
+    optim::TorchSGD v_reference(std::vector<at::Tensor>{local.v}, optim::SGDOptions(0.1));
+    auto local_step = [&](int64_t step, bool server_steps) {
+      server_reference.zero_grad();
+      v_reference.zero_grad();
+      loss_of(layer(local.p, input(step)), local.v).backward();
+      if (server_steps) server_reference.step();
+      v_reference.step();
+    };
+    model.step(optimizer, 0);
+    local_step(0, true);
+
+    rpc_sync(worker(1), "refuse_next_change");
+    for (size_t g = 0; g < 2; ++g) optimizer.param_groups()[g].options().set_lr(0.02);
+    server_reference.param_groups()[0].options().set_lr(0.02);
+    v_reference.param_groups()[0].options().set_lr(0.02);
+    expect_error<rpc::RemoteError>([&] { model.step(optimizer, 1); },
+                                   {"worker '" + worker(1) + "'", "refusing an option change"});
+    local_step(1, false);
+    for (int64_t step = 2; step < 4; ++step) {
+      model.step(optimizer, step);
+      local_step(step, true);
     }
     expect_same_values(model.values(), local.values());
   });
