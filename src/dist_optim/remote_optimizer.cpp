@@ -23,30 +23,43 @@ std::mutex& step_mutex() {
   return mutex;
 }
 
-std::vector<at::Tensor> local_values(const std::vector<rpc::RRef<at::Tensor>>& params) {
-  std::vector<at::Tensor> values;
-  values.reserve(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    TORCH_CHECK_VALUE(params[i].is_owner(), "DistributedOptimizer: parameter ", i, " (",
-                      params[i].owner().name, "'s) reached the optimizer of worker '",
-                      rpc::get_worker_info().name, "'");
-    values.push_back(params[i].local_value());
-    TORCH_CHECK_VALUE(values.back().requires_grad() && values.back().is_leaf(),
-                      "DistributedOptimizer: parameter ", i, " on worker '",
-                      rpc::get_worker_info().name,
-                      "' is not a leaf tensor that requires grad, so no gradient reaches it");
+// The local values of `groups`, each with its overrides. Parameters are numbered across groups,
+// as the owner's optimizer numbers them.
+std::vector<optim::ParamGroup> local_groups(
+    const std::vector<std::vector<rpc::RRef<at::Tensor>>>& groups,
+    const std::vector<c10::IValue>& overrides) {
+  TORCH_CHECK_VALUE(groups.size() == overrides.size(), "DistributedOptimizer: ", groups.size(),
+                    " param groups with ", overrides.size(), " sets of overrides");
+  std::vector<optim::ParamGroup> out;
+  size_t i = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<at::Tensor> values;
+    values.reserve(groups[g].size());
+    for (const rpc::RRef<at::Tensor>& param : groups[g]) {
+      TORCH_CHECK_VALUE(param.is_owner(), "DistributedOptimizer: parameter ", i, " (",
+                        param.owner().name, "'s) reached the optimizer of worker '",
+                        rpc::get_worker_info().name, "'");
+      values.push_back(param.local_value());
+      TORCH_CHECK_VALUE(values.back().requires_grad() && values.back().is_leaf(),
+                        "DistributedOptimizer: parameter ", i, " on worker '",
+                        rpc::get_worker_info().name,
+                        "' is not a leaf tensor that requires grad, so no gradient reaches it");
+      ++i;
+    }
+    out.emplace_back(std::move(values), optim::OptionBag::from_ivalue(overrides[g]));
   }
-  return values;
+  return out;
 }
 
 }  // namespace
 
-RemoteOptimizer::RemoteOptimizer(std::string optimizer, std::vector<rpc::RRef<at::Tensor>> params,
-                                 c10::IValue options)
-    : optimizer_(optim::create_optimizer(optimizer, {optim::ParamGroup(local_values(params))},
+RemoteOptimizer::RemoteOptimizer(std::string optimizer,
+                                 std::vector<std::vector<rpc::RRef<at::Tensor>>> groups,
+                                 c10::IValue options, std::vector<c10::IValue> overrides)
+    : optimizer_(optim::create_optimizer(optimizer, local_groups(groups, overrides),
                                          optim::OptionBag::from_ivalue(options))) {}
 
-void RemoteOptimizer::step(int64_t context_id) {
+void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   const c10::Dict<at::Tensor, at::Tensor> all = dist_autograd::get_gradients(context_id);
   std::vector<at::Tensor> gradients;
   gradients.reserve(optimizer_->params().size());
@@ -55,6 +68,21 @@ void RemoteOptimizer::step(int64_t context_id) {
     gradients.push_back(it == all.end() ? at::Tensor() : it->value());
   }
   std::lock_guard<std::mutex> lock(step_mutex());
+  if (!changes.isNone()) {
+    TORCH_CHECK_TYPE(changes.isList(), "DistributedOptimizer: option changes must be a list, got ",
+                     changes.tagKind());
+    const c10::ArrayRef<c10::IValue> by_group = changes.toListRef();
+    TORCH_CHECK_VALUE(by_group.size() == optimizer_->num_param_groups(),
+                      "DistributedOptimizer: ", "option changes for ", by_group.size(),
+                      " param groups, the optimizer of '", rpc::get_worker_info().name, "' has ",
+                      optimizer_->num_param_groups());
+    // The caller checked these as this optimizer does; a group set again with the same values
+    // (after a failed step) is unchanged.
+    for (size_t g = 0; g < by_group.size(); ++g) {
+      const optim::OptionBag bag = optim::OptionBag::from_ivalue(by_group[g]);
+      if (!bag.empty()) optimizer_->set_group_options(g, bag);
+    }
+  }
   rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
   optimizer_->step(gradients);
 }
@@ -72,8 +100,8 @@ void RemoteOptimizer::load_state_dict(c10::IValue state) {
 namespace {
 bool register_remote_optimizer() {
   rpc::detail::register_internal_class<RemoteOptimizer, std::string,
-                                       std::vector<rpc::RRef<at::Tensor>>, c10::IValue>(
-      kRemoteOptimizerClass);
+                                       std::vector<std::vector<rpc::RRef<at::Tensor>>>, c10::IValue,
+                                       std::vector<c10::IValue>>(kRemoteOptimizerClass);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "step", &RemoteOptimizer::step);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "state_dict",
                                         &RemoteOptimizer::state_dict);

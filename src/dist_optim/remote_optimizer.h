@@ -21,14 +21,17 @@ constexpr const char* kRemoteOptimizerClass = "__distoptim.dist_optim.RemoteOpti
 
 class RemoteOptimizer {
  public:
-  /// `params` arrive as references to this worker's values; `options` is an OptionBag's
-  /// to_ivalue(). Throws what the registry or the optimizer throws for a bad name or option.
-  RemoteOptimizer(std::string optimizer, std::vector<rpc::RRef<at::Tensor>> params,
-                  c10::IValue options);
+  /// `groups`: this worker's parameters of each group of the DistributedOptimizer (possibly
+  /// none), as references to this worker's values; `options` is an OptionBag's to_ivalue(),
+  /// `overrides` one per group. Throws what the registry or the optimizer throws for a bad name
+  /// or option.
+  RemoteOptimizer(std::string optimizer, std::vector<std::vector<rpc::RRef<at::Tensor>>> groups,
+                  c10::IValue options, std::vector<c10::IValue> overrides);
 
   /// A step with the gradients of this worker's copy of context `context_id`, under the
-  /// process-wide step lock and an rpc::InPlaceUpdateGuard.
-  void step(int64_t context_id);
+  /// process-wide step lock and an rpc::InPlaceUpdateGuard. `changes`: None, or one OptionBag
+  /// (to_ivalue()) per group, set on that group (set_group_options) before the step.
+  void step(int64_t context_id, c10::IValue changes);
   /// OptimizerStateDict::to_ivalue() of the optimizer, and its inverse.
   c10::IValue state_dict();
   void load_state_dict(c10::IValue state);

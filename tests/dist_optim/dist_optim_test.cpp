@@ -100,19 +100,19 @@ const optim::OptimizerRegistration kUserOptimizer(
                          optim::SGDOptions().lr(0.1).momentum(0.9).nesterov(true)));
 
 // SGD (lr 0.1) with a fault injected before every update, registered as `name`.
-template <void (*kFault)()>
+template <void (*Fault)()>
 struct FaultySGD : optim::SGD {
   using optim::SGD::SGD;
 
  protected:
   void update(size_t group, const std::vector<ParamUpdate>& updates) override {
-    kFault();
+    Fault();
     optim::SGD::update(group, updates);
   }
 };
-template <void (*kFault)()>
+template <void (*Fault)()>
 optim::OptimizerRegistration register_faulty_sgd(const std::string& name) {
-  return {name, optim::typed_factory<FaultySGD<kFault>, optim::SGDOptions>(optim::SGDOptions(0.1))};
+  return {name, optim::typed_factory<FaultySGD<Fault>, optim::SGDOptions>(optim::SGDOptions(0.1))};
 }
 
 bool on_worker2() { return rpc::get_worker_info().name == testing::worker(2); }
@@ -494,7 +494,7 @@ TEST(DistributedOptimizer, ConstructionErrorsNameTheWorker) {
     auto constant = rpc::remote<at::Tensor>(worker(2), "layer", std::tuple{input(0)});
     expect_refused([&] { DistributedOptimizer("sgd", {constant}, OptionBag().set("lr", 0.1)); },
                    worker(2), "not a leaf");
-    EXPECT_THROW(DistributedOptimizer("sgd", {}), c10::ValueError);
+    EXPECT_THROW(DistributedOptimizer("sgd", std::vector<RRef<at::Tensor>>{}), c10::ValueError);
     std::vector<RRef<at::Tensor>> repeated = params_of(1);
     repeated.push_back(repeated[0]);
     try {

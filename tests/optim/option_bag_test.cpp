@@ -107,6 +107,16 @@ TEST(OptionBag, MergedWithOverrides) {
   EXPECT_EQ(merged.to_string(), "{lr: 0.2, momentum: 0.9}");
 }
 
+TEST(OptionBag, ChangesFromKeepsWhatDiffers) {
+  const OptionBag current = OptionBag().set("lr", 0.1).set("momentum", 0.9).set("nesterov", false);
+  const OptionBag wanted = OptionBag().set("lr", 0.05).set("momentum", 0.9).set("dampening", 0.1);
+  // A changed value and a key `current` lacks; keys only `current` has are left out.
+  EXPECT_EQ(wanted.changes_from(current).to_string(), "{dampening: 0.1, lr: 0.05}");
+  EXPECT_TRUE(current.changes_from(current).empty());
+  // Numbers compare as == does: an int equal to a double is no change.
+  EXPECT_TRUE(OptionBag().set("lr", int64_t{1}).changes_from(OptionBag().set("lr", 1.0)).empty());
+}
+
 }  // namespace
 }  // namespace optim
 }  // namespace distoptim
