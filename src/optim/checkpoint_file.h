@@ -15,7 +15,9 @@ namespace detail {
 
 /// Reads the whole regular file at `path` (one allocation of the file's size) and checks that it
 /// is a zip archive as LibTorch's and PyTorch's serialization write it: consistent headers,
-/// records stored uncompressed, and every record's data matching its CRC-32. Errors, all
+/// records stored uncompressed, every record's data matching its CRC-32, and none of the header
+/// values their writer never produces that would change what LibTorch's reader reads (see
+/// ZipFields in the .cpp, field by field). Errors, all
 /// `c10::Error` starting with `caller` and naming `path` (and the record, for a bad one): a
 /// missing or unreadable file, a directory, an empty, truncated, garbage or corrupted file.
 std::vector<char> read_checkpoint_file(const std::string& path, const char* caller);

@@ -9,9 +9,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <iterator>
+#include <map>
+#include <sstream>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
@@ -39,11 +43,13 @@ void write_bytes(const std::string& path, const std::vector<char>& bytes) {
   ASSERT_TRUE(out.good()) << path;
 }
 
-// One record of a zip archive: its name, where its data starts and its size.
+// One record of a zip archive: its name, where its data starts, its size and where its central
+// directory entry starts.
 struct Record {
   std::string name;
   size_t data_offset;
   size_t size;
+  size_t central_offset;
 };
 
 // The records of a zip archive: the central directory gives each record's name, size and local
@@ -75,7 +81,7 @@ std::vector<Record> zip_records(const std::vector<char>& bytes) {
     if (size == 0xFFFFFFFF || local == 0xFFFFFFFF) throw std::runtime_error("zip64 record");
     if (u32(local) != 0x04034b50) throw std::runtime_error("bad local header");
     records.push_back({std::string(bytes.data() + at + 46, name_length),
-                       local + 30 + u16(local + 26) + u16(local + 28), size});
+                       local + 30 + u16(local + 26) + u16(local + 28), size, at});
     at += 46 + name_length + u16(at + 30) + u16(at + 32);
   }
   return records;
@@ -100,6 +106,37 @@ void expect_same_dict(const OptimizerStateDict& a, const OptimizerStateDict& b) 
       EXPECT_TRUE(at::equal(t, buffer.second)) << "param " << item.first << " " << buffer.first;
     }
   }
+}
+
+// What differs between a loaded dict and the saved one, empty when they are exactly equal: name,
+// defaults, groups, and every state tensor bit for bit, with its dtype, shape and step.
+std::string difference(const OptimizerStateDict& loaded, const OptimizerStateDict& saved) {
+  if (loaded.optimizer != saved.optimizer) return "optimizer '" + loaded.optimizer + "'";
+  if (!(loaded.defaults == saved.defaults)) return "defaults";
+  if (loaded.param_groups.size() != saved.param_groups.size()) return "number of groups";
+  for (size_t g = 0; g < saved.param_groups.size(); ++g) {
+    if (loaded.param_groups[g].param_indices != saved.param_groups[g].param_indices ||
+        !(loaded.param_groups[g].overrides == saved.param_groups[g].overrides)) {
+      return "group " + std::to_string(g);
+    }
+  }
+  if (loaded.state.size() != saved.state.size()) return "number of states";
+  for (const auto& item : saved.state) {
+    const std::string param = "param " + std::to_string(item.first);
+    const auto found = loaded.state.find(item.first);
+    if (found == loaded.state.end()) return param + " has no state";
+    if (found->second.step != item.second.step) return param + " step";
+    if (found->second.buffers.size() != item.second.buffers.size()) return param + " buffers";
+    for (const auto& buffer : item.second.buffers) {
+      const auto t = found->second.buffers.find(buffer.first);
+      if (t == found->second.buffers.end()) return param + " lacks " + buffer.first;
+      if (t->second.scalar_type() != buffer.second.scalar_type() ||
+          t->second.sizes() != buffer.second.sizes() || !at::equal(t->second, buffer.second)) {
+        return param + " " + buffer.first;
+      }
+    }
+  }
+  return "";
 }
 
 // Restores a resource limit when it goes out of scope.
@@ -189,6 +226,72 @@ TEST_F(CheckpointFile, FlippedBytesInATensorRecordAreRefusedNamingTheRecord) {
                            "record '" + target->name + "'", "CRC-32"});
   // The undamaged file still loads, to exactly the saved state.
   expect_same_dict(load_state_dict_file(path), saved);
+}
+
+// Every byte of the file either is checked or cannot change what is loaded: a flipped byte
+// anywhere (zip headers, central directory, data, pickle) is refused or loads the saved state.
+// Once, setting the MS-DOS directory bit (0x10) in a tensor record's external attributes made
+// LibTorch's reader return the record unfilled, loading uninitialized memory as exp_avg.
+TEST_F(CheckpointFile, EveryFlippedByteIsRefusedOrLoadsExactlyTheSavedState) {
+  at::manual_seed(11);
+  std::vector<at::Tensor> params = {at::randn({3}), at::randn({2, 2})};
+  Adam adam(params, AdamOptions(1e-3));
+  for (int k = 0; k < 2; ++k) adam.step({at::randn({3}), at::randn({2, 2})});
+  const OptimizerStateDict saved = adam.state_dict();
+  const std::string path = dir_ + "/adam.pt";
+  save_state_dict(saved, path);
+  const std::vector<char> bytes = read_bytes(path);
+  ASSERT_EQ(difference(load_state_dict_file(path), saved), "");
+
+  // Where each record's external attributes are: the directory bit there must be named.
+  std::map<size_t, std::string> attributes;
+  for (const Record& r : zip_records(bytes)) attributes[r.central_offset + 38] = r.name;
+  ASSERT_EQ(attributes.size(), 6u);  // four tensors, the pickle and the version
+
+  // Every bit of every byte would take 8 loads a byte; these masks cover the directory bit, the
+  // lowest and highest bits, and a whole byte changed, in 4 loads a byte (fast under ASan too).
+  const std::string flipped_path = dir_ + "/flipped.pt";
+  size_t refused = 0;
+  size_t directory_bits_named = 0;
+  std::vector<std::string> silent;
+  for (size_t at = 0; at < bytes.size(); ++at) {
+    for (const uint8_t mask : {0x10, 0x01, 0x80, 0xff}) {
+      std::vector<char> flipped = bytes;
+      flipped[at] = static_cast<char>(flipped[at] ^ mask);
+      // A new file each time: ext4 writes a truncated file's data out when it is closed.
+      std::remove(flipped_path.c_str());
+      write_bytes(flipped_path, flipped);
+      std::ostringstream where_stream;
+      where_stream << "byte " << at << " ^ 0x" << std::hex << int{mask};
+      const std::string where = where_stream.str();
+      try {
+        const std::string different = difference(load_state_dict_file(flipped_path), saved);
+        if (!different.empty()) silent.push_back(where + ": " + different);
+      } catch (const c10::Error& e) {
+        ++refused;
+        const auto record = attributes.find(at);
+        if (record != attributes.end() && (mask & 0x10)) {
+          const std::string message = e.what_without_backtrace();
+          EXPECT_NE(message.find("'" + flipped_path + "' is not a valid checkpoint: record '" +
+                                 record->second + "'"),
+                    std::string::npos)
+              << where << ": " << message;
+          EXPECT_NE(message.find("external attributes"), std::string::npos)
+              << where << ": " << message;
+          ++directory_bits_named;
+        }
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << where << ": not a c10::Error: " << e.what();
+      }
+    }
+  }
+  EXPECT_TRUE(silent.empty()) << silent.size() << " flips loaded another state, the first: "
+                              << (silent.empty() ? "" : silent.front());
+  EXPECT_EQ(directory_bits_named, 2 * attributes.size());  // masks 0x10 and 0xff
+  EXPECT_GT(refused, bytes.size());
+  std::cout << "[          ] " << bytes.size() << " bytes, 4 masks: " << refused
+            << " flips refused, " << bytes.size() * 4 - refused - silent.size()
+            << " loaded the saved state, " << silent.size() << " another one\n";
 }
 
 TEST_F(CheckpointFile, TruncatedFileIsRefusedNamingThePath) {

@@ -67,10 +67,12 @@ void save_state_dict(const OptimizerStateDict& dict, const std::string& path);
 /// Reads a file that `save_state_dict` (or Python's torch.save of such a dict) wrote. Before
 /// anything is deserialized the whole file is checked: a zip archive with consistent headers,
 /// records stored uncompressed, every record's data matching its stored CRC-32 (LibTorch's own
-/// reader checks none). Errors: `c10::Error` naming `path` (and the record, for a corrupted one)
-/// for a missing, unreadable, empty, truncated, garbage or corrupted file or a directory; nothing
-/// beyond the file's size is allocated for a bad file. A well-formed file holding something else
-/// throws `ValueError` or `TypeError` from `from_ivalue`, with `path` added to the message.
+/// reader checks none), and no header field LibTorch's writer never sets that would change what
+/// LibTorch's reader reads (a record marked as a directory or encrypted, say). Errors: `c10::Error`
+/// naming `path` (and the record, for a corrupted one) for a missing, unreadable, empty, truncated,
+/// garbage or corrupted file or a directory; nothing beyond the file's size is allocated for a bad
+/// file. A well-formed file holding something else throws `ValueError` or `TypeError` from
+/// `from_ivalue`, with `path` added to the message.
 OptimizerStateDict load_state_dict_file(const std::string& path);
 
 /// A functional optimizer: its update is computed from an explicit list of gradients, never from
