@@ -93,6 +93,11 @@ OptionBag& OptionBag::set(const std::string& key, c10::IValue value) {
   return *this;
 }
 
+OptionBag& OptionBag::set(const std::string& key, std::initializer_list<double> values) {
+  std::vector<c10::IValue> elements(values.begin(), values.end());
+  return set(key, c10::ivalue::Tuple::create(std::move(elements)));
+}
+
 bool OptionBag::contains(const std::string& key) const { return values_.count(key) != 0; }
 
 const c10::IValue& OptionBag::at(const std::string& key) const {

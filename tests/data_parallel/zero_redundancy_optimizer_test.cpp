@@ -862,6 +862,30 @@ TEST(ZeroRedundancyOptimizer, StepLROnALibTorchLocalOptimizerEqualsTheSameOptimi
   });
 }
 
+// LibTorch-style typed options build the optimizer their type names, with the same options as
+// the registry name and a bag (a tuple option written as a braced list).
+TEST(ZeroRedundancyOptimizer, TypedOptionsEqualTheRegistryNameAndABag) {
+  run_ranks(2, [](int, int) {
+    init();
+    auto typed_model = make_model(100);
+    auto named_model = make_model(100);
+    ZeroRedundancyOptimizer typed(param_groups(typed_model),
+                                  optim::AdamOptions(0.01).betas({0.8, 0.95}).amsgrad(true));
+    ZeroRedundancyOptimizer named(
+        param_groups(named_model), "adam",
+        optim::OptionBag().set("lr", 0.01).set("betas", {0.8, 0.95}).set("amsgrad", true));
+    EXPECT_EQ(typed.local_optimizer().name(), "adam");
+    ASSERT_EQ(typed.num_param_groups(), 2u);
+    for (size_t g = 0; g < 2; ++g) {
+      EXPECT_EQ(typed.group_options(g), named.group_options(g)) << "group " << g;
+    }
+    EXPECT_EQ(typed.group_options(1).get_pair("betas"), std::make_tuple(0.8, 0.95));
+    ZeroRedundancyOptimizer sgd(typed_model->parameters(), optim::SGDOptions(0.1).momentum(0.9));
+    EXPECT_EQ(sgd.local_optimizer().name(), "sgd");
+    EXPECT_EQ(sgd.group_options(0).get_double("momentum"), 0.9);
+  });
+}
+
 // Options are checked where they are set, compared across the ranks at each step (a rank that
 // differs, or holds a value the optimizer refuses, makes every rank refuse the step before
 // anything moves), and travel in checkpoints.

@@ -241,7 +241,12 @@ TEST(DistributedOptimizerSchedule, AUsersWarmupOverAdamMatchesOneProcess) {
     const OptionBag first;
     const OptionBag second = OptionBag().set("lr", 0.02).set("betas", std::make_tuple(0.8, 0.99));
     DistributedModel model;
-    DistributedOptimizer optimizer("adam", model.groups(first, second), defaults);
+    // Built from LibTorch-style typed options: the same as the bag `defaults`.
+    DistributedOptimizer optimizer(model.groups(first, second),
+                                   optim::AdamOptions(0.01).amsgrad(true));
+    EXPECT_EQ(optimizer.optimizer(), "adam");
+    EXPECT_EQ(optimizer.group_options(0),
+              optim::options_to_bag(optim::AdamOptions()).merged_with(defaults));
     LinearWarmup schedule(optimizer, 4);
     EXPECT_DOUBLE_EQ(optimizer.group_options(1).get_double("lr"), 0.005);
 

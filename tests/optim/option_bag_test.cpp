@@ -117,6 +117,13 @@ TEST(OptionBag, ChangesFromKeepsWhatDiffers) {
   EXPECT_TRUE(OptionBag().set("lr", int64_t{1}).changes_from(OptionBag().set("lr", 1.0)).empty());
 }
 
+TEST(OptionBag, ATupleIsABracedListOfNumbers) {
+  const OptionBag braced = OptionBag().set("betas", {0.9, 0.98});
+  EXPECT_EQ(braced, OptionBag().set("betas", std::make_tuple(0.9, 0.98)));
+  EXPECT_EQ(braced.get_pair("betas"), std::make_tuple(0.9, 0.98));
+  EXPECT_EQ(options_from_bag<AdamOptions>(braced).betas(), std::make_tuple(0.9, 0.98));
+}
+
 }  // namespace
 }  // namespace optim
 }  // namespace distoptim

@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -106,6 +107,21 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable 
   ZeroRedundancyOptimizer(std::vector<at::Tensor> params, const std::string& optimizer,
                           const optim::OptionBag& defaults = {},
                           ZeroRedundancyOptimizerOptions options = {});
+  /// The same from a typed options struct, as LibTorch's optimizers take theirs; the options'
+  /// type names the optimizer (its `kOptimizer`: SGDOptions "sgd", AdamOptions "adam", ...; a
+  /// user's own struct declares the name it registered):
+  ///   ZeroRedundancyOptimizer zero(model->parameters(),
+  ///                                optim::AdamOptions(1e-3).betas({0.9, 0.98}));
+  template <class Options, class = decltype(Options::kOptimizer)>
+  ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups, const Options& defaults,
+                          ZeroRedundancyOptimizerOptions options = {})
+      : ZeroRedundancyOptimizer(std::move(groups), std::string(Options::kOptimizer),
+                                optim::options_to_bag(defaults), std::move(options)) {}
+  template <class Options, class = decltype(Options::kOptimizer)>
+  ZeroRedundancyOptimizer(std::vector<at::Tensor> params, const Options& defaults,
+                          ZeroRedundancyOptimizerOptions options = {})
+      : ZeroRedundancyOptimizer(std::move(params), std::string(Options::kOptimizer),
+                                optim::options_to_bag(defaults), std::move(options)) {}
   /// The local optimizer by type, from a factory (see LocalOptimizerFactory).
   ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups,
                           const LocalOptimizerFactory& make_local,

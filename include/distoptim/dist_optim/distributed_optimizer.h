@@ -112,6 +112,18 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   /// and the option for an override its optimizer refuses, before any message is sent.
   DistributedOptimizer(const std::string& optimizer, std::vector<RemoteParamGroup> groups,
                        const optim::OptionBag& options = {});
+  /// The same from a typed options struct, as LibTorch's optimizers take theirs; the options'
+  /// type names the optimizer (its `kOptimizer`: SGDOptions "sgd", AdamOptions "adam", ...; a
+  /// user's own struct declares the name it registered):
+  ///   DistributedOptimizer optimizer(params, optim::AdamOptions(1e-3).betas({0.9, 0.98}));
+  template <class Options, class = decltype(Options::kOptimizer)>
+  DistributedOptimizer(std::vector<rpc::RRef<at::Tensor>> params, const Options& options)
+      : DistributedOptimizer(std::string(Options::kOptimizer), std::move(params),
+                             optim::options_to_bag(options)) {}
+  template <class Options, class = decltype(Options::kOptimizer)>
+  DistributedOptimizer(std::vector<RemoteParamGroup> groups, const Options& options)
+      : DistributedOptimizer(std::string(Options::kOptimizer), std::move(groups),
+                             optim::options_to_bag(options)) {}
   ~DistributedOptimizer() override;
   DistributedOptimizer(const DistributedOptimizer&) = delete;
   DistributedOptimizer& operator=(const DistributedOptimizer&) = delete;

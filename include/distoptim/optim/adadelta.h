@@ -9,6 +9,8 @@ namespace optim {
 
 /// Options of Adadelta, named and defaulted as torch.optim.Adadelta's (PyTorch 1.13).
 struct AdadeltaOptions {
+  /// The registry name of the optimizer these options are for (see registry.h).
+  static constexpr const char* kOptimizer = "adadelta";
   /* implicit */ AdadeltaOptions(double lr = 1.0) : lr_(lr) {}
   TORCH_ARG(double, lr);
   TORCH_ARG(double, rho) = 0.9;

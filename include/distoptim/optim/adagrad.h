@@ -9,6 +9,8 @@ namespace optim {
 
 /// Options of Adagrad, named and defaulted as torch.optim.Adagrad's (PyTorch 1.13).
 struct AdagradOptions {
+  /// The registry name of the optimizer these options are for (see registry.h).
+  static constexpr const char* kOptimizer = "adagrad";
   /* implicit */ AdagradOptions(double lr = 1e-2) : lr_(lr) {}
   TORCH_ARG(double, lr);
   TORCH_ARG(double, lr_decay) = 0;

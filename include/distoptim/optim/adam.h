@@ -58,6 +58,8 @@ struct AdamOptionsBase {
 /// betas (0.9, 0.999), eps 1e-8, weight_decay 0 (added to the gradient), amsgrad and maximize
 /// false.
 struct AdamOptions : detail::AdamOptionsBase<AdamOptions> {
+  /// The registry name of the optimizer these options are for (see registry.h).
+  static constexpr const char* kOptimizer = "adam";
   /* implicit */ AdamOptions(double lr = 1e-3) : AdamOptionsBase(lr, /*weight_decay=*/0) {}
   /// Throws c10::ValueError naming the option and its value.
   void validate() const;
@@ -66,6 +68,8 @@ struct AdamOptions : detail::AdamOptionsBase<AdamOptions> {
 /// Options of AdamW: Adam's, with weight decay decoupled from the gradient (applied to the
 /// parameter) and defaulting to 1e-2, as torch.optim.AdamW's.
 struct AdamWOptions : detail::AdamOptionsBase<AdamWOptions> {
+  /// The registry name of the optimizer these options are for (see registry.h).
+  static constexpr const char* kOptimizer = "adamw";
   /* implicit */ AdamWOptions(double lr = 1e-3) : AdamOptionsBase(lr, /*weight_decay=*/1e-2) {}
   /// Throws c10::ValueError naming the option and its value.
   void validate() const;

@@ -11,6 +11,8 @@ namespace optim {
 
 /// Options of Adamax, named and defaulted as torch.optim.Adamax's (PyTorch 1.13).
 struct AdamaxOptions {
+  /// The registry name of the optimizer these options are for (see registry.h).
+  static constexpr const char* kOptimizer = "adamax";
   using Pair = std::tuple<double, double>;
   /* implicit */ AdamaxOptions(double lr = 2e-3) : lr_(lr) {}
   TORCH_ARG(double, lr);

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <tuple>
@@ -25,6 +26,8 @@ class OptionBag {
 
   /// Sets `key` to `value` (chainable): `OptionBag().set("lr", 0.1).set("nesterov", true)`.
   OptionBag& set(const std::string& key, c10::IValue value);
+  /// A tuple of numbers: `OptionBag().set("betas", {0.9, 0.98})`.
+  OptionBag& set(const std::string& key, std::initializer_list<double> values);
   bool contains(const std::string& key) const;
   bool empty() const { return values_.empty(); }
   size_t size() const { return values_.size(); }

@@ -9,6 +9,8 @@ namespace optim {
 
 /// Options of RMSprop, named and defaulted as torch.optim.RMSprop's (PyTorch 1.13).
 struct RMSpropOptions {
+  /// The registry name of the optimizer these options are for (see registry.h).
+  static constexpr const char* kOptimizer = "rmsprop";
   /* implicit */ RMSpropOptions(double lr = 1e-2) : lr_(lr) {}
   TORCH_ARG(double, lr);
   TORCH_ARG(double, alpha) = 0.99;

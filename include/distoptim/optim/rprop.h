@@ -11,6 +11,8 @@ namespace optim {
 
 /// Options of Rprop, named and defaulted as torch.optim.Rprop's (PyTorch 1.13).
 struct RpropOptions {
+  /// The registry name of the optimizer these options are for (see registry.h).
+  static constexpr const char* kOptimizer = "rprop";
   using Pair = std::tuple<double, double>;
   /* implicit */ RpropOptions(double lr = 1e-2) : lr_(lr) {}
   TORCH_ARG(double, lr);

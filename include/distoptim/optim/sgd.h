@@ -9,6 +9,8 @@ namespace optim {
 
 /// Options of SGD, named and defaulted as torch.optim.SGD's (PyTorch 1.13).
 struct SGDOptions {
+  /// The registry name of the optimizer these options are for (see registry.h).
+  static constexpr const char* kOptimizer = "sgd";
   /* implicit */ SGDOptions(double lr = 1e-3) : lr_(lr) {}
   TORCH_ARG(double, lr);
   TORCH_ARG(double, momentum) = 0;
