@@ -65,7 +65,9 @@ struct ZeroRedundancyOptimizer::Impl {
   std::vector<torch::optim::OptimizerParamGroup>* mirror = nullptr;
 
   // Param group options (zero_param_groups.cpp).
-  // Group g as the mirror holds it: all its parameters, the options the local optimizer runs.
+  // The options the local optimizer runs for group g, as the mirror shows them.
+  std::unique_ptr<torch::optim::OptimizerOptions> local_group_options(size_t g) const;
+  // Group g as the mirror holds it: all its parameters, local_group_options(g).
   torch::optim::OptimizerParamGroup mirror_group(size_t g) const;
   // The options a new mirror group starts from (the base class's defaults()).
   std::unique_ptr<torch::optim::OptimizerOptions> default_options() const;

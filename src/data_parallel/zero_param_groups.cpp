@@ -12,16 +12,18 @@ namespace data_parallel {
 
 using zero_detail::kName;
 
+std::unique_ptr<torch::optim::OptimizerOptions> ZeroRedundancyOptimizer::Impl::local_group_options(
+    size_t g) const {
+  if (const optim::LibTorchOptimizerAdapter* adapter = libtorch_adapter()) {
+    return adapter->optimizer().param_groups().at(g).options().clone();
+  }
+  return std::make_unique<optim::AdapterOptions>(local->group_options(g));
+}
+
 torch::optim::OptimizerParamGroup ZeroRedundancyOptimizer::Impl::mirror_group(size_t g) const {
   std::vector<at::Tensor> group_params;
   for (int64_t i : group_indices.at(g)) group_params.push_back(params[i]);
-  std::unique_ptr<torch::optim::OptimizerOptions> options;
-  if (const optim::LibTorchOptimizerAdapter* adapter = libtorch_adapter()) {
-    options = adapter->optimizer().param_groups().at(g).options().clone();
-  } else {
-    options = std::make_unique<optim::AdapterOptions>(local->group_options(g));
-  }
-  return torch::optim::OptimizerParamGroup(std::move(group_params), std::move(options));
+  return torch::optim::OptimizerParamGroup(std::move(group_params), local_group_options(g));
 }
 
 std::unique_ptr<torch::optim::OptimizerOptions> ZeroRedundancyOptimizer::Impl::default_options()
@@ -40,7 +42,7 @@ void ZeroRedundancyOptimizer::Impl::refresh_mirror_options(size_t g) {
     // In place, so a reference a user holds to the options stays valid.
     options->bag() = local->group_options(g);
   } else {
-    group.set_options(mirror_group(g).options().clone());
+    group.set_options(local_group_options(g));
   }
 }
 

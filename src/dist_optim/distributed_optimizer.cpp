@@ -295,7 +295,19 @@ void DistributedOptimizer::set_group_options(size_t group, const optim::OptionBa
                     "DistributedOptimizer::set_group_options: ", "param group ", group,
                     " out of range (", param_groups_.size(), " groups)");
   apply_checked(group, mirror_options(group).merged_with(changes), "by set_group_options");
-  param_groups_[group].set_options(std::make_unique<optim::AdapterOptions>(current_[group]));
+  mirror_current(group);
+}
+
+void DistributedOptimizer::mirror_current(size_t group) {
+  // In place, so a reference a user holds to the options stays valid.
+  torch::optim::OptimizerParamGroup& mirror = param_groups_[group];
+  auto* options =
+      mirror.has_options() ? dynamic_cast<optim::AdapterOptions*>(&mirror.options()) : nullptr;
+  if (options != nullptr) {
+    options->bag() = current_[group];
+  } else {
+    mirror.set_options(std::make_unique<optim::AdapterOptions>(current_[group]));
+  }
 }
 
 const optim::OptionBag& DistributedOptimizer::mirror_options(size_t group) const {
@@ -413,7 +425,7 @@ void DistributedOptimizer::load_state_dict(const DistributedOptimizerStateDict& 
   // The loaded options become this optimizer's, whatever owner refused: that is what was asked.
   for (size_t g = 0; g < current_.size(); ++g) {
     apply_checked(g, loaded[g], "when loading the state");
-    param_groups_[g].set_options(std::make_unique<optim::AdapterOptions>(current_[g]));
+    mirror_current(g);
   }
   ++options_generation_;  // each owner's record changed: compare at the next step
   defaults_ = std::make_unique<optim::AdapterOptions>(first.defaults);

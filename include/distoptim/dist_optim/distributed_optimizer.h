@@ -182,6 +182,8 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   void apply_checked(size_t group, const optim::OptionBag& wanted, const char* how) const;
   /// The options of group `group` in param_groups(), checked for shape.
   const optim::OptionBag& mirror_options(size_t group) const;
+  /// Makes param_groups()'s options of group `group` current_[group].
+  void mirror_current(size_t group);
 
   std::string optimizer_;
   std::vector<Owner> owners_;
