@@ -6,5 +6,6 @@
 #include <distoptim/rpc/futures.h>
 #include <distoptim/rpc/interceptor.h>
 #include <distoptim/rpc/registry.h>
+#include <distoptim/rpc/remote_module.h>
 #include <distoptim/rpc/rref.h>
 #include <distoptim/rpc/values.h>

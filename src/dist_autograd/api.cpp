@@ -41,34 +41,39 @@ ContextGuard::~ContextGuard() {
   }
 }
 
-void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph) {
-  auto context = find_context(context_id, "dist_autograd::backward");
-  const int me = rpc::get_worker_info().id;
-  TORCH_CHECK_VALUE(context->creator() == me, "dist_autograd::backward: context ", context_id,
-                    " was created by worker '", rpc::get_worker_info(context->creator()).name,
-                    "'; only its creator runs backward on it");
-  TORCH_CHECK_VALUE(!roots.empty(), "dist_autograd::backward: no roots given");
+namespace detail {
+
+std::shared_ptr<BackwardPass> start_backward(int64_t context_id,
+                                             const std::vector<at::Tensor>& roots,
+                                             bool retain_graph, const char* where) {
+  auto context = find_context(context_id, where);
+  TORCH_CHECK_VALUE(!roots.empty(), where, ": no roots given");
   torch::autograd::edge_list edges;
   torch::autograd::variable_list grads;
   for (size_t i = 0; i < roots.size(); ++i) {
     const at::Tensor& root = roots[i];
-    TORCH_CHECK_VALUE(root.defined(), "dist_autograd::backward: roots[", i, "] is undefined");
-    TORCH_CHECK_VALUE(root.requires_grad(), "dist_autograd::backward: roots[", i,
+    TORCH_CHECK_VALUE(root.defined(), where, ": roots[", i, "] is undefined");
+    TORCH_CHECK_VALUE(root.requires_grad(), where, ": roots[", i,
                       "] does not require grad (requires_grad not set on root)");
-    TORCH_CHECK_VALUE(root.numel() == 1, "dist_autograd::backward: roots[", i,
-                      "] must be a scalar, has shape ", root.sizes());
+    TORCH_CHECK_VALUE(root.numel() == 1, where, ": roots[", i, "] must be a scalar, has shape ",
+                      root.sizes());
     edges.push_back(torch::autograd::impl::gradient_edge(root));
     grads.push_back(at::ones_like(root, at::MemoryFormat::Contiguous));
   }
+  auto pass = context->begin_pass(retain_graph, rpc::get_worker_info().id);
+  DISTOPTIM_CHECK_WITH(DistributedError, pass != nullptr, where,
+                       ": a backward pass already runs on context ", context_id);
+  pass->start(edges, std::move(grads));
+  return pass;
+}
+
+}  // namespace detail
+
+void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph) {
   const std::chrono::milliseconds timeout = rpc::get_rpc_timeout();
   std::optional<std::chrono::steady_clock::time_point> deadline;
   if (timeout.count() > 0) deadline = std::chrono::steady_clock::now() + timeout;
-
-  auto pass = context->begin_pass(retain_graph);
-  DISTOPTIM_CHECK_WITH(DistributedError, pass != nullptr,
-                       "dist_autograd::backward: a backward pass already runs on context ",
-                       context_id);
-  pass->start(edges, std::move(grads));
+  auto pass = detail::start_backward(context_id, roots, retain_graph, "dist_autograd::backward");
   if (!rpc::detail::wait_future(*pass->done(), deadline)) {
     const std::string waiting = pass->waiting_for();
     auto error = TimeoutError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},

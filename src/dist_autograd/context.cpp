@@ -102,12 +102,15 @@ void Context::end_pass(const BackwardPass* pass) {
   }
 }
 
-std::shared_ptr<BackwardPass> Context::begin_pass(bool retain_graph) {
+std::shared_ptr<BackwardPass> Context::begin_pass(bool retain_graph, int initiator) {
+  TORCH_CHECK(initiator >= 0 && initiator < (1 << 16), "distributed autograd: worker id ",
+              initiator, " out of range");
   std::lock_guard<std::mutex> lock(mutex_);
   if (pass_) {
     return nullptr;
   }
-  pass_ = std::make_shared<BackwardPass>(shared_from_this(), ++newest_pass_, retain_graph);
+  newest_pass_ = (((newest_pass_ >> 16) + 1) << 16) | initiator;
+  pass_ = std::make_shared<BackwardPass>(shared_from_this(), newest_pass_, retain_graph);
   return pass_;
 }
 

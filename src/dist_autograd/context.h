@@ -32,7 +32,7 @@ class Context : public std::enable_shared_from_this<Context> {
   explicit Context(int64_t id) : id_(id) {}
 
   int64_t id() const { return id_; }
-  /// The worker that created it (the one that runs backward).
+  /// The worker that created it.
   int creator() const { return static_cast<int>(id_ >> 48); }
 
   void add_send(std::shared_ptr<SendBackward> send);
@@ -46,7 +46,7 @@ class Context : public std::enable_shared_from_this<Context> {
   void accumulate(const at::Tensor& variable, at::Tensor grad);
   c10::Dict<at::Tensor, at::Tensor> gradients() const;
 
-  /// The pass `pass_id` (the initiator numbers them 1, 2, ...): the running one, a new one if
+  /// The pass `pass_id` (numbered as begin_pass does): the running one, a new one if
   /// `pass_id` is newer than any seen (an older unfinished one is failed), or null if it is a
   /// pass already finished here. `*started` tells whether this call made it.
   std::shared_ptr<BackwardPass> pass_for(int64_t pass_id, bool retain_graph, bool* started);
@@ -54,9 +54,12 @@ class Context : public std::enable_shared_from_this<Context> {
   std::shared_ptr<BackwardPass> running_pass() const;
   /// Called by a pass when it finishes, however it ends.
   void end_pass(const BackwardPass* pass);
-  /// On the creator: a new pass numbered after every earlier one, or null while one still runs
-  /// (checked and started under one lock, so two concurrent backward calls cannot both start).
-  std::shared_ptr<BackwardPass> begin_pass(bool retain_graph);
+  /// On the worker `initiator` that starts a pass (the creator, or the owner of an RRef whose
+  /// backward runs there): a new pass numbered after every pass seen here, or null while one
+  /// still runs (checked and started under one lock, so two concurrent backward calls cannot both
+  /// start). A pass id is (count << 16 | initiator): two workers starting passes never number
+  /// them alike, and every worker a pass reaches counts on from it.
+  std::shared_ptr<BackwardPass> begin_pass(bool retain_graph, int initiator);
 
  private:
   const int64_t id_;

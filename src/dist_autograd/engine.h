@@ -38,6 +38,7 @@ namespace dist_autograd {
 namespace detail {
 
 class Context;
+class BackwardPass;
 
 /// Names of the internal RPCs a pass sends.
 constexpr const char* kGradientsFunction = "__distoptim.dist_autograd.gradients";
@@ -49,6 +50,13 @@ constexpr const char* kInternalPrefix = "__distoptim.dist_autograd.";
 /// and contexts are released (engine_rpc.cpp). Once per process, at start-up (recorder.h's
 /// install).
 void register_engine_functions();
+
+/// Checks `roots` (scalars that require grad), begins a pass on this worker's copy of the context
+/// and starts it; the caller waits on the pass's done() (api.cpp, and RRef::backward's handler).
+/// Errors (c10::ValueError, DistributedError if a pass runs) name `where`.
+std::shared_ptr<BackwardPass> start_backward(int64_t context_id,
+                                             const std::vector<at::Tensor>& roots,
+                                             bool retain_graph, const char* where);
 
 /// Fails the context's running pass and tells every worker it reached, except `except`, to
 /// release it (they tell theirs). Does not wait.

@@ -12,6 +12,7 @@
 #include <distoptim/comm/errors.h>
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/detail/internal_registry.h>
+#include <distoptim/rpc/rref.h>
 #include <distoptim/rpc/values.h>
 
 #include "context.h"
@@ -63,6 +64,17 @@ c10::intrusive_ptr<c10::ivalue::Future> on_begin(int64_t context_id, int64_t pas
   return answer(pass, started);
 }
 
+// RRef<at::Tensor>::backward with a context id, on the owner: the pass starts from the value
+// and the caller's answer goes when it is done (no thread waits meanwhile).
+c10::intrusive_ptr<c10::ivalue::Future> on_rref_backward(const rpc::RRef<c10::IValue>& rref,
+                                                         int64_t context_id, bool retain_graph) {
+  const c10::IValue value = rref.local_value();
+  TORCH_CHECK_VALUE(value.isTensor(), "RRef::backward: the value of ",
+                    rpc::detail::describe_rref(rref.handle()), " is not a tensor but ",
+                    value.tagKind());
+  return start_backward(context_id, {value.toTensor()}, retain_graph, "RRef::backward")->done();
+}
+
 }  // namespace
 
 void release_everywhere(const std::shared_ptr<Context>& context, int except) {
@@ -106,6 +118,13 @@ void register_engine_functions() {
         return on_begin(rpc::from_value<int64_t>(args[0], "the context id"),
                         rpc::from_value<int64_t>(args[1], "the pass id"),
                         rpc::from_value<bool>(args[2], "retain_graph"));
+      });
+  rpc::detail::register_internal_function(
+      rpc::detail::kRRefBackward, [](std::vector<c10::IValue> args) -> c10::IValue {
+        TORCH_CHECK_TYPE(args.size() == 3, "takes 3 arguments");
+        return on_rref_backward(rpc::from_value<rpc::RRef<c10::IValue>>(args[0], "the RRef"),
+                                rpc::from_value<int64_t>(args[1], "the context id"),
+                                rpc::from_value<bool>(args[2], "retain_graph"));
       });
   rpc::detail::register_internal_function(
       kReleaseFunction, [](std::vector<c10::IValue> args) -> c10::IValue {

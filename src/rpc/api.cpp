@@ -11,11 +11,14 @@
 #include <mutex>
 #include <optional>
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include <distoptim/comm/errors.h>
 #include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/rref.h>
 
 #include "agent.h"
+#include "registry_internal.h"
 #include "reply_snapshot.h"
 
 namespace distoptim {
@@ -245,6 +248,38 @@ void rref_confirm(const RRefHandle& handle, std::chrono::milliseconds timeout) {
   TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "confirm: timeout of ",
                     timeout.count(), " ms for ", impl.describe());
   impl.context()->confirm(impl, timeout);
+}
+
+void rref_backward(const RRefHandle& handle, int64_t context_id, bool retain_graph) {
+  const RRefImpl& impl = impl_of(handle);
+  TORCH_CHECK_VALUE(context_id >= -1, "RRef::backward: context_id ", context_id, " for ",
+                    impl.describe(), " (a distributed autograd context's id, or -1 for none)");
+  if (context_id == -1) {
+    TORCH_CHECK_VALUE(impl.isOwner(), "RRef::backward: ", impl.describe(),
+                      " is a user's reference; without a distributed autograd context id the "
+                      "backward pass is local and runs on the owner '",
+                      impl.ownerName(), "' only");
+    const c10::IValue value = rref_local_value(handle);
+    TORCH_CHECK_VALUE(value.isTensor(), "RRef::backward: the value of ", impl.describe(),
+                      " is not a tensor but ", value.tagKind());
+    const at::Tensor& loss = value.toTensor();
+    TORCH_CHECK_VALUE(loss.requires_grad() && loss.numel() == 1, "RRef::backward: the value of ",
+                      impl.describe(), " must be a scalar that requires grad (has shape ",
+                      loss.sizes(), ", requires_grad=", loss.requires_grad(), ")");
+    torch::autograd::backward({loss}, {}, retain_graph);
+    return;
+  }
+  // The distributed pass is distributed autograd's; rpc only carries the request to the owner.
+  TORCH_CHECK_VALUE(find_function(kRRefBackward) != nullptr, "RRef::backward with context ",
+                    context_id,
+                    ": distributed autograd is not linked into this program (link "
+                    "distoptim::dist_autograd)");
+  RpcFuture<void>(
+      waited_call_values(static_cast<int>(impl.owner()), kRRefBackward,
+                         {c10::IValue(handle), c10::IValue(context_id), c10::IValue(retain_graph)},
+                         kDefaultTimeout),
+      "the backward pass from " + impl.describe())
+      .wait();
 }
 
 std::string describe_rref(const RRefHandle& handle) { return impl_of(handle).describe(); }

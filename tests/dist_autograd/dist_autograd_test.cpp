@@ -96,6 +96,11 @@ DISTOPTIM_RPC_FUNCTION("backward_here", [](const at::Tensor& x, const std::strin
   backward(context.id(), {y.sum()});
   return get_gradients(context.id()).at(leaf);
 });
+// A loss that stays on this worker (through remote()), made with a nested call to `next`.
+DISTOPTIM_RPC_FUNCTION("chain_loss", [](const at::Tensor& x, const std::string& next) {
+  return layer(my_params(), rpc_sync<at::Tensor>(next, "layer", std::tuple{x})).pow(2).sum();
+});
+DISTOPTIM_RPC_FUNCTION("a_string", [] { return std::string("foo"); });
 DISTOPTIM_RPC_FUNCTION("die", [] { ::_exit(7); });
 DISTOPTIM_RPC_FUNCTION("pid", [] { return int64_t{::getpid()}; });
 
@@ -392,6 +397,79 @@ TEST(DistAutograd, RetainGraphAccumulatesAndWithoutItASecondPassFails) {
     backward(context.id(), {loss}, /*retain_graph=*/false);
     expect_close(get_gradients(context.id()).at(x), once * 2, "x after two passes");
     EXPECT_THROW(backward(context.id(), {loss}), c10::Error);
+  });
+}
+
+// PyTorch's RRef.backward: the pass starts from the loss on its owner (worker1), whose part of
+// the graph reaches worker2 and the trainer; twice with retain_graph, then a pass of the trainer's
+// own in the same context. Every worker's gradients against the reference.
+TEST(DistAutograd, RRefBackwardRunsThePassFromTheOwner) {
+  with_workers(3, [] {
+    at::Tensor x = leaf({2, 4}, 21);
+    ContextGuard context;
+    rpc::RRef<at::Tensor> loss =
+        rpc::remote<at::Tensor>(worker(1), "chain_loss", std::tuple{x, worker(2)});
+    loss.backward(context.id(), /*retain_graph=*/true);
+    loss.backward(context.id());
+    at::Tensor own = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{x}).sum();
+    backward(context.id(), {own});
+    EXPECT_EQ(loss.to_here().dim(), 0);
+
+    Reference reference;
+    at::Tensor xr = x.detach().requires_grad_();
+    at::Tensor ref_chain = reference.layer_on(1, reference.layer_on(2, xr)).pow(2).sum();
+    at::Tensor ref_own = reference.layer_on(1, xr).sum();
+    expect_worker_grads(context.id(), reference, ref_chain * 2 + ref_own, {1, 2}, {x}, {xr});
+
+    // The graph on the owner is freed now: a third pass fails there, naming the owner.
+    EXPECT_THROW(loss.backward(context.id()), rpc::RemoteError);
+  });
+}
+
+TEST(DistAutograd, RRefBackwardLocallyOnTheOwnerAndItsErrors) {
+  with_workers(2, [] {
+    at::Tensor x = leaf({3}, 22);
+    // Owned here: without a context, a local backward into .grad (PyTorch's RRef(t).backward()).
+    rpc::RRef<at::Tensor> local((x * 3.0).sum());
+    local.backward(-1, /*retain_graph=*/true);
+    EXPECT_TRUE(at::equal(x.grad(), at::full({3}, 3.0, at::kDouble)));
+    {
+      ContextGuard context;  // with one: the distributed pass, into the context
+      local.backward(context.id());
+      EXPECT_TRUE(at::equal(get_gradients(context.id()).at(x), at::full({3}, 3.0, at::kDouble)));
+      EXPECT_TRUE(at::equal(x.grad(), at::full({3}, 3.0, at::kDouble)));  // untouched
+
+      rpc::RRef<at::Tensor> remote_loss =
+          rpc::remote<at::Tensor>(worker(1), "chain_loss", std::tuple{leaf({2, 4}, 23), worker(1)});
+      try {
+        remote_loss.backward();
+        ADD_FAILURE() << "a user's reference ran a local backward";
+      } catch (const c10::ValueError& error) {
+        EXPECT_NE(std::string(error.what()).find("is a user's reference"), std::string::npos)
+            << error.what();
+      }
+      try {
+        remote_loss.backward(context.id() + 1000);
+        ADD_FAILURE() << "an unknown context was accepted";
+      } catch (const rpc::RemoteError& error) {
+        EXPECT_NE(std::string(error.what())
+                      .find("could not find distributed autograd context " +
+                            std::to_string(context.id() + 1000)),
+                  std::string::npos)
+            << error.what();
+      }
+      EXPECT_THROW(remote_loss.backward(-7), c10::ValueError);
+      rpc::RRef<at::Tensor> not_a_tensor(rpc::remote<c10::IValue>(worker(1), "a_string").handle());
+      try {
+        not_a_tensor.backward(context.id());
+        ADD_FAILURE() << "a string was a loss";
+      } catch (const rpc::RemoteError& error) {
+        EXPECT_NE(std::string(error.what()).find("is not a tensor but String"), std::string::npos)
+            << error.what();
+      }
+    }
+    rpc::RRef<at::Tensor> not_scalar(x * 2.0);
+    EXPECT_THROW(not_scalar.backward(), c10::ValueError);
   });
 }
 

@@ -18,6 +18,7 @@
 // allowed then.
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -171,6 +172,20 @@ class RRef {
   }
   RRefRemoteProxy remote(std::chrono::milliseconds timeout = kDefaultTimeout) const {
     return RRefRemoteProxy(checked(), timeout);
+  }
+
+  /// The backward pass from the value, a scalar tensor that requires grad, on its owner (PyTorch
+  /// 1.8+'s RRef.backward). With a distributed autograd context id: the distributed backward pass
+  /// of that context, started on the owner (which holds the context because the calls that made
+  /// the value recorded in it), returning once every worker reached is done; read the gradients
+  /// with dist_autograd::get_gradients on each worker. Without one (-1): a local backward into
+  /// `.grad`, on the owner only. Errors: c10::ValueError for a reference held by a user without a
+  /// context id, a value that is not a scalar requiring grad, or a context the owner does not
+  /// hold (from the owner, as a RemoteError); the distributed backward pass's own errors; needs
+  /// distoptim's dist_autograd layer linked for a context id.
+  template <class U = T, class = std::enable_if_t<std::is_same_v<U, at::Tensor>>>
+  void backward(int64_t context_id = -1, bool retain_graph = false) const {
+    detail::rref_backward(checked(), context_id, retain_graph);
   }
 
   const detail::RRefHandle& handle() const { return handle_; }

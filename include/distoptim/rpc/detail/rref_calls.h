@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <type_traits>
 #include <typeindex>
@@ -38,6 +39,9 @@ c10::IValue rref_local_value(const RRefHandle& handle);
 bool rref_confirmed_by_owner(const RRefHandle& handle);
 void rref_confirm(const RRefHandle& handle, std::chrono::milliseconds timeout);
 std::string describe_rref(const RRefHandle& handle);
+/// RRef<at::Tensor>::backward: a local backward on the owner (context_id -1), else the
+/// distributed backward pass of context `context_id` started on the owner (kRRefBackward).
+void rref_backward(const RRefHandle& handle, int64_t context_id, bool retain_graph);
 /// `handle` as it is sent as an RRef<T>: carrying the name of T, which the owner checks against
 /// its value when the reference reaches it (empty: not checked).
 RRefHandle declare_rref_type(const RRefHandle& handle, const std::string& type_name);
@@ -74,6 +78,10 @@ c10::intrusive_ptr<c10::ivalue::Future> method_call_values(const RRefHandle& rre
                                                            std::vector<c10::IValue> args,
                                                            std::chrono::milliseconds timeout,
                                                            bool waited_only);
+
+/// The internal function that starts a distributed backward pass from an RRef's value on its
+/// owner (arguments: the RRef, the context id, retain_graph); registered by distributed autograd.
+constexpr const char* kRRefBackward = "__distoptim.dist_autograd.rref_backward";
 
 }  // namespace detail
 }  // namespace rpc
