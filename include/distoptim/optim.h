@@ -12,4 +12,5 @@
 #include <distoptim/optim/rmsprop.h>
 #include <distoptim/optim/rprop.h>
 #include <distoptim/optim/sgd.h>
+#include <distoptim/optim/sparse_adam.h>
 #include <distoptim/optim/torch_adapter.h>

@@ -1,5 +1,8 @@
 #include <distoptim/optim/adagrad.h>
 
+#include <ATen/ATen.h>
+#include <c10/util/StringUtil.h>
+
 #include "update_common.h"
 
 namespace distoptim {
@@ -63,6 +66,35 @@ void Adagrad::update(size_t group, const std::vector<ParamUpdate>& updates) {
   detail::add_stateful_tasks(
       step_cache(), updates, kernel, {{0, o.initial_accumulator_value()}},
       [&](UpdateTask& task, int64_t step) { set_adagrad_params(task, o, step); });
+}
+
+std::string Adagrad::sparse_gradient_refusal(size_t group) const {
+  const AdagradOptions& o = options(group);
+  if (o.weight_decay() == 0) return "";
+  return c10::str("adagrad does not support sparse gradients with weight_decay=", o.weight_decay(),
+                  " (weight_decay option is not compatible with sparse gradients)");
+}
+
+void Adagrad::update_sparse(size_t group, const std::vector<ParamUpdate>& updates) {
+  const AdagradOptions& o = options(group);
+  for (const auto& u : updates) {
+    at::Tensor param = *u.param;
+    at::Tensor& sum = u.state->buffers[0];
+    if (!sum.defined()) {
+      sum = detail::new_state_buffer(param);
+      sum.fill_(o.initial_accumulator_value());
+    }
+    const int64_t step = ++u.state->step;
+    const double clr = o.lr() / (1 + static_cast<double>(step - 1) * o.lr_decay());
+    // The update is not linear in the gradient: duplicate rows are summed first.
+    const at::Tensor grad = (o.maximize() ? u.grad->neg() : *u.grad).coalesce();
+    if (grad._nnz() == 0) continue;
+    const at::Tensor indices = grad._indices();
+    const at::Tensor values = grad._values();
+    sum.add_(at::_sparse_coo_tensor_unsafe(indices, values.pow(2), grad.sizes()));
+    const at::Tensor std_values = sum.sparse_mask(grad)._values().sqrt_().add_(o.eps());
+    param.add_(at::_sparse_coo_tensor_unsafe(indices, values / std_values, grad.sizes()), -clr);
+  }
 }
 
 }  // namespace optim

@@ -59,6 +59,20 @@ void prefetch_metadata(const std::vector<at::Tensor>& params,
   }
 }
 
+// A sparse COO gradient's indices, each within the size it claims (LibTorch's unchecked
+// constructors do not ensure it, and an index past the end would write outside the parameter).
+void check_sparse_indices(const at::Tensor& grad, const std::string& what) {
+  const at::Tensor indices = grad._indices();
+  if (indices.size(1) == 0) return;
+  const at::Tensor low = std::get<0>(indices.min(1));
+  const at::Tensor high = std::get<0>(indices.max(1));
+  for (int64_t d = 0; d < grad.sparse_dim(); ++d) {
+    const int64_t lo = low[d].item<int64_t>(), hi = high[d].item<int64_t>();
+    TORCH_CHECK_INDEX(lo >= 0 && hi < grad.size(d), what, " has index ", lo < 0 ? lo : hi,
+                      " in dimension ", d, ", out of range for size ", grad.size(d));
+  }
+}
+
 }  // namespace
 
 bool ParamState::empty() const {
@@ -157,8 +171,16 @@ void FunctionalOptimizer::check_gradients(const std::vector<at::Tensor>& gradien
     const at::Tensor& g = gradients[i];
     if (!g.defined()) continue;
     const at::Tensor& p = params_[i];
-    TORCH_CHECK_VALUE(g.layout() == at::kStrided, name_, ".step: gradients[", i, "] has layout ",
-                      g.layout(), "; sparse gradients are not supported");
+    if (g.layout() == at::kSparse) {
+      const std::string refusal = sparse_gradient_refusal(param_group_[i]);
+      TORCH_CHECK_VALUE(refusal.empty(), name_, ".step: gradients[", i, "] is sparse; ", refusal);
+      check_sparse_indices(g, name_ + ".step: gradients[" + std::to_string(i) + "]");
+    } else {
+      TORCH_CHECK_VALUE(g.layout() == at::kStrided, name_, ".step: gradients[", i, "] has layout ",
+                        g.layout(), "; gradients are dense or sparse COO");
+      TORCH_CHECK_VALUE(!requires_sparse_gradients(), name_, ".step: gradients[", i, "] is dense; ",
+                        name_, " does not support dense gradients, please consider Adam instead");
+    }
     TORCH_CHECK_VALUE(g.device() == p.device(), name_, ".step: gradients[", i, "] is on ",
                       g.device(), " but its parameter is on ", p.device());
     TORCH_CHECK_TYPE(g.scalar_type() == p.scalar_type(), name_, ".step: gradients[", i,
@@ -172,11 +194,21 @@ void FunctionalOptimizer::step(const std::vector<at::Tensor>& gradients) {
   if (gradients.size() == params_.size()) prefetch_metadata(params_, gradients, states_);
   check_gradients(gradients);
   scratch_updates_.resize(groups_.size());
+  scratch_sparse_updates_.resize(groups_.size());
   for (auto& u : scratch_updates_) u.clear();
+  bool any_sparse = false;
+  for (auto& u : scratch_sparse_updates_) u.clear();
   for (size_t i = 0; i < gradients.size(); ++i) {
     if (!gradients[i].defined()) continue;
-    scratch_updates_[param_group_[i]].push_back(
+    const bool sparse = gradients[i].layout() == at::kSparse;
+    any_sparse = any_sparse || sparse;
+    (sparse ? scratch_sparse_updates_ : scratch_updates_)[param_group_[i]].push_back(
         ParamUpdate{static_cast<int64_t>(i), &params_[i], &gradients[i], &states_[i]});
+  }
+  if (any_sparse) {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      if (!scratch_sparse_updates_[g].empty()) update_sparse(g, scratch_sparse_updates_[g]);
+    }
   }
   // The built-in optimizers' update() adds its tasks to one batch, run here for all groups.
   kernels::UpdateBatch& batch = step_cache_->batch;
@@ -194,6 +226,15 @@ void FunctionalOptimizer::apply_updates(const std::vector<std::vector<ParamUpdat
   for (size_t g = 0; g < by_group.size(); ++g) {
     if (!by_group[g].empty()) update(g, by_group[g]);
   }
+}
+
+std::string FunctionalOptimizer::sparse_gradient_refusal(size_t /*group*/) const {
+  return name_ + " does not support sparse gradients (SGD, Adagrad and SparseAdam do)";
+}
+
+void FunctionalOptimizer::update_sparse(size_t /*group*/,
+                                        const std::vector<ParamUpdate>& /*updates*/) {
+  TORCH_INTERNAL_ASSERT(false, name_, ": a sparse gradient passed sparse_gradient_refusal");
 }
 
 void FunctionalOptimizer::on_group_added(size_t /*group*/) {}

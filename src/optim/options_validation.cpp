@@ -7,6 +7,7 @@
 #include <distoptim/optim/rmsprop.h>
 #include <distoptim/optim/rprop.h>
 #include <distoptim/optim/sgd.h>
+#include <distoptim/optim/sparse_adam.h>
 
 #include <c10/util/Exception.h>
 
@@ -57,6 +58,12 @@ void SGDOptions::validate() const {
 }
 
 void AdamOptions::validate() const { validate_adam_like("Adam", *this); }
+
+void SparseAdamOptions::validate() const {
+  require(lr() > 0.0, "SparseAdam", "lr", lr(), "> 0");
+  require(eps() > 0.0, "SparseAdam", "eps", eps(), "> 0");
+  require_betas("SparseAdam", betas());
+}
 
 void AdamWOptions::validate() const { validate_adam_like("AdamW", *this); }
 

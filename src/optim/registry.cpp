@@ -13,6 +13,7 @@
 #include <distoptim/optim/rmsprop.h>
 #include <distoptim/optim/rprop.h>
 #include <distoptim/optim/sgd.h>
+#include <distoptim/optim/sparse_adam.h>
 
 namespace distoptim {
 namespace optim {
@@ -46,6 +47,7 @@ Registry& registry() {
     reg->factories["adamax"] = typed_factory<Adamax, AdamaxOptions>();
     reg->factories["rmsprop"] = typed_factory<RMSprop, RMSpropOptions>();
     reg->factories["rprop"] = typed_factory<Rprop, RpropOptions>();
+    reg->factories["sparse_adam"] = typed_factory<SparseAdam, SparseAdamOptions>();
     return reg;
   }();
   return *r;

@@ -2,6 +2,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <c10/util/StringUtil.h>
 
 #include "update_common.h"
 
@@ -102,6 +103,36 @@ void SGD::update(size_t group, const std::vector<ParamUpdate>& updates) {
         detail::add_stateful_task(step_cache(), u, first_step ? first_step_kernel : kernel,
                                   {{momentum ? 0 : -1}}, /*count_step=*/false);
     task.params.sgd = args;
+  }
+}
+
+std::string SGD::sparse_gradient_refusal(size_t group) const {
+  const SGDOptions& o = options(group);
+  if (o.weight_decay() == 0) return "";
+  return c10::str("sgd does not support sparse gradients with weight_decay=", o.weight_decay(),
+                  " (neither does PyTorch)");
+}
+
+void SGD::update_sparse(size_t group, const std::vector<ParamUpdate>& updates) {
+  const SGDOptions& o = options(group);
+  for (const auto& u : updates) {
+    at::Tensor param = *u.param;
+    if (o.momentum() == 0) {
+      // torch.optim.SGD's param.add_(d_p, alpha=-lr) with d_p sparse: only the named rows.
+      param.add_(*u.grad, o.maximize() ? o.lr() : -o.lr());
+      continue;
+    }
+    // Momentum decays every row, so the update is dense whatever the gradient.
+    at::Tensor grad = u.grad->to_dense();
+    if (o.maximize()) grad.neg_();
+    at::Tensor& buffer = u.state->buffers[0];
+    if (!buffer.defined()) {
+      buffer = detail::new_state_buffer(param);
+      buffer.copy_(grad);
+    } else {
+      buffer.mul_(o.momentum()).add_(grad, 1 - o.dampening());
+    }
+    param.add_(o.nesterov() ? grad.add(buffer, o.momentum()) : buffer, -o.lr());
   }
 }
 

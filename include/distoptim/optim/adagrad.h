@@ -40,7 +40,9 @@ void adagrad(const std::vector<at::Tensor>& params, const std::vector<at::Tensor
 }  // namespace functional
 
 /// Adagrad. State: "sum", created with the parameter (filled with initial_accumulator_value),
-/// as PyTorch does. Registry name: "adagrad". Sparse gradients are refused.
+/// as PyTorch does. Registry name: "adagrad". Sparse gradients as PyTorch 1.13 takes them:
+/// coalesced (duplicates summed), then only the named rows of the sum and the parameter move;
+/// refused with weight decay, as PyTorch refuses them.
 class Adagrad : public TypedFunctionalOptimizer<AdagradOptions> {
  public:
   explicit Adagrad(std::vector<ParamGroup> groups,
@@ -51,6 +53,8 @@ class Adagrad : public TypedFunctionalOptimizer<AdagradOptions> {
  protected:
   void init_state(size_t group, const at::Tensor& param, ParamState& state) override;
   void update(size_t group, const std::vector<ParamUpdate>& updates) override;
+  std::string sparse_gradient_refusal(size_t group) const override;
+  void update_sparse(size_t group, const std::vector<ParamUpdate>& updates) override;
 };
 
 }  // namespace optim

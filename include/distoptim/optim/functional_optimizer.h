@@ -89,6 +89,14 @@ OptimizerStateDict load_state_dict_file(const std::string& path);
 /// Errors: bad input throws c10::Error (ValueError, TypeError or IndexError) naming the argument,
 /// its index and value, before any parameter or state is touched.
 /// Parameters: dense CPU tensors of float32 or float64, each at most once across all groups.
+///
+/// Sparse gradients: a gradient may be a sparse COO tensor (what an `Embedding` or `EmbeddingBag`
+/// with sparse=true produces: duplicate indices allowed, coalesced or not) where the optimizer
+/// takes one, as PyTorch 1.13's do: SGD (without weight decay), Adagrad (without weight decay)
+/// and SparseAdam (which takes only sparse ones); elsewhere it is refused with an error naming
+/// the gradient and the reason. Its size, dtype and device must match the parameter's and every
+/// index must lie within the size; it updates only the rows it names where the optimizer's math
+/// allows (SGD with momentum and Adagrad's lr_decay apart, see their headers).
 class FunctionalOptimizer {
  public:
   virtual ~FunctionalOptimizer();
@@ -151,8 +159,18 @@ class FunctionalOptimizer {
   virtual void on_group_options(size_t group, const OptionBag& resolved) = 0;
   /// Creates state that exists before the first step (Adagrad's sum). Default: nothing.
   virtual void init_state(size_t group, const at::Tensor& param, ParamState& state);
-  /// Updates the parameters of `group` that have gradients this step. Inputs are checked.
+  /// Updates the parameters of `group` that have dense gradients this step. Inputs are checked.
   virtual void update(size_t group, const std::vector<ParamUpdate>& updates) = 0;
+  /// Why a sparse gradient is refused in group `group` under its current options (the option
+  /// and its value, e.g. "weight_decay=0.01"), or "" when the optimizer takes one. Default:
+  /// refused ("<name> does not support sparse gradients").
+  virtual std::string sparse_gradient_refusal(size_t group) const;
+  /// Whether dense gradients are refused (SparseAdam). Default: false.
+  virtual bool requires_sparse_gradients() const { return false; }
+  /// Updates the parameters of `group` whose gradients are sparse COO this step, once every
+  /// gradient has been checked (size, dtype, device, indices within the size). Default:
+  /// unreachable (sparse_gradient_refusal refuses).
+  virtual void update_sparse(size_t group, const std::vector<ParamUpdate>& updates);
   /// One step's updates, group by group (empty where a group has no gradient). Default: `update`
   /// for each group with any; an optimizer that steps all groups at once overrides it.
   virtual void apply_updates(const std::vector<std::vector<ParamUpdate>>& by_group);
@@ -187,6 +205,7 @@ class FunctionalOptimizer {
   std::vector<Group> groups_;
   // Scratch reused by step() so a step allocates nothing once warm.
   std::vector<std::vector<ParamUpdate>> scratch_updates_;
+  std::vector<std::vector<ParamUpdate>> scratch_sparse_updates_;
   std::unique_ptr<detail::StepCache> step_cache_;
 };
 

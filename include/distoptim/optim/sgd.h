@@ -43,6 +43,12 @@ void sgd(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& g
 
 /// Stochastic gradient descent with optional momentum, Nesterov momentum, weight decay and
 /// maximization. State: "momentum_buffer" (only when momentum != 0). Registry name: "sgd".
+///
+/// Sparse gradients as PyTorch 1.13 takes them: refused with weight decay (PyTorch fails there);
+/// without momentum only the named rows move (as `param.add_(grad, -lr)`, duplicates added one
+/// by one). With momentum every row with momentum moves, as in PyTorch, but the buffer stays
+/// dense here: PyTorch keeps a sparse buffer whose entries grow by the gradient's every step;
+/// the values are the same to rounding.
 class SGD : public TypedFunctionalOptimizer<SGDOptions> {
  public:
   explicit SGD(std::vector<ParamGroup> groups, const SGDOptions& defaults = SGDOptions());
@@ -51,6 +57,8 @@ class SGD : public TypedFunctionalOptimizer<SGDOptions> {
 
  protected:
   void update(size_t group, const std::vector<ParamUpdate>& updates) override;
+  std::string sparse_gradient_refusal(size_t group) const override;
+  void update_sparse(size_t group, const std::vector<ParamUpdate>& updates) override;
 };
 
 }  // namespace optim
