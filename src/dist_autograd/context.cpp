@@ -9,6 +9,13 @@ namespace distoptim {
 namespace dist_autograd {
 namespace detail {
 
+at::Tensor add_gradients(const at::Tensor& a, const at::Tensor& b) {
+  // As LibTorch's engine: sparse + sparse stays sparse; with a dense one the sum is dense (ATen
+  // adds a sparse tensor to a dense one, not the other way round).
+  if (a.layout() == at::kSparse && b.layout() != at::kSparse) return b + a;
+  return a + b;
+}
+
 void Context::add_send(std::shared_ptr<SendBackward> send) {
   std::lock_guard<std::mutex> lock(mutex_);
   workers_.insert(send->peer());
@@ -46,15 +53,16 @@ std::set<int> Context::workers() const {
 
 void Context::accumulate(const at::Tensor& variable, at::Tensor grad) {
   // A gradient handed on by a node may be shared with others (an add passes one gradient to
-  // both its inputs): keep it only when nothing else holds it, and never add in place.
-  const bool exclusive =
-      grad.use_count() == 1 && grad.storage().use_count() == 1 && !grad.is_view();
+  // both its inputs): keep it only when nothing else holds it, and never add in place. A sparse
+  // one (an embedding's) is copied: its indices and values may be anyone's.
+  const bool exclusive = grad.layout() == at::kStrided && grad.use_count() == 1 &&
+                         grad.storage().use_count() == 1 && !grad.is_view();
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = gradients_.find(variable);
   if (it == gradients_.end()) {
     gradients_.insert(variable, exclusive ? std::move(grad) : grad.clone());
   } else {
-    it->setValue(it->value() + grad);
+    it->setValue(add_gradients(it->value(), grad));
   }
 }
 

@@ -24,6 +24,10 @@ namespace detail {
 
 class BackwardPass;
 
+/// a + b for two gradients of one tensor, either of them sparse COO (sparse + sparse stays
+/// sparse, as in LibTorch's engine).
+at::Tensor add_gradients(const at::Tensor& a, const at::Tensor& b);
+
 /// What one worker knows of a context: the send/recv nodes its messages recorded here, the
 /// workers it exchanged messages with, the leaf gradients of its backward passes, and the pass
 /// running now. Thread-safe.

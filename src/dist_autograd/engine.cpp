@@ -188,7 +188,7 @@ void BackwardPass::deliver(const Edge& edge, at::Tensor grad) {
       pending.inputs.resize(pending.node->num_inputs());
     }
     at::Tensor& slot = pending.inputs.at(edge.input_nr);
-    slot = slot.defined() ? slot + grad : std::move(grad);
+    slot = slot.defined() ? add_gradients(slot, grad) : std::move(grad);
   }
   if (--pending.dependencies == 0) {
     variable_list inputs = std::move(pending.inputs);

@@ -2,6 +2,7 @@
 
 #include <unordered_set>
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
 
@@ -206,6 +207,8 @@ void FunctionalOptimizer::step(const std::vector<at::Tensor>& gradients) {
         ParamUpdate{static_cast<int64_t>(i), &params_[i], &gradients[i], &states_[i]});
   }
   if (any_sparse) {
+    // Sparse updates are LibTorch operations on the parameters: not recorded by autograd.
+    at::NoGradGuard no_grad;
     for (size_t g = 0; g < groups_.size(); ++g) {
       if (!scratch_sparse_updates_[g].empty()) update_sparse(g, scratch_sparse_updates_[g]);
     }

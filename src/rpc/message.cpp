@@ -72,6 +72,12 @@ class Encoder {
       out->set_double_value(value.toDouble());
     } else if (value.isString()) {
       out->set_string_value(value.toStringRef());
+    } else if (value.isTensor() && value.toTensor().layout() == c10::kSparse) {
+      const at::Tensor& sparse = value.toTensor();
+      wire::SparseCooValue* coo = out->mutable_sparse_coo();
+      coo->set_indices_index(add_tensor(sparse._indices()));
+      coo->set_values_index(add_tensor(sparse._values()));
+      for (int64_t size : sparse.sizes()) coo->add_sizes(size);
     } else if (value.isTensor()) {
       out->set_tensor_index(add_tensor(value.toTensor()));
     } else if (value.isList()) {
@@ -125,7 +131,7 @@ class Encoder {
     TORCH_CHECK_VALUE(tensor.device().is_cpu(), "rpc: only CPU tensors can be sent, got one on ",
                       tensor.device());
     TORCH_CHECK_VALUE(tensor.layout() == c10::kStrided,
-                      "rpc: only dense (strided) tensors can be sent, got layout ",
+                      "rpc: only dense (strided) and sparse COO tensors can be sent, got layout ",
                       tensor.layout());
     TORCH_CHECK_TYPE(is_allowed_dtype(static_cast<int32_t>(tensor.scalar_type())),
                      "rpc: tensors of dtype ", tensor.scalar_type(), " cannot be sent");
@@ -229,6 +235,8 @@ class Decoder {
       }
       case wire::Value::kDict:
         return decode_dict(value.dict(), out, depth);
+      case wire::Value::kSparseCoo:
+        return decode_sparse_coo(value.sparse_coo(), out);
       case wire::Value::kRref: {
         const wire::RRefValue& rref = value.rref();
         // Worker ids are checked against the world size by the RRef layer, which knows it.
@@ -258,6 +266,60 @@ class Decoder {
   }
 
  private:
+  // Every fact an operation on a sparse tensor relies on, checked: LibTorch's unchecked
+  // constructor (the one that does not read every index) is then safe to use.
+  Status decode_sparse_coo(const wire::SparseCooValue& coo, c10::IValue* out) {
+    if (coo.indices_index() >= tensors_.size() || coo.values_index() >= tensors_.size()) {
+      return c10::str("a sparse tensor whose indices or values (tensors ", coo.indices_index(),
+                      ", ", coo.values_index(), ") are out of range (", tensors_.size(),
+                      " tensors)");
+    }
+    const size_t dims = static_cast<size_t>(coo.sizes_size());
+    if (dims == 0 || dims > limits_.max_tensor_dims) {
+      return c10::str("a sparse tensor of ", dims, " dimensions (1 to ", limits_.max_tensor_dims,
+                      ")");
+    }
+    std::vector<int64_t> sizes(coo.sizes().begin(), coo.sizes().end());
+    int64_t numel = 1;
+    for (int64_t size : sizes) {
+      if (size < 0) return c10::str("a sparse tensor with negative size ", size);
+      if (size != 0 && numel > std::numeric_limits<int64_t>::max() / size) {
+        return std::string("a sparse tensor whose element count overflows");
+      }
+      numel *= size;
+    }
+    const at::Tensor& indices = tensors_[coo.indices_index()];
+    const at::Tensor& values = tensors_[coo.values_index()];
+    if (indices.scalar_type() != c10::ScalarType::Long || indices.dim() != 2 ||
+        indices.size(0) < 1 || static_cast<size_t>(indices.size(0)) > dims) {
+      return c10::str("a sparse tensor whose indices are ", indices.scalar_type(), " of shape ",
+                      indices.sizes(), " (int64 [sparse dims, nnz], 1 to ", dims, " sparse dims)");
+    }
+    const int64_t sparse_dims = indices.size(0);
+    const int64_t nnz = indices.size(1);
+    std::vector<int64_t> value_sizes{nnz};
+    value_sizes.insert(value_sizes.end(), sizes.begin() + sparse_dims, sizes.end());
+    if (values.sizes() != c10::IntArrayRef(value_sizes)) {
+      return c10::str("a sparse tensor of size ", c10::IntArrayRef(sizes), " with ", nnz,
+                      " entries whose values have shape ", values.sizes(), " (expected ",
+                      c10::IntArrayRef(value_sizes), ")");
+    }
+    if (nnz > 0) {
+      const int64_t* rows = indices.data_ptr<int64_t>();
+      for (int64_t d = 0; d < sparse_dims; ++d) {
+        for (int64_t k = 0; k < nnz; ++k) {
+          const int64_t index = rows[d * nnz + k];
+          if (index < 0 || index >= sizes[d]) {
+            return c10::str("a sparse tensor with index ", index, " in dimension ", d,
+                            ", out of range for size ", sizes[d]);
+          }
+        }
+      }
+    }
+    *out = c10::IValue(at::_sparse_coo_tensor_unsafe(indices, values, sizes));
+    return std::nullopt;
+  }
+
   Status decode_dict(const wire::DictValue& dict, c10::IValue* out, size_t depth) {
     // Keys are all strings or all ints (an empty dict is typed by string keys).
     bool int_keys =

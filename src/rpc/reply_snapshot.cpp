@@ -25,6 +25,8 @@ namespace {
 // Linear returns for batched input). Anything else may be written meanwhile: a parameter, a saved
 // tensor of an autograd graph, a detached alias.
 bool reachable_only_from_reply(const at::Tensor& tensor, long references) {
+  // A sparse tensor's indices and values may be anyone's (an embedding's gradient): copied.
+  if (tensor.layout() != c10::kStrided) return false;
   if (static_cast<long>(tensor.use_count()) > references) {
     return false;
   }

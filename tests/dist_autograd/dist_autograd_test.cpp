@@ -101,6 +101,17 @@ DISTOPTIM_RPC_FUNCTION("chain_loss", [](const at::Tensor& x, const std::string& 
   return layer(my_params(), rpc_sync<at::Tensor>(next, "layer", std::tuple{x})).pow(2).sum();
 });
 DISTOPTIM_RPC_FUNCTION("a_string", [] { return std::string("foo"); });
+// An embedding table on this worker, handed to the caller, which looks rows up with sparse
+// gradients; and its gradient in a context.
+at::Tensor& my_table() {
+  static at::Tensor table =
+      at::randn({50, 4}, at::detail::createCPUGenerator(77), at::TensorOptions().dtype(at::kDouble))
+          .requires_grad_();
+  return table;
+}
+DISTOPTIM_RPC_FUNCTION("table", [] { return my_table(); });
+DISTOPTIM_RPC_FUNCTION("table_grad",
+                       [](int64_t context_id) { return get_gradients(context_id).at(my_table()); });
 DISTOPTIM_RPC_FUNCTION("die", [] { ::_exit(7); });
 DISTOPTIM_RPC_FUNCTION("pid", [] { return int64_t{::getpid()}; });
 
@@ -470,6 +481,35 @@ TEST(DistAutograd, RRefBackwardLocallyOnTheOwnerAndItsErrors) {
     }
     rpc::RRef<at::Tensor> not_scalar(x * 2.0);
     EXPECT_THROW(not_scalar.backward(), c10::ValueError);
+  });
+}
+
+// A sparse gradient crosses the wire: the trainer looks rows of worker1's table up with sparse
+// gradients (twice, so sparse + sparse accumulates), and worker1's context holds the table's
+// gradient sparse, with entries for looked-up rows only, equal to the local computation's.
+TEST(DistAutograd, SparseGradientsTravelAndStaySparse) {
+  with_workers(2, [] {
+    const at::Tensor ids = at::tensor({3, 7, 3, 40, 0, 7}, at::kLong);
+    const at::Tensor offsets = at::tensor({0, 2, 4}, at::kLong);
+    auto lookup = [&](const at::Tensor& table, const at::Tensor& some_ids) {
+      return std::get<0>(at::embedding_bag(table, some_ids, offsets, /*scale_grad_by_freq=*/false,
+                                           /*mode=*/0, /*sparse=*/true));
+    };
+    ContextGuard context;
+    const at::Tensor table = rpc_sync<at::Tensor>(worker(1), "table");
+    const at::Tensor loss =
+        (lookup(table, ids).pow(2).sum() + lookup(table, ids.flip(0)).sin().sum());
+    backward(context.id(), {loss});
+    const at::Tensor grad = rpc_sync<at::Tensor>(worker(1), "table_grad", std::tuple{context.id()});
+    ASSERT_TRUE(grad.is_sparse());
+    // Its size follows the batch, not the table's 50 rows.
+    EXPECT_LE(grad._nnz(), 2 * ids.numel());
+
+    const at::Tensor ref_table = table.detach().clone().requires_grad_();
+    const at::Tensor ref_loss =
+        (lookup(ref_table, ids).pow(2).sum() + lookup(ref_table, ids.flip(0)).sin().sum());
+    const at::Tensor ref_grad = torch::autograd::grad({ref_loss}, {ref_table})[0];
+    expect_close(grad.to_dense(), ref_grad.to_dense(), "the table's gradient");
   });
 }
 

@@ -7,11 +7,13 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/sgd.h>
 
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
+#include <distoptim/optim/sparse_adam.h>
 #include <distoptim/rpc.h>
 
 #include "harness/rpc_workers.h"
@@ -23,9 +25,29 @@ struct DoubleLinear : torch::nn::LinearImpl {
   DoubleLinear(int64_t in, int64_t out) : torch::nn::LinearImpl(in, out) { to(at::kDouble); }
 };
 
+// An embedding table with sparse gradients (sum of each bag's rows), float64.
+struct SparseBag : torch::nn::EmbeddingBagImpl {
+  SparseBag(int64_t rows, int64_t dim)
+      : torch::nn::EmbeddingBagImpl(
+            torch::nn::EmbeddingBagOptions(rows, dim).sparse(true).mode(torch::kSum)) {
+    to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& offsets) {
+    return torch::nn::EmbeddingBagImpl::forward(ids, offsets);
+  }
+};
+
 }  // namespace
 
 DISTOPTIM_REMOTE_MODULE(DoubleLinear, int64_t, int64_t);
+DISTOPTIM_REMOTE_MODULE(SparseBag, int64_t, int64_t);
+// On the table's owner: whether its gradient in a context is sparse, and how many entries it has.
+DISTOPTIM_RPC_FUNCTION(
+    "bag_gradient_nnz", [](int64_t context_id, distoptim::rpc::RRef<SparseBag> bag) -> int64_t {
+      const at::Tensor grad =
+          distoptim::dist_autograd::get_gradients(context_id).at(bag.local_value()->weight);
+      return grad.is_sparse() ? grad._nnz() : -1;
+    });
 
 namespace distoptim {
 namespace {
@@ -91,6 +113,67 @@ TEST(RemoteModuleTraining, DistributedOptimizerOverARemoteModuleMatchesLocalTrai
     for (size_t i = 0; i < trained.size(); ++i) {
       EXPECT_TRUE(at::allclose(trained[i], ref_params[i], 1e-12, 1e-12)) << "parameter " << i;
     }
+  });
+}
+
+// The parameter-server pattern with a sparse embedding: the table's gradient stays sparse from
+// the owner's backward through the context to SparseAdam on the owner (only the rows a batch
+// touched move), the trainer's dense layer steps with SGD; against the same model trained in one
+// process (LibTorch's SGD, distoptim's SparseAdam, which the optim parity tests hold to PyTorch).
+TEST(RemoteModuleTraining, ASparseEmbeddingTrainsThroughContextsAndSparseAdam) {
+  testing::with_workers(2, [] {
+    constexpr int64_t kRows = 1000, kDim = 8, kBags = 16, kIdsPerBag = 4;
+    auto bag =
+        std::make_shared<RemoteModule<SparseBag>>(testing::worker(1), std::tuple{kRows, kDim});
+    auto head = DoubleLinear(kDim, 1);
+    std::vector<RRef<at::Tensor>> table = bag->remote_parameters();
+    const at::Tensor initial = table[0].to_here();
+
+    auto ref_bag = SparseBag(kRows, kDim);
+    auto ref_head = DoubleLinear(kDim, 1);
+    {
+      at::NoGradGuard no_grad;
+      ref_bag.weight.copy_(table[0].to_here());
+      ref_head.weight.copy_(head.weight);
+      ref_head.bias.copy_(head.bias);
+    }
+    torch::optim::SGD ref_sgd(ref_head.parameters(), torch::optim::SGDOptions(kLr));
+    optim::SparseAdam ref_adam({ref_bag.weight}, optim::SparseAdamOptions(0.01));
+
+    dist_optim::DistributedOptimizer sparse_adam("sparse_adam", table,
+                                                 optim::OptionBag().set("lr", 0.01));
+    dist_optim::DistributedOptimizer sgd(
+        "sgd", {RRef<at::Tensor>(head.weight), RRef<at::Tensor>(head.bias)},
+        optim::OptionBag().set("lr", kLr));
+    auto generator = at::detail::createCPUGenerator(11);
+    const at::Tensor offsets = at::arange(0, kBags * kIdsPerBag, kIdsPerBag, at::kLong);
+    for (int step = 0; step < kSteps; ++step) {
+      // Ids from the first 100 rows, so bags share rows and most rows are never touched.
+      const at::Tensor ids = at::randint(100, {kBags * kIdsPerBag}, generator, at::kLong);
+      const at::Tensor target = at::randn({kBags, 1}, generator, at::kDouble);
+      {
+        dist_autograd::ContextGuard context;
+        const at::Tensor loss = at::mse_loss(head.forward(bag->forward(ids, offsets)), target);
+        dist_autograd::backward(context.id(), {loss});
+        const int64_t nnz = rpc::rpc_sync<int64_t>(testing::worker(1), "bag_gradient_nnz",
+                                                   std::tuple{context.id(), bag->module_rref()});
+        EXPECT_EQ(nnz, ids.numel()) << "the table's gradient is not sparse, or not one row per id";
+        sparse_adam.step(context.id());
+        sgd.step(context.id());
+      }
+      ref_sgd.zero_grad();
+      ref_bag.weight.mutable_grad() = at::Tensor();
+      at::mse_loss(ref_head.forward(ref_bag.forward(ids, offsets)), target).backward();
+      ASSERT_TRUE(ref_bag.weight.grad().is_sparse());
+      ref_adam.step({ref_bag.weight.grad()});
+      ref_sgd.step();
+    }
+    const at::Tensor trained = table[0].to_here();
+    EXPECT_TRUE(at::allclose(trained, ref_bag.weight, 1e-12, 1e-12));
+    // Rows no batch touched never moved (SparseAdam is lazy).
+    EXPECT_TRUE(at::equal(trained.slice(0, 100), initial.slice(0, 100)));
+    EXPECT_FALSE(at::equal(trained.slice(0, 0, 100), initial.slice(0, 0, 100)));
+    EXPECT_TRUE(at::allclose(head.weight, ref_head.weight, 1e-12, 1e-12));
   });
 }
 

@@ -89,7 +89,7 @@ TEST(SparseParity, EveryCaseMatchesTorchOptim) {
     std::vector<at::Tensor> groups[2];
     for (const c10::IValue& p : field(c, "params").toListRef()) {
       const Dict pd = p.toGenericDict();
-      params.push_back(field(pd, "init").toTensor().clone());
+      params.push_back(field(pd, "init").toTensor().clone().requires_grad_());
       std::vector<int64_t> shape;
       for (const c10::IValue& size : field(pd, "shape").toListRef()) shape.push_back(size.toInt());
       shapes.push_back(std::move(shape));

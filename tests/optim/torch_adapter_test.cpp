@@ -670,7 +670,8 @@ TEST(TorchAdapter, ChangingAGroupsParametersOutsideIsAnError) {
 TEST(TorchAdapter, SparseGradientIsRefusedBeforeAnyUpdate) {
   torch::Tensor w0 = torch::ones({3}).requires_grad_();
   torch::Tensor w1 = torch::ones({3}).requires_grad_();
-  dopt::TorchSGD opt(std::vector<torch::Tensor>{w0, w1}, dopt::SGDOptions(0.1));
+  // Adam takes no sparse gradient (SGD and Adagrad do, tests/optim/sparse_gradients_test.cpp).
+  dopt::TorchAdam opt(std::vector<torch::Tensor>{w0, w1}, dopt::AdamOptions(0.1));
   w0.mutable_grad() = torch::ones({3});
   w1.mutable_grad() = torch::ones({3}).to_sparse();
   EXPECT_THROW(opt.step(), c10::Error);

@@ -30,7 +30,10 @@ int main(int argc, char** argv) {
       encode_request(1, "add", {at::ones({2, 2}), int64_t{3}, std::string("s")}, 100),
       encode_response(2, c10::ivalue::Tuple::create({c10::IValue(dict), c10::IValue(true)})),
       encode_response(3, at::arange(4) % 2 == 0), encode_error(4, "message", "worker"),
-      encode_handshake(sample_proof_step())};
+      encode_handshake(sample_proof_step()),
+      // A sparse COO gradient (an embedding's), uncoalesced.
+      encode_response(5, at::sparse_coo_tensor(at::tensor({2, 0, 2}, at::kLong).unsqueeze(0),
+                                               at::ones({3, 2}), {4, 2}))};
   int index = 0;
   for (const EncodedMessage& seed : seeds) {
     std::string bytes = seed.header + seed.body;

@@ -241,7 +241,7 @@ TEST(RpcMessage, RRefIdsRoundTrip) {
 }
 
 TEST(RpcMessage, UnsendableValuesThrowOnEncode) {
-  EXPECT_THROW(encode_response(1, at::ones({2}).to_sparse()), c10::Error);
+  EXPECT_THROW(encode_response(1, at::ones({2, 2}).to_sparse_csr()), c10::Error);
   EXPECT_THROW(encode_response(1, at::Tensor()), c10::Error);
   c10::impl::GenericDict float_keys(c10::FloatType::get(), c10::AnyType::get());
   float_keys.insert(1.5, int64_t{1});
@@ -433,6 +433,70 @@ TEST(RpcMessage, HostileValuesAreRejected) {
   ids->set_owner_id(1);
   ids->set_type_name(std::string(1000, 'x'));
   expect_rejected(decode_crafted(rref, {}), "type name of 1000 bytes");
+}
+
+// Sparse COO tensors (embedding gradients) travel as indices, values and sizes, uncoalesced.
+TEST(RpcMessage, SparseTensorsRoundTrip) {
+  const at::Tensor rows = at::tensor({3, 0, 3, 9}, at::kLong).unsqueeze(0);
+  const at::Tensor table = at::sparse_coo_tensor(rows, at::randn({4, 5}), {10, 5});
+  const at::Tensor cube = at::sparse_coo_tensor(at::tensor({0, 1, 2, 0}, at::kLong).view({2, 2}),
+                                                at::randn({2, 3}, at::kDouble), {3, 4, 3});
+  const at::Tensor empty =
+      at::sparse_coo_tensor(at::zeros({1, 0}, at::kLong), at::zeros({0, 2}), {7, 2});
+  const at::Tensor coalesced = table.coalesce();
+  const c10::IValue received = round_trip(
+      c10::IValue(c10::List<at::Tensor>({table, cube, empty, coalesced, at::ones({2})})));
+  const auto tensors = received.toListRef();
+  ASSERT_EQ(tensors.size(), 5u);
+  const std::vector<at::Tensor> sent{table, cube, empty, coalesced};
+  for (size_t i = 0; i < sent.size(); ++i) {
+    const at::Tensor got = tensors[i].toTensor();
+    ASSERT_TRUE(got.is_sparse()) << i;
+    EXPECT_EQ(got.sizes(), sent[i].sizes()) << i;
+    EXPECT_EQ(got.sparse_dim(), sent[i].sparse_dim()) << i;
+    EXPECT_TRUE(at::equal(got._indices(), sent[i]._indices())) << i;
+    EXPECT_TRUE(at::equal(got._values(), sent[i]._values())) << i;
+    if (got._nnz() > 1) EXPECT_FALSE(got.is_coalesced()) << i;  // never trusted
+    EXPECT_TRUE(at::equal(got.to_dense(), sent[i].to_dense())) << i;
+  }
+  expect_same_tensor(at::ones({2}), tensors[4].toTensor());
+}
+
+TEST(RpcMessage, HostileSparseTensorsAreRejected) {
+  // A body whose result is a sparse tensor of `sizes` over table tensors 0 (indices) and 1.
+  auto crafted = [](const at::Tensor& indices, const at::Tensor& values,
+                    const std::vector<int64_t>& sizes, uint32_t indices_index = 0) {
+    wire::Body body;
+    wire::SparseCooValue* coo = body.mutable_response()->mutable_result()->mutable_sparse_coo();
+    coo->set_indices_index(indices_index);
+    coo->set_values_index(1);
+    for (int64_t size : sizes) coo->add_sizes(size);
+    std::vector<at::Tensor> buffers;
+    for (const at::Tensor& t : {indices, values}) {
+      wire::TensorMeta* meta = body.add_tensors();
+      meta->set_dtype(static_cast<int32_t>(t.scalar_type()));
+      for (int64_t size : t.sizes()) meta->add_sizes(size);
+      at::Tensor bytes = at::empty({static_cast<int64_t>(t.nbytes())}, at::kByte);
+      if (t.nbytes() > 0) std::memcpy(bytes.data_ptr(), t.contiguous().data_ptr(), t.nbytes());
+      buffers.push_back(bytes);
+    }
+    return decode_crafted(body, std::move(buffers));
+  };
+  const at::Tensor rows = at::tensor({1, 4}, at::kLong).unsqueeze(0);
+  const at::Tensor values = at::ones({2, 3});
+  EXPECT_FALSE(crafted(rows, values, {5, 3}).has_value());  // the well-formed one
+  expect_rejected(crafted(rows, values, {5, 3}, 7), "tensors 7, 1) are out of range");
+  expect_rejected(crafted(rows, values, {4, 3}), "index 4 in dimension 0, out of range for size 4");
+  expect_rejected(crafted(at::tensor({-1, 0}, at::kLong).unsqueeze(0), values, {5, 3}), "index -1");
+  expect_rejected(crafted(rows.to(at::kInt), values, {5, 3}), "whose indices are Int");
+  expect_rejected(crafted(at::tensor({1, 4}, at::kLong), values, {5, 3}), "of shape [2]");
+  expect_rejected(crafted(at::zeros({3, 2}, at::kLong), values, {5, 3}), "1 to 2 sparse dims");
+  expect_rejected(crafted(rows, at::ones({3, 3}), {5, 3}), "with 2 entries whose values have");
+  expect_rejected(crafted(rows, at::ones({2, 4}), {5, 3}), "expected [2, 3]");
+  expect_rejected(crafted(rows, values, {5, -3}), "negative size -3");
+  expect_rejected(crafted(rows, values, {}), "of 0 dimensions");
+  expect_rejected(crafted(rows, values, {int64_t{1} << 40, int64_t{1} << 40}),
+                  "element count overflows");
 }
 
 // Whether a reply's tensor is sent where it lies (same memory) or copied first.

@@ -219,7 +219,13 @@ TEST(Rpc, RemoteErrorsNameTheWorker) {
     // Bad input on the caller's side is refused before anything is sent.
     EXPECT_THROW(rpc_sync("nobody", "add", std::tuple{1, 2}), c10::ValueError);
     EXPECT_THROW(rpc_sync(5, "add", std::tuple{1, 2}), c10::ValueError);
-    EXPECT_THROW(rpc_sync(peer, "echo", std::tuple{at::ones({2}).to_sparse()}), c10::Error);
+    EXPECT_THROW(rpc_sync(peer, "echo", std::tuple{at::ones({2, 2}).to_sparse_csr()}), c10::Error);
+    // A sparse COO tensor travels (an embedding's gradient).
+    const at::Tensor sparse = at::sparse_coo_tensor(at::tensor({2, 0, 2}, at::kLong).unsqueeze(0),
+                                                    at::randn({3, 4}), {5, 4});
+    const at::Tensor echoed = rpc_sync<at::Tensor>(peer, "echo", std::tuple{sparse});
+    ASSERT_TRUE(echoed.is_sparse());
+    EXPECT_TRUE(at::equal(echoed.to_dense(), sparse.to_dense()));
     EXPECT_THROW(rpc_sync(peer, "add", std::tuple{1, 2}, -5ms), c10::ValueError);
     // The worker still serves after all that.
     EXPECT_EQ(rpc_sync<int64_t>(peer, "add", std::tuple{2, 3}), 5);
