@@ -8,4 +8,5 @@
 #include <distoptim/rpc/registry.h>
 #include <distoptim/rpc/remote_module.h>
 #include <distoptim/rpc/rref.h>
+#include <distoptim/rpc/sharded_embedding_bag.h>
 #include <distoptim/rpc/values.h>

@@ -16,6 +16,7 @@
 #include <distoptim/comm/errors.h>
 #include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/rref.h>
+#include <distoptim/rpc/sharded_embedding_bag.h>
 
 #include "agent.h"
 #include "registry_internal.h"
@@ -92,6 +93,8 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
                        "init_rpc: an agent is already running ", "as worker '",
                        g_agent ? g_agent->self().name : "", "'; call shutdown first");
   if (options.keep_freed_memory()) keep_freed_memory();
+  // The shards of a ShardedEmbeddingBag may be created here by a peer's model.
+  detail::register_embedding_shard();
   g_agent = detail::Agent::create(name, rank, world_size, options);
 }
 

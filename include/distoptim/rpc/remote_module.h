@@ -76,23 +76,32 @@ std::string remote_module_class_name(const std::type_info& type);
                                                   const std::string& module);
 }  // namespace detail
 
+namespace detail {
+/// The methods RemoteModule<C> calls on the owner's module of the class registered as `name`:
+/// `forward`, `train` and `remote_parameters`.
+template <class C>
+void register_module_methods(const std::string& name) {
+  static_assert(std::is_base_of_v<torch::nn::Module, C>,
+                "a remote module's class must derive from torch::nn::Module");
+  register_method<C>(name, "forward", &C::forward);
+  register_method<C>(name, "train", &torch::nn::Module::train);
+  auto parameters = [](const std::shared_ptr<C>& module, bool recurse) {
+    return module_parameter_rrefs(*module, recurse);
+  };
+  register_raw_method(
+      name, "remote_parameters",
+      wrap_typed<decltype(parameters), std::vector<RRef<at::Tensor>>>(
+          name + ".remote_parameters", std::move(parameters),
+          c10::guts::typelist::typelist<std::shared_ptr<C>, bool>{}, std::index_sequence<0, 1>{}));
+}
+}  // namespace detail
+
 /// Registers the nn::Module subclass C under `name` for RemoteModule<C>: its constructor (taking
 /// CtorArgs), `forward`, `train` and `remote_parameters`. C's forward must not be overloaded.
 template <class C, class... CtorArgs>
 void register_remote_module(const std::string& name) {
-  static_assert(std::is_base_of_v<torch::nn::Module, C>,
-                "register_remote_module: the class must derive from torch::nn::Module");
   register_class<C, CtorArgs...>(name);
-  register_method<C>(name, "forward", &C::forward);
-  register_method<C>(name, "train", &torch::nn::Module::train);
-  auto parameters = [](const std::shared_ptr<C>& module, bool recurse) {
-    return detail::module_parameter_rrefs(*module, recurse);
-  };
-  register_raw_method(
-      name, "remote_parameters",
-      detail::wrap_typed<decltype(parameters), std::vector<RRef<at::Tensor>>>(
-          name + ".remote_parameters", std::move(parameters),
-          c10::guts::typelist::typelist<std::shared_ptr<C>, bool>{}, std::index_sequence<0, 1>{}));
+  detail::register_module_methods<C>(name);
 }
 
 /// The form behind DISTOPTIM_REMOTE_MODULE.

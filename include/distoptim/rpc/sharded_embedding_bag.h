@@ -1,0 +1,108 @@
+#pragma once
+
+// ShardedEmbeddingBag: an EmbeddingBag whose rows live on several workers (parameter servers),
+// split by contiguous row ranges (TorchRec's row-wise sharding), for tables too large for one
+// process.
+//
+//   rpc::ShardedEmbeddingBag table(rpc::ShardedEmbeddingBagOptions(10'000'000, 32, {"ps0", "ps1"})
+//                                      .mode(torch::kSum));
+//   dist_autograd::ContextGuard context;
+//   at::Tensor pooled = table.forward(ids, offsets);   // [bags, 32]
+//   ...backward...
+//   DistributedOptimizer optimizer("sparse_adam", table.remote_parameters(), {{"lr", 0.01}});
+//
+// Forward sends each shard only the ids in its range, all shards at once (one call per shard with
+// any ids), gathers the rows they return in the order of the ids and pools them here with
+// LibTorch's embedding_bag, so the result is bit for bit an unsharded EmbeddingBag's with the same
+// rows. Inside a distributed autograd context the calls are recorded, and backward sends each shard
+// only its rows' gradient: on the shard it arrives as a sparse COO gradient of the shard's weight
+// with one entry per looked-up id, as an unsharded sparse EmbeddingBag's gradient restricted to
+// those rows, so every optimizer that takes sparse gradients (sgd, adagrad, sparse_adam) steps the
+// shards as it would step the whole table.
+//
+// Why ranges: hashed categorical ids are uniform already, so ranges balance as well as hashing
+// would, and a range maps to a shard with one comparison, keeps a shard's rows contiguous, and
+// makes a table re-split into another number of shards a matter of slicing.
+//
+// Rows start as LibTorch's EmbeddingBag starts them (normal(0, 1)), drawn per block of rows from
+// `seed`, so the initial table is the same whatever the number of shards.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+#include <torch/arg.h>
+#include <torch/enum.h>
+#include <torch/nn/module.h>
+#include <torch/nn/options/embedding.h>
+
+#include <distoptim/rpc/remote_module.h>
+
+namespace distoptim {
+namespace rpc {
+
+struct ShardedEmbeddingBagOptions {
+  ShardedEmbeddingBagOptions(int64_t num_embeddings, int64_t embedding_dim,
+                             std::vector<std::string> workers)
+      : num_embeddings_(num_embeddings),
+        embedding_dim_(embedding_dim),
+        workers_(std::move(workers)) {}
+  /// Rows of the whole table.
+  TORCH_ARG(int64_t, num_embeddings);
+  TORCH_ARG(int64_t, embedding_dim);
+  /// The shards' owners, one shard per entry (a worker may hold several).
+  TORCH_ARG(std::vector<std::string>, workers);
+  /// How a bag's rows are pooled, as LibTorch's EmbeddingBag (default kMean, as there).
+  TORCH_ARG(torch::nn::EmbeddingBagMode, mode) = torch::kMean;
+  /// The last offset is the end of the last bag (as LibTorch's option).
+  TORCH_ARG(bool, include_last_offset) = false;
+  TORCH_ARG(c10::ScalarType, dtype) = c10::ScalarType::Float;
+  /// The initial rows' seed.
+  TORCH_ARG(int64_t, seed) = 0;
+};
+
+/// One shard on its owner: rows [first_row, first_row + rows) of the table. Internal to
+/// ShardedEmbeddingBag (registered in every process that runs the rpc layer).
+struct EmbeddingShard : torch::nn::Module {
+  EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype, int64_t seed);
+  /// The rows of `local_ids` (shard-relative), with a sparse gradient.
+  at::Tensor forward(const at::Tensor& local_ids);
+  at::Tensor weight;
+};
+
+class ShardedEmbeddingBag : public torch::nn::Module {
+ public:
+  /// Creates every shard on its owner (asynchronously, as RemoteModule). Throws c10::ValueError
+  /// for sizes below 1, no workers, or more shards than rows.
+  explicit ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options);
+
+  /// `input`: 1-D ids with `offsets` (each bag's start), or 2-D [bags, ids per bag] without.
+  /// `per_sample_weights` as LibTorch's (sum mode only). Returns [bags, embedding_dim].
+  /// Errors: c10::IndexError naming an id outside [0, num_embeddings); c10::ValueError for inputs
+  /// of the wrong shape or dtype; a shard's failure as RemoteError naming its owner.
+  at::Tensor forward(const at::Tensor& input, const at::Tensor& offsets = {},
+                     const at::Tensor& per_sample_weights = {});
+
+  /// One RRef per shard, to its weight, in shard order: for the DistributedOptimizer.
+  std::vector<RRef<at::Tensor>> remote_parameters() const;
+  /// The rows shard `shard` holds: [first, end).
+  std::pair<int64_t, int64_t> shard_rows(size_t shard) const;
+  size_t num_shards() const { return shards_.size(); }
+  const ShardedEmbeddingBagOptions& options() const { return options_; }
+
+ private:
+  ShardedEmbeddingBagOptions options_;
+  std::vector<int64_t> first_rows_;  // per shard, then the table's end
+  std::vector<std::shared_ptr<RemoteModule<EmbeddingShard>>> shards_;
+};
+
+namespace detail {
+/// Registers EmbeddingShard with the rpc registry; once, from init_rpc.
+void register_embedding_shard();
+}  // namespace detail
+
+}  // namespace rpc
+}  // namespace distoptim

@@ -1,0 +1,177 @@
+#include <distoptim/rpc/sharded_embedding_bag.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <distoptim/rpc/detail/internal_registry.h>
+
+namespace distoptim {
+namespace rpc {
+
+namespace {
+
+constexpr const char* kShardClass = "__distoptim.embedding_shard";
+// Initial rows are drawn per block of this many rows, each block from its own generator, so a
+// row's initial value does not depend on which shard holds it.
+constexpr int64_t kInitBlockRows = 4096;
+
+at::Tensor initial_rows(int64_t first_row, int64_t rows, int64_t dim, c10::ScalarType dtype,
+                        int64_t seed) {
+  at::Tensor out = at::empty({rows, dim}, at::TensorOptions().dtype(dtype));
+  const int64_t end = first_row + rows;
+  for (int64_t block = first_row / kInitBlockRows; block * kInitBlockRows < end; ++block) {
+    const int64_t block_first = block * kInitBlockRows;
+    auto generator = at::detail::createCPUGenerator(
+        static_cast<uint64_t>(seed) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(block));
+    const at::Tensor values =
+        at::empty({kInitBlockRows, dim}, at::TensorOptions().dtype(dtype)).normal_(0, 1, generator);
+    const int64_t from = std::max(first_row, block_first);
+    const int64_t to = std::min(end, block_first + kInitBlockRows);
+    out.slice(0, from - first_row, to - first_row)
+        .copy_(values.slice(0, from - block_first, to - block_first));
+  }
+  return out;
+}
+
+int64_t pooling_mode(const torch::nn::EmbeddingBagMode& mode) {
+  if (c10::get_if<torch::enumtype::kSum>(&mode)) return 0;
+  if (c10::get_if<torch::enumtype::kMean>(&mode)) return 1;
+  return 2;
+}
+
+}  // namespace
+
+EmbeddingShard::EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype,
+                               int64_t seed) {
+  TORCH_CHECK_VALUE(first_row >= 0 && rows >= 1 && dim >= 1, "EmbeddingShard: rows [", first_row,
+                    ", ", first_row + rows, ") of dimension ", dim);
+  const auto type = static_cast<c10::ScalarType>(dtype);
+  TORCH_CHECK_VALUE(type == c10::ScalarType::Float || type == c10::ScalarType::Double,
+                    "EmbeddingShard: dtype ", dtype, " (float32 or float64)");
+  weight = register_parameter("weight", initial_rows(first_row, rows, dim, type, seed));
+}
+
+at::Tensor EmbeddingShard::forward(const at::Tensor& local_ids) {
+  TORCH_CHECK_VALUE(local_ids.dim() == 1 && local_ids.scalar_type() == at::kLong,
+                    "EmbeddingShard: ids must be a 1-D int64 tensor, got ", local_ids.scalar_type(),
+                    " of shape ", local_ids.sizes());
+  if (local_ids.numel() > 0) {
+    const int64_t low = local_ids.min().item<int64_t>(), high = local_ids.max().item<int64_t>();
+    TORCH_CHECK_INDEX(low >= 0 && high < weight.size(0), "EmbeddingShard: id ",
+                      low < 0 ? low : high, " outside the shard's ", weight.size(0), " rows");
+  }
+  return at::embedding(weight, local_ids, /*padding_idx=*/-1, /*scale_grad_by_freq=*/false,
+                       /*sparse=*/true);
+}
+
+ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options)
+    : torch::nn::Module("ShardedEmbeddingBag"), options_(options) {
+  const int64_t rows = options.num_embeddings();
+  const int64_t shards = static_cast<int64_t>(options.workers().size());
+  TORCH_CHECK_VALUE(rows >= 1 && options.embedding_dim() >= 1,
+                    "ShardedEmbeddingBag: num_embeddings ", rows, " and embedding_dim ",
+                    options.embedding_dim(), " must be at least 1");
+  TORCH_CHECK_VALUE(shards >= 1 && shards <= rows, "ShardedEmbeddingBag: ", shards, " workers for ",
+                    rows, " rows (1 to one per row)");
+  TORCH_CHECK_VALUE(
+      options.dtype() == c10::ScalarType::Float || options.dtype() == c10::ScalarType::Double,
+      "ShardedEmbeddingBag: dtype ", options.dtype(), " (float32 or float64)");
+  // The first rows % shards shards hold one row more.
+  int64_t first = 0;
+  for (int64_t s = 0; s < shards; ++s) {
+    const int64_t count = rows / shards + (s < rows % shards ? 1 : 0);
+    first_rows_.push_back(first);
+    shards_.push_back(std::make_shared<RemoteModule<EmbeddingShard>>(
+        options.workers()[s], std::tuple{first, count, options.embedding_dim(),
+                                         static_cast<int64_t>(options.dtype()), options.seed()}));
+    first += count;
+  }
+  first_rows_.push_back(rows);
+}
+
+std::pair<int64_t, int64_t> ShardedEmbeddingBag::shard_rows(size_t shard) const {
+  TORCH_CHECK_INDEX(shard < shards_.size(), "ShardedEmbeddingBag: shard ", shard, " of ",
+                    shards_.size());
+  return {first_rows_[shard], first_rows_[shard + 1]};
+}
+
+std::vector<RRef<at::Tensor>> ShardedEmbeddingBag::remote_parameters() const {
+  std::vector<RRef<at::Tensor>> params;
+  for (const auto& shard : shards_) {
+    for (auto& param : shard->remote_parameters()) params.push_back(std::move(param));
+  }
+  return params;
+}
+
+at::Tensor ShardedEmbeddingBag::forward(const at::Tensor& input, const at::Tensor& offsets,
+                                        const at::Tensor& per_sample_weights) {
+  TORCH_CHECK_VALUE(input.scalar_type() == at::kLong || input.scalar_type() == at::kInt,
+                    "ShardedEmbeddingBag: input must hold int64 or int32 ids, got ",
+                    input.scalar_type());
+  at::Tensor ids = input.to(at::kLong);
+  at::Tensor bag_offsets = offsets;
+  if (ids.dim() == 2) {
+    TORCH_CHECK_VALUE(!offsets.defined(),
+                      "ShardedEmbeddingBag: a 2-D input takes no offsets (each row is a bag)");
+    bag_offsets = at::arange(0, ids.numel(), std::max<int64_t>(ids.size(1), 1), at::kLong);
+    ids = ids.reshape({-1});
+  } else {
+    TORCH_CHECK_VALUE(ids.dim() == 1 && offsets.defined() && offsets.dim() == 1,
+                      "ShardedEmbeddingBag: a 1-D input needs 1-D offsets (got input of shape ",
+                      input.sizes(), ")");
+  }
+  const int64_t n = ids.numel();
+  if (n > 0) {
+    const int64_t low = ids.min().item<int64_t>(), high = ids.max().item<int64_t>();
+    TORCH_CHECK_INDEX(low >= 0 && high < options_.num_embeddings(), "ShardedEmbeddingBag: id ",
+                      low < 0 ? low : high, " is outside the table's ", options_.num_embeddings(),
+                      " rows");
+  }
+  // Each id's shard: the number of shard starts (after the first) at or below it.
+  const at::Tensor starts =
+      at::tensor(std::vector<int64_t>(first_rows_.begin() + 1, first_rows_.end() - 1), at::kLong);
+  const at::Tensor shard_of = at::bucketize(ids, starts, /*out_int32=*/false, /*right=*/true);
+  std::vector<at::Tensor> positions;
+  std::vector<RpcFuture<at::Tensor>> replies;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const at::Tensor at_shard = (shard_of == static_cast<int64_t>(s)).nonzero().reshape({-1});
+    if (at_shard.numel() == 0) continue;
+    positions.push_back(at_shard);
+    replies.push_back(shards_[s]->forward_async(ids.index_select(0, at_shard) - first_rows_[s]));
+  }
+  at::Tensor rows;
+  if (replies.empty()) {
+    rows = at::zeros({0, options_.embedding_dim()}, at::TensorOptions().dtype(options_.dtype()));
+  } else {
+    std::vector<at::Tensor> parts;
+    for (auto& reply : replies) parts.push_back(reply.wait());
+    // The rows in the order of the ids: exact copies both ways (no sums), so pooling them below
+    // adds exactly what an unsharded table's embedding_bag adds, in the same order.
+    const at::Tensor order = at::cat(positions);
+    at::Tensor inverse = at::empty_like(order);
+    inverse.index_put_({order}, at::arange(n, at::kLong));
+    rows = at::cat(parts).index_select(0, inverse);
+  }
+  return std::get<0>(at::embedding_bag(rows, at::arange(n, at::kLong), bag_offsets,
+                                       /*scale_grad_by_freq=*/false, pooling_mode(options_.mode()),
+                                       /*sparse=*/false, per_sample_weights,
+                                       options_.include_last_offset()));
+}
+
+namespace detail {
+
+void register_embedding_shard() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    register_internal_class<EmbeddingShard, int64_t, int64_t, int64_t, int64_t, int64_t>(
+        kShardClass);
+    register_module_methods<EmbeddingShard>(kShardClass);
+  });
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim
