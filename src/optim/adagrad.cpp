@@ -1,8 +1,10 @@
 #include <distoptim/optim/adagrad.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <c10/util/StringUtil.h>
 
+#include "sparse_rows.h"
 #include "update_common.h"
 
 namespace distoptim {
@@ -89,6 +91,20 @@ void Adagrad::update_sparse(size_t group, const std::vector<ParamUpdate>& update
     // The update is not linear in the gradient: duplicate rows are summed first.
     const at::Tensor grad = (o.maximize() ? u.grad->neg() : *u.grad).coalesce();
     if (grad._nnz() == 0) continue;
+    if (param.is_contiguous() && sum.is_contiguous()) {
+      // One pass over each named row (the last multiply and add round apart, where LibTorch's
+      // add_ may fuse them: the two agree to rounding).
+      const detail::SparseGradientRows rows = detail::gradient_rows(grad);
+      AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "adagrad", [&] {
+        detail::for_each_row_range(grad._nnz(), rows.row_numel, [&](int64_t begin, int64_t end) {
+          detail::adagrad_rows<scalar_t>(
+              param.data_ptr<scalar_t>(), sum.data_ptr<scalar_t>(),
+              rows.values.data_ptr<scalar_t>(), rows.rows.data_ptr<int64_t>(), begin, end,
+              rows.row_numel, static_cast<scalar_t>(o.eps()), static_cast<scalar_t>(-clr));
+        });
+      });
+      continue;
+    }
     const at::Tensor indices = grad._indices();
     const at::Tensor values = grad._values();
     sum.add_(at::_sparse_coo_tensor_unsafe(indices, values.pow(2), grad.sizes()));

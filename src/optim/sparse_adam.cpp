@@ -3,8 +3,10 @@
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
 
+#include "sparse_rows.h"
 #include "update_common.h"
 
 namespace distoptim {
@@ -34,6 +36,23 @@ void SparseAdam::update_sparse(size_t group, const std::vector<ParamUpdate>& upd
     // The update is not linear in the gradient: duplicate rows are summed first.
     const at::Tensor grad = (o.maximize() ? u.grad->neg() : *u.grad).coalesce();
     if (grad._nnz() == 0) continue;
+    const double neg_step_size = -(o.lr() * std::sqrt(1 - std::pow(beta2, double(step))) /
+                                   (1 - std::pow(beta1, double(step))));
+    if (param.is_contiguous() && exp_avg.is_contiguous() && exp_avg_sq.is_contiguous()) {
+      // One pass over each named row, with the operations below in the same order.
+      const detail::SparseGradientRows rows = detail::gradient_rows(grad);
+      AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sparse_adam", [&] {
+        detail::for_each_row_range(grad._nnz(), rows.row_numel, [&](int64_t begin, int64_t end) {
+          detail::sparse_adam_rows<scalar_t>(
+              param.data_ptr<scalar_t>(), exp_avg.data_ptr<scalar_t>(),
+              exp_avg_sq.data_ptr<scalar_t>(), rows.values.data_ptr<scalar_t>(),
+              rows.rows.data_ptr<int64_t>(), begin, end, rows.row_numel,
+              static_cast<scalar_t>(1 - beta1), static_cast<scalar_t>(1 - beta2),
+              static_cast<scalar_t>(o.eps()), static_cast<scalar_t>(neg_step_size));
+        });
+      });
+      continue;
+    }
     const at::Tensor indices = grad._indices();
     const at::Tensor values = grad._values();
     auto rows = [&](const at::Tensor& row_values) {
@@ -50,10 +69,7 @@ void SparseAdam::update_sparse(size_t group, const std::vector<ParamUpdate>& upd
 
     const at::Tensor numer = exp_avg_update.add_(old_exp_avg);
     const at::Tensor denom = exp_avg_sq_update.add_(old_exp_avg_sq).sqrt_().add_(o.eps());
-    const double bias_correction1 = 1 - std::pow(beta1, static_cast<double>(step));
-    const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(step));
-    const double step_size = o.lr() * std::sqrt(bias_correction2) / bias_correction1;
-    param.add_(rows(numer.div_(denom).mul(-step_size)));
+    param.add_(rows(numer.div_(denom).mul(neg_step_size)));
   }
 }
 

@@ -1,5 +1,7 @@
 #include "update_common.h"
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
@@ -186,6 +188,28 @@ void check_steps(const char* function, const std::vector<at::Tensor>& params,
     TORCH_CHECK_VALUE(steps[i] >= 1, function, ": steps[", i, "] = ", steps[i],
                       " (the count after this step, so >= 1)");
   }
+}
+
+SparseGradientRows gradient_rows(const at::Tensor& coalesced_grad) {
+  const at::Tensor indices = coalesced_grad._indices();
+  SparseGradientRows out;
+  out.rows = indices[0];
+  for (int64_t d = 1; d < coalesced_grad.sparse_dim(); ++d) {
+    out.rows = out.rows * coalesced_grad.size(d) + indices[d];
+  }
+  out.rows = out.rows.contiguous();
+  for (int64_t d = coalesced_grad.sparse_dim(); d < coalesced_grad.dim(); ++d) {
+    out.row_numel *= coalesced_grad.size(d);
+  }
+  out.values = coalesced_grad._values().contiguous();
+  return out;
+}
+
+void for_each_row_range(int64_t nnz, int64_t row_numel,
+                        const std::function<void(int64_t, int64_t)>& rows) {
+  // About 32K elements per task: enough work to pay for handing it to another thread.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(row_numel, 1));
+  at::parallel_for(0, nnz, grain, rows);
 }
 
 }  // namespace detail

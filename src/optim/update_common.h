@@ -3,6 +3,7 @@
 // Shared plumbing of the built-in optimizers: one parameter's operands for a fused update, and
 // the argument checks of the list-based functional API.
 
+#include <functional>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -97,6 +98,19 @@ void add_stateful_tasks(StepCache& cache,
 
 /// A zero-filled buffer laid out like `param` (same strides when `param` is dense).
 at::Tensor new_state_buffer(const at::Tensor& param);
+
+/// A coalesced sparse gradient of `param` as rows of `param` viewed as [rows, row_numel]: the
+/// rows (int64, unique) and their values, contiguous [nnz, row_numel]. For the one-pass row
+/// updates (sparse_rows.h), which need `param` and every state buffer contiguous.
+struct SparseGradientRows {
+  at::Tensor rows;
+  at::Tensor values;
+  int64_t row_numel = 1;
+};
+SparseGradientRows gradient_rows(const at::Tensor& coalesced_grad);
+/// Runs `rows(begin, end)` over [0, nnz) split across the intra-op threads.
+void for_each_row_range(int64_t nnz, int64_t row_numel,
+                        const std::function<void(int64_t, int64_t)>& rows);
 
 /// Checks the list arguments of a functional:: update: every list as long as `params`, every
 /// gradient and buffer defined and shaped like its parameter. Names the list and the index.

@@ -233,6 +233,37 @@ TEST(SparseGradients, AGradientWithNoEntriesCountsAStepAndMovesNothing) {
   }
 }
 
+// The one-pass row update (contiguous parameters) against LibTorch's sparse operations in
+// PyTorch's order (what a strided parameter takes): SparseAdam bit for bit, Adagrad to rounding.
+TEST(SparseGradients, TheOnePassRowUpdateEqualsTheOperationsItReplaces) {
+  for (const char* name : {"sparse_adam", "adagrad"}) {
+    for (const auto dtype : {at::kFloat, at::kDouble}) {
+      SCOPED_TRACE(std::string(name) + (dtype == at::kFloat ? " float32" : " float64"));
+      const at::Tensor initial = at::randn({40, 7}, dtype);
+      at::Tensor contiguous = initial.clone();
+      at::Tensor strided = initial.t().contiguous().t();  // same values, column-major
+      ASSERT_FALSE(strided.is_contiguous());
+      auto a = create_optimizer(name, {ParamGroup({contiguous})}, OptionBag().set("lr", 0.05));
+      auto b = create_optimizer(name, {ParamGroup({strided})}, OptionBag().set("lr", 0.05));
+      for (int step = 0; step < 6; ++step) {
+        const at::Tensor rows = at::randint(40, {25}, at::kLong);
+        const at::Tensor grad =
+            at::sparse_coo_tensor(rows.unsqueeze(0), at::randn({25, 7}, dtype), {40, 7});
+        a->step({grad});
+        b->step({grad});
+      }
+      if (std::string(name) == "sparse_adam") {
+        EXPECT_TRUE(at::equal(contiguous, strided));
+        EXPECT_TRUE(at::equal(a->state(0).buffers[0], b->state(0).buffers[0]));
+        EXPECT_TRUE(at::equal(a->state(0).buffers[1], b->state(0).buffers[1]));
+      } else {
+        expect_close(contiguous, strided, "parameter");
+        EXPECT_TRUE(at::equal(a->state(0).buffers[0], b->state(0).buffers[0]));
+      }
+    }
+  }
+}
+
 // Sparse steps, a checkpoint through a file, then more steps: the same as without the break.
 TEST(SparseGradients, ACheckpointMidRunResumesBitForBit) {
   for (const char* name : {"sgd", "adagrad", "sparse_adam"}) {
