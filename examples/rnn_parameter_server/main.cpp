@@ -331,7 +331,14 @@ int run_example(const Settings& s) {
                            distoptim::rpc::RpcBackendOptions("env://")
                                .rpc_timeout(std::chrono::minutes(5))
                                .shutdown_timeout(std::chrono::minutes(10)));
-  if (rank > 0) train(s, rank, world_size);
+  try {
+    if (rank > 0) train(s, rank, world_size);
+  } catch (...) {
+    // Stop the agent at once (the server would wait in a graceful shutdown's barrier for a
+    // trainer that has failed), so that the error reaches main's one-line report.
+    distoptim::rpc::shutdown(/*graceful=*/false);
+    throw;
+  }
   distoptim::rpc::shutdown();
   return 0;
 }
