@@ -3,7 +3,8 @@
 # runs examples/rnn_parameter_server under distrun: PyTorch's RNN parameter-server example, a
 # server holding the embedding table and decoder and one trainer running the LSTM, trained with
 # distributed autograd and a DistributedOptimizer for about two minutes. It prints its progress,
-# the final loss and perplexity, and where the loss curve (CSV and PNG) went. Arguments are passed
+# the final training loss and perplexity, the perplexity on the held-out last 10% of the text,
+# and where the loss curve (CSV and PNG) went. Arguments are passed
 # to the example (see --help). Works from any directory. DISTOPTIM_BUILD_DIR and DISTOPTIM_JOBS
 # override build/ and -j2; DISTOPTIM_TRAINERS the number of trainers (1).
 set -euo pipefail

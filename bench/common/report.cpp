@@ -47,6 +47,13 @@ long proc_status_kb(const std::string& field) {
   return -1;
 }
 
+double load_average() {
+  std::ifstream file("/proc/loadavg");
+  double one_minute = -1;
+  file >> one_minute;
+  return file ? one_minute : -1;
+}
+
 std::vector<nlohmann::json> result_lines(const std::string& output) {
   std::vector<nlohmann::json> results;
   std::istringstream lines(output);
@@ -82,7 +89,7 @@ std::vector<nlohmann::json> run_side(const std::string& what, std::vector<std::s
 }
 
 ResultsFile::ResultsFile(const std::string& path, const std::string& program)
-    : path_(path), program_(program) {
+    : path_(path), program_(program), load_at_start_(load_average()) {
   TORCH_CHECK(!path.empty(), program, ": --json PATH is required");
   const std::filesystem::path fs_path(path);
   if (fs_path.has_parent_path()) std::filesystem::create_directories(fs_path.parent_path());
@@ -91,7 +98,8 @@ ResultsFile::ResultsFile(const std::string& path, const std::string& program)
 }
 
 void ResultsFile::write(const nlohmann::json& results) {
-  file_ << results.dump(2) << "\n";
+  const nlohmann::json file{{"cases", results}, {"load_average", {load_at_start_, load_average()}}};
+  file_ << file.dump(2) << "\n";
   file_.close();
   TORCH_CHECK(file_.good(), program_, ": writing '", path_, "' failed");
 }

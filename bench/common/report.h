@@ -31,6 +31,9 @@ double process_cpu_seconds();
 /// A "kB" field of /proc/self/status (VmRSS, VmHWM, RssAnon, ...), or -1 if it is missing.
 long proc_status_kb(const std::string& field);
 
+/// The machine's 1-minute load average (/proc/loadavg), or -1 if it cannot be read.
+double load_average();
+
 /// The JSON after kResultPrefix on every line of `output` that has it, in order; the marker
 /// may follow a prefix (distrun's "[rank R] "). Throws nlohmann::json's parse_error on bad JSON.
 std::vector<nlohmann::json> result_lines(const std::string& output);
@@ -53,13 +56,16 @@ std::vector<nlohmann::json> run_side(const std::string& what, std::vector<std::s
 int run_main(const char* program, int (*run)(int, char**), int argc, char** argv);
 
 /// The file a benchmark writes its results to (--json PATH). Opened, with its folder created,
-/// at construction, so a bad path fails before minutes of measuring rather than after.
+/// at construction, so a bad path fails before minutes of measuring rather than after. It holds
+/// {"cases": <the benchmark's results>, "load_average": [at construction, at write]}, what
+/// scripts/benchmarks_doc.py renders into docs/benchmarks.md.
 class ResultsFile {
  public:
   /// `program` names the benchmark in error messages. Throws c10::Error if the file cannot be
   /// opened.
   ResultsFile(const std::string& path, const std::string& program);
-  /// Writes `results` (indented) and closes the file; throws c10::Error if writing failed.
+  /// Writes `results` (indented, as "cases") and the load averages, and closes the file; throws
+  /// c10::Error if writing failed.
   void write(const nlohmann::json& results);
   /// Closes and removes the file, for a run whose results must not be used.
   void discard();
@@ -73,6 +79,7 @@ class ResultsFile {
   std::string path_;
   std::string program_;
   std::ofstream file_;
+  double load_at_start_;
 };
 
 }  // namespace bench

@@ -47,8 +47,8 @@
 // program is forwarded to the running side's process group (run_child), so Ctrl-C stops the
 // children too.
 //
-// The JSON written to --json is a list of {case, ours, pytorch, unit, better}, better being
-// "lower" or "higher".
+// The JSON written to --json holds, under "cases", a list of {case, ours, pytorch, unit,
+// better}, better being "lower" or "higher", and the load average (common/report.h).
 //
 // Usage: dist_optim_bench --json PATH [--iterations N] [--quick] [--deadline-seconds N]
 
@@ -126,15 +126,6 @@ struct Config {
 };
 
 std::string worker_name(int rank) { return "worker" + std::to_string(rank); }
-
-// The 1-minute load average (/proc/loadavg): the machine is shared, and the table says how busy
-// it was.
-double load_average() {
-  std::ifstream file("/proc/loadavg");
-  double load = -1;
-  file >> load;
-  return load;
-}
 
 double seconds_since(Clock::time_point from) {
   return std::chrono::duration<double>(Clock::now() - from).count();

@@ -50,7 +50,8 @@
 // TCP connection (a 24-byte header plus the payload) and over a bare TensorPipe pipe (uv
 // transport, basic channel), with the latency and echo cases' call counts.
 //
-// The JSON written to --json is a list of {case, ours, pytorch, unit, ratio}. ratio is >1 where
+// The JSON written to --json holds the load average (common/report.h) and, under "cases", a
+// list of {case, ours, pytorch, unit, ratio}. ratio is >1 where
 // ours is better: pytorch/ours for times, growth factors, memory and CPU time, ours/pytorch for
 // throughputs; null where a value is not positive (an RSS that did not grow) and for the row
 // sustained_calls, which records how many calls each side made. Rows about the floor are not a

@@ -10,7 +10,8 @@
 // warm-up ones (the first creates the optimizer state). Memory is each rank's peak resident set
 // (VmHWM) over its whole life, the largest over the ranks, including the runtime (LibTorch, or
 // Python and PyTorch); the table also shows it above the resident set before the model was built.
-// It prints a table and writes a JSON list to the file named by --json.
+// It prints a table and writes the cases as JSON, with the load average (common/report.h), to
+// the file named by --json.
 //
 // Usage: zero_bench --json PATH [--iterations N] [--warmup N] [--layers N] [--size N]
 //                   [--batch N]

@@ -1,9 +1,11 @@
 // Training that survives a crash: each rank fits a small regression model under
 // DistributedDataParallel with a ZeroRedundancyOptimizer (Adam), saves a checkpoint every
 // --every steps and, when it starts, resumes from the latest complete one. Run it under distrun
-// with restarts, and make a rank fail once to see a restart resume:
+// with restarts, and make a rank fail once to see a restart resume (from the repository root,
+// after a build in build/; --help lists every option):
 //
-//   distrun --nproc-per-node 2 --max-restarts 3 checkpoint_restart --dir ckpt --fail-at 30
+//   build/tools/distrun/distrun --nproc-per-node 2 --max-restarts 3 \
+//       build/examples/checkpoint_restart/checkpoint_restart --dir ckpt --fail-at 30
 //
 // distrun stops the other ranks and starts them all again with DISTRUN_RESTART_COUNT=1; they
 // carry on from the latest checkpoint, ckpt/epoch-1-step-10 (20 steps an epoch, a checkpoint
@@ -23,26 +25,22 @@
 #include <distoptim/comm.h>
 #include <distoptim/data_parallel.h>
 
+#include "example_main.h"
+
 namespace comm = distoptim::comm;
 namespace dp = distoptim::data_parallel;
 
-int main(int argc, char** argv) {
-  CLI::App app{"Checkpointed data-parallel training: run with distrun --max-restarts"};
+namespace {
+
+struct Settings {
   std::string dir = "checkpoints";
   int epochs = 3;
   int steps_per_epoch = 20;
   int every = 5;
   int fail_at = -1;
-  app.add_option("--dir", dir, "directory of the checkpoints (the same for every rank)");
-  app.add_option("--epochs", epochs, "epochs to train")->check(CLI::PositiveNumber);
-  app.add_option("--steps-per-epoch", steps_per_epoch, "steps in an epoch")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--every", every, "steps between checkpoints")->check(CLI::PositiveNumber);
-  app.add_option("--fail-at", fail_at,
-                 "global step before which the last rank exits with status 1,"
-                 " in the first attempt only (to try a restart)");
-  CLI11_PARSE(app, argc, argv);
+};
 
+int train(const Settings& s) {
   comm::init_process_group();
   const int rank = comm::get_rank();
   const int world_size = comm::get_world_size();
@@ -61,15 +59,15 @@ int main(int argc, char** argv) {
   // rank has read, which a real data loader would seek to.
   dp::TrainingPosition position;
   position.values["samples_read"] = 0;
-  if (const auto latest = dp::latest_checkpoint(dir)) {
+  if (const auto latest = dp::latest_checkpoint(s.dir)) {
     position = dp::load_checkpoint(*latest, items, comm::world());
     fmt::print("resumed from {}: epoch {} step {}, {} samples read\n", *latest, position.epoch,
                position.step, position.values["samples_read"]);
   }
-  for (; position.epoch < epochs; ++position.epoch, position.step = 0) {
-    for (; position.step < steps_per_epoch; ++position.step) {
-      const int global_step = position.epoch * steps_per_epoch + position.step;
-      if (first_attempt && rank == world_size - 1 && global_step == fail_at) {
+  for (; position.epoch < s.epochs; ++position.epoch, position.step = 0) {
+    for (; position.step < s.steps_per_epoch; ++position.step) {
+      const int global_step = position.epoch * s.steps_per_epoch + position.step;
+      if (first_attempt && rank == world_size - 1 && global_step == s.fail_at) {
         fmt::print(stderr, "failing on purpose before step {}\n", global_step);
         return 1;
       }
@@ -82,11 +80,11 @@ int main(int argc, char** argv) {
       loss.backward();
       zero.step();
       position.values["samples_read"] += x.size(0);
-      if ((global_step + 1) % every == 0) {
+      if ((global_step + 1) % s.every == 0) {
         dp::TrainingPosition next = position;
         ++next.step;  // the checkpoint holds the state after this step
-        dp::save_checkpoint(dir, next, items, comm::world());
-        if (rank == 0) dp::prune_checkpoints(dir, 2);  // older ones are not needed any more
+        dp::save_checkpoint(s.dir, next, items, comm::world());
+        if (rank == 0) dp::prune_checkpoints(s.dir, 2);  // older ones are not needed any more
       }
       if (rank == 0 && global_step % 10 == 0) {
         fmt::print("epoch {} step {}: loss {:.6f}\n", position.epoch, position.step,
@@ -101,4 +99,24 @@ int main(int argc, char** argv) {
   }
   comm::destroy_process_group();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Checkpointed data-parallel training: run with distrun --max-restarts",
+               "checkpoint_restart"};
+  Settings s;
+  app.add_option("--dir", s.dir, "directory of the checkpoints (the same for every rank)");
+  app.add_option("--epochs", s.epochs, "epochs to train")->check(examples::above(0));
+  app.add_option("--steps-per-epoch", s.steps_per_epoch, "steps in an epoch")
+      ->check(examples::above(0));
+  app.add_option("--every", s.every, "steps between checkpoints")->check(examples::above(0));
+  app.add_option("--fail-at", s.fail_at,
+                 "global step before which the last rank exits with status 1,"
+                 " in the first attempt only (to try a restart)");
+  return examples::run(
+      app, argc, argv,
+      examples::distrun() + " --nproc-per-node 2 --max-restarts 3 " + argv[0] + " --dir ckpt",
+      [&] { return train(s); });
 }

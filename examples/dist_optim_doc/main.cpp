@@ -11,9 +11,10 @@
 // Run as it is, PyTorch's fails ("requires_grad not set on root"): torch.add of tensors that do
 // not require grad gives a tensor that does not either, so nothing is there to optimize. Here the
 // function worker1 runs makes its result a parameter (a leaf that requires grad), as a module's
-// weights are; the rest reads as the documentation does.
+// weights are; the rest reads as the documentation does. From the repository root, after a build
+// in build/:
 //
-//   distrun --nproc-per-node 2 dist_optim_doc
+//   build/tools/distrun/distrun --nproc-per-node 2 build/examples/dist_optim_doc/dist_optim_doc
 
 #include <cstdio>
 
@@ -25,6 +26,8 @@
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
 #include <distoptim/rpc.h>
+
+#include "example_main.h"
 
 namespace rpc = distoptim::rpc;
 namespace dist_autograd = distoptim::dist_autograd;
@@ -39,27 +42,43 @@ std::string values(const rpc::RRef<at::Tensor>& rref) {
   return fmt::format("[{}]", fmt::join(t.data_ptr<float>(), t.data_ptr<float>() + t.numel(), ", "));
 }
 
-int main() {
+// The documentation's example, on worker0.
+void documented_example() {
+  dist_autograd::ContextGuard context;
+  auto rref1 = rpc::remote<at::Tensor>("worker1", "add", std::tuple{at::ones({2}), 3.0});
+  auto rref2 = rpc::remote<at::Tensor>("worker1", "add", std::tuple{at::ones({2}), 1.0});
+  at::Tensor loss = rref1.to_here() + rref2.to_here();
+  dist_autograd::backward(context.id(), {loss.sum()});
+  distoptim::dist_optim::DistributedOptimizer dist_optim(
+      "sgd", {rref1, rref2}, distoptim::optim::OptionBag().set("lr", 0.05));
+  fmt::print("before the step: rref1 {}  rref2 {}\n", values(rref1), values(rref2));
+  dist_optim.step(context.id());
+  fmt::print("after the step:  rref1 {}  rref2 {}  (each moved by -lr * dloss/dx = -0.05)\n",
+             values(rref1), values(rref2));
+}
+
+// worker0 runs the example; worker1 serves it.
+int run_example() {
   const auto env = distoptim::comm::LaunchEnv::from_environment();
   const int rank = env.rank.value_or(0), world_size = env.world_size.value_or(1);
-  if (world_size != 2) {
-    fmt::print(stderr, "dist_optim_doc: run it as distrun --nproc-per-node 2 dist_optim_doc\n");
-    return 2;
-  }
+  TORCH_CHECK_VALUE(world_size == 2, "needs exactly 2 workers, got a world size of ", world_size,
+                    " (WORLD_SIZE, which distrun sets)");
   rpc::init_rpc("worker" + std::to_string(rank), rank, world_size);
-  if (rank == 0) {
-    dist_autograd::ContextGuard context;
-    auto rref1 = rpc::remote<at::Tensor>("worker1", "add", std::tuple{at::ones({2}), 3.0});
-    auto rref2 = rpc::remote<at::Tensor>("worker1", "add", std::tuple{at::ones({2}), 1.0});
-    at::Tensor loss = rref1.to_here() + rref2.to_here();
-    dist_autograd::backward(context.id(), {loss.sum()});
-    distoptim::dist_optim::DistributedOptimizer dist_optim(
-        "sgd", {rref1, rref2}, distoptim::optim::OptionBag().set("lr", 0.05));
-    fmt::print("before the step: rref1 {}  rref2 {}\n", values(rref1), values(rref2));
-    dist_optim.step(context.id());
-    fmt::print("after the step:  rref1 {}  rref2 {}  (each moved by -lr * dloss/dx = -0.05)\n",
-               values(rref1), values(rref2));
+  try {
+    if (rank == 0) documented_example();
+  } catch (...) {
+    // Stop the agent at once (the other worker may never reach a graceful shutdown's barrier),
+    // so that the error reaches main's one-line report rather than dying with the agent.
+    rpc::shutdown(/*graceful=*/false);
+    throw;
   }
   rpc::shutdown();
   return 0;
+}
+
+int main(int argc, char** argv) {
+  CLI::App app{"The DistributedOptimizer example of torch.distributed.optim's documentation",
+               "dist_optim_doc"};
+  return examples::run(app, argc, argv, examples::distrun() + " --nproc-per-node 2 " + argv[0],
+                       run_example);
 }

@@ -3,21 +3,32 @@
 // LSTM; every step is a distributed autograd context, a backward pass through the RPCs and a
 // DistributedOptimizer step on every owner. Trains on the licence texts every Debian machine has.
 //
-//   distrun --nproc-per-node 2 rnn_parameter_server [--seconds 120] [--out-dir rnn_ps_out]
+// From the repository root, after a build in build/ (--help lists every option):
 //
-// Trainer 1 prints a progress line with the loss and tokens/s, the final loss and perplexity,
-// and writes the loss curve as CSV and as a PNG (drawn by gnuplot). With one trainer a run is
-// reproducible: the same seed gives the same losses.
+//   build/tools/distrun/distrun --nproc-per-node 2 \
+//       build/examples/rnn_parameter_server/rnn_parameter_server --seconds 120 --out-dir out
+//
+// The last 10% of the corpus (--held-out) is held out: never trained on, it measures how well
+// the model predicts text it has not seen. Trainer 1 prints a progress line with the loss and
+// tokens/s, the final training loss, the held-out perplexity before and after training, and
+// writes the loss curve as CSV and as a PNG (drawn by gnuplot; when gnuplot is missing or fails,
+// it says so and why). With one trainer a run is reproducible: the same seed gives the same
+// losses.
 
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -33,6 +44,7 @@
 #include <distoptim/dist_optim.h>
 #include <distoptim/rpc.h>
 
+#include "example_main.h"
 #include "rnn_model.h"
 
 namespace {
@@ -55,10 +67,12 @@ struct Settings {
   double lr = 0.002;
   int64_t seed = 0;
   std::string out_dir = "rnn_ps_out";
+  double held_out = 0.1;  // the corpus's last tokens, never trained on
 };
 
 // Every file of the directory, as word tokens with "<eos>" at each line's end (as the tutorial's
-// corpus does), in file-name order; ids in order of first appearance.
+// corpus does), in file-name order; ids in order of first appearance. A file reached twice (GPL
+// is a link to GPL-3) is read once, so no text is both trained on and held out.
 struct Corpus {
   std::map<std::string, int64_t> ids;
   std::vector<int64_t> tokens;
@@ -70,6 +84,11 @@ Corpus read_corpus(const std::string& dir) {
     if (entry.is_regular_file()) files.push_back(entry.path());
   }
   std::sort(files.begin(), files.end());
+  std::set<fs::path> seen;
+  files.erase(
+      std::remove_if(files.begin(), files.end(),
+                     [&](const fs::path& f) { return !seen.insert(fs::canonical(f)).second; }),
+      files.end());
   Corpus corpus;
   auto add = [&](const std::string& word) {
     auto [it, inserted] = corpus.ids.emplace(word, static_cast<int64_t>(corpus.ids.size()));
@@ -96,13 +115,38 @@ Corpus read_corpus(const std::string& dir) {
   return corpus;
 }
 
-// The tokens as `batch` columns (the tutorial's batchify), this trainer's share of them.
-at::Tensor batchify(const std::vector<int64_t>& tokens, int64_t batch, int trainer, int trainers) {
-  const int64_t share = static_cast<int64_t>(tokens.size()) / trainers;
-  const int64_t rows = share / batch;
-  at::Tensor data = at::tensor(std::vector<int64_t>(
-      tokens.begin() + trainer * share, tokens.begin() + trainer * share + rows * batch));
+// Tokens [begin, end) of the corpus as `batch` columns (the tutorial's batchify): rows x batch,
+// the rows that do not fill a column dropped.
+at::Tensor batchify(const std::vector<int64_t>& tokens, int64_t begin, int64_t end, int64_t batch) {
+  const int64_t rows = (end - begin) / batch;
+  TORCH_CHECK_VALUE(rows >= 2, "too few tokens (", end - begin, ") for --batch ", batch);
+  at::Tensor data = at::tensor(
+      std::vector<int64_t>(tokens.begin() + begin, tokens.begin() + begin + rows * batch));
   return data.view({batch, rows}).t().contiguous();
+}
+
+// The mean cross-entropy of the model's predictions of each next token of `data` (batchified),
+// without dropout and without gradients: the tutorial's evaluate(). exp() of it is the
+// perplexity.
+double evaluate(rnn_ps::RNNModel& model, const at::Tensor& data, int64_t bptt, int64_t ntoken) {
+  at::NoGradGuard no_grad;
+  model.train(false);
+  auto hidden = model.init_hidden(data.size(1));
+  double total = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i + 1 < data.size(0); i += bptt) {
+    const int64_t len = std::min(bptt, data.size(0) - 1 - i);
+    auto [output, next] = model.forward(data.narrow(0, i, len), hidden);
+    hidden = next;
+    const at::Tensor target = data.narrow(0, i + 1, len).reshape({-1});
+    total += torch::nn::functional::cross_entropy(
+                 output.view({-1, ntoken}), target,
+                 torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                 .item<double>();
+    count += target.numel();
+  }
+  model.train(true);
+  return total / static_cast<double>(count);
 }
 
 // One line of progress: distrun relays output line by line, so the bar is redrawn as new lines.
@@ -117,24 +161,50 @@ void print_progress(double fraction, int64_t step, double loss, double tokens_pe
   std::fflush(stdout);
 }
 
-void plot(const fs::path& csv, const fs::path& png) {
-  FILE* gnuplot = ::popen("gnuplot", "w");
+// Draws the loss curve of `csv` into `png` with gnuplot. Returns an empty string if `png` was
+// written (gnuplot exited with 0 and the file is there, not empty), else why not.
+std::string plot(const fs::path& csv, const fs::path& png) {
+  std::error_code ignored;
+  fs::remove(png, ignored);  // a PNG from an earlier run must not pass for this one's
+  const std::string script = fmt::format(
+      "set terminal png size 900,500\n"
+      "set output '{}'\n"
+      "set datafile separator ','\n"
+      "set key autotitle columnhead\n"
+      "set xlabel 'tokens trained'\n"
+      "set ylabel 'cross-entropy loss'\n"
+      "set title 'RNN language model, parameter server + DistributedOptimizer'\n"
+      "set grid\n"
+      "plot '{}' using 2:4 with lines lw 2 title 'loss'\n",
+      png.string(), csv.string());
+  // A gnuplot that exits before reading its input must not kill this process with SIGPIPE: its
+  // exit status says what happened.
+  struct sigaction ignore = {};
+  struct sigaction previous = {};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGPIPE, &ignore, &previous);
+  // The shell exits with 127 when gnuplot is not on PATH. gnuplot's own complaints go to our
+  // standard error.
+  FILE* gnuplot = ::popen("command -v gnuplot >/dev/null || exit 127; exec gnuplot", "w");
+  int status = -1;
+  std::string error;
   if (gnuplot == nullptr) {
-    fmt::print("gnuplot not found: no plot\n");
-    return;
+    error = fmt::format("cannot start a shell for gnuplot: {}", std::strerror(errno));
+  } else {
+    std::fwrite(script.data(), 1, script.size(), gnuplot);
+    status = ::pclose(gnuplot);
+    if (status == -1) error = fmt::format("waiting for gnuplot failed: {}", std::strerror(errno));
   }
-  fmt::print(gnuplot,
-             "set terminal png size 900,500\n"
-             "set output '{}'\n"
-             "set datafile separator ','\n"
-             "set key autotitle columnhead\n"
-             "set xlabel 'tokens trained'\n"
-             "set ylabel 'cross-entropy loss'\n"
-             "set title 'RNN language model, parameter server + DistributedOptimizer'\n"
-             "set grid\n"
-             "plot '{}' using 2:4 with lines lw 2 title 'loss'\n",
-             png.string(), csv.string());
-  if (::pclose(gnuplot) != 0) fmt::print("gnuplot failed: no plot\n");
+  ::sigaction(SIGPIPE, &previous, nullptr);
+  if (!error.empty()) return error;
+  if (WIFSIGNALED(status)) return fmt::format("gnuplot was killed by signal {}", WTERMSIG(status));
+  if (WEXITSTATUS(status) == 127) return "gnuplot is not installed (not found on PATH)";
+  if (WEXITSTATUS(status) != 0)
+    return fmt::format("gnuplot exited with status {}", WEXITSTATUS(status));
+  if (!fs::exists(png, ignored)) return "gnuplot exited with status 0 but wrote no file";
+  if (fs::file_size(png, ignored) == 0)
+    return "gnuplot exited with status 0 but left the file empty";
+  return "";
 }
 
 void train(const Settings& settings, int rank, int world_size) {
@@ -142,7 +212,13 @@ void train(const Settings& settings, int rank, int world_size) {
   const int trainer = rank - 1;
   const Corpus corpus = read_corpus(settings.data_dir);
   const int64_t ntoken = static_cast<int64_t>(corpus.ids.size());
-  const at::Tensor data = batchify(corpus.tokens, settings.batch, trainer, trainers);
+  // The corpus's last tokens are held out; each trainer trains on its share of the rest.
+  const auto total = static_cast<int64_t>(corpus.tokens.size());
+  const auto trained = static_cast<int64_t>(std::llround(total * (1 - settings.held_out)));
+  const int64_t share = trained / trainers;
+  const at::Tensor data =
+      batchify(corpus.tokens, trainer * share, (trainer + 1) * share, settings.batch);
+  const at::Tensor held_out = batchify(corpus.tokens, trained, total, settings.batch);
 
   rnn_ps::ModelOptions options;
   options.ntoken = ntoken;
@@ -159,11 +235,14 @@ void train(const Settings& settings, int rank, int world_size) {
   const bool reporter = rank == 1;
   if (reporter) {
     fmt::print(
-        "rnn_parameter_server: {} trainer(s), vocabulary {} words, {} tokens each; LSTM {}x{} "
-        "on the trainer, embedding and decoder on the server; {} lr {}; for {} s\n",
-        trainers, ntoken, data.numel(), settings.nlayers, settings.nhid, settings.optimizer,
-        settings.lr, settings.seconds);
+        "rnn_parameter_server: {} trainer(s), vocabulary {} words, {} tokens each, {} held out "
+        "(the corpus's last {:.0f}%); LSTM {}x{} on the trainer, embedding and decoder on the "
+        "server; {} lr {}; for {} s\n",
+        trainers, ntoken, data.numel(), held_out.numel(), settings.held_out * 100, settings.nlayers,
+        settings.nhid, settings.optimizer, settings.lr, settings.seconds);
   }
+  // Before any step, for comparison (about the vocabulary's size: a uniform guess).
+  const double held_out_before = reporter ? evaluate(model, held_out, settings.bptt, ntoken) : NAN;
   fs::create_directories(settings.out_dir);
   const fs::path csv = fs::path(settings.out_dir) / fmt::format("loss_rank{}.csv", rank);
   std::ofstream out(csv);
@@ -218,65 +297,82 @@ void train(const Settings& settings, int rank, int world_size) {
   if (reporter) {
     const double t = elapsed();
     fmt::print(
-        "final loss {:.4f} (mean of the last {} steps; first step {:.4f}), perplexity "
+        "final training loss {:.4f} (mean of the last {} steps; first step {:.4f}), perplexity "
         "{:.1f}; {} steps, {:.0f} tokens/s\n",
         recent, last_losses.size(), first_loss, std::exp(recent), step, tokens / t);
+    const double held_out_after = evaluate(model, held_out, settings.bptt, ntoken);
+    fmt::print(
+        "held-out perplexity {:.1f} (cross-entropy {:.4f}) on {} tokens never trained on; "
+        "{:.1f} ({:.4f}) before training\n",
+        std::exp(held_out_after), held_out_after, held_out.numel(), std::exp(held_out_before),
+        held_out_before);
     const fs::path png = fs::path(settings.out_dir) / "loss.png";
-    plot(csv, png);
-    fmt::print("wrote {} and {}\n", fs::absolute(csv).string(), fs::absolute(png).string());
+    const std::string plot_error = plot(csv, png);
+    if (plot_error.empty()) {
+      fmt::print("wrote {} and {}\n", fs::absolute(csv).string(), fs::absolute(png).string());
+    } else {
+      fmt::print("wrote {}; the plot {} was not written: {}\n", fs::absolute(csv).string(),
+                 fs::absolute(png).string(), plot_error);
+    }
   }
+}
+
+// The server (rank 0) serves the model's remote parts; the trainers train.
+int run_example(const Settings& s) {
+  const auto env = distoptim::comm::LaunchEnv::from_environment();
+  const int rank = env.rank.value_or(0);
+  const int world_size = env.world_size.value_or(1);
+  TORCH_CHECK_VALUE(world_size >= 2,
+                    "needs a server and at least one trainer, got a world size of ", world_size,
+                    " (WORLD_SIZE, which distrun sets: --nproc-per-node 2 or more)");
+  at::manual_seed(static_cast<uint64_t>(s.seed * 1000 + rank));
+  const std::string name = rank == 0 ? "ps" : "trainer" + std::to_string(rank);
+  distoptim::rpc::init_rpc(name, rank, world_size,
+                           distoptim::rpc::RpcBackendOptions("env://")
+                               .rpc_timeout(std::chrono::minutes(5))
+                               .shutdown_timeout(std::chrono::minutes(10)));
+  try {
+    if (rank > 0) train(s, rank, world_size);
+  } catch (...) {
+    // Stop the agent at once (the server would wait in a graceful shutdown's barrier for a
+    // trainer that has failed), so that the error reaches main's one-line report.
+    distoptim::rpc::shutdown(/*graceful=*/false);
+    throw;
+  }
+  distoptim::rpc::shutdown();
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"PyTorch's RNN parameter-server example on distoptim (run it under distrun)"};
+  CLI::App app{"PyTorch's RNN parameter-server example on distoptim (run it under distrun)",
+               "rnn_parameter_server"};
   Settings s;
   app.add_option("--data-dir", s.data_dir, "directory of text files to train on")
       ->check(CLI::ExistingDirectory);
   app.add_option("--seconds", s.seconds, "training time budget per trainer")
-      ->check(CLI::PositiveNumber);
+      ->check(examples::above(0));
   app.add_option("--epochs", s.epochs, "at most this many passes over the data")
-      ->check(CLI::PositiveNumber);
+      ->check(examples::above(0));
   app.add_option("--steps", s.steps, "at most this many steps (0: no limit)")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--batch", s.batch, "sequences per batch")->check(CLI::PositiveNumber);
-  app.add_option("--bptt", s.bptt, "tokens per sequence")->check(CLI::PositiveNumber);
-  app.add_option("--ninp", s.ninp, "embedding size")->check(CLI::PositiveNumber);
-  app.add_option("--nhid", s.nhid, "LSTM hidden size")->check(CLI::PositiveNumber);
-  app.add_option("--nlayers", s.nlayers, "LSTM layers")->check(CLI::PositiveNumber);
-  app.add_option("--dropout", s.dropout, "dropout probability")->check(CLI::Range(0.0, 1.0));
+      ->check(examples::at_least(0));
+  app.add_option("--batch", s.batch, "sequences per batch")->check(examples::above(0));
+  app.add_option("--bptt", s.bptt, "tokens per sequence")->check(examples::above(0));
+  app.add_option("--ninp", s.ninp, "embedding size")->check(examples::above(0));
+  app.add_option("--nhid", s.nhid, "LSTM hidden size")->check(examples::above(0));
+  app.add_option("--nlayers", s.nlayers, "LSTM layers")->check(examples::above(0));
+  app.add_option("--dropout", s.dropout, "dropout probability")->check(examples::between(0, 1));
   app.add_option("--optimizer", s.optimizer, "a registered optimizer's name");
-  app.add_option("--lr", s.lr, "learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--lr", s.lr, "learning rate")->check(examples::above(0));
   app.add_option("--seed", s.seed, "seed of the parameters and dropout");
   app.add_option("--out-dir", s.out_dir, "where the loss curve goes (CSV and PNG)");
-  CLI11_PARSE(app, argc, argv);
-
-  try {
-    const auto env = distoptim::comm::LaunchEnv::from_environment();
-    const int rank = env.rank.value_or(0);
-    const int world_size = env.world_size.value_or(1);
-    if (world_size < 2) {
-      fmt::print(stderr,
-                 "rnn_parameter_server: needs a server and at least one trainer: run it "
-                 "as distrun --nproc-per-node 2 (or more) {}\n",
-                 argv[0]);
-      return 2;
-    }
-    at::manual_seed(static_cast<uint64_t>(s.seed * 1000 + rank));
-    const std::string name = rank == 0 ? "ps" : "trainer" + std::to_string(rank);
-    distoptim::rpc::init_rpc(name, rank, world_size,
-                             distoptim::rpc::RpcBackendOptions("env://")
-                                 .rpc_timeout(std::chrono::minutes(5))
-                                 .shutdown_timeout(std::chrono::minutes(10)));
-    if (rank > 0) train(s, rank, world_size);
-    distoptim::rpc::shutdown();
-  } catch (const c10::Error& error) {
-    fmt::print(stderr, "rnn_parameter_server: {}\n", error.what_without_backtrace());
-    return 1;
-  } catch (const std::exception& error) {
-    fmt::print(stderr, "rnn_parameter_server: {}\n", error.what());
-    return 1;
-  }
-  return 0;
+  app.add_option("--held-out", s.held_out,
+                 "fraction of the corpus, at its end, never trained on: the held-out perplexity "
+                 "is measured on it")
+      ->check(examples::between(0.01, 0.5));
+  return examples::run(app, argc, argv,
+                       examples::distrun() + " --nproc-per-node 2 " + argv[0] +
+                           " --seconds 120 --out-dir rnn_ps_out",
+                       [&] { return run_example(s); });
 }

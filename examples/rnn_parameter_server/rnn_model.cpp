@@ -51,9 +51,11 @@ std::vector<RRef<at::Tensor>> Decoder::parameter_rrefs() { return rrefs_of(param
 DISTOPTIM_RPC_CLASS(EmbeddingTable, int64_t, int64_t, double, int64_t);
 DISTOPTIM_RPC_METHOD(EmbeddingTable, forward);
 DISTOPTIM_RPC_METHOD(EmbeddingTable, parameter_rrefs);
+DISTOPTIM_RPC_METHOD(EmbeddingTable, set_training);
 DISTOPTIM_RPC_CLASS(Decoder, int64_t, int64_t, double, int64_t);
 DISTOPTIM_RPC_METHOD(Decoder, forward);
 DISTOPTIM_RPC_METHOD(Decoder, parameter_rrefs);
+DISTOPTIM_RPC_METHOD(Decoder, set_training);
 
 RNNModel::RNNModel(const std::string& ps, const ModelOptions& options) : options_(options) {
   embedding_ = distoptim::rpc::remote<EmbeddingTable>(
@@ -94,6 +96,12 @@ std::vector<RRef<at::Tensor>> RNNModel::parameter_rrefs() {
 RNNModel::Hidden RNNModel::init_hidden(int64_t batch) const {
   return {at::zeros({options_.nlayers, batch, options_.nhid}),
           at::zeros({options_.nlayers, batch, options_.nhid})};
+}
+
+void RNNModel::train(bool on) {
+  embedding_.rpc_sync().method("set_training", on);
+  decoder_.rpc_sync().method("set_training", on);
+  rnn_->train(on);
 }
 
 }  // namespace rnn_ps

@@ -29,6 +29,8 @@ struct EmbeddingTable : torch::nn::Module {
   at::Tensor forward(at::Tensor input);
   /// References to its parameters, owned by the server, for the DistributedOptimizer.
   std::vector<RRef<at::Tensor>> parameter_rrefs();
+  /// Module::train(on), as a method a trainer can call through its RRef.
+  void set_training(bool on) { train(on); }
 
   torch::nn::Embedding encoder{nullptr};
   torch::nn::Dropout drop{nullptr};
@@ -39,6 +41,7 @@ struct Decoder : torch::nn::Module {
   Decoder(int64_t ntoken, int64_t nhid, double dropout, int64_t seed);
   at::Tensor forward(at::Tensor output);
   std::vector<RRef<at::Tensor>> parameter_rrefs();
+  void set_training(bool on) { train(on); }
 
   torch::nn::Linear decoder{nullptr};
   torch::nn::Dropout drop{nullptr};
@@ -67,6 +70,9 @@ class RNNModel {
   std::vector<RRef<at::Tensor>> parameter_rrefs();
   /// A zero hidden state for `batch` sequences.
   Hidden init_hidden(int64_t batch) const;
+  /// Training mode (dropout on, the default) or evaluation mode (off) for all three parts, as
+  /// Module::train; the server's two by one RPC each.
+  void train(bool on);
 
  private:
   ModelOptions options_;

@@ -6,7 +6,10 @@
 // with two ranks the memory step() adds is about half of plain Adam's, while the parameters end
 // up the same.
 //
-//   distrun --nproc-per-node 2 zero_memory [--layers 20] [--size 2000] [--batch 20]
+// From the repository root, after a build in build/ (--help lists every option):
+//
+//   build/tools/distrun/distrun --nproc-per-node 2 build/examples/zero_memory/zero_memory \
+//       --layers 20 --size 2000 --batch 20
 //
 // Memory is the resident set of each rank's process, read from /proc/self/status (VmHWM, its
 // high-water mark, and VmRSS). Before each phase the high-water mark is reset to the current
@@ -35,6 +38,8 @@
 #include <distoptim/comm.h>
 #include <distoptim/data_parallel.h>
 #include <distoptim/optim/torch_adapter.h>
+
+#include "example_main.h"
 
 namespace {
 
@@ -175,23 +180,8 @@ void example(const Sizes& sizes, bool use_zero) {
   std::fflush(stdout);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{
-      "ZeroRedundancyOptimizer's memory saving: run with distrun --nproc-per-node 2 zero_memory"};
-  Sizes sizes;
-  int threads = 0;
-  app.add_option("--layers", sizes.layers, "Linear layers in the model")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--size", sizes.size, "in and out features of every layer")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--batch", sizes.batch, "rows of each rank's batch")->check(CLI::PositiveNumber);
-  app.add_option("--threads", threads,
-                 "intra-op threads per rank (default: the cores shared among the local ranks)")
-      ->check(CLI::NonNegativeNumber);
-  CLI11_PARSE(app, argc, argv);
-
+// Both variants on this rank, one after the other.
+int run_example(Sizes sizes, int threads) {
   // Every tensor of 1 MiB or more gets its own mapping, returned to the system when the tensor
   // is freed (glibc would otherwise raise this threshold after the first large free and keep
   // freed tensors resident for reuse), so the resident set follows the tensors alive.
@@ -211,4 +201,24 @@ int main(int argc, char** argv) {
   example(sizes, /*use_zero=*/false);
   distoptim::comm::destroy_process_group();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ZeroRedundancyOptimizer's memory saving, with and without ZeRO, on every rank",
+               "zero_memory"};
+  Sizes sizes;
+  int threads = 0;
+  app.add_option("--layers", sizes.layers, "Linear layers in the model")->check(examples::above(0));
+  app.add_option("--size", sizes.size, "in and out features of every layer")
+      ->check(examples::above(0));
+  app.add_option("--batch", sizes.batch, "rows of each rank's batch")->check(examples::above(0));
+  app.add_option("--threads", threads,
+                 "intra-op threads per rank (default: the cores shared among the local ranks)")
+      ->check(examples::at_least(0));
+  return examples::run(app, argc, argv,
+                       examples::distrun() + " --nproc-per-node 2 " + argv[0] +
+                           " --layers 20 --size 2000 --batch 20",
+                       [&] { return run_example(sizes, threads); });
 }

@@ -23,6 +23,7 @@
 #include "global_batch.h"
 #include "harness/command.h"
 #include "harness/multiprocess.h"
+#include "support/state_dicts.h"
 #include "support/test_util.h"
 
 namespace distoptim {
@@ -30,6 +31,7 @@ namespace data_parallel {
 namespace {
 
 using distoptim::testing::expect_error_containing;
+using distoptim::testing::expect_state_dicts_close;
 using distoptim::testing::run_ranks;
 using namespace std::chrono_literals;
 
@@ -125,31 +127,6 @@ void expect_replicas_identical(const std::vector<at::Tensor>& params) {
     std::vector<at::Tensor> root = {params[i].detach().clone()};
     comm::world().process_group()->broadcast(root)->wait();
     EXPECT_TRUE(at::equal(root[0], params[i])) << "parameter " << i << " differs from rank 0's";
-  }
-}
-
-// Equal options and steps; buffers within 1e-10, or bit-identical when `exact`.
-void expect_state_dicts_close(const optim::OptimizerStateDict& actual,
-                              const optim::OptimizerStateDict& expected, bool exact = false) {
-  EXPECT_EQ(actual.optimizer, expected.optimizer);
-  EXPECT_EQ(actual.defaults, expected.defaults);
-  ASSERT_EQ(actual.param_groups.size(), expected.param_groups.size());
-  for (size_t g = 0; g < actual.param_groups.size(); ++g) {
-    EXPECT_EQ(actual.param_groups[g].param_indices, expected.param_groups[g].param_indices);
-    EXPECT_EQ(actual.param_groups[g].overrides, expected.param_groups[g].overrides);
-  }
-  ASSERT_EQ(actual.state.size(), expected.state.size());
-  for (const auto& [index, state] : expected.state) {
-    ASSERT_EQ(actual.state.count(index), 1u) << "no state for parameter " << index;
-    const auto& got = actual.state.at(index);
-    EXPECT_EQ(got.step, state.step) << "parameter " << index;
-    ASSERT_EQ(got.buffers.size(), state.buffers.size()) << "parameter " << index;
-    for (const auto& [name, tensor] : state.buffers) {
-      ASSERT_EQ(got.buffers.count(name), 1u) << name << " of parameter " << index;
-      EXPECT_TRUE(exact ? at::equal(got.buffers.at(name), tensor)
-                        : at::allclose(got.buffers.at(name), tensor, 1e-10, 1e-12))
-          << name << " of parameter " << index;
-    }
   }
 }
 

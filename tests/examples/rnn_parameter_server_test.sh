@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # examples/rnn_parameter_server under distrun, small: with one trainer the same seed gives the
-# same loss sequence and another seed a different one, and the loss falls.
+# same loss sequence and another seed a different one; the training loss falls, and the held-out
+# perplexity (on the corpus's last tokens, never trained on) is reported, finite, and lower after
+# training than before. The three runs also try the plot three ways: with gnuplot (the PNG is
+# written), without gnuplot on PATH, and with a gnuplot that fails (the example says the plot was
+# not written and why, and leaves no PNG).
 # Usage: rnn_parameter_server_test.sh DISTRUN EXAMPLE WORKDIR
 set -euo pipefail
 distrun="$1" example="$2" work="$3"
 rm -rf "$work" && mkdir -p "$work"
 
-run() {  # seed, output directory
-  timeout 300 "$distrun" --nproc-per-node 2 "$example" --steps 25 --bptt 10 --ninp 32 --nhid 32 \
-    --lr 0.01 --seed "$1" --out-dir "$work/$2" > "$work/$2.log" 2>&1 || {
+# PATHs for the plot: one without gnuplot, one whose gnuplot fails.
+mkdir -p "$work/no_gnuplot" "$work/failing_gnuplot"
+printf '#!/bin/sh\n/bin/cat > /dev/null\necho "failing gnuplot of the test" >&2\nexit 3\n' \
+  > "$work/failing_gnuplot/gnuplot"
+chmod +x "$work/failing_gnuplot/gnuplot"
+
+run() {  # seed, output directory, PATH
+  timeout 300 env PATH="$3" "$distrun" --nproc-per-node 2 "$example" --steps 25 --bptt 10 \
+    --ninp 32 --nhid 32 --lr 0.01 --seed "$1" --out-dir "$work/$2" > "$work/$2.log" 2>&1 || {
     cat "$work/$2.log"
     echo "FAILED: the example exited with an error (seed $1)"
     exit 1
@@ -16,9 +26,9 @@ run() {  # seed, output directory
   cut -d, -f4 "$work/$2/loss_rank1.csv" | tail -n +2
 }
 
-first=$(run 7 a)
-again=$(run 7 b)
-other=$(run 8 c)
+first=$(run 7 a "$PATH")
+again=$(run 7 b "$work/no_gnuplot")
+other=$(run 8 c "$work/failing_gnuplot:$PATH")
 [[ $(wc -l <<< "$first") -eq 25 ]] || { echo "FAILED: expected 25 losses, got: $first"; exit 1; }
 [[ "$first" == "$again" ]] || {
   paste <(echo "$first") <(echo "$again")
@@ -31,8 +41,35 @@ awk -v s="$start" -v e="$end" 'BEGIN { exit !(e < s - 0.5) }' || {
   echo "FAILED: the loss did not fall (first $start, mean of the last three $end)"
   exit 1
 }
-grep -q "final loss" "$work/a.log" && grep -q "perplexity" "$work/a.log" || {
+grep -q "final training loss .* perplexity" "$work/a.log" || {
   cat "$work/a.log"; echo "FAILED: no final loss and perplexity"; exit 1;
 }
-[[ -s "$work/a/loss.png" ]] || { echo "FAILED: no loss.png"; exit 1; }
-echo "PASSED: reproducible ($(wc -l <<< "$first") losses), from $start to $end"
+
+# "held-out perplexity AFTER (cross-entropy X) on N tokens never trained on; BEFORE (Y) before
+# training": both finite, after below before.
+for log in a b c; do
+  line=$(grep "held-out perplexity" "$work/$log.log") || {
+    cat "$work/$log.log"; echo "FAILED: no held-out perplexity in run $log"; exit 1;
+  }
+  read -r after before < <(sed -E 's/.*held-out perplexity ([^ ]+) .*; ([^ ]+) \(.* before training.*/\1 \2/' <<< "$line")
+  awk -v a="$after" -v b="$before" 'BEGIN {
+    finite = "^[0-9]+([.][0-9]+)?$"
+    exit !(a ~ finite && b ~ finite && a + 0 > 1 && a + 0 < b + 0) }' || {
+    echo "FAILED: run $log: held-out perplexity not finite or not lower after training: $line"
+    exit 1
+  }
+done
+
+# The plot: written with gnuplot; otherwise said not to be, with the reason, and absent.
+grep -q "wrote .*loss_rank1.csv and .*loss.png" "$work/a.log" && [[ -s "$work/a/loss.png" ]] || {
+  cat "$work/a.log"; echo "FAILED: with gnuplot, no loss.png"; exit 1;
+}
+for run_reason in "b:gnuplot is not installed" "c:gnuplot exited with status 3"; do
+  log="${run_reason%%:*}" reason="${run_reason#*:}"
+  grep -q "the plot .*loss.png was not written: $reason" "$work/$log.log" &&
+    ! grep -q "and .*loss.png" "$work/$log.log" && [[ ! -e "$work/$log/loss.png" ]] || {
+    cat "$work/$log.log"; echo "FAILED: run $log did not say the plot was not written ($reason)"
+    exit 1
+  }
+done
+echo "PASSED: reproducible ($(wc -l <<< "$first") losses), from $start to $end; $line"

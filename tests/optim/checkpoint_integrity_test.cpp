@@ -24,6 +24,7 @@
 
 #include <distoptim/optim/adam.h>
 
+#include "support/state_dicts.h"
 #include "support/test_util.h"
 
 namespace distoptim {
@@ -87,25 +88,9 @@ std::vector<Record> zip_records(const std::vector<char>& bytes) {
   return records;
 }
 
-void expect_same_dict(const OptimizerStateDict& a, const OptimizerStateDict& b) {
-  EXPECT_EQ(a.optimizer, b.optimizer);
-  EXPECT_EQ(a.defaults, b.defaults);
-  ASSERT_EQ(a.param_groups.size(), b.param_groups.size());
-  for (size_t g = 0; g < a.param_groups.size(); ++g) {
-    EXPECT_EQ(a.param_groups[g].param_indices, b.param_groups[g].param_indices);
-    EXPECT_EQ(a.param_groups[g].overrides, b.param_groups[g].overrides);
-  }
-  ASSERT_EQ(a.state.size(), b.state.size());
-  for (const auto& item : b.state) {
-    const OptimizerStateDict::State& loaded = a.state.at(item.first);
-    EXPECT_EQ(loaded.step, item.second.step);
-    ASSERT_EQ(loaded.buffers.size(), item.second.buffers.size());
-    for (const auto& buffer : item.second.buffers) {
-      const at::Tensor& t = loaded.buffers.at(buffer.first);
-      EXPECT_EQ(t.scalar_type(), buffer.second.scalar_type());
-      EXPECT_TRUE(at::equal(t, buffer.second)) << "param " << item.first << " " << buffer.first;
-    }
-  }
+// Bit for bit: every state tensor with its dtype and shape, and everything else.
+void expect_same_dict(const OptimizerStateDict& loaded, const OptimizerStateDict& saved) {
+  testing::expect_state_dicts_close(loaded, saved, /*exact=*/true);
 }
 
 // What differs between a loaded dict and the saved one, empty when they are exactly equal: name,

@@ -9,14 +9,17 @@
 namespace distoptim {
 namespace testing {
 
-std::vector<at::Tensor> load_tensor_list(const std::filesystem::path& file) {
+c10::IValue load_pickle(const std::filesystem::path& file) {
   std::ifstream in(file, std::ios::binary);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
                                 std::istreambuf_iterator<char>());
   TORCH_CHECK(!bytes.empty(), "cannot read ", file.string());
+  return torch::pickle_load(bytes);
+}
+
+std::vector<at::Tensor> load_tensor_list(const std::filesystem::path& file) {
   std::vector<at::Tensor> out;
-  const c10::IValue list = torch::pickle_load(bytes);
-  for (const auto& item : list.toListRef()) out.push_back(item.toTensor());
+  for (const auto& item : load_pickle(file).toListRef()) out.push_back(item.toTensor());
   return out;
 }
 

@@ -1,0 +1,136 @@
+"""scripts/benchmarks_doc.py on the fixture results in tests/bench/fixtures/, over the real
+docs/benchmarks.md: every figure of every case appears (as printed, to its last digit) in that
+case's row of its benchmark's section, so do the recorded load averages, and the rest of the
+document is left as it was. A results file that is not JSON fails with one line naming it.
+
+Usage: benchmarks_doc_test.py SCRIPT FIXTURES_DIR DOC WORK_DIR
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+# Per benchmark: the figures each row shows, as (key, scale) of a case.
+FIGURES = {
+    "optim": [("ours_s", 1e3), ("libtorch_s", 1e3), ("pytorch_s", 1e3), ("gbps", 1),
+              ("limit_fraction", 100), ("speedup_vs_libtorch", 1), ("speedup_vs_pytorch", 1)],
+    "zero": [("ours_s", 1), ("pytorch_s", 1), ("speedup", 1), ("ours_step_s", 1),
+             ("pytorch_step_s", 1), ("ours_peak_mb", 1), ("pytorch_peak_mb", 1)],
+    "dist_optim": [("ours", 1), ("pytorch", 1)],
+    "rpc": [("ours", 1), ("pytorch", 1), ("ratio", 1)],
+}
+NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+MARKER_RE = re.compile(r"<!-- benchmarks_doc\.py: (\S+) (begin|end) -->")
+
+failures = []
+
+
+def check(condition, message):
+    if not condition:
+        failures.append(message)
+
+
+def shown(text, value):
+    """Whether `text` has a number that is `value` rounded to that number's own digits."""
+    for token in NUMBER_RE.findall(text):
+        decimals = len(token.split(".")[1]) if "." in token else 0
+        if abs(float(token) - value) <= 0.5 * 10 ** -decimals * (1 + 1e-9):
+            return True
+    return False
+
+
+def split(lines):
+    """The text outside the marked regions, and each region's lines by name."""
+    outside, regions, current = [], {}, None
+    for line in lines:
+        m = MARKER_RE.fullmatch(line.strip())
+        if m and m.group(2) == "begin":
+            current = m.group(1)
+            regions[current] = []
+        elif m and m.group(2) == "end":
+            current = None
+        elif current is not None:
+            regions[current].append(line)
+        else:
+            outside.append(line)
+    return outside, regions
+
+
+def load_fixture(path):
+    with open(path) as f:
+        data = json.load(f)
+    return (data, None) if isinstance(data, list) else (data["cases"], data.get("load_average"))
+
+
+def main():
+    script, fixtures, doc, work = sys.argv[1:5]
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    output = os.path.join(work, "benchmarks.md")
+    run = subprocess.run([sys.executable, script, "--results", fixtures, "--doc", doc,
+                          "--output", output], capture_output=True, text=True)
+    if run.returncode != 0:
+        print("FAILED: the script exited with {}: {}{}".format(run.returncode, run.stdout,
+                                                               run.stderr))
+        return 1
+    with open(doc) as f:
+        before_outside, _ = split(f.read().split("\n"))
+    with open(output) as f:
+        rendered = f.read()
+    after_outside, regions = split(rendered.split("\n"))
+    check(before_outside == after_outside, "the text outside the marked sections changed")
+
+    names = sorted(n[:-5] for n in os.listdir(fixtures) if n.endswith(".json"))
+    check(set(names) == set(FIGURES), "fixtures {} are not the benchmarks {}".format(
+        names, sorted(FIGURES)))
+    for name in names:
+        cases, load = load_fixture(os.path.join(fixtures, name + ".json"))
+        region = regions.get(name)
+        if region is None:
+            failures.append("{}: no section".format(name))
+            continue
+        text = "\n".join(region)
+        for value in load or []:
+            check(shown(text, value), "{}: load average {} not shown".format(name, value))
+        for case in cases:
+            rows = [l for l in region if l.startswith("| {} |".format(case["case"]))]
+            if len(rows) != 1:
+                failures.append("{}: {} rows for case '{}'".format(name, len(rows), case["case"]))
+                continue
+            cells = rows[0]
+            for key, scale in FIGURES[name]:
+                if case.get(key) is not None:
+                    check(shown(cells, case[key] * scale), "{}: case '{}': {} = {} not in '{}'"
+                          .format(name, case["case"], key, case[key] * scale, cells))
+            if name == "dist_optim" and case["ours"] > 0 and case["pytorch"] > 0:
+                plain = case["ours"] / case["pytorch"]
+                check(shown(cells, plain), "{}: case '{}': ours / pytorch {} not in '{}'"
+                      .format(name, case["case"], plain, cells))
+
+    # A results file that is not JSON: status 1, one line naming the file.
+    bad_dir = os.path.join(work, "bad")
+    os.makedirs(bad_dir)
+    with open(os.path.join(bad_dir, "zero.json"), "w") as f:
+        f.write("{ not json")
+    bad = subprocess.run([sys.executable, script, "--results", bad_dir, "--doc", doc,
+                          "--output", os.path.join(work, "bad.md")], capture_output=True,
+                         text=True)
+    check(bad.returncode == 1, "a bad results file: exit status {}".format(bad.returncode))
+    check(len(bad.stderr.strip().split("\n")) == 1 and "zero.json" in bad.stderr,
+          "a bad results file: stderr is not one line naming it: " + bad.stderr)
+    check(not os.path.exists(os.path.join(work, "bad.md")), "a bad results file: output written")
+
+    for failure in failures:
+        print("FAILED: " + failure)
+    if failures:
+        print(rendered)
+        return 1
+    print("PASSED: {} benchmarks' figures rendered into {}".format(len(names), output))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
