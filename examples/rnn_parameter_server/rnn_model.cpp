@@ -15,13 +15,6 @@ void init_uniform(const at::Tensor& param, double bound, int64_t seed) {
   param.uniform_(-bound, bound, generator);
 }
 
-std::vector<RRef<at::Tensor>> rrefs_of(const std::vector<at::Tensor>& params) {
-  std::vector<RRef<at::Tensor>> rrefs;
-  rrefs.reserve(params.size());
-  for (const at::Tensor& param : params) rrefs.emplace_back(param);
-  return rrefs;
-}
-
 }  // namespace
 
 EmbeddingTable::EmbeddingTable(int64_t ntoken, int64_t ninp, double dropout, int64_t seed) {
@@ -34,8 +27,6 @@ at::Tensor EmbeddingTable::forward(at::Tensor input) {
   return drop->forward(encoder->forward(input));
 }
 
-std::vector<RRef<at::Tensor>> EmbeddingTable::parameter_rrefs() { return rrefs_of(parameters()); }
-
 Decoder::Decoder(int64_t ntoken, int64_t nhid, double dropout, int64_t seed) {
   decoder = register_module("decoder", torch::nn::Linear(nhid, ntoken));
   drop = register_module("drop", torch::nn::Dropout(dropout));
@@ -46,23 +37,16 @@ Decoder::Decoder(int64_t ntoken, int64_t nhid, double dropout, int64_t seed) {
 
 at::Tensor Decoder::forward(at::Tensor output) { return decoder->forward(drop->forward(output)); }
 
-std::vector<RRef<at::Tensor>> Decoder::parameter_rrefs() { return rrefs_of(parameters()); }
-
-DISTOPTIM_RPC_CLASS(EmbeddingTable, int64_t, int64_t, double, int64_t);
-DISTOPTIM_RPC_METHOD(EmbeddingTable, forward);
-DISTOPTIM_RPC_METHOD(EmbeddingTable, parameter_rrefs);
-DISTOPTIM_RPC_METHOD(EmbeddingTable, set_training);
-DISTOPTIM_RPC_CLASS(Decoder, int64_t, int64_t, double, int64_t);
-DISTOPTIM_RPC_METHOD(Decoder, forward);
-DISTOPTIM_RPC_METHOD(Decoder, parameter_rrefs);
-DISTOPTIM_RPC_METHOD(Decoder, set_training);
+// Constructible on the server by a trainer's RemoteModule, with forward, train and
+// remote_parameters.
+DISTOPTIM_REMOTE_MODULE(EmbeddingTable, int64_t, int64_t, double, int64_t);
+DISTOPTIM_REMOTE_MODULE(Decoder, int64_t, int64_t, double, int64_t);
 
 RNNModel::RNNModel(const std::string& ps, const ModelOptions& options) : options_(options) {
-  embedding_ = distoptim::rpc::remote<EmbeddingTable>(
-      ps, "EmbeddingTable",
-      std::tuple{options.ntoken, options.ninp, options.dropout, options.seed + 1});
-  decoder_ = distoptim::rpc::remote<Decoder>(
-      ps, "Decoder", std::tuple{options.ntoken, options.nhid, options.dropout, options.seed + 2});
+  embedding_ = std::make_shared<distoptim::rpc::RemoteModule<EmbeddingTable>>(
+      ps, std::tuple{options.ntoken, options.ninp, options.dropout, options.seed + 1});
+  decoder_ = std::make_shared<distoptim::rpc::RemoteModule<Decoder>>(
+      ps, std::tuple{options.ntoken, options.nhid, options.dropout, options.seed + 2});
   rnn_ = torch::nn::LSTM(torch::nn::LSTMOptions(options.ninp, options.nhid)
                              .num_layers(options.nlayers)
                              .dropout(options.nlayers > 1 ? options.dropout : 0.0));
@@ -70,26 +54,22 @@ RNNModel::RNNModel(const std::string& ps, const ModelOptions& options) : options
   for (const at::Tensor& param : rnn_->parameters()) {
     init_uniform(param, 1.0 / std::sqrt(static_cast<double>(options.nhid)), seed++);
   }
-  embedding_.confirm();
-  decoder_.confirm();
+  embedding_->module_rref().confirm();
+  decoder_->module_rref().confirm();
 }
 
 std::tuple<at::Tensor, RNNModel::Hidden> RNNModel::forward(const at::Tensor& input,
                                                            const Hidden& hidden) {
-  at::Tensor emb = embedding_.rpc_sync().method<at::Tensor>("forward", input);
+  at::Tensor emb = embedding_->forward(input);
   auto [output, next] = rnn_->forward(emb, hidden);
-  at::Tensor decoded = decoder_.rpc_sync().method<at::Tensor>("forward", output);
+  at::Tensor decoded = decoder_->forward(output);
   return {decoded, next};
 }
 
 std::vector<RRef<at::Tensor>> RNNModel::parameter_rrefs() {
-  std::vector<RRef<at::Tensor>> params =
-      embedding_.rpc_sync().method<std::vector<RRef<at::Tensor>>>("parameter_rrefs");
-  for (const auto& param : rrefs_of(rnn_->parameters())) params.push_back(param);
-  for (const auto& param :
-       decoder_.rpc_sync().method<std::vector<RRef<at::Tensor>>>("parameter_rrefs")) {
-    params.push_back(param);
-  }
+  std::vector<RRef<at::Tensor>> params = embedding_->remote_parameters();
+  for (const at::Tensor& param : rnn_->parameters()) params.emplace_back(param);
+  for (const auto& param : decoder_->remote_parameters()) params.push_back(param);
   return params;
 }
 
@@ -99,8 +79,8 @@ RNNModel::Hidden RNNModel::init_hidden(int64_t batch) const {
 }
 
 void RNNModel::train(bool on) {
-  embedding_.rpc_sync().method("set_training", on);
-  decoder_.rpc_sync().method("set_training", on);
+  embedding_->train(on);
+  decoder_->train(on);
   rnn_->train(on);
 }
 

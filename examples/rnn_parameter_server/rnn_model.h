@@ -7,6 +7,7 @@
 // decoder; distributed autograd carries the gradients back the same way.
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -27,10 +28,6 @@ using distoptim::rpc::RRef;
 struct EmbeddingTable : torch::nn::Module {
   EmbeddingTable(int64_t ntoken, int64_t ninp, double dropout, int64_t seed);
   at::Tensor forward(at::Tensor input);
-  /// References to its parameters, owned by the server, for the DistributedOptimizer.
-  std::vector<RRef<at::Tensor>> parameter_rrefs();
-  /// Module::train(on), as a method a trainer can call through its RRef.
-  void set_training(bool on) { train(on); }
 
   torch::nn::Embedding encoder{nullptr};
   torch::nn::Dropout drop{nullptr};
@@ -40,8 +37,6 @@ struct EmbeddingTable : torch::nn::Module {
 struct Decoder : torch::nn::Module {
   Decoder(int64_t ntoken, int64_t nhid, double dropout, int64_t seed);
   at::Tensor forward(at::Tensor output);
-  std::vector<RRef<at::Tensor>> parameter_rrefs();
-  void set_training(bool on) { train(on); }
 
   torch::nn::Linear decoder{nullptr};
   torch::nn::Dropout drop{nullptr};
@@ -56,7 +51,8 @@ struct ModelOptions {
   int64_t seed = 0;  // each module is seeded from it, so one trainer's run is reproducible
 };
 
-/// On a trainer: the remote embedding table and decoder around a local LSTM.
+/// On a trainer: the remote embedding table and decoder (RemoteModules, as PyTorch's
+/// torch.distributed.nn.RemoteModule) around a local LSTM.
 class RNNModel {
  public:
   using Hidden = std::tuple<at::Tensor, at::Tensor>;
@@ -76,9 +72,9 @@ class RNNModel {
 
  private:
   ModelOptions options_;
-  RRef<EmbeddingTable> embedding_;
+  std::shared_ptr<distoptim::rpc::RemoteModule<EmbeddingTable>> embedding_;
   torch::nn::LSTM rnn_{nullptr};
-  RRef<Decoder> decoder_;
+  std::shared_ptr<distoptim::rpc::RemoteModule<Decoder>> decoder_;
 };
 
 }  // namespace rnn_ps
