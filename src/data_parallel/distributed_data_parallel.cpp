@@ -1,15 +1,21 @@
 #include <distoptim/data_parallel/distributed_data_parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <string>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/data_parallel/gradient_store.h>
 
 #include "parameter_check.h"
 
@@ -23,6 +29,25 @@ namespace {
 constexpr int64_t kFirstBucketBytes = int64_t{1} << 20;
 constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;
 
+// How a rank runs a forward, as the ranks tell each other before it (a joined rank says
+// nothing: 0).
+enum SyncMode : int {
+  kToGrad = 1,      // gradients are synchronized in .grad, by the Reducer during backward
+  kToStore = 2,     // in a GradientStore (a distributed autograd context), after backward
+  kNotSyncing = 3,  // no_sync() or no grad: nothing is synchronized
+};
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
+}
+
+// The reduced flat buffer a comm hook's future holds.
+at::Tensor reduced_buffer(const c10::IValue& value) {
+  return value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
+}
+
 }  // namespace
 
 struct GradientSync::Impl {
@@ -35,6 +60,120 @@ struct GradientSync::Impl {
   // (buffers are broadcast before a forward only after a synchronized one).
   bool sync_gradients = true;
   bool sync_buffers_next = true;
+  bool has_comm_hook = false;
+  // The store this forward's gradients go to, between before_forward and after_forward.
+  std::shared_ptr<GradientStore> forward_store;
+  // Alive while a synchronization queued on a store has not run: lets a second forward into a
+  // store before the first one's backward fail, as the Reducer fails it for .grad.
+  std::weak_ptr<std::atomic<bool>> store_sync_pending;
+  // Expires with this object: a synchronization queued on a store checks it first.
+  std::shared_ptr<bool> alive = std::make_shared<bool>(true);
+
+  int global_rank() const { return group.global_rank(group.rank()); }
+
+  // Every rank says how it runs this forward; a group whose ranks put gradients in different
+  // places (a distributed autograd context on some, .grad on others) fails on every rank here,
+  // before any gradient is reduced. `mode` 0: a joined rank, which says nothing.
+  void exchange_sync_mode(int mode) const {
+    std::vector<at::Tensor> modes = {at::zeros({group.size()})};
+    modes[0][group.rank()] = static_cast<float>(mode);
+    c10d::AllreduceOptions options;
+    options.timeout = group.timeout();
+    group.process_group()->allreduce(modes, options)->wait(group.timeout());
+    std::vector<int> to_grad, to_store;
+    for (int r = 0; r < group.size(); ++r) {
+      const int m = static_cast<int>(modes[0][r].item<float>());
+      if (m == kToGrad) to_grad.push_back(group.global_rank(r));
+      if (m == kToStore) to_store.push_back(group.global_rank(r));
+    }
+    TORCH_CHECK_VALUE(
+        to_grad.empty() || to_store.empty(), "DistributedDataParallel.forward (on rank ",
+        global_rank(), "): rank(s) ", rank_list(to_store),
+        " run forward inside a distributed autograd context and rank(s) ", rank_list(to_grad),
+        " outside one; every rank of the group must do the same (inside a context gradients are "
+        "averaged in the context, outside in .grad)");
+  }
+
+  // Averages the gradients `store` holds for the parameters as the Reducer averages .grad (the
+  // same buckets, division and comm hook), and writes the results back into `store`. Runs at the
+  // end of the local backward pass; the returned future completes when every bucket is written.
+  c10::intrusive_ptr<c10::ivalue::Future> reduce_in_store(
+      const std::shared_ptr<GradientStore>& store) {
+    std::vector<c10d::GradBucket> buckets = reducer->get_grad_buckets(/*return_zero_tensors=*/true);
+    {
+      at::NoGradGuard no_grad;
+      // The Reducer's copy into a bucket: divided by the group's size on the way without a comm
+      // hook (then summed), copied as is for a hook (which averages).
+      at::Tensor scale = at::scalar_tensor(1.0 / group.size(), at::kDouble);
+      scale.unsafeGetTensorImpl()->set_wrapped_number(true);
+      for (auto& bucket : buckets) {
+        std::vector<at::Tensor> views = bucket.getGradients();
+        const std::vector<at::Tensor>& params = bucket.getParameters();
+        for (size_t k = 0; k < params.size(); ++k) {
+          const at::Tensor grad = store->gradient(params[k]);
+          if (!grad.defined()) continue;  // zeros, as the Reducer does for a missing gradient
+          TORCH_CHECK(grad.sizes() == params[k].sizes(), "DistributedDataParallel (rank ",
+                      global_rank(), "): the gradient of a parameter of shape ", params[k].sizes(),
+                      " in ", store->name(), " has shape ", grad.sizes());
+          if (has_comm_hook) {
+            views[k].copy_(grad);
+          } else {
+            at::mul_out(views[k], grad, scale);
+          }
+        }
+      }
+    }
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+    auto left = std::make_shared<std::atomic<size_t>>(buckets.size());
+    const int rank = global_rank();
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      c10::intrusive_ptr<c10::ivalue::Future> reduced = reducer->run_comm_hook(buckets[b]);
+      reduced->addCallback(
+          [done, left, store, bucket = buckets[b], b, rank](c10::ivalue::Future& future) mutable {
+            try {
+              if (future.hasError()) std::rethrow_exception(future.exception_ptr());
+              const at::Tensor flat = reduced_buffer(future.value());
+              const std::vector<at::Tensor> views = bucket.getGradients();
+              const std::vector<at::Tensor>& params = bucket.getParameters();
+              const int64_t base = bucket.getBufferRef().storage_offset();
+              at::NoGradGuard no_grad;
+              for (size_t k = 0; k < params.size(); ++k) {
+                store->set_gradient(
+                    params[k], flat.narrow(0, views[k].storage_offset() - base, params[k].numel())
+                                   .view(params[k].sizes())
+                                   .clone());
+              }
+            } catch (const std::exception& e) {
+              try {
+                DISTOPTIM_RETHROW_WITH_CONTEXT(e, "DistributedDataParallel: reducing bucket ", b,
+                                               " of the gradients in ", store->name(),
+                                               " failed on rank ", rank, ": ");
+              } catch (...) {
+                done->setErrorIfNeeded(std::current_exception());
+              }
+              return;
+            }
+            if (left->fetch_sub(1) == 1) done->markCompleted(c10::IValue());
+          });
+    }
+    if (buckets.empty()) done->markCompleted(c10::IValue());
+    return done;
+  }
+
+  // Queues the reduction of this forward's gradients at the end of the next backward pass into
+  // `store`.
+  void queue_store_sync(const std::shared_ptr<GradientStore>& store) {
+    auto pending = std::make_shared<std::atomic<bool>>(true);
+    store_sync_pending = pending;
+    store->add_backward_callback([this, store, pending, alive = std::weak_ptr<bool>(alive)]() {
+      pending->store(false);
+      TORCH_CHECK(!alive.expired(),
+                  "DistributedDataParallel: the object was destroyed before "
+                  "the backward pass over its forward in ",
+                  store->name());
+      return reduce_in_store(store);
+    });
+  }
 
   void broadcast_buffers(int root = 0) {
     if (!buffers.empty()) {
@@ -131,7 +270,27 @@ GradientSync::~GradientSync() {
 void GradientSync::before_forward() {
   Impl& s = *impl_;
   const bool grad_enabled = at::GradMode::is_enabled();
-  if (grad_enabled && s.sync_gradients) s.reducer->prepare_for_forward();
+  const bool syncing = grad_enabled && s.sync_gradients;
+  // Inside a distributed autograd context (or another GradientStore), gradients are averaged
+  // where the backward pass puts them, after it: the Reducer's hooks stay idle and .grad
+  // untouched.
+  std::shared_ptr<GradientStore> store = syncing ? current_gradient_store() : nullptr;
+  if (store != nullptr) {
+    TORCH_CHECK_VALUE(
+        !join_config().enable, "DistributedDataParallel.forward (rank ", s.global_rank(),
+        "): inside ", store->name(),
+        " under a Join; Join is supported only outside distributed autograd contexts");
+    TORCH_CHECK_VALUE(!s.options.find_unused_parameters(), "DistributedDataParallel.forward (rank ",
+                      s.global_rank(), "): find_unused_parameters = true inside ", store->name(),
+                      " is not supported");
+    auto pending = s.store_sync_pending.lock();
+    TORCH_CHECK_VALUE(pending == nullptr || !pending->load(),
+                      "DistributedDataParallel.forward (rank ", s.global_rank(), ") inside ",
+                      store->name(),
+                      ": the previous forward's gradients were not reduced yet; run the backward "
+                      "pass of each forward before the next forward (or release its context)");
+  }
+  if (syncing && store == nullptr) s.reducer->prepare_for_forward();
   // Under a Join: count this rank as training; the count is the divisor if asked. Its failure
   // says what it means itself.
   if (auto work = Join::notify_join_context(*this)) {
@@ -139,6 +298,10 @@ void GradientSync::before_forward() {
         work, join_config().hook_options.divide_by_initial_world_size());
   }
   try {
+    // Under a Join every forward says how it runs, so that joined ranks can shadow it.
+    if (syncing || join_config().enable) {
+      s.exchange_sync_mode(!syncing ? kNotSyncing : store != nullptr ? kToStore : kToGrad);
+    }
     // After the first synchronized backward, buckets are rebuilt in the order gradients
     // actually became ready (rank 0's order, so all ranks agree).
     if (grad_enabled) s.reducer->rebuild_buckets();
@@ -162,6 +325,7 @@ void GradientSync::before_forward() {
         "of ",
         s.group.timeout().count(), " ms; for uneven inputs use Join): ");
   }
+  s.forward_store = std::move(store);
 }
 
 // A joined rank's part in DistributedDataParallel's iterations (see GradientSync::join_hook).
@@ -170,6 +334,7 @@ class GradientSync::ReplicaJoinHook : public JoinHook {
   explicit ReplicaJoinHook(Impl& state) : s_(state) {}
 
   void main_hook() override {
+    s_.exchange_sync_mode(0);
     s_.reducer->rebuild_buckets();
     if (s_.sync_buffers_next && s_.options.broadcast_buffers()) {
       s_.broadcast_buffers(s_.common_rank(false));
@@ -232,9 +397,12 @@ std::unique_ptr<JoinHook> GradientSync::join_hook(const JoinHookOptions&) {
 
 void GradientSync::after_forward(const std::vector<at::Tensor>& outputs) {
   Impl& s = *impl_;
+  std::shared_ptr<GradientStore> store = std::move(s.forward_store);
   if (at::GradMode::is_enabled() && s.sync_gradients) {
     s.sync_buffers_next = true;
-    if (s.options.find_unused_parameters()) {
+    if (store != nullptr) {
+      s.queue_store_sync(store);
+    } else if (s.options.find_unused_parameters()) {
       TORCH_CHECK_VALUE(!outputs.empty(),
                         "DistributedDataParallel: find_unused_parameters needs "
                         "forward to return a tensor, a vector or a tuple of tensors");
@@ -264,12 +432,14 @@ GradientSync::NoSyncGuard::~NoSyncGuard() {
 void GradientSync::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
   TORCH_CHECK_VALUE(hook != nullptr, "DistributedDataParallel::register_comm_hook: hook is null");
   impl_->reducer->register_comm_hook(std::move(hook));
+  impl_->has_comm_hook = true;
 }
 
 void GradientSync::register_builtin_comm_hook(BuiltinCommHook hook) {
   impl_->reducer->register_builtin_comm_hook(hook == BuiltinCommHook::kFp16Compress
                                                  ? c10d::BuiltinCommHookType::FP16_COMPRESS
                                                  : c10d::BuiltinCommHookType::ALLREDUCE);
+  impl_->has_comm_hook = true;
 }
 
 const comm::Group& GradientSync::process_group() const { return impl_->group; }
