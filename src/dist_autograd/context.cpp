@@ -1,5 +1,7 @@
 #include "context.h"
 
+#include <utility>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -61,6 +63,27 @@ void Context::accumulate(const at::Tensor& variable, at::Tensor grad) {
 c10::Dict<at::Tensor, at::Tensor> Context::gradients() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return gradients_.copy();
+}
+
+at::Tensor Context::gradient(const at::Tensor& variable) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = gradients_.find(variable);
+  return it == gradients_.end() ? at::Tensor() : it->value();
+}
+
+void Context::set_gradient(const at::Tensor& variable, at::Tensor grad) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  gradients_.insert_or_assign(variable, std::move(grad));
+}
+
+void Context::add_pass_callback(PassCallback callback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  pass_callbacks_.push_back(std::move(callback));
+}
+
+std::vector<Context::PassCallback> Context::take_pass_callbacks() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::exchange(pass_callbacks_, {});
 }
 
 std::shared_ptr<BackwardPass> Context::pass_for(int64_t pass_id, bool retain_graph, bool* started) {

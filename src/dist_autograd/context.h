@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -15,6 +16,7 @@
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 
 #include "functions.h"
 
@@ -45,6 +47,18 @@ class Context : public std::enable_shared_from_this<Context> {
   /// Adds `grad` to the gradient of the leaf `variable`.
   void accumulate(const at::Tensor& variable, at::Tensor grad);
   c10::Dict<at::Tensor, at::Tensor> gradients() const;
+  /// The gradient of `variable`, or an undefined tensor.
+  at::Tensor gradient(const at::Tensor& variable) const;
+  /// Replaces the gradient of `variable`.
+  void set_gradient(const at::Tensor& variable, at::Tensor grad);
+
+  /// Work the next backward pass on this worker runs once it has run all its nodes here; the
+  /// pass completes when the returned future does (DistributedDataParallel's gradient reduction,
+  /// through data_parallel's GradientStore).
+  using PassCallback = std::function<c10::intrusive_ptr<c10::ivalue::Future>()>;
+  void add_pass_callback(PassCallback callback);
+  /// The callbacks added so far, removed from the context.
+  std::vector<PassCallback> take_pass_callbacks();
 
   /// The pass `pass_id` (the initiator numbers them 1, 2, ...): the running one, a new one if
   /// `pass_id` is newer than any seen (an older unfinished one is failed), or null if it is a
@@ -65,6 +79,7 @@ class Context : public std::enable_shared_from_this<Context> {
   std::vector<std::shared_ptr<RecvBackward>> recvs_;
   std::set<int> workers_;
   c10::Dict<at::Tensor, at::Tensor> gradients_;
+  std::vector<PassCallback> pass_callbacks_;
   std::shared_ptr<BackwardPass> pass_;
   int64_t newest_pass_ = 0;
 };
