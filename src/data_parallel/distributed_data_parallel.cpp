@@ -61,6 +61,9 @@ struct GradientSync::Impl {
   bool sync_gradients = true;
   bool sync_buffers_next = true;
   bool has_comm_hook = false;
+  // Whether every synchronizing forward exchanges where each rank's gradients go (see the
+  // constructor).
+  bool exchange_modes = false;
   // The store this forward's gradients go to, between before_forward and after_forward.
   std::shared_ptr<GradientStore> forward_store;
   // Alive while a synchronization queued on a store has not run: lets a second forward into a
@@ -240,6 +243,20 @@ GradientSync::GradientSync(const torch::nn::Module& module, DistributedDataParal
     c10d::broadcast_coalesced(pg, states, kBroadcastBucketBytes, 0);
   }
 
+  // Gradients can go elsewhere than .grad only in a program with a GradientStore provider (one
+  // that links the distributed autograd layer). Only then does every synchronizing forward
+  // exchange where each rank's gradients go: agreed here once, so that every rank makes the same
+  // collectives, and the iterations of a program without distributed autograd make exactly the
+  // collectives they made before.
+  {
+    std::vector<at::Tensor> flag = {at::full({1}, has_gradient_store_provider() ? 1.0f : 0.0f)};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    max.timeout = s.group.timeout();
+    pg->allreduce(flag, max)->wait(s.group.timeout());
+    s.exchange_modes = flag[0].item<float>() > 0;
+  }
+
   const auto bucket_bytes = static_cast<int64_t>(s.options.bucket_cap_mb() * 1024 * 1024);
   std::vector<std::vector<size_t>> bucket_indices;
   std::vector<size_t> bucket_limits;
@@ -299,7 +316,7 @@ void GradientSync::before_forward() {
   }
   try {
     // Under a Join every forward says how it runs, so that joined ranks can shadow it.
-    if (syncing || join_config().enable) {
+    if (s.exchange_modes && (syncing || join_config().enable)) {
       s.exchange_sync_mode(!syncing ? kNotSyncing : store != nullptr ? kToStore : kToGrad);
     }
     // After the first synchronized backward, buckets are rebuilt in the order gradients
@@ -334,7 +351,7 @@ class GradientSync::ReplicaJoinHook : public JoinHook {
   explicit ReplicaJoinHook(Impl& state) : s_(state) {}
 
   void main_hook() override {
-    s_.exchange_sync_mode(0);
+    if (s_.exchange_modes) s_.exchange_sync_mode(0);
     s_.reducer->rebuild_buckets();
     if (s_.sync_buffers_next && s_.options.broadcast_buffers()) {
       s_.broadcast_buffers(s_.common_rank(false));

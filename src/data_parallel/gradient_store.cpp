@@ -37,5 +37,10 @@ std::shared_ptr<GradientStore> current_gradient_store() {
   return provider ? (*provider)() : nullptr;
 }
 
+bool has_gradient_store_provider() {
+  std::lock_guard<std::mutex> lock(slot().mutex);
+  return slot().provider != nullptr;
+}
+
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -52,5 +52,11 @@ void set_gradient_store_provider(GradientStoreProvider provider);
 /// The installed provider's answer on this thread; null when there is no provider.
 std::shared_ptr<GradientStore> current_gradient_store();
 
+/// Whether a provider is installed. A DistributedDataParallel built where one is (on any rank of
+/// its group) exchanges at every synchronizing forward where each rank's gradients go, so that
+/// ranks that disagree fail at once; without one its iterations make the collectives they always
+/// did. (Construction agrees on it, by one allreduce.)
+bool has_gradient_store_provider();
+
 }  // namespace data_parallel
 }  // namespace distoptim
