@@ -6,8 +6,6 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/full.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
@@ -18,6 +16,7 @@
 #include <distoptim/data_parallel/gradient_store.h>
 
 #include "parameter_check.h"
+#include "store_sync.h"
 
 namespace distoptim {
 namespace data_parallel {
@@ -41,11 +40,6 @@ std::string rank_list(const std::vector<int>& ranks) {
   std::string out;
   for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
   return out;
-}
-
-// The reduced flat buffer a comm hook's future holds.
-at::Tensor reduced_buffer(const c10::IValue& value) {
-  return value.isTensor() ? value.toTensor() : value.toTensorVector().at(0);
 }
 
 }  // namespace
@@ -97,85 +91,22 @@ struct GradientSync::Impl {
         "averaged in the context, outside in .grad)");
   }
 
-  // Averages the gradients `store` holds for the parameters as the Reducer averages .grad (the
-  // same buckets, division and comm hook), and writes the results back into `store`. Runs at the
-  // end of the local backward pass; the returned future completes when every bucket is written.
-  c10::intrusive_ptr<c10::ivalue::Future> reduce_in_store(
-      const std::shared_ptr<GradientStore>& store) {
-    std::vector<c10d::GradBucket> buckets = reducer->get_grad_buckets(/*return_zero_tensors=*/true);
-    {
-      at::NoGradGuard no_grad;
-      // The Reducer's copy into a bucket: divided by the group's size on the way without a comm
-      // hook (then summed), copied as is for a hook (which averages).
-      at::Tensor scale = at::scalar_tensor(1.0 / group.size(), at::kDouble);
-      scale.unsafeGetTensorImpl()->set_wrapped_number(true);
-      for (auto& bucket : buckets) {
-        std::vector<at::Tensor> views = bucket.getGradients();
-        const std::vector<at::Tensor>& params = bucket.getParameters();
-        for (size_t k = 0; k < params.size(); ++k) {
-          const at::Tensor grad = store->gradient(params[k]);
-          if (!grad.defined()) continue;  // zeros, as the Reducer does for a missing gradient
-          TORCH_CHECK(grad.sizes() == params[k].sizes(), "DistributedDataParallel (rank ",
-                      global_rank(), "): the gradient of a parameter of shape ", params[k].sizes(),
-                      " in ", store->name(), " has shape ", grad.sizes());
-          if (has_comm_hook) {
-            views[k].copy_(grad);
-          } else {
-            at::mul_out(views[k], grad, scale);
-          }
-        }
-      }
-    }
-    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
-    auto left = std::make_shared<std::atomic<size_t>>(buckets.size());
-    const int rank = global_rank();
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      c10::intrusive_ptr<c10::ivalue::Future> reduced = reducer->run_comm_hook(buckets[b]);
-      reduced->addCallback(
-          [done, left, store, bucket = buckets[b], b, rank](c10::ivalue::Future& future) mutable {
-            try {
-              if (future.hasError()) std::rethrow_exception(future.exception_ptr());
-              const at::Tensor flat = reduced_buffer(future.value());
-              const std::vector<at::Tensor> views = bucket.getGradients();
-              const std::vector<at::Tensor>& params = bucket.getParameters();
-              const int64_t base = bucket.getBufferRef().storage_offset();
-              at::NoGradGuard no_grad;
-              for (size_t k = 0; k < params.size(); ++k) {
-                store->set_gradient(
-                    params[k], flat.narrow(0, views[k].storage_offset() - base, params[k].numel())
-                                   .view(params[k].sizes())
-                                   .clone());
-              }
-            } catch (const std::exception& e) {
-              try {
-                DISTOPTIM_RETHROW_WITH_CONTEXT(e, "DistributedDataParallel: reducing bucket ", b,
-                                               " of the gradients in ", store->name(),
-                                               " failed on rank ", rank, ": ");
-              } catch (...) {
-                done->setErrorIfNeeded(std::current_exception());
-              }
-              return;
-            }
-            if (left->fetch_sub(1) == 1) done->markCompleted(c10::IValue());
-          });
-    }
-    if (buckets.empty()) done->markCompleted(c10::IValue());
-    return done;
-  }
-
-  // Queues the reduction of this forward's gradients at the end of the next backward pass into
-  // `store`.
+  // Queues the averaging of this forward's gradients in `store` on the next backward pass into
+  // it: each bucket as soon as the pass has accumulated all its gradients there, the rest at
+  // the end of the local pass, which completes once every average is back in `store`.
   void queue_store_sync(const std::shared_ptr<GradientStore>& store) {
     auto pending = std::make_shared<std::atomic<bool>>(true);
-    store_sync_pending = pending;
-    store->add_backward_callback([this, store, pending, alive = std::weak_ptr<bool>(alive)]() {
+    auto sync = std::make_shared<StoreSync>(store, *reducer, has_comm_hook, group.size(),
+                                            global_rank(), std::weak_ptr<bool>(alive));
+    for (const at::Tensor& param : parameters) {
+      store->add_gradient_listener(
+          param, [sync, impl = param.unsafeGetTensorImpl()] { sync->gradient_ready(impl); });
+    }
+    store->add_backward_callback([sync, pending] {
       pending->store(false);
-      TORCH_CHECK(!alive.expired(),
-                  "DistributedDataParallel: the object was destroyed before "
-                  "the backward pass over its forward in ",
-                  store->name());
-      return reduce_in_store(store);
+      return sync->finish();
     });
+    store_sync_pending = pending;
   }
 
   void broadcast_buffers(int root = 0) {

@@ -81,6 +81,25 @@ void Context::add_pass_callback(PassCallback callback) {
   pass_callbacks_.push_back(std::move(callback));
 }
 
+void Context::add_gradient_listener(const at::Tensor& variable, std::function<void()> listener) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  gradient_listeners_.emplace_back(variable, std::move(listener));
+}
+
+std::unordered_map<const c10::TensorImpl*, std::vector<std::function<void()>>>
+Context::take_gradient_listeners() {
+  std::vector<std::pair<at::Tensor, std::function<void()>>> listeners;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    listeners = std::exchange(gradient_listeners_, {});
+  }
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::function<void()>>> by_variable;
+  for (auto& [variable, listener] : listeners) {
+    by_variable[variable.unsafeGetTensorImpl()].push_back(std::move(listener));
+  }
+  return by_variable;
+}
+
 std::vector<Context::PassCallback> Context::take_pass_callbacks() {
   std::lock_guard<std::mutex> lock(mutex_);
   return std::exchange(pass_callbacks_, {});

@@ -56,6 +56,12 @@ class Context : public std::enable_shared_from_this<Context> {
   /// pass completes when the returned future does (DistributedDataParallel's gradient reduction,
   /// through data_parallel's GradientStore).
   using PassCallback = std::function<c10::intrusive_ptr<c10::ivalue::Future>()>;
+  /// Work the next backward pass on this worker runs right after it accumulated the gradient of
+  /// `variable` (DistributedDataParallel launching a bucket).
+  void add_gradient_listener(const at::Tensor& variable, std::function<void()> listener);
+  /// The listeners added so far, by the variable's TensorImpl, removed from the context.
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::function<void()>>>
+  take_gradient_listeners();
   void add_pass_callback(PassCallback callback);
   /// The callbacks added so far, removed from the context.
   std::vector<PassCallback> take_pass_callbacks();
@@ -80,6 +86,8 @@ class Context : public std::enable_shared_from_this<Context> {
   std::set<int> workers_;
   c10::Dict<at::Tensor, at::Tensor> gradients_;
   std::vector<PassCallback> pass_callbacks_;
+  // With the variable, so that the TensorImpl stays the same object until a pass takes them.
+  std::vector<std::pair<at::Tensor, std::function<void()>>> gradient_listeners_;
   std::shared_ptr<BackwardPass> pass_;
   int64_t newest_pass_ = 0;
 };

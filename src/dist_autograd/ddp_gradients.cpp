@@ -32,6 +32,11 @@ class ContextGradientStore : public data_parallel::GradientStore {
   void set_gradient(const at::Tensor& parameter, const at::Tensor& gradient) override {
     if (auto context = context_.lock()) context->set_gradient(parameter, gradient);
   }
+  void add_gradient_listener(const at::Tensor& parameter, std::function<void()> listener) override {
+    auto context = context_.lock();
+    TORCH_CHECK_VALUE(context != nullptr, name(), " was released on this worker");
+    context->add_gradient_listener(parameter, std::move(listener));
+  }
   void add_backward_callback(BackwardCallback callback) override {
     auto context = context_.lock();
     TORCH_CHECK_VALUE(context != nullptr, name(), " was released on this worker");

@@ -71,6 +71,7 @@ void BackwardPass::start(const torch::autograd::edge_list& roots, variable_list 
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_INTERNAL_ASSERT(!started_, "a backward pass starts once");
     started_ = true;
+    listeners_ = context_->take_gradient_listeners();
     // Every node reachable from the roots and the SendBackwards, with the number of edges into it.
     std::vector<Node*> stack;
     auto visit = [&](const std::shared_ptr<Node>& node) -> Pending& {
@@ -282,6 +283,11 @@ void BackwardPass::execute(const std::shared_ptr<Node>& node, variable_list inpu
       at::Tensor grad =
           torch::autograd::AccumulateGrad::callHooks(accumulate->variable, std::move(inputs[0]));
       context_->accumulate(accumulate->variable, std::move(grad));
+      // The variable's gradient of this pass is complete: the node runs once per pass.
+      auto listeners = listeners_.find(accumulate->variable.unsafeGetTensorImpl());
+      if (listeners != listeners_.end()) {
+        for (const auto& listener : listeners->second) listener();
+      }
     }
     return;
   }

@@ -142,6 +142,8 @@ class BackwardPass : public std::enable_shared_from_this<BackwardPass> {
   bool running_ = false;  // a thread runs ready nodes
   bool started_ = false;
   bool finished_ = false;
+  // The context's gradient listeners, taken when the pass starts; read-only after.
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::function<void()>>> listeners_;
   bool callbacks_taken_ = false;  // the context's pass callbacks were taken (after the last node)
   size_t callbacks_pending_ = 0;  // ... and these have not completed
 };

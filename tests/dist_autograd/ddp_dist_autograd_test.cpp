@@ -13,6 +13,8 @@
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <distoptim/comm.h>
 #include <distoptim/data_parallel.h>
@@ -113,6 +115,109 @@ TEST(DdpInDistAutogradContext, SeveralBucketsWithACommHook) {
   // About one parameter per bucket; the hook averages itself (no division on the way in).
   expect_context_equals_grad(DistributedDataParallelOptions().bucket_cap_mb(1e-4),
                              /*builtin_hook=*/true);
+}
+
+// Two heads, the second used only when asked: a parameter whose gradient never comes.
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl() {
+    a = register_module("a", torch::nn::Linear(5, 3));
+    b = register_module("b", torch::nn::Linear(5, 3));
+    to(at::kDouble);
+  }
+  at::Tensor forward(const at::Tensor& x, bool use_b) {
+    const at::Tensor y = a->forward(x);
+    return use_b ? y + b->forward(x) : y;
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TwoHeads);
+
+// Rank 1 never uses head b: its bucket(s) go at the end of rank 1's backward pass with zeros for
+// b, while rank 0 launched them during its pass; the context holds, on both ranks, the mean over
+// ranks of each rank's own gradient (zeros where it has none), computed as the Reducer does
+// (each scaled by 1/2, then summed).
+TEST(DdpInDistAutogradContext, AGradientThatNeverComesCountsAsZeros) {
+  for (double bucket_cap_mb : {25.0, 1e-4}) {
+    run_ranks(kWorld, [bucket_cap_mb](int rank, int) {
+      start(rank);
+      torch::manual_seed(0);
+      TwoHeads model;
+      DistributedDataParallel ddp(model,
+                                  DistributedDataParallelOptions().bucket_cap_mb(bucket_cap_mb));
+      const std::vector<at::Tensor> params = model->parameters();
+      const at::Tensor x = batch(rank, 0);
+      const bool use_b = rank == 0;
+      std::vector<at::Tensor> expected;
+      {
+        const at::Tensor loss = loss_of(model->forward(x, use_b));
+        const auto local = torch::autograd::grad({loss}, params, {}, false, false,
+                                                 /*allow_unused=*/true);
+        for (size_t i = 0; i < params.size(); ++i) {
+          std::vector<at::Tensor> mean = {
+              (local[i].defined() ? local[i] : at::zeros_like(params[i])).mul(0.5)};
+          comm::world().process_group()->allreduce(mean)->wait();
+          expected.push_back(mean[0]);
+        }
+      }
+      ContextGuard context;
+      backward(context.id(), {loss_of(ddp.forward(x, use_b))});
+      const auto in_context = get_gradients(context.id());
+      for (size_t i = 0; i < params.size(); ++i) {
+        ASSERT_TRUE(in_context.contains(params[i])) << "rank " << rank << " parameter " << i;
+        EXPECT_TRUE(at::equal(in_context.at(params[i]), expected[i]))
+            << "rank " << rank << " parameter " << i << " (bucket_cap_mb " << bucket_cap_mb << ")";
+      }
+      stop();
+    });
+  }
+}
+
+// A comm hook that averages as the built-in one does and records, for each bucket, whether the
+// gradient of the first layer's weight was already in the context when the bucket went.
+class RecordingHook : public c10d::CommHookInterface {
+ public:
+  RecordingHook(c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor watched)
+      : group_(std::move(group)), watched_(std::move(watched)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    watched_was_in.push_back(get_gradients(context_id).contains(watched_));
+    std::vector<at::Tensor> tensors = {bucket.getBufferRef().div_(group_->getSize())};
+    return group_->allreduce(tensors)->getFuture();
+  }
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    return result.toTensorVector().at(0);
+  }
+
+  int64_t context_id = 0;
+  std::vector<bool> watched_was_in;  // by bucket, in launch order
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  at::Tensor watched_;
+};
+
+// The buckets overlap the backward pass: with buckets of about 100 bytes, the bucket of the last
+// layer's bias (the first in the Reducer's order) goes before the pass has reached the first
+// layer's weight (whose bucket goes last).
+TEST(DdpInDistAutogradContext, BucketsGoWhileTheBackwardPassRuns) {
+  run_ranks(kWorld, [](int rank, int) {
+    start(rank);
+    torch::manual_seed(0);
+    auto model = make_model();
+    DistributedDataParallel ddp(model, DistributedDataParallelOptions().bucket_cap_mb(1e-4));
+    const at::Tensor first_weight = model->parameters().at(0);
+    auto hook = std::make_unique<RecordingHook>(comm::world().process_group(), first_weight);
+    RecordingHook* recording = hook.get();
+    ddp.register_comm_hook(std::move(hook));
+    ContextGuard context;
+    recording->context_id = context.id();
+    backward(context.id(), {loss_of(ddp.forward(batch(rank, 0)))});
+    ASSERT_GE(recording->watched_was_in.size(), 2u);  // the buckets, in launch order
+    EXPECT_FALSE(recording->watched_was_in.front())
+        << "rank " << rank << ": the first bucket went only after the whole pass";
+    EXPECT_TRUE(recording->watched_was_in.back()) << "rank " << rank;
+    stop();
+  });
 }
 
 TEST(DdpInDistAutogradContext, RanksInsideAndOutsideAContextAllFailNamingThem) {

@@ -32,6 +32,13 @@ class GradientStore {
   /// Replaces the gradient of `parameter`.
   virtual void set_gradient(const at::Tensor& parameter, const at::Tensor& gradient) = 0;
 
+  /// Calls `listener` in the next backward pass into this store on this process, right after
+  /// the pass has accumulated the whole gradient of `parameter` there (on the thread that did),
+  /// so that work on it can start while the pass goes on. Dropped unrun if the store goes away
+  /// first, or if that pass never reaches `parameter`. An exception from it fails the pass.
+  virtual void add_gradient_listener(const at::Tensor& parameter,
+                                     std::function<void()> listener) = 0;
+
   /// Work to run after the local part of a backward pass.
   using BackwardCallback = std::function<c10::intrusive_ptr<c10::ivalue::Future>()>;
   /// Runs `callback` once, in the next backward pass into this store on this process, after the
