@@ -6,8 +6,6 @@
 // trainers, float64) must give the same loss at every step on each trainer and the same
 // parameters at the end, to rounding.
 
-#include <stdlib.h>
-
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -22,8 +20,8 @@
 #include <distoptim/rpc.h>
 
 #include "ddp_rpc_model.h"
-#include "harness/command.h"
 #include "harness/multiprocess.h"
+#include "harness/reference_run.h"
 #include "harness/rpc_workers.h"
 #include "support/tensor_files.h"
 
@@ -33,7 +31,6 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
 using distoptim::testing::load_tensor_list;
-using distoptim::testing::shell_quote;
 
 // Keep in sync with the reference script's constants.
 constexpr int kTrainers = 2;
@@ -56,36 +53,16 @@ void expect_close(const at::Tensor& actual, const at::Tensor& expected, const st
       << expected;
 }
 
+// Runs the reference once per run of the test program, in the test process.
 class DdpRpcParityTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    if (distoptim::testing::in_rank_process()) return;
-    char dir_template[] = "/tmp/distoptim-ddp-rpc-parity-XXXXXX";
-    ASSERT_NE(::mkdtemp(dir_template), nullptr);
-    dir_ = new fs::path(dir_template);
-    const std::string command = "timeout 150 " + shell_quote(DISTOPTIM_REFERENCE_PYTHON) + " " +
-                                shell_quote(kScript) + " --out " + shell_quote(dir_->string());
-    const auto result = distoptim::testing::run_command(command);
+    if (testing::in_rank_process()) return;
+    const auto result = testing::run_reference(DISTOPTIM_REFERENCE_PYTHON, kScript, kDirVariable);
     ASSERT_TRUE(result.ok) << "the reference failed: " << result.output;
-    ::setenv(kDirVariable, dir_->c_str(), 1);
   }
-  static void TearDownTestSuite() {
-    if (dir_ == nullptr) return;
-    ::unsetenv(kDirVariable);
-    fs::remove_all(*dir_);
-    delete dir_;
-    dir_ = nullptr;
-  }
-  static fs::path reference_dir() {
-    const char* dir = std::getenv(kDirVariable);
-    TORCH_CHECK(dir != nullptr, kDirVariable, " is not set: the reference did not run");
-    return dir;
-  }
-
-  static fs::path* dir_;
+  static void TearDownTestSuite() { testing::remove_reference(kDirVariable); }
 };
-
-fs::path* DdpRpcParityTest::dir_ = nullptr;
 
 TEST_F(DdpRpcParityTest, LossesAndParametersMatchPyTorchs) {
   testing::RunRanksOptions options;
@@ -93,7 +70,7 @@ TEST_F(DdpRpcParityTest, LossesAndParametersMatchPyTorchs) {
   testing::run_ranks(
       kTrainers + 1,
       [](int rank, int world_size) {
-        const fs::path ref = reference_dir();
+        const fs::path ref = testing::reference_dir(kDirVariable);
         const std::vector<at::Tensor> init = load_tensor_list(ref / "init.pt");
         comm::init_process_group(comm::ProcessGroupOptions("env://").timeout(60s));
         const comm::Group trainers = comm::new_group({1, 2});
