@@ -19,8 +19,8 @@ struct Served {
 };
 
 Served& served() {
-  static Served* const instance = new Served();  // never destroyed: RPC threads may outlive main
-  return *instance;
+  static Served* const kInstance = new Served();  // never destroyed: RPC threads may outlive main
+  return *kInstance;
 }
 
 torch::nn::EmbeddingBag table_or_throw() {

@@ -14,8 +14,8 @@ struct ProviderSlot {
 };
 
 ProviderSlot& slot() {
-  static ProviderSlot* const instance = new ProviderSlot();  // never destroyed: used at exit
-  return *instance;
+  static ProviderSlot* const kInstance = new ProviderSlot();  // never destroyed: used at exit
+  return *kInstance;
 }
 
 }  // namespace
