@@ -4,6 +4,7 @@
 #include <distoptim/data_parallel/checkpoint.h>
 #include <distoptim/data_parallel/comm_hooks.h>
 #include <distoptim/data_parallel/distributed_data_parallel.h>
+#include <distoptim/data_parallel/gradient_store.h>
 #include <distoptim/data_parallel/join.h>
 #include <distoptim/data_parallel/model_averaging.h>
 #include <distoptim/data_parallel/post_local_sgd_hook.h>

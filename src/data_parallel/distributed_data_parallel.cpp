@@ -1,17 +1,22 @@
 #include <distoptim/data_parallel/distributed_data_parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <string>
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/data_parallel/gradient_store.h>
 
 #include "parameter_check.h"
+#include "store_sync.h"
 
 namespace distoptim {
 namespace data_parallel {
@@ -22,6 +27,20 @@ namespace {
 // (dist._DEFAULT_FIRST_BUCKET_BYTES), and module states are broadcast in 250 MiB pieces.
 constexpr int64_t kFirstBucketBytes = int64_t{1} << 20;
 constexpr size_t kBroadcastBucketBytes = size_t{250} << 20;
+
+// How a rank runs a forward, as the ranks tell each other before it (a joined rank says
+// nothing: 0).
+enum SyncMode : int {
+  kToGrad = 1,      // gradients are synchronized in .grad, by the Reducer during backward
+  kToStore = 2,     // in a GradientStore (a distributed autograd context), after backward
+  kNotSyncing = 3,  // no_sync() or no grad: nothing is synchronized
+};
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return out;
+}
 
 }  // namespace
 
@@ -35,6 +54,60 @@ struct GradientSync::Impl {
   // (buffers are broadcast before a forward only after a synchronized one).
   bool sync_gradients = true;
   bool sync_buffers_next = true;
+  bool has_comm_hook = false;
+  // Whether every synchronizing forward exchanges where each rank's gradients go (see the
+  // constructor).
+  bool exchange_modes = false;
+  // The store this forward's gradients go to, between before_forward and after_forward.
+  std::shared_ptr<GradientStore> forward_store;
+  // Alive while a synchronization queued on a store has not run: lets a second forward into a
+  // store before the first one's backward fail, as the Reducer fails it for .grad.
+  std::weak_ptr<std::atomic<bool>> store_sync_pending;
+  // Expires with this object: a synchronization queued on a store checks it first.
+  std::shared_ptr<bool> alive = std::make_shared<bool>(true);
+
+  int global_rank() const { return group.global_rank(group.rank()); }
+
+  // Every rank says how it runs this forward; a group whose ranks put gradients in different
+  // places (a distributed autograd context on some, .grad on others) fails on every rank here,
+  // before any gradient is reduced. `mode` 0: a joined rank, which says nothing.
+  void exchange_sync_mode(int mode) const {
+    std::vector<at::Tensor> modes = {at::zeros({group.size()})};
+    modes[0][group.rank()] = static_cast<float>(mode);
+    c10d::AllreduceOptions options;
+    options.timeout = group.timeout();
+    group.process_group()->allreduce(modes, options)->wait(group.timeout());
+    std::vector<int> to_grad, to_store;
+    for (int r = 0; r < group.size(); ++r) {
+      const int m = static_cast<int>(modes[0][r].item<float>());
+      if (m == kToGrad) to_grad.push_back(group.global_rank(r));
+      if (m == kToStore) to_store.push_back(group.global_rank(r));
+    }
+    TORCH_CHECK_VALUE(
+        to_grad.empty() || to_store.empty(), "DistributedDataParallel.forward (on rank ",
+        global_rank(), "): rank(s) ", rank_list(to_store),
+        " run forward inside a distributed autograd context and rank(s) ", rank_list(to_grad),
+        " outside one; every rank of the group must do the same (inside a context gradients are "
+        "averaged in the context, outside in .grad)");
+  }
+
+  // Queues the averaging of this forward's gradients in `store` on the next backward pass into
+  // it: each bucket as soon as the pass has accumulated all its gradients there, the rest at
+  // the end of the local pass, which completes once every average is back in `store`.
+  void queue_store_sync(const std::shared_ptr<GradientStore>& store) {
+    auto pending = std::make_shared<std::atomic<bool>>(true);
+    auto sync = std::make_shared<StoreSync>(store, *reducer, has_comm_hook, group.size(),
+                                            global_rank(), std::weak_ptr<bool>(alive));
+    for (const at::Tensor& param : parameters) {
+      store->add_gradient_listener(
+          param, [sync, impl = param.unsafeGetTensorImpl()] { sync->gradient_ready(impl); });
+    }
+    store->add_backward_callback([sync, pending] {
+      pending->store(false);
+      return sync->finish();
+    });
+    store_sync_pending = pending;
+  }
 
   void broadcast_buffers(int root = 0) {
     if (!buffers.empty()) {
@@ -101,6 +174,20 @@ GradientSync::GradientSync(const torch::nn::Module& module, DistributedDataParal
     c10d::broadcast_coalesced(pg, states, kBroadcastBucketBytes, 0);
   }
 
+  // Gradients can go elsewhere than .grad only in a program with a GradientStore provider (one
+  // that links the distributed autograd layer). Only then does every synchronizing forward
+  // exchange where each rank's gradients go: agreed here once, so that every rank makes the same
+  // collectives, and the iterations of a program without distributed autograd make exactly the
+  // collectives they made before.
+  {
+    std::vector<at::Tensor> flag = {at::full({1}, has_gradient_store_provider() ? 1.0f : 0.0f)};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    max.timeout = s.group.timeout();
+    pg->allreduce(flag, max)->wait(s.group.timeout());
+    s.exchange_modes = flag[0].item<float>() > 0;
+  }
+
   const auto bucket_bytes = static_cast<int64_t>(s.options.bucket_cap_mb() * 1024 * 1024);
   std::vector<std::vector<size_t>> bucket_indices;
   std::vector<size_t> bucket_limits;
@@ -131,7 +218,27 @@ GradientSync::~GradientSync() {
 void GradientSync::before_forward() {
   Impl& s = *impl_;
   const bool grad_enabled = at::GradMode::is_enabled();
-  if (grad_enabled && s.sync_gradients) s.reducer->prepare_for_forward();
+  const bool syncing = grad_enabled && s.sync_gradients;
+  // Inside a distributed autograd context (or another GradientStore), gradients are averaged
+  // where the backward pass puts them, after it: the Reducer's hooks stay idle and .grad
+  // untouched.
+  std::shared_ptr<GradientStore> store = syncing ? current_gradient_store() : nullptr;
+  if (store != nullptr) {
+    TORCH_CHECK_VALUE(
+        !join_config().enable, "DistributedDataParallel.forward (rank ", s.global_rank(),
+        "): inside ", store->name(),
+        " under a Join; Join is supported only outside distributed autograd contexts");
+    TORCH_CHECK_VALUE(!s.options.find_unused_parameters(), "DistributedDataParallel.forward (rank ",
+                      s.global_rank(), "): find_unused_parameters = true inside ", store->name(),
+                      " is not supported");
+    auto pending = s.store_sync_pending.lock();
+    TORCH_CHECK_VALUE(pending == nullptr || !pending->load(),
+                      "DistributedDataParallel.forward (rank ", s.global_rank(), ") inside ",
+                      store->name(),
+                      ": the previous forward's gradients were not reduced yet; run the backward "
+                      "pass of each forward before the next forward (or release its context)");
+  }
+  if (syncing && store == nullptr) s.reducer->prepare_for_forward();
   // Under a Join: count this rank as training; the count is the divisor if asked. Its failure
   // says what it means itself.
   if (auto work = Join::notify_join_context(*this)) {
@@ -139,6 +246,10 @@ void GradientSync::before_forward() {
         work, join_config().hook_options.divide_by_initial_world_size());
   }
   try {
+    // Under a Join every forward says how it runs, so that joined ranks can shadow it.
+    if (s.exchange_modes && (syncing || join_config().enable)) {
+      s.exchange_sync_mode(!syncing ? kNotSyncing : store != nullptr ? kToStore : kToGrad);
+    }
     // After the first synchronized backward, buckets are rebuilt in the order gradients
     // actually became ready (rank 0's order, so all ranks agree).
     if (grad_enabled) s.reducer->rebuild_buckets();
@@ -162,6 +273,7 @@ void GradientSync::before_forward() {
         "of ",
         s.group.timeout().count(), " ms; for uneven inputs use Join): ");
   }
+  s.forward_store = std::move(store);
 }
 
 // A joined rank's part in DistributedDataParallel's iterations (see GradientSync::join_hook).
@@ -170,6 +282,7 @@ class GradientSync::ReplicaJoinHook : public JoinHook {
   explicit ReplicaJoinHook(Impl& state) : s_(state) {}
 
   void main_hook() override {
+    if (s_.exchange_modes) s_.exchange_sync_mode(0);
     s_.reducer->rebuild_buckets();
     if (s_.sync_buffers_next && s_.options.broadcast_buffers()) {
       s_.broadcast_buffers(s_.common_rank(false));
@@ -232,9 +345,12 @@ std::unique_ptr<JoinHook> GradientSync::join_hook(const JoinHookOptions&) {
 
 void GradientSync::after_forward(const std::vector<at::Tensor>& outputs) {
   Impl& s = *impl_;
+  std::shared_ptr<GradientStore> store = std::move(s.forward_store);
   if (at::GradMode::is_enabled() && s.sync_gradients) {
     s.sync_buffers_next = true;
-    if (s.options.find_unused_parameters()) {
+    if (store != nullptr) {
+      s.queue_store_sync(store);
+    } else if (s.options.find_unused_parameters()) {
       TORCH_CHECK_VALUE(!outputs.empty(),
                         "DistributedDataParallel: find_unused_parameters needs "
                         "forward to return a tensor, a vector or a tuple of tensors");
@@ -264,12 +380,14 @@ GradientSync::NoSyncGuard::~NoSyncGuard() {
 void GradientSync::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
   TORCH_CHECK_VALUE(hook != nullptr, "DistributedDataParallel::register_comm_hook: hook is null");
   impl_->reducer->register_comm_hook(std::move(hook));
+  impl_->has_comm_hook = true;
 }
 
 void GradientSync::register_builtin_comm_hook(BuiltinCommHook hook) {
   impl_->reducer->register_builtin_comm_hook(hook == BuiltinCommHook::kFp16Compress
                                                  ? c10d::BuiltinCommHookType::FP16_COMPRESS
                                                  : c10d::BuiltinCommHookType::ALLREDUCE);
+  impl_->has_comm_hook = true;
 }
 
 const comm::Group& GradientSync::process_group() const { return impl_->group; }

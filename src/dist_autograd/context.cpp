@@ -1,5 +1,7 @@
 #include "context.h"
 
+#include <utility>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -69,6 +71,46 @@ void Context::accumulate(const at::Tensor& variable, at::Tensor grad) {
 c10::Dict<at::Tensor, at::Tensor> Context::gradients() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return gradients_.copy();
+}
+
+at::Tensor Context::gradient(const at::Tensor& variable) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = gradients_.find(variable);
+  return it == gradients_.end() ? at::Tensor() : it->value();
+}
+
+void Context::set_gradient(const at::Tensor& variable, at::Tensor grad) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  gradients_.insert_or_assign(variable, std::move(grad));
+}
+
+void Context::add_pass_callback(PassCallback callback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  pass_callbacks_.push_back(std::move(callback));
+}
+
+void Context::add_gradient_listener(const at::Tensor& variable, std::function<void()> listener) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  gradient_listeners_.emplace_back(variable, std::move(listener));
+}
+
+std::unordered_map<const c10::TensorImpl*, std::vector<std::function<void()>>>
+Context::take_gradient_listeners() {
+  std::vector<std::pair<at::Tensor, std::function<void()>>> listeners;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    listeners = std::exchange(gradient_listeners_, {});
+  }
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::function<void()>>> by_variable;
+  for (auto& [variable, listener] : listeners) {
+    by_variable[variable.unsafeGetTensorImpl()].push_back(std::move(listener));
+  }
+  return by_variable;
+}
+
+std::vector<Context::PassCallback> Context::take_pass_callbacks() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return std::exchange(pass_callbacks_, {});
 }
 
 std::shared_ptr<BackwardPass> Context::pass_for(int64_t pass_id, bool retain_graph, bool* started) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -15,6 +16,7 @@
 
 #include <ATen/core/Dict.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 
 #include "functions.h"
 
@@ -49,6 +51,24 @@ class Context : public std::enable_shared_from_this<Context> {
   /// Adds `grad` to the gradient of the leaf `variable`.
   void accumulate(const at::Tensor& variable, at::Tensor grad);
   c10::Dict<at::Tensor, at::Tensor> gradients() const;
+  /// The gradient of `variable`, or an undefined tensor.
+  at::Tensor gradient(const at::Tensor& variable) const;
+  /// Replaces the gradient of `variable`.
+  void set_gradient(const at::Tensor& variable, at::Tensor grad);
+
+  /// Work the next backward pass on this worker runs once it has run all its nodes here; the
+  /// pass completes when the returned future does (DistributedDataParallel's gradient reduction,
+  /// through data_parallel's GradientStore).
+  using PassCallback = std::function<c10::intrusive_ptr<c10::ivalue::Future>()>;
+  /// Work the next backward pass on this worker runs right after it accumulated the gradient of
+  /// `variable` (DistributedDataParallel launching a bucket).
+  void add_gradient_listener(const at::Tensor& variable, std::function<void()> listener);
+  /// The listeners added so far, by the variable's TensorImpl, removed from the context.
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::function<void()>>>
+  take_gradient_listeners();
+  void add_pass_callback(PassCallback callback);
+  /// The callbacks added so far, removed from the context.
+  std::vector<PassCallback> take_pass_callbacks();
 
   /// The pass `pass_id` (numbered as begin_pass does): the running one, a new one if
   /// `pass_id` is newer than any seen (an older unfinished one is failed), or null if it is a
@@ -72,6 +92,9 @@ class Context : public std::enable_shared_from_this<Context> {
   std::vector<std::shared_ptr<RecvBackward>> recvs_;
   std::set<int> workers_;
   c10::Dict<at::Tensor, at::Tensor> gradients_;
+  std::vector<PassCallback> pass_callbacks_;
+  // With the variable, so that the TensorImpl stays the same object until a pass takes them.
+  std::vector<std::pair<at::Tensor, std::function<void()>>> gradient_listeners_;
   std::shared_ptr<BackwardPass> pass_;
   int64_t newest_pass_ = 0;
 };

@@ -71,6 +71,7 @@ void BackwardPass::start(const torch::autograd::edge_list& roots, variable_list 
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_INTERNAL_ASSERT(!started_, "a backward pass starts once");
     started_ = true;
+    listeners_ = context_->take_gradient_listeners();
     // Every node reachable from the roots and the SendBackwards, with the number of edges into it.
     std::vector<Node*> stack;
     auto visit = [&](const std::shared_ptr<Node>& node) -> Pending& {
@@ -228,9 +229,46 @@ void BackwardPass::run_ready() {
     --nodes_left_;
   }
   running_ = false;
+  // Every node here has run, so every leaf gradient of this worker is in the context: the work
+  // queued for the end of the local pass (DistributedDataParallel's reduction) runs now.
+  std::vector<Context::PassCallback> callbacks;
+  if (!finished_ && nodes_left_ == 0 && !callbacks_taken_) {
+    callbacks_taken_ = true;
+    callbacks = context_->take_pass_callbacks();
+    callbacks_pending_ = callbacks.size();
+  }
   const bool complete_now = finish_if_done();
   lock.unlock();
   if (complete_now) complete();
+  if (!callbacks.empty()) run_callbacks(std::move(callbacks));
+}
+
+void BackwardPass::run_callbacks(std::vector<Context::PassCallback> callbacks) {
+  for (auto& callback : callbacks) {
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    try {
+      c10::AutoGradMode no_grad(false);
+      future = callback();
+    } catch (...) {
+      fail(std::current_exception());
+      return;
+    }
+    future->addCallback([weak = weak_from_this()](c10::ivalue::Future& finished) {
+      auto self = weak.lock();
+      if (!self) return;
+      if (finished.hasError()) {
+        self->fail(finished.exception_ptr());
+        return;
+      }
+      bool complete_now;
+      {
+        std::lock_guard<std::mutex> lock(self->mutex_);
+        --self->callbacks_pending_;
+        complete_now = self->finish_if_done();
+      }
+      if (complete_now) self->complete();
+    });
+  }
 }
 
 void BackwardPass::execute(const std::shared_ptr<Node>& node, variable_list inputs,
@@ -245,6 +283,11 @@ void BackwardPass::execute(const std::shared_ptr<Node>& node, variable_list inpu
       at::Tensor grad =
           torch::autograd::AccumulateGrad::callHooks(accumulate->variable, std::move(inputs[0]));
       context_->accumulate(accumulate->variable, std::move(grad));
+      // The variable's gradient of this pass is complete: the node runs once per pass.
+      auto listeners = listeners_.find(accumulate->variable.unsafeGetTensorImpl());
+      if (listeners != listeners_.end()) {
+        for (const auto& listener : listeners->second) listener();
+      }
     }
     return;
   }
@@ -331,7 +374,8 @@ void BackwardPass::send(std::vector<Outgoing> messages) {
 }
 
 bool BackwardPass::finish_if_done() {
-  if (finished_ || running_ || !started_ || nodes_left_ > 0 || !unanswered_.empty()) {
+  if (finished_ || running_ || !started_ || nodes_left_ > 0 || !unanswered_.empty() ||
+      !callbacks_taken_ || callbacks_pending_ > 0) {
     return false;
   }
   finished_ = true;
@@ -406,6 +450,10 @@ std::string BackwardPass::waiting_for() const {
   }
   for (const auto& [number, what] : unanswered_) {
     out += (out.empty() ? "" : "; ") + std::string("an answer to ") + what;
+  }
+  if (callbacks_pending_ > 0) {
+    out += (out.empty() ? "" : "; ") + std::to_string(callbacks_pending_) +
+           " end-of-pass callback(s) (DistributedDataParallel's gradient reduction)";
   }
   if (nodes_left_ > 0 && out.empty()) {
     out = std::to_string(nodes_left_) + " node(s) still to run";

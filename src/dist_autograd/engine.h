@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -128,6 +129,9 @@ class BackwardPass : public std::enable_shared_from_this<BackwardPass> {
                std::vector<Outgoing>* outgoing);
   void send(std::vector<Outgoing> messages);
   void complete();
+  // Runs the context's pass callbacks (taken once the last node here has run).
+  void run_callbacks(
+      std::vector<std::function<c10::intrusive_ptr<c10::ivalue::Future>()>> callbacks);
 
   const std::shared_ptr<Context> context_;
   const int64_t id_;
@@ -146,6 +150,10 @@ class BackwardPass : public std::enable_shared_from_this<BackwardPass> {
   bool running_ = false;  // a thread runs ready nodes
   bool started_ = false;
   bool finished_ = false;
+  // The context's gradient listeners, taken when the pass starts; read-only after.
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::function<void()>>> listeners_;
+  bool callbacks_taken_ = false;  // the context's pass callbacks were taken (after the last node)
+  size_t callbacks_pending_ = 0;  // ... and these have not completed
 };
 
 }  // namespace detail

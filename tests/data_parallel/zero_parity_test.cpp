@@ -5,8 +5,6 @@
 // Adam trained from the same initial parameters on the same batches; and both against Adam in one
 // process on the whole batch of every step. Files are exchanged through a temporary directory.
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
@@ -21,8 +19,8 @@
 #include <distoptim/data_parallel.h>
 #include <distoptim/optim.h>
 
-#include "harness/command.h"
 #include "harness/multiprocess.h"
+#include "harness/reference_run.h"
 #include "support/tensor_files.h"
 
 namespace distoptim {
@@ -32,7 +30,6 @@ namespace {
 namespace fs = std::filesystem;
 using distoptim::testing::load_tensor_list;
 using distoptim::testing::run_ranks;
-using distoptim::testing::shell_quote;
 using namespace std::chrono_literals;
 
 // Keep in sync with the reference script's constants.
@@ -83,27 +80,12 @@ class ZeroParityTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (distoptim::testing::in_rank_process()) return;
-    char dir_template[] = "/tmp/distoptim-zero-parity-XXXXXX";
-    ASSERT_NE(::mkdtemp(dir_template), nullptr);
-    dir_ = new fs::path(dir_template);
-    const std::string command = "timeout 150 " + shell_quote(DISTOPTIM_REFERENCE_PYTHON) + " " +
-                                shell_quote(kParityScript) + " --out " + shell_quote(*dir_);
-    const auto result = distoptim::testing::run_command(command);
+    const auto result = distoptim::testing::run_reference(DISTOPTIM_REFERENCE_PYTHON, kParityScript,
+                                                          kParityDirVariable);
     ASSERT_TRUE(result.ok) << "the reference failed: " << result.output;
-    ::setenv(kParityDirVariable, dir_->c_str(), 1);
   }
-  static void TearDownTestSuite() {
-    if (dir_ == nullptr) return;
-    ::unsetenv(kParityDirVariable);
-    fs::remove_all(*dir_);
-    delete dir_;
-    dir_ = nullptr;
-  }
-  static fs::path reference_dir() {
-    const char* dir = std::getenv(kParityDirVariable);
-    TORCH_CHECK(dir != nullptr, kParityDirVariable, " is not set: the reference did not run");
-    return dir;
-  }
+  static void TearDownTestSuite() { distoptim::testing::remove_reference(kParityDirVariable); }
+  static fs::path reference_dir() { return distoptim::testing::reference_dir(kParityDirVariable); }
 
   // Our DDP + ZeRO + Adam on 2 ranks, each rank's parameters compared with PyTorch's rank's and
   // with single-process Adam's.
@@ -145,11 +127,7 @@ class ZeroParityTest : public ::testing::Test {
       comm::destroy_process_group();
     });
   }
-
-  static fs::path* dir_;  // NOLINT: a data member, so the trailing underscore
 };
-
-fs::path* ZeroParityTest::dir_ = nullptr;
 
 // The test's own plumbing (model, initial parameters, data): our Adam in one process on the whole
 // batch equals PyTorch's, and training moved the parameters.
