@@ -19,7 +19,9 @@ c10::IValue load_pickle(const std::filesystem::path& file) {
 
 std::vector<at::Tensor> load_tensor_list(const std::filesystem::path& file) {
   std::vector<at::Tensor> out;
-  for (const auto& item : load_pickle(file).toListRef()) out.push_back(item.toTensor());
+  // Held here: a range over toListRef() of a temporary would outlive the list it reads.
+  const c10::IValue list = load_pickle(file);
+  for (const auto& item : list.toListRef()) out.push_back(item.toTensor());
   return out;
 }
 
