@@ -69,25 +69,46 @@ at::Tensor EmbeddingShard::forward(const at::Tensor& local_ids) {
 
 ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options)
     : torch::nn::Module("ShardedEmbeddingBag"), options_(options) {
-  const int64_t rows = options.num_embeddings();
-  const int64_t shards = static_cast<int64_t>(options.workers().size());
-  TORCH_CHECK_VALUE(rows >= 1 && options.embedding_dim() >= 1,
+  check_and_split();
+  for (size_t s = 0; s < options.workers().size(); ++s) {
+    shards_.push_back(std::make_shared<RemoteModule<EmbeddingShard>>(
+        options.workers()[s],
+        std::tuple{first_rows_[s], first_rows_[s + 1] - first_rows_[s], options.embedding_dim(),
+                   static_cast<int64_t>(options.dtype()), options.seed()}));
+  }
+}
+
+ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options,
+                                         std::vector<RRef<EmbeddingShard>> shards)
+    : torch::nn::Module("ShardedEmbeddingBag"), options_(options) {
+  check_and_split();
+  TORCH_CHECK_VALUE(shards.size() == options.workers().size(),
+                    "ShardedEmbeddingBag: ", shards.size(), " shards for ",
+                    options.workers().size(), " workers");
+  for (size_t s = 0; s < shards.size(); ++s) {
+    TORCH_CHECK_VALUE(shards[s].defined(), "ShardedEmbeddingBag: shard ", s, " is empty");
+    // Checks that the shard's owner is the worker the options name for it.
+    shards_.push_back(
+        RemoteModule<EmbeddingShard>::init_from_module_rref(options.workers()[s], shards[s]));
+  }
+}
+
+void ShardedEmbeddingBag::check_and_split() {
+  const int64_t rows = options_.num_embeddings();
+  const int64_t shards = static_cast<int64_t>(options_.workers().size());
+  TORCH_CHECK_VALUE(rows >= 1 && options_.embedding_dim() >= 1,
                     "ShardedEmbeddingBag: num_embeddings ", rows, " and embedding_dim ",
-                    options.embedding_dim(), " must be at least 1");
+                    options_.embedding_dim(), " must be at least 1");
   TORCH_CHECK_VALUE(shards >= 1 && shards <= rows, "ShardedEmbeddingBag: ", shards, " workers for ",
                     rows, " rows (1 to one per row)");
   TORCH_CHECK_VALUE(
-      options.dtype() == c10::ScalarType::Float || options.dtype() == c10::ScalarType::Double,
-      "ShardedEmbeddingBag: dtype ", options.dtype(), " (float32 or float64)");
+      options_.dtype() == c10::ScalarType::Float || options_.dtype() == c10::ScalarType::Double,
+      "ShardedEmbeddingBag: dtype ", options_.dtype(), " (float32 or float64)");
   // The first rows % shards shards hold one row more.
   int64_t first = 0;
   for (int64_t s = 0; s < shards; ++s) {
-    const int64_t count = rows / shards + (s < rows % shards ? 1 : 0);
     first_rows_.push_back(first);
-    shards_.push_back(std::make_shared<RemoteModule<EmbeddingShard>>(
-        options.workers()[s], std::tuple{first, count, options.embedding_dim(),
-                                         static_cast<int64_t>(options.dtype()), options.seed()}));
-    first += count;
+    first += rows / shards + (s < rows % shards ? 1 : 0);
   }
   first_rows_.push_back(rows);
 }
@@ -104,6 +125,12 @@ std::vector<RRef<at::Tensor>> ShardedEmbeddingBag::remote_parameters() const {
     for (auto& param : shard->remote_parameters()) params.push_back(std::move(param));
   }
   return params;
+}
+
+std::vector<RRef<EmbeddingShard>> ShardedEmbeddingBag::shard_module_rrefs() const {
+  std::vector<RRef<EmbeddingShard>> rrefs;
+  for (const auto& shard : shards_) rrefs.push_back(shard->module_rref());
+  return rrefs;
 }
 
 at::Tensor ShardedEmbeddingBag::forward(const at::Tensor& input, const at::Tensor& offsets,

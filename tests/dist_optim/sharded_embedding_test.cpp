@@ -1,7 +1,8 @@
 // ShardedEmbeddingBag across real processes on loopback: one table split over three parameter
 // servers trains exactly as the same table in one shard and as LibTorch's sparse EmbeddingBag in
 // one process (same ids, same initial rows; bit for bit), through distributed autograd and the
-// DistributedOptimizer.
+// DistributedOptimizer. Handles built from another handle's shards, here and on another worker,
+// look up and train the same rows.
 
 #include <tuple>
 
@@ -118,6 +119,61 @@ TEST(ShardedEmbeddingBag, ThreeShardsTrainAsOneAndAsAnUnshardedTable) {
               ShardedEmbeddingBagOptions(2, kDim, {worker(1), worker(2), worker(3)}));
         },
         {"3 workers for 2 rows"});
+  });
+}
+
+// On the worker it is sent to: a handle on the sender's table from its shards, and the lookup of
+// `ids` (one bag each) through it.
+at::Tensor look_up_elsewhere(std::vector<std::string> workers,
+                             std::vector<RRef<rpc::EmbeddingShard>> shards, const at::Tensor& ids) {
+  ShardedEmbeddingBag table(
+      ShardedEmbeddingBagOptions(kRows, kDim, std::move(workers)).mode(torch::kSum).seed(5),
+      std::move(shards));
+  return table.forward(ids.reshape({-1, 1}));
+}
+DISTOPTIM_RPC_FUNCTION("sharded_embedding_test.look_up_elsewhere", look_up_elsewhere);
+
+TEST(ShardedEmbeddingBag, HandlesFromShardModuleRrefsShareTheTable) {
+  testing::with_workers(4, [] {
+    using testing::worker;
+    const std::vector<std::string> workers = {worker(1), worker(2)};
+    const auto options = ShardedEmbeddingBagOptions(kRows, kDim, workers).mode(torch::kSum).seed(5);
+    ShardedEmbeddingBag first(options);
+    const auto shards = first.shard_module_rrefs();
+    ASSERT_EQ(shards.size(), 2u);
+    EXPECT_EQ(shards[0].owner_name(), worker(1));
+    EXPECT_EQ(shards[1].owner_name(), worker(2));
+    ShardedEmbeddingBag second(options, shards);
+    EXPECT_EQ(second.shard_rows(1), first.shard_rows(1));
+    EXPECT_EQ(second.remote_parameters().size(), 2u);
+
+    // A step through the second handle moves the rows the first one and a handle on worker 3
+    // (built from the shards sent there) see.
+    const at::Tensor ids = at::tensor({0, 49, 50, 99}, at::kLong);
+    const at::Tensor before = first.forward(ids.reshape({-1, 1})).detach();
+    dist_optim::DistributedOptimizer sgd("sgd", second.remote_parameters(),
+                                         optim::OptionBag().set("lr", kLr));
+    {
+      dist_autograd::ContextGuard context;
+      dist_autograd::backward(context.id(), {second.forward(ids.reshape({-1, 1})).sum()});
+      sgd.step(context.id());
+    }
+    const at::Tensor after = first.forward(ids.reshape({-1, 1})).detach();
+    EXPECT_TRUE(at::allclose(after, before - kLr));
+    const at::Tensor elsewhere = rpc::rpc_sync<at::Tensor>(
+        worker(3), "sharded_embedding_test.look_up_elsewhere", std::tuple{workers, shards, ids});
+    EXPECT_TRUE(at::equal(elsewhere, after));
+
+    // Shards that do not match the options are refused, naming what differs.
+    testing::expect_error_containing(
+        [&] { ShardedEmbeddingBag(ShardedEmbeddingBagOptions(kRows, kDim, {worker(1)}), shards); },
+        {"2 shards for 1 workers"});
+    testing::expect_error_containing(
+        [&] {
+          ShardedEmbeddingBag(ShardedEmbeddingBagOptions(kRows, kDim, {worker(2), worker(1)}),
+                              shards);
+        },
+        {"is not the module's owner"});
   });
 }
 

@@ -78,6 +78,13 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   /// Creates every shard on its owner (asynchronously, as RemoteModule). Throws c10::ValueError
   /// for sizes below 1, no workers, or more shards than rows.
   explicit ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options);
+  /// A second handle on a table that exists (RemoteModule's init_from_module_rref, for every
+  /// shard): `shards` are another handle's shard_module_rrefs(), `options` the options it was
+  /// built with, so several trainers look up and train one table. Creates nothing. Throws
+  /// c10::ValueError when the number of shards differs from options.workers()' or a shard is
+  /// empty or not owned by its worker there.
+  ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options,
+                      std::vector<RRef<EmbeddingShard>> shards);
 
   /// `input`: 1-D ids with `offsets` (each bag's start), or 2-D [bags, ids per bag] without.
   /// `per_sample_weights` as LibTorch's (sum mode only). Returns [bags, embedding_dim].
@@ -88,6 +95,9 @@ class ShardedEmbeddingBag : public torch::nn::Module {
 
   /// One RRef per shard, to its weight, in shard order: for the DistributedOptimizer.
   std::vector<RRef<at::Tensor>> remote_parameters() const;
+  /// One RRef per shard, to the shard module, in shard order: to send to another worker, which
+  /// builds a handle on the same table from them.
+  std::vector<RRef<EmbeddingShard>> shard_module_rrefs() const;
   /// The rows shard `shard` holds: [first, end).
   std::pair<int64_t, int64_t> shard_rows(size_t shard) const;
   size_t num_shards() const { return shards_.size(); }
@@ -97,6 +107,9 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   ShardedEmbeddingBagOptions options_;
   std::vector<int64_t> first_rows_;  // per shard, then the table's end
   std::vector<std::shared_ptr<RemoteModule<EmbeddingShard>>> shards_;
+
+  /// Checks the options and computes first_rows_.
+  void check_and_split();
 };
 
 namespace detail {
