@@ -15,16 +15,10 @@
 // it says so and why). With one trainer a run is reproducible: the same seed gives the same
 // losses.
 
-#include <signal.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -45,6 +39,7 @@
 #include <distoptim/rpc.h>
 
 #include "example_main.h"
+#include "gnuplot.h"
 #include "rnn_model.h"
 
 namespace {
@@ -162,49 +157,18 @@ void print_progress(double fraction, int64_t step, double loss, double tokens_pe
 }
 
 // Draws the loss curve of `csv` into `png` with gnuplot. Returns an empty string if `png` was
-// written (gnuplot exited with 0 and the file is there, not empty), else why not.
+// written, else why not.
 std::string plot(const fs::path& csv, const fs::path& png) {
-  std::error_code ignored;
-  fs::remove(png, ignored);  // a PNG from an earlier run must not pass for this one's
-  const std::string script = fmt::format(
-      "set terminal png size 900,500\n"
-      "set output '{}'\n"
-      "set datafile separator ','\n"
-      "set key autotitle columnhead\n"
-      "set xlabel 'tokens trained'\n"
-      "set ylabel 'cross-entropy loss'\n"
-      "set title 'RNN language model, parameter server + DistributedOptimizer'\n"
-      "set grid\n"
-      "plot '{}' using 2:4 with lines lw 2 title 'loss'\n",
-      png.string(), csv.string());
-  // A gnuplot that exits before reading its input must not kill this process with SIGPIPE: its
-  // exit status says what happened.
-  struct sigaction ignore = {};
-  struct sigaction previous = {};
-  ignore.sa_handler = SIG_IGN;
-  ::sigaction(SIGPIPE, &ignore, &previous);
-  // The shell exits with 127 when gnuplot is not on PATH. gnuplot's own complaints go to our
-  // standard error.
-  FILE* gnuplot = ::popen("command -v gnuplot >/dev/null || exit 127; exec gnuplot", "w");
-  int status = -1;
-  std::string error;
-  if (gnuplot == nullptr) {
-    error = fmt::format("cannot start a shell for gnuplot: {}", std::strerror(errno));
-  } else {
-    std::fwrite(script.data(), 1, script.size(), gnuplot);
-    status = ::pclose(gnuplot);
-    if (status == -1) error = fmt::format("waiting for gnuplot failed: {}", std::strerror(errno));
-  }
-  ::sigaction(SIGPIPE, &previous, nullptr);
-  if (!error.empty()) return error;
-  if (WIFSIGNALED(status)) return fmt::format("gnuplot was killed by signal {}", WTERMSIG(status));
-  if (WEXITSTATUS(status) == 127) return "gnuplot is not installed (not found on PATH)";
-  if (WEXITSTATUS(status) != 0)
-    return fmt::format("gnuplot exited with status {}", WEXITSTATUS(status));
-  if (!fs::exists(png, ignored)) return "gnuplot exited with status 0 but wrote no file";
-  if (fs::file_size(png, ignored) == 0)
-    return "gnuplot exited with status 0 but left the file empty";
-  return "";
+  return examples::plot_png(
+      fmt::format("set datafile separator ','\n"
+                  "set key autotitle columnhead\n"
+                  "set xlabel 'tokens trained'\n"
+                  "set ylabel 'cross-entropy loss'\n"
+                  "set title 'RNN language model, parameter server + DistributedOptimizer'\n"
+                  "set grid\n"
+                  "plot '{}' using 2:4 with lines lw 2 title 'loss'\n",
+                  csv.string()),
+      png);
 }
 
 void train(const Settings& settings, int rank, int world_size) {
