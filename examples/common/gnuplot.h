@@ -55,4 +55,19 @@ inline std::string plot_png(const std::string& commands, const std::filesystem::
   return "";
 }
 
+/// Plots `png` (plot_png with `commands`) from `csv`, which the caller has written, and prints
+/// one line that says what was written: "wrote CSV and PNG", or "wrote CSV; the plot PNG was not
+/// written: why".
+inline void plot_and_report(const std::string& commands, const std::filesystem::path& csv,
+                            const std::filesystem::path& png) {
+  namespace fs = std::filesystem;
+  const std::string error = plot_png(commands, png);
+  if (error.empty()) {
+    fmt::print("wrote {} and {}\n", fs::absolute(csv).string(), fs::absolute(png).string());
+  } else {
+    fmt::print("wrote {}; the plot {} was not written: {}\n", fs::absolute(csv).string(),
+               fs::absolute(png).string(), error);
+  }
+}
+
 }  // namespace examples

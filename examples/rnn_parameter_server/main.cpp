@@ -41,6 +41,7 @@
 #include "example_main.h"
 #include "gnuplot.h"
 #include "rnn_model.h"
+#include "rpc_worker.h"
 
 namespace {
 
@@ -156,19 +157,17 @@ void print_progress(double fraction, int64_t step, double loss, double tokens_pe
   std::fflush(stdout);
 }
 
-// Draws the loss curve of `csv` into `png` with gnuplot. Returns an empty string if `png` was
-// written, else why not.
-std::string plot(const fs::path& csv, const fs::path& png) {
-  return examples::plot_png(
-      fmt::format("set datafile separator ','\n"
-                  "set key autotitle columnhead\n"
-                  "set xlabel 'tokens trained'\n"
-                  "set ylabel 'cross-entropy loss'\n"
-                  "set title 'RNN language model, parameter server + DistributedOptimizer'\n"
-                  "set grid\n"
-                  "plot '{}' using 2:4 with lines lw 2 title 'loss'\n",
-                  csv.string()),
-      png);
+// The gnuplot commands that draw the loss curve of `csv`.
+std::string plot_commands(const fs::path& csv) {
+  return fmt::format(
+      "set datafile separator ','\n"
+      "set key autotitle columnhead\n"
+      "set xlabel 'tokens trained'\n"
+      "set ylabel 'cross-entropy loss'\n"
+      "set title 'RNN language model, parameter server + DistributedOptimizer'\n"
+      "set grid\n"
+      "plot '{}' using 2:4 with lines lw 2 title 'loss'\n",
+      csv.string());
 }
 
 void train(const Settings& settings, int rank, int world_size) {
@@ -270,14 +269,7 @@ void train(const Settings& settings, int rank, int world_size) {
         "{:.1f} ({:.4f}) before training\n",
         std::exp(held_out_after), held_out_after, held_out.numel(), std::exp(held_out_before),
         held_out_before);
-    const fs::path png = fs::path(settings.out_dir) / "loss.png";
-    const std::string plot_error = plot(csv, png);
-    if (plot_error.empty()) {
-      fmt::print("wrote {} and {}\n", fs::absolute(csv).string(), fs::absolute(png).string());
-    } else {
-      fmt::print("wrote {}; the plot {} was not written: {}\n", fs::absolute(csv).string(),
-                 fs::absolute(png).string(), plot_error);
-    }
+    examples::plot_and_report(plot_commands(csv), csv, fs::path(settings.out_dir) / "loss.png");
   }
 }
 
@@ -291,19 +283,9 @@ int run_example(const Settings& s) {
                     " (WORLD_SIZE, which distrun sets: --nproc-per-node 2 or more)");
   at::manual_seed(static_cast<uint64_t>(s.seed * 1000 + rank));
   const std::string name = rank == 0 ? "ps" : "trainer" + std::to_string(rank);
-  distoptim::rpc::init_rpc(name, rank, world_size,
-                           distoptim::rpc::RpcBackendOptions("env://")
-                               .rpc_timeout(std::chrono::minutes(5))
-                               .shutdown_timeout(std::chrono::minutes(10)));
-  try {
+  examples::run_rpc_worker(name, rank, world_size, [&] {
     if (rank > 0) train(s, rank, world_size);
-  } catch (...) {
-    // Stop the agent at once (the server would wait in a graceful shutdown's barrier for a
-    // trainer that has failed), so that the error reaches main's one-line report.
-    distoptim::rpc::shutdown(/*graceful=*/false);
-    throw;
-  }
-  distoptim::rpc::shutdown();
+  });
   return 0;
 }
 
