@@ -1,0 +1,293 @@
+// A click-through-rate (CTR) model trained as recommendation systems train theirs: large hashed
+// embedding tables on parameter servers, sparse gradients, and a small dense network, with
+// several trainers updating one model through distributed autograd and a DistributedOptimizer.
+//
+// From the repository root, after a build in build/ (--help lists every option):
+//
+//   build/tools/distrun/distrun --nproc-per-node 4 \
+//       build/examples/click_through/click_through --out click_through_out
+//
+// Roles by rank: ranks 0 .. --servers - 1 are parameter servers ("ps0", "ps1"), the rest trainers
+// ("trainer0", ...); the default is 2 servers and 2 trainers on 4 ranks.
+//
+// The data are synthetic, from a fixed random teacher model (teacher.h): 26 categorical features
+// with Zipf-like ids over vocabularies of 10 to 100,000 ids, 13 dense normal features, and labels
+// drawn from the teacher's probabilities. So the best log loss any model can reach is known: the
+// mean entropy of the labels given the features on the held-out set, printed beside the model's.
+// Each trainer draws its own batches (its own seed); the held-out set is fixed by the seed.
+//
+// The model (model.h), and why it is laid out so:
+// - ONE ShardedEmbeddingBag of --rows x --dim (default 1M x 32) shared by all 26 features: each
+//   (feature, id) pair is hashed to a row (the hashing trick, as production CTR models and
+//   Criteo's own baselines do). One table means one lookup call per server per step for all 26
+//   features, a memory budget that does not grow with the features' vocabularies, and rows that
+//   frequent ids of every feature share fairly; the price is collisions, which --rows controls.
+//   The rows are split by ranges over the parameter servers; sum pooling over each feature's bag
+//   (one id per feature, as Criteo's features are single-valued).
+// - The MLP (the 26 embeddings concatenated with the dense features -> 256 -> 64 -> logit) is a
+//   RemoteModule on the first parameter server, so every trainer trains the same MLP.
+// - The first trainer creates the table's shards and the MLP, evaluates them, and then sends
+//   their RRefs to the other trainers, which build handles on the same objects.
+// - One DistributedOptimizer per trainer over everything: "adagrad", which steps the shards'
+//   sparse row gradients (only the rows looked up move) and the MLP's dense ones alike; the
+//   table and the MLP are two param groups with learning rates of their own (--lr,
+//   --mlp-lr). As in PyTorch, each trainer's DistributedOptimizer keeps Adagrad state of its own
+//   on every owner; the owners serialize the steps of all of them.
+//
+// The first trainer evaluates on the held-out set every --eval-every steps and prints a line
+// with the samples/s of all trainers, its recent training log loss, the held-out log loss and
+// AUC, and the teacher's; it writes them to <out>/click_through.csv and plots them to
+// <out>/click_through.png with gnuplot (when gnuplot is missing or fails, it says so and why).
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <fmt/core.h>
+#include <CLI/CLI.hpp>
+
+#include <distoptim/comm.h>
+#include <distoptim/dist_autograd.h>
+#include <distoptim/dist_optim.h>
+#include <distoptim/rpc.h>
+
+#include "example_main.h"
+#include "gnuplot.h"
+#include "metrics.h"
+#include "model.h"
+#include "rpc_worker.h"
+#include "teacher.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace rpc = distoptim::rpc;
+using Clock = std::chrono::steady_clock;
+using distoptim::optim::OptionBag;
+
+struct Settings {
+  int64_t servers = 2;
+  int64_t steps = 1000;
+  int64_t batch = 512;
+  int64_t rows = 1 << 20;
+  int64_t dim = 32;
+  double lr = 0.1;
+  double mlp_lr = 0.01;
+  int64_t held_out = 20000;
+  int64_t eval_every = 0;  // 0: --steps / 10
+  int64_t seed = 0;
+  int64_t teacher_seed = 1;
+  std::string out = "click_through_out";
+};
+
+// Samples this trainer has trained on, for the first trainer's samples/s of all trainers.
+std::atomic<int64_t> samples_trained{0};
+int64_t trained_samples() { return samples_trained.load(); }
+DISTOPTIM_RPC_FUNCTION("click_through.trained_samples", trained_samples);
+
+struct Evaluation {
+  double log_loss;
+  double auc;
+};
+
+// The model's held-out log loss and AUC, without gradients, in chunks.
+Evaluation evaluate(click_through::ClickModel& model, const click_through::Batch& held_out) {
+  at::NoGradGuard no_grad;
+  const int64_t n = held_out.labels.size(0), chunk = 4096;
+  std::vector<at::Tensor> logits;
+  for (int64_t first = 0; first < n; first += chunk) {
+    const int64_t len = std::min(chunk, n - first);
+    logits.push_back(
+        model.forward(held_out.ids.narrow(0, first, len), held_out.dense.narrow(0, first, len)));
+  }
+  const at::Tensor all = at::cat(logits);
+  return {click_through::log_loss(all, held_out.labels),
+          click_through::roc_auc(all, held_out.labels)};
+}
+
+// The gnuplot commands that draw the curves of `csv`.
+std::string plot_commands(const fs::path& csv) {
+  return fmt::format(
+      "set datafile separator ','\n"
+      "set xlabel 'thousands of samples trained (all trainers)'\n"
+      "set ylabel 'log loss'\n"
+      "set y2label 'held-out AUC'\n"
+      "set ytics nomirror\n"
+      "set y2tics\n"
+      "set key right center\n"
+      "set title 'Click-through model: sharded embeddings + remote MLP, Adagrad'\n"
+      "set grid\n"
+      "plot '{0}' using ($2/1000):5 every ::1 with lines lw 2 title 'train log loss', "
+      "'{0}' using ($2/1000):6 with linespoints lw 2 title 'held-out log loss', "
+      "'{0}' using ($2/1000):8 with lines dt 2 lw 2 title 'teacher (best possible)', "
+      "'{0}' using ($2/1000):7 axes x1y2 with linespoints lw 2 title 'held-out AUC'\n",
+      csv.string());
+}
+
+void train(const Settings& s, int trainer, int trainers, const std::vector<std::string>& servers) {
+  click_through::ModelOptions options;
+  options.servers = servers;
+  options.rows = s.rows;
+  options.dim = s.dim;
+  options.seed = s.seed;
+  const bool reporter = trainer == 0;
+  std::unique_ptr<click_through::ClickModel> model =
+      reporter ? std::make_unique<click_through::ClickModel>(options)
+               : click_through::ClickModel::receive(options, std::chrono::minutes(5));
+  distoptim::dist_optim::DistributedOptimizer optimizer(
+      "adagrad", {{model->table_parameters(), OptionBag().set("lr", s.lr)},
+                  {model->mlp_parameters(), OptionBag().set("lr", s.mlp_lr)}});
+
+  const click_through::Teacher teacher(static_cast<uint64_t>(s.teacher_seed));
+  auto generator =
+      at::detail::createCPUGenerator(static_cast<uint64_t>(s.seed * 1000 + 1 + trainer));
+  click_through::Batch held_out;
+  double teacher_loss = NAN, teacher_auc = NAN;
+  std::ofstream csv_out;
+  const fs::path csv = fs::path(s.out) / "click_through.csv";
+  const int64_t eval_every = s.eval_every > 0 ? s.eval_every : std::max<int64_t>(1, s.steps / 10);
+  if (reporter) {
+    auto held_out_generator = at::detail::createCPUGenerator(static_cast<uint64_t>(s.seed * 1000));
+    held_out = teacher.draw(s.held_out, held_out_generator);
+    teacher_loss = click_through::mean_entropy(held_out.probability);
+    teacher_auc = click_through::roc_auc(held_out.probability, held_out.labels);
+    fmt::print(
+        "click_through: {} trainer(s), {} parameter server(s); one table of {} rows x {} for 26 "
+        "hashed features, MLP on {}; adagrad lr {} (table) and {} (MLP); {} steps of {} samples "
+        "per trainer; held-out set of {} samples, the teacher's log loss on it {:.4f} (AUC "
+        "{:.4f}): the best any model can expect\n",
+        trainers, servers.size(), s.rows, s.dim, servers[0], s.lr, s.mlp_lr, s.steps, s.batch,
+        s.held_out, teacher_loss, teacher_auc);
+    std::fflush(stdout);
+    fs::create_directories(s.out);
+    csv_out.open(csv);
+    TORCH_CHECK(csv_out, "cannot write ", csv.string());
+    csv_out << "step,samples,seconds,samples_per_second,train_log_loss,held_out_log_loss,"
+               "held_out_auc,teacher_log_loss\n";
+  }
+
+  const auto start = Clock::now();
+  double train_loss_sum = 0;
+  int64_t train_loss_count = 0;
+  Evaluation first{NAN, NAN}, last{NAN, NAN};
+  // One line of the CSV and of progress: all trainers' samples so far, the mean training loss
+  // since the last report.
+  auto report = [&](int64_t step) {
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    int64_t samples = samples_trained.load();
+    for (int t = 1; t < trainers; ++t) {
+      samples += rpc::rpc_sync<int64_t>("trainer" + std::to_string(t),
+                                        "click_through.trained_samples", std::tuple{});
+    }
+    const double train_loss = train_loss_count > 0 ? train_loss_sum / train_loss_count : NAN;
+    last = evaluate(*model, held_out);
+    if (step == 0) first = last;
+    const double rate = seconds > 0 ? samples / seconds : 0;
+    csv_out << fmt::format("{},{},{:.3f},{:.1f},{:.6f},{:.6f},{:.6f},{:.6f}\n", step, samples,
+                           seconds, rate, train_loss, last.log_loss, last.auc, teacher_loss);
+    csv_out.flush();
+    fmt::print(
+        "step {:5d}/{}  {:8d} samples  {:7.0f} samples/s  train log loss {}  held-out log loss "
+        "{:.4f}  AUC {:.4f}  (teacher {:.4f}, AUC {:.4f})\n",
+        step, s.steps, samples, rate,
+        train_loss_count > 0 ? fmt::format("{:.4f}", train_loss) : std::string("  -   "),
+        last.log_loss, last.auc, teacher_loss, teacher_auc);
+    std::fflush(stdout);
+    train_loss_sum = 0;
+    train_loss_count = 0;
+  };
+  if (reporter) {
+    // The model before any step; only then do the other trainers get it and start.
+    report(0);
+    for (int t = 1; t < trainers; ++t) model->share("trainer" + std::to_string(t));
+  }
+
+  for (int64_t step = 1; step <= s.steps; ++step) {
+    const click_through::Batch batch = teacher.draw(s.batch, generator);
+    double loss_value;
+    {
+      distoptim::dist_autograd::ContextGuard context;
+      const at::Tensor loss = at::binary_cross_entropy_with_logits(
+          model->forward(batch.ids, batch.dense), batch.labels);
+      distoptim::dist_autograd::backward(context.id(), {loss});
+      optimizer.step(context.id());
+      loss_value = loss.item<double>();
+    }
+    samples_trained += s.batch;
+    train_loss_sum += loss_value;
+    ++train_loss_count;
+    if (reporter && (step % eval_every == 0 || step == s.steps)) report(step);
+  }
+
+  if (reporter) {
+    csv_out.close();
+    const double gap = first.log_loss - teacher_loss;
+    fmt::print(
+        "held-out log loss {:.4f} (AUC {:.4f}) after {} steps per trainer, {:.4f} (AUC {:.4f}) "
+        "before training; the teacher's {:.4f} (AUC {:.4f}): {:.0f}% of the gap closed\n",
+        last.log_loss, last.auc, s.steps, first.log_loss, first.auc, teacher_loss, teacher_auc,
+        gap > 0 ? 100 * (first.log_loss - last.log_loss) / gap : NAN);
+    examples::plot_and_report(plot_commands(csv), csv, fs::path(s.out) / "click_through.png");
+  }
+}
+
+int run_example(const Settings& s) {
+  const auto env = distoptim::comm::LaunchEnv::from_environment();
+  const int rank = env.rank.value_or(0);
+  const int world_size = env.world_size.value_or(1);
+  TORCH_CHECK_VALUE(world_size > s.servers, "needs ", s.servers,
+                    " parameter server(s) (--servers) and at least one trainer, got a world size "
+                    "of ",
+                    world_size, " (WORLD_SIZE, which distrun sets: --nproc-per-node ",
+                    s.servers + 2, " for two trainers)");
+  TORCH_CHECK_VALUE(s.rows >= s.servers, "--rows ", s.rows, " is below --servers ", s.servers,
+                    " (each server holds at least one row)");
+  std::vector<std::string> servers;
+  for (int64_t i = 0; i < s.servers; ++i) servers.push_back("ps" + std::to_string(i));
+  const bool server = rank < s.servers;
+  const int trainer = rank - static_cast<int>(s.servers);
+  const std::string name = server ? servers[rank] : "trainer" + std::to_string(trainer);
+  examples::run_rpc_worker(name, rank, world_size, [&] {
+    if (!server) train(s, trainer, world_size - static_cast<int>(s.servers), servers);
+  });
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "A click-through-rate model with sharded embedding tables on parameter servers (run it "
+      "under distrun)",
+      "click_through"};
+  Settings s;
+  app.add_option("--servers", s.servers, "parameter servers (the first ranks); the rest train")
+      ->check(examples::above(0));
+  app.add_option("--steps", s.steps, "steps per trainer")->check(examples::above(0));
+  app.add_option("--batch", s.batch, "samples per step and trainer")->check(examples::above(0));
+  app.add_option("--rows", s.rows, "rows of the hashed embedding table")->check(examples::above(0));
+  app.add_option("--dim", s.dim, "embedding size")->check(examples::above(0));
+  app.add_option("--lr", s.lr, "Adagrad's learning rate for the embedding table")
+      ->check(examples::above(0));
+  app.add_option("--mlp-lr", s.mlp_lr, "Adagrad's learning rate for the MLP")
+      ->check(examples::above(0));
+  app.add_option("--held-out", s.held_out, "samples in the held-out set")
+      ->check(examples::above(1));
+  app.add_option("--eval-every", s.eval_every,
+                 "evaluate on the held-out set every this many steps (0: --steps / 10)")
+      ->check(examples::at_least(0));
+  app.add_option("--seed", s.seed, "seed of the model and of the samples");
+  app.add_option("--teacher-seed", s.teacher_seed, "seed of the teacher that labels the samples");
+  app.add_option("--out", s.out, "directory for the CSV and the PNG");
+  return examples::run(
+      app, argc, argv,
+      examples::distrun() + " --nproc-per-node 4 " + argv[0] + " --out click_through_out",
+      [&] { return run_example(s); });
+}

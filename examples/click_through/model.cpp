@@ -1,0 +1,130 @@
+#include "model.h"
+
+#include <cmath>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+#include <tuple>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "teacher.h"
+
+namespace click_through {
+
+namespace rpc = distoptim::rpc;
+using Shards = std::vector<rpc::RRef<rpc::EmbeddingShard>>;
+
+namespace {
+
+// PyTorch's default Linear initialization (uniform in +-1/sqrt(fan_in)), drawn from a generator
+// of its own so that the model is the same every run with the same seed.
+torch::nn::Linear seeded_linear(int64_t in, int64_t out, int64_t seed) {
+  torch::nn::Linear layer(in, out);
+  at::NoGradGuard no_grad;
+  auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
+  const double bound = 1 / std::sqrt(static_cast<double>(in));
+  layer->weight.uniform_(-bound, bound, generator);
+  layer->bias.uniform_(-bound, bound, generator);
+  return layer;
+}
+
+rpc::ShardedEmbeddingBagOptions table_options(const ModelOptions& options) {
+  return rpc::ShardedEmbeddingBagOptions(options.rows, options.dim, options.servers)
+      .mode(torch::kSum)
+      .seed(options.seed);
+}
+
+// What a trainer has been sent by the one that created the model, until it takes it. Never
+// destroyed (the process may end while it holds references).
+struct Inbox {
+  std::mutex mutex;
+  std::condition_variable ready;
+  std::optional<std::pair<Shards, rpc::RRef<ClickMlp>>> model;  // guarded by mutex
+};
+Inbox& inbox() {
+  static auto* inbox = new Inbox;
+  return *inbox;
+}
+
+bool take_model(Shards shards, rpc::RRef<ClickMlp> mlp) {
+  {
+    std::lock_guard<std::mutex> lock(inbox().mutex);
+    inbox().model.emplace(std::move(shards), std::move(mlp));
+  }
+  inbox().ready.notify_all();
+  return true;
+}
+
+}  // namespace
+
+DISTOPTIM_RPC_FUNCTION("click_through.take_model", take_model);
+// Constructible on the servers by a trainer's RemoteModule, with forward, train and
+// remote_parameters.
+DISTOPTIM_REMOTE_MODULE(ClickMlp, int64_t, int64_t, int64_t);
+
+ClickMlp::ClickMlp(int64_t embedding_width, int64_t dense, int64_t seed) {
+  fc1 = register_module("fc1", seeded_linear(embedding_width + dense, 256, seed + 1));
+  fc2 = register_module("fc2", seeded_linear(256, 64, seed + 2));
+  out = register_module("out", seeded_linear(64, 1, seed + 3));
+}
+
+at::Tensor ClickMlp::forward(at::Tensor embeddings, at::Tensor dense) {
+  at::Tensor x = at::cat({embeddings, dense}, 1);
+  x = at::relu(fc1->forward(x));
+  x = at::relu(fc2->forward(x));
+  return out->forward(x).squeeze(1);
+}
+
+ClickModel::ClickModel(const ModelOptions& options) : options_(options) {
+  TORCH_CHECK_VALUE(!options.servers.empty(), "ClickModel: no parameter servers");
+  table_ = std::make_unique<rpc::ShardedEmbeddingBag>(table_options(options));
+  mlp_ = std::make_shared<rpc::RemoteModule<ClickMlp>>(
+      options.servers[0], std::tuple{kCategorical * options.dim, kDense, options.seed});
+  for (const auto& shard : table_->shard_module_rrefs()) shard.confirm();
+  mlp_->module_rref().confirm();
+}
+
+ClickModel::ClickModel(const ModelOptions& options, Shards shards, rpc::RRef<ClickMlp> mlp)
+    : options_(options) {
+  table_ = std::make_unique<rpc::ShardedEmbeddingBag>(table_options(options), std::move(shards));
+  mlp_ = rpc::RemoteModule<ClickMlp>::init_from_module_rref(options.servers[0], std::move(mlp));
+}
+
+std::unique_ptr<ClickModel> ClickModel::receive(const ModelOptions& options,
+                                                std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(inbox().mutex);
+  TORCH_CHECK(inbox().ready.wait_for(lock, timeout, [] { return inbox().model.has_value(); }),
+              "no model arrived from the first trainer within ", timeout.count() / 1000, " s");
+  auto [shards, mlp] = std::move(*inbox().model);
+  inbox().model.reset();
+  lock.unlock();
+  return std::unique_ptr<ClickModel>(new ClickModel(options, std::move(shards), std::move(mlp)));
+}
+
+void ClickModel::share(const std::string& trainer) const {
+  rpc::rpc_sync<bool>(trainer, "click_through.take_model",
+                      std::tuple{table_->shard_module_rrefs(), mlp_->module_rref()});
+}
+
+at::Tensor ClickModel::forward(const at::Tensor& ids, const at::Tensor& dense) {
+  const int64_t n = ids.size(0);
+  // Every (sample, feature) a bag of its one id (the features are single-valued, as Criteo's),
+  // all in one lookup: one call per shard for the whole batch.
+  const at::Tensor rows = hashed_rows(ids, options_.rows).reshape({-1});
+  const at::Tensor offsets = at::arange(rows.numel(), at::kLong);
+  const at::Tensor embeddings = table_->forward(rows, offsets).reshape({n, -1});
+  return mlp_->forward(embeddings, dense);
+}
+
+std::vector<rpc::RRef<at::Tensor>> ClickModel::table_parameters() const {
+  return table_->remote_parameters();
+}
+
+std::vector<rpc::RRef<at::Tensor>> ClickModel::mlp_parameters() const {
+  return mlp_->remote_parameters();
+}
+
+}  // namespace click_through
