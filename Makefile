@@ -7,7 +7,8 @@
 #   make asan    ASan + UBSan build, then the unit tests under it (scripts/test.sh asan)
 #   make tsan    ThreadSanitizer build of comm, rpc and dist_autograd, then their tests (scripts/test.sh tsan)
 #   make demo    build and run examples/rnn_parameter_server (scripts/demo.sh)
-#   make bench   build, then run every benchmark; results in $(BUILD_DIR)/bench-results/*.json
+#   make bench   build, then run every benchmark three times; results in
+#                $(BUILD_DIR)/bench-results/run*/*.json, tables in docs/benchmarks.md
 #   make format  clang-format every C++ file in place
 #   make lint    the format check, and clang-tidy's naming checks over the uncommitted changes
 #                (scripts/lint.sh; LINT_BASE=main~3 checks what changed since then)

@@ -1,10 +1,14 @@
 #!/usr/bin/python3
 """Writes the results tables of docs/benchmarks.md from the benchmarks' JSON files.
 
-Each benchmark (bench/*) writes build/bench-results/<name>.json: its cases, each an object with
-the case's name under "case" and its figures, and the machine's load average while it ran. This
-script renders every such file as a Markdown section (ours against PyTorch, the ratios, the
-settings the file records, the load average) and puts it between the markers
+Each benchmark (bench/*) writes a JSON file: its cases, each an object with the case's name under
+"case" and its figures, and the machine's load average while it ran. `make bench` runs every
+benchmark several times, run k writing build/bench-results/run<k>/<name>.json; a file
+build/bench-results/<name>.json alone (a benchmark run by hand) is one run. This script renders
+every benchmark as a Markdown section (with several runs: each case's ratio of ours to PyTorch's in
+every run and the median of the runs, then the last run in full; with one: that run: ours against
+PyTorch, the ratios, the settings the file records, the load average) and puts it between the
+markers
 
     <!-- benchmarks_doc.py: <name> begin -->
     <!-- benchmarks_doc.py: <name> end -->
@@ -148,7 +152,7 @@ def render_other(cases, path):
 
 
 RENDERERS = {"optim": render_optim, "zero": render_zero, "dist_optim": render_dist_optim,
-             "rpc": render_rpc}
+             "rpc": render_rpc, "sparse_ps": render_dist_optim}
 
 
 def load(path):
@@ -170,19 +174,107 @@ def load(path):
     return data, meta
 
 
-def section(name, path):
-    cases, meta = load(path)
-    notes, lines = RENDERERS.get(name, render_other)(cases, path)
-    written = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc)
-    head = ["Written by `scripts/benchmarks_doc.py` from the benchmark's `{}`, of {}.".format(
-        os.path.basename(path), written.strftime("%Y-%m-%d %H:%M UTC"))]
+def advantage(name, case):
+    """How many times better ours is than PyTorch's in `case` (above 1: ours better), or None
+    where the case compares nothing."""
+    def finite(key):
+        value = case.get(key)
+        return value if number(value) != "-" else None
+
+    if name == "optim":
+        return finite("speedup_vs_pytorch")
+    if "speedup" in case:
+        return finite("speedup")
+    if "ratio" in case:
+        return finite("ratio") if case.get("pytorch") is not None else None
+    ours, pytorch = finite("ours"), finite("pytorch")
+    if ours is None or pytorch is None or ours <= 0 or pytorch <= 0:
+        return None
+    return {"lower": pytorch / ours, "higher": ours / pytorch}.get(case.get("better"))
+
+
+def load_text(meta):
+    """'a at the start and b at the end' of a run, flagged when above the core count."""
     load_average = meta.get("load_average")
-    if isinstance(load_average, list) and len(load_average) == 2:
-        head.append("The machine's 1-minute load average was {} at the start and {} at the end "
-                    "(2 cores: above about 2, other work competed with the measurements)."
-                    .format(*(number(v) for v in load_average)))
-    prose = textwrap.wrap(" ".join(head + notes), width=100, break_on_hyphens=False)
-    return [BEGIN.format(name), ""] + prose + [""] + lines + ["", END.format(name)]
+    if not (isinstance(load_average, list) and len(load_average) == 2):
+        return None
+    text = "{} at the start and {} at the end".format(*(number(v) for v in load_average))
+    cores = meta.get("cores")
+    if isinstance(cores, int) and max(load_average) > cores:
+        text += " (above the {} cores: others' work competed with it)".format(cores)
+    return text
+
+
+def written(path):
+    return datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.timezone.utc) \
+        .strftime("%Y-%m-%d %H:%M UTC")
+
+
+def section(name, paths):
+    runs = [load(path) for path in paths]
+    cases, meta = runs[-1]
+    notes, lines = RENDERERS.get(name, render_other)(cases, paths[-1])
+    if len(runs) == 1:
+        head = ["Written by `scripts/benchmarks_doc.py` from the benchmark's `{}`, of {}.".format(
+            os.path.basename(paths[0]), written(paths[0]))]
+        if load_text(meta):
+            head.append("The machine's 1-minute load average was {} (2 cores: above about 2, "
+                        "other work competed with the measurements).".format(load_text(meta)))
+        prose = textwrap.wrap(" ".join(head + notes), width=100, break_on_hyphens=False)
+        return [BEGIN.format(name), ""] + prose + [""] + lines + ["", END.format(name)]
+
+    head = ["Written by `scripts/benchmarks_doc.py` from {} runs of the benchmark (`make bench`: "
+            "every benchmark once, then all again, ...), the last of {}. Each case's ratio of "
+            "ours to PyTorch's in every run and the median of the runs (above 1: ours better); "
+            "a ratio that moves much between runs is a finding, not a result.".format(
+                len(runs), written(paths[-1]))]
+    loads = ["run {}: {}".format(k + 1, load_text(m)) for k, (_, m) in enumerate(runs)
+             if load_text(m)]
+    if loads:
+        head.append("The machine's 1-minute load average, " + "; ".join(loads) + ".")
+    rows = []
+    for case in cases:
+        ratios = []
+        for run_cases, _ in runs:
+            match = [c for c in run_cases if c["case"] == case["case"]]
+            ratios.append(advantage(name, match[0]) if match else None)
+        if all(r is None for r in ratios):
+            continue
+        present = sorted(r for r in ratios if r is not None)
+        middle = len(present) // 2
+        median = present[middle] if len(present) % 2 else \
+            (present[middle - 1] + present[middle]) / 2
+        rows.append([case["case"]] + [ratio(r) for r in ratios] + [ratio(median)])
+    summary = table(["case"] + ["run {}".format(k + 1) for k in range(len(runs))] +
+                    ["median of {}".format(len(runs))], rows)
+    prose = textwrap.wrap(" ".join(head), width=100, break_on_hyphens=False)
+    last = textwrap.wrap(" ".join(["The last run in full."] + notes), width=100,
+                         break_on_hyphens=False)
+    return [BEGIN.format(name), ""] + prose + [""] + summary + [""] + last + [""] + lines + \
+        ["", END.format(name)]
+
+
+def discover(results):
+    """name -> the paths of its runs, in run order: results/run<k>/<name>.json, else
+    results/<name>.json."""
+    found = {}
+    if not os.path.isdir(results):
+        return found
+    for entry in sorted(os.listdir(results)):
+        path = os.path.join(results, entry)
+        if entry.endswith(".json") and os.path.isfile(path):
+            found.setdefault(entry[:-len(".json")], {})[0] = path
+        m = re.fullmatch(r"run(\d+)", entry)
+        if m and os.path.isdir(path):
+            for name in os.listdir(path):
+                if name.endswith(".json"):
+                    found.setdefault(name[:-len(".json")], {})[int(m.group(1))] = \
+                        os.path.join(path, name)
+    out = {}
+    for name, by_run in found.items():
+        runs = {k: p for k, p in by_run.items() if k > 0}
+        out[name] = [runs[k] for k in sorted(runs)] if runs else [by_run[0]]
+    return out
 
 
 def regions(lines, doc):
@@ -216,11 +308,10 @@ def main():
     try:
         with open(args.doc, encoding="utf-8") as f:
             lines = f.read().split("\n")
-        names = sorted(n[:-len(".json")] for n in os.listdir(args.results)
-                       if n.endswith(".json")) if os.path.isdir(args.results) else []
+        found = discover(args.results)
         updated = []
-        for name in names:
-            new = section(name, os.path.join(args.results, name + ".json"))
+        for name in sorted(found):
+            new = section(name, found[name])
             marked = regions(lines, args.doc)
             if name in marked:
                 begin, end = marked[name]

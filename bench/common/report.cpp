@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <iomanip>
 #include <sstream>
+#include <thread>
 
 #include <c10/util/Exception.h>
 
@@ -47,11 +49,44 @@ long proc_status_kb(const std::string& field) {
   return -1;
 }
 
+Spread spread_of(std::vector<double> values) {
+  TORCH_CHECK(!values.empty(), "spread_of: no values");
+  return {*std::min_element(values.begin(), values.end()), median(values),
+          *std::max_element(values.begin(), values.end())};
+}
+
+std::pair<std::vector<nlohmann::json>, std::vector<nlohmann::json>> alternate_rounds(
+    const std::string& program, const std::string& label, int rounds,
+    const std::function<nlohmann::json()>& ours, const std::function<nlohmann::json()>& pytorch) {
+  std::pair<std::vector<nlohmann::json>, std::vector<nlohmann::json>> results;
+  for (int round = 1; round <= rounds; ++round) {
+    std::fprintf(stderr, "%s: %s, round %d of %d: ours...", program.c_str(), label.c_str(), round,
+                 rounds);
+    results.first.push_back(ours());
+    std::fprintf(stderr, " pytorch...");
+    results.second.push_back(pytorch());
+    std::fprintf(stderr, " done\n");
+  }
+  return results;
+}
+
 double load_average() {
   std::ifstream file("/proc/loadavg");
   double one_minute = -1;
   file >> one_minute;
   return file ? one_minute : -1;
+}
+
+std::string machine_load_line(double at_start, double at_end) {
+  const unsigned cores = std::thread::hardware_concurrency();
+  std::ostringstream line;
+  line << std::fixed << std::setprecision(2) << "machine: " << cores
+       << " cores, 1-minute load average " << at_start << " at the start and " << at_end
+       << " at the end";
+  if (std::max(at_start, at_end) > cores) {
+    line << " (ABOVE the core count: others' work competed with these measurements)";
+  }
+  return line.str();
 }
 
 std::vector<nlohmann::json> result_lines(const std::string& output) {
@@ -98,7 +133,9 @@ ResultsFile::ResultsFile(const std::string& path, const std::string& program)
 }
 
 void ResultsFile::write(const nlohmann::json& results) {
-  const nlohmann::json file{{"cases", results}, {"load_average", {load_at_start_, load_average()}}};
+  const nlohmann::json file{{"cases", results},
+                            {"load_average", {load_at_start_, load_average()}},
+                            {"cores", std::thread::hardware_concurrency()}};
   file_ << file.dump(2) << "\n";
   file_.close();
   TORCH_CHECK(file_.good(), program_, ": writing '", path_, "' failed");

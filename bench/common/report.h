@@ -5,8 +5,10 @@
 // writing its JSON results file.
 
 #include <fstream>
+#include <functional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -25,6 +27,22 @@ double median(std::vector<double> values);
 /// Throws c10::Error for an empty list.
 double percentile(std::vector<double> values, double p);
 
+/// The smallest, median and largest of one side's figure over the rounds of a benchmark in which
+/// ours and PyTorch's runs alternate (ours, PyTorch's, ours, ...), so that drift in the machine's
+/// load reaches both sides alike.
+struct Spread {
+  double min, median, max;
+};
+
+/// The Spread of `values`. Throws c10::Error for an empty list.
+Spread spread_of(std::vector<double> values);
+
+/// Runs `ours` and `pytorch` alternately, `rounds` times each (ours first), printing progress
+/// on standard error behind "`program`: `label`", and returns each side's results in round order.
+std::pair<std::vector<nlohmann::json>, std::vector<nlohmann::json>> alternate_rounds(
+    const std::string& program, const std::string& label, int rounds,
+    const std::function<nlohmann::json()>& ours, const std::function<nlohmann::json()>& pytorch);
+
 /// CPU time this process has used so far, every thread, user plus system (getrusage), seconds.
 double process_cpu_seconds();
 
@@ -33,6 +51,11 @@ long proc_status_kb(const std::string& field);
 
 /// The machine's 1-minute load average (/proc/loadavg), or -1 if it cannot be read.
 double load_average();
+
+/// The machine's core count and its load average at the start and end of a run, as one line
+/// every benchmark prints, flagging a run whose load exceeded the core count (others' work then
+/// competed with the measurements).
+std::string machine_load_line(double at_start, double at_end);
 
 /// The JSON after kResultPrefix on every line of `output` that has it, in order; the marker
 /// may follow a prefix (distrun's "[rank R] "). Throws nlohmann::json's parse_error on bad JSON.
@@ -57,8 +80,8 @@ int run_main(const char* program, int (*run)(int, char**), int argc, char** argv
 
 /// The file a benchmark writes its results to (--json PATH). Opened, with its folder created,
 /// at construction, so a bad path fails before minutes of measuring rather than after. It holds
-/// {"cases": <the benchmark's results>, "load_average": [at construction, at write]}, what
-/// scripts/benchmarks_doc.py renders into docs/benchmarks.md.
+/// {"cases": <the benchmark's results>, "load_average": [at construction, at write], "cores": N},
+/// what scripts/benchmarks_doc.py renders into docs/benchmarks.md.
 class ResultsFile {
  public:
   /// `program` names the benchmark in error messages. Throws c10::Error if the file cannot be

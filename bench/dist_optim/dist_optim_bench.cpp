@@ -47,10 +47,16 @@
 // program is forwarded to the running side's process group (run_child), so Ctrl-C stops the
 // children too.
 //
-// The JSON written to --json holds, under "cases", a list of {case, ours, pytorch, unit,
-// better}, better being "lower" or "higher", and the load average (common/report.h).
+// Ours and PyTorch's jobs alternate in --rounds rounds (ours, PyTorch's, ours, ...), so drift in
+// the shared machine's load reaches both alike; each figure is reported as min/median/max over
+// the rounds.
 //
-// Usage: dist_optim_bench --json PATH [--iterations N] [--quick] [--deadline-seconds N]
+// The JSON written to --json holds, under "cases", a list of {case, ours, pytorch, unit,
+// better, ours_min, ours_max, pytorch_min, pytorch_max, rounds}, ours and pytorch being medians
+// over the rounds and better "lower" or "higher", and the load average (common/report.h).
+//
+// Usage: dist_optim_bench --json PATH [--rounds 3] [--iterations N] [--quick]
+//                         [--deadline-seconds N]
 
 #include <dlfcn.h>
 
@@ -468,8 +474,24 @@ std::string format_value(double value) {
   return std::abs(value) >= 100 ? fmt::format("{:.0f}", value) : fmt::format("{:.2f}", value);
 }
 
-void print_table(const Config& config, const Json& ours, const Json& pytorch,
-                 const std::pair<double, double>& load) {
+// A row's figure in each round of one side.
+Spread row_spread(const Row& row, const std::vector<Json>& rounds) {
+  std::vector<double> values;
+  for (const Json& round : rounds) values.push_back(row.value(round));
+  return spread_of(values);
+}
+
+// The median over rounds of one figure a side's workers reported.
+double median_of(const std::vector<Json>& rounds, const char* key) {
+  std::vector<double> values;
+  for (const Json& round : rounds) values.push_back(round.at(key).get<double>());
+  return median(values);
+}
+
+void print_table(const Config& config, int rounds, const std::vector<Json>& ours_rounds,
+                 const std::vector<Json>& pytorch_rounds, const std::pair<double, double>& load) {
+  const Json& ours = ours_rounds.front();
+  const Json& pytorch = pytorch_rounds.front();
   fmt::print(
       "\ndist_optim_bench: distoptim's DistributedOptimizer vs PyTorch {} "
       "torch.distributed.optim.DistributedOptimizer (TensorPipe RPC, CPU), {} workers on "
@@ -502,41 +524,50 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch,
       "set to none each iteration)\n",
       kRnnTokens, kRnnWidth, kRnnLayers, kRnnDropout, kRnnBatch, kRnnBptt, kRnnLr, config.rnn.timed,
       config.rnn.warmup);
-  for (const auto& [side, result] : {std::pair{"ours", &ours}, std::pair{"pytorch", &pytorch}}) {
+  for (const auto& [side, result] :
+       {std::pair{"ours", &ours_rounds}, std::pair{"pytorch", &pytorch_rounds}}) {
     fmt::print(
         "rnn iteration, {}: median {:.1f} ms = forward {:.1f} + backward {:.1f} + step {:.1f} "
-        "(each a median); in one process {:.1f} ms = {:.1f} + {:.1f} + {:.1f}\n",
-        side, result->at("rnn_iteration_ms").get<double>(),
-        result->at("rnn_forward_ms").get<double>(), result->at("rnn_backward_ms").get<double>(),
-        result->at("rnn_step_ms").get<double>(), result->at("local_rnn_iteration_ms").get<double>(),
-        result->at("local_rnn_forward_ms").get<double>(),
-        result->at("local_rnn_backward_ms").get<double>(),
-        result->at("local_rnn_step_ms").get<double>());
+        "(each a median, then the median over rounds); in one process {:.1f} ms = {:.1f} + "
+        "{:.1f} + {:.1f}\n",
+        side, median_of(*result, "rnn_iteration_ms"), median_of(*result, "rnn_forward_ms"),
+        median_of(*result, "rnn_backward_ms"), median_of(*result, "rnn_step_ms"),
+        median_of(*result, "local_rnn_iteration_ms"), median_of(*result, "local_rnn_forward_ms"),
+        median_of(*result, "local_rnn_backward_ms"), median_of(*result, "local_rnn_step_ms"));
   }
+  fmt::print("{}\n", machine_load_line(load.first, load.second));
   fmt::print(
-      "machine: {} cores, 1-minute load average {:.2f} at the start and {:.2f} at the end (the "
-      "machine is shared: above about 2, others' work competes with the measurements)\n",
-      std::thread::hardware_concurrency(), load.first, load.second);
-  fmt::print("ours/pytorch: the plain ratio; 'better' says which way is better\n\n");
-  fmt::print("{:<16} {:>12} {:>12} {:>10} {:>14} {:>8}\n", "case", "ours", "pytorch", "unit",
+      "{} rounds, each running ours then PyTorch's (every case); figures min/median/max over "
+      "the rounds; ours/pytorch: the ratio of the medians; 'better' says which way is better\n\n",
+      rounds);
+  fmt::print("{:<16} {:>24} {:>24} {:>10} {:>14} {:>8}\n", "case", "ours", "pytorch", "unit",
              "ours/pytorch", "better");
   for (const Row& row : rows()) {
-    const double o = row.value(ours);
-    const double p = row.value(pytorch);
+    const Spread o = row_spread(row, ours_rounds), p = row_spread(row, pytorch_rounds);
     // A ratio of a negative overhead (noise) to a positive one says nothing.
-    const std::string ratio = o > 0 && p > 0 ? fmt::format("{:.2f}x", o / p) : "-";
-    fmt::print("{:<16} {:>12} {:>12} {:>10} {:>14} {:>8}\n", row.name, format_value(o),
-               format_value(p), row.unit, ratio, row.lower_is_better ? "lower" : "higher");
+    const std::string ratio =
+        o.median > 0 && p.median > 0 ? fmt::format("{:.2f}x", o.median / p.median) : "-";
+    auto spread = [](const Spread& s) {
+      return format_value(s.min) + "/" + format_value(s.median) + "/" + format_value(s.max);
+    };
+    fmt::print("{:<16} {:>24} {:>24} {:>10} {:>14} {:>8}\n", row.name, spread(o), spread(p),
+               row.unit, ratio, row.lower_is_better ? "lower" : "higher");
   }
   fmt::print("\n");
 }
 
-Json to_json(const Json& ours, const Json& pytorch) {
+Json to_json(const std::vector<Json>& ours, const std::vector<Json>& pytorch) {
   Json out = Json::array();
   for (const Row& row : rows()) {
+    const Spread o = row_spread(row, ours), p = row_spread(row, pytorch);
     out.push_back({{"case", row.name},
-                   {"ours", row.value(ours)},
-                   {"pytorch", row.value(pytorch)},
+                   {"ours", o.median},
+                   {"pytorch", p.median},
+                   {"ours_min", o.min},
+                   {"ours_max", o.max},
+                   {"pytorch_min", p.min},
+                   {"pytorch_max", p.max},
+                   {"rounds", ours.size()},
                    {"unit", row.unit},
                    {"better", row.lower_is_better ? "lower" : "higher"}});
   }
@@ -557,6 +588,7 @@ int run(int argc, char** argv) {
   std::string json_path;
   int iterations = 0;
   bool quick = false;
+  int rounds = 3;
   bool worker = false;
   bool local = false;
   std::string doc_counts, adam_counts, rnn_counts;
@@ -567,7 +599,10 @@ int run(int argc, char** argv) {
   app.add_option("--iterations", iterations,
                  "Timed iterations of every case (default: doc step 500, 10M adam 20, rnn 60)")
       ->check(CLI::PositiveNumber);
-  app.add_flag("--quick", quick, "Few iterations, for a smoke run");
+  app.add_flag("--quick", quick, "Few iterations and one round, for a smoke run");
+  app.add_option("--rounds", rounds, "Rounds of ours then PyTorch's (every case in each)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--deadline-seconds", config.deadline_seconds,
                  "each side is killed after this long")
       ->capture_default_str()
@@ -595,7 +630,10 @@ int run(int argc, char** argv) {
     run_local(config);
     return 0;
   }
-  if (quick) config = Config{{5, 20}, {1, 3}, {1, 3}, config.deadline_seconds};
+  if (quick) {
+    config = Config{{5, 20}, {1, 3}, {1, 3}, config.deadline_seconds};
+    rounds = 1;
+  }
   if (iterations > 0) {
     config.doc.timed = config.adam.timed = config.rnn.timed = iterations;
   }
@@ -628,16 +666,29 @@ int run(int argc, char** argv) {
     return result;
   };
   // Each side's baseline right after its job, so that the two parts of its overhead see the
-  // machine's load of the same minute.
+  // machine's load of the same minute; the sides alternate, round after round.
   const double load_at_start = load_average();
-  Json ours = timed("ours", "our workers (distrun)", ours_argv);
-  ours.update(timed("ours, one process", "our --local", ours_local_argv));
-  Json pytorch = timed("pytorch", script, pytorch_argv);
-  pytorch.update(timed("pytorch, one process", script + " --local", pytorch_local_argv));
+  auto [ours, pytorch] = alternate_rounds(
+      "dist_optim_bench", "every case", rounds,
+      [&] {
+        Json result = timed("ours", "our workers (distrun)", ours_argv);
+        result.update(timed("ours, one process", "our --local", ours_local_argv));
+        return result;
+      },
+      [&] {
+        Json result = timed("pytorch", script, pytorch_argv);
+        result.update(timed("pytorch, one process", script + " --local", pytorch_local_argv));
+        return result;
+      });
 
-  print_table(config, ours, pytorch, {load_at_start, load_average()});
-  std::vector<std::string> problems = check_side("ours", ours);
-  for (auto& p : check_side("pytorch", pytorch)) problems.push_back(std::move(p));
+  print_table(config, rounds, ours, pytorch, {load_at_start, load_average()});
+  std::vector<std::string> problems;
+  for (const Json& round : ours) {
+    for (auto& p : check_side("ours", round)) problems.push_back(std::move(p));
+  }
+  for (const Json& round : pytorch) {
+    for (auto& p : check_side("pytorch", round)) problems.push_back(std::move(p));
+  }
   return results_file.write_unless(to_json(ours, pytorch), problems);
 }
 

@@ -9,11 +9,13 @@
 //   (d) PyTorch's torch.optim step in Python (bench/optim/pytorch_step.py under the system
 //       Python, the faster of foreach=True and foreach=False);
 // for SGD with momentum, Adam, AdamW, Adagrad and RMSprop over two parameter sets: the seed's
-// model (20 x Linear(2000, 2000), about 80M floats) and 2000 tensors of 1000 floats. Every time is
-// the minimum over repetitions (the machine is shared and noisy). It prints a table and writes
-// the same as JSON to the file named by --json.
+// model (20 x Linear(2000, 2000), about 80M floats) and 2000 tensors of 1000 floats. (d) and then
+// (b) and (c) alternate in rounds; in each round a time is the minimum over repetitions (the
+// machine is shared and noisy), and the figure reported is the median over the rounds, with the
+// min and max beside it. It prints a table and writes the same as JSON to the file named by --json.
 //
-// Usage: optim_bench --json PATH [--reps N] [--quick] [--optimizers LIST] [--warm-cache]
+// Usage: optim_bench --json PATH [--rounds N] [--reps N] [--quick] [--optimizers LIST]
+//                    [--warm-cache]
 
 #include <unistd.h>
 
@@ -25,10 +27,10 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <iostream>
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
@@ -284,6 +286,21 @@ struct CaseResult {
   double libtorch_s = 0;
   double pytorch_s = 0;
   bool pytorch_foreach = false;
+  // Each round's figures (the three above are set per round, then to the medians).
+  std::vector<double> ours_rounds, libtorch_rounds, pytorch_rounds;
+
+  // Keeps this round's figures.
+  void end_round() {
+    ours_rounds.push_back(ours_s);
+    libtorch_rounds.push_back(libtorch_s);
+    pytorch_rounds.push_back(pytorch_s);
+  }
+  // Sets the figures to their medians over the rounds.
+  void settle() {
+    ours_s = median(ours_rounds);
+    libtorch_s = median(libtorch_rounds);
+    pytorch_s = median(pytorch_rounds);
+  }
 };
 
 // Reading a buffer several times the size of the last-level cache before a timed step evicts the
@@ -421,12 +438,16 @@ double gbps_of(const CaseResult& c) {
 }
 
 void print_report(const StreamResult& stream, const std::vector<ParamSet>& sets,
-                  const std::vector<CaseResult>& cases, int reps, bool evict,
-                  const std::string& torch_version) {
+                  const std::vector<CaseResult>& cases, int reps, int rounds, bool evict,
+                  const std::string& torch_version, const std::pair<double, double>& load) {
   fmt::print("\noptim_bench: {} threads, our kernels: {}, LibTorch {}, PyTorch {} (Python)\n",
              at::get_num_threads(), optim::kernel_isa(), TORCH_VERSION, torch_version);
-  fmt::print("times: minimum over the timed steps after {} warm-up steps{}\n", kWarmupSteps,
-             evict ? ", caches evicted before each timed step" : ", caches left warm");
+  fmt::print(
+      "times: the median over {} rounds (each PyTorch's steps, then ours and LibTorch's) of each "
+      "round's minimum over the timed steps after {} warm-up steps{}\n",
+      rounds, kWarmupSteps,
+      evict ? ", caches evicted before each timed step" : ", caches left warm");
+  fmt::print("{}\n", machine_load_line(load.first, load.second));
   for (const auto& set : sets) {
     fmt::print("  {:<6} {} ({} tensors, {:.1f}M floats), {} timed steps\n", set.name,
                set.description, set.num_tensors(), static_cast<double>(set.numel()) / 1e6,
@@ -481,6 +502,12 @@ void print_report(const StreamResult& stream, const std::vector<ParamSet>& sets,
         c.libtorch_s * 1e3, vs_libtorch, c.pytorch_s * 1e3,
         c.pytorch_foreach ? "foreach" : "for-loop", c.pytorch_s / c.ours_s, verdict);
   }
+  fmt::print("\nspread over the rounds, ms (min/median/max):\n");
+  for (const auto& c : cases) {
+    const Spread o = spread_of(c.ours_rounds), p = spread_of(c.pytorch_rounds);
+    fmt::print("  {:<15} ours {:.2f}/{:.2f}/{:.2f}  pytorch {:.2f}/{:.2f}/{:.2f}\n", c.name,
+               o.min * 1e3, o.median * 1e3, o.max * 1e3, p.min * 1e3, p.median * 1e3, p.max * 1e3);
+  }
   fmt::print(
       "\nGB/s = bytes an ideal one-pass kernel moves (B/par x params) / our time; "
       "limit = that / bandwidth limit;\nvs lt, vs py = LibTorch's, PyTorch's time / ours; "
@@ -500,7 +527,12 @@ json to_json(const StreamResult& stream, const std::vector<CaseResult>& cases) {
                    {"limit_probe", stream.limit_variant},
                    {"limit_fraction", gbps / stream.limit_gbps},
                    {"speedup_vs_libtorch", c.libtorch_s / c.ours_s},
-                   {"speedup_vs_pytorch", c.pytorch_s / c.ours_s}});
+                   {"speedup_vs_pytorch", c.pytorch_s / c.ours_s},
+                   {"ours_min_s", spread_of(c.ours_rounds).min},
+                   {"ours_max_s", spread_of(c.ours_rounds).max},
+                   {"pytorch_min_s", spread_of(c.pytorch_rounds).min},
+                   {"pytorch_max_s", spread_of(c.pytorch_rounds).max},
+                   {"rounds", c.ours_rounds.size()}});
   }
   return out;
 }
@@ -508,6 +540,7 @@ json to_json(const StreamResult& stream, const std::vector<CaseResult>& cases) {
 int run(int argc, char** argv) {
   std::string json_path;
   int reps = 0;
+  int rounds = 0;
   bool quick = false;
   bool warm_cache = false;
   std::string python = DISTOPTIM_REFERENCE_PYTHON;
@@ -522,7 +555,11 @@ int run(int argc, char** argv) {
                  "with --quick; the small set's steps run 4 times as many)")
       ->check(CLI::PositiveNumber);
   app.add_flag("--quick", quick,
-               "Smoke run: fewer repetitions and a 2-layer model instead of 20 layers");
+               "Smoke run: fewer repetitions, one round and a 2-layer model instead of 20 layers");
+  app.add_option("--rounds", rounds,
+                 "Rounds of PyTorch's steps then ours and LibTorch's (figures: the median over "
+                 "the rounds of each round's minimum; default 3, or 1 with --quick)")
+      ->check(CLI::PositiveNumber);
   std::vector<std::string> only;
   app.add_option("--optimizers", only,
                  "Run only these optimizers (comma-separated; default: sgd,adam,adamw,adagrad,"
@@ -536,8 +573,10 @@ int run(int argc, char** argv) {
   app.add_option("--pytorch-script", script, "pytorch_step.py")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (reps == 0) reps = quick ? 2 : 7;
+  if (rounds == 0) rounds = quick ? 1 : 3;
 
   ResultsFile results_file(json_path, "optim_bench");
+  const double load_at_start = load_average();
 
   // Exactly two threads for everything: the bandwidth kernel, our steps and LibTorch's here,
   // PyTorch's in the child.
@@ -588,25 +627,28 @@ int run(int argc, char** argv) {
   const int stream_reps = std::max(kMinStreamReps, reps);
   stream_bench.round(stream_reps);
 
-  // (d) next; this process sits idle waiting for the child.
+  // (d) then (b) and (c), alternating round after round, so that drift in the shared machine's
+  // load reaches every side alike. PyTorch's child runs while this process sits idle.
   const int64_t evict_floats = warm_cache ? 0 : eviction_floats();
-  fmt::print(stderr, "optim_bench: running {} {}...\n", python, script);
-  std::string torch_version;
-  run_pytorch(python, script, sets, cases, reps, evict_floats, torch_version);
-
-  // (b) and (c).
   CacheEvictor evictor(evict_floats);
-  run_cpp(sets, cases, reps, evictor, [&] { stream_bench.round(1); });
+  std::string torch_version;
+  for (int round = 1; round <= rounds; ++round) {
+    fmt::print(stderr, "optim_bench: round {} of {}: running {} {}...\n", round, rounds, python,
+               script);
+    run_pytorch(python, script, sets, cases, reps, evict_floats, torch_version);
+    run_cpp(sets, cases, reps, evictor, [&] { stream_bench.round(1); });
+    for (auto& c : cases) c.end_round();
+  }
+  for (auto& c : cases) c.settle();
 
   fmt::print(stderr, "optim_bench: measuring the bandwidth limit again...\n");
   stream_bench.round(stream_reps);
   const StreamResult& stream = stream_bench.result();
 
-  print_report(stream, sets, cases, reps, !warm_cache, torch_version);
+  print_report(stream, sets, cases, reps, rounds, !warm_cache, torch_version,
+               {load_at_start, load_average()});
 
-  results_file.write(to_json(stream, cases));
-  fmt::print("results written to {}\n", json_path);
-  return 0;
+  return results_file.write_unless(to_json(stream, cases), {});
 }
 
 }  // namespace
@@ -614,13 +656,5 @@ int run(int argc, char** argv) {
 }  // namespace distoptim
 
 int main(int argc, char** argv) {
-  try {
-    return distoptim::bench::run(argc, argv);
-  } catch (const c10::Error& e) {
-    std::cerr << "optim_bench: error: " << e.what_without_backtrace() << "\n";
-    return 1;
-  } catch (const std::exception& e) {
-    std::cerr << "optim_bench: error: " << e.what() << "\n";
-    return 1;
-  }
+  return distoptim::bench::run_main("optim_bench", distoptim::bench::run, argc, argv);
 }

@@ -24,7 +24,8 @@
 // PyTorch at its defaults otherwise (TensorPipe backend). The output states them.
 //
 // The JSON written to --json holds, under "cases", a list of {case, ours, pytorch, unit, better}
-// (medians over the rounds), and the load average (common/report.h).
+// (medians over the rounds; the iterations also with ours_min, ours_max, pytorch_min,
+// pytorch_max and rounds), and the load average (common/report.h).
 //
 // Usage: sparse_ps_bench --json PATH [--rounds 3] [--steps W,T] [--rows R ...] [--quick]
 
@@ -168,15 +169,6 @@ void run_worker(int64_t rows, const Config& config) {
 
 // --- the driver ------------------------------------------------------------------------------
 
-struct Spread {
-  double min, median, max;
-};
-
-Spread spread_of(std::vector<double> values) {
-  return {*std::min_element(values.begin(), values.end()), bench::median(values),
-          *std::max_element(values.begin(), values.end())};
-}
-
 std::string rows_label(int64_t rows) {
   const double exponent = std::log10(static_cast<double>(rows));
   return std::abs(exponent - std::round(exponent)) < 1e-9 ? fmt::format("1e{:.0f}", exponent)
@@ -231,22 +223,22 @@ int run(int argc, char** argv) {
 
   std::map<int64_t, std::vector<Json>> ours, pytorch;
   for (int64_t rows : config.rows) {
-    for (int round = 0; round < config.rounds; ++round) {
-      fmt::print(stderr, "sparse_ps_bench: {} rows, round {}: ours...", rows_label(rows),
-                 round + 1);
-      ours[rows].push_back(
-          run_side("our workers (distrun)",
-                   {DISTOPTIM_DISTRUN_PATH, "--nproc-per-node", std::to_string(kWorldSize), self,
-                    "--worker", "--worker-rows", std::to_string(rows), "--steps", counts},
-                   config.deadline_seconds)
-              .front());
-      fmt::print(stderr, " pytorch...");
-      pytorch[rows].push_back(
-          run_side(script, {python, script, "--rows", std::to_string(rows), "--steps", counts},
-                   config.deadline_seconds)
-              .front());
-      fmt::print(stderr, " done\n");
-    }
+    std::tie(ours[rows], pytorch[rows]) = alternate_rounds(
+        "sparse_ps_bench", rows_label(rows) + " rows", config.rounds,
+        [&] {
+          return run_side(
+                     "our workers (distrun)",
+                     {DISTOPTIM_DISTRUN_PATH, "--nproc-per-node", std::to_string(kWorldSize), self,
+                      "--worker", "--worker-rows", std::to_string(rows), "--steps", counts},
+                     config.deadline_seconds)
+              .front();
+        },
+        [&] {
+          return run_side(script,
+                          {python, script, "--rows", std::to_string(rows), "--steps", counts},
+                          config.deadline_seconds)
+              .front();
+        });
   }
   const double load_at_end = load_average();
 
@@ -267,12 +259,7 @@ int run(int argc, char** argv) {
       "per process, {} RPC worker threads, 60 s RPC timeout (PyTorch: TensorPipe, "
       "TensorPipeRpcBackendOptions(num_worker_threads={}, rpc_timeout=60), defaults otherwise)\n",
       kBags, kIdsPerBag, config.warmup, config.timed, config.rounds, kRpcThreads, kRpcThreads);
-  fmt::print(
-      "machine: {} cores, 1-minute load average {:.2f} at the start and {:.2f} at the end{}\n\n",
-      std::thread::hardware_concurrency(), load_at_start, load_at_end,
-      std::max(load_at_start, load_at_end) > std::thread::hardware_concurrency()
-          ? " (ABOVE the core count: others' work competed with these measurements)"
-          : "");
+  fmt::print("{}\n\n", machine_load_line(load_at_start, load_at_end));
   fmt::print("{:<6} {:>26} {:>26} {:>12} {:>22} {:>22}\n", "rows", "ours ms (min/med/max)",
              "pytorch ms (min/med/max)", "ours faster", "ours ps peak/table MB",
              "pytorch ps peak/table MB");
@@ -294,6 +281,11 @@ int run(int argc, char** argv) {
     cases.push_back({{"case", "iteration, " + label + " rows"},
                      {"ours", o.median},
                      {"pytorch", p.median},
+                     {"ours_min", o.min},
+                     {"ours_max", o.max},
+                     {"pytorch_min", p.min},
+                     {"pytorch_max", p.max},
+                     {"rounds", config.rounds},
                      {"unit", "ms"},
                      {"better", "lower"}});
     cases.push_back({{"case", "samples/s, " + label + " rows"},

@@ -1,7 +1,8 @@
 """scripts/benchmarks_doc.py on the fixture results in tests/bench/fixtures/, over the real
 docs/benchmarks.md: every figure of every case appears (as printed, to its last digit) in that
 case's row of its benchmark's section, so do the recorded load averages, and the rest of the
-document is left as it was. A results file that is not JSON fails with one line naming it.
+document is left as it was. With three runs (make bench's results/run<k>/<name>.json), each case's ratio in every run and
+their median are shown. A results file that is not JSON fails with one line naming it.
 
 Usage: benchmarks_doc_test.py SCRIPT FIXTURES_DIR DOC WORK_DIR
 """
@@ -21,7 +22,44 @@ FIGURES = {
              ("pytorch_step_s", 1), ("ours_peak_mb", 1), ("pytorch_peak_mb", 1)],
     "dist_optim": [("ours", 1), ("pytorch", 1)],
     "rpc": [("ours", 1), ("pytorch", 1), ("ratio", 1)],
+    "sparse_ps": [("ours", 1), ("pytorch", 1)],
 }
+
+# Several runs (make bench): run k is the fixture with PyTorch's side made FACTORS[k] times
+# slower (its time scaled up, its throughput down), so each case's ratio in run k is its ratio in
+# the fixture times FACTORS[k], and the median of the runs is the fixture's.
+FACTORS = [1.0, 2.0, 0.5]
+
+
+def advantage(name, case):
+    """The fixture case's ratio, above 1 where ours is better, as each benchmark defines it."""
+    if name == "optim":
+        return case["speedup_vs_pytorch"]
+    if name == "zero":
+        return case["speedup"]
+    if name == "rpc":
+        return case["ratio"] if case["pytorch"] is not None else None
+    ours, pytorch = case["ours"], case["pytorch"]
+    if ours <= 0 or pytorch <= 0:
+        return None
+    return pytorch / ours if case["better"] == "lower" else ours / pytorch
+
+
+def slower_pytorch(name, case, factor):
+    """`case` with PyTorch's side `factor` times slower, as advantage() sees it."""
+    case = dict(case)
+    if name == "optim":
+        case["speedup_vs_pytorch"] *= factor
+    elif name == "zero":
+        case["speedup"] *= factor
+    elif name == "rpc":
+        if case["ratio"] is not None:
+            case["ratio"] *= factor
+    elif case["better"] == "lower":
+        case["pytorch"] *= factor
+    else:
+        case["pytorch"] /= factor
+    return case
 NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 MARKER_RE = re.compile(r"<!-- benchmarks_doc\.py: (\S+) (begin|end) -->")
 
@@ -109,6 +147,45 @@ def main():
                 plain = case["ours"] / case["pytorch"]
                 check(shown(cells, plain), "{}: case '{}': ours / pytorch {} not in '{}'"
                       .format(name, case["case"], plain, cells))
+
+    # Several runs: results/run<k>/<name>.json.
+    runs_dir = os.path.join(work, "runs")
+    for k, factor in enumerate(FACTORS):
+        os.makedirs(os.path.join(runs_dir, "run{}".format(k + 1)))
+        for name in names:
+            with open(os.path.join(fixtures, name + ".json")) as f:
+                data = json.load(f)
+            cases = data["cases"] if isinstance(data, dict) else data
+            cases[:] = [slower_pytorch(name, c, factor) for c in cases]
+            with open(os.path.join(runs_dir, "run{}".format(k + 1), name + ".json"), "w") as f:
+                json.dump(data, f)
+    runs_output = os.path.join(work, "runs.md")
+    run = subprocess.run([sys.executable, script, "--results", runs_dir, "--doc", doc,
+                          "--output", runs_output], capture_output=True, text=True)
+    check(run.returncode == 0, "three runs: the script exited with {}: {}".format(
+        run.returncode, run.stderr))
+    with open(runs_output) as f:
+        runs_outside, runs_regions = split(f.read().split("\n"))
+    check(before_outside == runs_outside, "three runs: the text outside the sections changed")
+    for name in names:
+        cases, _ = load_fixture(os.path.join(fixtures, name + ".json"))
+        region = runs_regions.get(name, [])
+        header = [l for l in region if l.startswith("| case | run 1 | run 2 | run 3 |")]
+        check(len(header) == 1, "three runs: {}: no table of the runs".format(name))
+        for case in cases:
+            expected = advantage(name, case)
+            rows = [l for l in region if l.startswith("| {} |".format(case["case"]))]
+            if expected is None:
+                continue
+            # The summary row comes first; its cells: case, run 1..3, median.
+            cells = rows[0].strip("|").split("|")[1:] if rows else []
+            if len(cells) != len(FACTORS) + 1:
+                failures.append("three runs: {}: case '{}': summary row {}".format(
+                    name, case["case"], rows[:1]))
+                continue
+            for cell, value in zip(cells, [expected * f for f in FACTORS] + [expected]):
+                check(shown(cell, value), "three runs: {}: case '{}': {} not in '{}'".format(
+                    name, case["case"], value, cell))
 
     # A results file that is not JSON: status 1, one line naming the file.
     bad_dir = os.path.join(work, "bad")
