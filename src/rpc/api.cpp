@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -25,6 +26,9 @@
 namespace distoptim {
 namespace rpc {
 namespace {
+
+// The largest shared_secret, in bytes (RpcBackendOptions::shared_secret).
+constexpr size_t kMaxSecretBytes = 4096;
 
 std::mutex g_agent_mutex;
 std::shared_ptr<detail::Agent> g_agent;  // guarded by g_agent_mutex
@@ -64,6 +68,31 @@ void keep_freed_memory() {
   });
 }
 
+// The job's secret: the one given, else the bytes of the file that DISTOPTIM_RPC_SECRET_FILE
+// names (distrun makes one for a job on one node); empty, with a warning, if neither.
+std::string job_secret(const RpcBackendOptions& options, const std::string& name) {
+  if (!options.shared_secret().empty()) return options.shared_secret();
+  const char* file = std::getenv("DISTOPTIM_RPC_SECRET_FILE");
+  if (file == nullptr || *file == '\0') {
+    TORCH_WARN_ONCE("init_rpc: worker '", name,
+                    "' has no shared_secret: any process that can reach its port passes the "
+                    "handshake and may call it. Give RpcBackendOptions::shared_secret, or a file "
+                    "in DISTOPTIM_RPC_SECRET_FILE (distrun makes one for a job on one node)");
+    return "";
+  }
+  std::ifstream in(file, std::ios::binary);
+  TORCH_CHECK_VALUE(in.good(), "init_rpc: cannot read DISTOPTIM_RPC_SECRET_FILE '", file,
+                    "' (worker '", name, "')");
+  std::string secret(kMaxSecretBytes + 1, '\0');
+  in.read(secret.data(), static_cast<std::streamsize>(secret.size()));
+  secret.resize(static_cast<size_t>(in.gcount()));
+  TORCH_CHECK_VALUE(!secret.empty() && secret.size() <= kMaxSecretBytes,
+                    "init_rpc: DISTOPTIM_RPC_SECRET_FILE '", file, "' holds ",
+                    secret.size() > kMaxSecretBytes ? "more than 4096" : "0",
+                    " bytes (a secret is 1-4096) (worker '", name, "')");
+  return secret;
+}
+
 }  // namespace
 
 void init_rpc(const std::string& name, int rank, int world_size, const RpcBackendOptions& options) {
@@ -85,8 +114,11 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
                         options.handshake_timeout().count() > 0,
                     "init_rpc: init_timeout, shutdown_timeout and handshake_timeout must be "
                     "positive");
-  TORCH_CHECK_VALUE(options.shared_secret().size() <= 4096, "init_rpc: shared_secret of ",
-                    options.shared_secret().size(), " bytes (at most 4096) (worker '", name, "')");
+  TORCH_CHECK_VALUE(options.shared_secret().size() <= kMaxSecretBytes,
+                    "init_rpc: shared_secret of ", options.shared_secret().size(),
+                    " bytes (at most 4096) (worker '", name, "')");
+  RpcBackendOptions resolved = options;
+  resolved.shared_secret(job_secret(options, name));
   // Holding the lock through the rendezvous keeps a second init_rpc from racing this one.
   std::lock_guard<std::mutex> lock(g_agent_mutex);
   DISTOPTIM_CHECK_WITH(DistributedError, g_agent == nullptr,
@@ -95,7 +127,7 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
   if (options.keep_freed_memory()) keep_freed_memory();
   // The shards of a ShardedEmbeddingBag may be created here by a peer's model.
   detail::register_embedding_shard();
-  g_agent = detail::Agent::create(name, rank, world_size, options);
+  g_agent = detail::Agent::create(name, rank, world_size, resolved);
 }
 
 void shutdown(bool graceful) {

@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 
@@ -86,6 +87,60 @@ TEST(RpcHandshake, WorkersWithAnotherSecretAreRefusedBothWays) {
     // Only worker 1's call ran on worker 0; nothing ran on worker 2.
     EXPECT_EQ(g_recorded.load(), rank == 0 ? 1 : 0);
   });
+}
+
+// Writes `content` to a fresh file under the test's temporary directory; returns its path.
+std::string secret_file(const std::string& name, const std::string& content) {
+  const std::string path =
+      ::testing::TempDir() + "/handshake_test_" + std::to_string(::getpid()) + "_" + name;
+  std::ofstream(path, std::ios::binary) << content;
+  return path;
+}
+
+// Without a shared_secret, init_rpc takes the bytes of the file DISTOPTIM_RPC_SECRET_FILE names
+// (what distrun hands its ranks): such a worker and one given the same secret directly accept each
+// other, and one whose file holds another secret is refused.
+TEST(RpcHandshake, ASecretFileInTheEnvironmentIsTheSecret) {
+  const std::string same = secret_file("same", "the-secret");
+  const std::string other = secret_file("other", "not-the-secret");
+  run_ranks(3, [&](int rank, int world_size) {
+    RpcBackendOptions options = options_with_secret(rank == 1 ? "the-secret" : "");
+    if (rank != 1)
+      ::setenv("DISTOPTIM_RPC_SECRET_FILE", rank == 0 ? same.c_str() : other.c_str(), 1);
+    init_rpc(worker(rank), rank, world_size, options);
+    if (rank == 1) {
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+    } else if (rank == 2) {
+      EXPECT_THAT(error_of([] { rpc_sync(worker(0), "record", std::tuple{}); }),
+                  HasSubstr("worker 'worker0' refused the connection"));
+    }
+    shutdown();
+    EXPECT_EQ(g_recorded.load(), rank == 0 ? 1 : 0);
+  });
+  std::remove(same.c_str());
+  std::remove(other.c_str());
+}
+
+// A secret file that cannot be read, or is empty or too long, stops init_rpc before it meets
+// anyone, naming the variable, the file and the worker.
+TEST(RpcHandshake, ABadSecretFileIsRefusedByName) {
+  const std::string empty = secret_file("empty", "");
+  const std::string too_long = secret_file("long", std::string(4097, 'x'));
+  for (const std::string& path : {std::string("/nonexistent/secret"), empty, too_long}) {
+    ::setenv("DISTOPTIM_RPC_SECRET_FILE", path.c_str(), 1);
+    try {
+      init_rpc("lonely", 0, 1, options_with_secret(""));
+      ADD_FAILURE() << "init_rpc accepted " << path;
+      shutdown();
+    } catch (const c10::ValueError& error) {
+      EXPECT_THAT(error.what_without_backtrace(),
+                  HasSubstr("DISTOPTIM_RPC_SECRET_FILE '" + path + "'"));
+      EXPECT_THAT(error.what_without_backtrace(), HasSubstr("worker 'lonely'"));
+    }
+  }
+  ::unsetenv("DISTOPTIM_RPC_SECRET_FILE");
+  std::remove(empty.c_str());
+  std::remove(too_long.c_str());
 }
 
 // A TCP peer that speaks the wire format (or not) but knows no secret.

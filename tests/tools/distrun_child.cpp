@@ -14,6 +14,9 @@
 //   trap                    print "ready pid=P", wait up to 60 s for SIGTERM or SIGINT, print
 //                           "got SIGTERM" / "got SIGINT" (or "done" if none came) and exit 0
 //   sleep                   print "ready pid=P", sleep 60 s, print "done"
+//   secret                  print one line about the file DISTOPTIM_RPC_SECRET_FILE names:
+//                           "secret path=P file-mode=M dir-mode=M bytes=N hex=yes|no" (modes in
+//                           octal, "missing" where stat fails), or "secret none"
 //   fail-until C R N        print "attempt DISTRUN_RESTART_COUNT=.. DISTRUN_MAX_RESTARTS=..
 //                           MASTER_PORT=.."; while DISTRUN_RESTART_COUNT < C, rank R exits with
 //                           status N and the others sleep 60 s; from restart C on, exit 0
@@ -22,7 +25,12 @@
 // when it is written.
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <iterator>
 
 #include <cerrno>
 #include <chrono>
@@ -138,6 +146,31 @@ int fail_until(int count, int failing_rank, int status) {
   return 0;
 }
 
+int print_secret() {
+  const char* path = std::getenv("DISTOPTIM_RPC_SECRET_FILE");
+  if (path == nullptr) {
+    say("secret none\n");
+    return 0;
+  }
+  const std::string file = path;
+  const std::string dir = file.substr(0, file.rfind('/'));
+  auto mode = [](const std::string& p) -> std::string {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0) return "missing";
+    char octal[16];
+    std::snprintf(octal, sizeof octal, "%o", static_cast<unsigned>(st.st_mode & 07777));
+    return octal;
+  };
+  std::ifstream in(file, std::ios::binary);
+  const std::string content((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const bool hex = !content.empty() && std::all_of(content.begin(), content.end(), [](char c) {
+    return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+  });
+  say("secret path=" + file + " file-mode=" + mode(file) + " dir-mode=" + mode(dir) +
+      " bytes=" + std::to_string(content.size()) + " hex=" + (hex ? "yes" : "no") + "\n");
+  return 0;
+}
+
 int trap() {
   const int got = wait_for({SIGTERM, SIGINT});
   say(got == 0 ? "done\n" : std::string("got SIG") + ::sigabbrev_np(got) + "\n");
@@ -162,6 +195,7 @@ int main(int argc, char** argv) {
     return fail_until(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
   }
   if (mode == "trap") return trap();
+  if (mode == "secret") return print_secret();
   if (mode == "sleep") {
     print_ready();
     sleep_then_done();

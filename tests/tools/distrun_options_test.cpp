@@ -204,6 +204,9 @@ TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
   expected[7].second = "2";
   expected[8].second = "5";
   EXPECT_EQ(rank_environment(options, 1, 2), expected);
+  // The job's RPC secret file comes last, when there is one.
+  expected.emplace_back("DISTOPTIM_RPC_SECRET_FILE", "/tmp/distrun-x/rpc_secret");
+  EXPECT_EQ(rank_environment(options, 1, 2, "/tmp/distrun-x/rpc_secret"), expected);
 }
 
 // Several ranks on one node get OpenBLAS's idle threads to sleep at once, unless the user chose

@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -294,6 +295,40 @@ TEST(Distrun, DistrunsVariablesReplaceInheritedOnes) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_TRUE(contains(r.out, "[rank 0] RANK=0 WORLD_SIZE=1 ")) << r.out;
   EXPECT_TRUE(contains(r.out, " MASTER_ADDR=127.0.0.1 ")) << r.out;
+}
+
+// A job on one node gets an RPC secret of its own: the same file for every rank, readable by its
+// user alone, gone when distrun exits.
+TEST(Distrun, AJobOnOneNodeGetsAPrivateSecretFile) {
+  const RunResult r =
+      run_distrun({"--nproc-per-node", "2", kChild, "secret"}, {}, {"DISTOPTIM_RPC_SECRET_FILE="});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto by_rank = lines_by_rank(r.out);
+  ASSERT_EQ(by_rank.size(), 2u) << r.out;
+  std::smatch match;
+  ASSERT_TRUE(std::regex_match(
+      by_rank.at(0).at(0), match,
+      std::regex(R"(secret path=(\S+) file-mode=600 dir-mode=700 bytes=64 hex=yes)")))
+      << r.out;
+  const std::string path = match[1];
+  EXPECT_EQ(by_rank.at(1), by_rank.at(0));
+  EXPECT_FALSE(std::filesystem::exists(path)) << path << " outlived the job";
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(path).parent_path()));
+
+  // Another job, another secret.
+  const RunResult again =
+      run_distrun({"--nproc-per-node", "1", kChild, "secret"}, {}, {"DISTOPTIM_RPC_SECRET_FILE="});
+  ASSERT_EQ(again.status, 0) << again.err;
+  EXPECT_FALSE(contains(again.out, "path=" + path + " ")) << again.out;
+}
+
+// A secret file the user names reaches the ranks as it is, on one node or several.
+TEST(Distrun, ASecretFileTheUserNamesIsKept) {
+  const RunResult r = run_distrun({"--nproc-per-node", "1", kChild, "secret"}, {},
+                                  {"DISTOPTIM_RPC_SECRET_FILE=/nonexistent/users-secret"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "[rank 0] secret path=/nonexistent/users-secret file-mode=missing"))
+      << r.out;
 }
 
 TEST(Distrun, ArgumentsReachTheProgramUntouched) {

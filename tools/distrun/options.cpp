@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "distrun/job_secret.h"
 #include "distrun/signals_fds.h"
 
 namespace distoptim {
@@ -221,8 +222,8 @@ LaunchOptions resolve_master(LaunchOptions options) {
 }
 
 std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOptions& options,
-                                                                  int local_rank,
-                                                                  int restart_count) {
+                                                                  int local_rank, int restart_count,
+                                                                  const std::string& secret_file) {
   const int rank = options.node_rank * options.nproc_per_node + local_rank;
   std::vector<std::pair<std::string, std::string>> environment = {
       {"RANK", std::to_string(rank)},
@@ -242,6 +243,7 @@ std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOp
       std::getenv("GOTO_THREAD_TIMEOUT") == nullptr) {
     environment.emplace_back("OPENBLAS_THREAD_TIMEOUT", kSharedMachineBlasThreadTimeout);
   }
+  if (!secret_file.empty()) environment.emplace_back(kRpcSecretFileVariable, secret_file);
   return environment;
 }
 

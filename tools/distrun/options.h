@@ -90,11 +90,12 @@ constexpr const char* kSharedMachineBlasThreadTimeout = "4";
 /// MASTER_PORT (torchrun's names), DISTRUN_RESTART_COUNT and DISTRUN_MAX_RESTARTS (torchrun's
 /// TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS); then, with several ranks on this
 /// node and neither OPENBLAS_THREAD_TIMEOUT nor GOTO_THREAD_TIMEOUT in distrun's environment,
-/// OPENBLAS_THREAD_TIMEOUT=kSharedMachineBlasThreadTimeout. `options` must be resolved
-/// (resolve_master) and valid.
-std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOptions& options,
-                                                                  int local_rank,
-                                                                  int restart_count = 0);
+/// OPENBLAS_THREAD_TIMEOUT=kSharedMachineBlasThreadTimeout; then, given a `secret_file` (the
+/// job's RPC secret, job_secret.h), DISTOPTIM_RPC_SECRET_FILE=secret_file. `options` must be
+/// resolved (resolve_master) and valid.
+std::vector<std::pair<std::string, std::string>> rank_environment(
+    const LaunchOptions& options, int local_rank, int restart_count = 0,
+    const std::string& secret_file = std::string());
 
 /// `s` in single quotes, as error messages quote a program's name.
 std::string single_quoted(const std::string& s);

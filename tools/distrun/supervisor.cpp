@@ -64,6 +64,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "distrun/job_secret.h"
 #include "distrun/node_coordination.h"
 #include "distrun/output_relay.h"
 #include "distrun/signals_fds.h"
@@ -163,6 +164,18 @@ class Supervisor {
 
   int run() {
     ensure_standard_fds_open();
+    // On one node, the job's ranks authenticate each other with a secret made here, unless the
+    // user gave one. Across nodes each node's distrun would make its own: the user gives every
+    // node the same file (DISTOPTIM_RPC_SECRET_FILE), or the job runs without, as by hand.
+    const char* given = std::getenv(kRpcSecretFileVariable);
+    if (options_.nnodes == 1 && (given == nullptr || *given == '\0')) {
+      try {
+        secret_.emplace();
+      } catch (const std::exception& e) {
+        write_all(STDERR_FILENO, fmt::format("distrun: {}\n", e.what()));
+        return 1;
+      }
+    }
     try {
       // Across nodes, a restart is a new round for every node: their distruns coordinate.
       if (options_.nnodes > 1 && options_.max_restarts > 0) {
@@ -330,8 +343,8 @@ class Supervisor {
 
   void start_rank(int local_rank, int rank) {
     std::vector<std::string> args = options_.command;
-    std::vector<std::string> env =
-        child_environment(rank_environment(options_, local_rank, restart_count_));
+    std::vector<std::string> env = child_environment(rank_environment(
+        options_, local_rank, restart_count_, secret_ ? secret_->path() : std::string()));
     const std::vector<char*> argv = c_strings(args);
     const std::vector<char*> envp = c_strings(env);
     Pipe out = make_pipe();
@@ -588,6 +601,8 @@ class Supervisor {
 
   LaunchOptions options_;
   const bool port_given_;
+  // The job's RPC secret, made by run() for a job on one node (see there); kept for every attempt.
+  std::optional<JobSecret> secret_;
   SignalPipe signals_;
   // With --nnodes > 1 and --max-restarts > 0; null otherwise.
   std::unique_ptr<NodeCoordinator> coordinator_;
