@@ -6,6 +6,7 @@
 
 #include "future_errors.h"
 #include "interception.h"
+#include "refusal_log.h"
 
 namespace distoptim {
 namespace rpc {
@@ -42,6 +43,7 @@ void Agent::start(const std::string& name) {
   handshake.world_size = group_.world_size();
   handshake.timeout = options_.handshake_timeout();
   handshake.peer_memory = options_.same_host_memory_reads();
+  handshake.refusals = std::make_shared<RefusalLog>(name);
   PeerEvents events;
   events.on_request = [this](const std::shared_ptr<Connection>& connection, int caller,
                              Frame frame) {

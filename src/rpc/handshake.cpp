@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "message.h"
+#include "refusal_log.h"
 #include "transport/connection.h"
 #include "transport/peer_memory.h"
 
@@ -70,12 +71,16 @@ HandshakeOutcome failed(std::string why, bool refused = false) {
   return outcome;
 }
 
-// The refusal a connecting peer reads, logged here too. The peer is named by its address:
-// nothing it said can be trusted.
+// The refusal a connecting peer reads, logged here too (at a bounded rate). The peer is named by
+// its address: nothing it said can be trusted.
 EncodedMessage refusal(Connection* connection, const HandshakeConfig& config,
                        const std::string& why) {
-  TORCH_WARN("rpc: worker '", config.self_name, "' refused a connection from ",
-             connection->peer_address(), ": ", why);
+  if (config.refusals) {
+    config.refusals->refused(connection->peer_address(), why);
+  } else {
+    TORCH_WARN("rpc: worker '", config.self_name, "' refused a connection from ",
+               connection->peer_address(), ": ", why);
+  }
   HandshakeMessage message;
   message.step = HandshakeMessage::Step::kRefuse;
   message.refusal = "worker '" + config.self_name + "' refused the connection: " + why;

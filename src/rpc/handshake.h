@@ -54,6 +54,7 @@ std::string handshake_proof(const std::string& secret, HandshakeRole role,
 bool proofs_equal(const std::string& a, const std::string& b);
 
 class Connection;
+class RefusalLog;
 
 /// What both sides of a handshake need to know.
 struct HandshakeConfig {
@@ -63,6 +64,8 @@ struct HandshakeConfig {
   int world_size = 0;
   std::chrono::milliseconds timeout{10000};  // the whole handshake, from its first byte
   bool peer_memory = true;                   // offer same-host memory reads
+  // Where refused connections are logged, at a bounded rate; a warning each when null.
+  std::shared_ptr<RefusalLog> refusals;
 };
 
 struct HandshakeOutcome {

@@ -6,6 +6,7 @@
 // nor grows its memory, nor stops its listener.
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -14,6 +15,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
+#include <regex>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
@@ -400,6 +404,75 @@ TEST(RpcHandshake, StalledHandshakesTimeOut) {
       EXPECT_TRUE(half_header.closed_within(10s));
     }
     shutdown();
+  });
+}
+
+// Refused connections are logged at a bounded rate: the first few of each 10 s in full, then one
+// summary line counting the rest (at the next refusal after the interval, or when the worker
+// stops). Every refusal is accounted for, and an attacker cannot fill the log.
+constexpr int kRefused = 40;
+
+TEST(RpcHandshake, RefusalsAreLoggedAtABoundedRate) {
+  run_ranks(2, [](int rank, int world_size) {
+    // Worker 0's warnings go to a file for the test to read.
+    const std::string log_path =
+        ::testing::TempDir() + "/refusals_" + std::to_string(::getpid()) + ".log";
+    int saved_stderr = -1;
+    if (rank == 0) {
+      std::fflush(stderr);
+      saved_stderr = ::dup(STDERR_FILENO);
+      const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      ASSERT_GE(fd, 0);
+      ::dup2(fd, STDERR_FILENO);
+      ::close(fd);
+    }
+    const auto start = std::chrono::steady_clock::now();
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    if (rank == 1) {
+      const auto [address, port] = address_of_worker0();
+      for (int i = 0; i < kRefused; ++i) {
+        // A handshake frame whose body is random bytes: refused on decoding.
+        RawPeer peer(address, port);
+        ASSERT_TRUE(peer.receive()) << "connection " << i << " got no challenge";
+        detail::MessageHeader header;
+        header.type = detail::MessageType::kHandshake;
+        header.body_length = 100;
+        std::string body(100, '\0');
+        for (char& c : body) c = static_cast<char>(std::rand());
+        peer.send_bytes(detail::encode_header(header) + body);
+        EXPECT_TRUE(peer.closed_within(10s)) << "connection " << i;
+      }
+    }
+    shutdown();
+    if (rank != 0) return;
+    const double elapsed_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fflush(stderr);
+    ::dup2(saved_stderr, STDERR_FILENO);
+    ::close(saved_stderr);
+    std::ifstream log_file(log_path);
+    const std::string log((std::istreambuf_iterator<char>(log_file)),
+                          std::istreambuf_iterator<char>());
+    std::remove(log_path.c_str());
+    int in_full = 0, summaries = 0, summarized = 0;
+    const std::regex summary(R"(worker 'worker0' refused (\d+) more connection\(s\) in the last)");
+    std::istringstream lines(log);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.find("worker 'worker0' refused a connection from 127.0.0.1") != std::string::npos) {
+        ++in_full;
+      }
+      std::smatch match;
+      if (std::regex_search(line, match, summary)) {
+        ++summaries;
+        summarized += std::stoi(match[1]);
+      }
+    }
+    EXPECT_EQ(in_full + summarized, kRefused) << log;
+    // At most 5 in full and one summary per 10 s interval the run spanned.
+    const int intervals = static_cast<int>(elapsed_s / 10) + 1;
+    EXPECT_LE(in_full, 5 * intervals) << log;
+    EXPECT_LE(summaries, intervals) << log;
+    EXPECT_GE(summaries, 1) << log;
   });
 }
 
