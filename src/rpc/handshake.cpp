@@ -165,6 +165,8 @@ void accept_handshake(const std::shared_ptr<Connection>& connection, const Hands
                    handshake_proof(config.secret, HandshakeRole::kConnecting, question.server_nonce,
                                    answer.client_nonce, answer.client_id, config.self_id))) {
       why = "it did not prove that it knows the shared secret";
+    } else if (config.admit) {
+      why = config.admit(raw, answer.client_id).value_or("");
     }
     if (!why.empty()) {
       raw->close_after(refusal(raw, config, why), "refused: " + why);

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace distoptim {
@@ -66,6 +67,10 @@ struct HandshakeConfig {
   bool peer_memory = true;                   // offer same-host memory reads
   // Where refused connections are logged, at a bounded rate; a warning each when null.
   std::shared_ptr<RefusalLog> refusals;
+  // Accepting side, once a peer has proven worker id `id` on `connection` and before it is
+  // accepted: why it may not be (that id already has a live connection here), or nothing, and
+  // then the id is `connection`'s. Null: every proven peer is accepted.
+  std::function<std::optional<std::string>(const Connection* connection, int id)> admit;
 };
 
 struct HandshakeOutcome {

@@ -26,6 +26,9 @@ int Peers::listen_port() const { return listener_->port(); }
 void Peers::start(HandshakeConfig handshake, std::vector<std::pair<std::string, int>> addresses,
                   PeerEvents events) {
   handshake_ = std::move(handshake);
+  handshake_.admit = [this](const Connection* connection, int caller) {
+    return admit_caller(connection, caller);
+  };
   addresses_ = std::move(addresses);
   events_ = std::move(events);
   asio::post(io_, [this] {
@@ -155,10 +158,28 @@ void Peers::on_caller_proven(const std::shared_ptr<Connection>& connection, int 
         auto self = weak.lock();
         return self && on_request_frame(self, caller, std::move(frame));
       },
-      [this, weak, caller](const std::string&) {
+      [this, weak, raw, caller](const std::string&) {
         if (auto self = weak.lock()) forget_incoming(self);
-        if (caller != handshake_.self_id) events_.on_caller_gone(caller);
+        if (release_caller(raw, caller) && caller != handshake_.self_id) {
+          events_.on_caller_gone(caller);
+        }
       });
+}
+
+std::optional<std::string> Peers::admit_caller(const Connection* connection, int caller) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const auto [it, inserted] = callers_.emplace(caller, connection);
+  if (inserted || it->second == connection) return std::nullopt;
+  return "worker id " + std::to_string(caller) +
+         " already has a live connection to this worker (one identity, one connection)";
+}
+
+bool Peers::release_caller(const Connection* connection, int caller) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = callers_.find(caller);
+  if (it == callers_.end() || it->second != connection) return false;
+  callers_.erase(it);
+  return true;
 }
 
 void Peers::forget_incoming(const std::shared_ptr<Connection>& connection) {

@@ -108,6 +108,10 @@ class Peers {
   void on_accepted(const std::shared_ptr<Connection>& connection);
   void on_caller_proven(const std::shared_ptr<Connection>& connection, int caller);
   void forget_incoming(const std::shared_ptr<Connection>& connection);
+  /// HandshakeConfig::admit: one live connection per proven worker id.
+  std::optional<std::string> admit_caller(const Connection* connection, int caller);
+  /// Whether `connection` held `caller`'s identity here; it no longer does.
+  bool release_caller(const Connection* connection, int caller);
   void connect_to(int peer);
   void on_connected(int peer, const std::shared_ptr<Connection>& connection);
   void on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connection,
@@ -137,6 +141,9 @@ class Peers {
   std::deque<std::shared_ptr<Connection>> unproven_;   // in handshake, oldest first; by mutex_
   std::map<int, std::string> lost_;                    // why each is lost; guarded by mutex_
   std::map<int, std::string> dead_;  // lost other than by refusal; guarded by mutex_
+  // The one proven incoming connection of each caller id: a second proof of an id whose
+  // connection is open is refused, and only that connection's end means the caller is gone.
+  std::unordered_map<int, const Connection*> callers_;  // guarded by mutex_
 };
 
 }  // namespace detail

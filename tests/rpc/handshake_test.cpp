@@ -304,6 +304,45 @@ TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
   });
 }
 
+// One identity, one member: a connection that proves a worker id whose worker already has a live
+// connection here is refused, so it cannot make the worker take the real one for gone (and free
+// the RRefs it holds) by closing.
+TEST(RpcHandshake, ASecondClaimOfALiveIdentityIsRefused) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    if (rank == 1) {
+      // Worker 1's own connection to worker 0, and a value worker 0 holds for it.
+      RRef<int64_t> held = remote<int64_t>(worker(0), "record", std::tuple{});
+      EXPECT_EQ(held.to_here(), 1);
+      const auto [address, port] = address_of_worker0();
+      for (int attempt = 0; attempt < 3; ++attempt) {
+        // Someone who knows the secret proves worker id 1 too, then leaves.
+        RawPeer rogue(address, port);
+        auto challenge = rogue.receive();
+        ASSERT_TRUE(challenge);
+        HandshakeMessage proof;
+        proof.step = HandshakeMessage::Step::kProof;
+        proof.server_nonce = challenge->server_nonce;
+        proof.client_nonce = std::string(HandshakeMessage::kNonceBytes, 'c');
+        proof.client_id = 1;
+        proof.server_id = 0;
+        proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
+                                              challenge->server_nonce, proof.client_nonce, 1, 0);
+        rogue.send(detail::encode_handshake(proof));
+        auto verdict = rogue.receive();
+        ASSERT_TRUE(verdict);
+        EXPECT_EQ(verdict->step, HandshakeMessage::Step::kRefuse);
+        EXPECT_THAT(verdict->refusal, HasSubstr("worker id 1 already has a live connection"));
+        EXPECT_TRUE(rogue.closed_within(10s));
+      }
+      // Worker 0 still holds worker 1's value and serves it.
+      EXPECT_EQ(held.to_here(), 1);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 1);
+    }
+    shutdown();
+  });
+}
+
 // A peer that proves the secret and offers same-host memory reads, then announces a tensor at an
 // address its memory does not hold (or releases memory it was never lent): the worker closes that
 // connection with the reason, runs nothing for it, and goes on serving.
