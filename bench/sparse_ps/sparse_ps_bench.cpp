@@ -168,15 +168,6 @@ void run_worker(int64_t rows, const Config& config) {
 
 // --- the driver ------------------------------------------------------------------------------
 
-struct Spread {
-  double min, median, max;
-};
-
-Spread spread_of(std::vector<double> values) {
-  return {*std::min_element(values.begin(), values.end()), bench::median(values),
-          *std::max_element(values.begin(), values.end())};
-}
-
 std::string rows_label(int64_t rows) {
   const double exponent = std::log10(static_cast<double>(rows));
   return std::abs(exponent - std::round(exponent)) < 1e-9 ? fmt::format("1e{:.0f}", exponent)
