@@ -24,11 +24,23 @@ double median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+Spread spread_of(const std::vector<double>& values) {
+  const double middle = median(values);  // checks that there are values
+  return {*std::min_element(values.begin(), values.end()), middle,
+          *std::max_element(values.begin(), values.end())};
+}
+
 double percentile(std::vector<double> values, double p) {
   TORCH_CHECK(!values.empty(), "percentile of nothing");
   std::sort(values.begin(), values.end());
   const auto rank = static_cast<size_t>(std::ceil(p / 100.0 * values.size()));
   return values[std::clamp<size_t>(rank, 1, values.size()) - 1];
+}
+
+int64_t process_context_switches() {
+  struct rusage usage {};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_nvcsw + usage.ru_nivcsw;
 }
 
 double process_cpu_seconds() {

@@ -4,6 +4,7 @@
 // memory and CPU counters, collecting the "RESULT {json}" lines its worker processes print, and
 // writing its JSON results file.
 
+#include <cstdint>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -22,6 +23,15 @@ constexpr std::string_view kResultPrefix = "RESULT ";
 /// The median of `values` (the mean of the middle two for an even count). Throws c10::Error
 /// for an empty list.
 double median(std::vector<double> values);
+
+/// The smallest, median and largest of a few values (a case over a benchmark's rounds).
+struct Spread {
+  double min = 0;
+  double median = 0;
+  double max = 0;
+};
+/// The Spread of `values`. Throws c10::Error for an empty list.
+Spread spread_of(const std::vector<double>& values);
 
 /// The nearest-rank `p`-th percentile of `values` (0 < p <= 100), as the Python sides compute it.
 /// Throws c10::Error for an empty list.
@@ -45,6 +55,10 @@ std::pair<std::vector<nlohmann::json>, std::vector<nlohmann::json>> alternate_ro
 
 /// CPU time this process has used so far, every thread, user plus system (getrusage), seconds.
 double process_cpu_seconds();
+
+/// Context switches this process's threads have made so far, voluntary and involuntary
+/// (getrusage: every thread, ended ones included).
+int64_t process_context_switches();
 
 /// A "kB" field of /proc/self/status (VmRSS, VmHWM, RssAnon, ...), or -1 if it is missing.
 long proc_status_kb(const std::string& field);

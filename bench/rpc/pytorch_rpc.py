@@ -108,6 +108,16 @@ def echo(tensor):
     return tensor
 
 
+def context_switches():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
+
+
+def pair_context_switches():
+    """Context switches of worker0 and worker1 so far (every thread, as rpc_bench.cpp)."""
+    return context_switches() + rpc.rpc_sync("worker1", context_switches, timeout=CALL_TIMEOUT_S)
+
+
 def plus_one(tensor):
     global _served, _at_first, _at_edge, _at_end
     with _served_lock:
@@ -210,9 +220,12 @@ def measure_round_trips(key, warmup, calls, call, result):
 
 
 def measure_latency(args, result):
+    switches_before = pair_context_switches()
     measure_round_trips(
         "latency", LATENCY_WARMUP, args.latency_calls,
         lambda tiny: rpc.rpc_sync("worker1", echo, args=(tiny,), timeout=CALL_TIMEOUT_S), result)
+    result["latency_context_switches_per_call"] = (
+        (pair_context_switches() - switches_before) / (LATENCY_WARMUP + args.latency_calls))
 
 
 def measure_chain(args, result):

@@ -8,6 +8,9 @@
 // Each side's worker0 measures and prints one "RESULT {json}" line with the same keys:
 //   latency_median_us, latency_p99_us: rpc_sync from worker0 to worker1 of a function returning
 //     its argument, at::ones({4}); 2000 timed calls after 200 warm-up ones. p99 is nearest-rank.
+//   latency_context_switches_per_call: context switches (voluntary and involuntary, getrusage,
+//     every thread) of worker0 and worker1 over the latency case's calls, warm-up included, per
+//     call: how many times a thread went to sleep or was put aside per round trip.
 //   chain4_median_us, chain4_p99_us: rpc_sync from worker0 to worker1 of a function that, with
 //     `remaining` > 1, makes a blocking rpc_sync of itself to the other of worker1 and worker2
 //     with remaining - 1 inside the request and returns its result: worker0 -> worker1 ->
@@ -50,11 +53,19 @@
 // TCP connection (a 24-byte header plus the payload) and over a bare TensorPipe pipe (uv
 // transport, basic channel), with the latency and echo cases' call counts.
 //
+// Rounds: the main case's runs alternate, --rounds times (3): ours, PyTorch's, the floor, ours,
+// ... so that what else the machine runs weighs on both sides alike. The table prints each
+// side's min/median/max over the rounds and the ratio of the medians; the idle case runs once a
+// side (it measures CPU at rest, not speed). The 1-minute load average before and after is
+// printed.
+//
 // The JSON written to --json holds the load average (common/report.h) and, under "cases", a
-// list of {case, ours, pytorch, unit, ratio}. ratio is >1 where
+// list of {case, ours, pytorch, unit, ratio, better, ours_min, ours_max, pytorch_min,
+// pytorch_max}: ours and pytorch are the medians over the rounds. ratio is >1 where
 // ours is better: pytorch/ours for times, growth factors, memory and CPU time, ours/pytorch for
 // throughputs; null where a value is not positive (an RSS that did not grow) and for the row
-// sustained_calls, which records how many calls each side made. Rows about the floor are not a
+// sustained_calls, which records how many calls each side made. better: "lower", "higher" or
+// null. Rows about the floor are not a
 // comparison with PyTorch, and have pytorch and ratio null: floor_<asio|tensorpipe>_* hold the
 // bare transport's measurement in `ours` (it is neither side's RPC), and
 // tiny_round_trip_over_<asio|tensorpipe>_floor hold in `ours` our latency_median_us divided by
@@ -69,8 +80,9 @@
 // SIGINT or SIGTERM to rpc_bench is forwarded to the running side's process group
 // (run_child), so Ctrl-C stops the children too.
 //
-// Usage: rpc_bench --json PATH [--sustained-calls N] [--pytorch-sustained-calls N] [--window N]
-//                  [--threads N] [--chain-calls N] [--idle-seconds N] [--deadline-seconds N]
+// Usage: rpc_bench --json PATH [--rounds N] [--sustained-calls N] [--pytorch-sustained-calls N]
+//                  [--window N] [--threads N] [--chain-calls N] [--idle-seconds N]
+//                  [--deadline-seconds N]
 
 #include <malloc.h>
 #include <algorithm>
@@ -82,6 +94,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -142,6 +155,8 @@ struct Config {
   int window = 32;
   int caller_warmup = 200;
   int deadline_seconds = 240;
+  // Rounds of ours, PyTorch's and the floor's runs, alternating.
+  int rounds = 3;
 };
 
 int64_t now_ns() {
@@ -183,6 +198,9 @@ ServerMark g_at_end;
 
 at::Tensor echo(const at::Tensor& tensor) { return tensor; }
 DISTOPTIM_RPC_FUNCTION("bench.echo", echo);
+
+int64_t context_switches() { return process_context_switches(); }
+DISTOPTIM_RPC_FUNCTION("bench.context_switches", context_switches);
 
 at::Tensor plus_one(const at::Tensor& tensor) {
   const int64_t served = g_served.fetch_add(1) + 1;
@@ -303,13 +321,23 @@ void measure_round_trips(const std::string& key, int warmup, int calls, const Ca
   result[key + "_mismatches"] = wrong;
 }
 
+// Context switches of worker0 and worker1 so far.
+int64_t pair_context_switches() {
+  return process_context_switches() +
+         rpc::rpc_sync<int64_t>("worker1", "bench.context_switches", std::tuple<>{}, kCallTimeout);
+}
+
 void measure_latency(const Config& config, Json& result) {
+  const int64_t switches_before = pair_context_switches();
   measure_round_trips(
       "latency", config.latency_warmup, config.latency_calls,
       [](const at::Tensor& tiny) {
         return rpc::rpc_sync<at::Tensor>("worker1", "bench.echo", std::tuple{tiny}, kCallTimeout);
       },
       result);
+  result["latency_context_switches_per_call"] =
+      static_cast<double>(pair_context_switches() - switches_before) /
+      (config.latency_warmup + config.latency_calls);
 }
 
 void measure_chain(const Config& config, Json& result) {
@@ -486,6 +514,7 @@ const std::vector<Row>& rows() {
   static const std::vector<Row> kRows{
       {"latency_median_us", "us", Better::kLower},
       {"latency_p99_us", "us", Better::kLower},
+      {"latency_context_switches_per_call", "switches", Better::kLower},
       {"chain4_median_us", "us", Better::kLower},
       {"chain4_p99_us", "us", Better::kLower},
       {"echo_4mb_mb_per_s", "MB/s", Better::kHigher},
@@ -567,13 +596,48 @@ std::string format_value(double value) {
   return fmt::format("{:.2f}", value);
 }
 
-// Our tiny round trip's median over a floor's.
+// One side's runs over the rounds: each numeric key's min/median/max. `values` holds the
+// medians, what the ratios compare.
+struct Side {
+  Json values = Json::object();
+  std::map<std::string, Spread> spread;
+
+  void add(const std::string& key, const std::vector<double>& runs) {
+    spread[key] = spread_of(runs);
+    values[key] = spread[key].median;
+  }
+  // Keys measured once (the idle case).
+  void add_once(const Json& result) {
+    for (const auto& [key, value] : result.items()) add(key, {value.get<double>()});
+  }
+};
+
+Side over_rounds(const std::vector<Json>& runs) {
+  Side side;
+  for (const auto& [key, value] : runs.front().items()) {
+    if (!value.is_number()) continue;
+    std::vector<double> values;
+    for (const Json& run : runs) values.push_back(run.at(key).get<double>());
+    side.add(key, values);
+  }
+  return side;
+}
+
+std::string spread_text(const Spread& spread) {
+  return fmt::format("{}/{}/{}", format_value(spread.min), format_value(spread.median),
+                     format_value(spread.max));
+}
+
+// Our tiny round trip's median over a floor's (medians over the rounds).
 double over_floor(const Json& side, const Json& floor, const std::string& name) {
   return side.at("latency_median_us").get<double>() /
          floor.at("floor_" + name + "_tiny_median_us").get<double>();
 }
 
-void print_table(const Config& config, const Json& ours, const Json& pytorch, const Json& floor) {
+void print_table(const Config& config, const Side& ours_side, const Side& pytorch_side,
+                 const Json& floor, std::pair<double, double> load) {
+  const Json& ours = ours_side.values;
+  const Json& pytorch = pytorch_side.values;
   fmt::print(
       "\nrpc_bench: distoptim::rpc vs PyTorch {} torch.distributed.rpc (TensorPipe), {} workers "
       "on loopback (the idle case: 2)\n",
@@ -604,15 +668,25 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch, co
       "call each way, then CPU time over a {} s sleep, summed over both\n",
       config.idle_seconds);
   fmt::print(
-      "ratio > 1: ours better (pytorch/ours for times, x, MB and CPU; ours/pytorch for "
-      "throughputs)\n\n");
-  fmt::print("{:<32} {:>12} {:>12} {:>8} {:>8}\n", "case", "ours", "pytorch", "unit", "ratio");
+      "{} rounds alternating ours, PyTorch's and the floor (the idle case once a side); "
+      "min/median/max over the rounds; ratio > 1: ours better, of the medians (pytorch/ours for "
+      "times, x, MB and CPU; ours/pytorch for throughputs)\n",
+      config.rounds);
+  fmt::print("machine: {} cores, 1-minute load average {:.2f} before and {:.2f} after{}\n\n",
+             std::thread::hardware_concurrency(), load.first, load.second,
+             std::max(load.first, load.second) > std::thread::hardware_concurrency()
+                 ? " (ABOVE the core count: others' work competed with these measurements)"
+                 : "");
+  fmt::print("{:<32} {:>26} {:>26} {:>8} {:>8}\n", "case", "ours min/med/max",
+             "pytorch min/med/max", "unit", "ratio");
   for (const Row& row : rows()) {
     const double o = ours.at(row.key).get<double>();
     const double p = pytorch.at(row.key).get<double>();
     const auto r = ratio(row, o, p);
-    fmt::print("{:<32} {:>12} {:>12} {:>8} {:>8}\n", row.key, format_value(o), format_value(p),
-               row.unit, r ? fmt::format("{:.2f}x", *r) : "");
+    fmt::print("{:<32} {:>26} {:>26} {:>8} {:>8}\n", row.key,
+               spread_text(ours_side.spread.at(row.key)),
+               spread_text(pytorch_side.spread.at(row.key)), row.unit,
+               r ? fmt::format("{:.2f}x", *r) : "");
   }
   fmt::print(
       "\nserver VmRSS after 10k calls -> end: ours {:.1f} -> {:.1f} MB, pytorch {:.1f} -> {:.1f} "
@@ -639,17 +713,26 @@ void print_table(const Config& config, const Json& ours, const Json& pytorch, co
       "floor's)\n\n");
 }
 
-Json to_json(const Json& ours, const Json& pytorch, const Json& floor) {
+Json to_json(const Side& ours_side, const Side& pytorch_side, const Json& floor) {
+  const Json& ours = ours_side.values;
   Json out = Json::array();
   for (const Row& row : rows()) {
-    const double o = ours.at(row.key).get<double>();
-    const double p = pytorch.at(row.key).get<double>();
-    const auto r = ratio(row, o, p);
+    const Spread& o = ours_side.spread.at(row.key);
+    const Spread& p = pytorch_side.spread.at(row.key);
+    const auto r = ratio(row, o.median, p.median);
+    const Json better = row.better == Better::kLower    ? Json("lower")
+                        : row.better == Better::kHigher ? Json("higher")
+                                                        : Json(nullptr);
     out.push_back({{"case", row.key},
-                   {"ours", o},
-                   {"pytorch", p},
+                   {"ours", o.median},
+                   {"pytorch", p.median},
                    {"unit", row.unit},
-                   {"ratio", r ? Json(*r) : Json(nullptr)}});
+                   {"ratio", r ? Json(*r) : Json(nullptr)},
+                   {"better", better},
+                   {"ours_min", o.min},
+                   {"ours_max", o.max},
+                   {"pytorch_min", p.min},
+                   {"pytorch_max", p.max}});
   }
   // Not comparisons with PyTorch: see the file comment.
   auto floor_row = [&](const std::string& key, double value, const char* unit) {
@@ -681,6 +764,9 @@ int run(int argc, char** argv) {
   CLI::App app{"RPC benchmark: distoptim::rpc against PyTorch's torch.distributed.rpc"};
   app.add_option("--json", json_path, "Write the results as JSON to this file");
   app.add_option("--threads", config.threads, "RPC worker threads per worker, both sides")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--rounds", config.rounds, "rounds of ours, PyTorch's and the floor's runs")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--window", config.window, "sustained load: calls in flight per caller")
@@ -758,24 +844,40 @@ int run(int argc, char** argv) {
     return results;
   };
 
-  Json ours = timed("ours", "our workers (distrun)", ours_argv(kWorldSize, "--worker")).front();
-  Json pytorch = timed("pytorch", script, pytorch_argv("main", kWorldSize)).front();
-  const Json floor =
-      timed("transport floor", "the floor (distrun)", ours_argv(kPairSize, "--floor-worker"))
-          .front();
-  ours.update(idle_result("our idle workers", timed("ours idle", "our idle workers (distrun)",
-                                                    ours_argv(kPairSize, "--idle-worker"))));
-  pytorch.update(
-      idle_result(script, timed("pytorch idle", script, pytorch_argv("idle", kPairSize))));
-
-  print_table(config, ours, pytorch, floor);
-  std::vector<std::string> problems = check_results("ours", ours, config.sustained_calls);
-  for (auto& p : check_results("pytorch", pytorch, config.pytorch_sustained_calls)) {
-    problems.push_back(std::move(p));
+  const double load_before = load_average();
+  std::vector<Json> ours_runs, pytorch_runs, floor_runs;
+  for (int round = 1; round <= config.rounds; ++round) {
+    const std::string of = fmt::format("round {}/{}: ", round, config.rounds);
+    ours_runs.push_back(
+        timed(of + "ours", "our workers (distrun)", ours_argv(kWorldSize, "--worker")).front());
+    pytorch_runs.push_back(timed(of + "pytorch", script, pytorch_argv("main", kWorldSize)).front());
+    floor_runs.push_back(
+        timed(of + "transport floor", "the floor (distrun)", ours_argv(kPairSize, "--floor-worker"))
+            .front());
   }
-  for (const auto& [name, description] : floors()) {
-    if (const int64_t wrong = floor.at("floor_" + name + "_mismatches").get<int64_t>(); wrong) {
-      problems.push_back(fmt::format("floor: {} replies of {} differ", wrong, description));
+  Side ours = over_rounds(ours_runs);
+  Side pytorch = over_rounds(pytorch_runs);
+  const Json floor = over_rounds(floor_runs).values;
+  ours.add_once(idle_result("our idle workers", timed("ours idle", "our idle workers (distrun)",
+                                                      ours_argv(kPairSize, "--idle-worker"))));
+  pytorch.add_once(
+      idle_result(script, timed("pytorch idle", script, pytorch_argv("idle", kPairSize))));
+  const double load_after = load_average();
+
+  print_table(config, ours, pytorch, floor, {load_before, load_after});
+  std::vector<std::string> problems;
+  for (int round = 0; round < config.rounds; ++round) {
+    for (auto& p : check_results("ours", ours_runs[round], config.sustained_calls)) {
+      problems.push_back(std::move(p));
+    }
+    for (auto& p : check_results("pytorch", pytorch_runs[round], config.pytorch_sustained_calls)) {
+      problems.push_back(std::move(p));
+    }
+    for (const auto& [name, description] : floors()) {
+      const int64_t wrong = floor_runs[round].at("floor_" + name + "_mismatches").get<int64_t>();
+      if (wrong != 0) {
+        problems.push_back(fmt::format("floor: {} replies of {} differ", wrong, description));
+      }
     }
   }
   for (auto& p : problems) p = "wrong or failed calls: " + p;

@@ -53,12 +53,27 @@ std::set<int> Context::workers() const {
   return workers_;
 }
 
+namespace {
+
+// Whether nothing but `grad` reaches its memory, so it can be kept as it is.
+bool sole_holder(const at::Tensor& grad) {
+  if (grad.layout() != at::kStrided || grad.use_count() != 1) return false;
+  if (!grad.is_view()) return grad.storage().use_count() == 1;
+  // A view (a reshape's or view's gradient, as LibTorch's engine hands many on) holds its base,
+  // which holds the same storage: it is kept when nothing else holds that base and it covers the
+  // whole storage contiguously, so it shares nothing and keeps no unused memory alive.
+  const at::TensorBase& base = grad._base();
+  return base.use_count() == 1 && grad.storage().use_count() == 2 && grad.is_contiguous() &&
+         grad.storage_offset() == 0 && grad.nbytes() == grad.storage().nbytes();
+}
+
+}  // namespace
+
 void Context::accumulate(const at::Tensor& variable, at::Tensor grad) {
   // A gradient handed on by a node may be shared with others (an add passes one gradient to
   // both its inputs): keep it only when nothing else holds it, and never add in place. A sparse
   // one (an embedding's) is copied: its indices and values may be anyone's.
-  const bool exclusive = grad.layout() == at::kStrided && grad.use_count() == 1 &&
-                         grad.storage().use_count() == 1 && !grad.is_view();
+  const bool exclusive = sole_holder(grad);
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = gradients_.find(variable);
   if (it == gradients_.end()) {
@@ -243,30 +258,38 @@ size_t Container::size() const {
 }
 
 int64_t Container::next_message_id(int worker_id) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return (static_cast<int64_t>(worker_id) << 48) | ++next_message_;
+  return (static_cast<int64_t>(worker_id) << 48) | (next_message_.fetch_add(1) + 1);
 }
 
 void Container::serving(int caller, uint64_t call_id, int64_t context_id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(serving_mutex_);
   serving_[{caller, call_id}] = context_id;
+  serving_size_.store(serving_.size());
 }
 
 std::optional<int64_t> Container::served(int caller, uint64_t call_id) {
-  std::lock_guard<std::mutex> lock(mutex_);
+  // A request's serving() happened before its response is sent (on the thread that ran it, or
+  // one its future's completion synchronised with), so an empty table here means not this one.
+  if (serving_size_.load() == 0) {
+    return std::nullopt;
+  }
+  std::lock_guard<std::mutex> lock(serving_mutex_);
   auto it = serving_.find({caller, call_id});
   if (it == serving_.end()) {
     return std::nullopt;
   }
   const int64_t id = it->second;
   serving_.erase(it);
+  serving_size_.store(serving_.size());
   return id;
 }
 
 void Container::forget_served(int64_t context_id) {
+  std::lock_guard<std::mutex> lock(serving_mutex_);
   for (auto it = serving_.begin(); it != serving_.end();) {
     it = it->second == context_id ? serving_.erase(it) : std::next(it);
   }
+  serving_size_.store(serving_.size());
 }
 
 std::optional<int64_t>& current_context() {

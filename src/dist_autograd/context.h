@@ -2,6 +2,7 @@
 
 // A worker's copy of a distributed autograd context, and the container of all of them.
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -128,15 +129,21 @@ class Container {
   // Released ids are remembered up to this many, the oldest forgotten first.
   static constexpr size_t kRememberedReleases = 1 << 16;
 
-  void forget_served(int64_t context_id);  // with mutex_ held
+  void forget_served(int64_t context_id);
 
+  // Lock order: mutex_, then serving_mutex_.
   mutable std::mutex mutex_;
-  std::unordered_map<int64_t, std::shared_ptr<Context>> contexts_;
-  std::unordered_set<int64_t> released_;
-  std::deque<int64_t> release_order_;
-  std::map<std::pair<int, uint64_t>, int64_t> serving_;
-  int64_t next_context_ = 0;
-  int64_t next_message_ = 0;
+  std::unordered_map<int64_t, std::shared_ptr<Context>> contexts_;  // guarded by mutex_
+  std::unordered_set<int64_t> released_;                            // guarded by mutex_
+  std::deque<int64_t> release_order_;                               // guarded by mutex_
+  int64_t next_context_ = 0;                                        // guarded by mutex_
+  std::atomic<int64_t> next_message_{0};
+  // Every response this worker sends asks served(): the table has a lock of its own, taken only
+  // while some request of a context is being served (serving_size_ > 0), so calls made outside
+  // contexts take no lock here.
+  std::mutex serving_mutex_;
+  std::map<std::pair<int, uint64_t>, int64_t> serving_;  // guarded by serving_mutex_
+  std::atomic<size_t> serving_size_{0};                  // serving_.size()
 };
 
 /// This thread's current context id.

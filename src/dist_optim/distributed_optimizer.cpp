@@ -73,7 +73,8 @@ rpc::RpcFuture<c10::IValue> waited_method(const rpc::RRef<RemoteOptimizer>& opti
   return rpc::RpcFuture<c10::IValue>(
       rpc::detail::method_call_values(optimizer.handle(), method, std::move(args),
                                       rpc::kDefaultTimeout, /*waited_only=*/true),
-      "method '" + method + "' of " + rpc::detail::describe_rref(optimizer.handle()));
+      // Named only in then()'s errors, never used here: not worth describing the RRef per step.
+      "method '" + method + "' of a remote optimizer");
 }
 
 // Every owner's answer, and which of them failed.
@@ -84,8 +85,16 @@ struct Replies {
   std::string failures;
 };
 
-Replies wait_each(const std::vector<rpc::RpcFuture<c10::IValue>>& futures,
-                  const std::vector<std::string>& workers) {
+// Names the worker of each owner by position, for wait_each (an owner is the optimizer's own
+// type), without building a list per step.
+template <class Owners>
+auto worker_of(const Owners& owners) {
+  return [&owners](size_t k) -> const std::string& { return owners[k].worker; };
+}
+
+// `worker(i)` names the worker of future i; it is asked only when that one failed.
+template <class WorkerOf>
+Replies wait_each(const std::vector<rpc::RpcFuture<c10::IValue>>& futures, const WorkerOf& worker) {
   Replies replies;
   replies.values.resize(futures.size());
   replies.ok.assign(futures.size(), false);
@@ -94,7 +103,7 @@ Replies wait_each(const std::vector<rpc::RpcFuture<c10::IValue>>& futures,
       replies.values[i] = futures[i].wait();
       replies.ok[i] = true;
     } catch (const std::exception&) {
-      note_failure(workers[i], &replies.first, &replies.failures);
+      note_failure(worker(i), &replies.first, &replies.failures);
     }
   }
   return replies;
@@ -105,10 +114,10 @@ void throw_if_failed(const Replies& replies, const std::string& what) {
 }
 
 // Waits for every owner's answer before reporting any failure.
+template <class WorkerOf>
 std::vector<c10::IValue> wait_all(const std::vector<rpc::RpcFuture<c10::IValue>>& futures,
-                                  const std::vector<std::string>& workers,
-                                  const std::string& what) {
-  Replies replies = wait_each(futures, workers);
+                                  const WorkerOf& worker, const std::string& what) {
+  Replies replies = wait_each(futures, worker);
   throw_if_failed(replies, what);
   return std::move(replies.values);
 }
@@ -257,7 +266,7 @@ void DistributedOptimizer::step(int64_t context_id) {
     steps.push_back(
         waited_method(owner.optimizer, "step", rpc::detail::to_values(context_id, changes)));
   }
-  Replies replies = wait_each(steps, owners());
+  Replies replies = wait_each(steps, worker_of(owners_));
   // An owner that failed gets the same changes again next step (setting an option to the value
   // it already has changes nothing).
   for (size_t k = 0; k < owners_.size(); ++k) {
@@ -351,7 +360,7 @@ DistributedOptimizerStateDict DistributedOptimizer::state_dict() const {
   for (const Owner& owner : owners_) {
     states.push_back(waited_method(owner.optimizer, "state_dict", {}));
   }
-  const std::vector<c10::IValue> values = wait_all(states, owners(), "state_dict()");
+  const std::vector<c10::IValue> values = wait_all(states, worker_of(owners_), "state_dict()");
   DistributedOptimizerStateDict dict;
   dict.optimizer = optimizer_;
   for (size_t k = 0; k < owners_.size(); ++k) {
@@ -414,7 +423,7 @@ void DistributedOptimizer::load_state_dict(const DistributedOptimizerStateDict& 
     loads.push_back(waited_method(owners_[k].optimizer, "load_state_dict",
                                   rpc::detail::to_values(dict.owners[k].state.to_ivalue())));
   }
-  const Replies replies = wait_each(loads, owners());
+  const Replies replies = wait_each(loads, worker_of(owners_));
   for (size_t k = 0; k < owners_.size(); ++k) {
     if (!replies.ok[k]) continue;  // its record of applied options still holds
     const optim::OptimizerStateDict& state = dict.owners[k].state;

@@ -240,14 +240,15 @@ void Agent::stop() {
     state_ = State::kStopped;
   }
   pending_.stop();
-  // Fail what is left before joining the request pool: a request blocked on a nested call is
-  // waiting for exactly these futures.
+  // Fail what is left before joining the request pool and the I/O loop's threads (a request
+  // may run on one): a request blocked on a nested call is waiting for exactly these futures.
   dispatcher_.fail_calls(pending_.take_all(), [this](const PendingCall& call) {
     return DISTOPTIM_RPC_ERROR(DistributedError, "rpc: the agent shut down before worker '" +
                                                      workers()[call.to].name + "' answered '" +
                                                      call.function + "'");
   });
   dispatcher_.stop();
+  peers_.join();
   if (rrefs_) {
     owned_at_stop_ = rrefs_->close();
   }

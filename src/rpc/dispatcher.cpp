@@ -8,11 +8,16 @@
 #include "interception.h"
 #include "registry_internal.h"
 #include "reply_snapshot.h"
+#include "transport/io_loop.h"
 
 namespace distoptim {
 namespace rpc {
 namespace detail {
 namespace {
+
+// The dispatcher whose request runs on this thread outside its pools (after an I/O loop
+// hand-over), so that on_own_thread() knows it.
+thread_local const Dispatcher* t_running_requests = nullptr;
 
 size_t frame_bytes(const Frame& frame) {
   size_t bytes = frame.body->size();
@@ -42,6 +47,7 @@ void Dispatcher::start(int self, std::vector<std::string> names, RRefContext* rr
 }
 
 bool Dispatcher::on_own_thread() const {
+  if (t_running_requests == this) return true;
   const Executor* pool = Executor::current();
   return pool != nullptr &&
          (pool == request_pool_.get() || pool == ordered_.get() || pool == completion_.get());
@@ -63,12 +69,29 @@ bool Dispatcher::on_request_frame(const std::shared_ptr<Connection>& connection,
       go_on = false;
     }
   }
-  // RRef control messages keep their order of arrival (on one thread); they never block.
-  Executor& executor = (frame.header.flags & MessageHeader::kOrdered) ? *ordered_ : *request_pool_;
-  executor.post([this, connection, caller, bytes, frame = std::move(frame)]() mutable {
+  const bool ordered = (frame.header.flags & MessageHeader::kOrdered) != 0;
+  std::function<void()> job = [this, connection, caller, bytes,
+                               frame = std::move(frame)]() mutable {
     handle_request(connection, caller, frame.header, *frame.body, std::move(frame.buffers));
     request_done(bytes);
-  });
+  };
+  // A request runs on the I/O thread that read it once that thread has handed the loop to the
+  // other (io_loop.h): no thread waits to be woken before it starts, and a request that blocks
+  // stalls nothing. When the other is busy with a request of its own, it goes to the pool. RRef
+  // control messages keep their order of arrival on the ordered thread; they never block.
+  if (!ordered && IoLoop::can_hand_off()) {
+    IoLoop::run_after_hand_off([this, job = std::move(job)] {
+      const Dispatcher* outer = t_running_requests;
+      t_running_requests = this;
+      try {
+        job();
+      } catch (...) {
+      }
+      t_running_requests = outer;
+    });
+    return go_on;
+  }
+  (ordered ? *ordered_ : *request_pool_).post(std::move(job));
   return go_on;
 }
 

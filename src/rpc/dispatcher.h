@@ -30,8 +30,10 @@ namespace detail {
 ///
 /// Requests: a request frame is admitted (counted in flight, its bytes against the inbound bound
 /// options().inbound_queue_bytes: past it, reading from that caller pauses until requests drain
-/// below half), then run on `request_pool` (RRef control messages on `ordered`, one thread, in the
-/// order they arrived on their connection); the reply is written on the caller's connection. A
+/// below half), then run on the I/O thread that read it once that thread has handed the loop over
+/// (transport/io_loop.h), or on `request_pool` when the loop's other thread is busy running one
+/// (RRef control messages on `ordered`, one thread, in the order they arrived on their
+/// connection); the reply is written on the caller's connection. A
 /// registered function that returns a future (async_execution) is answered when the future
 /// completes, on whichever thread completes it, and stays in flight until then.
 ///

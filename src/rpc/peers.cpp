@@ -15,10 +15,15 @@ namespace detail {
 Peers::Peers(const std::string& address, WireLimits limits)
     : limits_(limits), io_work_(io_.get_executor()) {
   listener_ = std::make_shared<Listener>(io_, address);
-  io_thread_ = std::thread([this] { io_.run(); });
+  io_loop_ = std::make_unique<IoLoop>(io_, kIoLoopThreads);
 }
 
-Peers::~Peers() { stop(); }
+Peers::~Peers() {
+  stop();
+  join();
+}
+
+void Peers::join() { io_loop_->join(); }
 
 const std::string& Peers::listen_address() const { return listener_->address(); }
 int Peers::listen_port() const { return listener_->port(); }
@@ -361,9 +366,7 @@ void Peers::stop() {
   // stops, and whatever the closing queued (cancelled reads, writes, timers) is dropped with it.
   asio::post(io_, [this] { io_.stop(); });
   io_work_.reset();
-  if (io_thread_.joinable()) {
-    io_thread_.join();
-  }
+  io_loop_->wait_stopped();
   std::lock_guard<std::mutex> lock(mutex_);
   outgoing_.clear();
   incoming_.clear();

@@ -19,6 +19,7 @@
 #include "handshake.h"
 #include "message.h"
 #include "transport/connection.h"
+#include "transport/io_loop.h"
 
 namespace distoptim {
 namespace rpc {
@@ -86,13 +87,20 @@ class Peers {
   std::map<int, std::string> dead_peers();
   /// "connections", "peer_memory.connections", "peer_memory.bytes_read" (rpc::get_debug_info).
   std::map<std::string, int64_t> debug_info();
-  /// Closes every connection and the listener and joins the I/O thread: no callback runs after.
+  /// Closes every connection and the listener and stops the I/O loop: no callback runs after.
   /// Messages not yet written are dropped. Idempotent.
   void stop();
+  /// After stop(): waits for the requests still running on the I/O loop's threads (a request
+  /// runs on the thread that read it, io_loop.h). Call it once the calls they may wait for are
+  /// failed.
+  void join();
 
   /// Accepted connections whose peer has not proven itself yet, beyond one per worker.
   static constexpr size_t kExtraUnprovenConnections = 64;
   /// Connection attempts to a peer lost before its handshake ends, before it counts as lost.
+  /// Threads taking turns at the I/O loop: the leader and one follower, enough for one request
+  /// at a time to run on the thread that read it (more wait on the request pool).
+  static constexpr int kIoLoopThreads = 2;
   static constexpr int kConnectAttempts = 5;
   static constexpr std::chrono::milliseconds kReconnectDelay{100};
 
@@ -127,7 +135,9 @@ class Peers {
   const WireLimits limits_;
   asio::io_context io_;
   asio::executor_work_guard<asio::io_context::executor_type> io_work_;
-  std::thread io_thread_;
+  // The I/O thread: two threads that take turns (io_loop.h), so that a request can run on the
+  // one that read it while the other goes on with the loop.
+  std::unique_ptr<IoLoop> io_loop_;
   std::shared_ptr<Listener> listener_;
   // Set by start(), then read-only.
   HandshakeConfig handshake_;

@@ -193,7 +193,11 @@ class RpcFuture {
   T wait() const {
     detail::wait_future(*future_);
     future_->waitAndThrow();
-    return from_value<T>(future_->constValue(), "the result of " + description_);
+    if constexpr (std::is_same_v<T, c10::IValue>) {
+      return future_->constValue();  // nothing to convert: no description to build per call
+    } else {
+      return from_value<T>(future_->constValue(), "the result of " + description_);
+    }
   }
   bool completed() const { return future_->completed(); }
   bool has_error() const { return future_->completed() && future_->hasError(); }
