@@ -61,12 +61,6 @@ long proc_status_kb(const std::string& field) {
   return -1;
 }
 
-Spread spread_of(std::vector<double> values) {
-  TORCH_CHECK(!values.empty(), "spread_of: no values");
-  return {*std::min_element(values.begin(), values.end()), median(values),
-          *std::max_element(values.begin(), values.end())};
-}
-
 std::pair<std::vector<nlohmann::json>, std::vector<nlohmann::json>> alternate_rounds(
     const std::string& program, const std::string& label, int rounds,
     const std::function<nlohmann::json()>& ours, const std::function<nlohmann::json()>& pytorch) {

@@ -24,15 +24,6 @@ constexpr std::string_view kResultPrefix = "RESULT ";
 /// for an empty list.
 double median(std::vector<double> values);
 
-/// The smallest, median and largest of a few values (a case over a benchmark's rounds).
-struct Spread {
-  double min = 0;
-  double median = 0;
-  double max = 0;
-};
-/// The Spread of `values`. Throws c10::Error for an empty list.
-Spread spread_of(const std::vector<double>& values);
-
 /// The nearest-rank `p`-th percentile of `values` (0 < p <= 100), as the Python sides compute it.
 /// Throws c10::Error for an empty list.
 double percentile(std::vector<double> values, double p);
@@ -41,11 +32,13 @@ double percentile(std::vector<double> values, double p);
 /// ours and PyTorch's runs alternate (ours, PyTorch's, ours, ...), so that drift in the machine's
 /// load reaches both sides alike.
 struct Spread {
-  double min, median, max;
+  double min = 0;
+  double median = 0;
+  double max = 0;
 };
 
 /// The Spread of `values`. Throws c10::Error for an empty list.
-Spread spread_of(std::vector<double> values);
+Spread spread_of(const std::vector<double>& values);
 
 /// Runs `ours` and `pytorch` alternately, `rounds` times each (ours first), printing progress
 /// on standard error behind "`program`: `label`", and returns each side's results in round order.
