@@ -7,6 +7,7 @@
 #include <utility>
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -117,7 +118,8 @@ void OwnerReduction::take_gradient(int64_t index) {
                     group_.global_rank(group_.rank()), ")");
   at::NoGradGuard no_grad;
   Bucket& bucket = buckets_[bucket_of_[index]];
-  if (!bucket.flat.defined()) bucket.flat = at::zeros({bucket.numel}, bucket.options);
+  // Every slot is written before the bucket goes (a gradient, or zeros in launch): no fill.
+  if (!bucket.flat.defined()) bucket.flat = at::empty({bucket.numel}, bucket.options);
   const size_t k =
       std::find(bucket.indices.begin(), bucket.indices.end(), index) - bucket.indices.begin();
   bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes()).copy_(grad);
@@ -136,7 +138,15 @@ void OwnerReduction::launch_ready_buckets() {
 }
 
 void OwnerReduction::launch(Bucket& bucket) {
-  if (!bucket.flat.defined()) bucket.flat = at::zeros({bucket.numel}, bucket.options);
+  if (!bucket.flat.defined()) {
+    bucket.flat = at::zeros({bucket.numel}, bucket.options);
+  } else if (bucket.missing > 0) {
+    for (size_t k = 0; k < bucket.indices.size(); ++k) {
+      if (!arrived_[bucket.indices[k]]) {
+        bucket.flat.narrow(0, bucket.offsets[k], params_[bucket.indices[k]].numel()).zero_();
+      }
+    }
+  }
   // Divided before summing, as DDP's allreduce hook does, so the result rounds as stage 1's.
   bucket.flat.div_(group_.size());
   c10d::ReduceOptions options;
@@ -151,34 +161,53 @@ void OwnerReduction::launch(Bucket& bucket) {
 
 void OwnerReduction::release_completed() {
   // A completed reduce of another owner's bucket still holds its tensor: drop it now. Failures
-  // are kept for finish_backward to report.
+  // are kept for wait_for to report. Past kMaxOthersInFlight such buckets, backward waits for
+  // the oldest, so that a slow network does not let them pile up to all the others' gradients.
+  std::vector<Bucket*> in_flight;
   for (size_t b = 0; b < next_launch_; ++b) {
     Bucket& bucket = buckets_[b];
-    if (bucket.owner != group_.rank() && bucket.work && bucket.work->isCompleted() &&
-        bucket.work->isSuccess()) {
+    if (bucket.owner == group_.rank() || !bucket.work) continue;
+    if (bucket.work->isCompleted() && bucket.work->isSuccess()) {
       bucket.work.reset();
+    } else {
+      in_flight.push_back(&bucket);
     }
+  }
+  for (size_t k = 0; k + kMaxOthersInFlight < in_flight.size(); ++k) {
+    wait_for(*in_flight[k]);
+    in_flight[k]->work.reset();
+  }
+}
+
+void OwnerReduction::wait_for(Bucket& bucket) {
+  try {
+    bucket.work->wait(group_.timeout());
+  } catch (const std::exception& e) {
+    DISTOPTIM_RETHROW_WITH_CONTEXT(
+        e, "ZeroRedundancyOptimizer (stage 2): reducing the gradients of rank ",
+        group_.global_rank(bucket.owner), "'s parameters failed on rank ",
+        group_.global_rank(group_.rank()),
+        " (every rank must run the same backward passes; a rank that does not, or died, makes "
+        "the others fail after the group's timeout of ",
+        group_.timeout().count(), " ms): ");
   }
 }
 
 void OwnerReduction::finish_backward() {
+  try {
+    finish_reductions();
+  } catch (...) {
+    reset_backward();
+    throw;
+  }
+}
+
+void OwnerReduction::finish_reductions() {
   const int me = group_.rank();
   // Gradients that never came (parameters this pass did not use) count as zeros.
   for (; next_launch_ < buckets_.size(); ++next_launch_) launch(buckets_[next_launch_]);
   for (Bucket& bucket : buckets_) {
-    if (!bucket.work) continue;
-    try {
-      bucket.work->wait(group_.timeout());
-    } catch (const std::exception& e) {
-      const int owner = bucket.owner;
-      reset_backward();
-      DISTOPTIM_RETHROW_WITH_CONTEXT(
-          e, "ZeroRedundancyOptimizer (stage 2): reducing the gradients of rank ",
-          group_.global_rank(owner), "'s parameters failed on rank ", group_.global_rank(me),
-          " (every rank must run the same backward passes; a rank that does not, or died, makes "
-          "the others fail after the group's timeout of ",
-          group_.timeout().count(), " ms): ");
-    }
+    if (bucket.work) wait_for(bucket);
   }
   at::NoGradGuard no_grad;
   for (Bucket& bucket : buckets_) {

@@ -26,7 +26,7 @@ namespace zero_detail {
 // remaining buckets go (a parameter that got no gradient counts as zeros), every reduce is
 // waited for, and the owner's parameters get their averaged gradient as views into its bucket;
 // other ranks keep no gradient for them. Buckets of other owners are freed as soon as their
-// reduce completes.
+// reduce completes; backward waits when more than kMaxOthersInFlight are still going.
 //
 // Thread safety: confined to the thread running backward (the hooks and the callback run there);
 // construction and destruction on the thread that owns the ZeroRedundancyOptimizer, not during a
@@ -36,6 +36,8 @@ class OwnerReduction {
  public:
   // PyTorch DDP's default bucket_cap_mb.
   static constexpr int64_t kBucketBytes = 25 * 1024 * 1024;
+  // Buckets of other owners whose reduce may still be running while backward goes on.
+  static constexpr size_t kMaxOthersInFlight = 2;
 
   OwnerReduction(comm::Group group, const std::vector<at::Tensor>& params,
                  const std::vector<int>& owner);
@@ -68,7 +70,9 @@ class OwnerReduction {
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void release_completed();
+  void wait_for(Bucket& bucket);
   void finish_backward();
+  void finish_reductions();
   void reset_backward();
 
   comm::Group group_;

@@ -248,6 +248,38 @@ TEST(ZeroStage2, BackwardLeavesOnlyTheOwnedGradientsAveragedAsDdpDoes) {
   });
 }
 
+// A parameter that gets no gradient in a pass counts as zeros: its owner gets a zero gradient,
+// also when it shares a bucket with one that got its gradient.
+TEST(ZeroStage2, AParameterWithoutAGradientCountsAsZeros) {
+  run_ranks(2, [](int rank, int) {
+    init();
+    const auto options = torch::dtype(torch::kFloat64).requires_grad(true);
+    // Greedy partition: rank 0 owns `big`, rank 1 owns `used` and `unused`, in one bucket.
+    auto big = torch::ones({10}, options);
+    auto used = torch::ones({4}, options);
+    auto unused = torch::ones({4}, options);
+    ZeroRedundancyOptimizer zero({big, used, unused}, "sgd", {{"lr", 0.1}},
+                                 ZeroRedundancyOptimizerOptions().stage(2));
+    ASSERT_EQ(zero.partition(), (std::vector<std::vector<int64_t>>{{0}, {1, 2}}));
+    for (int iteration = 0; iteration < 2; ++iteration) {
+      zero.zero_grad();
+      ((big.sum() + used.sum()) * (rank + 1)).backward();
+      // The average of 1 and 2.
+      if (rank == 0) {
+        EXPECT_TRUE(at::equal(big.grad(), torch::full({10}, 1.5, torch::kFloat64)));
+        EXPECT_FALSE(used.grad().defined());
+        EXPECT_FALSE(unused.grad().defined());
+      } else {
+        EXPECT_FALSE(big.grad().defined());
+        EXPECT_TRUE(at::equal(used.grad(), torch::full({4}, 1.5, torch::kFloat64)));
+        ASSERT_TRUE(unused.grad().defined());
+        EXPECT_TRUE(at::equal(unused.grad(), torch::zeros({4}, torch::kFloat64)));
+      }
+      zero.step();
+    }
+  });
+}
+
 // A DistributedDataParallel around a stage-2 model writes every gradient after the reduction:
 // step refuses it before changing anything.
 TEST(ZeroStage2, StepRefusesGradientsOfOtherRanksLeftByADdp) {
