@@ -17,8 +17,7 @@ import sys
 FIGURES = {
     "optim": [("ours_s", 1e3), ("libtorch_s", 1e3), ("pytorch_s", 1e3), ("gbps", 1),
               ("limit_fraction", 100), ("speedup_vs_libtorch", 1), ("speedup_vs_pytorch", 1)],
-    "zero": [("ours_s", 1), ("pytorch_s", 1), ("speedup", 1), ("ours_step_s", 1),
-             ("pytorch_step_s", 1), ("ours_peak_mb", 1), ("pytorch_peak_mb", 1)],
+    "zero": [("ours", 1), ("pytorch", 1)],
     "dist_optim": [("ours", 1), ("pytorch", 1)],
     "rpc": [("ours", 1), ("pytorch", 1), ("ratio", 1)],
 }
