@@ -37,7 +37,7 @@ class OwnerReduction {
   // PyTorch DDP's default bucket_cap_mb.
   static constexpr int64_t kBucketBytes = 25 * 1024 * 1024;
   // Buckets of other owners whose reduce may still be running while backward goes on.
-  static constexpr size_t kMaxOthersInFlight = 2;
+  static constexpr size_t kMaxOthersInFlight = 4;
 
   OwnerReduction(comm::Group group, const std::vector<at::Tensor>& params,
                  const std::vector<int>& owner);
