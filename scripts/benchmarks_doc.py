@@ -89,28 +89,8 @@ def render_optim(cases, path):
                          "PyTorch ms", "vs PyTorch"], rows)
 
 
-ZERO_SETTINGS = ["layers", "size", "batch", "ranks", "iterations", "warmup"]
-
-
-def render_zero(cases, path):
-    rows = []
-    settings = set()
-    for c in cases:
-        f = lambda key: field(c, key, path)
-        settings.add(tuple(c.get(key) for key in ZERO_SETTINGS))
-        rows.append([c["case"], number(f("ours_s")) + " s", number(f("pytorch_s")) + " s",
-                     ratio(f("speedup")), number(f("ours_step_s")) + " s",
-                     number(f("pytorch_step_s")) + " s", number(f("ours_peak_mb")) + " MB",
-                     number(f("pytorch_peak_mb")) + " MB"])
-    notes = ["Settings: " + "; ".join(
-        ", ".join("{} {}".format(key, value) for key, value in zip(ZERO_SETTINGS, s)
-                  if value is not None) for s in sorted(settings, key=str)) +
-             ". Speedup: PyTorch's median iteration over ours."]
-    return notes, table(["case", "ours", "PyTorch", "speedup", "ours step()", "PyTorch step()",
-                         "ours peak", "PyTorch peak"], rows)
-
-
-def render_dist_optim(cases, path):
+def render_ours_and_pytorch(cases, path):
+    """Rows {case, ours, pytorch, unit, better}, as bench/common writes them."""
     rows = []
     for c in cases:
         f = lambda key: field(c, key, path)
@@ -151,8 +131,9 @@ def render_other(cases, path):
     return [], table(["case"] + keys, rows)
 
 
-RENDERERS = {"optim": render_optim, "zero": render_zero, "dist_optim": render_dist_optim,
-             "rpc": render_rpc, "sparse_ps": render_dist_optim}
+RENDERERS = {"optim": render_optim, "zero": render_ours_and_pytorch,
+             "dist_optim": render_ours_and_pytorch, "rpc": render_rpc,
+             "sparse_ps": render_ours_and_pytorch}
 
 
 def load(path):
@@ -183,8 +164,6 @@ def advantage(name, case):
 
     if name == "optim":
         return finite("speedup_vs_pytorch")
-    if "speedup" in case:
-        return finite("speedup")
     if "ratio" in case:
         return finite("ratio") if case.get("pytorch") is not None else None
     ours, pytorch = finite("ours"), finite("pytorch")

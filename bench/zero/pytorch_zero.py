@@ -7,7 +7,7 @@ Usage: pytorch_zero.py [--layers 20] [--size 2000] [--batch 20] [--warmup 2] [--
 
 Each rank prints one line `RESULT {json}` with its rank, the seconds of every iteration
 (forward + backward + step, after a barrier; warm-up iterations excluded) and of its step alone
-(step_times), its resident set
+(step_times), its last loss, PyTorch's version, its resident set
 before building the model (start_kb) and its peak resident set (VmHWM, peak_kb), in kB.
 """
 
@@ -52,14 +52,16 @@ def run_rank(rank, args, port):
         dist.barrier()
         begin = time.perf_counter()
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
         step_begin = time.perf_counter()
         optimizer.step()
         end = time.perf_counter()
         if iteration >= args.warmup:
             times.append(end - begin)
             step_times.append(end - step_begin)
-    result = {"rank": rank, "times": times, "step_times": step_times, "start_kb": start_kb,
+    result = {"rank": rank, "times": times, "step_times": step_times, "loss": loss.item(),
+              "torch_version": torch.__version__, "start_kb": start_kb,
               "peak_kb": status_kb("VmHWM")}
     # One write, so the ranks' lines never interleave on the shared pipe.
     os.write(1, ("RESULT " + json.dumps(result) + "\n").encode())

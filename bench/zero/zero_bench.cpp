@@ -1,29 +1,45 @@
 // zero_bench: DistributedDataParallel + ZeroRedundancyOptimizer + Adam, ours against PyTorch's.
 //
-// In one run, for the tutorial's model (20 x Linear(2000, 2000), batch 20 per rank, Adam lr 0.01)
-// on 2 ranks, gloo on loopback, 1 intra-op thread per rank (the machine's 2 cores shared by the
-// ranks), with and without parameters_as_bucket_view, it measures
-//   ours:    this program's ranks, started by distrun (`zero_bench --worker ...`);
-//   PyTorch: bench/zero/pytorch_zero.py under the system Python (torch.multiprocessing).
-// Every iteration (zero_grad + forward + backward + step) starts after a barrier; its time is the
-// slowest rank's, and the reported time is the median over the timed iterations after the
-// warm-up ones (the first creates the optimizer state). Memory is each rank's peak resident set
-// (VmHWM) over its whole life, the largest over the ranks, including the runtime (LibTorch, or
-// Python and PyTorch); the table also shows it above the resident set before the model was built.
-// It prints a table and writes the cases as JSON, with the load average (common/report.h), to
-// the file named by --json.
+// The model: the tutorial's (20 x Linear(2000, 2000), batch 20 per rank, Adam lr 0.01), on 2
+// ranks, gloo on loopback, 1 intra-op thread per rank (the machine's 2 cores shared by the
+// ranks). Its gradients are a large part of its memory (80M parameters: 320 MB of gradients and
+// 320 MB more in DDP's buckets, against 320 MB of parameters and 320 MB of Adam state per rank).
+// Cases, ours against PyTorch 1.13 (bench/zero/pytorch_zero.py, torch.multiprocessing):
+//   plain        ZeroRedundancyOptimizer behind a DistributedDataParallel, both at defaults;
+//   bucket_view  the same with parameters_as_bucket_view;
+//   overlap      ours with overlap_with_ddp (the update inside backward, hook_with_zero_step);
+//                PyTorch's cannot overlap on Gloo (it needs NCCL and skips its first steps),
+//                so this row compares with PyTorch's best variant of the round;
+//   stage2       ours with stage 2 (gradients averaged onto their owners and freed elsewhere,
+//                on the plain module: no DDP), against PyTorch's best variant and our stage 1.
+// Every iteration (zero_grad + forward + backward + step) starts after a barrier; a run's time is
+// the median over its timed iterations (after warm-up ones; the first creates the optimizer
+// state) of the slowest rank's. Memory is each rank's peak resident set (VmHWM) over its whole
+// life, the largest over the ranks, including the runtime (LibTorch, or Python and PyTorch).
 //
-// Usage: zero_bench --json PATH [--iterations N] [--warmup N] [--layers N] [--size N]
-//                   [--batch N]
+// Rounds: each round runs ours plain, PyTorch plain, ours bucket_view, PyTorch bucket_view, ours
+// overlap, ours stage2, so the machine's drift falls on both sides alike; the table gives each
+// side's min/median/max over the rounds and the ratio of the medians, with the load average
+// before and after (flagged when above the core count). Settings, PyTorch: DDP and
+// ZeroRedundancyOptimizer(optimizer_class=torch.optim.Adam, lr=0.01) at their defaults otherwise
+// (bucket_cap_mb 25, parameters_as_bucket_view as the case says, overlap_with_ddp False),
+// torch.set_num_threads(1).
+//
+// The JSON written to --json holds, under "cases", rows {case, ours, pytorch, unit, better}
+// (medians over the rounds), and the load average (common/report.h).
+//
+// Usage: zero_bench --json PATH [--rounds 3] [--iterations N] [--warmup N] [--layers N]
+//                   [--size N] [--batch N]
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
+#include <map>
+#include <optional>
 #include <string>
-#include <string_view>
+#include <thread>
 #include <vector>
 
 #include <fmt/core.h>
@@ -34,14 +50,13 @@
 #include <distoptim/comm.h>
 #include <distoptim/data_parallel.h>
 
-#include "../common/child_process.h"
 #include "../common/report.h"
 
 namespace distoptim {
 namespace bench {
 namespace {
 
-using json = nlohmann::json;  // NOLINT: the library's own spelling
+using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kWorldSize = 2;
@@ -53,12 +68,22 @@ struct Config {
   int64_t batch = 20;
   int warmup = 2;
   int iterations = 7;
+  int rounds = 3;
+  int deadline_seconds = 600;
 };
+
+// How our ranks run ZeRO in a case.
+enum class Mode { kPlain, kBucketView, kOverlap, kStage2 };
+
+const std::map<std::string, Mode> kModes{{"plain", Mode::kPlain},
+                                         {"bucket_view", Mode::kBucketView},
+                                         {"overlap", Mode::kOverlap},
+                                         {"stage2", Mode::kStage2}};
 
 // --- a rank of ours ------------------------------------------------------------------------------
 
 // Trains as pytorch_zero.py's run_rank does and prints the same RESULT line.
-void run_worker(const Config& config, bool bucket_view) {
+void run_worker(const Config& config, Mode mode) {
   torch::set_num_threads(kThreadsPerRank);
   comm::init_process_group();
   const long start_kb = proc_status_kb("VmRSS");
@@ -67,16 +92,23 @@ void run_worker(const Config& config, bool bucket_view) {
   for (int i = 0; i < config.layers; ++i) {
     model->push_back(torch::nn::Linear(config.size, config.size));
   }
-  data_parallel::DistributedDataParallel ddp(model);
+  // Stage 2 averages the gradients itself: the plain module, no DDP.
+  std::optional<data_parallel::DistributedDataParallel<torch::nn::Sequential>> ddp;
+  if (mode != Mode::kStage2) ddp.emplace(model);
   data_parallel::ZeroRedundancyOptimizer zero(
       model->parameters(), "adam", {{"lr", 0.01}},
-      data_parallel::ZeroRedundancyOptimizerOptions().parameters_as_bucket_view(bucket_view));
+      data_parallel::ZeroRedundancyOptimizerOptions()
+          .parameters_as_bucket_view(mode == Mode::kBucketView)
+          .overlap_with_ddp(mode == Mode::kOverlap)
+          .stage(mode == Mode::kStage2 ? 2 : 1));
+  if (mode == Mode::kOverlap) ddp->register_comm_hook(data_parallel::hook_with_zero_step(zero));
   const int rank = comm::get_rank();
   torch::manual_seed(1 + rank);
   const at::Tensor x = torch::randn({config.batch, config.size});
   const at::Tensor y = torch::randn({config.batch, config.size});
   std::vector<double> times;
   std::vector<double> step_times;
+  double loss_value = 0;
   auto seconds = [](Clock::time_point from, Clock::time_point to) {
     return std::chrono::duration<double>(to - from).count();
   };
@@ -84,49 +116,43 @@ void run_worker(const Config& config, bool bucket_view) {
     comm::world().barrier();
     const auto begin = Clock::now();
     zero.zero_grad();
-    torch::mse_loss(ddp.forward(x), y).backward();
+    const at::Tensor loss = torch::mse_loss(ddp ? ddp->forward(x) : model->forward(x), y);
+    loss.backward();
     const auto step_begin = Clock::now();
     zero.step();
     const auto end = Clock::now();
+    loss_value = loss.item<double>();
     if (iteration >= config.warmup) {
       times.push_back(seconds(begin, end));
       step_times.push_back(seconds(step_begin, end));
     }
   }
-  const json result{{"rank", rank},
-                    {"times", times},
-                    {"step_times", step_times},
-                    {"start_kb", start_kb},
-                    {"peak_kb", proc_status_kb("VmHWM")}};
-  fmt::print("{}{}\n", kResultPrefix, result.dump());
-  std::fflush(stdout);
+  print_result({{"rank", rank},
+                {"times", times},
+                {"step_times", step_times},
+                {"loss", loss_value},
+                {"start_kb", start_kb},
+                {"peak_kb", proc_status_kb("VmHWM")}});
   comm::destroy_process_group();
 }
 
 // --- the driver ----------------------------------------------------------------------------------
 
-// One side of a case: per-iteration time (slowest rank), peak memory (largest rank).
-struct Side {
-  double median_s = 0;
-  double min_s = 0;
-  // Of step() alone (slowest rank): the part ZeroRedundancyOptimizer does.
-  double step_median_s = 0;
+// One run of one side: per-iteration time (slowest rank, median over the iterations), peak
+// memory (largest rank).
+struct Run {
+  double iteration_s = 0;
+  double step_s = 0;
   double peak_mb = 0;
   double peak_above_start_mb = 0;
+  double loss = 0;
+  std::string torch_version;  // PyTorch's side only
 };
 
-struct CaseResult {
-  std::string name;
-  Side ours;
-  Side pytorch;
-};
-
-// Reads the RESULT lines of every rank (possibly behind distrun's "[rank R] " prefix).
-Side parse_results(const std::string& what, const std::string& output, const Config& config) {
-  const std::vector<json> ranks = result_lines(output);
+Run parse_run(const std::string& what, const std::vector<Json>& ranks, const Config& config) {
   TORCH_CHECK(ranks.size() == kWorldSize, "zero_bench: ", what, " reported ", ranks.size(), " of ",
-              kWorldSize, " ranks; its output:\n", output);
-  Side side;
+              kWorldSize, " ranks");
+  Run run;
   std::vector<double> slowest(config.iterations, 0.0);
   std::vector<double> slowest_step(config.iterations, 0.0);
   for (const auto& r : ranks) {
@@ -139,14 +165,15 @@ Side parse_results(const std::string& what, const std::string& output, const Con
       slowest_step[i] = std::max(slowest_step[i], step_times[i]);
     }
     const double peak_mb = r.at("peak_kb").get<double>() * 1024 / 1e6;
-    side.peak_mb = std::max(side.peak_mb, peak_mb);
-    side.peak_above_start_mb =
-        std::max(side.peak_above_start_mb, peak_mb - r.at("start_kb").get<double>() * 1024 / 1e6);
+    run.peak_mb = std::max(run.peak_mb, peak_mb);
+    run.peak_above_start_mb =
+        std::max(run.peak_above_start_mb, peak_mb - r.at("start_kb").get<double>() * 1024 / 1e6);
+    run.loss = r.at("loss").get<double>();
+    run.torch_version = r.value("torch_version", "");
   }
-  side.median_s = median(slowest);
-  side.min_s = *std::min_element(slowest.begin(), slowest.end());
-  side.step_median_s = median(slowest_step);
-  return side;
+  run.iteration_s = median(slowest);
+  run.step_s = median(slowest_step);
+  return run;
 }
 
 std::vector<std::string> size_args(const Config& config) {
@@ -156,94 +183,60 @@ std::vector<std::string> size_args(const Config& config) {
       "--iterations", std::to_string(config.iterations)};
 }
 
-Side run_ours(const Config& config, bool bucket_view) {
+Run run_ours(const Config& config, const std::string& mode) {
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  std::vector<std::string> argv{DISTOPTIM_DISTRUN_PATH, "--nproc-per-node",
-                                std::to_string(kWorldSize), self, "--worker"};
+  std::vector<std::string> argv{DISTOPTIM_DISTRUN_PATH,
+                                "--nproc-per-node",
+                                std::to_string(kWorldSize),
+                                self,
+                                "--worker",
+                                "--mode",
+                                mode};
   for (auto& arg : size_args(config)) argv.push_back(std::move(arg));
-  if (bucket_view) argv.push_back("--bucket-view");
-  const ChildResult child = run_child(argv, "");
-  TORCH_CHECK(child.exit_code == 0, "zero_bench: our ranks exited with ", child.exit_code,
-              "; their output:\n", child.stdout_text);
-  return parse_results("distrun", child.stdout_text, config);
+  const std::string what = "our ranks (" + mode + ")";
+  return parse_run(what, run_side(what, argv, config.deadline_seconds), config);
 }
 
-Side run_pytorch(const Config& config, bool bucket_view, const std::string& python,
-                 const std::string& script) {
+Run run_pytorch(const Config& config, bool bucket_view, const std::string& python,
+                const std::string& script) {
   std::vector<std::string> argv{python,         script,
                                 "--threads",    std::to_string(kThreadsPerRank),
                                 "--world-size", std::to_string(kWorldSize)};
   for (auto& arg : size_args(config)) argv.push_back(std::move(arg));
   if (bucket_view) argv.push_back("--bucket-view");
-  const ChildResult child = run_child(argv, "");
-  TORCH_CHECK(child.exit_code == 0, "zero_bench: ", script, " exited with ", child.exit_code,
-              "; its output:\n", child.stdout_text);
-  return parse_results(script, child.stdout_text, config);
+  return parse_run(script, run_side(script, argv, config.deadline_seconds), config);
 }
 
-void print_table(const Config& config, const std::vector<CaseResult>& cases) {
-  fmt::print(
-      "\nzero_bench: DDP + ZeroRedundancyOptimizer + Adam, {} x Linear({}, {}), batch {} per "
-      "rank, {} ranks (gloo, loopback), {} intra-op thread per rank\n",
-      config.layers, config.size, config.size, config.batch, kWorldSize, kThreadsPerRank);
-  fmt::print(
-      "time: zero_grad + forward + backward + step of the slowest rank, median (min) over {} "
-      "iterations after {} warm-up; step: step() alone, median\n",
-      config.iterations, config.warmup);
-  fmt::print(
-      "memory: peak resident set (VmHWM) of the largest rank, whole process (above the resident "
-      "set before the model)\n\n");
-  fmt::print("{:<22} {:>17} {:>17} {:>8} {:>8} {:>8} {:>18} {:>18}\n", "case", "ours s",
-             "pytorch s", "speedup", "ours", "pytorch", "ours peak MB", "pytorch peak MB");
-  fmt::print("{:<22} {:>17} {:>17} {:>8} {:>8} {:>8}\n", "", "", "", "", "step s", "step s");
-  for (const auto& c : cases) {
-    fmt::print(
-        "{:<22} {:>7.3f} ({:>6.3f}) {:>7.3f} ({:>6.3f}) {:>7.2f}x {:>8.3f} {:>8.3f} {:>7.0f} "
-        "({:>+7.0f}) {:>7.0f} ({:>+7.0f})\n",
-        c.name, c.ours.median_s, c.ours.min_s, c.pytorch.median_s, c.pytorch.min_s,
-        c.pytorch.median_s / c.ours.median_s, c.ours.step_median_s, c.pytorch.step_median_s,
-        c.ours.peak_mb, c.ours.peak_above_start_mb, c.pytorch.peak_mb,
-        c.pytorch.peak_above_start_mb);
-  }
-  fmt::print("\n");
+struct Spread {
+  double min = 0, median = 0, max = 0;
+};
+
+Spread spread_of(const std::vector<Run>& runs, double Run::*field) {
+  std::vector<double> values;
+  for (const Run& run : runs) values.push_back(run.*field);
+  return {*std::min_element(values.begin(), values.end()), bench::median(values),
+          *std::max_element(values.begin(), values.end())};
 }
 
-json to_json(const Config& config, const std::vector<CaseResult>& cases) {
-  json out = json::array();
-  for (const auto& c : cases) {
-    out.push_back({{"case", c.name},
-                   {"ours_s", c.ours.median_s},
-                   {"pytorch_s", c.pytorch.median_s},
-                   {"ours_peak_mb", c.ours.peak_mb},
-                   {"pytorch_peak_mb", c.pytorch.peak_mb},
-                   {"speedup", c.pytorch.median_s / c.ours.median_s},
-                   {"ours_min_s", c.ours.min_s},
-                   {"ours_step_s", c.ours.step_median_s},
-                   {"pytorch_step_s", c.pytorch.step_median_s},
-                   {"pytorch_min_s", c.pytorch.min_s},
-                   {"ours_peak_above_start_mb", c.ours.peak_above_start_mb},
-                   {"pytorch_peak_above_start_mb", c.pytorch.peak_above_start_mb},
-                   {"layers", config.layers},
-                   {"size", config.size},
-                   {"batch", config.batch},
-                   {"ranks", kWorldSize},
-                   {"iterations", config.iterations},
-                   {"warmup", config.warmup}});
-  }
-  return out;
+std::string spread_text(const Spread& s, const char* format) {
+  return fmt::format(fmt::runtime(fmt::format("{}/{}/{}", format, format, format)), s.min, s.median,
+                     s.max);
 }
 
 int run(int argc, char** argv) {
   Config config;
   std::string json_path;
   bool worker = false;
-  bool bucket_view = false;
+  std::string mode = "plain";
   std::string python = DISTOPTIM_REFERENCE_PYTHON;
   std::string script = DISTOPTIM_PYTORCH_ZERO_SCRIPT;
   CLI::App app{
       "ZeroRedundancyOptimizer benchmark: our DDP + ZeRO + Adam against PyTorch's on 2 ranks"};
   app.add_option("--json", json_path, "Write the results as JSON to this file");
-  app.add_option("--iterations", config.iterations, "timed iterations (the median is reported)")
+  app.add_option("--rounds", config.rounds, "rounds of every case, ours and PyTorch's alternating")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--iterations", config.iterations, "timed iterations per run (median kept)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--warmup", config.warmup, "untimed iterations first")
@@ -258,33 +251,117 @@ int run(int argc, char** argv) {
   app.add_option("--batch", config.batch, "rows per rank")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--deadline-seconds", config.deadline_seconds, "each run is killed past this")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_option("--pytorch-script", script, "pytorch_zero.py")->capture_default_str();
   app.add_flag("--worker", worker, "Run as one of our ranks (started by the benchmark itself)");
-  app.add_flag("--bucket-view", bucket_view, "With --worker: parameters_as_bucket_view");
+  app.add_option("--mode", mode, "With --worker: plain, bucket_view, overlap or stage2")
+      ->check(CLI::IsMember({"plain", "bucket_view", "overlap", "stage2"}));
   CLI11_PARSE(app, argc, argv);
 
   if (worker) {
-    run_worker(config, bucket_view);
+    run_worker(config, kModes.at(mode));
     return 0;
   }
   ResultsFile results_file(json_path, "zero_bench");
-
-  std::vector<CaseResult> cases;
-  for (const bool view : {false, true}) {
-    CaseResult c;
-    c.name = view ? "zero_adam_bucket_view" : "zero_adam";
-    fmt::print(stderr, "zero_bench: {}: ours...", c.name);
-    c.ours = run_ours(config, view);
-    fmt::print(stderr, " {:.3f} s; pytorch...", c.ours.median_s);
-    c.pytorch = run_pytorch(config, view, python, script);
-    fmt::print(stderr, " {:.3f} s\n", c.pytorch.median_s);
-    cases.push_back(c);
+  const double load_at_start = load_average();
+  std::map<std::string, std::vector<Run>> ours, pytorch;
+  for (int round = 0; round < config.rounds; ++round) {
+    for (const char* name : {"plain", "bucket_view", "overlap", "stage2"}) {
+      fmt::print(stderr, "zero_bench: round {}, {}: ours...", round + 1, name);
+      ours[name].push_back(run_ours(config, name));
+      fmt::print(stderr, " {:.3f} s", ours[name].back().iteration_s);
+      const bool bucket_view = std::string(name) == "bucket_view";
+      if (std::string(name) == "plain" || bucket_view) {
+        fmt::print(stderr, "; pytorch...");
+        pytorch[name].push_back(run_pytorch(config, bucket_view, python, script));
+        fmt::print(stderr, " {:.3f} s", pytorch[name].back().iteration_s);
+      }
+      fmt::print(stderr, "\n");
+    }
   }
-  print_table(config, cases);
-  results_file.write(to_json(config, cases));
-  fmt::print("results written to {}\n", json_path);
-  return 0;
+  const double load_at_end = load_average();
+  // PyTorch's best variant in each round: the faster of its two; its memory, that run's.
+  for (int round = 0; round < config.rounds; ++round) {
+    const Run& plain = pytorch["plain"][round];
+    const Run& view = pytorch["bucket_view"][round];
+    pytorch["best"].push_back(plain.iteration_s <= view.iteration_s ? plain : view);
+  }
+
+  fmt::print(
+      "\nzero_bench: DDP + ZeroRedundancyOptimizer + Adam(lr 0.01), {} x Linear({}, {}), batch {} "
+      "per rank, {} ranks (gloo, loopback), {} intra-op thread per rank; PyTorch {} at its "
+      "defaults otherwise (DDP bucket_cap_mb 25, overlap_with_ddp False)\n",
+      config.layers, config.size, config.size, config.batch, kWorldSize, kThreadsPerRank,
+      pytorch["plain"].front().torch_version);
+  fmt::print(
+      "time: zero_grad + forward + backward + step of the slowest rank, median over {} "
+      "iterations after {} warm-up, per run; min/median/max over {} rounds alternating ours and "
+      "PyTorch's. memory: peak resident set (VmHWM) of the largest rank, whole process, median "
+      "over the rounds\n",
+      config.iterations, config.warmup, config.rounds);
+  const unsigned cores = std::thread::hardware_concurrency();
+  fmt::print(
+      "machine: {} cores, 1-minute load average {:.2f} at the start and {:.2f} at the end{}\n",
+      cores, load_at_start, load_at_end,
+      std::max(load_at_start, load_at_end) > cores
+          ? " (ABOVE the core count: others' work competed with these measurements)"
+          : "");
+  fmt::print(
+      "overlap and stage2 against PyTorch's best variant of each round (plain or bucket view): "
+      "PyTorch's overlap_with_ddp cannot run on Gloo\n\n");
+  struct Row {
+    const char* ours;
+    const char* pytorch;
+    std::string label;
+  };
+  const std::vector<Row> rows{
+      {"plain", "plain", "plain"},
+      {"bucket_view", "bucket_view", "parameters_as_bucket_view"},
+      {"overlap", "best", "overlap_with_ddp (PyTorch: its best)"},
+      {"stage2", "best", "stage 2 (PyTorch: its best)"},
+  };
+  fmt::print("{:<38} {:>22} {:>22} {:>8} {:>10} {:>10} {:>10} {:>10}\n", "case",
+             "ours s (min/med/max)", "pytorch s (min/med/max)", "speedup", "ours step", "pt step",
+             "ours MB", "pt MB");
+  Json cases = Json::array();
+  std::vector<std::string> problems;
+  for (const Row& row : rows) {
+    const auto& o = ours[row.ours];
+    const auto& p = pytorch[row.pytorch];
+    const Spread ot = spread_of(o, &Run::iteration_s), pt = spread_of(p, &Run::iteration_s);
+    const double om = spread_of(o, &Run::peak_mb).median, pm = spread_of(p, &Run::peak_mb).median;
+    fmt::print("{:<38} {:>22} {:>22} {:>7.2f}x {:>10.3f} {:>10.3f} {:>10.0f} {:>10.0f}\n",
+               row.label, spread_text(ot, "{:.3f}"), spread_text(pt, "{:.3f}"),
+               pt.median / ot.median, spread_of(o, &Run::step_s).median,
+               spread_of(p, &Run::step_s).median, om, pm);
+    cases.push_back({{"case", "iteration, " + row.label},
+                     {"ours", ot.median},
+                     {"pytorch", pt.median},
+                     {"unit", "s"},
+                     {"better", "lower"}});
+    cases.push_back({{"case", "peak memory, " + row.label},
+                     {"ours", om},
+                     {"pytorch", pm},
+                     {"unit", "MB"},
+                     {"better", "lower"}});
+    for (const Run& run : o) {
+      if (!std::isfinite(run.loss))
+        problems.push_back("ours: the loss is not finite in " + row.label);
+    }
+  }
+  const Spread s1 = spread_of(ours["plain"], &Run::iteration_s);
+  const Spread s2 = spread_of(ours["stage2"], &Run::iteration_s);
+  fmt::print(
+      "\nours, stage 2 against stage 1 (plain): iteration {:.3f} s vs {:.3f} s ({:.2f}x), peak "
+      "memory {:.0f} MB vs {:.0f} MB (above start {:.0f} vs {:.0f})\n\n",
+      s2.median, s1.median, s1.median / s2.median, spread_of(ours["stage2"], &Run::peak_mb).median,
+      spread_of(ours["plain"], &Run::peak_mb).median,
+      spread_of(ours["stage2"], &Run::peak_above_start_mb).median,
+      spread_of(ours["plain"], &Run::peak_above_start_mb).median);
+  return results_file.write_unless(cases, problems);
 }
 
 }  // namespace
@@ -292,10 +369,5 @@ int run(int argc, char** argv) {
 }  // namespace distoptim
 
 int main(int argc, char** argv) {
-  try {
-    return distoptim::bench::run(argc, argv);
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "zero_bench: {}\n", e.what());
-    return 1;
-  }
+  return distoptim::bench::run_main("zero_bench", distoptim::bench::run, argc, argv);
 }

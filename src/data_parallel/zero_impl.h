@@ -23,6 +23,7 @@
 
 #include "parameter_check.h"
 #include "state_dict_agreement.h"
+#include "zero_owner_reduction.h"
 
 namespace distoptim {
 namespace data_parallel {
@@ -59,6 +60,10 @@ struct ZeroRedundancyOptimizer::Impl {
   std::vector<std::vector<at::Tensor>> buckets;
   std::optional<optim::OptimizerStateDict> consolidated;
   bool overlap_with_ddp = false;
+  // 1 or 2 (ZeroRedundancyOptimizerOptions::stage); with 2, owner_reduction averages the
+  // gradients onto their owners during backward.
+  int stage = 1;
+  std::unique_ptr<zero_detail::OwnerReduction> owner_reduction;
   // The param groups as LibTorch sees them: the torch::optim::Optimizer base's param_groups_ of
   // the optimizer holding this state. Their options are what a scheduler or the user sets;
   // apply_group_options makes the local optimizer agree with them.
@@ -97,6 +102,13 @@ struct ZeroRedundancyOptimizer::Impl {
     TORCH_CHECK_VALUE(!groups.empty(), zero_detail::kName, ": no parameter groups given");
     zero_detail::check_params(groups, {}, group.global_rank(group.rank()), zero_detail::kName);
     overlap_with_ddp = options.overlap_with_ddp();
+    stage = options.stage();
+    TORCH_CHECK_VALUE(stage == 1 || stage == 2, zero_detail::kName, ": stage = ", stage,
+                      "; must be 1 (optimizer state sharded) or 2 (gradients too)");
+    TORCH_CHECK_VALUE(stage == 1 || !overlap_with_ddp, zero_detail::kName,
+                      ": stage = 2 cannot be combined with overlap_with_ddp = true: stage 2 "
+                      "averages the gradients itself, without a DistributedDataParallel, while "
+                      "overlap_with_ddp runs the update in a DistributedDataParallel's comm hook");
     // With overlap, parameters travel in DDP's buckets: no views of our own.
     bucket_view = options.parameters_as_bucket_view() && !overlap_with_ddp;
     for (const auto& g : groups) {
@@ -212,6 +224,30 @@ struct ZeroRedundancyOptimizer::Impl {
         }
         buckets[r].push_back(bucket);
       }
+    }
+  }
+
+  // With stage 2, hooks every parameter's gradient (again, after the partition changed).
+  void build_owner_reduction() {
+    owner_reduction.reset();
+    if (stage == 2) {
+      owner_reduction = std::make_unique<zero_detail::OwnerReduction>(group, params, owner);
+    }
+  }
+
+  // Stage 2: after a backward pass this rank holds no gradient of another rank's parameter; one
+  // there was written after the reduction (a DistributedDataParallel's, or the user's). Checked
+  // before anything changes.
+  void check_sharded_gradients() {
+    if (owner_reduction == nullptr || !owner_reduction->take_reduced()) return;
+    for (size_t i = 0; i < params.size(); ++i) {
+      TORCH_CHECK_VALUE(owner[i] == my_rank() || !params[i].grad().defined(), zero_detail::kName,
+                        ".step (stage 2): parameter ", i, ", owned by rank ",
+                        group.global_rank(owner[i]), ", has a gradient on rank ",
+                        group.global_rank(my_rank()),
+                        " after backward; stage 2 averages the gradients onto their owners "
+                        "itself, so train the plain module, not a DistributedDataParallel, and "
+                        "set no .grad between backward and step");
     }
   }
 

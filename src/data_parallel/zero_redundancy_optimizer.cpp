@@ -88,6 +88,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   // Also checks the options, on every rank alike (a rank owning nothing gets empty groups).
   impl_->local = optim::create_optimizer(optimizer, local_groups, defaults);
   impl_->build_buckets();
+  impl_->build_owner_reduction();
   expose_param_groups();
 }
 
@@ -103,6 +104,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   impl_->check_local_params(impl_->local != nullptr ? impl_->local->params().size() : 0,
                             impl_->local != nullptr);
   impl_->build_buckets();
+  impl_->build_owner_reduction();
   expose_param_groups();
 }
 
@@ -119,6 +121,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
                             libtorch != nullptr);
   impl_->local = std::make_unique<optim::LibTorchOptimizerAdapter>(std::move(libtorch));
   impl_->build_buckets();
+  impl_->build_owner_reduction();
   expose_param_groups();
 }
 
@@ -144,6 +147,7 @@ void ZeroRedundancyOptimizer::step(const std::vector<at::Tensor>& gradients) {
   }
   TORCH_CHECK_VALUE(gradients.size() == s.params.size(), kName, ".step: got ", gradients.size(),
                     " gradients for ", s.params.size(), " parameters");
+  s.check_sharded_gradients();
   Join::notify_join_context(*this);
   s.step_and_sync(gradients);
 }
@@ -164,6 +168,10 @@ class ZeroRedundancyOptimizer::ShardJoinHook : public JoinHook {
 };
 
 std::unique_ptr<JoinHook> ZeroRedundancyOptimizer::join_hook(const JoinHookOptions&) {
+  TORCH_CHECK_VALUE(impl_->stage == 1, kName,
+                    ".join_hook: stage = 2 is not supported under Join (a joined rank would have "
+                    "to shadow the gradient reductions of backward passes it does not run); use "
+                    "stage = 1 with a DistributedDataParallel");
   return std::make_unique<ShardJoinHook>(*impl_);
 }
 
@@ -212,6 +220,7 @@ void ZeroRedundancyOptimizer::add_param_group(const optim::ParamGroup& group) {
   s.owner = owner;
   s.partition = s.partition_of(s.owner);
   s.build_buckets();
+  s.build_owner_reduction();
   param_groups_.push_back(s.mirror_group(s.group_indices.size() - 1));
 }
 

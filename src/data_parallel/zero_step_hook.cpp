@@ -12,8 +12,8 @@ using zero_detail::kName;
 // The DDP hook of overlap_with_ddp. Buckets arrive in index order on the autograd thread; each is
 // reduced by the base hook at once. When the last one arrives, bucket by bucket: wait for its
 // reduction, update this rank's parameters of it, and start the broadcasts of its parameters
-// from their owners (one per owner: each bucket has one dtype), so the broadcasts of a bucket
-// overlap the updates of the next. Backward returns once every broadcast has arrived.
+// from their owners (one per parameter, in place), so the broadcasts of a bucket overlap the
+// updates of the next. Backward returns once every broadcast has arrived.
 class ZeroRedundancyOptimizer::StepHook : public c10d::CommHookInterface {
  public:
   StepHook(Impl& state, std::unique_ptr<c10d::CommHookInterface> base)
@@ -68,9 +68,10 @@ class ZeroRedundancyOptimizer::StepHook : public c10d::CommHookInterface {
     for (size_t k = 0; k < s_.partition[me].size(); ++k) local_index[s_.partition[me][k]] = k;
     std::vector<bool> seen(s_.params.size(), false);
 
+    // A non-contiguous parameter of another owner, received into a contiguous copy.
     struct Receive {
-      std::vector<int64_t> indices;
-      at::Tensor flat;
+      int64_t index;
+      at::Tensor copy;
     };
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<Receive> receives;
@@ -96,28 +97,20 @@ class ZeroRedundancyOptimizer::StepHook : public c10d::CommHookInterface {
         any = true;
       }
       if (any) s_.local_step(local_gradients);
-      for (int r = 0; r < s_.group.size(); ++r) {
-        std::vector<int64_t> owned;
-        int64_t total = 0;
-        for (int64_t i : bucket.indices) {
-          if (s_.owner[i] != r || s_.params[i].numel() == 0) continue;
-          owned.push_back(i);
-          total += s_.params[i].numel();
-        }
-        if (owned.empty()) continue;
-        at::Tensor flat;
-        if (r == me) {
-          std::vector<at::Tensor> pieces;
-          for (int64_t i : owned) pieces.push_back(s_.params[i].detach().reshape({-1}));
-          flat = at::cat(pieces);
-        } else {
-          flat = at::empty({total}, s_.params[owned[0]].options());
-          receives.push_back({owned, flat});
+      // Each parameter straight from its owner into every replica: no staging copies, so the
+      // overlap costs no memory beyond stage 1's (a non-contiguous one goes through a copy).
+      for (const int64_t i : bucket.indices) {
+        const at::Tensor& p = s_.params[i];
+        if (p.numel() == 0) continue;
+        at::Tensor target = p.detach();
+        if (!target.is_contiguous()) {
+          target = target.contiguous();
+          if (s_.owner[i] != me) receives.push_back({i, target});
         }
         c10d::BroadcastOptions options;
-        options.rootRank = r;
+        options.rootRank = s_.owner[i];
         options.timeout = s_.group.timeout();
-        std::vector<at::Tensor> one = {flat};
+        std::vector<at::Tensor> one = {target};
         works.push_back(pg->broadcast(one, options));
       }
     }
@@ -135,14 +128,7 @@ class ZeroRedundancyOptimizer::StepHook : public c10d::CommHookInterface {
                                      "parameters failed on rank ",
                                      s_.group.global_rank(me), ": ");
     }
-    for (const Receive& receive : receives) {
-      int64_t offset = 0;
-      for (int64_t i : receive.indices) {
-        at::Tensor& p = s_.params[i];
-        p.detach().copy_(receive.flat.narrow(0, offset, p.numel()).view(p.sizes()));
-        offset += p.numel();
-      }
-    }
+    for (const Receive& receive : receives) s_.params[receive.index].detach().copy_(receive.copy);
   }
 
   Impl& s_;

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,9 +98,11 @@ class ZeroParityTest : public ::testing::Test {
       const at::Tensor& x = data.at(0);
       const at::Tensor& y = data.at(1);
       auto model = initial_model(ref);
-      DistributedDataParallel ddp(model);
+      // Stage 2 averages the gradients itself: the plain module.
+      std::optional<DistributedDataParallel<torch::nn::Sequential>> ddp;
+      if (options.stage() == 1) ddp.emplace(model);
       ZeroRedundancyOptimizer zero(model->parameters(), "adam", {{"lr", kParityLr}}, options);
-      if (options.overlap_with_ddp()) ddp.register_comm_hook(hook_with_zero_step(zero));
+      if (options.overlap_with_ddp()) ddp->register_comm_hook(hook_with_zero_step(zero));
 
       // The same shares as PyTorch's partition (which lists them largest first).
       const auto reference_partition = load_tensor_list(ref / "partition.pt");
@@ -114,7 +117,8 @@ class ZeroParityTest : public ::testing::Test {
 
       for (int step = 0; step < kParitySteps; ++step) {
         zero.zero_grad();
-        torch::mse_loss(ddp.forward(x[step][rank]), y[step][rank]).backward();
+        const at::Tensor output = ddp ? ddp->forward(x[step][rank]) : model->forward(x[step][rank]);
+        torch::mse_loss(output, y[step][rank]).backward();
         zero.step();
       }
       const auto params = model->parameters();
@@ -168,6 +172,16 @@ TEST_F(ZeroParityTest, MatchesPyTorchWithParametersAsBucketView) {
 // which updates from the first, is compared with PyTorch's ZeRO without overlap.
 TEST_F(ZeroParityTest, MatchesPyTorchWithOverlapWithDdp) {
   expect_parity(ZeroRedundancyOptimizerOptions().overlap_with_ddp(true));
+}
+
+// ZeRO stage 2 (beyond PyTorch): gradients averaged onto their owners only, without a DDP; the
+// trajectory is stage 1's, so PyTorch's.
+TEST_F(ZeroParityTest, MatchesPyTorchWithStage2) {
+  expect_parity(ZeroRedundancyOptimizerOptions().stage(2));
+}
+
+TEST_F(ZeroParityTest, MatchesPyTorchWithStage2AndParametersAsBucketView) {
+  expect_parity(ZeroRedundancyOptimizerOptions().stage(2).parameters_as_bucket_view(true));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -165,17 +166,21 @@ TEST(ZeroPartition, RejectsABadWorldSize) {
   expect_error_containing([] { zero_partition({{1, 2}}, 0); }, {"world_size = 0"});
 }
 
-class ZeroStep : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+class ZeroStep : public ::testing::TestWithParam<std::tuple<int, bool, int>> {};
 
+// Stage 1 behind a DistributedDataParallel; stage 2 on the plain module (it averages the
+// gradients itself).
 TEST_P(ZeroStep, DdpPlusZeroEqualsOneProcessOnTheFullBatch) {
-  const auto [world, bucket_view] = GetParam();
-  run_ranks(world, [bucket_view = bucket_view](int rank, int world_size) {
+  const auto [world, bucket_view, stage] = GetParam();
+  run_ranks(world, [bucket_view = bucket_view, stage = stage](int rank, int world_size) {
     init();
-    auto model = make_model(100 + rank);  // DDP gives every rank rank 0's weights
-    DistributedDataParallel ddp(model);
+    // DDP gives every rank rank 0's weights; without it, every rank starts from the same.
+    auto model = make_model(stage == 1 ? 100 + rank : 100);
+    std::optional<DistributedDataParallel<Net>> ddp;
+    if (stage == 1) ddp.emplace(model);
     ZeroRedundancyOptimizer zero(
         param_groups(model), "adam", kAdamDefaults,
-        ZeroRedundancyOptimizerOptions().parameters_as_bucket_view(bucket_view));
+        ZeroRedundancyOptimizerOptions().parameters_as_bucket_view(bucket_view).stage(stage));
     // The partition is the documented one, and this rank's optimizer holds its share of it.
     std::vector<std::vector<int64_t>> numels(2);
     for (int g = 0; g < 2; ++g) {
@@ -187,7 +192,7 @@ TEST_P(ZeroStep, DdpPlusZeroEqualsOneProcessOnTheFullBatch) {
 
     SingleProcessRun reference;
     for (int iteration = 0; iteration < 6; ++iteration) {
-      ddp_zero_iteration(&ddp, model, zero, iteration, rank, world_size);
+      ddp_zero_iteration(ddp ? &*ddp : nullptr, model, zero, iteration, rank, world_size);
       reference.train(iteration, world_size);
       expect_params_close(zero.params(), reference.params(),
                           "iteration " + std::to_string(iteration));
@@ -196,8 +201,104 @@ TEST_P(ZeroStep, DdpPlusZeroEqualsOneProcessOnTheFullBatch) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldAndBucketView, ZeroStep,
-                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(WorldBucketViewAndStage, ZeroStep,
+                         ::testing::Combine(::testing::Values(2, 3), ::testing::Bool(),
+                                            ::testing::Values(1, 2)));
+
+// After backward, stage 2 leaves on each rank exactly the gradients of the parameters it owns,
+// equal to the average a DistributedDataParallel computes for stage 1, and no other.
+TEST(ZeroStage2, BackwardLeavesOnlyTheOwnedGradientsAveragedAsDdpDoes) {
+  run_ranks(3, [](int rank, int world_size) {
+    init();
+    auto ddp_model = make_model(100, torch::kFloat32);
+    DistributedDataParallel ddp(ddp_model);
+    auto model = make_model(100, torch::kFloat32);
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults,
+                                 ZeroRedundancyOptimizerOptions().stage(2));
+    for (int iteration = 0; iteration < 2; ++iteration) {
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < zero.params().size(); ++i) {
+          ddp_model->parameters()[i].copy_(zero.params()[i]);
+        }
+      }
+      const Batch batch(7 + iteration, world_size);
+      ddp_model->zero_grad();
+      zero.zero_grad();
+      torch::mse_loss(ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      torch::mse_loss(model->forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      const auto averaged = ddp_model->parameters();
+      const auto& params = zero.params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const bool mine = std::find(zero.partition()[rank].begin(), zero.partition()[rank].end(),
+                                    static_cast<int64_t>(i)) != zero.partition()[rank].end();
+        if (!mine) {
+          EXPECT_FALSE(params[i].grad().defined()) << "parameter " << i << " of another rank";
+          continue;
+        }
+        ASSERT_TRUE(params[i].grad().defined()) << "parameter " << i;
+        const double rtol = params[i].scalar_type() == at::kFloat ? 1e-6 : 1e-12;
+        EXPECT_TRUE(at::allclose(params[i].grad(), averaged[i].grad(), rtol, rtol * 1e-2))
+            << "parameter " << i << "\n"
+            << params[i].grad() << "\nDDP's\n"
+            << averaged[i].grad();
+      }
+      zero.step();
+    }
+  });
+}
+
+// A parameter that gets no gradient in a pass counts as zeros: its owner gets a zero gradient,
+// also when it shares a bucket with one that got its gradient.
+TEST(ZeroStage2, AParameterWithoutAGradientCountsAsZeros) {
+  run_ranks(2, [](int rank, int) {
+    init();
+    const auto options = torch::dtype(torch::kFloat64).requires_grad(true);
+    // Greedy partition: rank 0 owns `big`, rank 1 owns `used` and `unused`, in one bucket.
+    auto big = torch::ones({10}, options);
+    auto used = torch::ones({4}, options);
+    auto unused = torch::ones({4}, options);
+    ZeroRedundancyOptimizer zero({big, used, unused}, "sgd", {{"lr", 0.1}},
+                                 ZeroRedundancyOptimizerOptions().stage(2));
+    ASSERT_EQ(zero.partition(), (std::vector<std::vector<int64_t>>{{0}, {1, 2}}));
+    for (int iteration = 0; iteration < 2; ++iteration) {
+      zero.zero_grad();
+      ((big.sum() + used.sum()) * (rank + 1)).backward();
+      // The average of 1 and 2.
+      if (rank == 0) {
+        EXPECT_TRUE(at::equal(big.grad(), torch::full({10}, 1.5, torch::kFloat64)));
+        EXPECT_FALSE(used.grad().defined());
+        EXPECT_FALSE(unused.grad().defined());
+      } else {
+        EXPECT_FALSE(big.grad().defined());
+        EXPECT_TRUE(at::equal(used.grad(), torch::full({4}, 1.5, torch::kFloat64)));
+        ASSERT_TRUE(unused.grad().defined());
+        EXPECT_TRUE(at::equal(unused.grad(), torch::zeros({4}, torch::kFloat64)));
+      }
+      zero.step();
+    }
+  });
+}
+
+// A DistributedDataParallel around a stage-2 model writes every gradient after the reduction:
+// step refuses it before changing anything.
+TEST(ZeroStage2, StepRefusesGradientsOfOtherRanksLeftByADdp) {
+  run_ranks(2, [](int rank, int world_size) {
+    init();
+    auto model = make_model(100);
+    DistributedDataParallel ddp(model);
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults,
+                                 ZeroRedundancyOptimizerOptions().stage(2));
+    const Batch batch(7, world_size);
+    torch::mse_loss(ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+    std::vector<at::Tensor> before;
+    for (const auto& p : zero.params()) before.push_back(p.detach().clone());
+    expect_error_containing([&] { zero.step(); },
+                            {"stage 2", "has a gradient on rank " + std::to_string(rank),
+                             "not a DistributedDataParallel"});
+    for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(at::equal(zero.params()[i], before[i]));
+  });
+}
 
 class ZeroOverlap : public ::testing::TestWithParam<int> {};
 
@@ -390,18 +491,26 @@ std::string checkpoint_path(const std::string& name) {
   return ::testing::TempDir() + "/distoptim_zero_" + name;
 }
 
-TEST(ZeroRedundancyOptimizer, ConsolidatedStateEqualsOneProcessAndLoadsUnderAnotherWorldSize) {
-  const std::string optimizer_file = checkpoint_path("optimizer.pt");
-  const std::string model_file = checkpoint_path("model.pt");
+// Saved under one stage, resumed under the other: the state dict does not depend on it.
+class ZeroCheckpoint : public ::testing::TestWithParam<int> {};
+
+TEST_P(ZeroCheckpoint, ConsolidatedStateEqualsOneProcessAndLoadsUnderAnotherWorldSize) {
+  const int stage = GetParam();
+  const int resumed_stage = 3 - stage;
+  const std::string suffix = "_stage" + std::to_string(stage);
+  const std::string optimizer_file = checkpoint_path("optimizer" + suffix + ".pt");
+  const std::string model_file = checkpoint_path("model" + suffix + ".pt");
   // Three ranks train 4 iterations; rank 1 gathers the state and saves it with the model.
   run_ranks(3, [&](int rank, int world_size) {
     init();
-    auto model = make_model(100 + rank);
-    DistributedDataParallel ddp(model);
-    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults);
+    auto model = make_model(stage == 1 ? 100 + rank : 100);
+    std::optional<DistributedDataParallel<Net>> ddp;
+    if (stage == 1) ddp.emplace(model);
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults,
+                                 ZeroRedundancyOptimizerOptions().stage(stage));
     SingleProcessRun reference;
     for (int iteration = 0; iteration < 4; ++iteration) {
-      ddp_zero_iteration(&ddp, model, zero, iteration, rank, world_size);
+      ddp_zero_iteration(ddp ? &*ddp : nullptr, model, zero, iteration, rank, world_size);
       reference.train(iteration, world_size);
     }
     zero.consolidate_state_dict(/*to=*/1);
@@ -420,13 +529,15 @@ TEST(ZeroRedundancyOptimizer, ConsolidatedStateEqualsOneProcessAndLoadsUnderAnot
     init();
     auto model = make_model(100 + rank);
     torch::load(model, model_file);
-    DistributedDataParallel ddp(model);
-    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults);
+    std::optional<DistributedDataParallel<Net>> ddp;
+    if (resumed_stage == 1) ddp.emplace(model);
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults,
+                                 ZeroRedundancyOptimizerOptions().stage(resumed_stage));
     zero.load_state_dict(optim::load_state_dict_file(optimizer_file));
     SingleProcessRun reference;
     for (int iteration = 0; iteration < 4; ++iteration) reference.train(iteration, 3);
     for (int iteration = 4; iteration < 8; ++iteration) {
-      ddp_zero_iteration(&ddp, model, zero, iteration, rank, world_size);
+      ddp_zero_iteration(ddp ? &*ddp : nullptr, model, zero, iteration, rank, world_size);
       reference.train(iteration, world_size);
     }
     expect_params_close(zero.params(), reference.params(), "4 iterations after resuming");
@@ -439,6 +550,8 @@ TEST(ZeroRedundancyOptimizer, ConsolidatedStateEqualsOneProcessAndLoadsUnderAnot
     std::remove(model_file.c_str());
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Stage, ZeroCheckpoint, ::testing::Values(1, 2));
 
 TEST(ZeroRedundancyOptimizer, ABadStateDictFailsOnEveryRankAndChangesNothing) {
   run_ranks(2, [](int rank, int world_size) {
@@ -674,6 +787,23 @@ TEST(ZeroRedundancyOptimizer, BadInputIsRejectedNamingTheArgument) {
     expect_error_containing([&] { ZeroRedundancyOptimizer({mismatched}, "adam"); },
                             {"rank 1", "parameter 0"});
 
+    expect_error_containing(
+        [&] {
+          ZeroRedundancyOptimizer({weight}, "adam", {}, ZeroRedundancyOptimizerOptions().stage(3));
+        },
+        {"stage = 3", "must be 1", "or 2"});
+    expect_error_containing(
+        [&] {
+          ZeroRedundancyOptimizer({weight}, "adam", {},
+                                  ZeroRedundancyOptimizerOptions().stage(2).overlap_with_ddp(true));
+        },
+        {"stage = 2", "overlap_with_ddp = true"});
+    {
+      ZeroRedundancyOptimizer stage2({weight}, "adam", {},
+                                     ZeroRedundancyOptimizerOptions().stage(2));
+      expect_error_containing([&] { stage2.join_hook({}); }, {"join_hook", "stage = 2", "Join"});
+    }
+
     ZeroRedundancyOptimizer zero({weight}, "adam");
     expect_error_containing(
         [&] {
@@ -706,6 +836,25 @@ TEST(ZeroRedundancyOptimizer, AStepOnOnlySomeRanksFailsAfterTheTimeout) {
           {"ZeroRedundancyOptimizer.step", "every rank must call step()", "rank 0"});
     } else {
       std::this_thread::sleep_for(4s);  // rank 1 never steps, but stays connected
+    }
+  });
+}
+
+// Stage 2 reduces inside backward: a rank that runs no backward pass makes the others' backward
+// fail after the group's timeout, naming the reduction.
+TEST(ZeroStage2, ABackwardOnOnlySomeRanksFailsAfterTheTimeout) {
+  run_ranks(2, [](int rank, int) {
+    init(/*timeout=*/2s);
+    auto weight = torch::randn({64}, torch::dtype(torch::kFloat64).requires_grad(true));
+    auto bias = torch::randn({8}, torch::dtype(torch::kFloat64).requires_grad(true));
+    ZeroRedundancyOptimizer zero({weight, bias}, "sgd", {{"lr", 0.1}},
+                                 ZeroRedundancyOptimizerOptions().stage(2));
+    if (rank == 0) {
+      expect_error_containing([&] { (weight.sum() + bias.sum()).backward(); },
+                              {"stage 2", "reducing the gradients of rank",
+                               "every rank must run the same backward passes"});
+    } else {
+      std::this_thread::sleep_for(4s);  // rank 1 never runs backward, but stays connected
     }
   });
 }

@@ -43,6 +43,18 @@ struct ZeroRedundancyOptimizerOptions {
   /// partition does not depend on DDP's buckets). step() then does nothing;
   /// parameters_as_bucket_view is ignored.
   TORCH_ARG(bool, overlap_with_ddp) = false;
+  /// 1 (PyTorch's ZeroRedundancyOptimizer): every rank keeps every parameter's gradient, as a
+  /// DistributedDataParallel averages them. 2 (beyond PyTorch; ZeRO stage 2): the optimizer
+  /// averages the gradients itself, each one only onto the rank that owns its parameter, in
+  /// buckets while backward runs (one c10d reduce per bucket to its owner), and every other rank
+  /// frees it at once: after backward a rank holds the gradients of its own parameters only
+  /// (about 1/world of them), and at most the buckets in flight of the others'. Train the plain
+  /// module, not a DistributedDataParallel (step() throws c10::ValueError if a gradient of
+  /// another rank's parameter is there after backward); clear the gradients (zero_grad) before
+  /// every backward pass, since each pass is averaged on its own; a parameter that requires a
+  /// gradient but gets none in a pass counts as a zero gradient. Results equal stage 1's with a
+  /// DistributedDataParallel to rounding. Not with overlap_with_ddp or join_hook (c10::ValueError).
+  TORCH_ARG(int, stage) = 1;
 };
 
 /// torch.distributed.optim.ZeroRedundancyOptimizer: every rank of a data-parallel group holds

@@ -1,0 +1,226 @@
+// ZeRO stage 2: gradients reduced to their parameters' owners during backward (see
+// zero_owner_reduction.h).
+#include "zero_owner_reduction.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <distoptim/comm/errors.h>
+
+namespace distoptim {
+namespace data_parallel {
+namespace zero_detail {
+
+OwnerReduction::OwnerReduction(comm::Group group, const std::vector<at::Tensor>& params,
+                               const std::vector<int>& owner)
+    : group_(std::move(group)), params_(params), bucket_of_(params.size(), -1) {
+  // Backward reaches the parameters roughly last to first: each owner's buckets are filled in
+  // that order, and all buckets launch in the order of their last parameter, so the first to
+  // fill goes first.
+  std::map<std::pair<int, at::ScalarType>, Bucket> open;
+  std::vector<Bucket> built;
+  for (int64_t i = static_cast<int64_t>(params.size()) - 1; i >= 0; --i) {
+    const at::Tensor& p = params[i];
+    if (!p.requires_grad() || p.numel() == 0) continue;
+    const auto key = std::make_pair(owner[i], p.scalar_type());
+    auto found = open.find(key);
+    if (found != open.end() &&
+        (found->second.numel + p.numel()) * p.element_size() > kBucketBytes) {
+      built.push_back(std::move(found->second));
+      open.erase(found);
+      found = open.end();
+    }
+    if (found == open.end()) {
+      Bucket bucket;
+      bucket.owner = owner[i];
+      bucket.options = p.options().requires_grad(false);
+      found = open.emplace(key, std::move(bucket)).first;
+    }
+    Bucket& bucket = found->second;
+    bucket.indices.push_back(i);
+    bucket.offsets.push_back(bucket.numel);
+    bucket.numel += p.numel();
+  }
+  for (auto& [key, bucket] : open) built.push_back(std::move(bucket));
+  std::stable_sort(built.begin(), built.end(), [](const Bucket& a, const Bucket& b) {
+    return a.indices.front() > b.indices.front();
+  });
+  buckets_ = std::move(built);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    for (int64_t i : buckets_[b].indices) bucket_of_[i] = static_cast<int64_t>(b);
+  }
+  reset_backward();
+  // The gradient accumulator lives as long as someone holds it: keep it, with our hook.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (bucket_of_[i] < 0) continue;
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+    const auto index = static_cast<int64_t>(i);
+    const uintptr_t key =
+        accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [this, index](const torch::autograd::variable_list& outputs,
+                          const torch::autograd::variable_list&) {
+              on_gradient(index);
+              return outputs;
+            }));
+    accumulators_.push_back(std::move(accumulator));
+    hook_keys_.push_back(key);
+  }
+}
+
+OwnerReduction::~OwnerReduction() {
+  for (size_t k = 0; k < accumulators_.size(); ++k) accumulators_[k]->del_post_hook(hook_keys_[k]);
+}
+
+void OwnerReduction::reset_backward() {
+  in_backward_ = false;
+  next_launch_ = 0;
+  arrived_.assign(params_.size(), false);
+  for (Bucket& bucket : buckets_) {
+    bucket.missing = static_cast<int64_t>(bucket.indices.size());
+    bucket.flat = at::Tensor();
+    bucket.work.reset();
+  }
+}
+
+void OwnerReduction::on_gradient(int64_t index) {
+  if (!in_backward_) {
+    in_backward_ = true;
+    // Runs on this thread when the backward pass ends, before backward() returns.
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  }
+  try {
+    take_gradient(index);
+  } catch (...) {
+    // A failed backward pass runs no callback: the next pass starts afresh.
+    reset_backward();
+    throw;
+  }
+}
+
+void OwnerReduction::take_gradient(int64_t index) {
+  at::Tensor& p = params_[index];
+  const at::Tensor grad = p.grad();
+  // Only a second backward through a retained graph brings the same parameter twice before the
+  // end of a pass; the engine's callback closes each pass.
+  if (arrived_[index] || !grad.defined()) return;
+  TORCH_CHECK_VALUE(grad.layout() == at::kStrided, "ZeroRedundancyOptimizer (stage 2): parameter ",
+                    index, " got a sparse gradient; stage 2 reduces dense gradients only (rank ",
+                    group_.global_rank(group_.rank()), ")");
+  at::NoGradGuard no_grad;
+  Bucket& bucket = buckets_[bucket_of_[index]];
+  // Every slot is written before the bucket goes (a gradient, or zeros in launch): no fill.
+  if (!bucket.flat.defined()) bucket.flat = at::empty({bucket.numel}, bucket.options);
+  const size_t k =
+      std::find(bucket.indices.begin(), bucket.indices.end(), index) - bucket.indices.begin();
+  bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes()).copy_(grad);
+  p.mutable_grad() = at::Tensor();
+  arrived_[index] = true;
+  --bucket.missing;
+  launch_ready_buckets();
+  release_completed();
+}
+
+void OwnerReduction::launch_ready_buckets() {
+  // Every rank launches in the same order, whatever order its gradients came in.
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].missing == 0) {
+    launch(buckets_[next_launch_++]);
+  }
+}
+
+void OwnerReduction::launch(Bucket& bucket) {
+  if (!bucket.flat.defined()) {
+    bucket.flat = at::zeros({bucket.numel}, bucket.options);
+  } else if (bucket.missing > 0) {
+    for (size_t k = 0; k < bucket.indices.size(); ++k) {
+      if (!arrived_[bucket.indices[k]]) {
+        bucket.flat.narrow(0, bucket.offsets[k], params_[bucket.indices[k]].numel()).zero_();
+      }
+    }
+  }
+  // Divided before summing, as DDP's allreduce hook does, so the result rounds as stage 1's.
+  bucket.flat.div_(group_.size());
+  c10d::ReduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  options.rootRank = bucket.owner;
+  options.timeout = group_.timeout();
+  std::vector<at::Tensor> tensors = {bucket.flat};
+  bucket.work = group_.process_group()->reduce(tensors, options);
+  // Another owner's bucket: the reduce holds it until it completes; nothing else needs it.
+  if (bucket.owner != group_.rank()) bucket.flat = at::Tensor();
+}
+
+void OwnerReduction::release_completed() {
+  // A completed reduce of another owner's bucket still holds its tensor: drop it now. Failures
+  // are kept for wait_for to report. Past kMaxOthersInFlight such buckets, backward waits for
+  // the oldest, so that a slow network does not let them pile up to all the others' gradients.
+  std::vector<Bucket*> in_flight;
+  for (size_t b = 0; b < next_launch_; ++b) {
+    Bucket& bucket = buckets_[b];
+    if (bucket.owner == group_.rank() || !bucket.work) continue;
+    if (bucket.work->isCompleted() && bucket.work->isSuccess()) {
+      bucket.work.reset();
+    } else {
+      in_flight.push_back(&bucket);
+    }
+  }
+  for (size_t k = 0; k + kMaxOthersInFlight < in_flight.size(); ++k) {
+    wait_for(*in_flight[k]);
+    in_flight[k]->work.reset();
+  }
+}
+
+void OwnerReduction::wait_for(Bucket& bucket) {
+  try {
+    bucket.work->wait(group_.timeout());
+  } catch (const std::exception& e) {
+    DISTOPTIM_RETHROW_WITH_CONTEXT(
+        e, "ZeroRedundancyOptimizer (stage 2): reducing the gradients of rank ",
+        group_.global_rank(bucket.owner), "'s parameters failed on rank ",
+        group_.global_rank(group_.rank()),
+        " (every rank must run the same backward passes; a rank that does not, or died, makes "
+        "the others fail after the group's timeout of ",
+        group_.timeout().count(), " ms): ");
+  }
+}
+
+void OwnerReduction::finish_backward() {
+  try {
+    finish_reductions();
+  } catch (...) {
+    reset_backward();
+    throw;
+  }
+}
+
+void OwnerReduction::finish_reductions() {
+  const int me = group_.rank();
+  // Gradients that never came (parameters this pass did not use) count as zeros.
+  for (; next_launch_ < buckets_.size(); ++next_launch_) launch(buckets_[next_launch_]);
+  for (Bucket& bucket : buckets_) {
+    if (bucket.work) wait_for(bucket);
+  }
+  at::NoGradGuard no_grad;
+  for (Bucket& bucket : buckets_) {
+    if (bucket.owner != me) continue;
+    for (size_t k = 0; k < bucket.indices.size(); ++k) {
+      at::Tensor& p = params_[bucket.indices[k]];
+      p.mutable_grad() = bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes());
+    }
+  }
+  reset_backward();
+  reduced_ = true;
+}
+
+}  // namespace zero_detail
+}  // namespace data_parallel
+}  // namespace distoptim

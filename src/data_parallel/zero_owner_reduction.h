@@ -1,0 +1,93 @@
+#pragma once
+
+// ZeRO stage 2's gradient reduction: every gradient goes to the rank that owns its parameter
+// only, bucket by bucket while backward runs, and is freed everywhere else.
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <distoptim/comm/process_group.h>
+
+namespace distoptim {
+namespace data_parallel {
+namespace zero_detail {
+
+// Hooks the gradient accumulator of every parameter that requires a gradient. As backward
+// produces a parameter's gradient, the hook copies it into the flat bucket of its owner's
+// parameters (one bucket per owner, dtype and kBucketBytes, in the order backward reaches them)
+// and frees the parameter's .grad. A complete bucket is divided by the world size and sent to its
+// owner with one c10d reduce (SUM; Gloo in c10d 1.13 has no reduce-scatter), buckets launched in
+// the same fixed order on every rank. At the end of backward (an autograd engine callback) the
+// remaining buckets go (a parameter that got no gradient counts as zeros), every reduce is
+// waited for, and the owner's parameters get their averaged gradient as views into its bucket;
+// other ranks keep no gradient for them. Buckets of other owners are freed as soon as their
+// reduce completes; backward waits when more than kMaxOthersInFlight are still going.
+//
+// Thread safety: confined to the thread running backward (the hooks and the callback run there);
+// construction and destruction on the thread that owns the ZeroRedundancyOptimizer, not during a
+// backward pass. Errors: a failed or timed-out reduce throws from backward() (DistributedError
+// naming the owner); a sparse gradient throws c10::ValueError from backward().
+class OwnerReduction {
+ public:
+  // PyTorch DDP's default bucket_cap_mb.
+  static constexpr int64_t kBucketBytes = 25 * 1024 * 1024;
+  // Buckets of other owners whose reduce may still be running while backward goes on.
+  static constexpr size_t kMaxOthersInFlight = 4;
+
+  OwnerReduction(comm::Group group, const std::vector<at::Tensor>& params,
+                 const std::vector<int>& owner);
+  ~OwnerReduction();
+  OwnerReduction(const OwnerReduction&) = delete;
+  OwnerReduction& operator=(const OwnerReduction&) = delete;
+
+  // Whether a backward pass reduced gradients since the last call (which clears it).
+  bool take_reduced() {
+    const bool reduced = reduced_;
+    reduced_ = false;
+    return reduced;
+  }
+
+ private:
+  struct Bucket {
+    int owner = 0;
+    std::vector<int64_t> indices;  // into params_
+    std::vector<int64_t> offsets;  // of each parameter in flat
+    int64_t numel = 0;
+    at::TensorOptions options;
+    // Per backward pass.
+    int64_t missing = 0;  // parameters whose gradient has not arrived
+    at::Tensor flat;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  void on_gradient(int64_t index);
+  void take_gradient(int64_t index);
+  void launch_ready_buckets();
+  void launch(Bucket& bucket);
+  void release_completed();
+  void wait_for(Bucket& bucket);
+  void finish_backward();
+  void finish_reductions();
+  void reset_backward();
+
+  comm::Group group_;
+  std::vector<at::Tensor> params_;
+  std::vector<Bucket> buckets_;  // in launch order
+  std::vector<int64_t> bucket_of_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  // Per backward pass.
+  bool in_backward_ = false;
+  size_t next_launch_ = 0;
+  std::vector<bool> arrived_;
+  bool reduced_ = false;
+};
+
+}  // namespace zero_detail
+}  // namespace data_parallel
+}  // namespace distoptim
