@@ -3,6 +3,7 @@
 #include "zero_owner_reduction.h"
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <utility>
 
@@ -20,6 +21,23 @@
 namespace distoptim {
 namespace data_parallel {
 namespace zero_detail {
+
+namespace {
+
+// Runs `start` before an accumulator adds anything to its parameter's gradient.
+class PassStartHook : public torch::autograd::FunctionPreHook {
+ public:
+  explicit PassStartHook(std::function<void()> start) : start_(std::move(start)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    start_();
+    return grads;
+  }
+
+ private:
+  std::function<void()> start_;
+};
+
+}  // namespace
 
 OwnerReduction::OwnerReduction(comm::Group group, const std::vector<at::Tensor>& params,
                                const std::vector<int>& owner)
@@ -72,19 +90,30 @@ OwnerReduction::OwnerReduction(comm::Group group, const std::vector<at::Tensor>&
               on_gradient(index);
               return outputs;
             }));
+    auto pre_hook = std::make_unique<PassStartHook>([this] { on_pass_start(); });
+    pre_hooks_.push_back(pre_hook.get());
+    accumulator->add_pre_hook(std::move(pre_hook));
     accumulators_.push_back(std::move(accumulator));
     hook_keys_.push_back(key);
   }
 }
 
 OwnerReduction::~OwnerReduction() {
-  for (size_t k = 0; k < accumulators_.size(); ++k) accumulators_[k]->del_post_hook(hook_keys_[k]);
+  for (size_t k = 0; k < accumulators_.size(); ++k) {
+    accumulators_[k]->del_post_hook(hook_keys_[k]);
+    // Node has no del_pre_hook: take ours out of its list.
+    auto& hooks = accumulators_[k]->pre_hooks();
+    hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                               [&](const auto& hook) { return hook.get() == pre_hooks_[k]; }),
+                hooks.end());
+  }
 }
 
 void OwnerReduction::reset_backward() {
   in_backward_ = false;
   next_launch_ = 0;
   arrived_.assign(params_.size(), false);
+  carried_.assign(params_.size(), at::Tensor());
   for (Bucket& bucket : buckets_) {
     bucket.missing = static_cast<int64_t>(bucket.indices.size());
     bucket.flat = at::Tensor();
@@ -92,18 +121,36 @@ void OwnerReduction::reset_backward() {
   }
 }
 
-void OwnerReduction::on_gradient(int64_t index) {
-  if (!in_backward_) {
-    in_backward_ = true;
-    // Runs on this thread when the backward pass ends, before backward() returns.
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+void OwnerReduction::on_pass_start() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  // Runs on this thread when the backward pass ends, before backward() returns.
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  // Gradients this rank holds from earlier passes (its own parameters' averages) are kept aside:
+  // each rank must send this pass's gradient alone.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (bucket_of_[i] >= 0 && buckets_[bucket_of_[i]].owner == group_.rank() &&
+        params_[i].grad().defined()) {
+      carried_[i] = params_[i].grad();
+      params_[i].mutable_grad() = at::Tensor();
+    }
   }
+}
+
+void OwnerReduction::on_gradient(int64_t index) {
   try {
     take_gradient(index);
   } catch (...) {
     // A failed backward pass runs no callback: the next pass starts afresh.
+    restore_carried();
     reset_backward();
     throw;
+  }
+}
+
+void OwnerReduction::restore_carried() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (carried_[i].defined()) params_[i].mutable_grad() = std::move(carried_[i]);
   }
 }
 
@@ -197,6 +244,7 @@ void OwnerReduction::finish_backward() {
   try {
     finish_reductions();
   } catch (...) {
+    restore_carried();
     reset_backward();
     throw;
   }
@@ -213,8 +261,10 @@ void OwnerReduction::finish_reductions() {
   for (Bucket& bucket : buckets_) {
     if (bucket.owner != me) continue;
     for (size_t k = 0; k < bucket.indices.size(); ++k) {
-      at::Tensor& p = params_[bucket.indices[k]];
+      const int64_t i = bucket.indices[k];
+      at::Tensor& p = params_[i];
       p.mutable_grad() = bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes());
+      if (carried_[i].defined()) p.mutable_grad().add_(carried_[i]);
     }
   }
   reset_backward();

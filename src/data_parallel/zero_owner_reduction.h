@@ -9,6 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <distoptim/comm/process_group.h>
@@ -27,6 +28,11 @@ namespace zero_detail {
 // waited for, and the owner's parameters get their averaged gradient as views into its bucket;
 // other ranks keep no gradient for them. Buckets of other owners are freed as soon as their
 // reduce completes; backward waits when more than kMaxOthersInFlight are still going.
+//
+// Gradients accumulate over backward passes as in stage 1 (no zero_grad between them): the owner
+// of a parameter already holding an averaged gradient keeps it aside when the next pass starts
+// (a pre-hook on the accumulators, before any gradient is accumulated), so that what each rank
+// sends is that pass's gradient alone, and adds it back to the new average at the end.
 //
 // Thread safety: confined to the thread running backward (the hooks and the callback run there);
 // construction and destruction on the thread that owns the ZeroRedundancyOptimizer, not during a
@@ -65,7 +71,10 @@ class OwnerReduction {
     c10::intrusive_ptr<c10d::Work> work;
   };
 
+  void on_pass_start();
   void on_gradient(int64_t index);
+  // Puts the gradients kept aside back on their parameters (a pass that failed).
+  void restore_carried();
   void take_gradient(int64_t index);
   void launch_ready_buckets();
   void launch(Bucket& bucket);
@@ -81,10 +90,12 @@ class OwnerReduction {
   std::vector<int64_t> bucket_of_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
+  std::vector<const torch::autograd::FunctionPreHook*> pre_hooks_;  // one per accumulator
   // Per backward pass.
   bool in_backward_ = false;
   size_t next_launch_ = 0;
   std::vector<bool> arrived_;
+  std::vector<at::Tensor> carried_;  // owned parameters' gradients before this pass
   bool reduced_ = false;
 };
 

@@ -280,6 +280,34 @@ TEST(ZeroStage2, AParameterWithoutAGradientCountsAsZeros) {
   });
 }
 
+// Gradients accumulate over backward passes without zero_grad as in stage 1: the owner ends
+// with the sum of each pass's average, and a step then applies that sum.
+TEST(ZeroStage2, GradientsAccumulateOverBackwardPasses) {
+  run_ranks(2, [](int rank, int) {
+    init();
+    const auto options = torch::dtype(torch::kFloat64).requires_grad(true);
+    auto big = torch::ones({10}, options);
+    auto small = torch::ones({4}, options);
+    ZeroRedundancyOptimizer zero({big, small}, "sgd", {{"lr", 0.5}},
+                                 ZeroRedundancyOptimizerOptions().stage(2));
+    ASSERT_EQ(zero.partition(), (std::vector<std::vector<int64_t>>{{0}, {1}}));
+    zero.zero_grad();
+    // Averages 1.5, then 3, then 4.5 (rank r contributes r + 1 times the pass number).
+    for (int pass = 1; pass <= 3; ++pass) {
+      ((big.sum() + small.sum()) * (rank + 1) * pass).backward();
+    }
+    at::Tensor& mine = rank == 0 ? big : small;
+    const at::Tensor& other = rank == 0 ? small : big;
+    EXPECT_TRUE(at::equal(mine.grad(), torch::full(mine.sizes(), 9.0, torch::kFloat64)))
+        << mine.grad();
+    EXPECT_FALSE(other.grad().defined());
+    zero.step();
+    // 1 - 0.5 * 9 on every rank, once the step has shared every owner's update.
+    EXPECT_TRUE(at::equal(big.detach(), torch::full({10}, -3.5, torch::kFloat64))) << big;
+    EXPECT_TRUE(at::equal(small.detach(), torch::full({4}, -3.5, torch::kFloat64))) << small;
+  });
+}
+
 // A DistributedDataParallel around a stage-2 model writes every gradient after the reduction:
 // step refuses it before changing anything.
 TEST(ZeroStage2, StepRefusesGradientsOfOtherRanksLeftByADdp) {
