@@ -5,8 +5,10 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <distoptim/rpc/detail/internal_registry.h>
+#include <distoptim/rpc/row_guard.h>
 
 namespace distoptim {
 namespace rpc {
@@ -42,6 +44,32 @@ int64_t pooling_mode(const torch::nn::EmbeddingBagMode& mode) {
   return 2;
 }
 
+// LibTorch's embedding with sparse=true, except that its backward does not keep the weight: its
+// gradient needs only the ids and the weight's size, and a weight kept there would make every
+// step of other trainers between a trainer's forward and its backward an error ("modified by an
+// inplace operation"). The gradient is the one embedding's sparse backward builds: one entry per
+// id, uncoalesced.
+struct RowLookup : torch::autograd::Function<RowLookup> {
+  static at::Tensor forward(torch::autograd::AutogradContext* context, const at::Tensor& weight,
+                            const at::Tensor& ids) {
+    context->saved_data["ids"] = ids;
+    context->saved_data["rows"] = weight.size(0);
+    // Trainers may be stepping other rows (or these) meanwhile: no row is copied half-updated.
+    RowReadGuard rows_unchanged_meanwhile(weight, ids);
+    return weight.index_select(0, ids);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor ids = context->saved_data["ids"].toTensor();
+    const int64_t dim = grads[0].size(-1);
+    const at::Tensor gradient =
+        at::_sparse_coo_tensor_unsafe(ids.reshape({1, -1}), grads[0].reshape({-1, dim}),
+                                      {context->saved_data["rows"].toInt(), dim});
+    return {gradient, at::Tensor()};
+  }
+};
+
 }  // namespace
 
 EmbeddingShard::EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype,
@@ -63,8 +91,7 @@ at::Tensor EmbeddingShard::forward(const at::Tensor& local_ids) {
     TORCH_CHECK_INDEX(low >= 0 && high < weight.size(0), "EmbeddingShard: id ",
                       low < 0 ? low : high, " outside the shard's ", weight.size(0), " rows");
   }
-  return at::embedding(weight, local_ids, /*padding_idx=*/-1, /*scale_grad_by_freq=*/false,
-                       /*sparse=*/true);
+  return RowLookup::apply(weight, local_ids);
 }
 
 ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options)

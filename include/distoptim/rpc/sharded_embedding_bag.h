@@ -68,7 +68,10 @@ struct ShardedEmbeddingBagOptions {
 /// ShardedEmbeddingBag (registered in every process that runs the rpc layer).
 struct EmbeddingShard : torch::nn::Module {
   EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype, int64_t seed);
-  /// The rows of `local_ids` (shard-relative), with a sparse gradient.
+  /// The rows of `local_ids` (shard-relative), with a sparse gradient (LibTorch's sparse
+  /// embedding's). The rows are copied under an rpc::RowReadGuard, so a lookup never carries a
+  /// row half-updated by a trainer's step; the backward does not keep the weight, so steps
+  /// between a trainer's forward and backward (other trainers') are no error.
   at::Tensor forward(const at::Tensor& local_ids);
   at::Tensor weight;
 };
