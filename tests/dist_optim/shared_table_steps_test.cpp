@@ -35,14 +35,20 @@ using rpc::RRef;
 using rpc::ShardedEmbeddingBag;
 using rpc::ShardedEmbeddingBagOptions;
 
+// The table of the held-step test: one stripe per row.
 constexpr int64_t kRows = 64, kDim = 128;
+// The table the trainers fight over: few wide rows, so that steps and lookups of the same rows
+// overlap often and a row takes long to write (without the row locks the test fails: updates are
+// lost and lookups return torn rows).
+constexpr int64_t kHotRows = 16, kWideDim = 8192;
 constexpr auto kBound = std::chrono::seconds(30);
 // How long a call that must wait is watched still waiting (the test asserts only that it did
 // not finish: a call that need not wait is never asserted to be quick).
 constexpr auto kStillWaiting = std::chrono::milliseconds(500);
 
-ShardedEmbeddingBagOptions table_options(std::vector<std::string> workers) {
-  return ShardedEmbeddingBagOptions(kRows, kDim, std::move(workers)).mode(torch::kSum);
+ShardedEmbeddingBagOptions table_options(std::vector<std::string> workers, int64_t rows = kRows,
+                                         int64_t dim = kDim) {
+  return ShardedEmbeddingBagOptions(rows, dim, std::move(workers)).mode(torch::kSum);
 }
 
 // On a shard's owner: its rows set to 0.
@@ -64,9 +70,9 @@ void step_rows(ShardedEmbeddingBag& table, dist_optim::DistributedOptimizer& opt
 
 // On a trainer: a handle on the table from its shards, an SGD of its own, and one step per row
 // of `ids` ([steps, ids per step]).
-void train(std::vector<std::string> workers, std::vector<RRef<EmbeddingShard>> shards,
-           std::string optimizer, at::Tensor ids) {
-  ShardedEmbeddingBag table(table_options(std::move(workers)), std::move(shards));
+void train(std::vector<std::string> workers, std::vector<RRef<EmbeddingShard>> shards, int64_t rows,
+           int64_t dim, std::string optimizer, at::Tensor ids) {
+  ShardedEmbeddingBag table(table_options(std::move(workers), rows, dim), std::move(shards));
   dist_optim::DistributedOptimizer sgd(optimizer, table.remote_parameters(),
                                        optim::OptionBag().set("lr", 1.0));
   for (int64_t step = 0; step < ids.size(0); ++step) step_rows(table, sgd, ids[step]);
@@ -127,17 +133,17 @@ at::Tensor fetch_table(const ShardedEmbeddingBag& table) {
   return at::cat(parts);
 }
 
-// The rows of `rows` ([n, kDim]) whose elements are not all equal.
+// The rows of `rows` ([n, dim]) whose elements are not all equal.
 int64_t torn_rows(const at::Tensor& rows) {
   return (rows != rows.select(1, 0).unsqueeze(1)).any(1).sum().item<int64_t>();
 }
 
 // The table a run of steps leaves: every row minus the times it was named.
-at::Tensor expected_table(const at::Tensor& named_ids) {
-  return -at::bincount(named_ids.reshape({-1}), {}, kRows)
+at::Tensor expected_table(const at::Tensor& named_ids, int64_t rows = kRows, int64_t dim = kDim) {
+  return -at::bincount(named_ids.reshape({-1}), {}, rows)
               .to(at::kFloat)
               .unsqueeze(1)
-              .expand({kRows, kDim});
+              .expand({rows, dim});
 }
 
 TEST(SharedTableSteps, ThreeTrainersLoseNoUpdateAndLookupsSeeWholeRows) {
@@ -145,23 +151,23 @@ TEST(SharedTableSteps, ThreeTrainersLoseNoUpdateAndLookupsSeeWholeRows) {
   testing::with_workers(5, [] {
     using testing::worker;
     const std::vector<std::string> workers = {worker(1), worker(1)};
-    ShardedEmbeddingBag table(table_options(workers));
+    ShardedEmbeddingBag table(table_options(workers, kHotRows, kWideDim));
     const auto shards = table.shard_module_rrefs();
     for (const auto& shard : shards) {
       rpc::rpc_sync(worker(1), "shared_table_steps_test.zero_shard", std::tuple{shard});
     }
-    // Steps of 8 ids over 64 rows: most steps share a row with another trainer's.
-    constexpr int64_t kSteps = 60, kIdsPerStep = 8;
+    // Steps of 12 ids over 16 rows: every step shares rows with the other trainers'.
+    constexpr int64_t kSteps = 60, kIdsPerStep = 12;
     auto generator = at::detail::createCPUGenerator(11);
     std::vector<at::Tensor> ids;
     std::vector<rpc::RpcFuture<void>> trainers;
     for (int t = 2; t <= 4; ++t) {
-      ids.push_back(at::randint(kRows, {kSteps, kIdsPerStep}, generator, at::kLong));
-      trainers.push_back(
-          rpc::rpc_async<void>(worker(t), "shared_table_steps_test.train",
-                               std::tuple{workers, shards, std::string("sgd"), ids.back()}));
+      ids.push_back(at::randint(kHotRows, {kSteps, kIdsPerStep}, generator, at::kLong));
+      trainers.push_back(rpc::rpc_async<void>(
+          worker(t), "shared_table_steps_test.train",
+          std::tuple{workers, shards, kHotRows, kWideDim, std::string("sgd"), ids.back()}));
     }
-    const at::Tensor all_ids = at::arange(kRows, at::kLong);
+    const at::Tensor all_ids = at::arange(kHotRows, at::kLong);
     int64_t lookups = 0, torn = 0;
     auto trainers_done = [&] {
       for (const auto& trainer : trainers) {
@@ -178,7 +184,7 @@ TEST(SharedTableSteps, ThreeTrainersLoseNoUpdateAndLookupsSeeWholeRows) {
     for (auto& trainer : trainers) trainer.wait();
     EXPECT_EQ(torn, 0) << "rows read half-updated in " << lookups << " rounds of lookups";
     const at::Tensor trained = fetch_table(table);
-    const at::Tensor expected = expected_table(at::cat(ids));
+    const at::Tensor expected = expected_table(at::cat(ids), kHotRows, kWideDim);
     EXPECT_TRUE(at::equal(trained, expected))
         << "updates lost: " << (trained - expected).abs().sum().item<float>() << " in all";
   });
@@ -227,7 +233,8 @@ TEST(SharedTableSteps, AStepOfOtherRowsDoesNotWaitForAHeldStep) {
 
     // Meanwhile trainer B (another process) steps rows 10 and 11, and they are looked up.
     rpc::rpc_sync(worker(2), "shared_table_steps_test.train",
-                  std::tuple{workers, shards, std::string("sgd"), ids({10, 11}).reshape({1, -1})},
+                  std::tuple{workers, shards, kRows, kDim, std::string("sgd"),
+                             ids({10, 11}).reshape({1, -1})},
                   kBound);
     auto other_rows = look_up(ids({10, 11, 20}));
     ASSERT_EQ(other_rows.wait_for(kBound), std::future_status::ready);
