@@ -7,6 +7,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <distoptim/rpc/api.h>
+#include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/detail/internal_registry.h>
 #include <distoptim/rpc/row_guard.h>
 
@@ -94,6 +96,16 @@ at::Tensor EmbeddingShard::forward(const at::Tensor& local_ids) {
   return RowLookup::apply(weight, local_ids);
 }
 
+void EmbeddingShard::load_rows(const at::Tensor& rows) {
+  TORCH_CHECK_VALUE(rows.sizes() == weight.sizes() && rows.scalar_type() == weight.scalar_type(),
+                    "EmbeddingShard: rows of shape ", rows.sizes(), " and dtype ",
+                    rows.scalar_type(), " for a shard of shape ", weight.sizes(), " and dtype ",
+                    weight.scalar_type());
+  at::NoGradGuard no_grad;
+  InPlaceUpdateGuard no_reply_reads_meanwhile;
+  weight.copy_(rows);
+}
+
 ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options)
     : torch::nn::Module("ShardedEmbeddingBag"), options_(options) {
   check_and_split();
@@ -152,6 +164,27 @@ std::vector<RRef<at::Tensor>> ShardedEmbeddingBag::remote_parameters() const {
     for (auto& param : shard->remote_parameters()) params.push_back(std::move(param));
   }
   return params;
+}
+
+at::Tensor ShardedEmbeddingBag::weight() const {
+  std::vector<at::Tensor> rows;
+  for (const RRef<at::Tensor>& rref : remote_parameters()) rows.push_back(rref.to_here());
+  return at::cat(rows).detach();
+}
+
+void ShardedEmbeddingBag::load_weight(const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(
+      weight.dim() == 2 && weight.size(0) == options_.num_embeddings() &&
+          weight.size(1) == options_.embedding_dim() && weight.scalar_type() == options_.dtype(),
+      "ShardedEmbeddingBag::load_weight: a weight of shape ", weight.sizes(), " and dtype ",
+      weight.scalar_type(), " for a table of ", options_.num_embeddings(), " x ",
+      options_.embedding_dim(), " ", options_.dtype());
+  std::vector<RpcFuture<void>> loads;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const at::Tensor rows = weight.slice(0, first_rows_[s], first_rows_[s + 1]).contiguous();
+    loads.push_back(shards_[s]->module_rref().rpc_async().method<void>("load_rows", rows));
+  }
+  for (auto& load : loads) load.wait();
 }
 
 std::vector<RRef<EmbeddingShard>> ShardedEmbeddingBag::shard_module_rrefs() const {
@@ -223,6 +256,7 @@ void register_embedding_shard() {
     register_internal_class<EmbeddingShard, int64_t, int64_t, int64_t, int64_t, int64_t>(
         kShardClass);
     register_module_methods<EmbeddingShard>(kShardClass);
+    register_method<EmbeddingShard>(kShardClass, "load_rows", &EmbeddingShard::load_rows);
   });
 }
 

@@ -73,6 +73,9 @@ struct EmbeddingShard : torch::nn::Module {
   /// row half-updated by a trainer's step; the backward does not keep the weight, so steps
   /// between a trainer's forward and backward (other trainers') are no error.
   at::Tensor forward(const at::Tensor& local_ids);
+  /// Replaces the rows with `rows` (the weight's shape and dtype), under an
+  /// rpc::InPlaceUpdateGuard. Throws c10::ValueError naming the shapes, changing nothing.
+  void load_rows(const at::Tensor& rows);
   at::Tensor weight;
 };
 
@@ -101,6 +104,13 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   /// One RRef per shard, to the shard module, in shard order: to send to another worker, which
   /// builds a handle on the same table from them.
   std::vector<RRef<EmbeddingShard>> shard_module_rrefs() const;
+  /// The whole table, [num_embeddings, embedding_dim], gathered from the shards (each copied
+  /// whole, between steps of its rows). Errors: a shard's failure as RemoteError naming its owner.
+  at::Tensor weight() const;
+  /// Replaces every row with `weight`'s ([num_embeddings, embedding_dim], the table's dtype): each
+  /// shard gets its range, all at once. Throws c10::ValueError naming the shape or dtype before
+  /// anything changes; a shard's failure (RemoteError naming its owner) leaves the others loaded.
+  void load_weight(const at::Tensor& weight);
   /// The rows shard `shard` holds: [first, end).
   std::pair<int64_t, int64_t> shard_rows(size_t shard) const;
   size_t num_shards() const { return shards_.size(); }
