@@ -48,7 +48,7 @@ at::Tensor long_tensor(const std::vector<int64_t>& values) { return at::tensor(v
 
 TEST(RowGuards, ConcurrentRowUpdatesLoseNothingAndReadersSeeWholeRows) {
   at::Tensor weight = at::zeros({kRows, kDim});
-  constexpr int kUpdaters = 3, kSteps = 400;
+  constexpr int kUpdaters = 3, kSteps = 3000;
   std::vector<std::vector<int64_t>> counts(kUpdaters, std::vector<int64_t>(kRows, 0));
   std::atomic<int> updaters_left{kUpdaters};
   std::atomic<int64_t> dense_steps{0}, torn{0}, reads{0};
