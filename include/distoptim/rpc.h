@@ -7,6 +7,7 @@
 #include <distoptim/rpc/interceptor.h>
 #include <distoptim/rpc/registry.h>
 #include <distoptim/rpc/remote_module.h>
+#include <distoptim/rpc/row_guard.h>
 #include <distoptim/rpc/rref.h>
 #include <distoptim/rpc/sharded_embedding_bag.h>
 #include <distoptim/rpc/values.h>

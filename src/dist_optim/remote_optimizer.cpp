@@ -9,19 +9,13 @@
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/detail/internal_registry.h>
+#include <distoptim/rpc/row_guard.h>
 
 namespace distoptim {
 namespace dist_optim {
 namespace detail {
 
 namespace {
-
-// Serializes the steps of every DistributedOptimizer in this process: two trainers may have built
-// two optimizers over the same tensors.
-std::mutex& step_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
 
 // The local values of `groups`, each with its overrides. Parameters are numbered across groups,
 // as the owner's optimizer numbers them.
@@ -67,7 +61,8 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
     auto it = all.find(param);
     gradients.push_back(it == all.end() ? at::Tensor() : it->value());
   }
-  std::lock_guard<std::mutex> lock(step_mutex());
+  // Lock order: this optimizer's mutex, then the tensors' locks (row_guard.h).
+  std::lock_guard<std::mutex> lock(mutex_);
   if (!changes.isNone()) {
     TORCH_CHECK_TYPE(changes.isList(), "DistributedOptimizer: option changes must be a list, got ",
                      changes.tagKind());
@@ -83,17 +78,31 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
       if (!bag.empty()) optimizer_->set_group_options(g, bag);
     }
   }
-  rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
+  if (!optimizer_->updates_only_gradient_rows(gradients)) {
+    rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
+    optimizer_->step(gradients);
+    return;
+  }
+  // Only the rows the sparse gradients name change (parameters and this optimizer's state, which
+  // mutex_ guards): other trainers' steps of other rows, and lookups of them, go on meanwhile.
+  std::vector<at::Tensor> params, rows;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (!gradients[i].defined()) continue;
+    params.push_back(optimizer_->params()[i]);
+    rows.push_back(gradients[i]._indices().select(0, 0));
+  }
+  rpc::InPlaceRowUpdateGuard no_reply_reads_these_rows_meanwhile(params, rows);
   optimizer_->step(gradients);
 }
 
 c10::IValue RemoteOptimizer::state_dict() {
-  std::lock_guard<std::mutex> lock(step_mutex());
+  // Copies of the state (OptimizerStateDict), taken between this optimizer's steps.
+  std::lock_guard<std::mutex> lock(mutex_);
   return optimizer_->state_dict().to_ivalue();
 }
 
 void RemoteOptimizer::load_state_dict(c10::IValue state) {
-  std::lock_guard<std::mutex> lock(step_mutex());
+  std::lock_guard<std::mutex> lock(mutex_);
   optimizer_->load_state_dict(optim::OptimizerStateDict::from_ivalue(state));
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -28,15 +29,20 @@ class RemoteOptimizer {
   RemoteOptimizer(std::string optimizer, std::vector<std::vector<rpc::RRef<at::Tensor>>> groups,
                   c10::IValue options, std::vector<c10::IValue> overrides);
 
-  /// A step with the gradients of this worker's copy of context `context_id`, under the
-  /// process-wide step lock and an rpc::InPlaceUpdateGuard. `changes`: None, or one OptionBag
-  /// (to_ivalue()) per group, set on that group (set_group_options) before the step.
+  /// A step with the gradients of this worker's copy of context `context_id`, under this
+  /// optimizer's mutex and, when the step writes only the rows its sparse gradients name
+  /// (FunctionalOptimizer::updates_only_gradient_rows), an rpc::InPlaceRowUpdateGuard on those
+  /// rows; otherwise an rpc::InPlaceUpdateGuard. Other optimizers (another trainer's over the
+  /// same table) step other rows meanwhile. `changes`: None, or one OptionBag (to_ivalue()) per
+  /// group, set on that group (set_group_options) before the step.
   void step(int64_t context_id, c10::IValue changes);
   /// OptimizerStateDict::to_ivalue() of the optimizer, and its inverse.
   c10::IValue state_dict();
   void load_state_dict(c10::IValue state);
 
  private:
+  // Guards optimizer_ (options, state, step counts): its calls must not overlap.
+  std::mutex mutex_;
   std::unique_ptr<optim::FunctionalOptimizer> optimizer_;
 };
 

@@ -225,6 +225,22 @@ void FunctionalOptimizer::step(const std::vector<at::Tensor>& gradients) {
   batch.run();
 }
 
+bool FunctionalOptimizer::updates_only_gradient_rows(
+    const std::vector<at::Tensor>& gradients) const {
+  if (gradients.size() != params_.size()) return false;
+  bool any = false;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const at::Tensor& g = gradients[i];
+    if (!g.defined()) continue;
+    if (g.layout() != at::kSparse || g.sparse_dim() < 1 ||
+        !sparse_update_is_row_local(param_group_[i])) {
+      return false;
+    }
+    any = true;
+  }
+  return any;
+}
+
 void FunctionalOptimizer::apply_updates(const std::vector<std::vector<ParamUpdate>>& by_group) {
   for (size_t g = 0; g < by_group.size(); ++g) {
     if (!by_group[g].empty()) update(g, by_group[g]);

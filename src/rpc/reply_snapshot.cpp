@@ -8,6 +8,8 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 
+#include "row_locks.h"
+
 namespace distoptim {
 namespace rpc {
 namespace detail {
@@ -50,11 +52,14 @@ c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders) {
     return false;  // and go on into containers
   });
   std::unordered_set<const c10::TensorImpl*> shared;
+  std::vector<at::Tensor> to_copy;
   value.visit([&](const c10::IValue& item) {
     if (!item.isTensor()) return false;
     const c10::TensorImpl* impl = item.toTensor().unsafeGetTensorImpl();
-    if (holders == 0 || !reachable_only_from_reply(item.toTensor(), occurrences[impl] * holders)) {
-      shared.insert(impl);
+    if ((holders == 0 ||
+         !reachable_only_from_reply(item.toTensor(), occurrences[impl] * holders)) &&
+        shared.insert(impl).second) {
+      to_copy.push_back(item.toTensor());
     }
     return false;
   });
@@ -62,6 +67,8 @@ c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders) {
     return value;  // Nothing to copy: the reply is sent as it is.
   }
   std::shared_lock<std::shared_mutex> no_update_meanwhile(in_place_update_mutex());
+  // And no row update of them (row_guard.h): every row of each is copied.
+  const std::unique_ptr<RowLocks> no_row_update_meanwhile = RowLocks::for_whole_reads(to_copy);
   std::function<c10::IValue(const c10::IValue&)> copy = [&](const c10::IValue& item) {
     if (item.isTensor()) {
       const at::Tensor& tensor = item.toTensor();

@@ -3,7 +3,8 @@
 // What a reply carries when the value it sends is still someone else's: the owner of a value
 // (a parameter server) may update it in place while a reply holding it is being written. Copies
 // of such tensors are taken under one process-wide reader-writer lock, which
-// rpc::InPlaceUpdateGuard (api.h) holds exclusively around an update.
+// rpc::InPlaceUpdateGuard (api.h) holds exclusively around an update, and under every row stripe
+// of their storages, which rpc::InPlaceRowUpdateGuard (row_guard.h) holds around a row update.
 
 #include <shared_mutex>
 
@@ -20,7 +21,8 @@ namespace detail {
 /// every tensor). A tensor referenced only from within those, whose memory nothing else shares
 /// (or only the base of a view that the view alone keeps), is sent where it lies; when nothing
 /// needs a copy, `value` itself is returned.
-/// The copies are taken holding in_place_update_mutex() shared (api.h's InPlaceUpdateGuard).
+/// The copies are taken holding in_place_update_mutex() shared (api.h's InPlaceUpdateGuard) and
+/// the row stripes of their storages shared (row_guard.h).
 c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders);
 std::shared_mutex& in_place_update_mutex();
 

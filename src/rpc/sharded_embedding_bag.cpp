@@ -5,8 +5,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
 
+#include <distoptim/rpc/api.h>
+#include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/detail/internal_registry.h>
+#include <distoptim/rpc/row_guard.h>
 
 namespace distoptim {
 namespace rpc {
@@ -42,6 +46,32 @@ int64_t pooling_mode(const torch::nn::EmbeddingBagMode& mode) {
   return 2;
 }
 
+// LibTorch's embedding with sparse=true, except that its backward does not keep the weight: its
+// gradient needs only the ids and the weight's size, and a weight kept there would make every
+// step of other trainers between a trainer's forward and its backward an error ("modified by an
+// inplace operation"). The gradient is the one embedding's sparse backward builds: one entry per
+// id, uncoalesced.
+struct RowLookup : torch::autograd::Function<RowLookup> {
+  static at::Tensor forward(torch::autograd::AutogradContext* context, const at::Tensor& weight,
+                            const at::Tensor& ids) {
+    context->saved_data["ids"] = ids;
+    context->saved_data["rows"] = weight.size(0);
+    // Trainers may be stepping other rows (or these) meanwhile: no row is copied half-updated.
+    RowReadGuard rows_unchanged_meanwhile(weight, ids);
+    return weight.index_select(0, ids);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor ids = context->saved_data["ids"].toTensor();
+    const int64_t dim = grads[0].size(-1);
+    const at::Tensor gradient =
+        at::_sparse_coo_tensor_unsafe(ids.reshape({1, -1}), grads[0].reshape({-1, dim}),
+                                      {context->saved_data["rows"].toInt(), dim});
+    return {gradient, at::Tensor()};
+  }
+};
+
 }  // namespace
 
 EmbeddingShard::EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype,
@@ -63,8 +93,17 @@ at::Tensor EmbeddingShard::forward(const at::Tensor& local_ids) {
     TORCH_CHECK_INDEX(low >= 0 && high < weight.size(0), "EmbeddingShard: id ",
                       low < 0 ? low : high, " outside the shard's ", weight.size(0), " rows");
   }
-  return at::embedding(weight, local_ids, /*padding_idx=*/-1, /*scale_grad_by_freq=*/false,
-                       /*sparse=*/true);
+  return RowLookup::apply(weight, local_ids);
+}
+
+void EmbeddingShard::load_rows(const at::Tensor& rows) {
+  TORCH_CHECK_VALUE(rows.sizes() == weight.sizes() && rows.scalar_type() == weight.scalar_type(),
+                    "EmbeddingShard: rows of shape ", rows.sizes(), " and dtype ",
+                    rows.scalar_type(), " for a shard of shape ", weight.sizes(), " and dtype ",
+                    weight.scalar_type());
+  at::NoGradGuard no_grad;
+  InPlaceUpdateGuard no_reply_reads_meanwhile;
+  weight.copy_(rows);
 }
 
 ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options)
@@ -125,6 +164,27 @@ std::vector<RRef<at::Tensor>> ShardedEmbeddingBag::remote_parameters() const {
     for (auto& param : shard->remote_parameters()) params.push_back(std::move(param));
   }
   return params;
+}
+
+at::Tensor ShardedEmbeddingBag::weight() const {
+  std::vector<at::Tensor> rows;
+  for (const RRef<at::Tensor>& rref : remote_parameters()) rows.push_back(rref.to_here());
+  return at::cat(rows).detach();
+}
+
+void ShardedEmbeddingBag::load_weight(const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(
+      weight.dim() == 2 && weight.size(0) == options_.num_embeddings() &&
+          weight.size(1) == options_.embedding_dim() && weight.scalar_type() == options_.dtype(),
+      "ShardedEmbeddingBag::load_weight: a weight of shape ", weight.sizes(), " and dtype ",
+      weight.scalar_type(), " for a table of ", options_.num_embeddings(), " x ",
+      options_.embedding_dim(), " ", options_.dtype());
+  std::vector<RpcFuture<void>> loads;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    const at::Tensor rows = weight.slice(0, first_rows_[s], first_rows_[s + 1]).contiguous();
+    loads.push_back(shards_[s]->module_rref().rpc_async().method<void>("load_rows", rows));
+  }
+  for (auto& load : loads) load.wait();
 }
 
 std::vector<RRef<EmbeddingShard>> ShardedEmbeddingBag::shard_module_rrefs() const {
@@ -196,6 +256,7 @@ void register_embedding_shard() {
     register_internal_class<EmbeddingShard, int64_t, int64_t, int64_t, int64_t, int64_t>(
         kShardClass);
     register_module_methods<EmbeddingShard>(kShardClass);
+    register_method<EmbeddingShard>(kShardClass, "load_rows", &EmbeddingShard::load_rows);
   });
 }
 

@@ -233,6 +233,62 @@ TEST(SparseGradients, AGradientWithNoEntriesCountsAStepAndMovesNothing) {
   }
 }
 
+// updates_only_gradient_rows (what lets a parameter server lock only a step's rows) holds exactly
+// where a step leaves every other row of the parameters and of the state as it was.
+TEST(SparseGradients, RowLocalStepsMoveOnlyTheNamedRows) {
+  struct Case {
+    const char* optimizer;
+    OptionBag options;
+    bool row_local;
+  };
+  const std::vector<Case> cases = {
+      {"sgd", OptionBag().set("lr", 0.1), true},
+      {"sgd", OptionBag().set("lr", 0.1).set("momentum", 0.9), false},
+      {"adagrad", OptionBag().set("lr_decay", 0.1), true},
+      {"sparse_adam", {}, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.optimizer);
+    at::Tensor first = at::randn({6, 3}), second = at::randn({4, 3});
+    auto optimizer = create_optimizer(c.optimizer, {ParamGroup({first, second})}, c.options);
+    // A step of rows 0 and 2 of the first, then one of row 4 (twice) of the first alone.
+    const std::vector<at::Tensor> step1 = {sparse_rows({0, 2}, at::randn({2, 3}), {6, 3}),
+                                           sparse_rows({1}, at::randn({1, 3}), {4, 3})};
+    const std::vector<at::Tensor> step2 = {sparse_rows({4, 4}, at::randn({2, 3}), {6, 3}),
+                                           at::Tensor()};
+    EXPECT_EQ(optimizer->updates_only_gradient_rows(step1), c.row_local);
+    EXPECT_EQ(optimizer->updates_only_gradient_rows(step2), c.row_local);
+    optimizer->step(step1);
+    const at::Tensor first_before = first.clone(), second_before = second.clone();
+    std::vector<at::Tensor> state_before;
+    for (const at::Tensor& buffer : optimizer->state(0).buffers) {
+      state_before.push_back(buffer.defined() ? buffer.clone() : buffer);
+    }
+    optimizer->step(step2);
+    const at::Tensor others = at::tensor({0, 1, 2, 3, 5}, at::kLong);
+    const bool others_unchanged =
+        at::equal(first.index_select(0, others), first_before.index_select(0, others)) &&
+        at::equal(second, second_before);
+    bool state_unchanged = true;
+    for (size_t b = 0; b < state_before.size(); ++b) {
+      const at::Tensor& buffer = optimizer->state(0).buffers[b];
+      if (!buffer.defined() || !state_before[b].defined()) continue;
+      state_unchanged = state_unchanged && at::equal(buffer.index_select(0, others),
+                                                     state_before[b].index_select(0, others));
+    }
+    EXPECT_EQ(others_unchanged && state_unchanged, c.row_local);
+    EXPECT_FALSE(at::equal(first[4], first_before[4]));
+  }
+  // A dense gradient among sparse ones, or no gradient at all: not row by row.
+  auto adagrad = create_optimizer("adagrad", {ParamGroup({at::randn({4, 3}), at::randn({3})})});
+  EXPECT_FALSE(adagrad->updates_only_gradient_rows(
+      {sparse_rows({1}, at::ones({1, 3}), {4, 3}), at::ones({3})}));
+  EXPECT_FALSE(adagrad->updates_only_gradient_rows({at::Tensor(), at::Tensor()}));
+  EXPECT_FALSE(adagrad->updates_only_gradient_rows({at::Tensor()}));
+  auto adam = create_optimizer("adam", {ParamGroup({at::randn({4, 3})})});
+  EXPECT_FALSE(adam->updates_only_gradient_rows({sparse_rows({1}, at::ones({1, 3}), {4, 3})}));
+}
+
 // The one-pass row update (contiguous parameters) against LibTorch's sparse operations in
 // PyTorch's order (what a strided parameter takes): SparseAdam bit for bit, Adagrad to rounding.
 TEST(SparseGradients, TheOnePassRowUpdateEqualsTheOperationsItReplaces) {

@@ -55,6 +55,7 @@ class Adagrad : public TypedFunctionalOptimizer<AdagradOptions> {
   void update(size_t group, const std::vector<ParamUpdate>& updates) override;
   std::string sparse_gradient_refusal(size_t group) const override;
   void update_sparse(size_t group, const std::vector<ParamUpdate>& updates) override;
+  bool sparse_update_is_row_local(size_t /*group*/) const override { return true; }
 };
 
 }  // namespace optim

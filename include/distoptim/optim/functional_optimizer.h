@@ -114,6 +114,14 @@ class FunctionalOptimizer {
   /// Applies one update. `gradients.size()` must equal `params().size()`.
   void step(const std::vector<at::Tensor>& gradients);
 
+  /// Whether step(gradients) would write only the rows (indices along dim 0) its gradients name,
+  /// of the parameters and of this optimizer's state: there is a gradient, every defined one is
+  /// sparse COO, and each one's group updates row by row under its current options (SGD without
+  /// momentum, Adagrad, SparseAdam). A parameter server then locks only those rows
+  /// (rpc::InPlaceRowUpdateGuard) while other rows are read and stepped. Checks nothing else:
+  /// step may still refuse the gradients.
+  bool updates_only_gradient_rows(const std::vector<at::Tensor>& gradients) const;
+
   /// Appends a group; its parameters get the next indices. Checks everything first.
   void add_param_group(const ParamGroup& group);
 
@@ -165,6 +173,10 @@ class FunctionalOptimizer {
   /// and its value, e.g. "weight_decay=0.01"), or "" when the optimizer takes one. Default:
   /// refused ("<name> does not support sparse gradients").
   virtual std::string sparse_gradient_refusal(size_t group) const;
+  /// Whether update_sparse for `group`, under its current options, writes only the rows its
+  /// gradients name (of the parameters and of their state), each row's new value depending only
+  /// on that row's gradient and state. Default: false.
+  virtual bool sparse_update_is_row_local(size_t /*group*/) const { return false; }
   /// Whether dense gradients are refused (SparseAdam). Default: false.
   virtual bool requires_sparse_gradients() const { return false; }
   /// Updates the parameters of `group` whose gradients are sparse COO this step, once every

@@ -49,6 +49,7 @@ class SparseAdam : public TypedFunctionalOptimizer<SparseAdamOptions> {
   std::string sparse_gradient_refusal(size_t /*group*/) const override { return ""; }
   bool requires_sparse_gradients() const override { return true; }
   void update_sparse(size_t group, const std::vector<ParamUpdate>& updates) override;
+  bool sparse_update_is_row_local(size_t /*group*/) const override { return true; }
 };
 
 }  // namespace optim

@@ -68,8 +68,14 @@ struct ShardedEmbeddingBagOptions {
 /// ShardedEmbeddingBag (registered in every process that runs the rpc layer).
 struct EmbeddingShard : torch::nn::Module {
   EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype, int64_t seed);
-  /// The rows of `local_ids` (shard-relative), with a sparse gradient.
+  /// The rows of `local_ids` (shard-relative), with a sparse gradient (LibTorch's sparse
+  /// embedding's). The rows are copied under an rpc::RowReadGuard, so a lookup never carries a
+  /// row half-updated by a trainer's step; the backward does not keep the weight, so steps
+  /// between a trainer's forward and backward (other trainers') are no error.
   at::Tensor forward(const at::Tensor& local_ids);
+  /// Replaces the rows with `rows` (the weight's shape and dtype), under an
+  /// rpc::InPlaceUpdateGuard. Throws c10::ValueError naming the shapes, changing nothing.
+  void load_rows(const at::Tensor& rows);
   at::Tensor weight;
 };
 
@@ -98,6 +104,13 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   /// One RRef per shard, to the shard module, in shard order: to send to another worker, which
   /// builds a handle on the same table from them.
   std::vector<RRef<EmbeddingShard>> shard_module_rrefs() const;
+  /// The whole table, [num_embeddings, embedding_dim], gathered from the shards (each copied
+  /// whole, between steps of its rows). Errors: a shard's failure as RemoteError naming its owner.
+  at::Tensor weight() const;
+  /// Replaces every row with `weight`'s ([num_embeddings, embedding_dim], the table's dtype): each
+  /// shard gets its range, all at once. Throws c10::ValueError naming the shape or dtype before
+  /// anything changes; a shard's failure (RemoteError naming its owner) leaves the others loaded.
+  void load_weight(const at::Tensor& weight);
   /// The rows shard `shard` holds: [first, end).
   std::pair<int64_t, int64_t> shard_rows(size_t shard) const;
   size_t num_shards() const { return shards_.size(); }

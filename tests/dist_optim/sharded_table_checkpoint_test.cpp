@@ -1,0 +1,211 @@
+// Per-shard checkpoints of a ShardedEmbeddingBag and its DistributedOptimizer, across real
+// processes on loopback: a run checkpointed with 3 shards and resumed with 2 or 1 (or 3) continues
+// bit for bit as the uninterrupted 3-shard run, with Adagrad (lr_decay, so the step count matters)
+// and SparseAdam; bad checkpoints are refused naming the file, the table and optimizer unchanged.
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <distoptim/dist_autograd.h>
+#include <distoptim/dist_optim.h>
+#include <distoptim/dist_optim/sharded_table_checkpoint.h>
+#include <distoptim/rpc.h>
+
+#include "harness/rpc_workers.h"
+#include "support/test_util.h"
+
+namespace distoptim {
+namespace {
+
+namespace fs = std::filesystem;
+using dist_optim::DistributedOptimizer;
+using rpc::ShardedEmbeddingBag;
+using rpc::ShardedEmbeddingBagOptions;
+
+constexpr int64_t kRows = 100, kDim = 6, kBags = 10;
+
+ShardedEmbeddingBagOptions options(std::vector<std::string> workers, int64_t seed = 5) {
+  return ShardedEmbeddingBagOptions(kRows, kDim, std::move(workers)).mode(torch::kSum).seed(seed);
+}
+
+optim::OptionBag optimizer_options(const std::string& name) {
+  return name == "adagrad" ? optim::OptionBag().set("lr", 0.1).set("lr_decay", 0.05)
+                           : optim::OptionBag().set("lr", 0.01);
+}
+
+// Step `step`'s bags: every shard of every split gets ids (0, 50 and 99 are always there).
+struct Batch {
+  at::Tensor ids, offsets, target;
+};
+Batch batch(int step) {
+  auto generator = at::detail::createCPUGenerator(100 + step);
+  const at::Tensor random = at::randint(kRows, {3 * kBags - 3}, generator, at::kLong);
+  return {at::cat({at::tensor({0, 50, 99}, at::kLong), random}),
+          at::arange(0, 3 * kBags, 3, at::kLong), at::randn({kBags, kDim}, generator)};
+}
+
+// One step; returns the pooled output.
+at::Tensor train_step(ShardedEmbeddingBag& table, DistributedOptimizer& optimizer, int step) {
+  const Batch b = batch(step);
+  dist_autograd::ContextGuard context;
+  const at::Tensor out = table.forward(b.ids, b.offsets);
+  dist_autograd::backward(context.id(), {at::mse_loss(out, b.target)});
+  optimizer.step(context.id());
+  return out.detach();
+}
+
+class TempDir {
+ public:
+  TempDir() : path_(fs::temp_directory_path() / ("sharded_table_" + std::to_string(::getpid()))) {
+    fs::remove_all(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+TEST(ShardedTableCheckpoint, ResumesOnAnotherNumberOfShardsBitForBit) {
+  testing::with_workers(4, [] {
+    using testing::worker;
+    TempDir dir;
+    for (const std::string name : {"adagrad", "sparse_adam"}) {
+      SCOPED_TRACE(name);
+      const std::string checkpoint = dir / name;
+      ShardedEmbeddingBag three(options({worker(1), worker(2), worker(3)}));
+      DistributedOptimizer optimizer(name, three.remote_parameters(), optimizer_options(name));
+      for (int step = 0; step < 3; ++step) train_step(three, optimizer, step);
+      dist_optim::save_sharded_table(checkpoint, three, optimizer);
+      std::vector<at::Tensor> expected;
+      for (int step = 3; step < 6; ++step) expected.push_back(train_step(three, optimizer, step));
+      const at::Tensor expected_table = three.weight();
+
+      for (const std::vector<std::string>& workers : std::vector<std::vector<std::string>>{
+               {worker(1), worker(2)}, {worker(3)}, {worker(2), worker(3), worker(1)}}) {
+        SCOPED_TRACE(workers.size());
+        // Other initial rows, so only the checkpoint can make them equal.
+        ShardedEmbeddingBag resumed(options(workers, /*seed=*/9));
+        DistributedOptimizer resumed_optimizer(name, resumed.remote_parameters(),
+                                               optimizer_options(name));
+        dist_optim::load_sharded_table(checkpoint, resumed, resumed_optimizer);
+        for (int step = 3; step < 6; ++step) {
+          EXPECT_TRUE(at::equal(train_step(resumed, resumed_optimizer, step), expected[step - 3]))
+              << "step " << step;
+        }
+        EXPECT_TRUE(at::equal(resumed.weight(), expected_table));
+      }
+    }
+  });
+}
+
+TEST(ShardedTableCheckpoint, BadCheckpointsAreRefusedNamingTheFileAndChangeNothing) {
+  testing::with_workers(3, [] {
+    using testing::worker;
+    TempDir dir;
+    const std::string checkpoint = dir / "good";
+    ShardedEmbeddingBag three(options({worker(1), worker(2), worker(1)}));
+    DistributedOptimizer optimizer("adagrad", three.remote_parameters(),
+                                   optimizer_options("adagrad"));
+    train_step(three, optimizer, 0);
+    dist_optim::save_sharded_table(checkpoint, three, optimizer);
+
+    ShardedEmbeddingBag two(options({worker(1), worker(2)}, /*seed=*/9));
+    DistributedOptimizer two_optimizer("adagrad", two.remote_parameters(),
+                                       optimizer_options("adagrad"));
+    const at::Tensor rows_before = two.weight();
+    const auto state_before = two_optimizer.state_dict();
+    auto expect_unchanged = [&] {
+      EXPECT_TRUE(at::equal(two.weight(), rows_before));
+      const auto state = two_optimizer.state_dict();
+      ASSERT_EQ(state.owners.size(), state_before.owners.size());
+      for (size_t k = 0; k < state.owners.size(); ++k) {
+        for (const auto& [index, s] : state.owners[k].state.state) {
+          const auto& before = state_before.owners[k].state.state.at(index);
+          EXPECT_EQ(s.step, before.step);
+          for (const auto& [buffer, value] : s.buffers) {
+            EXPECT_TRUE(at::equal(value, before.buffers.at(buffer)));
+          }
+        }
+      }
+    };
+
+    // A table of another dim, another optimizer.
+    ShardedEmbeddingBag wide(ShardedEmbeddingBagOptions(kRows, kDim + 1, {worker(1)}));
+    DistributedOptimizer wide_optimizer("adagrad", wide.remote_parameters(),
+                                        optimizer_options("adagrad"));
+    testing::expect_error_containing(
+        [&] { dist_optim::load_sharded_table(checkpoint, wide, wide_optimizer); },
+        {"load_sharded_table: '" + checkpoint + "/manifest.pt' holds a table of 100 x 6",
+         "this table is 100 x 7"});
+    DistributedOptimizer sgd("sgd", two.remote_parameters(), optim::OptionBag().set("lr", 0.1));
+    testing::expect_error_containing([&] { dist_optim::load_sharded_table(checkpoint, two, sgd); },
+                                     {"holds the state of optimizer 'adagrad', this one is 'sgd'"});
+
+    // A shard file from another split (its rows do not match the manifest's range).
+    const std::string other = dir / "other";
+    ShardedEmbeddingBag four(options({worker(1), worker(2), worker(1), worker(2)}));
+    DistributedOptimizer four_optimizer("adagrad", four.remote_parameters(),
+                                        optimizer_options("adagrad"));
+    dist_optim::save_sharded_table(other, four, four_optimizer);
+    const std::string bad = dir / "bad";
+    fs::copy(checkpoint, bad);
+    fs::copy_file(other + "/shard-1-of-4.pt", bad + "/shard-1-of-3.pt",
+                  fs::copy_options::overwrite_existing);
+    testing::expect_error_containing(
+        [&] { dist_optim::load_sharded_table(bad, two, two_optimizer); },
+        {"'" + bad +
+         "/shard-1-of-3.pt' is shard 1 with rows [25, 50); the manifest names shard "
+         "1 with rows [34, 67)"});
+    expect_unchanged();
+
+    // A shard missing, or damaged.
+    fs::remove(bad + "/shard-1-of-3.pt");
+    testing::expect_error_containing(
+        [&] { dist_optim::load_sharded_table(bad, two, two_optimizer); },
+        {"load_sharded_table", bad + "/shard-1-of-3.pt"});
+    fs::copy_file(checkpoint + "/shard-1-of-3.pt", bad + "/shard-1-of-3.pt");
+    {
+      std::fstream file(bad + "/shard-2-of-3.pt", std::ios::in | std::ios::out | std::ios::binary);
+      file.seekg(200);
+      const char byte = static_cast<char>(file.get());
+      file.seekp(200);
+      file.put(static_cast<char>(~byte));
+    }
+    testing::expect_error_containing(
+        [&] { dist_optim::load_sharded_table(bad, two, two_optimizer); },
+        {"load_sharded_table", bad + "/shard-2-of-3.pt"});
+    expect_unchanged();
+
+    // Shards that counted different steps load only into as many shards.
+    const std::string uneven = dir / "uneven";
+    {
+      dist_autograd::ContextGuard context;
+      dist_autograd::backward(
+          context.id(),
+          {three.forward(at::tensor({0, 1}, at::kLong), at::tensor({0}, at::kLong)).sum()});
+      optimizer.step(context.id());  // shard 0 only
+    }
+    dist_optim::save_sharded_table(uneven, three, optimizer);
+    testing::expect_error_containing(
+        [&] { dist_optim::load_sharded_table(uneven, two, two_optimizer); },
+        {"'" + uneven + "/shard-1-of-3.pt' counted 1 steps, '" + uneven + "/shard-0-of-3.pt' 2",
+         "loads only into 3 shards"});
+    expect_unchanged();
+    ShardedEmbeddingBag three_again(options({worker(2), worker(1), worker(2)}, /*seed=*/9));
+    DistributedOptimizer three_again_optimizer("adagrad", three_again.remote_parameters(),
+                                               optimizer_options("adagrad"));
+    dist_optim::load_sharded_table(uneven, three_again, three_again_optimizer);
+    EXPECT_TRUE(at::equal(three_again.weight(), three.weight()));
+  });
+}
+
+}  // namespace
+}  // namespace distoptim

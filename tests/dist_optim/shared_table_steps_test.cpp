@@ -1,0 +1,271 @@
+// Several trainers stepping one ShardedEmbeddingBag through their own DistributedOptimizers, the
+// parameter servers real processes on loopback: no update is lost, no lookup or to_here carries a
+// half-updated row, and a step of some rows does not wait for a step of others (a step held inside
+// its row locks on the parameter server lets another trainer's step of other rows, and lookups of
+// them, finish; a step, a lookup or a to_here of a held row waits for it).
+//
+// Rows start at 0 and every step is SGD with lr 1 on the sum of one-id bags, so a step subtracts 1
+// from every element of a row per time the row is named: rows hold exact integers whatever the
+// order of the steps, and a row whose elements differ was read half-updated.
+
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <distoptim/dist_autograd.h>
+#include <distoptim/dist_optim.h>
+#include <distoptim/optim/registry.h>
+#include <distoptim/optim/sgd.h>
+#include <distoptim/rpc.h>
+
+#include "harness/rpc_workers.h"
+
+namespace distoptim {
+namespace {
+
+using rpc::EmbeddingShard;
+using rpc::RRef;
+using rpc::ShardedEmbeddingBag;
+using rpc::ShardedEmbeddingBagOptions;
+
+// The table of the held-step test: one stripe per row.
+constexpr int64_t kRows = 64, kDim = 128;
+// The table the trainers fight over: few wide rows, so that steps and lookups of the same rows
+// overlap often and a row takes long to write (without the row locks the test fails: updates are
+// lost and lookups return torn rows).
+constexpr int64_t kHotRows = 16, kWideDim = 8192;
+constexpr auto kBound = std::chrono::seconds(30);
+// How long a call that must wait is watched still waiting (the test asserts only that it did
+// not finish: a call that need not wait is never asserted to be quick).
+constexpr auto kStillWaiting = std::chrono::milliseconds(500);
+
+ShardedEmbeddingBagOptions table_options(std::vector<std::string> workers, int64_t rows = kRows,
+                                         int64_t dim = kDim) {
+  return ShardedEmbeddingBagOptions(rows, dim, std::move(workers)).mode(torch::kSum);
+}
+
+// On a shard's owner: its rows set to 0.
+void zero_shard(RRef<EmbeddingShard> shard) {
+  at::NoGradGuard no_grad;
+  rpc::InPlaceUpdateGuard writing;
+  shard.local_value()->weight.zero_();
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.zero_shard", zero_shard);
+
+// One step of `optimizer` (an SGD, lr 1) over `table`: each id of `ids` a bag of its own, the sum
+// of the pooled rows the loss.
+void step_rows(ShardedEmbeddingBag& table, dist_optim::DistributedOptimizer& optimizer,
+               const at::Tensor& ids) {
+  dist_autograd::ContextGuard context;
+  dist_autograd::backward(context.id(), {table.forward(ids.reshape({-1, 1})).sum()});
+  optimizer.step(context.id());
+}
+
+// On a trainer: a handle on the table from its shards, an SGD of its own, and one step per row
+// of `ids` ([steps, ids per step]).
+void train(std::vector<std::string> workers, std::vector<RRef<EmbeddingShard>> shards, int64_t rows,
+           int64_t dim, std::string optimizer, at::Tensor ids) {
+  ShardedEmbeddingBag table(table_options(std::move(workers), rows, dim), std::move(shards));
+  dist_optim::DistributedOptimizer sgd(optimizer, table.remote_parameters(),
+                                       optim::OptionBag().set("lr", 1.0));
+  for (int64_t step = 0; step < ids.size(0); ++step) step_rows(table, sgd, ids[step]);
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.train", train);
+
+// An SGD that, on the parameter server, stops inside its sparse update (so inside the row locks
+// of the step) until the test releases it: the first step of every instance waits.
+struct Latch {
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool holding = false;   // guarded by mutex
+  bool released = false;  // guarded by mutex
+};
+Latch& latch() {
+  static Latch instance;
+  return instance;
+}
+
+class LatchedSGD : public optim::SGD {
+ public:
+  using optim::SGD::SGD;
+
+ protected:
+  void update_sparse(size_t group, const std::vector<ParamUpdate>& updates) override {
+    Latch& l = latch();
+    {
+      std::unique_lock<std::mutex> lock(l.mutex);
+      l.holding = true;
+      l.changed.notify_all();
+      TORCH_CHECK(l.changed.wait_for(lock, kBound, [&] { return l.released; }),
+                  "LatchedSGD: not released within ", kBound.count(), " s");
+    }
+    optim::SGD::update_sparse(group, updates);
+  }
+};
+const optim::OptimizerRegistration kLatchedSgd(
+    "latched_sgd", optim::typed_factory<LatchedSGD, optim::SGDOptions>());
+
+bool wait_until_held() {
+  Latch& l = latch();
+  std::unique_lock<std::mutex> lock(l.mutex);
+  return l.changed.wait_for(lock, kBound, [&] { return l.holding; });
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.wait_until_held", wait_until_held);
+
+void release() {
+  Latch& l = latch();
+  std::lock_guard<std::mutex> lock(l.mutex);
+  l.released = true;
+  l.changed.notify_all();
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.release", release);
+
+at::Tensor fetch_table(const ShardedEmbeddingBag& table) {
+  std::vector<at::Tensor> parts;
+  for (const auto& rref : table.remote_parameters()) parts.push_back(rref.to_here());
+  return at::cat(parts);
+}
+
+// The rows of `rows` ([n, dim]) whose elements are not all equal.
+int64_t torn_rows(const at::Tensor& rows) {
+  return (rows != rows.select(1, 0).unsqueeze(1)).any(1).sum().item<int64_t>();
+}
+
+// The table a run of steps leaves: every row minus the times it was named.
+at::Tensor expected_table(const at::Tensor& named_ids, int64_t rows = kRows, int64_t dim = kDim) {
+  return -at::bincount(named_ids.reshape({-1}), {}, rows)
+              .to(at::kFloat)
+              .unsqueeze(1)
+              .expand({rows, dim});
+}
+
+TEST(SharedTableSteps, ThreeTrainersLoseNoUpdateAndLookupsSeeWholeRows) {
+  // worker0 looks rows up, worker1 holds both shards, workers 2-4 train.
+  testing::with_workers(5, [] {
+    using testing::worker;
+    const std::vector<std::string> workers = {worker(1), worker(1)};
+    ShardedEmbeddingBag table(table_options(workers, kHotRows, kWideDim));
+    const auto shards = table.shard_module_rrefs();
+    for (const auto& shard : shards) {
+      rpc::rpc_sync(worker(1), "shared_table_steps_test.zero_shard", std::tuple{shard});
+    }
+    // Steps of 12 ids over 16 rows: every step shares rows with the other trainers'.
+    constexpr int64_t kSteps = 60, kIdsPerStep = 12;
+    auto generator = at::detail::createCPUGenerator(11);
+    std::vector<at::Tensor> ids;
+    std::vector<rpc::RpcFuture<void>> trainers;
+    for (int t = 2; t <= 4; ++t) {
+      ids.push_back(at::randint(kHotRows, {kSteps, kIdsPerStep}, generator, at::kLong));
+      trainers.push_back(rpc::rpc_async<void>(
+          worker(t), "shared_table_steps_test.train",
+          std::tuple{workers, shards, kHotRows, kWideDim, std::string("sgd"), ids.back()}));
+    }
+    const at::Tensor all_ids = at::arange(kHotRows, at::kLong);
+    int64_t lookups = 0, torn = 0;
+    auto trainers_done = [&] {
+      for (const auto& trainer : trainers) {
+        if (!trainer.completed()) return false;
+      }
+      return true;
+    };
+    do {
+      // A lookup of every row, and every row fetched whole (to_here of the shards' weights).
+      torn += torn_rows(table.forward(all_ids.reshape({-1, 1})));
+      torn += torn_rows(fetch_table(table));
+      ++lookups;
+    } while (!trainers_done());
+    for (auto& trainer : trainers) trainer.wait();
+    EXPECT_EQ(torn, 0) << "rows read half-updated in " << lookups << " rounds of lookups";
+    const at::Tensor trained = fetch_table(table);
+    const at::Tensor expected = expected_table(at::cat(ids), kHotRows, kWideDim);
+    EXPECT_TRUE(at::equal(trained, expected))
+        << "updates lost: " << (trained - expected).abs().sum().item<float>() << " in all";
+  });
+}
+
+TEST(SharedTableSteps, AStepOfOtherRowsDoesNotWaitForAHeldStep) {
+  // worker0 trains (two trainers on threads of its own) and checks, worker1 holds the one shard,
+  // worker2 is a third trainer.
+  testing::with_workers(3, [] {
+    using testing::worker;
+    const std::vector<std::string> workers = {worker(1)};
+    ShardedEmbeddingBag table(table_options(workers));
+    const auto shards = table.shard_module_rrefs();
+    rpc::rpc_sync(worker(1), "shared_table_steps_test.zero_shard", std::tuple{shards[0]});
+    auto ids = [](std::vector<int64_t> values) { return at::tensor(values, at::kLong); };
+    auto look_up = [&](const at::Tensor& rows) {
+      return std::async(std::launch::async, [&table, rows] {
+        return table.forward(rows.reshape({-1, 1})).detach();
+      });
+    };
+
+    // Trainer C looks up and back-propagates rows 1 and 20 now (row 1 is about to be held), and
+    // steps when told to.
+    std::promise<void> c_may_step;
+    std::promise<void> c_has_gradients;
+    auto trainer_c = std::async(std::launch::async, [&] {
+      ShardedEmbeddingBag handle(table_options(workers), shards);
+      dist_optim::DistributedOptimizer sgd("sgd", handle.remote_parameters(),
+                                           optim::OptionBag().set("lr", 1.0));
+      dist_autograd::ContextGuard context;
+      dist_autograd::backward(context.id(), {handle.forward(ids({1, 20}).reshape({-1, 1})).sum()});
+      c_has_gradients.set_value();
+      c_may_step.get_future().wait();
+      sgd.step(context.id());
+    });
+    c_has_gradients.get_future().wait();
+
+    // Trainer A steps rows 0 and 1 with the latched SGD: held inside its row locks.
+    auto trainer_a = std::async(std::launch::async, [&] {
+      ShardedEmbeddingBag handle(table_options(workers), shards);
+      dist_optim::DistributedOptimizer sgd("latched_sgd", handle.remote_parameters(),
+                                           optim::OptionBag().set("lr", 1.0));
+      step_rows(handle, sgd, ids({0, 1}));
+    });
+    ASSERT_TRUE(rpc::rpc_sync<bool>(worker(1), "shared_table_steps_test.wait_until_held"));
+
+    // Meanwhile trainer B (another process) steps rows 10 and 11, and they are looked up.
+    rpc::rpc_sync(worker(2), "shared_table_steps_test.train",
+                  std::tuple{workers, shards, kRows, kDim, std::string("sgd"),
+                             ids({10, 11}).reshape({1, -1})},
+                  kBound);
+    auto other_rows = look_up(ids({10, 11, 20}));
+    ASSERT_EQ(other_rows.wait_for(kBound), std::future_status::ready);
+    EXPECT_TRUE(
+        at::equal(other_rows.get(), at::tensor({-1.f, -1.f, 0.f}).unsqueeze(1).expand({3, kDim})));
+
+    // Trainer C's step of row 1, a lookup of row 0 and the whole weight wait for trainer A.
+    c_may_step.set_value();
+    auto held_row = look_up(ids({0}));
+    auto whole = std::async(std::launch::async, [&] { return fetch_table(table); });
+    EXPECT_EQ(trainer_c.wait_for(kStillWaiting), std::future_status::timeout);
+    EXPECT_EQ(held_row.wait_for(std::chrono::milliseconds(1)), std::future_status::timeout);
+    EXPECT_EQ(whole.wait_for(std::chrono::milliseconds(1)), std::future_status::timeout);
+    EXPECT_FALSE(trainer_a.wait_for(std::chrono::milliseconds(1)) == std::future_status::ready);
+
+    rpc::rpc_sync(worker(1), "shared_table_steps_test.release");
+    for (auto* f : {&trainer_a, &trainer_c}) {
+      ASSERT_EQ(f->wait_for(kBound), std::future_status::ready);
+      f->get();
+    }
+    ASSERT_EQ(held_row.wait_for(kBound), std::future_status::ready);
+    ASSERT_EQ(whole.wait_for(kBound), std::future_status::ready);
+    // The lookup and the copy came after A's step, and the copy maybe after C's.
+    EXPECT_TRUE(at::equal(held_row.get(), at::full({1, kDim}, -1.f)));
+    const at::Tensor copied = whole.get();
+    EXPECT_EQ(torn_rows(copied), 0);
+    EXPECT_EQ(copied[0][0].item<float>(), -1.f);
+    // Every step applied once: A (0, 1), B (10, 11), C (1, 20).
+    EXPECT_TRUE(at::equal(fetch_table(table), expected_table(ids({0, 1, 10, 11, 1, 20}))));
+  });
+}
+
+}  // namespace
+}  // namespace distoptim
