@@ -30,6 +30,20 @@ Spread spread_of(const std::vector<double>& values) {
           *std::max_element(values.begin(), values.end())};
 }
 
+nlohmann::json comparison_row(const std::string& name, const Spread& ours, const Spread& pytorch,
+                              size_t rounds, const std::string& unit, bool lower_is_better) {
+  return {{"case", name},
+          {"ours", ours.median},
+          {"pytorch", pytorch.median},
+          {"ours_min", ours.min},
+          {"ours_max", ours.max},
+          {"pytorch_min", pytorch.min},
+          {"pytorch_max", pytorch.max},
+          {"rounds", rounds},
+          {"unit", unit},
+          {"better", lower_is_better ? "lower" : "higher"}};
+}
+
 double percentile(std::vector<double> values, double p) {
   TORCH_CHECK(!values.empty(), "percentile of nothing");
   std::sort(values.begin(), values.end());

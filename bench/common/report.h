@@ -40,6 +40,12 @@ struct Spread {
 /// The Spread of `values`. Throws c10::Error for an empty list.
 Spread spread_of(const std::vector<double>& values);
 
+/// One case of a results file comparing ours with PyTorch's over rounds: {case, ours, pytorch
+/// (the medians), ours_min, ours_max, pytorch_min, pytorch_max, rounds, unit, better ("lower"
+/// or "higher")}.
+nlohmann::json comparison_row(const std::string& name, const Spread& ours, const Spread& pytorch,
+                              size_t rounds, const std::string& unit, bool lower_is_better);
+
 /// Runs `ours` and `pytorch` alternately, `rounds` times each (ours first), printing progress
 /// on standard error behind "`program`: `label`", and returns each side's results in round order.
 std::pair<std::vector<nlohmann::json>, std::vector<nlohmann::json>> alternate_rounds(

@@ -559,17 +559,8 @@ void print_table(const Config& config, int rounds, const std::vector<Json>& ours
 Json to_json(const std::vector<Json>& ours, const std::vector<Json>& pytorch) {
   Json out = Json::array();
   for (const Row& row : rows()) {
-    const Spread o = row_spread(row, ours), p = row_spread(row, pytorch);
-    out.push_back({{"case", row.name},
-                   {"ours", o.median},
-                   {"pytorch", p.median},
-                   {"ours_min", o.min},
-                   {"ours_max", o.max},
-                   {"pytorch_min", p.min},
-                   {"pytorch_max", p.max},
-                   {"rounds", ours.size()},
-                   {"unit", row.unit},
-                   {"better", row.lower_is_better ? "lower" : "higher"}});
+    out.push_back(comparison_row(row.name, row_spread(row, ours), row_spread(row, pytorch),
+                                 ours.size(), row.unit, row.lower_is_better));
   }
   return out;
 }

@@ -278,16 +278,8 @@ int run(int argc, char** argv) {
                fmt::format("{:.0f}/{:.0f}", growth(ours[rows]), table_mb),
                fmt::format("{:.0f}/{:.0f}", growth(pytorch[rows]), table_mb));
     const std::string label = rows_label(rows);
-    cases.push_back({{"case", "iteration, " + label + " rows"},
-                     {"ours", o.median},
-                     {"pytorch", p.median},
-                     {"ours_min", o.min},
-                     {"ours_max", o.max},
-                     {"pytorch_min", p.min},
-                     {"pytorch_max", p.max},
-                     {"rounds", config.rounds},
-                     {"unit", "ms"},
-                     {"better", "lower"}});
+    cases.push_back(comparison_row("iteration, " + label + " rows", o, p,
+                                   static_cast<size_t>(config.rounds), "ms", true));
     cases.push_back({{"case", "samples/s, " + label + " rows"},
                      {"ours", kBags * 1e3 / o.median},
                      {"pytorch", kBags * 1e3 / p.median},

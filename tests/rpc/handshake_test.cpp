@@ -234,6 +234,21 @@ class RawPeer {
   bool connected_ = false;
 };
 
+// The nonce the tests' hand-made proofs carry.
+const std::string kClientNonce(HandshakeMessage::kNonceBytes, 'n');
+
+// The answer to worker 0's `challenge` claiming worker id 1, with `proof` (over kClientNonce).
+HandshakeMessage proof_as_worker1(const HandshakeMessage& challenge, const std::string& proof) {
+  HandshakeMessage answer;
+  answer.step = HandshakeMessage::Step::kProof;
+  answer.server_nonce = challenge.server_nonce;
+  answer.client_nonce = kClientNonce;
+  answer.client_id = 1;
+  answer.server_id = 0;
+  answer.proof = proof;
+  return answer;
+}
+
 // Worker 0's listening address and port, as the agent publishes them in the rendezvous store.
 std::pair<std::string, int> address_of_worker0() {
   c10d::TCPStoreOptions store_options;
@@ -282,14 +297,8 @@ TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
         RawPeer rogue(address, port);
         auto challenge = rogue.receive();
         ASSERT_TRUE(challenge);
-        HandshakeMessage forged;
-        forged.step = HandshakeMessage::Step::kProof;
-        forged.server_nonce = challenge->server_nonce;
-        forged.client_nonce = std::string(HandshakeMessage::kNonceBytes, 'n');
-        forged.client_id = 1;
-        forged.server_id = 0;
-        forged.proof = std::string(HandshakeMessage::kProofBytes, 'p');
-        rogue.send(detail::encode_handshake(forged));
+        rogue.send(detail::encode_handshake(
+            proof_as_worker1(*challenge, std::string(HandshakeMessage::kProofBytes, 'p'))));
         rogue.send(detail::encode_request(2, "record", {}, 0, /*caller_id=*/1));
         auto verdict = rogue.receive();
         ASSERT_TRUE(verdict);
@@ -320,15 +329,9 @@ TEST(RpcHandshake, ASecondClaimOfALiveIdentityIsRefused) {
         RawPeer rogue(address, port);
         auto challenge = rogue.receive();
         ASSERT_TRUE(challenge);
-        HandshakeMessage proof;
-        proof.step = HandshakeMessage::Step::kProof;
-        proof.server_nonce = challenge->server_nonce;
-        proof.client_nonce = std::string(HandshakeMessage::kNonceBytes, 'c');
-        proof.client_id = 1;
-        proof.server_id = 0;
-        proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
-                                              challenge->server_nonce, proof.client_nonce, 1, 0);
-        rogue.send(detail::encode_handshake(proof));
+        rogue.send(detail::encode_handshake(proof_as_worker1(
+            *challenge, detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
+                                                challenge->server_nonce, kClientNonce, 1, 0))));
         auto verdict = rogue.receive();
         ASSERT_TRUE(verdict);
         EXPECT_EQ(verdict->step, HandshakeMessage::Step::kRefuse);
