@@ -83,7 +83,10 @@ struct RpcBackendOptions {
   /// and a worker that cannot prove it to us is never sent one. Empty (the default): workers
   /// still run the handshake, with an empty key, so a worker with a secret refuses one without.
   /// The secret never travels. Keep it out of command lines: read it from a file or the
-  /// environment. (PyTorch's RPC has no authentication.)
+  /// environment. Left empty here, init_rpc reads the bytes of the file that the environment
+  /// variable DISTOPTIM_RPC_SECRET_FILE names (distrun makes one per job for the ranks it starts
+  /// on one node), and without one runs as just described, with a warning. (PyTorch's RPC has no
+  /// authentication.)
   TORCH_ARG(std::string, shared_secret) = "";
   /// Whether a large tensor (256 KiB or more) travelling to or from a worker on the same host
   /// is read straight out of the sender's memory (Linux cross-memory attach, process_vm_readv):
