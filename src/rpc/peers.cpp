@@ -28,13 +28,13 @@ void Peers::join() { io_loop_->join(); }
 const std::string& Peers::listen_address() const { return listener_->address(); }
 int Peers::listen_port() const { return listener_->port(); }
 
-void Peers::start(HandshakeConfig handshake, std::vector<std::pair<std::string, int>> addresses,
-                  PeerEvents events) {
+void Peers::start(HandshakeConfig handshake, const WorkerTable& workers, PeerEvents events) {
   handshake_ = std::move(handshake);
   handshake_.admit = [this](const Connection* connection, int caller) {
     return admit_caller(connection, caller);
   };
-  addresses_ = std::move(addresses);
+  handshake_.refuse_id = [&workers](int id) { return workers.refuse_id(id); };
+  workers_ = &workers;
   events_ = std::move(events);
   asio::post(io_, [this] {
     listener_->start([this](std::shared_ptr<Connection> connection) { on_accepted(connection); });
@@ -119,10 +119,11 @@ void Peers::lose(int peer, const std::string& why) {
 }
 
 // Accepting side: every connection proves itself within the handshake timeout, and at most
-// world_size + kExtraUnprovenConnections wait at once: a job's workers open one connection each
-// and prove themselves within milliseconds, so past that the oldest is a peer that stalls.
+// (workers known) + kExtraUnprovenConnections wait at once: a job's workers open one connection
+// each and prove themselves within milliseconds, so past that the oldest is a peer that stalls.
 void Peers::on_accepted(const std::shared_ptr<Connection>& connection) {
   std::shared_ptr<Connection> evicted;
+  const size_t known = workers_->snapshot()->entries.size();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopped_) {
@@ -131,7 +132,7 @@ void Peers::on_accepted(const std::shared_ptr<Connection>& connection) {
     }
     incoming_.push_back(connection);
     unproven_.push_back(connection);
-    if (unproven_.size() > static_cast<size_t>(handshake_.world_size) + kExtraUnprovenConnections) {
+    if (unproven_.size() > known + kExtraUnprovenConnections) {
       evicted = std::move(unproven_.front());
       unproven_.pop_front();
     }
@@ -195,8 +196,13 @@ void Peers::forget_incoming(const std::shared_ptr<Connection>& connection) {
 
 // Connecting side. Messages sent meanwhile wait in `held`.
 void Peers::connect_to(int peer) {
-  const auto& [address, port] = addresses_[peer];
-  connect(io_, address, port,
+  const std::shared_ptr<const WorkerTable::Snapshot> table = workers_->snapshot();
+  const WorkerTable::Entry* entry = table->find(peer);
+  if (entry == nullptr) {
+    on_outgoing_lost(peer, nullptr, "no worker has id " + std::to_string(peer), /*refused=*/true);
+    return;
+  }
+  connect(io_, entry->host, entry->port,
           [this, peer](std::shared_ptr<Connection> connection, const std::string& error) {
             if (!connection) {
               on_outgoing_lost(peer, nullptr, "cannot connect: " + error, /*refused=*/false);

@@ -20,6 +20,7 @@
 #include "message.h"
 #include "transport/connection.h"
 #include "transport/io_loop.h"
+#include "worker_table.h"
 
 namespace distoptim {
 namespace rpc {
@@ -52,9 +53,9 @@ struct PeerEvents {
 /// loses the peer for good. A peer lost other than by refusal counts as dead.
 ///
 /// Accepting side: nothing a connecting peer sends is read but one small handshake frame until it
-/// has proven itself; connections still in their handshake are bounded in number (world size +
-/// kExtraUnprovenConnections, the oldest evicted past that) and in time (the handshake timeout).
-/// Replies to a caller go on the connection it opened (Connection::send).
+/// has proven itself; connections still in their handshake are bounded in number (the workers
+/// known + kExtraUnprovenConnections, the oldest evicted past that) and in time (the handshake
+/// timeout). Replies to a caller go on the connection it opened (Connection::send).
 ///
 /// Threading: one mutex guards the tables below; no callback runs while it is held. Lock order:
 /// a caller's own lock may be held around send() (the agent sends under its lock so that calls
@@ -71,10 +72,11 @@ class Peers {
   const std::string& listen_address() const;
   int listen_port() const;
 
-  /// Once every worker's address is known: accepts connections from now on (they waited in the
-  /// backlog) and hands frames to `events`. `addresses[id]` is worker id's (IP, port).
-  void start(HandshakeConfig handshake, std::vector<std::pair<std::string, int>> addresses,
-             PeerEvents events);
+  /// Once the workers' addresses are known: accepts connections from now on (they waited in the
+  /// backlog) and hands frames to `events`. `workers` says where each worker listens (read when a
+  /// connection to it opens; a dynamic group's table grows meanwhile) and which ids a connecting
+  /// peer may prove; it outlives this object.
+  void start(HandshakeConfig handshake, const WorkerTable& workers, PeerEvents events);
 
   /// Sends `message` to `peer` after those sent before it, opening the connection on first use.
   /// Returns why the peer is lost if it is (nothing is sent then), else nothing.
@@ -141,7 +143,7 @@ class Peers {
   std::shared_ptr<Listener> listener_;
   // Set by start(), then read-only.
   HandshakeConfig handshake_;
-  std::vector<std::pair<std::string, int>> addresses_;
+  const WorkerTable* workers_ = nullptr;
   PeerEvents events_;
 
   std::mutex mutex_;

@@ -1,0 +1,179 @@
+// Dynamic rpc groups (init_rpc without a world size) across real processes on loopback: a
+// parameter server starts alone, trainers join one by one and call it and each other, one leaves,
+// calls to it fail naming it, a new worker joins under a new name and another under the left one's
+// name, and every member's get_worker_infos follows. The processes take turns through keys of
+// their own in the rendezvous store, so every list asserted is exact. Every wait is bounded.
+
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <distoptim/comm/rendezvous.h>
+#include <distoptim/rpc.h>
+
+#include "harness/multiprocess.h"
+#include "harness/rpc_workers.h"
+
+namespace distoptim {
+namespace rpc {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::run_ranks;
+
+DISTOPTIM_RPC_FUNCTION("dynamic_add", [](int64_t a, int64_t b) { return a + b; });
+// The names of the members the callee knows, by id.
+DISTOPTIM_RPC_FUNCTION("dynamic_members", [] {
+  std::vector<std::string> names;
+  for (const WorkerInfo& info : get_worker_infos()) names.push_back(info.name);
+  return names;
+});
+DISTOPTIM_RPC_FUNCTION("dynamic_whoami", [] { return get_worker_info().name; });
+
+std::vector<std::string> my_members() {
+  std::vector<std::string> names;
+  for (const WorkerInfo& info : get_worker_infos()) names.push_back(info.name);
+  return names;
+}
+
+std::vector<std::string> members_of(const std::string& worker) {
+  return rpc_sync<std::vector<std::string>>(worker, "dynamic_members");
+}
+
+// Keys of the test's own turns, in the store rank 0 serves (after it has started it).
+struct Turns {
+  explicit Turns(int rank)
+      : store(comm::open_store(comm::RendezvousOptions("env://")
+                                   .rank(rank)
+                                   .prefix("test/dynamic_membership")
+                                   .timeout(30s))
+                  .store) {}
+  void say(const std::string& key) { store->set(key, std::vector<uint8_t>{1}); }
+  void await(const std::string& key) { store->wait({key}, 30s); }
+  c10::intrusive_ptr<comm::DeadlineStore> store;
+};
+
+RpcBackendOptions options() { return testing::test_options(30s); }
+
+TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
+  run_ranks(4, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options());
+      Turns turns(0);
+      EXPECT_EQ(get_worker_info(), (WorkerInfo{"ps", 0}));
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps"}));
+      turns.say("ps_up");
+      turns.await("trainer1_rejoined");
+      // Joins and leaves as the trainers saw them.
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
+      EXPECT_EQ(get_worker_info("trainer1").id, 4);
+      shutdown();  // the store host leaves last: it waits for the trainers to leave
+      return;
+    }
+    Turns turns(rank);
+    turns.await("ps_up");
+    if (rank == 1) {
+      init_rpc("trainer1", 1, options());
+      EXPECT_EQ(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{2}, int64_t{3}}), 5);
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer1"}));
+      EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"ps", "trainer1"}));
+      turns.say("trainer1_joined");
+      turns.await("trainer2_joined");
+      // A worker that joined after this one is known here without a call of its own.
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer1", "trainer2"}));
+      EXPECT_EQ(rpc_sync<std::string>("trainer2", "dynamic_whoami"), "trainer2");
+      shutdown();  // leaves alone: nobody else is in a barrier
+      turns.say("trainer1_left");
+      // The name passes to a new worker once its holder has left; the rank does not.
+      turns.await("trainer3_joined");
+      try {
+        init_rpc("trainer1", 1, options());
+        ADD_FAILURE() << "rank 1 was taken twice";
+      } catch (const c10::ValueError& error) {
+        EXPECT_NE(std::string(error.what()).find("rank 1 (worker 'trainer1') is taken"),
+                  std::string::npos)
+            << error.what();
+      }
+      init_rpc("trainer1", kAssignRank, options());
+      EXPECT_EQ(get_worker_info().id, 4);
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
+      EXPECT_EQ(rpc_sync<std::string>("trainer2", "dynamic_whoami"), "trainer2");
+      turns.say("trainer1_rejoined");
+      turns.await("trainer2_done");
+      shutdown();
+      return;
+    }
+    if (rank == 2) {
+      turns.await("trainer1_joined");
+      init_rpc("trainer2", 2, options());
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer1", "trainer2"}));
+      EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"ps", "trainer1", "trainer2"}));
+      EXPECT_EQ(members_of("trainer1"), (std::vector<std::string>{"ps", "trainer1", "trainer2"}));
+      turns.say("trainer2_joined");
+      turns.await("trainer1_left");
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2"}));
+      EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"ps", "trainer2"}));
+      // A call to the worker that left fails at once, naming it and saying it left.
+      try {
+        rpc_sync<std::string>("trainer1", "dynamic_whoami");
+        ADD_FAILURE() << "a call to a worker that left succeeded";
+      } catch (const PeerLostError& error) {
+        EXPECT_NE(std::string(error.what()).find("worker 'trainer1' (id 1) left the group"),
+                  std::string::npos)
+            << error.what();
+      }
+      EXPECT_THROW(get_worker_info("trainer1"), c10::ValueError);
+      turns.say("trainer2_checked");
+      turns.await("trainer1_rejoined");
+      // The name now resolves to the new worker.
+      EXPECT_EQ(get_worker_info("trainer1").id, 4);
+      EXPECT_EQ(rpc_sync<std::string>("trainer1", "dynamic_whoami"), "trainer1");
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
+      turns.say("trainer2_done");
+      shutdown();
+      return;
+    }
+    // rank 3: a new worker under a new name, its rank assigned.
+    turns.await("trainer2_checked");
+    init_rpc("trainer3", kAssignRank, options());
+    EXPECT_EQ(get_worker_info().id, 3);  // 1 and 2 are taken
+    EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3"}));
+    EXPECT_EQ(members_of("trainer2"), (std::vector<std::string>{"ps", "trainer2", "trainer3"}));
+    EXPECT_EQ(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{4}, int64_t{5}}), 9);
+    turns.say("trainer3_joined");
+    turns.await("trainer2_done");
+    shutdown();
+  });
+}
+
+TEST(DynamicMembership, BadJoinsAreRefusedNamingTheRankOrName) {
+  run_ranks(2, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options());
+      Turns turns(0);
+      turns.say("ps_up");
+      turns.await("checked");
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps"}));
+      shutdown();
+      return;
+    }
+    Turns turns(1);
+    turns.await("ps_up");
+    try {
+      init_rpc("ps", 5, options());
+      ADD_FAILURE() << "a second worker named 'ps' joined";
+    } catch (const c10::ValueError& error) {
+      EXPECT_NE(std::string(error.what()).find("the worker name 'ps' is taken by rank 0"),
+                std::string::npos)
+          << error.what();
+    }
+    EXPECT_THROW(init_rpc("w", 40000, options()), c10::ValueError);
+    EXPECT_THROW(init_rpc("w", 1, RpcBackendOptions("file:///tmp/x")), c10::ValueError);
+    turns.say("checked");
+  });
+}
+
+}  // namespace
+}  // namespace rpc
+}  // namespace distoptim
