@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include <distoptim/comm/rendezvous.h>
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
 #include <distoptim/optim/registry.h>
@@ -62,16 +61,8 @@ DISTOPTIM_RPC_FUNCTION("dynamic_params", [] {
   return copies;
 });
 
-struct Turns {
-  explicit Turns(int rank)
-      : store(comm::open_store(comm::RendezvousOptions("env://")
-                                   .rank(rank)
-                                   .prefix("test/dynamic_trainer")
-                                   .timeout(30s))
-                  .store) {}
-  void say(const std::string& key) { store->set(key, std::vector<uint8_t>{1}); }
-  void await(const std::string& key) { store->wait({key}, 30s); }
-  c10::intrusive_ptr<comm::DeadlineStore> store;
+struct Turns : testing::StoreTurns {
+  explicit Turns(int rank) : StoreTurns(rank, "test/dynamic_trainer") {}
 };
 
 const OptionBag& adam_options() {

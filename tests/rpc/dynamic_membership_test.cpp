@@ -4,12 +4,13 @@
 // name, and every member's get_worker_infos follows. The processes take turns through keys of
 // their own in the rendezvous store, so every list asserted is exact. Every wait is bounded.
 
+#include <atomic>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
-#include <distoptim/comm/rendezvous.h>
 #include <distoptim/rpc.h>
 
 #include "harness/multiprocess.h"
@@ -42,17 +43,20 @@ std::vector<std::string> members_of(const std::string& worker) {
 }
 
 // Keys of the test's own turns, in the store rank 0 serves (after it has started it).
-struct Turns {
-  explicit Turns(int rank)
-      : store(comm::open_store(comm::RendezvousOptions("env://")
-                                   .rank(rank)
-                                   .prefix("test/dynamic_membership")
-                                   .timeout(30s))
-                  .store) {}
-  void say(const std::string& key) { store->set(key, std::vector<uint8_t>{1}); }
-  void await(const std::string& key) { store->wait({key}, 30s); }
-  c10::intrusive_ptr<comm::DeadlineStore> store;
+struct Turns : testing::StoreTurns {
+  explicit Turns(int rank) : StoreTurns(rank, "test/dynamic_membership") {}
 };
+
+// `call` throws an `Error` whose message contains `text`.
+template <class Error, class Call>
+void expect_error(Call call, const std::string& text) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one saying: " << text;
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find(text), std::string::npos) << error.what();
+  }
+}
 
 RpcBackendOptions options() { return testing::test_options(30s); }
 
@@ -87,14 +91,8 @@ TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
       turns.say("trainer1_left");
       // The name passes to a new worker once its holder has left; the rank does not.
       turns.await("trainer3_joined");
-      try {
-        init_rpc("trainer1", 1, options());
-        ADD_FAILURE() << "rank 1 was taken twice";
-      } catch (const c10::ValueError& error) {
-        EXPECT_NE(std::string(error.what()).find("rank 1 (worker 'trainer1') is taken"),
-                  std::string::npos)
-            << error.what();
-      }
+      expect_error<c10::ValueError>([] { init_rpc("trainer1", 1, options()); },
+                                    "rank 1 (worker 'trainer1') is taken");
       init_rpc("trainer1", kAssignRank, options());
       EXPECT_EQ(get_worker_info().id, 4);
       EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
@@ -115,14 +113,8 @@ TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
       EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2"}));
       EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"ps", "trainer2"}));
       // A call to the worker that left fails at once, naming it and saying it left.
-      try {
-        rpc_sync<std::string>("trainer1", "dynamic_whoami");
-        ADD_FAILURE() << "a call to a worker that left succeeded";
-      } catch (const PeerLostError& error) {
-        EXPECT_NE(std::string(error.what()).find("worker 'trainer1' (id 1) left the group"),
-                  std::string::npos)
-            << error.what();
-      }
+      expect_error<PeerLostError>([] { rpc_sync<std::string>("trainer1", "dynamic_whoami"); },
+                                  "worker 'trainer1' (id 1) left the group");
       EXPECT_THROW(get_worker_info("trainer1"), c10::ValueError);
       turns.say("trainer2_checked");
       turns.await("trainer1_rejoined");
@@ -160,17 +152,64 @@ TEST(DynamicMembership, BadJoinsAreRefusedNamingTheRankOrName) {
     }
     Turns turns(1);
     turns.await("ps_up");
-    try {
-      init_rpc("ps", 5, options());
-      ADD_FAILURE() << "a second worker named 'ps' joined";
-    } catch (const c10::ValueError& error) {
-      EXPECT_NE(std::string(error.what()).find("the worker name 'ps' is taken by rank 0"),
-                std::string::npos)
-          << error.what();
-    }
+    expect_error<c10::ValueError>([] { init_rpc("ps", 5, options()); },
+                                  "the worker name 'ps' is taken by rank 0");
     EXPECT_THROW(init_rpc("w", 40000, options()), c10::ValueError);
     EXPECT_THROW(init_rpc("w", 1, RpcBackendOptions("file:///tmp/x")), c10::ValueError);
     turns.say("checked");
+  });
+}
+
+// The store host leaves last: its shutdown waits for the members still in the group, and past
+// shutdown_timeout names them (and stops all the same). A member leaving while a call to it is
+// pending answers it first.
+std::atomic<bool> g_slow_echo_started{false};
+DISTOPTIM_RPC_FUNCTION("dynamic_slow_echo", [](int64_t value) {
+  g_slow_echo_started = true;
+  std::this_thread::sleep_for(300ms);
+  return value;
+});
+
+TEST(DynamicMembership, TheStoreHostLeavesLastAndNamesWhoStayed) {
+  run_ranks(3, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options().shutdown_timeout(1500ms));
+      Turns turns(0);
+      turns.say("ps_up");
+      turns.await("leaver_joined");
+      // The leaver's call was pending when it left: answered, not failed.
+      auto pending = rpc_async<int64_t>("leaver", "dynamic_slow_echo", std::tuple{int64_t{7}});
+      turns.say("call_sent");
+      EXPECT_EQ(pending.wait(), 7);
+      turns.await("leaver_left");
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "stayer"}));
+      expect_error<TimeoutError>(
+          [] { shutdown(); },
+          "leaves last, but after 1500 ms these workers had not left: 'stayer' (rank 2)");
+      turns.say("ps_left");
+      return;
+    }
+    Turns turns(rank);
+    turns.await("ps_up");
+    if (rank == 1) {
+      turns.await("stayer_joined");
+      init_rpc("leaver", 1, options());
+      turns.say("leaver_joined");
+      turns.await("call_sent");
+      // The call is running here; leaving does not cut it short.
+      for (int i = 0; i < 1000 && !g_slow_echo_started; ++i) std::this_thread::sleep_for(5ms);
+      ASSERT_TRUE(g_slow_echo_started);
+      shutdown();
+      turns.say("leaver_left");
+      return;
+    }
+    init_rpc("stayer", 2, options());
+    turns.say("stayer_joined");
+    turns.await("ps_left");
+    // Calls to the store host that left fail; leaving without its store still works.
+    EXPECT_THROW(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{1}, int64_t{1}}),
+                 PeerLostError);
+    shutdown();
   });
 }
 

@@ -272,7 +272,8 @@ inline void RpcFuture<void>::wait() const {
 /// The untyped call every typed one goes through: runs the function registered as `function`
 /// on `to` with `args`. Throws c10::ValueError / c10::TypeError for a bad destination or an
 /// argument that cannot be sent (before anything is sent), DistributedError if no agent runs.
-/// A destination known to be dead gives a future failed with PeerLostError at once.
+/// A destination known to be dead, or to have left a dynamic group, gives a future failed with
+/// PeerLostError at once.
 c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(
     const WorkerRef& to, const std::string& function, std::vector<c10::IValue> args,
     std::chrono::milliseconds timeout = kDefaultTimeout);
