@@ -350,7 +350,11 @@ void Agent::shutdown(bool graceful) {
 
 void Agent::leave() {
   leaving_ = true;
-  const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
+  // Without a shutdown_timeout: as long as the workers waited for are alive (the store host's
+  // wait) and this worker's own calls and requests take (each call has its timeout).
+  const auto bound = options_.shutdown_timeout();
+  const auto deadline =
+      std::chrono::steady_clock::now() + (bound.count() > 0 ? bound : kUnboundedDrain);
   std::exception_ptr failure;
   if (group_.rank() == 0) {
     // The store host: the others join and leave through its store, so it leaves last.
@@ -366,38 +370,58 @@ void Agent::leave() {
   std::vector<std::pair<int, c10::intrusive_ptr<c10::ivalue::Future>>> notices;
   for (const WorkerInfo& member : workers()) {
     if (member.id == group_.rank()) continue;
-    const auto timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
+    // A member that does not answer within liveness_timeout is stopped, hung or gone: it sees
+    // this worker's connections end.
+    const auto timeout =
+        std::min(options_.liveness_timeout(), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                  deadline - std::chrono::steady_clock::now()));
     notices.emplace_back(member.id, send(member.id, kMemberLeft, {},
                                          std::max(timeout, std::chrono::milliseconds(1))));
   }
-  // A member that cannot be told (it died or left meanwhile) sees this worker's connections end.
   for (auto& [member, notice] : notices) notice->wait();
   const bool calls_done = pending_.wait_empty(deadline);
   const int requests_left = dispatcher_.wait_idle(deadline);
   if (failure) std::rethrow_exception(failure);
   DISTOPTIM_CHECK_WITH(TimeoutError, calls_done && requests_left == 0, "rpc shutdown: worker '",
                        self().name, "' still had ", pending_.size(), " call(s) and ", requests_left,
-                       " request(s) outstanding after ", options_.shutdown_timeout().count(),
-                       " ms");
+                       " request(s) outstanding after ", bound.count(), " ms");
 }
 
+// Waits while the members that stay are alive: one that dies (its connection ends) or does not
+// answer a liveness check (stopped, hung, unreachable) is not waited for.
 void Agent::wait_for_others_to_leave(std::chrono::steady_clock::time_point deadline) {
+  LivenessProbe probe(
+      [this](int peer, std::chrono::milliseconds timeout) {
+        return send(peer, kAliveFunction, {}, timeout);
+      },
+      options_.liveness_timeout());
+  auto next_check = std::chrono::steady_clock::now();
   while (true) {
+    std::vector<int> ids;
     std::string staying;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       for (const WorkerInfo& member : workers()) {
         if (member.id == group_.rank() || gone_.count(member.id) > 0) continue;
+        ids.push_back(member.id);
         staying += (staying.empty() ? "'" : ", '") + member.name + "' (rank " +
                    std::to_string(member.id) + ")";
       }
     }
-    if (staying.empty()) return;
+    if (ids.empty()) return;
     DISTOPTIM_CHECK_WITH(
         TimeoutError, std::chrono::steady_clock::now() < deadline, "rpc shutdown: worker '",
         self().name, "' serves the group's store and leaves last, but after ",
         options_.shutdown_timeout().count(), " ms these workers had not left: ", staying);
+    if (std::chrono::steady_clock::now() >= next_check) {
+      if (auto silent = probe.check(ids)) {
+        TORCH_WARN("rpc shutdown: worker '", self().name, "' does not wait for worker '",
+                   name_of(silent->first), "' to leave: ", silent->second);
+        std::lock_guard<std::mutex> lock(mutex_);
+        gone_.insert(silent->first);
+      }
+      next_check = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }

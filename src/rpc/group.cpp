@@ -151,7 +151,8 @@ std::vector<int> WorkerGroup::enter() {
 void WorkerGroup::leave() {
   try {
     comm::DeadlineStore& store = *rendezvous_.store;
-    const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
+    // Each operation bounded as the barriers' are (shutdown_timeout may be 0, for none).
+    const auto deadline = std::chrono::steady_clock::now() + options_.liveness_timeout();
     if (rank_ == 0) store.set(dynamic_key("closing"), to_bytes("1"), deadline);
     store.set(dynamic_key("left/" + std::to_string(rank_)), to_bytes("1"), deadline);
   } catch (const DistributedError&) {

@@ -171,15 +171,16 @@ void init_rpc(const std::string& name, int rank, const RpcBackendOptions& option
 /// Stops the agent. In a dynamic group a graceful shutdown is this worker's own: it marks itself
 /// left in the store, deletes the RRefs it holds, tells every member it leaves (from then on
 /// their calls to it fail at once with PeerLostError saying it left), waits for its outstanding
-/// calls and the requests it is running, then stops; the store host (rank 0) first waits,
-/// up to shutdown_timeout, for every other member to leave (TimeoutError naming those that did
-/// not; it stops all the same). In a static group, graceful: a barrier across every worker (each
-/// must call shutdown), then waits for this worker's outstanding calls and requests, a second
-/// barrier, then stops. Not graceful: stops at once; pending futures fail with DistributedError.
-/// Either way no agent thread is left afterwards. Errors: DistributedError if no agent runs, or if
-/// called on one of the agent's own threads (from a request or a future's callback; nothing is
-/// stopped then); TimeoutError naming the workers missing from a barrier (the agent is stopped all
-/// the same).
+/// calls and the requests it is running, then stops; the store host (rank 0) first waits for
+/// every other member to leave, as long as those are alive (one that dies or does not answer a
+/// liveness check within liveness_timeout is not waited for) and up to shutdown_timeout when set
+/// (TimeoutError naming those still there; it stops all the same). In a static group, graceful: a
+/// barrier across every worker (each must call shutdown), then waits for this worker's outstanding
+/// calls and requests, a second barrier, then stops. Not graceful: stops at once; pending futures
+/// fail with DistributedError. Either way no agent thread is left afterwards. Errors:
+/// DistributedError if no agent runs, or if called on one of the agent's own threads (from a
+/// request or a future's callback; nothing is stopped then); TimeoutError naming the workers
+/// missing from a barrier (the agent is stopped all the same).
 void shutdown(bool graceful = true);
 
 /// Hold one while updating in place a tensor that handlers return or RRefs hold (a parameter
