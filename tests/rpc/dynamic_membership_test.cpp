@@ -4,6 +4,9 @@
 // name, and every member's get_worker_infos follows. The processes take turns through keys of
 // their own in the rendezvous store, so every list asserted is exact. Every wait is bounded.
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <string>
 #include <thread>
@@ -210,6 +213,35 @@ TEST(DynamicMembership, TheStoreHostLeavesLastAndNamesWhoStayed) {
     EXPECT_THROW(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{1}, int64_t{1}}),
                  PeerLostError);
     shutdown();
+  });
+}
+
+// Without a shutdown_timeout the store host waits for the members as long as they are alive: one
+// that is stopped (SIGSTOP) stops answering its liveness checks and is not waited for.
+DISTOPTIM_RPC_FUNCTION("dynamic_pid", [] { return static_cast<int64_t>(::getpid()); });
+
+TEST(DynamicMembership, TheStoreHostDoesNotWaitForAStoppedMember) {
+  run_ranks(2, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options().shutdown_timeout(0ms).liveness_timeout(1s));
+      Turns turns(0);
+      turns.say("ps_up");
+      turns.await("stuck_joined");
+      const auto pid = static_cast<pid_t>(rpc_sync<int64_t>("stuck", "dynamic_pid"));
+      ASSERT_TRUE(testing::stop_process(pid));
+      EXPECT_NO_THROW(shutdown());
+      ASSERT_EQ(::kill(pid, SIGCONT), 0);
+      turns.say("ps_left");
+      turns.await("stuck_done");  // the test's store lives in this process
+      return;
+    }
+    Turns turns(1);
+    turns.await("ps_up");
+    init_rpc("stuck", 1, options());
+    turns.say("stuck_joined");
+    turns.await("ps_left");
+    shutdown();
+    turns.say("stuck_done");
   });
 }
 
