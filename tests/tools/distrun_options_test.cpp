@@ -150,6 +150,23 @@ TEST(DistrunOptions, RestartsAcrossNodesTakeAJoinTimeout) {
                      {"--rdzv-timeout nan"});
 }
 
+// A failure restarts every local rank by default; with `rank`, only the failed one (one node).
+TEST(DistrunOptions, RestartPolicyIsAllOrRankAndRankNeedsOneNode) {
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "prog"}).restart_policy,
+            RestartPolicy::kAll);
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "--restart-policy", "rank", "prog"})
+                .restart_policy,
+            RestartPolicy::kRank);
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "--restart_policy", "all", "prog"})
+                .restart_policy,
+            RestartPolicy::kAll);
+  expect_usage_error({"--nproc-per-node", "2", "--restart-policy", "1", "prog"},
+                     {"--restart-policy '1'", "all or rank"});
+  expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h",
+                      "--master-port", "80", "--restart-policy", "rank", "prog"},
+                     {"--restart-policy rank", "--nnodes 2"});
+}
+
 TEST(DistrunOptions, RejectsAMissingProgramAndUnknownOptions) {
   expect_usage_error({"--nproc-per-node", "2"}, {"PROGRAM"});
   expect_usage_error({"--nproc-per-node", "2", "--"}, {"PROGRAM"});
