@@ -567,6 +567,11 @@ class Supervisor {
   // Starts the failed run ranks_[index] again, alone, with its restart count one higher and the
   // same MASTER_PORT; the other ranks run on.
   void restart_alone(size_t index) {
+    if (grace_deadline_) {
+      // Another rank reaped in the same pass ended the job: this failure is reported, not undone.
+      ranks_[index].replaced = false;
+      return;
+    }
     const int rank = ranks_[index].rank;
     const int local_rank = ranks_[index].local_rank;
     const int restart_count = ranks_[index].restart_count + 1;
