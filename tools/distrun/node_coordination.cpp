@@ -166,7 +166,7 @@ class NodeCoordinator::Impl {
           if (auto stop = published_stop()) return {0, stop};
           beat_now();
           missing = nodes_without(round_key(round, "node/"));
-          watch_beats(missing);
+          if (round > 0) watch_beats(missing);
           if (missing.empty() && store_->check({round_key(round, "port")})) {
             check_options_agree(round);
             const std::string port_key = round_key(round, "port");
@@ -392,9 +392,12 @@ class NodeCoordinator::Impl {
     store_->add("beat/" + std::to_string(options_.node_rank), 1);
   }
 
-  // Within a wait: reads the beat counter of each node in `nodes`, noting whether it moved since
-  // the wait began (its first reading). Throws as the store does.
+  // Within a wait: reads the beat counter of each node in `nodes`, at most every kBeatInterval,
+  // noting whether it moved since the wait began (its first reading). Throws as the store does.
   void watch_beats(const std::vector<int>& nodes) {
+    const auto now = Clock::now();
+    if (!beats_.empty() && now < next_watch_) return;
+    next_watch_ = now + kBeatInterval;
     for (int node : nodes) {
       const int64_t value = store_->add("beat/" + std::to_string(node), 0);
       const auto [it, first] = beats_.try_emplace(node, Beat{value, false});
@@ -524,6 +527,7 @@ class NodeCoordinator::Impl {
   bool stop_published_ = false;
   Clock::time_point next_poll_{};
   Clock::time_point next_beat_{};
+  Clock::time_point next_watch_{};
   // Within a wait: each missing node's beat counter at its first reading, and whether it moved.
   struct Beat {
     int64_t value = 0;
