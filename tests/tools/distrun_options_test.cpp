@@ -92,8 +92,9 @@ TEST(DistrunOptions, HelpNamesTheOptionsAndTheEnvironment) {
     EXPECT_EQ(text, help_text());
     for (const char* part :
          {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-          "--grace-seconds", "--max-restarts", "--rdzv-timeout", "DISTRUN_RESTART_COUNT", "RANK",
-          "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+          "--grace-seconds", "--max-restarts", "--restart-policy", "rank 0", "--rdzv-timeout",
+          "DISTRUN_RESTART_COUNT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+          "MASTER_PORT"}) {
       EXPECT_NE(text.find(part), std::string::npos) << part;
     }
   }
