@@ -743,6 +743,7 @@ TEST(Distrun, TheSummaryPointsAtTheRankTheFirstFailureNames) {
       "broadcast #2 on group [0, 1, 2] failed at rank 1: rank 2 is lost",
       "init_rpc: worker 'ps' (rank 1) waited 3000 ms for workers that never arrived: "
       "'trainer' (rank 2)",
+      "new_group: rank 1 cannot connect: could not reach rank 2; Gloo: Connect timeout",
   };
   for (const auto& error : errors) {
     const RunResult r =
@@ -904,26 +905,42 @@ TEST(DistrunNodes, ASignalToOneNodeStopsEveryNodeWithoutARestart) {
   for (const auto& node : r) EXPECT_FALSE(contains(node.err, "restarts")) << node.err;
 }
 
-// Once both ranks run, node 1's distrun is killed (SIGKILL; its rank dies with it), then node 0's
-// rank is told to exit with `status`. Returns node 0's run.
-RunResult run_node0_after_node1_is_killed(int status) {
-  auto done = std::make_shared<bool>(false);
-  const auto r =
-      run_two_nodes({"--max-restarts", "1", "--rdzv-timeout", "3"},
-                    {"fail-on", "0", "exit", std::to_string(status), "sleep"},
-                    [done](const std::vector<pid_t>& pids, const std::vector<RunResult>& so_far) {
-                      const auto rank0 = ready_ranks(so_far[0].out);
-                      if (*done || rank0.empty() || ready_ranks(so_far[1].out).empty()) return;
-                      *done = true;
-                      ::kill(pids[1], SIGKILL);
-                      // Dead before rank 0 ends the round (not reaped: run_distruns does that).
-                      siginfo_t info{};
-                      ::waitid(P_PID, static_cast<id_t>(pids[1]), &info, WEXITED | WNOWAIT);
-                      ::kill(rank0.at(0), SIGUSR1);
-                    });
-  EXPECT_TRUE(*done) << r[0].err << r[1].err;
-  EXPECT_EQ(r[1].status, 128 + SIGKILL);
-  return r[0];
+// Two jobs of two nodes each, at once (`statuses.size()` jobs): once both ranks of job j run,
+// its node 1's distrun is killed (SIGKILL; its rank dies with it), then its node 0's rank is told
+// to exit with statuses[j]. Returns the node 0 run of each job. The join timeout leaves room for
+// both nodes of a job to join round 0 on a loaded machine.
+std::vector<RunResult> run_node0s_after_node1s_are_killed(const std::vector<int>& statuses) {
+  std::vector<Args> runs;
+  for (int status : statuses) {
+    const int port = free_loopback_port();
+    for (int node : {0, 1}) {
+      runs.push_back(node_args(node, port, {"--max-restarts", "1", "--rdzv-timeout", "8"},
+                               {"fail-on", "0", "exit", std::to_string(status), "sleep"}));
+    }
+  }
+  auto done = std::make_shared<std::vector<bool>>(statuses.size(), false);
+  const auto r = run_distruns(
+      runs, [done](const std::vector<pid_t>& pids, const std::vector<RunResult>& so_far) {
+        for (size_t job = 0; job < done->size(); ++job) {
+          const auto rank0 = ready_ranks(so_far[2 * job].out);
+          if ((*done)[job] || rank0.empty() || ready_ranks(so_far[2 * job + 1].out).empty())
+            continue;
+          (*done)[job] = true;
+          const pid_t node1 = pids[2 * job + 1];
+          ::kill(node1, SIGKILL);
+          // Dead before rank 0 ends the round (not reaped: run_distruns does that).
+          siginfo_t info{};
+          ::waitid(P_PID, static_cast<id_t>(node1), &info, WEXITED | WNOWAIT);
+          ::kill(rank0.at(0), SIGUSR1);
+        }
+      });
+  std::vector<RunResult> node0s;
+  for (size_t job = 0; job < statuses.size(); ++job) {
+    EXPECT_TRUE((*done)[job]) << r[2 * job].err << r[2 * job + 1].err;
+    EXPECT_EQ(r[2 * job + 1].status, 128 + SIGKILL);
+    node0s.push_back(r[2 * job]);
+  }
+  return node0s;
 }
 
 // Node 1's distrun dies mid-run: node 0 names it as lost, not as a node to start, both when its
@@ -932,21 +949,19 @@ RunResult run_node0_after_node1_is_killed(int status) {
 TEST(DistrunNodes, ANodeWhoseDistrunDiedIsNamedAsLost) {
   const std::string lost =
       "its distrun is lost (died or cut off: no sign of life during the wait)\n";
-  const std::map<int, std::string> messages = {
-      {3,
-       "distrun: round 1: node 1, which took part in round 0, never joined round 1 within 3 s "
-       "(--rdzv-timeout): " +
-           lost},
-      {0,
-       "distrun: round 0: the ranks of this node (0) ended with status 0, but node 1 neither "
-       "finished nor failed within 3 s (--rdzv-timeout): " +
-           lost},
+  const std::vector<std::string> messages = {
+      "distrun: round 1: node 1, which took part in round 0, never joined round 1 within 8 s "
+      "(--rdzv-timeout): " +
+          lost,
+      "distrun: round 0: the ranks of this node (0) ended with status 0, but node 1 neither "
+      "finished nor failed within 8 s (--rdzv-timeout): " +
+          lost,
   };
-  for (const auto& [status, message] : messages) {
-    const RunResult node0 = run_node0_after_node1_is_killed(status);
-    EXPECT_EQ(node0.status, 1) << node0.err;
-    EXPECT_TRUE(contains(node0.err, message)) << node0.err;
-    EXPECT_FALSE(contains(node0.err, "must be started with the same")) << node0.err;
+  const auto node0s = run_node0s_after_node1s_are_killed({3, 0});
+  for (size_t job = 0; job < node0s.size(); ++job) {
+    EXPECT_EQ(node0s[job].status, 1) << node0s[job].err;
+    EXPECT_TRUE(contains(node0s[job].err, messages[job])) << node0s[job].err;
+    EXPECT_FALSE(contains(node0s[job].err, "must be started with the same")) << node0s[job].err;
   }
 }
 
