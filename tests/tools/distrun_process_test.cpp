@@ -763,6 +763,15 @@ TEST(Distrun, TheSummaryPointsAtTheRankTheFirstFailureNames) {
         << error << "\n"
         << r.err;
   }
+  // A named rank on another node (node 1's distrun alone, without restarts) is named, no more.
+  const RunResult remote = run_distrun({"--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                        "127.0.0.1", "--master-port", "9", "--nproc-per-node", "1",
+                                        kChild, "fail-saying", "1", "1", "rank 0 is lost"});
+  EXPECT_EQ(remote.status, 1) << remote.err;
+  EXPECT_TRUE(std::regex_search(
+      remote.err, std::regex(R"(distrun:   rank 1 \(pid \d+\): exited with status 1 \(the first )"
+                             R"(failure; its error names rank 0 \(not on this node\)\)\n$)")))
+      << remote.err;
   // An error that names only its own rank changes nothing.
   const RunResult own =
       run_distrun({"--nproc-per-node", "2", kChild, "fail-saying", "1", "5", "rank 1 is lost"});
