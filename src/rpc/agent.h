@@ -54,7 +54,8 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   const WorkerInfo& self() const { return group_.self(); }
   const std::vector<WorkerInfo>& workers() const { return group_.workers(); }
   int resolve(const WorkerRef& to) const { return group_.resolve(to); }
-  std::map<std::string, int64_t> debug_info() { return peers_.debug_info(); }
+  /// rpc::get_debug_info's counters: the connections', the RRef tables' and the requests'.
+  std::map<std::string, int64_t> debug_info();
   std::chrono::milliseconds effective_timeout(std::chrono::milliseconds timeout) const {
     return timeout == kDefaultTimeout ? options_.rpc_timeout() : timeout;
   }
