@@ -62,20 +62,20 @@ constexpr double kLr = 1e-4;
 // What the server may hold above its baseline at the end: the dying trainer's batch alone is
 // 16 MB, its queued requests 48 MB. Allocated: bytes malloc has handed out and not had back (all
 // of LibTorch's tensors, and our objects). Resident: the process's resident memory, malloc
-// trimmed first; not checked under AddressSanitizer, whose allocator keeps freed memory in
-// quarantine.
+// trimmed first. Neither is checked under AddressSanitizer, whose allocator keeps freed memory
+// in quarantine and does not answer mallinfo2; the counts of contexts and RRefs still are.
 constexpr int64_t kAllocatedBoundBytes = 1 << 20;
 constexpr int64_t kResidentBoundBytes = 4 << 20;
 #if defined(__SANITIZE_ADDRESS__)
-constexpr bool kChecksResidentMemory = false;
+constexpr bool kChecksMemory = false;
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer)
-constexpr bool kChecksResidentMemory = false;
+constexpr bool kChecksMemory = false;
 #else
-constexpr bool kChecksResidentMemory = true;
+constexpr bool kChecksMemory = true;
 #endif
 #else
-constexpr bool kChecksResidentMemory = true;
+constexpr bool kChecksMemory = true;
 #endif
 
 enum class KillPoint { kForward, kBackward, kStep, kQueued, kBetweenIterations };
@@ -285,7 +285,7 @@ void train(int trainer, KillPoint point) {
   }  // the optimizer and the parameters' RRefs are dropped: the server hears
   rpc_sync<int64_t>(worker(kServer), "lost.done");
   ASSERT_TRUE(
-      wait_until([] { return rpc_sync<int64_t>(worker(kServer), "lost.phase") >= 2; }, 30s));
+      wait_until([] { return rpc_sync<int64_t>(worker(kServer), "lost.phase") >= 2; }, 60s));
   rpc_sync<int64_t>(worker(kServer), "lost.leaving");
 }
 
@@ -337,7 +337,8 @@ void serve(KillPoint point) {
   ASSERT_TRUE(wait_until([] { return g_done.load() == 2; }, 30s)) << "the survivors never finished";
   // Back to what the server held before any trainer came: no context, no backward pass, no RRef
   // any user holds (the victim's forks and optimizer included), nothing of it left queued, and its
-  // memory (a request or a backward pass of the victim still running when it died ends first).
+  // memory (a request or a backward pass of the victim still running when it died ends first;
+  // seconds at most, but bounded generously: the test asserts no speed).
   std::map<std::string, int64_t> rpc_info, autograd_info;
   int64_t resident = 0, allocated = 0;
   const bool settled = wait_until(
@@ -351,10 +352,10 @@ void serve(KillPoint point) {
                info(rpc_info, "num_owner_rrefs") == 0 && info(rpc_info, "num_forks") == 0 &&
                info(rpc_info, "num_pending_children") == 0 &&
                info(rpc_info, "agent.num_requests_in_flight") <= 2 &&  // the survivors' polls
-               allocated - baseline_allocated <= kAllocatedBoundBytes &&
-               (!kChecksResidentMemory || resident - baseline <= kResidentBoundBytes);
+               (!kChecksMemory || (allocated - baseline_allocated <= kAllocatedBoundBytes &&
+                                   resident - baseline <= kResidentBoundBytes));
       },
-      20s);
+      40s);
   std::printf(
       "server memory: resident %.1f MB at the baseline, %.1f MB at the end (bound +%.0f MB); "
       "allocated %.1f MB, %.1f MB (bound +%.0f MB)\n",
@@ -409,6 +410,7 @@ TEST_P(LostTrainer, OthersFinishAndTheServerReturnsToBaseline) {
   const KillPoint point = GetParam();
   testing::RunRanksOptions options;
   options.expected_signals = {{kVictim, SIGKILL}};
+  options.deadline = std::chrono::seconds(100);
   testing::run_ranks(
       kWorld,
       [point](int rank, int size) {
