@@ -94,5 +94,13 @@ std::optional<int64_t> current_context_id() { return detail::current_context(); 
 
 size_t context_count() { return detail::Container::instance().size(); }
 
+std::map<std::string, int64_t> get_debug_info() {
+  const auto contexts = detail::Container::instance().all();
+  int64_t passes = 0;
+  for (const auto& context : contexts) passes += context->running_pass() ? 1 : 0;
+  return {{"num_autograd_contexts", static_cast<int64_t>(contexts.size())},
+          {"num_current_backward_passes", passes}};
+}
+
 }  // namespace dist_autograd
 }  // namespace distoptim

@@ -54,6 +54,12 @@ RemoteOptimizer::RemoteOptimizer(std::string optimizer,
                                          optim::OptionBag::from_ivalue(options))) {}
 
 void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
+  // Lock order: this optimizer's mutex, then the tensors' locks (row_guard.h).
+  std::lock_guard<std::mutex> lock(mutex_);
+  // All or nothing: the step's gradients are read here, under its lock, before anything changes.
+  // A step whose trainer was lost before this point finds its context released (the trainer's
+  // contexts go with it) and fails having changed nothing, options included; one that got its
+  // gradients is applied whole, whatever becomes of its caller meanwhile.
   const c10::Dict<at::Tensor, at::Tensor> all = dist_autograd::get_gradients(context_id);
   std::vector<at::Tensor> gradients;
   gradients.reserve(optimizer_->params().size());
@@ -61,8 +67,6 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
     auto it = all.find(param);
     gradients.push_back(it == all.end() ? at::Tensor() : it->value());
   }
-  // Lock order: this optimizer's mutex, then the tensors' locks (row_guard.h).
-  std::lock_guard<std::mutex> lock(mutex_);
   if (!changes.isNone()) {
     TORCH_CHECK_TYPE(changes.isList(), "DistributedOptimizer: option changes must be a list, got ",
                      changes.tagKind());
@@ -71,11 +75,13 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
                       "DistributedOptimizer: ", "option changes for ", by_group.size(),
                       " param groups, the optimizer of '", rpc::get_worker_info().name, "' has ",
                       optimizer_->num_param_groups());
-    // The caller checked these as this optimizer does; a group set again with the same values
-    // (after a failed step) is unchanged.
-    for (size_t g = 0; g < by_group.size(); ++g) {
-      const optim::OptionBag bag = optim::OptionBag::from_ivalue(by_group[g]);
-      if (!bag.empty()) optimizer_->set_group_options(g, bag);
+    // Every group's bag is decoded before any is set. The caller checked them as this optimizer
+    // does; a group set again with the same values (after a failed step) is unchanged.
+    std::vector<optim::OptionBag> bags;
+    bags.reserve(by_group.size());
+    for (const c10::IValue& bag : by_group) bags.push_back(optim::OptionBag::from_ivalue(bag));
+    for (size_t g = 0; g < bags.size(); ++g) {
+      if (!bags[g].empty()) optimizer_->set_group_options(g, bags[g]);
     }
   }
   if (!optimizer_->updates_only_gradient_rows(gradients)) {

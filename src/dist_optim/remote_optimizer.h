@@ -34,7 +34,9 @@ class RemoteOptimizer {
   /// (FunctionalOptimizer::updates_only_gradient_rows), an rpc::InPlaceRowUpdateGuard on those
   /// rows; otherwise an rpc::InPlaceUpdateGuard. Other optimizers (another trainer's over the
   /// same table) step other rows meanwhile. `changes`: None, or one OptionBag (to_ivalue()) per
-  /// group, set on that group (set_group_options) before the step.
+  /// group, set on that group (set_group_options) before the step. All or nothing: the gradients
+  /// are read first, under the mutex; a released context (its trainer was lost) throws
+  /// c10::ValueError with nothing changed, options included.
   void step(int64_t context_id, c10::IValue changes);
   /// OptimizerStateDict::to_ivalue() of the optimizer, and its inverse.
   c10::IValue state_dict();

@@ -74,6 +74,7 @@ void Agent::start(const std::string& name) {
   // A caller's connection closed: it died or stopped. Forks it held are gone with it, after the
   // control messages it sent before (they run on the same ordered thread).
   events.on_caller_gone = [this](int caller) {
+    dispatcher_.caller_lost(caller);
     dispatcher_.post_ordered([this, caller] { on_peer_gone(caller); });
   };
   events.on_peer_lost = [this](int peer, const std::string& why) { on_peer_lost(peer, why); };
@@ -150,6 +151,15 @@ Agent::~Agent() {
   }
 }
 
+std::map<std::string, int64_t> Agent::debug_info() {
+  std::map<std::string, int64_t> info = peers_.debug_info();
+  info.merge(rrefs_->debug_info());
+  info["agent.num_pending_requests"] = static_cast<int64_t>(pending_.size());
+  info["agent.num_requests_in_flight"] = dispatcher_.requests_in_flight();
+  info["agent.num_dropped_requests"] = dispatcher_.dropped_requests();
+  return info;
+}
+
 void Agent::on_peer_lost(int peer, const std::string& why) {
   bool stopping = false;
   {
@@ -158,6 +168,7 @@ void Agent::on_peer_lost(int peer, const std::string& why) {
   }
   std::vector<PendingCall> failed = pending_.take_to(peer);
   if (!stopping) {
+    dispatcher_.caller_lost(peer);
     dispatcher_.post_ordered([this, peer] { on_peer_gone(peer); });
   }
   const auto table = group_.table().snapshot();

@@ -59,7 +59,8 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   int resolve(const WorkerRef& to) const { return group_.resolve(to); }
   /// get_worker_info: worker `id` (as resolve returned it); c10::ValueError if it left.
   WorkerInfo member(int id) const;
-  std::map<std::string, int64_t> debug_info() { return peers_.debug_info(); }
+  /// rpc::get_debug_info's counters: the connections', the RRef tables' and the requests'.
+  std::map<std::string, int64_t> debug_info();
   std::chrono::milliseconds effective_timeout(std::chrono::milliseconds timeout) const {
     return timeout == kDefaultTimeout ? options_.rpc_timeout() : timeout;
   }

@@ -45,6 +45,14 @@ void Dispatcher::start(int self, const WorkerTable& workers, RRefContext* rrefs,
   rrefs_ = rrefs;
   owner_ = std::move(owner);
   membership_ = std::move(membership);
+  lost_callers_capacity_ = workers.id_capacity();
+  lost_callers_ = std::make_unique<std::atomic<bool>[]>(lost_callers_capacity_);
+}
+
+void Dispatcher::caller_lost(int caller) {
+  if (caller >= 0 && static_cast<size_t>(caller) < lost_callers_capacity_) {
+    lost_callers_[caller].store(true, std::memory_order_release);
+  }
 }
 
 bool Dispatcher::on_own_thread() const {
@@ -152,10 +160,26 @@ std::optional<c10::IValue> Dispatcher::invoke(
 void Dispatcher::handle_request(const std::shared_ptr<Connection>& connection, int connection_peer,
                                 const MessageHeader& header, const std::string& body,
                                 std::vector<at::Tensor> buffers) {
+  const bool ordered = (header.flags & MessageHeader::kOrdered) != 0;
+  // The caller is lost (it died or stopped): its request is not run, and its memory goes now.
+  // Its RRefs are lost with it and its contexts released here; a request of it run now would act
+  // for nobody (its forks and contexts made again, never to be freed). Undecoded, it leaves
+  // nothing behind: RRefs in it were never received here, and their owners drop the lost
+  // caller's forks themselves. Control messages still run, in order: they settle the RRefs of
+  // forks registered before.
+  if (!ordered &&
+      (connection->closed() || lost_callers_[connection_peer].load(std::memory_order_acquire))) {
+    dropped_requests_.fetch_add(1, std::memory_order_relaxed);
+    // Lost only here (its connection to us still open): it hears why, if it is still there.
+    connection->send(encode_error(header.id,
+                                  "rpc: worker '" + name(self_) + "' counts worker '" +
+                                      name(connection_peer) + "' as lost; its request was not run",
+                                  name(self_)));
+    return;
+  }
   std::optional<std::string> failure;
   try {
     DecodedMessage request;
-    const bool ordered = (header.flags & MessageHeader::kOrdered) != 0;
     if (Status error = decode_body(header, body, std::move(buffers), limits_, &request)) {
       failure = "malformed request: " + *error;
     } else if (request.caller_id != connection_peer) {
@@ -349,6 +373,11 @@ void Dispatcher::fail_calls(std::vector<PendingCall> calls,
 }
 
 void Dispatcher::post_ordered(std::function<void()> job) { ordered_->post(std::move(job)); }
+
+int64_t Dispatcher::requests_in_flight() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return in_flight_;
+}
 
 int Dispatcher::wait_idle(std::chrono::steady_clock::time_point deadline) {
   std::unique_lock<std::mutex> lock(mutex_);

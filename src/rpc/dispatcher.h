@@ -1,5 +1,6 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -82,6 +83,14 @@ class Dispatcher {
   /// Runs `job` on the ordered thread, after the control messages received before.
   void post_ordered(std::function<void()> job);
 
+  /// Any thread: `caller` is lost (it died, stopped, or its connection failed); requests of it
+  /// that have not started yet never run.
+  void caller_lost(int caller);
+  /// Requests not run because their caller was lost before they started.
+  int64_t dropped_requests() const { return dropped_requests_.load(std::memory_order_relaxed); }
+  /// Requests received (or run locally) and not finished.
+  int64_t requests_in_flight();
+
   /// Waits until no request is in flight or `deadline` passes; returns how many still are.
   int wait_idle(std::chrono::steady_clock::time_point deadline);
   /// Whether the caller runs on one of the threads that run user code here.
@@ -124,6 +133,10 @@ class Dispatcher {
   int in_flight_ = 0;             // guarded by mutex_
   size_t inbound_bytes_ = 0;      // of requests received and not finished; guarded by mutex_
   std::vector<std::shared_ptr<Connection>> paused_;  // reading paused for it; by mutex_
+  std::atomic<int64_t> dropped_requests_{0};
+  // By worker id (ids are never reused, so a flag is never cleared); sized by start().
+  std::unique_ptr<std::atomic<bool>[]> lost_callers_;
+  size_t lost_callers_capacity_ = 0;
 
   // Declared last: destroyed first, joining their threads while everything above still exists.
   std::unique_ptr<Executor> request_pool_;

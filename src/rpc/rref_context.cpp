@@ -103,7 +103,8 @@ RRefContext::RRefContext(RRefChannel& channel, const std::shared_ptr<void>& owne
       self_(self),
       workers_(workers),
       default_timeout_(default_timeout),
-      limits_(limits) {}
+      limits_(limits),
+      lost_(workers_.id_capacity(), false) {}
 
 bool RRefContext::is_control(const std::string& callable) {
   return callable.compare(0, std::char_traits<char>::length(kControlPrefix), kControlPrefix) == 0;
@@ -373,6 +374,7 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
   // A type mismatch is reported once every reference in `value` has been taken (else the forks
   // of those not yet taken would never be released).
   std::string mismatch;
+  std::string gone;
   c10::IValue received =
       map_rrefs(value, [&](const c10::intrusive_ptr<c10::RRefInterface>& any) -> c10::IValue {
         auto* reference = dynamic_cast<RRefReference*>(any.get());
@@ -389,6 +391,16 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
           std::shared_ptr<OwnedValue> freed;
           {
             std::lock_guard<std::mutex> lock(mutex_);
+            // A value a lost worker sent back after its forks were dropped here (a request of it
+            // that ran late): made again, it would have no fork to free it ever.
+            if (parent != self_ && lost_[parent] && owners_.count(rref_id) == 0) {
+              if (gone.empty()) {
+                gone = c10::str("rpc: worker '", name(parent), "', which sent RRef ",
+                                rref_id.created_on, ":", rref_id.local_id,
+                                " back to its owner, was lost, and the value released");
+              }
+              return c10::IValue();
+            }
             owned = get_or_create_locked(rref_id);
             // Sent to ourselves: the fork registered while sending has done its job.
             if (parent == self_) freed = erase_fork_locked(rref_id, fork_id);
@@ -430,6 +442,7 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
         }
         return c10::IValue(c10::intrusive_ptr<c10::RRefInterface>(std::move(user)));
       });
+  TORCH_CHECK_VALUE(gone.empty(), gone);
   TORCH_CHECK_TYPE(mismatch.empty(), mismatch);
   return received;
 }
@@ -564,6 +577,7 @@ void RRefContext::on_peer_lost(int peer) {
   std::vector<c10::intrusive_ptr<c10::RRefInterface>> children;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    lost_[peer] = true;
     for (auto it = owners_.begin(); it != owners_.end();) {
       auto& forks = it->second.forks;
       for (auto fork = forks.begin(); fork != forks.end();) {
@@ -625,6 +639,32 @@ size_t RRefContext::close() {
 size_t RRefContext::owned_count() {
   std::lock_guard<std::mutex> lock(mutex_);
   return owners_.size();
+}
+
+std::map<std::string, int64_t> RRefContext::debug_info() {
+  std::vector<c10::intrusive_ptr<RRefImpl>> users;
+  int64_t owners = 0;
+  int64_t forks = 0;
+  int64_t children = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    owners = static_cast<int64_t>(owners_.size());
+    for (const auto& [rref_id, entry] : owners_) forks += static_cast<int64_t>(entry.forks.size());
+    children = static_cast<int64_t>(pending_children_.size());
+    for (const auto& [fork_id, weak] : users_) {
+      if (auto user = weak.lock()) users.push_back(std::move(user));
+    }
+  }
+  int64_t pending = 0;
+  for (const auto& user : users) pending += user->confirmedByOwner() ? 0 : 1;
+  const auto alive = static_cast<int64_t>(users.size());
+  // The handles taken above are dropped outside the lock: the last one tells the owner.
+  users.clear();
+  return {{"num_owner_rrefs", owners},
+          {"num_forks", forks},
+          {"num_pending_users", pending},
+          {"num_user_rrefs", alive},
+          {"num_pending_children", children}};
 }
 
 size_t RRefContext::pending_children_count() {

@@ -29,7 +29,9 @@
 //
 // Peer death: forks held by a lost worker are erased on the owner (and values freed), pending
 // children sent to it are released; a user's to_here on a lost owner fails with PeerLostError
-// and its delete is dropped.
+// and its delete is dropped. A reference the lost worker sent to the owner, received after that
+// (a request of it that ran late), is refused when its value is gone, rather than owned again
+// with no fork to ever free it.
 
 #include <atomic>
 #include <chrono>
@@ -151,6 +153,11 @@ class RRefContext {
 
   size_t owned_count();
   size_t pending_children_count();
+  /// PyTorch's RRefContext::getDebugInfo names: "num_owner_rrefs" (values owned here that some
+  /// user holds), "num_forks" (their users' forks), "num_pending_users" (user handles alive here
+  /// whose owner has not confirmed them yet); and "num_user_rrefs" (user handles alive here),
+  /// "num_pending_children" (RRefs sent on, waiting for their owner to register the receiver).
+  std::map<std::string, int64_t> debug_info();
 
  private:
   struct OwnerEntry {
@@ -191,6 +198,7 @@ class RRefContext {
   std::map<GlobalId, PendingChild> pending_children_;            // by fork id; guarded by mutex_
   std::map<GlobalId, c10::weak_intrusive_ptr<RRefImpl>> users_;  // by fork id; guarded by mutex_
   bool closed_ = false;                                          // guarded by mutex_
+  std::vector<bool> lost_;  // by worker id: on_peer_lost ran for it; guarded by mutex_
 };
 
 }  // namespace detail

@@ -62,6 +62,11 @@ class WorkerTable {
   explicit WorkerTable(bool dynamic);
 
   bool dynamic() const { return dynamic_; }
+  /// How many ids a worker of this group may have: kMaxDynamicId + 1 in a dynamic group, the
+  /// world size in a static one (once set_static() has run). For tables indexed by worker id.
+  size_t id_capacity() const {
+    return dynamic_ ? static_cast<size_t>(kMaxDynamicId) + 1 : snapshot()->entries.size();
+  }
   std::shared_ptr<const Snapshot> snapshot() const { return std::atomic_load(&snapshot_); }
 
   /// The static group: every worker, by id, and their (host, port).

@@ -313,10 +313,17 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
       ranks[r].done = true;
       --remaining;
       const int status = ranks[r].status;
-      if (!WIFEXITED(status) || WEXITSTATUS(status) != expected_status(r)) {
+      const auto signal = options.expected_signals.find(r);
+      const bool as_expected = signal != options.expected_signals.end()
+                                   ? WIFSIGNALED(status) && WTERMSIG(status) == signal->second
+                                   : WIFEXITED(status) && WEXITSTATUS(status) == expected_status(r);
+      if (!as_expected) {
         // The failing rank's output first, then the others' up to now (they are killed next).
+        const std::string expected = signal != options.expected_signals.end()
+                                         ? std::string("signal ") + strsignal(signal->second)
+                                         : "status " + std::to_string(expected_status(r));
         failure = "rank " + std::to_string(r) + " " + describe_status(status) + " (expected " +
-                  std::to_string(expected_status(r)) + ")\n" + output_of(r);
+                  expected + ")\n" + output_of(r);
         for (int other = 0; other < world_size; ++other) {
           if (other != r) failure += "\n" + output_of(other);
         }

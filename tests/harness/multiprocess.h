@@ -31,6 +31,9 @@ struct RunRanksOptions {
   /// Exit statuses expected of some ranks (a rank that kills itself on purpose, say), by rank.
   /// Every other rank must exit 0.
   std::map<int, int> expected_exit_codes;
+  /// Ranks that end killed by a signal on purpose (one that sends itself SIGKILL, say), by rank:
+  /// the signal expected.
+  std::map<int, int> expected_signals;
 };
 
 /// Runs `body(rank, world_size)` in `world_size` processes; see the file comment.

@@ -2,8 +2,11 @@
 // forks to a third worker, distributed reference counting (the owner's table empties), creation
 // errors, graceful shutdown with deletes in flight, and a user that dies. Every wait is bounded.
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <map>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -322,6 +325,55 @@ TEST(RRef, TheOwnerForgetsTheForksOfADeadUser) {
           std::this_thread::sleep_for(10ms);
         }
         EXPECT_EQ(detail::owned_rref_count(), 0u);
+        shutdown(/*graceful=*/false);
+      },
+      options);
+}
+
+std::atomic<int> g_touched{0};
+DISTOPTIM_RPC_FUNCTION("touch", [](RRef<int64_t> rref) {
+  ++g_touched;
+  return rref.local_value();
+});
+
+TEST(RRef, QueuedRequestsOfADeadUserNeverRun) {
+  // Worker 0 runs requests on one pool thread besides the I/O loop's. Worker 1 keeps both busy
+  // with slow calls, queues more behind them (one passing back an RRef worker 0 owns), and is
+  // SIGKILLed while they wait: none of them may run. Run late, the RRef would be owned again
+  // with no fork left to free it.
+  distoptim::testing::RunRanksOptions options;
+  options.expected_signals = {{1, SIGKILL}};
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        rpc::RpcBackendOptions rpc_options = test_options();
+        if (rank == 0) rpc_options.num_worker_threads(1);
+        init_rpc(worker(rank), rank, world_size, rpc_options);
+        if (rank == 1) {
+          auto rref = rpc_sync<RRef<int64_t>>("worker0", "make_rref", std::tuple{int64_t{5}});
+          for (int i = 0; i < 3; ++i) {
+            (void)rpc_async<int64_t>("worker0", "sleep_ms", std::tuple{int64_t{800}});
+          }
+          (void)rpc_async<int64_t>("worker0", "touch", std::tuple{rref});
+          std::this_thread::sleep_for(200ms);
+          ::kill(::getpid(), SIGKILL);
+        }
+        std::map<std::string, int64_t> info;
+        const auto deadline = std::chrono::steady_clock::now() + 20s;
+        auto settled = [&] {
+          info = get_debug_info();
+          return info["num_owner_rrefs"] == 0 && info["num_forks"] == 0 &&
+                 info["agent.num_requests_in_flight"] == 0 &&
+                 info["agent.num_dropped_requests"] >= 2;
+        };
+        while (!settled() && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(10ms);
+        }
+        EXPECT_EQ(info["num_owner_rrefs"], 0);
+        EXPECT_EQ(info["num_forks"], 0);
+        EXPECT_EQ(info["agent.num_requests_in_flight"], 0);
+        EXPECT_GE(info["agent.num_dropped_requests"], 2);  // a slow call and touch at least
+        EXPECT_EQ(g_touched.load(), 0);
         shutdown(/*graceful=*/false);
       },
       options);

@@ -23,7 +23,9 @@
 // use its id with backward() and get_gradients(). backward() on one context at a time.
 
 #include <cstdint>
+#include <map>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Dict.h>
@@ -75,6 +77,11 @@ std::optional<int64_t> current_context_id();
 
 /// How many contexts this worker holds (its own and those it joined). For tests and monitoring.
 size_t context_count();
+
+/// PyTorch's dist_autograd._get_debug_info(): "num_autograd_contexts" (context_count()) and
+/// "num_current_backward_passes" (passes running on this worker now, started here or reaching it
+/// from another worker). A snapshot; for tests and monitoring.
+std::map<std::string, int64_t> get_debug_info();
 
 }  // namespace dist_autograd
 }  // namespace distoptim

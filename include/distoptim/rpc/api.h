@@ -209,10 +209,19 @@ WorkerInfo get_worker_info(const std::string& name);
 WorkerInfo get_worker_info(int id);
 std::vector<WorkerInfo> get_worker_infos();
 
-/// Counters of this worker's agent over its open connections (PyTorch's RpcAgent::getDebugInfo in
-/// spirit): "connections", "peer_memory.connections" (those reading and lending same-host memory,
-/// RpcBackendOptions::same_host_memory_reads) and "peer_memory.bytes_read" (tensor bytes they
-/// read from the peers' memory). Throws DistributedError if no agent runs.
+/// Counters of this worker's agent (PyTorch's RpcAgent::getDebugInfo, whose names it keeps where
+/// it has the same counter). Its open connections: "connections", "peer_memory.connections"
+/// (those reading and lending same-host memory, RpcBackendOptions::same_host_memory_reads) and
+/// "peer_memory.bytes_read" (tensor bytes they read from the peers' memory). Its RRefs, as
+/// PyTorch's RRefContext counts them: "num_owner_rrefs" (values owned here that some user
+/// holds), "num_forks" (those users' forks), "num_pending_users" (user RRefs alive here that their
+/// owner has not confirmed yet); and "num_user_rrefs" (user RRefs alive here),
+/// "num_pending_children" (RRefs sent on, whose owner has not registered the receiver yet). Its
+/// calls and requests: "agent.num_pending_requests" (calls made and not answered),
+/// "agent.num_requests_in_flight" (requests received and not finished) and
+/// "agent.num_dropped_requests" (requests never run because their caller's connection closed
+/// before they started: the caller died or stopped). Each value is a snapshot. Throws
+/// DistributedError if no agent runs.
 std::map<std::string, int64_t> get_debug_info();
 
 /// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.

@@ -474,6 +474,7 @@ void Connection::fail(const std::string& why) {
     return;
   }
   closed_ = true;
+  ended_.store(true, std::memory_order_release);
   std::deque<Outgoing> unsent;
   {
     // No direct write uses the socket from here on.

@@ -92,6 +92,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool peer_memory_enabled() const { return peer_memory_enabled_; }
   uint64_t peer_memory_bytes_read() const { return peer_memory_bytes_read_; }
 
+  /// Whether the connection has closed (failed, or close() ran): nothing sent on it reaches the
+  /// peer any more. Any thread; once true it stays true.
+  bool closed() const { return ended_.load(std::memory_order_acquire); }
+
   /// The peer's address as "ip:port" (fixed at construction).
   const std::string& peer_address() const { return peer_address_; }
 
@@ -149,6 +153,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   int32_t peer_pid_ = 0;              // enable_peer_memory's peer; 0: none
   std::vector<bool> in_peer_memory_;  // of frame_'s tensors
   std::string peer_addresses_;        // 8 bytes per tensor in the peer's memory
+  std::atomic<bool> ended_{false};    // closed_, readable from any thread (closed())
   std::atomic<bool> peer_memory_enabled_{false};
   std::atomic<uint64_t> peer_memory_bytes_read_{0};
 
