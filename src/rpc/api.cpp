@@ -114,6 +114,9 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
                         options.handshake_timeout().count() > 0,
                     "init_rpc: init_timeout, shutdown_timeout and handshake_timeout must be "
                     "positive");
+  TORCH_CHECK_VALUE(options.frame_stall_timeout().count() >= 0, "init_rpc: frame_stall_timeout of ",
+                    options.frame_stall_timeout().count(), " ms (use 0 for none) (worker '", name,
+                    "')");
   TORCH_CHECK_VALUE(options.shared_secret().size() <= kMaxSecretBytes,
                     "init_rpc: shared_secret of ", options.shared_secret().size(),
                     " bytes (at most 4096) (worker '", name, "')");

@@ -14,10 +14,12 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
@@ -31,6 +33,7 @@
 #include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"
 #include "message.h"
+#include "peers.h"
 
 namespace distoptim {
 namespace rpc {
@@ -579,6 +582,148 @@ TEST(RpcHandshake, HostileBytesBeforeTheHandshake) {
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
       const int64_t resident_after = rpc_sync<int64_t>(worker(0), "resident_bytes");
       EXPECT_LT(resident_after - resident_before, int64_t{64} << 20);
+    }
+    shutdown();
+  });
+}
+
+// Proves worker id `id` to worker 0 on `peer` with the tests' secret (offering no same-host
+// reads); whether worker 0 accepted. With `await_verdict` false, sends the proof and returns
+// without reading the verdict (true).
+bool prove_as(RawPeer& peer, int id, bool await_verdict = true) {
+  auto challenge = peer.receive();
+  if (!challenge) return false;
+  HandshakeMessage proof;
+  proof.step = HandshakeMessage::Step::kProof;
+  proof.server_nonce = challenge->server_nonce;
+  proof.client_nonce = kClientNonce;
+  proof.client_id = id;
+  proof.server_id = 0;
+  proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
+                                        challenge->server_nonce, kClientNonce, id, 0);
+  peer.send(detail::encode_handshake(proof));
+  if (!await_verdict) return true;
+  auto verdict = peer.receive();
+  return verdict && verdict->step == HandshakeMessage::Step::kAccept;
+}
+
+DISTOPTIM_RPC_FUNCTION("echo_tensor", [](at::Tensor tensor) { return tensor; });
+DISTOPTIM_RPC_FUNCTION("receive_reserved",
+                       [] { return get_debug_info().at("receive_budget.reserved_bytes"); });
+
+// Polls worker 0's receive budget until it holds `bytes`; whether it did within 20 s.
+bool worker0_reserves(int64_t bytes) {
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (rpc_sync<int64_t>(worker(0), "receive_reserved") != bytes) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
+// Peers that prove themselves (anyone with the secret, or anyone at all with the default empty
+// one), announce a large request and stop sending mid-body: bodies are allocated only within
+// the receive budget (inbound_queue_bytes), the rest wait unallocated, each stalled connection is
+// closed once nothing of its frame arrived for frame_stall_timeout, and a real peer's calls go
+// on meanwhile and afterwards, including one larger than the whole budget.
+TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
+  constexpr int64_t kBudget = int64_t{64} << 20;
+  constexpr uint32_t kAnnounced = uint32_t{60} << 20;
+  run_ranks(4, [&](int rank, int world_size) {
+    init_rpc(
+        worker(rank), rank, world_size,
+        options_with_secret("the-secret").inbound_queue_bytes(kBudget).frame_stall_timeout(1s));
+    if (rank == 1) {
+      const auto [address, port] = address_of_worker0();
+      const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
+      // Worker ids 0, 2 and 3 have no connection to worker 0 (workers 2 and 3 only shut down).
+      std::vector<std::unique_ptr<RawPeer>> stalled;
+      for (int id : {0, 2, 3}) {
+        stalled.push_back(std::make_unique<RawPeer>(address, port));
+        ASSERT_TRUE(prove_as(*stalled.back(), id)) << "worker id " << id << " was not accepted";
+        detail::MessageHeader header;
+        header.type = detail::MessageType::kRequest;
+        header.id = 1;
+        header.body_length = kAnnounced;
+        ASSERT_TRUE(stalled.back()->send_bytes(detail::encode_header(header) +
+                                               std::string(size_t{1} << 20, 'b')));
+      }
+      // One announced body is allocated; the other two wait for the budget.
+      ASSERT_TRUE(worker0_reserves(kAnnounced));
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+      const int64_t resident_during = rpc_sync<int64_t>(worker(0), "resident_bytes");
+      EXPECT_LT(resident_during - resident_before, kBudget + (int64_t{32} << 20));
+      // Each is closed in turn once its body stops arriving.
+      for (size_t i = 0; i < stalled.size(); ++i) {
+        EXPECT_TRUE(stalled[i]->closed_within(20s)) << "stalled connection " << i << " is open";
+      }
+      EXPECT_TRUE(worker0_reserves(0));
+      // A request and reply larger than the whole budget travel, alone.
+      const at::Tensor big = at::rand({int64_t{80} << 18});  // 80 MiB
+      EXPECT_TRUE(at::equal(rpc_sync<at::Tensor>(worker(0), "echo_tensor", std::tuple{big}), big));
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 2);
+    }
+    shutdown();
+  });
+}
+
+// Set in worker 1 by its test body, read by worker 2 through worker 1.
+std::atomic<int> g_flood_stage{0};
+DISTOPTIM_RPC_FUNCTION("await_flood_stage", [](int64_t stage) {
+  const auto deadline = std::chrono::steady_clock::now() + 15s;
+  while (g_flood_stage.load() < stage && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  return static_cast<int64_t>(g_flood_stage.load());
+});
+DISTOPTIM_RPC_FUNCTION("set_flood_stage", [](int64_t stage) {
+  g_flood_stage = static_cast<int>(stage);
+  return stage;
+});
+DISTOPTIM_RPC_FUNCTION("open_descriptors", [] {
+  int64_t count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    (void)entry;
+    ++count;
+  }
+  return count;
+});
+
+// Descriptors stay bounded however many connections a peer that knows the secret opens: a
+// proven id has one connection (a further claim is refused), and refused connections that
+// linger for their peer to read the refusal are closed, oldest first, past
+// Peers::max_accepted_connections. A new member's first call still succeeds.
+TEST(RpcHandshake, AcceptedConnectionsAreBoundedInNumber) {
+  constexpr int kClaims = 400;
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    if (rank == 1) {
+      const auto [address, port] = address_of_worker0();
+      const int64_t open_before = rpc_sync<int64_t>(worker(0), "open_descriptors");
+      // Worker 0's own id is free at worker 0 until it calls itself.
+      RawPeer idle(address, port);
+      ASSERT_TRUE(prove_as(idle, 0));
+      std::vector<std::unique_ptr<RawPeer>> claims;
+      for (int i = 0; i < kClaims; ++i) {
+        claims.push_back(std::make_unique<RawPeer>(address, port));
+        ASSERT_TRUE(prove_as(*claims.back(), 0, /*await_verdict=*/false)) << "claim " << i;
+      }
+      const int64_t open_after = rpc_sync<int64_t>(worker(0), "open_descriptors");
+      EXPECT_LE(open_after - open_before,
+                static_cast<int64_t>(detail::Peers::max_accepted_connections(world_size)));
+      // Worker 2 calls worker 0 for the first time while the claims are still open.
+      g_flood_stage = 1;
+      const auto deadline = std::chrono::steady_clock::now() + 20s;
+      while (g_flood_stage.load() < 2 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(5ms);
+      }
+      EXPECT_EQ(g_flood_stage.load(), 2) << "worker 2 did not report its call";
+      // The first identity's connection is still accepted and open.
+      EXPECT_FALSE(idle.closed_within(100ms));
+    } else if (rank == 2) {
+      EXPECT_EQ(rpc_sync<int64_t>(worker(1), "await_flood_stage", std::tuple{int64_t{1}}), 1);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+      rpc_sync<int64_t>(worker(1), "set_flood_stage", std::tuple{int64_t{2}});
     }
     shutdown();
   });

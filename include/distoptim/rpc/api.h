@@ -77,6 +77,13 @@ struct RpcBackendOptions {
   /// worker stops reading from its callers until the queue drains below half (backpressure
   /// through TCP); a single larger request is still admitted when the queue is empty.
   TORCH_ARG(size_t, inbound_queue_bytes) = size_t{256} << 20;
+  /// How long a frame being received (its header read, its body or tensors not yet complete)
+  /// may go without any byte of it arriving; past that the connection is closed and logged, so
+  /// that a peer announcing a large frame and stalling cannot hold this worker's memory. Counted
+  /// from the last byte, not from the frame's start: a large transfer on a slow, loaded machine
+  /// keeps arriving and never trips it. Checked every quarter of it, so a stalled frame is closed
+  /// between this and 1.25 times this after its last byte. 0: no deadline.
+  TORCH_ARG(std::chrono::milliseconds, frame_stall_timeout) = std::chrono::seconds(30);
   /// A secret every worker of the job knows (at most 4096 bytes). Each connection starts with a
   /// challenge-response handshake (HMAC-SHA256 over fresh nonces) in both directions: a peer
   /// that cannot prove it knows the same secret is refused before any of its requests is read,
@@ -178,7 +185,8 @@ std::vector<WorkerInfo> get_worker_infos();
 /// Counters of this worker's agent over its open connections (PyTorch's RpcAgent::getDebugInfo in
 /// spirit): "connections", "peer_memory.connections" (those reading and lending same-host memory,
 /// RpcBackendOptions::same_host_memory_reads) and "peer_memory.bytes_read" (tensor bytes they
-/// read from the peers' memory). Throws DistributedError if no agent runs.
+/// read from the peers' memory), "receive_budget.reserved_bytes" (memory reserved for frames
+/// being received, within inbound_queue_bytes). Throws DistributedError if no agent runs.
 std::map<std::string, int64_t> get_debug_info();
 
 /// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.
