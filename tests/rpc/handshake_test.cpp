@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -198,6 +199,23 @@ class RawPeer {
       return std::nullopt;
     }
     return message.handshake;
+  }
+
+  /// The text of the error frame (id 0) the worker sends before closing for a protocol error, or
+  /// nothing if it sends something else or closes first.
+  std::optional<std::string> farewell() {
+    std::string header_bytes;
+    if (!read_exactly(detail::MessageHeader::kEncodedSize, &header_bytes)) return std::nullopt;
+    detail::MessageHeader header;
+    std::string body;
+    DecodedMessage message;
+    if (detail::decode_header(header_bytes, &header) || header.tensor_count != 0 ||
+        header.type != detail::MessageType::kError || header.id != 0 ||
+        !read_exactly(header.body_length, &body) ||
+        detail::decode_body(header, body, {}, {}, &message)) {
+      return std::nullopt;
+    }
+    return message.error_message;
   }
 
   /// Whether the worker closes the connection within `limit` (reading and dropping what comes).
@@ -658,10 +676,93 @@ TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
         EXPECT_TRUE(stalled[i]->closed_within(20s)) << "stalled connection " << i << " is open";
       }
       EXPECT_TRUE(worker0_reserves(0));
-      // A request and reply larger than the whole budget travel, alone.
+      // A request and reply larger than the whole budget travel, alone; parallel calls that do
+      // not fit together take turns.
       const at::Tensor big = at::rand({int64_t{80} << 18});  // 80 MiB
       EXPECT_TRUE(at::equal(rpc_sync<at::Tensor>(worker(0), "echo_tensor", std::tuple{big}), big));
+      std::vector<at::Tensor> sent;
+      std::vector<RpcFuture<at::Tensor>> echoes;
+      for (int i = 0; i < 3; ++i) {
+        sent.push_back(at::rand({int64_t{40} << 18}));  // 40 MiB each
+        echoes.push_back(rpc_async<at::Tensor>(worker(0), "echo_tensor", std::tuple{sent.back()}));
+      }
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_TRUE(at::equal(echoes[i].wait(), sent[i])) << "echo " << i;
+      }
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 2);
+    }
+    shutdown();
+  });
+}
+
+// Proves worker id `id` on a new connection to worker 0, waiting (up to 10 s) for a previous
+// connection of that id to be gone there.
+std::unique_ptr<RawPeer> proven_connection(int id) {
+  const auto [address, port] = address_of_worker0();
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (true) {
+    auto peer = std::make_unique<RawPeer>(address, port);
+    if (prove_as(*peer, id)) return peer;
+    if (std::chrono::steady_clock::now() > deadline) return nullptr;
+    std::this_thread::sleep_for(20ms);
+  }
+}
+
+// What a peer may send once it has proven itself: garbage, absurd lengths, and a frame within
+// the limits that is larger than the memory the worker may take. Each closes that connection
+// only, after an error frame saying why; nothing it sent runs, and the worker serves on.
+TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
+  run_ranks(2, [](int rank, int world_size) {
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+    if (rank == 0) {
+      // Worker 0 may map 4 GiB more than it does now (the sanitizers' shadow memory needs more
+      // than any such limit: there the 12 GiB frame below is allocated lazily and stalls).
+      std::ifstream statm("/proc/self/statm");
+      size_t pages = 0;
+      statm >> pages;
+      const rlim_t mapped = static_cast<rlim_t>(pages) * ::sysconf(_SC_PAGESIZE);
+      const rlimit limit{mapped + (rlim_t{4} << 30), RLIM_INFINITY};
+      ASSERT_EQ(::setrlimit(RLIMIT_AS, &limit), 0);
+    }
+#endif
+    init_rpc(worker(rank), rank, world_size,
+             options_with_secret("the-secret").frame_stall_timeout(2s));
+    if (rank == 1) {
+      auto header_of = [](uint32_t body_length, uint32_t tensor_count) {
+        detail::MessageHeader header;
+        header.type = detail::MessageType::kRequest;
+        header.id = 7;
+        header.body_length = body_length;
+        header.tensor_count = tensor_count;
+        return detail::encode_header(header);
+      };
+      struct Case {
+        std::string what, bytes, expected;
+      };
+      std::string noise(64 << 10, '\0');
+      for (char& c : noise) c = static_cast<char>(std::rand());
+      noise[0] = 'x';  // never the magic
+      std::string twelve_gib;
+      detail::put_le(&twelve_gib, uint64_t{12} << 30, 8);
+      const std::vector<Case> cases = {
+          {"64 KiB of random bytes", noise, "bad magic"},
+          {"a 4 GiB body", header_of(0xffffffffu, 0), "a body of 4294967295 bytes"},
+          {"2^32 - 1 tensors", header_of(0, 0xffffffffu), "4294967295 tensors"},
+          {"a 12 GiB tensor", header_of(0, 1) + twelve_gib, "12884901888 bytes"},
+      };
+      for (const Case& hostile : cases) {
+        auto peer = proven_connection(0);
+        ASSERT_TRUE(peer) << hostile.what << ": worker id 0 was not accepted";
+        ASSERT_TRUE(peer->send_bytes(hostile.bytes)) << hostile.what;
+        const std::optional<std::string> why = peer->farewell();
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+        ASSERT_TRUE(why) << hostile.what << ": no farewell";
+        EXPECT_THAT(*why, HasSubstr(hostile.expected)) << hostile.what;
+#endif
+        EXPECT_TRUE(peer->closed_within(10s)) << hostile.what;
+      }
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 0);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
     }
     shutdown();
   });

@@ -75,7 +75,11 @@ struct RpcBackendOptions {
   TORCH_ARG(std::chrono::milliseconds, handshake_timeout) = std::chrono::seconds(10);
   /// Bytes of requests this worker has received and not yet finished running. Past it, the
   /// worker stops reading from its callers until the queue drains below half (backpressure
-  /// through TCP); a single larger request is still admitted when the queue is empty.
+  /// through TCP); a single larger request is still admitted when the queue is empty. Frames
+  /// still being received (requests and replies, header read, rest not yet in) have a budget of
+  /// the same size: a frame over 64 KiB is allocated only once its announced size fits (else its
+  /// connection waits, reading nothing), so peers that announce large frames and send them slowly
+  /// or not at all cannot hold more than this between them (one larger frame travels alone).
   TORCH_ARG(size_t, inbound_queue_bytes) = size_t{256} << 20;
   /// How long a frame being received (its header read, its body or tensors not yet complete)
   /// may go without any byte of it arriving; past that the connection is closed and logged, so

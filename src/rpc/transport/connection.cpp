@@ -161,9 +161,9 @@ void Connection::read_payload() {
     violation("it sent " + *status);
     return;
   }
+  size_t announced = frame_.header.body_length;
+  for (size_t length : lengths) announced += length;
   if (budget_ && !closing_ && reserved_ == 0) {
-    size_t announced = frame_.header.body_length;
-    for (size_t length : lengths) announced += length;
     if (announced > ReceiveBudget::kUnreservedBytes) {
       if (!budget_->reserve(announced, shared_from_this())) {
         waiting_for_budget_ = true;  // retry_reservation() reads it later
@@ -172,20 +172,36 @@ void Connection::read_payload() {
       reserved_ = announced;
     }
   }
-  frame_.body = std::make_shared<std::string>(frame_.header.body_length, '\0');
-  frame_.buffers.clear();
-  peer_addresses_.assign(lengths.size() * 8, '\0');
   std::vector<asio::mutable_buffer> targets;
-  targets.reserve(lengths.size() + 1);
-  targets.push_back(asio::buffer(*frame_.body));
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    at::Tensor buffer = at::empty({static_cast<int64_t>(lengths[i])}, at::kByte);
-    if (in_peer_memory_[i]) {
-      targets.push_back(asio::buffer(&peer_addresses_[i * 8], 8));
-    } else if (lengths[i] > 0) {
-      targets.push_back(asio::buffer(buffer.data_ptr(), lengths[i]));
+  std::string failure;
+  try {
+    frame_.body = std::make_shared<std::string>(frame_.header.body_length, '\0');
+    frame_.buffers.clear();
+    peer_addresses_.assign(lengths.size() * 8, '\0');
+    targets.reserve(lengths.size() + 1);
+    targets.push_back(asio::buffer(*frame_.body));
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      at::Tensor buffer = at::empty({static_cast<int64_t>(lengths[i])}, at::kByte);
+      if (in_peer_memory_[i]) {
+        targets.push_back(asio::buffer(&peer_addresses_[i * 8], 8));
+      } else if (lengths[i] > 0) {
+        targets.push_back(asio::buffer(buffer.data_ptr(), lengths[i]));
+      }
+      frame_.buffers.push_back(std::move(buffer));
     }
-    frame_.buffers.push_back(std::move(buffer));
+  } catch (const c10::Error& error) {
+    failure = error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    failure = error.what();
+  }
+  if (!failure.empty()) {
+    // The limits admit frames larger than some machines' memory: such a frame closes its
+    // connection, not the worker (an exception would end the I/O thread).
+    frame_ = Frame();
+    release_reservation();
+    violation("it announced a frame of " + std::to_string(announced) +
+              " bytes, which this worker cannot allocate (" + failure + ")");
+    return;
   }
   read_then(targets, [this] { deliver_frame(); });
 }
