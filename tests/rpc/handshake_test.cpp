@@ -653,7 +653,9 @@ TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
         options_with_secret("the-secret").inbound_queue_bytes(kBudget).frame_stall_timeout(1s));
     if (rank == 1) {
       const auto [address, port] = address_of_worker0();
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
       const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
+#endif
       // Worker ids 0, 2 and 3 have no connection to worker 0 (workers 2 and 3 only shut down).
       std::vector<std::unique_ptr<RawPeer>> stalled;
       for (int id : {0, 2, 3}) {
@@ -669,8 +671,12 @@ TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
       // One announced body is allocated; the other two wait for the budget.
       ASSERT_TRUE(worker0_reserves(kAnnounced));
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+      // (The sanitizers' shadow memory grows with what is written: there the exact reservation
+      // above is the check.)
       const int64_t resident_during = rpc_sync<int64_t>(worker(0), "resident_bytes");
       EXPECT_LT(resident_during - resident_before, kBudget + (int64_t{32} << 20));
+#endif
       // Each is closed in turn once its body stops arriving.
       for (size_t i = 0; i < stalled.size(); ++i) {
         EXPECT_TRUE(stalled[i]->closed_within(20s)) << "stalled connection " << i << " is open";
