@@ -133,7 +133,7 @@ def render_other(cases, path):
 
 RENDERERS = {"optim": render_optim, "zero": render_ours_and_pytorch,
              "dist_optim": render_ours_and_pytorch, "rpc": render_rpc,
-             "sparse_ps": render_ours_and_pytorch}
+             "sparse_ps": render_ours_and_pytorch, "sparse_rows": render_ours_and_pytorch}
 
 
 def load(path):

@@ -18,10 +18,11 @@ namespace examples {
 /// `world_size`, between init_rpc (env:// rendezvous) and shutdown. Rethrows `work`'s error.
 inline void run_rpc_worker(const std::string& name, int rank, int world_size,
                            const std::function<void()>& work) {
-  distoptim::rpc::init_rpc(name, rank, world_size,
-                           distoptim::rpc::RpcBackendOptions("env://")
-                               .rpc_timeout(std::chrono::minutes(5))
-                               .shutdown_timeout(std::chrono::minutes(10)));
+  distoptim::rpc::init_rpc(
+      name, rank, world_size,
+      // Graceful shutdown waits as long as the other workers are
+      // alive: a server outlives its trainers' run, however long.
+      distoptim::rpc::RpcBackendOptions("env://").rpc_timeout(std::chrono::minutes(5)));
   try {
     if (work) work();
   } catch (...) {

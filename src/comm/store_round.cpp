@@ -52,8 +52,9 @@ void StoreRound::arrive(const std::vector<uint8_t>& value, Clock::time_point dea
 }
 
 std::vector<int> StoreRound::wait_for_all(Clock::time_point deadline,
-                                          const std::function<void()>& each_poll) const {
-  return wait_for_rank_keys(store_, keys_.arrived, world_size_, deadline, each_poll);
+                                          const std::function<void()>& each_poll,
+                                          std::chrono::milliseconds per_operation) const {
+  return wait_for_rank_keys(store_, keys_.arrived, world_size_, deadline, each_poll, per_operation);
 }
 
 std::vector<int> StoreRound::ranks_not_left(Clock::time_point deadline) const {

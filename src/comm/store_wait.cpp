@@ -249,19 +249,28 @@ std::vector<int> ranks_without_key(DeadlineStore& store, const std::string& pref
 
 std::vector<int> wait_for_rank_keys(DeadlineStore& store, const std::string& prefix, int world_size,
                                     Clock::time_point deadline,
-                                    const std::function<void()>& each_poll) {
+                                    const std::function<void()>& each_poll,
+                                    std::chrono::milliseconds per_operation) {
   std::vector<std::string> keys;
   for (int r = 0; r < world_size; ++r) keys.push_back(prefix + std::to_string(r));
   // Short pauses first: ranks usually arrive within milliseconds of each other.
   auto pause = std::chrono::milliseconds(1);
   while (true) {
     if (each_poll) each_poll();
-    if (store.check(keys, deadline)) return {};
+    if (store.check(keys, operation_deadline(deadline, per_operation))) return {};
     if (Clock::now() >= deadline) break;
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(50));
   }
-  return ranks_without_key(store, prefix, world_size, deadline);
+  return ranks_without_key(store, prefix, world_size, operation_deadline(deadline, per_operation));
+}
+
+Clock::time_point operation_deadline(Clock::time_point deadline,
+                                     std::chrono::milliseconds per_operation) {
+  if (per_operation.count() <= 0) return deadline;
+  const Clock::time_point now = Clock::now();
+  // Compared as durations: `now + per_operation` cannot overflow, `deadline` may be max().
+  return deadline - now > per_operation ? now + per_operation : deadline;
 }
 
 }  // namespace comm

@@ -6,11 +6,20 @@
 
 #include "future_errors.h"
 #include "interception.h"
+#include "liveness.h"
 #include "refusal_log.h"
 
 namespace distoptim {
 namespace rpc {
 namespace detail {
+namespace {
+
+// How long a graceful shutdown without shutdown_timeout lets this worker's own calls and requests
+// finish: far enough to mean "until they do" (each call has its own timeout), near enough for
+// the condition variables' clocks.
+constexpr auto kUnboundedDrain = std::chrono::hours(24 * 365);
+
+}  // namespace
 
 std::shared_ptr<Agent> Agent::create(const std::string& name, int rank, int world_size,
                                      const RpcBackendOptions& options) {
@@ -200,21 +209,34 @@ void Agent::shutdown(bool graceful) {
   std::exception_ptr failure;
   if (graceful) {
     try {
-      const auto dead_peers = [this] { return peers_.dead_peers(); };
-      group_.barrier("entered", /*wait=*/true, dead_peers);
+      const auto barrier = [this](const std::string& round, bool wait) {
+        LivenessProbe probe(
+            [this](int peer, std::chrono::milliseconds timeout) {
+              return send(peer, kAliveFunction, {}, timeout);
+            },
+            options_.liveness_timeout());
+        WorkerGroup::BarrierWatch watch;
+        watch.dead_peers = [this] { return peers_.dead_peers(); };
+        watch.check_alive = [&probe](const std::vector<int>& peers) { return probe.check(peers); };
+        group_.barrier(round, wait, watch);
+      };
+      barrier("entered", /*wait=*/true);
       // Every worker has stopped making calls: delete the RRefs its users still hold, so that
       // owners free their values before the agents stop (PyTorch does the same at shutdown).
-      const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
+      // Without a shutdown_timeout this waits for this worker's own calls, each bounded by its
+      // timeout, and for the requests it runs.
+      const auto bound = options_.shutdown_timeout();
+      const auto deadline =
+          std::chrono::steady_clock::now() + (bound.count() > 0 ? bound : kUnboundedDrain);
       rrefs_->release_all_users(deadline);
       const bool calls_done = pending_.wait_empty(deadline);
       const int requests_left = dispatcher_.wait_idle(deadline);
       DISTOPTIM_CHECK_WITH(TimeoutError, calls_done && requests_left == 0, "rpc shutdown: worker '",
                            self().name, "' still had ", pending_.size(), " call(s) and ",
-                           requests_left, " request(s) outstanding after ",
-                           options_.shutdown_timeout().count(), " ms");
-      group_.barrier("drained", /*wait=*/true, dead_peers);
+                           requests_left, " request(s) outstanding after ", bound.count(), " ms");
+      barrier("drained", /*wait=*/true);
       // Rank 0 serves the store: it leaves last, once every worker is past the barrier.
-      group_.barrier("left", /*wait=*/group_.rank() == 0, dead_peers);
+      barrier("left", /*wait=*/group_.rank() == 0);
     } catch (...) {
       failure = std::current_exception();
     }

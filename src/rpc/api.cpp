@@ -110,10 +110,15 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
                     options.max_extra_worker_threads());
   TORCH_CHECK_VALUE(options.rpc_timeout().count() >= 0, "init_rpc: rpc_timeout of ",
                     options.rpc_timeout().count(), " ms (use 0 for none)");
-  TORCH_CHECK_VALUE(options.init_timeout().count() > 0 && options.shutdown_timeout().count() > 0 &&
-                        options.handshake_timeout().count() > 0,
-                    "init_rpc: init_timeout, shutdown_timeout and handshake_timeout must be "
-                    "positive");
+  TORCH_CHECK_VALUE(options.init_timeout().count() > 0 && options.handshake_timeout().count() > 0 &&
+                        options.liveness_timeout().count() > 0,
+                    "init_rpc: init_timeout, handshake_timeout and liveness_timeout must be "
+                    "positive, got ",
+                    options.init_timeout().count(), ", ", options.handshake_timeout().count(),
+                    " and ", options.liveness_timeout().count(), " ms (worker '", name, "')");
+  TORCH_CHECK_VALUE(options.shutdown_timeout().count() >= 0, "init_rpc: shutdown_timeout of ",
+                    options.shutdown_timeout().count(), " ms (use 0 for none) (worker '", name,
+                    "')");
   TORCH_CHECK_VALUE(options.frame_stall_timeout().count() >= 0, "init_rpc: frame_stall_timeout of ",
                     options.frame_stall_timeout().count(), " ms (use 0 for none) (worker '", name,
                     "')");

@@ -19,6 +19,16 @@ constexpr const char* kStorePrefix = "distoptim/rpc/";
 // arrived to read why.
 constexpr auto kBarrierFailureGrace = std::chrono::seconds(2);
 
+// How often a worker waiting at a barrier asks the workers it waits for whether they are alive.
+constexpr std::chrono::milliseconds kLivenessPeriod{1000};
+// Rank 0's published failure starts with its kind, so that the others throw the same type.
+constexpr const char* kLostTag = "lost: ";
+constexpr const char* kTimeoutTag = "timeout: ";
+
+std::string encode_failure(bool lost, const std::string& why) {
+  return (lost ? kLostTag : kTimeoutTag) + why;
+}
+
 std::string describe_missing(const std::vector<int>& missing,
                              const std::vector<WorkerInfo>& workers) {
   std::string out;
@@ -106,35 +116,70 @@ int WorkerGroup::resolve(const WorkerRef& to) const {
   return id;
 }
 
-void WorkerGroup::barrier(const std::string& round, bool wait,
-                          const std::function<std::map<int, std::string>()>& dead_peers) {
-  // Every store operation ends by the barrier's deadline: a store host that stopped answering
-  // fails it with TimeoutError, one that died with PeerLostError, both naming the store.
+void WorkerGroup::barrier(const std::string& round, bool wait, const BarrierWatch& watch) {
+  using Clock = comm::DeadlineStore::Clock;
   comm::DeadlineStore& store = *rendezvous_.store;
   const std::string prefix = std::string(kStorePrefix) + "shutdown/" + round + "/";
   comm::StoreRound barrier(store, comm::StoreRound::Keys::under(prefix), rank_, world_size_);
-  const auto deadline = std::chrono::steady_clock::now() + options_.shutdown_timeout();
-  const auto throw_lost = [&](int peer, const std::string& why, const std::string& then) {
-    DISTOPTIM_THROW(PeerLostError, "rpc shutdown: worker '", self().name, "' cannot pass barrier '",
-                    round, "': worker ", describe_missing({peer}, workers_), " is lost (", why, ")",
-                    then);
+  const auto whole = options_.shutdown_timeout();
+  const Clock::time_point deadline =
+      whole.count() > 0 ? Clock::now() + whole : Clock::time_point::max();
+  // Every store operation also ends within the liveness timeout on its own: a store host that
+  // stopped answering fails the barrier with TimeoutError, one that died with PeerLostError, both
+  // naming the store.
+  const auto operation_deadline = [&] {
+    return comm::operation_deadline(deadline, options_.liveness_timeout());
   };
-  // A worker already known to be dead that has not arrived never will: fail now, not at the
-  // deadline. (A worker that refused us is alive: it is waited for.)
-  bool reported_lost = false;
-  const auto check_lost = [&] {
-    for (const auto& [peer, why] : dead_peers()) {
-      if (!store.check({barrier.arrival_key(peer)}, deadline)) {
-        reported_lost = true;
-        throw_lost(peer, why, "");
+  const auto liveness_period = std::min(options_.liveness_timeout(), kLivenessPeriod);
+  const std::string here = "worker '" + self().name + "' cannot pass barrier '" + round + "': ";
+
+  // Why the barrier failed; `from_host` when rank 0 said so (it is not published again).
+  struct Failure {
+    bool lost;
+    std::string why;
+    bool from_host = false;
+  };
+  std::optional<Failure> failure;
+  const auto lost = [&](int peer, const std::string& why) {
+    return Failure{
+        true, here + "worker " + describe_missing({peer}, workers_) + " is lost (" + why + ")"};
+  };
+  // Thrown out of the wait once `failure` says why.
+  struct Stop {};
+  // A worker may arrive, pass and exit between a look at the store and a question to it: only
+  // one still absent when its loss is known counts as lost.
+  const auto absent = [&](int peer) {
+    return !store.check({barrier.arrival_key(peer)}, operation_deadline());
+  };
+  Clock::time_point next_liveness_check = Clock::now() + liveness_period;
+  const auto check = [&] {
+    // A worker already known to be dead that has not arrived never will: fail now. (A worker
+    // that refused us is alive: it is waited for.)
+    for (const auto& [peer, why] : watch.dead_peers()) {
+      if (absent(peer)) {
+        failure = lost(peer, why);
+        throw Stop{};
       }
     }
-    // Rank 0, which serves the store, gave up: it says why (publish_failure below).
+    // Rank 0, which serves the store, gave up: it says why (published below).
     if (rank_ != 0) {
-      if (std::optional<std::string> why = barrier.read_failure(deadline)) {
-        DISTOPTIM_THROW(TimeoutError, "rpc shutdown: worker '", self().name,
-                        "' cannot pass barrier '", round, "': ", *why);
+      if (std::optional<std::string> published = barrier.read_failure(operation_deadline())) {
+        const bool was_lost = published->rfind(kLostTag, 0) == 0;
+        const std::string tag = was_lost ? kLostTag : kTimeoutTag;
+        const bool tagged = published->rfind(tag, 0) == 0;
+        failure = Failure{was_lost, here + published->substr(tagged ? tag.size() : 0), true};
+        throw Stop{};
       }
+    }
+    if (watch.check_alive && Clock::now() >= next_liveness_check) {
+      std::vector<int> waited_for =
+          comm::ranks_without_key(store, barrier.keys().arrived, world_size_, operation_deadline());
+      waited_for.erase(std::remove(waited_for.begin(), waited_for.end(), rank_), waited_for.end());
+      if (auto silent = watch.check_alive(waited_for); silent && absent(silent->first)) {
+        failure = lost(silent->first, silent->second);
+        throw Stop{};
+      }
+      next_liveness_check = Clock::now() + liveness_period;
     }
   };
   std::vector<int> missing;
@@ -142,36 +187,44 @@ void WorkerGroup::barrier(const std::string& round, bool wait,
     // Counted (an add, not a set): a TCPStore answers an add, so the key is in the store before
     // this worker goes on; a worker that leaves right after could otherwise be taken for lost by
     // rank 0 before its key arrives.
-    barrier.arrive(deadline);
-    if (!wait) {
-      return;
-    }
-    missing = barrier.wait_for_all(deadline, check_lost);
+    barrier.arrive(operation_deadline());
+    if (!wait) return;
+    missing = barrier.wait_for_all(deadline, check, options_.liveness_timeout());
+  } catch (const Stop&) {
   } catch (const DistributedError& error) {
     // The store host may have left first, its own barrier failed by the same dead worker: the
     // worker known to be lost is the cause to report, the store's failure its consequence. The
     // store host itself is among the dead then: another dead worker is named before it.
-    const auto lost = dead_peers();
-    if (reported_lost || lost.empty()) throw;
-    auto cause =
-        std::find_if(lost.begin(), lost.end(), [](const auto& dead) { return dead.first != 0; });
-    if (cause == lost.end()) cause = lost.begin();
-    throw_lost(cause->first, cause->second,
-               std::string("; then: ") + error.what_without_backtrace());
+    const auto dead = watch.dead_peers();
+    if (dead.empty()) {
+      // Nothing else known lost: the store's host, rank 0, is the worker that died.
+      if (rank_ == 0 || dynamic_cast<const PeerLostError*>(&error) == nullptr) throw;
+      failure = lost(0, std::string("it serves the store, and ") + error.what_without_backtrace());
+      failure->from_host = true;  // nobody to publish to
+    }
+    if (!failure) {
+      auto cause =
+          std::find_if(dead.begin(), dead.end(), [](const auto& peer) { return peer.first != 0; });
+      if (cause == dead.end()) cause = dead.begin();
+      failure = lost(cause->first, cause->second);
+      failure->why += std::string("; then: ") + error.what_without_backtrace();
+    }
   }
-  if (missing.empty()) {
-    return;
+  if (!failure) {
+    if (missing.empty()) return;
+    failure = Failure{
+        false, "worker '" + self().name + "' waited " + std::to_string(whole.count()) +
+                   " ms at barrier '" + round +
+                   "' for workers that never arrived: " + describe_missing(missing, workers_)};
   }
-  const std::string why =
-      "worker '" + self().name + "' waited " + std::to_string(options_.shutdown_timeout().count()) +
-      " ms at barrier '" + round +
-      "' for workers that never arrived: " + describe_missing(missing, workers_);
-  if (rank_ == 0) {
-    // Rank 0 serves the store: the workers that arrived read why before it goes on to stop it
-    // (else they would see only the store's loss), within a bound.
-    barrier.publish_failure(why, std::chrono::steady_clock::now() + kBarrierFailureGrace);
+  if (rank_ == 0 && !failure->from_host) {
+    // Rank 0 serves the store: the workers still waiting read why before it goes on to stop it
+    // (else they would see only the store's loss, or wait for the lost worker themselves).
+    barrier.publish_failure(encode_failure(failure->lost, failure->why),
+                            Clock::now() + kBarrierFailureGrace);
   }
-  DISTOPTIM_THROW(TimeoutError, "rpc shutdown: ", why);
+  if (failure->lost) DISTOPTIM_THROW(PeerLostError, "rpc shutdown: ", failure->why);
+  DISTOPTIM_THROW(TimeoutError, "rpc shutdown: ", failure->why);
 }
 
 void WorkerGroup::close() { rendezvous_.store.reset(); }

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -42,13 +43,25 @@ class WorkerGroup {
   /// for an id out of it.
   int resolve(const WorkerRef& to) const;
 
-  /// A shutdown barrier named `round`: this worker arrives and, when `wait`, waits
-  /// (shutdown_timeout) until every worker has. `dead_peers()` lists workers known to be dead
-  /// (polled meanwhile): one of them that has not arrived fails the barrier at once with
-  /// PeerLostError. Past the deadline: TimeoutError naming the workers that never arrived; rank
-  /// 0, which serves the store, publishes why and lets the others read it before it goes on.
-  void barrier(const std::string& round, bool wait,
-               const std::function<std::map<int, std::string>()>& dead_peers);
+  /// What a worker waiting at a barrier watches, to fail fast when a worker it waits for is
+  /// lost rather than wait for it forever.
+  struct BarrierWatch {
+    /// The workers known to be dead (their connection was lost), with why.
+    std::function<std::map<int, std::string>()> dead_peers;
+    /// Asks the given workers whether they are alive (LivenessProbe::check): one that has not
+    /// answered in time, and why.
+    std::function<std::optional<std::pair<int, std::string>>(const std::vector<int>&)> check_alive;
+  };
+
+  /// A shutdown barrier named `round`: this worker arrives and, when `wait`, waits until every
+  /// worker has, bounded as a whole by shutdown_timeout when it is set (else not at all). A
+  /// worker that has not arrived and is dead, or does not answer `watch.check_alive` (asked
+  /// about every second), fails the barrier with PeerLostError naming it; so does a store
+  /// operation that takes longer than liveness_timeout (TimeoutError naming the store). Past
+  /// shutdown_timeout: TimeoutError naming the workers that never arrived. Rank 0, which serves
+  /// the store, publishes why it failed and lets the others read it before it goes on: they fail
+  /// with its reason, in the same type.
+  void barrier(const std::string& round, bool wait, const BarrierWatch& watch);
   /// Releases the store (rank 0 stops serving it).
   void close();
 

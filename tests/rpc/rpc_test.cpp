@@ -580,6 +580,61 @@ TEST(Rpc, GracefulShutdownWithAWorkerThatNeverCallsItNamesIt) {
   });
 }
 
+// Without a shutdown_timeout (the default), graceful shutdown waits for a worker that is busy
+// far longer than the liveness timeout: it answers the liveness checks while its user code runs.
+TEST(Rpc, GracefulShutdownWaitsForAWorkerThatIsSlowButAlive) {
+  EXPECT_EQ(RpcBackendOptions().shutdown_timeout().count(), 0);
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size,
+             test_options().shutdown_timeout(0ms).liveness_timeout(300ms));
+    if (rank == 2) {
+      std::this_thread::sleep_for(3s);  // ten liveness timeouts in user code
+    }
+    EXPECT_NO_THROW(shutdown());
+  });
+}
+
+// A stopped (SIGSTOP) worker is told apart from a slow one: without a shutdown_timeout, the
+// others' graceful shutdown fails with PeerLostError naming it once it has not answered a
+// liveness check in time (the test's deadline is 60 s; the liveness timeout 1 s).
+TEST(Rpc, GracefulShutdownNamesAStoppedWorkerAfterTheLivenessTimeout) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size,
+             test_options().shutdown_timeout(0ms).liveness_timeout(1000ms));
+    if (rank == 2) {
+      // Stopped by rank 0 in here, and continued once rank 0's shutdown has failed.
+      EXPECT_TRUE(wait_for_exit_of_rank(0, 50s)) << "rank 0 did not exit";
+      EXPECT_TRUE(wait_for_exit_of_rank(1, 50s)) << "rank 1 did not exit";
+      shutdown(/*graceful=*/false);
+      return;
+    }
+    tell_pid(worker(2));
+    pid_t stopped = 0;
+    if (rank == 1) {
+      tell_pid(worker(0));  // after worker2 knows its pid
+    } else {
+      {
+        std::unique_lock<std::mutex> lock(g_pids_mutex);
+        ASSERT_TRUE(g_pids_noted.wait_for(lock, 30s, [] { return g_pids.count(1) != 0; }));
+      }
+      stopped = static_cast<pid_t>(rpc_sync<int64_t>(worker(2), "pid"));
+      ASSERT_TRUE(distoptim::testing::stop_process(stopped));
+    }
+    try {
+      shutdown();
+      ADD_FAILURE() << "shutdown() passed its barrier without worker2";
+    } catch (const PeerLostError& error) {
+      // Rank 1 either found it itself or heard it from rank 0, the store's host.
+      EXPECT_NE(std::string(error.what()).find("'worker2' (rank 2) is lost"), std::string::npos)
+          << error.what();
+      EXPECT_NE(std::string(error.what()).find("did not answer a liveness check within 1000 ms"),
+                std::string::npos)
+          << error.what();
+    }
+    if (stopped != 0) ::kill(stopped, SIGCONT);
+  });
+}
+
 // A worker stopped (SIGSTOP) with calls to it pending: they fail with TimeoutError; once it is
 // continued it answers again.
 TEST(Rpc, StoppedWorkerTimesOutCallsAndServesOnceContinued) {

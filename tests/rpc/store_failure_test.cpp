@@ -45,13 +45,14 @@ RpcBackendOptions options() {
   return RpcBackendOptions("env://").init_timeout(30s).shutdown_timeout(3s);
 }
 
-TEST(RpcStoreFailure, GracefulShutdownWithStoppedStoreHostTimesOut) {
+// Rank 1's graceful shutdown with the store host (rank 0) stopped, under `rpc_options`.
+void shutdown_with_stopped_store_host(const RpcBackendOptions& rpc_options) {
   distoptim::testing::RunRanksOptions run_options;
   run_options.deadline = 60s;
   run_ranks(
       2,
-      [](int rank, int world_size) {
-        init_rpc(worker(rank), rank, world_size, options());
+      [&](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size, rpc_options);
         if (rank == 0) {
           // Stopped by rank 1, and continued once its shutdown has failed: serves until rank 1
           // has exited (a zombie until the harness reaps it, then gone).
@@ -75,11 +76,20 @@ TEST(RpcStoreFailure, GracefulShutdownWithStoppedStoreHostTimesOut) {
         } catch (const TimeoutError& e) {
           expect_names_the_store(e);
         }
-        // shutdown_timeout is 3 s; the bound only proves that it did not hang.
+        // The bound only proves that it did not hang.
         EXPECT_LT(Clock::now() - start, 20s);
         ::kill(pid, SIGCONT);
       },
       run_options);
+}
+
+TEST(RpcStoreFailure, GracefulShutdownWithStoppedStoreHostTimesOut) {
+  shutdown_with_stopped_store_host(options());
+}
+
+// Without a shutdown_timeout, each store operation is bounded by the liveness timeout.
+TEST(RpcStoreFailure, UnboundedGracefulShutdownWithStoppedStoreHostTimesOutPerOperation) {
+  shutdown_with_stopped_store_host(options().shutdown_timeout(0s).liveness_timeout(2s));
 }
 
 TEST(RpcStoreFailure, GracefulShutdownWithDeadStoreHostNamesTheStore) {
@@ -102,11 +112,43 @@ TEST(RpcStoreFailure, GracefulShutdownWithDeadStoreHostNamesTheStore) {
         const auto start = Clock::now();
         try {
           shutdown();
-          ADD_FAILURE() << "expected a c10::Error";
-        } catch (const c10::Error& e) {
+          ADD_FAILURE() << "expected a PeerLostError";
+        } catch (const PeerLostError& e) {
           expect_names_the_store(e);
+          EXPECT_NE(std::string(e.what()).find("'worker0' (rank 0) is lost"), std::string::npos)
+              << e.what();
         }
         EXPECT_LT(Clock::now() - start, 20s);
+      },
+      run_options);
+}
+
+// A survivor that never called the dead store host (it only answered it) is told at shutdown
+// which worker died, not only that the store is lost.
+TEST(RpcStoreFailure, GracefulShutdownNamesADeadStoreHostItNeverCalled) {
+  distoptim::testing::RunRanksOptions run_options;
+  run_options.deadline = 60s;
+  run_options.expected_exit_codes = {{0, 9}};
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size, options().shutdown_timeout(0s));
+        if (rank == 0) {
+          rpc_sync<int64_t>(worker(1), "swap_pids", std::tuple{static_cast<int64_t>(::getpid())});
+          ::_exit(9);
+        }
+        const auto until = Clock::now() + 20s;
+        while (g_caller_pid.load() == 0 && Clock::now() < until) std::this_thread::sleep_for(10ms);
+        ASSERT_NE(g_caller_pid.load(), 0) << "rank 0 never called";
+        ASSERT_TRUE(distoptim::testing::wait_for_process_state(
+            static_cast<int>(g_caller_pid.load()), "Z?", 20s));
+        try {
+          shutdown();
+          ADD_FAILURE() << "expected a PeerLostError";
+        } catch (const PeerLostError& e) {
+          EXPECT_NE(std::string(e.what()).find("'worker0' (rank 0) is lost"), std::string::npos)
+              << e.what();
+        }
       },
       run_options);
 }

@@ -78,8 +78,10 @@ class StoreRound {
   /// Polls until every rank has arrived or `deadline` passes, as wait_for_rank_keys does on the
   /// arrival keys, and returns the ranks still missing then (empty once all arrived). `each_poll`
   /// runs before every poll; an exception from it ends the wait and propagates.
+  /// `per_operation` as wait_for_rank_keys's.
   std::vector<int> wait_for_all(Clock::time_point deadline,
-                                const std::function<void()>& each_poll = {}) const;
+                                const std::function<void()>& each_poll = {},
+                                std::chrono::milliseconds per_operation = {}) const;
 
   /// The ranks other than the host that arrived more often than they left, by one look at the
   /// store (ending by `deadline`): those the host still waits for before the store goes away.

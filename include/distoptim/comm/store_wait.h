@@ -108,10 +108,17 @@ std::vector<int> ranks_without_key(DeadlineStore& store, const std::string& pref
 /// passes; returns the ranks whose key is still missing then (empty once all are there).
 /// Polling, unlike Store::wait, lets a timeout name who is missing. `each_poll` runs before every
 /// poll (it may throw to stop the wait). A store that stops answering or is lost throws as
-/// DeadlineStore's operations do.
+/// DeadlineStore's operations do. `per_operation`, when positive, also bounds each store
+/// operation on its own, so that a wait with no deadline (Clock::time_point::max()) still finds
+/// a store host that stopped answering.
 std::vector<int> wait_for_rank_keys(DeadlineStore& store, const std::string& prefix, int world_size,
                                     DeadlineStore::Clock::time_point deadline,
-                                    const std::function<void()>& each_poll = {});
+                                    const std::function<void()>& each_poll = {},
+                                    std::chrono::milliseconds per_operation = {});
+
+/// The sooner of `deadline` and `per_operation` from now (`deadline` when per_operation is 0).
+DeadlineStore::Clock::time_point operation_deadline(DeadlineStore::Clock::time_point deadline,
+                                                    std::chrono::milliseconds per_operation);
 
 }  // namespace comm
 }  // namespace distoptim

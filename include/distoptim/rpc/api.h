@@ -64,9 +64,18 @@ struct RpcBackendOptions {
   /// 0 keeps the pool fixed. The default allows 512 blocked requests beyond the pool (each extra
   /// thread reserves its stack's address space, not memory); async_execution functions need none.
   TORCH_ARG(int, max_extra_worker_threads) = 512;
-  /// How long init_rpc waits for every worker, and graceful shutdown for each of its barriers.
+  /// How long init_rpc waits for every worker to arrive (a worker not yet started has no
+  /// liveness to check).
   TORCH_ARG(std::chrono::milliseconds, init_timeout) = std::chrono::minutes(5);
-  TORCH_ARG(std::chrono::milliseconds, shutdown_timeout) = std::chrono::minutes(1);
+  /// Bounds each barrier of a graceful shutdown as a whole; 0 (the default, as PyTorch) sets no
+  /// bound: shutdown waits as long as the workers it waits for are alive, however long they
+  /// train, and fails fast once one is lost (liveness_timeout).
+  TORCH_ARG(std::chrono::milliseconds, shutdown_timeout) = std::chrono::milliseconds(0);
+  /// While graceful shutdown waits for a worker, it asks it about once a second whether it is
+  /// alive (answered by its transport, without running user code); a worker that does not answer
+  /// within this time (stopped, hung, unreachable) is lost, and so is the store's host (rank 0)
+  /// when one store operation takes longer. A lost connection counts at once.
+  TORCH_ARG(std::chrono::milliseconds, liveness_timeout) = std::chrono::seconds(20);
   /// The IP address to listen on; empty: comm::Rendezvous::local_address, the address this host
   /// reaches the rendezvous address from (127.0.0.1 when that is loopback).
   TORCH_ARG(std::string, listen_address) = "";

@@ -1,0 +1,56 @@
+#include "liveness.h"
+
+#include <distoptim/comm/errors.h>
+#include <distoptim/rpc/detail/internal_registry.h>
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+namespace {
+
+const bool kAliveRegistered = [] {
+  register_internal_function(kAliveFunction,
+                             [](std::vector<c10::IValue>) -> c10::IValue { return {}; });
+  return true;
+}();
+
+}  // namespace
+
+LivenessProbe::LivenessProbe(Ask ask, std::chrono::milliseconds timeout)
+    : ask_(std::move(ask)), timeout_(timeout) {}
+
+std::string LivenessProbe::why_failed(const std::exception_ptr& error) const {
+  try {
+    std::rethrow_exception(error);
+  } catch (const TimeoutError&) {
+    return "it did not answer a liveness check within " + std::to_string(timeout_.count()) +
+           " ms (stopped, hung or unreachable)";
+  } catch (const c10::Error& error) {
+    return std::string("a liveness check failed: ") + error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    return std::string("a liveness check failed: ") + error.what();
+  }
+}
+
+std::optional<std::pair<int, std::string>> LivenessProbe::check(const std::vector<int>& peers) {
+  (void)kAliveRegistered;
+  for (int peer : peers) {
+    c10::intrusive_ptr<c10::ivalue::Future>& question = in_flight_[peer];
+    if (question && !question->completed()) continue;
+    if (question && question->hasError()) {
+      const std::string why = why_failed(question->exception_ptr());
+      question.reset();  // asked afresh if it is still waited for
+      return std::make_pair(peer, why);
+    }
+    try {
+      question = ask_(peer, timeout_);
+    } catch (...) {
+      return std::make_pair(peer, why_failed(std::current_exception()));
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim
