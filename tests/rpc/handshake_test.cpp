@@ -186,15 +186,8 @@ class RawPeer {
 
   /// The next handshake message, or nothing once the worker has closed the connection.
   std::optional<HandshakeMessage> receive() {
-    std::string header_bytes;
-    if (!read_exactly(detail::MessageHeader::kEncodedSize, &header_bytes)) return std::nullopt;
-    detail::MessageHeader header;
-    std::string body;
     DecodedMessage message;
-    if (detail::decode_header(header_bytes, &header) || header.tensor_count != 0 ||
-        header.type != detail::MessageType::kHandshake ||
-        !read_exactly(header.body_length, &body) ||
-        detail::decode_body(header, body, {}, {}, &message)) {
+    if (!read_message(detail::MessageType::kHandshake, &message)) {
       ADD_FAILURE() << "the worker sent something other than a handshake message";
       return std::nullopt;
     }
@@ -204,15 +197,9 @@ class RawPeer {
   /// The text of the error frame (id 0) the worker sends before closing for a protocol error, or
   /// nothing if it sends something else or closes first.
   std::optional<std::string> farewell() {
-    std::string header_bytes;
-    if (!read_exactly(detail::MessageHeader::kEncodedSize, &header_bytes)) return std::nullopt;
-    detail::MessageHeader header;
-    std::string body;
     DecodedMessage message;
-    if (detail::decode_header(header_bytes, &header) || header.tensor_count != 0 ||
-        header.type != detail::MessageType::kError || header.id != 0 ||
-        !read_exactly(header.body_length, &body) ||
-        detail::decode_body(header, body, {}, {}, &message)) {
+    uint64_t id = 0;
+    if (!read_message(detail::MessageType::kError, &message, &id) || id != 0) {
       return std::nullopt;
     }
     return message.error_message;
@@ -233,6 +220,22 @@ class RawPeer {
   }
 
  private:
+  // Reads one frame without tensors of `type` and decodes it (and its header's id, if asked);
+  // false if the worker sent something else or closed first.
+  bool read_message(detail::MessageType type, DecodedMessage* message, uint64_t* id = nullptr) {
+    std::string header_bytes;
+    if (!read_exactly(detail::MessageHeader::kEncodedSize, &header_bytes)) return false;
+    detail::MessageHeader header;
+    std::string body;
+    if (detail::decode_header(header_bytes, &header) || header.tensor_count != 0 ||
+        header.type != type || !read_exactly(header.body_length, &body) ||
+        detail::decode_body(header, body, {}, {}, message)) {
+      return false;
+    }
+    if (id) *id = header.id;
+    return true;
+  }
+
   bool read_exactly(size_t length, std::string* out) {
     out->assign(length, '\0');
     size_t done = 0;
