@@ -106,7 +106,7 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int p
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(port);
   store_options.isServer = rank == 0;
-  store_options.numWorkers = static_cast<size_t>(world_size);
+  if (world_size > 0) store_options.numWorkers = static_cast<size_t>(world_size);
   // We wait for the ranks ourselves, so a timeout can name the ones missing.
   store_options.waitWorkers = false;
   store_options.timeout = timeout;
@@ -299,32 +299,15 @@ bool is_loopback_address(const std::string& host) {
   return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
 }
 
-Rendezvous rendezvous(const RendezvousOptions& options) {
+namespace {
+
+// The store of a rendezvous (served by rank 0 over tcp:// and env://), wrapped with deadlines
+// and the prefix, in `result` with the addresses; `world_size` 0 for a group of unknown size.
+void open_store_into(const RendezvousOptions& options, const LaunchEnv& env, int rank,
+                     int world_size, Rendezvous& result) {
   const std::string& method = options.init_method();
-  TORCH_CHECK_VALUE(options.timeout().count() > 0,
-                    "rendezvous: timeout = ", options.timeout().count(), " ms; must be positive");
-  TORCH_CHECK_VALUE(!options.prefix().empty(), "rendezvous: prefix must not be empty");
-  const bool is_env = method.rfind("env://", 0) == 0;
   const bool is_tcp = method.rfind("tcp://", 0) == 0;
   const bool is_file = method.rfind("file://", 0) == 0;
-  TORCH_CHECK_VALUE(is_env || is_tcp || is_file, "rendezvous: init_method '", method,
-                    "' is not env://, tcp://HOST:PORT or file:///PATH");
-
-  // Rank and world size: given, else from the launcher's environment.
-  const LaunchEnv env =
-      options.launch_env() ? *options.launch_env() : LaunchEnv::from_environment();
-  const int rank = options.rank() >= 0 ? options.rank() : env.rank.value_or(-1);
-  const int world_size =
-      options.world_size() >= 0 ? options.world_size() : env.world_size.value_or(-1);
-  TORCH_CHECK_VALUE(
-      world_size >= 1, "rendezvous(", method, "): world_size = ", world_size,
-      source_text(options.world_size() >= 0, env.world_size.has_value(), "WORLD_SIZE"),
-      "; must be at least 1");
-  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "rendezvous(", method, "): rank = ", rank,
-                    source_text(options.rank() >= 0, env.rank.has_value(), "RANK"),
-                    "; must be in [0, ", world_size, ")");
-
-  Rendezvous result;
   result.rank = rank;
   result.world_size = world_size;
   result.timeout = options.timeout();
@@ -359,9 +342,6 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
   result.store = c10::make_intrusive<DeadlineStore>(
       c10::make_intrusive<c10d::PrefixStore>(options.prefix() + "/", store), address,
       options.timeout());
-  const auto deadline = Clock::now() + options.timeout();
-  const std::string context = c10::str("rendezvous(", method, "): rank ", rank, " of ", world_size,
-                                       " waited ", seconds_text(options.timeout()));
   if (!is_file) {
     // LibTorch 1.13's TCPStore sets its socket's receive timeout to the timeout of a wait and
     // keeps it. After this wait for no keys (answered at once), no receive on the connection
@@ -374,6 +354,58 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
       throw;
     }
   }
+}
+
+void check_method(const RendezvousOptions& options) {
+  const std::string& method = options.init_method();
+  TORCH_CHECK_VALUE(options.timeout().count() > 0,
+                    "rendezvous: timeout = ", options.timeout().count(), " ms; must be positive");
+  TORCH_CHECK_VALUE(!options.prefix().empty(), "rendezvous: prefix must not be empty");
+  TORCH_CHECK_VALUE(method.rfind("env://", 0) == 0 || method.rfind("tcp://", 0) == 0 ||
+                        method.rfind("file://", 0) == 0,
+                    "rendezvous: init_method '", method,
+                    "' is not env://, tcp://HOST:PORT or file:///PATH");
+}
+
+}  // namespace
+
+Rendezvous open_store(const RendezvousOptions& options) {
+  check_method(options);
+  const std::string& method = options.init_method();
+  TORCH_CHECK_VALUE(method.rfind("file://", 0) != 0, "open_store: init_method '", method,
+                    "': a group of unknown size meets through tcp:// or env:// (rank 0 serves "
+                    "the store)");
+  TORCH_CHECK_VALUE(options.rank() >= 0, "open_store(", method, "): rank = ", options.rank(),
+                    "; must be given, at least 0 (rank 0 serves the store)");
+  const LaunchEnv env =
+      options.launch_env() ? *options.launch_env() : LaunchEnv::from_environment();
+  Rendezvous result;
+  open_store_into(options, env, options.rank(), 0, result);
+  return result;
+}
+
+Rendezvous rendezvous(const RendezvousOptions& options) {
+  check_method(options);
+  const std::string& method = options.init_method();
+  // Rank and world size: given, else from the launcher's environment.
+  const LaunchEnv env =
+      options.launch_env() ? *options.launch_env() : LaunchEnv::from_environment();
+  const int rank = options.rank() >= 0 ? options.rank() : env.rank.value_or(-1);
+  const int world_size =
+      options.world_size() >= 0 ? options.world_size() : env.world_size.value_or(-1);
+  TORCH_CHECK_VALUE(
+      world_size >= 1, "rendezvous(", method, "): world_size = ", world_size,
+      source_text(options.world_size() >= 0, env.world_size.has_value(), "WORLD_SIZE"),
+      "; must be at least 1");
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "rendezvous(", method, "): rank = ", rank,
+                    source_text(options.rank() >= 0, env.rank.has_value(), "RANK"),
+                    "; must be in [0, ", world_size, ")");
+
+  Rendezvous result;
+  open_store_into(options, env, rank, world_size, result);
+  const auto deadline = Clock::now() + options.timeout();
+  const std::string context = c10::str("rendezvous(", method, "): rank ", rank, " of ", world_size,
+                                       " waited ", seconds_text(options.timeout()));
   StoreRound round(*result.store, StoreRound::Keys{kClaimKey, kFailedKey, kLeftKey}, rank,
                    world_size);
   try {

@@ -1,6 +1,8 @@
 #include "agent.h"
 
+#include <algorithm>
 #include <atomic>
+#include <thread>
 
 #include <distoptim/comm/errors.h>
 
@@ -27,6 +29,8 @@ std::shared_ptr<Agent> Agent::create(const std::string& name, int rank, int worl
   try {
     agent->start(name);
   } catch (...) {
+    // A worker joining later must not wait for this one: it never joined.
+    if (agent->group_.dynamic() && agent->group_.self().id >= 0) agent->group_.leave();
     agent->stop();
     throw;
   }
@@ -42,15 +46,21 @@ Agent::Agent(int rank, int world_size, const RpcBackendOptions& options)
              options.frame_stall_timeout()) {}
 
 void Agent::start(const std::string& name) {
-  group_.join(name, peers_.listen_address(), peers_.listen_port());
-  rrefs_ = std::make_unique<RRefContext>(*this, shared_from_this(), group_.rank(), group_.workers(),
+  if (group_.dynamic()) {
+    group_.claim(name, peers_.listen_address(), peers_.listen_port());
+  } else {
+    group_.join(name, peers_.listen_address(), peers_.listen_port());
+  }
+  rrefs_ = std::make_unique<RRefContext>(*this, shared_from_this(), group_.rank(), group_.table(),
                                          options_.rpc_timeout(), limits_);
-  dispatcher_.start(group_.rank(), group_.names(), rrefs_.get(), weak_from_this());
+  dispatcher_.start(group_.rank(), group_.table(), rrefs_.get(), weak_from_this(),
+                    [this](int caller, const std::string& notice, std::vector<c10::IValue> args) {
+                      return on_membership(caller, notice, std::move(args));
+                    });
   HandshakeConfig handshake;
   handshake.secret = options_.shared_secret();
   handshake.self_id = group_.rank();
   handshake.self_name = name;
-  handshake.world_size = group_.world_size();
   handshake.timeout = options_.handshake_timeout();
   handshake.peer_memory = options_.same_host_memory_reads();
   handshake.refusals = std::make_shared<RefusalLog>(name);
@@ -69,7 +79,69 @@ void Agent::start(const std::string& name) {
   };
   events.on_peer_lost = [this](int peer, const std::string& why) { on_peer_lost(peer, why); };
   // Only now, with every worker known, take peers' connections (they wait in the backlog).
-  peers_.start(std::move(handshake), group_.addresses(), std::move(events));
+  peers_.start(std::move(handshake), group_.table(), std::move(events));
+  if (group_.dynamic()) announce_join();
+}
+
+// Every member that joined before this worker hears of it from this worker (those joining after
+// read it in the store and tell it themselves), so that when init_rpc returns, all can call it.
+void Agent::announce_join() {
+  const std::vector<int> earlier = group_.enter();
+  const auto table = group_.table().snapshot();
+  const WorkerTable::Entry& me = *table->find(group_.rank());
+  std::vector<std::pair<int, c10::intrusive_ptr<c10::ivalue::Future>>> notices;
+  for (int member : earlier) {
+    notices.emplace_back(member, send(member, kMemberJoined,
+                                      {c10::IValue(me.info.name), c10::IValue(me.host),
+                                       c10::IValue(static_cast<int64_t>(me.port))},
+                                      options_.init_timeout()));
+  }
+  for (auto& [member, notice] : notices) {
+    notice->wait();
+    if (!notice->hasError()) {
+      // A member that is leaving does not stay: it is not called.
+      if (!notice->value().toBool()) group_.table().mark_left(member);
+      continue;
+    }
+    try {
+      std::rethrow_exception(notice->exception_ptr());
+    } catch (const PeerLostError& lost) {
+      // It died (or left) since it entered the store's list: not a member any more.
+      TORCH_WARN("init_rpc: worker '", self().name, "' could not tell worker '", name_of(member),
+                 "' that it joined: ", lost.what_without_backtrace());
+      group_.table().mark_left(member);
+    } catch (const c10::Error& error) {
+      DISTOPTIM_THROW(DistributedError, "init_rpc: worker '", self().name, "' (rank ",
+                      group_.rank(), ") could not tell worker '", name_of(member),
+                      "' that it joined: ", error.what_without_backtrace());
+    }
+  }
+}
+
+c10::IValue Agent::on_membership(int caller, const std::string& notice,
+                                 std::vector<c10::IValue> args) {
+  TORCH_CHECK_VALUE(group_.dynamic(), "worker '", self().name,
+                    "' is in a static group: workers do not join or leave it");
+  if (notice == kMemberLeft) {
+    group_.table().mark_left(caller);
+    return c10::IValue(true);
+  }
+  TORCH_CHECK_VALUE(args.size() == 3 && args[0].isString() && args[1].isString() && args[2].isInt(),
+                    "a notice that worker id ", caller, " joined needs its name, host and port");
+  const int64_t port = args[2].toInt();
+  TORCH_CHECK_VALUE(port > 0 && port <= 65535, "worker id ", caller, " joined with port ", port);
+  group_.table().add(WorkerInfo{args[0].toStringRef(), caller}, args[1].toStringRef(),
+                     static_cast<int>(port));
+  return c10::IValue(!leaving_.load());
+}
+
+WorkerInfo Agent::member(int id) const {
+  const auto table = group_.table().snapshot();
+  const WorkerTable::Entry* entry = table->find(id);
+  TORCH_CHECK_VALUE(entry != nullptr, "rpc: no worker has id ", id);
+  TORCH_CHECK_VALUE(!entry->left, "rpc: worker '", entry->info.name, "' (id ", id,
+                    ") left the group (workers: ", table->describe_members(), ")");
+  return entry->info;
 }
 
 Agent::~Agent() {
@@ -89,12 +161,20 @@ void Agent::on_peer_lost(int peer, const std::string& why) {
   if (!stopping) {
     dispatcher_.post_ordered([this, peer] { on_peer_gone(peer); });
   }
-  const std::string worker = workers()[peer].name;
-  dispatcher_.fail_calls(std::move(failed), [worker, why, stopping](const PendingCall& call) {
+  const auto table = group_.table().snapshot();
+  const std::string worker = table->name(peer);
+  const WorkerTable::Entry* entry = table->find(peer);
+  const bool left = entry != nullptr && entry->left;
+  dispatcher_.fail_calls(std::move(failed), [worker, why, stopping, left](const PendingCall& call) {
     if (stopping) {
       return DISTOPTIM_RPC_ERROR(DistributedError, "rpc: the agent shut down before worker '" +
                                                        worker + "' answered '" + call.function +
                                                        "'");
+    }
+    if (left) {
+      return DISTOPTIM_RPC_ERROR(PeerLostError, "rpc: worker '" + worker +
+                                                    "' left the group before it answered '" +
+                                                    call.function + "' (" + why + ")");
     }
     return DISTOPTIM_RPC_ERROR(PeerLostError, "rpc: lost the connection to worker '" + worker +
                                                   "' (" + why + "); the call to '" + call.function +
@@ -109,9 +189,9 @@ void Agent::on_calls_expired(std::vector<PendingCall> expired) {
     peers_.drop_queued(call.to, call.id);
   }
   dispatcher_.fail_calls(std::move(expired), [this](const PendingCall& call) {
-    return DISTOPTIM_RPC_ERROR(TimeoutError, "rpc: the call to '" + call.function +
-                                                 "' on worker '" + workers()[call.to].name +
-                                                 "' timed out");
+    return DISTOPTIM_RPC_ERROR(
+        TimeoutError,
+        "rpc: the call to '" + call.function + "' on worker '" + name_of(call.to) + "' timed out");
   });
 }
 
@@ -136,7 +216,19 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send_message(int to, const std::s
                                                             uint16_t flags,
                                                             const SendInterception& intercept,
                                                             bool waited_only) {
-  const std::string& worker = workers()[to].name;
+  // Held for the call: `worker` lives in it.
+  const std::shared_ptr<const WorkerTable::Snapshot> table = group_.table().snapshot();
+  const WorkerTable::Entry* entry = table->find(to);
+  TORCH_INTERNAL_ASSERT(entry != nullptr, "rpc: no worker has id ", to);
+  const std::string& worker = entry->info.name;
+  if (entry->left) {
+    // Known to be gone: failed at once, before anything is forked or sent.
+    auto failed = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+    failed->setError(DISTOPTIM_RPC_ERROR(PeerLostError,
+                                         "rpc: worker '" + worker + "' (id " + std::to_string(to) +
+                                             ") left the group; cannot call '" + function + "'"));
+    return failed;
+  }
   TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "rpc: timeout of ",
                     timeout.count(), " ms calling '", function, "' on worker '", worker,
                     "' (use a positive value, kNoTimeout or kDefaultTimeout)");
@@ -199,6 +291,10 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send_message(int to, const std::s
 }
 
 void Agent::on_peer_gone(int peer) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    gone_.insert(peer);
+  }
   rrefs_->on_peer_lost(peer);
   if (auto installed = interceptor()) {
     installed->on_peer_lost(peer);
@@ -207,7 +303,13 @@ void Agent::on_peer_gone(int peer) {
 
 void Agent::shutdown(bool graceful) {
   std::exception_ptr failure;
-  if (graceful) {
+  if (graceful && group_.dynamic()) {
+    try {
+      leave();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  } else if (graceful) {
     try {
       const auto barrier = [this](const std::string& round, bool wait) {
         LivenessProbe probe(
@@ -247,6 +349,84 @@ void Agent::shutdown(bool graceful) {
   }
 }
 
+void Agent::leave() {
+  leaving_ = true;
+  // Without a shutdown_timeout: as long as the workers waited for are alive (the store host's
+  // wait) and this worker's own calls and requests take (each call has its timeout).
+  const auto bound = options_.shutdown_timeout();
+  const auto deadline =
+      std::chrono::steady_clock::now() + (bound.count() > 0 ? bound : kUnboundedDrain);
+  std::exception_ptr failure;
+  if (group_.rank() == 0) {
+    // The store host: the others join and leave through its store, so it leaves last.
+    try {
+      wait_for_others_to_leave(deadline);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  group_.leave();
+  // Delete the references this worker holds while their owners still hear it.
+  rrefs_->release_all_users(deadline);
+  std::vector<std::pair<int, c10::intrusive_ptr<c10::ivalue::Future>>> notices;
+  for (const WorkerInfo& member : workers()) {
+    if (member.id == group_.rank()) continue;
+    // A member that does not answer within liveness_timeout is stopped, hung or gone: it sees
+    // this worker's connections end.
+    const auto timeout =
+        std::min(options_.liveness_timeout(), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                  deadline - std::chrono::steady_clock::now()));
+    notices.emplace_back(member.id, send(member.id, kMemberLeft, {},
+                                         std::max(timeout, std::chrono::milliseconds(1))));
+  }
+  for (auto& [member, notice] : notices) notice->wait();
+  const bool calls_done = pending_.wait_empty(deadline);
+  const int requests_left = dispatcher_.wait_idle(deadline);
+  if (failure) std::rethrow_exception(failure);
+  DISTOPTIM_CHECK_WITH(TimeoutError, calls_done && requests_left == 0, "rpc shutdown: worker '",
+                       self().name, "' still had ", pending_.size(), " call(s) and ", requests_left,
+                       " request(s) outstanding after ", bound.count(), " ms");
+}
+
+// Waits while the members that stay are alive: one that dies (its connection ends) or does not
+// answer a liveness check (stopped, hung, unreachable) is not waited for.
+void Agent::wait_for_others_to_leave(std::chrono::steady_clock::time_point deadline) {
+  LivenessProbe probe(
+      [this](int peer, std::chrono::milliseconds timeout) {
+        return send(peer, kAliveFunction, {}, timeout);
+      },
+      options_.liveness_timeout());
+  auto next_check = std::chrono::steady_clock::now();
+  while (true) {
+    std::vector<int> ids;
+    std::string staying;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (const WorkerInfo& member : workers()) {
+        if (member.id == group_.rank() || gone_.count(member.id) > 0) continue;
+        ids.push_back(member.id);
+        staying += (staying.empty() ? "'" : ", '") + member.name + "' (rank " +
+                   std::to_string(member.id) + ")";
+      }
+    }
+    if (ids.empty()) return;
+    DISTOPTIM_CHECK_WITH(
+        TimeoutError, std::chrono::steady_clock::now() < deadline, "rpc shutdown: worker '",
+        self().name, "' serves the group's store and leaves last, but after ",
+        options_.shutdown_timeout().count(), " ms these workers had not left: ", staying);
+    if (std::chrono::steady_clock::now() >= next_check) {
+      if (auto silent = probe.check(ids)) {
+        TORCH_WARN("rpc shutdown: worker '", self().name, "' does not wait for worker '",
+                   name_of(silent->first), "' to leave: ", silent->second);
+        std::lock_guard<std::mutex> lock(mutex_);
+        gone_.insert(silent->first);
+      }
+      next_check = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 void Agent::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -267,7 +447,7 @@ void Agent::stop() {
   // may run on one): a request blocked on a nested call is waiting for exactly these futures.
   dispatcher_.fail_calls(pending_.take_all(), [this](const PendingCall& call) {
     return DISTOPTIM_RPC_ERROR(DistributedError, "rpc: the agent shut down before worker '" +
-                                                     workers()[call.to].name + "' answered '" +
+                                                     name_of(call.to) + "' answered '" +
                                                      call.function + "'");
   });
   dispatcher_.stop();

@@ -1,11 +1,13 @@
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -52,8 +54,11 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   Agent& operator=(const Agent&) = delete;
 
   const WorkerInfo& self() const { return group_.self(); }
-  const std::vector<WorkerInfo>& workers() const { return group_.workers(); }
+  /// The workers that have joined and not left, by id.
+  std::vector<WorkerInfo> workers() const { return group_.workers(); }
   int resolve(const WorkerRef& to) const { return group_.resolve(to); }
+  /// get_worker_info: worker `id` (as resolve returned it); c10::ValueError if it left.
+  WorkerInfo member(int id) const;
   std::map<std::string, int64_t> debug_info() { return peers_.debug_info(); }
   std::chrono::milliseconds effective_timeout(std::chrono::milliseconds timeout) const {
     return timeout == kDefaultTimeout ? options_.rpc_timeout() : timeout;
@@ -100,6 +105,15 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   // thread, after the control messages the peer sent before.
   void on_peer_gone(int peer);
   void stop();
+  std::string name_of(int id) const { return group_.table().snapshot()->name(id); }
+  // A dynamic group: tells the members that joined before this worker that it joined.
+  void announce_join();
+  // A notice from `caller` that it joined or leaves (Dispatcher::MembershipHandler).
+  c10::IValue on_membership(int caller, const std::string& notice, std::vector<c10::IValue> args);
+  // A dynamic group's graceful shutdown: this worker's own (api.h, shutdown).
+  void leave();
+  // The store host waits for the other members to leave (they use its store to join and leave).
+  void wait_for_others_to_leave(std::chrono::steady_clock::time_point deadline);
 
   const RpcBackendOptions options_;
   const WireLimits limits_;
@@ -113,6 +127,10 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   std::mutex mutex_;
   State state_ = State::kRunning;  // guarded by mutex_
   size_t owned_at_stop_ = 0;
+  // A dynamic group: this worker has begun to leave (joining workers are told it does not stay).
+  std::atomic<bool> leaving_{false};
+  // Workers whose connections closed without a notice that they left (they died), by id.
+  std::set<int> gone_;  // guarded by mutex_
 };
 
 }  // namespace detail

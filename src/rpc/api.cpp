@@ -93,15 +93,8 @@ std::string job_secret(const RpcBackendOptions& options, const std::string& name
   return secret;
 }
 
-}  // namespace
-
-void init_rpc(const std::string& name, int rank, int world_size, const RpcBackendOptions& options) {
-  TORCH_CHECK_VALUE(is_valid_worker_name(name), "init_rpc: name '", name,
-                    "' is not 1-128 characters of [A-Za-z0-9_.:-]");
-  TORCH_CHECK_VALUE(world_size >= 1, "init_rpc: world_size must be at least 1, got ", world_size,
-                    " (worker '", name, "')");
-  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "init_rpc: rank ", rank,
-                    " is out of range [0, ", world_size, ") (worker '", name, "')");
+void start_agent(const std::string& name, int rank, int world_size,
+                 const RpcBackendOptions& options) {
   TORCH_CHECK_VALUE(options.num_worker_threads() >= 1,
                     "init_rpc: num_worker_threads must be at least 1, got ",
                     options.num_worker_threads());
@@ -136,6 +129,33 @@ void init_rpc(const std::string& name, int rank, int world_size, const RpcBacken
   // The shards of a ShardedEmbeddingBag may be created here by a peer's model.
   detail::register_embedding_shard();
   g_agent = detail::Agent::create(name, rank, world_size, resolved);
+}
+
+}  // namespace
+
+void init_rpc(const std::string& name, int rank, int world_size, const RpcBackendOptions& options) {
+  TORCH_CHECK_VALUE(is_valid_worker_name(name), "init_rpc: name '", name,
+                    "' is not 1-128 characters of [A-Za-z0-9_.:-]");
+  TORCH_CHECK_VALUE(world_size >= 1, "init_rpc: world_size must be at least 1, got ", world_size,
+                    " (worker '", name, "')");
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "init_rpc: rank ", rank,
+                    " is out of range [0, ", world_size, ") (worker '", name, "')");
+  start_agent(name, rank, world_size, options);
+}
+
+void init_rpc(const std::string& name, int rank, const RpcBackendOptions& options) {
+  TORCH_CHECK_VALUE(is_valid_worker_name(name), "init_rpc: name '", name,
+                    "' is not 1-128 characters of [A-Za-z0-9_.:-]");
+  TORCH_CHECK_VALUE(
+      rank == kAssignRank || (rank >= 0 && rank <= detail::WorkerTable::kMaxDynamicId),
+      "init_rpc: rank ", rank, " of a dynamic group is out of range [0, ",
+      detail::WorkerTable::kMaxDynamicId, "] (or kAssignRank) (worker '", name, "')");
+  TORCH_CHECK_VALUE(options.init_method().rfind("file://", 0) != 0, "init_rpc: init_method '",
+                    options.init_method(),
+                    "': a dynamic group meets through tcp:// or env://, "
+                    "where rank 0 serves the store (worker '",
+                    name, "')");
+  start_agent(name, rank, detail::WorkerGroup::kDynamicGroup, options);
 }
 
 void shutdown(bool graceful) {
@@ -176,12 +196,12 @@ std::chrono::milliseconds get_rpc_timeout() {
 
 WorkerInfo get_worker_info(const std::string& name) {
   auto agent = current_agent("get_worker_info");
-  return agent->workers()[agent->resolve(name)];
+  return agent->member(agent->resolve(name));
 }
 
 WorkerInfo get_worker_info(int id) {
   auto agent = current_agent("get_worker_info");
-  return agent->workers()[agent->resolve(id)];
+  return agent->member(agent->resolve(id));
 }
 
 std::vector<WorkerInfo> get_worker_infos() { return current_agent("get_worker_infos")->workers(); }
@@ -256,7 +276,7 @@ RRefHandle remote_values(const WorkerRef& to, const std::string& callable,
   const int owner = agent->resolve(to);
   TORCH_CHECK_VALUE(timeout == kDefaultTimeout || timeout.count() >= 0, "remote: timeout of ",
                     timeout.count(), " ms creating '", callable, "' on worker '",
-                    agent->workers()[owner].name,
+                    agent->member(owner).name,
                     "' (use a positive value, kNoTimeout or kDefaultTimeout)");
   return agent->rref_context().remote(owner, callable, std::move(args), timeout);
 }

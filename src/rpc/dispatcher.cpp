@@ -38,12 +38,13 @@ Dispatcher::Dispatcher(const RpcBackendOptions& options, WireLimits limits, Pend
 
 Dispatcher::~Dispatcher() { stop(); }
 
-void Dispatcher::start(int self, std::vector<std::string> names, RRefContext* rrefs,
-                       std::weak_ptr<void> owner) {
+void Dispatcher::start(int self, const WorkerTable& workers, RRefContext* rrefs,
+                       std::weak_ptr<void> owner, MembershipHandler membership) {
   self_ = self;
-  names_ = std::move(names);
+  workers_ = &workers;
   rrefs_ = rrefs;
   owner_ = std::move(owner);
+  membership_ = std::move(membership);
 }
 
 bool Dispatcher::on_own_thread() const {
@@ -175,6 +176,16 @@ void Dispatcher::handle_request(const std::shared_ptr<Connection>& connection, i
         reply(connection, id, caller, callable, done);
       });
       return;
+    } else if (request.callable == kMemberJoined || request.callable == kMemberLeft) {
+      // A worker announces itself: the caller's proven id is the worker the notice is about.
+      auto sent = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+      try {
+        sent->markCompleted(membership_(request.caller_id, request.callable, request.args));
+      } catch (...) {
+        sent->setError(std::current_exception());
+      }
+      reply(connection, header.id, request.caller_id, request.callable, *sent);
+      return;
     } else if (auto function = find_function(request.callable)) {
       const int caller = request.caller_id;
       for (c10::IValue& arg : request.args) {
@@ -287,12 +298,13 @@ void Dispatcher::handle_reply(int peer, const MessageHeader& header, const std::
                               std::vector<at::Tensor> buffers) {
   // Replies from a worker the call did not go to are treated as late ones.
   std::optional<PendingCall> call = calls_.take(header.id, peer);
-  const std::string& worker = name(peer);
+  // Named only when something failed: a name costs a look-up in the worker table.
+  const auto worker = [&] { return name(peer); };
   DecodedMessage reply;
   if (Status error = decode_body(header, body, std::move(buffers), limits_, &reply)) {
     if (call) {
       call->future->setError(DISTOPTIM_RPC_ERROR(
-          DistributedError, "rpc: worker '" + worker + "' sent a malformed reply to '" +
+          DistributedError, "rpc: worker '" + worker() + "' sent a malformed reply to '" +
                                 call->function + "': " + *error));
     }
     return;
@@ -307,7 +319,7 @@ void Dispatcher::handle_reply(int peer, const MessageHeader& header, const std::
   }
   if (header.type == MessageType::kError) {
     call->future->setError(std::make_exception_ptr(RemoteError(
-        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, worker, reply.error_message)));
+        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, worker(), reply.error_message)));
     return;
   }
   try {
@@ -319,7 +331,7 @@ void Dispatcher::handle_reply(int peer, const MessageHeader& header, const std::
     call->future->markCompleted(std::move(values[0]));
   } catch (...) {
     call->future->setError(DISTOPTIM_RPC_ERROR(
-        DistributedError, "rpc: worker '" + worker + "' sent an unusable reply to '" +
+        DistributedError, "rpc: worker '" + worker() + "' sent an unusable reply to '" +
                               call->function + "': " + error_text(std::current_exception())));
   }
 }

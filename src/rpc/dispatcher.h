@@ -20,6 +20,7 @@
 #include "pending_calls.h"
 #include "rref_context.h"
 #include "transport/connection.h"
+#include "worker_table.h"
 
 namespace distoptim {
 namespace rpc {
@@ -52,12 +53,16 @@ class Dispatcher {
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
 
-  /// Once the group is known: this worker's id and every worker's name (for messages), the RRef
-  /// protocol that takes the RRefs in messages, and `owner`, what owns this dispatcher and the
-  /// RRef protocol (the agent): a future completing after it is gone answers no one.
-  /// Before any frame arrives.
-  void start(int self, std::vector<std::string> names, RRefContext* rrefs,
-             std::weak_ptr<void> owner);
+  /// Handles a membership notice (kMemberJoined, kMemberLeft) from `caller`: its reply.
+  using MembershipHandler =
+      std::function<c10::IValue(int caller, const std::string& callable, std::vector<c10::IValue>)>;
+
+  /// Once the group is known: this worker's id, the workers (names for messages; it outlives
+  /// this object), the RRef protocol that takes the RRefs in messages, `owner`, what owns this
+  /// dispatcher and the RRef protocol (the agent): a future completing after it is gone answers
+  /// no one, and the handler of membership notices. Before any frame arrives.
+  void start(int self, const WorkerTable& workers, RRefContext* rrefs, std::weak_ptr<void> owner,
+             MembershipHandler membership);
 
   /// I/O thread: admits a request; returns whether to go on reading its connection.
   bool on_request_frame(const std::shared_ptr<Connection>& connection, int caller, Frame frame);
@@ -102,13 +107,14 @@ class Dispatcher {
       std::function<void(c10::ivalue::Future& result, bool owner_alive)> done);
   void request_done(size_t bytes);
   void discard_rrefs(const std::vector<c10::IValue>& values);
-  const std::string& name(int worker) const { return names_[worker]; }
+  std::string name(int worker) const { return workers_->snapshot()->name(worker); }
 
   const size_t inbound_limit_;
   const WireLimits limits_;
   PendingCalls& calls_;
   int self_ = -1;
-  std::vector<std::string> names_;
+  const WorkerTable* workers_ = nullptr;
+  MembershipHandler membership_;
   RRefContext* rrefs_ = nullptr;
   std::weak_ptr<void> owner_;
 

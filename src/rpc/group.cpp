@@ -43,27 +43,121 @@ std::string describe_missing(const std::vector<int>& missing,
   return out;
 }
 
+comm::Rendezvous meet(int rank, int world_size, const RpcBackendOptions& options) {
+  auto rendezvous_options = comm::RendezvousOptions(options.init_method())
+                                .rank(rank)
+                                .world_size(world_size)
+                                .timeout(options.init_timeout())
+                                .prefix("distoptim/rpc/rendezvous")
+                                .launch_env(options.launch_env());
+  // A dynamic group's store host is rank 0, as in PyTorch 1.13; the others only connect.
+  return world_size == WorkerGroup::kDynamicGroup
+             ? comm::open_store(rendezvous_options.rank(rank == kAssignRank ? 1 : rank))
+             : comm::rendezvous(rendezvous_options);
+}
+
+std::string to_text(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
+std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
+
 }  // namespace
 
 WorkerGroup::WorkerGroup(int rank, int world_size, const RpcBackendOptions& options)
     : rank_(rank),
       world_size_(world_size),
       options_(options),
-      rendezvous_(comm::rendezvous(comm::RendezvousOptions(options.init_method())
-                                       .rank(rank)
-                                       .world_size(world_size)
-                                       .timeout(options.init_timeout())
-                                       .prefix("distoptim/rpc/rendezvous")
-                                       .launch_env(options.launch_env()))) {}
+      rendezvous_(meet(rank, world_size, options)),
+      table_(world_size == kDynamicGroup) {}
 
 std::string WorkerGroup::listen_address() const {
   return options_.listen_address().empty() ? rendezvous_.local_address : options_.listen_address();
 }
 
-std::vector<std::string> WorkerGroup::names() const {
-  std::vector<std::string> names;
-  for (const WorkerInfo& worker : workers_) names.push_back(worker.name);
-  return names;
+std::string WorkerGroup::dynamic_key(const std::string& key) const {
+  return std::string(kStorePrefix) + "dynamic/" + key;
+}
+
+void WorkerGroup::claim(const std::string& name, const std::string& address, int port) {
+  comm::DeadlineStore& store = *rendezvous_.store;
+  const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
+  DISTOPTIM_CHECK_WITH(DistributedError, !store.check({dynamic_key("closing")}, deadline),
+                       "init_rpc: worker '", name,
+                       "' cannot join: the group's store host (rank "
+                       "0) is leaving, and the group with it");
+  const std::string record = name + "\n" + address + " " + std::to_string(port);
+  const auto claim_rank = [&](int rank) {
+    const std::string key = dynamic_key("rank/" + std::to_string(rank));
+    const std::string held = to_text(store.compareSet(key, {}, to_bytes(record)));
+    return held == record ? std::string() : held.substr(0, held.find('\n'));
+  };
+  if (rank_ == kAssignRank) {
+    // Ranks counted from 1 (0 is the store host's); one given by hand may take a number first.
+    while (true) {
+      const int64_t next = store.add(dynamic_key("next_rank"), 1, deadline);
+      TORCH_CHECK_VALUE(next <= WorkerTable::kMaxDynamicId, "init_rpc: worker '", name,
+                        "' cannot be assigned a rank: ranks up to ", WorkerTable::kMaxDynamicId,
+                        " are all taken");
+      if (claim_rank(static_cast<int>(next)).empty()) {
+        rank_ = static_cast<int>(next);
+        break;
+      }
+    }
+  } else {
+    const std::string holder = claim_rank(rank_);
+    TORCH_CHECK_VALUE(holder.empty(), "init_rpc: rank ", rank_, " (worker '", name,
+                      "') is taken: worker '", holder,
+                      "' joined this group with it (a rank is used once per group; give another, "
+                      "or kAssignRank)");
+  }
+  // The name: free, or held by a worker that has left.
+  const std::string name_key = dynamic_key("name/" + name);
+  const std::string mine = std::to_string(rank_);
+  std::string held = to_text(store.compareSet(name_key, {}, to_bytes(mine)));
+  while (held != mine) {
+    const bool holder_left = store.check({dynamic_key("left/" + held)}, deadline);
+    TORCH_CHECK_VALUE(holder_left, "init_rpc: the worker name '", name, "' is taken by rank ", held,
+                      ", which has not left the group (rank ", rank_, ")");
+    held = to_text(store.compareSet(name_key, to_bytes(held), to_bytes(mine)));
+  }
+  self_ = WorkerInfo{name, rank_};
+  table_.add(self_, address, port);
+}
+
+std::vector<int> WorkerGroup::enter() {
+  comm::DeadlineStore& store = *rendezvous_.store;
+  const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
+  const int64_t joins = store.add(dynamic_key("joins"), 1, deadline);
+  store.set(dynamic_key("join/" + std::to_string(joins - 1)), to_bytes(std::to_string(rank_)),
+            deadline);
+  std::vector<int> earlier;
+  for (int64_t n = 0; n < joins - 1; ++n) {
+    // Set right after its counter: a worker that entered before has written it, or is about to.
+    const int rank =
+        std::stoi(to_text(store.get(dynamic_key("join/" + std::to_string(n)), deadline)));
+    if (store.check({dynamic_key("left/" + std::to_string(rank))}, deadline)) continue;
+    const std::string record =
+        to_text(store.get(dynamic_key("rank/" + std::to_string(rank)), deadline));
+    const size_t newline = record.find('\n');
+    const size_t space = record.rfind(' ');
+    TORCH_CHECK_VALUE(newline != std::string::npos && space != std::string::npos && space > newline,
+                      "init_rpc: rank ", rank, " published a malformed record '", record, "'");
+    table_.add(WorkerInfo{record.substr(0, newline), rank},
+               record.substr(newline + 1, space - newline - 1),
+               std::stoi(record.substr(space + 1)));
+    earlier.push_back(rank);
+  }
+  return earlier;
+}
+
+void WorkerGroup::leave() {
+  try {
+    comm::DeadlineStore& store = *rendezvous_.store;
+    // Each operation bounded as the barriers' are (shutdown_timeout may be 0, for none).
+    const auto deadline = std::chrono::steady_clock::now() + options_.liveness_timeout();
+    if (rank_ == 0) store.set(dynamic_key("closing"), to_bytes("1"), deadline);
+    store.set(dynamic_key("left/" + std::to_string(rank_)), to_bytes("1"), deadline);
+  } catch (const DistributedError&) {
+    // The store host is gone: only workers joining later read these keys, and none can.
+  }
 }
 
 void WorkerGroup::join(const std::string& name, const std::string& address, int port) {
@@ -81,7 +175,8 @@ void WorkerGroup::join(const std::string& name, const std::string& address, int 
                        ") waited ", options_.init_timeout().count(),
                        " ms for workers that never arrived: ", describe_missing(missing, {}));
   workers_.resize(world_size_);
-  addresses_.resize(world_size_);
+  std::unordered_map<std::string, int> ids_by_name;
+  std::vector<std::pair<std::string, int>> addresses(world_size_);
   for (int id = 0; id < world_size_; ++id) {
     const std::vector<uint8_t> peer_name = store.get(exchange.arrival_key(id), deadline);
     const std::vector<uint8_t> peer_url =
@@ -91,28 +186,31 @@ void WorkerGroup::join(const std::string& name, const std::string& address, int 
     const size_t space = published.rfind(' ');
     TORCH_CHECK_VALUE(space != std::string::npos, "init_rpc: worker ", id,
                       " published a malformed address '", published, "'");
-    addresses_[id] = {published.substr(0, space), std::stoi(published.substr(space + 1))};
-    auto [it, inserted] = ids_by_name_.emplace(workers_[id].name, id);
+    addresses[id] = {published.substr(0, space), std::stoi(published.substr(space + 1))};
+    auto [it, inserted] = ids_by_name.emplace(workers_[id].name, id);
     TORCH_CHECK_VALUE(inserted, "init_rpc: the worker name '", workers_[id].name,
                       "' is used by both rank ", it->second, " and rank ", id);
   }
+  self_ = workers_[rank_];
+  table_.set_static(workers_, addresses);
 }
 
 int WorkerGroup::resolve(const WorkerRef& to) const {
+  const std::shared_ptr<const WorkerTable::Snapshot> table = table_.snapshot();
   if (to.name()) {
-    auto it = ids_by_name_.find(*to.name());
-    if (it == ids_by_name_.end()) {
-      std::string known;
-      for (const WorkerInfo& worker : workers_) {
-        known += (known.empty() ? "'" : ", '") + worker.name + "'";
-      }
-      TORCH_CHECK_VALUE(false, "rpc: no worker is named '", *to.name(), "' (workers: ", known, ")");
-    }
+    auto it = table->ids_by_name.find(*to.name());
+    TORCH_CHECK_VALUE(it != table->ids_by_name.end(), "rpc: no worker is named '", *to.name(),
+                      "' (workers: ", table->describe_members(), ")");
     return it->second;
   }
   const int id = to.id().value_or(-1);
-  TORCH_CHECK_VALUE(id >= 0 && id < world_size_, "rpc: worker id ", id, " is out of range [0, ",
-                    world_size_, ")");
+  if (!dynamic()) {
+    TORCH_CHECK_VALUE(id >= 0 && id < world_size_, "rpc: worker id ", id, " is out of range [0, ",
+                      world_size_, ")");
+  } else {
+    TORCH_CHECK_VALUE(table->find(id) != nullptr, "rpc: no worker has id ", id,
+                      " (workers: ", table->describe_members(), ")");
+  }
   return id;
 }
 

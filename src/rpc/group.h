@@ -12,18 +12,49 @@
 #include <distoptim/comm/rendezvous.h>
 #include <distoptim/rpc/api.h>
 
+#include "worker_table.h"
+
 namespace distoptim {
 namespace rpc {
 namespace detail {
 
 /// The workers of one rpc group and how they meet through the rendezvous store: the rendezvous
 /// itself, the exchange of names and listening addresses at init_rpc, and the barriers of a
-/// graceful shutdown. Immutable once join() has returned, but for the store; barrier() and
-/// close() from the thread that stops the agent.
+/// graceful shutdown. A static group (world_size given) is immutable once join() has returned,
+/// but for the store; barrier() and close() from the thread that stops the agent.
+///
+/// A dynamic group (world_size kDynamicGroup) has no barriers: rank 0 serves the store and the
+/// others connect to it; a worker claims its rank and name there (claim()), then enters the
+/// list of joins (enter(), which says which workers joined before it: it tells them itself),
+/// and marks itself left when it leaves (leave()). Store keys under "distoptim/rpc/dynamic/":
+/// rank/<r> (name, host, port; claimed once per group), name/<name> (the rank holding it),
+/// joins (a counter), join/<n> (the rank of the n-th join), left/<r>, closing (set when the
+/// store host leaves: no more joins). The table() is the agent's, updated by notices too.
 class WorkerGroup {
  public:
-  /// Meets the other workers' rendezvous (options().init_method); throws as comm::rendezvous.
+  /// world_size for a dynamic group.
+  static constexpr int kDynamicGroup = 0;
+
+  /// Meets the other workers' rendezvous (options().init_method); throws as comm::rendezvous. A
+  /// dynamic group only opens the store (comm::open_store).
   WorkerGroup(int rank, int world_size, const RpcBackendOptions& options);
+
+  bool dynamic() const { return world_size_ == kDynamicGroup; }
+  WorkerTable& table() { return table_; }
+  const WorkerTable& table() const { return table_; }
+
+  /// Dynamic group: claims this worker's rank (kAssignRank: the next free one) and name and
+  /// publishes where it listens; afterwards rank() is the rank claimed. c10::ValueError when the
+  /// rank was ever used in this group or the name is held by a worker that has not left;
+  /// DistributedError when the store host is leaving; the store's errors.
+  void claim(const std::string& name, const std::string& address, int port);
+  /// Dynamic group, once this worker accepts connections: enters the list of joins and adds the
+  /// workers that entered it before (and have not left) to the table. Returns their ids: the
+  /// workers this one must tell it joined (those entering after it read it here and tell it).
+  std::vector<int> enter();
+  /// Dynamic group: marks this worker left in the store (a worker joining later skips it), and
+  /// for the store host, closes the group to new joins. Best effort: the store may be gone.
+  void leave();
 
   /// The address to listen on: options().listen_address, else the rendezvous's local address.
   std::string listen_address() const;
@@ -34,13 +65,11 @@ class WorkerGroup {
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
-  const WorkerInfo& self() const { return workers_[rank_]; }
-  const std::vector<WorkerInfo>& workers() const { return workers_; }
-  std::vector<std::string> names() const;
-  /// Each worker's (IP, port), by id.
-  const std::vector<std::pair<std::string, int>>& addresses() const { return addresses_; }
+  const WorkerInfo& self() const { return self_; }
+  /// The workers that have joined and not left, by id.
+  std::vector<WorkerInfo> workers() const { return table_.snapshot()->members(); }
   /// The id of `to`; c10::ValueError naming the known workers for an unknown name, or the range
-  /// for an id out of it.
+  /// for an id out of it. The id of a worker that left is returned (a call to it fails).
   int resolve(const WorkerRef& to) const;
 
   /// What a worker waiting at a barrier watches, to fail fast when a worker it waits for is
@@ -66,13 +95,15 @@ class WorkerGroup {
   void close();
 
  private:
-  const int rank_;
+  std::string dynamic_key(const std::string& key) const;
+
+  int rank_;
   const int world_size_;
   const RpcBackendOptions options_;
   comm::Rendezvous rendezvous_;
-  std::vector<WorkerInfo> workers_;
-  std::unordered_map<std::string, int> ids_by_name_;
-  std::vector<std::pair<std::string, int>> addresses_;
+  WorkerInfo self_;
+  std::vector<WorkerInfo> workers_;  // a static group's, by id
+  WorkerTable table_;
 };
 
 }  // namespace detail

@@ -157,9 +157,9 @@ void accept_handshake(const std::shared_ptr<Connection>& connection, const Hands
     } else if (answer.step != Step::kProof || answer.server_nonce != question.server_nonce ||
                answer.server_id != config.self_id) {
       why = "its answer is not a proof for this worker's challenge";
-    } else if (answer.client_id < 0 || answer.client_id >= config.world_size) {
-      why = "it claims worker id " + std::to_string(answer.client_id) + ", outside [0, " +
-            std::to_string(config.world_size) + ")";
+    } else if (std::optional<std::string> bad_id =
+                   config.refuse_id ? config.refuse_id(answer.client_id) : std::nullopt) {
+      why = *bad_id;
     } else if (!proofs_equal(
                    answer.proof,
                    handshake_proof(config.secret, HandshakeRole::kConnecting, question.server_nonce,

@@ -62,7 +62,9 @@ struct HandshakeConfig {
   std::string secret;
   int self_id = -1;
   std::string self_name;
-  int world_size = 0;
+  // Accepting side: why a connection may not prove worker id `id` (outside a static group's
+  // range, or a worker that left a dynamic one), or nothing. Null: any id is taken.
+  std::function<std::optional<std::string>(int id)> refuse_id;
   std::chrono::milliseconds timeout{10000};  // the whole handshake, from its first byte
   bool peer_memory = true;                   // offer same-host memory reads
   // Where refused connections are logged, at a bounded rate; a warning each when null.

@@ -34,13 +34,13 @@ void Peers::join() { io_loop_->join(); }
 const std::string& Peers::listen_address() const { return listener_->address(); }
 int Peers::listen_port() const { return listener_->port(); }
 
-void Peers::start(HandshakeConfig handshake, std::vector<std::pair<std::string, int>> addresses,
-                  PeerEvents events) {
+void Peers::start(HandshakeConfig handshake, const WorkerTable& workers, PeerEvents events) {
   handshake_ = std::move(handshake);
   handshake_.admit = [this](const Connection* connection, int caller) {
     return admit_caller(connection, caller);
   };
-  addresses_ = std::move(addresses);
+  handshake_.refuse_id = [&workers](int id) { return workers.refuse_id(id); };
+  workers_ = &workers;
   events_ = std::move(events);
   stall_closures_ =
       std::make_unique<RefusalLog>(handshake_.self_name, std::chrono::seconds(10), 5, "closed");
@@ -129,11 +129,13 @@ void Peers::lose(int peer, const std::string& why) {
 }
 
 // Accepting side: every connection proves itself within the handshake timeout, and at most
-// world_size + kExtraUnprovenConnections wait at once: a job's workers open one connection each
-// and prove themselves within milliseconds, so past that the oldest is a peer that stalls.
+// (workers known) + kExtraUnprovenConnections wait at once: a job's workers open one connection
+// each and prove themselves within milliseconds, so past that the oldest is a peer that stalls.
 void Peers::on_accepted(const std::shared_ptr<Connection>& connection) {
   std::shared_ptr<Connection> evicted;
   std::vector<std::shared_ptr<Connection>> over_limit;
+  const std::shared_ptr<const WorkerTable::Snapshot> table = workers_->snapshot();
+  const size_t known = table->entries.size();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopped_) {
@@ -143,17 +145,17 @@ void Peers::on_accepted(const std::shared_ptr<Connection>& connection) {
     incoming_.push_back(connection);
     unproven_.push_back(connection);
     accepted_.push_back(connection);
-    if (unproven_.size() > static_cast<size_t>(handshake_.world_size) + kExtraUnprovenConnections) {
+    if (unproven_.size() > known + kExtraUnprovenConnections) {
       evicted = std::move(unproven_.front());
       unproven_.pop_front();
     }
-    over_limit = over_accepted_locked();
+    over_limit = over_accepted_locked(*table);
   }
   if (evicted) {
     evicted->close("too many connections waiting to prove themselves; this was the oldest");
   }
   for (const auto& oldest : over_limit) {
-    oldest->close("too many connections open or closing; this was the oldest not yet proven");
+    oldest->close("too many connections open or closing; this was the oldest of no known member");
   }
   accept_handshake(connection, handshake_, [this, connection](HandshakeOutcome outcome) {
     if (!outcome.accepted) {
@@ -167,19 +169,23 @@ void Peers::on_accepted(const std::shared_ptr<Connection>& connection) {
 
 // Descriptors are bounded even when each connection is: an attacker who proves an identity that
 // is taken is refused, and the refusal lingers up to Connection::kFarewellLinger for the peer to
-// read it. Those, and unproven ones, go first, oldest first; a proven caller's never.
-std::vector<std::shared_ptr<Connection>> Peers::over_accepted_locked() {
+// read it; in a dynamic group any id up to kMaxDynamicId may be proven. Those, and unproven ones,
+// go first, oldest first; a known member's proven connection never.
+std::vector<std::shared_ptr<Connection>> Peers::over_accepted_locked(
+    const WorkerTable::Snapshot& table) {
   accepted_.erase(std::remove_if(accepted_.begin(), accepted_.end(),
                                  [](const auto& connection) { return connection->closed(); }),
                   accepted_.end());
   std::vector<std::shared_ptr<Connection>> closing;
   size_t open = accepted_.size();
-  const size_t limit = max_accepted_connections(handshake_.world_size);
+  const size_t limit = max_accepted_connections(table.entries.size());
   if (open <= limit) return closing;
-  std::unordered_set<const Connection*> proven;
-  for (const auto& [caller, connection] : callers_) proven.insert(connection);
+  std::unordered_set<const Connection*> members;
+  for (const auto& [caller, connection] : callers_) {
+    if (table.find(caller) != nullptr) members.insert(connection);
+  }
   for (auto it = accepted_.begin(); open > limit && it != accepted_.end();) {
-    if (proven.count(it->get()) != 0) {
+    if (members.count(it->get()) != 0) {
       ++it;
       continue;
     }
@@ -264,8 +270,13 @@ void Peers::forget_incoming(const std::shared_ptr<Connection>& connection) {
 
 // Connecting side. Messages sent meanwhile wait in `held`.
 void Peers::connect_to(int peer) {
-  const auto& [address, port] = addresses_[peer];
-  connect(io_, address, port,
+  const std::shared_ptr<const WorkerTable::Snapshot> table = workers_->snapshot();
+  const WorkerTable::Entry* entry = table->find(peer);
+  if (entry == nullptr) {
+    on_outgoing_lost(peer, nullptr, "no worker has id " + std::to_string(peer), /*refused=*/true);
+    return;
+  }
+  connect(io_, entry->host, entry->port,
           [this, peer](std::shared_ptr<Connection> connection, const std::string& error) {
             if (!connection) {
               on_outgoing_lost(peer, nullptr, "cannot connect: " + error, /*refused=*/false);

@@ -22,6 +22,7 @@
 #include "refusal_log.h"
 #include "transport/connection.h"
 #include "transport/io_loop.h"
+#include "worker_table.h"
 
 namespace distoptim {
 namespace rpc {
@@ -54,12 +55,14 @@ struct PeerEvents {
 /// loses the peer for good. A peer lost other than by refusal counts as dead.
 ///
 /// Accepting side: nothing a connecting peer sends is read but one small handshake frame until it
-/// has proven itself; connections still in their handshake are bounded in number (world size +
-/// kExtraUnprovenConnections, the oldest evicted past that) and in time (the handshake timeout).
-/// A proven worker id has one connection here at a time (admit_caller). All accepted connections
-/// still holding a descriptor, including those closing after a refusal, are bounded by
-/// max_accepted_connections(): past it the oldest that is not a proven caller's is closed at once.
-/// Replies to a caller go on the connection it opened (Connection::send).
+/// has proven itself; connections still in their handshake are bounded in number (the workers
+/// known + kExtraUnprovenConnections, the oldest evicted past that) and in time (the handshake
+/// timeout). A proven worker id has one connection here at a time (admit_caller). All accepted
+/// connections still holding a descriptor, including those closing after a refusal and, in a
+/// dynamic group, those proving ids of no known member, are bounded by
+/// max_accepted_connections(workers known): past it the oldest that is not a known member's
+/// proven connection is closed at once. Replies to a caller go on the connection it opened
+/// (Connection::send).
 ///
 /// Receiving, once proven (both sides): frames larger than ReceiveBudget::kUnreservedBytes are
 /// read only within one budget of `receive_budget_bytes` shared by all connections (a connection
@@ -83,10 +86,11 @@ class Peers {
   const std::string& listen_address() const;
   int listen_port() const;
 
-  /// Once every worker's address is known: accepts connections from now on (they waited in the
-  /// backlog) and hands frames to `events`. `addresses[id]` is worker id's (IP, port).
-  void start(HandshakeConfig handshake, std::vector<std::pair<std::string, int>> addresses,
-             PeerEvents events);
+  /// Once the workers' addresses are known: accepts connections from now on (they waited in the
+  /// backlog) and hands frames to `events`. `workers` says where each worker listens (read when a
+  /// connection to it opens; a dynamic group's table grows meanwhile) and which ids a connecting
+  /// peer may prove; it outlives this object.
+  void start(HandshakeConfig handshake, const WorkerTable& workers, PeerEvents events);
 
   /// Sends `message` to `peer` after those sent before it, opening the connection on first use.
   /// Returns why the peer is lost if it is (nothing is sent then), else nothing.
@@ -114,9 +118,8 @@ class Peers {
   static constexpr size_t kExtraClosingConnections = 64;
   /// Accepted connections holding a descriptor at once: one proven per worker, the unproven, and
   /// the closing.
-  static size_t max_accepted_connections(int world_size) {
-    return 2 * static_cast<size_t>(world_size) + kExtraUnprovenConnections +
-           kExtraClosingConnections;
+  static size_t max_accepted_connections(size_t known_workers) {
+    return 2 * known_workers + kExtraUnprovenConnections + kExtraClosingConnections;
   }
   /// Stall checks per frame_stall_timeout.
   static constexpr int kStallChecks = 4;
@@ -139,9 +142,10 @@ class Peers {
   void on_accepted(const std::shared_ptr<Connection>& connection);
   void on_caller_proven(const std::shared_ptr<Connection>& connection, int caller);
   void forget_incoming(const std::shared_ptr<Connection>& connection);
-  /// Accepting side: closes the oldest accepted connections that are no proven caller's while
-  /// more than max_accepted_connections() hold a descriptor; mutex_ held. Returns them.
-  std::vector<std::shared_ptr<Connection>> over_accepted_locked();
+  /// Accepting side: the oldest accepted connections that are no known member's proven one, while
+  /// more than max_accepted_connections() hold a descriptor, removed from accepted_ for the caller
+  /// to close; mutex_ held.
+  std::vector<std::shared_ptr<Connection>> over_accepted_locked(const WorkerTable::Snapshot& table);
   /// Closes connections whose frame stopped arriving, then checks again after a quarter of
   /// frame_stall_timeout.
   void check_stalls();
@@ -174,7 +178,7 @@ class Peers {
   std::unique_ptr<RefusalLog> stall_closures_;  // set by start()
   // Set by start(), then read-only.
   HandshakeConfig handshake_;
-  std::vector<std::pair<std::string, int>> addresses_;
+  const WorkerTable* workers_ = nullptr;
   PeerEvents events_;
 
   std::mutex mutex_;

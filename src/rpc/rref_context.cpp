@@ -96,13 +96,12 @@ void RRefImpl::on_last_handle_dropped() noexcept {
 }
 
 RRefContext::RRefContext(RRefChannel& channel, const std::shared_ptr<void>& owner, int self,
-                         std::vector<WorkerInfo> workers, std::chrono::milliseconds default_timeout,
+                         const WorkerTable& workers, std::chrono::milliseconds default_timeout,
                          WireLimits limits)
     : channel_(channel),
       handle_(std::shared_ptr<RRefContext>(owner, this)),
       self_(self),
-      workers_(std::move(workers)),
-      world_size_(static_cast<int>(workers_.size())),
+      workers_(workers),
       default_timeout_(default_timeout),
       limits_(limits) {}
 
@@ -115,8 +114,16 @@ bool RRefContext::carries_user_values(const std::string& callable) {
 }
 
 int RRefContext::checked_worker(int64_t id, const char* what) const {
-  TORCH_CHECK_VALUE(id >= 0 && id < world_size_, "rref: ", what, " ", id,
-                    " is not a worker id (world size ", world_size_, ")");
+  const auto table = workers_.snapshot();
+  if (!workers_.dynamic()) {
+    const size_t world_size = table->entries.size();
+    TORCH_CHECK_VALUE(id >= 0 && id < static_cast<int64_t>(world_size), "rref: ", what, " ", id,
+                      " is not a worker id (world size ", world_size, ")");
+  } else {
+    TORCH_CHECK_VALUE(
+        id >= 0 && id <= WorkerTable::kMaxDynamicId && table->find(static_cast<int>(id)) != nullptr,
+        "rref: ", what, " ", id, " is not the id of a worker that has joined");
+  }
   return static_cast<int>(id);
 }
 

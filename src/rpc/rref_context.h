@@ -49,6 +49,7 @@
 
 #include "message.h"
 #include "rref_handle.h"
+#include "worker_table.h"
 
 namespace distoptim {
 namespace rpc {
@@ -98,7 +99,7 @@ class RRefContext {
   /// pointer: handles hold the context through it, so that a handle dropped while the agent
   /// stops still finds it whole. `default_timeout` is kDefaultTimeout's meaning.
   RRefContext(RRefChannel& channel, const std::shared_ptr<void>& owner, int self,
-              std::vector<WorkerInfo> workers, std::chrono::milliseconds default_timeout,
+              const WorkerTable& workers, std::chrono::milliseconds default_timeout,
               WireLimits limits);
 
   GlobalId new_id() { return GlobalId{self_, next_local_id_.fetch_add(1)}; }
@@ -170,7 +171,7 @@ class RRefContext {
   std::chrono::milliseconds effective_timeout(std::chrono::milliseconds timeout) const {
     return timeout == kDefaultTimeout ? default_timeout_ : timeout;
   }
-  const std::string& name(int worker) const { return workers_[worker].name; }
+  std::string name(int worker) const { return workers_.snapshot()->name(worker); }
   /// `args` as a worker receives them from this one (encoded, decoded: copies, with the RRefs
   /// among them forked), for a call to this worker itself that must behave as to another.
   std::vector<c10::IValue> through_wire_to_self(const std::string& callable,
@@ -179,8 +180,7 @@ class RRefContext {
   RRefChannel& channel_;
   const std::weak_ptr<RRefContext> handle_;  // this, held through its owner
   const int self_;
-  const std::vector<WorkerInfo> workers_;
-  const int world_size_;
+  const WorkerTable& workers_;  // outlives this object
   const std::chrono::milliseconds default_timeout_;
   const WireLimits limits_;
   std::atomic<int64_t> next_local_id_{0};

@@ -6,7 +6,9 @@
 #include <chrono>
 #include <functional>
 #include <string>
+#include <vector>
 
+#include <distoptim/comm/rendezvous.h>
 #include <distoptim/rpc.h>
 
 #include "multiprocess.h"
@@ -26,6 +28,20 @@ inline rpc::RpcBackendOptions test_options(
       .shutdown_timeout(std::chrono::seconds(30))
       .rpc_timeout(rpc_timeout);
 }
+
+/// Keys that the processes of a test set and wait for, to take turns (a dynamic rpc group's
+/// joins and leaves in a known order), in the store that rank 0 serves on MASTER_PORT (reached,
+/// as rank `rank`, through comm::open_store; rank 0 opens it once it serves it: after init_rpc).
+/// Waits are bounded by 30 s.
+struct StoreTurns {
+  StoreTurns(int rank, const std::string& prefix)
+      : store(comm::open_store(comm::RendezvousOptions("env://").rank(rank).prefix(prefix).timeout(
+                                   std::chrono::seconds(30)))
+                  .store) {}
+  void say(const std::string& key) { store->set(key, std::vector<uint8_t>{1}); }
+  void await(const std::string& key) { store->wait({key}, std::chrono::seconds(30)); }
+  c10::intrusive_ptr<comm::DeadlineStore> store;
+};
 
 /// Runs `trainer` on rank 0 of `world_size` workers started with `options`; the others serve.
 inline void with_workers(int world_size, const std::function<void()>& trainer,

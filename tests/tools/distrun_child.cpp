@@ -20,6 +20,12 @@
 //   fail-until C R N        print "attempt DISTRUN_RESTART_COUNT=.. DISTRUN_MAX_RESTARTS=..
 //                           MASTER_PORT=.."; while DISTRUN_RESTART_COUNT < C, rank R exits with
 //                           status N and the others sleep 60 s; from restart C on, exit 0
+//   rank-fail-until C R N   print "attempt DISTRUN_RESTART_COUNT=.. DISTRUN_MAX_RESTARTS=..
+//                           MASTER_PORT=.. pid=P"; rank R exits with status N while
+//                           DISTRUN_RESTART_COUNT < C, then 0; the others print "ready pid=P",
+//                           wait up to 60 s for SIGUSR1 and exit 0 (91 if none came)
+//   fail-saying R N LINE    rank R writes LINE to stderr and exits with status N; the others
+//                           print "ready pid=P" and sleep 60 s
 //
 // R is the RANK the launcher set. Output goes through write(2), so every piece reaches the pipe
 // when it is written.
@@ -146,6 +152,26 @@ int fail_until(int count, int failing_rank, int status) {
   return 0;
 }
 
+int rank_fail_until(int count, int failing_rank, int status) {
+  say("attempt DISTRUN_RESTART_COUNT=" + env("DISTRUN_RESTART_COUNT") +
+      " DISTRUN_MAX_RESTARTS=" + env("DISTRUN_MAX_RESTARTS") +
+      " MASTER_PORT=" + env("MASTER_PORT") + " pid=" + std::to_string(::getpid()) + "\n");
+  if (rank() == failing_rank) {
+    return std::atoi(env("DISTRUN_RESTART_COUNT").c_str()) < count ? status : 0;
+  }
+  return wait_for({SIGUSR1}) == 0 ? 91 : 0;
+}
+
+int fail_saying(int failing_rank, int status, const std::string& line) {
+  if (rank() == failing_rank) {
+    write_fd(STDERR_FILENO, line + "\n");
+    return status;
+  }
+  print_ready();
+  sleep_then_done();
+  return 0;
+}
+
 int print_secret() {
   const char* path = std::getenv("DISTOPTIM_RPC_SECRET_FILE");
   if (path == nullptr) {
@@ -193,6 +219,12 @@ int main(int argc, char** argv) {
   }
   if (mode == "fail-until" && argc == 5) {
     return fail_until(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
+  }
+  if (mode == "rank-fail-until" && argc == 5) {
+    return rank_fail_until(std::atoi(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
+  }
+  if (mode == "fail-saying" && argc == 5) {
+    return fail_saying(std::atoi(argv[2]), std::atoi(argv[3]), argv[4]);
   }
   if (mode == "trap") return trap();
   if (mode == "secret") return print_secret();

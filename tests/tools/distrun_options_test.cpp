@@ -92,8 +92,9 @@ TEST(DistrunOptions, HelpNamesTheOptionsAndTheEnvironment) {
     EXPECT_EQ(text, help_text());
     for (const char* part :
          {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-          "--grace-seconds", "--max-restarts", "--rdzv-timeout", "DISTRUN_RESTART_COUNT", "RANK",
-          "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}) {
+          "--grace-seconds", "--max-restarts", "--restart-policy", "rank 0", "--rdzv-timeout",
+          "DISTRUN_RESTART_COUNT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+          "MASTER_PORT"}) {
       EXPECT_NE(text.find(part), std::string::npos) << part;
     }
   }
@@ -148,6 +149,23 @@ TEST(DistrunOptions, RestartsAcrossNodesTakeAJoinTimeout) {
                      {"--rdzv-timeout 1000000000"});
   expect_usage_error({"--nproc-per-node", "2", "--rdzv-timeout", "nan", "prog"},
                      {"--rdzv-timeout nan"});
+}
+
+// A failure restarts every local rank by default; with `rank`, only the failed one (one node).
+TEST(DistrunOptions, RestartPolicyIsAllOrRankAndRankNeedsOneNode) {
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "prog"}).restart_policy,
+            RestartPolicy::kAll);
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "--restart-policy", "rank", "prog"})
+                .restart_policy,
+            RestartPolicy::kRank);
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "--restart_policy", "all", "prog"})
+                .restart_policy,
+            RestartPolicy::kAll);
+  expect_usage_error({"--nproc-per-node", "2", "--restart-policy", "1", "prog"},
+                     {"--restart-policy '1'", "all or rank"});
+  expect_usage_error({"--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h",
+                      "--master-port", "80", "--restart-policy", "rank", "prog"},
+                     {"--restart-policy rank", "--nnodes 2"});
 }
 
 TEST(DistrunOptions, RejectsAMissingProgramAndUnknownOptions) {

@@ -216,6 +216,14 @@ std::map<int, Args> lines_by_rank(const std::string& text, Args* other = nullptr
   return by_rank;
 }
 
+void expect_ends_with(const std::string& err, const std::string& end) {
+  EXPECT_TRUE(err.size() >= end.size() &&
+              err.compare(err.size() - end.size(), end.size(), end) == 0)
+      << "stderr does not end with:\n"
+      << end << "stderr:\n"
+      << err;
+}
+
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
@@ -448,11 +456,7 @@ TEST(Distrun, AFailedJobEndsWithHowEveryRankEnded) {
   const std::string summary = "distrun: how each rank ended:\n" + stopped(0) + stopped(1) +
                               "distrun:   rank 2 (pid " + std::to_string(pids.at(2)) +
                               "): exited with status 3 (the first failure)\n";
-  EXPECT_TRUE(r.err.size() >= summary.size() &&
-              r.err.compare(r.err.size() - summary.size(), summary.size(), summary) == 0)
-      << "stderr does not end with:\n"
-      << summary << "stderr:\n"
-      << r.err;
+  expect_ends_with(r.err, summary);
 }
 
 TEST(Distrun, ARankKilledByASignalGivesStatus128PlusTheSignal) {
@@ -497,19 +501,28 @@ TEST_P(DistrunSignal, ASignalToDistrunReachesEveryRank) {
 
 INSTANTIATE_TEST_SUITE_P(SigtermAndSigint, DistrunSignal, ::testing::Values(SIGTERM, SIGINT));
 
+// The numbers `line` captures in each line of rank `rank` that matches it whole.
+template <size_t N>
+std::vector<std::array<int, N>> matching_lines(const std::string& out, int rank,
+                                               const std::regex& line) {
+  std::vector<std::array<int, N>> found;
+  const auto by_rank = lines_by_rank(out);
+  if (by_rank.count(rank) == 0) return found;
+  for (const auto& text : by_rank.at(rank)) {
+    std::smatch match;
+    if (!std::regex_match(text, match, line)) continue;
+    std::array<int, N> numbers{};
+    for (size_t i = 0; i < N; ++i) numbers[i] = std::stoi(match[i + 1]);
+    found.push_back(numbers);
+  }
+  return found;
+}
+
 // The "attempt ..." lines of rank `rank`: {DISTRUN_RESTART_COUNT, DISTRUN_MAX_RESTARTS, port}.
 std::vector<std::array<int, 3>> attempts_of(const std::string& out, int rank) {
   static const std::regex kAttempt(
       R"(^attempt DISTRUN_RESTART_COUNT=(\d+) DISTRUN_MAX_RESTARTS=(\d+) MASTER_PORT=(\d+)$)");
-  std::vector<std::array<int, 3>> attempts;
-  const auto by_rank = lines_by_rank(out);
-  if (by_rank.count(rank) == 0) return attempts;
-  for (const auto& line : by_rank.at(rank)) {
-    std::smatch match;
-    if (!std::regex_match(line, match, kAttempt)) continue;
-    attempts.push_back({std::stoi(match[1]), std::stoi(match[2]), std::stoi(match[3])});
-  }
-  return attempts;
+  return matching_lines<3>(out, rank, kAttempt);
 }
 
 // Rank 1 fails in the first two attempts; each time every rank is stopped and all start again,
@@ -585,6 +598,188 @@ TEST(Distrun, ASignalToDistrunIsNeverFollowedByARestart) {
   EXPECT_FALSE(contains(r.err, "restarting")) << r.err;
   EXPECT_TRUE(contains(r.err, "distrun: got SIGTERM during attempt 1; no restart after a signal\n"))
       << r.err;
+}
+
+// The "attempt ... pid=P" lines of rank-fail-until for rank `rank`: {DISTRUN_RESTART_COUNT,
+// DISTRUN_MAX_RESTARTS, MASTER_PORT, pid}.
+std::vector<std::array<int, 4>> runs_of(const std::string& out, int rank) {
+  static const std::regex kRun(
+      R"(^attempt DISTRUN_RESTART_COUNT=(\d+) DISTRUN_MAX_RESTARTS=(\d+) MASTER_PORT=(\d+) )"
+      R"(pid=(\d+)$)");
+  return matching_lines<4>(out, rank, kRun);
+}
+
+// --restart-policy rank: rank 1 of 3 fails in its first two runs and is restarted alone, with
+// its own DISTRUN_RESTART_COUNT and the same MASTER_PORT, while ranks 0 and 2 run on untouched
+// (they exit once the test has seen rank 1's third run).
+TEST(Distrun, ARankPolicyRestartsTheFailedRankAloneWhileTheOthersRun) {
+  auto released = std::make_shared<bool>(false);
+  const RunResult r =
+      run_distrun({"--nproc-per-node", "3", "--max-restarts", "3", "--restart-policy", "rank",
+                   kChild, "rank-fail-until", "2", "1", "3"},
+                  [released](pid_t, const RunResult& so_far) {
+                    const auto ready = ready_ranks(so_far.out);
+                    if (*released || ready.size() < 2 || runs_of(so_far.out, 1).size() < 3) return;
+                    *released = true;
+                    for (const auto& [rank, pid] : ready) ::kill(pid, SIGUSR1);
+                  });
+  ASSERT_TRUE(*released) << r.out << r.err;
+  EXPECT_EQ(r.status, 0) << r.err;
+  const auto ready = ready_ranks(r.out);
+  const auto failing = runs_of(r.out, 1);
+  ASSERT_EQ(failing.size(), 3u) << r.out;
+  for (int rank : {0, 2}) {
+    // One run only: its pid never changed.
+    const auto runs = runs_of(r.out, rank);
+    ASSERT_EQ(runs.size(), 1u) << "rank " << rank << " was restarted\n" << r.out;
+    EXPECT_EQ(runs[0][3], ready.at(rank)) << r.out;
+    EXPECT_EQ(runs[0][0], 0);
+    EXPECT_EQ(runs[0][2], failing[0][2]) << "rank 1 rejoins on the job's MASTER_PORT";
+  }
+  for (int run = 0; run < 3; ++run) {
+    EXPECT_EQ(failing[run][0], run) << r.out;
+    EXPECT_EQ(failing[run][1], 3) << r.out;
+    EXPECT_EQ(failing[run][2], failing[0][2]) << "a rank restarted alone keeps the port";
+  }
+  EXPECT_NE(failing[0][3], failing[1][3]);
+  EXPECT_NE(failing[1][3], failing[2][3]);
+  const std::string port = std::to_string(failing[0][2]);
+  for (int restart : {1, 2}) {
+    EXPECT_TRUE(contains(
+        r.err, "distrun: rank 1 (pid " + std::to_string(failing[restart - 1][3]) +
+                   ") exited with status 3\ndistrun: restarting rank 1 alone "
+                   "(--restart-policy rank): restart " +
+                   std::to_string(restart) +
+                   " of at most 3 for this rank, DISTRUN_RESTART_COUNT=" + std::to_string(restart) +
+                   ", MASTER_PORT=" + port + "; the other ranks keep running\n"))
+        << r.err;
+  }
+  const auto pid = [&](int rank) { return std::to_string(ready.at(rank)); };
+  const std::string report =
+      "distrun: every rank exited with status 0\n"
+      "distrun: restarted alone (--restart-policy rank): rank 1 2 time(s)\n"
+      "distrun: how each rank ended (--restart-policy rank; a restarted rank's earlier runs below "
+      "it):\n"
+      "distrun:   rank 0 (pid " +
+      pid(0) +
+      "): exited with status 0\n"
+      "distrun:   rank 1 (pid " +
+      std::to_string(failing[2][3]) +
+      "): exited with status 0; restarted alone 2 time(s), its earlier runs:\n"
+      "distrun:     run 1 (pid " +
+      std::to_string(failing[0][3]) +
+      ", DISTRUN_RESTART_COUNT=0): exited with status 3\n"
+      "distrun:     run 2 (pid " +
+      std::to_string(failing[1][3]) +
+      ", DISTRUN_RESTART_COUNT=1): exited with status 3\n"
+      "distrun:   rank 2 (pid " +
+      pid(2) + "): exited with status 0\n";
+  expect_ends_with(r.err, report);
+}
+
+// --restart-policy rank: rank 0 (the rendezvous store's host) is never restarted, and a rank out
+// of restarts ends the job; either way the others are stopped, as without restarts.
+TEST(Distrun, ARankPolicyEndsTheJobWhenRank0FailsOrARankRunsOutOfRestarts) {
+  const RunResult rank0 =
+      run_distrun({"--nproc-per-node", "2", "--max-restarts", "2", "--restart-policy", "rank",
+                   kChild, "rank-fail-until", "1", "0", "3"});
+  EXPECT_EQ(rank0.status, 3) << rank0.err;
+  EXPECT_EQ(runs_of(rank0.out, 0).size(), 1u) << rank0.out;
+  EXPECT_FALSE(contains(rank0.err, "restarting")) << rank0.err;
+  EXPECT_TRUE(std::regex_search(
+      rank0.err,
+      std::regex(R"(distrun: rank 0 failed; under --restart-policy rank it is never restarted )"
+                 R"(\(it serves the rendezvous store the other ranks meet in\), so the job ends; )"
+                 R"(exit status 3\n)"
+                 R"(distrun: how each rank ended \(--restart-policy rank; [^\n]*\n)"
+                 R"(distrun:   rank 0 \(pid \d+\): exited with status 3 \(the first failure\)\n)"
+                 R"(distrun:   rank 1 \(pid \d+\): killed by signal SIGTERM; it was still )"
+                 R"(running and distrun stopped it with SIGTERM\n$)")))
+      << rank0.err;
+
+  const RunResult spent =
+      run_distrun({"--nproc-per-node", "2", "--max-restarts", "1", "--restart-policy", "rank",
+                   kChild, "rank-fail-until", "99", "1", "4"});
+  EXPECT_EQ(spent.status, 4) << spent.err;
+  const auto runs = runs_of(spent.out, 1);
+  ASSERT_EQ(runs.size(), 2u) << spent.out;
+  EXPECT_EQ(runs_of(spent.out, 0).size(), 1u) << spent.out;
+  EXPECT_TRUE(std::regex_search(
+      spent.err,
+      std::regex(R"(distrun: rank 1 failed after 1 restart\(s\) and no restart is left for it )"
+                 R"(\(--max-restarts 1, per rank\); exit status 4\n)"
+                 R"(distrun: restarted alone \(--restart-policy rank\): rank 1 1 time\(s\)\n)"
+                 R"(distrun: how each rank ended \(--restart-policy rank; [^\n]*\n)"
+                 R"(distrun:   rank 0 \(pid \d+\): killed by signal SIGTERM; it was still )"
+                 R"(running and distrun stopped it with SIGTERM\n)"
+                 "distrun:   rank 1 \\(pid " +
+                 std::to_string(runs[1][3]) +
+                 R"(\): exited with status 4 \(the first failure\); restarted alone 1 time\(s\), )"
+                 R"(its earlier runs:\n)"
+                 "distrun:     run 1 \\(pid " +
+                 std::to_string(runs[0][3]) +
+                 R"(, DISTRUN_RESTART_COUNT=0\): exited with status 4\n$)")))
+      << spent.err;
+}
+
+// --restart-policy rank: after SIGTERM to distrun, the ranks it kills are not restarted.
+TEST(Distrun, ARankPolicyNeverRestartsAfterASignal) {
+  const RunResult r = run_distrun(
+      {"--nproc-per-node", "2", "--max-restarts", "3", "--restart-policy", "rank", kChild, "sleep"},
+      when_ready(2, [](pid_t distrun, const std::map<int, pid_t>&) { ::kill(distrun, SIGTERM); }));
+  EXPECT_EQ(r.status, 128 + SIGTERM) << r.err;
+  EXPECT_EQ(ready_ranks(r.out).size(), 2u) << r.out;
+  EXPECT_EQ(lines_by_rank(r.out)[1].size(), 1u) << "rank 1 ran once\n" << r.out;
+  EXPECT_FALSE(contains(r.err, "restarting")) << r.err;
+  EXPECT_TRUE(contains(r.err, "distrun: got SIGTERM; no restart after a signal\n")) << r.err;
+}
+
+// The first rank to fail (rank 1) names, in one of distoptim's error formats, rank 2, which
+// still sleeps: the summary points there.
+TEST(Distrun, TheSummaryPointsAtTheRankTheFirstFailureNames) {
+  const Args errors = {
+      "allreduce #4 on group [0, 1, 2] failed at rank 1: timed out; these ranks never reached "
+      "it: 2",
+      "broadcast #2 on group [0, 1, 2] failed at rank 1: rank 2 is lost",
+      "init_rpc: worker 'ps' (rank 1) waited 3000 ms for workers that never arrived: "
+      "'trainer' (rank 2)",
+      "new_group: rank 1 cannot connect: could not reach rank 2; Gloo: Connect timeout",
+  };
+  for (const auto& error : errors) {
+    const RunResult r =
+        run_distrun({"--nproc-per-node", "3", kChild, "fail-saying", "1", "1", error});
+    EXPECT_EQ(r.status, 1) << r.err;
+    EXPECT_TRUE(std::regex_search(
+        r.err,
+        std::regex(R"(distrun: how each rank ended:\n)"
+                   R"(distrun:   rank 0 \(pid \d+\): killed by signal SIGTERM; it was still )"
+                   R"(running and distrun stopped it with SIGTERM\n)"
+                   R"(distrun:   rank 1 \(pid \d+\): exited with status 1 \(the first to fail, )"
+                   R"(but its error names rank 2, which was still running \(stopped by )"
+                   R"(distrun\): look there first\)\n)"
+                   R"(distrun:   rank 2 \(pid \d+\): killed by signal SIGTERM; it was still )"
+                   R"(running and distrun stopped it with SIGTERM; named by the error of rank )"
+                   R"(1, the first to fail\n$)")))
+        << error << "\n"
+        << r.err;
+  }
+  // A named rank on another node (node 1's distrun alone, without restarts) is named, no more.
+  const RunResult remote = run_distrun({"--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                        "127.0.0.1", "--master-port", "9", "--nproc-per-node", "1",
+                                        kChild, "fail-saying", "1", "1", "rank 0 is lost"});
+  EXPECT_EQ(remote.status, 1) << remote.err;
+  EXPECT_TRUE(std::regex_search(
+      remote.err, std::regex(R"(distrun:   rank 1 \(pid \d+\): exited with status 1 \(the first )"
+                             R"(failure; its error names rank 0 \(not on this node\)\)\n$)")))
+      << remote.err;
+  // An error that names only its own rank changes nothing.
+  const RunResult own =
+      run_distrun({"--nproc-per-node", "2", kChild, "fail-saying", "1", "5", "rank 1 is lost"});
+  EXPECT_EQ(own.status, 5) << own.err;
+  EXPECT_TRUE(std::regex_search(
+      own.err, std::regex(R"(distrun:   rank 1 \(pid \d+\): exited with status 5 \(the first )"
+                          R"(failure\)\n$)")))
+      << own.err;
 }
 
 // Restarts across nodes: two distruns on loopback as nodes 0 and 1 of one job, one rank each,
@@ -719,6 +914,66 @@ TEST(DistrunNodes, ASignalToOneNodeStopsEveryNodeWithoutARestart) {
   for (const auto& node : r) EXPECT_FALSE(contains(node.err, "restarts")) << node.err;
 }
 
+// Two jobs of two nodes each, at once (`statuses.size()` jobs): once both ranks of job j run,
+// its node 1's distrun is killed (SIGKILL; its rank dies with it), then its node 0's rank is told
+// to exit with statuses[j]. Returns the node 0 run of each job. The join timeout leaves room for
+// both nodes of a job to join round 0 on a loaded machine.
+std::vector<RunResult> run_node0s_after_node1s_are_killed(const std::vector<int>& statuses) {
+  std::vector<Args> runs;
+  for (int status : statuses) {
+    const int port = free_loopback_port();
+    for (int node : {0, 1}) {
+      runs.push_back(node_args(node, port, {"--max-restarts", "1", "--rdzv-timeout", "8"},
+                               {"fail-on", "0", "exit", std::to_string(status), "sleep"}));
+    }
+  }
+  auto done = std::make_shared<std::vector<bool>>(statuses.size(), false);
+  const auto r = run_distruns(
+      runs, [done](const std::vector<pid_t>& pids, const std::vector<RunResult>& so_far) {
+        for (size_t job = 0; job < done->size(); ++job) {
+          const auto rank0 = ready_ranks(so_far[2 * job].out);
+          if ((*done)[job] || rank0.empty() || ready_ranks(so_far[2 * job + 1].out).empty())
+            continue;
+          (*done)[job] = true;
+          const pid_t node1 = pids[2 * job + 1];
+          ::kill(node1, SIGKILL);
+          // Dead before rank 0 ends the round (not reaped: run_distruns does that).
+          siginfo_t info{};
+          ::waitid(P_PID, static_cast<id_t>(node1), &info, WEXITED | WNOWAIT);
+          ::kill(rank0.at(0), SIGUSR1);
+        }
+      });
+  std::vector<RunResult> node0s;
+  for (size_t job = 0; job < statuses.size(); ++job) {
+    EXPECT_TRUE((*done)[job]) << r[2 * job].err << r[2 * job + 1].err;
+    EXPECT_EQ(r[2 * job + 1].status, 128 + SIGKILL);
+    node0s.push_back(r[2 * job]);
+  }
+  return node0s;
+}
+
+// Node 1's distrun dies mid-run: node 0 names it as lost, not as a node to start, both when its
+// rank's failure leads to a round node 1 never joins and when its rank succeeds and it waits for
+// node 1's end of the round.
+TEST(DistrunNodes, ANodeWhoseDistrunDiedIsNamedAsLost) {
+  const std::string lost =
+      "its distrun is lost (died or cut off: no sign of life during the wait)\n";
+  const std::vector<std::string> messages = {
+      "distrun: round 1: node 1, which took part in round 0, never joined round 1 within 8 s "
+      "(--rdzv-timeout): " +
+          lost,
+      "distrun: round 0: the ranks of this node (0) ended with status 0, but node 1 neither "
+      "finished nor failed within 8 s (--rdzv-timeout): " +
+          lost,
+  };
+  const auto node0s = run_node0s_after_node1s_are_killed({3, 0});
+  for (size_t job = 0; job < node0s.size(); ++job) {
+    EXPECT_EQ(node0s[job].status, 1) << node0s[job].err;
+    EXPECT_TRUE(contains(node0s[job].err, messages[job])) << node0s[job].err;
+    EXPECT_FALSE(contains(node0s[job].err, "must be started with the same")) << node0s[job].err;
+  }
+}
+
 // A node's distrun that could not coordinate with the others: exit status 1, no rank started,
 // and `message` on stderr.
 void expect_coordination_failure(const RunResult& r, const std::string& message) {
@@ -815,6 +1070,11 @@ TEST(Distrun, BadArgumentsExit2NamingTheOption) {
       {{"--nproc-per-node", "1", "--grace-seconds", "-2", kChild}, {"--grace-seconds -2"}},
       {{"--nproc-per-node", "1", "--rdzv-timeout", "-1", kChild}, {"--rdzv-timeout -1"}},
       {{"--nproc-per-node", "1", "--bogus", kChild}, {"unknown option --bogus"}},
+      {{"--nproc-per-node", "1", "--restart-policy", "some", kChild},
+       {"--restart-policy 'some'", "all or rank"}},
+      {{"--nproc-per-node", "1", "--nnodes", "2", "--master-addr", "h", "--master-port", "1",
+        "--restart-policy", "rank", kChild},
+       {"--restart-policy rank", "--nnodes 2"}},
       {{"--nproc-per-node", "1"}, {"no PROGRAM"}},
       {{kChild, "env"}, {"--nproc-per-node", "required"}},
   };

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -136,6 +138,7 @@ class NodeCoordinator::Impl {
     round_ = round;
     lost_in_round_ = false;
     seen_.reset();
+    beats_.clear();
     local_published_ = false;
     const auto deadline = Clock::now() + timeout_;
     const std::string mine =
@@ -161,7 +164,9 @@ class NodeCoordinator::Impl {
             joined = true;
           }
           if (auto stop = published_stop()) return {0, stop};
+          beat_now();
           missing = nodes_without(round_key(round, "node/"));
+          if (round > 0) watch_beats(missing);
           if (missing.empty() && store_->check({round_key(round, "port")})) {
             check_options_agree(round);
             const std::string port_key = round_key(round, "port");
@@ -175,6 +180,14 @@ class NodeCoordinator::Impl {
       }
       if (Clock::now() >= deadline) {
         if (!store_ || !joined) throw unreachable("join round " + std::to_string(round));
+        if (round > 0) {
+          // Every node took part in the previous round (it started only once all had joined).
+          throw CoordinationError(fmt::format(
+              "round {}: {}, which took part in round {}, never joined round {} within {} "
+              "(--rdzv-timeout){}",
+              round, nodes_text(missing), round - 1, round,
+              seconds_text(options_.rdzv_timeout_seconds), liveness(missing)));
+        }
         throw CoordinationError(fmt::format(
             "round {}: node(s) {} never joined within {} (--rdzv-timeout); every node's distrun "
             "must be started with the same --nnodes, --master-addr and --master-port",
@@ -230,6 +243,7 @@ class NodeCoordinator::Impl {
       return local;
     }
     if (seen_) return *seen_;
+    beats_.clear();
     const auto deadline = Clock::now() + timeout_;
     std::vector<int> missing;
     while (true) {
@@ -249,7 +263,9 @@ class NodeCoordinator::Impl {
           }
           if (auto stop = published_stop()) return *stop;
           if (store_->check({round_key(round_, "failure")})) return published_failure();
+          beat_now();
           missing = nodes_without(round_key(round_, "done/"));
+          watch_beats(missing);
           if (missing.empty()) return RoundOutcome::succeeded(options_.node_rank);
         } catch (const c10::Error& e) {
           drop_connection(e);
@@ -258,12 +274,22 @@ class NodeCoordinator::Impl {
       if (Clock::now() >= deadline) {
         if (!store_) throw unreachable("report the end of round " + std::to_string(round_));
         throw CoordinationError(fmt::format(
-            "round {}: the ranks of this node ({}) ended with status 0, but node(s) {} neither "
-            "finished nor failed within {} (--rdzv-timeout)",
-            round_, options_.node_rank, node_list(missing),
-            seconds_text(options_.rdzv_timeout_seconds)));
+            "round {}: the ranks of this node ({}) ended with status 0, but {} neither finished "
+            "nor failed within {} (--rdzv-timeout){}",
+            round_, options_.node_rank, nodes_text(missing),
+            seconds_text(options_.rdzv_timeout_seconds), liveness(missing)));
       }
       std::this_thread::sleep_for(kRetryInterval);
+    }
+  }
+
+  void beat() {
+    if (lost_in_round_ || !store_) return;
+    try {
+      beat_now();
+    } catch (const std::exception& e) {
+      lost_in_round_ = true;
+      drop_connection(e);
     }
   }
 
@@ -282,7 +308,11 @@ class NodeCoordinator::Impl {
       try {
         // Only nodes that ever came (claimed their node rank): one that never joined will not
         // read anything.
-        if (job_round().ranks_not_left(Clock::now() + kAnswerTimeout).empty()) return;
+        auto waiting = job_round().ranks_not_left(Clock::now() + kAnswerTimeout);
+        waiting.erase(std::remove_if(waiting.begin(), waiting.end(),
+                                     [this](int node) { return lost_nodes_.count(node) > 0; }),
+                      waiting.end());
+        if (waiting.empty()) return;
       } catch (const c10::Error& e) {
         drop_connection(e);
       }
@@ -352,6 +382,65 @@ class NodeCoordinator::Impl {
         "within {} (--rdzv-timeout): {}",
         options_.node_rank, address_, what, seconds_text(options_.rdzv_timeout_seconds),
         last_error_.empty() ? "no answer" : last_error_));
+  }
+
+  // Raises this node's beat counter, at most every kBeatInterval. Throws as the store does.
+  void beat_now() {
+    const auto now = Clock::now();
+    if (now < next_beat_) return;
+    next_beat_ = now + kBeatInterval;
+    store_->add("beat/" + std::to_string(options_.node_rank), 1);
+  }
+
+  // Within a wait: reads the beat counter of each node in `nodes`, at most every kBeatInterval,
+  // noting whether it moved since the wait began (its first reading). Throws as the store does.
+  void watch_beats(const std::vector<int>& nodes) {
+    const auto now = Clock::now();
+    if (!beats_.empty() && now < next_watch_) return;
+    next_watch_ = now + kBeatInterval;
+    for (int node : nodes) {
+      const int64_t value = store_->add("beat/" + std::to_string(node), 0);
+      const auto [it, first] = beats_.try_emplace(node, Beat{value, false});
+      if (!first && it->second.value != value) it->second = Beat{value, true};
+    }
+  }
+
+  // "node 1", "nodes 1, 2".
+  static std::string nodes_text(const std::vector<int>& nodes) {
+    return fmt::format("node{} {}", nodes.size() > 1 ? "s" : "", node_list(nodes));
+  }
+
+  // At the end of a wait for `missing`: which of them are lost (their beat never moved during
+  // the wait: the distrun died, or is cut off from the store) and which still answer. Remembers
+  // the lost ones, so that leave() does not wait for them.
+  std::string liveness(const std::vector<int>& missing) {
+    std::vector<int> lost;
+    std::vector<int> alive;
+    for (int node : missing) {
+      const auto it = beats_.find(node);
+      if (it != beats_.end() && it->second.moved) {
+        alive.push_back(node);
+      } else {
+        lost.push_back(node);
+        lost_nodes_.insert(node);
+      }
+    }
+    beats_.clear();
+    // "its distrun is" for the one node waited for; "the distruns of nodes 1, 2 are" otherwise.
+    const auto whose = [&](const std::vector<int>& nodes) {
+      if (missing.size() == 1) return std::string("its distrun");
+      return fmt::format("the distrun{} of {}", nodes.size() > 1 ? "s" : "", nodes_text(nodes));
+    };
+    std::string text;
+    if (!lost.empty()) {
+      text += fmt::format(": {} {} lost (died or cut off: no sign of life during the wait)",
+                          whose(lost), lost.size() > 1 ? "are" : "is");
+    }
+    if (!alive.empty()) {
+      text += fmt::format("{}{} still answer{}", text.empty() ? ": " : "; ", whose(alive),
+                          alive.size() > 1 ? "" : "s");
+    }
+    return text;
   }
 
   // Node ranks are claimed once per job with a token of this process: a second distrun giving
@@ -437,6 +526,15 @@ class NodeCoordinator::Impl {
   bool local_published_ = false;      // this node's failure or success of the round
   bool stop_published_ = false;
   Clock::time_point next_poll_{};
+  Clock::time_point next_beat_{};
+  Clock::time_point next_watch_{};
+  // Within a wait: each missing node's beat counter at its first reading, and whether it moved.
+  struct Beat {
+    int64_t value = 0;
+    bool moved = false;
+  };
+  std::map<int, Beat> beats_;
+  std::set<int> lost_nodes_;  // found lost at the end of a wait
 };
 
 NodeCoordinator::NodeCoordinator(const LaunchOptions& options)
@@ -460,6 +558,8 @@ RoundOutcome NodeCoordinator::finish_round(const RoundOutcome& local,
                                            const SignalCheck& signal_check) {
   return impl_->finish_round(local, signal_check);
 }
+
+void NodeCoordinator::beat() { impl_->beat(); }
 
 void NodeCoordinator::leave() { impl_->leave(); }
 

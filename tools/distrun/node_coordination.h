@@ -53,7 +53,8 @@ struct RoundOutcome {
 ///
 /// Keys: `claim/N` (node N's distrun, once per job), `round/K/node/N` (node N joined round K,
 /// with its options), `round/K/port`, `round/K/failure` (the first failure published in round K:
-/// node, rank, status), `round/K/done/N` (node N's ranks all exited 0), `stop` (the first
+/// node, rank, status), `round/K/done/N` (node N's ranks all exited 0), `beat/N` (a counter node
+/// N's distrun raises while it runs, see beat()), `stop` (the first
 /// distrun that got SIGINT or SIGTERM, and the signal), `left/N` (node N knows how the job
 /// ended; node 0 waits for these before it stops serving the store).
 ///
@@ -72,6 +73,8 @@ class NodeCoordinator {
   static constexpr std::chrono::milliseconds kAnswerTimeout{2000};
   /// How often the waits ask the store again, or try to reach it again.
   static constexpr std::chrono::milliseconds kRetryInterval{100};
+  /// How often a distrun raises its beat counter (beat()).
+  static constexpr std::chrono::milliseconds kBeatInterval{500};
   /// How long node 0 keeps serving the store at the end for the other nodes to learn how the job
   /// ended.
   static constexpr std::chrono::milliseconds kLeaveTimeout{5000};
@@ -95,7 +98,8 @@ class NodeCoordinator {
   /// port, then waits until every node has joined. Throws CoordinationError naming the nodes that
   /// never joined within --rdzv-timeout (or the store, if it could never be reached), a node
   /// whose options differ from node 0's (every node throws the same), or a node rank claimed by
-  /// two distruns.
+  /// two distruns. In a round after the first, a node that never joined and whose beat never
+  /// moved during the wait is named as lost: its distrun died or is cut off.
   Joined join_round(int round, const SignalCheck& signal_check);
 
   /// While the ranks run: whether the round has already ended elsewhere (another node's failure,
@@ -117,12 +121,18 @@ class NodeCoordinator {
   /// this node): the round's outcome for every node. A success waits until every node's ranks
   /// succeeded or one failed; a failure is published (if not yet) and the first published one
   /// returned; a stop returns at once. Throws CoordinationError naming the nodes that did not
-  /// report within --rdzv-timeout (or the store it could not reach).
+  /// report within --rdzv-timeout (or the store it could not reach), and for each whether its
+  /// distrun is lost (its beat never moved during the wait) or still answers.
   RoundOutcome finish_round(const RoundOutcome& local, const SignalCheck& signal_check);
+
+  /// While the local ranks run: tells the other nodes that this distrun is alive, by raising
+  /// `beat/N` at most every kBeatInterval (the blocking waits do it too). Never throws; waits at
+  /// most kAnswerTimeout; does nothing while the store is lost.
+  void beat();
 
   /// At the end of the job (also after a CoordinationError): the other nodes tell node 0 that
   /// they know how it ended (best effort); node 0 waits up to kLeaveTimeout for every node that
-  /// ever joined before returning, as the store goes away with it.
+  /// ever joined, except those found lost, before returning, as the store goes away with it.
   void leave();
 
  private:

@@ -34,9 +34,10 @@ class HelpFormatter : public CLI::Formatter {
   }
 };
 
-// Registers distrun's options on `app`, storing into `options`. The underscore spellings are
+// Registers distrun's options on `app`, storing into `options` (--restart-policy as given into
+// `policy`). The underscore spellings are
 // torchrun's, accepted so its command lines port unchanged.
-void add_options(CLI::App& app, LaunchOptions& options) {
+void add_options(CLI::App& app, LaunchOptions& options, std::string& policy) {
   app.formatter(std::make_shared<HelpFormatter>());
   app.get_formatter()->column_width(38);
   app.description(
@@ -67,6 +68,11 @@ void add_options(CLI::App& app, LaunchOptions& options) {
                  "After a rank fails, start all local ranks again, at most\nK times (default 0; "
                  "with M > 1, every node restarts)")
       ->type_name("K");
+  app.add_option("--restart-policy,--restart_policy", policy,
+                 "all: a failure restarts every local rank (default);\nrank: only the failed "
+                 "rank, on the same MASTER_PORT,\nwhile the others run (K restarts per rank; "
+                 "rank 0's\nfailure ends the job; only with M = 1)")
+      ->type_name("POLICY");
   app.add_option("--rdzv-timeout,--rdzv_timeout", options.rdzv_timeout_seconds,
                  "With M > 1 and K > 0: seconds to wait for every node\nto join a round, or to "
                  "report its end (default 900)")
@@ -82,6 +88,10 @@ void add_options(CLI::App& app, LaunchOptions& options) {
       "after the grace period. With --max-restarts K, once all have exited, all are started again\n"
       "(at most K times) on a new MASTER_PORT (the same one if --master-port was given);\n"
       "SIGINT or SIGTERM to distrun never leads to a restart.\n"
+      "With --restart-policy rank (for RPC jobs whose workers rejoin the running group), a rank\n"
+      "that fails is started again alone, at most K times, with its own DISTRUN_RESTART_COUNT\n"
+      "and the same MASTER_PORT, while the others run on; rank 0, which serves the rendezvous\n"
+      "store, is never restarted: its failure ends the job as without restarts.\n"
       "With M > 1 and K > 0, node 0's distrun serves the launchers' store on --master-addr and\n"
       "--master-port; each round, every node joins, node 0 picks the ranks' MASTER_PORT (free on\n"
       "node 0), and a failure or a signal on any node stops the ranks of every node; after a\n"
@@ -94,6 +104,10 @@ void add_options(CLI::App& app, LaunchOptions& options) {
 }
 
 }  // namespace
+
+const char* restart_policy_name(RestartPolicy policy) {
+  return policy == RestartPolicy::kRank ? "rank" : "all";
+}
 
 int find_free_port(bool all_addresses) {
   const Fd sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
@@ -125,8 +139,9 @@ std::string single_quoted(const std::string& s) { return fmt::format("'{}'", s);
 
 LaunchOptions parse_command_line(const std::vector<std::string>& args) {
   LaunchOptions options;
+  std::string policy = restart_policy_name(options.restart_policy);
   CLI::App app("", "distrun");
-  add_options(app, options);
+  add_options(app, options, policy);
   // CLI11 takes the arguments last-first.
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   try {
@@ -139,6 +154,12 @@ LaunchOptions parse_command_line(const std::vector<std::string>& args) {
   // Explicit values that mean "unset" in LaunchOptions are errors, not requests for a default.
   if (app.count("--master-port") > 0 && options.master_port == 0) {
     throw UsageError("--master-port 0: must be in 1..65535");
+  }
+  if (policy == "all" || policy == "rank") {
+    options.restart_policy = policy == "rank" ? RestartPolicy::kRank : RestartPolicy::kAll;
+  } else {
+    throw UsageError(
+        fmt::format("--restart-policy {}: must be all or rank", single_quoted(policy)));
   }
   if (app.count("--master-addr") > 0 && options.master_addr.empty()) {
     throw UsageError("--master-addr '': must not be empty");
@@ -194,6 +215,14 @@ void validate(const LaunchOptions& options) {
     throw UsageError(
         fmt::format("--max-restarts {}: must be in [0, {}]", options.max_restarts, kMaxRestarts));
   }
+  if (options.restart_policy == RestartPolicy::kRank && options.nnodes > 1) {
+    // Restarting a rank alone needs no coordination, but ending the job does: rank 0's failure
+    // on node 0 must stop every node, which only the rounds of --restart-policy all do.
+    throw UsageError(fmt::format(
+        "--restart-policy rank: only with --nnodes 1 (got --nnodes {}); across nodes, use "
+        "--restart-policy all",
+        options.nnodes));
+  }
   if (!(options.rdzv_timeout_seconds > 0 &&
         options.rdzv_timeout_seconds <= kMaxRdzvTimeoutSeconds)) {
     throw UsageError(fmt::format("--rdzv-timeout {}: must be in (0, {}]",
@@ -210,8 +239,9 @@ void validate(const LaunchOptions& options) {
 
 std::string help_text() {
   LaunchOptions options;
+  std::string policy;
   CLI::App app("", "distrun");
-  add_options(app, options);
+  add_options(app, options, policy);
   return app.help();
 }
 

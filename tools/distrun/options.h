@@ -26,6 +26,20 @@ class HelpRequested : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// Which ranks a failure restarts (with max_restarts > 0).
+enum class RestartPolicy {
+  /// Every local rank is stopped and all start again together (data-parallel jobs: torchrun's
+  /// only policy).
+  kAll,
+  /// The failed rank alone starts again, on the same MASTER_PORT, while the others keep running
+  /// (RPC jobs whose workers rejoin a running group). Rank 0 is never restarted: it serves the
+  /// rendezvous store the others meet in, so its failure ends the job. One node only.
+  kRank,
+};
+
+/// "all" or "rank", as --restart-policy takes it.
+const char* restart_policy_name(RestartPolicy policy);
+
 /// What distrun runs: `nproc_per_node` copies of `command` on this node, which is node
 /// `node_rank` of `nnodes`.
 struct LaunchOptions {
@@ -47,6 +61,9 @@ struct LaunchOptions {
   /// --max-restarts). 0: a failure ends the job. With nnodes > 1, every node's distrun restarts
   /// its ranks together (node_coordination.h); all nodes must give the same value.
   int max_restarts = 0;
+  /// What a failure restarts. With kRank, max_restarts bounds each rank's own restarts (its
+  /// DISTRUN_RESTART_COUNT), not the job's; nnodes must be 1.
+  RestartPolicy restart_policy = RestartPolicy::kAll;
   /// With nnodes > 1 and max_restarts > 0: how long a node's distrun waits for every node to
   /// join a round, and for every node to report the end of a round its own ranks finished, in
   /// seconds; in (0, 604800].
@@ -57,7 +74,8 @@ struct LaunchOptions {
 
 /// Parses distrun's arguments (without argv[0]):
 /// `--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
-///  [--grace-seconds S] [--max-restarts K] [--rdzv-timeout T] [--] PROGRAM ARGS...`.
+///  [--grace-seconds S] [--max-restarts K] [--restart-policy all|rank] [--rdzv-timeout T] [--]
+///  PROGRAM ARGS...`.
 /// Everything from PROGRAM on is kept as given, even words that look like distrun's options.
 /// Returns validated options (validate() has run). Throws UsageError, or HelpRequested for --help.
 LaunchOptions parse_command_line(const std::vector<std::string>& args);

@@ -57,9 +57,14 @@ void OutputRelay::flush(bool at_eof) {
     batch += prefix_;
     batch.append(pending_, start, length);
     batch += '\n';
+    if (tail_limit_ > 0) {
+      tail_.append(pending_, start, length);
+      tail_ += '\n';
+    }
     start += consumed;
   }
   pending_.erase(0, start);
+  if (tail_.size() > tail_limit_) tail_.erase(0, tail_.size() - tail_limit_);
   write_all(out_fd_, batch);
 }
 

@@ -30,6 +30,11 @@ class OutputRelay {
   // Writes out everything buffered, a partial line too, and closes the pipe.
   void close();
 
+  // From now on, keep the last `bytes` (about) of what was written out, without the prefix: the
+  // supervisor reads a failed rank's last words for the ranks its error names.
+  void keep_tail(size_t bytes) { tail_limit_ = bytes; }
+  const std::string& tail() const { return tail_; }
+
  private:
   void flush(bool at_eof);
 
@@ -37,6 +42,8 @@ class OutputRelay {
   std::string prefix_;
   int out_fd_;
   std::string pending_;
+  size_t tail_limit_ = 0;
+  std::string tail_;
 };
 
 }  // namespace launcher

@@ -10,7 +10,11 @@
 //             stderr on pipes; a rank that cannot be started counts as a failure with status 1
 //             (the ranks already started are stopped as below).
 //   running   the loop relays output and reaps ranks as they exit. Exit status 0 changes
-//             nothing; a non-zero status or a signal is a failure. Across nodes, the loop also
+//             nothing; a non-zero status or a signal is a failure. With --restart-policy rank, a
+//             failed rank other than rank 0 that has restarts left (--max-restarts per rank) is
+//             started again at once, alone, with its own DISTRUN_RESTART_COUNT one higher and
+//             the same MASTER_PORT, unless the job is already stopping: that is no failure of
+//             the job, and the other ranks run on. Across nodes, the loop also
 //             asks the store every 100 ms whether another node's failure, or a signal to another
 //             node's distrun, ended the round: then the local ranks are stopped as below (their
 //             ends count as its consequences, not as failures of this node).
@@ -19,7 +23,10 @@
 //             unless another node's came first; a signal is published as the job's stop);
 //             every rank still running is sent SIGTERM (or the signal distrun got, which is also
 //             passed on each time it comes again) and the grace period starts. Later failures
-//             are reported but change neither.
+//             are reported but change neither. The first failure's last 4 KiB of stderr are
+//             read for the ranks its error names (distoptim's formats); those still running
+//             are pointed at in the summary (a rank whose collective failed exits first while
+//             the rank it names hangs).
 //   killing   at the end of the grace period, SIGKILL to every rank still running.
 //   draining  once no rank runs: output still held open by the ranks' own children is relayed
 //             for at most kDrainTimeout, then closed. The attempt ends.
@@ -27,7 +34,8 @@
 //             node whose ranks all exited 0 waits (within --rdzv-timeout) until every node's
 //             did, or one failed; a node cut off from the store keeps trying to reach it. A
 //             signal needs no answer.
-//   restarting  after an attempt that failed (across nodes: a round that failed on any node),
+//   restarting  (--restart-policy all) after an attempt that failed (across nodes: a round that
+//             failed on any node),
 //             when distrun got no SIGINT/SIGTERM (during it or before this point) and fewer than
 //             --max-restarts restarts were made: every rank of the attempt has been reaped, so
 //             no process of the old round is left; on one node, the master port is renewed
@@ -39,8 +47,10 @@
 //             failure's status (128 + signal for a rank killed by one), else 0. When it is not
 //             0, a summary on stderr gives, for every attempt, how every local rank ended and
 //             which ones distrun stopped, with which signals, and across nodes which node's
-//             failure (or signal) ended the round. Node 0's distrun, which serves the store,
-//             waits up to 5 s for the other nodes to have read how the job ended.
+//             failure (or signal) ended the round. With --restart-policy rank, the summary also
+//             comes after a success when a rank was restarted, with each earlier run of a rank.
+//             Node 0's distrun, which serves the store, waits up to 5 s for the other nodes to have
+//             read how the job ended.
 
 #include "distrun/supervisor.h"
 
@@ -51,6 +61,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -65,6 +76,7 @@
 #include <fmt/ranges.h>
 
 #include "distrun/job_secret.h"
+#include "distrun/named_ranks.h"
 #include "distrun/node_coordination.h"
 #include "distrun/output_relay.h"
 #include "distrun/signals_fds.h"
@@ -84,8 +96,14 @@ constexpr int kMaxReadsAtExit = 16;
 constexpr auto kDrainTimeout = std::chrono::seconds(1);
 constexpr int kExecFailedStatus = 127;
 
+// How much of each rank's stderr is kept for reading the ranks its error names.
+constexpr size_t kStderrTailBytes = 4096;
+
 struct RankProcess {
   int rank = 0;
+  int local_rank = 0;
+  int restart_count = 0;  // its DISTRUN_RESTART_COUNT
+  bool replaced = false;  // failed and was restarted alone: a later run of the rank follows
   pid_t pid = -1;
   bool running = false;
   int status = 0;                    // as waitpid gives it, once reaped
@@ -93,6 +111,27 @@ struct RankProcess {
   std::vector<int> signals_sent;     // by distrun while it ran, in order
   std::vector<OutputRelay> outputs;  // stdout, stderr
 };
+
+// Whether `pid`, a child not reaped yet, has exited (without reaping it).
+bool has_exited(pid_t pid) {
+  siginfo_t info{};
+  int result;
+  do {
+    result = ::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT);
+  } while (result < 0 && errno == EINTR);
+  return result < 0 || info.si_pid != 0;
+}
+
+// How a reaped rank ended: "exited with status 3", "killed by signal SIGTERM".
+std::string how_ended(const RankProcess& rank) {
+  if (!rank.waited) return "could not be waited for";
+  if (WIFSIGNALED(rank.status)) return "killed by signal " + signal_name(WTERMSIG(rank.status));
+  return fmt::format("exited with status {}", WEXITSTATUS(rank.status));
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  return fmt::format("rank{} {}", ranks.size() > 1 ? "s" : "", fmt::join(ranks, ", "));
+}
 
 // What a forked child needs to exec, all prepared before fork.
 struct ChildSetup {
@@ -189,7 +228,7 @@ class Supervisor {
     // that differ fail every node, each after reading every node's).
     if (coordinator_) coordinator_->leave();
     const int status = exit_status();
-    if (status != 0) write_all(STDERR_FILENO, final_report());
+    if (status != 0 || restarted_alone()) write_all(STDERR_FILENO, final_report());
     return status;
   }
 
@@ -251,6 +290,7 @@ class Supervisor {
   }
 
   bool restart_wanted() const {
+    if (options_.restart_policy == RestartPolicy::kRank) return false;  // done within the attempt
     if (received_signal_ != 0 || restart_count_ == options_.max_restarts) return false;
     if (coordinator_) return round_outcome_->kind == RoundOutcome::Kind::kFailed;
     return first_failure_status_ != 0;
@@ -282,7 +322,9 @@ class Supervisor {
   }
 
   // Another node's failure, or a signal to another node's distrun, ends this round here too.
+  // Meanwhile, the other nodes are told this distrun is alive.
   void watch_other_nodes() {
+    if (coordinator_) coordinator_->beat();
     if (!coordinator_ || ended_elsewhere_ || !any_running()) return;
     const auto outcome = coordinator_->poll_round();
     if (!outcome || outcome->node == options_.node_rank) return;
@@ -309,6 +351,8 @@ class Supervisor {
     drain_deadline_.reset();
     first_failure_status_ = 0;
     first_failure_rank_ = -1;
+    named_running_.clear();
+    named_other_.clear();
     ended_elsewhere_.reset();
     if (coordinator_) {
       // The port comes with the next round (join_round).
@@ -331,7 +375,7 @@ class Supervisor {
     for (int local_rank = 0; local_rank < options_.nproc_per_node; ++local_rank) {
       const int rank = options_.node_rank * options_.nproc_per_node + local_rank;
       try {
-        start_rank(local_rank, rank);
+        start_rank(local_rank, rank, restart_count_);
       } catch (const std::exception& e) {
         write_all(STDERR_FILENO,
                   fmt::format("distrun: cannot start rank {}: {}\n", rank, e.what()));
@@ -341,10 +385,10 @@ class Supervisor {
     }
   }
 
-  void start_rank(int local_rank, int rank) {
+  void start_rank(int local_rank, int rank, int restart_count) {
     std::vector<std::string> args = options_.command;
     std::vector<std::string> env = child_environment(rank_environment(
-        options_, local_rank, restart_count_, secret_ ? secret_->path() : std::string()));
+        options_, local_rank, restart_count, secret_ ? secret_->path() : std::string()));
     const std::vector<char*> argv = c_strings(args);
     const std::vector<char*> envp = c_strings(env);
     Pipe out = make_pipe();
@@ -370,11 +414,14 @@ class Supervisor {
 
     RankProcess process;
     process.rank = rank;
+    process.local_rank = local_rank;
+    process.restart_count = restart_count;
     process.pid = pid;
     process.running = true;
     const std::string prefix = fmt::format("[rank {}] ", rank);
     process.outputs.emplace_back(std::move(out.read), prefix, STDOUT_FILENO);
     process.outputs.emplace_back(std::move(err.read), prefix, STDERR_FILENO);
+    process.outputs.back().keep_tail(kStderrTailBytes);
     ranks_.push_back(std::move(process));
   }
 
@@ -417,8 +464,9 @@ class Supervisor {
 
   int poll_timeout_ms() const {
     auto deadline = next_deadline();
-    // While ranks run, the store is asked every kRetryInterval whether the round ended elsewhere.
-    if (coordinator_ && !ended_elsewhere_ && any_running()) {
+    // While ranks run, the store is asked every kRetryInterval whether the round ended elsewhere
+    // (and told that this distrun is alive, also while the ranks are stopped).
+    if (coordinator_ && any_running()) {
       const auto watch = Clock::now() + NodeCoordinator::kRetryInterval;
       deadline = deadline ? std::min(*deadline, watch) : watch;
     }
@@ -431,7 +479,9 @@ class Supervisor {
   }
 
   void reap() {
-    for (auto& rank : ranks_) {
+    std::vector<size_t> to_restart;
+    for (size_t i = 0; i < ranks_.size(); ++i) {
+      RankProcess& rank = ranks_[i];
       if (!rank.running) continue;
       int status = 0;
       pid_t pid;
@@ -443,12 +493,21 @@ class Supervisor {
       rank.running = false;
       rank.status = status;
       rank.waited = pid > 0;
+      for (auto& output : rank.outputs) {
+        if (output.open()) output.read_available(kMaxReadsAtExit);
+      }
+      if (pid > 0 && status != 0 && may_restart_alone(rank)) {
+        write_all(STDERR_FILENO,
+                  fmt::format("distrun: rank {} (pid {}) {}\n", rank.rank, rank.pid,
+                              WIFSIGNALED(status) ? "was " + how_ended(rank) : how_ended(rank)));
+        rank.replaced = true;
+        to_restart.push_back(i);
+        continue;
+      }
       // Once another node ended the round, the local ranks' ends are its consequences.
       if (first_failure_rank_ < 0 && !ended_elsewhere_ && (pid < 0 || status != 0)) {
         first_failure_rank_ = rank.rank;
-      }
-      for (auto& output : rank.outputs) {
-        if (output.open()) output.read_available(kMaxReadsAtExit);
+        note_ranks_named_by(rank);
       }
       if (pid < 0) {
         write_all(STDERR_FILENO, fmt::format("distrun: rank {} (pid {}) cannot be waited for: {}\n",
@@ -462,6 +521,67 @@ class Supervisor {
         write_all(STDERR_FILENO, fmt::format("distrun: rank {} (pid {}) exited with status {}\n",
                                              rank.rank, rank.pid, WEXITSTATUS(status)));
         on_failure(WEXITSTATUS(status));
+      }
+    }
+    for (size_t i : to_restart) restart_alone(i);
+  }
+
+  // --restart-policy rank: whether a failure of `rank` restarts it alone. Not rank 0 (it serves
+  // the store the others would rejoin), not once the job is stopping (a signal, or a failure
+  // that ends it: later failures are its consequences), and at most --max-restarts times a rank.
+  bool may_restart_alone(const RankProcess& rank) const {
+    return options_.restart_policy == RestartPolicy::kRank && rank.rank != 0 &&
+           rank.restart_count < options_.max_restarts && received_signal_ == 0 &&
+           !grace_deadline_ && !ended_elsewhere_;
+  }
+
+  // Starts the failed run ranks_[index] again, alone, with its restart count one higher and the
+  // same MASTER_PORT; the other ranks run on.
+  void restart_alone(size_t index) {
+    if (grace_deadline_) {
+      // Another rank reaped in the same pass ended the job: this failure is reported, not undone.
+      ranks_[index].replaced = false;
+      return;
+    }
+    const int rank = ranks_[index].rank;
+    const int local_rank = ranks_[index].local_rank;
+    const int restart_count = ranks_[index].restart_count + 1;
+    write_all(STDERR_FILENO,
+              fmt::format("distrun: restarting rank {} alone (--restart-policy rank): restart {} "
+                          "of at most {} for this rank, DISTRUN_RESTART_COUNT={}, MASTER_PORT={}; "
+                          "the other ranks keep running\n",
+                          rank, restart_count, options_.max_restarts, restart_count,
+                          options_.master_port));
+    try {
+      start_rank(local_rank, rank, restart_count);
+    } catch (const std::exception& e) {
+      write_all(STDERR_FILENO, fmt::format("distrun: cannot start rank {}: {}\n", rank, e.what()));
+      if (first_failure_rank_ < 0) first_failure_rank_ = rank;
+      on_failure(1);
+    }
+  }
+
+  bool restarted_alone() const {
+    return std::any_of(ranks_.begin(), ranks_.end(), [](const auto& r) { return r.replaced; });
+  }
+
+  // The first rank to fail: which ranks its last words (stderr) name, and which of those had not
+  // exited then. A rank whose collective failed often exits first while the culprit it names
+  // still hangs.
+  void note_ranks_named_by(const RankProcess& failed) {
+    named_running_.clear();
+    named_other_.clear();
+    const int first_local = options_.node_rank * options_.nproc_per_node;
+    for (int named : ranks_named_in(failed.outputs[1].tail())) {
+      if (named == failed.rank) continue;
+      const auto run = std::find_if(ranks_.begin(), ranks_.end(), [&](const RankProcess& r) {
+        return r.rank == named && !r.replaced;
+      });
+      const bool local = named >= first_local && named < first_local + options_.nproc_per_node;
+      if (local && run != ranks_.end() && run->running && !has_exited(run->pid)) {
+        named_running_.push_back(named);
+      } else {
+        named_other_.push_back(named);
       }
     }
   }
@@ -540,6 +660,10 @@ class Supervisor {
     std::string text;
     if (options_.max_restarts == 0) {
       text = "distrun: how each rank ended:\n";
+    } else if (options_.restart_policy == RestartPolicy::kRank) {
+      text =
+          "distrun: how each rank ended (--restart-policy rank; a restarted rank's earlier runs "
+          "below it):\n";
     } else if (coordinator_ && round_outcome_) {
       text = fmt::format(
           "distrun: attempt {} (DISTRUN_RESTART_COUNT={}) ended on every node as {}; how each "
@@ -549,30 +673,79 @@ class Supervisor {
       text = fmt::format("distrun: attempt {} (DISTRUN_RESTART_COUNT={}), how each rank ended:\n",
                          restart_count_ + 1, restart_count_);
     }
-    for (const auto& rank : ranks_) {
-      std::string ended;
-      if (!rank.waited) {
-        ended = "could not be waited for";
-      } else if (WIFSIGNALED(rank.status)) {
-        ended = "killed by signal " + signal_name(WTERMSIG(rank.status));
-      } else {
-        ended = fmt::format("exited with status {}", WEXITSTATUS(rank.status));
+    // By rank; a rank's runs (more than one only when restarted alone) in the order they ran.
+    std::vector<const RankProcess*> runs;
+    for (const auto& rank : ranks_) runs.push_back(&rank);
+    std::stable_sort(runs.begin(), runs.end(),
+                     [](const auto* a, const auto* b) { return a->rank < b->rank; });
+    for (size_t first = 0; first < runs.size();) {
+      size_t last = first;
+      while (last + 1 < runs.size() && runs[last + 1]->rank == runs[first]->rank) ++last;
+      text += rank_line(*runs[last]);
+      if (last > first) {
+        text += fmt::format("; restarted alone {} time(s), its earlier runs:", last - first);
       }
-      if (rank.rank == first_failure_rank_) ended += " (the first failure)";
-      if (!rank.signals_sent.empty()) {
-        std::vector<std::string> names;
-        for (int signo : rank.signals_sent) names.push_back(signal_name(signo));
-        ended += fmt::format("; it was still running and distrun stopped it with {}",
-                             fmt::join(names, ", then "));
+      text += "\n";
+      for (size_t run = first; run < last; ++run) {
+        text += fmt::format("distrun:     run {} (pid {}, DISTRUN_RESTART_COUNT={}): {}\n",
+                            run - first + 1, runs[run]->pid, runs[run]->restart_count,
+                            how_ended(*runs[run]));
       }
-      text += fmt::format("distrun:   rank {} (pid {}): {}\n", rank.rank, rank.pid, ended);
+      first = last + 1;
     }
     return text;
+  }
+
+  // The summary's line for the last run of a rank, without its newline.
+  std::string rank_line(const RankProcess& rank) const {
+    std::string ended = how_ended(rank);
+    if (rank.rank == first_failure_rank_) ended += first_failure_note();
+    if (!rank.signals_sent.empty()) {
+      std::vector<std::string> names;
+      for (int signo : rank.signals_sent) names.push_back(signal_name(signo));
+      ended += fmt::format("; it was still running and distrun stopped it with {}",
+                           fmt::join(names, ", then "));
+    }
+    if (std::find(named_running_.begin(), named_running_.end(), rank.rank) !=
+        named_running_.end()) {
+      ended +=
+          fmt::format("; named by the error of rank {}, the first to fail", first_failure_rank_);
+    }
+    return fmt::format("distrun:   rank {} (pid {}): {}", rank.rank, rank.pid, ended);
+  }
+
+  // " (the first failure)", and the ranks its error names: those still running then first.
+  std::string first_failure_note() const {
+    std::string others;
+    if (!named_other_.empty()) {
+      const int first_local = options_.node_rank * options_.nproc_per_node;
+      std::vector<std::string> items;
+      for (int named : named_other_) {
+        const bool local = named >= first_local && named < first_local + options_.nproc_per_node;
+        items.push_back(fmt::format("{}{}", named, local ? "" : " (not on this node)"));
+      }
+      others = fmt::format("rank{} {}", items.size() > 1 ? "s" : "", fmt::join(items, ", "));
+    }
+    if (named_running_.empty()) {
+      return others.empty() ? " (the first failure)"
+                            : " (the first failure; its error names " + others + ")";
+    }
+    const bool stopped = std::all_of(named_running_.begin(), named_running_.end(), [&](int named) {
+      return std::any_of(ranks_.begin(), ranks_.end(), [&](const RankProcess& r) {
+        return r.rank == named && !r.replaced && !r.signals_sent.empty();
+      });
+    });
+    return fmt::format(
+        " (the first to fail, but its error names {}, which {} still running{}: look there "
+        "first{})",
+        rank_list(named_running_), named_running_.size() > 1 ? "were" : "was",
+        stopped ? " (stopped by distrun)" : "", others.empty() ? "" : "; it also names " + others);
   }
 
   // With restarts: why there is no further attempt, then every attempt's summary.
   std::string final_report() const {
     if (options_.max_restarts == 0) return summaries_.back();
+    if (options_.restart_policy == RestartPolicy::kRank) return rank_policy_report();
     // The round may have been stopped before its attempt started (while the nodes joined).
     const std::string when =
         fmt::format("{} attempt {}",
@@ -599,6 +772,48 @@ class Supervisor {
     return text;
   }
 
+  // --restart-policy rank: how the job ended, which ranks were restarted alone, then the summary.
+  std::string rank_policy_report() const {
+    std::string text;
+    if (received_signal_ != 0) {
+      text = fmt::format("distrun: got {}; no restart after a signal\n",
+                         signal_name(received_signal_));
+    } else if (first_failure_rank_ == 0) {
+      text = fmt::format(
+          "distrun: rank 0 failed; under --restart-policy rank it is never restarted (it serves "
+          "the rendezvous store the other ranks meet in), so the job ends; exit status {}\n",
+          exit_status());
+    } else if (first_failure_rank_ > 0) {
+      const int restarts = runs_of(first_failure_rank_) - 1;
+      text = fmt::format(
+          "distrun: rank {} failed {}and no restart is left for it (--max-restarts {}, per "
+          "rank); exit status {}\n",
+          first_failure_rank_, restarts > 0 ? fmt::format("after {} restart(s) ", restarts) : "",
+          options_.max_restarts, exit_status());
+    } else if (exit_status() != 0) {
+      text = fmt::format("distrun: a rank could not be started; exit status {}\n", exit_status());
+    } else {
+      text = "distrun: every rank exited with status 0\n";
+    }
+    std::vector<std::string> restarted;
+    for (int local = 0; local < options_.nproc_per_node; ++local) {
+      const int rank = options_.node_rank * options_.nproc_per_node + local;
+      const int restarts = runs_of(rank) - 1;
+      if (restarts > 0) restarted.push_back(fmt::format("rank {} {} time(s)", rank, restarts));
+    }
+    if (!restarted.empty()) {
+      text += fmt::format("distrun: restarted alone (--restart-policy rank): {}\n",
+                          fmt::join(restarted, ", "));
+    }
+    return text + summaries_.back();
+  }
+
+  // How many runs of `rank` were started.
+  int runs_of(int rank) const {
+    return static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(),
+                                          [rank](const RankProcess& r) { return r.rank == rank; }));
+  }
+
   LaunchOptions options_;
   const bool port_given_;
   // The job's RPC secret, made by run() for a job on one node (see there); kept for every attempt.
@@ -620,6 +835,10 @@ class Supervisor {
   int received_signal_ = 0;
   int first_failure_status_ = 0;
   int first_failure_rank_ = -1;
+  // The ranks the first failure's stderr names: those that had not exited when it failed (local
+  // ones), and the others.
+  std::vector<int> named_running_;
+  std::vector<int> named_other_;
 };
 
 }  // namespace

@@ -23,7 +23,10 @@ namespace launcher {
 /// With max_restarts > 0, once every rank of a failed attempt has been reaped, all local ranks
 /// are started again (at most max_restarts times) with DISTRUN_RESTART_COUNT one higher and, if
 /// the port was not given, a new free MASTER_PORT; a SIGINT or SIGTERM to distrun ends the job
-/// without a restart.
+/// without a restart. With restart_policy kRank instead, a failed rank other than rank 0 is
+/// started again at once, alone (at most max_restarts times per rank), with its own restart count
+/// and the same MASTER_PORT, while the others run on; rank 0's failure, or that of a rank with no
+/// restart left, ends the job as without restarts.
 ///
 /// With nnodes > 1 and max_restarts > 0, every node's distrun goes through the rounds together
 /// (NodeCoordinator, node_coordination.h): each round starts once every node has joined, on a
@@ -36,7 +39,11 @@ namespace launcher {
 /// of the failure that ended the last round, 128 + the signal another node's distrun got, or 1
 /// if the nodes could not coordinate (a node never joined within rdzv_timeout_seconds, options
 /// that differ, node 0's store unreachable); otherwise the last attempt's first failing rank's
-/// exit status, or 128 + its signal; 1 if a rank could not be started. Blocking: returns once all
+/// exit status, or 128 + its signal; 1 if a rank could not be started. Under kRank, a failure
+/// followed by a restart alone does not count: the status is that of the failure that ended the
+/// job, else 0. The summary on stderr (after a failure, or under kRank after any restart) gives
+/// how each rank ended, each earlier run of a restarted rank, and the ranks the first failure's
+/// error names that were still running. Blocking: returns once all
 /// ranks are reaped and their output read to end of file (at most 1 s more for output held open
 /// by a rank's own children); across nodes, the waits for the other nodes end by
 /// rdzv_timeout_seconds (plus at most a second). Not thread-safe, and not reentrant: it installs

@@ -83,6 +83,14 @@ struct Rendezvous {
 /// each call is independent.
 Rendezvous rendezvous(const RendezvousOptions& options);
 
+/// The rendezvous store alone, for a group whose size is not known (a dynamic rpc group): rank
+/// 0 serves it (options.rank() must be given), the others connect to it, waiting up to
+/// options.timeout() for it to come up; nobody waits for anyone else. tcp:// and env:// only
+/// (env:// reads MASTER_ADDR and MASTER_PORT). The result has world_size 0 and no hosts.
+/// Errors: c10::ValueError for a bad init_method or rank, file://; TimeoutError naming the store
+/// when it cannot be reached; DistributedError when rank 0 cannot serve it.
+Rendezvous open_store(const RendezvousOptions& options);
+
 /// True when `host` names this machine's loopback ("localhost", 127.0.0.0/8, "::1").
 bool is_loopback_address(const std::string& host);
 

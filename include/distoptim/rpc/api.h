@@ -162,12 +162,36 @@ class WorkerRef {
 void init_rpc(const std::string& name, int rank, int world_size,
               const RpcBackendOptions& options = {});
 
-/// Stops the agent. graceful: a barrier across every worker (each must call shutdown), then
-/// waits for this worker's outstanding calls and requests, a second barrier, then stops. Not
-/// graceful: stops at once; pending futures fail with DistributedError. Either way no agent
-/// thread is left afterwards. Errors: DistributedError if no agent runs, or if called on one of
-/// the agent's own threads (from a request or a future's callback; nothing is stopped then);
-/// TimeoutError naming the workers missing from a barrier (the agent is stopped all the same).
+/// For init_rpc of a dynamic group: the group assigns the rank (the lowest number from 1 up
+/// that no worker has claimed in this group).
+constexpr int kAssignRank = -1;
+
+/// Joins a dynamic group (PyTorch 1.13's init_rpc with world_size=None): workers join and leave
+/// while it runs. Rank 0 serves the rendezvous store (options().init_method, tcp:// or env://)
+/// and starts the group; the others may start before it (they wait, up to init_timeout, for its
+/// store) or any time later. A rank (0..32767, or kAssignRank) and a name are claimed once: a
+/// rank is never used twice in a group, and a name passes to a new worker only once its holder
+/// has left. Returns once every current member knows this worker: each can call it from then on,
+/// and get_worker_infos() lists it there. Errors as the static init_rpc, and c10::ValueError for
+/// a rank or name that is taken (naming the holder), DistributedError when the store host is
+/// leaving. Differences from a static group: shutdown() involves only this worker (see
+/// shutdown), and the store host (rank 0) leaves last: its shutdown waits for the other members
+/// to leave. docs/rpc.md, "Dynamic membership".
+void init_rpc(const std::string& name, int rank, const RpcBackendOptions& options);
+
+/// Stops the agent. In a dynamic group a graceful shutdown is this worker's own: it marks itself
+/// left in the store, deletes the RRefs it holds, tells every member it leaves (from then on
+/// their calls to it fail at once with PeerLostError saying it left), waits for its outstanding
+/// calls and the requests it is running, then stops; the store host (rank 0) first waits for
+/// every other member to leave, as long as those are alive (one that dies or does not answer a
+/// liveness check within liveness_timeout is not waited for) and up to shutdown_timeout when set
+/// (TimeoutError naming those still there; it stops all the same). In a static group, graceful: a
+/// barrier across every worker (each must call shutdown), then waits for this worker's outstanding
+/// calls and requests, a second barrier, then stops. Not graceful: stops at once; pending futures
+/// fail with DistributedError. Either way no agent thread is left afterwards. Errors:
+/// DistributedError if no agent runs, or if called on one of the agent's own threads (from a
+/// request or a future's callback; nothing is stopped then); TimeoutError naming the workers
+/// missing from a barrier (the agent is stopped all the same).
 void shutdown(bool graceful = true);
 
 /// Hold one while updating in place a tensor that handlers return or RRefs hold (a parameter
@@ -188,8 +212,9 @@ class InPlaceUpdateGuard {
 /// get_rpc_timeout(). Throws DistributedError if no agent runs.
 std::chrono::milliseconds get_rpc_timeout();
 
-/// This worker, a worker by name or id, and all workers (by id). Throw c10::ValueError for an
-/// unknown name or id, DistributedError if no agent runs.
+/// This worker, a worker by name or id, and all workers (by id; in a dynamic group the current
+/// members: joins and leaves show as soon as this worker is told of them). Throw c10::ValueError
+/// for an unknown name or id, or one of a worker that left; DistributedError if no agent runs.
 WorkerInfo get_worker_info();
 WorkerInfo get_worker_info(const std::string& name);
 WorkerInfo get_worker_info(int id);
@@ -269,7 +294,8 @@ inline void RpcFuture<void>::wait() const {
 /// The untyped call every typed one goes through: runs the function registered as `function`
 /// on `to` with `args`. Throws c10::ValueError / c10::TypeError for a bad destination or an
 /// argument that cannot be sent (before anything is sent), DistributedError if no agent runs.
-/// A destination known to be dead gives a future failed with PeerLostError at once.
+/// A destination known to be dead, or to have left a dynamic group, gives a future failed with
+/// PeerLostError at once.
 c10::intrusive_ptr<c10::ivalue::Future> rpc_async_values(
     const WorkerRef& to, const std::string& function, std::vector<c10::IValue> args,
     std::chrono::milliseconds timeout = kDefaultTimeout);

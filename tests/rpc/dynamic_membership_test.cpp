@@ -1,0 +1,250 @@
+// Dynamic rpc groups (init_rpc without a world size) across real processes on loopback: a
+// parameter server starts alone, trainers join one by one and call it and each other, one leaves,
+// calls to it fail naming it, a new worker joins under a new name and another under the left one's
+// name, and every member's get_worker_infos follows. The processes take turns through keys of
+// their own in the rendezvous store, so every list asserted is exact. Every wait is bounded.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include <distoptim/rpc.h>
+
+#include "harness/multiprocess.h"
+#include "harness/rpc_workers.h"
+
+namespace distoptim {
+namespace rpc {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::run_ranks;
+
+DISTOPTIM_RPC_FUNCTION("dynamic_add", [](int64_t a, int64_t b) { return a + b; });
+// The names of the members the callee knows, by id.
+DISTOPTIM_RPC_FUNCTION("dynamic_members", [] {
+  std::vector<std::string> names;
+  for (const WorkerInfo& info : get_worker_infos()) names.push_back(info.name);
+  return names;
+});
+DISTOPTIM_RPC_FUNCTION("dynamic_whoami", [] { return get_worker_info().name; });
+
+std::vector<std::string> my_members() {
+  std::vector<std::string> names;
+  for (const WorkerInfo& info : get_worker_infos()) names.push_back(info.name);
+  return names;
+}
+
+std::vector<std::string> members_of(const std::string& worker) {
+  return rpc_sync<std::vector<std::string>>(worker, "dynamic_members");
+}
+
+// Keys of the test's own turns, in the store rank 0 serves (after it has started it).
+struct Turns : testing::StoreTurns {
+  explicit Turns(int rank) : StoreTurns(rank, "test/dynamic_membership") {}
+};
+
+// `call` throws an `Error` whose message contains `text`.
+template <class Error, class Call>
+void expect_error(Call call, const std::string& text) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one saying: " << text;
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find(text), std::string::npos) << error.what();
+  }
+}
+
+RpcBackendOptions options() { return testing::test_options(30s); }
+
+TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
+  run_ranks(4, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options());
+      Turns turns(0);
+      EXPECT_EQ(get_worker_info(), (WorkerInfo{"ps", 0}));
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps"}));
+      turns.say("ps_up");
+      turns.await("trainer1_rejoined");
+      // Joins and leaves as the trainers saw them.
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
+      EXPECT_EQ(get_worker_info("trainer1").id, 4);
+      shutdown();  // the store host leaves last: it waits for the trainers to leave
+      return;
+    }
+    Turns turns(rank);
+    turns.await("ps_up");
+    if (rank == 1) {
+      init_rpc("trainer1", 1, options());
+      EXPECT_EQ(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{2}, int64_t{3}}), 5);
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer1"}));
+      EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"ps", "trainer1"}));
+      turns.say("trainer1_joined");
+      turns.await("trainer2_joined");
+      // A worker that joined after this one is known here without a call of its own.
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer1", "trainer2"}));
+      EXPECT_EQ(rpc_sync<std::string>("trainer2", "dynamic_whoami"), "trainer2");
+      shutdown();  // leaves alone: nobody else is in a barrier
+      turns.say("trainer1_left");
+      // The name passes to a new worker once its holder has left; the rank does not.
+      turns.await("trainer3_joined");
+      expect_error<c10::ValueError>([] { init_rpc("trainer1", 1, options()); },
+                                    "rank 1 (worker 'trainer1') is taken");
+      init_rpc("trainer1", kAssignRank, options());
+      EXPECT_EQ(get_worker_info().id, 4);
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
+      EXPECT_EQ(rpc_sync<std::string>("trainer2", "dynamic_whoami"), "trainer2");
+      turns.say("trainer1_rejoined");
+      turns.await("trainer2_done");
+      shutdown();
+      return;
+    }
+    if (rank == 2) {
+      turns.await("trainer1_joined");
+      init_rpc("trainer2", 2, options());
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer1", "trainer2"}));
+      EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"ps", "trainer1", "trainer2"}));
+      EXPECT_EQ(members_of("trainer1"), (std::vector<std::string>{"ps", "trainer1", "trainer2"}));
+      turns.say("trainer2_joined");
+      turns.await("trainer1_left");
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2"}));
+      EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"ps", "trainer2"}));
+      // A call to the worker that left fails at once, naming it and saying it left.
+      expect_error<PeerLostError>([] { rpc_sync<std::string>("trainer1", "dynamic_whoami"); },
+                                  "worker 'trainer1' (id 1) left the group");
+      EXPECT_THROW(get_worker_info("trainer1"), c10::ValueError);
+      turns.say("trainer2_checked");
+      turns.await("trainer1_rejoined");
+      // The name now resolves to the new worker.
+      EXPECT_EQ(get_worker_info("trainer1").id, 4);
+      EXPECT_EQ(rpc_sync<std::string>("trainer1", "dynamic_whoami"), "trainer1");
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
+      turns.say("trainer2_done");
+      shutdown();
+      return;
+    }
+    // rank 3: a new worker under a new name, its rank assigned.
+    turns.await("trainer2_checked");
+    init_rpc("trainer3", kAssignRank, options());
+    EXPECT_EQ(get_worker_info().id, 3);  // 1 and 2 are taken
+    EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3"}));
+    EXPECT_EQ(members_of("trainer2"), (std::vector<std::string>{"ps", "trainer2", "trainer3"}));
+    EXPECT_EQ(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{4}, int64_t{5}}), 9);
+    turns.say("trainer3_joined");
+    turns.await("trainer2_done");
+    shutdown();
+  });
+}
+
+TEST(DynamicMembership, BadJoinsAreRefusedNamingTheRankOrName) {
+  run_ranks(2, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options());
+      Turns turns(0);
+      turns.say("ps_up");
+      turns.await("checked");
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps"}));
+      shutdown();
+      return;
+    }
+    Turns turns(1);
+    turns.await("ps_up");
+    expect_error<c10::ValueError>([] { init_rpc("ps", 5, options()); },
+                                  "the worker name 'ps' is taken by rank 0");
+    EXPECT_THROW(init_rpc("w", 40000, options()), c10::ValueError);
+    EXPECT_THROW(init_rpc("w", 1, RpcBackendOptions("file:///tmp/x")), c10::ValueError);
+    turns.say("checked");
+  });
+}
+
+// The store host leaves last: its shutdown waits for the members still in the group, and past
+// shutdown_timeout names them (and stops all the same). A member leaving while a call to it is
+// pending answers it first.
+std::atomic<bool> g_slow_echo_started{false};
+DISTOPTIM_RPC_FUNCTION("dynamic_slow_echo", [](int64_t value) {
+  g_slow_echo_started = true;
+  std::this_thread::sleep_for(300ms);
+  return value;
+});
+
+TEST(DynamicMembership, TheStoreHostLeavesLastAndNamesWhoStayed) {
+  run_ranks(3, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options().shutdown_timeout(1500ms));
+      Turns turns(0);
+      turns.say("ps_up");
+      turns.await("leaver_joined");
+      // The leaver's call was pending when it left: answered, not failed.
+      auto pending = rpc_async<int64_t>("leaver", "dynamic_slow_echo", std::tuple{int64_t{7}});
+      turns.say("call_sent");
+      EXPECT_EQ(pending.wait(), 7);
+      turns.await("leaver_left");
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "stayer"}));
+      expect_error<TimeoutError>(
+          [] { shutdown(); },
+          "leaves last, but after 1500 ms these workers had not left: 'stayer' (rank 2)");
+      turns.say("ps_left");
+      return;
+    }
+    Turns turns(rank);
+    turns.await("ps_up");
+    if (rank == 1) {
+      turns.await("stayer_joined");
+      init_rpc("leaver", 1, options());
+      turns.say("leaver_joined");
+      turns.await("call_sent");
+      // The call is running here; leaving does not cut it short.
+      for (int i = 0; i < 1000 && !g_slow_echo_started; ++i) std::this_thread::sleep_for(5ms);
+      ASSERT_TRUE(g_slow_echo_started);
+      shutdown();
+      turns.say("leaver_left");
+      return;
+    }
+    init_rpc("stayer", 2, options());
+    turns.say("stayer_joined");
+    turns.await("ps_left");
+    // Calls to the store host that left fail; leaving without its store still works.
+    EXPECT_THROW(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{1}, int64_t{1}}),
+                 PeerLostError);
+    shutdown();
+  });
+}
+
+// Without a shutdown_timeout the store host waits for the members as long as they are alive: one
+// that is stopped (SIGSTOP) stops answering its liveness checks and is not waited for.
+DISTOPTIM_RPC_FUNCTION("dynamic_pid", [] { return static_cast<int64_t>(::getpid()); });
+
+TEST(DynamicMembership, TheStoreHostDoesNotWaitForAStoppedMember) {
+  run_ranks(2, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options().shutdown_timeout(0ms).liveness_timeout(1s));
+      Turns turns(0);
+      turns.say("ps_up");
+      turns.await("stuck_joined");
+      const auto pid = static_cast<pid_t>(rpc_sync<int64_t>("stuck", "dynamic_pid"));
+      ASSERT_TRUE(testing::stop_process(pid));
+      EXPECT_NO_THROW(shutdown());
+      ASSERT_EQ(::kill(pid, SIGCONT), 0);
+      turns.say("ps_left");
+      turns.await("stuck_done");  // the test's store lives in this process
+      return;
+    }
+    Turns turns(1);
+    turns.await("ps_up");
+    init_rpc("stuck", 1, options());
+    turns.say("stuck_joined");
+    turns.await("ps_left");
+    shutdown();
+    turns.say("stuck_done");
+  });
+}
+
+}  // namespace
+}  // namespace rpc
+}  // namespace distoptim
