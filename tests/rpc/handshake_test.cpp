@@ -273,8 +273,9 @@ HandshakeMessage proof_as_worker1(const HandshakeMessage& challenge, const std::
   return answer;
 }
 
-// Worker 0's listening address and port, as the agent publishes them in the rendezvous store.
-std::pair<std::string, int> address_of_worker0() {
+// Worker 0's listening address and port, as the agent publishes them in the rendezvous store
+// (a dynamic group's record is its name, a newline, then the same).
+std::pair<std::string, int> address_of_worker0(bool dynamic_group = false) {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
   store_options.isServer = false;
@@ -282,8 +283,10 @@ std::pair<std::string, int> address_of_worker0() {
   store_options.timeout = 20s;
   auto store = c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR"), store_options);
   c10d::PrefixStore rendezvous("distoptim/rpc/rendezvous/", store);
-  const std::vector<uint8_t> bytes = rendezvous.get("distoptim/rpc/worker/0/url");
-  const std::string text(bytes.begin(), bytes.end());
+  const std::vector<uint8_t> bytes =
+      rendezvous.get(dynamic_group ? "distoptim/rpc/dynamic/rank/0" : "distoptim/rpc/worker/0/url");
+  std::string text(bytes.begin(), bytes.end());
+  if (dynamic_group) text = text.substr(text.find('\n') + 1);
   const size_t space = text.rfind(' ');
   return {text.substr(0, space), std::stoi(text.substr(space + 1))};
 }
@@ -835,6 +838,43 @@ TEST(RpcHandshake, AcceptedConnectionsAreBoundedInNumber) {
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
       rpc_sync<int64_t>(worker(1), "set_flood_stage", std::tuple{int64_t{2}});
     }
+    shutdown();
+  });
+}
+
+// In a dynamic group any id up to 32767 may be proven (a worker announces itself on its first
+// connection): proven connections of ids that are no member's count against the same bound, the
+// oldest closed first, and a worker that joins afterwards is served.
+TEST(RpcHandshake, ProvenIdsOfNoMemberAreBoundedInADynamicGroup) {
+  constexpr int kClaims = 300;
+  run_ranks(2, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options_with_secret("the-secret"));  // serves the store turns use
+      testing::StoreTurns turns(0, "test/proven_ids");
+      const int64_t open_before = rpc_sync<int64_t>("ps", "open_descriptors");
+      turns.say("ps_up");
+      turns.await("claimed");
+      const int64_t open_after = rpc_sync<int64_t>("ps", "open_descriptors");
+      EXPECT_LE(open_after - open_before,
+                static_cast<int64_t>(detail::Peers::max_accepted_connections(1)));
+      turns.say("measured");
+      turns.await("joined");
+      shutdown();
+      return;
+    }
+    testing::StoreTurns turns(1, "test/proven_ids");
+    turns.await("ps_up");
+    const auto [address, port] = address_of_worker0(/*dynamic_group=*/true);
+    std::vector<std::unique_ptr<RawPeer>> claims;
+    for (int i = 0; i < kClaims; ++i) {
+      claims.push_back(std::make_unique<RawPeer>(address, port));
+      ASSERT_TRUE(prove_as(*claims.back(), 100 + i)) << "worker id " << 100 + i;
+    }
+    turns.say("claimed");
+    turns.await("measured");
+    init_rpc("trainer", 1, options_with_secret("the-secret"));
+    EXPECT_EQ(rpc_sync<int64_t>("ps", "record", std::tuple{}), 1);
+    turns.say("joined");
     shutdown();
   });
 }
