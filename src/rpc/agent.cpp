@@ -42,7 +42,8 @@ Agent::Agent(int rank, int world_size, const RpcBackendOptions& options)
       group_(rank, world_size, options),
       pending_([this](std::vector<PendingCall> expired) { on_calls_expired(std::move(expired)); }),
       dispatcher_(options, limits_, pending_),
-      peers_(group_.listen_address(), limits_) {}
+      peers_(group_.listen_address(), limits_, options.inbound_queue_bytes(),
+             options.frame_stall_timeout()) {}
 
 void Agent::start(const std::string& name) {
   if (group_.dynamic()) {

@@ -112,6 +112,9 @@ void start_agent(const std::string& name, int rank, int world_size,
   TORCH_CHECK_VALUE(options.shutdown_timeout().count() >= 0, "init_rpc: shutdown_timeout of ",
                     options.shutdown_timeout().count(), " ms (use 0 for none) (worker '", name,
                     "')");
+  TORCH_CHECK_VALUE(options.frame_stall_timeout().count() >= 0, "init_rpc: frame_stall_timeout of ",
+                    options.frame_stall_timeout().count(), " ms (use 0 for none) (worker '", name,
+                    "')");
   TORCH_CHECK_VALUE(options.shared_secret().size() <= kMaxSecretBytes,
                     "init_rpc: shared_secret of ", options.shared_secret().size(),
                     " bytes (at most 4096) (worker '", name, "')");

@@ -1,6 +1,7 @@
 #include "peers.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 #include <asio/post.hpp>
 #include <asio/steady_timer.hpp>
@@ -12,8 +13,13 @@ namespace distoptim {
 namespace rpc {
 namespace detail {
 
-Peers::Peers(const std::string& address, WireLimits limits)
-    : limits_(limits), io_work_(io_.get_executor()) {
+Peers::Peers(const std::string& address, WireLimits limits, size_t receive_budget_bytes,
+             std::chrono::milliseconds frame_stall_timeout)
+    : limits_(limits),
+      stall_timeout_(frame_stall_timeout),
+      budget_(std::make_shared<ReceiveBudget>(receive_budget_bytes)),
+      io_work_(io_.get_executor()),
+      stall_check_(io_) {
   listener_ = std::make_shared<Listener>(io_, address);
   io_loop_ = std::make_unique<IoLoop>(io_, kIoLoopThreads);
 }
@@ -36,8 +42,11 @@ void Peers::start(HandshakeConfig handshake, const WorkerTable& workers, PeerEve
   handshake_.refuse_id = [&workers](int id) { return workers.refuse_id(id); };
   workers_ = &workers;
   events_ = std::move(events);
+  stall_closures_ =
+      std::make_unique<RefusalLog>(handshake_.self_name, std::chrono::seconds(10), 5, "closed");
   asio::post(io_, [this] {
     listener_->start([this](std::shared_ptr<Connection> connection) { on_accepted(connection); });
+    if (stall_timeout_.count() > 0) check_stalls();
   });
 }
 
@@ -58,7 +67,8 @@ std::map<std::string, int64_t> Peers::debug_info() {
   }
   return {{"connections", static_cast<int64_t>(open.size())},
           {"peer_memory.connections", peer_memory},
-          {"peer_memory.bytes_read", bytes_read}};
+          {"peer_memory.bytes_read", bytes_read},
+          {"receive_budget.reserved_bytes", static_cast<int64_t>(budget_->reserved())}};
 }
 
 std::map<int, std::string> Peers::dead_peers() {
@@ -123,7 +133,9 @@ void Peers::lose(int peer, const std::string& why) {
 // each and prove themselves within milliseconds, so past that the oldest is a peer that stalls.
 void Peers::on_accepted(const std::shared_ptr<Connection>& connection) {
   std::shared_ptr<Connection> evicted;
-  const size_t known = workers_->snapshot()->entries.size();
+  std::vector<std::shared_ptr<Connection>> over_limit;
+  const std::shared_ptr<const WorkerTable::Snapshot> table = workers_->snapshot();
+  const size_t known = table->entries.size();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopped_) {
@@ -132,13 +144,18 @@ void Peers::on_accepted(const std::shared_ptr<Connection>& connection) {
     }
     incoming_.push_back(connection);
     unproven_.push_back(connection);
+    accepted_.push_back(connection);
     if (unproven_.size() > known + kExtraUnprovenConnections) {
       evicted = std::move(unproven_.front());
       unproven_.pop_front();
     }
+    over_limit = over_accepted_locked(*table);
   }
   if (evicted) {
     evicted->close("too many connections waiting to prove themselves; this was the oldest");
+  }
+  for (const auto& oldest : over_limit) {
+    oldest->close("too many connections open or closing; this was the oldest of no known member");
   }
   accept_handshake(connection, handshake_, [this, connection](HandshakeOutcome outcome) {
     if (!outcome.accepted) {
@@ -150,11 +167,68 @@ void Peers::on_accepted(const std::shared_ptr<Connection>& connection) {
   });
 }
 
+// Descriptors are bounded even when each connection is: an attacker who proves an identity that
+// is taken is refused, and the refusal lingers up to Connection::kFarewellLinger for the peer to
+// read it; in a dynamic group any id up to kMaxDynamicId may be proven. Those, and unproven ones,
+// go first, oldest first; a known member's proven connection never.
+std::vector<std::shared_ptr<Connection>> Peers::over_accepted_locked(
+    const WorkerTable::Snapshot& table) {
+  accepted_.erase(std::remove_if(accepted_.begin(), accepted_.end(),
+                                 [](const auto& connection) { return connection->closed(); }),
+                  accepted_.end());
+  std::vector<std::shared_ptr<Connection>> closing;
+  size_t open = accepted_.size();
+  const size_t limit = max_accepted_connections(table.entries.size());
+  if (open <= limit) return closing;
+  std::unordered_set<const Connection*> members;
+  for (const auto& [caller, connection] : callers_) {
+    if (table.find(caller) != nullptr) members.insert(connection);
+  }
+  for (auto it = accepted_.begin(); open > limit && it != accepted_.end();) {
+    if (members.count(it->get()) != 0) {
+      ++it;
+      continue;
+    }
+    closing.push_back(std::move(*it));
+    it = accepted_.erase(it);
+    --open;
+  }
+  return closing;
+}
+
+// Every quarter of frame_stall_timeout: a frame that got no byte during the last four checks
+// has stalled for at least frame_stall_timeout (the first of them may come just after its last
+// byte), at most 1.25 times it.
+void Peers::check_stalls() {
+  std::vector<std::shared_ptr<Connection>> open;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) return;
+    open = incoming_;
+    for (const auto& [peer, outgoing] : outgoing_) {
+      if (outgoing.connection) open.push_back(outgoing.connection);
+    }
+  }
+  for (const auto& connection : open) {
+    if (connection->frame_stalled(kStallChecks)) {
+      const std::string why = "no byte of the frame it was sending arrived for " +
+                              std::to_string(stall_timeout_.count()) + " ms (frame_stall_timeout)";
+      stall_closures_->refused(connection->peer_address(), why);
+      connection->close("it stalled: " + why);
+    }
+  }
+  stall_check_.expires_after(std::max(stall_timeout_ / kStallChecks, std::chrono::milliseconds(1)));
+  stall_check_.async_wait([this](const asio::error_code& error) {
+    if (!error) check_stalls();
+  });
+}
+
 void Peers::on_caller_proven(const std::shared_ptr<Connection>& connection, int caller) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     unproven_.erase(std::remove(unproven_.begin(), unproven_.end(), connection), unproven_.end());
   }
+  connection->set_receive_budget(budget_);
   std::weak_ptr<Connection> weak = connection;
   Connection* raw = connection.get();
   connection->set_farewell([this, raw](const std::string& why) { return farewell(raw, why); });
@@ -234,6 +308,7 @@ void Peers::connect_to(int peer) {
 // The handshake succeeded: read replies, then write the messages sent meanwhile, in order, and
 // let new ones be written directly.
 void Peers::on_connected(int peer, const std::shared_ptr<Connection>& connection) {
+  connection->set_receive_budget(budget_);
   std::weak_ptr<Connection> weak = connection;
   Connection* raw = connection.get();
   connection->set_farewell([this, raw](const std::string& why) { return farewell(raw, why); });
@@ -366,6 +441,7 @@ void Peers::stop() {
     for (const auto& connection : connections) {
       connection->close("the agent stopped");
     }
+    stall_check_.cancel();
     listener_->close();
   });
   // Handlers run in the order they were posted: the connections are closed before the loop
@@ -377,6 +453,7 @@ void Peers::stop() {
   outgoing_.clear();
   incoming_.clear();
   unproven_.clear();
+  accepted_.clear();
 }
 
 }  // namespace detail

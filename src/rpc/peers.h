@@ -15,9 +15,11 @@
 
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
+#include <asio/steady_timer.hpp>
 
 #include "handshake.h"
 #include "message.h"
+#include "refusal_log.h"
 #include "transport/connection.h"
 #include "transport/io_loop.h"
 #include "worker_table.h"
@@ -55,7 +57,18 @@ struct PeerEvents {
 /// Accepting side: nothing a connecting peer sends is read but one small handshake frame until it
 /// has proven itself; connections still in their handshake are bounded in number (the workers
 /// known + kExtraUnprovenConnections, the oldest evicted past that) and in time (the handshake
-/// timeout). Replies to a caller go on the connection it opened (Connection::send).
+/// timeout). A proven worker id has one connection here at a time (admit_caller). All accepted
+/// connections still holding a descriptor, including those closing after a refusal and, in a
+/// dynamic group, those proving ids of no known member, are bounded by
+/// max_accepted_connections(workers known): past it the oldest that is not a known member's
+/// proven connection is closed at once. Replies to a caller go on the connection it opened
+/// (Connection::send).
+///
+/// Receiving, once proven (both sides): frames larger than ReceiveBudget::kUnreservedBytes are
+/// read only within one budget of `receive_budget_bytes` shared by all connections (a connection
+/// waits, reading nothing, until its frame fits), and a frame none of whose bytes arrived for
+/// `frame_stall_timeout` closes its connection (checked every quarter of it, logged at a bounded
+/// rate).
 ///
 /// Threading: one mutex guards the tables below; no callback runs while it is held. Lock order:
 /// a caller's own lock may be held around send() (the agent sends under its lock so that calls
@@ -64,7 +77,8 @@ class Peers {
  public:
   /// Starts the I/O thread and listens on `address` (an IP address), port chosen by the system.
   /// Throws DistributedError if it cannot.
-  Peers(const std::string& address, WireLimits limits);
+  Peers(const std::string& address, WireLimits limits, size_t receive_budget_bytes,
+        std::chrono::milliseconds frame_stall_timeout);
   ~Peers();
   Peers(const Peers&) = delete;
   Peers& operator=(const Peers&) = delete;
@@ -87,7 +101,8 @@ class Peers {
   void lose(int peer, const std::string& why);
   /// Peers lost other than by refusal, with why.
   std::map<int, std::string> dead_peers();
-  /// "connections", "peer_memory.connections", "peer_memory.bytes_read" (rpc::get_debug_info).
+  /// "connections", "peer_memory.connections", "peer_memory.bytes_read",
+  /// "receive_budget.reserved_bytes" (rpc::get_debug_info).
   std::map<std::string, int64_t> debug_info();
   /// Closes every connection and the listener and stops the I/O loop: no callback runs after.
   /// Messages not yet written are dropped. Idempotent.
@@ -99,6 +114,15 @@ class Peers {
 
   /// Accepted connections whose peer has not proven itself yet, beyond one per worker.
   static constexpr size_t kExtraUnprovenConnections = 64;
+  /// Accepted connections closing (a refusal or a protocol error being told) beyond those.
+  static constexpr size_t kExtraClosingConnections = 64;
+  /// Accepted connections holding a descriptor at once: one proven per worker, the unproven, and
+  /// the closing.
+  static size_t max_accepted_connections(size_t known_workers) {
+    return 2 * known_workers + kExtraUnprovenConnections + kExtraClosingConnections;
+  }
+  /// Stall checks per frame_stall_timeout.
+  static constexpr int kStallChecks = 4;
   /// Connection attempts to a peer lost before its handshake ends, before it counts as lost.
   /// Threads taking turns at the I/O loop: the leader and one follower, enough for one request
   /// at a time to run on the thread that read it (more wait on the request pool).
@@ -118,6 +142,13 @@ class Peers {
   void on_accepted(const std::shared_ptr<Connection>& connection);
   void on_caller_proven(const std::shared_ptr<Connection>& connection, int caller);
   void forget_incoming(const std::shared_ptr<Connection>& connection);
+  /// Accepting side: the oldest accepted connections that are no known member's proven one, while
+  /// more than max_accepted_connections() hold a descriptor, removed from accepted_ for the caller
+  /// to close; mutex_ held.
+  std::vector<std::shared_ptr<Connection>> over_accepted_locked(const WorkerTable::Snapshot& table);
+  /// Closes connections whose frame stopped arriving, then checks again after a quarter of
+  /// frame_stall_timeout.
+  void check_stalls();
   /// HandshakeConfig::admit: one live connection per proven worker id.
   std::optional<std::string> admit_caller(const Connection* connection, int caller);
   /// Whether `connection` held `caller`'s identity here; it no longer does.
@@ -135,12 +166,16 @@ class Peers {
   std::string log_farewell(const Frame& frame);
 
   const WireLimits limits_;
+  const std::chrono::milliseconds stall_timeout_;
+  const std::shared_ptr<ReceiveBudget> budget_;
   asio::io_context io_;
   asio::executor_work_guard<asio::io_context::executor_type> io_work_;
   // The I/O thread: two threads that take turns (io_loop.h), so that a request can run on the
   // one that read it while the other goes on with the loop.
   std::unique_ptr<IoLoop> io_loop_;
   std::shared_ptr<Listener> listener_;
+  asio::steady_timer stall_check_;              // I/O thread only
+  std::unique_ptr<RefusalLog> stall_closures_;  // set by start()
   // Set by start(), then read-only.
   HandshakeConfig handshake_;
   const WorkerTable* workers_ = nullptr;
@@ -151,7 +186,11 @@ class Peers {
   std::unordered_map<int, Outgoing> outgoing_;         // guarded by mutex_
   std::vector<std::shared_ptr<Connection>> incoming_;  // guarded by mutex_
   std::deque<std::shared_ptr<Connection>> unproven_;   // in handshake, oldest first; by mutex_
-  std::map<int, std::string> lost_;                    // why each is lost; guarded by mutex_
+  // Every accepted connection that may still hold a descriptor, oldest first: those open and
+  // those closing after a refusal or a farewell (which incoming_ no longer lists). Pruned of
+  // closed ones at each accept. Guarded by mutex_; closed() is read on the I/O thread only.
+  std::deque<std::shared_ptr<Connection>> accepted_;
+  std::map<int, std::string> lost_;  // why each is lost; guarded by mutex_
   std::map<int, std::string> dead_;  // lost other than by refusal; guarded by mutex_
   // The one proven incoming connection of each caller id: a second proof of an id whose
   // connection is open is refused, and only that connection's end means the caller is gone.

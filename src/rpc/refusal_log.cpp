@@ -6,8 +6,12 @@ namespace distoptim {
 namespace rpc {
 namespace detail {
 
-RefusalLog::RefusalLog(std::string self_name, std::chrono::milliseconds interval, int burst)
-    : self_name_(std::move(self_name)), interval_(interval), burst_(burst) {}
+RefusalLog::RefusalLog(std::string self_name, std::chrono::milliseconds interval, int burst,
+                       std::string verb)
+    : self_name_(std::move(self_name)),
+      verb_(std::move(verb)),
+      interval_(interval),
+      burst_(burst) {}
 
 RefusalLog::~RefusalLog() {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -24,7 +28,7 @@ void RefusalLog::refused(const std::string& peer_address, const std::string& why
   }
   if (logged_ < burst_) {
     ++logged_;
-    TORCH_WARN("rpc: worker '", self_name_, "' refused a connection from ", peer_address, ": ",
+    TORCH_WARN("rpc: worker '", self_name_, "' ", verb_, " a connection from ", peer_address, ": ",
                why);
     return;
   }
@@ -35,7 +39,7 @@ void RefusalLog::refused(const std::string& peer_address, const std::string& why
 void RefusalLog::summarize_locked(Clock::time_point now) {
   if (counted_ == 0) return;
   const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(now - interval_start_);
-  TORCH_WARN("rpc: worker '", self_name_, "' refused ", counted_,
+  TORCH_WARN("rpc: worker '", self_name_, "' ", verb_, " ", counted_,
              " more connection(s) in the last ", seconds.count(), " s (the last from ", last_, ")");
   counted_ = 0;
   last_.clear();

@@ -8,9 +8,9 @@ namespace distoptim {
 namespace rpc {
 namespace detail {
 
-/// The warnings of a worker's refused connections, at a bounded rate: anyone who can reach the
-/// listener can make it refuse connections as fast as it can open them, and a warning each would
-/// let them fill the log (and spend the I/O thread on writing it).
+/// The warnings of a worker's refused (or closed, with `verb` "closed") connections, at a bounded
+/// rate: anyone who can reach the listener can make it refuse connections as fast as it can open
+/// them, and a warning each would let them fill the log (and spend the I/O thread on writing it).
 ///
 /// In each interval the first `burst` refusals are logged in full; the rest are counted, and the
 /// first refusal after the interval ends (or the log's destruction, at the worker's stop) logs
@@ -19,7 +19,7 @@ namespace detail {
 class RefusalLog {
  public:
   RefusalLog(std::string self_name, std::chrono::milliseconds interval = std::chrono::seconds(10),
-             int burst = 5);
+             int burst = 5, std::string verb = "refused");
   ~RefusalLog();
   RefusalLog(const RefusalLog&) = delete;
   RefusalLog& operator=(const RefusalLog&) = delete;
@@ -33,6 +33,7 @@ class RefusalLog {
   void summarize_locked(Clock::time_point now);
 
   const std::string self_name_;
+  const std::string verb_;
   const std::chrono::milliseconds interval_;
   const int burst_;
   std::mutex mutex_;

@@ -9,15 +9,18 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
@@ -31,6 +34,7 @@
 #include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"
 #include "message.h"
+#include "peers.h"
 
 namespace distoptim {
 namespace rpc {
@@ -182,19 +186,23 @@ class RawPeer {
 
   /// The next handshake message, or nothing once the worker has closed the connection.
   std::optional<HandshakeMessage> receive() {
-    std::string header_bytes;
-    if (!read_exactly(detail::MessageHeader::kEncodedSize, &header_bytes)) return std::nullopt;
-    detail::MessageHeader header;
-    std::string body;
     DecodedMessage message;
-    if (detail::decode_header(header_bytes, &header) || header.tensor_count != 0 ||
-        header.type != detail::MessageType::kHandshake ||
-        !read_exactly(header.body_length, &body) ||
-        detail::decode_body(header, body, {}, {}, &message)) {
+    if (!read_message(detail::MessageType::kHandshake, &message)) {
       ADD_FAILURE() << "the worker sent something other than a handshake message";
       return std::nullopt;
     }
     return message.handshake;
+  }
+
+  /// The text of the error frame (id 0) the worker sends before closing for a protocol error, or
+  /// nothing if it sends something else or closes first.
+  std::optional<std::string> farewell() {
+    DecodedMessage message;
+    uint64_t id = 0;
+    if (!read_message(detail::MessageType::kError, &message, &id) || id != 0) {
+      return std::nullopt;
+    }
+    return message.error_message;
   }
 
   /// Whether the worker closes the connection within `limit` (reading and dropping what comes).
@@ -212,6 +220,22 @@ class RawPeer {
   }
 
  private:
+  // Reads one frame without tensors of `type` and decodes it (and its header's id, if asked);
+  // false if the worker sent something else or closed first.
+  bool read_message(detail::MessageType type, DecodedMessage* message, uint64_t* id = nullptr) {
+    std::string header_bytes;
+    if (!read_exactly(detail::MessageHeader::kEncodedSize, &header_bytes)) return false;
+    detail::MessageHeader header;
+    std::string body;
+    if (detail::decode_header(header_bytes, &header) || header.tensor_count != 0 ||
+        header.type != type || !read_exactly(header.body_length, &body) ||
+        detail::decode_body(header, body, {}, {}, message)) {
+      return false;
+    }
+    if (id) *id = header.id;
+    return true;
+  }
+
   bool read_exactly(size_t length, std::string* out) {
     out->assign(length, '\0');
     size_t done = 0;
@@ -249,8 +273,9 @@ HandshakeMessage proof_as_worker1(const HandshakeMessage& challenge, const std::
   return answer;
 }
 
-// Worker 0's listening address and port, as the agent publishes them in the rendezvous store.
-std::pair<std::string, int> address_of_worker0() {
+// Worker 0's listening address and port, as the agent publishes them in the rendezvous store
+// (a dynamic group's record is its name, a newline, then the same).
+std::pair<std::string, int> address_of_worker0(bool dynamic_group = false) {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
   store_options.isServer = false;
@@ -258,8 +283,10 @@ std::pair<std::string, int> address_of_worker0() {
   store_options.timeout = 20s;
   auto store = c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR"), store_options);
   c10d::PrefixStore rendezvous("distoptim/rpc/rendezvous/", store);
-  const std::vector<uint8_t> bytes = rendezvous.get("distoptim/rpc/worker/0/url");
-  const std::string text(bytes.begin(), bytes.end());
+  const std::vector<uint8_t> bytes =
+      rendezvous.get(dynamic_group ? "distoptim/rpc/dynamic/rank/0" : "distoptim/rpc/worker/0/url");
+  std::string text(bytes.begin(), bytes.end());
+  if (dynamic_group) text = text.substr(text.find('\n') + 1);
   const size_t space = text.rfind(' ');
   return {text.substr(0, space), std::stoi(text.substr(space + 1))};
 }
@@ -580,6 +607,274 @@ TEST(RpcHandshake, HostileBytesBeforeTheHandshake) {
       const int64_t resident_after = rpc_sync<int64_t>(worker(0), "resident_bytes");
       EXPECT_LT(resident_after - resident_before, int64_t{64} << 20);
     }
+    shutdown();
+  });
+}
+
+// Proves worker id `id` to worker 0 on `peer` with the tests' secret (offering no same-host
+// reads); whether worker 0 accepted. With `await_verdict` false, sends the proof and returns
+// without reading the verdict (true).
+bool prove_as(RawPeer& peer, int id, bool await_verdict = true) {
+  auto challenge = peer.receive();
+  if (!challenge) return false;
+  HandshakeMessage proof;
+  proof.step = HandshakeMessage::Step::kProof;
+  proof.server_nonce = challenge->server_nonce;
+  proof.client_nonce = kClientNonce;
+  proof.client_id = id;
+  proof.server_id = 0;
+  proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
+                                        challenge->server_nonce, kClientNonce, id, 0);
+  peer.send(detail::encode_handshake(proof));
+  if (!await_verdict) return true;
+  auto verdict = peer.receive();
+  return verdict && verdict->step == HandshakeMessage::Step::kAccept;
+}
+
+DISTOPTIM_RPC_FUNCTION("echo_tensor", [](at::Tensor tensor) { return tensor; });
+DISTOPTIM_RPC_FUNCTION("receive_reserved",
+                       [] { return get_debug_info().at("receive_budget.reserved_bytes"); });
+
+// Polls worker 0's receive budget until it holds `bytes`; whether it did within 20 s.
+bool worker0_reserves(int64_t bytes) {
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (rpc_sync<int64_t>(worker(0), "receive_reserved") != bytes) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
+// Peers that prove themselves (anyone with the secret, or anyone at all with the default empty
+// one), announce a large request and stop sending mid-body: bodies are allocated only within
+// the receive budget (inbound_queue_bytes), the rest wait unallocated, each stalled connection is
+// closed once nothing of its frame arrived for frame_stall_timeout, and a real peer's calls go
+// on meanwhile and afterwards, including one larger than the whole budget.
+TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
+  constexpr int64_t kBudget = int64_t{64} << 20;
+  constexpr uint32_t kAnnounced = uint32_t{60} << 20;
+  run_ranks(4, [&](int rank, int world_size) {
+    init_rpc(
+        worker(rank), rank, world_size,
+        options_with_secret("the-secret").inbound_queue_bytes(kBudget).frame_stall_timeout(1s));
+    if (rank == 1) {
+      const auto [address, port] = address_of_worker0();
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+      const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
+#endif
+      // Worker ids 0, 2 and 3 have no connection to worker 0 (workers 2 and 3 only shut down).
+      std::vector<std::unique_ptr<RawPeer>> stalled;
+      for (int id : {0, 2, 3}) {
+        stalled.push_back(std::make_unique<RawPeer>(address, port));
+        ASSERT_TRUE(prove_as(*stalled.back(), id)) << "worker id " << id << " was not accepted";
+        detail::MessageHeader header;
+        header.type = detail::MessageType::kRequest;
+        header.id = 1;
+        header.body_length = kAnnounced;
+        ASSERT_TRUE(stalled.back()->send_bytes(detail::encode_header(header) +
+                                               std::string(size_t{1} << 20, 'b')));
+      }
+      // One announced body is allocated; the other two wait for the budget.
+      ASSERT_TRUE(worker0_reserves(kAnnounced));
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+      // (The sanitizers' shadow memory grows with what is written: there the exact reservation
+      // above is the check.)
+      const int64_t resident_during = rpc_sync<int64_t>(worker(0), "resident_bytes");
+      EXPECT_LT(resident_during - resident_before, kBudget + (int64_t{32} << 20));
+#endif
+      // Each is closed in turn once its body stops arriving.
+      for (size_t i = 0; i < stalled.size(); ++i) {
+        EXPECT_TRUE(stalled[i]->closed_within(20s)) << "stalled connection " << i << " is open";
+      }
+      EXPECT_TRUE(worker0_reserves(0));
+      // A request and reply larger than the whole budget travel, alone; parallel calls that do
+      // not fit together take turns.
+      const at::Tensor big = at::rand({int64_t{80} << 18});  // 80 MiB
+      EXPECT_TRUE(at::equal(rpc_sync<at::Tensor>(worker(0), "echo_tensor", std::tuple{big}), big));
+      std::vector<at::Tensor> sent;
+      std::vector<RpcFuture<at::Tensor>> echoes;
+      for (int i = 0; i < 3; ++i) {
+        sent.push_back(at::rand({int64_t{40} << 18}));  // 40 MiB each
+        echoes.push_back(rpc_async<at::Tensor>(worker(0), "echo_tensor", std::tuple{sent.back()}));
+      }
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_TRUE(at::equal(echoes[i].wait(), sent[i])) << "echo " << i;
+      }
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 2);
+    }
+    shutdown();
+  });
+}
+
+// Proves worker id `id` on a new connection to worker 0, waiting (up to 10 s) for a previous
+// connection of that id to be gone there.
+std::unique_ptr<RawPeer> proven_connection(int id) {
+  const auto [address, port] = address_of_worker0();
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (true) {
+    auto peer = std::make_unique<RawPeer>(address, port);
+    if (prove_as(*peer, id)) return peer;
+    if (std::chrono::steady_clock::now() > deadline) return nullptr;
+    std::this_thread::sleep_for(20ms);
+  }
+}
+
+// What a peer may send once it has proven itself: garbage, absurd lengths, and a frame within
+// the limits that is larger than the memory the worker may take. Each closes that connection
+// only, after an error frame saying why; nothing it sent runs, and the worker serves on.
+TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
+  run_ranks(2, [](int rank, int world_size) {
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+    if (rank == 0) {
+      // Worker 0 may map 4 GiB more than it does now (the sanitizers' shadow memory needs more
+      // than any such limit: there the 12 GiB frame below is allocated lazily and stalls).
+      std::ifstream statm("/proc/self/statm");
+      size_t pages = 0;
+      statm >> pages;
+      const rlim_t mapped = static_cast<rlim_t>(pages) * ::sysconf(_SC_PAGESIZE);
+      const rlimit limit{mapped + (rlim_t{4} << 30), RLIM_INFINITY};
+      ASSERT_EQ(::setrlimit(RLIMIT_AS, &limit), 0);
+    }
+#endif
+    init_rpc(worker(rank), rank, world_size,
+             options_with_secret("the-secret").frame_stall_timeout(2s));
+    if (rank == 1) {
+      auto header_of = [](uint32_t body_length, uint32_t tensor_count) {
+        detail::MessageHeader header;
+        header.type = detail::MessageType::kRequest;
+        header.id = 7;
+        header.body_length = body_length;
+        header.tensor_count = tensor_count;
+        return detail::encode_header(header);
+      };
+      struct Case {
+        std::string what, bytes, expected;
+      };
+      std::string noise(64 << 10, '\0');
+      for (char& c : noise) c = static_cast<char>(std::rand());
+      noise[0] = 'x';  // never the magic
+      std::string twelve_gib;
+      detail::put_le(&twelve_gib, uint64_t{12} << 30, 8);
+      const std::vector<Case> cases = {
+          {"64 KiB of random bytes", noise, "bad magic"},
+          {"a 4 GiB body", header_of(0xffffffffu, 0), "a body of 4294967295 bytes"},
+          {"2^32 - 1 tensors", header_of(0, 0xffffffffu), "4294967295 tensors"},
+          {"a 12 GiB tensor", header_of(0, 1) + twelve_gib, "12884901888 bytes"},
+      };
+      for (const Case& hostile : cases) {
+        auto peer = proven_connection(0);
+        ASSERT_TRUE(peer) << hostile.what << ": worker id 0 was not accepted";
+        ASSERT_TRUE(peer->send_bytes(hostile.bytes)) << hostile.what;
+        const std::optional<std::string> why = peer->farewell();
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+        ASSERT_TRUE(why) << hostile.what << ": no farewell";
+        EXPECT_THAT(*why, HasSubstr(hostile.expected)) << hostile.what;
+#endif
+        EXPECT_TRUE(peer->closed_within(10s)) << hostile.what;
+      }
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 0);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+    }
+    shutdown();
+  });
+}
+
+// Set in worker 1 by its test body, read by worker 2 through worker 1.
+std::atomic<int> g_flood_stage{0};
+DISTOPTIM_RPC_FUNCTION("await_flood_stage", [](int64_t stage) {
+  const auto deadline = std::chrono::steady_clock::now() + 15s;
+  while (g_flood_stage.load() < stage && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  return static_cast<int64_t>(g_flood_stage.load());
+});
+DISTOPTIM_RPC_FUNCTION("set_flood_stage", [](int64_t stage) {
+  g_flood_stage = static_cast<int>(stage);
+  return stage;
+});
+DISTOPTIM_RPC_FUNCTION("open_descriptors", [] {
+  int64_t count = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    (void)entry;
+    ++count;
+  }
+  return count;
+});
+
+// Descriptors stay bounded however many connections a peer that knows the secret opens: a
+// proven id has one connection (a further claim is refused), and refused connections that
+// linger for their peer to read the refusal are closed, oldest first, past
+// Peers::max_accepted_connections. A new member's first call still succeeds.
+TEST(RpcHandshake, AcceptedConnectionsAreBoundedInNumber) {
+  constexpr int kClaims = 400;
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    if (rank == 1) {
+      const auto [address, port] = address_of_worker0();
+      const int64_t open_before = rpc_sync<int64_t>(worker(0), "open_descriptors");
+      // Worker 0's own id is free at worker 0 until it calls itself.
+      RawPeer idle(address, port);
+      ASSERT_TRUE(prove_as(idle, 0));
+      std::vector<std::unique_ptr<RawPeer>> claims;
+      for (int i = 0; i < kClaims; ++i) {
+        claims.push_back(std::make_unique<RawPeer>(address, port));
+        ASSERT_TRUE(prove_as(*claims.back(), 0, /*await_verdict=*/false)) << "claim " << i;
+      }
+      const int64_t open_after = rpc_sync<int64_t>(worker(0), "open_descriptors");
+      EXPECT_LE(open_after - open_before,
+                static_cast<int64_t>(detail::Peers::max_accepted_connections(world_size)));
+      // Worker 2 calls worker 0 for the first time while the claims are still open.
+      g_flood_stage = 1;
+      const auto deadline = std::chrono::steady_clock::now() + 20s;
+      while (g_flood_stage.load() < 2 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(5ms);
+      }
+      EXPECT_EQ(g_flood_stage.load(), 2) << "worker 2 did not report its call";
+      // The first identity's connection is still accepted and open.
+      EXPECT_FALSE(idle.closed_within(100ms));
+    } else if (rank == 2) {
+      EXPECT_EQ(rpc_sync<int64_t>(worker(1), "await_flood_stage", std::tuple{int64_t{1}}), 1);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+      rpc_sync<int64_t>(worker(1), "set_flood_stage", std::tuple{int64_t{2}});
+    }
+    shutdown();
+  });
+}
+
+// In a dynamic group any id up to 32767 may be proven (a worker announces itself on its first
+// connection): proven connections of ids that are no member's count against the same bound, the
+// oldest closed first, and a worker that joins afterwards is served.
+TEST(RpcHandshake, ProvenIdsOfNoMemberAreBoundedInADynamicGroup) {
+  constexpr int kClaims = 300;
+  run_ranks(2, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options_with_secret("the-secret"));  // serves the store turns use
+      testing::StoreTurns turns(0, "test/proven_ids");
+      const int64_t open_before = rpc_sync<int64_t>("ps", "open_descriptors");
+      turns.say("ps_up");
+      turns.await("claimed");
+      const int64_t open_after = rpc_sync<int64_t>("ps", "open_descriptors");
+      EXPECT_LE(open_after - open_before,
+                static_cast<int64_t>(detail::Peers::max_accepted_connections(1)));
+      turns.say("measured");
+      turns.await("joined");
+      shutdown();
+      return;
+    }
+    testing::StoreTurns turns(1, "test/proven_ids");
+    turns.await("ps_up");
+    const auto [address, port] = address_of_worker0(/*dynamic_group=*/true);
+    std::vector<std::unique_ptr<RawPeer>> claims;
+    for (int i = 0; i < kClaims; ++i) {
+      claims.push_back(std::make_unique<RawPeer>(address, port));
+      ASSERT_TRUE(prove_as(*claims.back(), 100 + i)) << "worker id " << 100 + i;
+    }
+    turns.say("claimed");
+    turns.await("measured");
+    init_rpc("trainer", 1, options_with_secret("the-secret"));
+    EXPECT_EQ(rpc_sync<int64_t>("ps", "record", std::tuple{}), 1);
+    turns.say("joined");
     shutdown();
   });
 }

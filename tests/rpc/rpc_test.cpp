@@ -775,6 +775,15 @@ TEST(RpcUnit, BadArgumentsAreRefused) {
   EXPECT_THROW(init_rpc("w", 1, 1), c10::ValueError);
   EXPECT_THROW(init_rpc("w", 0, 0), c10::ValueError);
   EXPECT_THROW(init_rpc("w", 0, 1, RpcBackendOptions().num_worker_threads(0)), c10::ValueError);
+  try {
+    init_rpc("w", 0, 1, RpcBackendOptions().frame_stall_timeout(-1ms));
+    ADD_FAILURE() << "a negative frame_stall_timeout was accepted";
+  } catch (const c10::ValueError& error) {
+    EXPECT_NE(std::string(error.what_without_backtrace())
+                  .find("init_rpc: frame_stall_timeout of -1 ms (use 0 for none) (worker 'w')"),
+              std::string::npos)
+        << error.what_without_backtrace();
+  }
   EXPECT_THROW(rpc_sync("w", "add", std::tuple{1, 2}), DistributedError);
   EXPECT_THROW(shutdown(), DistributedError);
   EXPECT_THROW(get_worker_info(), DistributedError);

@@ -84,8 +84,19 @@ struct RpcBackendOptions {
   TORCH_ARG(std::chrono::milliseconds, handshake_timeout) = std::chrono::seconds(10);
   /// Bytes of requests this worker has received and not yet finished running. Past it, the
   /// worker stops reading from its callers until the queue drains below half (backpressure
-  /// through TCP); a single larger request is still admitted when the queue is empty.
+  /// through TCP); a single larger request is still admitted when the queue is empty. Frames
+  /// still being received (requests and replies, header read, rest not yet in) have a budget of
+  /// the same size: a frame over 64 KiB is allocated only once its announced size fits (else its
+  /// connection waits, reading nothing), so peers that announce large frames and send them slowly
+  /// or not at all cannot hold more than this between them (one larger frame travels alone).
   TORCH_ARG(size_t, inbound_queue_bytes) = size_t{256} << 20;
+  /// How long a frame being received (its header read, its body or tensors not yet complete)
+  /// may go without any byte of it arriving; past that the connection is closed and logged, so
+  /// that a peer announcing a large frame and stalling cannot hold this worker's memory. Counted
+  /// from the last byte, not from the frame's start: a large transfer on a slow, loaded machine
+  /// keeps arriving and never trips it. Checked every quarter of it, so a stalled frame is closed
+  /// between this and 1.25 times this after its last byte. 0: no deadline.
+  TORCH_ARG(std::chrono::milliseconds, frame_stall_timeout) = std::chrono::seconds(30);
   /// A secret every worker of the job knows (at most 4096 bytes). Each connection starts with a
   /// challenge-response handshake (HMAC-SHA256 over fresh nonces) in both directions: a peer
   /// that cannot prove it knows the same secret is refused before any of its requests is read,
@@ -212,12 +223,13 @@ std::vector<WorkerInfo> get_worker_infos();
 /// Counters of this worker's agent (PyTorch's RpcAgent::getDebugInfo, whose names it keeps where
 /// it has the same counter). Its open connections: "connections", "peer_memory.connections"
 /// (those reading and lending same-host memory, RpcBackendOptions::same_host_memory_reads) and
-/// "peer_memory.bytes_read" (tensor bytes they read from the peers' memory). Its RRefs, as
-/// PyTorch's RRefContext counts them: "num_owner_rrefs" (values owned here that some user
-/// holds), "num_forks" (those users' forks), "num_pending_users" (user RRefs alive here that their
-/// owner has not confirmed yet); and "num_user_rrefs" (user RRefs alive here),
-/// "num_pending_children" (RRefs sent on, whose owner has not registered the receiver yet). Its
-/// calls and requests: "agent.num_pending_requests" (calls made and not answered),
+/// "peer_memory.bytes_read" (tensor bytes they read from the peers' memory);
+/// "receive_budget.reserved_bytes" (memory reserved for frames being received, within
+/// inbound_queue_bytes). Its RRefs, as PyTorch's RRefContext counts them: "num_owner_rrefs" (values
+/// owned here that some user holds), "num_forks" (those users' forks), "num_pending_users" (user
+/// RRefs alive here that their owner has not confirmed yet); and "num_user_rrefs" (user RRefs alive
+/// here), "num_pending_children" (RRefs sent on, whose owner has not registered the receiver yet).
+/// Its calls and requests: "agent.num_pending_requests" (calls made and not answered),
 /// "agent.num_requests_in_flight" (requests received and not finished) and
 /// "agent.num_dropped_requests" (requests never run because their caller's connection closed
 /// before they started: the caller died or stopped). Each value is a snapshot. Throws

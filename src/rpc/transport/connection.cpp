@@ -90,6 +90,11 @@ void Connection::read_then(const Buffers& buffers, Next next) {
   reading_ = true;
   asio::async_read(
       socket_, buffers,
+      // transfer_all's rule, counting each read that brought bytes for the stall check.
+      [this](const asio::error_code& error, size_t transferred) -> size_t {
+        if (transferred > 0) ++progress_;
+        return error ? 0 : asio::detail::default_max_transfer_size;
+      },
       [self = shared_from_this(), next = std::move(next)](const asio::error_code& error, size_t) {
         self->reading_ = false;
         if (self->closed_) {
@@ -135,6 +140,8 @@ void Connection::on_header() {
     return;
   }
   frame_.header = header;
+  in_frame_ = true;
+  ++progress_;
   length_bytes_.assign(size_t{header.tensor_count} * 8, '\0');
   if (length_bytes_.empty()) {
     read_payload();
@@ -154,20 +161,47 @@ void Connection::read_payload() {
     violation("it sent " + *status);
     return;
   }
-  frame_.body = std::make_shared<std::string>(frame_.header.body_length, '\0');
-  frame_.buffers.clear();
-  peer_addresses_.assign(lengths.size() * 8, '\0');
-  std::vector<asio::mutable_buffer> targets;
-  targets.reserve(lengths.size() + 1);
-  targets.push_back(asio::buffer(*frame_.body));
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    at::Tensor buffer = at::empty({static_cast<int64_t>(lengths[i])}, at::kByte);
-    if (in_peer_memory_[i]) {
-      targets.push_back(asio::buffer(&peer_addresses_[i * 8], 8));
-    } else if (lengths[i] > 0) {
-      targets.push_back(asio::buffer(buffer.data_ptr(), lengths[i]));
+  size_t announced = frame_.header.body_length;
+  for (size_t length : lengths) announced += length;
+  if (budget_ && !closing_ && reserved_ == 0) {
+    if (announced > ReceiveBudget::kUnreservedBytes) {
+      if (!budget_->reserve(announced, shared_from_this())) {
+        waiting_for_budget_ = true;  // retry_reservation() reads it later
+        return;
+      }
+      reserved_ = announced;
     }
-    frame_.buffers.push_back(std::move(buffer));
+  }
+  std::vector<asio::mutable_buffer> targets;
+  std::string failure;
+  try {
+    frame_.body = std::make_shared<std::string>(frame_.header.body_length, '\0');
+    frame_.buffers.clear();
+    peer_addresses_.assign(lengths.size() * 8, '\0');
+    targets.reserve(lengths.size() + 1);
+    targets.push_back(asio::buffer(*frame_.body));
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      at::Tensor buffer = at::empty({static_cast<int64_t>(lengths[i])}, at::kByte);
+      if (in_peer_memory_[i]) {
+        targets.push_back(asio::buffer(&peer_addresses_[i * 8], 8));
+      } else if (lengths[i] > 0) {
+        targets.push_back(asio::buffer(buffer.data_ptr(), lengths[i]));
+      }
+      frame_.buffers.push_back(std::move(buffer));
+    }
+  } catch (const c10::Error& error) {
+    failure = error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    failure = error.what();
+  }
+  if (!failure.empty()) {
+    // The limits admit frames larger than some machines' memory: such a frame closes its
+    // connection, not the worker (an exception would end the I/O thread).
+    frame_ = Frame();
+    release_reservation();
+    violation("it announced a frame of " + std::to_string(announced) +
+              " bytes, which this worker cannot allocate (" + failure + ")");
+    return;
   }
   read_then(targets, [this] { deliver_frame(); });
 }
@@ -200,6 +234,9 @@ void Connection::deliver_frame() {
   if (!closing_ && !read_from_peer_memory()) {
     return;
   }
+  // The frame is whole: from here on it counts against the inbound queue (Dispatcher), if any.
+  in_frame_ = false;
+  release_reservation();
   Frame frame = std::move(frame_);
   frame_ = Frame();
   if (closing_) {  // close_after: nothing more is handed on
@@ -218,6 +255,40 @@ void Connection::deliver_frame() {
   } else {
     paused_ = true;
   }
+}
+
+void Connection::set_receive_budget(std::shared_ptr<ReceiveBudget> budget) {
+  budget_ = std::move(budget);
+}
+
+void Connection::release_reservation() {
+  if (reserved_ > 0) {
+    const size_t bytes = reserved_;
+    reserved_ = 0;
+    budget_->release(bytes);
+  }
+}
+
+void Connection::retry_reservation() {
+  asio::post(io_, [self = shared_from_this()] {
+    if (self->waiting_for_budget_ && !self->closed_) {
+      self->waiting_for_budget_ = false;
+      self->read_payload();
+    }
+  });
+}
+
+bool Connection::frame_stalled(int checks) {
+  if (!budget_ || !in_frame_ || waiting_for_budget_ || closed_ || closing_) {
+    stalled_checks_ = 0;
+    return false;
+  }
+  if (progress_ != progress_checked_) {
+    progress_checked_ = progress_;
+    stalled_checks_ = 0;
+    return false;
+  }
+  return ++stalled_checks_ >= checks;
 }
 
 void Connection::resume_reading() {
@@ -487,6 +558,8 @@ void Connection::fail(const std::string& why) {
   socket_.shutdown(asio::ip::tcp::socket::shutdown_both, ignored);
   socket_.close(ignored);
   release_lent();
+  waiting_for_budget_ = false;
+  release_reservation();
   for (Outgoing& out : unsent) {
     if (out.on_written) out.on_written(why);
   }

@@ -21,6 +21,7 @@
 #include <asio/steady_timer.hpp>
 
 #include "../message.h"
+#include "receive_budget.h"
 
 namespace distoptim {
 namespace rpc {
@@ -58,6 +59,19 @@ class Connection : public std::enable_shared_from_this<Connection> {
   /// I/O thread only. Closes the connection (reason `why`) unless disarmed before `timeout`.
   void arm_deadline(std::chrono::milliseconds timeout, std::string why);
   void disarm_deadline();
+  /// I/O thread only, once the peer has proven itself. From then on a frame larger than
+  /// ReceiveBudget::kUnreservedBytes is allocated and read only once `budget` has reserved its
+  /// announced size (else the connection reads nothing until it can), and frame_stalled() can
+  /// tell when a frame stops arriving.
+  void set_receive_budget(std::shared_ptr<ReceiveBudget> budget);
+  /// Any thread: the budget may have room now for the frame this connection waits to read.
+  void retry_reservation();
+  /// I/O thread only; called at a fixed interval (Peers' stall check). Whether a frame is being
+  /// read and no byte of it arrived during the last `checks` intervals: its peer stalls. A frame
+  /// waiting for the budget is never stalled (the wait is this worker's).
+  bool frame_stalled(int checks);
+  /// I/O thread only. Whether the connection is closed (fail ran).
+  bool closed() const { return closed_; }
   /// I/O thread only. When a frame breaks the framing or `limits` (a bad header, an absurd
   /// length), the connection writes `make_farewell(why)` and closes (close_after); without one it
   /// closes at once.
@@ -125,6 +139,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void on_header();
   void read_payload();
   bool read_from_peer_memory();
+  void release_reservation();
   void deliver_frame();
   void fail(const std::string& why);
   void violation(const std::string& why);
@@ -156,6 +171,17 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::atomic<bool> ended_{false};    // closed_, readable from any thread (closed())
   std::atomic<bool> peer_memory_enabled_{false};
   std::atomic<uint64_t> peer_memory_bytes_read_{0};
+  // Receiving bounds (set_receive_budget): the budget, what frame_ holds of it, and whether
+  // frame_ waits for it; whether a frame is being read, the count of reads that brought some of
+  // it (bumped by the reads themselves: no clock or timer per frame), and what the last stall
+  // check saw of that count.
+  std::shared_ptr<ReceiveBudget> budget_;
+  size_t reserved_ = 0;
+  bool waiting_for_budget_ = false;
+  bool in_frame_ = false;
+  uint64_t progress_ = 0;
+  uint64_t progress_checked_ = 0;
+  int stalled_checks_ = 0;
 
   // The write side, any thread, under write_mutex_: one writer at a time on the socket (a direct
   // write or the I/O thread's gathered one), frames in order, and no write once it is closed.
