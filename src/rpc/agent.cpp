@@ -78,6 +78,15 @@ void Agent::start(const std::string& name) {
     dispatcher_.caller_lost(caller);
     dispatcher_.post_ordered([this, caller] { on_peer_gone(caller); });
   };
+  // A caller proved itself on a new connection: it is alive, whatever closed before under its
+  // identity (a stale connection, or another process holding the secret). Unless this worker lost
+  // its own connection to it for good, its requests run again and the RRefs it sends are taken,
+  // after the control messages received before.
+  events.on_caller_proven = [this](int caller) {
+    if (peers_.dead_peers().count(caller) != 0) return;
+    dispatcher_.caller_back(caller);
+    dispatcher_.post_ordered([this, caller] { rrefs_->on_peer_back(caller); });
+  };
   events.on_peer_lost = [this](int peer, const std::string& why) { on_peer_lost(peer, why); };
   // Only now, with every worker known, take peers' connections (they wait in the backlog).
   peers_.start(std::move(handshake), group_.table(), std::move(events));

@@ -49,6 +49,12 @@ void Dispatcher::start(int self, const WorkerTable& workers, RRefContext* rrefs,
   lost_callers_ = std::make_unique<std::atomic<bool>[]>(lost_callers_capacity_);
 }
 
+void Dispatcher::caller_back(int caller) {
+  if (caller >= 0 && static_cast<size_t>(caller) < lost_callers_capacity_) {
+    lost_callers_[caller].store(false, std::memory_order_release);
+  }
+}
+
 void Dispatcher::caller_lost(int caller) {
   if (caller >= 0 && static_cast<size_t>(caller) < lost_callers_capacity_) {
     lost_callers_[caller].store(true, std::memory_order_release);

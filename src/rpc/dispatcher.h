@@ -86,6 +86,9 @@ class Dispatcher {
   /// Any thread: `caller` is lost (it died, stopped, or its connection failed); requests of it
   /// that have not started yet never run.
   void caller_lost(int caller);
+  /// Any thread: `caller` proved itself on a new connection, so it is alive: its requests run
+  /// again (those of its closed connection are still dropped, by that connection's state).
+  void caller_back(int caller);
   /// Requests not run because their caller was lost before they started.
   int64_t dropped_requests() const { return dropped_requests_.load(std::memory_order_relaxed); }
   /// Requests received (or run locally) and not finished.

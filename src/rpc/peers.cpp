@@ -228,6 +228,7 @@ void Peers::on_caller_proven(const std::shared_ptr<Connection>& connection, int 
     std::lock_guard<std::mutex> lock(mutex_);
     unproven_.erase(std::remove(unproven_.begin(), unproven_.end(), connection), unproven_.end());
   }
+  if (events_.on_caller_proven) events_.on_caller_proven(caller);
   connection->set_receive_budget(budget_);
   std::weak_ptr<Connection> weak = connection;
   Connection* raw = connection.get();

@@ -39,6 +39,8 @@ struct PeerEvents {
   std::function<void(int peer, Frame frame)> on_reply;
   /// The connection `caller` opened to this worker closed: it died or stopped.
   std::function<void(int caller)> on_caller_gone;
+  /// `caller` proved itself on a connection it opened to this worker (each time it connects).
+  std::function<void(int caller)> on_caller_proven;
   /// The connection to `peer` is lost for good (`why`); messages sent to it are dropped.
   std::function<void(int peer, const std::string& why)> on_peer_lost;
 };
@@ -188,7 +190,7 @@ class Peers {
   std::deque<std::shared_ptr<Connection>> unproven_;   // in handshake, oldest first; by mutex_
   // Every accepted connection that may still hold a descriptor, oldest first: those open and
   // those closing after a refusal or a farewell (which incoming_ no longer lists). Pruned of
-  // closed ones at each accept. Guarded by mutex_; closed() is read on the I/O thread only.
+  // closed ones at each accept. Guarded by mutex_.
   std::deque<std::shared_ptr<Connection>> accepted_;
   std::map<int, std::string> lost_;  // why each is lost; guarded by mutex_
   std::map<int, std::string> dead_;  // lost other than by refusal; guarded by mutex_

@@ -572,6 +572,11 @@ void RRefContext::on_user_deleted(const RRefImpl& rref) {
                 rref.fork_id().local_id});
 }
 
+void RRefContext::on_peer_back(int peer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (peer >= 0 && static_cast<size_t>(peer) < lost_.size()) lost_[peer] = false;
+}
+
 void RRefContext::on_peer_lost(int peer) {
   std::vector<std::shared_ptr<OwnedValue>> freed;
   std::vector<c10::intrusive_ptr<c10::RRefInterface>> children;

@@ -145,6 +145,8 @@ class RRefContext {
   /// A user handle died: tell the owner.
   void on_user_deleted(const RRefImpl& rref);
   void on_peer_lost(int peer);
+  /// `peer` proved itself on a new connection after its loss here: RRefs it sends are taken again.
+  void on_peer_back(int peer);
   /// Graceful shutdown: waits (until `deadline`) for pending children to be accepted, then
   /// deletes every user handle still alive on its owner. Returns false on timeout.
   bool release_all_users(std::chrono::steady_clock::time_point deadline);

@@ -70,8 +70,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   /// read and no byte of it arrived during the last `checks` intervals: its peer stalls. A frame
   /// waiting for the budget is never stalled (the wait is this worker's).
   bool frame_stalled(int checks);
-  /// I/O thread only. Whether the connection is closed (fail ran).
-  bool closed() const { return closed_; }
   /// I/O thread only. When a frame breaks the framing or `limits` (a bad header, an absurd
   /// length), the connection writes `make_farewell(why)` and closes (close_after); without one it
   /// closes at once.
