@@ -402,6 +402,10 @@ void Agent::leave() {
   for (auto& [member, notice] : notices) notice->wait();
   const bool calls_done = pending_.wait_empty(deadline);
   const int requests_left = dispatcher_.wait_idle(deadline);
+  // The replies of the requests just finished may still be queued on their connections: written
+  // before the connections close (no barrier follows a leave to give them the time).
+  peers_.wait_writes_done(
+      std::min(deadline, std::chrono::steady_clock::now() + options_.liveness_timeout()));
   if (failure) std::rethrow_exception(failure);
   DISTOPTIM_CHECK_WITH(TimeoutError, calls_done && requests_left == 0, "rpc shutdown: worker '",
                        self().name, "' still had ", pending_.size(), " call(s) and ", requests_left,

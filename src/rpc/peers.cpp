@@ -71,6 +71,22 @@ std::map<std::string, int64_t> Peers::debug_info() {
           {"receive_budget.reserved_bytes", static_cast<int64_t>(budget_->reserved())}};
 }
 
+void Peers::wait_writes_done(std::chrono::steady_clock::time_point deadline) {
+  std::vector<std::shared_ptr<Connection>> open;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open = incoming_;
+    for (const auto& [peer, outgoing] : outgoing_) {
+      if (outgoing.connection) open.push_back(outgoing.connection);
+    }
+  }
+  for (const auto& connection : open) {
+    while (!connection->writes_done() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+}
+
 std::map<int, std::string> Peers::dead_peers() {
   std::lock_guard<std::mutex> lock(mutex_);
   return dead_;

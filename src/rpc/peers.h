@@ -103,6 +103,10 @@ class Peers {
   void lose(int peer, const std::string& why);
   /// Peers lost other than by refusal, with why.
   std::map<int, std::string> dead_peers();
+  /// Waits until every open connection has written what was sent on it (replies included), or
+  /// `deadline` passes: a worker leaving a dynamic group flushes its last replies before it
+  /// closes its connections.
+  void wait_writes_done(std::chrono::steady_clock::time_point deadline);
   /// "connections", "peer_memory.connections", "peer_memory.bytes_read",
   /// "receive_budget.reserved_bytes" (rpc::get_debug_info).
   std::map<std::string, int64_t> debug_info();

@@ -855,8 +855,10 @@ TEST(RpcHandshake, ProvenIdsOfNoMemberAreBoundedInADynamicGroup) {
       turns.say("ps_up");
       turns.await("claimed");
       const int64_t open_after = rpc_sync<int64_t>("ps", "open_descriptors");
+      // A few descriptors beyond the bound are the worker's own (the store's client, a
+      // connection it opened, a sanitizer's); without the bound the count grows by kClaims.
       EXPECT_LE(open_after - open_before,
-                static_cast<int64_t>(detail::Peers::max_accepted_connections(1)));
+                static_cast<int64_t>(detail::Peers::max_accepted_connections(1)) + 4);
       turns.say("measured");
       turns.await("joined");
       shutdown();

@@ -107,6 +107,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   /// Whether the connection has closed (failed, or close() ran): nothing sent on it reaches the
   /// peer any more. Any thread; once true it stays true.
   bool closed() const { return ended_.load(std::memory_order_acquire); }
+  /// Whether every frame sent so far has been written to the socket (or the connection closed).
+  /// Any thread.
+  bool writes_done() {
+    std::lock_guard<std::mutex> lock(write_mutex_);
+    return write_closed_ || (!writing_ && queue_.empty());
+  }
 
   /// The peer's address as "ip:port" (fixed at construction).
   const std::string& peer_address() const { return peer_address_; }
