@@ -14,17 +14,35 @@
 // writes the loss curve as CSV and as a PNG (drawn by gnuplot; when gnuplot is missing or fails,
 // it says so and why). With one trainer a run is reproducible: the same seed gives the same
 // losses.
+//
+// Trainers that die and come back: with --elastic the server starts a dynamic RPC group and holds
+// one model that every trainer trains, the LSTM's weights included; a trainer that distrun
+// restarts (--restart-policy rank) joins again under a new name and continues from the server's
+// parameters and its slot's step. --kill-trainer-at STEP makes the last trainer SIGKILL itself
+// once, to watch it happen; the server logs every worker's steps to <out-dir>/loss.csv and plots
+// them (loss.png), where the killed trainer's curve stops and its replacement's resumes:
+//
+//   build/tools/distrun/distrun --nproc-per-node 3 --restart-policy rank --max-restarts 1 \
+//       build/examples/rnn_parameter_server/rnn_parameter_server --seconds 60 --elastic \
+//       --kill-trainer-at 200 --out-dir out
+
+#include <signal.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -46,6 +64,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+namespace rpc = distoptim::rpc;
 using Clock = std::chrono::steady_clock;
 
 struct Settings {
@@ -63,8 +82,23 @@ struct Settings {
   double lr = 0.002;
   int64_t seed = 0;
   std::string out_dir = "rnn_ps_out";
-  double held_out = 0.1;  // the corpus's last tokens, never trained on
+  double held_out = 0.1;         // the corpus's last tokens, never trained on
+  bool elastic = false;          // a dynamic group: trainers may die, be restarted and rejoin
+  int64_t kill_trainer_at = 0;   // the last trainer SIGKILLs itself in this step (once; 0: never)
+  double trainer_timeout = 300;  // the server's bound on a trainer slot without a step
 };
+
+// The corpus's vocabulary as the model's options (each trainer adds its own seed).
+rnn_ps::ModelOptions model_options(const Settings& settings, int64_t ntoken) {
+  rnn_ps::ModelOptions options;
+  options.ntoken = ntoken;
+  options.ninp = settings.ninp;
+  options.nhid = settings.nhid;
+  options.nlayers = settings.nlayers;
+  options.dropout = settings.dropout;
+  options.seed = settings.seed * 1000;
+  return options;
+}
 
 // Every file of the directory, as word tokens with "<eos>" at each line's end (as the tutorial's
 // corpus does), in file-name order; ids in order of first appearance. A file reached twice (GPL
@@ -170,7 +204,287 @@ std::string plot_commands(const fs::path& csv) {
       csv.string());
 }
 
-void train(const Settings& settings, int rank, int world_size) {
+// --- --elastic: trainers that die, are restarted and rejoin ------------------------------------
+//
+// The server starts a dynamic RPC group and holds one model that every trainer trains, LSTM
+// weights included (RNNModel::create_shared), so the model outlives any trainer. A trainer slot
+// is a trainer's rank under distrun; the worker filling it joins under a name of its own
+// ("trainer2", then "trainer2-restart1" once distrun's --restart-policy rank has restarted it: a
+// dead member's name and rank stay taken in the group). The server keeps each slot's progress,
+// so a worker joining a slot continues where the slot stood: its step count, its place in its
+// share of the corpus and its time budget. It logs every join, step, announced kill and finish
+// to <out-dir>/loss.csv, and stops once every slot has finished.
+
+// A slot's progress as a joining worker gets it.
+struct SlotStart {
+  rnn_ps::RNNModel::Shared model;
+  int64_t steps = 0;
+  int64_t tokens = 0;
+  double seconds = 0;            // since the slot's first join: the time budget counts the gaps too
+  double held_out_before = NAN;  // the first reporter's held-out loss before any step
+};
+
+// The server's record of the slots. One mutex guards every field; RPC handlers and the server's
+// main thread share it. Never destroyed (handlers may run while the process ends).
+class ServerRecord {
+ public:
+  void open(const fs::path& csv, int trainers, double timeout_seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    csv_.open(csv);
+    csv_ << "seconds,event,slot,worker,step,global_step,loss\n";
+    slots_.assign(static_cast<size_t>(trainers), Slot{});
+    for (Slot& slot : slots_) slot.last_seen = start_;
+    timeout_seconds_ = timeout_seconds;
+  }
+
+  void set_model(rnn_ps::RNNModel::Shared model) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    model_ = std::move(model);
+  }
+  std::optional<rnn_ps::RNNModel::Shared> model() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return model_;
+  }
+
+  std::tuple<int64_t, int64_t, double, double> join(int64_t slot_rank, const std::string& worker) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Slot& slot = checked(slot_rank, worker);
+    const auto now = Clock::now();
+    if (slot.workers == 0) {
+      slot.first_join = now;
+      fmt::print("ps: {} joined slot {}\n", worker, slot_rank);
+    } else {
+      fmt::print(
+          "ps: {} joined slot {} in place of {}, {:.1f} s after its last sign of life; it "
+          "continues from step {}\n",
+          worker, slot_rank, slot.worker, seconds(slot.last_seen, now), slot.steps);
+    }
+    std::fflush(stdout);
+    ++slot.workers;
+    slot.worker = worker;
+    joined_.push_back(worker);
+    slot.last_seen = now;
+    log(now, "join", slot_rank, worker, slot.steps, NAN);
+    return {slot.steps, slot.tokens, seconds(slot.first_join, now), held_out_before_};
+  }
+
+  void step(int64_t slot_rank, const std::string& worker, int64_t step, int64_t tokens,
+            double loss) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Slot& slot = checked(slot_rank, worker);
+    slot.steps = step;
+    slot.tokens = tokens;
+    slot.last_seen = Clock::now();
+    ++global_steps_;
+    log(slot.last_seen, "step", slot_rank, worker, step, loss);
+    curves_[worker].emplace_back(seconds(start_, slot.last_seen), loss);
+  }
+
+  void kill(int64_t slot_rank, const std::string& worker, int64_t step) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    checked(slot_rank, worker);
+    fmt::print("ps: {} kills itself in step {} (--kill-trainer-at)\n", worker, step);
+    std::fflush(stdout);
+    log(Clock::now(), "kill", slot_rank, worker, step, NAN);
+  }
+
+  void finish(int64_t slot_rank, const std::string& worker) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      Slot& slot = checked(slot_rank, worker);
+      slot.finished = true;
+      log(Clock::now(), "finish", slot_rank, worker, slot.steps, NAN);
+    }
+    finished_.notify_all();
+  }
+
+  void set_held_out_before(double value) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    held_out_before_ = value;
+  }
+
+  // Returns once every slot has finished; throws naming a slot that has shown no sign of life
+  // (a join or a step) for timeout_seconds_: its trainer died and was not restarted, or hangs.
+  void wait_for_trainers() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      bool all = true;
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        const Slot& slot = slots_[i];
+        if (slot.finished) continue;
+        all = false;
+        const double quiet = seconds(slot.last_seen, Clock::now());
+        if (quiet > timeout_seconds_) {
+          throw std::runtime_error(fmt::format(
+              "trainer slot {} (rank {}; {}) has shown no sign of life for {:.0f} s "
+              "(--trainer-timeout {}): its trainer died and was not restarted (run under distrun "
+              "--restart-policy rank --max-restarts K), or hangs",
+              i + 1, i + 1,
+              slot.workers == 0
+                  ? std::string("no worker ever joined it")
+                  : fmt::format("last worker '{}', at step {}", slot.worker, slot.steps),
+              quiet, timeout_seconds_));
+        }
+      }
+      if (all) break;
+      finished_.wait_for(lock, std::chrono::milliseconds(200));
+    }
+    csv_.close();
+    int64_t workers = 0;
+    for (const Slot& slot : slots_) workers += slot.workers;
+    fmt::print("ps: every trainer slot finished: {} steps in all by {} workers in {} slots\n",
+               global_steps_, workers, slots_.size());
+    std::fflush(stdout);
+  }
+
+  // The gnuplot commands that draw the log's losses with one curve per worker, in order of joins
+  // (each an inline data block): a killed trainer's curve stops, its replacement's starts after
+  // the gap.
+  std::string plot_commands() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::string blocks, curves;
+    for (size_t i = 0; i < joined_.size(); ++i) {
+      blocks += fmt::format("$worker{} << EOD\n", i);
+      for (const auto& [t, loss] : curves_[joined_[i]]) blocks += fmt::format("{} {}\n", t, loss);
+      blocks += "EOD\n";
+      curves += fmt::format("{}$worker{} using 1:2 with lines lw 2 title '{}'",
+                            curves.empty() ? "plot " : ", ", i, joined_[i]);
+    }
+    return fmt::format(
+        "{}"
+        "set xlabel 'seconds since the server started'\n"
+        "set ylabel 'cross-entropy loss'\n"
+        "set title 'RNN language model, trainers killed and restarted (--elastic)'\n"
+        "set grid\n"
+        "{}\n",
+        blocks, curves);
+  }
+
+ private:
+  struct Slot {
+    std::string worker;  // the latest to join
+    int64_t workers = 0;
+    int64_t steps = 0;
+    int64_t tokens = 0;
+    bool finished = false;
+    Clock::time_point first_join;
+    Clock::time_point last_seen;
+  };
+
+  static double seconds(Clock::time_point from, Clock::time_point to) {
+    return std::chrono::duration<double>(to - from).count();
+  }
+
+  Slot& checked(int64_t slot_rank, const std::string& worker) {
+    TORCH_CHECK_VALUE(slot_rank >= 1 && slot_rank <= static_cast<int64_t>(slots_.size()),
+                      "rnn_parameter_server: worker '", worker, "' names trainer slot ", slot_rank,
+                      "; the server has slots 1 to ", slots_.size());
+    return slots_[static_cast<size_t>(slot_rank - 1)];
+  }
+
+  void log(Clock::time_point when, const char* event, int64_t slot, const std::string& worker,
+           int64_t step, double loss) {
+    csv_ << fmt::format("{:.3f},{},{},{},{},{},{}\n", seconds(start_, when), event, slot, worker,
+                        step, global_steps_, std::isnan(loss) ? "" : fmt::format("{:.6f}", loss));
+    csv_.flush();
+  }
+
+  std::mutex mutex_;
+  std::condition_variable finished_;
+  const Clock::time_point start_ = Clock::now();
+  std::ofstream csv_;
+  std::vector<Slot> slots_;
+  std::vector<std::string> joined_;  // every worker that joined, in order
+  std::map<std::string, std::vector<std::pair<double, double>>> curves_;  // (seconds, loss)
+  double timeout_seconds_ = 0;
+  int64_t global_steps_ = 0;
+  double held_out_before_ = NAN;
+  std::optional<rnn_ps::RNNModel::Shared> model_;
+};
+
+ServerRecord& server_record() {
+  static auto* record = new ServerRecord;
+  return *record;
+}
+
+std::optional<rnn_ps::RNNModel::Shared> shared_model() { return server_record().model(); }
+std::tuple<int64_t, int64_t, double, double> join(int64_t slot, std::string worker) {
+  return server_record().join(slot, worker);
+}
+bool record_step(int64_t slot, std::string worker, int64_t step, int64_t tokens, double loss) {
+  server_record().step(slot, worker, step, tokens, loss);
+  return true;
+}
+bool record_kill(int64_t slot, std::string worker, int64_t step) {
+  server_record().kill(slot, worker, step);
+  return true;
+}
+bool record_finish(int64_t slot, std::string worker) {
+  server_record().finish(slot, worker);
+  return true;
+}
+bool record_held_out_before(double value) {
+  server_record().set_held_out_before(value);
+  return true;
+}
+
+}  // namespace
+
+DISTOPTIM_RPC_FUNCTION("rnn_ps.shared_model", shared_model);
+DISTOPTIM_RPC_FUNCTION("rnn_ps.join", join);
+DISTOPTIM_RPC_FUNCTION("rnn_ps.step", record_step);
+DISTOPTIM_RPC_FUNCTION("rnn_ps.kill", record_kill);
+DISTOPTIM_RPC_FUNCTION("rnn_ps.finish", record_finish);
+DISTOPTIM_RPC_FUNCTION("rnn_ps.held_out_before", record_held_out_before);
+
+namespace {
+
+// On a trainer: the server's shared model (waiting, within a bound, for the server to have
+// created it) and where the slot `rank` stands.
+SlotStart join_slot(int rank, const std::string& name) {
+  SlotStart start;
+  const auto deadline = Clock::now() + std::chrono::minutes(2);
+  for (;;) {
+    auto model = rpc::rpc_sync<std::optional<rnn_ps::RNNModel::Shared>>("ps", "rnn_ps.shared_model",
+                                                                        std::tuple{});
+    if (model) {
+      start.model = std::move(*model);
+      break;
+    }
+    if (Clock::now() > deadline) {
+      throw std::runtime_error("the server 'ps' has not created the shared model within 2 minutes");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::tie(start.steps, start.tokens, start.seconds, start.held_out_before) =
+      rpc::rpc_sync<std::tuple<int64_t, int64_t, double, double>>(
+          "ps", "rnn_ps.join", std::tuple{static_cast<int64_t>(rank), name});
+  return start;
+}
+
+// On the server: the shared model, then serving until every trainer slot has finished.
+void serve(const Settings& settings, int trainers, int64_t ntoken) {
+  server_record().set_model(rnn_ps::RNNModel::create_shared("ps", model_options(settings, ntoken)));
+  fmt::print(
+      "ps: serving the shared model (vocabulary {} words) to {} trainer slot(s); "
+      "trainers may die and rejoin (--elastic); the log goes to {}\n",
+      ntoken, trainers, (fs::path(settings.out_dir) / "loss.csv").string());
+  std::fflush(stdout);
+  server_record().wait_for_trainers();
+  const fs::path csv = fs::path(settings.out_dir) / "loss.csv";
+  examples::plot_and_report(server_record().plot_commands(), csv,
+                            fs::path(settings.out_dir) / "loss.png");
+}
+
+// DISTRUN_RESTART_COUNT: how many times distrun has restarted this rank (0 if not set).
+int restart_count() {
+  const char* value = std::getenv("DISTRUN_RESTART_COUNT");
+  return value == nullptr ? 0 : std::atoi(value);
+}
+
+// `rpc_called`: when this worker called init_rpc (the join time is measured from it).
+void train(const Settings& settings, int rank, int world_size, Clock::time_point rpc_called,
+           Clock::time_point rpc_returned) {
   const int trainers = world_size - 1;
   const int trainer = rank - 1;
   const Corpus corpus = read_corpus(settings.data_dir);
@@ -183,14 +497,14 @@ void train(const Settings& settings, int rank, int world_size) {
       batchify(corpus.tokens, trainer * share, (trainer + 1) * share, settings.batch);
   const at::Tensor held_out = batchify(corpus.tokens, trained, total, settings.batch);
 
-  rnn_ps::ModelOptions options;
-  options.ntoken = ntoken;
-  options.ninp = settings.ninp;
-  options.nhid = settings.nhid;
-  options.nlayers = settings.nlayers;
-  options.dropout = settings.dropout;
-  options.seed = settings.seed * 1000 + trainer * 10;
-  rnn_ps::RNNModel model("ps", options);
+  rnn_ps::ModelOptions options = model_options(settings, ntoken);
+  options.seed += trainer * 10;
+  // --elastic: the server's shared model, and where this trainer's slot (its rank) stands.
+  const std::string name = rpc::get_worker_info().name;
+  SlotStart resume;
+  if (settings.elastic) resume = join_slot(rank, name);
+  rnn_ps::RNNModel model = settings.elastic ? rnn_ps::RNNModel("ps", options, resume.model)
+                                            : rnn_ps::RNNModel("ps", options);
   distoptim::dist_optim::DistributedOptimizer optimizer(
       settings.optimizer, model.parameter_rrefs(),
       distoptim::optim::OptionBag().set("lr", settings.lr));
@@ -199,27 +513,48 @@ void train(const Settings& settings, int rank, int world_size) {
   if (reporter) {
     fmt::print(
         "rnn_parameter_server: {} trainer(s), vocabulary {} words, {} tokens each, {} held out "
-        "(the corpus's last {:.0f}%); LSTM {}x{} on the trainer, embedding and decoder on the "
+        "(the corpus's last {:.0f}%); LSTM {}x{} on {}, embedding and decoder on the "
         "server; {} lr {}; for {} s\n",
         trainers, ntoken, data.numel(), held_out.numel(), settings.held_out * 100, settings.nlayers,
-        settings.nhid, settings.optimizer, settings.lr, settings.seconds);
+        settings.nhid,
+        settings.elastic ? "each trainer, its weights on the server (one model for every trainer)"
+                         : "the trainer",
+        settings.optimizer, settings.lr, settings.seconds);
   }
-  // Before any step, for comparison (about the vocabulary's size: a uniform guess).
-  const double held_out_before = reporter ? evaluate(model, held_out, settings.bptt, ntoken) : NAN;
+  // Before any step, for comparison (about the vocabulary's size: a uniform guess). A worker
+  // restarted in the reporter's slot gets the first one's from the server.
+  double held_out_before = resume.held_out_before;
+  if (reporter && std::isnan(held_out_before)) {
+    held_out_before = evaluate(model, held_out, settings.bptt, ntoken);
+    if (settings.elastic) {
+      rpc::rpc_sync<bool>("ps", "rnn_ps.held_out_before", std::tuple{held_out_before});
+    }
+  }
   fs::create_directories(settings.out_dir);
-  const fs::path csv = fs::path(settings.out_dir) / fmt::format("loss_rank{}.csv", rank);
+  // Each worker's own curve (under --elastic a restarted worker's is a file of its own).
+  const fs::path csv =
+      fs::path(settings.out_dir) /
+      (settings.elastic ? fmt::format("loss_{}.csv", name) : fmt::format("loss_rank{}.csv", rank));
   std::ofstream out(csv);
   out << "step,tokens,seconds,loss\n";
 
-  const auto start = Clock::now();
+  // A restarted worker goes on with its slot's clock, steps and place in the data.
+  const auto start = Clock::now() - std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(resume.seconds));
   auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
-  int64_t step = 0, tokens = 0;
+  int64_t step = resume.steps, tokens = resume.tokens;
+  const int64_t batches_per_epoch = (data.size(0) - 2) / settings.bptt + 1;
+  const bool kills_itself =
+      settings.kill_trainer_at > 0 && rank == world_size - 1 && restart_count() == 0;
+  bool first_step = true;
   double next_report = 0, first_loss = NAN, recent = 0;
   std::vector<double> last_losses;
   bool out_of_time = false;
-  for (int64_t epoch = 0; epoch < settings.epochs && !out_of_time; ++epoch) {
+  if (step == settings.steps || elapsed() >= settings.seconds) out_of_time = true;
+  for (int64_t epoch = step / batches_per_epoch; epoch < settings.epochs && !out_of_time; ++epoch) {
     auto hidden = model.init_hidden(settings.batch);
-    for (int64_t i = 0; i + 1 < data.size(0); i += settings.bptt) {
+    const int64_t first = epoch == step / batches_per_epoch ? step % batches_per_epoch : 0;
+    for (int64_t i = first * settings.bptt; i + 1 < data.size(0); i += settings.bptt) {
       const int64_t len = std::min(settings.bptt, data.size(0) - 1 - i);
       const at::Tensor input = data.narrow(0, i, len);
       const at::Tensor target = data.narrow(0, i + 1, len).reshape({-1});
@@ -233,10 +568,28 @@ void train(const Settings& settings, int rank, int world_size) {
         const at::Tensor loss =
             torch::nn::functional::cross_entropy(output.view({-1, ntoken}), target);
         distoptim::dist_autograd::backward(context.id(), {loss});
+        if (kills_itself && step + 1 == settings.kill_trainer_at) {
+          // The fault --kill-trainer-at injects: gradients on the server, the step not taken.
+          rpc::rpc_sync<bool>("ps", "rnn_ps.kill",
+                              std::tuple{static_cast<int64_t>(rank), name, step + 1});
+          std::fflush(stdout);
+          ::raise(SIGKILL);
+        }
         optimizer.step(context.id());
         loss_value = loss.item<double>();
       }
       ++step;
+      if (first_step) {
+        first_step = false;
+        const auto seconds_since = [&](Clock::time_point t) {
+          return std::chrono::duration<double>(t - rpc_called).count();
+        };
+        fmt::print(
+            "{}: init_rpc took {:.3f} s; its first step (step {} of slot {}) returned {:.3f} s "
+            "after it called init_rpc\n",
+            name, seconds_since(rpc_returned), step, rank, seconds_since(Clock::now()));
+        std::fflush(stdout);
+      }
       tokens += input.numel();
       if (std::isnan(first_loss)) first_loss = loss_value;
       last_losses.push_back(loss_value);
@@ -246,6 +599,10 @@ void train(const Settings& settings, int rank, int world_size) {
       recent /= static_cast<double>(last_losses.size());
       const double t = elapsed();
       out << fmt::format("{},{},{:.3f},{:.6f}\n", step, tokens, t, loss_value);
+      if (settings.elastic) {
+        rpc::rpc_sync<bool>("ps", "rnn_ps.step",
+                            std::tuple{static_cast<int64_t>(rank), name, step, tokens, loss_value});
+      }
       if (reporter && (t >= next_report || t >= settings.seconds || step == settings.steps)) {
         print_progress(t / settings.seconds, step, recent, tokens / t, settings.seconds - t);
         next_report = t + settings.seconds / 20;
@@ -257,6 +614,9 @@ void train(const Settings& settings, int rank, int world_size) {
     }
   }
   out.close();
+  if (settings.elastic) {
+    rpc::rpc_sync<bool>("ps", "rnn_ps.finish", std::tuple{static_cast<int64_t>(rank), name});
+  }
   if (reporter) {
     const double t = elapsed();
     fmt::print(
@@ -269,7 +629,10 @@ void train(const Settings& settings, int rank, int world_size) {
         "{:.1f} ({:.4f}) before training\n",
         std::exp(held_out_after), held_out_after, held_out.numel(), std::exp(held_out_before),
         held_out_before);
-    examples::plot_and_report(plot_commands(csv), csv, fs::path(settings.out_dir) / "loss.png");
+    // Under --elastic the server plots every worker's curve instead.
+    if (!settings.elastic) {
+      examples::plot_and_report(plot_commands(csv), csv, fs::path(settings.out_dir) / "loss.png");
+    }
   }
 }
 
@@ -282,10 +645,27 @@ int run_example(const Settings& s) {
                     "needs a server and at least one trainer, got a world size of ", world_size,
                     " (WORLD_SIZE, which distrun sets: --nproc-per-node 2 or more)");
   at::manual_seed(static_cast<uint64_t>(s.seed * 1000 + rank));
-  const std::string name = rank == 0 ? "ps" : "trainer" + std::to_string(rank);
-  examples::run_rpc_worker(name, rank, world_size, [&] {
-    if (rank > 0) train(s, rank, world_size);
-  });
+  const auto rpc_called = Clock::now();
+  if (!s.elastic) {
+    const std::string name = rank == 0 ? "ps" : "trainer" + std::to_string(rank);
+    examples::run_rpc_worker(name, rank, world_size, [&] {
+      if (rank > 0) train(s, rank, world_size, rpc_called, Clock::now());
+    });
+    return 0;
+  }
+  if (rank == 0) {
+    const int64_t ntoken = static_cast<int64_t>(read_corpus(s.data_dir).ids.size());
+    fs::create_directories(s.out_dir);
+    server_record().open(fs::path(s.out_dir) / "loss.csv", world_size - 1, s.trainer_timeout);
+    examples::run_dynamic_rpc_worker("ps", 0, [&] { serve(s, world_size - 1, ntoken); });
+    return 0;
+  }
+  // A dead member's name and rank stay taken in the group: a restarted trainer joins anew.
+  const int restarts = restart_count();
+  const std::string name = restarts == 0 ? fmt::format("trainer{}", rank)
+                                         : fmt::format("trainer{}-restart{}", rank, restarts);
+  examples::run_dynamic_rpc_worker(name, rpc::kAssignRank,
+                                   [&] { train(s, rank, world_size, rpc_called, Clock::now()); });
   return 0;
 }
 
@@ -317,6 +697,22 @@ int main(int argc, char** argv) {
                  "fraction of the corpus, at its end, never trained on: the held-out perplexity "
                  "is measured on it")
       ->check(examples::between(0.01, 0.5));
+  CLI::Option* elastic =
+      app.add_flag("--elastic", s.elastic,
+                   "trainers may die and be restarted (distrun --restart-policy rank): the server "
+                   "runs a dynamic RPC group and holds one model that every trainer trains, LSTM "
+                   "included; a restarted trainer continues from it, and from its slot's step; "
+                   "the server logs every trainer's steps to <out-dir>/loss.csv");
+  app.add_option("--kill-trainer-at", s.kill_trainer_at,
+                 "the last trainer SIGKILLs itself in this step, once (a fault to see the "
+                 "restart; 0: never)")
+      ->check(examples::at_least(0))
+      ->needs(elastic);
+  app.add_option("--trainer-timeout", s.trainer_timeout,
+                 "with --elastic, the server fails when a trainer slot has shown no sign of "
+                 "life (a join or a step) for this many seconds")
+      ->check(examples::above(0))
+      ->needs(elastic);
   return examples::run(app, argc, argv,
                        examples::distrun() + " --nproc-per-node 2 " + argv[0] +
                            " --seconds 120 --out-dir rnn_ps_out",
