@@ -444,6 +444,19 @@ namespace {
 SlotStart join_slot(int rank, const std::string& name) {
   SlotStart start;
   const auto deadline = Clock::now() + std::chrono::minutes(2);
+  // A trainer started with the server may find the group's store up before the server has
+  // entered the group itself; the server, entering, tells it, so it waits to see it listed.
+  auto server_listed = [] {
+    const auto workers = rpc::get_worker_infos();
+    return std::any_of(workers.begin(), workers.end(),
+                       [](const rpc::WorkerInfo& worker) { return worker.name == "ps"; });
+  };
+  while (!server_listed()) {
+    if (Clock::now() > deadline) {
+      throw std::runtime_error("the server 'ps' has not entered the group within 2 minutes");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   for (;;) {
     auto model = rpc::rpc_sync<std::optional<rnn_ps::RNNModel::Shared>>("ps", "rnn_ps.shared_model",
                                                                         std::tuple{});
@@ -482,12 +495,12 @@ int restart_count() {
   return value == nullptr ? 0 : std::atoi(value);
 }
 
-// `rpc_called`: when this worker called init_rpc (the join time is measured from it).
-void train(const Settings& settings, int rank, int world_size, Clock::time_point rpc_called,
-           Clock::time_point rpc_returned) {
+// `rpc_called`, `rpc_returned`: when this worker called init_rpc and when it returned (the
+// first step's line measures the join from them).
+void train(const Settings& settings, const Corpus& corpus, int rank, int world_size,
+           Clock::time_point rpc_called, Clock::time_point rpc_returned) {
   const int trainers = world_size - 1;
   const int trainer = rank - 1;
-  const Corpus corpus = read_corpus(settings.data_dir);
   const int64_t ntoken = static_cast<int64_t>(corpus.ids.size());
   // The corpus's last tokens are held out; each trainer trains on its share of the rest.
   const auto total = static_cast<int64_t>(corpus.tokens.size());
@@ -645,16 +658,19 @@ int run_example(const Settings& s) {
                     "needs a server and at least one trainer, got a world size of ", world_size,
                     " (WORLD_SIZE, which distrun sets: --nproc-per-node 2 or more)");
   at::manual_seed(static_cast<uint64_t>(s.seed * 1000 + rank));
+  // Read before init_rpc: a joining trainer's time to its first step is the group's, not the
+  // disk's.
+  const Corpus corpus = rank > 0 || s.elastic ? read_corpus(s.data_dir) : Corpus{};
   const auto rpc_called = Clock::now();
   if (!s.elastic) {
     const std::string name = rank == 0 ? "ps" : "trainer" + std::to_string(rank);
     examples::run_rpc_worker(name, rank, world_size, [&] {
-      if (rank > 0) train(s, rank, world_size, rpc_called, Clock::now());
+      if (rank > 0) train(s, corpus, rank, world_size, rpc_called, Clock::now());
     });
     return 0;
   }
   if (rank == 0) {
-    const int64_t ntoken = static_cast<int64_t>(read_corpus(s.data_dir).ids.size());
+    const auto ntoken = static_cast<int64_t>(corpus.ids.size());
     fs::create_directories(s.out_dir);
     server_record().open(fs::path(s.out_dir) / "loss.csv", world_size - 1, s.trainer_timeout);
     examples::run_dynamic_rpc_worker("ps", 0, [&] { serve(s, world_size - 1, ntoken); });
@@ -664,8 +680,9 @@ int run_example(const Settings& s) {
   const int restarts = restart_count();
   const std::string name = restarts == 0 ? fmt::format("trainer{}", rank)
                                          : fmt::format("trainer{}-restart{}", rank, restarts);
-  examples::run_dynamic_rpc_worker(name, rpc::kAssignRank,
-                                   [&] { train(s, rank, world_size, rpc_called, Clock::now()); });
+  examples::run_dynamic_rpc_worker(name, rpc::kAssignRank, [&] {
+    train(s, corpus, rank, world_size, rpc_called, Clock::now());
+  });
   return 0;
 }
 
