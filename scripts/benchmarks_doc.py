@@ -131,7 +131,20 @@ def render_other(cases, path):
     return [], table(["case"] + keys, rows)
 
 
-RENDERERS = {"optim": render_optim, "zero": render_ours_and_pytorch,
+def render_elastic(cases, path):
+    """bench/elastic: min/median/max rows of ours alone, and one row of settings."""
+    rows, notes = [], []
+    for c in cases:
+        if c["case"] == "settings":
+            notes = ["Settings: {}; {}.".format(field(c, "settings", path), field(c, "note", path))]
+            continue
+        f = lambda key: field(c, key, path)
+        rows.append([c["case"], number(f("min")), number(f("median")), number(f("max")), f("unit"),
+                     f("better")])
+    return notes, table(["case", "min", "median", "max", "unit", "better"], rows)
+
+
+RENDERERS = {"optim": render_optim, "elastic": render_elastic, "zero": render_ours_and_pytorch,
              "dist_optim": render_ours_and_pytorch, "rpc": render_rpc,
              "sparse_ps": render_ours_and_pytorch, "sparse_rows": render_ours_and_pytorch}
 
