@@ -347,7 +347,7 @@ class ServerRecord {
       blocks += fmt::format("$worker{} << EOD\n", i);
       for (const auto& [t, loss] : curves_[joined_[i]]) blocks += fmt::format("{} {}\n", t, loss);
       blocks += "EOD\n";
-      curves += fmt::format("{}$worker{} using 1:2 with lines lw 2 title '{}'",
+      curves += fmt::format("{}$worker{} using 1:2 with linespoints lw 2 pt 7 ps 0.4 title '{}'",
                             curves.empty() ? "plot " : ", ", i, joined_[i]);
     }
     return fmt::format(
@@ -563,7 +563,11 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
   double next_report = 0, first_loss = NAN, recent = 0;
   std::vector<double> last_losses;
   bool out_of_time = false;
-  if (step == settings.steps || elapsed() >= settings.seconds) out_of_time = true;
+  // A worker joining a slot whose budget is spent (its predecessor died right after its last
+  // step) has nothing left to do.
+  if ((settings.steps > 0 && step >= settings.steps) || elapsed() >= settings.seconds) {
+    out_of_time = true;
+  }
   for (int64_t epoch = step / batches_per_epoch; epoch < settings.epochs && !out_of_time; ++epoch) {
     auto hidden = model.init_hidden(settings.batch);
     const int64_t first = epoch == step / batches_per_epoch ? step % batches_per_epoch : 0;
