@@ -147,13 +147,13 @@ Round run_round(const Config& config, const fs::path& out_dir) {
   const std::string replacement = killed + "-restart1";
   // "NAME: init_rpc took X s; its first step (step N of slot R) returned Y s after it called
   // init_rpc" (after distrun's "[rank R] ").
-  static const std::regex joined(
+  static const std::regex kJoined(
       R"((trainer[0-9]+(-restart[0-9]+)?): init_rpc took ([0-9.]+) s; its first step .* returned ([0-9.]+) s after)");
   std::istringstream lines(child.stdout_text);
   std::string line;
   while (std::getline(lines, line)) {
     std::smatch m;
-    if (!std::regex_search(line, m, joined)) continue;
+    if (!std::regex_search(line, m, kJoined)) continue;
     const double init = std::stod(m[3]), first = std::stod(m[4]);
     if (m[1] == replacement) {
       round.rejoin_init_rpc = init;
