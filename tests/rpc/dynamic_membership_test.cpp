@@ -76,6 +76,7 @@ TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
       // Joins and leaves as the trainers saw them.
       EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
       EXPECT_EQ(get_worker_info("trainer1").id, 4);
+      turns.say("ps_checked");  // until then every trainer stays
       shutdown();  // the store host leaves last: it waits for the trainers to leave
       return;
     }
@@ -126,6 +127,7 @@ TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
       EXPECT_EQ(get_worker_info("trainer1").id, 4);
       EXPECT_EQ(rpc_sync<std::string>("trainer1", "dynamic_whoami"), "trainer1");
       EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
+      turns.await("ps_checked");
       turns.say("trainer2_done");
       shutdown();
       return;
