@@ -176,22 +176,22 @@ void Agent::on_peer_lost(int peer, const std::string& why) {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping = state_ != State::kRunning;
   }
-  std::vector<PendingCall> failed = pending_.take_to(peer);
   if (!stopping) {
     dispatcher_.caller_lost(peer);
     dispatcher_.post_ordered([this, peer] { on_peer_gone(peer); });
   }
-  const auto table = group_.table().snapshot();
-  const std::string worker = table->name(peer);
-  const WorkerTable::Entry* entry = table->find(peer);
-  const bool left = entry != nullptr && entry->left;
-  dispatcher_.fail_calls(std::move(failed), [worker, why, stopping, left](const PendingCall& call) {
+  // Not taken here but behind the replies read before the connection ended: a worker leaving
+  // the group writes its last replies, then closes, and those replies answer their calls.
+  dispatcher_.fail_calls_to(peer, [this, peer, why, stopping](const PendingCall& call) {
+    const auto table = group_.table().snapshot();
+    const std::string worker = table->name(peer);
+    const WorkerTable::Entry* entry = table->find(peer);
     if (stopping) {
       return DISTOPTIM_RPC_ERROR(DistributedError, "rpc: the agent shut down before worker '" +
                                                        worker + "' answered '" + call.function +
                                                        "'");
     }
-    if (left) {
+    if (entry != nullptr && entry->left) {
       return DISTOPTIM_RPC_ERROR(PeerLostError, "rpc: worker '" + worker +
                                                     "' left the group before it answered '" +
                                                     call.function + "' (" + why + ")");

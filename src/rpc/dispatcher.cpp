@@ -378,6 +378,15 @@ void Dispatcher::fail_calls(std::vector<PendingCall> calls,
   });
 }
 
+void Dispatcher::fail_calls_to(int peer,
+                               std::function<std::exception_ptr(const PendingCall&)> make_error) {
+  completion_->post([this, peer, make_error = std::move(make_error)] {
+    for (const PendingCall& call : calls_.take_to(peer)) {
+      call.future->setErrorIfNeeded(make_error(call));
+    }
+  });
+}
+
 void Dispatcher::post_ordered(std::function<void()> job) { ordered_->post(std::move(job)); }
 
 int64_t Dispatcher::requests_in_flight() {

@@ -80,6 +80,10 @@ class Dispatcher {
   /// Completes each call's future with make_error(call), on the completion thread.
   void fail_calls(std::vector<PendingCall> calls,
                   std::function<std::exception_ptr(const PendingCall&)> make_error);
+  /// I/O thread, when `peer`'s connection ends: on the completion thread, after the replies read
+  /// before the end (queued there before), takes the calls to `peer` still pending and completes
+  /// each with make_error(call). A reply the peer wrote before closing answers its call.
+  void fail_calls_to(int peer, std::function<std::exception_ptr(const PendingCall&)> make_error);
   /// Runs `job` on the ordered thread, after the control messages received before.
   void post_ordered(std::function<void()> job);
 
