@@ -206,8 +206,10 @@ void Dispatcher::handle_request(const std::shared_ptr<Connection>& connection, i
         reply(connection, id, caller, callable, done);
       });
       return;
-    } else if (request.callable == kMemberJoined || request.callable == kMemberLeft) {
-      // A worker announces itself: the caller's proven id is the worker the notice is about.
+    } else if (request.callable == kMemberJoined || request.callable == kMemberLeft ||
+               request.callable == kMemberDropped) {
+      // A worker announces itself (the caller's proven id is the worker the notice is about), or
+      // the store host says it dropped a member.
       auto sent = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
       try {
         sent->markCompleted(membership_(request.caller_id, request.callable, request.args));

@@ -54,7 +54,8 @@ class Dispatcher {
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
 
-  /// Handles a membership notice (kMemberJoined, kMemberLeft) from `caller`: its reply.
+  /// Handles a membership notice (kMemberJoined, kMemberLeft, kMemberDropped) from `caller`: its
+  /// reply.
   using MembershipHandler =
       std::function<c10::IValue(int caller, const std::string& callable, std::vector<c10::IValue>)>;
 
