@@ -78,6 +78,7 @@ TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
       // Joins and leaves as the trainers saw them.
       EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
       EXPECT_EQ(get_worker_info("trainer1").id, 4);
+      turns.say("ps_checked");
       shutdown();  // the store host leaves last: it waits for the trainers to leave
       return;
     }
@@ -128,6 +129,7 @@ TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
       EXPECT_EQ(get_worker_info("trainer1").id, 4);
       EXPECT_EQ(rpc_sync<std::string>("trainer1", "dynamic_whoami"), "trainer1");
       EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
+      turns.await("ps_checked");  // the trainers leave once the store host has looked too
       turns.say("trainer2_done");
       shutdown();
       return;
@@ -267,7 +269,7 @@ TEST(DynamicMembership, AKilledMemberIsDroppedAndItsNameTaken) {
   testing::RunRanksOptions run;
   run.expected_signals = {{1, SIGKILL}};
   run_ranks(
-      4,
+      3,
       [](int rank, int) {
         if (rank == 0) {
           init_rpc("ps", 0, options().liveness_timeout(2s));
@@ -278,10 +280,12 @@ TEST(DynamicMembership, AKilledMemberIsDroppedAndItsNameTaken) {
           turns.say("ps_called_victim");
           EXPECT_EQ(await_members(my_members, {"ps", "other"}),
                     (std::vector<std::string>{"ps", "other"}));
-          turns.await("other_done");
-          EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "other", "victim"}));
+          turns.await("replacement_joined");
+          EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "victim"}));
           EXPECT_EQ(get_worker_info("victim").id, 3);
-          shutdown();  // waits for the two members alive, not for the dead one
+          EXPECT_EQ(rpc_sync<std::string>("victim", "dynamic_whoami"), "victim");
+          turns.say("ps_checked");
+          shutdown();  // waits for the member alive, not for the dead one
           return;
         }
         Turns turns(rank);
@@ -294,36 +298,26 @@ TEST(DynamicMembership, AKilledMemberIsDroppedAndItsNameTaken) {
           ::kill(::getpid(), SIGKILL);
           return;
         }
-        if (rank == 2) {
-          init_rpc("other", 2, options());
-          turns.say("other_joined");
-          turns.await("victim_joined");
-          EXPECT_EQ(rpc_sync<std::string>("victim", "dynamic_whoami"), "victim");
-          turns.say("other_called_victim");
-          EXPECT_EQ(await_members(my_members, {"ps", "other"}),
-                    (std::vector<std::string>{"ps", "other"}));
-          expect_error<PeerLostError>([] { rpc_sync<std::string>("victim", "dynamic_whoami"); },
-                                      "worker 'victim' (id 1) left the group");
-          EXPECT_THROW(get_worker_info("victim"), c10::ValueError);
-          turns.say("victim_dropped");
-          turns.await("replacement_joined");
-          EXPECT_EQ(get_worker_info("victim").id, 3);
-          EXPECT_EQ(rpc_sync<std::string>("victim", "dynamic_whoami"), "victim");
-          EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "other", "victim"}));
-          turns.say("other_done");
-          shutdown();
-          return;
-        }
-        // rank 3: the dead worker's name, under a new rank.
-        turns.await("victim_dropped");
+        init_rpc("other", 2, options());
+        turns.say("other_joined");
+        turns.await("victim_joined");
+        EXPECT_EQ(rpc_sync<std::string>("victim", "dynamic_whoami"), "victim");
+        turns.say("other_called_victim");
+        EXPECT_EQ(await_members(my_members, {"ps", "other"}),
+                  (std::vector<std::string>{"ps", "other"}));
+        expect_error<PeerLostError>([] { rpc_sync<std::string>("victim", "dynamic_whoami"); },
+                                    "worker 'victim' (id 1) left the group");
+        EXPECT_THROW(get_worker_info("victim"), c10::ValueError);
+        shutdown();
+        // This process takes the dead worker's name, under a new rank.
         expect_error<c10::ValueError>([] { init_rpc("victim", 1, options()); },
                                       "rank 1 (worker 'victim') is taken");
         init_rpc("victim", kAssignRank, options());
         EXPECT_EQ(get_worker_info().id, 3);
-        EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "other", "victim"}));
+        EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "victim"}));
         EXPECT_EQ(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{2}, int64_t{3}}), 5);
         turns.say("replacement_joined");
-        turns.await("other_done");
+        turns.await("ps_checked");
         shutdown();
       },
       run);
