@@ -131,7 +131,20 @@ def render_other(cases, path):
     return [], table(["case"] + keys, rows)
 
 
-RENDERERS = {"optim": render_optim, "zero": render_ours_and_pytorch,
+def render_elastic(cases, path):
+    """bench/elastic: min/median/max rows of ours alone, and one row of settings."""
+    rows, notes = [], []
+    for c in cases:
+        if c["case"] == "settings":
+            notes = ["Settings: {}; {}.".format(field(c, "settings", path), field(c, "note", path))]
+            continue
+        f = lambda key: field(c, key, path)
+        rows.append([c["case"], number(f("min")), number(f("median")), number(f("max")), f("unit"),
+                     f("better")])
+    return notes, table(["case", "min", "median", "max", "unit", "better"], rows)
+
+
+RENDERERS = {"optim": render_optim, "elastic": render_elastic, "zero": render_ours_and_pytorch,
              "dist_optim": render_ours_and_pytorch, "rpc": render_rpc,
              "sparse_ps": render_ours_and_pytorch, "sparse_rows": render_ours_and_pytorch}
 
@@ -224,6 +237,13 @@ def section(name, paths):
         median = present[middle] if len(present) % 2 else \
             (present[middle - 1] + present[middle]) / 2
         rows.append([case["case"]] + [ratio(r) for r in ratios] + [ratio(median)])
+    if not rows:
+        # A benchmark that compares nothing (bench/elastic) has no ratios: its last run in full.
+        head = ["Written by `scripts/benchmarks_doc.py` from {} runs of the benchmark (`make "
+                "bench`), the last of {}; it compares nothing, so the last run in full.".format(
+                    len(runs), written(paths[-1]))] + head[1:]
+        prose = textwrap.wrap(" ".join(head + notes), width=100, break_on_hyphens=False)
+        return [BEGIN.format(name), ""] + prose + [""] + lines + ["", END.format(name)]
     summary = table(["case"] + ["run {}".format(k + 1) for k in range(len(runs))] +
                     ["median of {}".format(len(runs))], rows)
     prose = textwrap.wrap(" ".join(head), width=100, break_on_hyphens=False)

@@ -6,13 +6,16 @@
 # the final training loss and perplexity, the perplexity on the held-out last 10% of the text,
 # and where the loss curve (CSV and PNG) went. Arguments are passed
 # to the example (see --help). Works from any directory. DISTOPTIM_BUILD_DIR and DISTOPTIM_JOBS
-# override build/ and -j2; DISTOPTIM_TRAINERS the number of trainers (1).
+# override build/ and -j2; DISTOPTIM_TRAINERS the number of trainers (1); DISTOPTIM_RESTARTS=K
+# has distrun restart a failed trainer alone, up to K times (--restart-policy rank; for the
+# example's --elastic, README "Trainers killed and restarted").
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD_DIR="${DISTOPTIM_BUILD_DIR:-build}"
 JOBS="${DISTOPTIM_JOBS:-2}"
 TRAINERS="${DISTOPTIM_TRAINERS:-1}"
+RESTARTS="${DISTOPTIM_RESTARTS:-}"
 
 bash scripts/setup.sh
 
@@ -30,5 +33,9 @@ for binary in "$example" "$distrun"; do
   }
 done
 
-echo "==== demo.sh: running $distrun --nproc-per-node $((TRAINERS + 1)) $example $*"
-exec "$distrun" --nproc-per-node "$((TRAINERS + 1))" "$example" --out-dir rnn_ps_out "$@"
+launch=("$distrun" --nproc-per-node "$((TRAINERS + 1))")
+if [[ -n "$RESTARTS" ]]; then
+  launch+=(--restart-policy rank --max-restarts "$RESTARTS")
+fi
+echo "==== demo.sh: running ${launch[*]} $example $*"
+exec "${launch[@]}" "$example" --out-dir rnn_ps_out "$@"

@@ -14,17 +14,35 @@
 // writes the loss curve as CSV and as a PNG (drawn by gnuplot; when gnuplot is missing or fails,
 // it says so and why). With one trainer a run is reproducible: the same seed gives the same
 // losses.
+//
+// Trainers that die and come back: with --elastic the server starts a dynamic RPC group and holds
+// one model that every trainer trains, the LSTM's weights included; a trainer that distrun
+// restarts (--restart-policy rank) joins again under a new name and continues from the server's
+// parameters and its slot's step. --kill-trainer-at STEP makes the last trainer SIGKILL itself
+// once, to watch it happen; the server logs every worker's steps to <out-dir>/loss.csv and plots
+// them (loss.png), where the killed trainer's curve stops and its replacement's resumes:
+//
+//   build/tools/distrun/distrun --nproc-per-node 3 --restart-policy rank --max-restarts 1 \
+//       build/examples/rnn_parameter_server/rnn_parameter_server --seconds 60 --elastic \
+//       --kill-trainer-at 50 --out-dir out
+
+#include <signal.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -42,10 +60,12 @@
 #include "gnuplot.h"
 #include "rnn_model.h"
 #include "rpc_worker.h"
+#include "trainer_slots.h"
 
 namespace {
 
 namespace fs = std::filesystem;
+namespace rpc = distoptim::rpc;
 using Clock = std::chrono::steady_clock;
 
 struct Settings {
@@ -63,8 +83,23 @@ struct Settings {
   double lr = 0.002;
   int64_t seed = 0;
   std::string out_dir = "rnn_ps_out";
-  double held_out = 0.1;  // the corpus's last tokens, never trained on
+  double held_out = 0.1;         // the corpus's last tokens, never trained on
+  bool elastic = false;          // a dynamic group: trainers may die, be restarted and rejoin
+  int64_t kill_trainer_at = 0;   // the last trainer SIGKILLs itself in this step (once; 0: never)
+  double trainer_timeout = 300;  // the server's bound on a trainer slot without a step
 };
+
+// The corpus's vocabulary as the model's options (each trainer adds its own seed).
+rnn_ps::ModelOptions model_options(const Settings& settings, int64_t ntoken) {
+  rnn_ps::ModelOptions options;
+  options.ntoken = ntoken;
+  options.ninp = settings.ninp;
+  options.nhid = settings.nhid;
+  options.nlayers = settings.nlayers;
+  options.dropout = settings.dropout;
+  options.seed = settings.seed * 1000;
+  return options;
+}
 
 // Every file of the directory, as word tokens with "<eos>" at each line's end (as the tutorial's
 // corpus does), in file-name order; ids in order of first appearance. A file reached twice (GPL
@@ -170,10 +205,32 @@ std::string plot_commands(const fs::path& csv) {
       csv.string());
 }
 
-void train(const Settings& settings, int rank, int world_size) {
+// On the server: the shared model, then serving until every trainer slot has finished.
+void serve(const Settings& settings, int trainers, int64_t ntoken) {
+  rnn_ps::set_shared_model(rnn_ps::RNNModel::create_shared("ps", model_options(settings, ntoken)));
+  fmt::print(
+      "ps: serving the shared model (vocabulary {} words) to {} trainer slot(s); "
+      "trainers may die and rejoin (--elastic); the log goes to {}\n",
+      ntoken, trainers, (fs::path(settings.out_dir) / "loss.csv").string());
+  std::fflush(stdout);
+  rnn_ps::wait_for_trainers();
+  const fs::path csv = fs::path(settings.out_dir) / "loss.csv";
+  examples::plot_and_report(rnn_ps::trainer_slots_plot_commands(), csv,
+                            fs::path(settings.out_dir) / "loss.png");
+}
+
+// DISTRUN_RESTART_COUNT: how many times distrun has restarted this rank (0 if not set).
+int restart_count() {
+  const char* value = std::getenv("DISTRUN_RESTART_COUNT");
+  return value == nullptr ? 0 : std::atoi(value);
+}
+
+// `rpc_called`, `rpc_returned`: when this worker called init_rpc and when it returned (the
+// first step's line measures the join from them).
+void train(const Settings& settings, const Corpus& corpus, int rank, int world_size,
+           Clock::time_point rpc_called, Clock::time_point rpc_returned) {
   const int trainers = world_size - 1;
   const int trainer = rank - 1;
-  const Corpus corpus = read_corpus(settings.data_dir);
   const int64_t ntoken = static_cast<int64_t>(corpus.ids.size());
   // The corpus's last tokens are held out; each trainer trains on its share of the rest.
   const auto total = static_cast<int64_t>(corpus.tokens.size());
@@ -183,14 +240,14 @@ void train(const Settings& settings, int rank, int world_size) {
       batchify(corpus.tokens, trainer * share, (trainer + 1) * share, settings.batch);
   const at::Tensor held_out = batchify(corpus.tokens, trained, total, settings.batch);
 
-  rnn_ps::ModelOptions options;
-  options.ntoken = ntoken;
-  options.ninp = settings.ninp;
-  options.nhid = settings.nhid;
-  options.nlayers = settings.nlayers;
-  options.dropout = settings.dropout;
-  options.seed = settings.seed * 1000 + trainer * 10;
-  rnn_ps::RNNModel model("ps", options);
+  rnn_ps::ModelOptions options = model_options(settings, ntoken);
+  options.seed += trainer * 10;
+  // --elastic: the server's shared model, and where this trainer's slot (its rank) stands.
+  const std::string name = rpc::get_worker_info().name;
+  rnn_ps::SlotStart resume;
+  if (settings.elastic) resume = rnn_ps::join_slot(rank, name);
+  rnn_ps::RNNModel model = settings.elastic ? rnn_ps::RNNModel("ps", options, resume.model)
+                                            : rnn_ps::RNNModel("ps", options);
   distoptim::dist_optim::DistributedOptimizer optimizer(
       settings.optimizer, model.parameter_rrefs(),
       distoptim::optim::OptionBag().set("lr", settings.lr));
@@ -199,27 +256,52 @@ void train(const Settings& settings, int rank, int world_size) {
   if (reporter) {
     fmt::print(
         "rnn_parameter_server: {} trainer(s), vocabulary {} words, {} tokens each, {} held out "
-        "(the corpus's last {:.0f}%); LSTM {}x{} on the trainer, embedding and decoder on the "
+        "(the corpus's last {:.0f}%); LSTM {}x{} on {}, embedding and decoder on the "
         "server; {} lr {}; for {} s\n",
         trainers, ntoken, data.numel(), held_out.numel(), settings.held_out * 100, settings.nlayers,
-        settings.nhid, settings.optimizer, settings.lr, settings.seconds);
+        settings.nhid,
+        settings.elastic ? "each trainer, its weights on the server (one model for every trainer)"
+                         : "the trainer",
+        settings.optimizer, settings.lr, settings.seconds);
   }
-  // Before any step, for comparison (about the vocabulary's size: a uniform guess).
-  const double held_out_before = reporter ? evaluate(model, held_out, settings.bptt, ntoken) : NAN;
+  // Before any step, for comparison (about the vocabulary's size: a uniform guess). A worker
+  // restarted in the reporter's slot gets the first one's from the server.
+  double held_out_before = resume.held_out_before;
+  if (reporter && std::isnan(held_out_before)) {
+    held_out_before = evaluate(model, held_out, settings.bptt, ntoken);
+    if (settings.elastic) {
+      rnn_ps::report_held_out_before(held_out_before);
+    }
+  }
   fs::create_directories(settings.out_dir);
-  const fs::path csv = fs::path(settings.out_dir) / fmt::format("loss_rank{}.csv", rank);
+  // Each worker's own curve (under --elastic a restarted worker's is a file of its own).
+  const fs::path csv =
+      fs::path(settings.out_dir) /
+      (settings.elastic ? fmt::format("loss_{}.csv", name) : fmt::format("loss_rank{}.csv", rank));
   std::ofstream out(csv);
   out << "step,tokens,seconds,loss\n";
 
-  const auto start = Clock::now();
+  // A restarted worker goes on with its slot's clock, steps and place in the data.
+  const auto start = Clock::now() - std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(resume.seconds));
   auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
-  int64_t step = 0, tokens = 0;
+  int64_t step = resume.steps, tokens = resume.tokens;
+  const int64_t batches_per_epoch = (data.size(0) - 2) / settings.bptt + 1;
+  const bool kills_itself =
+      settings.kill_trainer_at > 0 && rank == world_size - 1 && restart_count() == 0;
+  bool first_step = true;
   double next_report = 0, first_loss = NAN, recent = 0;
   std::vector<double> last_losses;
   bool out_of_time = false;
-  for (int64_t epoch = 0; epoch < settings.epochs && !out_of_time; ++epoch) {
+  // A worker joining a slot whose budget is spent (its predecessor died right after its last
+  // step) has nothing left to do.
+  if ((settings.steps > 0 && step >= settings.steps) || elapsed() >= settings.seconds) {
+    out_of_time = true;
+  }
+  for (int64_t epoch = step / batches_per_epoch; epoch < settings.epochs && !out_of_time; ++epoch) {
     auto hidden = model.init_hidden(settings.batch);
-    for (int64_t i = 0; i + 1 < data.size(0); i += settings.bptt) {
+    const int64_t first = epoch == step / batches_per_epoch ? step % batches_per_epoch : 0;
+    for (int64_t i = first * settings.bptt; i + 1 < data.size(0); i += settings.bptt) {
       const int64_t len = std::min(settings.bptt, data.size(0) - 1 - i);
       const at::Tensor input = data.narrow(0, i, len);
       const at::Tensor target = data.narrow(0, i + 1, len).reshape({-1});
@@ -233,10 +315,27 @@ void train(const Settings& settings, int rank, int world_size) {
         const at::Tensor loss =
             torch::nn::functional::cross_entropy(output.view({-1, ntoken}), target);
         distoptim::dist_autograd::backward(context.id(), {loss});
+        if (kills_itself && step + 1 == settings.kill_trainer_at) {
+          // The fault --kill-trainer-at injects: gradients on the server, the step not taken.
+          rnn_ps::report_kill(rank, name, step + 1);
+          std::fflush(stdout);
+          ::raise(SIGKILL);
+        }
         optimizer.step(context.id());
         loss_value = loss.item<double>();
       }
       ++step;
+      if (first_step) {
+        first_step = false;
+        const auto seconds_since = [&](Clock::time_point t) {
+          return std::chrono::duration<double>(t - rpc_called).count();
+        };
+        fmt::print(
+            "{}: init_rpc took {:.3f} s; its first step (step {} of slot {}) returned {:.3f} s "
+            "after it called init_rpc\n",
+            name, seconds_since(rpc_returned), step, rank, seconds_since(Clock::now()));
+        std::fflush(stdout);
+      }
       tokens += input.numel();
       if (std::isnan(first_loss)) first_loss = loss_value;
       last_losses.push_back(loss_value);
@@ -246,6 +345,9 @@ void train(const Settings& settings, int rank, int world_size) {
       recent /= static_cast<double>(last_losses.size());
       const double t = elapsed();
       out << fmt::format("{},{},{:.3f},{:.6f}\n", step, tokens, t, loss_value);
+      if (settings.elastic) {
+        rnn_ps::report_step(rank, name, step, tokens, loss_value);
+      }
       if (reporter && (t >= next_report || t >= settings.seconds || step == settings.steps)) {
         print_progress(t / settings.seconds, step, recent, tokens / t, settings.seconds - t);
         next_report = t + settings.seconds / 20;
@@ -257,6 +359,9 @@ void train(const Settings& settings, int rank, int world_size) {
     }
   }
   out.close();
+  if (settings.elastic) {
+    rnn_ps::report_finish(rank, name);
+  }
   if (reporter) {
     const double t = elapsed();
     fmt::print(
@@ -269,7 +374,10 @@ void train(const Settings& settings, int rank, int world_size) {
         "{:.1f} ({:.4f}) before training\n",
         std::exp(held_out_after), held_out_after, held_out.numel(), std::exp(held_out_before),
         held_out_before);
-    examples::plot_and_report(plot_commands(csv), csv, fs::path(settings.out_dir) / "loss.png");
+    // Under --elastic the server plots every worker's curve instead.
+    if (!settings.elastic) {
+      examples::plot_and_report(plot_commands(csv), csv, fs::path(settings.out_dir) / "loss.png");
+    }
   }
 }
 
@@ -282,9 +390,30 @@ int run_example(const Settings& s) {
                     "needs a server and at least one trainer, got a world size of ", world_size,
                     " (WORLD_SIZE, which distrun sets: --nproc-per-node 2 or more)");
   at::manual_seed(static_cast<uint64_t>(s.seed * 1000 + rank));
-  const std::string name = rank == 0 ? "ps" : "trainer" + std::to_string(rank);
-  examples::run_rpc_worker(name, rank, world_size, [&] {
-    if (rank > 0) train(s, rank, world_size);
+  // Read before init_rpc: a joining trainer's time to its first step is the group's, not the
+  // disk's.
+  const Corpus corpus = rank > 0 || s.elastic ? read_corpus(s.data_dir) : Corpus{};
+  const auto rpc_called = Clock::now();
+  if (!s.elastic) {
+    const std::string name = rank == 0 ? "ps" : "trainer" + std::to_string(rank);
+    examples::run_rpc_worker(name, rank, world_size, [&] {
+      if (rank > 0) train(s, corpus, rank, world_size, rpc_called, Clock::now());
+    });
+    return 0;
+  }
+  if (rank == 0) {
+    const auto ntoken = static_cast<int64_t>(corpus.ids.size());
+    fs::create_directories(s.out_dir);
+    rnn_ps::open_trainer_slots(fs::path(s.out_dir) / "loss.csv", world_size - 1, s.trainer_timeout);
+    examples::run_dynamic_rpc_worker("ps", 0, [&] { serve(s, world_size - 1, ntoken); });
+    return 0;
+  }
+  // A dead member's name and rank stay taken in the group: a restarted trainer joins anew.
+  const int restarts = restart_count();
+  const std::string name = restarts == 0 ? fmt::format("trainer{}", rank)
+                                         : fmt::format("trainer{}-restart{}", rank, restarts);
+  examples::run_dynamic_rpc_worker(name, rpc::kAssignRank, [&] {
+    train(s, corpus, rank, world_size, rpc_called, Clock::now());
   });
   return 0;
 }
@@ -317,6 +446,22 @@ int main(int argc, char** argv) {
                  "fraction of the corpus, at its end, never trained on: the held-out perplexity "
                  "is measured on it")
       ->check(examples::between(0.01, 0.5));
+  CLI::Option* elastic =
+      app.add_flag("--elastic", s.elastic,
+                   "trainers may die and be restarted (distrun --restart-policy rank): the server "
+                   "runs a dynamic RPC group and holds one model that every trainer trains, LSTM "
+                   "included; a restarted trainer continues from it, and from its slot's step; "
+                   "the server logs every trainer's steps to <out-dir>/loss.csv");
+  app.add_option("--kill-trainer-at", s.kill_trainer_at,
+                 "the last trainer SIGKILLs itself in this step, once (a fault to see the "
+                 "restart; 0: never)")
+      ->check(examples::at_least(0))
+      ->needs(elastic);
+  app.add_option("--trainer-timeout", s.trainer_timeout,
+                 "with --elastic, the server fails when a trainer slot has shown no sign of "
+                 "life (a join or a step) for this many seconds")
+      ->check(examples::above(0))
+      ->needs(elastic);
   return examples::run(app, argc, argv,
                        examples::distrun() + " --nproc-per-node 2 " + argv[0] +
                            " --seconds 120 --out-dir rnn_ps_out",

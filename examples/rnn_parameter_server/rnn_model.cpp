@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
 
+#include <c10/util/accumulate.h>
+
 namespace rnn_ps {
 
 namespace {
@@ -37,10 +39,36 @@ Decoder::Decoder(int64_t ntoken, int64_t nhid, double dropout, int64_t seed) {
 
 at::Tensor Decoder::forward(at::Tensor output) { return decoder->forward(drop->forward(output)); }
 
+namespace {
+// The LSTM's parameters in at::lstm's order, layer by layer: w_ih, w_hh, b_ih, b_hh.
+std::vector<std::vector<int64_t>> lstm_shapes(int64_t ninp, int64_t nhid, int64_t nlayers) {
+  std::vector<std::vector<int64_t>> shapes;
+  for (int64_t layer = 0; layer < nlayers; ++layer) {
+    shapes.push_back({4 * nhid, layer == 0 ? ninp : nhid});
+    shapes.push_back({4 * nhid, nhid});
+    shapes.push_back({4 * nhid});
+    shapes.push_back({4 * nhid});
+  }
+  return shapes;
+}
+}  // namespace
+
+LstmWeights::LstmWeights(int64_t ninp, int64_t nhid, int64_t nlayers, int64_t seed) {
+  int64_t size = 0;
+  for (const auto& shape : lstm_shapes(ninp, nhid, nlayers)) size += c10::multiply_integers(shape);
+  flat = register_parameter("flat", at::empty({size}));
+  // torch.nn.LSTM's initialisation, as the trainer's own LSTM gets it.
+  init_uniform(flat, 1.0 / std::sqrt(static_cast<double>(nhid)), seed);
+}
+
+// A copy: the reply then carries memory of its own, not the parameter a step may be updating.
+at::Tensor LstmWeights::forward() { return flat.clone(); }
+
 // Constructible on the server by a trainer's RemoteModule, with forward, train and
 // remote_parameters.
 DISTOPTIM_REMOTE_MODULE(EmbeddingTable, int64_t, int64_t, double, int64_t);
 DISTOPTIM_REMOTE_MODULE(Decoder, int64_t, int64_t, double, int64_t);
+DISTOPTIM_REMOTE_MODULE(LstmWeights, int64_t, int64_t, int64_t, int64_t);
 
 RNNModel::RNNModel(const std::string& ps, const ModelOptions& options) : options_(options) {
   embedding_ = std::make_shared<distoptim::rpc::RemoteModule<EmbeddingTable>>(
@@ -58,17 +86,64 @@ RNNModel::RNNModel(const std::string& ps, const ModelOptions& options) : options
   decoder_->module_rref().confirm();
 }
 
+RNNModel::Shared RNNModel::create_shared(const std::string& ps, const ModelOptions& options) {
+  distoptim::rpc::RemoteModule<EmbeddingTable> embedding(
+      ps, std::tuple{options.ntoken, options.ninp, options.dropout, options.seed + 1});
+  distoptim::rpc::RemoteModule<LstmWeights> lstm(
+      ps, std::tuple{options.ninp, options.nhid, options.nlayers, options.seed + 3});
+  distoptim::rpc::RemoteModule<Decoder> decoder(
+      ps, std::tuple{options.ntoken, options.nhid, options.dropout, options.seed + 2});
+  Shared shared{embedding.module_rref(), lstm.module_rref(), decoder.module_rref()};
+  std::get<0>(shared).confirm();
+  std::get<1>(shared).confirm();
+  std::get<2>(shared).confirm();
+  return shared;
+}
+
+RNNModel::RNNModel(const std::string& ps, const ModelOptions& options, const Shared& shared)
+    : options_(options) {
+  using distoptim::rpc::RemoteModule;
+  embedding_ = RemoteModule<EmbeddingTable>::init_from_module_rref(ps, std::get<0>(shared));
+  lstm_weights_ = RemoteModule<LstmWeights>::init_from_module_rref(ps, std::get<1>(shared));
+  decoder_ = RemoteModule<Decoder>::init_from_module_rref(ps, std::get<2>(shared));
+}
+
 std::tuple<at::Tensor, RNNModel::Hidden> RNNModel::forward(const at::Tensor& input,
                                                            const Hidden& hidden) {
   at::Tensor emb = embedding_->forward(input);
-  auto [output, next] = rnn_->forward(emb, hidden);
+  at::Tensor output;
+  Hidden next;
+  if (lstm_weights_) {
+    // The server's weights, fetched in this step's context: views of one tensor in at::lstm's
+    // order, whose gradient distributed autograd sends back to the server.
+    const at::Tensor flat = lstm_weights_->forward();
+    std::vector<at::Tensor> params;
+    int64_t at = 0;
+    for (const auto& shape : lstm_shapes(options_.ninp, options_.nhid, options_.nlayers)) {
+      const int64_t size = c10::multiply_integers(shape);
+      params.push_back(flat.narrow(0, at, size).view(shape));
+      at += size;
+    }
+    const double dropout = options_.nlayers > 1 ? options_.dropout : 0.0;
+    auto [out, h, c] = at::lstm(emb, {std::get<0>(hidden), std::get<1>(hidden)}, params,
+                                /*has_biases=*/true, options_.nlayers, dropout, training_,
+                                /*bidirectional=*/false, /*batch_first=*/false);
+    output = out;
+    next = {h, c};
+  } else {
+    std::tie(output, next) = rnn_->forward(emb, hidden);
+  }
   at::Tensor decoded = decoder_->forward(output);
   return {decoded, next};
 }
 
 std::vector<RRef<at::Tensor>> RNNModel::parameter_rrefs() {
   std::vector<RRef<at::Tensor>> params = embedding_->remote_parameters();
-  for (const at::Tensor& param : rnn_->parameters()) params.emplace_back(param);
+  if (lstm_weights_) {
+    for (const auto& param : lstm_weights_->remote_parameters()) params.push_back(param);
+  } else {
+    for (const at::Tensor& param : rnn_->parameters()) params.emplace_back(param);
+  }
   for (const auto& param : decoder_->remote_parameters()) params.push_back(param);
   return params;
 }
@@ -81,7 +156,8 @@ RNNModel::Hidden RNNModel::init_hidden(int64_t batch) const {
 void RNNModel::train(bool on) {
   embedding_->train(on);
   decoder_->train(on);
-  rnn_->train(on);
+  if (rnn_) rnn_->train(on);
+  training_ = on;
 }
 
 }  // namespace rnn_ps

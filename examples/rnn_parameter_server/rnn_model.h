@@ -42,6 +42,17 @@ struct Decoder : torch::nn::Module {
   torch::nn::Dropout drop{nullptr};
 };
 
+/// On the server, when trainers come and go (--elastic): the LSTM's weights, so that the whole
+/// model outlives any trainer. A trainer fetches them every step by forward() (a copy, recorded
+/// by distributed autograd, so their gradients come back here) and runs the LSTM on them. One
+/// flat tensor, per layer w_ih, w_hh, b_ih, b_hh as at::lstm takes them.
+struct LstmWeights : torch::nn::Module {
+  LstmWeights(int64_t ninp, int64_t nhid, int64_t nlayers, int64_t seed);
+  at::Tensor forward();
+
+  at::Tensor flat;
+};
+
 struct ModelOptions {
   int64_t ntoken = 10000;
   int64_t ninp = 256;
@@ -56,9 +67,17 @@ struct ModelOptions {
 class RNNModel {
  public:
   using Hidden = std::tuple<at::Tensor, at::Tensor>;
+  /// The server's part of a model that every trainer shares: references to its modules there.
+  using Shared = std::tuple<RRef<EmbeddingTable>, RRef<LstmWeights>, RRef<Decoder>>;
 
   /// Creates the server's modules on worker `ps` and waits until they exist.
   RNNModel(const std::string& ps, const ModelOptions& options);
+  /// Creates a shared model's modules, LSTM weights included, on worker `ps` (this worker too),
+  /// and waits until they exist.
+  static Shared create_shared(const std::string& ps, const ModelOptions& options);
+  /// A handle on a shared model (create_shared's result): all its parameters live on `ps`, and
+  /// the LSTM runs here on weights fetched from there every forward.
+  RNNModel(const std::string& ps, const ModelOptions& options, const Shared& shared);
   /// input: tokens (bptt x batch); returns the logits (bptt x batch x ntoken) and the next hidden
   /// state.
   std::tuple<at::Tensor, Hidden> forward(const at::Tensor& input, const Hidden& hidden);
@@ -73,7 +92,9 @@ class RNNModel {
  private:
   ModelOptions options_;
   std::shared_ptr<distoptim::rpc::RemoteModule<EmbeddingTable>> embedding_;
-  torch::nn::LSTM rnn_{nullptr};
+  torch::nn::LSTM rnn_{nullptr};                                             // one trainer's own
+  std::shared_ptr<distoptim::rpc::RemoteModule<LstmWeights>> lstm_weights_;  // or the server's
+  bool training_ = true;
   std::shared_ptr<distoptim::rpc::RemoteModule<Decoder>> decoder_;
 };
 

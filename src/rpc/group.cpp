@@ -125,6 +125,18 @@ void WorkerGroup::claim(const std::string& name, const std::string& address, int
 std::vector<int> WorkerGroup::enter() {
   comm::DeadlineStore& store = *rendezvous_.store;
   const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
+  if (rank_ != 0) {
+    // The store comes up before its host has entered: a worker entering first would not list
+    // the host, so it enters after the host has.
+    try {
+      store.get(dynamic_key("host_entered"), deadline);
+    } catch (const TimeoutError&) {
+      DISTOPTIM_THROW(TimeoutError, "init_rpc: worker '", self_.name, "' (rank ", rank_,
+                      ") waited ", options_.init_timeout().count(),
+                      " ms for the group's store host (rank 0) to join; it serves the store at ",
+                      rendezvous_.store->address(), " but never joined");
+    }
+  }
   const int64_t joins = store.add(dynamic_key("joins"), 1, deadline);
   store.set(dynamic_key("join/" + std::to_string(joins - 1)), to_bytes(std::to_string(rank_)),
             deadline);
@@ -145,6 +157,7 @@ std::vector<int> WorkerGroup::enter() {
                std::stoi(record.substr(space + 1)));
     earlier.push_back(rank);
   }
+  if (rank_ == 0) store.set(dynamic_key("host_entered"), to_bytes("1"), deadline);
   return earlier;
 }
 

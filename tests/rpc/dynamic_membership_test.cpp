@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -143,6 +144,29 @@ TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
     EXPECT_EQ(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{4}, int64_t{5}}), 9);
     turns.say("trainer3_joined");
     turns.await("trainer2_done");
+    shutdown();
+  });
+}
+
+// Workers that start with the store host (the store is up before its host has entered the group)
+// list it and can call it once init_rpc returns.
+TEST(DynamicMembership, WorkersJoiningWithTheStoreHostListIt) {
+  run_ranks(4, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options());
+      Turns turns(0);
+      for (const char* joined : {"joined1", "joined2", "joined3"}) turns.await(joined);
+      shutdown();  // leaves last, once the others have left
+      return;
+    }
+    const std::string name = "joiner" + std::to_string(rank);
+    // Ranks given by hand clear of those assigned (from 1), which could take them first.
+    init_rpc(name, rank == 3 ? kAssignRank : rank + 10, options());
+    const std::vector<std::string> members = my_members();
+    EXPECT_EQ(members.front(), "ps");
+    EXPECT_NE(std::find(members.begin(), members.end(), name), members.end());
+    EXPECT_EQ(rpc_sync<std::string>("ps", "dynamic_whoami"), "ps");
+    Turns(rank).say("joined" + std::to_string(rank));
     shutdown();
   });
 }
