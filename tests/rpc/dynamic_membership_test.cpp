@@ -219,6 +219,7 @@ TEST(DynamicMembership, TheStoreHostLeavesLastAndNamesWhoStayed) {
           [] { shutdown(); },
           "leaves last, but after 1500 ms these workers had not left: 'stayer' (rank 2)");
       turns.say("ps_left");
+      turns.await("stayer_saw_ps_left");  // the test's store lives in this process
       return;
     }
     Turns turns(rank);
@@ -238,6 +239,7 @@ TEST(DynamicMembership, TheStoreHostLeavesLastAndNamesWhoStayed) {
     init_rpc("stayer", 2, options());
     turns.say("stayer_joined");
     turns.await("ps_left");
+    turns.say("stayer_saw_ps_left");
     // Calls to the store host that left fail; leaving without its store still works.
     EXPECT_THROW(rpc_sync<int64_t>("ps", "dynamic_add", std::tuple{int64_t{1}, int64_t{1}}),
                  PeerLostError);
