@@ -88,6 +88,19 @@ void Agent::start(const std::string& name) {
     dispatcher_.post_ordered([this, caller] { rrefs_->on_peer_back(caller); });
   };
   events.on_peer_lost = [this](int peer, const std::string& why) { on_peer_lost(peer, why); };
+  if (group_.dynamic() && group_.rank() == 0) {
+    lost_members_ = std::make_unique<LostMemberWatch>(
+        [this](int peer, std::chrono::milliseconds timeout) {
+          return send(peer, kAliveFunction, {}, timeout);
+        },
+        options_.liveness_timeout(),
+        [this](int id) {
+          const auto table = group_.table().snapshot();
+          const WorkerTable::Entry* entry = table->find(id);
+          return id != group_.rank() && entry != nullptr && !entry->left;
+        },
+        [this](int id, const std::string& why) { drop_member(id, why); });
+  }
   // Only now, with every worker known, take peers' connections (they wait in the backlog).
   peers_.start(std::move(handshake), group_.table(), std::move(events));
   if (group_.dynamic()) announce_join();
@@ -136,6 +149,22 @@ c10::IValue Agent::on_membership(int caller, const std::string& notice,
     group_.table().mark_left(caller);
     return c10::IValue(true);
   }
+  if (notice == kMemberDropped) {
+    // Only the store host drops members: no other member can make this one forget a third.
+    TORCH_CHECK_VALUE(caller == 0, "worker id ", caller,
+                      " sent a notice that a member was dropped; only the store host (rank 0) "
+                      "drops members");
+    TORCH_CHECK_VALUE(args.size() == 1 && args[0].isInt(),
+                      "a notice that a member was dropped needs its id");
+    const int64_t id = args[0].toInt();
+    TORCH_CHECK_VALUE(id > 0 && id <= WorkerTable::kMaxDynamicId && id != group_.rank(),
+                      "a notice that a member was dropped names worker id ", id, " (this worker, '",
+                      self().name, "', is id ", group_.rank(), ")");
+    group_.table().mark_left(static_cast<int>(id));
+    // Whatever it still sends (a stopped worker that resumes) is not run.
+    dispatcher_.caller_lost(static_cast<int>(id));
+    return c10::IValue(true);
+  }
   TORCH_CHECK_VALUE(args.size() == 3 && args[0].isString() && args[1].isString() && args[2].isInt(),
                     "a notice that worker id ", caller, " joined needs its name, host and port");
   const int64_t port = args[2].toInt();
@@ -176,22 +205,22 @@ void Agent::on_peer_lost(int peer, const std::string& why) {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping = state_ != State::kRunning;
   }
-  std::vector<PendingCall> failed = pending_.take_to(peer);
   if (!stopping) {
     dispatcher_.caller_lost(peer);
     dispatcher_.post_ordered([this, peer] { on_peer_gone(peer); });
   }
-  const auto table = group_.table().snapshot();
-  const std::string worker = table->name(peer);
-  const WorkerTable::Entry* entry = table->find(peer);
-  const bool left = entry != nullptr && entry->left;
-  dispatcher_.fail_calls(std::move(failed), [worker, why, stopping, left](const PendingCall& call) {
+  // Not taken here but behind the replies read before the connection ended: a worker leaving
+  // the group writes its last replies, then closes, and those replies answer their calls.
+  dispatcher_.fail_calls_to(peer, [this, peer, why, stopping](const PendingCall& call) {
+    const auto table = group_.table().snapshot();
+    const std::string worker = table->name(peer);
+    const WorkerTable::Entry* entry = table->find(peer);
     if (stopping) {
       return DISTOPTIM_RPC_ERROR(DistributedError, "rpc: the agent shut down before worker '" +
                                                        worker + "' answered '" + call.function +
                                                        "'");
     }
-    if (left) {
+    if (entry != nullptr && entry->left) {
       return DISTOPTIM_RPC_ERROR(PeerLostError, "rpc: worker '" + worker +
                                                     "' left the group before it answered '" +
                                                     call.function + "' (" + why + ")");
@@ -315,6 +344,7 @@ void Agent::on_peer_gone(int peer) {
     std::lock_guard<std::mutex> lock(mutex_);
     gone_.insert(peer);
   }
+  if (lost_members_) lost_members_->suspect(peer);
   rrefs_->on_peer_lost(peer);
   if (auto installed = interceptor()) {
     installed->on_peer_lost(peer);
@@ -412,6 +442,22 @@ void Agent::leave() {
                        " request(s) outstanding after ", bound.count(), " ms");
 }
 
+// The member's connection ended without a notice and it failed a liveness check: it is gone. Its
+// rank stays used (ids are never reused); its name may be taken by a worker joining later.
+void Agent::drop_member(int id, const std::string& why) {
+  group_.drop(id);
+  if (!group_.table().mark_left(id)) return;  // Its notice that it left came meanwhile.
+  dispatcher_.caller_lost(id);
+  TORCH_WARN("rpc: worker '", self().name, "' dropped worker '", name_of(id), "' (rank ", id,
+             ") from the group: its connection ended without a notice that it left, and ", why);
+  for (const WorkerInfo& member : workers()) {
+    if (member.id == group_.rank()) continue;
+    // Not waited for: a member that does not hear it sees the dropped worker's connections end.
+    (void)send(member.id, kMemberDropped, {c10::IValue(static_cast<int64_t>(id))},
+               options_.liveness_timeout());
+  }
+}
+
 // Waits while the members that stay are alive: one that dies (its connection ends) or does not
 // answer a liveness check (stopped, hung, unreachable) is not waited for.
 void Agent::wait_for_others_to_leave(std::chrono::steady_clock::time_point deadline) {
@@ -452,6 +498,8 @@ void Agent::wait_for_others_to_leave(std::chrono::steady_clock::time_point deadl
 }
 
 void Agent::stop() {
+  // First: a member dropped now would be told by calls that fail.
+  if (lost_members_) lost_members_->stop();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (state_ != State::kRunning) {

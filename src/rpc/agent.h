@@ -18,6 +18,7 @@
 
 #include "dispatcher.h"
 #include "group.h"
+#include "lost_members.h"
 #include "message.h"
 #include "peers.h"
 #include "pending_calls.h"
@@ -35,6 +36,7 @@ namespace detail {
 ///   PendingCalls the calls made and not yet answered, with their deadlines
 ///   Dispatcher   requests to the threads that run them, replies to the pending calls
 ///   RRefContext  the RRef protocol, on the RRefChannel this agent gives it
+///   LostMemberWatch  a dynamic group's store host only: which members died without leaving
 ///
 /// and does what is left: making a call (send), failing the calls of a lost peer or a passed
 /// deadline, and the lifecycle (graceful shutdown, stop).
@@ -115,6 +117,9 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   void leave();
   // The store host waits for the other members to leave (they use its store to join and leave).
   void wait_for_others_to_leave(std::chrono::steady_clock::time_point deadline);
+  // The store host drops member `id`, which died without leaving (LostMemberWatch): marks it left
+  // in the store and here, and tells the other members.
+  void drop_member(int id, const std::string& why);
 
   const RpcBackendOptions options_;
   const WireLimits limits_;
@@ -132,6 +137,9 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   std::atomic<bool> leaving_{false};
   // Workers whose connections closed without a notice that they left (they died), by id.
   std::set<int> gone_;  // guarded by mutex_
+  // The store host of a dynamic group only: drops members that die without leaving. Set before
+  // Peers start (its suspects come from their callbacks); stopped first by stop().
+  std::unique_ptr<LostMemberWatch> lost_members_;
 };
 
 }  // namespace detail

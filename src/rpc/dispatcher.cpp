@@ -206,8 +206,10 @@ void Dispatcher::handle_request(const std::shared_ptr<Connection>& connection, i
         reply(connection, id, caller, callable, done);
       });
       return;
-    } else if (request.callable == kMemberJoined || request.callable == kMemberLeft) {
-      // A worker announces itself: the caller's proven id is the worker the notice is about.
+    } else if (request.callable == kMemberJoined || request.callable == kMemberLeft ||
+               request.callable == kMemberDropped) {
+      // A worker announces itself (the caller's proven id is the worker the notice is about), or
+      // the store host says it dropped a member.
       auto sent = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
       try {
         sent->markCompleted(membership_(request.caller_id, request.callable, request.args));
@@ -373,6 +375,15 @@ void Dispatcher::fail_calls(std::vector<PendingCall> calls,
   }
   completion_->post([calls = std::move(calls), make_error = std::move(make_error)] {
     for (const PendingCall& call : calls) {
+      call.future->setErrorIfNeeded(make_error(call));
+    }
+  });
+}
+
+void Dispatcher::fail_calls_to(int peer,
+                               std::function<std::exception_ptr(const PendingCall&)> make_error) {
+  completion_->post([this, peer, make_error = std::move(make_error)] {
+    for (const PendingCall& call : calls_.take_to(peer)) {
       call.future->setErrorIfNeeded(make_error(call));
     }
   });

@@ -54,7 +54,8 @@ class Dispatcher {
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
 
-  /// Handles a membership notice (kMemberJoined, kMemberLeft) from `caller`: its reply.
+  /// Handles a membership notice (kMemberJoined, kMemberLeft, kMemberDropped) from `caller`: its
+  /// reply.
   using MembershipHandler =
       std::function<c10::IValue(int caller, const std::string& callable, std::vector<c10::IValue>)>;
 
@@ -80,6 +81,10 @@ class Dispatcher {
   /// Completes each call's future with make_error(call), on the completion thread.
   void fail_calls(std::vector<PendingCall> calls,
                   std::function<std::exception_ptr(const PendingCall&)> make_error);
+  /// I/O thread, when `peer`'s connection ends: on the completion thread, after the replies read
+  /// before the end (queued there before), takes the calls to `peer` still pending and completes
+  /// each with make_error(call). A reply the peer wrote before closing answers its call.
+  void fail_calls_to(int peer, std::function<std::exception_ptr(const PendingCall&)> make_error);
   /// Runs `job` on the ordered thread, after the control messages received before.
   void post_ordered(std::function<void()> job);
 

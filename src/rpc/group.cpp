@@ -173,6 +173,16 @@ void WorkerGroup::leave() {
   }
 }
 
+void WorkerGroup::drop(int rank) {
+  try {
+    const auto deadline = std::chrono::steady_clock::now() + options_.liveness_timeout();
+    rendezvous_.store->set(dynamic_key("left/" + std::to_string(rank)), to_bytes("1"), deadline);
+  } catch (const DistributedError& error) {
+    TORCH_WARN("rpc: worker '", self_.name, "' could not mark rank ", rank,
+               " left in the store: ", error.what_without_backtrace());
+  }
+}
+
 void WorkerGroup::join(const std::string& name, const std::string& address, int port) {
   comm::DeadlineStore& store = *rendezvous_.store;
   const std::string key_prefix = std::string(kStorePrefix) + "worker/";

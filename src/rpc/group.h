@@ -55,6 +55,10 @@ class WorkerGroup {
   /// Dynamic group: marks this worker left in the store (a worker joining later skips it), and
   /// for the store host, closes the group to new joins. Best effort: the store may be gone.
   void leave();
+  /// Dynamic group, the store host: marks worker `rank`, which died without leaving, left in the
+  /// store, as its own leave() would have (its name passes on; its rank stays used). Best effort,
+  /// bounded by liveness_timeout.
+  void drop(int rank);
 
   /// The address to listen on: options().listen_address, else the rendezvous's local address.
   std::string listen_address() const;

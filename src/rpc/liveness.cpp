@@ -19,11 +19,12 @@ const bool kAliveRegistered = [] {
 LivenessProbe::LivenessProbe(Ask ask, std::chrono::milliseconds timeout)
     : ask_(std::move(ask)), timeout_(timeout) {}
 
-std::string LivenessProbe::why_failed(const std::exception_ptr& error) const {
+std::string liveness_failure(const std::exception_ptr& error, std::chrono::milliseconds timeout) {
+  (void)kAliveRegistered;
   try {
     std::rethrow_exception(error);
   } catch (const TimeoutError&) {
-    return "it did not answer a liveness check within " + std::to_string(timeout_.count()) +
+    return "it did not answer a liveness check within " + std::to_string(timeout.count()) +
            " ms (stopped, hung or unreachable)";
   } catch (const c10::Error& error) {
     return std::string("a liveness check failed: ") + error.what_without_backtrace();
@@ -38,14 +39,14 @@ std::optional<std::pair<int, std::string>> LivenessProbe::check(const std::vecto
     c10::intrusive_ptr<c10::ivalue::Future>& question = in_flight_[peer];
     if (question && !question->completed()) continue;
     if (question && question->hasError()) {
-      const std::string why = why_failed(question->exception_ptr());
+      const std::string why = liveness_failure(question->exception_ptr(), timeout_);
       question.reset();  // asked afresh if it is still waited for
       return std::make_pair(peer, why);
     }
     try {
       question = ask_(peer, timeout_);
     } catch (...) {
-      return std::make_pair(peer, why_failed(std::current_exception()));
+      return std::make_pair(peer, liveness_failure(std::current_exception(), timeout_));
     }
   }
   return std::nullopt;

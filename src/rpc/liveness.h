@@ -20,6 +20,10 @@ namespace detail {
 /// peer's transport and request threads while its user code trains or sleeps.
 constexpr const char* kAliveFunction = "__distoptim.rpc.alive";
 
+/// Why a liveness check with `timeout` failed with `error`: "it did not answer a liveness check
+/// within 2000 ms (stopped, hung or unreachable)", or the call's error.
+std::string liveness_failure(const std::exception_ptr& error, std::chrono::milliseconds timeout);
+
 /// Tells a stopped, hung or unreachable worker from a slow one while this worker waits for it (at
 /// a graceful shutdown's barriers): each check() asks the workers it is given whether they are
 /// alive (a call of kAliveFunction with `timeout`), unless the last question to one is still
@@ -42,8 +46,6 @@ class LivenessProbe {
   std::optional<std::pair<int, std::string>> check(const std::vector<int>& peers);
 
  private:
-  std::string why_failed(const std::exception_ptr& error) const;
-
   const Ask ask_;
   const std::chrono::milliseconds timeout_;
   std::map<int, c10::intrusive_ptr<c10::ivalue::Future>> in_flight_;

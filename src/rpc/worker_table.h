@@ -19,6 +19,9 @@ namespace detail {
 /// leaves (no args). The caller's proven id is the worker a notice is about.
 constexpr const char* kMemberJoined = "__distoptim.rpc.member_joined";
 constexpr const char* kMemberLeft = "__distoptim.rpc.member_left";
+/// The notice the store host (rank 0, and only it) sends every member when it dropped a member
+/// that died without leaving (args: its id).
+constexpr const char* kMemberDropped = "__distoptim.rpc.member_dropped";
 
 /// Who the workers of a group are, by id: name, listening address and whether the worker has
 /// left. A static group fills it once at init_rpc; a dynamic group adds a worker when it joins
