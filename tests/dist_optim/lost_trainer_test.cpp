@@ -11,8 +11,8 @@
 // Ranks: 0 is the parameter server, 1 and 2 the trainers that live, 3 the one that dies. Each
 // trainer's model (w: 1024 x 4, b: 4) lives on the server; the dying trainer's batches are 16 MB,
 // so that anything of it the server kept would show in its resident memory. In a static group a
-// worker that died cannot come back; when workers can join under a new name, a loop of kill and
-// rejoin goes around the training part (train(), with a fresh trainer rank each time).
+// worker that died cannot come back: kill_restart_loop_test.cpp kills a trainer 50 times in a
+// dynamic group, starting it again under a new name each time.
 
 #include <malloc.h>
 #include <signal.h>
@@ -37,6 +37,7 @@
 
 #include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"
+#include "support/process_memory.h"
 
 namespace distoptim {
 namespace dist_optim {
@@ -47,6 +48,10 @@ using dist_autograd::ContextGuard;
 using optim::OptionBag;
 using rpc::rpc_sync;
 using rpc::RRef;
+using testing::allocated_bytes;
+using testing::kChecksMemory;
+using testing::resident_bytes;
+using testing::wait_until;
 using testing::worker;
 
 constexpr int kServer = 0;
@@ -66,17 +71,6 @@ constexpr double kLr = 1e-4;
 // in quarantine and does not answer mallinfo2; the counts of contexts and RRefs still are.
 constexpr int64_t kAllocatedBoundBytes = 1 << 20;
 constexpr int64_t kResidentBoundBytes = 4 << 20;
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kChecksMemory = false;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kChecksMemory = false;
-#else
-constexpr bool kChecksMemory = true;
-#endif
-#else
-constexpr bool kChecksMemory = true;
-#endif
 
 enum class KillPoint { kForward, kBackward, kStep, kQueued, kBetweenIterations };
 
@@ -184,33 +178,6 @@ rpc::RpcBackendOptions options_for(int rank) {
   rpc::RpcBackendOptions options = testing::test_options(20s);
   if (rank == kServer) options.num_worker_threads(1);
   return options;
-}
-
-int64_t resident_bytes() {
-  // Freed memory the allocator still keeps would read as held: give it back first.
-  malloc_trim(0);
-  long pages = 0;
-  long resident = 0;
-  FILE* statm = std::fopen("/proc/self/statm", "r");
-  if (statm == nullptr) return -1;
-  const int read = std::fscanf(statm, "%ld %ld", &pages, &resident);
-  std::fclose(statm);
-  return read == 2 ? resident * sysconf(_SC_PAGESIZE) : -1;
-}
-
-int64_t allocated_bytes() {
-  const struct mallinfo2 m = mallinfo2();
-  return static_cast<int64_t>(m.uordblks + m.hblkhd);
-}
-
-template <class Predicate>
-bool wait_until(Predicate done, std::chrono::seconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(10ms);
-  }
-  return true;
 }
 
 void die_in(std::chrono::milliseconds delay) {
