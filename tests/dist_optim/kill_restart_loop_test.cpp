@@ -83,10 +83,10 @@ constexpr auto kSteadyPause = 20ms;
 // there by design: the ids of released autograd contexts the server remembers (about 48 bytes
 // each, 65536 at most, Container::kRememberedReleases; the steady trainers release about 100 a
 // second) and each dead victim's entries (its worker table row, why it is lost: about 2 KB).
-// Measured: +0.3 to +0.7 MB. One kept victim batch (4 MB), or 40 KB kept per kill, exceeds it.
+// Measured: +0.5 to +0.7 MB. One kept victim batch (4 MB), or 40 KB kept per kill, exceeds it.
 constexpr int64_t kAllocatedBoundBytes = 2 << 20;
 // Resident: the process's resident memory, malloc trimmed first (pages partly used stay: the
-// arenas fragment as batches come and go). Measured: +2 to +9 MB. Anything of 0.64 MB or more
+// arenas fragment as batches come and go). Measured: +2 to +17 MB. Anything of 0.64 MB or more
 // kept per kill exceeds it (a batch kept per kill would be 200 MB).
 constexpr int64_t kResidentBoundBytes = 32 << 20;
 const char* const kSeedVariable = "DISTOPTIM_KILL_LOOP_SEED";
