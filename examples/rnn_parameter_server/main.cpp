@@ -408,7 +408,8 @@ int run_example(const Settings& s) {
     examples::run_dynamic_rpc_worker("ps", 0, [&] { serve(s, world_size - 1, ntoken); });
     return 0;
   }
-  // A dead member's name and rank stay taken in the group: a restarted trainer joins anew.
+  // A dead member's rank stays used in the group, and its name passes on only once the server
+  // has dropped it (its liveness check failed): a restarted trainer joins under a new name.
   const int restarts = restart_count();
   const std::string name = restarts == 0 ? fmt::format("trainer{}", rank)
                                          : fmt::format("trainer{}-restart{}", rank, restarts);

@@ -6,10 +6,10 @@
 // weights included (RNNModel::create_shared), so the model outlives any trainer. A trainer slot
 // is a trainer's rank under distrun; the worker filling it joins under a name of its own
 // ("trainer2", then "trainer2-restart1" once distrun's --restart-policy rank has restarted it: a
-// dead member's name and rank stay taken in the group). The server keeps each slot's progress,
-// so a worker joining a slot continues where the slot stood: its step count, its place in its
-// share of the corpus and its time budget. It logs every join, step, announced kill and finish
-// to <out-dir>/loss.csv, and stops once every slot has finished.
+// dead member's rank stays used, and its name frees only once the server has dropped it). The
+// server keeps each slot's progress, so a worker joining a slot continues where the slot stood: its
+// step count, its place in its share of the corpus and its time budget. It logs every join, step,
+// announced kill and finish to <out-dir>/loss.csv, and stops once every slot has finished.
 //
 // The server's side (one record per process, guarded by one mutex, shared by the RPC handlers and
 // the server's main thread) and the trainers' side (calls to the server "ps").
