@@ -193,6 +193,7 @@ TEST(DistrunOptions, ValidateChecksOptionsBuiltInCode) {
 }
 
 TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
+  ::unsetenv("OMP_NUM_THREADS");
   ::unsetenv("OPENBLAS_THREAD_TIMEOUT");
   ::unsetenv("GOTO_THREAD_TIMEOUT");
   LaunchOptions options;
@@ -211,6 +212,7 @@ TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
                                                                {"MASTER_PORT", "29400"},
                                                                {"DISTRUN_RESTART_COUNT", "0"},
                                                                {"DISTRUN_MAX_RESTARTS", "0"},
+                                                               {"OMP_NUM_THREADS", "1"},
                                                                {"OPENBLAS_THREAD_TIMEOUT", "4"}};
   EXPECT_EQ(rank_environment(options, 1), expected);
   options.nnodes = 1;
@@ -268,6 +270,29 @@ TEST(DistrunOptions, ResolveMasterDefaultsToLoopbackAndAFreePort) {
   const LaunchOptions kept = resolve_master(options);
   EXPECT_EQ(kept.master_addr, "example.org");
   EXPECT_EQ(kept.master_port, 4242);
+}
+
+// Several ranks on one node get one OpenMP thread each, as under torchrun (LibTorch's intra-op
+// pool and OpenBLAS's own follow it), unless the user chose a count; a single rank keeps the
+// defaults.
+TEST(DistrunOptions, SharedNodeRanksGetOneOmpThread) {
+  auto omp_threads = [](int nproc_per_node) -> std::string {
+    LaunchOptions options;
+    options.nproc_per_node = nproc_per_node;
+    options.master_addr = "127.0.0.1";
+    options.master_port = 29400;
+    options.command = {"prog"};
+    for (const auto& [name, value] : rank_environment(options, 0)) {
+      if (name == "OMP_NUM_THREADS") return value;
+    }
+    return "(not set)";
+  };
+  ::unsetenv("OMP_NUM_THREADS");
+  EXPECT_EQ(omp_threads(2), "1");
+  EXPECT_EQ(omp_threads(1), "(not set)");
+  ::setenv("OMP_NUM_THREADS", "3", 1);
+  EXPECT_EQ(omp_threads(2), "(not set)");  // distrun's own environment passes it on
+  ::unsetenv("OMP_NUM_THREADS");
 }
 
 }  // namespace
