@@ -503,12 +503,13 @@ void print_table(const Config& config, int rounds, const std::vector<Json>& ours
       "{} RPC worker threads (pytorch: TensorPipeRpcBackendOptions(num_worker_threads={}, "
       "rpc_timeout=60)), RPC timeout 60 s; PyTorch's other settings are its defaults; BLAS "
       "threads (the system OpenBLAS's own pool, which the intra-op setting does not reach; -1: "
-      "not OpenBLAS) ours {} / pytorch {}, OPENBLAS_THREAD_TIMEOUT={} in every process of both "
-      "sides (distrun's value for ranks sharing a machine; OpenBLAS's default is 28)\n",
+      "not OpenBLAS) ours {} / pytorch {}, OMP_NUM_THREADS={} and OPENBLAS_THREAD_TIMEOUT={} in "
+      "every process of both sides (distrun's values for ranks sharing a machine; OpenBLAS's "
+      "default timeout is 28)\n",
       kIntraOpThreads, ours.at("interop_threads").get<int>(),
       pytorch.at("interop_threads").get<int>(), kRpcThreads, kRpcThreads,
       ours.at("blas_threads").get<int>(), pytorch.at("blas_threads").get<int>(),
-      std::getenv("OPENBLAS_THREAD_TIMEOUT"));
+      std::getenv("OMP_NUM_THREADS"), std::getenv("OPENBLAS_THREAD_TIMEOUT"));
   fmt::print(
       "doc step: SGD lr {} over 2 RRefs on worker1, step alone, {} timed after {} warm-up; "
       "10M adam: Adam lr 0.001, {} x {} floats on each of worker1 and worker2, step alone, {} "
@@ -635,6 +636,9 @@ int run(int argc, char** argv) {
   if (std::getenv("OPENBLAS_THREAD_TIMEOUT") == nullptr) {
     ::setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1);
   }
+  // distrun (as torchrun) gives ranks sharing a machine OMP_NUM_THREADS=1, which OpenBLAS's pool
+  // follows: PyTorch's workers get the same here.
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) ::setenv("OMP_NUM_THREADS", "1", 1);
 
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   // Our job is distrun running this program with --worker; each side's one-process baseline is

@@ -7,11 +7,13 @@ Usage: pytorch_zero.py [--layers 20] [--size 2000] [--batch 20] [--warmup 2] [--
 
 Each rank prints one line `RESULT {json}` with its rank, the seconds of every iteration
 (forward + backward + step, after a barrier; warm-up iterations excluded) and of its step alone
-(step_times), its last loss, PyTorch's version, its resident set
+(step_times), its process CPU time per iteration (cpu_times, every thread's), its OpenBLAS and
+intra-op thread counts, its last loss, PyTorch's version, its resident set
 before building the model (start_kb) and its peak resident set (VmHWM, peak_kb), in kB.
 """
 
 import argparse
+import ctypes
 import json
 import os
 import socket
@@ -32,6 +34,18 @@ def status_kb(field):
     return -1
 
 
+def blas_threads():
+    """The threads of the OpenBLAS loaded (torch.set_num_threads does not reach it), -1 if none."""
+    # torch's libraries are loaded RTLD_LOCAL: open the loaded BLAS by its path instead.
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "blas" in line and "/" in line}
+    for path in sorted(paths):
+        function = getattr(ctypes.CDLL(path), "openblas_get_num_threads", None)
+        if function is not None:
+            return function()
+    return -1
+
+
 def run_rank(rank, args, port):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -48,8 +62,10 @@ def run_rank(rank, args, port):
     y = torch.randn(args.batch, args.size)
     times = []
     step_times = []
+    cpu_times = []
     for iteration in range(args.warmup + args.iterations):
         dist.barrier()
+        cpu_begin = time.process_time()
         begin = time.perf_counter()
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(ddp(x), y)
@@ -57,10 +73,14 @@ def run_rank(rank, args, port):
         step_begin = time.perf_counter()
         optimizer.step()
         end = time.perf_counter()
+        cpu_end = time.process_time()
         if iteration >= args.warmup:
             times.append(end - begin)
             step_times.append(end - step_begin)
-    result = {"rank": rank, "times": times, "step_times": step_times, "loss": loss.item(),
+            cpu_times.append(cpu_end - cpu_begin)
+    result = {"rank": rank, "times": times, "step_times": step_times, "cpu_times": cpu_times,
+              "blas_threads": blas_threads(), "intra_op_threads": torch.get_num_threads(),
+              "loss": loss.item(),
               "torch_version": torch.__version__, "start_kb": start_kb,
               "peak_kb": status_kb("VmHWM")}
     # One write, so the ranks' lines never interleave on the shared pipe.

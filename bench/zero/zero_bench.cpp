@@ -23,7 +23,12 @@
 // before and after (flagged when above the core count). Settings, PyTorch: DDP and
 // ZeroRedundancyOptimizer(optimizer_class=torch.optim.Adam, lr=0.01) at their defaults otherwise
 // (bucket_cap_mb 25, parameters_as_bucket_view as the case says, overlap_with_ddp False),
-// torch.set_num_threads(1).
+// torch.set_num_threads(1), and the environment torchrun gives ranks sharing a machine
+// (OMP_NUM_THREADS=1: one OpenBLAS thread) with distrun's OPENBLAS_THREAD_TIMEOUT=4; ours run
+// under distrun at its defaults (which set both). Each side's BLAS threads are printed.
+// CPU time: each rank's process CPU time per iteration (all its threads: Gloo's, OpenBLAS's),
+// summed over the ranks, median over the iterations: on a loaded machine a steadier measure
+// than wall time.
 //
 // The JSON written to --json holds, under "cases", rows {case, ours, pytorch, unit, better}
 // (medians over the rounds), and the load average (common/report.h).
@@ -41,6 +46,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <dlfcn.h>
+#include <time.h>
 
 #include <fmt/core.h>
 #include <torch/torch.h>
@@ -80,6 +88,20 @@ const std::map<std::string, Mode> kModes{{"plain", Mode::kPlain},
                                          {"overlap", Mode::kOverlap},
                                          {"stage2", Mode::kStage2}};
 
+// The threads of the OpenBLAS this process loaded (at::set_num_threads does not reach it), or -1
+// where the BLAS is another.
+int blas_threads() {
+  auto get = reinterpret_cast<int (*)()>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get != nullptr ? get() : -1;
+}
+
+// CPU seconds of this process so far, every thread's.
+double process_cpu_seconds() {
+  timespec t{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
 // --- a rank of ours ------------------------------------------------------------------------------
 
 // Trains as pytorch_zero.py's run_rank does and prints the same RESULT line.
@@ -108,12 +130,14 @@ void run_worker(const Config& config, Mode mode) {
   const at::Tensor y = torch::randn({config.batch, config.size});
   std::vector<double> times;
   std::vector<double> step_times;
+  std::vector<double> cpu_times;
   double loss_value = 0;
   auto seconds = [](Clock::time_point from, Clock::time_point to) {
     return std::chrono::duration<double>(to - from).count();
   };
   for (int iteration = 0; iteration < config.warmup + config.iterations; ++iteration) {
     comm::world().barrier();
+    const double cpu_begin = process_cpu_seconds();
     const auto begin = Clock::now();
     zero.zero_grad();
     const at::Tensor loss = torch::mse_loss(ddp ? ddp->forward(x) : model->forward(x), y);
@@ -121,15 +145,20 @@ void run_worker(const Config& config, Mode mode) {
     const auto step_begin = Clock::now();
     zero.step();
     const auto end = Clock::now();
+    const double cpu_end = process_cpu_seconds();
     loss_value = loss.item<double>();
     if (iteration >= config.warmup) {
       times.push_back(seconds(begin, end));
       step_times.push_back(seconds(step_begin, end));
+      cpu_times.push_back(cpu_end - cpu_begin);
     }
   }
   print_result({{"rank", rank},
                 {"times", times},
                 {"step_times", step_times},
+                {"cpu_times", cpu_times},
+                {"blas_threads", blas_threads()},
+                {"intra_op_threads", at::get_num_threads()},
                 {"loss", loss_value},
                 {"start_kb", start_kb},
                 {"peak_kb", proc_status_kb("VmHWM")}});
@@ -143,6 +172,9 @@ void run_worker(const Config& config, Mode mode) {
 struct Run {
   double iteration_s = 0;
   double step_s = 0;
+  double cpu_s = 0;  // summed over the ranks
+  int blas_threads = 0;
+  int intra_op_threads = 0;
   double peak_mb = 0;
   double peak_above_start_mb = 0;
   double loss = 0;
@@ -155,15 +187,21 @@ Run parse_run(const std::string& what, const std::vector<Json>& ranks, const Con
   Run run;
   std::vector<double> slowest(config.iterations, 0.0);
   std::vector<double> slowest_step(config.iterations, 0.0);
+  std::vector<double> cpu(config.iterations, 0.0);
   for (const auto& r : ranks) {
     const auto times = r.at("times").get<std::vector<double>>();
     const auto step_times = r.at("step_times").get<std::vector<double>>();
-    TORCH_CHECK(times.size() == slowest.size() && step_times.size() == slowest.size(),
+    const auto cpu_times = r.at("cpu_times").get<std::vector<double>>();
+    TORCH_CHECK(times.size() == slowest.size() && step_times.size() == slowest.size() &&
+                    cpu_times.size() == slowest.size(),
                 "zero_bench: ", what, " timed ", times.size(), " iterations");
     for (size_t i = 0; i < times.size(); ++i) {
       slowest[i] = std::max(slowest[i], times[i]);
       slowest_step[i] = std::max(slowest_step[i], step_times[i]);
+      cpu[i] += cpu_times[i];
     }
+    run.blas_threads = r.at("blas_threads").get<int>();
+    run.intra_op_threads = r.at("intra_op_threads").get<int>();
     const double peak_mb = r.at("peak_kb").get<double>() * 1024 / 1e6;
     run.peak_mb = std::max(run.peak_mb, peak_mb);
     run.peak_above_start_mb =
@@ -173,7 +211,20 @@ Run parse_run(const std::string& what, const std::vector<Json>& ranks, const Con
   }
   run.iteration_s = median(slowest);
   run.step_s = median(slowest_step);
+  run.cpu_s = median(cpu);
   return run;
+}
+
+// The environment of PyTorch's ranks: the bench's own where set (for both sides alike, as
+// distrun keeps it), else torchrun's OMP_NUM_THREADS and distrun's OPENBLAS_THREAD_TIMEOUT.
+const char* pytorch_omp_threads() {
+  const char* value = std::getenv("OMP_NUM_THREADS");
+  return value != nullptr ? value : "1";
+}
+
+const char* pytorch_blas_timeout() {
+  const char* value = std::getenv("OPENBLAS_THREAD_TIMEOUT");
+  return value != nullptr ? value : "4";
 }
 
 std::vector<std::string> size_args(const Config& config) {
@@ -199,9 +250,17 @@ Run run_ours(const Config& config, const std::string& mode) {
 
 Run run_pytorch(const Config& config, bool bucket_view, const std::string& python,
                 const std::string& script) {
-  std::vector<std::string> argv{python,         script,
-                                "--threads",    std::to_string(kThreadsPerRank),
-                                "--world-size", std::to_string(kWorldSize)};
+  // What torchrun gives ranks sharing a machine (OMP_NUM_THREADS=1) and distrun's OpenBLAS
+  // setting: ours get both from distrun.
+  std::vector<std::string> argv{"/usr/bin/env",
+                                "OMP_NUM_THREADS=" + std::string(pytorch_omp_threads()),
+                                "OPENBLAS_THREAD_TIMEOUT=" + std::string(pytorch_blas_timeout()),
+                                python,
+                                script,
+                                "--threads",
+                                std::to_string(kThreadsPerRank),
+                                "--world-size",
+                                std::to_string(kWorldSize)};
   for (auto& arg : size_args(config)) argv.push_back(std::move(arg));
   if (bucket_view) argv.push_back("--bucket-view");
   return parse_run(script, run_side(script, argv, config.deadline_seconds), config);
@@ -297,6 +356,13 @@ int run(int argc, char** argv) {
       config.layers, config.size, config.size, config.batch, kWorldSize, kThreadsPerRank,
       pytorch["plain"].front().torch_version);
   fmt::print(
+      "threads per rank: intra-op ours {} / pytorch {}; OpenBLAS's own (-1: not OpenBLAS) ours {} "
+      "/ pytorch {}; PyTorch's ranks run with OMP_NUM_THREADS={} (torchrun's value for ranks "
+      "sharing a machine) and OPENBLAS_THREAD_TIMEOUT={}, ours with distrun's defaults\n",
+      ours["plain"].front().intra_op_threads, pytorch["plain"].front().intra_op_threads,
+      ours["plain"].front().blas_threads, pytorch["plain"].front().blas_threads,
+      pytorch_omp_threads(), pytorch_blas_timeout());
+  fmt::print(
       "time: zero_grad + forward + backward + step of the slowest rank, median over {} "
       "iterations after {} warm-up, per run; min/median/max over {} rounds alternating ours and "
       "PyTorch's. memory: peak resident set (VmHWM) of the largest rank, whole process, median "
@@ -323,9 +389,9 @@ int run(int argc, char** argv) {
       {"overlap", "best", "overlap_with_ddp (PyTorch: its best)"},
       {"stage2", "best", "stage 2 (PyTorch: its best)"},
   };
-  fmt::print("{:<38} {:>22} {:>22} {:>8} {:>10} {:>10} {:>10} {:>10}\n", "case",
+  fmt::print("{:<38} {:>22} {:>22} {:>8} {:>10} {:>10} {:>9} {:>9} {:>8} {:>8}\n", "case",
              "ours s (min/med/max)", "pytorch s (min/med/max)", "speedup", "ours step", "pt step",
-             "ours MB", "pt MB");
+             "ours cpu", "pt cpu", "ours MB", "pt MB");
   Json cases = Json::array();
   std::vector<std::string> problems;
   for (const Row& row : rows) {
@@ -333,10 +399,11 @@ int run(int argc, char** argv) {
     const auto& p = pytorch[row.pytorch];
     const Spread ot = spread_of(o, &Run::iteration_s), pt = spread_of(p, &Run::iteration_s);
     const double om = spread_of(o, &Run::peak_mb).median, pm = spread_of(p, &Run::peak_mb).median;
-    fmt::print("{:<38} {:>22} {:>22} {:>7.2f}x {:>10.3f} {:>10.3f} {:>10.0f} {:>10.0f}\n",
-               row.label, spread_text(ot, "{:.3f}"), spread_text(pt, "{:.3f}"),
-               pt.median / ot.median, spread_of(o, &Run::step_s).median,
-               spread_of(p, &Run::step_s).median, om, pm);
+    fmt::print(
+        "{:<38} {:>22} {:>22} {:>7.2f}x {:>10.3f} {:>10.3f} {:>9.3f} {:>9.3f} {:>8.0f} {:>8.0f}\n",
+        row.label, spread_text(ot, "{:.3f}"), spread_text(pt, "{:.3f}"), pt.median / ot.median,
+        spread_of(o, &Run::step_s).median, spread_of(p, &Run::step_s).median,
+        spread_of(o, &Run::cpu_s).median, spread_of(p, &Run::cpu_s).median, om, pm);
     cases.push_back({{"case", "iteration, " + row.label},
                      {"ours", ot.median},
                      {"pytorch", pt.median},

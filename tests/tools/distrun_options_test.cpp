@@ -193,6 +193,7 @@ TEST(DistrunOptions, ValidateChecksOptionsBuiltInCode) {
 }
 
 TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
+  ::unsetenv("OMP_NUM_THREADS");
   ::unsetenv("OPENBLAS_THREAD_TIMEOUT");
   ::unsetenv("GOTO_THREAD_TIMEOUT");
   LaunchOptions options;
@@ -211,6 +212,7 @@ TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
                                                                {"MASTER_PORT", "29400"},
                                                                {"DISTRUN_RESTART_COUNT", "0"},
                                                                {"DISTRUN_MAX_RESTARTS", "0"},
+                                                               {"OMP_NUM_THREADS", "1"},
                                                                {"OPENBLAS_THREAD_TIMEOUT", "4"}};
   EXPECT_EQ(rank_environment(options, 1), expected);
   options.nnodes = 1;
@@ -227,19 +229,25 @@ TEST(DistrunOptions, RankEnvironmentFollowsTorchrun) {
   EXPECT_EQ(rank_environment(options, 1, 2, "/tmp/distrun-x/rpc_secret"), expected);
 }
 
+// The value distrun gives variable `name` in the environment of local rank 0 of a job of
+// `nproc_per_node` ranks per node, or "(not set)".
+std::string rank_variable(int nproc_per_node, const std::string& name) {
+  LaunchOptions options;
+  options.nproc_per_node = nproc_per_node;
+  options.master_addr = "127.0.0.1";
+  options.master_port = 29400;
+  options.command = {"prog"};
+  for (const auto& [variable, value] : rank_environment(options, 0)) {
+    if (variable == name) return value;
+  }
+  return "(not set)";
+}
+
 // Several ranks on one node get OpenBLAS's idle threads to sleep at once, unless the user chose
 // otherwise (either of OpenBLAS's two names); a single rank keeps OpenBLAS's default.
 TEST(DistrunOptions, SharedNodeRanksGetAShortBlasThreadTimeout) {
-  auto blas_timeout = [](int nproc_per_node) -> std::string {
-    LaunchOptions options;
-    options.nproc_per_node = nproc_per_node;
-    options.master_addr = "127.0.0.1";
-    options.master_port = 29400;
-    options.command = {"prog"};
-    for (const auto& [name, value] : rank_environment(options, 0)) {
-      if (name == "OPENBLAS_THREAD_TIMEOUT") return value;
-    }
-    return "(not set)";
+  auto blas_timeout = [](int nproc_per_node) {
+    return rank_variable(nproc_per_node, "OPENBLAS_THREAD_TIMEOUT");
   };
   ::unsetenv("OPENBLAS_THREAD_TIMEOUT");
   ::unsetenv("GOTO_THREAD_TIMEOUT");
@@ -268,6 +276,21 @@ TEST(DistrunOptions, ResolveMasterDefaultsToLoopbackAndAFreePort) {
   const LaunchOptions kept = resolve_master(options);
   EXPECT_EQ(kept.master_addr, "example.org");
   EXPECT_EQ(kept.master_port, 4242);
+}
+
+// Several ranks on one node get one OpenMP thread each, as under torchrun (LibTorch's intra-op
+// pool and OpenBLAS's own follow it), unless the user chose a count; a single rank keeps the
+// defaults.
+TEST(DistrunOptions, SharedNodeRanksGetOneOmpThread) {
+  auto omp_threads = [](int nproc_per_node) {
+    return rank_variable(nproc_per_node, "OMP_NUM_THREADS");
+  };
+  ::unsetenv("OMP_NUM_THREADS");
+  EXPECT_EQ(omp_threads(2), "1");
+  EXPECT_EQ(omp_threads(1), "(not set)");
+  ::setenv("OMP_NUM_THREADS", "3", 1);
+  EXPECT_EQ(omp_threads(2), "(not set)");  // distrun's own environment passes it on
+  ::unsetenv("OMP_NUM_THREADS");
 }
 
 }  // namespace

@@ -100,6 +100,10 @@ int find_free_port(bool all_addresses = false);
 /// within a few tries: each round of a restarted job gets its own.
 int fresh_port(int previous, bool all_addresses = false);
 
+/// OpenMP threads (and so LibTorch's intra-op and OpenBLAS's threads) of ranks that share a
+/// machine: torchrun's value.
+constexpr const char* kSharedMachineOmpThreads = "1";
+
 /// OpenBLAS's idle-thread spin, as a power of two of cycles, for ranks that share a machine.
 constexpr const char* kSharedMachineBlasThreadTimeout = "4";
 
@@ -107,8 +111,9 @@ constexpr const char* kSharedMachineBlasThreadTimeout = "4";
 /// in this order: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 /// MASTER_PORT (torchrun's names), DISTRUN_RESTART_COUNT and DISTRUN_MAX_RESTARTS (torchrun's
 /// TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS); then, with several ranks on this
-/// node and neither OPENBLAS_THREAD_TIMEOUT nor GOTO_THREAD_TIMEOUT in distrun's environment,
-/// OPENBLAS_THREAD_TIMEOUT=kSharedMachineBlasThreadTimeout; then, given a `secret_file` (the
+/// node, OMP_NUM_THREADS=kSharedMachineOmpThreads unless distrun's environment has it, and
+/// OPENBLAS_THREAD_TIMEOUT=kSharedMachineBlasThreadTimeout unless it has that or
+/// GOTO_THREAD_TIMEOUT; then, given a `secret_file` (the
 /// job's RPC secret, job_secret.h), DISTOPTIM_RPC_SECRET_FILE=secret_file. `options` must be
 /// resolved (resolve_master) and valid.
 std::vector<std::pair<std::string, std::string>> rank_environment(
