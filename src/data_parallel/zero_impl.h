@@ -6,7 +6,6 @@
 // across the ranks) and zero_step_hook.cpp (the DDP hook of overlap_with_ddp,
 // hook_with_zero_step).
 
-#include <algorithm>
 #include <map>
 #include <optional>
 #include <string>
@@ -56,10 +55,6 @@ struct ZeroRedundancyOptimizer::Impl {
   // The local optimizer over this rank's parameters (a LibTorch one through
   // optim::LibTorchOptimizerAdapter).
   std::unique_ptr<optim::FunctionalOptimizer> local;
-  // Whether each parameter's update reads nothing of the others' (the built-in optimizers; a
-  // user's factory may couple them, as LBFGS does): then step updates and broadcasts them one
-  // by one.
-  bool per_parameter_updates = false;
   // With parameters_as_bucket_view: buckets[r] holds rank r's parameters, one flat tensor per
   // dtype.
   std::vector<std::vector<at::Tensor>> buckets;
@@ -154,47 +149,13 @@ struct ZeroRedundancyOptimizer::Impl {
   }
 
   // Updates this rank's parameters from `gradients` (one per parameter; only this rank's are
-  // read), and every rank's are broadcast from their owners.
+  // read), then every rank's are broadcast from their owners.
   void step_and_sync(const std::vector<at::Tensor>& gradients) {
     apply_group_options(std::string(zero_detail::kName) + ".step", "step()");
     std::vector<at::Tensor> local_gradients;
     for (int64_t i : partition[my_rank()]) local_gradients.push_back(gradients[i]);
-    if (bucket_view || !per_parameter_updates) {
-      local_step(local_gradients);
-      sync_params();
-    } else {
-      step_while_broadcasting(local_gradients);
-    }
-  }
-
-  // Updates this rank's parameters one at a time, each broadcast as soon as it is updated while
-  // the next is: the Gloo threads send while this one computes (the same updates as one step
-  // over all: every parameter's Adam, SGD, ... is its own). The broadcasts go in one order on
-  // every rank: the k-th parameter of every rank's partition, rank by rank, for k = 0, 1, ...
-  void step_while_broadcasting(const std::vector<at::Tensor>& local_gradients) {
-    const auto& pg = group.process_group();
-    size_t longest = 0;
-    for (const auto& owned : partition) longest = std::max(longest, owned.size());
-    std::vector<at::Tensor> one_gradient(local_gradients.size());
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    for (size_t k = 0; k < longest; ++k) {
-      if (k < local_gradients.size() && local_gradients[k].defined()) {
-        one_gradient[k] = local_gradients[k];
-        local_step(one_gradient);
-        one_gradient[k] = at::Tensor();
-      }
-      for (int r = 0; r < group.size(); ++r) {
-        if (k >= partition[r].size()) continue;
-        const at::Tensor& p = params[partition[r][k]];
-        if (p.numel() == 0) continue;
-        c10d::BroadcastOptions options;
-        options.rootRank = r;
-        options.timeout = group.timeout();
-        std::vector<at::Tensor> one = {p.detach()};
-        works.push_back(pg->broadcast(one, options));
-      }
-    }
-    wait_for_broadcasts(works);
+    local_step(local_gradients);
+    sync_params();
   }
 
   // Steps the local optimizer with one gradient per parameter of partition[my_rank()]
@@ -311,10 +272,6 @@ struct ZeroRedundancyOptimizer::Impl {
         works.push_back(pg->broadcast(one, options));
       }
     }
-    wait_for_broadcasts(works);
-  }
-
-  void wait_for_broadcasts(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
     try {
       for (auto& w : works) w->wait(group.timeout());
     } catch (const std::exception& e) {

@@ -87,10 +87,6 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   const auto local_groups = impl_->init(std::move(groups), options);
   // Also checks the options, on every rank alike (a rank owning nothing gets empty groups).
   impl_->local = optim::create_optimizer(optimizer, local_groups, defaults);
-  // The registry's built-ins (a name cannot be registered twice, so these are ours).
-  static const std::unordered_set<std::string> kPerParameter{
-      "sgd", "adam", "adamw", "adagrad", "adadelta", "adamax", "rmsprop", "rprop", "sparse_adam"};
-  impl_->per_parameter_updates = kPerParameter.count(optimizer) > 0;
   impl_->build_buckets();
   impl_->build_owner_reduction();
   expose_param_groups();
