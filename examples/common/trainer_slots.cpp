@@ -1,5 +1,7 @@
 #include "trainer_slots.h"
 
+#include "example_main.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 
 #include <distoptim/rpc.h>
 
@@ -303,6 +306,21 @@ int64_t recorded_steps(const std::string& server) {
 }
 bool trainer_slots_finished(const std::string& server) {
   return rpc::rpc_sync<bool>(server, "examples.slots.finished", std::tuple{});
+}
+
+void add_elastic_options(CLI::App& app, const std::string& elastic_help, bool& elastic,
+                         int64_t& kill_trainer_at, double& trainer_timeout) {
+  CLI::Option* flag = app.add_flag("--elastic", elastic, elastic_help);
+  app.add_option("--kill-trainer-at", kill_trainer_at,
+                 "the last trainer SIGKILLs itself in this step, once, after its backward pass "
+                 "and before its optimizer step (a fault to see the restart; 0: never)")
+      ->check(at_least(0))
+      ->needs(flag);
+  app.add_option("--trainer-timeout", trainer_timeout,
+                 "with --elastic, the server fails when a trainer slot has shown no sign of "
+                 "life (a join or a step) for this many seconds")
+      ->check(above(0))
+      ->needs(flag);
 }
 
 int restart_count() {

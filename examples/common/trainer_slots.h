@@ -17,13 +17,19 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include <distoptim/rpc.h>
+
+namespace CLI {
+class App;
+}  // namespace CLI
 
 namespace examples {
 
@@ -58,6 +64,32 @@ std::string trainer_slots_plot_commands();
 
 /// Waits (within 2 minutes) for worker `server` to be listed in the group.
 void wait_until_listed(const std::string& server);
+/// A value a server publishes once (the model it creates, as references) for the others to fetch
+/// with fetch_when_ready, through an RPC function that is published<T>:
+///   DISTOPTIM_RPC_FUNCTION("example.shared_model", examples::published<Model::References>);
+/// One per type and process, never destroyed (handlers may run while the process ends).
+template <typename T>
+struct Published {
+  std::mutex mutex;
+  std::optional<T> value;  // guarded by mutex
+  static Published& instance() {
+    static auto* published = new Published;
+    return *published;
+  }
+};
+template <typename T>
+void publish(T value) {
+  Published<T>& published = Published<T>::instance();
+  std::lock_guard<std::mutex> lock(published.mutex);
+  published.value = std::move(value);
+}
+template <typename T>
+std::optional<T> published() {
+  Published<T>& published = Published<T>::instance();
+  std::lock_guard<std::mutex> lock(published.mutex);
+  return published.value;
+}
+
 /// Waits (within 2 minutes) for `server`'s `function` (no arguments, returning std::optional<T>)
 /// to have a value, e.g. the model the server creates once it is up; `what` names it in the error.
 template <typename T>
@@ -87,6 +119,11 @@ void report_held_out_before(const std::string& server, double value);
 int64_t recorded_steps(const std::string& server);
 /// Whether every slot of the server has finished (for workers that serve until then).
 bool trainer_slots_finished(const std::string& server);
+
+/// The options --elastic (described by `elastic_help`), --kill-trainer-at and --trainer-timeout
+/// (the last two need --elastic), into `elastic`, `kill_trainer_at`, `trainer_timeout`.
+void add_elastic_options(CLI::App& app, const std::string& elastic_help, bool& elastic,
+                         int64_t& kill_trainer_at, double& trainer_timeout);
 
 /// DISTRUN_RESTART_COUNT: how many times distrun has restarted this rank (0 if not set).
 int restart_count();

@@ -205,29 +205,12 @@ std::string plot_commands(const fs::path& csv) {
       csv.string());
 }
 
-// The model every trainer trains under --elastic, on the server: set once the server has
-// created it. Never destroyed (handlers may run while the process ends).
-struct SharedModelHolder {
-  std::mutex mutex;
-  std::optional<rnn_ps::RNNModel::Shared> model;
-};
-SharedModelHolder& shared_model_holder() {
-  static auto* holder = new SharedModelHolder;
-  return *holder;
-}
-std::optional<rnn_ps::RNNModel::Shared> shared_model() {
-  std::lock_guard<std::mutex> lock(shared_model_holder().mutex);
-  return shared_model_holder().model;
-}
-DISTOPTIM_RPC_FUNCTION("rnn_ps.shared_model", shared_model);
+// Under --elastic the server publishes the model every trainer trains.
+DISTOPTIM_RPC_FUNCTION("rnn_ps.shared_model", examples::published<rnn_ps::RNNModel::Shared>);
 
 // On the server: the shared model, then serving until every trainer slot has finished.
 void serve(const Settings& settings, int trainers, int64_t ntoken) {
-  {
-    auto model = rnn_ps::RNNModel::create_shared("ps", model_options(settings, ntoken));
-    std::lock_guard<std::mutex> lock(shared_model_holder().mutex);
-    shared_model_holder().model = std::move(model);
-  }
+  examples::publish(rnn_ps::RNNModel::create_shared("ps", model_options(settings, ntoken)));
   fmt::print(
       "ps: serving the shared model (vocabulary {} words) to {} trainer slot(s); "
       "trainers may die and rejoin (--elastic); the log goes to {}\n",
@@ -467,22 +450,13 @@ int main(int argc, char** argv) {
                  "fraction of the corpus, at its end, never trained on: the held-out perplexity "
                  "is measured on it")
       ->check(examples::between(0.01, 0.5));
-  CLI::Option* elastic =
-      app.add_flag("--elastic", s.elastic,
-                   "trainers may die and be restarted (distrun --restart-policy rank): the server "
-                   "runs a dynamic RPC group and holds one model that every trainer trains, LSTM "
-                   "included; a restarted trainer continues from it, and from its slot's step; "
-                   "the server logs every trainer's steps to <out-dir>/loss.csv");
-  app.add_option("--kill-trainer-at", s.kill_trainer_at,
-                 "the last trainer SIGKILLs itself in this step, once (a fault to see the "
-                 "restart; 0: never)")
-      ->check(examples::at_least(0))
-      ->needs(elastic);
-  app.add_option("--trainer-timeout", s.trainer_timeout,
-                 "with --elastic, the server fails when a trainer slot has shown no sign of "
-                 "life (a join or a step) for this many seconds")
-      ->check(examples::above(0))
-      ->needs(elastic);
+  examples::add_elastic_options(
+      app,
+      "trainers may die and be restarted (distrun --restart-policy rank): the server runs a "
+      "dynamic RPC group and holds one model that every trainer trains, LSTM included; a "
+      "restarted trainer continues from it, and from its slot's step; the server logs every "
+      "trainer's steps to <out-dir>/loss.csv",
+      s.elastic, s.kill_trainer_at, s.trainer_timeout);
   return examples::run(app, argc, argv,
                        examples::distrun() + " --nproc-per-node 2 " + argv[0] +
                            " --seconds 120 --out-dir rnn_ps_out",
