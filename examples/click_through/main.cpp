@@ -217,10 +217,12 @@ void train(const Settings& s, int rank, int trainer, int trainers,
                   {model->mlp_parameters(), OptionBag().set("lr", s.mlp_lr)}});
 
   const click_through::Teacher teacher(static_cast<uint64_t>(s.teacher_seed));
-  // A restarted trainer draws batches of its own, not its predecessor's again.
+  // A restarted trainer draws batches of its own, not its predecessor's again (which the model
+  // has fitted). The generator keeps only the low 32 bits of its seed: the restarts move those.
   const int restarts = examples::restart_count();
-  auto generator = at::detail::createCPUGenerator(
-      static_cast<uint64_t>(s.seed * 1000 + 1 + trainer) ^ (static_cast<uint64_t>(restarts) << 32));
+  auto generator =
+      at::detail::createCPUGenerator(static_cast<uint64_t>(s.seed * 1000 + 1 + trainer) +
+                                     static_cast<uint64_t>(restarts) * 0x9E3779B9u);
   click_through::Batch held_out;
   double teacher_loss = NAN, teacher_auc = NAN;
   std::ofstream csv_out;
