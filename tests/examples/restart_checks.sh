@@ -51,14 +51,11 @@ check_restart() {
     [[ $(rows finish "$worker" | wc -l) -eq 1 ]] || fail "$worker did not finish"
   done
 
-  # The losses: the mean of the first steps, of the last ones and of all steps, of the killed
-  # trainer and of its replacement (left set for the caller's own checks).
-  means() {
-    awk -F, -v n="$first" '{ s += $7; l[NR] = $7 } NR <= n { f += $7 }
-      END { for (i = NR - n + 1; i <= NR; ++i) t += l[i]; print f / n, t / n, s / NR }'
-  }
-  read -r killed_first killed_last killed_mean < <(rows step "$killed" | means)
-  read -r back_first back_last back_mean < <(rows step "$back" | means)
+  # The losses: the mean of the first steps and of all steps, of the killed trainer and of its
+  # replacement (left set for the caller's own checks).
+  means() { awk -F, -v n="$first" '{ s += $7 } NR <= n { f += $7 } END { print f / n, s / NR }'; }
+  read -r killed_first killed_mean < <(rows step "$killed" | means)
+  read -r back_first back_mean < <(rows step "$back" | means)
   awk -v kf="$killed_first" -v km="$killed_mean" -v bf="$back_first" -v bm="$back_mean" \
     'BEGIN { exit !(bf < kf && bm < km) }' ||
     fail "the replacement did not continue from the server's parameters: $killed's losses" \
