@@ -43,14 +43,12 @@
 // creates the model itself and hands its references to every trainer that joins, so no trainer
 // holds state that a restarted one would miss (the MLP is on the first server in every mode). A
 // restarted trainer's DistributedOptimizer starts with Adagrad state of its own, as a new
-// trainer's would: its first steps are Adagrad's largest, so its loss, which starts where the
-// others' stands, rises for a few dozen steps before it falls again (its predecessor's state is
-// not reused). A trainer that distrun
-// restarts (--restart-policy rank) joins again under a new name ("trainer1-restart1") and trains
-// its slot's remaining steps. --kill-trainer-at STEP makes the last trainer SIGKILL itself once,
-// after its backward pass and before its step; the first server logs every worker's steps to
-// <out>/loss.csv and plots them (loss.png), where the killed trainer's curve stops and its
-// replacement's resumes (examples/common/trainer_slots.h):
+// trainer's would (its predecessor's is not reused). A trainer that distrun restarts
+// (--restart-policy rank) joins again under a new name ("trainer1-restart1") and trains its
+// slot's remaining steps, on batches of its own. --kill-trainer-at STEP makes the last trainer
+// SIGKILL itself once, after its backward pass and before its step; the first server logs every
+// worker's steps to <out>/loss.csv and plots them (loss.png), where the killed trainer's curve
+// stops and its replacement's resumes (examples/common/trainer_slots.h):
 //
 //   build/tools/distrun/distrun --nproc-per-node 4 --restart-policy rank --max-restarts 1 \
 //       build/examples/click_through/click_through --elastic --kill-trainer-at 300 \
