@@ -38,6 +38,23 @@
 // with the samples/s of all trainers, its recent training log loss, the held-out log loss and
 // AUC, and the teacher's; it writes them to <out>/click_through.csv and plots them to
 // <out>/click_through.png with gnuplot (when gnuplot is missing or fails, it says so and why).
+//
+// Trainers that die and come back: with --elastic the first server starts a dynamic RPC group,
+// creates the model itself and hands its references to every trainer that joins, so no trainer
+// holds state that a restarted one would miss (the MLP is on the first server in every mode). A
+// restarted trainer's DistributedOptimizer starts with Adagrad state of its own, as a new
+// trainer's would (its predecessor's is not reused). A trainer that distrun restarts
+// (--restart-policy rank) joins again under a new name ("trainer1-restart1") and trains its
+// slot's remaining steps, on batches of its own. --kill-trainer-at STEP makes the last trainer
+// SIGKILL itself once, after its backward pass and before its step; the first server logs every
+// worker's steps to <out>/loss.csv and plots them (loss.png), where the killed trainer's curve
+// stops and its replacement's resumes (examples/common/trainer_slots.h):
+//
+//   build/tools/distrun/distrun --nproc-per-node 4 --restart-policy rank --max-restarts 1 \
+//       build/examples/click_through/click_through --elastic --kill-trainer-at 300 \
+//       --out click_through_out
+
+#include <signal.h>
 
 #include <algorithm>
 #include <atomic>
@@ -47,6 +64,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -64,6 +82,7 @@
 #include "model.h"
 #include "rpc_worker.h"
 #include "teacher.h"
+#include "trainer_slots.h"
 
 namespace {
 
@@ -85,12 +104,22 @@ struct Settings {
   int64_t seed = 0;
   int64_t teacher_seed = 1;
   std::string out = "click_through_out";
+  bool elastic = false;          // a dynamic group: trainers may die, be restarted and rejoin
+  int64_t kill_trainer_at = 0;   // the last trainer SIGKILLs itself in this step (once; 0: never)
+  double trainer_timeout = 300;  // the first server's bound on a trainer slot without a step
 };
+
+// Under --elastic the first server creates the model and hands out its references.
+const std::string kFirstServer = "ps0";
 
 // Samples this trainer has trained on, for the first trainer's samples/s of all trainers.
 std::atomic<int64_t> samples_trained{0};
 int64_t trained_samples() { return samples_trained.load(); }
 DISTOPTIM_RPC_FUNCTION("click_through.trained_samples", trained_samples);
+
+// Under --elastic the first server publishes the model's references.
+DISTOPTIM_RPC_FUNCTION("click_through.shared_model",
+                       examples::published<click_through::ClickModel::References>);
 
 struct Evaluation {
   double log_loss;
@@ -131,23 +160,67 @@ std::string plot_commands(const fs::path& csv) {
       csv.string());
 }
 
-void train(const Settings& s, int trainer, int trainers, const std::vector<std::string>& servers) {
+click_through::ModelOptions model_options(const Settings& s,
+                                          const std::vector<std::string>& servers) {
   click_through::ModelOptions options;
   options.servers = servers;
   options.rows = s.rows;
   options.dim = s.dim;
   options.seed = s.seed;
+  return options;
+}
+
+// --elastic, on the first server: once the other servers are in the group, the model, handed out
+// until every trainer slot has finished; then the plot of every worker's losses.
+void serve(const Settings& s, const std::vector<std::string>& servers, int trainers) {
+  for (const std::string& server : servers) examples::wait_until_listed(server);
+  const click_through::ClickModel model(model_options(s, servers));
+  examples::publish(model.references());
+  const fs::path csv = fs::path(s.out) / "loss.csv";
+  fmt::print(
+      "{}: serving the model to {} trainer slot(s); trainers may die and rejoin (--elastic); "
+      "the log goes to {}\n",
+      kFirstServer, trainers, csv.string());
+  std::fflush(stdout);
+  examples::wait_for_trainers();
+  examples::plot_and_report(examples::trainer_slots_plot_commands(), csv,
+                            fs::path(s.out) / "loss.png");
+}
+
+// --elastic, on the other servers: serving until every trainer slot has finished.
+void serve_until_trainers_finish() {
+  examples::wait_until_listed(kFirstServer);
+  while (!examples::trainer_slots_finished(kFirstServer)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+// `rank`: the trainer's slot under --elastic.
+void train(const Settings& s, int rank, int trainer, int trainers,
+           const std::vector<std::string>& servers) {
+  const click_through::ModelOptions options = model_options(s, servers);
   const bool reporter = trainer == 0;
+  const std::string name = rpc::get_worker_info().name;
+  // --elastic: where this trainer's slot stands, and the first server's model.
+  examples::SlotStart resume;
+  if (s.elastic) resume = examples::join_slot(kFirstServer, rank, name);
   std::unique_ptr<click_through::ClickModel> model =
-      reporter ? std::make_unique<click_through::ClickModel>(options)
-               : click_through::ClickModel::receive(options, std::chrono::minutes(5));
+      s.elastic ? click_through::ClickModel::from_references(
+                      options, examples::fetch_when_ready<click_through::ClickModel::References>(
+                                   kFirstServer, "click_through.shared_model", "the model"))
+      : reporter ? std::make_unique<click_through::ClickModel>(options)
+                 : click_through::ClickModel::receive(options, std::chrono::minutes(5));
   distoptim::dist_optim::DistributedOptimizer optimizer(
       "adagrad", {{model->table_parameters(), OptionBag().set("lr", s.lr)},
                   {model->mlp_parameters(), OptionBag().set("lr", s.mlp_lr)}});
 
   const click_through::Teacher teacher(static_cast<uint64_t>(s.teacher_seed));
+  // A restarted trainer draws batches of its own, not its predecessor's again (which the model
+  // has fitted). The generator keeps only the low 32 bits of its seed: the restarts move those.
+  const int restarts = examples::restart_count();
   auto generator =
-      at::detail::createCPUGenerator(static_cast<uint64_t>(s.seed * 1000 + 1 + trainer));
+      at::detail::createCPUGenerator(static_cast<uint64_t>(s.seed * 1000 + 1 + trainer) +
+                                     static_cast<uint64_t>(restarts) * 0x9E3779B9u);
   click_through::Batch held_out;
   double teacher_loss = NAN, teacher_auc = NAN;
   std::ofstream csv_out;
@@ -182,13 +255,17 @@ void train(const Settings& s, int trainer, int trainers, const std::vector<std::
   auto report = [&](int64_t step) {
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     int64_t samples = samples_trained.load();
-    for (int t = 1; t < trainers; ++t) {
-      samples += rpc::rpc_sync<int64_t>("trainer" + std::to_string(t),
-                                        "click_through.trained_samples", std::tuple{});
+    if (s.elastic) {
+      samples = examples::recorded_steps(kFirstServer) * s.batch;
+    } else {
+      for (int t = 1; t < trainers; ++t) {
+        samples += rpc::rpc_sync<int64_t>("trainer" + std::to_string(t),
+                                          "click_through.trained_samples", std::tuple{});
+      }
     }
     const double train_loss = train_loss_count > 0 ? train_loss_sum / train_loss_count : NAN;
     last = evaluate(*model, held_out);
-    if (step == 0) first = last;
+    if (std::isnan(first.log_loss)) first = last;
     const double rate = seconds > 0 ? samples / seconds : 0;
     csv_out << fmt::format("{},{},{:.3f},{:.1f},{:.6f},{:.6f},{:.6f},{:.6f}\n", step, samples,
                            seconds, rate, train_loss, last.log_loss, last.auc, teacher_loss);
@@ -205,11 +282,14 @@ void train(const Settings& s, int trainer, int trainers, const std::vector<std::
   };
   if (reporter) {
     // The model before any step; only then do the other trainers get it and start.
-    report(0);
-    for (int t = 1; t < trainers; ++t) model->share("trainer" + std::to_string(t));
+    report(resume.steps);
+    if (!s.elastic) {
+      for (int t = 1; t < trainers; ++t) model->share("trainer" + std::to_string(t));
+    }
   }
 
-  for (int64_t step = 1; step <= s.steps; ++step) {
+  const bool kills_itself = s.kill_trainer_at > 0 && trainer == trainers - 1 && restarts == 0;
+  for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
     const click_through::Batch batch = teacher.draw(s.batch, generator);
     double loss_value;
     {
@@ -217,12 +297,20 @@ void train(const Settings& s, int trainer, int trainers, const std::vector<std::
       const at::Tensor loss = at::binary_cross_entropy_with_logits(
           model->forward(batch.ids, batch.dense), batch.labels);
       distoptim::dist_autograd::backward(context.id(), {loss});
+      if (kills_itself && step == s.kill_trainer_at) {
+        // The fault --kill-trainer-at injects: gradients on the servers, the step not taken.
+        examples::report_kill(kFirstServer, rank, name, step);
+        std::fflush(stdout);
+        ::raise(SIGKILL);
+      }
       optimizer.step(context.id());
       loss_value = loss.item<double>();
     }
     samples_trained += s.batch;
     train_loss_sum += loss_value;
     ++train_loss_count;
+    if (s.elastic)
+      examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
     if (reporter && (step % eval_every == 0 || step == s.steps)) report(step);
   }
 
@@ -236,6 +324,8 @@ void train(const Settings& s, int trainer, int trainers, const std::vector<std::
         gap > 0 ? 100 * (first.log_loss - last.log_loss) / gap : NAN);
     examples::plot_and_report(plot_commands(csv), csv, fs::path(s.out) / "click_through.png");
   }
+  // Last: the servers serve until every slot has finished, the reporter's evaluations included.
+  if (s.elastic) examples::report_finish(kFirstServer, rank, name);
 }
 
 int run_example(const Settings& s) {
@@ -249,14 +339,43 @@ int run_example(const Settings& s) {
                     s.servers + 2, " for two trainers)");
   TORCH_CHECK_VALUE(s.rows >= s.servers, "--rows ", s.rows, " is below --servers ", s.servers,
                     " (each server holds at least one row)");
+  const int trainers = world_size - static_cast<int>(s.servers);
+  TORCH_CHECK_VALUE(s.kill_trainer_at <= s.steps, "--kill-trainer-at ", s.kill_trainer_at,
+                    " is beyond --steps ", s.steps, " (rank ", rank, ")");
+  TORCH_CHECK_VALUE(s.kill_trainer_at == 0 || trainers >= 2, "--kill-trainer-at ",
+                    s.kill_trainer_at, " needs two trainers or more, got ", trainers, " (rank ",
+                    rank, "): the first one reports and is not killed");
   std::vector<std::string> servers;
   for (int64_t i = 0; i < s.servers; ++i) servers.push_back("ps" + std::to_string(i));
   const bool server = rank < s.servers;
   const int trainer = rank - static_cast<int>(s.servers);
-  const std::string name = server ? servers[rank] : "trainer" + std::to_string(trainer);
-  examples::run_rpc_worker(name, rank, world_size, [&] {
-    if (!server) train(s, trainer, world_size - static_cast<int>(s.servers), servers);
-  });
+  if (!s.elastic) {
+    const std::string name = server ? servers[rank] : "trainer" + std::to_string(trainer);
+    examples::run_rpc_worker(name, rank, world_size, [&] {
+      if (!server) train(s, rank, trainer, trainers, servers);
+    });
+    return 0;
+  }
+  if (rank == 0) {
+    fs::create_directories(s.out);
+    examples::open_trainer_slots(
+        fs::path(s.out) / "loss.csv", static_cast<int>(s.servers), trainers, s.trainer_timeout,
+        {kFirstServer, "Click-through model, trainers killed and restarted (--elastic)",
+         "training log loss"});
+    examples::run_dynamic_rpc_worker(kFirstServer, 0, [&] { serve(s, servers, trainers); });
+    return 0;
+  }
+  if (server) {
+    examples::run_dynamic_rpc_worker(servers[rank], rpc::kAssignRank, serve_until_trainers_finish);
+    return 0;
+  }
+  // A dead member's name passes on only once the first server has dropped it: a restarted
+  // trainer joins under a new name.
+  const int restarts = examples::restart_count();
+  const std::string name = restarts == 0 ? fmt::format("trainer{}", trainer)
+                                         : fmt::format("trainer{}-restart{}", trainer, restarts);
+  examples::run_dynamic_rpc_worker(name, rpc::kAssignRank,
+                                   [&] { train(s, rank, trainer, trainers, servers); });
   return 0;
 }
 
@@ -286,6 +405,13 @@ int main(int argc, char** argv) {
   app.add_option("--seed", s.seed, "seed of the model and of the samples");
   app.add_option("--teacher-seed", s.teacher_seed, "seed of the teacher that labels the samples");
   app.add_option("--out", s.out, "directory for the CSV and the PNG");
+  examples::add_elastic_options(
+      app,
+      "trainers may die and be restarted (distrun --restart-policy rank): the first server runs "
+      "a dynamic RPC group and hands the model to every trainer that joins; a restarted trainer "
+      "trains its slot's remaining steps; the first server logs every trainer's steps to "
+      "<out>/loss.csv",
+      s.elastic, s.kill_trainer_at, s.trainer_timeout);
   return examples::run(
       app, argc, argv,
       examples::distrun() + " --nproc-per-node 4 " + argv[0] + " --out click_through_out",

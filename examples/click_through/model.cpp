@@ -105,8 +105,17 @@ std::unique_ptr<ClickModel> ClickModel::receive(const ModelOptions& options,
 }
 
 void ClickModel::share(const std::string& trainer) const {
-  rpc::rpc_sync<bool>(trainer, "click_through.take_model",
-                      std::tuple{table_->shard_module_rrefs(), mlp_->module_rref()});
+  rpc::rpc_sync<bool>(trainer, "click_through.take_model", references());
+}
+
+ClickModel::References ClickModel::references() const {
+  return {table_->shard_module_rrefs(), mlp_->module_rref()};
+}
+
+std::unique_ptr<ClickModel> ClickModel::from_references(const ModelOptions& options,
+                                                        References references) {
+  auto [shards, mlp] = std::move(references);
+  return std::unique_ptr<ClickModel>(new ClickModel(options, std::move(shards), std::move(mlp)));
 }
 
 at::Tensor ClickModel::forward(const at::Tensor& ids, const at::Tensor& dense) {

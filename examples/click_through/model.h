@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -53,6 +54,15 @@ class ClickModel {
                                              std::chrono::milliseconds timeout);
   /// Sends this model's references to worker `trainer`, whose receive() takes them.
   void share(const std::string& trainer) const;
+
+  /// The references of the table's shards and of the MLP (what share() sends), for a worker
+  /// that hands them out itself (the first server under --elastic).
+  using References = std::tuple<std::vector<distoptim::rpc::RRef<distoptim::rpc::EmbeddingShard>>,
+                                distoptim::rpc::RRef<ClickMlp>>;
+  References references() const;
+  /// A handle on the model `references` name.
+  static std::unique_ptr<ClickModel> from_references(const ModelOptions& options,
+                                                     References references);
 
   /// ids [n, 26] (each feature's raw id), dense [n, 13] -> logits [n]. Recorded by distributed
   /// autograd inside a context; under at::NoGradGuard a plain evaluation.

@@ -205,24 +205,21 @@ std::string plot_commands(const fs::path& csv) {
       csv.string());
 }
 
+// Under --elastic the server publishes the model every trainer trains.
+DISTOPTIM_RPC_FUNCTION("rnn_ps.shared_model", examples::published<rnn_ps::RNNModel::Shared>);
+
 // On the server: the shared model, then serving until every trainer slot has finished.
 void serve(const Settings& settings, int trainers, int64_t ntoken) {
-  rnn_ps::set_shared_model(rnn_ps::RNNModel::create_shared("ps", model_options(settings, ntoken)));
+  examples::publish(rnn_ps::RNNModel::create_shared("ps", model_options(settings, ntoken)));
   fmt::print(
       "ps: serving the shared model (vocabulary {} words) to {} trainer slot(s); "
       "trainers may die and rejoin (--elastic); the log goes to {}\n",
       ntoken, trainers, (fs::path(settings.out_dir) / "loss.csv").string());
   std::fflush(stdout);
-  rnn_ps::wait_for_trainers();
+  examples::wait_for_trainers();
   const fs::path csv = fs::path(settings.out_dir) / "loss.csv";
-  examples::plot_and_report(rnn_ps::trainer_slots_plot_commands(), csv,
+  examples::plot_and_report(examples::trainer_slots_plot_commands(), csv,
                             fs::path(settings.out_dir) / "loss.png");
-}
-
-// DISTRUN_RESTART_COUNT: how many times distrun has restarted this rank (0 if not set).
-int restart_count() {
-  const char* value = std::getenv("DISTRUN_RESTART_COUNT");
-  return value == nullptr ? 0 : std::atoi(value);
 }
 
 // `rpc_called`, `rpc_returned`: when this worker called init_rpc and when it returned (the
@@ -244,10 +241,13 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
   options.seed += trainer * 10;
   // --elastic: the server's shared model, and where this trainer's slot (its rank) stands.
   const std::string name = rpc::get_worker_info().name;
-  rnn_ps::SlotStart resume;
-  if (settings.elastic) resume = rnn_ps::join_slot(rank, name);
-  rnn_ps::RNNModel model = settings.elastic ? rnn_ps::RNNModel("ps", options, resume.model)
-                                            : rnn_ps::RNNModel("ps", options);
+  examples::SlotStart resume;
+  if (settings.elastic) resume = examples::join_slot("ps", rank, name);
+  rnn_ps::RNNModel model =
+      settings.elastic ? rnn_ps::RNNModel("ps", options,
+                                          examples::fetch_when_ready<rnn_ps::RNNModel::Shared>(
+                                              "ps", "rnn_ps.shared_model", "the shared model"))
+                       : rnn_ps::RNNModel("ps", options);
   distoptim::dist_optim::DistributedOptimizer optimizer(
       settings.optimizer, model.parameter_rrefs(),
       distoptim::optim::OptionBag().set("lr", settings.lr));
@@ -270,7 +270,7 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
   if (reporter && std::isnan(held_out_before)) {
     held_out_before = evaluate(model, held_out, settings.bptt, ntoken);
     if (settings.elastic) {
-      rnn_ps::report_held_out_before(held_out_before);
+      examples::report_held_out_before("ps", held_out_before);
     }
   }
   fs::create_directories(settings.out_dir);
@@ -285,10 +285,10 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
   const auto start = Clock::now() - std::chrono::duration_cast<Clock::duration>(
                                         std::chrono::duration<double>(resume.seconds));
   auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
-  int64_t step = resume.steps, tokens = resume.tokens;
+  int64_t step = resume.steps, tokens = resume.samples;
   const int64_t batches_per_epoch = (data.size(0) - 2) / settings.bptt + 1;
   const bool kills_itself =
-      settings.kill_trainer_at > 0 && rank == world_size - 1 && restart_count() == 0;
+      settings.kill_trainer_at > 0 && rank == world_size - 1 && examples::restart_count() == 0;
   bool first_step = true;
   double next_report = 0, first_loss = NAN, recent = 0;
   std::vector<double> last_losses;
@@ -317,7 +317,7 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
         distoptim::dist_autograd::backward(context.id(), {loss});
         if (kills_itself && step + 1 == settings.kill_trainer_at) {
           // The fault --kill-trainer-at injects: gradients on the server, the step not taken.
-          rnn_ps::report_kill(rank, name, step + 1);
+          examples::report_kill("ps", rank, name, step + 1);
           std::fflush(stdout);
           ::raise(SIGKILL);
         }
@@ -346,7 +346,7 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
       const double t = elapsed();
       out << fmt::format("{},{},{:.3f},{:.6f}\n", step, tokens, t, loss_value);
       if (settings.elastic) {
-        rnn_ps::report_step(rank, name, step, tokens, loss_value);
+        examples::report_step("ps", rank, name, step, tokens, loss_value);
       }
       if (reporter && (t >= next_report || t >= settings.seconds || step == settings.steps)) {
         print_progress(t / settings.seconds, step, recent, tokens / t, settings.seconds - t);
@@ -360,7 +360,7 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
   }
   out.close();
   if (settings.elastic) {
-    rnn_ps::report_finish(rank, name);
+    examples::report_finish("ps", rank, name);
   }
   if (reporter) {
     const double t = elapsed();
@@ -404,13 +404,16 @@ int run_example(const Settings& s) {
   if (rank == 0) {
     const auto ntoken = static_cast<int64_t>(corpus.ids.size());
     fs::create_directories(s.out_dir);
-    rnn_ps::open_trainer_slots(fs::path(s.out_dir) / "loss.csv", world_size - 1, s.trainer_timeout);
+    examples::open_trainer_slots(
+        fs::path(s.out_dir) / "loss.csv", 1, world_size - 1, s.trainer_timeout,
+        {"ps", "RNN language model, trainers killed and restarted (--elastic)",
+         "cross-entropy loss"});
     examples::run_dynamic_rpc_worker("ps", 0, [&] { serve(s, world_size - 1, ntoken); });
     return 0;
   }
   // A dead member's rank stays used in the group, and its name passes on only once the server
   // has dropped it (its liveness check failed): a restarted trainer joins under a new name.
-  const int restarts = restart_count();
+  const int restarts = examples::restart_count();
   const std::string name = restarts == 0 ? fmt::format("trainer{}", rank)
                                          : fmt::format("trainer{}-restart{}", rank, restarts);
   examples::run_dynamic_rpc_worker(name, rpc::kAssignRank, [&] {
@@ -447,22 +450,13 @@ int main(int argc, char** argv) {
                  "fraction of the corpus, at its end, never trained on: the held-out perplexity "
                  "is measured on it")
       ->check(examples::between(0.01, 0.5));
-  CLI::Option* elastic =
-      app.add_flag("--elastic", s.elastic,
-                   "trainers may die and be restarted (distrun --restart-policy rank): the server "
-                   "runs a dynamic RPC group and holds one model that every trainer trains, LSTM "
-                   "included; a restarted trainer continues from it, and from its slot's step; "
-                   "the server logs every trainer's steps to <out-dir>/loss.csv");
-  app.add_option("--kill-trainer-at", s.kill_trainer_at,
-                 "the last trainer SIGKILLs itself in this step, once (a fault to see the "
-                 "restart; 0: never)")
-      ->check(examples::at_least(0))
-      ->needs(elastic);
-  app.add_option("--trainer-timeout", s.trainer_timeout,
-                 "with --elastic, the server fails when a trainer slot has shown no sign of "
-                 "life (a join or a step) for this many seconds")
-      ->check(examples::above(0))
-      ->needs(elastic);
+  examples::add_elastic_options(
+      app,
+      "trainers may die and be restarted (distrun --restart-policy rank): the server runs a "
+      "dynamic RPC group and holds one model that every trainer trains, LSTM included; a "
+      "restarted trainer continues from it, and from its slot's step; the server logs every "
+      "trainer's steps to <out-dir>/loss.csv",
+      s.elastic, s.kill_trainer_at, s.trainer_timeout);
   return examples::run(app, argc, argv,
                        examples::distrun() + " --nproc-per-node 2 " + argv[0] +
                            " --seconds 120 --out-dir rnn_ps_out",

@@ -1,8 +1,12 @@
 #include "trainer_slots.h"
 
+#include "example_main.h"
+
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -14,10 +18,11 @@
 #include <vector>
 
 #include <fmt/core.h>
+#include <CLI/CLI.hpp>
 
 #include <distoptim/rpc.h>
 
-namespace rnn_ps {
+namespace examples {
 
 namespace {
 
@@ -29,22 +34,16 @@ using Clock = std::chrono::steady_clock;
 // main thread share it. Never destroyed (handlers may run while the process ends).
 class ServerRecord {
  public:
-  void open(const fs::path& csv, int trainers, double timeout_seconds) {
+  void open(const fs::path& csv, int first_rank, int trainers, double timeout_seconds,
+            SlotLog names) {
     std::lock_guard<std::mutex> lock(mutex_);
+    first_rank_ = first_rank;
+    names_ = std::move(names);
     csv_.open(csv);
     csv_ << "seconds,event,slot,worker,step,global_step,loss\n";
     slots_.assign(static_cast<size_t>(trainers), Slot{});
     for (Slot& slot : slots_) slot.last_seen = start_;
     timeout_seconds_ = timeout_seconds;
-  }
-
-  void set_model(RNNModel::Shared model) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    model_ = std::move(model);
-  }
-  std::optional<RNNModel::Shared> model() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return model_;
   }
 
   std::tuple<int64_t, int64_t, double, double> join(int64_t slot_rank, const std::string& worker) {
@@ -53,12 +52,12 @@ class ServerRecord {
     const auto now = Clock::now();
     if (slot.workers == 0) {
       slot.first_join = now;
-      fmt::print("ps: {} joined slot {}\n", worker, slot_rank);
+      fmt::print("{}: {} joined slot {}\n", names_.server, worker, slot_rank);
     } else {
       fmt::print(
-          "ps: {} joined slot {} in place of {}, {:.1f} s after its last sign of life; it "
+          "{}: {} joined slot {} in place of {}, {:.1f} s after its last sign of life; it "
           "continues from step {}\n",
-          worker, slot_rank, slot.worker, seconds(slot.last_seen, now), slot.steps);
+          names_.server, worker, slot_rank, slot.worker, seconds(slot.last_seen, now), slot.steps);
     }
     std::fflush(stdout);
     ++slot.workers;
@@ -66,15 +65,15 @@ class ServerRecord {
     joined_.push_back(worker);
     slot.last_seen = now;
     log(now, "join", slot_rank, worker, slot.steps, NAN);
-    return {slot.steps, slot.tokens, seconds(slot.first_join, now), held_out_before_};
+    return {slot.steps, slot.samples, seconds(slot.first_join, now), held_out_before_};
   }
 
-  void step(int64_t slot_rank, const std::string& worker, int64_t step, int64_t tokens,
+  void step(int64_t slot_rank, const std::string& worker, int64_t step, int64_t samples,
             double loss) {
     std::lock_guard<std::mutex> lock(mutex_);
     Slot& slot = checked(slot_rank, worker);
     slot.steps = step;
-    slot.tokens = tokens;
+    slot.samples = samples;
     slot.last_seen = Clock::now();
     ++global_steps_;
     log(slot.last_seen, "step", slot_rank, worker, step, loss);
@@ -84,7 +83,7 @@ class ServerRecord {
   void kill(int64_t slot_rank, const std::string& worker, int64_t step) {
     std::lock_guard<std::mutex> lock(mutex_);
     checked(slot_rank, worker);
-    fmt::print("ps: {} kills itself in step {} (--kill-trainer-at)\n", worker, step);
+    fmt::print("{}: {} kills itself in step {} (--kill-trainer-at)\n", names_.server, worker, step);
     std::fflush(stdout);
     log(Clock::now(), "kill", slot_rank, worker, step, NAN);
   }
@@ -104,6 +103,16 @@ class ServerRecord {
     held_out_before_ = value;
   }
 
+  int64_t global_steps() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return global_steps_;
+  }
+  bool all_finished() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return !slots_.empty() && std::all_of(slots_.begin(), slots_.end(),
+                                          [](const Slot& slot) { return slot.finished; });
+  }
+
   // Returns once every slot has finished; throws naming a slot that has shown no sign of life
   // (a join or a step) for timeout_seconds_: its trainer died and was not restarted, or hangs.
   void wait_for_trainers() {
@@ -120,7 +129,7 @@ class ServerRecord {
               "trainer slot {} (rank {}; {}) has shown no sign of life for {:.0f} s "
               "(--trainer-timeout {}): its trainer died and was not restarted (run under distrun "
               "--restart-policy rank --max-restarts K), or hangs",
-              i + 1, i + 1,
+              i + static_cast<size_t>(first_rank_), i + static_cast<size_t>(first_rank_),
               slot.workers == 0
                   ? std::string("no worker ever joined it")
                   : fmt::format("last worker '{}', at step {}", slot.worker, slot.steps),
@@ -133,8 +142,8 @@ class ServerRecord {
     csv_.close();
     int64_t workers = 0;
     for (const Slot& slot : slots_) workers += slot.workers;
-    fmt::print("ps: every trainer slot finished: {} steps in all by {} workers in {} slots\n",
-               global_steps_, workers, slots_.size());
+    fmt::print("{}: every trainer slot finished: {} steps in all by {} workers in {} slots\n",
+               names_.server, global_steps_, workers, slots_.size());
     std::fflush(stdout);
   }
 
@@ -154,11 +163,11 @@ class ServerRecord {
     return fmt::format(
         "{}"
         "set xlabel 'seconds since the server started'\n"
-        "set ylabel 'cross-entropy loss'\n"
-        "set title 'RNN language model, trainers killed and restarted (--elastic)'\n"
+        "set ylabel '{}'\n"
+        "set title '{}'\n"
         "set grid\n"
         "{}\n",
-        blocks, curves);
+        blocks, names_.loss_label, names_.title, curves);
   }
 
  private:
@@ -166,7 +175,7 @@ class ServerRecord {
     std::string worker;  // the latest to join
     int64_t workers = 0;
     int64_t steps = 0;
-    int64_t tokens = 0;
+    int64_t samples = 0;
     bool finished = false;
     Clock::time_point first_join;
     Clock::time_point last_seen;
@@ -177,10 +186,11 @@ class ServerRecord {
   }
 
   Slot& checked(int64_t slot_rank, const std::string& worker) {
-    TORCH_CHECK_VALUE(slot_rank >= 1 && slot_rank <= static_cast<int64_t>(slots_.size()),
-                      "rnn_parameter_server: worker '", worker, "' names trainer slot ", slot_rank,
-                      "; the server has slots 1 to ", slots_.size());
-    return slots_[static_cast<size_t>(slot_rank - 1)];
+    const auto last = first_rank_ + static_cast<int64_t>(slots_.size()) - 1;
+    TORCH_CHECK_VALUE(slot_rank >= first_rank_ && slot_rank <= last, names_.server, ": worker '",
+                      worker, "' names trainer slot ", slot_rank, "; the server has slots ",
+                      first_rank_, " to ", last);
+    return slots_[static_cast<size_t>(slot_rank - first_rank_)];
   }
 
   void log(Clock::time_point when, const char* event, int64_t slot, const std::string& worker,
@@ -200,7 +210,8 @@ class ServerRecord {
   double timeout_seconds_ = 0;
   int64_t global_steps_ = 0;
   double held_out_before_ = NAN;
-  std::optional<RNNModel::Shared> model_;
+  int64_t first_rank_ = 1;
+  SlotLog names_;
 };
 
 ServerRecord& server_record() {
@@ -208,12 +219,11 @@ ServerRecord& server_record() {
   return *record;
 }
 
-std::optional<RNNModel::Shared> shared_model() { return server_record().model(); }
 std::tuple<int64_t, int64_t, double, double> join(int64_t slot, std::string worker) {
   return server_record().join(slot, worker);
 }
-bool record_step(int64_t slot, std::string worker, int64_t step, int64_t tokens, double loss) {
-  server_record().step(slot, worker, step, tokens, loss);
+bool record_step(int64_t slot, std::string worker, int64_t step, int64_t samples, double loss) {
+  server_record().step(slot, worker, step, samples, loss);
   return true;
 }
 bool record_kill(int64_t slot, std::string worker, int64_t step) {
@@ -228,71 +238,94 @@ bool record_held_out_before(double value) {
   server_record().set_held_out_before(value);
   return true;
 }
+int64_t recorded_steps_here() { return server_record().global_steps(); }
+bool all_finished_here() { return server_record().all_finished(); }
 
 }  // namespace
 
-DISTOPTIM_RPC_FUNCTION("rnn_ps.shared_model", shared_model);
-DISTOPTIM_RPC_FUNCTION("rnn_ps.join", join);
-DISTOPTIM_RPC_FUNCTION("rnn_ps.step", record_step);
-DISTOPTIM_RPC_FUNCTION("rnn_ps.kill", record_kill);
-DISTOPTIM_RPC_FUNCTION("rnn_ps.finish", record_finish);
-DISTOPTIM_RPC_FUNCTION("rnn_ps.held_out_before", record_held_out_before);
+DISTOPTIM_RPC_FUNCTION("examples.slots.join", join);
+DISTOPTIM_RPC_FUNCTION("examples.slots.step", record_step);
+DISTOPTIM_RPC_FUNCTION("examples.slots.kill", record_kill);
+DISTOPTIM_RPC_FUNCTION("examples.slots.finish", record_finish);
+DISTOPTIM_RPC_FUNCTION("examples.slots.held_out_before", record_held_out_before);
+DISTOPTIM_RPC_FUNCTION("examples.slots.steps", recorded_steps_here);
+DISTOPTIM_RPC_FUNCTION("examples.slots.finished", all_finished_here);
 
-void open_trainer_slots(const fs::path& csv, int trainers, double timeout_seconds) {
-  server_record().open(csv, trainers, timeout_seconds);
+void open_trainer_slots(const fs::path& csv, int first_rank, int trainers, double timeout_seconds,
+                        SlotLog log) {
+  server_record().open(csv, first_rank, trainers, timeout_seconds, std::move(log));
 }
-void set_shared_model(const RNNModel::Shared& model) { server_record().set_model(model); }
 void wait_for_trainers() { server_record().wait_for_trainers(); }
 std::string trainer_slots_plot_commands() { return server_record().plot_commands(); }
 
-// On a trainer: the server's shared model (waiting, within a bound, for the server to have
-// created it) and where the slot `rank` stands.
-SlotStart join_slot(int rank, const std::string& name) {
-  SlotStart start;
+// A trainer started with the server may find the group's store up before the server has entered
+// the group itself; the server, entering, tells it, so it waits to see it listed.
+void wait_until_listed(const std::string& server) {
   const auto deadline = Clock::now() + std::chrono::minutes(2);
-  // A trainer started with the server may find the group's store up before the server has
-  // entered the group itself; the server, entering, tells it, so it waits to see it listed.
-  auto server_listed = [] {
+  auto listed = [&] {
     const auto workers = rpc::get_worker_infos();
     return std::any_of(workers.begin(), workers.end(),
-                       [](const rpc::WorkerInfo& worker) { return worker.name == "ps"; });
+                       [&](const rpc::WorkerInfo& worker) { return worker.name == server; });
   };
-  while (!server_listed()) {
+  while (!listed()) {
     if (Clock::now() > deadline) {
-      throw std::runtime_error("the server 'ps' has not entered the group within 2 minutes");
+      throw std::runtime_error("the server '" + server +
+                               "' has not entered the group within 2 minutes");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  for (;;) {
-    auto model =
-        rpc::rpc_sync<std::optional<RNNModel::Shared>>("ps", "rnn_ps.shared_model", std::tuple{});
-    if (model) {
-      start.model = std::move(*model);
-      break;
-    }
-    if (Clock::now() > deadline) {
-      throw std::runtime_error("the server 'ps' has not created the shared model within 2 minutes");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  std::tie(start.steps, start.tokens, start.seconds, start.held_out_before) =
+}
+
+SlotStart join_slot(const std::string& server, int rank, const std::string& name) {
+  wait_until_listed(server);
+  SlotStart start;
+  std::tie(start.steps, start.samples, start.seconds, start.held_out_before) =
       rpc::rpc_sync<std::tuple<int64_t, int64_t, double, double>>(
-          "ps", "rnn_ps.join", std::tuple{static_cast<int64_t>(rank), name});
+          server, "examples.slots.join", std::tuple{static_cast<int64_t>(rank), name});
   return start;
 }
 
-void report_step(int rank, const std::string& name, int64_t step, int64_t tokens, double loss) {
-  rpc::rpc_sync<bool>("ps", "rnn_ps.step",
-                      std::tuple{static_cast<int64_t>(rank), name, step, tokens, loss});
+void report_step(const std::string& server, int rank, const std::string& name, int64_t step,
+                 int64_t samples, double loss) {
+  rpc::rpc_sync<bool>(server, "examples.slots.step",
+                      std::tuple{static_cast<int64_t>(rank), name, step, samples, loss});
 }
-void report_kill(int rank, const std::string& name, int64_t step) {
-  rpc::rpc_sync<bool>("ps", "rnn_ps.kill", std::tuple{static_cast<int64_t>(rank), name, step});
+void report_kill(const std::string& server, int rank, const std::string& name, int64_t step) {
+  rpc::rpc_sync<bool>(server, "examples.slots.kill",
+                      std::tuple{static_cast<int64_t>(rank), name, step});
 }
-void report_finish(int rank, const std::string& name) {
-  rpc::rpc_sync<bool>("ps", "rnn_ps.finish", std::tuple{static_cast<int64_t>(rank), name});
+void report_finish(const std::string& server, int rank, const std::string& name) {
+  rpc::rpc_sync<bool>(server, "examples.slots.finish",
+                      std::tuple{static_cast<int64_t>(rank), name});
 }
-void report_held_out_before(double value) {
-  rpc::rpc_sync<bool>("ps", "rnn_ps.held_out_before", std::tuple{value});
+void report_held_out_before(const std::string& server, double value) {
+  rpc::rpc_sync<bool>(server, "examples.slots.held_out_before", std::tuple{value});
+}
+int64_t recorded_steps(const std::string& server) {
+  return rpc::rpc_sync<int64_t>(server, "examples.slots.steps", std::tuple{});
+}
+bool trainer_slots_finished(const std::string& server) {
+  return rpc::rpc_sync<bool>(server, "examples.slots.finished", std::tuple{});
 }
 
-}  // namespace rnn_ps
+void add_elastic_options(CLI::App& app, const std::string& elastic_help, bool& elastic,
+                         int64_t& kill_trainer_at, double& trainer_timeout) {
+  CLI::Option* flag = app.add_flag("--elastic", elastic, elastic_help);
+  app.add_option("--kill-trainer-at", kill_trainer_at,
+                 "the last trainer SIGKILLs itself in this step, once, after its backward pass "
+                 "and before its optimizer step (a fault to see the restart; 0: never)")
+      ->check(at_least(0))
+      ->needs(flag);
+  app.add_option("--trainer-timeout", trainer_timeout,
+                 "with --elastic, the server fails when a trainer slot has shown no sign of "
+                 "life (a join or a step) for this many seconds")
+      ->check(above(0))
+      ->needs(flag);
+}
+
+int restart_count() {
+  const char* value = std::getenv("DISTRUN_RESTART_COUNT");
+  return value == nullptr ? 0 : std::atoi(value);
+}
+
+}  // namespace examples

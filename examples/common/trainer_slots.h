@@ -1,0 +1,131 @@
+#pragma once
+
+// The parameter-server examples' --elastic mode: trainers that die, are restarted and rejoin.
+//
+// The server (rank 0) starts a dynamic RPC group and holds the model, so the model outlives any
+// trainer. A trainer slot is a trainer's rank under distrun; the worker filling it joins under a
+// name of its own ("trainer2", then "trainer2-restart1" once distrun's --restart-policy rank has
+// restarted it: a dead member's rank stays used, and its name frees only once the server has
+// dropped it). The server keeps each slot's progress, so a worker joining a slot continues where
+// the slot stood: its step count, its samples and its time budget. It logs every join, step,
+// announced kill and finish to a CSV, and stops once every slot has finished.
+//
+// The server's side (one record per process, guarded by one mutex, shared by the RPC handlers and
+// the server's main thread) and the trainers' side (calls to the server, by name).
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+
+#include <distoptim/rpc.h>
+
+namespace CLI {
+class App;
+}  // namespace CLI
+
+namespace examples {
+
+/// A slot's progress as a joining worker gets it.
+struct SlotStart {
+  int64_t steps = 0;
+  int64_t samples = 0;           // tokens, samples: what the example counts
+  double seconds = 0;            // since the slot's first join: the time budget counts the gaps too
+  double held_out_before = NAN;  // the first reporter's held-out loss before any step
+};
+
+/// What the server's messages and plot say.
+struct SlotLog {
+  std::string server;      // the server's worker name, which prefixes its messages
+  std::string title;       // the plot's title
+  std::string loss_label;  // the plot's y axis
+};
+
+// --- On the server -----------------------------------------------------------------------------
+
+/// Opens the record of `trainers` slots (ranks first_rank .. first_rank + trainers - 1) and its
+/// log `csv`; before init_rpc.
+void open_trainer_slots(const std::filesystem::path& csv, int first_rank, int trainers,
+                        double timeout_seconds, SlotLog log);
+/// Returns once every slot has finished; throws naming a slot that has shown no sign of life (a
+/// join or a step) for `timeout_seconds`: its trainer died and was not restarted, or hangs.
+void wait_for_trainers();
+/// The gnuplot commands that draw every worker's losses, one curve each, in order of joins.
+std::string trainer_slots_plot_commands();
+
+// --- On any other worker -----------------------------------------------------------------------
+
+/// Waits (within 2 minutes) for worker `server` to be listed in the group.
+void wait_until_listed(const std::string& server);
+/// A value a server publishes once (the model it creates, as references) for the others to fetch
+/// with fetch_when_ready, through an RPC function that is published<T>:
+///   DISTOPTIM_RPC_FUNCTION("example.shared_model", examples::published<Model::References>);
+/// One per type and process, never destroyed (handlers may run while the process ends).
+template <typename T>
+struct Published {
+  std::mutex mutex;
+  std::optional<T> value;  // guarded by mutex
+  static Published& instance() {
+    static auto* published = new Published;
+    return *published;
+  }
+};
+template <typename T>
+void publish(T value) {
+  Published<T>& published = Published<T>::instance();
+  std::lock_guard<std::mutex> lock(published.mutex);
+  published.value = std::move(value);
+}
+template <typename T>
+std::optional<T> published() {
+  Published<T>& published = Published<T>::instance();
+  std::lock_guard<std::mutex> lock(published.mutex);
+  return published.value;
+}
+
+/// Waits (within 2 minutes) for `server`'s `function` (no arguments, returning std::optional<T>)
+/// to have a value, e.g. the model the server creates once it is up; `what` names it in the error.
+template <typename T>
+T fetch_when_ready(const std::string& server, const std::string& function, const char* what) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  for (;;) {
+    auto value = distoptim::rpc::rpc_sync<std::optional<T>>(server, function, std::tuple{});
+    if (value) return std::move(*value);
+    if (std::chrono::steady_clock::now() > deadline) {
+      throw std::runtime_error("the server '" + server + "' has not created " + what +
+                               " within 2 minutes");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+/// Joins slot `rank` of `server` as worker `name` (once the server is listed): where the slot
+/// stands.
+SlotStart join_slot(const std::string& server, int rank, const std::string& name);
+/// Tells the server of a step, of the kill --kill-trainer-at injects, of the slot's end, of the
+/// held-out loss before training. Each blocks for the server's answer.
+void report_step(const std::string& server, int rank, const std::string& name, int64_t step,
+                 int64_t samples, double loss);
+void report_kill(const std::string& server, int rank, const std::string& name, int64_t step);
+void report_finish(const std::string& server, int rank, const std::string& name);
+void report_held_out_before(const std::string& server, double value);
+/// The steps of every worker the server has recorded so far.
+int64_t recorded_steps(const std::string& server);
+/// Whether every slot of the server has finished (for workers that serve until then).
+bool trainer_slots_finished(const std::string& server);
+
+/// The options --elastic (described by `elastic_help`), --kill-trainer-at and --trainer-timeout
+/// (the last two need --elastic), into `elastic`, `kill_trainer_at`, `trainer_timeout`.
+void add_elastic_options(CLI::App& app, const std::string& elastic_help, bool& elastic,
+                         int64_t& kill_trainer_at, double& trainer_timeout);
+
+/// DISTRUN_RESTART_COUNT: how many times distrun has restarted this rank (0 if not set).
+int restart_count();
+
+}  // namespace examples

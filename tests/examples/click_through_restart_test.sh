@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# examples/click_through --elastic under distrun --restart-policy rank, small (two parameter
+# servers and two trainers, 50 steps of 512 samples each, a 16k x 8 table): the second trainer
+# SIGKILLs itself in step 30 (--kill-trainer-at), after its backward pass, and distrun starts it
+# again alone. restart_checks.sh checks the exit status, distrun's summary, the first server's log
+# and that the replacement's losses lie below the killed trainer's; here, also that the
+# replacement's first steps lie closer to where the model stood at the kill than to where it
+# started (a replacement on a fresh model would start there).
+# Usage: click_through_restart_test.sh DISTRUN EXAMPLE WORKDIR
+set -euo pipefail
+distrun="$1" example="$2" work="$3"
+rm -rf "$work" && mkdir -p "$work"
+steps=50 kill_at=30
+
+source "$(dirname "$0")/restart_checks.sh"
+
+run_killing 4 --steps $steps --batch 512 --rows 16384 --dim 8 --held-out 2000 --eval-every 10 \
+  --seed 3 --out "$work/out"
+check_restart ps0 3 trainer1 trainer0 $kill_at $steps 8 "$work/out/loss.csv"
+# The replacement starts closer to where the model stood at the kill than to where it started
+# (a replacement on a fresh model would start there): the mean loss of its first 8 steps lies
+# below the midpoint of the log's first 4 steps (any worker's: the fresh model) and of the 8
+# steps before the kill.
+read -r fresh at_kill < <(awk -F, '$2 == "kill" { k = c } $2 == "step" { l[++c] = $7 }
+  END { for (i = 1; i <= 4; ++i) f += l[i]; for (i = k - 7; i <= k; ++i) b += l[i]
+        print f / 4, b / 8 }' \
+  "$work/out/loss.csv")
+awk -v f="$fresh" -v b="$at_kill" -v r="$back_first" 'BEGIN { exit !(r < (f + b) / 2) }' ||
+  fail "the replacement's first steps (mean loss $back_first) are closer to the fresh model's" \
+       "($fresh) than to the model's at the kill ($at_kill)"
+echo "PASSED: the replacement's first steps (mean loss $back_first) below the midpoint of the" \
+     "fresh model's ($fresh) and the model's at the kill ($at_kill)"

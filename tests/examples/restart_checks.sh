@@ -1,0 +1,67 @@
+# What the parameter-server examples' restart tests run and check (sourced by them, which set
+# $distrun, $example, $work and $kill_at): a run under distrun --restart-policy rank with
+# --elastic --kill-trainer-at, in which the last trainer kills itself once and distrun starts it
+# again alone.
+
+fail() { cat "$work/run.log"; echo "FAILED: $*"; exit 1; }
+
+# run_killing NPROC ARGS...: the example under distrun --restart-policy rank --max-restarts 1 with
+# --elastic --kill-trainer-at $kill_at and ARGS, bounded, its output to $work/run.log; fails
+# unless it exits 0.
+run_killing() {
+  local nproc=$1
+  shift
+  timeout 240 "$distrun" --nproc-per-node "$nproc" --restart-policy rank --max-restarts 1 \
+    "$example" --elastic --kill-trainer-at "$kill_at" --trainer-timeout 60 "$@" \
+    > "$work/run.log" 2>&1 || fail "the run exited with status $?"
+}
+
+# check_restart SERVER SLOT KILLED OTHER KILL_AT STEPS FIRST CSV: the run exited 0 (checked by
+# the caller); distrun's summary names the restart of rank SLOT, its first run killed by SIGKILL,
+# every rank ended 0; the server's log CSV shows the kill of worker KILLED in step KILL_AT, the
+# replacement KILLED-restart1 joining slot SLOT at step KILL_AT - 1 and stepping KILL_AT to
+# STEPS, KILLED's steps 1 to KILL_AT - 1, OTHER's 1 to STEPS (untouched), both finished, and
+# SERVER saying who rejoined. The replacement continues from the server's parameters: the mean
+# loss of its FIRST first steps lies below the killed trainer's first steps' (a fresh model would
+# start where the killed one started), and the training goes on (its mean loss below the killed
+# trainer's).
+check_restart() {
+  local server=$1 slot=$2 killed=$3 other=$4 kill_at=$5 steps=$6 first=$7 csv=$8
+  local back="$killed-restart1"
+  grep -q "^distrun: restarted alone (--restart-policy rank): rank $slot 1 time(s)" "$work/run.log" &&
+    grep -q "run 1 (pid [0-9]*, DISTRUN_RESTART_COUNT=0): killed by signal SIGKILL" "$work/run.log" &&
+    grep -q "^distrun: every rank exited with status 0" "$work/run.log" ||
+    fail "distrun's summary does not name the restart of rank $slot"
+
+  # The server's log: seconds,event,slot,worker,step,global_step,loss.
+  [[ $(head -1 "$csv") == "seconds,event,slot,worker,step,global_step,loss" ]] ||
+    fail "loss.csv header: $(head -1 "$csv")"
+  rows() { awk -F, -v e="$1" -v w="$2" '$2 == e && $4 == w' "$csv"; }
+  [[ $(rows kill "$killed" | cut -d, -f5) == "$kill_at" ]] || fail "no kill of $killed in step $kill_at"
+  [[ $(rows join "$back" | cut -d, -f3,5) == "$slot,$((kill_at - 1))" ]] ||
+    fail "$back did not join slot $slot at step $((kill_at - 1))"
+  [[ $(rows step "$killed" | cut -d, -f5 | tr '\n' ' ') == "$(seq -s ' ' 1 $((kill_at - 1))) " ]] ||
+    fail "$killed's steps are not 1 to $((kill_at - 1))"
+  [[ $(rows step "$back" | cut -d, -f5 | tr '\n' ' ') == "$(seq -s ' ' "$kill_at" "$steps") " ]] ||
+    fail "$back's steps are not $kill_at to $steps"
+  [[ $(rows step "$other" | cut -d, -f5 | tr '\n' ' ') == "$(seq -s ' ' 1 "$steps") " ]] ||
+    fail "$other's steps are not 1 to $steps"
+  local worker
+  for worker in "$other" "$back"; do
+    [[ $(rows finish "$worker" | wc -l) -eq 1 ]] || fail "$worker did not finish"
+  done
+
+  # The losses: the mean of the first steps and of all steps, of the killed trainer and of its
+  # replacement (left set for the caller's own checks).
+  means() { awk -F, -v n="$first" '{ s += $7 } NR <= n { f += $7 } END { print f / n, s / NR }'; }
+  read -r killed_first killed_mean < <(rows step "$killed" | means)
+  read -r back_first back_mean < <(rows step "$back" | means)
+  awk -v kf="$killed_first" -v km="$killed_mean" -v bf="$back_first" -v bm="$back_mean" \
+    'BEGIN { exit !(bf < kf && bm < km) }' ||
+    fail "the replacement did not continue from the server's parameters: $killed's losses" \
+         "from $killed_first (mean $killed_mean), $back's from $back_first (mean $back_mean)"
+  grep -q "$server: $back joined slot $slot in place of $killed, .* it continues from step $((kill_at - 1))" \
+    "$work/run.log" || fail "the server did not say who rejoined"
+  echo "PASSED: $killed killed in step $kill_at and replaced; the mean loss of its first $first" \
+       "step(s) $killed_first (all: $killed_mean), the replacement's $back_first (all: $back_mean)"
+}
