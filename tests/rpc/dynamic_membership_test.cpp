@@ -80,7 +80,7 @@ TEST(DynamicMembership, TrainersJoinOneByOneLeaveAndAreReplaced) {
       EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "trainer2", "trainer3", "trainer1"}));
       EXPECT_EQ(get_worker_info("trainer1").id, 4);
       turns.say("ps_checked");  // until then every trainer stays
-      shutdown();  // the store host leaves last: it waits for the trainers to leave
+      shutdown();               // the store host leaves last: it waits for the trainers to leave
       return;
     }
     Turns turns(rank);
