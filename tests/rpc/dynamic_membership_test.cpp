@@ -306,6 +306,7 @@ TEST(DynamicMembership, AKilledMemberIsDroppedAndItsNameTaken) {
           turns.say("ps_called_victim");
           EXPECT_EQ(await_members(my_members, {"ps", "other"}),
                     (std::vector<std::string>{"ps", "other"}));
+          turns.say("ps_saw_the_drop");  // until then "other" stays, under its name
           turns.await("replacement_joined");
           EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "victim"}));
           EXPECT_EQ(get_worker_info("victim").id, 3);
@@ -334,6 +335,7 @@ TEST(DynamicMembership, AKilledMemberIsDroppedAndItsNameTaken) {
         expect_error<PeerLostError>([] { rpc_sync<std::string>("victim", "dynamic_whoami"); },
                                     "worker 'victim' (id 1) left the group");
         EXPECT_THROW(get_worker_info("victim"), c10::ValueError);
+        turns.await("ps_saw_the_drop");
         shutdown();
         // This process takes the dead worker's name, under a new rank.
         expect_error<c10::ValueError>([] { init_rpc("victim", 1, options()); },
