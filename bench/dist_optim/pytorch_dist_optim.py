@@ -18,12 +18,15 @@ Usage: pytorch_dist_optim.py [--doc W,T] [--adam W,T] [--rnn W,T] [--deadline-se
 """
 
 import argparse
-import ctypes
 import json
 import os
 import socket
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from blas_threads import blas_threads  # noqa: E402 (bench/common, beside this folder)
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -50,19 +53,6 @@ RNN_DROPOUT = 0.5
 RNN_BATCH = 20
 RNN_BPTT = 35
 RNN_LR = 0.05
-
-
-def blas_threads():
-    """The threads of the OpenBLAS this process loaded (torch calls the system BLAS, and
-    torch.set_num_threads does not reach it), or -1 where the BLAS is another."""
-    # torch's libraries are loaded RTLD_LOCAL: open the loaded BLAS by its path instead.
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "blas" in line and "/" in line}
-    for path in sorted(paths):
-        function = getattr(ctypes.CDLL(path), "openblas_get_num_threads", None)
-        if function is not None:
-            return function()
-    return -1
 
 
 def worker_name(rank):

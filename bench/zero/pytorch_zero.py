@@ -13,11 +13,14 @@ before building the model (start_kb) and its peak resident set (VmHWM, peak_kb),
 """
 
 import argparse
-import ctypes
 import json
 import os
 import socket
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "common"))
+from blas_threads import blas_threads  # noqa: E402 (bench/common, beside this folder)
 
 import torch
 import torch.distributed as dist
@@ -31,18 +34,6 @@ def status_kb(field):
         for line in status:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
-    return -1
-
-
-def blas_threads():
-    """The threads of the OpenBLAS loaded (torch.set_num_threads does not reach it), -1 if none."""
-    # torch's libraries are loaded RTLD_LOCAL: open the loaded BLAS by its path instead.
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "blas" in line and "/" in line}
-    for path in sorted(paths):
-        function = getattr(ctypes.CDLL(path), "openblas_get_num_threads", None)
-        if function is not None:
-            return function()
     return -1
 
 

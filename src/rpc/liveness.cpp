@@ -20,7 +20,6 @@ LivenessProbe::LivenessProbe(Ask ask, std::chrono::milliseconds timeout)
     : ask_(std::move(ask)), timeout_(timeout) {}
 
 std::string liveness_failure(const std::exception_ptr& error, std::chrono::milliseconds timeout) {
-  (void)kAliveRegistered;
   try {
     std::rethrow_exception(error);
   } catch (const TimeoutError&) {
