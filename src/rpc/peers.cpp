@@ -42,7 +42,7 @@ void Peers::start(HandshakeConfig handshake, const WorkerTable& workers, PeerEve
   handshake_.refuse_id = [&workers](int id) { return workers.refuse_id(id); };
   workers_ = &workers;
   events_ = std::move(events);
-  stall_closures_ =
+  closures_ =
       std::make_unique<RefusalLog>(handshake_.self_name, std::chrono::seconds(10), 5, "closed");
   asio::post(io_, [this] {
     listener_->start([this](std::shared_ptr<Connection> connection) { on_accepted(connection); });
@@ -229,7 +229,7 @@ void Peers::check_stalls() {
     if (connection->frame_stalled(kStallChecks)) {
       const std::string why = "no byte of the frame it was sending arrived for " +
                               std::to_string(stall_timeout_.count()) + " ms (frame_stall_timeout)";
-      stall_closures_->refused(connection->peer_address(), why);
+      closures_->refused(connection->peer_address(), why);
       connection->close("it stalled: " + why);
     }
   }
@@ -432,10 +432,11 @@ std::string Peers::log_farewell(const Frame& frame) {
 }
 
 EncodedMessage Peers::farewell(Connection* connection, const std::string& why) {
-  const std::string text = "worker '" + handshake_.self_name + "' closed the connection with " +
-                           connection->peer_address() + ": " + why;
-  TORCH_WARN("rpc: ", text);
-  return encode_error(0, text, handshake_.self_name);
+  closures_->refused(connection->peer_address(), why);
+  return encode_error(0,
+                      "worker '" + handshake_.self_name + "' closed the connection with " +
+                          connection->peer_address() + ": " + why,
+                      handshake_.self_name);
 }
 
 void Peers::stop() {

@@ -180,8 +180,10 @@ class Peers {
   // one that read it while the other goes on with the loop.
   std::unique_ptr<IoLoop> io_loop_;
   std::shared_ptr<Listener> listener_;
-  asio::steady_timer stall_check_;              // I/O thread only
-  std::unique_ptr<RefusalLog> stall_closures_;  // set by start()
+  asio::steady_timer stall_check_;  // I/O thread only
+  // Connections this worker closes (a stalled frame, a protocol error), logged at a bounded rate:
+  // a proven peer that reconnects and misbehaves in a loop must not fill the log. Set by start().
+  std::unique_ptr<RefusalLog> closures_;
   // Set by start(), then read-only.
   HandshakeConfig handshake_;
   const WorkerTable* workers_ = nullptr;
