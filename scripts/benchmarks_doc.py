@@ -210,8 +210,7 @@ def section(name, paths):
         head = ["Written by `scripts/benchmarks_doc.py` from the benchmark's `{}`, of {}.".format(
             os.path.basename(paths[0]), written(paths[0]))]
         if load_text(meta):
-            head.append("The machine's 1-minute load average was {} (2 cores: above about 2, "
-                        "other work competed with the measurements).".format(load_text(meta)))
+            head.append("The machine's 1-minute load average was {}.".format(load_text(meta)))
         prose = textwrap.wrap(" ".join(head + notes), width=100, break_on_hyphens=False)
         return [BEGIN.format(name), ""] + prose + [""] + lines + ["", END.format(name)]
 
