@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -476,6 +477,64 @@ TEST(RpcHandshake, StalledHandshakesTimeOut) {
   });
 }
 
+// Sends this process's standard error to a file from construction to finish(), which returns
+// what was written (the workers' warnings go there).
+class StderrCapture {
+ public:
+  explicit StderrCapture(const std::string& name)
+      : path_(::testing::TempDir() + "/" + name + "_" + std::to_string(::getpid()) + ".log") {
+    std::fflush(stderr);
+    saved_ = ::dup(STDERR_FILENO);
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    TORCH_CHECK(saved_ >= 0 && fd >= 0, "cannot send standard error to ", path_);
+    ::dup2(fd, STDERR_FILENO);
+    ::close(fd);
+  }
+  ~StderrCapture() { finish(); }
+
+  std::string finish() {
+    if (saved_ < 0) return "";
+    std::fflush(stderr);
+    ::dup2(saved_, STDERR_FILENO);
+    ::close(saved_);
+    saved_ = -1;
+    std::ifstream file(path_);
+    std::string text((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+    std::remove(path_.c_str());
+    return text;
+  }
+
+ private:
+  const std::string path_;
+  int saved_ = -1;
+};
+
+// Worker 0's log of `expected` connections it `verb` (refused, closed) over `elapsed_s`: each
+// either in full or counted in a summary line, at most 5 in full and one summary per 10 s.
+void expect_logged_at_a_bounded_rate(const std::string& log, const std::string& verb, int expected,
+                                     double elapsed_s) {
+  int in_full = 0, summaries = 0, summarized = 0;
+  const std::regex summary("worker 'worker0' " + verb +
+                           R"( (\d+) more connection\(s\) in the last)");
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("worker 'worker0' " + verb + " a connection from 127.0.0.1") !=
+        std::string::npos) {
+      ++in_full;
+    }
+    std::smatch match;
+    if (std::regex_search(line, match, summary)) {
+      ++summaries;
+      summarized += std::stoi(match[1]);
+    }
+  }
+  EXPECT_EQ(in_full + summarized, expected) << log;
+  const int intervals = static_cast<int>(elapsed_s / 10) + 1;
+  EXPECT_LE(in_full, 5 * intervals) << log;
+  EXPECT_LE(summaries, intervals) << log;
+  EXPECT_GE(summaries, 1) << log;
+}
+
 // Refused connections are logged at a bounded rate: the first few of each 10 s in full, then one
 // summary line counting the rest (at the next refusal after the interval, or when the worker
 // stops). Every refusal is accounted for, and an attacker cannot fill the log.
@@ -484,17 +543,8 @@ constexpr int kRefused = 40;
 TEST(RpcHandshake, RefusalsAreLoggedAtABoundedRate) {
   run_ranks(2, [](int rank, int world_size) {
     // Worker 0's warnings go to a file for the test to read.
-    const std::string log_path =
-        ::testing::TempDir() + "/refusals_" + std::to_string(::getpid()) + ".log";
-    int saved_stderr = -1;
-    if (rank == 0) {
-      std::fflush(stderr);
-      saved_stderr = ::dup(STDERR_FILENO);
-      const int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      ASSERT_GE(fd, 0);
-      ::dup2(fd, STDERR_FILENO);
-      ::close(fd);
-    }
+    std::optional<StderrCapture> log;
+    if (rank == 0) log.emplace("refusals");
     const auto start = std::chrono::steady_clock::now();
     init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
     if (rank == 1) {
@@ -516,32 +566,7 @@ TEST(RpcHandshake, RefusalsAreLoggedAtABoundedRate) {
     if (rank != 0) return;
     const double elapsed_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::fflush(stderr);
-    ::dup2(saved_stderr, STDERR_FILENO);
-    ::close(saved_stderr);
-    std::ifstream log_file(log_path);
-    const std::string log((std::istreambuf_iterator<char>(log_file)),
-                          std::istreambuf_iterator<char>());
-    std::remove(log_path.c_str());
-    int in_full = 0, summaries = 0, summarized = 0;
-    const std::regex summary(R"(worker 'worker0' refused (\d+) more connection\(s\) in the last)");
-    std::istringstream lines(log);
-    for (std::string line; std::getline(lines, line);) {
-      if (line.find("worker 'worker0' refused a connection from 127.0.0.1") != std::string::npos) {
-        ++in_full;
-      }
-      std::smatch match;
-      if (std::regex_search(line, match, summary)) {
-        ++summaries;
-        summarized += std::stoi(match[1]);
-      }
-    }
-    EXPECT_EQ(in_full + summarized, kRefused) << log;
-    // At most 5 in full and one summary per 10 s interval the run spanned.
-    const int intervals = static_cast<int>(elapsed_s / 10) + 1;
-    EXPECT_LE(in_full, 5 * intervals) << log;
-    EXPECT_LE(summaries, intervals) << log;
-    EXPECT_GE(summaries, 1) << log;
+    expect_logged_at_a_bounded_rate(log->finish(), "refused", kRefused, elapsed_s);
   });
 }
 
@@ -777,6 +802,32 @@ TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
     }
     shutdown();
+  });
+}
+
+// A proven peer that breaks the protocol again and again (here: garbage after each handshake)
+// has each connection closed, and worker 0 logs those closings at the bounded rate of refusals.
+TEST(RpcHandshake, ProtocolErrorsAreLoggedAtABoundedRate) {
+  constexpr int kBroken = 12;
+  run_ranks(2, [](int rank, int world_size) {
+    std::optional<StderrCapture> log;
+    if (rank == 0) log.emplace("protocol_errors");
+    const auto start = std::chrono::steady_clock::now();
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    if (rank == 1) {
+      for (int i = 0; i < kBroken; ++i) {
+        auto peer = proven_connection(0);
+        ASSERT_TRUE(peer) << "connection " << i << ": worker id 0 was not accepted";
+        ASSERT_TRUE(peer->send_bytes(std::string(64, 'x'))) << "connection " << i;
+        EXPECT_TRUE(peer->closed_within(10s)) << "connection " << i;
+      }
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 0);
+    }
+    shutdown();
+    if (rank != 0) return;
+    const double elapsed_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    expect_logged_at_a_bounded_rate(log->finish(), "closed", kBroken, elapsed_s);
   });
 }
 
