@@ -46,7 +46,9 @@
 // trainer's would (its predecessor's is not reused). A trainer that distrun restarts
 // (--restart-policy rank) joins again under a new name ("trainer1-restart1") and trains its
 // slot's remaining steps, on batches of its own. --kill-trainer-at STEP makes the last trainer
-// SIGKILL itself once, after its backward pass and before its step; the first server logs every
+// (or --kill-trainer K) SIGKILL itself once, after its backward pass and before its step; a
+// trainer restarted in the reporter's slot (trainer 0) goes on with its CSV and compares with
+// the held-out loss from before training, which the first server keeps. The first server logs every
 // worker's steps to <out>/loss.csv and plots them (loss.png), where the killed trainer's curve
 // stops and its replacement's resumes (examples/common/trainer_slots.h):
 //
@@ -105,7 +107,8 @@ struct Settings {
   int64_t teacher_seed = 1;
   std::string out = "click_through_out";
   bool elastic = false;          // a dynamic group: trainers may die, be restarted and rejoin
-  int64_t kill_trainer_at = 0;   // the last trainer SIGKILLs itself in this step (once; 0: never)
+  int64_t kill_trainer_at = 0;   // a trainer SIGKILLs itself in this step (once; 0: never)
+  int kill_trainer = -1;         // which one, from 0 (-1: the last)
   double trainer_timeout = 300;  // the first server's bound on a trainer slot without a step
 };
 
@@ -240,16 +243,25 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         s.held_out, teacher_loss, teacher_auc);
     std::fflush(stdout);
     fs::create_directories(s.out);
-    csv_out.open(csv);
+    // A trainer restarted in the reporter's slot goes on with its predecessor's CSV.
+    const bool append = restarts > 0 && fs::exists(csv);
+    csv_out.open(csv, append ? std::ios::app : std::ios::trunc);
     TORCH_CHECK(csv_out, "cannot write ", csv.string());
-    csv_out << "step,samples,seconds,samples_per_second,train_log_loss,held_out_log_loss,"
-               "held_out_auc,teacher_log_loss\n";
+    if (!append) {
+      csv_out << "step,samples,seconds,samples_per_second,train_log_loss,held_out_log_loss,"
+                 "held_out_auc,teacher_log_loss\n";
+    }
   }
 
-  const auto start = Clock::now();
+  // A restarted trainer goes on with its slot's clock (the gap counts), so that the reporter's
+  // samples/s stays the whole run's.
+  const auto start = Clock::now() - std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(resume.seconds));
   double train_loss_sum = 0;
   int64_t train_loss_count = 0;
-  Evaluation first{NAN, NAN}, last{NAN, NAN};
+  // The held-out loss before any step: a trainer restarted in the reporter's slot gets its
+  // predecessor's from the first server (without the AUC, which the server does not keep).
+  Evaluation first{resume.held_out_before, NAN}, last{NAN, NAN};
   // One line of the CSV and of progress: all trainers' samples so far, the mean training loss
   // since the last report.
   auto report = [&](int64_t step) {
@@ -265,7 +277,10 @@ void train(const Settings& s, int rank, int trainer, int trainers,
     }
     const double train_loss = train_loss_count > 0 ? train_loss_sum / train_loss_count : NAN;
     last = evaluate(*model, held_out);
-    if (std::isnan(first.log_loss)) first = last;
+    if (std::isnan(first.log_loss)) {
+      first = last;
+      if (s.elastic) examples::report_held_out_before(kFirstServer, first.log_loss);
+    }
     const double rate = seconds > 0 ? samples / seconds : 0;
     csv_out << fmt::format("{},{},{:.3f},{:.1f},{:.6f},{:.6f},{:.6f},{:.6f}\n", step, samples,
                            seconds, rate, train_loss, last.log_loss, last.auc, teacher_loss);
@@ -288,7 +303,9 @@ void train(const Settings& s, int rank, int trainer, int trainers,
     }
   }
 
-  const bool kills_itself = s.kill_trainer_at > 0 && trainer == trainers - 1 && restarts == 0;
+  const bool kills_itself = s.kill_trainer_at > 0 &&
+                            trainer == (s.kill_trainer < 0 ? trainers - 1 : s.kill_trainer) &&
+                            restarts == 0;
   for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
     const click_through::Batch batch = teacher.draw(s.batch, generator);
     double loss_value;
@@ -317,10 +334,12 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   if (reporter) {
     csv_out.close();
     const double gap = first.log_loss - teacher_loss;
+    const std::string first_auc =
+        std::isnan(first.auc) ? "" : fmt::format(" (AUC {:.4f})", first.auc);
     fmt::print(
-        "held-out log loss {:.4f} (AUC {:.4f}) after {} steps per trainer, {:.4f} (AUC {:.4f}) "
-        "before training; the teacher's {:.4f} (AUC {:.4f}): {:.0f}% of the gap closed\n",
-        last.log_loss, last.auc, s.steps, first.log_loss, first.auc, teacher_loss, teacher_auc,
+        "held-out log loss {:.4f} (AUC {:.4f}) after {} steps per trainer, {:.4f}{} before "
+        "training; the teacher's {:.4f} (AUC {:.4f}): {:.0f}% of the gap closed\n",
+        last.log_loss, last.auc, s.steps, first.log_loss, first_auc, teacher_loss, teacher_auc,
         gap > 0 ? 100 * (first.log_loss - last.log_loss) / gap : NAN);
     examples::plot_and_report(plot_commands(csv), csv, fs::path(s.out) / "click_through.png");
   }
@@ -344,7 +363,9 @@ int run_example(const Settings& s) {
                     " is beyond --steps ", s.steps, " (rank ", rank, ")");
   TORCH_CHECK_VALUE(s.kill_trainer_at == 0 || trainers >= 2, "--kill-trainer-at ",
                     s.kill_trainer_at, " needs two trainers or more, got ", trainers, " (rank ",
-                    rank, "): the first one reports and is not killed");
+                    rank, ")");
+  TORCH_CHECK_VALUE(s.kill_trainer < trainers, "--kill-trainer ", s.kill_trainer,
+                    " names no trainer: there are ", trainers, " (rank ", rank, ")");
   std::vector<std::string> servers;
   for (int64_t i = 0; i < s.servers; ++i) servers.push_back("ps" + std::to_string(i));
   const bool server = rank < s.servers;
@@ -411,7 +432,7 @@ int main(int argc, char** argv) {
       "a dynamic RPC group and hands the model to every trainer that joins; a restarted trainer "
       "trains its slot's remaining steps; the first server logs every trainer's steps to "
       "<out>/loss.csv",
-      s.elastic, s.kill_trainer_at, s.trainer_timeout);
+      s.elastic, s.kill_trainer_at, s.kill_trainer, s.trainer_timeout);
   return examples::run(
       app, argc, argv,
       examples::distrun() + " --nproc-per-node 4 " + argv[0] + " --out click_through_out",

@@ -309,13 +309,18 @@ bool trainer_slots_finished(const std::string& server) {
 }
 
 void add_elastic_options(CLI::App& app, const std::string& elastic_help, bool& elastic,
-                         int64_t& kill_trainer_at, double& trainer_timeout) {
+                         int64_t& kill_trainer_at, int& kill_trainer, double& trainer_timeout) {
   CLI::Option* flag = app.add_flag("--elastic", elastic, elastic_help);
-  app.add_option("--kill-trainer-at", kill_trainer_at,
-                 "the last trainer SIGKILLs itself in this step, once, after its backward pass "
-                 "and before its optimizer step (a fault to see the restart; 0: never)")
-      ->check(at_least(0))
-      ->needs(flag);
+  CLI::Option* at = app.add_option("--kill-trainer-at", kill_trainer_at,
+                                   "a trainer (--kill-trainer) SIGKILLs itself in this step, once, "
+                                   "after its backward pass and before its optimizer step (a "
+                                   "fault to see the restart; 0: never)")
+                        ->check(at_least(0))
+                        ->needs(flag);
+  app.add_option("--kill-trainer", kill_trainer,
+                 "which trainer --kill-trainer-at kills, counted from 0 (-1: the last)")
+      ->check(at_least(-1))
+      ->needs(at);
   app.add_option("--trainer-timeout", trainer_timeout,
                  "with --elastic, the server fails when a trainer slot has shown no sign of "
                  "life (a join or a step) for this many seconds")

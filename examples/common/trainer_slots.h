@@ -121,9 +121,11 @@ int64_t recorded_steps(const std::string& server);
 bool trainer_slots_finished(const std::string& server);
 
 /// The options --elastic (described by `elastic_help`), --kill-trainer-at and --trainer-timeout
-/// (the last two need --elastic), into `elastic`, `kill_trainer_at`, `trainer_timeout`.
+/// (both need --elastic) and --kill-trainer (needs --kill-trainer-at: which trainer it kills,
+/// counted from 0; -1, the default: the last), into `elastic`, `kill_trainer_at`, `kill_trainer`,
+/// `trainer_timeout`.
 void add_elastic_options(CLI::App& app, const std::string& elastic_help, bool& elastic,
-                         int64_t& kill_trainer_at, double& trainer_timeout);
+                         int64_t& kill_trainer_at, int& kill_trainer, double& trainer_timeout);
 
 /// DISTRUN_RESTART_COUNT: how many times distrun has restarted this rank (0 if not set).
 int restart_count();

@@ -85,7 +85,8 @@ struct Settings {
   std::string out_dir = "rnn_ps_out";
   double held_out = 0.1;         // the corpus's last tokens, never trained on
   bool elastic = false;          // a dynamic group: trainers may die, be restarted and rejoin
-  int64_t kill_trainer_at = 0;   // the last trainer SIGKILLs itself in this step (once; 0: never)
+  int64_t kill_trainer_at = 0;   // a trainer SIGKILLs itself in this step (once; 0: never)
+  int kill_trainer = -1;         // which one, from 0 (-1: the last)
   double trainer_timeout = 300;  // the server's bound on a trainer slot without a step
 };
 
@@ -288,7 +289,9 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
   int64_t step = resume.steps, tokens = resume.samples;
   const int64_t batches_per_epoch = (data.size(0) - 2) / settings.bptt + 1;
   const bool kills_itself =
-      settings.kill_trainer_at > 0 && rank == world_size - 1 && examples::restart_count() == 0;
+      settings.kill_trainer_at > 0 &&
+      rank == (settings.kill_trainer < 0 ? world_size - 1 : 1 + settings.kill_trainer) &&
+      examples::restart_count() == 0;
   bool first_step = true;
   double next_report = 0, first_loss = NAN, recent = 0;
   std::vector<double> last_losses;
@@ -389,6 +392,8 @@ int run_example(const Settings& s) {
   TORCH_CHECK_VALUE(world_size >= 2,
                     "needs a server and at least one trainer, got a world size of ", world_size,
                     " (WORLD_SIZE, which distrun sets: --nproc-per-node 2 or more)");
+  TORCH_CHECK_VALUE(s.kill_trainer < world_size - 1, "--kill-trainer ", s.kill_trainer,
+                    " names no trainer: there are ", world_size - 1, " (rank ", rank, ")");
   at::manual_seed(static_cast<uint64_t>(s.seed * 1000 + rank));
   // Read before init_rpc: a joining trainer's time to its first step is the group's, not the
   // disk's.
@@ -456,7 +461,7 @@ int main(int argc, char** argv) {
       "dynamic RPC group and holds one model that every trainer trains, LSTM included; a "
       "restarted trainer continues from it, and from its slot's step; the server logs every "
       "trainer's steps to <out-dir>/loss.csv",
-      s.elastic, s.kill_trainer_at, s.trainer_timeout);
+      s.elastic, s.kill_trainer_at, s.kill_trainer, s.trainer_timeout);
   return examples::run(app, argc, argv,
                        examples::distrun() + " --nproc-per-node 2 " + argv[0] +
                            " --seconds 120 --out-dir rnn_ps_out",

@@ -1,6 +1,6 @@
 # What the parameter-server examples' restart tests run and check (sourced by them, which set
 # $distrun, $example, $work and $kill_at): a run under distrun --restart-policy rank with
-# --elastic --kill-trainer-at, in which the last trainer kills itself once and distrun starts it
+# --elastic --kill-trainer-at, in which a trainer kills itself once and distrun starts it
 # again alone.
 
 fail() { cat "$work/run.log"; echo "FAILED: $*"; exit 1; }
