@@ -27,7 +27,7 @@
 
 #include <distoptim/rpc.h>
 
-namespace CLI {
+namespace CLI {  // NOLINT(readability-identifier-naming): CLI11's own name
 class App;
 }  // namespace CLI
 
