@@ -1,9 +1,12 @@
 #include <distoptim/optim/sgd.h>
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/StringUtil.h>
 
+#include "sparse_rows.h"
 #include "update_common.h"
 
 namespace distoptim {
@@ -60,6 +63,50 @@ void run_sgd(const std::vector<const at::Tensor*>& params,
     task.params.sgd = args;
   }
   batch.run();
+}
+
+// Below this many elements a gradient with repeated rows is applied on the calling thread.
+constexpr int64_t kParallelElements = int64_t{1} << 15;
+
+// param.add_(grad, alpha) for a sparse gradient with dense dimensions (an embedding table's),
+// as one pass over the named rows with LibTorch's rounding (sparse_rows.h), without its per-row
+// calls. Returns false, touching nothing, where LibTorch takes another path (a gradient without
+// dense dimensions, non-contiguous operands: its slow path coalesces first), left to add_.
+bool add_sparse_rows(at::Tensor& param, const at::Tensor& grad, double alpha) {
+  if (grad.sparse_dim() < 1 || grad.dense_dim() < 1 || !param.is_contiguous() ||
+      param.numel() == 0 || !grad._values().is_contiguous() ||
+      (param.scalar_type() != at::kFloat && param.scalar_type() != at::kDouble)) {
+    return false;
+  }
+  const int64_t nnz = grad._nnz();
+  if (nnz == 0) return true;
+  const detail::SparseGradientRows rows = detail::gradient_rows(grad);
+  const int64_t row_numel = rows.row_numel;
+  const int64_t table_rows = param.numel() / row_numel;
+  const bool repeats_possible = !grad.is_coalesced() && nnz > 1;
+  AT_DISPATCH_FLOATING_TYPES(param.scalar_type(), "sgd", [&] {
+    scalar_t* p = param.data_ptr<scalar_t>();
+    const scalar_t* v = rows.values.data_ptr<scalar_t>();
+    const int64_t* r = rows.rows.data_ptr<int64_t>();
+    const auto a = static_cast<scalar_t>(alpha);
+    if (!repeats_possible) {
+      detail::for_each_row_range(nnz, row_numel, [&](int64_t begin, int64_t end) {
+        detail::sgd_rows<scalar_t>(p, v, r, begin, end, row_numel, a, 0, table_rows, true);
+      });
+      return;
+    }
+    const int64_t threads = nnz * row_numel < kParallelElements ? 1 : at::get_num_threads();
+    if (threads <= 1) {
+      detail::sgd_rows<scalar_t>(p, v, r, 0, nnz, row_numel, a, 0, table_rows, true);
+      return;
+    }
+    // Entries of one row land in order: each thread owns a range of rows and reads every index.
+    at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+      detail::sgd_rows<scalar_t>(p, v, r, 0, nnz, row_numel, a, table_rows * first / threads,
+                                 table_rows * last / threads, false);
+    });
+  });
+  return true;
 }
 
 }  // namespace
@@ -119,7 +166,8 @@ void SGD::update_sparse(size_t group, const std::vector<ParamUpdate>& updates) {
     at::Tensor param = *u.param;
     if (o.momentum() == 0) {
       // torch.optim.SGD's param.add_(d_p, alpha=-lr) with d_p sparse: only the named rows.
-      param.add_(*u.grad, o.maximize() ? o.lr() : -o.lr());
+      const double alpha = o.maximize() ? o.lr() : -o.lr();
+      if (!add_sparse_rows(param, *u.grad, alpha)) param.add_(*u.grad, alpha);
       continue;
     }
     // Momentum decays every row, so the update is dense whatever the gradient.
