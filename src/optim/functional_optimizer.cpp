@@ -8,6 +8,7 @@
 #include <torch/serialize.h>
 
 #include "checkpoint_file.h"
+#include "huge_pages.h"
 #include "step_cache.h"
 #include "update_common.h"
 
@@ -80,6 +81,26 @@ void check_sparse_indices(const at::Tensor& grad, const std::string& what) {
     TORCH_CHECK_INDEX(nnz == 0 || (lo >= 0 && hi < grad.size(d)), what, " has index ",
                       lo < 0 ? lo : hi, " in dimension ", d, ", out of range for size ",
                       grad.size(d));
+  }
+}
+
+// A parameter taking sparse gradients is read and written at scattered rows: once, its pages
+// and its state's move to huge pages (huge_pages.h; the first sparse step pays for the copy).
+void advise_huge_pages_for_sparse_rows(detail::StepCache& cache,
+                                       const std::vector<at::Tensor>& params,
+                                       const std::vector<ParamState>& states,
+                                       const std::vector<at::Tensor>& gradients) {
+  std::vector<const void*>& advised = cache.huge_pages_advised;
+  advised.resize(params.size(), nullptr);
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (!gradients[i].defined() || gradients[i].layout() != at::kSparse) continue;
+    const at::Tensor& param = params[i];
+    if (!param.has_storage() || param.storage().data() == advised[i]) continue;
+    detail::advise_huge_pages(param, /*collapse=*/true);
+    for (const at::Tensor& buffer : states[i].buffers) {
+      detail::advise_huge_pages(buffer, /*collapse=*/true);
+    }
+    advised[i] = param.storage().data();
   }
 }
 
@@ -221,6 +242,7 @@ void FunctionalOptimizer::step(const std::vector<at::Tensor>& gradients) {
     for (size_t g = 0; g < groups_.size(); ++g) {
       if (!scratch_sparse_updates_[g].empty()) update_sparse(g, scratch_sparse_updates_[g]);
     }
+    advise_huge_pages_for_sparse_rows(*step_cache_, params_, states_, gradients);
   }
   // The built-in optimizers' update() adds its tasks to one batch, run here for all groups.
   kernels::UpdateBatch& batch = step_cache_->batch;

@@ -45,6 +45,9 @@ struct StepCache {
   kernels::UpdateBatch batch;
   /// By parameter index.
   std::vector<CachedOperands> params;
+  /// By parameter index: the storage data under which huge pages were last asked for, when the
+  /// parameter took a sparse gradient (huge_pages.h); another address is advised anew.
+  std::vector<const void*> huge_pages_advised;
   /// Bumped whenever the optimizer replaces state buffers wholesale (load_state_dict), so an
   /// entry never matches a new buffer that happens to reuse an old one's address.
   uint64_t generation = 1;

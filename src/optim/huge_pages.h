@@ -1,0 +1,28 @@
+#pragma once
+
+// Transparent huge pages for the large tensors a sparse step reaches into at random rows (an
+// embedding table and its optimizer state): with 4 KB pages each row touched is a TLB miss on
+// top of its cache miss, and a table of gigabytes outgrows the TLB's reach many times over.
+// Advice only: the kernel may decline (THP set to `never`, no huge page free, an old kernel
+// without MADV_COLLAPSE), and then nothing changes; values never change either way.
+
+#include <ATen/core/Tensor.h>
+
+namespace distoptim {
+namespace optim {
+namespace detail {
+
+/// Tensors smaller than this keep their pages: the TLB covers them well enough, and a huge page
+/// half used would cost memory.
+constexpr size_t kHugePageMinBytes = size_t{32} << 20;
+
+/// Asks for huge pages under the storage of `tensor` when it is a CPU tensor of at least
+/// kHugePageMinBytes: MADV_HUGEPAGE for pages faulted in later, and with `collapse` also
+/// MADV_COLLAPSE, which moves the pages already touched into huge pages now (a copy of the
+/// storage, once; its time is the caller's). Only the whole 2 MB blocks inside the storage are
+/// affected. Errors are ignored: a refusal leaves the small pages, which work as before.
+void advise_huge_pages(const at::Tensor& tensor, bool collapse);
+
+}  // namespace detail
+}  // namespace optim
+}  // namespace distoptim
