@@ -49,9 +49,12 @@ void adagrad_rows(T* param, T* sum, const T* values, const int64_t* rows, int64_
 
 namespace {
 
-// Entries ahead whose parameter rows are prefetched: the rows of a large table miss the cache
-// (and its TLB) one after another, so a few tens of rows in flight hide most of each miss.
-constexpr int64_t kPrefetchAhead = 16;
+// Entries ahead whose parameter rows are prefetched, into L2 (the L1's few fill buffers would
+// cap the misses in flight): the rows of a large table miss the cache one after another, and
+// some tens of them in flight hide most of each miss (4096 rows of a 1e7-row table, in a plain
+// loop on this kind of machine: 108 us with 16 rows ahead into L1, 90 us with 32 into L2).
+constexpr int64_t kPrefetchAhead = 32;
+constexpr int kPrefetchLocality = 2;  // prefetcht1
 // Lines of a row prefetched: a long row is streamed well by the hardware prefetcher once begun.
 constexpr int64_t kPrefetchLines = 4;
 constexpr int64_t kLineBytes = 64;
@@ -64,11 +67,15 @@ __attribute__((always_inline)) inline void sgd_rows_body(T* param, const T* valu
                                                          bool all_rows) {
   const int64_t line = kLineBytes / static_cast<int64_t>(sizeof(T));
   const int64_t prefetched = std::min(row_numel, kPrefetchLines * line);
-  for (int64_t k = begin; k < end; ++k) {
-    if (k + kPrefetchAhead < end) {
-      const T* ahead = param + rows[k + kPrefetchAhead] * row_numel;
-      for (int64_t j = 0; j < prefetched; j += line) __builtin_prefetch(ahead + j, 1, 3);
+  auto prefetch_row = [&](int64_t k) {
+    const T* row = param + rows[k] * row_numel;
+    for (int64_t j = 0; j < prefetched; j += line) {
+      __builtin_prefetch(row + j, 1, kPrefetchLocality);
     }
+  };
+  for (int64_t k = begin; k < std::min(end, begin + kPrefetchAhead); ++k) prefetch_row(k);
+  for (int64_t k = begin; k < end; ++k) {
+    if (k + kPrefetchAhead < end) prefetch_row(k + kPrefetchAhead);
     const int64_t row = rows[k];
     if (!all_rows && (row < row_begin || row >= row_end)) continue;
     T* p = param + row * row_numel;
