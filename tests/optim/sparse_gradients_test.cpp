@@ -381,6 +381,49 @@ TEST(SparseGradients, SgdAppliesEachEntryInOrderWithOneRounding) {
   at::set_num_threads(threads_before);
 }
 
+// A table of 32 MB or more taking sparse gradients is asked to move to huge pages at its first
+// sparse step (and a state buffer that large gets them as it is made): advice that moves nothing
+// and changes no value, where the kernel grants it or not. Adagrad, whose sum is made at
+// construction, steps the same table twice: the parameter and the sum stay where they were and
+// hold what a small-table replay of the same rows holds.
+TEST(SparseGradients, ALargeTableAdvisedToHugePagesKeepsItsValues) {
+  const int64_t rows = (int64_t{40} << 20) / (32 * 4);  // 40 MB of float rows of 32
+  at::Tensor table = at::randn({rows, 32});
+  const at::Tensor initial = table.clone();
+  const void* data = table.data_ptr();
+  auto adagrad = create_optimizer("adagrad", {ParamGroup({table})}, OptionBag().set("lr", 0.1));
+  const at::Tensor sum = adagrad->state(0).buffers[0];
+  ASSERT_TRUE(sum.defined());
+  // Two steps over rows spread across the table, one row named twice.
+  std::vector<at::Tensor> grads;
+  for (int step = 0; step < 2; ++step) {
+    at::Tensor ids = at::randint(rows, {2000}, at::kLong);
+    ids[1] = ids[0];
+    grads.push_back(at::sparse_coo_tensor(ids.unsqueeze(0), at::randn({2000, 32}), {rows, 32}));
+    adagrad->step({grads.back()});
+  }
+  EXPECT_EQ(table.data_ptr(), data);
+  EXPECT_TRUE(adagrad->state(0).buffers[0].is_same(sum));
+  // The same steps on the touched rows alone (a table far below the threshold): the rows of the
+  // two gradients, renumbered, hold the same values after.
+  const at::Tensor touched =
+      std::get<0>(at::_unique(at::cat({grads[0]._indices()[0], grads[1]._indices()[0]})));
+  at::Tensor small = initial.index_select(0, touched);
+  auto reference = create_optimizer("adagrad", {ParamGroup({small})}, OptionBag().set("lr", 0.1));
+  for (const at::Tensor& g : grads) {
+    const at::Tensor renumbered = at::searchsorted(touched, g._indices()[0]);
+    reference->step(
+        {at::sparse_coo_tensor(renumbered.unsqueeze(0), g._values(), {touched.size(0), 32})});
+  }
+  EXPECT_TRUE(at::equal(table.index_select(0, touched), small));
+  EXPECT_TRUE(at::equal(sum.index_select(0, touched), reference->state(0).buffers[0]));
+  // Rows no gradient named are as they were, their sum zero.
+  at::Tensor untouched = at::ones({rows}, at::kBool);
+  untouched.index_fill_(0, touched, false);
+  EXPECT_TRUE(at::equal(table.index({untouched}), initial.index({untouched})));
+  EXPECT_EQ(sum.index({untouched}).abs().max().item<float>(), 0.0f);
+}
+
 TEST(SparseGradients, ACheckpointMidRunResumesBitForBit) {
   for (const char* name : {"sgd", "adagrad", "sparse_adam"}) {
     SCOPED_TRACE(name);
