@@ -96,9 +96,9 @@ void advise_huge_pages_for_sparse_rows(detail::StepCache& cache,
     if (!gradients[i].defined() || gradients[i].layout() != at::kSparse) continue;
     const at::Tensor& param = params[i];
     if (!param.has_storage() || param.storage().data() == advised[i]) continue;
-    detail::advise_huge_pages(param, /*collapse=*/true);
+    detail::advise_huge_pages(param);
     for (const at::Tensor& buffer : states[i].buffers) {
-      detail::advise_huge_pages(buffer, /*collapse=*/true);
+      detail::advise_huge_pages(buffer);
     }
     advised[i] = param.storage().data();
   }

@@ -14,7 +14,7 @@ namespace distoptim {
 namespace optim {
 namespace detail {
 
-void advise_huge_pages(const at::Tensor& tensor, bool collapse) {
+void advise_huge_pages(const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage() || !tensor.device().is_cpu()) return;
   const c10::Storage& storage = tensor.storage();
   if (storage.nbytes() < kHugePageMinBytes || storage.data() == nullptr) return;
@@ -29,7 +29,7 @@ void advise_huge_pages(const at::Tensor& tensor, bool collapse) {
   // Errors ignored on purpose (see huge_pages.h): THP off, no huge page to be had, an old
   // kernel, memory LibTorch did not get from mmap; the small pages then stay as they were.
   (void)::madvise(start, length, MADV_HUGEPAGE);
-  if (collapse) (void)::madvise(start, length, MADV_COLLAPSE);
+  (void)::madvise(start, length, MADV_COLLAPSE);
 }
 
 }  // namespace detail

@@ -17,11 +17,11 @@ namespace detail {
 constexpr size_t kHugePageMinBytes = size_t{32} << 20;
 
 /// Asks for huge pages under the storage of `tensor` when it is a CPU tensor of at least
-/// kHugePageMinBytes: MADV_HUGEPAGE for pages faulted in later, and with `collapse` also
-/// MADV_COLLAPSE, which moves the pages already touched into huge pages now (a copy of the
-/// storage, once; its time is the caller's). Only the whole 2 MB blocks inside the storage are
-/// affected. Errors are ignored: a refusal leaves the small pages, which work as before.
-void advise_huge_pages(const at::Tensor& tensor, bool collapse);
+/// kHugePageMinBytes: MADV_HUGEPAGE, for pages faulted in later, then MADV_COLLAPSE, which moves
+/// the pages already touched into huge pages now (a copy of the storage, once; its time is the
+/// caller's). Only the whole 2 MB blocks inside the storage are affected. Errors are ignored: a
+/// refusal leaves the small pages, which work as before.
+void advise_huge_pages(const at::Tensor& tensor);
 
 }  // namespace detail
 }  // namespace optim

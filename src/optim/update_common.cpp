@@ -2,29 +2,19 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
-
-#include "huge_pages.h"
 
 namespace distoptim {
 namespace optim {
 namespace detail {
 
 at::Tensor new_state_buffer(const at::Tensor& param) {
-  const bool dense = param.is_non_overlapping_and_dense();
-  if (param.nbytes() < kHugePageMinBytes || !param.device().is_cpu()) {
-    return dense ? at::zeros_like(param, at::MemoryFormat::Preserve)
-                 : at::zeros(param.sizes(), param.options());
+  if (param.is_non_overlapping_and_dense()) {
+    return at::zeros_like(param, at::MemoryFormat::Preserve);
   }
-  // A large buffer gets huge pages as its zeros first touch it (huge_pages.h).
-  at::Tensor buffer = dense ? at::empty_like(param, at::MemoryFormat::Preserve)
-                            : at::empty(param.sizes(), param.options());
-  advise_huge_pages(buffer, /*collapse=*/false);
-  return buffer.zero_();
+  return at::zeros(param.sizes(), param.options());
 }
 
 UpdateItem stateful_item(const FunctionalOptimizer::ParamUpdate& update,

@@ -77,9 +77,9 @@ TEST(SparseRows, SgdAppliesEachEntryInOrderWithOneRounding) {
   at::set_num_threads(threads_before);
 }
 
-// A table of 32 MB or more taking sparse gradients is asked to move to huge pages at its first
-// sparse step (and a state buffer that large gets them as it is made): advice that moves nothing
-// and changes no value, where the kernel grants it or not. Adagrad, whose sum is made at
+// A table of 32 MB or more taking sparse gradients, and its state, are asked to move to huge
+// pages at the first sparse step: advice that moves nothing and changes no value, where the
+// kernel grants it or not. Adagrad, whose sum is made at
 // construction, steps the same table twice: the parameter and the sum stay where they were and
 // hold what a small-table replay of the same rows holds.
 TEST(SparseRows, ALargeTableAdvisedToHugePagesKeepsItsValues) {
