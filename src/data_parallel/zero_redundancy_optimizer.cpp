@@ -183,8 +183,17 @@ void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
     if (set_to_none) {
       p.mutable_grad() = at::Tensor();
     } else {
-      p.mutable_grad().detach_();
-      p.mutable_grad().zero_();
+      at::Tensor& grad = p.mutable_grad();
+      // Behind a DistributedDataParallel with gradient_as_bucket_view, gradients are views of its
+      // buckets, which detach_() refuses: as PyTorch's Optimizer.zero_grad, only a gradient with
+      // a graph is detached; zeroing in place keeps the view, so the next backward accumulates
+      // in the bucket without a copy.
+      if (grad.grad_fn() != nullptr) {
+        grad.detach_();
+      } else {
+        grad.requires_grad_(false);
+      }
+      grad.zero_();
     }
   }
 }
