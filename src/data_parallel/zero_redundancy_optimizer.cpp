@@ -8,6 +8,7 @@
 
 #include <distoptim/optim/torch_adapter.h>
 
+#include "gradients.h"
 #include "zero_impl.h"
 
 namespace distoptim {
@@ -178,24 +179,7 @@ std::unique_ptr<JoinHook> ZeroRedundancyOptimizer::join_hook(const JoinHookOptio
 const comm::Group& ZeroRedundancyOptimizer::join_process_group() const { return impl_->group; }
 
 void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
-  for (auto& p : impl_->params) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none) {
-      p.mutable_grad() = at::Tensor();
-    } else {
-      at::Tensor& grad = p.mutable_grad();
-      // Behind a DistributedDataParallel with gradient_as_bucket_view, gradients are views of its
-      // buckets, which detach_() refuses: as PyTorch's Optimizer.zero_grad, only a gradient with
-      // a graph is detached; zeroing in place keeps the view, so the next backward accumulates
-      // in the bucket without a copy.
-      if (grad.grad_fn() != nullptr) {
-        grad.detach_();
-      } else {
-        grad.requires_grad_(false);
-      }
-      grad.zero_();
-    }
-  }
+  for (const auto& p : impl_->params) clear_gradient(p, set_to_none);
 }
 
 void ZeroRedundancyOptimizer::add_param_group(const optim::ParamGroup& group) {
