@@ -4,6 +4,7 @@ zero_bench's own ranks.
 
 Usage: pytorch_zero.py [--layers 20] [--size 2000] [--batch 20] [--warmup 2] [--iterations 5]
                        [--threads 1] [--world-size 2] [--bucket-view]
+                       [--gradient-as-bucket-view]
 
 Each rank prints one line `RESULT {json}` with its rank, the seconds of every iteration
 (forward + backward + step, after a barrier; warm-up iterations excluded) and of its step alone
@@ -45,7 +46,7 @@ def run_rank(rank, args, port):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         *[torch.nn.Linear(args.size, args.size) for _ in range(args.layers)])
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=args.gradient_as_bucket_view)
     optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam,
                                         lr=0.01, parameters_as_bucket_view=args.bucket_view)
     torch.manual_seed(1 + rank)
@@ -89,6 +90,7 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--bucket-view", action="store_true")
+    parser.add_argument("--gradient-as-bucket-view", action="store_true")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

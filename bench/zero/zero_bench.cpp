@@ -78,6 +78,8 @@ struct Config {
   int iterations = 7;
   int rounds = 3;
   int deadline_seconds = 600;
+  // DistributedDataParallel's gradient_as_bucket_view, on both sides (their default: false).
+  bool gradient_as_bucket_view = false;
 };
 
 // How our ranks run ZeRO in a case.
@@ -116,7 +118,10 @@ void run_worker(const Config& config, Mode mode) {
   }
   // Stage 2 averages the gradients itself: the plain module, no DDP.
   std::optional<data_parallel::DistributedDataParallel<torch::nn::Sequential>> ddp;
-  if (mode != Mode::kStage2) ddp.emplace(model);
+  if (mode != Mode::kStage2) {
+    ddp.emplace(model, data_parallel::DistributedDataParallelOptions().gradient_as_bucket_view(
+                           config.gradient_as_bucket_view));
+  }
   data_parallel::ZeroRedundancyOptimizer zero(
       model->parameters(), "adam", {{"lr", 0.01}},
       data_parallel::ZeroRedundancyOptimizerOptions()
@@ -234,6 +239,13 @@ std::vector<std::string> size_args(const Config& config) {
       "--iterations", std::to_string(config.iterations)};
 }
 
+// The size arguments and the options both sides take.
+std::vector<std::string> shared_args(const Config& config) {
+  std::vector<std::string> args = size_args(config);
+  if (config.gradient_as_bucket_view) args.push_back("--gradient-as-bucket-view");
+  return args;
+}
+
 Run run_ours(const Config& config, const std::string& mode) {
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   std::vector<std::string> argv{DISTOPTIM_DISTRUN_PATH,
@@ -243,7 +255,7 @@ Run run_ours(const Config& config, const std::string& mode) {
                                 "--worker",
                                 "--mode",
                                 mode};
-  for (auto& arg : size_args(config)) argv.push_back(std::move(arg));
+  for (auto& arg : shared_args(config)) argv.push_back(std::move(arg));
   const std::string what = "our ranks (" + mode + ")";
   return parse_run(what, run_side(what, argv, config.deadline_seconds), config);
 }
@@ -261,7 +273,7 @@ Run run_pytorch(const Config& config, bool bucket_view, const std::string& pytho
                                 std::to_string(kThreadsPerRank),
                                 "--world-size",
                                 std::to_string(kWorldSize)};
-  for (auto& arg : size_args(config)) argv.push_back(std::move(arg));
+  for (auto& arg : shared_args(config)) argv.push_back(std::move(arg));
   if (bucket_view) argv.push_back("--bucket-view");
   return parse_run(script, run_side(script, argv, config.deadline_seconds), config);
 }
@@ -313,6 +325,8 @@ int run(int argc, char** argv) {
   app.add_option("--deadline-seconds", config.deadline_seconds, "each run is killed past this")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_flag("--gradient-as-bucket-view", config.gradient_as_bucket_view,
+               "DistributedDataParallel with gradient_as_bucket_view, both sides");
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_option("--pytorch-script", script, "pytorch_zero.py")->capture_default_str();
   app.add_flag("--worker", worker, "Run as one of our ranks (started by the benchmark itself)");
@@ -351,10 +365,11 @@ int run(int argc, char** argv) {
 
   fmt::print(
       "\nzero_bench: DDP + ZeroRedundancyOptimizer + Adam(lr 0.01), {} x Linear({}, {}), batch {} "
-      "per rank, {} ranks (gloo, loopback), {} intra-op thread per rank; PyTorch {} at its "
-      "defaults otherwise (DDP bucket_cap_mb 25, overlap_with_ddp False)\n",
+      "per rank, {} ranks (gloo, loopback), {} intra-op thread per rank; DDP "
+      "gradient_as_bucket_view {} on both sides; PyTorch {} at its defaults otherwise (DDP "
+      "bucket_cap_mb 25, overlap_with_ddp False)\n",
       config.layers, config.size, config.size, config.batch, kWorldSize, kThreadsPerRank,
-      pytorch["plain"].front().torch_version);
+      config.gradient_as_bucket_view, pytorch["plain"].front().torch_version);
   fmt::print(
       "threads per rank: intra-op ours {} / pytorch {}; OpenBLAS's own (-1: not OpenBLAS) ours {} "
       "/ pytorch {}; PyTorch's ranks run with OMP_NUM_THREADS={} (torchrun's value for ranks "

@@ -9,6 +9,8 @@
 
 #include <distoptim/comm/process_group.h>
 
+#include "gradients.h"
+
 namespace distoptim {
 namespace data_parallel {
 
@@ -26,6 +28,12 @@ PostLocalSGDOptimizer::PostLocalSGDOptimizer(std::shared_ptr<torch::optim::Optim
   TORCH_CHECK_VALUE(optim_ != nullptr, "PostLocalSGDOptimizer: optim is null", on_this_rank());
   TORCH_CHECK_VALUE(averager_ != nullptr, "PostLocalSGDOptimizer: averager is null",
                     on_this_rank());
+}
+
+void PostLocalSGDOptimizer::zero_grad() {
+  for (auto& group : optim_->param_groups()) {
+    for (const auto& p : group.params()) clear_gradient(p, /*set_to_none=*/false);
+  }
 }
 
 at::Tensor PostLocalSGDOptimizer::step(torch::optim::Optimizer::LossClosure closure) {

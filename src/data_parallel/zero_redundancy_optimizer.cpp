@@ -8,6 +8,7 @@
 
 #include <distoptim/optim/torch_adapter.h>
 
+#include "gradients.h"
 #include "zero_impl.h"
 
 namespace distoptim {
@@ -178,15 +179,7 @@ std::unique_ptr<JoinHook> ZeroRedundancyOptimizer::join_hook(const JoinHookOptio
 const comm::Group& ZeroRedundancyOptimizer::join_process_group() const { return impl_->group; }
 
 void ZeroRedundancyOptimizer::zero_grad(bool set_to_none) {
-  for (auto& p : impl_->params) {
-    if (!p.grad().defined()) continue;
-    if (set_to_none) {
-      p.mutable_grad() = at::Tensor();
-    } else {
-      p.mutable_grad().detach_();
-      p.mutable_grad().zero_();
-    }
-  }
+  for (const auto& p : impl_->params) clear_gradient(p, set_to_none);
 }
 
 void ZeroRedundancyOptimizer::add_param_group(const optim::ParamGroup& group) {

@@ -318,6 +318,58 @@ TEST(PostLocalSGDOptimizer, StepsLocallyThenAveragesAtThePeriod) {
   });
 }
 
+// zero_grad zeroes as the wrapped LibTorch optimizer's does; behind a DistributedDataParallel
+// with gradient_as_bucket_view (gradients are views of its buckets, which LibTorch's zero_grad
+// refuses) it zeroes them in place, and training equals the same without the views.
+TEST(PostLocalSGDOptimizer, ZeroGradKeepsGradientsThatAreViewsOfDdpBuckets) {
+  run_ranks(2, [](int rank, int) {
+    init();
+    auto params = make_params(1);
+    auto sgd = std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.5));
+    PostLocalSGDOptimizer plain_opt(sgd, std::make_shared<PeriodicModelAverager>(2));
+    set_grads(params, 7);
+    plain_opt.zero_grad();
+    for (const auto& p : params) {
+      ASSERT_TRUE(p.grad().defined());
+      EXPECT_EQ(p.grad().count_nonzero().item<int64_t>(), 0);
+    }
+
+    auto make_model = [] {
+      torch::manual_seed(3);
+      return torch::nn::Sequential(torch::nn::Linear(4, 3), torch::nn::Tanh(),
+                                   torch::nn::Linear(3, 2));
+    };
+    auto with_views = make_model();
+    auto without = make_model();
+    DistributedDataParallel ddp_views(
+        with_views, DistributedDataParallelOptions().gradient_as_bucket_view(true));
+    DistributedDataParallel ddp_plain(without);
+    auto make_opt = [](torch::nn::Sequential& model) {
+      return PostLocalSGDOptimizer(
+          std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1)),
+          std::make_shared<PeriodicModelAverager>(/*period=*/2, /*warmup_steps=*/1));
+    };
+    PostLocalSGDOptimizer opt_views = make_opt(with_views);
+    PostLocalSGDOptimizer opt_plain = make_opt(without);
+    for (int step = 0; step < 5; ++step) {
+      torch::manual_seed(50 + 10 * step + rank);
+      const at::Tensor x = torch::randn({5, 4});
+      opt_views.zero_grad();
+      opt_plain.zero_grad();
+      ddp_views.forward(x).sum().backward();
+      ddp_plain.forward(x).sum().backward();
+      EXPECT_TRUE(with_views->parameters()[0].grad().is_view()) << "step " << step;
+      opt_views.step();
+      opt_plain.step();
+      for (size_t i = 0; i < with_views->parameters().size(); ++i) {
+        EXPECT_TRUE(at::allclose(with_views->parameters()[i], without->parameters()[i], 1e-6, 1e-7))
+            << "step " << step << ", parameter " << i;
+      }
+    }
+    comm::destroy_process_group();
+  });
+}
+
 TEST(PostLocalSGDOptimizer, StateDictRoundTripRestoresTheStep) {
   run_ranks(2, [](int rank, int) {
     init();

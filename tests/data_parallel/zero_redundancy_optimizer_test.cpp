@@ -328,6 +328,48 @@ TEST(ZeroStage2, StepRefusesGradientsOfOtherRanksLeftByADdp) {
   });
 }
 
+// Behind a DistributedDataParallel with gradient_as_bucket_view, gradients are views of its
+// buckets: zero_grad(false) zeroes them in place (detach_() would throw) and keeps them those
+// views, so the next backward accumulates in the buckets; set to none and zeroed iterations
+// alternate, and training equals one process's.
+TEST(ZeroRedundancyOptimizer, ZeroGradKeepsGradientsThatAreViewsOfDdpBuckets) {
+  run_ranks(2, [](int rank, int world_size) {
+    init();
+    auto model = make_model(100 + rank);
+    DistributedDataParallel ddp(model,
+                                DistributedDataParallelOptions().gradient_as_bucket_view(true));
+    ZeroRedundancyOptimizer zero(param_groups(model), "adam", kAdamDefaults);
+    SingleProcessRun reference;
+    for (int iteration = 0; iteration < 6; ++iteration) {
+      const bool set_to_none = iteration % 2 == 0;
+      std::vector<at::Tensor> zeroed;
+      zero.zero_grad(set_to_none);
+      for (const auto& p : zero.params()) {
+        if (set_to_none) {
+          EXPECT_FALSE(p.grad().defined()) << "iteration " << iteration;
+        } else {
+          ASSERT_TRUE(p.grad().is_view()) << "iteration " << iteration;
+          EXPECT_EQ(p.grad().count_nonzero().item<int64_t>(), 0) << "iteration " << iteration;
+          zeroed.push_back(p.grad());
+        }
+      }
+      const Batch batch(7 + iteration, world_size);
+      torch::mse_loss(ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      // Accumulated in place: the zeroed views are the averaged gradients (from the third
+      // iteration: the second forward rebuilds the buckets, and with them the views).
+      for (size_t i = 0; iteration >= 2 && i < zeroed.size(); ++i) {
+        EXPECT_TRUE(zeroed[i].is_same(zero.params()[i].grad()))
+            << "iteration " << iteration << ", parameter " << i;
+      }
+      zero.step();
+      reference.train(iteration, world_size);
+      expect_params_close(zero.params(), reference.params(),
+                          "iteration " + std::to_string(iteration));
+      expect_replicas_identical(zero.params());
+    }
+  });
+}
+
 class ZeroOverlap : public ::testing::TestWithParam<int> {};
 
 // The update runs inside backward, from the first iteration, on Gloo; with one bucket per

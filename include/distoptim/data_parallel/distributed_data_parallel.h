@@ -31,8 +31,14 @@ struct DistributedDataParallelOptions {
   /// Walk the graph from the outputs after each forward to find parameters that take no part
   /// in it, so their buckets still complete. Needs forward to return tensors.
   TORCH_ARG(bool, find_unused_parameters) = false;
-  /// Gradients become views into the allreduce buckets (saves one copy and the memory of one
-  /// set of gradients).
+  /// Gradients become views into the allreduce buckets: saves the copy of every averaged bucket
+  /// back into `.grad` and the memory of one set of gradients (with ZeroRedundancyOptimizer and
+  /// Adam on 20 x Linear(2000, 2000), about a fifth of the iteration's CPU: docs/data_parallel.md).
+  /// Off by default, as in PyTorch, because it changes what a training loop may do with `.grad`:
+  /// LibTorch's torch::optim::Optimizer::zero_grad() throws on such views (it detaches them in
+  /// place; Module::zero_grad, clip_grad_norm_ and ZeroRedundancyOptimizer::zero_grad work), a
+  /// gradient kept from one iteration is overwritten by the next backward, and a gradient set by
+  /// hand before backward is replaced by the bucket's view instead of receiving the average.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
 };
 

@@ -55,7 +55,10 @@ class PostLocalSGDOptimizer {
   /// averager's `average_parameters` over every param group.
   at::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr);
 
-  void zero_grad() { optim_->zero_grad(); }
+  /// Zeroes the gradients as the wrapped optimizer's zero_grad() does, except that gradients
+  /// which are views of a DistributedDataParallel's buckets (gradient_as_bucket_view), which
+  /// LibTorch's refuses, are zeroed in place and stay views.
+  void zero_grad();
   std::vector<torch::optim::OptimizerParamGroup>& param_groups() { return optim_->param_groups(); }
   const std::vector<torch::optim::OptimizerParamGroup>& param_groups() const {
     return optim_->param_groups();

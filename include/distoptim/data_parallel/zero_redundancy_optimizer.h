@@ -155,7 +155,12 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public Joinable 
   /// The same with explicit gradients: one per parameter of params(), undefined to skip; only
   /// this rank's entries are read.
   void step(const std::vector<at::Tensor>& gradients);
-  /// Sets every parameter's `.grad` to undefined (set_to_none, PyTorch's default) or zero.
+  /// Sets every parameter's `.grad` to undefined (set_to_none; PyTorch 1.13's
+  /// ZeroRedundancyOptimizer zeroes by default, PyTorch 2 sets to none) or zero, in place:
+  /// gradients that are views of a DistributedDataParallel's buckets (gradient_as_bucket_view)
+  /// stay views. Call it on the ZeroRedundancyOptimizer: LibTorch's
+  /// torch::optim::Optimizer::zero_grad() (through a base reference) detaches in place, which
+  /// such views refuse.
   void zero_grad(bool set_to_none = true);
 
   /// Adds a group (repartitioning; parameters already present keep their rank). Collective.
