@@ -301,6 +301,11 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send_message(int to, const std::s
     for (c10::IValue& arg : args) {
       arg = rrefs_->prepare_to_send(arg, to, &forks);
     }
+    // RRefs sent to their owner in a request are settled by its reply, not by accept messages.
+    if ((flags & MessageHeader::kOrdered) == 0 && !forks.pending_children.empty() &&
+        rrefs_->tie_to_reply(forks, to, id)) {
+      flags |= MessageHeader::kAcceptedByReply;
+    }
     message = encode_request(id, function, args, effective.count(), group_.rank(), flags, metadata);
   } catch (...) {
     rrefs_->rollback(forks);

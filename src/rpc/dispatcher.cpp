@@ -128,10 +128,10 @@ void Dispatcher::request_done(size_t bytes) {
 
 // RRefs in a message that is refused or comes too late are taken and dropped at once, so that
 // their owners hear nobody holds them (else the owners keep the values until shutdown).
-void Dispatcher::discard_rrefs(const std::vector<c10::IValue>& values) {
+void Dispatcher::discard_rrefs(const std::vector<c10::IValue>& values, bool accepted_by_reply) {
   for (const c10::IValue& value : values) {
     try {
-      (void)rrefs_->receive(value);
+      (void)rrefs_->receive(value, accepted_by_reply);
     } catch (...) {
     }
   }
@@ -167,6 +167,7 @@ void Dispatcher::handle_request(const std::shared_ptr<Connection>& connection, i
                                 const MessageHeader& header, const std::string& body,
                                 std::vector<at::Tensor> buffers) {
   const bool ordered = (header.flags & MessageHeader::kOrdered) != 0;
+  const bool accepted_by_reply = (header.flags & MessageHeader::kAcceptedByReply) != 0;
   // The caller is lost (it died or stopped): its request is not run, and its memory goes now.
   // Its RRefs are lost with it and its contexts released here; a request of it run now would act
   // for nobody (its forks and contexts made again, never to be freed). Undecoded, it leaves
@@ -194,7 +195,7 @@ void Dispatcher::handle_request(const std::shared_ptr<Connection>& connection, i
     } else if (ordered != RRefContext::is_control(request.callable)) {
       failure = "'" + request.callable + "' cannot be called " +
                 (ordered ? "as an ordered control message" : "by name");
-      discard_rrefs(request.args);
+      discard_rrefs(request.args, accepted_by_reply);
     } else if (ordered) {
       const int caller = request.caller_id;
       auto result = rrefs_->handle_control(request.callable, std::move(request.args), caller,
@@ -221,7 +222,7 @@ void Dispatcher::handle_request(const std::shared_ptr<Connection>& connection, i
     } else if (auto function = find_function(request.callable)) {
       const int caller = request.caller_id;
       for (c10::IValue& arg : request.args) {
-        arg = rrefs_->receive(arg);
+        arg = rrefs_->receive(arg, accepted_by_reply);
       }
       // Lives while the function runs (a context the interceptor set for it).
       const std::shared_ptr<void> context =
@@ -242,7 +243,7 @@ void Dispatcher::handle_request(const std::shared_ptr<Connection>& connection, i
       return;
     } else {
       failure = "no function or class is registered as '" + request.callable + "'";
-      discard_rrefs(request.args);
+      discard_rrefs(request.args, accepted_by_reply);
     }
   } catch (...) {
     failure = error_text(std::current_exception());
@@ -330,6 +331,8 @@ void Dispatcher::handle_reply(int peer, const MessageHeader& header, const std::
                               std::vector<at::Tensor> buffers) {
   // Replies from a worker the call did not go to are treated as late ones.
   std::optional<PendingCall> call = calls_.take(header.id, peer);
+  // Any answer, even late or malformed, shows the callee took the RRefs the call sent it.
+  rrefs_->on_reply(peer, header.id);
   // Named only when something failed: a name costs a look-up in the worker table.
   const auto worker = [&] { return name(peer); };
   DecodedMessage reply;

@@ -123,7 +123,7 @@ class Dispatcher {
       const RawFunction& function, std::vector<c10::IValue> args,
       std::function<void(c10::ivalue::Future& result, bool owner_alive)> done);
   void request_done(size_t bytes);
-  void discard_rrefs(const std::vector<c10::IValue>& values);
+  void discard_rrefs(const std::vector<c10::IValue>& values, bool accepted_by_reply = false);
   std::string name(int worker) const { return workers_->snapshot()->name(worker); }
 
   const size_t inbound_limit_;

@@ -47,7 +47,10 @@ struct MessageHeader {
   /// The request must be handled in the order it arrived on its connection (RRef control messages:
   /// a fork's registration before its deletion). Bit 0 is reserved; unknown bits are rejected.
   static constexpr uint16_t kOrdered = 1 << 1;
-  static constexpr uint16_t kKnownFlags = kOrdered;
+  /// A request whose RRefs sent to the receiver, their owner, are released by the sender when
+  /// the reply comes: the receiver sends no accept() for them (rref_context.h).
+  static constexpr uint16_t kAcceptedByReply = 1 << 2;
+  static constexpr uint16_t kKnownFlags = kOrdered | kAcceptedByReply;
 
   MessageType type = MessageType::kRequest;
   uint16_t flags = 0;

@@ -1,5 +1,7 @@
 #include "rref_context.h"
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
@@ -361,6 +363,7 @@ void RRefContext::rollback(const ForkBatch& batch) {
     for (const GlobalId& fork_id : batch.pending_children) {
       auto it = pending_children_.find(fork_id);
       if (it != pending_children_.end()) {
+        untie_locked(fork_id, it->second);
         children.push_back(std::move(it->second.rref));
         pending_children_.erase(it);
       }
@@ -370,7 +373,56 @@ void RRefContext::rollback(const ForkBatch& batch) {
   // `freed` and `children` are dropped here, outside the lock: a value may hold RRefs itself.
 }
 
-c10::IValue RRefContext::receive(const c10::IValue& value) {
+bool RRefContext::tie_to_reply(const ForkBatch& batch, int to, uint64_t call) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<GlobalId> tied;
+  for (const GlobalId& fork_id : batch.pending_children) {
+    auto it = pending_children_.find(fork_id);
+    if (it == pending_children_.end()) continue;
+    const RRefImpl* rref = rref_impl(it->second.rref.get());
+    if (rref == nullptr || static_cast<int>(rref->owner()) != to) continue;
+    it->second.call = call;
+    tied.push_back(fork_id);
+  }
+  if (tied.empty()) return false;
+  tied_.emplace(call, std::move(tied));
+  tied_count_.store(tied_.size(), std::memory_order_release);
+  return true;
+}
+
+void RRefContext::untie_locked(const GlobalId& fork_id, const PendingChild& child) {
+  if (child.call == 0) return;
+  auto it = tied_.find(child.call);
+  if (it == tied_.end()) return;
+  auto& forks = it->second;
+  forks.erase(std::remove(forks.begin(), forks.end(), fork_id), forks.end());
+  if (forks.empty()) tied_.erase(it);
+  tied_count_.store(tied_.size(), std::memory_order_release);
+}
+
+void RRefContext::on_reply(int peer, uint64_t call) {
+  if (tied_count_.load(std::memory_order_acquire) == 0) return;
+  std::vector<c10::intrusive_ptr<c10::RRefInterface>> children;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto tied = tied_.find(call);
+    if (tied == tied_.end()) return;
+    std::vector<GlobalId> forks = std::move(tied->second);
+    tied_.erase(tied);
+    tied_count_.store(tied_.size(), std::memory_order_release);
+    for (const GlobalId& fork_id : forks) {
+      auto it = pending_children_.find(fork_id);
+      // Only the worker the call went to answers for it (call ids are this worker's own).
+      if (it == pending_children_.end() || it->second.child != peer) continue;
+      children.push_back(std::move(it->second.rref));
+      pending_children_.erase(it);
+    }
+    children_done_.notify_all();
+  }
+  // `children` are dropped here, outside the lock (the last handle of one tells its owner).
+}
+
+c10::IValue RRefContext::receive(const c10::IValue& value, bool accepted_by_reply) {
   // A type mismatch is reported once every reference in `value` has been taken (else the forks
   // of those not yet taken would never be released).
   std::string mismatch;
@@ -406,8 +458,9 @@ c10::IValue RRefContext::receive(const c10::IValue& value) {
             if (parent == self_) freed = erase_fork_locked(rref_id, fork_id);
           }
           // From a user: the owner holds no fork for this handle (PyTorch's "phantom fork"); only
-          // the sender's pending child needs releasing.
-          if (parent != self_)
+          // the sender's pending child needs releasing, by this worker's reply when the request
+          // said so.
+          if (parent != self_ && !accepted_by_reply)
             send_control(parent, kAccept, {fork_id.created_on, fork_id.local_id});
           auto local = c10::make_intrusive<RRefImpl>(handle_, owner, owner_name, rref_id, owned);
           // The sender's RRef<T> against the value (one still being created is not checked).
@@ -551,6 +604,7 @@ c10::intrusive_ptr<c10::ivalue::Future> RRefContext::handle_control(const std::s
       std::lock_guard<std::mutex> lock(mutex_);
       auto it = pending_children_.find(fork_id);
       if (it != pending_children_.end()) {
+        untie_locked(fork_id, it->second);
         child = std::move(it->second.rref);
         pending_children_.erase(it);
         children_done_.notify_all();
@@ -597,6 +651,7 @@ void RRefContext::on_peer_lost(int peer) {
     }
     for (auto it = pending_children_.begin(); it != pending_children_.end();) {
       if (it->second.child == peer) {
+        untie_locked(it->first, it->second);
         children.push_back(std::move(it->second.rref));
         it = pending_children_.erase(it);
       } else {
@@ -635,6 +690,8 @@ size_t RRefContext::close() {
     left = owners_.size();
     owners.swap(owners_);
     children.swap(pending_children_);
+    tied_.clear();
+    tied_count_.store(0, std::memory_order_release);
     users.swap(users_);
     children_done_.notify_all();
   }

@@ -25,7 +25,16 @@
 //   delete(rref, fork)                   user -> owner: the user dropped its last handle.
 // Sending an RRef: the owner registers the receiver's fork at once (no messages needed); a user
 // makes a pending child, and the receiver sends fork() to the owner and then accept() to the
-// sender, or, when the receiver is the owner, accept() only.
+// sender, or, when the receiver is the owner, accept() only. A request (not a control message)
+// that sends RRefs to their owner says so (MessageHeader::kAcceptedByReply): the owner sends no
+// accept() for them, and the sender releases those pending children when the request's reply
+// comes, whatever it says and however late (tie_to_reply, on_reply). The owner replies only
+// after taking every RRef of the request (its handle then holds the value), so the value is
+// still held then. A call that never gets a reply is settled as an unaccepted child always was:
+// by the peer's loss, or at shutdown (a request dropped unsent after its timeout, a function
+// whose future never completes).
+// This saves a control message and its reply per call through an RRef to its owner (a
+// DistributedOptimizer's step: one per owner and step).
 //
 // Peer death: forks held by a lost worker are erased on the owner (and values freed), pending
 // children sent to it are released; a user's to_here on a lost owner fails with PeerLostError
@@ -125,9 +134,18 @@ class RRefContext {
   /// registering the forks (recorded in `batch` for rollback).
   c10::IValue prepare_to_send(const c10::IValue& value, int to, ForkBatch* batch);
   void rollback(const ForkBatch& batch);
+  /// Before a request `call` with `batch` is sent to `to`: the pending children of `batch` whose
+  /// owner is `to` are released by the reply to `call` (on_reply) rather than by accept().
+  /// Returns whether there were any (the request then carries MessageHeader::kAcceptedByReply).
+  bool tie_to_reply(const ForkBatch& batch, int to, uint64_t call);
+  /// A reply (or error, or late reply) to call `call` came from `peer`: releases the pending
+  /// children tied to it. Lock-free when no child is tied to any reply.
+  void on_reply(int peer, uint64_t call);
   /// Replaces every wire reference in a received `value` by a handle. Throws c10::ValueError for
-  /// a reference naming a worker outside the world.
-  c10::IValue receive(const c10::IValue& value);
+  /// a reference naming a worker outside the world. `accepted_by_reply`: the value came in a
+  /// request with MessageHeader::kAcceptedByReply, so its sender needs no accept() for the
+  /// references to this worker's own values.
+  c10::IValue receive(const c10::IValue& value, bool accepted_by_reply = false);
 
   static bool is_control(const std::string& callable);
   /// Whether replies to `callable` carry user values the interceptor sees: those of every call
@@ -169,7 +187,10 @@ class RRefContext {
   struct PendingChild {
     c10::intrusive_ptr<c10::RRefInterface> rref;
     int child = -1;
+    uint64_t call = 0;  // the call whose reply releases it (tie_to_reply); 0: accept() does
   };
+  // Forgets the tie of a child released otherwise (rollback, peer loss).
+  void untie_locked(const GlobalId& fork_id, const PendingChild& child);  // requires mutex_
 
   std::shared_ptr<OwnedValue> get_or_create_locked(const GlobalId& rref_id);  // requires mutex_
   // Erases a fork; returns the value if that freed it (to be dropped outside the lock).
@@ -196,8 +217,10 @@ class RRefContext {
 
   std::mutex mutex_;
   std::condition_variable children_done_;
-  std::map<GlobalId, OwnerEntry> owners_;                        // guarded by mutex_
-  std::map<GlobalId, PendingChild> pending_children_;            // by fork id; guarded by mutex_
+  std::map<GlobalId, OwnerEntry> owners_;              // guarded by mutex_
+  std::map<GlobalId, PendingChild> pending_children_;  // by fork id; guarded by mutex_
+  std::map<uint64_t, std::vector<GlobalId>> tied_;     // call -> its children; guarded by mutex_
+  std::atomic<size_t> tied_count_{0};                  // tied_.size(), read without the lock
   std::map<GlobalId, c10::weak_intrusive_ptr<RRefImpl>> users_;  // by fork id; guarded by mutex_
   bool closed_ = false;                                          // guarded by mutex_
   std::vector<bool> lost_;  // by worker id: on_peer_lost ran for it; guarded by mutex_

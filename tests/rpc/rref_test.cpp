@@ -557,6 +557,49 @@ TEST(RRef, LateRepliesReleaseTheirRRefs) {
   });
 }
 
+// A call through an RRef to its owner is settled by its reply (MessageHeader::kAcceptedByReply):
+// no accept message follows it, and the caller holds nothing once the call returns. One that
+// times out is settled by its late reply; the value stays whole for the call meanwhile, though
+// the caller dropped its reference.
+std::atomic<int64_t> g_late_successes{0};
+DISTOPTIM_RPC_FUNCTION("plus_one_later", [](RRef<int64_t> rref, int64_t delay_ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  const int64_t value = rref.local_value() + 1;
+  g_late_successes.fetch_add(1);
+  return value;
+});
+DISTOPTIM_RPC_FUNCTION("late_successes", [] { return g_late_successes.load(); });
+
+int64_t pending_children() { return get_debug_info().at("num_pending_children"); }
+
+TEST(RRef, CallsThroughAnRRefToItsOwnerAreSettledByTheirReply) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      {
+        RRef<int64_t> sum = remote<int64_t>("worker1", "add", std::tuple{40, 2});
+        for (int i = 0; i < 20; ++i) {
+          EXPECT_EQ(rpc_sync<int64_t>("worker1", "plus_one_on_owner", std::tuple{sum}), 43);
+          EXPECT_EQ(pending_children(), 0) << "after call " << i;
+        }
+        auto late =
+            rpc_async<int64_t>("worker1", "plus_one_later", std::tuple{sum, int64_t{300}}, 50ms);
+        EXPECT_THROW(late.wait(), TimeoutError);
+        EXPECT_EQ(pending_children(), 1);  // until the late reply comes
+      }
+      const auto deadline = std::chrono::steady_clock::now() + 20s;
+      while (pending_children() != 0 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(10ms);
+      }
+      EXPECT_EQ(pending_children(), 0);
+      EXPECT_TRUE(owner_table_empties("worker1", 20s));
+      EXPECT_EQ(rpc_sync<int64_t>("worker1", "late_successes"), 1);
+    }
+    shutdown();
+    EXPECT_EQ(detail::owned_rref_count(), 0u);
+  });
+}
+
 // A creator killed with remote() requests in flight: the owner drops the forks
 // of the dead worker, also those whose create messages it handles after learning of the death.
 TEST(RRef, KilledCreatorsRemotesDrain) {
