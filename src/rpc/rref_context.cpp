@@ -385,7 +385,7 @@ bool RRefContext::tie_to_reply(const ForkBatch& batch, int to, uint64_t call) {
     tied.push_back(fork_id);
   }
   if (tied.empty()) return false;
-  tied_.emplace(call, std::move(tied));
+  tied_.emplace(call, TiedCall{to, std::move(tied)});
   tied_count_.store(tied_.size(), std::memory_order_release);
   return true;
 }
@@ -394,7 +394,7 @@ void RRefContext::untie_locked(const GlobalId& fork_id, const PendingChild& chil
   if (child.call == 0) return;
   auto it = tied_.find(child.call);
   if (it == tied_.end()) return;
-  auto& forks = it->second;
+  auto& forks = it->second.forks;
   forks.erase(std::remove(forks.begin(), forks.end(), fork_id), forks.end());
   if (forks.empty()) tied_.erase(it);
   tied_count_.store(tied_.size(), std::memory_order_release);
@@ -406,14 +406,15 @@ void RRefContext::on_reply(int peer, uint64_t call) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto tied = tied_.find(call);
-    if (tied == tied_.end()) return;
-    std::vector<GlobalId> forks = std::move(tied->second);
+    // Only the worker the call went to answers for it (call ids are this worker's own): a reply
+    // from another leaves the tie for the real one.
+    if (tied == tied_.end() || tied->second.to != peer) return;
+    std::vector<GlobalId> forks = std::move(tied->second.forks);
     tied_.erase(tied);
     tied_count_.store(tied_.size(), std::memory_order_release);
     for (const GlobalId& fork_id : forks) {
       auto it = pending_children_.find(fork_id);
-      // Only the worker the call went to answers for it (call ids are this worker's own).
-      if (it == pending_children_.end() || it->second.child != peer) continue;
+      if (it == pending_children_.end()) continue;
       children.push_back(std::move(it->second.rref));
       pending_children_.erase(it);
     }

@@ -219,8 +219,12 @@ class RRefContext {
   std::condition_variable children_done_;
   std::map<GlobalId, OwnerEntry> owners_;              // guarded by mutex_
   std::map<GlobalId, PendingChild> pending_children_;  // by fork id; guarded by mutex_
-  std::map<uint64_t, std::vector<GlobalId>> tied_;     // call -> its children; guarded by mutex_
-  std::atomic<size_t> tied_count_{0};                  // tied_.size(), read without the lock
+  struct TiedCall {
+    int to = -1;                  // the worker the call went to, the children's owner
+    std::vector<GlobalId> forks;  // the pending children its reply releases
+  };
+  std::map<uint64_t, TiedCall> tied_;  // by call id; guarded by mutex_
+  std::atomic<size_t> tied_count_{0};  // tied_.size(), read without the lock
   std::map<GlobalId, c10::weak_intrusive_ptr<RRefImpl>> users_;  // by fork id; guarded by mutex_
   bool closed_ = false;                                          // guarded by mutex_
   std::vector<bool> lost_;  // by worker id: on_peer_lost ran for it; guarded by mutex_
