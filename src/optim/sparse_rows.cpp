@@ -2,6 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <vector>
+
+#include <distoptim/optim/kernel_isa.h>
 
 namespace distoptim {
 namespace optim {
@@ -95,12 +99,14 @@ __attribute__((target("avx2,fma"))) void sgd_rows_fma(T* param, const T* values,
   sgd_rows_body(param, values, rows, begin, end, row_numel, alpha, row_begin, row_end, all_rows);
 }
 
+// The kernels' "avx2" level (kernel_isa.h) is AVX2 with FMA. Asked of the CPU, not of the level
+// set_kernel_isa may force: std::fma rounds the same with or without the instruction.
 bool cpu_has_fma() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool kHasFma = [] {
+    const std::vector<std::string> isas = supported_kernel_isas();
+    return std::find(isas.begin(), isas.end(), "avx2") != isas.end();
   }();
-  return has;
+  return kHasFma;
 }
 
 }  // namespace
