@@ -15,6 +15,7 @@
 #include <distoptim/comm/errors.h>
 #include <distoptim/data_parallel/gradient_store.h>
 
+#include "bucket_aliased_gradients.h"
 #include "parameter_check.h"
 #include "store_sync.h"
 
@@ -50,6 +51,9 @@ struct GradientSync::Impl {
   std::vector<at::Tensor> parameters;
   std::vector<at::Tensor> buffers;
   std::unique_ptr<c10d::Reducer> reducer;
+  // Set unless the user asked for gradient_as_bucket_view or find_unused_parameters: the
+  // Reducer then runs with bucket views all the same, and this keeps .grad plain tensors.
+  std::unique_ptr<BucketAliasedGradients> aliases;
   // torch's require_backward_grad_sync (false inside no_sync) and require_forward_param_sync
   // (buffers are broadcast before a forward only after a synchronized one).
   bool sync_gradients = true;
@@ -67,6 +71,17 @@ struct GradientSync::Impl {
   std::shared_ptr<bool> alive = std::make_shared<bool>(true);
 
   int global_rank() const { return group.global_rank(group.rank()); }
+
+  // After the first synchronized backward, buckets are rebuilt in the order gradients actually
+  // became ready (rank 0's order, so all ranks agree).
+  void rebuild_buckets() {
+    if (aliases == nullptr) {
+      reducer->rebuild_buckets();
+      return;
+    }
+    const std::vector<at::Tensor> before = aliases->before_rebuild();
+    if (reducer->rebuild_buckets()) aliases->after_rebuild(before);
+  }
 
   // Every rank says how it runs this forward; a group whose ranks put gradients in different
   // places (a distributed autograd context on some, .grad on others) fails on every rank here,
@@ -200,11 +215,22 @@ GradientSync::GradientSync(const torch::nn::Module& module, DistributedDataParal
   // first ones ready first (as PyTorch does).
   std::reverse(bucket_indices.begin(), bucket_indices.end());
   std::reverse(bucket_limits.begin(), bucket_limits.end());
+  // Gradients in the buckets' memory save a copy of every gradient out of the buckets per
+  // backward (and, for a gradient kept in .grad, the copy in). Without find_unused_parameters
+  // (whose gradients PyTorch's Reducer treats differently with views) that holds by default,
+  // .grad keeping its meaning (bucket_aliased_gradients.h).
+  if (!s.options.gradient_as_bucket_view() && !s.options.find_unused_parameters()) {
+    s.aliases = std::make_unique<BucketAliasedGradients>(s.parameters);
+  }
+  const std::vector<at::Tensor> grads_before =
+      s.aliases != nullptr ? s.aliases->before_rebuild() : std::vector<at::Tensor>{};
   s.reducer = std::make_unique<c10d::Reducer>(
       s.parameters, std::move(bucket_indices), std::move(bucket_limits), pg,
       std::vector<bool>(s.parameters.size(), false), bucket_bytes,
-      s.options.find_unused_parameters(), s.options.gradient_as_bucket_view(),
+      s.options.find_unused_parameters(),
+      s.options.gradient_as_bucket_view() || s.aliases != nullptr,
       std::unordered_map<size_t, std::string>{}, std::min(kFirstBucketBytes, bucket_bytes));
+  if (s.aliases != nullptr) s.aliases->after_rebuild(grads_before);
 }
 
 GradientSync::~GradientSync() {
@@ -250,9 +276,7 @@ void GradientSync::before_forward() {
     if (s.exchange_modes && (syncing || join_config().enable)) {
       s.exchange_sync_mode(!syncing ? kNotSyncing : store != nullptr ? kToStore : kToGrad);
     }
-    // After the first synchronized backward, buckets are rebuilt in the order gradients
-    // actually became ready (rank 0's order, so all ranks agree).
-    if (grad_enabled) s.reducer->rebuild_buckets();
+    if (grad_enabled) s.rebuild_buckets();
     if (s.sync_buffers_next && s.options.broadcast_buffers()) {
       s.broadcast_buffers(join_config().enable ? s.common_rank(true) : 0);
     }
@@ -283,7 +307,7 @@ class GradientSync::ReplicaJoinHook : public JoinHook {
 
   void main_hook() override {
     if (s_.exchange_modes) s_.exchange_sync_mode(0);
-    s_.reducer->rebuild_buckets();
+    s_.rebuild_buckets();
     if (s_.sync_buffers_next && s_.options.broadcast_buffers()) {
       s_.broadcast_buffers(s_.common_rank(false));
     }
@@ -357,6 +381,7 @@ void GradientSync::after_forward(const std::vector<at::Tensor>& outputs) {
       s.reducer->prepare_for_backward(outputs);
     } else {
       s.reducer->prepare_for_backward({});
+      if (s.aliases != nullptr) s.aliases->expect_synchronized_pass();
     }
   } else {
     s.sync_buffers_next = false;

@@ -103,6 +103,67 @@ TEST(DistributedDataParallel, NoSyncAccumulatesLocallyThenSyncsTheSum) {
   });
 }
 
+// By default the Reducer keeps gradients in its buckets' memory, yet .grad means what it means
+// without DDP: plain tensors (LibTorch's zero_grad detaches them in place), the same tensor from
+// one iteration to the next (also across the bucket rebuild after the first), a gradient kept
+// after clearing .grad keeps its values, and one set by hand receives the average.
+TEST(DistributedDataParallel, GradientsKeepTheirMeaningInTheBucketsMemory) {
+  run_ranks(2, [](int rank, int world_size) {
+    init(rank);
+    auto model = make_model(21);
+    DistributedDataParallel ddp(model, DistributedDataParallelOptions().bucket_cap_mb(0.0005));
+    auto reference = make_model(21);
+    const auto params = model->parameters();
+    const auto reference_params = reference->parameters();
+    torch::optim::SGD sgd(params, torch::optim::SGDOptions(0.1));
+    torch::optim::SGD reference_sgd(reference_params, torch::optim::SGDOptions(0.1));
+    auto iterate = [&](int iteration) {
+      const Batch batch(30 + iteration, world_size);
+      torch::mse_loss(ddp.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      torch::mse_loss(reference->forward(batch.x), batch.y).backward();
+      for (const auto& p : params) ASSERT_FALSE(p.grad().is_view());
+      expect_grads_close(params, reference_params, 1e-10, 1e-12,
+                         "iteration " + std::to_string(iteration));
+    };
+
+    // In-place zero_grad: the same gradient tensors, across the rebuild of the buckets too.
+    iterate(0);
+    std::vector<const c10::TensorImpl*> first;
+    for (const auto& p : params) first.push_back(p.grad().unsafeGetTensorImpl());
+    sgd.step();
+    reference_sgd.step();
+    sgd.zero_grad();
+    reference_sgd.zero_grad();
+    iterate(1);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(params[i].grad().unsafeGetTensorImpl(), first[i]) << "parameter " << i;
+    }
+
+    // A gradient taken out of .grad and kept keeps its values through the next backward.
+    const at::Tensor kept = params[0].grad();
+    const at::Tensor kept_values = kept.clone();
+    for (const auto& p : params) p.mutable_grad() = at::Tensor();
+    for (const auto& p : reference_params) p.mutable_grad() = at::Tensor();
+    iterate(2);
+    EXPECT_TRUE(at::equal(kept, kept_values));
+
+    // A gradient set by hand (the same on every rank) stays the gradient and receives the
+    // average on top of it, as without DDP.
+    std::vector<at::Tensor> by_hand;
+    for (size_t i = 0; i < params.size(); ++i) {
+      by_hand.push_back(at::full_like(params[i], 0.25));
+      params[i].mutable_grad() = by_hand.back();
+      reference_params[i].mutable_grad() = at::full_like(params[i], 0.25);
+    }
+    iterate(3);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(params[i].grad().unsafeGetTensorImpl(), by_hand[i].unsafeGetTensorImpl())
+          << "parameter " << i;
+    }
+    comm::destroy_process_group();
+  });
+}
+
 TEST(DistributedDataParallel, Fp16CompressionHook) {
   run_ranks(2, [](int rank, int world_size) {
     init(rank);
