@@ -83,9 +83,9 @@ struct BucketAliasedGradients::State {
       // The Reducer's bucket view: an alias of it instead (the last one, if nobody else holds
       // it and it covers the same memory).
       at::Tensor& alias = handed[i];
-      const bool reusable = alias.defined() && alias.use_count() == 1 &&
-                            alias.is_alias_of(grad) && alias.data_ptr() == grad.data_ptr() &&
-                            alias.sizes() == grad.sizes() && alias.strides() == grad.strides();
+      const bool reusable = alias.defined() && alias.use_count() == 1 && alias.is_alias_of(grad) &&
+                            alias.data_ptr() == grad.data_ptr() && alias.sizes() == grad.sizes() &&
+                            alias.strides() == grad.strides();
       if (!reusable) {
         alias = at::empty({0}, grad.options());
         cover(alias, grad);

@@ -124,8 +124,12 @@ void OwnerReduction::reset_backward() {
 void OwnerReduction::on_pass_start() {
   if (in_backward_) return;
   in_backward_ = true;
-  // Runs on this thread when the backward pass ends, before backward() returns.
-  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  // Runs on this thread when the backward pass ends, before backward() returns, after every
+  // callback queued during the pass: a DistributedDataParallel wrongly run on the same
+  // parameters finalizes its gradients first, and step() finds and refuses them.
+  torch::autograd::Engine::get_default_engine().queue_callback([this] {
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+  });
   // Gradients this rank holds from earlier passes (its own parameters' averages) are kept aside:
   // each rank must send this pass's gradient alone.
   for (size_t i = 0; i < params_.size(); ++i) {

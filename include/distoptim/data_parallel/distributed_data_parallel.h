@@ -31,14 +31,16 @@ struct DistributedDataParallelOptions {
   /// Walk the graph from the outputs after each forward to find parameters that take no part
   /// in it, so their buckets still complete. Needs forward to return tensors.
   TORCH_ARG(bool, find_unused_parameters) = false;
-  /// Gradients become views into the allreduce buckets: saves the copy of every averaged bucket
-  /// back into `.grad` and the memory of one set of gradients (with ZeroRedundancyOptimizer and
-  /// Adam on 20 x Linear(2000, 2000), about a fifth of the iteration's CPU: docs/data_parallel.md).
-  /// Off by default, as in PyTorch, because it changes what a training loop may do with `.grad`:
-  /// LibTorch's torch::optim::Optimizer::zero_grad() throws on such views (it detaches them in
-  /// place; Module::zero_grad, clip_grad_norm_ and ZeroRedundancyOptimizer::zero_grad work), a
-  /// gradient kept from one iteration is overwritten by the next backward, and a gradient set by
-  /// hand before backward is replaced by the bucket's view instead of receiving the average.
+  /// Gradients become views into the allreduce buckets, as in PyTorch. Not needed for speed:
+  /// with it off (the default) and find_unused_parameters off, gradients live in the buckets'
+  /// memory all the same (no copy of the averaged buckets back into `.grad`, one set of gradients
+  /// in memory), but `.grad` holds plain tensors over that memory and keeps the meaning it has
+  /// without DDP: LibTorch's torch::optim::Optimizer::zero_grad() works, a gradient kept after
+  /// clearing `.grad` keeps its values, and one set by hand before backward stays `.grad` and
+  /// receives the average (docs/data_parallel.md). On, `.grad` is the view itself, with
+  /// PyTorch's caveats: Optimizer::zero_grad() throws (it detaches in place, which autograd
+  /// refuses for a view), a kept gradient is overwritten by the next backward, and one set by hand
+  /// is replaced by the view instead of receiving the average.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
 };
 
