@@ -43,7 +43,7 @@ Agent::Agent(int rank, int world_size, const RpcBackendOptions& options)
       pending_([this](std::vector<PendingCall> expired) { on_calls_expired(std::move(expired)); }),
       dispatcher_(options, limits_, pending_),
       peers_(group_.listen_address(), limits_, options.inbound_queue_bytes(),
-             options.frame_stall_timeout(), &pending_.awaited()) {}
+             options.frame_stall_timeout()) {}
 
 void Agent::start(const std::string& name) {
   if (group_.dynamic()) {
@@ -332,9 +332,6 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send_message(int to, const std::s
   pending_.add(std::move(call));
   std::optional<std::string> lost = peers_.send(to, std::move(message));
   lock.unlock();
-  if (waited_only && !lost) {
-    peers_.poll_for_reply();
-  }
   if (lost) {
     // Failed here unless the loss already took it (and failed it the same way).
     if (pending_.take(id, to)) {

@@ -14,14 +14,14 @@ namespace rpc {
 namespace detail {
 
 Peers::Peers(const std::string& address, WireLimits limits, size_t receive_budget_bytes,
-             std::chrono::milliseconds frame_stall_timeout, const AwaitedReplies* awaited)
+             std::chrono::milliseconds frame_stall_timeout)
     : limits_(limits),
       stall_timeout_(frame_stall_timeout),
       budget_(std::make_shared<ReceiveBudget>(receive_budget_bytes)),
       io_work_(io_.get_executor()),
       stall_check_(io_) {
   listener_ = std::make_shared<Listener>(io_, address);
-  io_loop_ = std::make_unique<IoLoop>(io_, kIoLoopThreads, awaited);
+  io_loop_ = std::make_unique<IoLoop>(io_, kIoLoopThreads);
 }
 
 Peers::~Peers() {

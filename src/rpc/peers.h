@@ -78,10 +78,9 @@ struct PeerEvents {
 class Peers {
  public:
   /// Starts the I/O thread and listens on `address` (an IP address), port chosen by the system.
-  /// Throws DistributedError if it cannot. `awaited` (may be null) counts the replies callers
-  /// block on, which the I/O thread polls for before it sleeps (io_loop.h); it outlives this.
+  /// Throws DistributedError if it cannot.
   Peers(const std::string& address, WireLimits limits, size_t receive_budget_bytes,
-        std::chrono::milliseconds frame_stall_timeout, const AwaitedReplies* awaited = nullptr);
+        std::chrono::milliseconds frame_stall_timeout);
   ~Peers();
   Peers(const Peers&) = delete;
   Peers& operator=(const Peers&) = delete;
@@ -98,8 +97,6 @@ class Peers {
   /// Sends `message` to `peer` after those sent before it, opening the connection on first use.
   /// Returns why the peer is lost if it is (nothing is sent then), else nothing.
   std::optional<std::string> send(int peer, EncodedMessage message);
-  /// After sending a request a caller will block on: the I/O thread polls for its reply.
-  void poll_for_reply() { io_loop_->poll_for_reply(); }
   /// Drops a message to `peer` not yet written, by its header id (a call that timed out).
   void drop_queued(int peer, uint64_t id);
   /// Closes the connection to `peer` and counts it as lost (why); on_peer_lost runs.

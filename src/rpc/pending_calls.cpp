@@ -19,17 +19,8 @@ void PendingCalls::add(PendingCall call) {
       timer_changed_.notify_one();
     }
   }
-  if (call.waited_only) {
-    awaited_.begin();
-  }
   const uint64_t id = call.id;
   calls_.emplace(id, std::move(call));
-}
-
-void PendingCalls::unawait_locked(const PendingCall& call) {
-  if (call.waited_only) {
-    awaited_.end();
-  }
 }
 
 void PendingCalls::notify_if_empty_locked() {
@@ -60,7 +51,6 @@ std::optional<PendingCall> PendingCalls::take(uint64_t id, int from) {
   PendingCall call = std::move(it->second);
   calls_.erase(it);
   erase_deadline_locked(call);
-  unawait_locked(call);
   notify_if_empty_locked();
   return call;
 }
@@ -77,7 +67,6 @@ std::vector<PendingCall> PendingCalls::take_to(int peer) {
   for (auto it = calls_.begin(); it != calls_.end();) {
     if (it->second.to == peer) {
       erase_deadline_locked(it->second);
-      unawait_locked(it->second);
       taken.push_back(std::move(it->second));
       it = calls_.erase(it);
     } else {
@@ -92,7 +81,6 @@ std::vector<PendingCall> PendingCalls::take_all() {
   std::vector<PendingCall> taken;
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [id, call] : calls_) {
-    unawait_locked(call);
     taken.push_back(std::move(call));
   }
   calls_.clear();
@@ -134,7 +122,6 @@ void PendingCalls::run_timer() {
       auto it = calls_.find(deadlines_.begin()->second);
       deadlines_.erase(deadlines_.begin());
       if (it != calls_.end()) {
-        unawait_locked(it->second);
         expired.push_back(std::move(it->second));
         calls_.erase(it);
       }

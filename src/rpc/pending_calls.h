@@ -15,8 +15,6 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/ivalue_inl.h>
 
-#include "transport/awaited_replies.h"
-
 namespace distoptim {
 namespace rpc {
 namespace detail {
@@ -58,8 +56,6 @@ class PendingCalls {
   /// Waits until no call is pending or `deadline` passes; returns whether none is.
   bool wait_empty(std::chrono::steady_clock::time_point deadline);
   size_t size();
-  /// The waited_only calls pending: the I/O loop polls for their replies (io_loop.h).
-  const AwaitedReplies& awaited() const { return awaited_; }
   /// Stops the timer thread (calls still pending stay, for take_all).
   void stop();
 
@@ -67,8 +63,7 @@ class PendingCalls {
   void erase_deadline_locked(const PendingCall& call);  // requires mutex_
   void run_timer();
 
-  void notify_if_empty_locked();                 // requires mutex_
-  void unawait_locked(const PendingCall& call);  // requires mutex_: `call` was taken out
+  void notify_if_empty_locked();  // requires mutex_
 
   using TimePoint = std::chrono::steady_clock::time_point;
   const ExpiredHandler on_expired_;
@@ -85,7 +80,6 @@ class PendingCalls {
   std::unordered_map<uint64_t, PendingCall> calls_;  // guarded by mutex_
   std::multimap<TimePoint, uint64_t> deadlines_;     // guarded by mutex_
   bool stopping_ = false;                            // guarded by mutex_
-  AwaitedReplies awaited_;                           // changed under mutex_
   std::thread timer_;
 };
 

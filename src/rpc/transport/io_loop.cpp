@@ -3,7 +3,6 @@
 #include <utility>
 
 #include <c10/util/Exception.h>
-#include <asio/post.hpp>
 
 namespace distoptim {
 namespace rpc {
@@ -16,8 +15,7 @@ thread_local std::function<void()>* t_after = nullptr;
 
 }  // namespace
 
-IoLoop::IoLoop(asio::io_context& io, int threads, const AwaitedReplies* awaited)
-    : io_(io), awaited_(awaited) {
+IoLoop::IoLoop(asio::io_context& io, int threads) : io_(io) {
   for (int i = 0; i < threads; ++i) {
     threads_.emplace_back([this] { run_thread(); });
   }
@@ -52,28 +50,6 @@ void IoLoop::run_after_hand_off(std::function<void()> job) {
   *t_after = std::move(job);
 }
 
-void IoLoop::poll_for_reply() {
-  // Seen here, or the leader sees the wait before it sleeps: its flag is set before it looks.
-  if (leader_sleeping_.load()) {
-    asio::post(io_, [] {});
-  }
-}
-
-void IoLoop::poll_awaited(const std::function<void()>& job) {
-  const uint64_t begun = awaited_->begun();
-  const auto until = std::chrono::steady_clock::now() + kReplyPoll;
-  while (!job && awaited_->any()) {
-    if (io_.poll_one() > 0) {
-      continue;
-    }
-    if (io_.stopped() || std::chrono::steady_clock::now() >= until) {
-      polled_through_ = begun;  // these waits' poll ran out: sleep until a new wait begins
-      return;
-    }
-    std::this_thread::yield();  // a busy machine's other threads run between polls
-  }
-}
-
 void IoLoop::run_thread() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
@@ -90,21 +66,8 @@ void IoLoop::run_thread() {
     t_leading = this;
     t_after = &job;
     bool running = true;
-    const auto should_poll = [this] {
-      return awaited_ != nullptr && awaited_->any() && awaited_->begun() != polled_through_;
-    };
     while (!job && running) {
-      if (should_poll()) {
-        poll_awaited(job);
-        continue;
-      }
-      leader_sleeping_.store(true);
-      if (should_poll()) {  // a wait that began before the flag was set (poll_for_reply)
-        leader_sleeping_.store(false, std::memory_order_relaxed);
-        continue;
-      }
       running = io_.run_one() > 0;  // 0: stopped (a work guard keeps it from running dry)
-      leader_sleeping_.store(false, std::memory_order_relaxed);
     }
     t_leading = nullptr;
     t_after = nullptr;

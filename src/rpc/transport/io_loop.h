@@ -1,16 +1,12 @@
 #pragma once
 
-#include <chrono>
 #include <condition_variable>
-#include <cstdint>
 #include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
 
 #include <asio/io_context.hpp>
-
-#include "awaited_replies.h"
 
 namespace distoptim {
 namespace rpc {
@@ -25,18 +21,11 @@ namespace detail {
 /// waits for that thread to wake; here the thread that read the message runs it at once, and the
 /// follower's wake-up is off the job's path.
 ///
-/// While a caller blocks on a reply (`awaited`, if given), the leading thread polls the loop for up
-/// to kReplyPoll, yielding its core between polls, before it sleeps in epoll: a reply that comes
-/// back within it is read by a running thread instead of waking a sleeping one (tens of
-/// microseconds on a virtual machine). Once per wait: a wait that outlasts its poll costs no
-/// more, and a worker with no caller blocked (idle, or serving others) never polls.
-///
 /// Threading: the threads start at construction and run until the io_context stops; join()
 /// (also the destructor) from a thread outside the loop. One mutex guards the fields below.
 class IoLoop {
  public:
-  /// `awaited` (may be null: never poll) must outlive the loop's threads.
-  IoLoop(asio::io_context& io, int threads, const AwaitedReplies* awaited = nullptr);
+  IoLoop(asio::io_context& io, int threads);
   ~IoLoop();
   IoLoop(const IoLoop&) = delete;
   IoLoop& operator=(const IoLoop&) = delete;
@@ -54,21 +43,8 @@ class IoLoop {
   /// after the handler returns, once a follower has taken the loop over. The job must not throw.
   static void run_after_hand_off(std::function<void()> job);
 
-  /// From a caller that has just sent a request it will block on (after awaited.begin()): wakes
-  /// the leading thread if it sleeps in epoll, so that it polls for the reply; the wake-up
-  /// overlaps the request's flight instead of following the reply.
-  void poll_for_reply();
-
-  /// How long the leading thread polls for the replies of one wait before it sleeps: above a
-  /// loopback round trip to a worker doing a little work (75-95 us on an idle 2-core virtual
-  /// machine), short enough that a busy machine loses little (each poll yields the core).
-  static constexpr std::chrono::microseconds kReplyPoll{200};
-
  private:
   void run_thread();
-  /// Leader only: runs ready handlers while a reply is awaited, until none is, a handler hands
-  /// a job over, kReplyPoll passes or the loop stops.
-  void poll_awaited(const std::function<void()>& job);
 
   asio::io_context& io_;
   std::mutex mutex_;
@@ -77,9 +53,6 @@ class IoLoop {
   bool led_ = false;                    // a thread leads
   bool stopped_ = false;                // the io_context stopped: every thread leaves
   int waiting_ = 0;                     // followers waiting to lead
-  const AwaitedReplies* const awaited_;
-  uint64_t polled_through_ = 0;               // waits begun whose poll ran out; leader only
-  std::atomic<bool> leader_sleeping_{false};  // the leader blocks in run_one()
   std::vector<std::thread> threads_;
 };
 
