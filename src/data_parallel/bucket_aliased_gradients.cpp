@@ -5,8 +5,9 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
+
+#include "after_backward.h"
 
 namespace distoptim {
 namespace data_parallel {
@@ -24,7 +25,7 @@ void cover(at::Tensor& target, const at::Tensor& view) {
 
 }  // namespace
 
-struct BucketAliasedGradients::State {
+struct BucketAliasedGradients::State : std::enable_shared_from_this<State> {
   std::vector<at::Tensor> parameters;
   // By parameter: the alias of its bucket view this class last put in .grad.
   std::vector<at::Tensor> handed;
@@ -45,13 +46,9 @@ struct BucketAliasedGradients::State {
 
   void start_pass() {
     in_pass = true;
-    // The Reducer queues its finalization when the last bucket is ready, after this: a callback
-    // queued from ours runs after it.
-    std::weak_ptr<State> weak = self;
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-        if (auto state = weak.lock()) state->finish_pass();
-      });
+    // After the Reducer's finalization, which puts its bucket views in .grad.
+    queue_after_pass_callbacks([weak = weak_from_this()] {
+      if (auto state = weak.lock()) state->finish_pass();
     });
     // An alias the user took out of .grad but still holds keeps its values: the pass is about
     // to write the bucket under it.
@@ -75,17 +72,16 @@ struct BucketAliasedGradients::State {
       at::Tensor& grad = parameters[i].mutable_grad();
       if (put_back[i].defined()) {
         if (grad.defined() && !same_tensor(grad, put_back[i])) put_back[i].copy_(grad);
-        grad = std::move(put_back[i]);
-        put_back[i] = at::Tensor();
+        grad = std::exchange(put_back[i], at::Tensor());
         continue;
       }
       if (!grad.defined() || same_tensor(grad, handed[i]) || !grad.is_view()) continue;
       // The Reducer's bucket view: an alias of it instead (the last one, if nobody else holds
       // it and it covers the same memory).
       at::Tensor& alias = handed[i];
+      // (A view of the same parameter's slot has its sizes and strides: the start fixes it.)
       const bool reusable = alias.defined() && alias.use_count() == 1 && alias.is_alias_of(grad) &&
-                            alias.data_ptr() == grad.data_ptr() && alias.sizes() == grad.sizes() &&
-                            alias.strides() == grad.strides();
+                            alias.data_ptr() == grad.data_ptr();
       if (!reusable) {
         alias = at::empty({0}, grad.options());
         cover(alias, grad);
@@ -93,8 +89,6 @@ struct BucketAliasedGradients::State {
       grad = alias;
     }
   }
-
-  std::weak_ptr<State> self;
 };
 
 class BucketAliasedGradients::AccumulatorHook : public torch::autograd::FunctionPreHook {
@@ -114,7 +108,6 @@ class BucketAliasedGradients::AccumulatorHook : public torch::autograd::Function
 BucketAliasedGradients::BucketAliasedGradients(std::vector<at::Tensor> parameters)
     : state_(std::make_shared<State>()) {
   State& s = *state_;
-  s.self = state_;
   s.handed.resize(parameters.size());
   s.put_back.resize(parameters.size());
   s.parameters = std::move(parameters);

@@ -11,12 +11,13 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <distoptim/comm/errors.h>
+
+#include "after_backward.h"
 
 namespace distoptim {
 namespace data_parallel {
@@ -127,9 +128,7 @@ void OwnerReduction::on_pass_start() {
   // Runs on this thread when the backward pass ends, before backward() returns, after every
   // callback queued during the pass: a DistributedDataParallel wrongly run on the same
   // parameters finalizes its gradients first, and step() finds and refuses them.
-  torch::autograd::Engine::get_default_engine().queue_callback([this] {
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
-  });
+  queue_after_pass_callbacks([this] { finish_backward(); });
   // Gradients this rank holds from earlier passes (its own parameters' averages) are kept aside:
   // each rank must send this pass's gradient alone.
   for (size_t i = 0; i < params_.size(); ++i) {
