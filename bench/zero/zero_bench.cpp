@@ -80,6 +80,8 @@ struct Config {
   int deadline_seconds = 600;
   // DistributedDataParallel's gradient_as_bucket_view, on both sides (their default: false).
   bool gradient_as_bucket_view = false;
+  // Ours only (PyTorch has no such option): off measures what the shared memory gives.
+  bool share_host_memory = true;
 };
 
 // How our ranks run ZeRO in a case.
@@ -119,15 +121,17 @@ void run_worker(const Config& config, Mode mode) {
   // Stage 2 averages the gradients itself: the plain module, no DDP.
   std::optional<data_parallel::DistributedDataParallel<torch::nn::Sequential>> ddp;
   if (mode != Mode::kStage2) {
-    ddp.emplace(model, data_parallel::DistributedDataParallelOptions().gradient_as_bucket_view(
-                           config.gradient_as_bucket_view));
+    ddp.emplace(model, data_parallel::DistributedDataParallelOptions()
+                           .gradient_as_bucket_view(config.gradient_as_bucket_view)
+                           .share_host_memory(config.share_host_memory));
   }
   data_parallel::ZeroRedundancyOptimizer zero(
       model->parameters(), "adam", {{"lr", 0.01}},
       data_parallel::ZeroRedundancyOptimizerOptions()
           .parameters_as_bucket_view(mode == Mode::kBucketView)
           .overlap_with_ddp(mode == Mode::kOverlap)
-          .stage(mode == Mode::kStage2 ? 2 : 1));
+          .stage(mode == Mode::kStage2 ? 2 : 1)
+          .share_host_memory(config.share_host_memory));
   if (mode == Mode::kOverlap) ddp->register_comm_hook(data_parallel::hook_with_zero_step(zero));
   const int rank = comm::get_rank();
   torch::manual_seed(1 + rank);
@@ -256,6 +260,7 @@ Run run_ours(const Config& config, const std::string& mode) {
                                 "--mode",
                                 mode};
   for (auto& arg : shared_args(config)) argv.push_back(std::move(arg));
+  if (!config.share_host_memory) argv.push_back("--no-share-host-memory");
   const std::string what = "our ranks (" + mode + ")";
   return parse_run(what, run_side(what, argv, config.deadline_seconds), config);
 }
@@ -327,6 +332,8 @@ int run(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_flag("--gradient-as-bucket-view", config.gradient_as_bucket_view,
                "DistributedDataParallel with gradient_as_bucket_view, both sides");
+  app.add_flag("--no-share-host-memory{false}", config.share_host_memory,
+               "ours: allreduce and broadcast over Gloo's loopback TCP, not shared memory");
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_option("--pytorch-script", script, "pytorch_zero.py")->capture_default_str();
   app.add_flag("--worker", worker, "Run as one of our ranks (started by the benchmark itself)");
@@ -366,10 +373,11 @@ int run(int argc, char** argv) {
   fmt::print(
       "\nzero_bench: DDP + ZeroRedundancyOptimizer + Adam(lr 0.01), {} x Linear({}, {}), batch {} "
       "per rank, {} ranks (gloo, loopback), {} intra-op thread per rank; DDP "
-      "gradient_as_bucket_view {} on both sides; PyTorch {} at its defaults otherwise (DDP "
-      "bucket_cap_mb 25, overlap_with_ddp False)\n",
+      "gradient_as_bucket_view {} on both sides; ours share_host_memory {}; PyTorch {} at its "
+      "defaults otherwise (DDP bucket_cap_mb 25, overlap_with_ddp False)\n",
       config.layers, config.size, config.size, config.batch, kWorldSize, kThreadsPerRank,
-      config.gradient_as_bucket_view, pytorch["plain"].front().torch_version);
+      config.gradient_as_bucket_view, config.share_host_memory,
+      pytorch["plain"].front().torch_version);
   fmt::print(
       "threads per rank: intra-op ours {} / pytorch {}; OpenBLAS's own (-1: not OpenBLAS) ours {} "
       "/ pytorch {}; PyTorch's ranks run with OMP_NUM_THREADS={} (torchrun's value for ranks "

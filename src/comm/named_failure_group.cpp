@@ -37,6 +37,8 @@
 
 #include <distoptim/comm/errors.h>
 
+#include "forwarding_process_group.h"
+
 namespace distoptim {
 namespace comm {
 
@@ -45,9 +47,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::chrono::milliseconds kMaxGrace{2000};
-// Ranks are 0 and up: these mark a collective and a receive from any rank.
+// Ranks are 0 and up: this marks a collective (ForwardingProcessGroup::kAnyPeer a receive from
+// any rank).
 constexpr int kNoPeer = -1;
-constexpr int kAnyPeer = -2;
 
 enum class FailureKind { kTimeout, kPeerLost, kOther };
 
@@ -276,106 +278,25 @@ class NamedFailureWork : public c10d::Work {
   const std::shared_ptr<WorkFailure> failure_;
 };
 
-// Forwards every operation to Gloo's group and wraps the Work it returns. Issuing follows
-// c10d's contract (one thread at a time, the same order on every member); the collective
-// counter is atomic all the same.
-class NamedFailureProcessGroup : public c10d::ProcessGroup {
+// Forwards every operation to Gloo's group and wraps the Work it returns. The collective
+// counter is atomic though c10d's contract has one thread issue at a time.
+class NamedFailureProcessGroup : public ForwardingProcessGroup {
  public:
   NamedFailureProcessGroup(c10::intrusive_ptr<c10d::ProcessGroup> inner, FailureChannel channel)
-      : c10d::ProcessGroup(inner->getRank(), inner->getSize()),
-        inner_(std::move(inner)),
+      : ForwardingProcessGroup(std::move(inner)),
         blame_(std::make_shared<Blame>(std::move(channel))) {}
 
-  const std::string getBackendName() const override { return inner_->getBackendName(); }
-
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
-                                           const c10d::BroadcastOptions& opts) override {
-    return collective("broadcast", inner_->broadcast(tensors, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
-                                           const c10d::AllreduceOptions& opts) override {
-    return collective("allreduce", inner_->allreduce(tensors, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
-      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
-    return collective("allreduce_coalesced", inner_->allreduce_coalesced(tensors, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
-                                        const c10d::ReduceOptions& opts) override {
-    return collective("reduce", inner_->reduce(tensors, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                           std::vector<at::Tensor>& inputs,
-                                           const c10d::AllgatherOptions& opts) override {
-    return collective("allgather", inner_->allgather(outputs, inputs, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts) override {
-    return collective("allgather", inner_->_allgather_base(output, input, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
-                                                     std::vector<at::Tensor>& inputs,
-                                                     const c10d::AllgatherOptions& opts) override {
-    return collective("allgather_coalesced", inner_->allgather_coalesced(outputs, inputs, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                        std::vector<at::Tensor>& inputs,
-                                        const c10d::GatherOptions& opts) override {
-    return collective("gather", inner_->gather(outputs, inputs, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
-                                         std::vector<std::vector<at::Tensor>>& inputs,
-                                         const c10d::ScatterOptions& opts) override {
-    return collective("scatter", inner_->scatter(outputs, inputs, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
-                                                std::vector<std::vector<at::Tensor>>& inputs,
-                                                const c10d::ReduceScatterOptions& opts) override {
-    return collective("reduce_scatter", inner_->reduce_scatter(outputs, inputs, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
-    return collective("reduce_scatter", inner_->_reduce_scatter_base(output, input, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
-                                               std::vector<int64_t>& output_split_sizes,
-                                               std::vector<int64_t>& input_split_sizes,
-                                               const c10d::AllToAllOptions& opts) override {
-    return collective("alltoall", inner_->alltoall_base(output, input, output_split_sizes,
-                                                        input_split_sizes, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
-                                          std::vector<at::Tensor>& inputs,
-                                          const c10d::AllToAllOptions& opts) override {
-    return collective("alltoall", inner_->alltoall(outputs, inputs, opts));
-  }
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
-    return collective("barrier", inner_->barrier(opts));
-  }
-
-  // Gloo's monitored barrier names the missing ranks itself.
-  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
-    inner_->monitoredBarrier(opts, wait_all_ranks);
-  }
-  void setSequenceNumberForGroup() override { inner_->setSequenceNumberForGroup(); }
-  uint64_t getSequenceNumberForGroup() override { return inner_->getSequenceNumberForGroup(); }
-
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
-                                      int tag) override {
-    return wrap({"send to", 0, dst_rank}, inner_->send(tensors, dst_rank, tag));
-  }
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
-                                      int tag) override {
-    return wrap({"recv from", 0, src_rank}, inner_->recv(tensors, src_rank, tag));
-  }
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
-    return wrap({"recv from any rank", 0, kAnyPeer}, inner_->recvAnysource(tensors, tag));
-  }
+  // Gloo's monitored barrier names the missing ranks itself (forwarded as it is).
 
  private:
   // Numbered after Gloo accepted it: an operation refused on issue takes no number.
-  c10::intrusive_ptr<c10d::Work> collective(const char* name, c10::intrusive_ptr<c10d::Work> work) {
+  c10::intrusive_ptr<c10d::Work> collective(const char* name,
+                                            c10::intrusive_ptr<c10d::Work> work) override {
     return wrap({name, ++collectives_, kNoPeer}, std::move(work));
+  }
+  c10::intrusive_ptr<c10d::Work> point_to_point(const char* name, int peer,
+                                                c10::intrusive_ptr<c10d::Work> work) override {
+    return wrap({name, 0, peer}, std::move(work));
   }
 
   c10::intrusive_ptr<c10d::Work> wrap(const Op& op, c10::intrusive_ptr<c10d::Work> work) {
@@ -383,7 +304,6 @@ class NamedFailureProcessGroup : public c10d::ProcessGroup {
         std::move(work), std::make_shared<WorkFailure>(blame_, op), getRank());
   }
 
-  const c10::intrusive_ptr<c10d::ProcessGroup> inner_;
   const std::shared_ptr<Blame> blame_;
   std::atomic<uint64_t> collectives_{0};
 };

@@ -177,6 +177,7 @@ GradientSync::GradientSync(const torch::nn::Module& module, DistributedDataParal
   }
   s.buffers = module.buffers();
   s.options = std::move(options);
+  if (s.options.share_host_memory()) s.group = comm::share_host_memory(s.group);
   const auto& pg = s.group.process_group();
 
   // Every rank must hold the same model: checked on every rank (naming the rank that differs)

@@ -121,6 +121,7 @@ struct ZeroRedundancyOptimizer::Impl {
     }
     TORCH_CHECK_VALUE(!params.empty(), zero_detail::kName, ": got an empty parameter list");
     check_same_parameters_across_ranks(group, params, zero_detail::kName);
+    if (options.share_host_memory()) group = comm::share_host_memory(group);
     owner = zero_detail::sorted_greedy_owners(params, group_indices, group.size());
     partition = partition_of(owner);
     std::vector<optim::ParamGroup> local_groups;

@@ -99,6 +99,27 @@ c10::intrusive_ptr<DeadlineStore> default_store();
 Group new_group(std::vector<int> ranks = {},
                 std::optional<std::chrono::milliseconds> timeout = std::nullopt);
 
+/// `group` with its allreduce (ReduceOp::SUM) and broadcast of one dense CPU tensor done
+/// through memory its members share, when every member runs on this host: each member copies
+/// its data into a segment of its own once and the members reduce one share each from the
+/// others' segments, where Gloo copies every byte through loopback TCP. Every other operation,
+/// and Half tensors, still go to `group`'s Gloo; results are the same to rounding (the sum of a
+/// share is in rank order, and every member gets the same bits). DistributedDataParallel uses it
+/// by default.
+///
+/// Collective over `group`. Returns `group` itself on every member when some member cannot map
+/// the others' memory (another host, another /dev/shm, no room in it), or for a group of one.
+/// Memory: 2 x `slot_bytes` per member in /dev/shm, reserved at once (collectives larger than a
+/// slot go through in pieces); the segments' names are removed as soon as all members have
+/// mapped them. Failures: a collective that a member never reaches fails with
+/// distoptim::TimeoutError naming the global ranks missing after the collective's timeout (the
+/// group's by default); one whose member's process is gone, with distoptim::PeerLostError
+/// naming it within about 50 ms. Either breaks the shared memory: every later allreduce or
+/// broadcast of the returned group fails at once.
+/// Thread safety: as `group`'s; the shared-memory collectives run, in order, on a thread of the
+/// returned group's own.
+Group share_host_memory(const Group& group, size_t slot_bytes = size_t{4} << 20);
+
 /// Splits the world into subgroups (torch.distributed.new_subgroups) and returns this rank's
 /// subgroup and all of them. `group_size` consecutive ranks each (the world size must be a
 /// multiple of it); by default one subgroup per host: the intra-node subgroups that

@@ -42,6 +42,11 @@ struct DistributedDataParallelOptions {
   /// refuses for a view), a kept gradient is overwritten by the next backward, and one set by hand
   /// is replaced by the view instead of receiving the average.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// Not in PyTorch: when every rank of the group runs on this host, the buckets are averaged
+  /// (and buffers broadcast) through memory the ranks share rather than Gloo's loopback TCP
+  /// (comm::share_host_memory: 8 MiB of /dev/shm per rank, the same averages to rounding).
+  /// Off, or across hosts, Gloo does it all.
+  TORCH_ARG(bool, share_host_memory) = true;
 };
 
 /// The communication hooks LibTorch has built in (c10d::BuiltinCommHookType).

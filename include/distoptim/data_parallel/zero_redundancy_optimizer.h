@@ -55,6 +55,10 @@ struct ZeroRedundancyOptimizerOptions {
   /// gradient but gets none in a pass counts as a zero gradient. Results equal stage 1's with a
   /// DistributedDataParallel to rounding. Not with overlap_with_ddp or join_hook (c10::ValueError).
   TORCH_ARG(int, stage) = 1;
+  /// Not in PyTorch: when every rank of the group runs on this host, the parameters are
+  /// broadcast after the step through memory the ranks share rather than Gloo's loopback TCP
+  /// (comm::share_host_memory: 8 MiB of /dev/shm per rank). Off, or across hosts, Gloo does it.
+  TORCH_ARG(bool, share_host_memory) = true;
 };
 
 /// torch.distributed.optim.ZeroRedundancyOptimizer: every rank of a data-parallel group holds

@@ -1,0 +1,185 @@
+// share_host_memory: allreduce and broadcast through shared memory between real processes on
+// this host, checked bit for bit, and the ways a member's absence or death is reported.
+
+#include <dirent.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <distoptim/comm.h>
+
+#include "harness/multiprocess.h"
+#include "support/test_util.h"
+
+namespace distoptim {
+namespace comm {
+namespace {
+
+using distoptim::testing::run_ranks;
+using namespace std::chrono_literals;
+
+// One page per slot: a tensor of a few KB already goes through in several pieces.
+constexpr size_t kSmallSlot = 4096;
+
+std::vector<std::string> distoptim_segments() {
+  std::vector<std::string> names;
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return names;
+  while (const dirent* entry = readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.rfind("distoptim-", 0) == 0) names.push_back(name);
+  }
+  closedir(dir);
+  return names;
+}
+
+// Rank r's values in the tests: different on every rank, reproducible on all.
+at::Tensor values_of(int rank, int64_t n, at::ScalarType type) {
+  torch::manual_seed(1000 + rank);
+  at::Tensor values = torch::randn({n}, torch::kDouble) * 100;
+  return values.to(type);
+}
+
+// The sum the shared memory must give: the members' values added in rank order.
+at::Tensor rank_order_sum(int world_size, int64_t n, at::ScalarType type) {
+  at::Tensor sum = values_of(0, n, type) + values_of(1, n, type);
+  for (int r = 2; r < world_size; ++r) sum.add_(values_of(r, n, type));
+  return sum;
+}
+
+void allreduce(const Group& group, at::Tensor tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM) {
+  std::vector<at::Tensor> tensors = {std::move(tensor)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = op;
+  group.process_group()->allreduce(tensors, options)->wait();
+}
+
+TEST(HostMemoryGroup, CollectivesGiveEveryMemberTheSameBits) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    const Group shared = share_host_memory(world(), kSmallSlot);
+    EXPECT_NE(shared.process_group().get(), world().process_group().get())
+        << "every rank runs on this host: the group should share memory";
+    EXPECT_EQ(shared.ranks(), world().ranks());
+    // The segments' names are gone once the group is open (the other ranks' too: they remove
+    // theirs before the group returns).
+    world().barrier();
+    EXPECT_TRUE(distoptim_segments().empty());
+
+    // Sizes around the pieces and shares: empty, smaller than a share, one element over a
+    // piece, many pieces; and the dtypes it sums itself.
+    for (const at::ScalarType type : {at::kFloat, at::kDouble, at::kBFloat16, at::kLong}) {
+      for (const int64_t n : {0, 5, 1025, 20000}) {
+        SCOPED_TRACE(std::string(c10::toString(type)) + " x " + std::to_string(n));
+        at::Tensor mine = values_of(rank, n, type);
+        allreduce(shared, mine);
+        EXPECT_TRUE(at::equal(mine, rank_order_sum(world_size, n, type)));
+      }
+    }
+    // A strided tensor is summed in place all the same.
+    at::Tensor matrix = values_of(rank, 3000, at::kFloat).view({60, 50});
+    at::Tensor columns = matrix.t();
+    allreduce(shared, columns);
+    EXPECT_TRUE(at::equal(matrix, rank_order_sum(world_size, 3000, at::kFloat).view({60, 50})));
+
+    // What it leaves to Gloo: another reduction, Half.
+    at::Tensor highest = torch::full({4}, static_cast<float>(rank));
+    allreduce(shared, highest, c10d::ReduceOp::MAX);
+    EXPECT_TRUE(at::equal(highest, torch::full({4}, static_cast<float>(world_size - 1))));
+    at::Tensor half = torch::full({7}, 1.0, torch::kHalf);
+    allreduce(shared, half);
+    EXPECT_TRUE(at::equal(half, torch::full({7}, static_cast<double>(world_size), torch::kHalf)));
+
+    // Broadcasts from every root, of any dtype, over several pieces.
+    for (int root = 0; root < world_size; ++root) {
+      for (const at::ScalarType type : {at::kFloat, at::kBool, at::kHalf}) {
+        at::Tensor mine = values_of(rank, 2500, at::kDouble).gt(0).to(type);
+        std::vector<at::Tensor> tensors = {mine};
+        c10d::BroadcastOptions options;
+        options.rootRank = root;
+        shared.process_group()->broadcast(tensors, options)->wait();
+        EXPECT_TRUE(at::equal(mine, values_of(root, 2500, at::kDouble).gt(0).to(type)));
+      }
+    }
+
+    // Futures hold the tensors, as Gloo's do.
+    std::vector<at::Tensor> tensors = {torch::ones({3})};
+    auto future = shared.process_group()->allreduce(tensors)->getFuture();
+    future->wait();
+    EXPECT_TRUE(at::equal(future->value().toTensorVector()[0],
+                          torch::full({3}, static_cast<float>(world_size))));
+
+    // A group of one has nothing to share.
+    const Group alone = new_group({0});
+    if (rank == 0) {
+      EXPECT_EQ(share_host_memory(alone).process_group().get(), alone.process_group().get());
+    }
+  });
+}
+
+TEST(HostMemoryGroup, DeadMemberIsNamedAsLost) {
+  distoptim::testing::RunRanksOptions options;
+  options.expected_exit_codes[2] = 3;
+  run_ranks(
+      3,
+      [](int rank, int) {
+        init_process_group(ProcessGroupOptions("env://").timeout(30s));
+        const Group shared = share_host_memory(world(), kSmallSlot);
+        if (rank == 2) std::_Exit(3);
+        const auto start = std::chrono::steady_clock::now();
+        distoptim::testing::expect_error_containing(
+            [&] { allreduce(shared, torch::ones({10000})); },
+            {"allreduce #1 over shared memory on group [0, 1, 2] at rank " +
+                 std::to_string(rank) + ": rank 2 is lost (its process ",
+             " has exited)"});
+        // Long before the 30 s timeout.
+        EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
+        try {
+          allreduce(shared, torch::ones({3}));
+          ADD_FAILURE() << "a group that lost a member must fail at once";
+        } catch (const PeerLostError& e) {
+          EXPECT_NE(std::string(e.what()).find("an earlier collective failed: rank 2 is lost"),
+                    std::string::npos)
+              << e.what();
+        }
+      },
+      options);
+}
+
+TEST(HostMemoryGroup, AbsentMemberTimesOutNamingIt) {
+  run_ranks(3, [](int rank, int) {
+    init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    const Group impatient = share_host_memory(new_group({}, 1s), kSmallSlot);
+    if (rank == 2) {
+      std::this_thread::sleep_for(3s);  // skips the collective, alive
+      return;
+    }
+    try {
+      allreduce(impatient, torch::ones({10}));
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const TimeoutError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("allreduce #1 over shared memory on group [0, 1, 2] at rank " +
+                             std::to_string(rank) +
+                             ": timed out after 1000 ms; these ranks never reached it: "),
+                std::string::npos)
+          << message;
+      // Rank 2 never came; the other survivor may or may not have arrived yet.
+      EXPECT_NE(message.find("2", message.find("never reached it")), std::string::npos)
+          << message;
+    }
+    // Broken for good: a later collective fails at once with the same kind of error.
+    EXPECT_THROW(allreduce(impatient, torch::ones({10})), TimeoutError);
+  });
+}
+
+}  // namespace
+}  // namespace comm
+}  // namespace distoptim
