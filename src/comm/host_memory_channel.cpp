@@ -181,10 +181,9 @@ std::unique_ptr<HostMemoryChannel> HostMemoryChannel::open(c10d::ProcessGroup& g
                                                            std::chrono::milliseconds timeout,
                                                            size_t slot_bytes) {
   TORCH_CHECK_VALUE(slot_bytes > 0 && slot_bytes % kHeaderBytes == 0,
-                    "HostMemoryChannel: slot_bytes = ", slot_bytes, " must be a positive multiple of ",
-                    kHeaderBytes);
-  std::unique_ptr<HostMemoryChannel> channel(
-      new HostMemoryChannel(ranks, group_rank, slot_bytes));
+                    "HostMemoryChannel: slot_bytes = ", slot_bytes,
+                    " must be a positive multiple of ", kHeaderBytes);
+  std::unique_ptr<HostMemoryChannel> channel(new HostMemoryChannel(ranks, group_rank, slot_bytes));
   const uint64_t token = agree_token(gloo, group_rank, timeout);
   char hex[17];
   std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(token));

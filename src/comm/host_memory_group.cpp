@@ -39,8 +39,9 @@ namespace {
 // through its future (the tensors, as Gloo's futures hold them).
 class HostMemoryWork : public c10d::Work {
  public:
-  HostMemoryWork(int rank, c10d::OpType type, std::vector<at::Tensor> tensors)
+  HostMemoryWork(int rank, c10d::OpType type, std::vector<at::Tensor> tensors, std::string what)
       : c10d::Work(rank, type),
+        what_(std::move(what)),
         tensors_(std::move(tensors)),
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()))) {}
@@ -57,7 +58,28 @@ class HostMemoryWork : public c10d::Work {
   std::vector<at::Tensor> result() override { return tensors_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
+  // A caller usually waits as long as the collective's own timeout, which started no later
+  // (when the collective reached its barrier): the collective's error, which names the ranks
+  // missing, is given the grace to come first.
+  bool wait(std::chrono::milliseconds timeout) override {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      const auto done = [this] { return completed_; };
+      if (timeout == ::kNoTimeout) {
+        cv_.wait(lock, done);
+      } else if (!cv_.wait_for(lock, timeout + std::min(timeout, kWaitGrace), done)) {
+        DISTOPTIM_THROW(TimeoutError, what_, ": not done after waiting ", timeout.count(),
+                        " ms (and a grace)");
+      }
+      if (exception_) std::rethrow_exception(exception_);
+    }
+    return true;
+  }
+
  private:
+  static constexpr std::chrono::milliseconds kWaitGrace{2000};
+
+  const std::string what_;
   const std::vector<at::Tensor> tensors_;
   const c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -79,8 +101,7 @@ bool reducible(at::ScalarType type) {
 }
 
 bool dense_cpu(const std::vector<at::Tensor>& tensors) {
-  return tensors.size() == 1 && tensors[0].device().is_cpu() &&
-         tensors[0].layout() == at::kStrided;
+  return tensors.size() == 1 && tensors[0].device().is_cpu() && tensors[0].layout() == at::kStrided;
 }
 
 at::Tensor view_of(uint8_t* bytes, int64_t elements, at::ScalarType type) {
@@ -107,9 +128,9 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
     ready_.notify_all();
     worker_.join();
     for (Job& job : left) {
-      job.work->fail(std::make_exception_ptr(DistributedError(
-          {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-          c10::str(job.what, ": the group was destroyed before it ran"))));
+      job.work->fail(std::make_exception_ptr(
+          DistributedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                           c10::str(job.what, ": the group was destroyed before it ran"))));
     }
   }
 
@@ -133,31 +154,30 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
                       "broadcast: rootRank = ", opts.rootRank, " is not in [0, ", getSize(),
                       ") (group rank of ", channel_->ranks()[channel_->rank()], ")");
     const int root = static_cast<int>(opts.rootRank);
-    return enqueue(c10d::OpType::BROADCAST, "broadcast", tensors, opts.timeout,
-                   [this, root](at::Tensor& flat, std::chrono::milliseconds timeout,
-                                const std::string& what) {
-                     broadcast_bytes(flat, root, timeout, what);
-                   });
+    return enqueue(
+        c10d::OpType::BROADCAST, "broadcast", tensors, opts.timeout,
+        [this, root](at::Tensor& flat, std::chrono::milliseconds timeout, const std::string& what) {
+          broadcast_bytes(flat, root, timeout, what);
+        });
   }
 
  private:
-  using Body =
-      std::function<void(at::Tensor&, std::chrono::milliseconds, const std::string& what)>;
+  using Body = std::function<void(at::Tensor&, std::chrono::milliseconds, const std::string& what)>;
   struct Job {
     c10::intrusive_ptr<HostMemoryWork> work;
     at::Tensor tensor;
     std::chrono::milliseconds timeout;
-    std::string what;  // "allreduce #3 over shared memory on group [0, 1] at rank 0"
+    std::string what;  // "allreduce #3 over shared memory on group [0, 1] failed at rank 0"
     Body body;
   };
 
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name,
                                          const std::vector<at::Tensor>& tensors,
                                          std::chrono::milliseconds timeout, Body body) {
-    auto work = c10::make_intrusive<HostMemoryWork>(getRank(), type, tensors);
     std::string what = c10::str(name, " #", ++collectives_, " over shared memory on group ",
-                                ranks_text(channel_->ranks()), " at rank ",
+                                ranks_text(channel_->ranks()), " failed at rank ",
                                 channel_->ranks()[channel_->rank()]);
+    auto work = c10::make_intrusive<HostMemoryWork>(getRank(), type, tensors, what);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(Job{work, tensors[0], timeout == c10d::kUnsetTimeout ? timeout_ : timeout,
@@ -198,8 +218,7 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
   // Sums `flat` over the members in place, piece by piece. Member m reduces share m of each
   // piece, adding the members' values in rank order, and every member copies the reduced shares
   // from the reducers: all members end with the same bits.
-  void allreduce_sum(at::Tensor& flat, std::chrono::milliseconds timeout,
-                     const std::string& what) {
+  void allreduce_sum(at::Tensor& flat, std::chrono::milliseconds timeout, const std::string& what) {
     const int members = channel_->size();
     const int me = channel_->rank();
     const at::ScalarType type = flat.scalar_type();

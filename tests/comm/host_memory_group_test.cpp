@@ -136,7 +136,7 @@ TEST(HostMemoryGroup, DeadMemberIsNamedAsLost) {
         const auto start = std::chrono::steady_clock::now();
         distoptim::testing::expect_error_containing(
             [&] { allreduce(shared, torch::ones({10000})); },
-            {"allreduce #1 over shared memory on group [0, 1, 2] at rank " +
+            {"allreduce #1 over shared memory on group [0, 1, 2] failed at rank " +
                  std::to_string(rank) + ": rank 2 is lost (its process ",
              " has exited)"});
         // Long before the 30 s timeout.
@@ -166,14 +166,13 @@ TEST(HostMemoryGroup, AbsentMemberTimesOutNamingIt) {
       ADD_FAILURE() << "expected a timeout";
     } catch (const TimeoutError& e) {
       const std::string message = e.what();
-      EXPECT_NE(message.find("allreduce #1 over shared memory on group [0, 1, 2] at rank " +
+      EXPECT_NE(message.find("allreduce #1 over shared memory on group [0, 1, 2] failed at rank " +
                              std::to_string(rank) +
                              ": timed out after 1000 ms; these ranks never reached it: "),
                 std::string::npos)
           << message;
       // Rank 2 never came; the other survivor may or may not have arrived yet.
-      EXPECT_NE(message.find("2", message.find("never reached it")), std::string::npos)
-          << message;
+      EXPECT_NE(message.find("2", message.find("never reached it")), std::string::npos) << message;
     }
     // Broken for good: a later collective fails at once with the same kind of error.
     EXPECT_THROW(allreduce(impatient, torch::ones({10})), TimeoutError);

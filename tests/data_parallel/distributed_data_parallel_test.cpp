@@ -76,6 +76,41 @@ TEST(DistributedDataParallel, GradientsEqualTheFullBatch) {
   }
 }
 
+// On one host the buckets are averaged through shared memory by default; with two ranks the
+// averages are the bits Gloo gives (a + b either way), iteration after iteration.
+TEST(DistributedDataParallel, SharedMemoryAveragesAsGlooDoes) {
+  run_ranks(2, [](int rank, int world_size) {
+    init(rank);
+    auto shared_model = make_model(100 + rank);
+    auto gloo_model = make_model(100 + rank);
+    DistributedDataParallel shared(shared_model,
+                                   DistributedDataParallelOptions().bucket_cap_mb(0.0005));
+    DistributedDataParallel gloo(
+        gloo_model,
+        DistributedDataParallelOptions().bucket_cap_mb(0.0005).share_host_memory(false));
+    EXPECT_NE(shared.process_group().process_group().get(),
+              comm::world().process_group().get());
+    EXPECT_EQ(gloo.process_group().process_group().get(), comm::world().process_group().get());
+    torch::optim::SGD shared_sgd(shared_model->parameters(), torch::optim::SGDOptions(0.1));
+    torch::optim::SGD gloo_sgd(gloo_model->parameters(), torch::optim::SGDOptions(0.1));
+    for (int iteration = 0; iteration < 3; ++iteration) {
+      const Batch batch(7 + iteration, world_size);
+      shared_sgd.zero_grad();
+      gloo_sgd.zero_grad();
+      torch::mse_loss(shared.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      torch::mse_loss(gloo.forward(batch.local_x(rank)), batch.local_y(rank)).backward();
+      const auto shared_params = shared_model->parameters();
+      const auto gloo_params = gloo_model->parameters();
+      for (size_t i = 0; i < shared_params.size(); ++i) {
+        EXPECT_TRUE(at::equal(shared_params[i].grad(), gloo_params[i].grad()))
+            << "iteration " << iteration << ", parameter " << i;
+      }
+      shared_sgd.step();
+      gloo_sgd.step();
+    }
+  });
+}
+
 TEST(DistributedDataParallel, NoSyncAccumulatesLocallyThenSyncsTheSum) {
   run_ranks(3, [](int rank, int world_size) {
     init(rank);
@@ -298,15 +333,18 @@ TEST(DistributedDataParallelBadInput, Arguments) {
   });
 }
 
-TEST(DistributedDataParallelFailure, DeadRankIsNamedByBackward) {
+// Rank 2 of 3 dies after making the DDP; the others' backward must name it. Through shared
+// memory the barrier sees its process gone; through Gloo the socket closes.
+void expect_dead_rank_named_by_backward(bool share_host_memory) {
   distoptim::testing::RunRanksOptions options;
   options.expected_exit_codes[2] = 3;
   run_ranks(
       3,
-      [](int rank, int) {
+      [share_host_memory](int rank, int) {
         init(rank);
         auto model = make_model(1);
-        DistributedDataParallel ddp(model);
+        DistributedDataParallel ddp(
+            model, DistributedDataParallelOptions().share_host_memory(share_host_memory));
         if (rank == 2) std::_Exit(3);
         // The gradient allreduce goes through c10d's Reducer and the bucket's future.
         auto loss = ddp.forward(torch::ones({2, 6}, torch::kFloat64)).sum();
@@ -321,7 +359,9 @@ TEST(DistributedDataParallelFailure, DeadRankIsNamedByBackward) {
           EXPECT_TRUE(std::regex_search(message, std::regex("ranks? ([0-9]+, )*2(, [0-9]+)* "
                                                             "(is|are) lost")))
               << message;
-          EXPECT_NE(message.find("by peer"), std::string::npos) << message;
+          EXPECT_NE(message.find(share_host_memory ? "over shared memory" : "by peer"),
+                    std::string::npos)
+              << message;
         }
         // Rank 0 serves the store, which rank 1 may still be polling for the others' reports.
         const auto store = comm::default_store();
@@ -329,6 +369,11 @@ TEST(DistributedDataParallelFailure, DeadRankIsNamedByBackward) {
         if (rank == 0) store->wait({"test/done/1"}, 20s);
       },
       options);
+}
+
+TEST(DistributedDataParallelFailure, DeadRankIsNamedByBackward) {
+  expect_dead_rank_named_by_backward(/*share_host_memory=*/true);
+  expect_dead_rank_named_by_backward(/*share_host_memory=*/false);
 }
 
 }  // namespace
