@@ -28,6 +28,7 @@
 
 #include "forwarding_process_group.h"
 #include "host_memory_channel.h"
+#include "host_memory_share.h"
 #include "named_failure_group.h"
 
 namespace distoptim {
@@ -299,12 +300,22 @@ Group share_host_memory(const Group& group, size_t slot_bytes) {
   TORCH_CHECK_VALUE(group.is_member(), "share_host_memory: this rank is not a member of the group ",
                     ranks_text(group.ranks()));
   if (group.size() < 2) return group;
-  std::unique_ptr<HostMemoryChannel> channel = HostMemoryChannel::open(
-      *group.process_group(), group.ranks(), group.rank(), group.timeout(), slot_bytes);
-  if (channel == nullptr) return group;
-  return Group(c10::make_intrusive<HostMemoryProcessGroup>(group.process_group(),
-                                                           std::move(channel), group.timeout()),
-               group.ranks(), group.global_rank(group.rank()), group.timeout());
+  HostMemoryShare& share = *group.host_memory_;
+  std::lock_guard<std::mutex> lock(share.mutex);
+  if (!share.decided) {
+    std::unique_ptr<HostMemoryChannel> channel = HostMemoryChannel::open(
+        *group.process_group(), group.ranks(), group.rank(), group.timeout(), slot_bytes);
+    if (channel != nullptr) {
+      share.shared = c10::make_intrusive<HostMemoryProcessGroup>(
+          group.process_group(), std::move(channel), group.timeout());
+    }
+    share.decided = true;
+  }
+  if (!share.shared) return group;
+  if (share.shared.get() == group.process_group().get()) return group;
+  Group shared(share.shared, group.ranks(), group.global_rank(group.rank()), group.timeout());
+  shared.host_memory_ = group.host_memory_;
+  return shared;
 }
 
 }  // namespace comm

@@ -17,6 +17,7 @@
 #include <distoptim/comm/store_round.h>
 #include <distoptim/comm/store_wait.h>
 
+#include "host_memory_share.h"
 #include "named_failure_group.h"
 
 namespace distoptim {
@@ -171,7 +172,10 @@ void agree_on_members(DeadlineStore& store, const StoreRound& round, const std::
 
 Group::Group(c10::intrusive_ptr<c10d::ProcessGroup> process_group, std::vector<int> ranks,
              int global_rank, std::chrono::milliseconds timeout)
-    : process_group_(std::move(process_group)), ranks_(std::move(ranks)), timeout_(timeout) {
+    : process_group_(std::move(process_group)),
+      host_memory_(std::make_shared<HostMemoryShare>()),
+      ranks_(std::move(ranks)),
+      timeout_(timeout) {
   const auto it = std::find(ranks_.begin(), ranks_.end(), global_rank);
   rank_ = it == ranks_.end() ? -1 : static_cast<int>(it - ranks_.begin());
   TORCH_INTERNAL_ASSERT(is_member() == static_cast<bool>(process_group_));

@@ -68,6 +68,10 @@ TEST(HostMemoryGroup, CollectivesGiveEveryMemberTheSameBits) {
     EXPECT_NE(shared.process_group().get(), world().process_group().get())
         << "every rank runs on this host: the group should share memory";
     EXPECT_EQ(shared.ranks(), world().ranks());
+    // Made once per group: later calls, on it or a copy (DDP's and ZeRO's on the same group),
+    // return the same at once, with no collective.
+    EXPECT_EQ(share_host_memory(world()).process_group().get(), shared.process_group().get());
+    EXPECT_EQ(share_host_memory(shared).process_group().get(), shared.process_group().get());
     // The segments' names are gone once the group is open (the other ranks' too: they remove
     // theirs before the group returns).
     world().barrier();

@@ -91,6 +91,10 @@ TEST(DistributedDataParallel, SharedMemoryAveragesAsGlooDoes) {
     EXPECT_NE(shared.process_group().process_group().get(),
               comm::world().process_group().get());
     EXPECT_EQ(gloo.process_group().process_group().get(), comm::world().process_group().get());
+    // A ZeroRedundancyOptimizer on the same group shares the DDP's memory.
+    const ZeroRedundancyOptimizer zero(shared_model->parameters(), "sgd", {{"lr", 0.1}});
+    EXPECT_EQ(zero.process_group().process_group().get(),
+              shared.process_group().process_group().get());
     torch::optim::SGD shared_sgd(shared_model->parameters(), torch::optim::SGDOptions(0.1));
     torch::optim::SGD gloo_sgd(gloo_model->parameters(), torch::optim::SGDOptions(0.1));
     for (int iteration = 0; iteration < 3; ++iteration) {

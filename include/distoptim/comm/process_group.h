@@ -27,6 +27,10 @@ namespace comm {
 /// `exception` and `getFuture`, with distoptim::PeerLostError, one some member never reached
 /// with distoptim::TimeoutError, each naming the global ranks at fault and keeping Gloo's text;
 /// finding them costs up to min(timeout(), 2 s) after the failure (see docs/errors.md).
+struct HostMemoryShare;
+class Group;
+Group share_host_memory(const Group& group, size_t slot_bytes);
+
 class Group {
  public:
   Group() = default;
@@ -50,7 +54,11 @@ class Group {
   void barrier() const;
 
  private:
+  friend Group share_host_memory(const Group& group, size_t slot_bytes);
+
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  // The group's shared memory once share_host_memory made it, shared by every copy.
+  std::shared_ptr<HostMemoryShare> host_memory_;
   std::vector<int> ranks_;
   int rank_ = -1;
   std::chrono::milliseconds timeout_{0};
@@ -107,11 +115,14 @@ Group new_group(std::vector<int> ranks = {},
 /// share is in rank order, and every member gets the same bits). DistributedDataParallel uses it
 /// by default.
 ///
-/// Collective over `group`. Returns `group` itself on every member when some member cannot map
-/// the others' memory (another host, another /dev/shm, no room in it), or for a group of one.
-/// Memory: 2 x `slot_bytes` per member in /dev/shm, reserved at once (collectives larger than a
-/// slot go through in pieces); the segments' names are removed as soon as all members have
-/// mapped them. Failures: a collective that a member never reaches fails with
+/// Collective over `group` the first time it is called on `group` (or a copy of it); later calls
+/// return the same group at once (DistributedDataParallel and ZeroRedundancyOptimizer on one
+/// group share its memory), whatever their `slot_bytes`. Returns `group` itself on every member
+/// when some member cannot map the others' memory (another host, another /dev/shm, no room in
+/// it), or for a group of one.
+/// Memory: 2 x `slot_bytes` per member in /dev/shm, once per group, reserved at once (collectives
+/// larger than a slot go through in pieces); the segments' names are removed as soon as all members
+/// have mapped them. Failures: a collective that a member never reaches fails with
 /// distoptim::TimeoutError naming the global ranks missing after the collective's timeout (the
 /// group's by default); one whose member's process is gone, with distoptim::PeerLostError
 /// naming it within about 50 ms. Either breaks the shared memory: every later allreduce or
