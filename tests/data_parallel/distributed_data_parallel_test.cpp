@@ -88,8 +88,7 @@ TEST(DistributedDataParallel, SharedMemoryAveragesAsGlooDoes) {
     DistributedDataParallel gloo(
         gloo_model,
         DistributedDataParallelOptions().bucket_cap_mb(0.0005).share_host_memory(false));
-    EXPECT_NE(shared.process_group().process_group().get(),
-              comm::world().process_group().get());
+    EXPECT_NE(shared.process_group().process_group().get(), comm::world().process_group().get());
     EXPECT_EQ(gloo.process_group().process_group().get(), comm::world().process_group().get());
     // A ZeroRedundancyOptimizer on the same group shares the DDP's memory.
     const ZeroRedundancyOptimizer zero(shared_model->parameters(), "sgd", {{"lr", 0.1}});
