@@ -121,8 +121,6 @@ class ForwardingProcessGroup : public c10d::ProcessGroup {
     return work;
   }
 
-  const c10::intrusive_ptr<c10d::ProcessGroup>& inner() const { return inner_; }
-
  private:
   const c10::intrusive_ptr<c10d::ProcessGroup> inner_;
 };

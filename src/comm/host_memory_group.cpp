@@ -56,6 +56,8 @@ class HostMemoryWork : public c10d::Work {
     future_->setError(error);
   }
 
+  // "allreduce #3 over shared memory on group [0, 1] failed at rank 0": what its errors start with.
+  const std::string& what() const { return what_; }
   std::vector<at::Tensor> result() override { return tensors_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
@@ -117,6 +119,8 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
       : ForwardingProcessGroup(std::move(inner)),
         channel_(std::move(channel)),
         timeout_(timeout),
+        where_(c10::str(" over shared memory on group ", ranks_text(channel_->ranks()),
+                        " failed at rank ", channel_->ranks()[channel_->rank()])),
         worker_([this] { run(); }) {}
 
   ~HostMemoryProcessGroup() override {
@@ -131,7 +135,7 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
     for (Job& job : left) {
       job.work->fail(std::make_exception_ptr(
           DistributedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                           c10::str(job.what, ": the group was destroyed before it ran"))));
+                           c10::str(job.work->what(), ": the group was destroyed before it ran"))));
     }
   }
 
@@ -168,21 +172,18 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
     c10::intrusive_ptr<HostMemoryWork> work;
     at::Tensor tensor;
     std::chrono::milliseconds timeout;
-    std::string what;  // "allreduce #3 over shared memory on group [0, 1] failed at rank 0"
     Body body;
   };
 
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name,
                                          const std::vector<at::Tensor>& tensors,
                                          std::chrono::milliseconds timeout, Body body) {
-    std::string what = c10::str(name, " #", ++collectives_, " over shared memory on group ",
-                                ranks_text(channel_->ranks()), " failed at rank ",
-                                channel_->ranks()[channel_->rank()]);
-    auto work = c10::make_intrusive<HostMemoryWork>(getRank(), type, tensors, what);
+    auto work = c10::make_intrusive<HostMemoryWork>(getRank(), type, tensors,
+                                                    c10::str(name, " #", ++collectives_, where_));
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back(Job{work, tensors[0], timeout == c10d::kUnsetTimeout ? timeout_ : timeout,
-                           std::move(what), std::move(body)});
+                           std::move(body)});
     }
     ready_.notify_one();
     return work;
@@ -201,7 +202,7 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
       try {
         // The pieces work on contiguous memory; a strided tensor goes through a copy.
         at::Tensor flat = job.tensor.is_contiguous() ? job.tensor : job.tensor.contiguous();
-        job.body(flat, job.timeout, job.what);
+        job.body(flat, job.timeout, job.work->what());
         if (!flat.is_same(job.tensor)) job.tensor.copy_(flat);
       } catch (...) {
         job.work->fail(std::current_exception());
@@ -281,9 +282,10 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
     }
   }
 
-  // Used by the worker thread alone once constructed.
+  // Fixed once built; the channel's slots and barriers, and pieces_, are the worker thread's.
   const std::unique_ptr<HostMemoryChannel> channel_;
   const std::chrono::milliseconds timeout_;
+  const std::string where_;  // " over shared memory on group [0, 1] failed at rank 0"
   uint64_t pieces_ = 0;
 
   uint64_t collectives_ = 0;  // issuing thread (one at a time, by c10d's contract)
