@@ -137,14 +137,12 @@ TEST(HostMemoryGroup, DeadMemberIsNamedAsLost) {
         init_process_group(ProcessGroupOptions("env://").timeout(30s));
         const Group shared = share_host_memory(world(), kSmallSlot);
         if (rank == 2) std::_Exit(3);
-        const auto start = std::chrono::steady_clock::now();
+        // The loss itself is named (not the 30 s timeout's "timed out ... never reached it").
         distoptim::testing::expect_error_containing(
             [&] { allreduce(shared, torch::ones({10000})); },
             {"allreduce #1 over shared memory on group [0, 1, 2] failed at rank " +
                  std::to_string(rank) + ": rank 2 is lost (its process ",
              " has exited)"});
-        // Long before the 30 s timeout.
-        EXPECT_LT(std::chrono::steady_clock::now() - start, 20s);
         try {
           allreduce(shared, torch::ones({3}));
           ADD_FAILURE() << "a group that lost a member must fail at once";
