@@ -47,13 +47,15 @@ class HostMemoryWork : public c10d::Work {
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()))) {}
 
+  // The future first, as Gloo does: whoever returns from wait() (DDP's Reducer, for the Join's
+  // divisor) may read the future's value at once.
   void complete() {
-    finish();
     future_->markCompleted(c10::IValue(tensors_));
+    finish();
   }
   void fail(const std::exception_ptr& error) {
-    finish(error);
     future_->setError(error);
+    finish(error);
   }
 
   // "allreduce #3 over shared memory on group [0, 1] failed at rank 0": what its errors start with.

@@ -119,6 +119,14 @@ TEST(HostMemoryGroup, CollectivesGiveEveryMemberTheSameBits) {
     future->wait();
     EXPECT_TRUE(at::equal(future->value().toTensorVector()[0],
                           torch::full({3}, static_cast<float>(world_size))));
+    // ... and hold them once wait() has returned (DDP's Reducer reads the Join's divisor so):
+    // many small collectives, for the worker thread's completion to race the waiter.
+    for (int i = 0; i < 300; ++i) {
+      std::vector<at::Tensor> one = {torch::ones({1})};
+      auto work = shared.process_group()->allreduce(one);
+      work->wait();
+      ASSERT_TRUE(work->getFuture()->completed()) << "collective " << i;
+    }
 
     // A group of one has nothing to share.
     const Group alone = new_group({0});
