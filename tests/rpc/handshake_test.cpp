@@ -873,8 +873,10 @@ TEST(RpcHandshake, AcceptedConnectionsAreBoundedInNumber) {
         ASSERT_TRUE(prove_as(*claims.back(), 0, /*await_verdict=*/false)) << "claim " << i;
       }
       const int64_t open_after = rpc_sync<int64_t>(worker(0), "open_descriptors");
+      // One more while worker 0 may still be accepting the last claims: the accepted descriptor
+      // exists before the oldest is closed. Without the bound the count grows by kClaims.
       EXPECT_LE(open_after - open_before,
-                static_cast<int64_t>(detail::Peers::max_accepted_connections(world_size)));
+                static_cast<int64_t>(detail::Peers::max_accepted_connections(world_size)) + 1);
       // Worker 2 calls worker 0 for the first time while the claims are still open.
       g_flood_stage = 1;
       const auto deadline = std::chrono::steady_clock::now() + 20s;

@@ -216,8 +216,13 @@ TEST(NestedCalls, MethodCallOnAnObjectStillBeingCreatedWithOneThread) {
   run_ranks(
       2,
       [](int rank, int world_size) {
+        // Worker 1 waits in shutdown while worker 0 sends its large objects: under the
+        // sanitizers that takes about as long as the usual shutdown_timeout.
         init_rpc(worker(rank), rank, world_size,
-                 test_options().num_worker_threads(1).rpc_timeout(kNoTimeout));
+                 test_options()
+                     .num_worker_threads(1)
+                     .rpc_timeout(kNoTimeout)
+                     .shutdown_timeout(std::chrono::seconds(100)));
         if (rank == 0) {
           std::vector<int64_t> values(1 << 20);
           for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<int64_t>(i % 1000);
