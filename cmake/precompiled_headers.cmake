@@ -9,8 +9,8 @@
 # layers' libraries (position-independent) and one for the tests (executables, with GoogleTest).
 # Where the settings differ GCC falls back to reading the headers (-Winvalid-pch says so), so the
 # result is the same either way. distoptim_optim keeps its own flags (-fopenmp, per-instruction-set
-# kernels) and does without; so do the public-header checks (tests/headers), which exist to
-# compile each header alone.
+# kernels) and does without. The public-header checks (tests/headers) use the tests' set: with
+# it they check our includes, not LibTorch's.
 #
 # A translation unit sees the precompiled headers whether it includes them or not: build with
 # -DDISTOPTIM_PRECOMPILED_HEADERS=OFF to check that every file includes what it uses.

@@ -2,8 +2,9 @@
 # The checks that keep the sources as they are:
 #   format  every C++ file of the repository is as clang-format (.clang-format) would write it;
 #   naming  clang-tidy's naming checks (.clang-tidy) pass on the C++ sources changed since BASE
-#           (default HEAD: the uncommitted changes), compiled as in $DISTOPTIM_BUILD_DIR (default
-#           build; configure it with -DCMAKE_EXPORT_COMPILE_COMMANDS=ON, as `make configure` does).
+#           (default HEAD: the uncommitted changes), compiled as in build-lint: a Release
+#           configuration of its own (configured, never built), file by file and without
+#           precompiled headers, which clang cannot read from GCC.
 #
 # Usage: bash scripts/lint.sh [format|naming|all] [BASE]   (default all; `make lint` runs all)
 # scripts/test.sh runs the format check before it builds anything. Exits non-zero on a finding.
@@ -12,7 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 WHAT="${1:-all}"
 BASE="${2:-HEAD}"
-BUILD_DIR="${DISTOPTIM_BUILD_DIR:-build}"
+LINT_DIR=build-lint
 
 # The C++ files under version control (or, outside a git checkout, every one under the folders
 # that hold them), one per line.
@@ -35,10 +36,8 @@ check_format() {
 }
 
 check_naming() {
-  if [[ ! -f "$BUILD_DIR/compile_commands.json" ]]; then
-    echo "lint: $BUILD_DIR/compile_commands.json is missing; run \`make configure\` first" >&2
-    return 1
-  fi
+  cmake -S . -B "$LINT_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON \
+    -DDISTOPTIM_UNITY_BUILD=OFF -DDISTOPTIM_PRECOMPILED_HEADERS=OFF >/dev/null
   local files
   mapfile -t files < <(git diff --name-only --diff-filter=d "$BASE" -- '*.cpp')
   if [[ ${#files[@]} -eq 0 ]]; then
@@ -46,7 +45,7 @@ check_naming() {
     return 0
   fi
   echo "lint: clang-tidy naming checks over ${#files[@]} changed sources (since $BASE)"
-  clang-tidy --quiet --warnings-as-errors='*' -p "$BUILD_DIR" "${files[@]}"
+  clang-tidy --quiet --warnings-as-errors='*' -p "$LINT_DIR" "${files[@]}"
 }
 
 case "$WHAT" in

@@ -37,7 +37,7 @@ enum SyncMode : int {
   kNotSyncing = 3,  // no_sync() or no grad: nothing is synchronized
 };
 
-std::string rank_list(const std::vector<int>& ranks) {
+std::string comma_separated_ranks(const std::vector<int>& ranks) {
   std::string out;
   for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
   return out;
@@ -100,8 +100,9 @@ struct GradientSync::Impl {
     }
     TORCH_CHECK_VALUE(
         to_grad.empty() || to_store.empty(), "DistributedDataParallel.forward (on rank ",
-        global_rank(), "): rank(s) ", rank_list(to_store),
-        " run forward inside a distributed autograd context and rank(s) ", rank_list(to_grad),
+        global_rank(), "): rank(s) ", comma_separated_ranks(to_store),
+        " run forward inside a distributed autograd context and rank(s) ",
+        comma_separated_ranks(to_grad),
         " outside one; every rank of the group must do the same (inside a context gradients are "
         "averaged in the context, outside in .grad)");
   }

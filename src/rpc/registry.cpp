@@ -11,21 +11,22 @@ namespace distoptim {
 namespace rpc {
 namespace {
 
-struct Registry {
+struct FunctionRegistry {
   std::mutex mutex;
   std::unordered_map<std::string, std::shared_ptr<const RawFunction>> functions;  // by mutex
 };
 
 // Function-local static: registrations run during static initialization of other files.
-Registry& registry() {
-  static Registry* instance = new Registry();  // Never destroyed: registrars may outlive main.
+FunctionRegistry& function_registry() {
+  static FunctionRegistry* instance =
+      new FunctionRegistry();  // Never destroyed: registrars may outlive main.
   return *instance;
 }
 
 constexpr const char* kReservedPrefix = "__distoptim.";
 
 void insert_function(const std::string& name, RawFunction function) {
-  Registry& r = registry();
+  FunctionRegistry& r = function_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   const bool inserted =
       r.functions.emplace(name, std::make_shared<const RawFunction>(std::move(function))).second;
@@ -44,7 +45,7 @@ void register_raw_function(const std::string& name, RawFunction function) {
 }
 
 bool is_function_registered(const std::string& name) {
-  Registry& r = registry();
+  FunctionRegistry& r = function_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   return r.functions.count(name) > 0;
 }
@@ -56,7 +57,7 @@ void register_internal_function(const std::string& name, RawFunction function) {
 }
 
 std::shared_ptr<const RawFunction> find_function(const std::string& name) {
-  Registry& r = registry();
+  FunctionRegistry& r = function_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   auto it = r.functions.find(name);
   return it == r.functions.end() ? nullptr : it->second;

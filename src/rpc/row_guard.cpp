@@ -32,7 +32,7 @@ namespace {
 // Stripe sets by storage. The weak reference keeps the StorageImpl object (not its memory)
 // allocated, so its address is not reused while the entry exists; an entry whose storage is gone
 // is dropped when the next set is created.
-struct Registry {
+struct StripeRegistry {
   struct Entry {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage;
     std::shared_ptr<RowStripes> stripes;
@@ -41,14 +41,14 @@ struct Registry {
   std::unordered_map<const c10::StorageImpl*, Entry> entries;  // guarded by mutex
 };
 
-Registry& registry() {
-  static Registry instance;
+StripeRegistry& stripe_registry() {
+  static StripeRegistry instance;
   return instance;
 }
 
 std::shared_ptr<RowStripes> find_stripes(const at::Tensor& tensor) {
   if (tensor.layout() != c10::kStrided || !tensor.has_storage()) return nullptr;
-  Registry& r = registry();
+  StripeRegistry& r = stripe_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   auto it = r.entries.find(tensor.storage().unsafeGetStorageImpl());
   if (it == r.entries.end() || it->second.storage.expired()) return nullptr;
@@ -58,7 +58,7 @@ std::shared_ptr<RowStripes> find_stripes(const at::Tensor& tensor) {
 // Called holding in_place_update_mutex() exclusively: no reader is between looking the stripes
 // up and locking them.
 void create_stripes(const at::Tensor& tensor) {
-  Registry& r = registry();
+  StripeRegistry& r = stripe_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   for (auto it = r.entries.begin(); it != r.entries.end();) {
     it = it->second.storage.expired() ? r.entries.erase(it) : std::next(it);
@@ -66,8 +66,8 @@ void create_stripes(const at::Tensor& tensor) {
   const c10::StorageImpl* key = tensor.storage().unsafeGetStorageImpl();
   if (r.entries.count(key)) return;
   const auto count = static_cast<size_t>(std::clamp<int64_t>(tensor.size(0), 1, kMaxStripes));
-  r.entries.emplace(key, Registry::Entry{tensor.storage().getWeakStorageImpl(),
-                                         std::make_shared<RowStripes>(count)});
+  r.entries.emplace(key, StripeRegistry::Entry{tensor.storage().getWeakStorageImpl(),
+                                               std::make_shared<RowStripes>(count)});
 }
 
 // Whether `tensor`'s rows are its storage's rows (so a row's stripe is the same whichever tensor
