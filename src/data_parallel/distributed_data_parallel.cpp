@@ -8,6 +8,7 @@
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
@@ -36,12 +37,6 @@ enum SyncMode : int {
   kToStore = 2,     // in a GradientStore (a distributed autograd context), after backward
   kNotSyncing = 3,  // no_sync() or no grad: nothing is synchronized
 };
-
-std::string comma_separated_ranks(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
-  return out;
-}
 
 }  // namespace
 
@@ -100,9 +95,8 @@ struct GradientSync::Impl {
     }
     TORCH_CHECK_VALUE(
         to_grad.empty() || to_store.empty(), "DistributedDataParallel.forward (on rank ",
-        global_rank(), "): rank(s) ", comma_separated_ranks(to_store),
-        " run forward inside a distributed autograd context and rank(s) ",
-        comma_separated_ranks(to_grad),
+        global_rank(), "): rank(s) ", c10::Join(", ", to_store),
+        " run forward inside a distributed autograd context and rank(s) ", c10::Join(", ", to_grad),
         " outside one; every rank of the group must do the same (inside a context gradients are "
         "averaged in the context, outside in .grad)");
   }

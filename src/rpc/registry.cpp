@@ -16,10 +16,10 @@ struct FunctionRegistry {
   std::unordered_map<std::string, std::shared_ptr<const RawFunction>> functions;  // by mutex
 };
 
-// Function-local static: registrations run during static initialization of other files.
+// Function-local static: registrations run during static initialization of other files. Never
+// destroyed: registrars may outlive main.
 FunctionRegistry& function_registry() {
-  static FunctionRegistry* instance =
-      new FunctionRegistry();  // Never destroyed: registrars may outlive main.
+  static FunctionRegistry* instance = new FunctionRegistry();
   return *instance;
 }
 
