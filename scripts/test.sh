@@ -45,14 +45,14 @@ sanitized_tests() {
     -DDISTOPTIM_BUILD_EXAMPLES=OFF
   cmake --build "$dir" -j"$JOBS"
   phase "tests labelled '$label' under $what"
-  # Each test is its own process, mostly LibTorch start-up under a sanitizer: two at a time.
+  # Each test is a GoogleTest suite in its own process (tests/CMakeLists.txt): two at a time.
   ctest --test-dir "$dir" -L "$label" --output-on-failure --no-tests=error -j"$JOBS"
 }
 
 sanitizer_tests() {
   # LeakSanitizer stays on: LibTorch is not built with ASan, but what it keeps for the life of
   # the process stays reachable from its globals, so the unit tests report no leaks. The options
-  # must hold while building too: gtest_discover_tests runs each test binary to list its tests.
+  # must hold while building too: each test binary runs once when built, to list its suites.
   export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1}"
   export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
   sanitized_tests "ASan + UBSan" "$ASAN_BUILD_DIR" ON unit
