@@ -1,5 +1,5 @@
-// share_host_memory: a group whose allreduce (sum) and broadcast go through memory its members
-// share when they all run on one host.
+// share_host_memory: a group whose allreduce and reduce (sums) and broadcast go through memory
+// its members share when they all run on one host.
 //
 // Why: on one host Gloo moves every byte through loopback TCP, which copies it into and out of
 // the kernel and wakes the peer per message; for DDP's 25 MB buckets that is most of the cost of
@@ -147,9 +147,26 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
         !reducible(tensors[0].scalar_type())) {
       return ForwardingProcessGroup::allreduce(tensors, opts);
     }
-    return enqueue(c10d::OpType::ALLREDUCE, "allreduce", tensors, opts.timeout,
-                   [this](at::Tensor& flat, std::chrono::milliseconds timeout,
-                          const std::string& what) { allreduce_sum(flat, timeout, what); });
+    return enqueue(
+        c10d::OpType::ALLREDUCE, "allreduce", tensors, opts.timeout,
+        [this](at::Tensor& flat, std::chrono::milliseconds timeout, const std::string& what) {
+          reduce_sum(flat, kEveryMember, timeout, what);
+        });
+  }
+
+  // ZeRO's stage 2 reduces each bucket to its owner: the allreduce's sums, copied to the root only.
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override {
+    if (!dense_cpu(tensors) || opts.rootTensor != 0 || opts.reduceOp != c10d::ReduceOp::SUM ||
+        !reducible(tensors[0].scalar_type())) {
+      return ForwardingProcessGroup::reduce(tensors, opts);
+    }
+    const int root = checked_root("reduce", opts.rootRank);
+    return enqueue(
+        c10d::OpType::REDUCE, "reduce", tensors, opts.timeout,
+        [this, root](at::Tensor& flat, std::chrono::milliseconds timeout, const std::string& what) {
+          reduce_sum(flat, root, timeout, what);
+        });
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -157,10 +174,7 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
     if (!dense_cpu(tensors) || opts.rootTensor != 0) {
       return ForwardingProcessGroup::broadcast(tensors, opts);
     }
-    TORCH_CHECK_VALUE(opts.rootRank >= 0 && opts.rootRank < getSize(),
-                      "broadcast: rootRank = ", opts.rootRank, " is not in [0, ", getSize(),
-                      ") (group rank of ", channel_->ranks()[channel_->rank()], ")");
-    const int root = static_cast<int>(opts.rootRank);
+    const int root = checked_root("broadcast", opts.rootRank);
     return enqueue(
         c10d::OpType::BROADCAST, "broadcast", tensors, opts.timeout,
         [this, root](at::Tensor& flat, std::chrono::milliseconds timeout, const std::string& what) {
@@ -176,6 +190,12 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
     std::chrono::milliseconds timeout;
     Body body;
   };
+
+  int checked_root(const char* name, int64_t root) const {
+    TORCH_CHECK_VALUE(root >= 0 && root < getSize(), name, ": rootRank = ", root, " is not in [0, ",
+                      getSize(), ") (group rank of ", channel_->ranks()[channel_->rank()], ")");
+    return static_cast<int>(root);
+  }
 
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name,
                                          const std::vector<at::Tensor>& tensors,
@@ -219,12 +239,18 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
   // passes only after reading the one before).
   int next_slot() { return static_cast<int>(pieces_++ % 2); }
 
+  static constexpr int kEveryMember = -1;
+
   // Sums `flat` over the members in place, piece by piece. Member m reduces share m of each
-  // piece, adding the members' values in rank order, and every member copies the reduced shares
-  // from the reducers: all members end with the same bits.
-  void allreduce_sum(at::Tensor& flat, std::chrono::milliseconds timeout, const std::string& what) {
+  // piece, adding the members' values in rank order, and the member `to` (every member, for
+  // kEveryMember: an allreduce) copies the reduced shares from the reducers: those members end
+  // with the same bits. The others' `flat` is left as it was (a reduce's input, which c10d leaves
+  // undefined on them).
+  void reduce_sum(at::Tensor& flat, int to, std::chrono::milliseconds timeout,
+                  const std::string& what) {
     const int members = channel_->size();
     const int me = channel_->rank();
+    const bool receives = to == kEveryMember || to == me;
     const at::ScalarType type = flat.scalar_type();
     const auto element = static_cast<int64_t>(flat.element_size());
     const int64_t per_piece = static_cast<int64_t>(channel_->slot_bytes()) / element;
@@ -258,9 +284,10 @@ class HostMemoryProcessGroup : public ForwardingProcessGroup {
         at::Tensor sum = view_of(channel_->slot(me, which) + begin(me) * element, size(me), type);
         at::add_out(sum, source(0), source(1));
         for (int m = 2; m < members; ++m) sum.add_(source(m));
-        std::memcpy(mine, sum.data_ptr(), size(me) * element);
+        if (receives) std::memcpy(mine, sum.data_ptr(), size(me) * element);
       }
       channel_->barrier(what, timeout);
+      if (!receives) continue;
       for (int m = 0; m < members; ++m) {
         if (m != me && size(m) > 0) {
           std::memcpy(piece + begin(m) * element, channel_->slot(m, which) + begin(m) * element,

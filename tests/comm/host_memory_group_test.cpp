@@ -1,5 +1,6 @@
-// share_host_memory: allreduce and broadcast through shared memory between real processes on
-// this host, checked bit for bit, and the ways a member's absence or death is reported.
+// share_host_memory: allreduce, reduce and broadcast through shared memory between real
+// processes on this host, checked bit for bit, and the ways a member's absence or death is
+// reported.
 
 #include <dirent.h>
 #include <unistd.h>
@@ -100,6 +101,38 @@ TEST(HostMemoryGroup, CollectivesGiveEveryMemberTheSameBits) {
     at::Tensor half = torch::full({7}, 1.0, torch::kHalf);
     allreduce(shared, half);
     EXPECT_TRUE(at::equal(half, torch::full({7}, static_cast<double>(world_size), torch::kHalf)));
+
+    // Reduces to every root, over several pieces: the root ends with the allreduce's bits, the
+    // others with their own values; Half still goes to Gloo.
+    for (int root = 0; root < world_size; ++root) {
+      for (const at::ScalarType type : {at::kFloat, at::kDouble, at::kHalf}) {
+        SCOPED_TRACE("reduce to " + std::to_string(root) + ", " + c10::toString(type));
+        at::Tensor mine = values_of(rank, 2500, type);
+        std::vector<at::Tensor> tensors = {mine};
+        c10d::ReduceOptions options;
+        options.rootRank = root;
+        shared.process_group()->reduce(tensors, options)->wait();
+        if (type == at::kHalf) {
+          if (rank == root) {
+            EXPECT_TRUE(at::allclose(mine, rank_order_sum(world_size, 2500, type), 1e-2, 1.0));
+          }
+        } else {
+          EXPECT_TRUE(at::equal(mine, rank == root ? rank_order_sum(world_size, 2500, type)
+                                                   : values_of(rank, 2500, type)));
+        }
+      }
+    }
+    {
+      std::vector<at::Tensor> tensors = {torch::ones({3})};
+      c10d::ReduceOptions options;
+      options.rootRank = world_size;
+      const std::string expected = "reduce: rootRank = " + std::to_string(world_size) +
+                                   " is not in [0, " + std::to_string(world_size) + ")";
+      // Refused before anything is queued: the broadcasts below still pair up.
+      EXPECT_THROW(shared.process_group()->reduce(tensors, options), c10::ValueError);
+      distoptim::testing::expect_error_containing(
+          [&] { shared.process_group()->reduce(tensors, options); }, {expected, "group rank of"});
+    }
 
     // Broadcasts from every root, of any dtype, over several pieces.
     for (int root = 0; root < world_size; ++root) {

@@ -107,13 +107,14 @@ c10::intrusive_ptr<DeadlineStore> default_store();
 Group new_group(std::vector<int> ranks = {},
                 std::optional<std::chrono::milliseconds> timeout = std::nullopt);
 
-/// `group` with its allreduce (ReduceOp::SUM) and broadcast of one dense CPU tensor done
-/// through memory its members share, when every member runs on this host: each member copies
-/// its data into a segment of its own once and the members reduce one share each from the
+/// `group` with its allreduce and reduce (ReduceOp::SUM) and broadcast of one dense CPU tensor
+/// done through memory its members share, when every member runs on this host: each member
+/// copies its data into a segment of its own once and the members reduce one share each from the
 /// others' segments, where Gloo copies every byte through loopback TCP. Every other operation,
 /// and Half tensors, still go to `group`'s Gloo; results are the same to rounding (the sum of a
-/// share is in rank order, and every member gets the same bits). DistributedDataParallel uses it
-/// by default.
+/// share is in rank order, and every member gets the same bits: a reduce's root the allreduce's;
+/// the other members' tensors are left as they were). DistributedDataParallel and
+/// ZeroRedundancyOptimizer (its stage 2 reduces to the owners) use it by default.
 ///
 /// Collective over `group` the first time it is called on `group` (or a copy of it); later calls
 /// return the same group at once (DistributedDataParallel and ZeroRedundancyOptimizer on one
@@ -125,8 +126,8 @@ Group new_group(std::vector<int> ranks = {},
 /// have mapped them. Failures: a collective that a member never reaches fails with
 /// distoptim::TimeoutError naming the global ranks missing after the collective's timeout (the
 /// group's by default); one whose member's process is gone, with distoptim::PeerLostError
-/// naming it within about 50 ms. Either breaks the shared memory: every later allreduce or
-/// broadcast of the returned group fails at once.
+/// naming it within about 50 ms. Either breaks the shared memory: every later allreduce, reduce
+/// or broadcast of the returned group fails at once.
 /// Thread safety: as `group`'s; the shared-memory collectives run, in order, on a thread of the
 /// returned group's own.
 Group share_host_memory(const Group& group, size_t slot_bytes = size_t{4} << 20);
