@@ -56,8 +56,9 @@ struct ZeroRedundancyOptimizerOptions {
   /// DistributedDataParallel to rounding. Not with overlap_with_ddp or join_hook (c10::ValueError).
   TORCH_ARG(int, stage) = 1;
   /// Not in PyTorch: when every rank of the group runs on this host, the parameters are
-  /// broadcast after the step through memory the ranks share rather than Gloo's loopback TCP
-  /// (comm::share_host_memory: 8 MiB of /dev/shm per rank). Off, or across hosts, Gloo does it.
+  /// broadcast after the step (and, under stage 2, the gradients reduced to their owners) through
+  /// memory the ranks share rather than Gloo's loopback TCP (comm::share_host_memory: 8 MiB of
+  /// /dev/shm per rank). Off, or across hosts, Gloo does it.
   TORCH_ARG(bool, share_host_memory) = true;
 };
 
