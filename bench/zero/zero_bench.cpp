@@ -333,7 +333,7 @@ int run(int argc, char** argv) {
   app.add_flag("--gradient-as-bucket-view", config.gradient_as_bucket_view,
                "DistributedDataParallel with gradient_as_bucket_view, both sides");
   app.add_flag("--no-share-host-memory{false}", config.share_host_memory,
-               "ours: allreduce and broadcast over Gloo's loopback TCP, not shared memory");
+               "ours: allreduce, reduce and broadcast over Gloo's loopback TCP, not shared memory");
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_option("--pytorch-script", script, "pytorch_zero.py")->capture_default_str();
   app.add_flag("--worker", worker, "Run as one of our ranks (started by the benchmark itself)");
