@@ -2,7 +2,8 @@
 # each has, for the CTest file tests/CMakeLists.txt generates (one CTest test per suite).
 #   -D TEST_EXECUTABLE=path  the binary
 #   -D TEST_NAME=name        its target's name (prefix of the variables written)
-#   -D OUTPUT=file           written: set(<name>_SUITES ...) and set(<name>_CASES_<i> <count>)
+#   -D OUTPUT=file           written: set(<name>_SUITES ...) and set(<name>_CASES ...), the
+#                            suites' names and their numbers of cases, in the same order
 foreach(required TEST_EXECUTABLE TEST_NAME OUTPUT)
   if(NOT DEFINED ${required})
     message(FATAL_ERROR "list_gtest_suites.cmake: -D ${required}=... is required")
@@ -17,28 +18,20 @@ if(NOT status EQUAL 0)
 endif()
 
 # The listing: a suite's name at the start of a line, ending with '.' (a comment may follow),
-# then its cases indented by two spaces.
+# then its cases indented by two spaces. `counts` holds each suite's number of cases.
 string(REPLACE ";" "\\;" listing "${listing}")
 string(REPLACE "\n" ";" lines "${listing}")
 set(suites "")
-set(count 0)
-set(content "")
+set(counts "")
 foreach(line IN LISTS lines)
   if(line MATCHES "^  [^ ]")
+    list(POP_BACK counts count)
     math(EXPR count "${count} + 1")
+    list(APPEND counts ${count})
   elseif(line MATCHES "^([^ #]+)\\.")
-    if(suites)
-      list(LENGTH suites index)
-      math(EXPR index "${index} - 1")
-      string(APPEND content "set(${TEST_NAME}_CASES_${index} ${count})\n")
-    endif()
     list(APPEND suites "${CMAKE_MATCH_1}")
-    set(count 0)
+    list(APPEND counts 0)
   endif()
 endforeach()
-if(suites)
-  list(LENGTH suites index)
-  math(EXPR index "${index} - 1")
-  string(APPEND content "set(${TEST_NAME}_CASES_${index} ${count})\n")
-endif()
-file(WRITE "${OUTPUT}" "set(${TEST_NAME}_SUITES [==[${suites}]==])\n${content}")
+file(WRITE "${OUTPUT}"
+  "set(${TEST_NAME}_SUITES [==[${suites}]==])\nset(${TEST_NAME}_CASES [==[${counts}]==])\n")
