@@ -52,6 +52,11 @@ bool Executor::quiescent() {
   return jobs_.empty() && idle_ == live_;
 }
 
+bool Executor::nothing_queued() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return jobs_.empty();
+}
+
 void Executor::post(std::function<void()> job) {
   bool queued = false;
   bool warn = false;

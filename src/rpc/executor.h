@@ -46,6 +46,9 @@ class Executor {
   /// No job queued and every thread waiting for one: a job run elsewhere now cannot overtake
   /// one posted before it.
   bool quiescent();
+  /// No job queued (threads may be busy): a job started elsewhere now starts after every job
+  /// posted before it.
+  bool nothing_queued();
 
   /// Marks the calling thread as blocked for its lifetime, if it is a pool thread (else, and
   /// inside another scope, it does nothing). Never throws.

@@ -7,7 +7,10 @@
 
 #include <atomic>
 #include <map>
+#include <mutex>
+#include <optional>
 #include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -330,17 +333,71 @@ TEST(RRef, TheOwnerForgetsTheForksOfADeadUser) {
       options);
 }
 
+// Requests worker 1 sends to worker 0 when worker 0 asks: `hold` keeps its thread until its
+// id's bit is released (bounded), `note` returns at once; both record their id as they start.
+// `touch` must never run; worker 1's RRef goes back to worker 0 with it.
+std::atomic<int> g_holding{0};
+std::atomic<uint64_t> g_released{0};
+std::mutex g_started_mutex;
+std::vector<int64_t> g_started;
 std::atomic<int> g_touched{0};
+std::atomic<bool> g_user_ready{false};
+std::optional<RRef<int64_t>> g_user_rref;
+void note_start(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_started_mutex);
+  g_started.push_back(id);
+}
+DISTOPTIM_RPC_FUNCTION("hold", [](int64_t id) {
+  note_start(id);
+  ++g_holding;
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while ((g_released.load() & (uint64_t{1} << id)) == 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(5ms);
+  }
+  --g_holding;
+  return id;
+});
+DISTOPTIM_RPC_FUNCTION("note", [](int64_t id) {
+  note_start(id);
+  return id;
+});
 DISTOPTIM_RPC_FUNCTION("touch", [](RRef<int64_t> rref) {
   ++g_touched;
   return rref.local_value();
 });
+DISTOPTIM_RPC_FUNCTION("user_ready", [] {
+  g_user_ready = true;
+  return int64_t{0};
+});
+DISTOPTIM_RPC_FUNCTION("send_call", [](const std::string& callable, int64_t id) {
+  (void)rpc_async<int64_t>("worker0", callable, std::tuple{id});
+  return static_cast<int64_t>(::getpid());
+});
+DISTOPTIM_RPC_FUNCTION("send_hold_and_touch", [] {
+  (void)rpc_async<int64_t>("worker0", "hold", std::tuple{int64_t{0}});
+  (void)rpc_async<int64_t>("worker0", "touch", std::tuple{*g_user_rref});
+  return int64_t{0};
+});
+
+// Waits until `done` holds, at most `limit`; false if it never did.
+template <typename Done>
+bool wait_until(Done done, std::chrono::milliseconds limit = 20s) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
 
 TEST(RRef, QueuedRequestsOfADeadUserNeverRun) {
-  // Worker 0 runs requests on one pool thread besides the I/O loop's. Worker 1 keeps both busy
-  // with slow calls, queues more behind them (one passing back an RRef worker 0 owns), and is
-  // SIGKILLed while they wait: none of them may run. Run late, the RRef would be owned again
-  // with no fork left to free it.
+  // Worker 0 runs requests on one pool thread besides the I/O loop's. Worker 0 has worker 1
+  // send held calls one at a time until both threads that run requests are busy or one waits in
+  // the pool (requests start in the order they arrived: none read later can start before it);
+  // then one more and a call passing back an RRef worker 0 owns. Once all arrived it SIGKILLs
+  // worker 1, and releases the held calls after worker 1's connections ended: no queued call
+  // may run. Run late, the RRef would be owned again with no fork left to free it.
   distoptim::testing::RunRanksOptions options;
   options.expected_signals = {{1, SIGKILL}};
   run_ranks(
@@ -350,33 +407,95 @@ TEST(RRef, QueuedRequestsOfADeadUserNeverRun) {
         if (rank == 0) rpc_options.num_worker_threads(1);
         init_rpc(worker(rank), rank, world_size, rpc_options);
         if (rank == 1) {
-          auto rref = rpc_sync<RRef<int64_t>>("worker0", "make_rref", std::tuple{int64_t{5}});
-          for (int i = 0; i < 3; ++i) {
-            (void)rpc_async<int64_t>("worker0", "sleep_ms", std::tuple{int64_t{800}});
-          }
-          (void)rpc_async<int64_t>("worker0", "touch", std::tuple{rref});
-          std::this_thread::sleep_for(200ms);
-          ::kill(::getpid(), SIGKILL);
+          g_user_rref = rpc_sync<RRef<int64_t>>("worker0", "make_rref", std::tuple{int64_t{5}});
+          (void)rpc_sync<int64_t>("worker0", "user_ready", std::tuple{});
+          std::this_thread::sleep_for(60s);  // killed by worker 0 before this ends
+          ::_exit(4);
         }
         std::map<std::string, int64_t> info;
-        const auto deadline = std::chrono::steady_clock::now() + 20s;
-        auto settled = [&] {
+        auto in_flight = [&](int64_t count) {
+          return [&, count] {
+            info = get_debug_info();
+            return info["agent.num_requests_in_flight"] == count;
+          };
+        };
+        ASSERT_TRUE(wait_until([] { return g_user_ready.load(); }));
+        ASSERT_TRUE(wait_until(in_flight(0)));
+        pid_t user = 0;
+        int64_t sent = 0;
+        while (sent < 20) {
+          user = static_cast<pid_t>(rpc_sync<int64_t>("worker1", "send_call",
+                                                      std::tuple{std::string("hold"), int64_t{0}}));
+          ++sent;
+          ASSERT_TRUE(wait_until(in_flight(sent))) << info["agent.num_requests_in_flight"];
+          (void)wait_until([&] { return g_holding.load() == sent; }, 200ms);
+          if (g_holding.load() == 2 || g_holding.load() < sent) break;
+        }
+        ASSERT_TRUE(g_holding.load() == 2 || g_holding.load() < sent) << sent << " sent";
+        (void)rpc_sync<int64_t>("worker1", "send_hold_and_touch", std::tuple{});
+        ASSERT_TRUE(wait_until(in_flight(sent + 2))) << info["agent.num_requests_in_flight"];
+        ASSERT_EQ(::kill(user, SIGKILL), 0);
+        EXPECT_TRUE(wait_until([&] { return get_debug_info()["connections"] == 0; }))
+            << "worker 0 never saw worker 1's connections end";
+        // Every call that had not started is dropped.
+        const int64_t started = g_holding.load();
+        g_released = ~uint64_t{0};
+        (void)wait_until([&] {
           info = get_debug_info();
           return info["num_owner_rrefs"] == 0 && info["num_forks"] == 0 &&
                  info["agent.num_requests_in_flight"] == 0 &&
-                 info["agent.num_dropped_requests"] >= 2;
-        };
-        while (!settled() && std::chrono::steady_clock::now() < deadline) {
-          std::this_thread::sleep_for(10ms);
-        }
+                 info["agent.num_dropped_requests"] == sent + 2 - started;
+        });
         EXPECT_EQ(info["num_owner_rrefs"], 0);
         EXPECT_EQ(info["num_forks"], 0);
         EXPECT_EQ(info["agent.num_requests_in_flight"], 0);
-        EXPECT_GE(info["agent.num_dropped_requests"], 2);  // a slow call and touch at least
+        EXPECT_EQ(info["agent.num_dropped_requests"], sent + 2 - started);
+        EXPECT_EQ(static_cast<int64_t>(g_started.size()), started);
         EXPECT_EQ(g_touched.load(), 0);
         shutdown(/*graceful=*/false);
       },
       options);
+}
+
+TEST(RequestOrder, RequestsStartInTheOrderTheyArrived) {
+  // Worker 0 runs requests on one pool thread and one I/O thread at a time. Both hold a call;
+  // a third waits in the pool. When the I/O thread's call returns, that thread waits to lead
+  // again and could run the next request read at once: it must not start before the one queued.
+  run_ranks(2, [](int rank, int world_size) {
+    rpc::RpcBackendOptions rpc_options = test_options();
+    if (rank == 0) rpc_options.num_worker_threads(1);
+    init_rpc(worker(rank), rank, world_size, rpc_options);
+    if (rank == 0) {
+      auto send = [](const std::string& callable, int64_t id) {
+        (void)rpc_sync<int64_t>("worker1", "send_call", std::tuple{callable, id});
+      };
+      auto in_flight = [](int64_t count) {
+        return [count] { return get_debug_info()["agent.num_requests_in_flight"] == count; };
+      };
+      ASSERT_TRUE(wait_until(in_flight(0)));
+      send("hold", 1);
+      ASSERT_TRUE(wait_until([] { return g_holding.load() == 1; }));
+      send("hold", 2);  // on whichever of the two threads is free
+      ASSERT_TRUE(wait_until([] { return g_holding.load() == 2; }));
+      send("note", 3);  // queued: both threads are busy
+      ASSERT_TRUE(wait_until(in_flight(3)));
+      g_released |= uint64_t{1} << 1;
+      ASSERT_TRUE(wait_until([] { return g_holding.load() == 1; }));
+      std::this_thread::sleep_for(50ms);  // the freed thread back to waiting for work
+      send("note", 4);
+      // Time for 4 to arrive (if the freed thread was the pool's, 3 ran already and this waits
+      // in vain: the order holds either way).
+      (void)wait_until(in_flight(3), 1s);
+      g_released |= uint64_t{1} << 2;
+      ASSERT_TRUE(wait_until([&] {
+        std::lock_guard<std::mutex> lock(g_started_mutex);
+        return g_started.size() == 4;
+      }));
+      std::lock_guard<std::mutex> lock(g_started_mutex);
+      EXPECT_EQ(g_started, (std::vector<int64_t>{1, 2, 3, 4}));
+    }
+    shutdown();
+  });
 }
 
 TEST(RemoteClasses, ParameterServerModulesCreatedAndCalledThroughRRefs) {
