@@ -9,7 +9,6 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -39,6 +38,10 @@ class PassStartHook : public torch::autograd::FunctionPreHook {
 };
 
 }  // namespace
+
+int64_t OwnerReduction::bytes_of(const Bucket& bucket) {
+  return bucket.numel * static_cast<int64_t>(bucket.options.dtype().itemsize());
+}
 
 OwnerReduction::OwnerReduction(comm::Group group, const std::vector<at::Tensor>& params,
                                const std::vector<int>& owner)
@@ -77,6 +80,9 @@ OwnerReduction::OwnerReduction(comm::Group group, const std::vector<at::Tensor>&
   buckets_ = std::move(built);
   for (size_t b = 0; b < buckets_.size(); ++b) {
     for (int64_t i : buckets_[b].indices) bucket_of_[i] = static_cast<int64_t>(b);
+    if (buckets_[b].owner != group_.rank()) {
+      spare_bytes_ = std::max(spare_bytes_, bytes_of(buckets_[b]));
+    }
   }
   reset_backward();
   // The gradient accumulator lives as long as someone holds it: keep it, with our hook.
@@ -118,8 +124,35 @@ void OwnerReduction::reset_backward() {
   for (Bucket& bucket : buckets_) {
     bucket.missing = static_cast<int64_t>(bucket.indices.size());
     bucket.flat = at::Tensor();
+    // A reduce that failed may still use its buffer: that one is not reused.
+    bucket.spare = at::Tensor();
     bucket.work.reset();
   }
+}
+
+void OwnerReduction::allocate(Bucket& bucket) {
+  if (bucket.owner == group_.rank()) {
+    // Views of it live on as gradients (and in `carried_`) until zero_grad drops them.
+    if (!bucket.kept.defined() || bucket.kept.storage().use_count() != 1) {
+      bucket.kept = at::empty({bucket.numel}, bucket.options);
+    }
+    bucket.flat = bucket.kept;
+    return;
+  }
+  if (spares_.empty()) {
+    bucket.spare = at::empty({spare_bytes_}, bucket.options.dtype(at::kByte));
+  } else {
+    bucket.spare = std::move(spares_.back());
+    spares_.pop_back();
+  }
+  bucket.flat =
+      bucket.spare.narrow(0, 0, bytes_of(bucket)).view(bucket.options.dtype().toScalarType());
+}
+
+void OwnerReduction::return_spare(Bucket& bucket) {
+  bucket.work.reset();
+  if (bucket.spare.defined()) spares_.push_back(std::move(bucket.spare));
+  bucket.spare = at::Tensor();
 }
 
 void OwnerReduction::on_pass_start() {
@@ -169,7 +202,7 @@ void OwnerReduction::take_gradient(int64_t index) {
   at::NoGradGuard no_grad;
   Bucket& bucket = buckets_[bucket_of_[index]];
   // Every slot is written before the bucket goes (a gradient, or zeros in launch): no fill.
-  if (!bucket.flat.defined()) bucket.flat = at::empty({bucket.numel}, bucket.options);
+  if (!bucket.flat.defined()) allocate(bucket);
   const size_t k =
       std::find(bucket.indices.begin(), bucket.indices.end(), index) - bucket.indices.begin();
   bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes()).copy_(grad);
@@ -189,7 +222,8 @@ void OwnerReduction::launch_ready_buckets() {
 
 void OwnerReduction::launch(Bucket& bucket) {
   if (!bucket.flat.defined()) {
-    bucket.flat = at::zeros({bucket.numel}, bucket.options);
+    allocate(bucket);
+    bucket.flat.zero_();
   } else if (bucket.missing > 0) {
     for (size_t k = 0; k < bucket.indices.size(); ++k) {
       if (!arrived_[bucket.indices[k]]) {
@@ -218,14 +252,14 @@ void OwnerReduction::release_completed() {
     Bucket& bucket = buckets_[b];
     if (bucket.owner == group_.rank() || !bucket.work) continue;
     if (bucket.work->isCompleted() && bucket.work->isSuccess()) {
-      bucket.work.reset();
+      return_spare(bucket);
     } else {
       in_flight.push_back(&bucket);
     }
   }
   for (size_t k = 0; k + kMaxOthersInFlight < in_flight.size(); ++k) {
     wait_for(*in_flight[k]);
-    in_flight[k]->work.reset();
+    return_spare(*in_flight[k]);
   }
 }
 
@@ -259,6 +293,9 @@ void OwnerReduction::finish_reductions() {
   for (; next_launch_ < buckets_.size(); ++next_launch_) launch(buckets_[next_launch_]);
   for (Bucket& bucket : buckets_) {
     if (bucket.work) wait_for(bucket);
+  }
+  for (Bucket& bucket : buckets_) {
+    if (bucket.owner != group_.rank()) return_spare(bucket);
   }
   at::NoGradGuard no_grad;
   for (Bucket& bucket : buckets_) {

@@ -26,8 +26,16 @@ namespace zero_detail {
 // the same fixed order on every rank. At the end of backward (an autograd engine callback) the
 // remaining buckets go (a parameter that got no gradient counts as zeros), every reduce is
 // waited for, and the owner's parameters get their averaged gradient as views into its bucket;
-// other ranks keep no gradient for them. Buckets of other owners are freed as soon as their
-// reduce completes; backward waits when more than kMaxOthersInFlight are still going.
+// other ranks keep no gradient for them. Buckets of other owners give their memory back as soon
+// as their reduce completes; backward waits when more than kMaxOthersInFlight are still going.
+//
+// Memory is reused rather than allocated per pass: freshly allocated buffers cost page faults,
+// and glibc's malloc, once it has freed one such buffer, serves the next from its heap and keeps
+// what is freed there (resident, so stage 2's freed gradients would not lower the peak). An
+// owner's bucket is used again by the next pass when nothing but this class holds it any more
+// (zero_grad set the gradients to none; a gradient still held, or kept to accumulate, gets a new
+// bucket). Other owners' buckets take their memory from a few spare buffers, as many as were in
+// flight at once, each returned when its reduce completes.
 //
 // Gradients accumulate over backward passes as in stage 1 (no zero_grad between them): the owner
 // of a parameter already holding an averaged gradient keeps it aside when the next pass starts
@@ -65,9 +73,12 @@ class OwnerReduction {
     std::vector<int64_t> offsets;  // of each parameter in flat
     int64_t numel = 0;
     at::TensorOptions options;
+    // This rank's bucket: the last pass's `flat`, used again once nothing else holds it.
+    at::Tensor kept;
     // Per backward pass.
     int64_t missing = 0;  // parameters whose gradient has not arrived
     at::Tensor flat;
+    at::Tensor spare;  // another owner's bucket: the spare buffer under `flat`
     c10::intrusive_ptr<c10d::Work> work;
   };
 
@@ -76,6 +87,11 @@ class OwnerReduction {
   // Puts the gradients kept aside back on their parameters (a pass that failed).
   void restore_carried();
   void take_gradient(int64_t index);
+  static int64_t bytes_of(const Bucket& bucket);
+  // Memory for `bucket.flat`, contents undefined.
+  void allocate(Bucket& bucket);
+  // Another owner's bucket whose reduce completed (or never ran): its buffer is free again.
+  void return_spare(Bucket& bucket);
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void release_completed();
@@ -88,6 +104,8 @@ class OwnerReduction {
   std::vector<at::Tensor> params_;
   std::vector<Bucket> buckets_;  // in launch order
   std::vector<int64_t> bucket_of_;
+  int64_t spare_bytes_ = 0;         // the largest bucket of another owner
+  std::vector<at::Tensor> spares_;  // free buffers of spare_bytes_ bytes
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::vector<const torch::autograd::FunctionPreHook*> pre_hooks_;  // one per accumulator

@@ -308,6 +308,46 @@ TEST(ZeroStage2, GradientsAccumulateOverBackwardPasses) {
   });
 }
 
+// An owner's bucket is used again by the next pass once zero_grad dropped its gradients, and
+// not while the user still holds one: a gradient kept from an earlier pass keeps its values.
+// Buckets are told apart by their storage, watched through weak references (which keep a freed
+// storage's object from being reallocated at the same address, without holding its memory).
+TEST(ZeroStage2, ABucketIsReusedOnlyOnceNoGradientOfItIsHeld) {
+  run_ranks(2, [](int rank, int) {
+    init();
+    const auto options = torch::dtype(torch::kFloat64).requires_grad(true);
+    auto big = torch::ones({10}, options);
+    auto small = torch::ones({4}, options);
+    ZeroRedundancyOptimizer zero({big, small}, "sgd", {{"lr", 0.5}},
+                                 ZeroRedundancyOptimizerOptions().stage(2));
+    ASSERT_EQ(zero.partition(), (std::vector<std::vector<int64_t>>{{0}, {1}}));
+    at::Tensor& mine = rank == 0 ? big : small;
+    using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
+    // Pass p: every rank's gradient is (rank + 1) * p, so the owner's average is 1.5 * p.
+    auto pass = [&](int p) {
+      zero.zero_grad();
+      ((big.sum() + small.sum()) * (rank + 1) * p).backward();
+      EXPECT_TRUE(at::equal(mine.grad(), torch::full(mine.sizes(), 1.5 * p, torch::kFloat64)))
+          << "pass " << p << ": " << mine.grad();
+      WeakStorage storage = mine.grad().storage().getWeakStorageImpl();
+      zero.step();
+      return storage;
+    };
+    auto same = [](const WeakStorage& a, const WeakStorage& b) {
+      return !a.expired() && a.lock().get() == b.lock().get();
+    };
+    const WeakStorage first = pass(1);
+    at::Tensor held = mine.grad();
+    const at::Tensor held_values = held.clone();
+    const WeakStorage second = pass(2);
+    EXPECT_FALSE(same(second, first)) << "the held gradient's bucket was used again";
+    EXPECT_TRUE(at::equal(held, held_values)) << held;
+    held = at::Tensor();
+    EXPECT_TRUE(same(pass(3), second)) << "nothing held pass 2's bucket: pass 3 should reuse it";
+    EXPECT_TRUE(same(pass(4), second));
+  });
+}
+
 // A DistributedDataParallel around a stage-2 model writes every gradient after the reduction:
 // step refuses it before changing anything.
 TEST(ZeroStage2, StepRefusesGradientsOfOtherRanksLeftByADdp) {

@@ -48,7 +48,9 @@ struct ZeroRedundancyOptimizerOptions {
   /// averages the gradients itself, each one only onto the rank that owns its parameter, in
   /// buckets while backward runs (one c10d reduce per bucket to its owner), and every other rank
   /// frees it at once: after backward a rank holds the gradients of its own parameters only
-  /// (about 1/world of them), and at most the buckets in flight of the others'. Train the plain
+  /// (about 1/world of them), and at most the buckets in flight of the others' (their memory,
+  /// and that of an owner's buckets once zero_grad dropped its gradients, is reused by the next
+  /// pass rather than allocated again; a gradient still held keeps its own). Train the plain
   /// module, not a DistributedDataParallel (step() throws c10::ValueError if a gradient of
   /// another rank's parameter is there after backward); clear the gradients (zero_grad) before
   /// every backward pass, since each pass is averaged on its own; a parameter that requires a
