@@ -280,16 +280,25 @@ TEST(ZeroStage2, AParameterWithoutAGradientCountsAsZeros) {
   });
 }
 
+// Two float64 parameters of ones under stage 2 and SGD (lr 0.5): the greedy partition gives
+// `big` (10 elements) to rank 0 and `small` (4) to rank 1.
+struct OneParameterEach {
+  at::Tensor big = torch::ones({10}, torch::dtype(torch::kFloat64).requires_grad(true));
+  at::Tensor small = torch::ones({4}, torch::dtype(torch::kFloat64).requires_grad(true));
+  ZeroRedundancyOptimizer zero{std::vector<at::Tensor>{big, small}, "sgd",
+                               optim::OptionBag{{"lr", 0.5}},
+                               ZeroRedundancyOptimizerOptions().stage(2)};
+};
+
 // Gradients accumulate over backward passes without zero_grad as in stage 1: the owner ends
 // with the sum of each pass's average, and a step then applies that sum.
 TEST(ZeroStage2, GradientsAccumulateOverBackwardPasses) {
   run_ranks(2, [](int rank, int) {
     init();
-    const auto options = torch::dtype(torch::kFloat64).requires_grad(true);
-    auto big = torch::ones({10}, options);
-    auto small = torch::ones({4}, options);
-    ZeroRedundancyOptimizer zero({big, small}, "sgd", {{"lr", 0.5}},
-                                 ZeroRedundancyOptimizerOptions().stage(2));
+    OneParameterEach two;
+    at::Tensor& big = two.big;
+    at::Tensor& small = two.small;
+    ZeroRedundancyOptimizer& zero = two.zero;
     ASSERT_EQ(zero.partition(), (std::vector<std::vector<int64_t>>{{0}, {1}}));
     zero.zero_grad();
     // Averages 1.5, then 3, then 4.5 (rank r contributes r + 1 times the pass number).
@@ -315,11 +324,10 @@ TEST(ZeroStage2, GradientsAccumulateOverBackwardPasses) {
 TEST(ZeroStage2, ABucketIsReusedOnlyOnceNoGradientOfItIsHeld) {
   run_ranks(2, [](int rank, int) {
     init();
-    const auto options = torch::dtype(torch::kFloat64).requires_grad(true);
-    auto big = torch::ones({10}, options);
-    auto small = torch::ones({4}, options);
-    ZeroRedundancyOptimizer zero({big, small}, "sgd", {{"lr", 0.5}},
-                                 ZeroRedundancyOptimizerOptions().stage(2));
+    OneParameterEach two;
+    at::Tensor& big = two.big;
+    at::Tensor& small = two.small;
+    ZeroRedundancyOptimizer& zero = two.zero;
     ASSERT_EQ(zero.partition(), (std::vector<std::vector<int64_t>>{{0}, {1}}));
     at::Tensor& mine = rank == 0 ? big : small;
     using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
