@@ -159,6 +159,7 @@ TEST(Rpc, CallsCarryEveryValueKind) {
     EXPECT_EQ(rpc_sync<std::string>(1 - rank, "whoami"), peer);              // by id
     EXPECT_EQ(rpc_sync<std::string>(worker(rank), "whoami"), worker(rank));  // to itself
     EXPECT_EQ(rpc_sync<std::string>(peer, "echo", std::tuple{std::string("héllo")}), "héllo");
+    EXPECT_EQ(rpc_sync<std::string>(peer, "echo", std::tuple{"a literal"}), "a literal");
     EXPECT_EQ(rpc_sync<double>(peer, "echo", std::tuple{0.25}), 0.25);
     EXPECT_EQ(rpc_sync<bool>(peer, "echo", std::tuple{true}), true);
     EXPECT_TRUE(rpc_sync(peer, "echo", std::tuple{c10::IValue()}).isNone());
@@ -169,7 +170,7 @@ TEST(Rpc, CallsCarryEveryValueKind) {
     std::map<std::string, std::vector<int64_t>> lists{{"a", {1, 2}}, {"b", {}}, {"c", {10}}};
     auto [names, total, nothing] =
         rpc_sync<std::tuple<std::vector<std::string>, int64_t, std::optional<double>>>(
-            peer, "describe", std::tuple{lists, std::string("k_")});
+            peer, "describe", std::tuple{lists, "k_"});
     EXPECT_EQ(names, (std::vector<std::string>{"k_a", "k_b", "k_c"}));
     EXPECT_EQ(total, 13);
     EXPECT_FALSE(nothing.has_value());
@@ -810,6 +811,10 @@ TEST(RpcUnit, ValuesConvertWithClearErrors) {
   auto dict = from_value<std::unordered_map<int64_t, std::string>>(
       to_value(std::map<int64_t, std::string>{{1, "a"}}), "x");
   EXPECT_EQ(dict.at(1), "a");
+  char buffer[] = "mutable";
+  EXPECT_EQ(to_value(buffer).toStringRef(), "mutable");  // a char* is sent as a str too
+  const char* missing = nullptr;
+  EXPECT_THROW(to_value(missing), c10::ValueError);
   auto pair = from_value<std::pair<std::string, at::Tensor>>(
       to_value(std::make_pair(std::string("w"), at::ones({1}))), "x");
   EXPECT_EQ(pair.first, "w");

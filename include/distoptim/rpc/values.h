@@ -2,9 +2,10 @@
 
 // Conversions between C++ values and the c10::IValue values RPC messages carry, used by the
 // typed callables (registry.h) and the typed calls (api.h). Supported: c10::IValue itself,
-// at::Tensor, bool, every integer type (range-checked), float and double, std::string,
-// std::vector<T>, std::map / std::unordered_map with std::string or integer keys,
-// std::tuple<T...>, std::pair<A, B> (as a 2-tuple) and std::optional<T> (None when empty).
+// at::Tensor, bool, every integer type (range-checked), float and double, std::string (and, to
+// send only, C strings such as literals), std::vector<T>, std::map / std::unordered_map with
+// std::string or integer keys, std::tuple<T...>, std::pair<A, B> (as a 2-tuple) and
+// std::optional<T> (None when empty).
 //
 // from_value throws c10::TypeError naming what was expected and what arrived, prefixed with a
 // caller-supplied context ("argument 2 of 'add' on worker 'ps'").
@@ -127,6 +128,23 @@ struct ValueTraits<std::string> {
   static std::string from(const c10::IValue& value, const std::string& context) {
     if (!value.isString()) detail::throw_type_mismatch(context, name(), value);
     return value.toStringRef();
+  }
+};
+
+/// A C string (a literal in `std::tuple{"ps", 1}`) is sent as a str. Send-only: a callable's
+/// parameter or a call's result has no storage of its own for a const char* to point into, so
+/// those take std::string.
+template <class T>
+struct ValueTraits<T,
+                   std::enable_if_t<std::is_same_v<T, const char*> || std::is_same_v<T, char*>>> {
+  static c10::IValue to(const char* value) {
+    TORCH_CHECK_VALUE(value != nullptr, "rpc: a null C string cannot be sent (as a str)");
+    return c10::IValue(std::string(value));
+  }
+  template <class U = T>
+  static U from(const c10::IValue&, const std::string&) {
+    static_assert(!std::is_same_v<U, U>,
+                  "rpc: a received str cannot be a C string; take std::string instead");
   }
 };
 
