@@ -144,8 +144,11 @@ DISTOPTIM_RPC_FUNCTION("lost.forward", [](int64_t trainer, const at::Tensor& x, 
   }
   return y;
 });
-DISTOPTIM_RPC_FUNCTION("lost.sleep", [](int64_t ms, const at::Tensor& ballast) {
-  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+// Holds a request thread until the server has seen the dying trainer go (PeerLostError), so
+// that the requests queued behind it start only after the trainer counts as lost, however long
+// noticing its death takes.
+DISTOPTIM_RPC_FUNCTION("lost.hold", [](const at::Tensor& ballast) {
+  (void)wait_until([] { return g_victim_gone.load(); }, 30s);
   return ballast.numel();
 });
 DISTOPTIM_RPC_FUNCTION("lost.touch", [] { return ++g_touched; });
@@ -211,12 +214,11 @@ void iteration(int trainer, int it, DistributedOptimizer& optimizer, KillPoint p
     die_in(200ms);
   }
   if (dies && point == KillPoint::kQueued) {
-    // Requests that keep the server's request threads busy past the death, then two queued
-    // behind them: neither may run once the trainer is gone.
+    // Requests that keep the server's request threads busy until it has seen the death, then
+    // two queued behind them: neither may run once the trainer is gone.
     const at::Tensor ballast = at::ones({kVictimRows * kFeatures}, at::kDouble);
     for (int i = 0; i < 3; ++i) {
-      (void)rpc::rpc_async<int64_t>(worker(kServer), "lost.sleep",
-                                    std::tuple{int64_t{800}, ballast});
+      (void)rpc::rpc_async<int64_t>(worker(kServer), "lost.hold", std::tuple{ballast});
     }
     (void)rpc::rpc_async<int64_t>(worker(kServer), "lost.touch");
     die_in(200ms);
