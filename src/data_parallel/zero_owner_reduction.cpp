@@ -8,6 +8,7 @@
 #include <utility>
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -205,7 +206,10 @@ void OwnerReduction::take_gradient(int64_t index) {
   if (!bucket.flat.defined()) allocate(bucket);
   const size_t k =
       std::find(bucket.indices.begin(), bucket.indices.end(), index) - bucket.indices.begin();
-  bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes()).copy_(grad);
+  // Divided as it is copied in (one pass over it, not two), before the sum as DDP's allreduce
+  // hook divides, so that the result rounds as stage 1's.
+  at::Tensor slot = bucket.flat.narrow(0, bucket.offsets[k], p.numel()).view(p.sizes());
+  at::div_out(slot, grad, group_.size());
   p.mutable_grad() = at::Tensor();
   arrived_[index] = true;
   --bucket.missing;
@@ -231,8 +235,6 @@ void OwnerReduction::launch(Bucket& bucket) {
       }
     }
   }
-  // Divided before summing, as DDP's allreduce hook does, so the result rounds as stage 1's.
-  bucket.flat.div_(group_.size());
   c10d::ReduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
   options.rootRank = bucket.owner;

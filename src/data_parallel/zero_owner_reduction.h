@@ -20,8 +20,8 @@ namespace zero_detail {
 
 // Hooks the gradient accumulator of every parameter that requires a gradient. As backward
 // produces a parameter's gradient, the hook copies it into the flat bucket of its owner's
-// parameters (one bucket per owner, dtype and kBucketBytes, in the order backward reaches them)
-// and frees the parameter's .grad. A complete bucket is divided by the world size and sent to its
+// parameters (one bucket per owner, dtype and kBucketBytes, in the order backward reaches them),
+// divided by the world size, and frees the parameter's .grad. A complete bucket is sent to its
 // owner with one c10d reduce (SUM; Gloo in c10d 1.13 has no reduce-scatter), buckets launched in
 // the same fixed order on every rank. At the end of backward (an autograd engine callback) the
 // remaining buckets go (a parameter that got no gradient counts as zeros), every reduce is
