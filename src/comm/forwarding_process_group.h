@@ -9,6 +9,8 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include "sigpipe_blocked.h"
+
 namespace distoptim {
 namespace comm {
 
@@ -93,15 +95,19 @@ class ForwardingProcessGroup : public c10d::ProcessGroup {
   void setSequenceNumberForGroup() override { inner_->setSequenceNumberForGroup(); }
   uint64_t getSequenceNumberForGroup() override { return inner_->getSequenceNumberForGroup(); }
 
+  // Gloo may write to the peer's socket on the caller's thread as a send or receive is issued.
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank,
                                       int tag) override {
+    const detail::SigpipeBlocked sigpipe_blocked;
     return point_to_point("send to", dst_rank, inner_->send(tensors, dst_rank, tag));
   }
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank,
                                       int tag) override {
+    const detail::SigpipeBlocked sigpipe_blocked;
     return point_to_point("recv from", src_rank, inner_->recv(tensors, src_rank, tag));
   }
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    const detail::SigpipeBlocked sigpipe_blocked;
     return point_to_point("recv from any rank", kAnyPeer, inner_->recvAnysource(tensors, tag));
   }
 

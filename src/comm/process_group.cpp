@@ -19,6 +19,7 @@
 
 #include "host_memory_share.h"
 #include "named_failure_group.h"
+#include "sigpipe_blocked.h"
 
 namespace distoptim {
 namespace comm {
@@ -132,6 +133,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(
     const c10::intrusive_ptr<DeadlineStore>& store, const std::string& caller,
     const std::string& prefix, const std::vector<int>& ranks, int group_rank,
     std::chrono::milliseconds timeout, const std::string& hostname) {
+  // Gloo's device thread and c10d's worker threads start here and keep this thread's mask.
+  const detail::SigpipeBlocked sigpipe_blocked;
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(hostname));
   c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
@@ -213,6 +216,8 @@ void init_process_group(const ProcessGroupOptions& options) {
   std::lock_guard<std::mutex> lock(state_mutex);
   TORCH_CHECK_VALUE(state == nullptr,
                     "init_process_group: the default process group is already initialized");
+  // Every thread started from here on (rank 0's store server, Gloo's and c10d's) blocks SIGPIPE.
+  const detail::SigpipeBlocked sigpipe_blocked;
   auto fresh = std::make_unique<DefaultState>();
   fresh->rendezvous = rendezvous(RendezvousOptions(options.init_method())
                                      .rank(options.rank())

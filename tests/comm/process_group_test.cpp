@@ -2,14 +2,19 @@
 // across real processes, and the ways they fail.
 
 #include <csignal>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <regex>
+#include <set>
 #include <string>
 #include <thread>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -36,6 +41,35 @@ double allreduce_rank_sum(const Group& group) {
   group.process_group()->allreduce(tensors)->wait();
   EXPECT_TRUE(at::equal(tensors[0], torch::full({5}, tensors[0][0].item<double>())));
   return tensors[0][0].item<double>();
+}
+
+// This process's threads.
+std::set<std::string> thread_ids() {
+  std::set<std::string> ids;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    ids.insert(entry.path().filename().string());
+  }
+  return ids;
+}
+
+// Whether thread `id` of this process blocks SIGPIPE (its status's SigBlk mask, in hex).
+bool blocks_sigpipe(const std::string& id) {
+  std::ifstream status("/proc/self/task/" + id + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("SigBlk:", 0) == 0) {
+      const uint64_t mask = std::stoull(line.substr(7), nullptr, 16);
+      return ((mask >> (SIGPIPE - 1)) & 1) != 0;
+    }
+  }
+  ADD_FAILURE() << "no SigBlk for thread " << id;
+  return false;
+}
+
+bool caller_blocks_sigpipe() {
+  sigset_t mask;
+  pthread_sigmask(SIG_SETMASK, nullptr, &mask);
+  return sigismember(&mask, SIGPIPE) == 1;
 }
 
 double expected_sum(const std::vector<int>& ranks) {
@@ -73,6 +107,33 @@ TEST(ProcessGroup, WorldAllreduceAndBarrier) {
       EXPECT_FALSE(is_initialized());
     });
   }
+}
+
+// Gloo writes with writev, which raises SIGPIPE when the peer has gone: a rank must get the
+// error naming the lost peer, not be killed. Every thread the group starts blocks SIGPIPE, and
+// the caller's own mask is left as it was.
+TEST(ProcessGroup, ItsThreadsCannotBeKilledBySigpipe) {
+  run_ranks(2, [](int rank, int) {
+    const std::set<std::string> before = thread_ids();
+    init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    int started = 0;
+    for (const std::string& id : thread_ids()) {
+      if (before.count(id) != 0) continue;
+      ++started;
+      EXPECT_TRUE(blocks_sigpipe(id)) << "thread " << id << " started by init_process_group";
+    }
+    EXPECT_GT(started, 0);
+    EXPECT_FALSE(caller_blocks_sigpipe());
+    std::vector<at::Tensor> tensors = {torch::full({4}, static_cast<double>(rank))};
+    if (rank == 0) {
+      world().process_group()->send(tensors, 1, 7)->wait();
+    } else {
+      world().process_group()->recv(tensors, 0, 7)->wait();
+      EXPECT_TRUE(at::equal(tensors[0], torch::zeros({4}, at::kDouble)));
+    }
+    EXPECT_FALSE(caller_blocks_sigpipe());
+    destroy_process_group();
+  });
 }
 
 TEST(ProcessGroup, NewGroupOfSomeRanks) {
