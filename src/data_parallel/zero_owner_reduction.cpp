@@ -152,8 +152,8 @@ void OwnerReduction::allocate(Bucket& bucket) {
 
 void OwnerReduction::return_spare(Bucket& bucket) {
   bucket.work.reset();
+  // Moved from, `spare` is left undefined.
   if (bucket.spare.defined()) spares_.push_back(std::move(bucket.spare));
-  bucket.spare = at::Tensor();
 }
 
 void OwnerReduction::on_pass_start() {
@@ -297,7 +297,7 @@ void OwnerReduction::finish_reductions() {
     if (bucket.work) wait_for(bucket);
   }
   for (Bucket& bucket : buckets_) {
-    if (bucket.owner != group_.rank()) return_spare(bucket);
+    if (bucket.owner != me) return_spare(bucket);
   }
   at::NoGradGuard no_grad;
   for (Bucket& bucket : buckets_) {
