@@ -145,6 +145,7 @@ def render_elastic(cases, path):
 
 
 RENDERERS = {"optim": render_optim, "elastic": render_elastic, "zero": render_ours_and_pytorch,
+             "zero_mmap_thp": render_ours_and_pytorch,
              "dist_optim": render_ours_and_pytorch, "rpc": render_rpc,
              "sparse_ps": render_ours_and_pytorch, "sparse_rows": render_ours_and_pytorch}
 

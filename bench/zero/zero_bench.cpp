@@ -33,8 +33,14 @@
 // The JSON written to --json holds, under "cases", rows {case, ours, pytorch, unit, better}
 // (medians over the rounds), and the load average (common/report.h).
 //
+// Memory depends on the C library's allocator as much as on the optimizer: glibc at its defaults
+// keeps the 16 MB gradients autograd frees in its heap, and a run's peak moves by up to 235 MB
+// between identical runs. --glibc-tunables sets GLIBC_TUNABLES for both sides' ranks alike (make
+// bench's zero_mmap_thp runs glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1048576: every
+// block of 1 MiB or more mapped on its own, in transparent huge pages, and returned when freed).
+//
 // Usage: zero_bench --json PATH [--rounds 3] [--iterations N] [--warmup N] [--layers N]
-//                   [--size N] [--batch N]
+//                   [--size N] [--batch N] [--glibc-tunables T]
 
 #include <algorithm>
 #include <chrono>
@@ -82,6 +88,8 @@ struct Config {
   bool gradient_as_bucket_view = false;
   // Ours only (PyTorch has no such option): off measures what the shared memory gives.
   bool share_host_memory = true;
+  // glibc's malloc settings for both sides' ranks (GLIBC_TUNABLES); empty: glibc's defaults.
+  std::string glibc_tunables;
 };
 
 // How our ranks run ZeRO in a case.
@@ -250,15 +258,25 @@ std::vector<std::string> shared_args(const Config& config) {
   return args;
 }
 
+// The environment both sides' ranks get beyond their own: the glibc settings asked for.
+std::vector<std::string> env_args(const Config& config) {
+  std::vector<std::string> args{"/usr/bin/env"};
+  if (!config.glibc_tunables.empty()) args.push_back("GLIBC_TUNABLES=" + config.glibc_tunables);
+  return args;
+}
+
+// What the output says of glibc's malloc settings: those asked for, else the inherited ones.
+std::string glibc_setting(const Config& config) {
+  const char* inherited = std::getenv("GLIBC_TUNABLES");
+  if (!config.glibc_tunables.empty()) return "GLIBC_TUNABLES=" + config.glibc_tunables;
+  return inherited != nullptr ? "GLIBC_TUNABLES=" + std::string(inherited) : "its defaults";
+}
+
 Run run_ours(const Config& config, const std::string& mode) {
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  std::vector<std::string> argv{DISTOPTIM_DISTRUN_PATH,
-                                "--nproc-per-node",
-                                std::to_string(kWorldSize),
-                                self,
-                                "--worker",
-                                "--mode",
-                                mode};
+  std::vector<std::string> argv = env_args(config);
+  argv.insert(argv.end(), {DISTOPTIM_DISTRUN_PATH, "--nproc-per-node", std::to_string(kWorldSize),
+                           self, "--worker", "--mode", mode});
   for (auto& arg : shared_args(config)) argv.push_back(std::move(arg));
   if (!config.share_host_memory) argv.push_back("--no-share-host-memory");
   const std::string what = "our ranks (" + mode + ")";
@@ -269,15 +287,11 @@ Run run_pytorch(const Config& config, bool bucket_view, const std::string& pytho
                 const std::string& script) {
   // What torchrun gives ranks sharing a machine (OMP_NUM_THREADS=1) and distrun's OpenBLAS
   // setting: ours get both from distrun.
-  std::vector<std::string> argv{"/usr/bin/env",
-                                "OMP_NUM_THREADS=" + std::string(pytorch_omp_threads()),
-                                "OPENBLAS_THREAD_TIMEOUT=" + std::string(pytorch_blas_timeout()),
-                                python,
-                                script,
-                                "--threads",
-                                std::to_string(kThreadsPerRank),
-                                "--world-size",
-                                std::to_string(kWorldSize)};
+  std::vector<std::string> argv = env_args(config);
+  argv.insert(argv.end(), {"OMP_NUM_THREADS=" + std::string(pytorch_omp_threads()),
+                           "OPENBLAS_THREAD_TIMEOUT=" + std::string(pytorch_blas_timeout()), python,
+                           script, "--threads", std::to_string(kThreadsPerRank), "--world-size",
+                           std::to_string(kWorldSize)});
   for (auto& arg : shared_args(config)) argv.push_back(std::move(arg));
   if (bucket_view) argv.push_back("--bucket-view");
   return parse_run(script, run_side(script, argv, config.deadline_seconds), config);
@@ -334,6 +348,8 @@ int run(int argc, char** argv) {
                "DistributedDataParallel with gradient_as_bucket_view, both sides");
   app.add_flag("--no-share-host-memory{false}", config.share_host_memory,
                "ours: allreduce, reduce and broadcast over Gloo's loopback TCP, not shared memory");
+  app.add_option("--glibc-tunables", config.glibc_tunables,
+                 "GLIBC_TUNABLES for both sides' ranks (default: glibc's defaults)");
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_option("--pytorch-script", script, "pytorch_zero.py")->capture_default_str();
   app.add_flag("--worker", worker, "Run as one of our ranks (started by the benchmark itself)");
@@ -374,10 +390,11 @@ int run(int argc, char** argv) {
       "\nzero_bench: DDP + ZeroRedundancyOptimizer + Adam(lr 0.01), {} x Linear({}, {}), batch {} "
       "per rank, {} ranks (gloo, loopback), {} intra-op thread per rank; DDP "
       "gradient_as_bucket_view {} on both sides; ours share_host_memory {}; PyTorch {} at its "
-      "defaults otherwise (DDP bucket_cap_mb 25, overlap_with_ddp False)\n",
+      "defaults otherwise (DDP bucket_cap_mb 25, overlap_with_ddp False); glibc's malloc on both "
+      "sides: {}\n",
       config.layers, config.size, config.size, config.batch, kWorldSize, kThreadsPerRank,
       config.gradient_as_bucket_view, config.share_host_memory,
-      pytorch["plain"].front().torch_version);
+      pytorch["plain"].front().torch_version, glibc_setting(config));
   fmt::print(
       "threads per rank: intra-op ours {} / pytorch {}; OpenBLAS's own (-1: not OpenBLAS) ours {} "
       "/ pytorch {}; PyTorch's ranks run with OMP_NUM_THREADS={} (torchrun's value for ranks "
