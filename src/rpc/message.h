@@ -177,8 +177,8 @@ struct DecodedMessage {
 };
 
 /// Decodes a body and its tensors. `tensor_buffers` are the byte buffers (kByte, 1-D) the transport
-/// filled, of the lengths check_announced_sizes accepted; on success they become typed views of
-/// the same memory.
+/// filled, of the lengths check_announced_sizes accepted; on success they become typed tensors
+/// over the same memory (not views: once the buffers go, each tensor alone holds its memory).
 Status decode_body(const MessageHeader& header, std::string_view body,
                    std::vector<at::Tensor> tensor_buffers, const WireLimits& limits,
                    DecodedMessage* message);

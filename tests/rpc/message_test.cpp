@@ -563,6 +563,38 @@ TEST(RpcSnapshot, ContainersAreRebuiltOnlyAroundCopies) {
   EXPECT_TRUE(at::equal(sent.toListRef()[1].toTensor(), weight));
 }
 
+// A received tensor is an ordinary tensor of its own: no view of the transport's buffer, the only
+// holder of its memory once decoding returns (so a handler that returns it sends it in place),
+// writable in place and usable in autograd.
+TEST(RpcMessage, ReceivedTensorsAreOrdinaryTensors) {
+  const at::Tensor sent = at::arange(12, at::kFloat).view({3, 4});
+  at::Tensor received = round_trip(sent).toTensor();
+  EXPECT_FALSE(received.is_view());
+  EXPECT_FALSE(received.is_inference());
+  EXPECT_EQ(received.storage().use_count(), 1);
+  EXPECT_TRUE(sent_in_place(round_trip(sent).toTensor()));
+  received.add_(1);
+  expect_same_tensor(sent + 1, received);
+  at::AutoGradMode grad(true);
+  received.requires_grad_(true);
+  (received * received).sum().backward();
+  expect_same_tensor(2 * received.detach(), received.grad());
+}
+
+// What a message holds of a contiguous tensor is a detached alias of its memory, for one in an
+// autograd graph too: an outgoing message keeps no graph alive.
+TEST(RpcMessage, SentTensorsAreDetachedAliases) {
+  at::AutoGradMode grad(true);
+  const at::Tensor product = at::randn({5}, at::requires_grad()) * 2;
+  const EncodedMessage message = encode_response(1, product);
+  ASSERT_EQ(message.tensors.size(), 1u);
+  EXPECT_FALSE(message.tensors[0].requires_grad());
+  EXPECT_EQ(message.tensors[0].grad_fn(), nullptr);
+  EXPECT_EQ(message.tensors[0].data_ptr(), product.data_ptr());
+  EXPECT_EQ(message.tensors[0]._version(), product._version());
+  EXPECT_EQ(product.use_count(), 1u);
+}
+
 }  // namespace
 }  // namespace detail
 }  // namespace rpc

@@ -13,6 +13,7 @@
 #include <asio/write.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 #include <c10/util/Exception.h>
 
 #include <distoptim/comm/errors.h>
@@ -181,7 +182,8 @@ void Connection::read_payload() {
     targets.reserve(lengths.size() + 1);
     targets.push_back(asio::buffer(*frame_.body));
     for (size_t i = 0; i < lengths.size(); ++i) {
-      at::Tensor buffer = at::empty({static_cast<int64_t>(lengths[i])}, at::kByte);
+      // Allocated without the dispatcher (at::empty's dispatch costs more than the allocation).
+      at::Tensor buffer(at::detail::empty_cpu({static_cast<int64_t>(lengths[i])}, at::kByte));
       if (in_peer_memory_[i]) {
         targets.push_back(asio::buffer(&peer_addresses_[i * 8], 8));
       } else if (lengths[i] > 0) {
