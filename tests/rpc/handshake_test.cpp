@@ -220,9 +220,8 @@ class RawPeer {
     return false;
   }
 
- private:
-  // Reads one frame without tensors of `type` and decodes it (and its header's id, if asked);
-  // false if the worker sent something else or closed first.
+  /// Reads one frame without tensors of `type` and decodes it (and its header's id, if asked);
+  /// false if the worker sent something else or closed first.
   bool read_message(detail::MessageType type, DecodedMessage* message, uint64_t* id = nullptr) {
     std::string header_bytes;
     if (!read_exactly(detail::MessageHeader::kEncodedSize, &header_bytes)) return false;
@@ -237,6 +236,7 @@ class RawPeer {
     return true;
   }
 
+ private:
   bool read_exactly(size_t length, std::string* out) {
     out->assign(length, '\0');
     size_t done = 0;
@@ -745,9 +745,13 @@ std::unique_ptr<RawPeer> proven_connection(int id) {
   }
 }
 
+DISTOPTIM_RPC_FUNCTION("numel_of", [](at::Tensor tensor) { return tensor.numel(); });
+
 // What a peer may send once it has proven itself: garbage, absurd lengths, and a frame within
 // the limits that is larger than the memory the worker may take. Each closes that connection
-// only, after an error frame saying why; nothing it sent runs, and the worker serves on.
+// only, after an error frame saying why; nothing it sent runs, and the worker serves on. A
+// well-formed frame that arrives in pieces, with pauses inside its tensor lengths and its body,
+// is read whole and answered.
 TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
   run_ranks(2, [](int rank, int world_size) {
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
@@ -797,6 +801,25 @@ TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
         EXPECT_THAT(*why, HasSubstr(hostile.expected)) << hostile.what;
 #endif
         EXPECT_TRUE(peer->closed_within(10s)) << hostile.what;
+      }
+      {
+        auto peer = proven_connection(0);
+        ASSERT_TRUE(peer) << "the piecewise frame: worker id 0 was not accepted";
+        const at::Tensor tensor = at::ones({5});
+        const EncodedMessage request = detail::encode_request(9, "numel_of", {tensor}, 10000, 0);
+        const std::string lengths = detail::encode_tensor_lengths(request.tensors);
+        const std::string rest =
+            request.body + std::string(static_cast<const char*>(tensor.data_ptr()), 20);
+        for (const std::string& piece : {request.header, lengths.substr(0, 4),
+                                         lengths.substr(4) + rest.substr(0, 3), rest.substr(3)}) {
+          ASSERT_TRUE(peer->send_bytes(piece));
+          std::this_thread::sleep_for(50ms);
+        }
+        DecodedMessage reply;
+        uint64_t id = 0;
+        ASSERT_TRUE(peer->read_message(detail::MessageType::kResponse, &reply, &id));
+        EXPECT_EQ(id, 9u);
+        EXPECT_EQ(reply.result.toInt(), 5);
       }
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 0);
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
