@@ -396,11 +396,8 @@ Status typed_tensor(const wire::TensorMeta& meta, const at::Tensor& bytes, const
     }
   }
   std::vector<int64_t> sizes(meta.sizes().begin(), meta.sizes().end());
-  if (bytes.storage_offset() != 0 || !bytes.is_contiguous()) {
-    // A window of a larger buffer (the transport's are whole allocations): a view of it.
-    *out = bytes.view(dtype).view(sizes);
-    return std::nullopt;
-  }
+  // Every caller's buffers are whole allocations (decode_body's contract).
+  TORCH_INTERNAL_ASSERT(bytes.storage_offset() == 0 && bytes.is_contiguous());
   // A tensor of its own over the buffer's memory, made without the dispatcher: view(dtype) and
   // view(sizes) cost two dispatches and a view's autograd bookkeeping per tensor, about a tenth of
   // a tiny round trip's CPU time, and nothing else holds the buffer once decoding returns.

@@ -176,9 +176,10 @@ struct DecodedMessage {
   HandshakeMessage handshake;
 };
 
-/// Decodes a body and its tensors. `tensor_buffers` are the byte buffers (kByte, 1-D) the transport
-/// filled, of the lengths check_announced_sizes accepted; on success they become typed tensors
-/// over the same memory (not views: once the buffers go, each tensor alone holds its memory).
+/// Decodes a body and its tensors. `tensor_buffers` are the byte buffers (kByte, 1-D, each a whole
+/// allocation: no storage offset) the transport filled, of the lengths check_announced_sizes
+/// accepted; on success they become typed tensors over the same memory (not views: once the buffers
+/// go, each tensor alone holds its memory).
 Status decode_body(const MessageHeader& header, std::string_view body,
                    std::vector<at::Tensor> tensor_buffers, const WireLimits& limits,
                    DecodedMessage* message);
