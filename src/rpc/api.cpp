@@ -22,6 +22,7 @@
 #include "agent.h"
 #include "registry_internal.h"
 #include "reply_snapshot.h"
+#include "transport/io_loop.h"
 
 namespace distoptim {
 namespace rpc {
@@ -236,6 +237,16 @@ namespace detail {
 bool wait_future(c10::ivalue::Future& future,
                  std::optional<std::chrono::steady_clock::time_point> deadline) {
   if (future.completed()) return true;
+  // A request running on the I/O thread that read it leads the loop while it waits: it reads
+  // what it waits for itself (io_loop.h).
+  const bool led = IoLoop::lead_until(
+      [&future] { return future.completed(); },
+      [&future](std::function<void()> wake) {
+        future.addCallback([wake = std::move(wake)](c10::ivalue::Future&) { wake(); });
+      },
+      deadline);
+  if (future.completed()) return true;
+  if (led && deadline && std::chrono::steady_clock::now() >= *deadline) return false;
   Executor::BlockingScope blocking;
   if (!deadline) {
     future.wait();

@@ -90,13 +90,15 @@ bool Dispatcher::on_request_frame(const std::shared_ptr<Connection>& connection,
     handle_request(connection, caller, frame.header, *frame.body, std::move(frame.buffers));
     request_done(bytes);
   };
-  // A request runs on the I/O thread that read it once that thread has handed the loop to the
-  // other (io_loop.h): no thread waits to be woken before it starts, and a request that blocks
-  // stalls nothing. When the other is busy with a request of its own, or requests wait in the
-  // pool (this one would start before them), it goes to the pool: requests start in the order
-  // they arrived. RRef control messages keep their order on the ordered thread; they never block.
-  if (!ordered && IoLoop::can_hand_off() && request_pool_->nothing_queued()) {
-    IoLoop::run_after_hand_off([this, job = std::move(job)] {
+  // A request runs on the I/O thread that read it, which keeps the loop meanwhile (io_loop.h):
+  // no thread waits to be woken before it starts or while it runs; one that waits in the library
+  // leads the loop as it waits (wait_future), one that blocks elsewhere loses it to the other
+  // thread after IoLoop::kLongJob. When the other is busy with a request of its own, or requests
+  // wait in the pool (this one would start before them), it goes to the pool: requests start in
+  // the order they arrived. RRef control messages keep their order on the ordered thread; they
+  // never block.
+  if (!ordered && IoLoop::can_run_after_handler() && request_pool_->nothing_queued()) {
+    IoLoop::run_after_handler([this, job = std::move(job)] {
       const Dispatcher* outer = t_running_requests;
       t_running_requests = this;
       try {

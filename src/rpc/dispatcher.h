@@ -32,7 +32,7 @@ namespace detail {
 ///
 /// Requests: a request frame is admitted (counted in flight, its bytes against the inbound bound
 /// options().inbound_queue_bytes: past it, reading from that caller pauses until requests drain
-/// below half), then run on the I/O thread that read it once that thread has handed the loop over
+/// below half), then run on the I/O thread that read it, which keeps the loop meanwhile
 /// (transport/io_loop.h), or on `request_pool` when the loop's other thread is busy running one
 /// (RRef control messages on `ordered`, one thread, in the order they arrived on their
 /// connection); the reply is written on the caller's connection. A

@@ -2,21 +2,32 @@
 // of nested calls ping-ponging between two workers, many more of them than the request pool has
 // threads, made by handlers that block (the pool compensates) and by async_execution handlers
 // (that hold no thread); a method call on an object still being created; shutdown() called from a
-// handler. And the request pool's compensation on its own. Every wait is bounded.
+// handler; a request that blocks outside the library. And, on their own, the request pool's
+// compensation and the I/O loop's turns (a job keeping the loop, losing it, leading it while it
+// waits). Every wait is bounded.
 
 #include <dirent.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <functional>
 #include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include <gtest/gtest.h>
+#include <asio/executor_work_guard.hpp>
+#include <asio/io_context.hpp>
+#include <asio/post.hpp>
 
 #include <distoptim/rpc.h>
 
 #include "executor.h"
 #include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"
+#include "transport/io_loop.h"
 
 namespace distoptim {
 namespace rpc {
@@ -265,6 +276,203 @@ TEST(NestedCalls, ShutdownFromAHandlerIsAnError) {
     }
     shutdown();
   });
+}
+
+// A gate a request waits at with the user's own lock, not the library's: the request keeps the I/O
+// thread that read it, and the request that opens the gate can only be read once the loop's other
+// thread has taken the loop over (io_loop.h).
+struct Gate {
+  std::mutex mutex;
+  std::condition_variable opened_cv;
+  bool opened = false;
+};
+Gate& gate() {
+  static Gate gate;
+  return gate;
+}
+DISTOPTIM_RPC_FUNCTION("wait_at_gate", [] {
+  std::unique_lock<std::mutex> lock(gate().mutex);
+  return gate().opened_cv.wait_for(lock, 30s, [] { return gate().opened; });
+});
+DISTOPTIM_RPC_FUNCTION("open_gate", [] {
+  {
+    std::lock_guard<std::mutex> lock(gate().mutex);
+    gate().opened = true;
+  }
+  gate().opened_cv.notify_all();
+  return true;
+});
+// Waits in a request for a future completed on the completion thread (a then() callback), not on
+// the I/O thread that leads the loop while the request waits.
+DISTOPTIM_RPC_FUNCTION("add_two_then_wait", [](int64_t a) {
+  return rpc_async<int64_t>(other_worker(), "add_one", std::tuple{a})
+      .then([](int64_t a_plus_one) { return a_plus_one + 1; })
+      .wait();
+});
+
+// A request waiting under its own thread-local state (here inference mode) for a reply its thread
+// reads: the reply is decoded as on any I/O thread, into an ordinary tensor.
+DISTOPTIM_RPC_FUNCTION("ones", [] { return at::ones({4}); });
+DISTOPTIM_RPC_FUNCTION("fetch_in_inference_mode", [] {
+  c10::InferenceMode inference_mode;
+  const at::Tensor fetched = rpc_sync<at::Tensor>(other_worker(), "ones");
+  return !fetched.is_inference() && fetched.equal(at::ones({4}));
+});
+
+TEST(NestedCalls, RequestsThatBlockOrWaitOnTheIoThreadLeaveTheWorkerServing) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options().rpc_timeout(60s));
+    if (rank == 0) {
+      for (int round = 0; round < 3; ++round) {
+        auto waiting = rpc_async<bool>("worker1", "wait_at_gate");
+        EXPECT_TRUE(rpc_sync<bool>("worker1", "open_gate"));
+        EXPECT_TRUE(waiting.wait()) << "round " << round << ": the gate never opened";
+        EXPECT_EQ(rpc_sync<int64_t>("worker1", "add_two_then_wait", std::tuple{int64_t{round}}),
+                  round + 2);
+        EXPECT_TRUE(rpc_sync<bool>("worker1", "fetch_in_inference_mode"));
+      }
+    }
+    shutdown();
+  });
+}
+
+// The I/O loop on its own: an io_context run by two threads taking turns, as the agent runs it.
+class IoLoopUnit : public ::testing::Test {
+ protected:
+  void start(std::chrono::microseconds long_job) {
+    loop_ = std::make_unique<detail::IoLoop>(io_, 2, long_job);
+  }
+  void TearDown() override {
+    asio::post(io_, [this] { io_.stop(); });
+    work_.reset();
+    if (loop_) loop_->join();
+  }
+  // Posts `job` to run after a handler, on the thread that ran the handler; returns that thread.
+  std::future<std::thread::id> run_after_a_handler(std::function<void()> job) {
+    auto ran = std::make_shared<std::promise<std::thread::id>>();
+    auto handler_thread = ran->get_future();
+    asio::post(io_, [ran, job = std::move(job)]() mutable {
+      // The second thread may not wait to follow yet, just after the loop started.
+      for (int i = 0; i < 10000 && !detail::IoLoop::can_run_after_handler(); ++i) {
+        std::this_thread::sleep_for(1ms);
+      }
+      ran->set_value(std::this_thread::get_id());
+      if (detail::IoLoop::can_run_after_handler()) {
+        detail::IoLoop::run_after_handler(std::move(job));
+      }
+    });
+    return handler_thread;
+  }
+  // Where a handler posted now runs.
+  std::future<std::thread::id> post_recording_thread() {
+    auto ran = std::make_shared<std::promise<std::thread::id>>();
+    auto future = ran->get_future();
+    asio::post(io_, [ran] { ran->set_value(std::this_thread::get_id()); });
+    return future;
+  }
+
+  asio::io_context io_;
+  asio::executor_work_guard<asio::io_context::executor_type> work_{io_.get_executor()};
+  std::unique_ptr<detail::IoLoop> loop_;
+};
+
+TEST_F(IoLoopUnit, AShortJobKeepsTheLoopAndItsThreadReadsOn) {
+  start(std::chrono::hours(1));  // nobody takes the loop over
+  std::promise<std::thread::id> job_ran;
+  std::future<std::thread::id> after_job;
+  auto handler = run_after_a_handler([&] {
+    after_job = post_recording_thread();
+    job_ran.set_value(std::this_thread::get_id());
+  });
+  auto job = job_ran.get_future();
+  ASSERT_EQ(job.wait_for(60s), std::future_status::ready);
+  const std::thread::id job_thread = job.get();
+  EXPECT_EQ(job_thread, handler.get());
+  // The handler posted by the job waited for the job to end, and then ran on the job's thread:
+  // the other thread never led.
+  ASSERT_EQ(after_job.wait_for(60s), std::future_status::ready);
+  EXPECT_EQ(after_job.get(), job_thread);
+}
+
+TEST_F(IoLoopUnit, AJobBlockedElsewhereLosesTheLoopToTheOtherThread) {
+  start(detail::IoLoop::kLongJob);
+  std::promise<void> opened;
+  std::shared_future<void> gate = opened.get_future().share();
+  std::promise<bool> job_saw_gate;
+  std::promise<std::thread::id> job_thread;
+  auto handler = run_after_a_handler([&] {
+    job_thread.set_value(std::this_thread::get_id());
+    job_saw_gate.set_value(gate.wait_for(30s) == std::future_status::ready);
+  });
+  ASSERT_EQ(handler.wait_for(60s), std::future_status::ready);
+  // Only the loop can open the gate: a handler the other thread runs once it took the loop over.
+  std::promise<std::thread::id> opener;
+  asio::post(io_, [&] {
+    opener.set_value(std::this_thread::get_id());
+    opened.set_value();
+  });
+  auto saw = job_saw_gate.get_future();
+  ASSERT_EQ(saw.wait_for(60s), std::future_status::ready);
+  EXPECT_TRUE(saw.get());
+  EXPECT_NE(opener.get_future().get(), job_thread.get_future().get());
+  // The job's thread follows again: the loop goes on serving.
+  auto later = post_recording_thread();
+  EXPECT_EQ(later.wait_for(60s), std::future_status::ready);
+}
+
+TEST_F(IoLoopUnit, AJobWaitingInTheLibraryLeadsTheLoopItself) {
+  start(std::chrono::hours(1));  // nobody takes the loop over
+  std::atomic<bool> done_by_handler{false};
+  std::atomic<bool> done_elsewhere{false};
+  std::promise<std::function<void()>> wake_given;
+  struct Outcome {
+    std::thread::id job_thread;
+    bool led_first = false, led_second = false, led_third = false;
+    bool first_done = false, second_done = false;
+    std::chrono::steady_clock::duration third_took{};
+  };
+  std::promise<Outcome> outcome;
+  std::future<std::thread::id> done_handler_thread;
+  auto handler = run_after_a_handler([&] {
+    Outcome out;
+    out.job_thread = std::this_thread::get_id();
+    // 1. What it waits for is a handler of the loop: it runs on this very thread.
+    auto recorded = std::make_shared<std::promise<std::thread::id>>();
+    done_handler_thread = recorded->get_future();
+    asio::post(io_, [&, recorded] {
+      recorded->set_value(std::this_thread::get_id());
+      done_by_handler = true;
+    });
+    out.led_first = detail::IoLoop::lead_until([&] { return done_by_handler.load(); },
+                                               [](std::function<void()>) {}, std::nullopt);
+    out.first_done = done_by_handler;
+    // 2. What it waits for happens off the loop, which then calls the wake-up it was given.
+    out.led_second = detail::IoLoop::lead_until(
+        [&] { return done_elsewhere.load(); },
+        [&](std::function<void()> wake) { wake_given.set_value(std::move(wake)); }, std::nullopt);
+    out.second_done = done_elsewhere;
+    // 3. Nothing comes: it returns at the deadline.
+    const auto begin = std::chrono::steady_clock::now();
+    out.led_third = detail::IoLoop::lead_until([] { return false; }, [](std::function<void()>) {},
+                                               begin + 50ms);
+    out.third_took = std::chrono::steady_clock::now() - begin;
+    outcome.set_value(out);
+  });
+  auto wake = wake_given.get_future();
+  ASSERT_EQ(wake.wait_for(60s), std::future_status::ready);
+  done_elsewhere = true;
+  wake.get()();
+  auto result = outcome.get_future();
+  ASSERT_EQ(result.wait_for(60s), std::future_status::ready);
+  const Outcome out = result.get();
+  EXPECT_EQ(out.job_thread, handler.get());
+  EXPECT_TRUE(out.led_first && out.led_second && out.led_third);
+  EXPECT_TRUE(out.first_done && out.second_done);
+  EXPECT_EQ(done_handler_thread.get(), out.job_thread);
+  EXPECT_GE(out.third_took, 50ms);
+  // Off a loop's thread there is nothing to lead: the caller waits its own way.
+  EXPECT_FALSE(
+      detail::IoLoop::lead_until([] { return false; }, [](std::function<void()>) {}, std::nullopt));
 }
 
 // The request pool on its own: a job blocked (in a BlockingScope) on a job queued behind it.

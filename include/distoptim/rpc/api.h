@@ -9,11 +9,14 @@
 //   distoptim::rpc::shutdown();
 //
 // Threading: one agent per process. Every function here is safe to call from any thread once
-// init_rpc has returned and until shutdown starts. Requests a worker receives run on its pool of
-// `num_worker_threads` threads, never on the I/O thread, so a callable may itself make
-// RPCs (nested calls, calls back to the caller). While a request blocks in such a call (wait(),
-// rpc_sync, RRef::to_here, RRef::local_value) the pool may start a thread in its place, up to
-// `max_extra_worker_threads` (docs/threading.md). A registered function may instead return the
+// init_rpc has returned and until shutdown starts. Requests a worker receives run on the I/O
+// thread that read them (while the worker's other I/O thread is free to read on) or on its pool of
+// `num_worker_threads` threads, so a callable may itself make RPCs (nested calls, calls back to
+// the caller). While a request blocks in such a call (wait(), rpc_sync, RRef::to_here,
+// RRef::local_value) its I/O thread reads the reply itself, and a pool thread may be started in
+// place of a blocked one, up to `max_extra_worker_threads`. A request that blocks on anything
+// else on an I/O thread holds up the worker's reading for about 1 ms, until the other I/O thread
+// takes it over (docs/threading.md). A registered function may instead return the
 // future of its result (async_execution, registry.h): its reply goes when the future completes,
 // and no thread waits meanwhile. Futures complete on one completion thread; a then() callback
 // runs there and must not block on another RPC's result.

@@ -2,6 +2,9 @@
 
 #include <utility>
 
+#include <ATen/ThreadLocalState.h>
+#include <asio/post.hpp>
+
 #include <c10/util/Exception.h>
 
 namespace distoptim {
@@ -9,19 +12,31 @@ namespace rpc {
 namespace detail {
 namespace {
 
-// The loop this thread leads, and where a handler leaves the job to run after handing it over.
+// The loop this thread leads, and where a handler leaves the job to run after it returns.
 thread_local IoLoop* t_leading = nullptr;
 thread_local std::function<void()>* t_after = nullptr;
+// The loop this thread keeps while it runs a job, and that job's number.
+thread_local IoLoop* t_keeping = nullptr;
+thread_local uint64_t t_kept_job = 0;
+// LibTorch's thread-local state (grad and inference mode, dispatch keys) of a loop thread before
+// any job ran on it: what handlers run under, even when a waiting job's thread runs them.
+thread_local std::optional<at::ThreadLocalState> t_loop_state;
 
 }  // namespace
 
-IoLoop::IoLoop(asio::io_context& io, int threads) : io_(io) {
+IoLoop::IoLoop(asio::io_context& io, int threads, std::chrono::microseconds long_job)
+    : io_(io), long_job_(long_job), wake_(std::make_shared<Wake>()) {
+  wake_->io = &io;
   for (int i = 0; i < threads; ++i) {
     threads_.emplace_back([this] { run_thread(); });
   }
 }
 
-IoLoop::~IoLoop() { join(); }
+IoLoop::~IoLoop() {
+  join();
+  std::lock_guard<std::mutex> lock(wake_->mutex);
+  wake_->io = nullptr;
+}
 
 void IoLoop::wait_stopped() {
   std::unique_lock<std::mutex> lock(mutex_);
@@ -34,58 +49,168 @@ void IoLoop::join() {
   }
 }
 
-bool IoLoop::can_hand_off() {
+bool IoLoop::can_run_after_handler() {
   IoLoop* loop = t_leading;
-  if (loop == nullptr || *t_after) {
+  if (loop == nullptr || t_after == nullptr || *t_after) {
     return false;
   }
   // While this thread leads, a waiting follower stays waiting: the answer holds until the
-  // handler returns.
+  // handler returns, and while the job keeps the loop (only a hand-over ends a follower's wait).
   std::lock_guard<std::mutex> lock(loop->mutex_);
   return loop->waiting_ > 0;
 }
 
-void IoLoop::run_after_hand_off(std::function<void()> job) {
+void IoLoop::run_after_handler(std::function<void()> job) {
   TORCH_INTERNAL_ASSERT(t_leading != nullptr && !*t_after && job);
   *t_after = std::move(job);
 }
 
+bool IoLoop::lead_until(const std::function<bool()>& done,
+                        const std::function<void(std::function<void()>)>& arm,
+                        std::optional<std::chrono::steady_clock::time_point> deadline) {
+  IoLoop* loop = t_keeping;
+  if (loop == nullptr) {
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(loop->mutex_);
+    if (loop->kept_job_ != t_kept_job) {
+      t_keeping = nullptr;
+      return false;  // A watching follower took the loop over.
+    }
+    loop->kept_job_ = 0;  // Led, not kept: no follower takes it over meanwhile.
+  }
+  arm([wake = loop->wake_] {
+    std::lock_guard<std::mutex> lock(wake->mutex);
+    if (wake->io != nullptr) asio::post(*wake->io, [] {});
+  });
+  t_leading = loop;  // t_after stays null: no job after a handler run here
+  // Not under the job's own modes: a reply decoded under its inference mode would be an inference
+  // tensor, one recorded under its no-grad guard would lose its autograd history.
+  std::optional<at::ThreadLocalStateGuard> loop_state;
+  loop_state.emplace(*t_loop_state);
+  while (!done() && !loop->io_.stopped()) {
+    if (!deadline) {
+      loop->io_.run_one();
+    } else if (loop->io_.run_one_until(*deadline) == 0 &&
+               std::chrono::steady_clock::now() >= *deadline) {
+      break;
+    }
+  }
+  loop_state.reset();
+  t_leading = nullptr;
+  std::unique_lock<std::mutex> lock(loop->mutex_);
+  if (loop->io_.stopped()) {
+    t_keeping = nullptr;
+    loop->stop_locked(lock);
+    return true;
+  }
+  // Kept again by the job that waited, which may now block elsewhere: someone must watch it.
+  t_kept_job = loop->keep_locked(lock);
+  return true;
+}
+
+uint64_t IoLoop::keep_locked(std::unique_lock<std::mutex>& lock) {
+  const uint64_t number = ++jobs_begun_;
+  kept_job_ = number;
+  const bool wake = waiting_ > 0 && !watching_;  // a follower asleep is woken to watch
+  lock.unlock();
+  if (wake) {
+    follow_.notify_one();
+  }
+  return number;
+}
+
+void IoLoop::stop_locked(std::unique_lock<std::mutex>& lock) {
+  led_ = false;
+  stopped_ = true;
+  lock.unlock();
+  follow_.notify_all();
+  stopped_cv_.notify_all();
+}
+
+bool IoLoop::follow(std::unique_lock<std::mutex>& lock) {
+  using Clock = std::chrono::steady_clock;
+  ++waiting_;
+  bool watching = false;
+  uint64_t seen_job = 0;      // the job keeping the loop at the last look
+  uint64_t seen_begun = 0;    // jobs_begun_ at the last look
+  Clock::time_point seen_at;  // when seen_job was first seen keeping it
+  bool lead = false;
+  while (!stopped_) {
+    if (!led_) {
+      lead = true;
+      break;
+    }
+    const Clock::time_point now = Clock::now();
+    if (watching && kept_job_ != 0 && kept_job_ == seen_job && now - seen_at >= long_job_) {
+      kept_job_ = 0;  // One job kept the loop a whole long_job_: take it over.
+      lead = true;
+      break;
+    }
+    if (kept_job_ != 0 && (watching_ == watching)) {
+      // A job keeps the loop and no other follower watches it: watch.
+      if (kept_job_ != seen_job) {
+        seen_job = kept_job_;
+        seen_at = now;
+      }
+      watching = watching_ = true;
+      seen_begun = jobs_begun_;
+      follow_.wait_until(lock, seen_at + long_job_);
+    } else if (watching && jobs_begun_ != seen_begun) {
+      seen_begun = jobs_begun_;  // Jobs ran since the last look: go on watching.
+      follow_.wait_for(lock, long_job_);
+    } else {
+      if (watching) {
+        watching = watching_ = false;  // A long_job_ without a job: sleep until woken.
+      }
+      follow_.wait(lock);
+    }
+  }
+  --waiting_;
+  if (watching) {
+    watching_ = false;
+  }
+  return lead;
+}
+
 void IoLoop::run_thread() {
+  t_loop_state.emplace();
   std::unique_lock<std::mutex> lock(mutex_);
-  for (;;) {
-    ++waiting_;
-    follow_.wait(lock, [this] { return stopped_ || !led_; });
-    --waiting_;
-    if (stopped_) {
-      return;
-    }
+  while (follow(lock)) {
     led_ = true;
-    lock.unlock();
-
-    std::function<void()> job;
-    t_leading = this;
-    t_after = &job;
-    bool running = true;
-    while (!job && running) {
-      running = io_.run_one() > 0;  // 0: stopped (a work guard keeps it from running dry)
-    }
-    t_leading = nullptr;
-    t_after = nullptr;
-
-    lock.lock();
-    led_ = false;
-    if (!running) {
-      stopped_ = true;
+    bool leading = true;
+    while (leading) {
       lock.unlock();
-      follow_.notify_all();
-      stopped_cv_.notify_all();
-      return;
+      std::function<void()> job;
+      t_leading = this;
+      t_after = &job;
+      bool running = true;
+      while (!job && running) {
+        running = io_.run_one() > 0;  // 0: stopped (a work guard keeps it from running dry)
+      }
+      t_leading = nullptr;
+      t_after = nullptr;
+
+      lock.lock();
+      if (!running) {
+        stop_locked(lock);
+        return;
+      }
+      // The job keeps the loop; a follower watches it (woken once per run of jobs).
+      t_kept_job = keep_locked(lock);
+      t_keeping = this;
+      job();
+      job = nullptr;                           // its captures go before the lock is taken
+      const bool kept = t_keeping != nullptr;  // (lead_until renumbers the job it resumes)
+      t_keeping = nullptr;
+      lock.lock();
+      if (kept && kept_job_ == t_kept_job && !stopped_) {
+        kept_job_ = 0;  // Still leading: read on.
+      } else {
+        leading = false;  // Released or taken over: follow.
+      }
     }
-    lock.unlock();
-    follow_.notify_one();  // before the job: the follower wakes while the job runs
-    job();
-    job = nullptr;  // its captures go before the lock is taken
-    lock.lock();
   }
 }
 

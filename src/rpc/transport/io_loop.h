@@ -1,8 +1,12 @@
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -15,44 +19,81 @@ namespace detail {
 /// The threads that run an io_context's loop, one at a time (leader/followers): at any moment at
 /// most one of them leads, running the loop's handlers, and every hand-over goes through one
 /// mutex, so the handlers are confined as on a single I/O thread. A handler may ask to run a job
-/// on its own thread once it returns (run_after_hand_off): the leader then hands the loop to a
-/// waiting follower and runs the job, which may block (a request waiting for a nested call)
-/// without stalling the loop, and then waits to lead again. A job handed to another thread
-/// waits for that thread to wake; here the thread that read the message runs it at once, and the
-/// follower's wake-up is off the job's path.
+/// on its own thread once it returns (run_after_handler): the thread that read a request runs it
+/// at once, so no thread waits to be woken before the job starts.
+///
+/// While the job runs its thread keeps the loop (nobody reads meanwhile), so that no follower has
+/// to wake per job: on a virtual machine each wake-up costs an idle CPU's restart, on the path of
+/// whatever the other core runs. A job that waits in the library leads the loop itself while it
+/// waits (lead_until, called by the rpc layer's waits), so that what it waits for is read with
+/// nobody woken on the way. A job that blocks elsewhere (a user's lock, a long computation) loses
+/// the loop to a follower once it has kept it a whole `long_job` (kLongJob): a follower watches
+/// while jobs run (timed waits, not a spin; it stops watching after a `long_job` with no job), so
+/// such a job stalls the loop for about that long at most. The job's thread then follows.
 ///
 /// Threading: the threads start at construction and run until the io_context stops; join()
 /// (also the destructor) from a thread outside the loop. One mutex guards the fields below.
 class IoLoop {
  public:
-  IoLoop(asio::io_context& io, int threads);
+  /// How long one job may keep the loop before a watching follower takes it over, by default.
+  static constexpr std::chrono::microseconds kLongJob{1000};
+
+  IoLoop(asio::io_context& io, int threads, std::chrono::microseconds long_job = kLongJob);
   ~IoLoop();
   IoLoop(const IoLoop&) = delete;
   IoLoop& operator=(const IoLoop&) = delete;
 
-  /// Waits until the io_context has stopped and no handler runs any more; a job handed over
-  /// (run_after_hand_off) may still be running.
+  /// Waits until the io_context has stopped and no handler runs any more; a job
+  /// (run_after_handler) may still be running.
   void wait_stopped();
-  /// Waits for every thread to leave: the io_context stopped and every job handed over returned.
+  /// Waits for every thread to leave: the io_context stopped and every job returned.
   void join();
 
   /// Whether the calling thread runs a handler of a loop with a follower waiting to take it
-  /// over, and has no job set yet: run_after_hand_off may be called.
-  static bool can_hand_off();
-  /// From a handler the loop runs, after can_hand_off() said yes: runs `job` on this thread right
-  /// after the handler returns, once a follower has taken the loop over. The job must not throw.
-  static void run_after_hand_off(std::function<void()> job);
+  /// over, and has no job set yet: run_after_handler may be called.
+  static bool can_run_after_handler();
+  /// From a handler the loop runs, after can_run_after_handler() said yes: runs `job` on this
+  /// thread right after the handler returns, keeping the loop meanwhile (above). The job must not
+  /// throw.
+  static void run_after_handler(std::function<void()> job);
+  /// On a thread running a job that keeps its loop: runs the loop's handlers on this thread until
+  /// `done()` or `deadline`, then keeps the loop again, and returns true. `arm` is called first
+  /// with a function that makes the loop look at `done()` again: whatever may make it true off
+  /// the loop's threads must call it then (from any thread, at any time, even once the loop is
+  /// gone). Handlers run meanwhile run no job after them (can_run_after_handler() says no).
+  /// Elsewhere, or once the loop was taken over, it returns false at once: the caller waits its
+  /// own way. It also returns (true) when the loop stops.
+  static bool lead_until(const std::function<bool()>& done,
+                         const std::function<void(std::function<void()>)>& arm,
+                         std::optional<std::chrono::steady_clock::time_point> deadline);
 
  private:
   void run_thread();
+  // Waits until this thread may lead; false when the loop stopped.
+  bool follow(std::unique_lock<std::mutex>& lock);
+
+  // What lead_until's wake-up posts to, for as long as the loop exists.
+  struct Wake {
+    std::mutex mutex;
+    asio::io_context* io = nullptr;
+  };
+  void stop_locked(std::unique_lock<std::mutex>& lock);
+  // Marks a new job as keeping the loop and wakes a follower to watch it if none does; unlocks.
+  // Returns the job's number.
+  uint64_t keep_locked(std::unique_lock<std::mutex>& lock);
 
   asio::io_context& io_;
+  const std::chrono::microseconds long_job_;
+  const std::shared_ptr<Wake> wake_;
   std::mutex mutex_;
-  std::condition_variable follow_;      // a follower may lead, or the loop stopped
+  std::condition_variable follow_;      // a follower may lead, or a job began, or the loop stopped
   std::condition_variable stopped_cv_;  // the loop stopped
-  bool led_ = false;                    // a thread leads
+  bool led_ = false;                    // a thread leads (runs handlers or keeps the loop)
   bool stopped_ = false;                // the io_context stopped: every thread leaves
   int waiting_ = 0;                     // followers waiting to lead
+  bool watching_ = false;               // one of them watches the jobs (timed waits)
+  uint64_t jobs_begun_ = 0;             // jobs run after a handler, ever
+  uint64_t kept_job_ = 0;               // the number of the job keeping the loop now, or 0
   std::vector<std::thread> threads_;
 };
 
