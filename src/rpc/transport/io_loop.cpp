@@ -75,7 +75,6 @@ bool IoLoop::lead_until(const std::function<bool()>& done,
   {
     std::lock_guard<std::mutex> lock(loop->mutex_);
     if (loop->kept_job_ != t_kept_job) {
-      t_keeping = nullptr;
       return false;  // A watching follower took the loop over.
     }
     loop->kept_job_ = 0;  // Led, not kept: no follower takes it over meanwhile.
@@ -85,23 +84,22 @@ bool IoLoop::lead_until(const std::function<bool()>& done,
     if (wake->io != nullptr) asio::post(*wake->io, [] {});
   });
   t_leading = loop;  // t_after stays null: no job after a handler run here
-  // Not under the job's own modes: a reply decoded under its inference mode would be an inference
-  // tensor, one recorded under its no-grad guard would lose its autograd history.
-  std::optional<at::ThreadLocalStateGuard> loop_state;
-  loop_state.emplace(*t_loop_state);
-  while (!done() && !loop->io_.stopped()) {
-    if (!deadline) {
-      loop->io_.run_one();
-    } else if (loop->io_.run_one_until(*deadline) == 0 &&
-               std::chrono::steady_clock::now() >= *deadline) {
-      break;
+  {
+    // Not under the job's own modes: a reply decoded under its inference mode would be an
+    // inference tensor, one recorded under its no-grad guard would lose its autograd history.
+    at::ThreadLocalStateGuard loop_state(*t_loop_state);
+    while (!done() && !loop->io_.stopped()) {
+      if (!deadline) {
+        loop->io_.run_one();
+      } else if (loop->io_.run_one_until(*deadline) == 0 &&
+                 std::chrono::steady_clock::now() >= *deadline) {
+        break;
+      }
     }
   }
-  loop_state.reset();
   t_leading = nullptr;
   std::unique_lock<std::mutex> lock(loop->mutex_);
   if (loop->io_.stopped()) {
-    t_keeping = nullptr;
     loop->stop_locked(lock);
     return true;
   }
@@ -148,7 +146,7 @@ bool IoLoop::follow(std::unique_lock<std::mutex>& lock) {
       lead = true;
       break;
     }
-    if (kept_job_ != 0 && (watching_ == watching)) {
+    if (kept_job_ != 0 && (watching || !watching_)) {
       // A job keeps the loop and no other follower watches it: watch.
       if (kept_job_ != seen_job) {
         seen_job = kept_job_;
@@ -201,11 +199,11 @@ void IoLoop::run_thread() {
       t_kept_job = keep_locked(lock);
       t_keeping = this;
       job();
-      job = nullptr;                           // its captures go before the lock is taken
-      const bool kept = t_keeping != nullptr;  // (lead_until renumbers the job it resumes)
+      job = nullptr;  // its captures go before the lock is taken
       t_keeping = nullptr;
       lock.lock();
-      if (kept && kept_job_ == t_kept_job && !stopped_) {
+      // t_kept_job, as lead_until renumbers the job it resumes.
+      if (kept_job_ == t_kept_job && !stopped_) {
         kept_job_ = 0;  // Still leading: read on.
       } else {
         leading = false;  // Released or taken over: follow.
