@@ -8,9 +8,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include <torch/csrc/autograd/autograd.h>
 
@@ -20,6 +22,7 @@
 #include <distoptim/rpc/sharded_embedding_bag.h>
 
 #include "agent.h"
+#include "handshake.h"
 #include "registry_internal.h"
 #include "reply_snapshot.h"
 #include "transport/io_loop.h"
@@ -94,6 +97,49 @@ std::string job_secret(const RpcBackendOptions& options, const std::string& name
   return secret;
 }
 
+// A program that ends without shutdown() (an error out of main, say) still has the agent's
+// threads running requests and callbacks. Left to the static destructors, they would run on
+// while the objects they use are destroyed, and the agent could be destroyed on one of its own
+// threads, which cannot join themselves. Registered with atexit after the library's statics
+// were made and OpenSSL started, this runs before their destructors and OpenSSL's clean-up:
+// the agent stops as shutdown(false) stops it.
+constexpr std::chrono::seconds kStopAtExitTimeout{10};
+
+void stop_agent_at_exit() {
+  std::shared_ptr<detail::Agent> agent;
+  {
+    std::lock_guard<std::mutex> lock(g_agent_mutex);
+    agent = std::move(g_agent);
+  }
+  if (agent == nullptr) return;
+  if (agent->on_own_thread()) {
+    // exit() from a request or a callback: its own thread cannot be joined. The agent is left
+    // running, never destroyed; the process ends with its threads.
+    new std::shared_ptr<detail::Agent>(std::move(agent));
+    return;
+  }
+  // Bounded: a request blocked for good in the program's own code (waiting for main to signal
+  // it, say) would otherwise hold the exit up for ever.
+  auto stopped = std::make_shared<std::promise<void>>();
+  std::future<void> done = stopped->get_future();
+  std::thread stopper([agent, stopped] {
+    try {
+      agent->shutdown(/*graceful=*/false);
+    } catch (...) {
+    }
+    stopped->set_value();
+  });
+  if (done.wait_for(kStopAtExitTimeout) == std::future_status::ready) {
+    stopper.join();
+    return;
+  }
+  stopper.detach();
+  TORCH_WARN("rpc: the program ended without shutdown() and worker '", agent->self().name,
+             "' still ran ", agent->debug_info()["agent.num_requests_in_flight"],
+             " request(s) after ", kStopAtExitTimeout.count(),
+             " s of stopping; the process exits without them");
+}
+
 void start_agent(const std::string& name, int rank, int world_size,
                  const RpcBackendOptions& options) {
   TORCH_CHECK_VALUE(options.num_worker_threads() >= 1,
@@ -126,6 +172,11 @@ void start_agent(const std::string& name, int rank, int world_size,
   DISTOPTIM_CHECK_WITH(DistributedError, g_agent == nullptr,
                        "init_rpc: an agent is already running ", "as worker '",
                        g_agent ? g_agent->self().name : "", "'; call shutdown first");
+  static std::once_flag at_exit;
+  std::call_once(at_exit, [] {
+    detail::initialize_crypto();  // so that the agent stops before OpenSSL's clean-up
+    std::atexit(stop_agent_at_exit);
+  });
   if (options.keep_freed_memory()) keep_freed_memory();
   // The shards of a ShardedEmbeddingBag may be created here by a peer's model.
   detail::register_embedding_shard();

@@ -94,6 +94,12 @@ std::string deadline_text(const HandshakeConfig& config) {
 
 }  // namespace
 
+void initialize_crypto() {
+  // Not 0: with no option asked for, OpenSSL returns at once without starting.
+  TORCH_CHECK(OPENSSL_init_crypto(OPENSSL_INIT_ADD_ALL_DIGESTS, nullptr) == 1,
+              "rpc: OpenSSL's libcrypto failed to start");
+}
+
 std::string random_nonce() {
   std::string nonce(HandshakeMessage::kNonceBytes, '\0');
   TORCH_CHECK(RAND_bytes(reinterpret_cast<unsigned char*>(nonce.data()),

@@ -41,6 +41,10 @@ namespace detail {
 /// accepted. A proof for one role never verifies as the other, so a peer cannot echo a proof back.
 enum class HandshakeRole { kConnecting, kAccepting };
 
+/// Sets OpenSSL's libcrypto up now rather than at the first handshake. It registers its own
+/// clean-up with atexit then: a function registered with atexit after this call runs before it.
+void initialize_crypto();
+
 /// HandshakeMessage::kNonceBytes bytes from the operating system's random source.
 std::string random_nonce();
 

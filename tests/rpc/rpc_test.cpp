@@ -770,6 +770,83 @@ TEST(Rpc, GracefulShutdownWaitsForOutstandingWorkAndLeavesNoThread) {
   });
 }
 
+// Set when a rank's body returns without shutdown: its process is about to exit.
+std::atomic<bool> g_leaving{false};
+std::atomic<int> g_calls_waiting_for_exit{0};
+// Once this process has begun to exit, calls worker `on`, which this worker has not called yet:
+// the call connects, and the handshake uses OpenSSL, which exit cleans up.
+DISTOPTIM_RPC_FUNCTION("call_once_exiting", [](int64_t on) {
+  ++g_calls_waiting_for_exit;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!g_leaving && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // into exit's clean-up
+  return rpc_sync<int64_t>(worker(static_cast<int>(on)), "add", std::tuple{1, 2});
+});
+// Among the last destructors at exit, made before main: holds a leaving process's exit up a
+// while, as a program's own statics may, so that requests still running meet the clean-up.
+struct SlowExit {
+  ~SlowExit() {
+    if (g_leaving) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  }
+} g_slow_exit;
+
+// A worker whose program ends without shutdown (an error out of main, say) while requests still
+// run on its threads, one of them making its first call to the other worker as the process
+// exits: every process ends with its own exit status, the agent stopped at exit before the
+// library's and OpenSSL's clean-up, with no crash and no hang.
+TEST(Rpc, ExitingWithoutShutdownWhileRequestsRunEndsTheProcess) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 1) {
+      ASSERT_EQ(rpc_sync<int64_t>(worker(0), "add", std::tuple{1, 2}), 3);
+      for (int i = 0; i < 2; ++i) {
+        (void)rpc_async<int64_t>(worker(0), "call_once_exiting", std::tuple{1});
+        (void)rpc_async<int64_t>(worker(0), "sleep_ms", std::tuple{200});
+      }
+      // Serves worker0's connection meanwhile; leaves with its own calls in flight.
+      std::this_thread::sleep_for(1s);
+    } else {
+      const auto until = std::chrono::steady_clock::now() + 20s;
+      while ((g_calls_waiting_for_exit < 2 || g_sleeps_started < 2) &&
+             std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(1ms);
+      }
+      ASSERT_EQ(g_calls_waiting_for_exit.load(), 2);
+      g_leaving = true;
+    }
+  });
+}
+
+// And one whose request is blocked for good in the program's own code: exit stops the rest and
+// goes on after a bound (10 s), rather than waiting for the request as a shutdown would.
+std::atomic<int> g_blocked_requests{0};
+DISTOPTIM_RPC_FUNCTION("block_40s", [] {
+  ++g_blocked_requests;
+  std::this_thread::sleep_for(std::chrono::seconds(40));
+  return int64_t{0};
+});
+
+TEST(Rpc, ExitingWithoutShutdownDoesNotWaitForABlockedRequest) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options());
+    if (rank == 0) {
+      tell_pid(worker(1));
+      const auto until = std::chrono::steady_clock::now() + 20s;
+      while (g_blocked_requests == 0 && std::chrono::steady_clock::now() < until) {
+        std::this_thread::sleep_for(1ms);
+      }
+      ASSERT_EQ(g_blocked_requests.load(), 1);
+    } else {
+      auto blocked = rpc_async<int64_t>(worker(0), "block_40s", std::tuple{}, 60s);
+      // The bound and a margin for a slow machine, well short of the request's 40 s.
+      EXPECT_TRUE(wait_for_exit_of_rank(0, 30s)) << "worker0's exit waited for its request";
+      EXPECT_THROW(blocked.wait(), PeerLostError);
+    }
+  });
+}
+
 TEST(RpcUnit, BadArgumentsAreRefused) {
   EXPECT_THROW(init_rpc("", 0, 1), c10::ValueError);
   EXPECT_THROW(init_rpc("has space", 0, 1), c10::ValueError);

@@ -194,7 +194,9 @@ void init_rpc(const std::string& name, int rank, const RpcBackendOptions& option
 /// fail with DistributedError. Either way no agent thread is left afterwards. Errors:
 /// DistributedError if no agent runs, or if called on one of the agent's own threads (from a
 /// request or a future's callback; nothing is stopped then); TimeoutError naming the workers
-/// missing from a barrier (the agent is stopped all the same).
+/// missing from a barrier (the agent is stopped all the same). A program that ends (exit) with the
+/// agent still running has it stopped as shutdown(false) at exit, before the library's static
+/// objects go, waiting 10 s at most for requests still running (docs/rpc.md).
 void shutdown(bool graceful = true);
 
 /// Hold one while updating in place a tensor that handlers return or RRefs hold (a parameter
