@@ -829,6 +829,10 @@ DISTOPTIM_RPC_FUNCTION("block_40s", [] {
 });
 
 TEST(Rpc, ExitingWithoutShutdownDoesNotWaitForABlockedRequest) {
+#if defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "ThreadSanitizer reports the agent's threads that the bounded stop leaves "
+                  "unjoined at exit, as it is meant to";
+#endif
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
