@@ -97,14 +97,15 @@ std::string job_secret(const RpcBackendOptions& options, const std::string& name
   return secret;
 }
 
+// How long the agent's stop at exit waits for the requests still running.
+constexpr std::chrono::seconds kStopAtExitTimeout{10};
+
 // A program that ends without shutdown() (an error out of main, say) still has the agent's
 // threads running requests and callbacks. Left to the static destructors, they would run on
 // while the objects they use are destroyed, and the agent could be destroyed on one of its own
 // threads, which cannot join themselves. Registered with atexit after the library's statics
 // were made and OpenSSL started, this runs before their destructors and OpenSSL's clean-up:
 // the agent stops as shutdown(false) stops it.
-constexpr std::chrono::seconds kStopAtExitTimeout{10};
-
 void stop_agent_at_exit() {
   std::shared_ptr<detail::Agent> agent;
   {
