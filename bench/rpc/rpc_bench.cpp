@@ -153,6 +153,8 @@ struct Config {
   // the time budget, so its side makes fewer by default; the table and JSON show both counts.
   int64_t pytorch_sustained_calls = 40000;
   int window = 32;
+  // Our workers on one host talk over loopback TCP instead of Unix-domain sockets.
+  bool tcp = false;
   int caller_warmup = 200;
   int deadline_seconds = 240;
   // Rounds of ours, PyTorch's and the floor's runs, alternating.
@@ -448,6 +450,7 @@ void init_worker(const Config& config, const comm::LaunchEnv& env) {
                     .rpc_timeout(kCallTimeout)
                     .init_timeout(60s)
                     .shutdown_timeout(std::chrono::seconds(config.deadline_seconds))
+                    .same_host_unix_sockets(!config.tcp)
                     .launch_env(env));
 }
 
@@ -798,6 +801,7 @@ int run(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_option("--pytorch-script", script, "pytorch_rpc.py")->capture_default_str();
+  app.add_flag("--tcp", config.tcp, "Our workers talk over loopback TCP, not Unix-domain sockets");
   app.add_flag("--worker", worker, "Run as one of our workers (started by the benchmark itself)");
   app.add_flag("--idle-worker", idle_worker, "Run as one of our idle case's workers (ditto)");
   app.add_flag("--floor-worker", floor_worker, "Run as one end of the transport floor (ditto)");

@@ -43,7 +43,7 @@ Agent::Agent(int rank, int world_size, const RpcBackendOptions& options)
       pending_([this](std::vector<PendingCall> expired) { on_calls_expired(std::move(expired)); }),
       dispatcher_(options, limits_, pending_),
       peers_(group_.listen_address(), limits_, options.inbound_queue_bytes(),
-             options.frame_stall_timeout()) {}
+             options.frame_stall_timeout(), options.same_host_unix_sockets()) {}
 
 void Agent::start(const std::string& name) {
   if (group_.dynamic()) {

@@ -14,13 +14,14 @@ namespace rpc {
 namespace detail {
 
 Peers::Peers(const std::string& address, WireLimits limits, size_t receive_budget_bytes,
-             std::chrono::milliseconds frame_stall_timeout)
+             std::chrono::milliseconds frame_stall_timeout, bool unix_sockets)
     : limits_(limits),
       stall_timeout_(frame_stall_timeout),
+      unix_sockets_(unix_sockets),
       budget_(std::make_shared<ReceiveBudget>(receive_budget_bytes)),
       io_work_(io_.get_executor()),
       stall_check_(io_) {
-  listener_ = std::make_shared<Listener>(io_, address);
+  listener_ = std::make_shared<Listener>(io_, address, 0, unix_sockets);
   io_loop_ = std::make_unique<IoLoop>(io_, kIoLoopThreads);
 }
 
@@ -59,13 +60,16 @@ std::map<std::string, int64_t> Peers::debug_info() {
       if (outgoing.connection) open.push_back(outgoing.connection);
     }
   }
+  int64_t unix_socket = 0;
   int64_t peer_memory = 0;
   int64_t bytes_read = 0;
   for (const auto& connection : open) {
+    unix_socket += connection->unix_socket() ? 1 : 0;
     peer_memory += connection->peer_memory_enabled() ? 1 : 0;
     bytes_read += static_cast<int64_t>(connection->peer_memory_bytes_read());
   }
   return {{"connections", static_cast<int64_t>(open.size())},
+          {"unix_socket.connections", unix_socket},
           {"peer_memory.connections", peer_memory},
           {"peer_memory.bytes_read", bytes_read},
           {"receive_budget.reserved_bytes", static_cast<int64_t>(budget_->reserved())}};
@@ -293,8 +297,25 @@ void Peers::connect_to(int peer) {
     on_outgoing_lost(peer, nullptr, "no worker has id " + std::to_string(peer), /*refused=*/true);
     return;
   }
-  connect(io_, entry->host, entry->port,
-          [this, peer](std::shared_ptr<Connection> connection, const std::string& error) {
+  bool via_unix = false;
+  if (unix_sockets_) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = outgoing_.find(peer);
+    via_unix = it != outgoing_.end() && !it->second.tcp_only;
+  }
+  connect(io_, entry->host, entry->port, via_unix,
+          [this, peer, via_unix](std::shared_ptr<Connection> connection, const std::string& error) {
+            if (!connection && via_unix) {
+              // Nothing listens on the name here: the peer is on another host (or does not
+              // listen on one); TCP it is, for this peer from now on.
+              {
+                std::lock_guard<std::mutex> lock(mutex_);
+                auto it = outgoing_.find(peer);
+                if (it != outgoing_.end()) it->second.tcp_only = true;
+              }
+              connect_to(peer);
+              return;
+            }
             if (!connection) {
               on_outgoing_lost(peer, nullptr, "cannot connect: " + error, /*refused=*/false);
               return;
@@ -362,6 +383,16 @@ void Peers::on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connec
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = outgoing_.find(peer);
     if (it == outgoing_.end() || (connection && it->second.connection != connection)) {
+      return;
+    }
+    if (!stopped_ && !it->second.ready && connection && connection->unix_socket()) {
+      // Whoever holds the peer's Unix name did not prove itself the peer (or the peer refused
+      // us there): try its published TCP address, which only the peer can hold. A real refusal
+      // comes again there.
+      it->second.tcp_only = true;
+      it->second.connection = nullptr;
+      it->second.farewell.clear();
+      asio::post(io_, [this, peer] { connect_to(peer); });
       return;
     }
     if (!it->second.farewell.empty()) {

@@ -45,12 +45,16 @@ struct PeerEvents {
   std::function<void(int peer, const std::string& why)> on_peer_lost;
 };
 
-/// A worker's connections to the other workers of its group, on the library's TCP transport
-/// (transport/connection.h): the I/O thread, the listener, one connection to each peer this
-/// worker calls, opened on first use, and the connections peers open to it. Knows nothing of
-/// calls, requests or RRefs: it moves frames and says when a peer is lost.
+/// A worker's connections to the other workers of its group, on the library's transport
+/// (transport/connection.h: TCP, or a Unix-domain socket to a worker on the same host): the I/O
+/// thread, the listener, one connection to each peer this worker calls, opened on first use, and
+/// the connections peers open to it. Knows nothing of calls, requests or RRefs: it moves frames and
+/// says when a peer is lost.
 ///
-/// Connecting side: every connection begins with the handshake (handshake.h); until it has
+/// Connecting side: with `unix_sockets`, a connection to a peer first tries the Unix-domain
+/// socket named after its address (the name exists only on the peer's host), and takes TCP if
+/// nothing listens there, or if whoever does fails the handshake; then the peer is reached over
+/// TCP from then on. Every connection begins with the handshake (handshake.h); until it has
 /// succeeded, messages for the peer wait in order, then go in the order they were sent. A
 /// connection lost before its handshake ends is tried again a few times (the peer's listener was
 /// busy, or it evicted us among stalled connections); a refusal, or a loss after the handshake,
@@ -77,10 +81,11 @@ struct PeerEvents {
 /// reach a connection in the order they were made); Peers never calls up while holding its lock.
 class Peers {
  public:
-  /// Starts the I/O thread and listens on `address` (an IP address), port chosen by the system.
-  /// Throws DistributedError if it cannot.
+  /// Starts the I/O thread and listens on `address` (an IP address), port chosen by the system,
+  /// and with `unix_sockets` on the Unix-domain socket named after it, and connects to peers
+  /// through theirs when they are on this host. Throws DistributedError if it cannot listen.
   Peers(const std::string& address, WireLimits limits, size_t receive_budget_bytes,
-        std::chrono::milliseconds frame_stall_timeout);
+        std::chrono::milliseconds frame_stall_timeout, bool unix_sockets);
   ~Peers();
   Peers(const Peers&) = delete;
   Peers& operator=(const Peers&) = delete;
@@ -107,8 +112,8 @@ class Peers {
   /// `deadline` passes: a worker leaving a dynamic group flushes its last replies before it
   /// closes its connections.
   void wait_writes_done(std::chrono::steady_clock::time_point deadline);
-  /// "connections", "peer_memory.connections", "peer_memory.bytes_read",
-  /// "receive_budget.reserved_bytes" (rpc::get_debug_info).
+  /// "connections", "unix_socket.connections", "peer_memory.connections",
+  /// "peer_memory.bytes_read", "receive_budget.reserved_bytes" (rpc::get_debug_info).
   std::map<std::string, int64_t> debug_info();
   /// Closes every connection and the listener and stops the I/O loop: no callback runs after.
   /// Messages not yet written are dropped. Idempotent.
@@ -142,6 +147,7 @@ class Peers {
     bool ready = false;                      // the handshake succeeded and `held` is written
     std::vector<EncodedMessage> held;        // messages sent before then, in order
     int attempts = 0;                        // connections tried so far
+    bool tcp_only = false;                   // its Unix name failed the handshake: TCP
     std::string farewell;                    // why the peer said it closes, if it did
   };
 
@@ -173,6 +179,7 @@ class Peers {
 
   const WireLimits limits_;
   const std::chrono::milliseconds stall_timeout_;
+  const bool unix_sockets_;
   const std::shared_ptr<ReceiveBudget> budget_;
   asio::io_context io_;
   asio::executor_work_guard<asio::io_context::executor_type> io_work_;

@@ -11,10 +11,13 @@
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -152,10 +155,32 @@ TEST(RpcHandshake, ABadSecretFileIsRefusedByName) {
   std::remove(too_long.c_str());
 }
 
-// A TCP peer that speaks the wire format (or not) but knows no secret.
+// The transports a worker listens on: TCP, and the Unix-domain socket named after its address.
+enum class Transport { kTcp, kUnix };
+const char* name_of(Transport transport) {
+  return transport == Transport::kTcp ? "over TCP" : "over the Unix socket";
+}
+
+// The abstract Unix-domain socket address of the worker listening on `address`:`port`.
+std::pair<sockaddr_un, socklen_t> unix_address(const std::string& address, int port) {
+  const std::string name = detail::unix_socket_name(address, port);
+  sockaddr_un target{};
+  target.sun_family = AF_UNIX;
+  std::memcpy(target.sun_path, name.data(), name.size());
+  return {target, static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size())};
+}
+
+// A peer that speaks the wire format (or not) but knows no secret, over TCP or the worker's
+// Unix-domain socket.
 class RawPeer {
  public:
-  RawPeer(const std::string& address, int port) {
+  RawPeer(const std::string& address, int port, Transport transport = Transport::kTcp) {
+    if (transport == Transport::kUnix) {
+      fd_ = ::socket(AF_UNIX, SOCK_STREAM, 0);
+      const auto [target, size] = unix_address(address, port);
+      connected_ = ::connect(fd_, reinterpret_cast<const sockaddr*>(&target), size) == 0;
+      return;
+    }
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in target{};
     target.sin_family = AF_INET;
@@ -274,9 +299,9 @@ HandshakeMessage proof_as_worker1(const HandshakeMessage& challenge, const std::
   return answer;
 }
 
-// Worker 0's listening address and port, as the agent publishes them in the rendezvous store
-// (a dynamic group's record is its name, a newline, then the same).
-std::pair<std::string, int> address_of_worker0(bool dynamic_group = false) {
+// The listening address and port of the worker of rank `rank`, as the agent publishes them in the
+// rendezvous store (a dynamic group's record is its name, a newline, then the same).
+std::pair<std::string, int> address_of_worker(int rank, bool dynamic_group = false) {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
   store_options.isServer = false;
@@ -284,12 +309,18 @@ std::pair<std::string, int> address_of_worker0(bool dynamic_group = false) {
   store_options.timeout = 20s;
   auto store = c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR"), store_options);
   c10d::PrefixStore rendezvous("distoptim/rpc/rendezvous/", store);
+  const std::string rank_text = std::to_string(rank);
   const std::vector<uint8_t> bytes =
-      rendezvous.get(dynamic_group ? "distoptim/rpc/dynamic/rank/0" : "distoptim/rpc/worker/0/url");
+      rendezvous.get(dynamic_group ? "distoptim/rpc/dynamic/rank/" + rank_text
+                                   : "distoptim/rpc/worker/" + rank_text + "/url");
   std::string text(bytes.begin(), bytes.end());
   if (dynamic_group) text = text.substr(text.find('\n') + 1);
   const size_t space = text.rfind(' ');
   return {text.substr(0, space), std::stoi(text.substr(space + 1))};
+}
+
+std::pair<std::string, int> address_of_worker0(bool dynamic_group = false) {
+  return address_of_worker(0, dynamic_group);
 }
 
 // Resident memory of this process, in bytes (/proc/self/statm).
@@ -308,31 +339,35 @@ TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
     init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
     if (rank == 1) {
       const auto [address, port] = address_of_worker0();
-      {
-        // A request at once, ignoring the challenge.
-        RawPeer rogue(address, port);
-        rogue.send(detail::encode_request(1, "record", {}, 0, /*caller_id=*/1));
-        auto challenge = rogue.receive();
-        ASSERT_TRUE(challenge);
-        EXPECT_EQ(challenge->step, HandshakeMessage::Step::kChallenge);
-        auto verdict = rogue.receive();
-        ASSERT_TRUE(verdict);
-        EXPECT_EQ(verdict->step, HandshakeMessage::Step::kRefuse);
-        EXPECT_THAT(verdict->refusal, HasSubstr("a message other than the handshake"));
-      }
-      {
-        // A forged proof, then a request right behind it.
-        RawPeer rogue(address, port);
-        auto challenge = rogue.receive();
-        ASSERT_TRUE(challenge);
-        rogue.send(detail::encode_handshake(
-            proof_as_worker1(*challenge, std::string(HandshakeMessage::kProofBytes, 'p'))));
-        rogue.send(detail::encode_request(2, "record", {}, 0, /*caller_id=*/1));
-        auto verdict = rogue.receive();
-        ASSERT_TRUE(verdict);
-        EXPECT_EQ(verdict->step, HandshakeMessage::Step::kRefuse);
-        EXPECT_THAT(verdict->refusal,
-                    HasSubstr("it did not prove that it knows the shared secret"));
+      for (const Transport transport : {Transport::kTcp, Transport::kUnix}) {
+        SCOPED_TRACE(name_of(transport));
+        {
+          // A request at once, ignoring the challenge.
+          RawPeer rogue(address, port, transport);
+          ASSERT_TRUE(rogue.connected());
+          rogue.send(detail::encode_request(1, "record", {}, 0, /*caller_id=*/1));
+          auto challenge = rogue.receive();
+          ASSERT_TRUE(challenge);
+          EXPECT_EQ(challenge->step, HandshakeMessage::Step::kChallenge);
+          auto verdict = rogue.receive();
+          ASSERT_TRUE(verdict);
+          EXPECT_EQ(verdict->step, HandshakeMessage::Step::kRefuse);
+          EXPECT_THAT(verdict->refusal, HasSubstr("a message other than the handshake"));
+        }
+        {
+          // A forged proof, then a request right behind it.
+          RawPeer rogue(address, port, transport);
+          auto challenge = rogue.receive();
+          ASSERT_TRUE(challenge);
+          rogue.send(detail::encode_handshake(
+              proof_as_worker1(*challenge, std::string(HandshakeMessage::kProofBytes, 'p'))));
+          rogue.send(detail::encode_request(2, "record", {}, 0, /*caller_id=*/1));
+          auto verdict = rogue.receive();
+          ASSERT_TRUE(verdict);
+          EXPECT_EQ(verdict->step, HandshakeMessage::Step::kRefuse);
+          EXPECT_THAT(verdict->refusal,
+                      HasSubstr("it did not prove that it knows the shared secret"));
+        }
       }
       // Nothing the rogues sent ran on worker 0.
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 0);
@@ -570,9 +605,10 @@ TEST(RpcHandshake, RefusalsAreLoggedAtABoundedRate) {
   });
 }
 
-// What an attacker can send before proving anything: garbage, absurd lengths, connections that
-// close at once, and frames that announce gigabytes and then stall. The worker stays up, keeps
-// listening, allocates nothing beyond the handshake bound, and its peers still call it.
+// What an attacker can send before proving anything, over TCP and over the Unix socket: garbage,
+// absurd lengths, connections that close at once, and frames that announce gigabytes and then
+// stall. The worker stays up, keeps listening on both, allocates nothing beyond the handshake
+// bound, and its peers still call it.
 TEST(RpcHandshake, HostileBytesBeforeTheHandshake) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size,
@@ -580,57 +616,157 @@ TEST(RpcHandshake, HostileBytesBeforeTheHandshake) {
     if (rank == 1) {
       const auto [address, port] = address_of_worker0();
       const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
-      // Connect and close at once, many times.
-      for (int i = 0; i < 200; ++i) {
-        RawPeer peer(address, port);
-        ASSERT_TRUE(peer.connected()) << "connection " << i << " was refused";
-      }
-      // 64 KiB of random bytes.
-      {
-        RawPeer peer(address, port);
-        std::string noise(64 << 10, '\0');
-        for (char& c : noise) c = static_cast<char>(std::rand());
-        peer.send_bytes(noise);
-        EXPECT_TRUE(peer.closed_within(10s));
-      }
-      // An 8-byte length field of 2^63 - 1, as a length-prefixed protocol would read it.
-      {
-        RawPeer peer(address, port);
-        peer.send_bytes(std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) + std::string(64, 'a'));
-        EXPECT_TRUE(peer.closed_within(10s));
-      }
-      // Well-formed headers that announce a 4 GiB body or 2^32 - 1 tensors, then silence: each is
-      // refused on its header alone.
-      std::vector<std::unique_ptr<RawPeer>> announcers;
-      for (int i = 0; i < 32; ++i) {
-        detail::MessageHeader header;
-        header.type = detail::MessageType::kHandshake;
-        header.body_length = i % 2 ? 0xffffffffu : 0;
-        header.tensor_count = i % 2 ? 0 : 0xffffffffu;
-        announcers.push_back(std::make_unique<RawPeer>(address, port));
-        announcers.back()->send_bytes(detail::encode_header(header));
-      }
-      for (auto& peer : announcers) {
-        EXPECT_TRUE(peer->closed_within(10s));
-      }
-      // A handshake-sized frame whose body is random bytes.
-      {
-        RawPeer peer(address, port);
-        detail::MessageHeader header;
-        header.type = detail::MessageType::kHandshake;
-        header.body_length = 1000;
-        std::string body(1000, '\0');
-        for (char& c : body) c = static_cast<char>(std::rand());
-        peer.send_bytes(detail::encode_header(header) + body);
-        EXPECT_TRUE(peer.closed_within(10s));
+      for (const Transport transport : {Transport::kTcp, Transport::kUnix}) {
+        SCOPED_TRACE(name_of(transport));
+        // Connect and close at once, many times.
+        for (int i = 0; i < 200; ++i) {
+          RawPeer peer(address, port, transport);
+          ASSERT_TRUE(peer.connected()) << "connection " << i << " was refused";
+        }
+        // 64 KiB of random bytes.
+        {
+          RawPeer peer(address, port, transport);
+          std::string noise(64 << 10, '\0');
+          for (char& c : noise) c = static_cast<char>(std::rand());
+          peer.send_bytes(noise);
+          EXPECT_TRUE(peer.closed_within(10s));
+        }
+        // An 8-byte length field of 2^63 - 1, as a length-prefixed protocol would read it.
+        {
+          RawPeer peer(address, port, transport);
+          peer.send_bytes(std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) +
+                          std::string(64, 'a'));
+          EXPECT_TRUE(peer.closed_within(10s));
+        }
+        // Well-formed headers that announce a 4 GiB body or 2^32 - 1 tensors, then silence: each is
+        // refused on its header alone.
+        std::vector<std::unique_ptr<RawPeer>> announcers;
+        for (int i = 0; i < 32; ++i) {
+          detail::MessageHeader header;
+          header.type = detail::MessageType::kHandshake;
+          header.body_length = i % 2 ? 0xffffffffu : 0;
+          header.tensor_count = i % 2 ? 0 : 0xffffffffu;
+          announcers.push_back(std::make_unique<RawPeer>(address, port, transport));
+          announcers.back()->send_bytes(detail::encode_header(header));
+        }
+        for (auto& peer : announcers) {
+          EXPECT_TRUE(peer->closed_within(10s));
+        }
+        // A handshake-sized frame whose body is random bytes.
+        {
+          RawPeer peer(address, port, transport);
+          detail::MessageHeader header;
+          header.type = detail::MessageType::kHandshake;
+          header.body_length = 1000;
+          std::string body(1000, '\0');
+          for (char& c : body) c = static_cast<char>(std::rand());
+          peer.send_bytes(detail::encode_header(header) + body);
+          EXPECT_TRUE(peer.closed_within(10s));
+        }
       }
       // The worker is alive, still listening, and grew by no more than noise.
-      RawPeer late(address, port);
-      EXPECT_TRUE(late.connected());
-      EXPECT_TRUE(late.receive());
+      for (const Transport transport : {Transport::kTcp, Transport::kUnix}) {
+        RawPeer late(address, port, transport);
+        EXPECT_TRUE(late.connected()) << name_of(transport);
+        EXPECT_TRUE(late.receive()) << name_of(transport);
+      }
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
       const int64_t resident_after = rpc_sync<int64_t>(worker(0), "resident_bytes");
       EXPECT_LT(resident_after - resident_before, int64_t{64} << 20);
+    }
+    shutdown();
+  });
+}
+
+DISTOPTIM_RPC_FUNCTION("echo_text", [](const std::string& text) { return text; });
+
+// A process holding the Unix name of the worker at `address`:`port` (which does not listen there
+// itself): it accepts connections one at a time, sends each `answer` (empty: nothing), and keeps
+// what they send until they close.
+class Squatter {
+ public:
+  Squatter(const std::string& address, int port, std::string answer)
+      : fd_(::socket(AF_UNIX, SOCK_STREAM, 0)) {
+    const auto [target, size] = unix_address(address, port);
+    bound_ =
+        ::bind(fd_, reinterpret_cast<const sockaddr*>(&target), size) == 0 && ::listen(fd_, 8) == 0;
+    thread_ = std::thread([this, answer = std::move(answer)] { serve(answer); });
+  }
+  ~Squatter() { stop(); }
+  bool bound() const { return bound_; }
+  /// Stops accepting and reading; then connections() and received() are final.
+  void stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  int connections() const { return connections_; }
+  const std::string& received() const { return received_; }
+
+ private:
+  // Whether `fd` is readable within 50 ms.
+  static bool readable(int fd) {
+    pollfd entry{fd, POLLIN, 0};
+    return ::poll(&entry, 1, 50) == 1;
+  }
+  void serve(const std::string& answer) {
+    while (!stop_) {
+      if (!readable(fd_)) continue;
+      const int connection = ::accept(fd_, nullptr, nullptr);
+      if (connection < 0) continue;
+      ++connections_;
+      if (!answer.empty()) (void)::send(connection, answer.data(), answer.size(), MSG_NOSIGNAL);
+      char buffer[4096];
+      while (!stop_) {
+        if (!readable(connection)) continue;
+        const ssize_t n = ::recv(connection, buffer, sizeof(buffer), 0);
+        if (n <= 0) break;
+        received_.append(buffer, static_cast<size_t>(n));
+      }
+      ::close(connection);
+    }
+  }
+
+  int fd_;
+  bool bound_ = false;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> connections_{0};
+  std::string received_;  // written by the thread until stop()
+  std::thread thread_;
+};
+
+// Whoever holds a worker's Unix name cannot take its calls: a caller that finds someone else on
+// the name of a worker that does not listen there (garbage in answer, or silence until the
+// handshake times out) gets no proof of the secret, reaches the worker over TCP instead, and the
+// impostor never sees a byte of the call.
+TEST(RpcHandshake, AnImpostorOnAWorkersUnixNameGetsNoCall) {
+  run_ranks(3, [](int rank, int world_size) {
+    // Workers 0 and 2 listen on TCP only; worker 1 tries Unix names first.
+    init_rpc(
+        worker(rank), rank, world_size,
+        options_with_secret("the-secret").handshake_timeout(3s).same_host_unix_sockets(rank == 1));
+    if (rank == 1) {
+      const auto [address0, port0] = address_of_worker(0);
+      const auto [address2, port2] = address_of_worker(2);
+      Squatter garbage(address0, port0, std::string(64, 'x'));
+      Squatter silent(address2, port2, "");
+      ASSERT_TRUE(garbage.bound());
+      ASSERT_TRUE(silent.bound());
+      const std::string payload = "the call's payload, for worker 0 and worker 2 only";
+      EXPECT_EQ(rpc_sync<std::string>(worker(0), "echo_text", std::tuple{payload}), payload);
+      EXPECT_EQ(rpc_sync<std::string>(worker(2), "echo_text", std::tuple{payload}), payload);
+      garbage.stop();
+      silent.stop();
+      EXPECT_EQ(garbage.connections(), 1);
+      EXPECT_EQ(silent.connections(), 1);
+      EXPECT_EQ(garbage.received().find(payload), std::string::npos);
+      EXPECT_EQ(silent.received().find(payload), std::string::npos);
+      // Worker 1's connections to both (and theirs to it) are TCP, and stay so.
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+      const auto counters = get_debug_info();
+      EXPECT_GE(counters.at("connections"), 2);
+      EXPECT_EQ(counters.at("unix_socket.connections"), 0);
     }
     shutdown();
   });

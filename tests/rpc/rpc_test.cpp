@@ -718,6 +718,42 @@ TEST(Rpc, LargeTensorsAreReadFromTheSendersMemoryOnOneHost) {
   }
 }
 
+// Calls every other worker once; how many answered right.
+int64_t call_every_peer() {
+  const WorkerInfo self = get_worker_info();
+  int64_t right = 0;
+  for (const WorkerInfo& peer : get_worker_infos()) {
+    if (peer.id == self.id) continue;
+    right += rpc_sync<int64_t>(peer.name, "add", std::tuple{peer.id, 1}) == peer.id + 1;
+  }
+  return right;
+}
+DISTOPTIM_RPC_FUNCTION("call_every_peer", call_every_peer);
+
+// Workers on one host talk over Unix-domain sockets, both ways, unless one of them turns that off:
+// every connection to or from that one is TCP, and calls go every way all the same.
+TEST(Rpc, SameHostWorkersTalkOverUnixSocketsUnlessOneTurnsThemOff) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options().same_host_unix_sockets(rank != 2));
+    if (rank == 0) {
+      EXPECT_EQ(call_every_peer(), 2);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(1), "call_every_peer"), 2);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(2), "call_every_peer"), 2);
+      // Each worker now has a connection to and from each other one.
+      for (int id = 0; id < world_size; ++id) {
+        SCOPED_TRACE("worker " + std::to_string(id));
+        const auto counters =
+            id == 0 ? get_debug_info()
+                    : rpc_sync<std::map<std::string, int64_t>>(worker(id), "debug_info");
+        EXPECT_EQ(counters.at("connections"), 4);
+        // Workers 0 and 1 talk over Unix sockets both ways; worker 2 over TCP with both.
+        EXPECT_EQ(counters.at("unix_socket.connections"), id == 2 ? 0 : 2);
+      }
+    }
+    shutdown();
+  });
+}
+
 TEST(Rpc, KilledWorkerFailsPendingAndNewCalls) {
   distoptim::testing::RunRanksOptions options;
   options.expected_exit_codes = {{1, 7}};

@@ -116,10 +116,17 @@ struct RpcBackendOptions {
   /// one copy instead of two through the kernel's socket buffers, as PyTorch's TensorPipe agent
   /// does with its "cma" channel. Used on a connection only when both workers allow it and each
   /// proved at the handshake that it can read the other (same host and PID namespace, ptrace
-  /// rules permitting); otherwise such tensors travel on the TCP stream. The sender keeps the
-  /// tensor until the reader says it has read it, as a tensor being written to the stream is
+  /// rules permitting); otherwise such tensors travel on the connection's stream. The sender keeps
+  /// the tensor until the reader says it has read it, as a tensor being written to the stream is
   /// kept until written: do not modify a tensor in place while a call that sends it is pending.
   TORCH_ARG(bool, same_host_memory_reads) = true;
+  /// Whether messages to and from a worker on the same host go over a Unix-domain socket
+  /// rather than loopback TCP (cheaper per message: no TCP stack; as PyTorch's TensorPipe agent
+  /// prefers its same-host transports). The worker also listens on an abstract Unix socket named
+  /// after its TCP address (Linux; no file is created), which a caller tries first: on another
+  /// host nothing answers there and the call goes over TCP, and a connection there must pass the
+  /// same handshake as over TCP. Off: TCP only, in both directions for this worker.
+  TORCH_ARG(bool, same_host_unix_sockets) = true;
   /// Whether init_rpc tunes glibc's malloc, for the whole process, to keep freed blocks of up to
   /// 32 MiB mapped for reuse (mallopt: M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB) rather
   /// than returning them to the kernel. Payloads, activations and gradients of that size are
@@ -226,16 +233,17 @@ WorkerInfo get_worker_info(int id);
 std::vector<WorkerInfo> get_worker_infos();
 
 /// Counters of this worker's agent (PyTorch's RpcAgent::getDebugInfo, whose names it keeps where
-/// it has the same counter). Its open connections: "connections", "peer_memory.connections"
-/// (those reading and lending same-host memory, RpcBackendOptions::same_host_memory_reads) and
-/// "peer_memory.bytes_read" (tensor bytes they read from the peers' memory);
-/// "receive_budget.reserved_bytes" (memory reserved for frames being received, within
-/// inbound_queue_bytes). Its RRefs, as PyTorch's RRefContext counts them: "num_owner_rrefs" (values
-/// owned here that some user holds), "num_forks" (those users' forks), "num_pending_users" (user
-/// RRefs alive here that their owner has not confirmed yet); and "num_user_rrefs" (user RRefs alive
-/// here), "num_pending_children" (RRefs sent on, whose owner has not registered the receiver yet).
-/// Its calls and requests: "agent.num_pending_requests" (calls made and not answered),
-/// "agent.num_requests_in_flight" (requests received and not finished) and
+/// it has the same counter). Its open connections: "connections", "unix_socket.connections"
+/// (those over a Unix-domain socket, RpcBackendOptions::same_host_unix_sockets),
+/// "peer_memory.connections" (those reading and lending same-host memory,
+/// RpcBackendOptions::same_host_memory_reads) and "peer_memory.bytes_read" (tensor bytes they read
+/// from the peers' memory); "receive_budget.reserved_bytes" (memory reserved for frames being
+/// received, within inbound_queue_bytes). Its RRefs, as PyTorch's RRefContext counts them:
+/// "num_owner_rrefs" (values owned here that some user holds), "num_forks" (those users' forks),
+/// "num_pending_users" (user RRefs alive here that their owner has not confirmed yet); and
+/// "num_user_rrefs" (user RRefs alive here), "num_pending_children" (RRefs sent on, whose owner has
+/// not registered the receiver yet). Its calls and requests: "agent.num_pending_requests" (calls
+/// made and not answered), "agent.num_requests_in_flight" (requests received and not finished) and
 /// "agent.num_dropped_requests" (requests never run because their caller's connection closed
 /// before they started: the caller died or stopped). Each value is a snapshot. Throws
 /// DistributedError if no agent runs.

@@ -1,7 +1,8 @@
 #pragma once
 
-// The rpc layer's transport: framed messages over TCP, on Asio (docs/wire_format.md has the
-// frame layout, docs/threading.md the threads). The library owns every byte of a connection from
+// The rpc layer's transport: framed messages over TCP, or over a Unix-domain socket between
+// workers on one host, on Asio (docs/wire_format.md has the frame layout, docs/threading.md the
+// threads). The library owns every byte of a connection from
 // its first: until the peer has proven the shared secret, a connection admits only a small
 // handshake frame (message.h's handshake_limits) within a deadline, so nothing an
 // unauthenticated peer sends reaches a parser that allocates more than that bound.
@@ -16,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include <asio/generic/stream_protocol.hpp>
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
+#include <asio/local/stream_protocol.hpp>
 #include <asio/steady_timer.hpp>
 
 #include "../message.h"
@@ -34,13 +37,18 @@ struct Frame {
   std::vector<at::Tensor> buffers;
 };
 
-/// A framed TCP connection. Threading: the read side and the handlers are confined to the I/O
-/// thread of its io_context; the write side is guarded by a mutex, so that send() can write from
-/// the calling thread when nothing is queued (a thread hand-off fewer per message: waking a
-/// sleeping I/O thread costs tens of microseconds on a virtual machine). send(), drop_queued(),
-/// close() and resume_reading() may be called from any thread. Callbacks run on the I/O thread
-/// and must not block. `on_closed` runs exactly once, when the connection fails or is closed,
-/// and no `on_frame` runs after it.
+/// The abstract Unix-domain socket name (Linux: no file, gone with its socket) of the worker
+/// listening on TCP `address`:`port`. A TCP port is held by one socket at a time, so live
+/// listeners' names differ; whoever answers on a name still proves itself in the handshake.
+std::string unix_socket_name(const std::string& address, int port);
+
+/// A framed connection over TCP or a Unix-domain socket. Threading: the read side and the handlers
+/// are confined to the I/O thread of its io_context; the write side is guarded by a mutex, so that
+/// send() can write from the calling thread when nothing is queued (a thread hand-off fewer per
+/// message: waking a sleeping I/O thread costs tens of microseconds on a virtual machine). send(),
+/// drop_queued(), close() and resume_reading() may be called from any thread. Callbacks run on the
+/// I/O thread and must not block. `on_closed` runs exactly once, when the connection fails or is
+/// closed, and no `on_frame` runs after it.
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
   /// Returns whether to go on reading; false pauses reading until resume_reading().
@@ -51,6 +59,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   using FarewellMaker = std::function<EncodedMessage(const std::string& why)>;
 
   Connection(asio::io_context& io, asio::ip::tcp::socket socket);
+  /// A Unix-domain socket, accepted (`unix_name` empty) or connected to `unix_name`.
+  Connection(asio::io_context& io, asio::local::stream_protocol::socket socket,
+             const std::string& unix_name);
   ~Connection();
 
   /// I/O thread only. Sets the handlers and the limits frames are checked against, and starts
@@ -114,8 +125,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
     return write_closed_ || (!writing_ && queue_.empty());
   }
 
-  /// The peer's address as "ip:port" (fixed at construction).
+  /// The peer's address as "ip:port", or for a Unix-domain socket the listener's name or the
+  /// connecting process's id (fixed at construction).
   const std::string& peer_address() const { return peer_address_; }
+  /// Whether the connection is a Unix-domain socket (same host) rather than TCP.
+  bool unix_socket() const { return unix_socket_; }
 
  private:
   struct Outgoing {
@@ -150,7 +164,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void write_next();
 
   asio::io_context& io_;
-  asio::ip::tcp::socket socket_;
+  asio::generic::stream_protocol::socket socket_;  // TCP or Unix-domain
+  const bool unix_socket_;
   asio::steady_timer deadline_;
   // Counts arm_deadline/disarm_deadline calls: an expiry already queued when the deadline was
   // disarmed (cancel() cannot recall it) finds the count moved on and does nothing.
@@ -201,39 +216,58 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::deque<std::pair<uint64_t, std::vector<at::Tensor>>> lent_;
 };
 
-/// Accepts connections on an address, on the I/O thread; a failure of the listening socket is
-/// logged and the socket re-created on the same port (a failure to accept one connection never
-/// stops it). Threading as Connection.
+/// Accepts connections on an address, on the I/O thread, and (if asked) on the Unix-domain
+/// socket named after it (unix_socket_name) for workers on the same host; a failure of a
+/// listening socket is logged and the socket re-created with the same port or name (a failure to
+/// accept one connection never stops it). Threading as Connection.
 class Listener : public std::enable_shared_from_this<Listener> {
  public:
   using AcceptHandler = std::function<void(std::shared_ptr<Connection>)>;
 
-  /// Binds `address` (an IP address; port 0 picks one). Throws DistributedError if it cannot.
-  Listener(asio::io_context& io, const std::string& address, int port = 0);
+  /// Binds `address` (an IP address; port 0 picks one), and with `unix_socket` the Unix-domain
+  /// socket named after it. Throws DistributedError if it cannot bind the address; a Unix name
+  /// taken by another process is logged and left (peers then connect over TCP).
+  Listener(asio::io_context& io, const std::string& address, int port = 0,
+           bool unix_socket = false);
   /// I/O thread only.
   void start(AcceptHandler on_accept);
   /// Any thread.
   void close();
   int port() const { return port_; }
   const std::string& address() const { return address_; }
+  /// Whether the Unix-domain socket listens (asked for, and its name was free).
+  bool unix_socket() const { return unix_open_; }
 
  private:
-  void open();
-  void accept_next();
-  void reopen_later(const std::string& why);
+  void open(asio::ip::tcp::acceptor& acceptor);
+  void open(asio::local::stream_protocol::acceptor& acceptor);
+  // What a warning calls each listening socket, and the timer that re-creates it.
+  std::string describe(const asio::ip::tcp::acceptor&) const;
+  std::string describe(const asio::local::stream_protocol::acceptor&) const;
+  asio::steady_timer& retry_timer(const asio::ip::tcp::acceptor&) { return retry_; }
+  asio::steady_timer& retry_timer(const asio::local::stream_protocol::acceptor&) {
+    return unix_retry_;
+  }
+  template <class Acceptor>
+  void accept_next(Acceptor& acceptor);
+  template <class Acceptor>
+  void reopen_later(Acceptor& acceptor, const std::string& why);
 
   asio::io_context& io_;
   asio::ip::tcp::acceptor acceptor_;
+  asio::local::stream_protocol::acceptor unix_acceptor_;
   asio::steady_timer retry_;
+  asio::steady_timer unix_retry_;
   const std::string address_;
   int port_ = 0;
+  bool unix_open_ = false;
   AcceptHandler on_accept_;
   bool closed_ = false;
 };
 
-/// Connects to `address`:`port` on the I/O thread; `done` runs there with the connection, or
-/// with null and the reason.
-void connect(asio::io_context& io, const std::string& address, int port,
+/// Connects to `address`:`port` on the I/O thread, or with `unix_socket` to the Unix-domain
+/// socket named after it; `done` runs there with the connection, or with null and the reason.
+void connect(asio::io_context& io, const std::string& address, int port, bool unix_socket,
              std::function<void(std::shared_ptr<Connection>, const std::string& error)> done);
 
 }  // namespace detail
