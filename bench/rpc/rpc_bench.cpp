@@ -50,8 +50,9 @@
 //
 // The transport's floor (transport_floor.h), in the same run: two processes of ours (distrun,
 // --floor-worker) ping-pong the latency case's 16 bytes and the echo's 4 MiB over a bare Asio
-// TCP connection (a 24-byte header plus the payload) and over a bare TensorPipe pipe (uv
-// transport, basic channel), with the latency and echo cases' call counts.
+// TCP connection (a 24-byte header plus the payload), the same over a Unix-domain socket (our
+// workers' transport on one host unless --tcp), and over a bare TensorPipe pipe (uv transport,
+// basic channel), with the latency and echo cases' call counts.
 //
 // Rounds: the main case's runs alternate, --rounds times (3): ours, PyTorch's, the floor, ours,
 // ... so that what else the machine runs weighs on both sides alike. The table prints each
@@ -66,14 +67,15 @@
 // throughputs; null where a value is not positive (an RSS that did not grow) and for the row
 // sustained_calls, which records how many calls each side made. better: "lower", "higher" or
 // null. Rows about the floor are not a
-// comparison with PyTorch, and have pytorch and ratio null: floor_<asio|tensorpipe>_* hold the
-// bare transport's measurement in `ours` (it is neither side's RPC), and
-// tiny_round_trip_over_<asio|tensorpipe>_floor hold in `ours` our latency_median_us divided by
-// that floor's tiny median (the table also prints PyTorch's).
+// comparison with PyTorch, and have pytorch and ratio null: floor_<asio|asio_unix|tensorpipe>_*
+// hold the bare transport's measurement in `ours` (it is neither side's RPC), and
+// tiny_round_trip_over_<asio|asio_unix|tensorpipe>_floor hold in `ours` our latency_median_us
+// divided by that floor's tiny median (the table also prints PyTorch's).
 //
 // Settings: both sides run 16 RPC worker threads (--threads), 1 intra-op thread and a 30 s
-// RPC timeout; PyTorch runs at its defaults otherwise (TensorPipe chooses its transports and
-// channels). The table states them.
+// RPC timeout; ours at its defaults otherwise (workers on one host talk over Unix-domain
+// sockets; --tcp makes ours use loopback TCP), PyTorch at its defaults otherwise (TensorPipe
+// chooses its transports and channels). The table states them.
 //
 // Every wait is bounded: RPCs carry timeouts, and each side runs under timeout(1), which kills
 // its whole process group (distrun's ranks, Python's spawned workers) past --deadline-seconds.
@@ -539,6 +541,7 @@ const std::vector<Row>& rows() {
 const std::vector<std::pair<std::string, std::string>>& floors() {
   static const std::vector<std::pair<std::string, std::string>> kFloors{
       {"asio", "Asio TCP, 24-byte header + payload"},
+      {"asio_unix", "Asio Unix socket, same messages"},
       {"tensorpipe", "TensorPipe pipe, uv + basic"},
   };
   return kFloors;
@@ -648,9 +651,11 @@ void print_table(const Config& config, const Side& ours_side, const Side& pytorc
   fmt::print(
       "settings, both sides: {} RPC worker threads (PyTorch: TensorPipeRpcBackendOptions("
       "num_worker_threads={}, rpc_timeout=30, init_method='env://')), 1 intra-op thread "
-      "(at::set_num_threads / torch.set_num_threads(1)), RPC timeout 30 s; PyTorch's other "
-      "settings are its defaults\n",
-      config.threads, config.threads);
+      "(at::set_num_threads / torch.set_num_threads(1)), RPC timeout 30 s; other settings are "
+      "each side's defaults (ours: {}; PyTorch's TensorPipe chooses its transports)\n",
+      config.threads, config.threads,
+      config.tcp ? "loopback TCP between the workers (--tcp)"
+                 : "Unix-domain sockets between the workers, all on this host");
   fmt::print(
       "latency: rpc_sync worker0 -> worker1 echoing ones(4), {} calls after {} warm-up; chain4: "
       "worker0 -> worker1 -> worker2 -> worker1 -> worker2, each a blocking rpc_sync inside the "
@@ -830,6 +835,7 @@ int run(int argc, char** argv) {
     std::vector<std::string> argv{DISTOPTIM_DISTRUN_PATH, "--nproc-per-node",
                                   std::to_string(processes), self, mode};
     for (auto& arg : worker_args(config, config.sustained_calls)) argv.push_back(arg);
+    if (config.tcp) argv.push_back("--tcp");
     return argv;
   };
   auto pytorch_argv = [&](const char* test_case, int world_size) {

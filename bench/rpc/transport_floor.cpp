@@ -10,10 +10,13 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include <tensorpipe/tensorpipe.h>
 #include <asio/connect.hpp>
 #include <asio/io_context.hpp>
 #include <asio/ip/tcp.hpp>
+#include <asio/local/stream_protocol.hpp>
 #include <asio/read.hpp>
 #include <asio/write.hpp>
 
@@ -34,6 +37,7 @@ using tcp = asio::ip::tcp;  // NOLINT: the library's own spelling
 constexpr size_t kHeaderBytes = 24;
 constexpr size_t kLengthOffset = 16;
 constexpr char kAsioKey[] = "floor/asio";
+constexpr char kAsioUnixKey[] = "floor/asio_unix";
 constexpr char kTensorPipeKey[] = "floor/tensorpipe";
 
 void store_set(c10d::Store& store, const std::string& key, const std::string& value) {
@@ -95,14 +99,11 @@ nlohmann::json measure(const FloorConfig& config, const std::string& name,
       {prefix + "mismatches", mismatches}};
 }
 
-// --- (a) Asio: blocking reads and writes on one TCP connection -----------------------------------
+// --- (a) Asio: blocking reads and writes on one TCP or Unix-domain connection ------------------
 
-void serve_asio(const FloorConfig& config, c10d::Store& store) {
-  asio::io_context io;
-  tcp::acceptor acceptor(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
-  store_set(store, kAsioKey, std::to_string(acceptor.local_endpoint().port()));
-  tcp::socket socket = acceptor.accept();
-  socket.set_option(tcp::no_delay(true));
+// The echoing side on a connected socket: read a header and its payload, write both back.
+template <class Socket>
+void echo_on(const FloorConfig& config, Socket& socket) {
   Header header{};
   std::vector<char> payload(config.echo_bytes);
   for (;;) {
@@ -117,13 +118,10 @@ void serve_asio(const FloorConfig& config, c10d::Store& store) {
   }
 }
 
-nlohmann::json measure_asio(const FloorConfig& config, c10d::Store& store) {
-  asio::io_context io;
-  tcp::socket socket(io);
-  socket.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"),
-                               static_cast<uint16_t>(std::stoi(store_get(store, kAsioKey)))));
-  socket.set_option(tcp::no_delay(true));
-  nlohmann::json result = measure(config, "asio", [&](const char* out, char* in, size_t length) {
+// The measuring side on a connected socket.
+template <class Socket>
+nlohmann::json measure_on(const FloorConfig& config, const std::string& name, Socket& socket) {
+  nlohmann::json result = measure(config, name, [&](const char* out, char* in, size_t length) {
     Header header = header_for(length);
     asio::write(socket, std::array{asio::const_buffer(header.data(), header.size()),
                                    asio::const_buffer(out, length)});
@@ -132,8 +130,47 @@ nlohmann::json measure_asio(const FloorConfig& config, c10d::Store& store) {
                 " bytes to ", length);
     asio::read(socket, asio::buffer(in, length));
   });
-  socket.shutdown(tcp::socket::shutdown_both);
+  socket.shutdown(asio::socket_base::shutdown_both);
   return result;
+}
+
+void serve_asio(const FloorConfig& config, c10d::Store& store) {
+  asio::io_context io;
+  tcp::acceptor acceptor(io, tcp::endpoint(asio::ip::make_address("127.0.0.1"), 0));
+  store_set(store, kAsioKey, std::to_string(acceptor.local_endpoint().port()));
+  tcp::socket socket = acceptor.accept();
+  socket.set_option(tcp::no_delay(true));
+  echo_on(config, socket);
+}
+
+nlohmann::json measure_asio(const FloorConfig& config, c10d::Store& store) {
+  asio::io_context io;
+  tcp::socket socket(io);
+  socket.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"),
+                               static_cast<uint16_t>(std::stoi(store_get(store, kAsioKey)))));
+  socket.set_option(tcp::no_delay(true));
+  return measure_on(config, "asio", socket);
+}
+
+// An abstract Unix-domain socket (no file), as our agent's same-host listener.
+void serve_asio_unix(const FloorConfig& config, c10d::Store& store) {
+  using local = asio::local::stream_protocol;
+  const std::string name =
+      std::string(1, '\0') + "distoptim-bench-floor/" + std::to_string(::getpid());
+  asio::io_context io;
+  local::acceptor acceptor(io, local::endpoint(std::string_view(name)));
+  store_set(store, kAsioUnixKey, name);
+  local::socket socket = acceptor.accept();
+  echo_on(config, socket);
+}
+
+nlohmann::json measure_asio_unix(const FloorConfig& config, c10d::Store& store) {
+  using local = asio::local::stream_protocol;
+  asio::io_context io;
+  local::socket socket(io);
+  const std::string name = store_get(store, kAsioUnixKey);
+  socket.connect(local::endpoint(std::string_view(name)));
+  return measure_on(config, "asio_unix", socket);
 }
 
 // --- (b) TensorPipe: one pipe, uv transport, basic channel ---------------------------------------
@@ -301,10 +338,12 @@ nlohmann::json run_transport_floor(const FloorConfig& config, c10d::Store& store
   TORCH_CHECK_VALUE(rank == 0 || rank == 1, "run_transport_floor: rank is ", rank);
   if (rank == 1) {
     serve_asio(config, store);
+    serve_asio_unix(config, store);
     serve_tensorpipe(config, store);
     return nlohmann::json::object();
   }
   nlohmann::json result = measure_asio(config, store);
+  result.update(measure_asio_unix(config, store));
   result.update(measure_tensorpipe(config, store));
   return result;
 }
