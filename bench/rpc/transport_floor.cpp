@@ -31,6 +31,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using tcp = asio::ip::tcp;  // NOLINT: the library's own spelling
+using UnixStream = asio::local::stream_protocol;
 
 // Our frame header's size (docs/wire_format.md); the floor's header carries the payload length
 // at the offset of ours.
@@ -154,22 +155,20 @@ nlohmann::json measure_asio(const FloorConfig& config, c10d::Store& store) {
 
 // An abstract Unix-domain socket (no file), as our agent's same-host listener.
 void serve_asio_unix(const FloorConfig& config, c10d::Store& store) {
-  using local = asio::local::stream_protocol;
   const std::string name =
       std::string(1, '\0') + "distoptim-bench-floor/" + std::to_string(::getpid());
   asio::io_context io;
-  local::acceptor acceptor(io, local::endpoint(std::string_view(name)));
+  UnixStream::acceptor acceptor(io, UnixStream::endpoint(std::string_view(name)));
   store_set(store, kAsioUnixKey, name);
-  local::socket socket = acceptor.accept();
+  UnixStream::socket socket = acceptor.accept();
   echo_on(config, socket);
 }
 
 nlohmann::json measure_asio_unix(const FloorConfig& config, c10d::Store& store) {
-  using local = asio::local::stream_protocol;
   asio::io_context io;
-  local::socket socket(io);
+  UnixStream::socket socket(io);
   const std::string name = store_get(store, kAsioUnixKey);
-  socket.connect(local::endpoint(std::string_view(name)));
+  socket.connect(UnixStream::endpoint(std::string_view(name)));
   return measure_on(config, "asio_unix", socket);
 }
 
