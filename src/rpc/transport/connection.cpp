@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include <asio/connect.hpp>
 #include <asio/dispatch.hpp>
@@ -121,12 +122,68 @@ void Connection::disarm_deadline() {
   deadline_.cancel();
 }
 
-// Reads exactly `buffers`, then runs `next` unless the connection failed or closed meanwhile.
-template <class Buffers, class Next>
-void Connection::read_then(const Buffers& buffers, Next next) {
+// Reads exactly `targets`, then runs `next` unless the connection failed or closed meanwhile.
+// Bytes come from the inbox first (what an earlier read got beyond the field it wanted); a rest
+// that is small is read into the inbox, with one system call for a small frame's header, lengths
+// and body (and often the next frame's), a large one straight into its targets. What the inbox
+// satisfies runs `next` at once, unless this runs inside the frame handler (a handler calling
+// read_frames must not see the next frame re-entrantly) or deep in frames read so: then posted.
+void Connection::read_then(std::vector<asio::mutable_buffer> targets, std::function<void()> next) {
+  size_t left = 0;
+  {
+    std::vector<asio::mutable_buffer> rest;
+    for (asio::mutable_buffer target : targets) {
+      const size_t take = std::min(target.size(), inbox_end_ - inbox_begin_);
+      if (take > 0) {
+        std::memcpy(target.data(), inbox_.get() + inbox_begin_, take);
+        inbox_begin_ += take;
+        target += take;
+      }
+      if (target.size() > 0) {
+        rest.push_back(target);
+        left += target.size();
+      }
+    }
+    targets.swap(rest);
+  }
+  if (left == 0) {
+    if (delivering_ || inline_depth_ >= kMaxInlineReads) {
+      reading_ = true;
+      asio::post(io_, [self = shared_from_this(), next = std::move(next)] {
+        self->reading_ = false;
+        if (!self->closed_) next();
+      });
+      return;
+    }
+    ++inline_depth_;
+    next();
+    --inline_depth_;
+    return;
+  }
   reading_ = true;
+  if (left <= kInboxBytes / 2) {
+    if (!inbox_) inbox_ = std::make_unique<char[]>(kInboxBytes);
+    socket_.async_read_some(
+        asio::buffer(inbox_.get(), kInboxBytes),
+        [self = shared_from_this(), targets = std::move(targets), next = std::move(next)](
+            const asio::error_code& error, size_t received) mutable {
+          self->reading_ = false;
+          if (self->closed_) {
+            return;
+          }
+          if (error) {
+            self->fail(describe(error));
+            return;
+          }
+          ++self->progress_;
+          self->inbox_begin_ = 0;
+          self->inbox_end_ = received;
+          self->read_then(std::move(targets), std::move(next));
+        });
+    return;
+  }
   asio::async_read(
-      socket_, buffers,
+      socket_, targets,
       // transfer_all's rule, counting each read that brought bytes for the stall check.
       [this](const asio::error_code& error, size_t transferred) -> size_t {
         if (transferred > 0) ++progress_;
@@ -146,7 +203,7 @@ void Connection::read_then(const Buffers& buffers, Next next) {
 }
 
 void Connection::read_header() {
-  read_then(asio::buffer(header_bytes_), [this] { on_header(); });
+  read_then({asio::buffer(header_bytes_)}, [this] { on_header(); });
 }
 
 void Connection::on_header() {
@@ -183,7 +240,7 @@ void Connection::on_header() {
   if (length_bytes_.empty()) {
     read_payload();
   } else {
-    read_then(asio::buffer(length_bytes_), [this] { read_payload(); });
+    read_then({asio::buffer(length_bytes_)}, [this] { read_payload(); });
   }
 }
 
@@ -241,7 +298,7 @@ void Connection::read_payload() {
               " bytes, which this worker cannot allocate (" + failure + ")");
     return;
   }
-  read_then(targets, [this] { deliver_frame(); });
+  read_then(std::move(targets), [this] { deliver_frame(); });
 }
 
 // Reads the frame's tensors that lie in the peer's memory, then tells the peer it may free
@@ -283,7 +340,9 @@ void Connection::deliver_frame() {
   }
   // A copy of the handler: it may replace itself (read_frames) while it runs.
   std::shared_ptr<FrameHandler> handler = on_frame_;
+  delivering_ = true;
   const bool go_on = handler && *handler && (*handler)(std::move(frame));
+  delivering_ = false;
   // Closed, or reading again (the handler called read_frames).
   if (closed_ || reading_) {
     return;

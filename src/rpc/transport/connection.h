@@ -151,8 +151,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // send()'s direct write; write_mutex_ held. Returns whether the whole frame went.
   bool write_directly(Outgoing& out);
 
-  template <class Buffers, class Next>
-  void read_then(const Buffers& buffers, Next next);
+  void read_then(std::vector<asio::mutable_buffer> targets, std::function<void()> next);
   void read_header();
   void on_header();
   void read_payload();
@@ -182,6 +181,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool closed_ = false;
   bool closing_ = false;  // close_after: frames are read and dropped
   char header_bytes_[MessageHeader::kEncodedSize];
+  // Bytes read beyond the field a read wanted, for the next reads (read_then): allocated at the
+  // first small read, kInboxBytes per connection.
+  static constexpr size_t kInboxBytes = 4096;
+  static constexpr int kMaxInlineReads = 16;
+  std::unique_ptr<char[]> inbox_;
+  size_t inbox_begin_ = 0;
+  size_t inbox_end_ = 0;
+  int inline_depth_ = 0;     // read_then's nesting of frames read from the inbox
+  bool delivering_ = false;  // the frame handler runs
   std::string length_bytes_;
   Frame frame_;
   int32_t peer_pid_ = 0;              // enable_peer_memory's peer; 0: none
