@@ -130,22 +130,20 @@ void Connection::disarm_deadline() {
 // read_frames must not see the next frame re-entrantly) or deep in frames read so: then posted.
 void Connection::read_then(std::vector<asio::mutable_buffer> targets, std::function<void()> next) {
   size_t left = 0;
-  {
-    std::vector<asio::mutable_buffer> rest;
-    for (asio::mutable_buffer target : targets) {
-      const size_t take = std::min(target.size(), inbox_end_ - inbox_begin_);
-      if (take > 0) {
-        std::memcpy(target.data(), inbox_.get() + inbox_begin_, take);
-        inbox_begin_ += take;
-        target += take;
-      }
-      if (target.size() > 0) {
-        rest.push_back(target);
-        left += target.size();
-      }
+  size_t kept = 0;  // targets still (partly) unfilled, moved to the front
+  for (asio::mutable_buffer target : targets) {
+    const size_t take = std::min(target.size(), inbox_end_ - inbox_begin_);
+    if (take > 0) {
+      std::memcpy(target.data(), inbox_.get() + inbox_begin_, take);
+      inbox_begin_ += take;
+      target += take;
     }
-    targets.swap(rest);
+    if (target.size() > 0) {
+      targets[kept++] = target;
+      left += target.size();
+    }
   }
+  targets.resize(kept);
   if (left == 0) {
     if (delivering_ || inline_depth_ >= kMaxInlineReads) {
       reading_ = true;
