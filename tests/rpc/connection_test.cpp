@@ -150,7 +150,9 @@ class SocketPair {
 TEST(RpcConnection, ABurstReadAtOnceArrivesInOrderThroughPausesAndAHandlerSwap) {
   const std::vector<TestFrame> frames = make_frames(300, 25, 60);
   // Frames 24, 49, 74, ... have a tensor of a few KiB, 59, 119, ... one of 70,000 bytes.
-  const size_t kPauseAt = 40, kSwapAt = 61, kSecondPauseAt = 150;
+  constexpr size_t kPauseAt = 40;
+  constexpr size_t kSwapAt = 61;
+  constexpr size_t kSecondPauseAt = 150;
   const std::string stream = wire_bytes(frames);
   std::vector<TestFrame> got_by_first, got_by_second;
   int depth = 0;

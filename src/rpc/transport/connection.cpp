@@ -165,14 +165,7 @@ void Connection::read_then(std::vector<asio::mutable_buffer> targets, std::funct
         asio::buffer(inbox_.get(), kInboxBytes),
         [self = shared_from_this(), targets = std::move(targets), next = std::move(next)](
             const asio::error_code& error, size_t received) mutable {
-          self->reading_ = false;
-          if (self->closed_) {
-            return;
-          }
-          if (error) {
-            self->fail(describe(error));
-            return;
-          }
+          if (self->read_ended(error)) return;
           ++self->progress_;
           self->inbox_begin_ = 0;
           self->inbox_end_ = received;
@@ -188,16 +181,21 @@ void Connection::read_then(std::vector<asio::mutable_buffer> targets, std::funct
         return error ? 0 : asio::detail::default_max_transfer_size;
       },
       [self = shared_from_this(), next = std::move(next)](const asio::error_code& error, size_t) {
-        self->reading_ = false;
-        if (self->closed_) {
-          return;
-        }
-        if (error) {
-          self->fail(describe(error));
-          return;
-        }
-        next();
+        if (!self->read_ended(error)) next();
       });
+}
+
+// A read completed: whether the connection closed meanwhile or the read failed (then it fails).
+bool Connection::read_ended(const asio::error_code& error) {
+  reading_ = false;
+  if (closed_) {
+    return true;
+  }
+  if (error) {
+    fail(describe(error));
+    return true;
+  }
+  return false;
 }
 
 void Connection::read_header() {

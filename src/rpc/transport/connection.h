@@ -152,6 +152,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool write_directly(Outgoing& out);
 
   void read_then(std::vector<asio::mutable_buffer> targets, std::function<void()> next);
+  bool read_ended(const asio::error_code& error);
   void read_header();
   void on_header();
   void read_payload();
