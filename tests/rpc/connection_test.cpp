@@ -1,7 +1,8 @@
 // The transport's reader (transport/connection.h) on a real Unix-domain socket pair: frames that
 // arrive many to a read, or split anywhere across reads, are delivered whole and in order,
-// through a handler that pauses reading and one that replaces itself; a frame that breaks the
-// framing after good ones in the same read closes the connection after exactly those.
+// through a handler that pauses reading (or resumes it from inside itself) and one that replaces
+// itself; a frame that breaks the framing after good ones in the same read closes the connection
+// after exactly those.
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -259,6 +260,33 @@ TEST(RpcConnection, FramesSplitAnywhereAcrossReadsArriveWhole) {
   pair.run();
   EXPECT_EQ(closed_why, "");
   ASSERT_EQ(got.size(), frames.size());
+  for (size_t i = 0; i < frames.size(); ++i) ASSERT_EQ(got[i], frames[i]) << "frame " << i;
+}
+
+TEST(RpcConnection, AResumeFromInsideTheHandlerOutlastsItsPause) {
+  const std::vector<TestFrame> frames = make_frames(10, 0, 0);
+  const std::string stream = wire_bytes(frames);
+  std::vector<TestFrame> got;
+  std::string closed_why;
+  SocketPair pair;
+  send_all(pair.writer, stream.data(), stream.size());
+  pair.connection->read_frames(
+      WireLimits(),
+      [&](Frame frame) {
+        got.push_back(received(frame));
+        if (got.size() == frames.size()) pair.io.stop();
+        if (got.size() != 3) return true;
+        // The budget freed while the frame was handled: the resume comes before the pause.
+        pair.connection->resume_reading();
+        return false;
+      },
+      [&](const std::string& why) {
+        closed_why = why;
+        pair.io.stop();
+      });
+  pair.run(std::chrono::seconds(10));
+  EXPECT_EQ(closed_why, "");
+  ASSERT_EQ(got.size(), frames.size()) << "reading stayed paused after frame 3";
   for (size_t i = 0; i < frames.size(); ++i) ASSERT_EQ(got[i], frames[i]) << "frame " << i;
 }
 

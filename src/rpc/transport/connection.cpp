@@ -337,13 +337,14 @@ void Connection::deliver_frame() {
   // A copy of the handler: it may replace itself (read_frames) while it runs.
   std::shared_ptr<FrameHandler> handler = on_frame_;
   delivering_ = true;
+  resume_requested_ = false;
   const bool go_on = handler && *handler && (*handler)(std::move(frame));
   delivering_ = false;
   // Closed, or reading again (the handler called read_frames).
   if (closed_ || reading_) {
     return;
   }
-  if (go_on) {
+  if (go_on || resume_requested_) {
     read_header();
   } else {
     paused_ = true;
@@ -386,6 +387,11 @@ bool Connection::frame_stalled(int checks) {
 
 void Connection::resume_reading() {
   asio::dispatch(io_, [self = shared_from_this()] {
+    if (self->delivering_) {
+      // Run at once from inside the handler (dispatch): the pause it may still return is undone.
+      self->resume_requested_ = true;
+      return;
+    }
     if (self->paused_ && !self->closed_ && !self->reading_) {
       self->paused_ = false;
       self->read_header();

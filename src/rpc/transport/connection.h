@@ -101,6 +101,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   /// closes after at most `linger` even if the peer does not read.
   void close_after(EncodedMessage farewell, const std::string& why,
                    std::chrono::milliseconds linger = kFarewellLinger);
+  /// Reading goes on after a frame handler returned false. Called from inside a frame handler,
+  /// it holds for that frame: reading goes on whatever the handler returns.
   void resume_reading();
 
   /// I/O thread only, once the handshake proved both sides can read each other's memory
@@ -189,8 +191,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::unique_ptr<char[]> inbox_;
   size_t inbox_begin_ = 0;
   size_t inbox_end_ = 0;
-  int inline_depth_ = 0;     // read_then's nesting of frames read from the inbox
-  bool delivering_ = false;  // the frame handler runs
+  int inline_depth_ = 0;           // read_then's nesting of frames read from the inbox
+  bool delivering_ = false;        // the frame handler runs
+  bool resume_requested_ = false;  // resume_reading() ran while it did
   std::string length_bytes_;
   Frame frame_;
   int32_t peer_pid_ = 0;              // enable_peer_memory's peer; 0: none
