@@ -127,7 +127,8 @@ void Connection::disarm_deadline() {
 // that is small is read into the inbox, with one system call for a small frame's header, lengths
 // and body (and often the next frame's), a large one straight into its targets. What the inbox
 // satisfies runs `next` at once, unless this runs inside the frame handler (a handler calling
-// read_frames must not see the next frame re-entrantly) or deep in frames read so: then posted.
+// read_frames must not see the next frame re-entrantly) or kMaxInlineReads fields deep: then
+// posted.
 void Connection::read_then(std::vector<asio::mutable_buffer> targets, std::function<void()> next) {
   size_t left = 0;
   size_t kept = 0;  // targets still (partly) unfilled, moved to the front

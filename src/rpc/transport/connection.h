@@ -191,7 +191,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::unique_ptr<char[]> inbox_;
   size_t inbox_begin_ = 0;
   size_t inbox_end_ = 0;
-  int inline_depth_ = 0;           // read_then's nesting of frames read from the inbox
+  int inline_depth_ = 0;           // read_then's nesting of fields taken from the inbox
   bool delivering_ = false;        // the frame handler runs
   bool resume_requested_ = false;  // resume_reading() ran while it did
   std::string length_bytes_;
