@@ -124,7 +124,10 @@ class Recorder : public rpc::Interceptor {
 
   std::shared_ptr<void> on_receive(const MessageInfo& info, std::vector<c10::IValue>& values,
                                    const CallMetadata& metadata) override {
-    if (is_internal(info.callable) || metadata.count(kContextKey) == 0) return nullptr;
+    // Most messages carry no metadata: no key looked up (each look-up builds a string).
+    if (metadata.empty() || is_internal(info.callable) || metadata.count(kContextKey) == 0) {
+      return nullptr;
+    }
     const int64_t id = parse_id(metadata, kContextKey, info);
     Container& container = Container::instance();
     std::shared_ptr<Context> context;

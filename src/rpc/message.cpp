@@ -54,6 +54,22 @@ bool is_allowed_dtype(int32_t dtype) {
   }
 }
 
+// The protobuf objects of one message's body, in an arena whose first block is on the stack: a
+// small message is encoded or decoded without an allocation per field and value (a larger one's
+// arena grows on the heap, and frees what it took when it goes).
+class BodyArena {
+ public:
+  BodyArena() : arena_(first_block_, sizeof(first_block_)) {}
+  BodyArena(const BodyArena&) = delete;
+  BodyArena& operator=(const BodyArena&) = delete;
+
+  wire::Body& body() { return *google::protobuf::Arena::CreateMessage<wire::Body>(&arena_); }
+
+ private:
+  alignas(16) char first_block_[4096];
+  google::protobuf::Arena arena_;
+};
+
 // Encoding: IValue -> wire::Value, collecting tensors in order of appearance.
 class Encoder {
  public:
@@ -647,7 +663,8 @@ EncodedMessage encode_request(uint64_t id, const std::string& callable,
                               int32_t caller_id, uint16_t flags, const CallMetadata& metadata) {
   TORCH_CHECK_VALUE((flags & ~MessageHeader::kKnownFlags) == 0, "rpc: unknown message flags ",
                     flags);
-  wire::Body body;
+  BodyArena arena;
+  wire::Body& body = arena.body();
   Encoder encoder(&body);
   wire::Request* request = body.mutable_request();
   request->set_callable(callable);
@@ -669,7 +686,8 @@ EncodedMessage encode_request(uint64_t id, const std::string& callable,
 
 EncodedMessage encode_response(uint64_t id, const c10::IValue& result,
                                const CallMetadata& metadata) {
-  wire::Body body;
+  BodyArena arena;
+  wire::Body& body = arena.body();
   Encoder encoder(&body);
   encode_metadata(metadata, body.mutable_response()->mutable_metadata());
   encoder.encode(result, body.mutable_response()->mutable_result());
@@ -677,14 +695,16 @@ EncodedMessage encode_response(uint64_t id, const c10::IValue& result,
 }
 
 EncodedMessage encode_error(uint64_t id, const std::string& message, const std::string& worker) {
-  wire::Body body;
+  BodyArena arena;
+  wire::Body& body = arena.body();
   body.mutable_error()->set_message(message);
   body.mutable_error()->set_worker_name(worker);
   return finish(MessageType::kError, id, body, {});
 }
 
 EncodedMessage encode_handshake(const HandshakeMessage& handshake) {
-  wire::Body body;
+  BodyArena arena;
+  wire::Body& body = arena.body();
   wire::Handshake* out = body.mutable_handshake();
   out->set_step(static_cast<wire::Handshake::Step>(handshake.step));
   out->set_server_nonce(handshake.server_nonce);
@@ -705,7 +725,8 @@ Status decode_body(const MessageHeader& header, std::string_view body,
   if (body.size() != header.body_length || body.size() > limits.max_body_bytes) {
     return c10::str("a body of ", body.size(), " bytes where the header says ", header.body_length);
   }
-  wire::Body parsed;
+  BodyArena arena;
+  wire::Body& parsed = arena.body();
   if (!parsed.ParseFromArray(body.data(), static_cast<int>(body.size()))) {
     return std::string("a body that is not a valid protobuf Body");
   }

@@ -46,6 +46,9 @@ bool reachable_only_from_reply(const at::Tensor& tensor, long references) {
 }  // namespace
 
 c10::IValue snapshot_shared_tensors(const c10::IValue& value, int holders) {
+  if (value.isTensor() && holders != 0 && reachable_only_from_reply(value.toTensor(), holders)) {
+    return value;  // The common reply, one fresh tensor: sent as it is, without the tables below.
+  }
   std::unordered_map<const c10::TensorImpl*, long> occurrences;
   value.visit([&](const c10::IValue& item) {
     if (item.isTensor()) ++occurrences[item.toTensor().unsafeGetTensorImpl()];

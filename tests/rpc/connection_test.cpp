@@ -73,7 +73,8 @@ std::string random_bytes(std::mt19937& random, size_t size) {
 
 // `count` frames, mostly small (a few to a few hundred bytes: many to one read of the inbox),
 // every `medium_every`-th with a tensor of a few KiB (read straight into the tensor after what
-// the inbox held) and every `large_every`-th with one of 70,000 bytes.
+// the inbox held), every `large_every`-th with one of 70,000 bytes, and every 37th with 100 tiny
+// tensors (more than the reader keeps its lists sized for between frames).
 std::vector<TestFrame> make_frames(size_t count, size_t medium_every, size_t large_every) {
   std::mt19937 random(7);
   std::vector<TestFrame> frames;
@@ -89,6 +90,9 @@ std::vector<TestFrame> make_frames(size_t count, size_t medium_every, size_t lar
     }
     if (large_every > 0 && i % large_every == large_every - 1) {
       frame.tensors.push_back(random_bytes(random, 70000));
+    }
+    if (i % 37 == 36) {
+      for (size_t t = 0; t < 100; ++t) frame.tensors.push_back(random_bytes(random, random() % 9));
     }
     frames.push_back(std::move(frame));
   }

@@ -937,6 +937,31 @@ TEST(RpcUnit, ValuesConvertWithClearErrors) {
   EXPECT_EQ(pair.first, "w");
 }
 
+// A call's result names the call only in a conversion error: the name is built then, not per call.
+TEST(RpcUnit, AResultNamesItsCallOnlyWhenItDoesNotConvert) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
+  const at::Tensor sent = at::arange(3);
+  future->markCompleted(sent);
+  int described = 0;
+  const auto describe = [&described] {
+    ++described;
+    return std::string("'f'");
+  };
+  EXPECT_TRUE(detail::wait_for_result<at::Tensor>(*future, describe).equal(sent));
+  EXPECT_TRUE(detail::wait_for_result<c10::IValue>(*future, describe).toTensor().equal(sent));
+  detail::wait_for_result<void>(*future, describe);
+  EXPECT_EQ(described, 0);
+  try {
+    detail::wait_for_result<std::string>(*future, describe);
+    ADD_FAILURE() << "a tensor converted to a string";
+  } catch (const c10::TypeError& error) {
+    EXPECT_NE(std::string(error.what_without_backtrace()).find("the result of 'f': expected "),
+              std::string::npos)
+        << error.what_without_backtrace();
+  }
+  EXPECT_EQ(described, 1);
+}
+
 }  // namespace
 }  // namespace rpc
 }  // namespace distoptim

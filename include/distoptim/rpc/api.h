@@ -249,6 +249,31 @@ std::vector<WorkerInfo> get_worker_infos();
 /// DistributedError if no agent runs.
 std::map<std::string, int64_t> get_debug_info();
 
+namespace detail {
+
+/// Waits for `future` and returns its value as a T, or throws what the future holds.
+/// `describe()` names the call in a conversion error and runs only then: a name built for every
+/// call would cost an allocation per round trip.
+template <class T, class Describe>
+T wait_for_result(c10::ivalue::Future& future, const Describe& describe) {
+  wait_future(future);
+  future.waitAndThrow();
+  if constexpr (std::is_void_v<T>) {
+    return;
+  } else if constexpr (std::is_same_v<T, c10::IValue>) {
+    return future.constValue();
+  } else {
+    try {
+      return from_value<T>(future.constValue(), std::string());
+    } catch (...) {
+      // Converted again, for the error with the call's name in it.
+    }
+    return from_value<T>(future.constValue(), "the result of " + describe());
+  }
+}
+
+}  // namespace detail
+
 /// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.
 /// wait() blocks until the result arrives (the call's timeout bounds it) and returns it, or
 /// throws: RemoteError (the callable raised, or the worker refused the call), TimeoutError,
@@ -262,13 +287,7 @@ class RpcFuture {
       : future_(std::move(future)), description_(std::move(description)) {}
 
   T wait() const {
-    detail::wait_future(*future_);
-    future_->waitAndThrow();
-    if constexpr (std::is_same_v<T, c10::IValue>) {
-      return future_->constValue();  // nothing to convert: no description to build per call
-    } else {
-      return from_value<T>(future_->constValue(), "the result of " + description_);
-    }
+    return detail::wait_for_result<T>(*future_, [this] { return description_; });
   }
   bool completed() const { return future_->completed(); }
   bool has_error() const { return future_->completed() && future_->hasError(); }
@@ -307,12 +326,6 @@ class RpcFuture {
   std::string description_;
 };
 
-template <>
-inline void RpcFuture<void>::wait() const {
-  detail::wait_future(*future_);
-  future_->waitAndThrow();
-}
-
 /// The untyped call every typed one goes through: runs the function registered as `function`
 /// on `to` with `args`. Throws c10::ValueError / c10::TypeError for a bad destination or an
 /// argument that cannot be sent (before anything is sent), DistributedError if no agent runs.
@@ -338,10 +351,9 @@ RpcFuture<T> rpc_async(const WorkerRef& to, const std::string& function,
 template <class T = c10::IValue, class... Args>
 T rpc_sync(const WorkerRef& to, const std::string& function, std::tuple<Args...> args = {},
            std::chrono::milliseconds timeout = kDefaultTimeout) {
-  return RpcFuture<T>(detail::waited_call_values(to, function,
-                                                 detail::tuple_values(std::move(args)), timeout),
-                      "'" + function + "'")
-      .wait();
+  const auto future =
+      detail::waited_call_values(to, function, detail::tuple_values(std::move(args)), timeout);
+  return detail::wait_for_result<T>(*future, [&function] { return "'" + function + "'"; });
 }
 
 }  // namespace rpc

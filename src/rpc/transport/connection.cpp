@@ -122,17 +122,17 @@ void Connection::disarm_deadline() {
   deadline_.cancel();
 }
 
-// Reads exactly `targets`, then runs `next` unless the connection failed or closed meanwhile.
-// Bytes come from the inbox first (what an earlier read got beyond the field it wanted); a rest
-// that is small is read into the inbox, with one system call for a small frame's header, lengths
-// and body (and often the next frame's), a large one straight into its targets. What the inbox
-// satisfies runs `next` at once, unless this runs inside the frame handler (a handler calling
-// read_frames must not see the next frame re-entrantly) or kMaxInlineReads fields deep: then
-// posted.
-void Connection::read_then(std::vector<asio::mutable_buffer> targets, std::function<void()> next) {
+// Reads exactly `targets_` (its caller fills them), then runs `next` unless the connection failed
+// or closed meanwhile. Bytes come from the inbox first (what an earlier read got beyond the field
+// it wanted); a rest that is small is read into the inbox, with one system call for a small frame's
+// header, lengths and body (and often the next frame's), a large one straight into its targets.
+// What the inbox satisfies runs `next` at once, unless this runs inside the frame handler (a
+// handler calling read_frames must not see the next frame re-entrantly) or kMaxInlineReads fields
+// deep: then posted.
+void Connection::read_then(std::function<void()> next) {
   size_t left = 0;
   size_t kept = 0;  // targets still (partly) unfilled, moved to the front
-  for (asio::mutable_buffer target : targets) {
+  for (asio::mutable_buffer target : targets_) {
     const size_t take = std::min(target.size(), inbox_end_ - inbox_begin_);
     if (take > 0) {
       std::memcpy(target.data(), inbox_.get() + inbox_begin_, take);
@@ -140,11 +140,11 @@ void Connection::read_then(std::vector<asio::mutable_buffer> targets, std::funct
       target += take;
     }
     if (target.size() > 0) {
-      targets[kept++] = target;
+      targets_[kept++] = target;
       left += target.size();
     }
   }
-  targets.resize(kept);
+  targets_.resize(kept);
   if (left == 0) {
     if (delivering_ || inline_depth_ >= kMaxInlineReads) {
       reading_ = true;
@@ -162,20 +162,19 @@ void Connection::read_then(std::vector<asio::mutable_buffer> targets, std::funct
   reading_ = true;
   if (left <= kInboxBytes / 2) {
     if (!inbox_) inbox_ = std::make_unique<char[]>(kInboxBytes);
-    socket_.async_read_some(
-        asio::buffer(inbox_.get(), kInboxBytes),
-        [self = shared_from_this(), targets = std::move(targets), next = std::move(next)](
-            const asio::error_code& error, size_t received) mutable {
-          if (self->read_ended(error)) return;
-          ++self->progress_;
-          self->inbox_begin_ = 0;
-          self->inbox_end_ = received;
-          self->read_then(std::move(targets), std::move(next));
-        });
+    socket_.async_read_some(asio::buffer(inbox_.get(), kInboxBytes),
+                            [self = shared_from_this(), next = std::move(next)](
+                                const asio::error_code& error, size_t received) mutable {
+                              if (self->read_ended(error)) return;
+                              ++self->progress_;
+                              self->inbox_begin_ = 0;
+                              self->inbox_end_ = received;
+                              self->read_then(std::move(next));
+                            });
     return;
   }
   asio::async_read(
-      socket_, targets,
+      socket_, targets_,
       // transfer_all's rule, counting each read that brought bytes for the stall check.
       [this](const asio::error_code& error, size_t transferred) -> size_t {
         if (transferred > 0) ++progress_;
@@ -200,7 +199,13 @@ bool Connection::read_ended(const asio::error_code& error) {
 }
 
 void Connection::read_header() {
-  read_then({asio::buffer(header_bytes_)}, [this] { on_header(); });
+  if (lengths_.capacity() > kKeptTensorLengths) {
+    // A frame of many tensors does not leave its lists that large for the frames after it.
+    lengths_ = {};
+    targets_ = {};
+  }
+  targets_.assign(1, asio::buffer(header_bytes_));
+  read_then([this] { on_header(); });
 }
 
 void Connection::on_header() {
@@ -237,7 +242,8 @@ void Connection::on_header() {
   if (length_bytes_.empty()) {
     read_payload();
   } else {
-    read_then({asio::buffer(length_bytes_)}, [this] { read_payload(); });
+    targets_.assign(1, asio::buffer(length_bytes_));
+    read_then([this] { read_payload(); });
   }
 }
 
@@ -246,14 +252,13 @@ void Connection::on_header() {
 // A tensor left in the peer's memory is read from there (read_from_peer_memory): the stream
 // carries its 8-byte address.
 void Connection::read_payload() {
-  std::vector<size_t> lengths;
-  if (Status status = decode_tensor_lengths(frame_.header, length_bytes_, limits_, &lengths,
+  if (Status status = decode_tensor_lengths(frame_.header, length_bytes_, limits_, &lengths_,
                                             &in_peer_memory_)) {
     violation("it sent " + *status);
     return;
   }
   size_t announced = frame_.header.body_length;
-  for (size_t length : lengths) announced += length;
+  for (size_t length : lengths_) announced += length;
   if (budget_ && !closing_ && reserved_ == 0) {
     if (announced > ReceiveBudget::kUnreservedBytes) {
       if (!budget_->reserve(announced, shared_from_this())) {
@@ -263,21 +268,21 @@ void Connection::read_payload() {
       reserved_ = announced;
     }
   }
-  std::vector<asio::mutable_buffer> targets;
   std::string failure;
   try {
     frame_.body = std::make_shared<std::string>(frame_.header.body_length, '\0');
     frame_.buffers.clear();
-    peer_addresses_.assign(lengths.size() * 8, '\0');
-    targets.reserve(lengths.size() + 1);
-    targets.push_back(asio::buffer(*frame_.body));
-    for (size_t i = 0; i < lengths.size(); ++i) {
+    targets_.clear();
+    peer_addresses_.assign(lengths_.size() * 8, '\0');
+    targets_.reserve(lengths_.size() + 1);
+    targets_.push_back(asio::buffer(*frame_.body));
+    for (size_t i = 0; i < lengths_.size(); ++i) {
       // Allocated without the dispatcher (at::empty's dispatch costs more than the allocation).
-      at::Tensor buffer(at::detail::empty_cpu({static_cast<int64_t>(lengths[i])}, at::kByte));
+      at::Tensor buffer(at::detail::empty_cpu({static_cast<int64_t>(lengths_[i])}, at::kByte));
       if (in_peer_memory_[i]) {
-        targets.push_back(asio::buffer(&peer_addresses_[i * 8], 8));
-      } else if (lengths[i] > 0) {
-        targets.push_back(asio::buffer(buffer.data_ptr(), lengths[i]));
+        targets_.push_back(asio::buffer(&peer_addresses_[i * 8], 8));
+      } else if (lengths_[i] > 0) {
+        targets_.push_back(asio::buffer(buffer.data_ptr(), lengths_[i]));
       }
       frame_.buffers.push_back(std::move(buffer));
     }
@@ -295,7 +300,7 @@ void Connection::read_payload() {
               " bytes, which this worker cannot allocate (" + failure + ")");
     return;
   }
-  read_then(std::move(targets), [this] { deliver_frame(); });
+  read_then([this] { deliver_frame(); });
 }
 
 // Reads the frame's tensors that lie in the peer's memory, then tells the peer it may free
@@ -400,30 +405,28 @@ void Connection::resume_reading() {
   });
 }
 
-std::vector<asio::const_buffer> Connection::frame_buffers(const Outgoing& out) {
-  std::vector<asio::const_buffer> buffers;
-  buffers.reserve(3 + out.message.tensors.size());
+template <class Add>
+void Connection::for_each_piece(const Outgoing& out, Add add) {
   size_t skip = out.written;
-  auto add = [&](const void* data, size_t size) {
+  auto piece = [&](const void* data, size_t size) {
     if (skip >= size) {
       skip -= size;
       return;
     }
-    buffers.push_back(asio::buffer(static_cast<const char*>(data) + skip, size - skip));
+    add(static_cast<const char*>(data) + skip, size - skip);
     skip = 0;
   };
-  add(out.message.header.data(), out.message.header.size());
-  add(out.lengths.data(), out.lengths.size());
-  add(out.message.body.data(), out.message.body.size());
+  piece(out.message.header.data(), out.message.header.size());
+  piece(out.lengths.data(), out.lengths.size());
+  piece(out.message.body.data(), out.message.body.size());
   for (size_t i = 0; i < out.message.tensors.size(); ++i) {
     const at::Tensor& tensor = out.message.tensors[i];
     if (!out.in_memory.empty() && out.in_memory[i]) {
-      add(&out.addresses[i * 8], 8);
+      piece(&out.addresses[i * 8], 8);
     } else if (tensor.nbytes() > 0) {
-      add(tensor.data_ptr(), tensor.nbytes());
+      piece(tensor.data_ptr(), tensor.nbytes());
     }
   }
-  return buffers;
 }
 
 void Connection::enable_peer_memory(int32_t peer_pid) {
@@ -473,20 +476,26 @@ void Connection::release_lent() {
 }
 
 bool Connection::write_directly(Outgoing& out) {
-  const std::vector<asio::const_buffer> buffers = frame_buffers(out);
-  if (buffers.size() > kMaxDirectPieces) {
-    return false;
-  }
   iovec pieces[kMaxDirectPieces];
+  size_t count = 0;
+  bool fits = true;
   size_t total = 0;
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    pieces[i].iov_base = const_cast<void*>(buffers[i].data());
-    pieces[i].iov_len = buffers[i].size();
-    total += buffers[i].size();
+  for_each_piece(out, [&](const char* data, size_t size) {
+    if (count == kMaxDirectPieces) {
+      fits = false;
+      return;
+    }
+    pieces[count].iov_base = const_cast<char*>(data);
+    pieces[count].iov_len = size;
+    ++count;
+    total += size;
+  });
+  if (!fits) {
+    return false;
   }
   msghdr message{};
   message.msg_iov = pieces;
-  message.msg_iovlen = buffers.size();
+  message.msg_iovlen = count;
   // Never blocks, never raises SIGPIPE; a full socket or an error leaves the rest (or all) to the
   // I/O thread's write, which waits for room or meets the error and closes the connection.
   const ssize_t sent = ::sendmsg(socket_.native_handle(), &message, MSG_DONTWAIT | MSG_NOSIGNAL);
@@ -556,8 +565,8 @@ void Connection::write_next() {
   }
   std::vector<asio::const_buffer> buffers;
   for (const Outgoing& out : in_flight_) {
-    const std::vector<asio::const_buffer> pieces = frame_buffers(out);
-    buffers.insert(buffers.end(), pieces.begin(), pieces.end());
+    for_each_piece(
+        out, [&](const char* data, size_t size) { buffers.push_back(asio::buffer(data, size)); });
   }
   writing_ = true;
   asio::async_write(socket_, buffers,

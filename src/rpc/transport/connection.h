@@ -148,12 +148,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Prepares `out`'s lengths, and its large tensors for the peer to read when it may.
   void prepare_locked(Outgoing& out);
   void release_lent();
-  // The frame's bytes (header, tensor lengths, body, tensors), from `out.written` on.
-  static std::vector<asio::const_buffer> frame_buffers(const Outgoing& out);
+  // Calls add(data, size) for each piece of the frame's bytes (header, tensor lengths, body,
+  // tensors), from `out.written` on.
+  template <class Add>
+  static void for_each_piece(const Outgoing& out, Add add);
   // send()'s direct write; write_mutex_ held. Returns whether the whole frame went.
   bool write_directly(Outgoing& out);
 
-  void read_then(std::vector<asio::mutable_buffer> targets, std::function<void()> next);
+  void read_then(std::function<void()> next);
   bool read_ended(const asio::error_code& error);
   void read_header();
   void on_header();
@@ -194,7 +196,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   int inline_depth_ = 0;           // read_then's nesting of fields taken from the inbox
   bool delivering_ = false;        // the frame handler runs
   bool resume_requested_ = false;  // resume_reading() ran while it did
+  // What read_then fills (one read at a time), kept across reads so that a frame's reads
+  // allocate no list of their own.
+  std::vector<asio::mutable_buffer> targets_;
   std::string length_bytes_;
+  std::vector<size_t> lengths_;  // of frame_'s tensors
+  static constexpr size_t kKeptTensorLengths = 64;
   Frame frame_;
   int32_t peer_pid_ = 0;              // enable_peer_memory's peer; 0: none
   std::vector<bool> in_peer_memory_;  // of frame_'s tensors
