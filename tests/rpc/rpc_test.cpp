@@ -960,6 +960,24 @@ TEST(RpcUnit, AResultNamesItsCallOnlyWhenItDoesNotConvert) {
         << error.what_without_backtrace();
   }
   EXPECT_EQ(described, 1);
+  // A typed function's arguments the same way: a list whose second item is no int.
+  const c10::IValue list = to_value(std::vector<c10::IValue>{1, std::string("b")});
+  const auto argument = [&described] {
+    ++described;
+    return std::string("argument 0 of 'g'");
+  };
+  try {
+    detail::from_value_described<std::vector<int64_t>>(list, argument);
+    ADD_FAILURE() << "a string converted to an int";
+  } catch (const c10::TypeError& error) {
+    EXPECT_NE(std::string(error.what_without_backtrace())
+                  .find("argument 0 of 'g'[1]: expected int, got String"),
+              std::string::npos)
+        << error.what_without_backtrace();
+  }
+  EXPECT_EQ(described, 2);
+  EXPECT_EQ(detail::from_value_described<int64_t>(to_value(7), argument), 7);
+  EXPECT_EQ(described, 2);
 }
 
 }  // namespace

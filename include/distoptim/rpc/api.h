@@ -252,8 +252,7 @@ std::map<std::string, int64_t> get_debug_info();
 namespace detail {
 
 /// Waits for `future` and returns its value as a T, or throws what the future holds.
-/// `describe()` names the call in a conversion error and runs only then: a name built for every
-/// call would cost an allocation per round trip.
+/// `describe()` names the call in a conversion error and runs only then.
 template <class T, class Describe>
 T wait_for_result(c10::ivalue::Future& future, const Describe& describe) {
   wait_future(future);
@@ -263,12 +262,8 @@ T wait_for_result(c10::ivalue::Future& future, const Describe& describe) {
   } else if constexpr (std::is_same_v<T, c10::IValue>) {
     return future.constValue();
   } else {
-    try {
-      return from_value<T>(future.constValue(), std::string());
-    } catch (...) {
-      // Converted again, for the error with the call's name in it.
-    }
-    return from_value<T>(future.constValue(), "the result of " + describe());
+    return from_value_described<T>(future.constValue(),
+                                   [&describe] { return "the result of " + describe(); });
   }
 }
 

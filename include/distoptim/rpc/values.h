@@ -51,6 +51,19 @@ T from_value(const c10::IValue& value, const std::string& context) {
 }
 
 namespace detail {
+
+/// from_value<T>(value, describe()), with the context built only when the conversion fails: a
+/// context built on every call costs allocations on every call of a typed function or rpc_sync.
+template <class T, class Describe>
+T from_value_described(const c10::IValue& value, const Describe& describe) {
+  try {
+    return from_value<T>(value, std::string());
+  } catch (...) {
+    // Converted again, for the error with its context.
+  }
+  return from_value<T>(value, describe());
+}
+
 [[noreturn]] inline void throw_type_mismatch(const std::string& context, const char* expected,
                                              const c10::IValue& got) {
   TORCH_CHECK_TYPE(false, context, ": expected ", expected, ", got ", got.tagKind());

@@ -63,8 +63,8 @@ RawFunctionType wrap_typed(std::string name, F function, c10::guts::typelist::ty
     TORCH_CHECK_TYPE(args.size() == sizeof...(Args), "'", name, "' takes ", sizeof...(Args),
                      " argument(s), got ", args.size());
     auto call = [&]() -> decltype(auto) {
-      return function(from_value<std::decay_t<Args>>(
-          args[I], "argument " + std::to_string(I) + " of '" + name + "'")...);
+      return function(from_value_described<std::decay_t<Args>>(
+          args[I], [&] { return "argument " + std::to_string(I) + " of '" + name + "'"; })...);
     };
     return result_to_value<R>(name, call);
   };
@@ -86,11 +86,11 @@ RawFunctionType wrap_method(std::string name, M method, c10::guts::typelist::typ
   return [name = std::move(name), method](std::vector<c10::IValue> args) -> c10::IValue {
     TORCH_CHECK_TYPE(args.size() == sizeof...(Args) + 1, "'", name, "' takes ", sizeof...(Args),
                      " argument(s), got ", static_cast<int64_t>(args.size()) - 1);
-    std::shared_ptr<C> self =
-        from_value<std::shared_ptr<C>>(args[0], "the object of '" + name + "'");
+    std::shared_ptr<C> self = from_value_described<std::shared_ptr<C>>(
+        args[0], [&] { return "the object of '" + name + "'"; });
     auto call = [&]() -> decltype(auto) {
-      return ((*self).*method)(from_value<std::decay_t<Args>>(
-          args[I + 1], "argument " + std::to_string(I) + " of '" + name + "'")...);
+      return ((*self).*method)(from_value_described<std::decay_t<Args>>(
+          args[I + 1], [&] { return "argument " + std::to_string(I) + " of '" + name + "'"; })...);
     };
     return result_to_value<R>(name, call);
   };
