@@ -15,8 +15,8 @@ namespace rpc {
 namespace detail {
 namespace {
 
-// The dispatcher whose request runs on this thread outside its pools (after an I/O loop
-// hand-over), so that on_own_thread() knows it.
+// The dispatcher whose request runs on this thread, in its pools or on an I/O thread after a
+// hand-over, so that on_own_thread() knows it there too.
 thread_local const Dispatcher* t_running_requests = nullptr;
 
 size_t frame_bytes(const Frame& frame) {
@@ -87,7 +87,13 @@ bool Dispatcher::on_request_frame(const std::shared_ptr<Connection>& connection,
   const bool ordered = (frame.header.flags & MessageHeader::kOrdered) != 0;
   std::function<void()> job = [this, connection, caller, bytes,
                                frame = std::move(frame)]() mutable {
-    handle_request(connection, caller, frame.header, *frame.body, std::move(frame.buffers));
+    const Dispatcher* outer = t_running_requests;
+    t_running_requests = this;
+    try {
+      handle_request(connection, caller, frame.header, *frame.body, std::move(frame.buffers));
+    } catch (...) {
+    }
+    t_running_requests = outer;
     request_done(bytes);
   };
   // A request runs on the I/O thread that read it, which keeps the loop meanwhile (io_loop.h):
@@ -98,15 +104,7 @@ bool Dispatcher::on_request_frame(const std::shared_ptr<Connection>& connection,
   // the order they arrived. RRef control messages keep their order on the ordered thread; they
   // never block.
   if (!ordered && IoLoop::can_run_after_handler() && request_pool_->nothing_queued()) {
-    IoLoop::run_after_handler([this, job = std::move(job)] {
-      const Dispatcher* outer = t_running_requests;
-      t_running_requests = this;
-      try {
-        job();
-      } catch (...) {
-      }
-      t_running_requests = outer;
-    });
+    IoLoop::run_after_handler(std::move(job));
     return go_on;
   }
   (ordered ? *ordered_ : *request_pool_).post(std::move(job));
