@@ -11,15 +11,12 @@
 
 #include <distoptim/comm/errors.h>
 
+#include "parameter_check.h"
+
 namespace distoptim {
 namespace data_parallel {
 
 namespace {
-
-// " on rank N" for messages, or nothing before the default group exists.
-std::string on_this_rank() {
-  return comm::is_initialized() ? " on rank " + std::to_string(comm::get_rank()) : "";
-}
 
 std::string ranks_text(const std::vector<int>& ranks) { return "[" + c10::Join(", ", ranks) + "]"; }
 

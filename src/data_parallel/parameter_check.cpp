@@ -9,6 +9,10 @@
 namespace distoptim {
 namespace data_parallel {
 
+std::string on_this_rank() {
+  return comm::is_initialized() ? " on rank " + std::to_string(comm::get_rank()) : "";
+}
+
 namespace {
 
 // A parameter list as integers: the count, then per parameter its dtype, rank and sizes.

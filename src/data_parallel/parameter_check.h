@@ -10,6 +10,9 @@
 namespace distoptim {
 namespace data_parallel {
 
+/// " on rank N" for messages, or nothing before the default group exists.
+std::string on_this_rank();
+
 /// Every rank's `mine` (of the same shape and dtype on all), by group rank. Collective; waits at
 /// most the group's timeout.
 std::vector<at::Tensor> allgather_tensor(const comm::Group& group, const at::Tensor& mine);

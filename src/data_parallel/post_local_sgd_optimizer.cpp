@@ -10,17 +10,10 @@
 #include <distoptim/comm/process_group.h>
 
 #include "gradients.h"
+#include "parameter_check.h"
 
 namespace distoptim {
 namespace data_parallel {
-
-namespace {
-
-std::string on_this_rank() {
-  return comm::is_initialized() ? " on rank " + std::to_string(comm::get_rank()) : "";
-}
-
-}  // namespace
 
 PostLocalSGDOptimizer::PostLocalSGDOptimizer(std::shared_ptr<torch::optim::Optimizer> optim,
                                              std::shared_ptr<ModelAverager> averager)
