@@ -11,7 +11,9 @@
 //                PyTorch's cannot overlap on Gloo (it needs NCCL and skips its first steps),
 //                so this row compares with PyTorch's best variant of the round;
 //   stage2       ours with stage 2 (gradients averaged onto their owners and freed elsewhere,
-//                on the plain module: no DDP), against PyTorch's best variant and our stage 1.
+//                on the plain module: no DDP), against PyTorch's best variant and our stage 1;
+//                at its defaults, so with the large block cache it installs as LibTorch's CPU
+//                allocator (--large-block-cache installs it in our other cases too).
 // Every iteration (zero_grad + forward + backward + step) starts after a barrier; a run's time is
 // the median over its timed iterations (after warm-up ones; the first creates the optimizer
 // state) of the slowest rank's. Memory is each rank's peak resident set (VmHWM) over its whole
@@ -34,14 +36,15 @@
 // (medians over the rounds), and the load average (common/report.h); the two rows "stage 2 over
 // stage 1 (ours)" hold our stage 1's iteration and peak over stage 2's, with pytorch null.
 //
-// Memory depends on the C library's allocator as much as on the optimizer: glibc at its defaults
-// keeps the 16 MB gradients autograd frees in its heap, and a run's peak moves by up to 235 MB
-// between identical runs. --glibc-tunables sets GLIBC_TUNABLES for both sides' ranks alike (make
+// Memory depends on the allocator as much as on the optimizer: glibc at its defaults keeps the
+// 16 MB gradients autograd frees in its heap, and a run's peak moves by up to 235 MB between
+// identical runs (ours at stage 2 and under --large-block-cache bypass it for tensors of 1 MiB
+// and more). --glibc-tunables sets GLIBC_TUNABLES for both sides' ranks alike (make
 // bench's zero_mmap_thp runs glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1048576: every
 // block of 1 MiB or more mapped on its own, in transparent huge pages, and returned when freed).
 //
 // Usage: zero_bench --json PATH [--rounds 3] [--iterations N] [--warmup N] [--layers N]
-//                   [--size N] [--batch N] [--glibc-tunables T]
+//                   [--size N] [--batch N] [--glibc-tunables T] [--large-block-cache]
 
 #include <algorithm>
 #include <chrono>
@@ -89,6 +92,8 @@ struct Config {
   bool gradient_as_bucket_view = false;
   // Ours only (PyTorch has no such option): off measures what the shared memory gives.
   bool share_host_memory = true;
+  // Ours: data_parallel::install_large_block_cache() in every rank before training.
+  bool large_block_cache = false;
   // glibc's malloc settings for both sides' ranks (GLIBC_TUNABLES); empty: glibc's defaults.
   std::string glibc_tunables;
 };
@@ -120,6 +125,7 @@ double process_cpu_seconds() {
 // Trains as pytorch_zero.py's run_rank does and prints the same RESULT line.
 void run_worker(const Config& config, Mode mode) {
   torch::set_num_threads(kThreadsPerRank);
+  if (config.large_block_cache) data_parallel::install_large_block_cache();
   comm::init_process_group();
   const long start_kb = proc_status_kb("VmRSS");
   torch::manual_seed(0);
@@ -280,6 +286,7 @@ Run run_ours(const Config& config, const std::string& mode) {
                            self, "--worker", "--mode", mode});
   for (auto& arg : shared_args(config)) argv.push_back(std::move(arg));
   if (!config.share_host_memory) argv.push_back("--no-share-host-memory");
+  if (config.large_block_cache) argv.push_back("--large-block-cache");
   const std::string what = "our ranks (" + mode + ")";
   return parse_run(what, run_side(what, argv, config.deadline_seconds), config);
 }
@@ -349,6 +356,8 @@ int run(int argc, char** argv) {
                "DistributedDataParallel with gradient_as_bucket_view, both sides");
   app.add_flag("--no-share-host-memory{false}", config.share_host_memory,
                "ours: allreduce, reduce and broadcast over Gloo's loopback TCP, not shared memory");
+  app.add_flag("--large-block-cache", config.large_block_cache,
+               "ours: install_large_block_cache() in every rank (LibTorch's CPU allocator)");
   app.add_option("--glibc-tunables", config.glibc_tunables,
                  "GLIBC_TUNABLES for both sides' ranks (default: glibc's defaults)");
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
@@ -392,10 +401,11 @@ int run(int argc, char** argv) {
       "per rank, {} ranks (gloo, loopback), {} intra-op thread per rank; DDP "
       "gradient_as_bucket_view {} on both sides; ours share_host_memory {}; PyTorch {} at its "
       "defaults otherwise (DDP bucket_cap_mb 25, overlap_with_ddp False); glibc's malloc on both "
-      "sides: {}\n",
+      "sides: {}; ours with the large block cache (install_large_block_cache) in {}\n",
       config.layers, config.size, config.size, config.batch, kWorldSize, kThreadsPerRank,
       config.gradient_as_bucket_view, config.share_host_memory,
-      pytorch["plain"].front().torch_version, glibc_setting(config));
+      pytorch["plain"].front().torch_version, glibc_setting(config),
+      config.large_block_cache ? "every case" : "stage 2 only (its default)");
   fmt::print(
       "threads per rank: intra-op ours {} / pytorch {}; OpenBLAS's own (-1: not OpenBLAS) ours {} "
       "/ pytorch {}; PyTorch's ranks run with OMP_NUM_THREADS={} (torchrun's value for ranks "

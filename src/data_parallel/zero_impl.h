@@ -128,6 +128,7 @@ struct ZeroRedundancyOptimizer::Impl {
     for (size_t g = 0; g < groups.size(); ++g) {
       local_groups.emplace_back(owned_in_group(g, my_rank()), groups[g].overrides);
     }
+    if (stage == 2 && options.large_block_cache()) zero_detail::install_large_block_cache_once();
     return local_groups;
   }
 

@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/data_parallel/large_block_cache.h>
 
 #include "after_backward.h"
 
@@ -311,6 +312,17 @@ void OwnerReduction::finish_reductions() {
   }
   reset_backward();
   reduced_ = true;
+}
+
+void install_large_block_cache_once() {
+  if (large_block_cache_installed()) return;
+  try {
+    install_large_block_cache();
+  } catch (const c10::Error& e) {
+    TORCH_WARN("ZeroRedundancyOptimizer (stage 2): the large block cache was not installed (",
+               e.what_without_backtrace(),
+               "); the gradients stage 2 frees may stay in malloc's heap rather than be saved");
+  }
 }
 
 }  // namespace zero_detail

@@ -117,6 +117,11 @@ class OwnerReduction {
   bool reduced_ = false;
 };
 
+// Makes the large block cache LibTorch's CPU allocator unless it is already (stage 2's
+// ZeroRedundancyOptimizerOptions::large_block_cache); warns, and leaves the allocator, where
+// another holds the place.
+void install_large_block_cache_once();
+
 }  // namespace zero_detail
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
@@ -277,6 +278,62 @@ TEST(ZeroStage2, AParameterWithoutAGradientCountsAsZeros) {
       }
       zero.step();
     }
+  });
+}
+
+// Stage 2 installs the large block cache (by default) and its gradients of 1 MiB and more run
+// through it: after the first passes no block is mapped afresh, the freed gradients being reused,
+// and every rank ends with the parameters the average gradient gives.
+TEST(ZeroStage2, InstallsTheLargeBlockCacheAndReusesItsFreedGradients) {
+  run_ranks(2, [](int rank, int world_size) {
+    init();
+    torch::manual_seed(5);
+    const auto options = torch::dtype(torch::kFloat64);
+    // 256 x 512 float64: 1 MiB each, the cache's default threshold.
+    std::vector<at::Tensor> params;
+    for (int i = 0; i < 3; ++i) params.push_back(torch::randn({256, 512}, options));
+    const at::Tensor direction = torch::randn({256, 512}, options);
+    const std::vector<at::Tensor> initial = distoptim::testing::clone_all(params);
+    for (auto& p : params) p.requires_grad_(true);
+    ZeroRedundancyOptimizer zero(params, "sgd", {{"lr", 0.5}},
+                                 ZeroRedundancyOptimizerOptions().stage(2));
+    ASSERT_TRUE(large_block_cache_installed());
+    LargeBlockCacheStats after_warmup;
+    constexpr int kPasses = 4;
+    for (int pass = 0; pass < kPasses; ++pass) {
+      if (pass == 2) after_warmup = large_block_cache_stats();
+      zero.zero_grad();
+      at::Tensor loss = torch::zeros({}, options);
+      for (const auto& p : params) loss = loss + (p * direction).sum() * (rank + 1);
+      loss.backward();
+      zero.step();
+    }
+    const LargeBlockCacheStats end = large_block_cache_stats();
+    EXPECT_EQ(end.mapped, after_warmup.mapped);
+    EXPECT_GT(end.reused, after_warmup.reused);
+    // The average gradient of every parameter is direction * (1 + 2) / 2, as stage 2 sums it:
+    // each rank's part divided by the world size.
+    const at::Tensor average = direction * 1 / world_size + direction * 2 / world_size;
+    for (size_t i = 0; i < params.size(); ++i) {
+      torch::NoGradGuard no_grad;
+      at::Tensor expected = initial[i].clone();
+      for (int pass = 0; pass < kPasses; ++pass) expected -= 0.5 * average;
+      EXPECT_TRUE(at::allclose(params[i], expected, 1e-12, 1e-12)) << "parameter " << i;
+    }
+  });
+}
+
+// large_block_cache(false) leaves LibTorch's CPU allocator as it was.
+TEST(ZeroStage2, LargeBlockCacheFalseLeavesTheAllocatorAlone) {
+  run_ranks(2, [](int, int) {
+    init();
+    c10::Allocator* before = c10::GetCPUAllocator();
+    auto p = torch::ones({4}, torch::dtype(torch::kFloat64).requires_grad(true));
+    auto q = torch::ones({4}, torch::dtype(torch::kFloat64).requires_grad(true));
+    ZeroRedundancyOptimizer zero(
+        {p, q}, "sgd", {{"lr", 0.1}},
+        ZeroRedundancyOptimizerOptions().stage(2).large_block_cache(false));
+    EXPECT_EQ(c10::GetCPUAllocator(), before);
   });
 }
 

@@ -57,6 +57,12 @@ struct ZeroRedundancyOptimizerOptions {
   /// gradient but gets none in a pass counts as a zero gradient. Results equal stage 1's with a
   /// DistributedDataParallel to rounding. Not with overlap_with_ddp or join_hook (c10::ValueError).
   TORCH_ARG(int, stage) = 1;
+  /// With stage 2: make install_large_block_cache() (large_block_cache.h, its default options)
+  /// LibTorch's CPU allocator for the process when constructed, unless it already is. The
+  /// gradients stage 2 frees are fresh buffers every pass; at glibc's defaults they stay in
+  /// malloc's heap and save nothing, with the cache they are reused or given back. Where another
+  /// allocator holds the place, construction warns and goes on. false leaves the allocator alone.
+  TORCH_ARG(bool, large_block_cache) = true;
   /// Not in PyTorch: when every rank of the group runs on this host, the parameters are
   /// broadcast after the step (and, under stage 2, the gradients reduced to their owners) through
   /// memory the ranks share rather than Gloo's loopback TCP (comm::share_host_memory: 8 MiB of
