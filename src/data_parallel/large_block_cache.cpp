@@ -9,6 +9,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <sanitizer/asan_interface.h>
+
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
@@ -96,6 +98,7 @@ class LargeBlockCache final : public c10::Allocator {
     for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
       if (it->bytes != bytes) continue;
       void* data = it->data;
+      ASAN_UNPOISON_MEMORY_REGION(data, bytes);
       free_.erase(std::next(it).base());
       stats_.cached_bytes -= bytes;
       stats_.live_bytes += bytes;
@@ -148,6 +151,9 @@ class LargeBlockCache final : public c10::Allocator {
       return true;
     }
     trim_locked(options_.max_cached_bytes() - bytes);
+    // Under AddressSanitizer a tensor's memory read after it was freed is still reported while
+    // its block waits in the cache.
+    ASAN_POISON_MEMORY_REGION(data, bytes);
     free_.push_back({data, bytes});
     stats_.cached_bytes += bytes;
     return true;
@@ -158,6 +164,8 @@ class LargeBlockCache final : public c10::Allocator {
     std::size_t dropped = 0;
     while (stats_.cached_bytes > keep && dropped < free_.size()) {
       const FreeBlock& oldest = free_[dropped++];
+      // The address range may be mapped again, by anyone: it must not stay poisoned.
+      ASAN_UNPOISON_MEMORY_REGION(oldest.data, oldest.bytes);
       stats_.cached_bytes -= oldest.bytes;
       unmap_locked(oldest.data, oldest.bytes);
     }

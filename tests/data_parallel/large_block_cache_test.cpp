@@ -9,6 +9,8 @@
 #include <thread>
 #include <vector>
 
+#include <sanitizer/asan_interface.h>
+
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -200,6 +202,29 @@ TEST(LargeBlockCache, WhatTheKernelRefusesIsAnErrorNamingTheSize) {
   const LargeBlockCacheStats now = large_block_cache_stats();
   EXPECT_EQ(now.mapped, start.mapped);
   EXPECT_EQ(now.live_bytes, start.live_bytes);
+}
+
+// Under AddressSanitizer a cached block is poisoned, so a tensor's memory used after it was freed
+// is still reported; handed out again, it is usable.
+TEST(LargeBlockCache, UnderAddressSanitizerACachedBlockIsPoisoned) {
+#if defined(__SANITIZE_ADDRESS__)
+  fresh_cache();
+  void* data = nullptr;
+  {
+    at::Tensor t = buffer_of(2 * kMiB);
+    data = t.data_ptr();
+    EXPECT_EQ(__asan_address_is_poisoned(data), 0);
+  }
+  EXPECT_EQ(__asan_address_is_poisoned(data), 1);
+  EXPECT_EQ(__asan_address_is_poisoned(static_cast<char*>(data) + 2 * kMiB - 1), 1);
+  at::Tensor again = buffer_of(2 * kMiB);
+  ASSERT_EQ(again.data_ptr(), data);
+  EXPECT_EQ(__asan_address_is_poisoned(data), 0);
+  again.fill_(1);
+  empty_large_block_cache();
+#else
+  GTEST_SKIP() << "not built with AddressSanitizer";
+#endif
 }
 
 // Threads allocating and freeing large and small buffers at once: every large one is counted
