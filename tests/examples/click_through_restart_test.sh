@@ -3,7 +3,7 @@
 # servers and two trainers, 50 steps of 512 samples each, a 16k x 8 table): trainer KILLED (0 or
 # 1) SIGKILLs itself in step 30 (--kill-trainer-at, --kill-trainer), after its backward pass, and
 # distrun starts it again alone. restart_checks.sh checks the exit status, distrun's summary, the
-# first server's log and that the replacement's losses lie below the killed trainer's; here, also
+# first server's log and that the replacement's losses lie below the fresh model's; here, also
 # that the replacement's first steps lie closer to where the model stood at the kill than to where
 # it started (a replacement on a fresh model would start there). Trainer 0 reports (held-out
 # evaluations, click_through.csv): when it is the one killed, its replacement goes on with the

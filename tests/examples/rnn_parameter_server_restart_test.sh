@@ -4,9 +4,8 @@
 # and distrun starts it again alone; the run exits 0, distrun's summary names the restart, and
 # the server's log (loss.csv) shows the kill, the replacement joining under a new name and
 # continuing from the slot's step, and the first trainer's steps untouched. The replacement
-# continues from the server's parameters: its first loss lies below the killed trainer's first
-# (a fresh model would start about where the killed one started), and the training goes on (the
-# mean loss after the rejoin below the mean before the kill).
+# continues from the server's parameters: its first loss, and its mean loss, lie below the log's
+# first loss (the fresh model's, whichever trainer ran it: a fresh model would start there).
 # Usage: rnn_parameter_server_restart_test.sh DISTRUN EXAMPLE WORKDIR
 set -euo pipefail
 distrun="$1" example="$2" work="$3"
