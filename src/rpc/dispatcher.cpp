@@ -321,6 +321,10 @@ void Dispatcher::on_reply_frame(int peer, Frame frame) {
   // where the future's callbacks may run.
   if (calls_.waited_only(frame.header.id, peer) && completion_->quiescent()) {
     handle_reply(peer, frame.header, *frame.body, std::move(frame.buffers));
+    // With nothing else expected, the caller's next wait reads its reply itself (io_loop.h).
+    if (calls_.size() == 0 && requests_in_flight() == 0) {
+      IoLoop::leave_to_next_wait();
+    }
     return;
   }
   completion_->post([this, peer, frame = std::move(frame)]() mutable {

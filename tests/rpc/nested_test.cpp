@@ -8,6 +8,7 @@
 
 #include <dirent.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <functional>
@@ -336,6 +337,86 @@ TEST(NestedCalls, RequestsThatBlockOrWaitOnTheIoThreadLeaveTheWorkerServing) {
   });
 }
 
+// Which threads read the replies to this process's calls (their responses' on_receive runs there).
+struct ReplyThreads : Interceptor {
+  std::shared_ptr<void> on_receive(const MessageInfo& info, std::vector<c10::IValue>& /*values*/,
+                                   const CallMetadata& /*metadata*/) override {
+    if (info.kind == MessageInfo::Kind::kResponse) {
+      std::lock_guard<std::mutex> lock(mutex);
+      threads.push_back(std::this_thread::get_id());
+    }
+    return nullptr;
+  }
+  std::mutex mutex;
+  std::vector<std::thread::id> threads;
+};
+
+// worker0's side of a call worker1 makes back to it while worker0's caller is outside the library.
+std::promise<int64_t>& called_back() {
+  static std::promise<int64_t> promise;
+  return promise;
+}
+DISTOPTIM_RPC_FUNCTION("note_call_back", [](int64_t value) {
+  called_back().set_value(value);
+  return value;
+});
+std::thread& caller_back_thread() {
+  static std::thread thread;
+  return thread;
+}
+// On worker1: calls worker0 back a little later, from a thread of its own (joined by
+// join_call_back).
+DISTOPTIM_RPC_FUNCTION("call_back_later", [](int64_t value) {
+  caller_back_thread() = std::thread([value] {
+    std::this_thread::sleep_for(20ms);
+    (void)rpc_sync<int64_t>("worker0", "note_call_back", std::tuple{value});
+  });
+  return true;
+});
+DISTOPTIM_RPC_FUNCTION("join_call_back", [] {
+  caller_back_thread().join();
+  return true;
+});
+
+TEST(NestedCalls, ACallerWaitingAgainReadsItsRepliesItselfAndTheWorkerServesMeanwhile) {
+  run_ranks(2, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, test_options().rpc_timeout(60s));
+    if (rank == 0) {
+      auto replies = std::make_shared<ReplyThreads>();
+      set_interceptor(replies);
+      {
+        // Replies read on this thread are decoded under the loop's modes, not its own.
+        c10::InferenceMode inference_mode;
+        for (int call = 0; call < 50; ++call) {
+          const at::Tensor ones = rpc_sync<at::Tensor>("worker1", "ones");
+          EXPECT_FALSE(ones.is_inference()) << "call " << call;
+          EXPECT_TRUE(ones.equal(at::ones({4}))) << "call " << call;
+        }
+      }
+      set_interceptor(nullptr);
+      {
+        std::lock_guard<std::mutex> lock(replies->mutex);
+        ASSERT_EQ(replies->threads.size(), 50u);
+        // Back to back, the caller reads most replies itself; at least one it must (a loaded
+        // machine may keep it away from the library longer than a loop thread waits for it).
+        EXPECT_GE(std::count(replies->threads.begin(), replies->threads.end(),
+                             std::this_thread::get_id()),
+                  1);
+      }
+      // A request arriving while this thread is outside the library (its loop left for its next
+      // wait) is served: worker1 calls back while this thread waits on a plain std::future.
+      auto back = called_back().get_future();
+      EXPECT_TRUE(rpc_sync<bool>("worker1", "call_back_later", std::tuple{int64_t{42}}));
+      ASSERT_EQ(back.wait_for(60s), std::future_status::ready) << "worker0 never served worker1";
+      EXPECT_EQ(back.get(), 42);
+      EXPECT_TRUE(rpc_sync<bool>("worker1", "join_call_back"));
+      // A request arriving while this thread leads the loop waiting is served too (on the pool).
+      EXPECT_EQ(rpc_sync<int64_t>("worker1", "add_two_then_wait", std::tuple{int64_t{5}}), 7);
+    }
+    shutdown();
+  });
+}
+
 // The I/O loop on its own: an io_context run by two threads taking turns, as the agent runs it.
 class IoLoopUnit : public ::testing::Test {
  protected:
@@ -473,6 +554,91 @@ TEST_F(IoLoopUnit, AJobWaitingInTheLibraryLeadsTheLoopItself) {
   // Off a loop's thread there is nothing to lead: the caller waits its own way.
   EXPECT_FALSE(
       detail::IoLoop::lead_until([] { return false; }, [](std::function<void()>) {}, std::nullopt));
+}
+
+// Leads the loop from this (outside) thread until `done`, once the loop is left for it: the loop
+// thread that ran the handler asking for it may not have left it yet. False if it never was.
+bool lead_once_left(const std::function<bool()>& done) {
+  for (int i = 0; i < 10000; ++i) {
+    if (detail::IoLoop::lead_left_loop_until(
+            done, [](std::function<void()>) {}, std::nullopt))
+      return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return false;
+}
+
+TEST_F(IoLoopUnit, ALoopLeftForTheNextWaitIsLedByTheWaitingThread) {
+  start(std::chrono::hours(1));  // nobody takes the loop over
+  auto left = std::make_shared<std::promise<std::thread::id>>();
+  asio::post(io_, [left] {
+    detail::IoLoop::leave_to_next_wait();
+    left->set_value(std::this_thread::get_id());
+  });
+  auto loop_thread = left->get_future();
+  ASSERT_EQ(loop_thread.wait_for(60s), std::future_status::ready);
+  EXPECT_NE(loop_thread.get(), std::this_thread::get_id());
+  // 1. The waiting thread runs the handler it waits for, and a handler of the same lead asks
+  // to leave the loop for the next wait again.
+  std::atomic<bool> first{false};
+  std::thread::id first_thread;
+  asio::post(io_, [&] {
+    first_thread = std::this_thread::get_id();
+    detail::IoLoop::leave_to_next_wait();
+    first = true;
+  });
+  ASSERT_TRUE(lead_once_left([&] { return first.load(); }));
+  EXPECT_EQ(first_thread, std::this_thread::get_id());
+  // 2. So the next wait leads at once; no handler asks this time.
+  std::atomic<bool> second{false};
+  std::thread::id second_thread;
+  asio::post(io_, [&] {
+    second_thread = std::this_thread::get_id();
+    second = true;
+  });
+  EXPECT_TRUE(detail::IoLoop::lead_left_loop_until([&] { return second.load(); },
+                                                   [](std::function<void()>) {}, std::nullopt));
+  EXPECT_TRUE(second);
+  EXPECT_EQ(second_thread, std::this_thread::get_id());
+  // 3. So the loop went back to its threads: a handler runs there, and a wait leads nothing.
+  auto later = post_recording_thread();
+  ASSERT_EQ(later.wait_for(60s), std::future_status::ready);
+  EXPECT_NE(later.get(), std::this_thread::get_id());
+  EXPECT_FALSE(detail::IoLoop::lead_left_loop_until([] { return false; },
+                                                    [](std::function<void()>) {}, std::nullopt));
+}
+
+TEST_F(IoLoopUnit, ALoopLeftForAWaitThatDoesNotComeIsTakenBack) {
+  start(detail::IoLoop::kLongJob);
+  auto left = std::make_shared<std::promise<void>>();
+  asio::post(io_, [left] {
+    detail::IoLoop::leave_to_next_wait();
+    left->set_value();
+  });
+  ASSERT_EQ(left->get_future().wait_for(60s), std::future_status::ready);
+  // Nobody waits: a watching loop thread takes the loop back and runs what comes.
+  auto later = post_recording_thread();
+  ASSERT_EQ(later.wait_for(60s), std::future_status::ready);
+  EXPECT_NE(later.get(), std::this_thread::get_id());
+}
+
+TEST_F(IoLoopUnit, AnOutsideThreadLeadingReturnsWhenTheLoopStops) {
+  start(std::chrono::hours(1));
+  asio::post(io_, [] { detail::IoLoop::leave_to_next_wait(); });
+  std::atomic<bool> leading{false};
+  std::thread stopper([&] {
+    while (!leading) std::this_thread::sleep_for(1ms);
+    asio::post(io_, [this] { io_.stop(); });
+  });
+  // Waits for what never comes until the loop stops; the loop's threads then leave (TearDown).
+  const bool led = lead_once_left([&] {
+    leading = true;
+    return false;
+  });
+  leading = true;  // also lets the stopper go when the loop was never left (then the test fails)
+  stopper.join();
+  EXPECT_TRUE(led);
+  EXPECT_TRUE(io_.stopped());
 }
 
 // The request pool on its own: a job blocked (in a BlockingScope) on a job queued behind it.

@@ -1,5 +1,6 @@
 #include "io_loop.h"
 
+#include <algorithm>
 #include <utility>
 
 #include <ATen/ThreadLocalState.h>
@@ -18,15 +19,32 @@ thread_local std::function<void()>* t_after = nullptr;
 // The loop this thread keeps while it runs a job, and that job's number.
 thread_local IoLoop* t_keeping = nullptr;
 thread_local uint64_t t_kept_job = 0;
-// LibTorch's thread-local state (grad and inference mode, dispatch keys) of a loop thread before
-// any job ran on it: what handlers run under, even when a waiting job's thread runs them.
-thread_local std::optional<at::ThreadLocalState> t_loop_state;
+// Whether this thread, outside every loop, leads t_leading (IoLoop::lead_outside).
+thread_local bool t_outside = false;
+// Set by a handler (leave_to_next_wait) on a thread that runs run_thread or leads from outside.
+thread_local bool t_leave_to_next_wait = false;
+
+// The loops of the process, for an outside wait to find one left for it. Taken before a loop's
+// own mutex, never while holding one.
+struct LoopRegistry {
+  std::mutex mutex;
+  std::vector<IoLoop*> loops;
+};
+LoopRegistry& loop_registry() {
+  static auto* registry = new LoopRegistry();  // never destroyed: loops may outlive statics
+  return *registry;
+}
 
 }  // namespace
 
 IoLoop::IoLoop(asio::io_context& io, int threads, std::chrono::microseconds long_job)
     : io_(io), long_job_(long_job), wake_(std::make_shared<Wake>()) {
   wake_->io = &io;
+  {
+    LoopRegistry& registry = loop_registry();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    registry.loops.push_back(this);
+  }
   for (int i = 0; i < threads; ++i) {
     threads_.emplace_back([this] { run_thread(); });
   }
@@ -34,6 +52,16 @@ IoLoop::IoLoop(asio::io_context& io, int threads, std::chrono::microseconds long
 
 IoLoop::~IoLoop() {
   join();
+  {
+    LoopRegistry& registry = loop_registry();
+    std::lock_guard<std::mutex> lock(registry.mutex);
+    registry.loops.erase(std::find(registry.loops.begin(), registry.loops.end(), this));
+  }
+  {
+    // An outside thread still leading leaves at once: the io_context has stopped.
+    std::unique_lock<std::mutex> lock(mutex_);
+    outside_left_.wait(lock, [this] { return outside_leaders_ == 0; });
+  }
   std::lock_guard<std::mutex> lock(wake_->mutex);
   wake_->io = nullptr;
 }
@@ -65,6 +93,12 @@ void IoLoop::run_after_handler(std::function<void()> job) {
   *t_after = std::move(job);
 }
 
+void IoLoop::leave_to_next_wait() {
+  if (t_leading != nullptr && (t_after != nullptr || t_outside)) {
+    t_leave_to_next_wait = true;
+  }
+}
+
 bool IoLoop::lead_until(const std::function<bool()>& done,
                         const std::function<void(std::function<void()>)>& arm,
                         std::optional<std::chrono::steady_clock::time_point> deadline) {
@@ -79,24 +113,8 @@ bool IoLoop::lead_until(const std::function<bool()>& done,
     }
     loop->kept_job_ = 0;  // Led, not kept: no follower takes it over meanwhile.
   }
-  arm([wake = loop->wake_] {
-    std::lock_guard<std::mutex> lock(wake->mutex);
-    if (wake->io != nullptr) asio::post(*wake->io, [] {});
-  });
   t_leading = loop;  // t_after stays null: no job after a handler run here
-  {
-    // Not under the job's own modes: a reply decoded under its inference mode would be an
-    // inference tensor, one recorded under its no-grad guard would lose its autograd history.
-    at::ThreadLocalStateGuard loop_state(*t_loop_state);
-    while (!done() && !loop->io_.stopped()) {
-      if (!deadline) {
-        loop->io_.run_one();
-      } else if (loop->io_.run_one_until(*deadline) == 0 &&
-                 std::chrono::steady_clock::now() >= *deadline) {
-        break;
-      }
-    }
-  }
+  loop->run_handlers_until(done, arm, deadline);
   t_leading = nullptr;
   std::unique_lock<std::mutex> lock(loop->mutex_);
   if (loop->io_.stopped()) {
@@ -106,6 +124,83 @@ bool IoLoop::lead_until(const std::function<bool()>& done,
   // Kept again by the job that waited, which may now block elsewhere: someone must watch it.
   t_kept_job = loop->keep_locked(lock);
   return true;
+}
+
+void IoLoop::run_handlers_until(const std::function<bool()>& done,
+                                const std::function<void(std::function<void()>)>& arm,
+                                std::optional<std::chrono::steady_clock::time_point> deadline) {
+  arm([wake = wake_] {
+    std::lock_guard<std::mutex> lock(wake->mutex);
+    if (wake->io != nullptr) asio::post(*wake->io, [] {});
+  });
+  // Under a loop thread's modes, not the waiting thread's: a reply decoded under its inference
+  // mode would be an inference tensor, one recorded under its no-grad guard would lose its
+  // autograd history.
+  at::ThreadLocalStateGuard loop_state(*loop_state_);
+  while (!done() && !io_.stopped()) {
+    if (!deadline) {
+      io_.run_one();
+    } else if (io_.run_one_until(*deadline) == 0 && std::chrono::steady_clock::now() >= *deadline) {
+      break;
+    }
+  }
+}
+
+IoLoop* IoLoop::claim_left_loop() {
+  LoopRegistry& registry = loop_registry();
+  std::lock_guard<std::mutex> registry_lock(registry.mutex);
+  for (IoLoop* loop : registry.loops) {
+    std::lock_guard<std::mutex> lock(loop->mutex_);
+    if (!loop->stopped_ && loop->left_job_ != 0 && loop->kept_job_ == loop->left_job_) {
+      loop->kept_job_ = 0;  // Led, not kept: no follower takes it over meanwhile.
+      loop->left_job_ = 0;
+      ++loop->outside_leaders_;
+      return loop;
+    }
+  }
+  return nullptr;
+}
+
+bool IoLoop::lead_left_loop_until(const std::function<bool()>& done,
+                                  const std::function<void(std::function<void()>)>& arm,
+                                  std::optional<std::chrono::steady_clock::time_point> deadline) {
+  if (t_leading != nullptr || t_keeping != nullptr) {
+    return false;
+  }
+  IoLoop* loop = claim_left_loop();
+  if (loop == nullptr) {
+    return false;
+  }
+  t_leading = loop;
+  t_outside = true;
+  t_leave_to_next_wait = false;
+  loop->run_handlers_until(done, arm, deadline);
+  const bool leave_again = t_leave_to_next_wait;
+  t_leave_to_next_wait = false;
+  t_outside = false;
+  t_leading = nullptr;
+  loop->end_outside_lead(leave_again);
+  return true;
+}
+
+void IoLoop::end_outside_lead(bool leave_again) {
+  // Notified under the lock: once it is released the loop may be destroyed (~IoLoop waits for
+  // outside_leaders_ to drop).
+  std::lock_guard<std::mutex> lock(mutex_);
+  --outside_leaders_;
+  if (io_.stopped()) {
+    led_ = false;
+    stopped_ = true;
+    follow_.notify_all();
+    stopped_cv_.notify_all();
+  } else if (leave_again) {
+    left_job_ = kept_job_ = ++jobs_begun_;
+    if (waiting_ > 0 && !watching_) follow_.notify_one();  // someone must watch
+  } else {
+    led_ = false;  // Another reply is expected: a loop thread reads it.
+    follow_.notify_one();
+  }
+  outside_left_.notify_all();
 }
 
 uint64_t IoLoop::keep_locked(std::unique_lock<std::mutex>& lock) {
@@ -173,8 +268,9 @@ bool IoLoop::follow(std::unique_lock<std::mutex>& lock) {
 }
 
 void IoLoop::run_thread() {
-  t_loop_state.emplace();
+  at::ThreadLocalState state;  // this thread's, before any job ran on it
   std::unique_lock<std::mutex> lock(mutex_);
+  if (!loop_state_) loop_state_ = std::make_unique<at::ThreadLocalState>(std::move(state));
   while (follow(lock)) {
     led_ = true;
     bool leading = true;
@@ -183,10 +279,13 @@ void IoLoop::run_thread() {
       std::function<void()> job;
       t_leading = this;
       t_after = &job;
+      t_leave_to_next_wait = false;
       bool running = true;
-      while (!job && running) {
+      while (!job && !t_leave_to_next_wait && running) {
         running = io_.run_one() > 0;  // 0: stopped (a work guard keeps it from running dry)
       }
+      const bool leave = t_leave_to_next_wait && !job;
+      t_leave_to_next_wait = false;
       t_leading = nullptr;
       t_after = nullptr;
 
@@ -194,6 +293,12 @@ void IoLoop::run_thread() {
       if (!running) {
         stop_locked(lock);
         return;
+      }
+      if (leave) {
+        // Left for the next outside wait; this thread follows, watching it as a job.
+        left_job_ = kept_job_ = ++jobs_begun_;
+        leading = false;
+        continue;
       }
       // The job keeps the loop; a follower watches it (woken once per run of jobs).
       t_kept_job = keep_locked(lock);

@@ -12,6 +12,10 @@
 
 #include <asio/io_context.hpp>
 
+namespace at {
+class ThreadLocalState;
+}  // namespace at
+
 namespace distoptim {
 namespace rpc {
 namespace detail {
@@ -30,6 +34,14 @@ namespace detail {
 /// the loop to a follower once it has kept it a whole `long_job` (kLongJob): a follower watches
 /// while jobs run (timed waits, not a spin; it stops watching after a `long_job` with no job), so
 /// such a job stalls the loop for about that long at most. The job's thread then follows.
+///
+/// A thread outside the loop may lead it too. When the reply that ends a caller's wait is read
+/// by a loop thread while nothing else is expected (leave_to_next_wait), that thread leaves the
+/// loop kept for the next wait of a thread outside it and watches as for a job: the caller, back
+/// in the library for its next call, leads the loop while it waits (lead_until) and reads its
+/// reply itself, so a blocking round trip wakes one thread on each side, as a bare socket's
+/// ping-pong does, not two on the caller's. A caller that does not wait again within a
+/// `long_job` loses the loop to the watching follower, as a job does (lead_left_loop_until).
 ///
 /// Threading: the threads start at construction and run until the io_context stops; join()
 /// (also the destructor) from a thread outside the loop. One mutex guards the fields below.
@@ -66,9 +78,29 @@ class IoLoop {
   static bool lead_until(const std::function<bool()>& done,
                          const std::function<void(std::function<void()>)>& arm,
                          std::optional<std::chrono::steady_clock::time_point> deadline);
+  /// On a thread outside every loop, while a loop is left for the next outside wait: as
+  /// lead_until, after which the loop is left for the next wait again (when a handler asked,
+  /// leave_to_next_wait) or handed back to its threads. Otherwise false at once. Not from a
+  /// thread whose wait other work queues behind (a pool's): what it waits for may be such work.
+  static bool lead_left_loop_until(const std::function<bool()>& done,
+                                   const std::function<void(std::function<void()>)>& arm,
+                                   std::optional<std::chrono::steady_clock::time_point> deadline);
+  /// From a handler the loop runs on one of its threads or on an outside thread leading it: once
+  /// the handler returns, the loop is left for the next wait of a thread outside it (above).
+  /// Ignored on a job's thread leading it (lead_until): that job keeps the loop anyway.
+  static void leave_to_next_wait();
 
  private:
   void run_thread();
+  // Runs handlers on the calling thread until done() or the deadline (lead_until's loop).
+  void run_handlers_until(const std::function<bool()>& done,
+                          const std::function<void(std::function<void()>)>& arm,
+                          std::optional<std::chrono::steady_clock::time_point> deadline);
+  // A loop left for an outside wait, now led by the calling thread; null if none is.
+  static IoLoop* claim_left_loop();
+  // Leaves the loop led outside: for the next outside wait again, or to its threads; notifies
+  // whoever waits for the loop to stop or for its outside leader to leave.
+  void end_outside_lead(bool leave_again);
   // Waits until this thread may lead; false when the loop stopped.
   bool follow(std::unique_lock<std::mutex>& lock);
 
@@ -94,6 +126,13 @@ class IoLoop {
   bool watching_ = false;               // one of them watches the jobs (timed waits)
   uint64_t jobs_begun_ = 0;             // jobs run after a handler, ever
   uint64_t kept_job_ = 0;               // the number of the job keeping the loop now, or 0
+  uint64_t left_job_ = 0;    // kept_job_'s number when the loop was left for an outside wait
+  int outside_leaders_ = 0;  // outside threads leading the loop (at most one)
+  std::condition_variable outside_left_;  // outside_leaders_ dropped
+  // LibTorch's thread-local state (grad and inference mode, dispatch keys) of a loop thread
+  // before any job ran on it: what handlers run under, also on a waiting job's thread or an
+  // outside thread leading the loop (set by the first thread to run).
+  std::unique_ptr<at::ThreadLocalState> loop_state_;
   std::vector<std::thread> threads_;
 };
 
