@@ -54,11 +54,18 @@
 // workers' transport on one host unless --tcp), and over a bare TensorPipe pipe (uv transport,
 // basic channel), with the latency and echo cases' call counts.
 //
-// Rounds: the main case's runs alternate, --rounds times (3): ours, PyTorch's, the floor, ours,
-// ... so that what else the machine runs weighs on both sides alike. The table prints each
-// side's min/median/max over the rounds and the ratio of the medians; the idle case runs once a
-// side (it measures CPU at rest, not speed). The 1-minute load average before and after is
-// printed.
+// One core: ours (the latency case alone) and the floor again with every process of each pinned
+// to one CPU (--one-core: the first of the process's allowed CPUs, before any thread starts).
+// A thread woken there runs on a CPU already awake, as where wake-ups are cheap, so the round
+// trip shows the work each side does per call rather than the cost of restarting an idle
+// virtual CPU (tens of microseconds on some machines, which then dominates both). Not a
+// comparison with PyTorch: its idle workers spin on a whole core each.
+//
+// Rounds: the main case's runs alternate, --rounds times (3): ours, PyTorch's, the floor, ours
+// and the floor on one core, ours, ... so that what else the machine runs weighs on all alike. The
+// table prints each side's min/median/max over the rounds and the ratio of the medians; the idle
+// case runs once a side (it measures CPU at rest, not speed). The 1-minute load average before and
+// after is printed.
 //
 // The JSON written to --json holds the load average (common/report.h) and, under "cases", a
 // list of {case, ours, pytorch, unit, ratio, better, ours_min, ours_max, pytorch_min,
@@ -70,7 +77,9 @@
 // comparison with PyTorch, and have pytorch and ratio null: floor_<asio|asio_unix|tensorpipe>_*
 // hold the bare transport's measurement in `ours` (it is neither side's RPC), and
 // tiny_round_trip_over_<asio|asio_unix|tensorpipe>_floor hold in `ours` our latency_median_us
-// divided by that floor's tiny median (the table also prints PyTorch's).
+// divided by that floor's tiny median (the table also prints PyTorch's); the same on one core:
+// one_core_latency_median_us, one_core_latency_p99_us, one_core_latency_context_switches_per_call,
+// one_core_floor_<asio|asio_unix>_tiny_median_us, tiny_round_trip_one_core_over_<...>_floor.
 //
 // Settings: both sides run 16 RPC worker threads (--threads), 1 intra-op thread and a 30 s
 // RPC timeout; ours at its defaults otherwise (workers on one host talk over Unix-domain
@@ -87,13 +96,16 @@
 //                  [--deadline-seconds N]
 
 #include <malloc.h>
+#include <sched.h>
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -157,6 +169,8 @@ struct Config {
   int window = 32;
   // Our workers on one host talk over loopback TCP instead of Unix-domain sockets.
   bool tcp = false;
+  // A worker or floor process pins itself to one CPU; a worker measures the latency case alone.
+  bool one_core = false;
   int caller_warmup = 200;
   int deadline_seconds = 240;
   // Rounds of ours, PyTorch's and the floor's runs, alternating.
@@ -443,6 +457,23 @@ comm::LaunchEnv launch_env(int world_size, const char* flag) {
   return env;
 }
 
+// Pins this process to the first CPU it may run on, so that every process doing the same shares
+// it. Before the process starts any thread: threads inherit the mask.
+void pin_to_one_core() {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  TORCH_CHECK(::sched_getaffinity(0, sizeof(allowed), &allowed) == 0,
+              "--one-core: sched_getaffinity failed: ", std::strerror(errno));
+  int first = 0;
+  while (first < CPU_SETSIZE && !CPU_ISSET(first, &allowed)) ++first;
+  TORCH_CHECK(first < CPU_SETSIZE, "--one-core: this process may run on no CPU");
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  TORCH_CHECK(::sched_setaffinity(0, sizeof(one), &one) == 0, "--one-core: sched_setaffinity(",
+              first, ") failed: ", std::strerror(errno));
+}
+
 void init_worker(const Config& config, const comm::LaunchEnv& env) {
   // The work is messaging, not compute: keep the processes off each other's 2 cores.
   at::set_num_threads(1);
@@ -458,13 +489,16 @@ void init_worker(const Config& config, const comm::LaunchEnv& env) {
 
 void run_worker(const Config& config) {
   const comm::LaunchEnv env = launch_env(kWorldSize, "--worker");
+  if (config.one_core) pin_to_one_core();
   init_worker(config, env);
   if (*env.rank == 0) {
     Json result;
     measure_latency(config, result);
-    measure_chain(config, result);
-    measure_echo(config, result);
-    measure_sustained(config, result);
+    if (!config.one_core) {
+      measure_chain(config, result);
+      measure_echo(config, result);
+      measure_sustained(config, result);
+    }
     print_result(result);
   }
   // worker1 and worker2 serve (and run their load) until worker0 gets here too.
@@ -489,6 +523,7 @@ void run_idle_worker(const Config& config) {
 // The transport's floor: rank 1 echoes, rank 0 measures and prints the RESULT.
 void run_floor_worker(const Config& config) {
   const comm::LaunchEnv env = launch_env(kPairSize, "--floor-worker");
+  if (config.one_core) pin_to_one_core();
   const comm::Rendezvous meeting = comm::rendezvous(
       comm::RendezvousOptions("env://").launch_env(env).timeout(60s).prefix("rpc_bench/floor"));
   FloorConfig floor;
@@ -545,6 +580,17 @@ const std::vector<std::pair<std::string, std::string>>& floors() {
       {"tensorpipe", "TensorPipe pipe, uv + basic"},
   };
   return kFloors;
+}
+
+// The floors compared on one core (TensorPipe's is measured there too, but not compared).
+const std::vector<std::string>& one_core_floors() {
+  static const std::vector<std::string> kOneCore{"asio", "asio_unix"};
+  return kOneCore;
+}
+const std::vector<std::string>& one_core_keys() {
+  static const std::vector<std::string> kKeys{"latency_median_us", "latency_p99_us",
+                                              "latency_context_switches_per_call"};
+  return kKeys;
 }
 
 std::optional<double> ratio(const Row& row, double ours, double pytorch) {
@@ -641,7 +687,8 @@ double over_floor(const Json& side, const Json& floor, const std::string& name) 
 }
 
 void print_table(const Config& config, const Side& ours_side, const Side& pytorch_side,
-                 const Json& floor, std::pair<double, double> load) {
+                 const Json& floor, const Side& one_core, const Side& one_core_floor,
+                 std::pair<double, double> load) {
   const Json& ours = ours_side.values;
   const Json& pytorch = pytorch_side.values;
   fmt::print(
@@ -676,7 +723,8 @@ void print_table(const Config& config, const Side& ours_side, const Side& pytorc
       "call each way, then CPU time over a {} s sleep, summed over both\n",
       config.idle_seconds);
   fmt::print(
-      "{} rounds alternating ours, PyTorch's and the floor (the idle case once a side); "
+      "{} rounds alternating ours, PyTorch's, the floor, and ours and the floor on one core (the "
+      "idle case once a side); "
       "min/median/max over the rounds; ratio > 1: ours better, of the medians (pytorch/ours for "
       "times, x, MB and CPU; ours/pytorch for throughputs)\n",
       config.rounds);
@@ -719,9 +767,26 @@ void print_table(const Config& config, const Side& ours_side, const Side& pytorc
   fmt::print(
       "(the last two columns: the tiny round trip's median, latency_median_us, over the "
       "floor's)\n\n");
+  fmt::print(
+      "one core: our workers (the latency case alone) and the floor again, every process of each "
+      "pinned to one CPU (--one-core), so that no wake-up restarts an idle CPU; not a comparison "
+      "with PyTorch\n");
+  fmt::print("{:<40} {:>26} {:>8}\n", "case", "min/med/max", "unit");
+  for (const std::string& key : one_core_keys()) {
+    fmt::print("{:<40} {:>26} {:>8}\n", "ours " + key, spread_text(one_core.spread.at(key)),
+               key == "latency_context_switches_per_call" ? "switches" : "us");
+  }
+  for (const std::string& name : one_core_floors()) {
+    const std::string key = "floor_" + name + "_tiny_median_us";
+    fmt::print("{:<40} {:>26} {:>8}   ours / floor {:.2f}x\n", "floor " + name + " tiny median",
+               spread_text(one_core_floor.spread.at(key)), "us",
+               over_floor(one_core.values, one_core_floor.values, name));
+  }
+  fmt::print("\n");
 }
 
-Json to_json(const Side& ours_side, const Side& pytorch_side, const Json& floor) {
+Json to_json(const Side& ours_side, const Side& pytorch_side, const Json& floor,
+             const Side& one_core, const Side& one_core_floor) {
   const Json& ours = ours_side.values;
   Json out = Json::array();
   for (const Row& row : rows()) {
@@ -757,6 +822,16 @@ Json to_json(const Side& ours_side, const Side& pytorch_side, const Json& floor)
   }
   for (const auto& [name, description] : floors()) {
     floor_row("tiny_round_trip_over_" + name + "_floor", over_floor(ours, floor, name), "x");
+  }
+  for (const std::string& key : one_core_keys()) {
+    floor_row("one_core_" + key, one_core.values.at(key).get<double>(),
+              key == "latency_context_switches_per_call" ? "switches" : "us");
+  }
+  for (const std::string& name : one_core_floors()) {
+    const std::string key = "floor_" + name + "_tiny_median_us";
+    floor_row("one_core_" + key, one_core_floor.values.at(key).get<double>(), "us");
+    floor_row("tiny_round_trip_one_core_over_" + name + "_floor",
+              over_floor(one_core.values, one_core_floor.values, name), "x");
   }
   return out;
 }
@@ -807,6 +882,9 @@ int run(int argc, char** argv) {
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_option("--pytorch-script", script, "pytorch_rpc.py")->capture_default_str();
   app.add_flag("--tcp", config.tcp, "Our workers talk over loopback TCP, not Unix-domain sockets");
+  app.add_flag("--one-core", config.one_core,
+               "With --worker or --floor-worker: pin the process to one CPU (a worker then "
+               "measures the latency case alone)");
   app.add_flag("--worker", worker, "Run as one of our workers (started by the benchmark itself)");
   app.add_flag("--idle-worker", idle_worker, "Run as one of our idle case's workers (ditto)");
   app.add_flag("--floor-worker", floor_worker, "Run as one end of the transport floor (ditto)");
@@ -855,7 +933,12 @@ int run(int argc, char** argv) {
   };
 
   const double load_before = load_average();
-  std::vector<Json> ours_runs, pytorch_runs, floor_runs;
+  std::vector<Json> ours_runs, pytorch_runs, floor_runs, one_core_runs, one_core_floor_runs;
+  auto one_core_argv = [&](int processes, const char* mode) {
+    std::vector<std::string> argv = ours_argv(processes, mode);
+    argv.push_back("--one-core");
+    return argv;
+  };
   for (int round = 1; round <= config.rounds; ++round) {
     const std::string of = fmt::format("round {}/{}: ", round, config.rounds);
     ours_runs.push_back(
@@ -864,7 +947,16 @@ int run(int argc, char** argv) {
     floor_runs.push_back(
         timed(of + "transport floor", "the floor (distrun)", ours_argv(kPairSize, "--floor-worker"))
             .front());
+    one_core_runs.push_back(timed(of + "ours on one core", "our workers on one core (distrun)",
+                                  one_core_argv(kWorldSize, "--worker"))
+                                .front());
+    one_core_floor_runs.push_back(timed(of + "transport floor on one core",
+                                        "the floor on one core (distrun)",
+                                        one_core_argv(kPairSize, "--floor-worker"))
+                                      .front());
   }
+  const Side one_core = over_rounds(one_core_runs);
+  const Side one_core_floor = over_rounds(one_core_floor_runs);
   Side ours = over_rounds(ours_runs);
   Side pytorch = over_rounds(pytorch_runs);
   const Json floor = over_rounds(floor_runs).values;
@@ -874,7 +966,7 @@ int run(int argc, char** argv) {
       idle_result(script, timed("pytorch idle", script, pytorch_argv("idle", kPairSize))));
   const double load_after = load_average();
 
-  print_table(config, ours, pytorch, floor, {load_before, load_after});
+  print_table(config, ours, pytorch, floor, one_core, one_core_floor, {load_before, load_after});
   std::vector<std::string> problems;
   for (int round = 0; round < config.rounds; ++round) {
     for (auto& p : check_results("ours", ours_runs[round], config.sustained_calls)) {
@@ -884,14 +976,21 @@ int run(int argc, char** argv) {
       problems.push_back(std::move(p));
     }
     for (const auto& [name, description] : floors()) {
-      const int64_t wrong = floor_runs[round].at("floor_" + name + "_mismatches").get<int64_t>();
-      if (wrong != 0) {
-        problems.push_back(fmt::format("floor: {} replies of {} differ", wrong, description));
+      const std::string key = "floor_" + name + "_mismatches";
+      const int64_t wrong = floor_runs[round].at(key).get<int64_t>();
+      const int64_t wrong_one_core = one_core_floor_runs[round].at(key).get<int64_t>();
+      if (wrong != 0 || wrong_one_core != 0) {
+        problems.push_back(fmt::format("floor: {} and {} on one core: replies of {} differ", wrong,
+                                       wrong_one_core, description));
       }
+    }
+    if (const int64_t wrong = one_core_runs[round].at("latency_mismatches").get<int64_t>()) {
+      problems.push_back(fmt::format("ours on one core: latency_mismatches = {}", wrong));
     }
   }
   for (auto& p : problems) p = "wrong or failed calls: " + p;
-  return results_file.write_unless(to_json(ours, pytorch, floor), problems);
+  return results_file.write_unless(to_json(ours, pytorch, floor, one_core, one_core_floor),
+                                   problems);
 }
 
 }  // namespace
