@@ -19,7 +19,7 @@ thread_local std::function<void()>* t_after = nullptr;
 // The loop this thread keeps while it runs a job, and that job's number.
 thread_local IoLoop* t_keeping = nullptr;
 thread_local uint64_t t_kept_job = 0;
-// Whether this thread, outside every loop, leads t_leading (IoLoop::lead_outside).
+// Whether this thread, outside every loop, leads t_leading (IoLoop::lead_left_loop_until).
 thread_local bool t_outside = false;
 // Set by a handler (leave_to_next_wait) on a thread that runs run_thread or leads from outside.
 thread_local bool t_leave_to_next_wait = false;

@@ -38,10 +38,10 @@ namespace detail {
 /// A thread outside the loop may lead it too. When the reply that ends a caller's wait is read
 /// by a loop thread while nothing else is expected (leave_to_next_wait), that thread leaves the
 /// loop kept for the next wait of a thread outside it and watches as for a job: the caller, back
-/// in the library for its next call, leads the loop while it waits (lead_until) and reads its
-/// reply itself, so a blocking round trip wakes one thread on each side, as a bare socket's
-/// ping-pong does, not two on the caller's. A caller that does not wait again within a
-/// `long_job` loses the loop to the watching follower, as a job does (lead_left_loop_until).
+/// in the library for its next call, leads the loop while it waits (lead_left_loop_until) and
+/// reads its reply itself, so a blocking round trip wakes one thread on each side, as a bare
+/// socket's ping-pong does, not two on the caller's. A caller that does not wait again within a
+/// `long_job` loses the loop to the watching follower, as a job does.
 ///
 /// Threading: the threads start at construction and run until the io_context stops; join()
 /// (also the destructor) from a thread outside the loop. One mutex guards the fields below.
