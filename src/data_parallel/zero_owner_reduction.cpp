@@ -319,9 +319,10 @@ void install_large_block_cache_once() {
   try {
     install_large_block_cache();
   } catch (const c10::Error& e) {
-    TORCH_WARN("ZeroRedundancyOptimizer (stage 2): the large block cache was not installed (",
-               e.what_without_backtrace(),
-               "); the gradients stage 2 frees may stay in malloc's heap rather than be saved");
+    TORCH_WARN_ONCE(
+        "ZeroRedundancyOptimizer (stage 2): the large block cache was not installed (",
+        e.what_without_backtrace(),
+        "); the gradients stage 2 frees may stay in malloc's heap rather than be saved");
   }
 }
 

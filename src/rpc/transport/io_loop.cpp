@@ -174,12 +174,22 @@ bool IoLoop::lead_left_loop_until(const std::function<bool()>& done,
   t_leading = loop;
   t_outside = true;
   t_leave_to_next_wait = false;
+  // Ends the lead even if something in it throws (handlers do not): a loop left claimed would
+  // never be read again, and its destructor would wait for this thread forever.
+  struct EndLead {
+    IoLoop* loop;
+    bool leave_again = false;
+    EndLead(const EndLead&) = delete;
+    EndLead& operator=(const EndLead&) = delete;
+    ~EndLead() {
+      t_leave_to_next_wait = false;
+      t_outside = false;
+      t_leading = nullptr;
+      loop->end_outside_lead(leave_again);
+    }
+  } end{loop};
   loop->run_handlers_until(done, arm, deadline);
-  const bool leave_again = t_leave_to_next_wait;
-  t_leave_to_next_wait = false;
-  t_outside = false;
-  t_leading = nullptr;
-  loop->end_outside_lead(leave_again);
+  end.leave_again = t_leave_to_next_wait;
   return true;
 }
 
