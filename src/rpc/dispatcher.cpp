@@ -319,10 +319,12 @@ void Dispatcher::on_reply_frame(int peer, Frame frame) {
   // reply still queued for the completion thread: one thread hand-off (tens of microseconds on a
   // virtual machine) fewer per blocking call. Every other reply goes to the completion thread,
   // where the future's callbacks may run.
-  if (calls_.waited_only(frame.header.id, peer) && completion_->quiescent()) {
+  const std::optional<std::thread::id> waiter = calls_.waited_only(frame.header.id, peer);
+  if (waiter && completion_->quiescent()) {
     handle_reply(peer, frame.header, *frame.body, std::move(frame.buffers));
-    // With nothing else expected, the caller's next wait reads its reply itself (io_loop.h).
-    if (calls_.size() == 0 && requests_in_flight() == 0) {
+    // When all still expected are replies that caller waits for (a next call of its own, or the
+    // rest of those it made at once), its next wait reads them itself (io_loop.h).
+    if (calls_.only_calls_led_by(*waiter) && requests_in_flight() == 0) {
       IoLoop::leave_to_next_wait();
     }
     return;

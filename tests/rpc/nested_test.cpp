@@ -351,6 +351,11 @@ struct ReplyThreads : Interceptor {
   std::vector<std::thread::id> threads;
 };
 
+DISTOPTIM_RPC_FUNCTION("ones_later", [] {
+  std::this_thread::sleep_for(5ms);
+  return at::ones({4});
+});
+
 // worker0's side of a call worker1 makes back to it while worker0's caller is outside the library.
 std::promise<int64_t>& called_back() {
   static std::promise<int64_t> promise;
@@ -393,7 +398,6 @@ TEST(NestedCalls, ACallerWaitingAgainReadsItsRepliesItselfAndTheWorkerServesMean
           EXPECT_TRUE(ones.equal(at::ones({4}))) << "call " << call;
         }
       }
-      set_interceptor(nullptr);
       {
         std::lock_guard<std::mutex> lock(replies->mutex);
         ASSERT_EQ(replies->threads.size(), 50u);
@@ -402,7 +406,26 @@ TEST(NestedCalls, ACallerWaitingAgainReadsItsRepliesItselfAndTheWorkerServesMean
         EXPECT_GE(std::count(replies->threads.begin(), replies->threads.end(),
                              std::this_thread::get_id()),
                   1);
+        replies->threads.clear();
       }
+      // Two calls made at once and waited for one after the other (as DistributedOptimizer's
+      // step waits for its owners), the second answered later: its reply is read by the caller
+      // too, after the first.
+      int last_read_here = 0;
+      for (int round = 0; round < 20; ++round) {
+        auto first = detail::waited_call_values("worker1", "ones", {}, kDefaultTimeout);
+        auto second = detail::waited_call_values("worker1", "ones_later", {}, kDefaultTimeout);
+        detail::wait_future(*first);
+        detail::wait_future(*second);
+        EXPECT_TRUE(first->value().toTensor().equal(at::ones({4}))) << "round " << round;
+        EXPECT_TRUE(second->value().toTensor().equal(at::ones({4}))) << "round " << round;
+        std::lock_guard<std::mutex> lock(replies->mutex);
+        ASSERT_EQ(replies->threads.size(), 2u) << "round " << round;
+        last_read_here += replies->threads.back() == std::this_thread::get_id();
+        replies->threads.clear();
+      }
+      EXPECT_GE(last_read_here, 1);
+      set_interceptor(nullptr);
       // A request arriving while this thread is outside the library (its loop left for its next
       // wait) is served: worker1 calls back while this thread waits on a plain std::future.
       auto back = called_back().get_future();

@@ -93,6 +93,8 @@ void IoLoop::run_after_handler(std::function<void()> job) {
   *t_after = std::move(job);
 }
 
+bool IoLoop::on_loop_thread() { return t_leading != nullptr || t_keeping != nullptr; }
+
 void IoLoop::leave_to_next_wait() {
   if (t_leading != nullptr && (t_after != nullptr || t_outside)) {
     t_leave_to_next_wait = true;

@@ -85,6 +85,8 @@ class IoLoop {
   static bool lead_left_loop_until(const std::function<bool()>& done,
                                    const std::function<void(std::function<void()>)>& arm,
                                    std::optional<std::chrono::steady_clock::time_point> deadline);
+  /// Whether the calling thread runs a handler or a job of a loop, or leads one.
+  static bool on_loop_thread();
   /// From a handler the loop runs on one of its threads or on an outside thread leading it: once
   /// the handler returns, the loop is left for the next wait of a thread outside it (above).
   /// Ignored on a job's thread leading it (lead_until): that job keeps the loop anyway.
