@@ -318,7 +318,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send_message(int to, const std::s
   call.to = to;
   call.function = function;
   call.waited_only = waited_only;
-  if (waited_only && Executor::current() == nullptr && !IoLoop::on_loop_thread()) {
+  if (waited_only && waits_may_lead_left_loop()) {
     call.leading_waiter = std::this_thread::get_id();
   }
   if (effective.count() > 0) {

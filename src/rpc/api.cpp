@@ -291,15 +291,14 @@ bool wait_future(c10::ivalue::Future& future,
   if (future.completed()) return true;
   // A request running on the I/O thread that read it leads the loop while it waits, and so does
   // a caller outside the agent's threads when the loop was left for its wait: each reads what it
-  // waits for itself (io_loop.h). A pool's thread does not: a reply it waits for may be queued
-  // behind it.
+  // waits for itself (io_loop.h).
   const auto done = [&future] { return future.completed(); };
   const auto arm = [&future](std::function<void()> wake) {
     future.addCallback([wake = std::move(wake)](c10::ivalue::Future&) { wake(); });
   };
   const bool led =
       IoLoop::lead_until(done, arm, deadline) ||
-      (Executor::current() == nullptr && IoLoop::lead_left_loop_until(done, arm, deadline));
+      (waits_may_lead_left_loop() && IoLoop::lead_left_loop_until(done, arm, deadline));
   if (future.completed()) return true;
   if (led && deadline && std::chrono::steady_clock::now() >= *deadline) return false;
   Executor::BlockingScope blocking;

@@ -61,6 +61,10 @@ void Dispatcher::caller_lost(int caller) {
   }
 }
 
+bool waits_may_lead_left_loop() {
+  return Executor::current() == nullptr && !IoLoop::on_loop_thread();
+}
+
 bool Dispatcher::on_own_thread() const {
   if (t_running_requests == this) return true;
   const Executor* pool = Executor::current();
