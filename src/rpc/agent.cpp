@@ -318,8 +318,8 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send_message(int to, const std::s
   call.to = to;
   call.function = function;
   call.waited_only = waited_only;
-  if (waited_only && waits_may_lead_left_loop()) {
-    call.leading_waiter = std::this_thread::get_id();
+  if (waited_only) {
+    call.leading_waiter = CallingThread::current();
   }
   if (effective.count() > 0) {
     call.has_deadline = true;

@@ -22,6 +22,7 @@
 #include <distoptim/rpc/sharded_embedding_bag.h>
 
 #include "agent.h"
+#include "calling_thread.h"
 #include "handshake.h"
 #include "registry_internal.h"
 #include "reply_snapshot.h"
@@ -296,9 +297,13 @@ bool wait_future(c10::ivalue::Future& future,
   const auto arm = [&future](std::function<void()> wake) {
     future.addCallback([wake = std::move(wake)](c10::ivalue::Future&) { wake(); });
   };
-  const bool led =
-      IoLoop::lead_until(done, arm, deadline) ||
-      (waits_may_lead_left_loop() && IoLoop::lead_left_loop_until(done, arm, deadline));
+  bool led = IoLoop::lead_until(done, arm, deadline);
+  const std::shared_ptr<const CallingThread> caller = led ? nullptr : CallingThread::current();
+  std::optional<CallingThread::Waiting> waiting;  // until the wait ends, led or blocked
+  if (caller) {
+    waiting.emplace(*caller, future);
+    led = IoLoop::lead_left_loop_until(done, arm, deadline);
+  }
   if (future.completed()) return true;
   if (led && deadline && std::chrono::steady_clock::now() >= *deadline) return false;
   Executor::BlockingScope blocking;

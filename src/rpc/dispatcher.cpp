@@ -61,10 +61,6 @@ void Dispatcher::caller_lost(int caller) {
   }
 }
 
-bool waits_may_lead_left_loop() {
-  return Executor::current() == nullptr && !IoLoop::on_loop_thread();
-}
-
 bool Dispatcher::on_own_thread() const {
   if (t_running_requests == this) return true;
   const Executor* pool = Executor::current();
@@ -323,13 +319,14 @@ void Dispatcher::on_reply_frame(int peer, Frame frame) {
   // reply still queued for the completion thread: one thread hand-off (tens of microseconds on a
   // virtual machine) fewer per blocking call. Every other reply goes to the completion thread,
   // where the future's callbacks may run.
-  const std::optional<std::thread::id> waiter = calls_.waited_only(frame.header.id, peer);
+  std::optional<std::shared_ptr<const CallingThread>> waiter =
+      calls_.waited_only(frame.header.id, peer);
   if (waiter && completion_->quiescent()) {
     handle_reply(peer, frame.header, *frame.body, std::move(frame.buffers));
     // When all still expected are replies that caller waits for (a next call of its own, or the
     // rest of those it made at once), its next wait reads them itself (io_loop.h).
-    if (calls_.only_calls_led_by(*waiter) && requests_in_flight() == 0) {
-      IoLoop::leave_to_next_wait();
+    if (calls_.only_calls_led_by(waiter->get()) && requests_in_flight() == 0) {
+      IoLoop::leave_to_next_wait(std::move(*waiter));
     }
     return;
   }

@@ -47,12 +47,6 @@ namespace detail {
 /// Threading: on_request_frame and on_reply_frame on the I/O thread (never block); the rest from
 /// any thread. One mutex guards the request counters; no future is completed and no user code
 /// runs while it is held.
-/// Whether a wait on the calling thread may lead an I/O loop left for it
-/// (IoLoop::lead_left_loop_until): not on a pool's thread, whose awaited reply may be queued
-/// behind it, nor on a loop's own. The agent leaves a loop only for such a caller's calls
-/// (PendingCall::leading_waiter), and wait_future leads only there: one rule for both sides.
-bool waits_may_lead_left_loop();
-
 class Dispatcher {
  public:
   Dispatcher(const RpcBackendOptions& options, WireLimits limits, PendingCalls& calls);

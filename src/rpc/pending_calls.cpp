@@ -57,18 +57,20 @@ std::optional<PendingCall> PendingCalls::take(uint64_t id, int from) {
   return call;
 }
 
-std::optional<std::thread::id> PendingCalls::waited_only(uint64_t id, int from) {
+std::optional<std::shared_ptr<const CallingThread>> PendingCalls::waited_only(uint64_t id,
+                                                                              int from) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = calls_.find(id);
   if (it == calls_.end() || it->second.to != from || !it->second.waited_only) return std::nullopt;
   return it->second.leading_waiter;
 }
 
-bool PendingCalls::only_calls_led_by(std::thread::id waiter) {
-  if (waiter == std::thread::id()) return false;
+bool PendingCalls::only_calls_led_by(const CallingThread* waiter) {
+  if (waiter == nullptr) return false;
   std::lock_guard<std::mutex> lock(mutex_);
-  return std::all_of(calls_.begin(), calls_.end(),
-                     [&](const auto& entry) { return entry.second.leading_waiter == waiter; });
+  return std::all_of(calls_.begin(), calls_.end(), [&](const auto& entry) {
+    return entry.second.leading_waiter.get() == waiter;
+  });
 }
 
 std::vector<PendingCall> PendingCalls::take_to(int peer) {

@@ -15,6 +15,8 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/core/ivalue_inl.h>
 
+#include "calling_thread.h"
+
 namespace distoptim {
 namespace rpc {
 namespace detail {
@@ -30,9 +32,8 @@ struct PendingCall {
   /// The caller only waits on the future (rpc_sync and the like: no callback is ever attached),
   /// so its reply may complete it on the thread that reads it.
   bool waited_only = false;
-  /// A waited_only call's caller when it may lead the agent's I/O loop as it waits (a thread of
-  /// neither a pool nor the loop: transport/io_loop.h), else no thread.
-  std::thread::id leading_waiter;
+  /// A waited_only call's caller when it may lead the agent's I/O loop as it waits, else null.
+  std::shared_ptr<const CallingThread> leading_waiter;
 };
 
 /// The calls a worker has made and not yet seen answered, with their deadlines. Every call is
@@ -52,10 +53,10 @@ class PendingCalls {
   void add(PendingCall call);
   /// The call `id`, if it is pending and went to `from`.
   std::optional<PendingCall> take(uint64_t id, int from);
-  /// If call `id`, made to `from`, is pending and waited_only: its leading_waiter.
-  std::optional<std::thread::id> waited_only(uint64_t id, int from);
-  /// Whether every pending call (none, too) is waited for by `waiter`, a thread.
-  bool only_calls_led_by(std::thread::id waiter);
+  /// If call `id`, made to `from`, is pending and waited_only: its leading_waiter (maybe null).
+  std::optional<std::shared_ptr<const CallingThread>> waited_only(uint64_t id, int from);
+  /// Whether every pending call (none, too) is waited for by `waiter` (not null).
+  bool only_calls_led_by(const CallingThread* waiter);
   std::vector<PendingCall> take_to(int peer);
   std::vector<PendingCall> take_all();
   /// Waits until no call is pending or `deadline` passes; returns whether none is.

@@ -25,6 +25,7 @@
 
 #include <distoptim/rpc.h>
 
+#include "calling_thread.h"
 #include "executor.h"
 #include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"
@@ -579,6 +580,20 @@ TEST_F(IoLoopUnit, AJobWaitingInTheLibraryLeadsTheLoopItself) {
       detail::IoLoop::lead_until([] { return false; }, [](std::function<void()>) {}, std::nullopt));
 }
 
+// Whom a test leaves the loop for: a thread that comes back to wait, or one that does not.
+class TestWaiter final : public detail::IoLoop::NextWaiter {
+ public:
+  explicit TestWaiter(bool comes_back) : comes_back_(comes_back) {}
+  bool comes_back() const override { return comes_back_; }
+
+ private:
+  const bool comes_back_;
+};
+
+std::shared_ptr<const detail::IoLoop::NextWaiter> coming_back() {
+  return std::make_shared<TestWaiter>(true);
+}
+
 // Leads the loop from this (outside) thread until `done`, once the loop is left for it: the loop
 // thread that ran the handler asking for it may not have left it yet. False if it never was.
 bool lead_once_left(const std::function<bool()>& done) {
@@ -595,7 +610,7 @@ TEST_F(IoLoopUnit, ALoopLeftForTheNextWaitIsLedByTheWaitingThread) {
   start(std::chrono::hours(1));  // nobody takes the loop over
   auto left = std::make_shared<std::promise<std::thread::id>>();
   asio::post(io_, [left] {
-    detail::IoLoop::leave_to_next_wait();
+    detail::IoLoop::leave_to_next_wait(coming_back());
     left->set_value(std::this_thread::get_id());
   });
   auto loop_thread = left->get_future();
@@ -607,7 +622,7 @@ TEST_F(IoLoopUnit, ALoopLeftForTheNextWaitIsLedByTheWaitingThread) {
   std::thread::id first_thread;
   asio::post(io_, [&] {
     first_thread = std::this_thread::get_id();
-    detail::IoLoop::leave_to_next_wait();
+    detail::IoLoop::leave_to_next_wait(coming_back());
     first = true;
   });
   ASSERT_TRUE(lead_once_left([&] { return first.load(); }));
@@ -635,7 +650,7 @@ TEST_F(IoLoopUnit, ALoopLeftForAWaitThatDoesNotComeIsTakenBack) {
   start(detail::IoLoop::kLongJob);
   auto left = std::make_shared<std::promise<void>>();
   asio::post(io_, [left] {
-    detail::IoLoop::leave_to_next_wait();
+    detail::IoLoop::leave_to_next_wait(coming_back());
     left->set_value();
   });
   ASSERT_EQ(left->get_future().wait_for(60s), std::future_status::ready);
@@ -645,9 +660,52 @@ TEST_F(IoLoopUnit, ALoopLeftForAWaitThatDoesNotComeIsTakenBack) {
   EXPECT_NE(later.get(), std::this_thread::get_id());
 }
 
+TEST_F(IoLoopUnit, ALoopIsNotLeftForAThreadThatWillNotComeBack) {
+  start(std::chrono::hours(1));  // a loop left would stay unread
+  auto asked = std::make_shared<std::promise<std::thread::id>>();
+  asio::post(io_, [asked] {
+    detail::IoLoop::leave_to_next_wait(std::make_shared<TestWaiter>(false));
+    asked->set_value(std::this_thread::get_id());
+  });
+  auto asking_thread = asked->get_future();
+  ASSERT_EQ(asking_thread.wait_for(60s), std::future_status::ready);
+  // The thread that asked reads on: the next handler runs on it, and there is nothing to lead.
+  auto later = post_recording_thread();
+  ASSERT_EQ(later.wait_for(60s), std::future_status::ready);
+  EXPECT_EQ(later.get(), asking_thread.get());
+  EXPECT_FALSE(detail::IoLoop::lead_left_loop_until([] { return false; },
+                                                    [](std::function<void()>) {}, std::nullopt));
+}
+
+TEST(CallingThreadUnit, ComesBackUnlessBlockedOnAFutureNotYetCompleted) {
+  const std::shared_ptr<const detail::CallingThread> self = detail::CallingThread::current();
+  ASSERT_NE(self, nullptr);
+  EXPECT_EQ(detail::CallingThread::current(), self);  // one per thread
+  EXPECT_TRUE(self->comes_back());                    // it runs
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+  {
+    detail::CallingThread::Waiting waiting(*self, *future);
+    EXPECT_FALSE(self->comes_back());
+    future->markCompleted(c10::IValue(int64_t{1}));
+    EXPECT_TRUE(self->comes_back());
+  }
+  auto other = c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+  {
+    detail::CallingThread::Waiting waiting(*self, *other);
+    EXPECT_FALSE(self->comes_back());
+  }
+  EXPECT_TRUE(self->comes_back());  // the wait ended
+  // A pool's thread never leads a loop left for its wait.
+  detail::Executor pool(1, /*max_extra_threads=*/0);
+  std::promise<bool> on_pool;
+  pool.post([&] { on_pool.set_value(detail::CallingThread::current() == nullptr); });
+  EXPECT_TRUE(on_pool.get_future().get());
+  pool.stop();
+}
+
 TEST_F(IoLoopUnit, AnOutsideThreadLeadingReturnsWhenTheLoopStops) {
   start(std::chrono::hours(1));
-  asio::post(io_, [] { detail::IoLoop::leave_to_next_wait(); });
+  asio::post(io_, [] { detail::IoLoop::leave_to_next_wait(coming_back()); });
   std::atomic<bool> leading{false};
   std::thread stopper([&] {
     while (!leading) std::this_thread::sleep_for(1ms);

@@ -21,8 +21,9 @@ thread_local IoLoop* t_keeping = nullptr;
 thread_local uint64_t t_kept_job = 0;
 // Whether this thread, outside every loop, leads t_leading (IoLoop::lead_left_loop_until).
 thread_local bool t_outside = false;
-// Set by a handler (leave_to_next_wait) on a thread that runs run_thread or leads from outside.
-thread_local bool t_leave_to_next_wait = false;
+// Set by a handler (leave_to_next_wait) on a thread that runs run_thread or leads from outside:
+// whom the loop is to be left for.
+thread_local std::shared_ptr<const IoLoop::NextWaiter> t_leave_for;
 
 // The loops of the process, for an outside wait to find one left for it. Taken before a loop's
 // own mutex, never while holding one.
@@ -95,9 +96,9 @@ void IoLoop::run_after_handler(std::function<void()> job) {
 
 bool IoLoop::on_loop_thread() { return t_leading != nullptr || t_keeping != nullptr; }
 
-void IoLoop::leave_to_next_wait() {
+void IoLoop::leave_to_next_wait(std::shared_ptr<const NextWaiter> waiter) {
   if (t_leading != nullptr && (t_after != nullptr || t_outside)) {
-    t_leave_to_next_wait = true;
+    t_leave_for = std::move(waiter);
   }
 }
 
@@ -175,27 +176,26 @@ bool IoLoop::lead_left_loop_until(const std::function<bool()>& done,
   }
   t_leading = loop;
   t_outside = true;
-  t_leave_to_next_wait = false;
+  t_leave_for.reset();
   // Ends the lead even if something in it throws (handlers do not): a loop left claimed would
   // never be read again, and its destructor would wait for this thread forever.
   struct EndLead {
     IoLoop* loop;
-    bool leave_again = false;
     EndLead(const EndLead&) = delete;
     EndLead& operator=(const EndLead&) = delete;
     ~EndLead() {
-      t_leave_to_next_wait = false;
+      const std::shared_ptr<const NextWaiter> leave_for = std::move(t_leave_for);
+      t_leave_for.reset();
       t_outside = false;
       t_leading = nullptr;
-      loop->end_outside_lead(leave_again);
+      loop->end_outside_lead(leave_for);
     }
   } end{loop};
   loop->run_handlers_until(done, arm, deadline);
-  end.leave_again = t_leave_to_next_wait;
   return true;
 }
 
-void IoLoop::end_outside_lead(bool leave_again) {
+void IoLoop::end_outside_lead(const std::shared_ptr<const NextWaiter>& leave_for) {
   // Notified under the lock: once it is released the loop may be destroyed (~IoLoop waits for
   // outside_leaders_ to drop).
   std::lock_guard<std::mutex> lock(mutex_);
@@ -205,7 +205,7 @@ void IoLoop::end_outside_lead(bool leave_again) {
     stopped_ = true;
     follow_.notify_all();
     stopped_cv_.notify_all();
-  } else if (leave_again) {
+  } else if (leave_for && leave_for->comes_back()) {
     left_job_ = kept_job_ = ++jobs_begun_;
     if (waiting_ > 0 && !watching_) follow_.notify_one();  // someone must watch
   } else {
@@ -291,13 +291,13 @@ void IoLoop::run_thread() {
       std::function<void()> job;
       t_leading = this;
       t_after = &job;
-      t_leave_to_next_wait = false;
+      t_leave_for.reset();
       bool running = true;
-      while (!job && !t_leave_to_next_wait && running) {
+      while (!job && !t_leave_for && running) {
         running = io_.run_one() > 0;  // 0: stopped (a work guard keeps it from running dry)
       }
-      const bool leave = t_leave_to_next_wait && !job;
-      t_leave_to_next_wait = false;
+      const std::shared_ptr<const NextWaiter> leave_for = job ? nullptr : std::move(t_leave_for);
+      t_leave_for.reset();
       t_leading = nullptr;
       t_after = nullptr;
 
@@ -306,11 +306,13 @@ void IoLoop::run_thread() {
         stop_locked(lock);
         return;
       }
-      if (leave) {
-        // Left for the next outside wait; this thread follows, watching it as a job.
-        left_job_ = kept_job_ = ++jobs_begun_;
-        leading = false;
-        continue;
+      if (leave_for) {
+        if (leave_for->comes_back()) {
+          // Left for the next outside wait; this thread follows, watching it as a job.
+          left_job_ = kept_job_ = ++jobs_begun_;
+          leading = false;
+        }
+        continue;  // Or the caller is blocked on something else: read on.
       }
       // The job keeps the loop; a follower watches it (woken once per run of jobs).
       t_kept_job = keep_locked(lock);

@@ -41,7 +41,9 @@ namespace detail {
 /// in the library for its next call, leads the loop while it waits (lead_left_loop_until) and
 /// reads its reply itself, so a blocking round trip wakes one thread on each side, as a bare
 /// socket's ping-pong does, not two on the caller's. A caller that does not wait again within a
-/// `long_job` loses the loop to the watching follower, as a job does.
+/// `long_job` loses the loop to the watching follower, as a job does. The loop is left only for
+/// a caller that will come back (NextWaiter): one still blocked on something else would not, and
+/// what it waits for would go unread for that long.
 ///
 /// Threading: the threads start at construction and run until the io_context stops; join()
 /// (also the destructor) from a thread outside the loop. One mutex guards the fields below.
@@ -87,10 +89,20 @@ class IoLoop {
                                    std::optional<std::chrono::steady_clock::time_point> deadline);
   /// Whether the calling thread runs a handler or a job of a loop, or leads one.
   static bool on_loop_thread();
+  /// Whom a loop is left for. Asked under the loop's lock once the handler that left the loop
+  /// has returned (and its future's callbacks ran), so that a thread that looks for a left loop
+  /// before it blocks is either seen blocked here or finds the loop left.
+  class NextWaiter {
+   public:
+    virtual ~NextWaiter() = default;
+    /// Whether the thread will wait again soon and lead: it runs, or its wait has ended.
+    virtual bool comes_back() const = 0;
+  };
   /// From a handler the loop runs on one of its threads or on an outside thread leading it: once
-  /// the handler returns, the loop is left for the next wait of a thread outside it (above).
-  /// Ignored on a job's thread leading it (lead_until): that job keeps the loop anyway.
-  static void leave_to_next_wait();
+  /// the handler returns, the loop is left for the next wait of `waiter`, a thread outside it
+  /// (above), if it comes back; otherwise the thread that ran the handler reads on. Ignored on a
+  /// job's thread leading it (lead_until): that job keeps the loop anyway.
+  static void leave_to_next_wait(std::shared_ptr<const NextWaiter> waiter);
 
  private:
   void run_thread();
@@ -100,9 +112,10 @@ class IoLoop {
                           std::optional<std::chrono::steady_clock::time_point> deadline);
   // A loop left for an outside wait, now led by the calling thread; null if none is.
   static IoLoop* claim_left_loop();
-  // Leaves the loop led outside: for the next outside wait again, or to its threads; notifies
+  // Leaves the loop led outside: for the next outside wait again (when `leave_for` comes back),
+  // or to its threads; notifies
   // whoever waits for the loop to stop or for its outside leader to leave.
-  void end_outside_lead(bool leave_again);
+  void end_outside_lead(const std::shared_ptr<const NextWaiter>& leave_for);
   // Waits until this thread may lead; false when the loop stopped.
   bool follow(std::unique_lock<std::mutex>& lock);
 
