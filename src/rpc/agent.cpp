@@ -347,6 +347,11 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send_message(int to, const std::s
   return future;
 }
 
+void Agent::offer_loop_to(std::shared_ptr<const CallingThread> caller) {
+  peers_.run_on_loop(
+      [this, caller = std::move(caller)] { dispatcher_.leave_loop_for_replies_of(caller); });
+}
+
 void Agent::on_peer_gone(int peer) {
   {
     std::lock_guard<std::mutex> lock(mutex_);

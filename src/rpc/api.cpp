@@ -286,6 +286,24 @@ c10::intrusive_ptr<c10::ivalue::Future> waited_call_values(const WorkerRef& to,
 }  // namespace detail
 
 namespace detail {
+namespace {
+
+// Where a waited future completes: asks the running agent to leave its loop for `caller`'s next
+// wait (Agent::offer_loop_to) unless a reply read on the loop completed it (and decided).
+void offer_loop_after_wait(const std::shared_ptr<const CallingThread>& caller) {
+  if (IoLoop::on_loop_thread()) return;
+  std::shared_ptr<Agent> agent;
+  {
+    // Not waited for: init_rpc holds it through the rendezvous, whose waits may end here. An
+    // offer not made costs only the wake-up it would have saved.
+    std::unique_lock<std::mutex> lock(g_agent_mutex, std::try_to_lock);
+    if (!lock) return;
+    agent = g_agent;
+  }
+  if (agent) agent->offer_loop_to(caller);
+}
+
+}  // namespace
 
 bool wait_future(c10::ivalue::Future& future,
                  std::optional<std::chrono::steady_clock::time_point> deadline) {
@@ -302,6 +320,10 @@ bool wait_future(c10::ivalue::Future& future,
   std::optional<CallingThread::Waiting> waiting;  // until the wait ends, led or blocked
   if (caller) {
     waiting.emplace(*caller, future);
+    // A future completed off the loop's threads (by the completion thread, after a reply with
+    // callbacks) ends the wait with no reply read on the loop to leave it for this thread's next
+    // wait: the loop is asked at once, ahead of the wake-up of a lead (arm, below).
+    future.addCallback([caller](c10::ivalue::Future&) { offer_loop_after_wait(caller); });
     led = IoLoop::lead_left_loop_until(done, arm, deadline);
   }
   if (future.completed()) return true;

@@ -323,16 +323,18 @@ void Dispatcher::on_reply_frame(int peer, Frame frame) {
       calls_.waited_only(frame.header.id, peer);
   if (waiter && completion_->quiescent()) {
     handle_reply(peer, frame.header, *frame.body, std::move(frame.buffers));
-    // When all still expected are replies that caller waits for (a next call of its own, or the
-    // rest of those it made at once), its next wait reads them itself (io_loop.h).
-    if (calls_.only_calls_led_by(waiter->get()) && requests_in_flight() == 0) {
-      IoLoop::leave_to_next_wait(std::move(*waiter));
-    }
+    leave_loop_for_replies_of(*waiter);
     return;
   }
   completion_->post([this, peer, frame = std::move(frame)]() mutable {
     handle_reply(peer, frame.header, *frame.body, std::move(frame.buffers));
   });
+}
+
+void Dispatcher::leave_loop_for_replies_of(const std::shared_ptr<const CallingThread>& caller) {
+  if (calls_.only_calls_led_by(caller.get()) && requests_in_flight() == 0) {
+    IoLoop::leave_to_next_wait(caller);
+  }
 }
 
 void Dispatcher::handle_reply(int peer, const MessageHeader& header, const std::string& body,

@@ -98,6 +98,10 @@ class Dispatcher {
   int64_t dropped_requests() const { return dropped_requests_.load(std::memory_order_relaxed); }
   /// Requests received (or run locally) and not finished.
   int64_t requests_in_flight();
+  /// From a handler of the I/O loop: when all still expected are replies that `caller` waits for
+  /// (its next call, or the rest of those it made at once) and no request is in flight, leaves
+  /// the loop for its next wait, so that it reads them itself (io_loop.h).
+  void leave_loop_for_replies_of(const std::shared_ptr<const CallingThread>& caller);
 
   /// Waits until no request is in flight or `deadline` passes; returns how many still are.
   int wait_idle(std::chrono::steady_clock::time_point deadline);

@@ -470,6 +470,8 @@ EncodedMessage Peers::farewell(Connection* connection, const std::string& why) {
                       handshake_.self_name);
 }
 
+void Peers::run_on_loop(std::function<void()> handler) { asio::post(io_, std::move(handler)); }
+
 void Peers::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);

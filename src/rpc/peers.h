@@ -102,6 +102,8 @@ class Peers {
   /// Sends `message` to `peer` after those sent before it, opening the connection on first use.
   /// Returns why the peer is lost if it is (nothing is sent then), else nothing.
   std::optional<std::string> send(int peer, EncodedMessage message);
+  /// Runs `handler` on the I/O loop (as a handler of it: io_loop.h), unless the loop stops first.
+  void run_on_loop(std::function<void()> handler);
   /// Drops a message to `peer` not yet written, by its header id (a call that timed out).
   void drop_queued(int peer, uint64_t id);
   /// Closes the connection to `peer` and counts it as lost (why); on_peer_lost runs.

@@ -426,6 +426,21 @@ TEST(NestedCalls, ACallerWaitingAgainReadsItsRepliesItselfAndTheWorkerServesMean
         replies->threads.clear();
       }
       EXPECT_GE(last_read_here, 1);
+      // A call whose future may have callbacks (rpc_async) completes off the loop, on the
+      // completion thread: once it has, the loop is left for this thread's next wait all the
+      // same, and the blocking call after it reads its reply here too.
+      int next_read_here = 0;
+      for (int round = 0; round < 20; ++round) {
+        EXPECT_TRUE(rpc_async<at::Tensor>("worker1", "ones_later").wait().equal(at::ones({4})))
+            << "round " << round;
+        EXPECT_TRUE(rpc_sync<at::Tensor>("worker1", "ones").equal(at::ones({4})))
+            << "round " << round;
+        std::lock_guard<std::mutex> lock(replies->mutex);
+        ASSERT_EQ(replies->threads.size(), 2u) << "round " << round;
+        next_read_here += replies->threads.back() == std::this_thread::get_id();
+        replies->threads.clear();
+      }
+      EXPECT_GE(next_read_here, 1);
       set_interceptor(nullptr);
       // A request arriving while this thread is outside the library (its loop left for its next
       // wait) is served: worker1 calls back while this thread waits on a plain std::future.
