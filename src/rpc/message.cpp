@@ -1,5 +1,6 @@
 #include "message.h"
 
+#include <algorithm>
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -33,6 +34,20 @@ namespace {
 
 constexpr size_t kMaxEncodeDepth = 64;
 constexpr size_t kMaxRRefTypeName = 256;
+
+// Whether the product of non-negative `sizes`, a zero counted as one, fits an int64: a
+// contiguous tensor's strides are such products, which LibTorch computes unchecked, so a tensor
+// with no elements but a huge dimension would overflow them.
+template <class Sizes>
+bool strides_fit(const Sizes& sizes) {
+  int64_t span = 1;
+  for (int64_t size : sizes) {
+    const int64_t factor = std::max<int64_t>(size, 1);
+    if (span > std::numeric_limits<int64_t>::max() / factor) return false;
+    span *= factor;
+  }
+  return true;
+}
 
 bool is_allowed_dtype(int32_t dtype) {
   switch (static_cast<c10::ScalarType>(dtype)) {
@@ -309,6 +324,10 @@ class Decoder {
       }
       numel *= size;
     }
+    if (!strides_fit(sizes)) {
+      return c10::str("a sparse tensor of sizes ", c10::IntArrayRef(sizes),
+                      " whose strides overflow (the sizes' product, zeros counted as one)");
+    }
     const at::Tensor& indices = tensors_[coo.indices_index()];
     const at::Tensor& values = tensors_[coo.values_index()];
     if (indices.scalar_type() != c10::ScalarType::Long || indices.dim() != 2 ||
@@ -396,6 +415,10 @@ Status typed_tensor(const wire::TensorMeta& meta, const at::Tensor& bytes, const
       return std::string("a tensor whose element count overflows");
     }
     numel *= static_cast<uint64_t>(size);
+  }
+  if (!strides_fit(meta.sizes())) {
+    return c10::str("a tensor of sizes ", c10::IntArrayRef(meta.sizes().data(), meta.sizes_size()),
+                    " whose strides overflow (the sizes' product, zeros counted as one)");
   }
   const uint64_t received = static_cast<uint64_t>(bytes.numel());
   if (numel > received / item_size || numel * item_size != received) {

@@ -385,6 +385,12 @@ TEST(RpcMessage, HostileValuesAreRejected) {
   meta->set_sizes(0, int64_t{1} << 40);
   meta->add_sizes(int64_t{1} << 40);
   expect_rejected(decode_crafted(tensors, {at::zeros({16}, at::kByte)}), "overflows");
+  // No element, but a contiguous stride (the product of the later sizes) past int64.
+  meta->clear_sizes();
+  meta->add_sizes(0);
+  meta->add_sizes(int64_t{1} << 60);
+  meta->add_sizes(18);
+  expect_rejected(decode_crafted(tensors, {at::zeros({0}, at::kByte)}), "whose strides overflow");
   meta->clear_sizes();
   meta->add_sizes(4);
   meta->set_dtype(1000);
@@ -497,6 +503,8 @@ TEST(RpcMessage, HostileSparseTensorsAreRejected) {
   expect_rejected(crafted(rows, values, {}), "of 0 dimensions");
   expect_rejected(crafted(rows, values, {int64_t{1} << 40, int64_t{1} << 40}),
                   "element count overflows");
+  expect_rejected(crafted(rows, at::ones({2, 0, 3}), {5, 0, int64_t{1} << 60, 18}),
+                  "whose strides overflow");
 }
 
 // Whether a reply's tensor is sent where it lies (same memory) or copied first.
