@@ -254,9 +254,10 @@ c10::intrusive_ptr<c10::ivalue::Future> Agent::send(int to, const std::string& f
 c10::intrusive_ptr<c10::ivalue::Future> Agent::send_control(int to, const std::string& function,
                                                             std::vector<c10::IValue> args,
                                                             std::chrono::milliseconds timeout,
-                                                            SendInterception intercept) {
+                                                            SendInterception intercept,
+                                                            bool waited_only) {
   return send_message(to, function, std::move(args), timeout, MessageHeader::kOrdered, intercept,
-                      /*waited_only=*/false);
+                      waited_only);
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Agent::send_message(int to, const std::string& function,

@@ -84,7 +84,8 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   c10::intrusive_ptr<c10::ivalue::Future> send_control(int to, const std::string& function,
                                                        std::vector<c10::IValue> args,
                                                        std::chrono::milliseconds timeout,
-                                                       SendInterception intercept) override;
+                                                       SendInterception intercept,
+                                                       bool waited_only) override;
   c10::intrusive_ptr<c10::ivalue::Future> run_locally(const std::string& callable,
                                                       std::vector<c10::IValue> args,
                                                       Preparation prepare) override {

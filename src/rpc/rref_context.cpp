@@ -234,8 +234,11 @@ c10::IValue RRefContext::to_here(const RRefImpl& rref, std::chrono::milliseconds
     std::vector<c10::IValue> no_values;
     return intercept_send({MessageInfo::Kind::kRequest, owner, kFetch, id}, no_values);
   };
-  auto fetched = channel_.send_control(
-      owner, kFetch, {rref.rref_id().created_on, rref.rref_id().local_id}, timeout, intercept);
+  // Only waited for here: its reply completes on the thread that reads it, which may be this one
+  // (wait_future), not on the completion thread.
+  auto fetched =
+      channel_.send_control(owner, kFetch, {rref.rref_id().created_on, rref.rref_id().local_id},
+                            timeout, intercept, /*waited_only=*/true);
   wait_for(fetched, kNoTimeout);  // The fetch's own timeout bounds it.
   fetched->waitAndThrow();
   return fetched->value();

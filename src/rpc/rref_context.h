@@ -79,11 +79,14 @@ class RRefChannel {
  public:
   /// Sends control message `function` to `to`, handled there in the order it arrives
   /// (MessageHeader::kOrdered). `intercept` (optional) runs the interceptor over the arguments
-  /// and returns the metadata; without it control messages are not intercepted. Throws what
-  /// sending throws (DistributedError once the agent is stopping).
-  virtual c10::intrusive_ptr<c10::ivalue::Future> send_control(
-      int to, const std::string& function, std::vector<c10::IValue> args,
-      std::chrono::milliseconds timeout, SendInterception intercept = nullptr) = 0;
+  /// and returns the metadata; without it control messages are not intercepted. `waited_only`:
+  /// the caller only waits on the reply's future (PendingCall::waited_only). Throws what sending
+  /// throws (DistributedError once the agent is stopping).
+  virtual c10::intrusive_ptr<c10::ivalue::Future> send_control(int to, const std::string& function,
+                                                               std::vector<c10::IValue> args,
+                                                               std::chrono::milliseconds timeout,
+                                                               SendInterception intercept = nullptr,
+                                                               bool waited_only = false) = 0;
   /// Runs the registered `callable` on this worker's request pool (Dispatcher::run_locally).
   virtual c10::intrusive_ptr<c10::ivalue::Future> run_locally(const std::string& callable,
                                                               std::vector<c10::IValue> args,

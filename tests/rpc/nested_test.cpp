@@ -441,6 +441,20 @@ TEST(NestedCalls, ACallerWaitingAgainReadsItsRepliesItselfAndTheWorkerServesMean
         replies->threads.clear();
       }
       EXPECT_GE(next_read_here, 1);
+      // An RRef's to_here (a control message, only waited for) reads its reply here as well.
+      {
+        auto rref = remote<at::Tensor>("worker1", "ones", std::tuple{});
+        for (int round = 0; round < 20; ++round) {
+          EXPECT_TRUE(rref.to_here().equal(at::ones({4}))) << "round " << round;
+        }
+      }
+      {
+        std::lock_guard<std::mutex> lock(replies->mutex);
+        EXPECT_GE(std::count(replies->threads.begin(), replies->threads.end(),
+                             std::this_thread::get_id()),
+                  1);
+        replies->threads.clear();
+      }
       set_interceptor(nullptr);
       // A request arriving while this thread is outside the library (its loop left for its next
       // wait) is served: worker1 calls back while this thread waits on a plain std::future.
