@@ -184,8 +184,7 @@ bool IoLoop::lead_left_loop_until(const std::function<bool()>& done,
     EndLead(const EndLead&) = delete;
     EndLead& operator=(const EndLead&) = delete;
     ~EndLead() {
-      const std::shared_ptr<const NextWaiter> leave_for = std::move(t_leave_for);
-      t_leave_for.reset();
+      const std::shared_ptr<const NextWaiter> leave_for = std::move(t_leave_for);  // empties it
       t_outside = false;
       t_leading = nullptr;
       loop->end_outside_lead(leave_for);

@@ -113,8 +113,8 @@ class IoLoop {
   // A loop left for an outside wait, now led by the calling thread; null if none is.
   static IoLoop* claim_left_loop();
   // Leaves the loop led outside: for the next outside wait again (when `leave_for` comes back),
-  // or to its threads; notifies
-  // whoever waits for the loop to stop or for its outside leader to leave.
+  // or to its threads; notifies whoever waits for the loop to stop or for its outside leader to
+  // leave.
   void end_outside_lead(const std::shared_ptr<const NextWaiter>& leave_for);
   // Waits until this thread may lead; false when the loop stopped.
   bool follow(std::unique_lock<std::mutex>& lock);
