@@ -67,6 +67,13 @@ std::shared_ptr<BackwardPass> start_backward(int64_t context_id,
   return pass;
 }
 
+c10::Dict<at::Tensor, at::Tensor> gradients_if_reached(int64_t context_id) {
+  if (auto context = Container::instance().find_unreleased(context_id)) {
+    return context->gradients();
+  }
+  return c10::Dict<at::Tensor, at::Tensor>();
+}
+
 }  // namespace detail
 
 void backward(int64_t context_id, const std::vector<at::Tensor>& roots, bool retain_graph) {

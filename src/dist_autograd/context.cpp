@@ -211,6 +211,17 @@ std::shared_ptr<Context> Container::join(int64_t id) {
   return context;
 }
 
+std::shared_ptr<Context> Container::find_unreleased(int64_t id) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = contexts_.find(id);
+  if (it != contexts_.end()) {
+    return it->second;
+  }
+  TORCH_CHECK_VALUE(released_.count(id) == 0, "distributed autograd context ", id,
+                    " was released on this worker; a message of it arrived after");
+  return nullptr;
+}
+
 std::shared_ptr<Context> Container::release(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (released_.insert(id).second) {

@@ -111,6 +111,9 @@ class Container {
   /// The context `id` as a worker that received one of its messages joins it: found or made.
   /// c10::ValueError if it was released here.
   std::shared_ptr<Context> join(int64_t id);
+  /// The context `id` if this worker holds it, null if it never reached this worker; as join,
+  /// c10::ValueError if it was released here. Makes nothing.
+  std::shared_ptr<Context> find_unreleased(int64_t id) const;
   /// Removes the context; later messages of it are refused. Null if it was not here.
   std::shared_ptr<Context> release(int64_t id);
   /// Removes every context `worker` created (it is gone).

@@ -243,6 +243,11 @@ DistributedOptimizer::~DistributedOptimizer() = default;
 
 void DistributedOptimizer::step(int64_t context_id) {
   check_pending_changes();
+  // The step's calls name their context as an argument and carry no tensor: sent outside it, so
+  // distributed autograd records nothing for them, on either side (as in PyTorch, whose calls
+  // without a tensor that requires grad travel plain). Each owner reads the context's gradients
+  // where the backward pass left them, none where it never came (gradients_if_reached).
+  const c10::AutoGradMode outside_the_context(false);
   std::vector<rpc::RpcFuture<c10::IValue>> steps;
   std::vector<bool> sent_changes(owners_.size(), false);
   for (size_t k = 0; k < owners_.size(); ++k) {

@@ -59,8 +59,10 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   // All or nothing: the step's gradients are read here, under its lock, before anything changes.
   // A step whose trainer was lost before this point finds its context released (the trainer's
   // contexts go with it) and fails having changed nothing, options included; one that got its
-  // gradients is applied whole, whatever becomes of its caller meanwhile.
-  const c10::Dict<at::Tensor, at::Tensor> all = dist_autograd::get_gradients(context_id);
+  // gradients is applied whole, whatever becomes of its caller meanwhile. A context the backward
+  // pass never brought here has no gradients for this owner: a step of nothing.
+  const c10::Dict<at::Tensor, at::Tensor> all =
+      dist_autograd::detail::gradients_if_reached(context_id);
   std::vector<at::Tensor> gradients;
   gradients.reserve(optimizer_->params().size());
   for (const at::Tensor& param : optimizer_->params()) {

@@ -92,6 +92,8 @@ DISTOPTIM_RPC_FUNCTION("scaled_big_param",
 std::atomic<int64_t> g_finished{0};
 DISTOPTIM_RPC_FUNCTION("finished", [] { return ++g_finished; });
 DISTOPTIM_RPC_FUNCTION("finished_count", [] { return g_finished.load(); });
+DISTOPTIM_RPC_FUNCTION("context_count",
+                       [] { return static_cast<int64_t>(dist_autograd::context_count()); });
 
 // A user's optimizer, registered in every process under a name of its own (here SGD with
 // Nesterov momentum as its defaults).
@@ -340,6 +342,11 @@ TEST(DistributedOptimizer, OwnerWithoutGradientsChangesNothing) {
       at::Tensor y = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{input(0)});
       dist_autograd::backward(context.id(), {y.sum()});
       optimizer.step(context.id());
+      // The step's call did not bring the context to worker2, which the backward pass never
+      // reached: it holds none. (Asked under a no-grad guard, so that asking does not bring it.)
+      at::NoGradGuard outside_the_context;
+      EXPECT_EQ(rpc_sync<int64_t>(worker(2), "context_count"), 0);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(1), "context_count"), 1);
     }
     const auto after1 = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
     const auto after2 = rpc_sync<std::vector<at::Tensor>>(worker(2), "params");

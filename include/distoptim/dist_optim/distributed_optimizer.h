@@ -134,7 +134,8 @@ class DistributedOptimizer : public torch::optim::Optimizer {
 
   /// One step on every owner with its gradients in distributed autograd context `context_id`.
   /// A parameter without a gradient there is left as it is, with its state, as in a local step;
-  /// an owner that the context never reached (no gradients at all) changes nothing. Option
+  /// an owner that the context never reached (no gradients at all) changes nothing, and does not
+  /// join the context (the step's calls travel outside it: nothing is recorded for them). Option
   /// changes made since an owner last took one travel with its step (nothing extra otherwise)
   /// and apply before it. Errors: c10::ValueError naming the group and option for a change made
   /// through param_groups() that the optimizer refuses, before anything is sent; every owner that
