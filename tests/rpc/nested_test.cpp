@@ -18,6 +18,9 @@
 #include <optional>
 #include <thread>
 
+#include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
+#include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 #include <asio/executor_work_guard.hpp>
 #include <asio/io_context.hpp>
@@ -673,6 +676,66 @@ TEST_F(IoLoopUnit, ALoopLeftForTheNextWaitIsLedByTheWaitingThread) {
   EXPECT_NE(later.get(), std::this_thread::get_id());
   EXPECT_FALSE(detail::IoLoop::lead_left_loop_until([] { return false; },
                                                     [](std::function<void()>) {}, std::nullopt));
+}
+
+// What a handler sees of LibTorch's thread-local state.
+struct SeenModes {
+  std::thread::id thread;
+  bool grad = false;
+  bool inference = false;
+  bool thread_callbacks = true;
+};
+
+// A waiting thread that leads the loop runs its handlers under the loop threads' modes whatever
+// its own (the same, or a no-grad guard, inference mode, a thread-local profiling callback), and
+// has its own back after.
+TEST_F(IoLoopUnit, AWaitingThreadRunsHandlersUnderTheLoopsModesAndKeepsItsOwn) {
+  start(std::chrono::hours(1));  // nobody takes the loop over
+  auto left = std::make_shared<std::promise<void>>();
+  asio::post(io_, [left] {
+    detail::IoLoop::leave_to_next_wait(coming_back());
+    left->set_value();
+  });
+  ASSERT_EQ(left->get_future().wait_for(60s), std::future_status::ready);
+  // Leads once, the loop left for it; the handler leaves it again unless `last`.
+  const auto lead_a_handler = [this](bool last) {
+    std::atomic<bool> ran{false};
+    SeenModes seen;
+    asio::post(io_, [&, last] {
+      seen.thread = std::this_thread::get_id();
+      seen.grad = c10::GradMode::is_enabled();
+      seen.inference = c10::InferenceMode::is_enabled();
+      seen.thread_callbacks = at::hasThreadLocalCallbacks();
+      if (!last) detail::IoLoop::leave_to_next_wait(coming_back());
+      ran = true;
+    });
+    EXPECT_TRUE(lead_once_left([&] { return ran.load(); }));
+    EXPECT_EQ(seen.thread, std::this_thread::get_id());
+    return seen;
+  };
+  const auto expect_loop_modes = [](const SeenModes& seen, const char* caller) {
+    EXPECT_TRUE(seen.grad) << caller;
+    EXPECT_FALSE(seen.inference) << caller;
+    EXPECT_FALSE(seen.thread_callbacks) << caller;
+  };
+  expect_loop_modes(lead_a_handler(false), "a caller in the loop's modes");
+  {
+    at::NoGradGuard no_grad;
+    expect_loop_modes(lead_a_handler(false), "a caller under a no-grad guard");
+    EXPECT_FALSE(c10::GradMode::is_enabled());
+  }
+  {
+    c10::InferenceMode inference_mode;
+    expect_loop_modes(lead_a_handler(false), "a caller in inference mode");
+    EXPECT_TRUE(c10::InferenceMode::is_enabled());
+  }
+  const at::CallbackHandle profiling = at::addThreadLocalCallback(at::RecordFunctionCallback(
+      [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> { return nullptr; }));
+  expect_loop_modes(lead_a_handler(true), "a caller with a thread-local callback");
+  EXPECT_TRUE(at::hasThreadLocalCallbacks());
+  at::removeCallback(profiling);
+  EXPECT_TRUE(c10::GradMode::is_enabled());
+  EXPECT_FALSE(c10::InferenceMode::is_enabled());
 }
 
 TEST_F(IoLoopUnit, ALoopLeftForAWaitThatDoesNotComeIsTakenBack) {

@@ -1,6 +1,7 @@
 #include "io_loop.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include <ATen/ThreadLocalState.h>
@@ -37,6 +38,39 @@ LoopRegistry& loop_registry() {
 }
 
 }  // namespace
+
+IoLoop::ThreadModes IoLoop::ThreadModes::current() {
+  ThreadModes modes;
+  c10::impl::LocalDispatchKeySet keys =
+      c10::impl::tls_local_dispatch_key_set();  // raw_repr is not const
+  modes.included_keys = keys.included_.raw_repr();
+  modes.excluded_keys = keys.excluded_.raw_repr();
+  const c10::AutogradState& autograd = c10::AutogradState::get_tls_state();
+  modes.grad = autograd.get_grad_mode();
+  modes.inference = autograd.get_inference_mode();
+  modes.forward_grad = autograd.get_fw_grad_mode();
+  const at::RecordFunctionTLS& record_functions = at::get_record_function_tls_();
+  modes.record_functions = record_functions.tls_record_function_enabled_;
+  const at::impl::SavedTensorDefaultHooksTLS& hooks = at::SavedTensorDefaultHooks::get_tls_state();
+  modes.nothing_installed = record_functions.sorted_tls_callbacks_.empty() && hooks.stack.empty() &&
+                            !hooks.disabled_error_message &&
+                            c10::ThreadLocalDebugInfo::current() == nullptr &&
+                            at::functorch::functorchTLSAccessor() == nullptr &&
+                            c10::impl::TorchDispatchModeTLS::stack_len() == 0 &&
+                            c10::impl::TorchDispatchModeTLS::get_mode() == nullptr &&
+                            c10::impl::PythonDispatcherTLS::get_state() == nullptr &&
+                            at::impl::PythonTorchFunctionTLS::stack_len() == 0 &&
+                            at::impl::PythonTorchFunctionTLS::get_mode() == nullptr &&
+                            !at::impl::PythonTorchFunctionTLS::is_disabled();
+  return modes;
+}
+
+bool IoLoop::ThreadModes::same_as(const ThreadModes& other) const {
+  return nothing_installed && other.nothing_installed && included_keys == other.included_keys &&
+         excluded_keys == other.excluded_keys && grad == other.grad &&
+         inference == other.inference && forward_grad == other.forward_grad &&
+         record_functions == other.record_functions;
+}
 
 IoLoop::IoLoop(asio::io_context& io, int threads, std::chrono::microseconds long_job)
     : io_(io), long_job_(long_job), wake_(std::make_shared<Wake>()) {
@@ -138,8 +172,12 @@ void IoLoop::run_handlers_until(const std::function<bool()>& done,
   });
   // Under a loop thread's modes, not the waiting thread's: a reply decoded under its inference
   // mode would be an inference tensor, one recorded under its no-grad guard would lose its
-  // autograd history.
-  at::ThreadLocalStateGuard loop_state(*loop_state_);
+  // autograd history. A thread already in them keeps its state (the guard copies every part of
+  // it in and out: microseconds per wait, cache-cold as waits are).
+  std::optional<at::ThreadLocalStateGuard> loop_state;
+  if (!ThreadModes::current().same_as(loop_modes_)) {
+    loop_state.emplace(*loop_state_);
+  }
   while (!done() && !io_.stopped()) {
     if (!deadline) {
       io_.run_one();
@@ -280,8 +318,12 @@ bool IoLoop::follow(std::unique_lock<std::mutex>& lock) {
 
 void IoLoop::run_thread() {
   at::ThreadLocalState state;  // this thread's, before any job ran on it
+  const ThreadModes modes = ThreadModes::current();
   std::unique_lock<std::mutex> lock(mutex_);
-  if (!loop_state_) loop_state_ = std::make_unique<at::ThreadLocalState>(std::move(state));
+  if (!loop_state_) {
+    loop_state_ = std::make_unique<at::ThreadLocalState>(std::move(state));
+    loop_modes_ = modes;
+  }
   while (follow(lock)) {
     led_ = true;
     bool leading = true;

@@ -105,6 +105,22 @@ class IoLoop {
   static void leave_to_next_wait(std::shared_ptr<const NextWaiter> waiter);
 
  private:
+  // What of LibTorch's thread-local state handlers depend on, cheap to read: the modes and
+  // dispatch keys, and whether anything is installed (callbacks, hooks, modes, debug info).
+  struct ThreadModes {
+    uint64_t included_keys = 0;
+    uint64_t excluded_keys = 0;
+    bool grad = false;
+    bool inference = false;
+    bool forward_grad = false;
+    bool record_functions = false;
+    bool nothing_installed = false;
+
+    static ThreadModes current();
+    // Equal, with nothing installed on either: the whole states agree.
+    bool same_as(const ThreadModes& other) const;
+  };
+
   void run_thread();
   // Runs handlers on the calling thread until done() or the deadline (lead_until's loop).
   void run_handlers_until(const std::function<bool()>& done,
@@ -148,6 +164,8 @@ class IoLoop {
   // before any job ran on it: what handlers run under, also on a waiting job's thread or an
   // outside thread leading the loop (set by the first thread to run).
   std::unique_ptr<at::ThreadLocalState> loop_state_;
+  // loop_state_'s modes, to tell whether a thread about to run handlers is already in them.
+  ThreadModes loop_modes_;
   std::vector<std::thread> threads_;
 };
 
