@@ -200,12 +200,9 @@ std::shared_ptr<Context> Container::find(int64_t id) const {
 
 std::shared_ptr<Context> Container::join(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = contexts_.find(id);
-  if (it != contexts_.end()) {
-    return it->second;
+  if (auto found = find_unreleased_locked(id)) {
+    return found;
   }
-  TORCH_CHECK_VALUE(released_.count(id) == 0, "distributed autograd context ", id,
-                    " was released on this worker; a message of it arrived after");
   auto context = std::make_shared<Context>(id);
   contexts_.emplace(id, context);
   return context;
@@ -213,6 +210,10 @@ std::shared_ptr<Context> Container::join(int64_t id) {
 
 std::shared_ptr<Context> Container::find_unreleased(int64_t id) const {
   std::lock_guard<std::mutex> lock(mutex_);
+  return find_unreleased_locked(id);
+}
+
+std::shared_ptr<Context> Container::find_unreleased_locked(int64_t id) const {
   auto it = contexts_.find(id);
   if (it != contexts_.end()) {
     return it->second;

@@ -133,6 +133,7 @@ class Container {
   static constexpr size_t kRememberedReleases = 1 << 16;
 
   void forget_served(int64_t context_id);
+  std::shared_ptr<Context> find_unreleased_locked(int64_t id) const;  // mutex_ held
 
   // Lock order: mutex_, then serving_mutex_.
   mutable std::mutex mutex_;
