@@ -74,6 +74,10 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   /// completion thread, say): leaves the loop for its next wait as a reply read on the loop would
   /// (Dispatcher::leave_loop_for_replies_of), asked at once so that the loop is left before then.
   void offer_loop_to(std::shared_ptr<const CallingThread> caller);
+  /// The same, decided now: on a thread that leads the agent's I/O loop, as a handler.
+  void leave_loop_for(const std::shared_ptr<const CallingThread>& caller) {
+    dispatcher_.leave_loop_for_replies_of(caller);
+  }
   /// Sends a request to `to`; RRefs among `args` are forked to `to`. The interceptor sees its
   /// arguments. `waited_only`: the caller only waits on the future (PendingCall::waited_only).
   c10::intrusive_ptr<c10::ivalue::Future> send(int to, const std::string& function,

@@ -288,19 +288,19 @@ c10::intrusive_ptr<c10::ivalue::Future> waited_call_values(const WorkerRef& to,
 namespace detail {
 namespace {
 
+// The running agent, unless init_rpc holds its mutex: it does through the rendezvous, whose
+// waits may end where an offer is made (an offer not made costs only the wake-up it would have
+// saved).
+std::shared_ptr<Agent> agent_if_free() {
+  std::unique_lock<std::mutex> lock(g_agent_mutex, std::try_to_lock);
+  return lock ? g_agent : nullptr;
+}
+
 // Where a waited future completes: asks the running agent to leave its loop for `caller`'s next
 // wait (Agent::offer_loop_to) unless a reply read on the loop completed it (and decided).
 void offer_loop_after_wait(const std::shared_ptr<const CallingThread>& caller) {
   if (IoLoop::on_loop_thread()) return;
-  std::shared_ptr<Agent> agent;
-  {
-    // Not waited for: init_rpc holds it through the rendezvous, whose waits may end here. An
-    // offer not made costs only the wake-up it would have saved.
-    std::unique_lock<std::mutex> lock(g_agent_mutex, std::try_to_lock);
-    if (!lock) return;
-    agent = g_agent;
-  }
-  if (agent) agent->offer_loop_to(caller);
+  if (auto agent = agent_if_free()) agent->offer_loop_to(caller);
 }
 
 }  // namespace
@@ -324,7 +324,12 @@ bool wait_future(c10::ivalue::Future& future,
     // callbacks) ends the wait with no reply read on the loop to leave it for this thread's next
     // wait: the loop is asked at once, ahead of the wake-up of a lead (arm, below).
     future.addCallback([caller](c10::ivalue::Future&) { offer_loop_after_wait(caller); });
-    led = IoLoop::lead_left_loop_until(done, arm, deadline);
+    // A lead the future's completion ended decides at once, as the offer would: the future is
+    // marked complete before its callbacks run, so the lead may end before the offer is even
+    // posted, and the loop thread that would run it finds the next wait already blocked.
+    led = IoLoop::lead_left_loop_until(done, arm, deadline, [&caller] {
+      if (auto agent = agent_if_free()) agent->leave_loop_for(caller);
+    });
   }
   if (future.completed()) return true;
   if (led && deadline && std::chrono::steady_clock::now() >= *deadline) return false;

@@ -628,10 +628,20 @@ std::shared_ptr<const detail::IoLoop::NextWaiter> coming_back() {
 
 // Leads the loop from this (outside) thread until `done`, once the loop is left for it: the loop
 // thread that ran the handler asking for it may not have left it yet. False if it never was.
-bool lead_once_left(const std::function<bool()>& done) {
+// Has a loop thread leave the loop for the next outside wait; false if no thread ran the handler.
+bool leave_for_the_next_wait(asio::io_context& io) {
+  auto left = std::make_shared<std::promise<void>>();
+  asio::post(io, [left] {
+    detail::IoLoop::leave_to_next_wait(coming_back());
+    left->set_value();
+  });
+  return left->get_future().wait_for(60s) == std::future_status::ready;
+}
+
+bool lead_once_left(const std::function<bool()>& done, const std::function<void()>& last = {}) {
   for (int i = 0; i < 10000; ++i) {
     if (detail::IoLoop::lead_left_loop_until(
-            done, [](std::function<void()>) {}, std::nullopt))
+            done, [](std::function<void()>) {}, std::nullopt, last))
       return true;
     std::this_thread::sleep_for(1ms);
   }
@@ -691,12 +701,7 @@ struct SeenModes {
 // has its own back after.
 TEST_F(IoLoopUnit, AWaitingThreadRunsHandlersUnderTheLoopsModesAndKeepsItsOwn) {
   start(std::chrono::hours(1));  // nobody takes the loop over
-  auto left = std::make_shared<std::promise<void>>();
-  asio::post(io_, [left] {
-    detail::IoLoop::leave_to_next_wait(coming_back());
-    left->set_value();
-  });
-  ASSERT_EQ(left->get_future().wait_for(60s), std::future_status::ready);
+  ASSERT_TRUE(leave_for_the_next_wait(io_));
   // Leads once, the loop left for it; the handler leaves it again unless `last`.
   const auto lead_a_handler = [this](bool last) {
     std::atomic<bool> ran{false};
@@ -736,6 +741,46 @@ TEST_F(IoLoopUnit, AWaitingThreadRunsHandlersUnderTheLoopsModesAndKeepsItsOwn) {
   at::removeCallback(profiling);
   EXPECT_TRUE(c10::GradMode::is_enabled());
   EXPECT_FALSE(c10::InferenceMode::is_enabled());
+}
+
+// A lead's last handler runs once its wait is done and may leave the loop for the next wait, as
+// a handler may (wait_future's, when the future completed off the loop); not when a handler of
+// the lead already asked.
+TEST_F(IoLoopUnit, ALeadsLastHandlerMayLeaveTheLoopForTheNextWait) {
+  start(std::chrono::hours(1));  // nobody takes the loop over
+  ASSERT_TRUE(leave_for_the_next_wait(io_));
+  const auto no_arm = [](std::function<void()>) {};
+  // 1. No handler asks to leave; the last handler does, on this thread.
+  std::atomic<bool> first{false};
+  asio::post(io_, [&] { first = true; });
+  int last_runs = 0;
+  std::thread::id last_thread;
+  ASSERT_TRUE(lead_once_left([&] { return first.load(); },
+                             [&] {
+                               ++last_runs;
+                               last_thread = std::this_thread::get_id();
+                               detail::IoLoop::leave_to_next_wait(coming_back());
+                             }));
+  EXPECT_EQ(last_runs, 1);
+  EXPECT_EQ(last_thread, std::this_thread::get_id());
+  // 2. So the next wait leads at once; a handler asks to leave, and the last handler is not run.
+  std::atomic<bool> second{false};
+  asio::post(io_, [&] {
+    detail::IoLoop::leave_to_next_wait(coming_back());
+    second = true;
+  });
+  EXPECT_TRUE(detail::IoLoop::lead_left_loop_until([&] { return second.load(); }, no_arm,
+                                                   std::nullopt, [&] { ++last_runs; }));
+  EXPECT_EQ(last_runs, 1);
+  // 3. Left again by that handler: the next wait leads; nobody asks, so the loop goes back to its
+  // threads.
+  std::atomic<bool> third{false};
+  asio::post(io_, [&] { third = true; });
+  EXPECT_TRUE(
+      detail::IoLoop::lead_left_loop_until([&] { return third.load(); }, no_arm, std::nullopt));
+  auto later = post_recording_thread();
+  ASSERT_EQ(later.wait_for(60s), std::future_status::ready);
+  EXPECT_NE(later.get(), std::this_thread::get_id());
 }
 
 TEST_F(IoLoopUnit, ALoopLeftForAWaitThatDoesNotComeIsTakenBack) {

@@ -204,7 +204,8 @@ IoLoop* IoLoop::claim_left_loop() {
 
 bool IoLoop::lead_left_loop_until(const std::function<bool()>& done,
                                   const std::function<void(std::function<void()>)>& arm,
-                                  std::optional<std::chrono::steady_clock::time_point> deadline) {
+                                  std::optional<std::chrono::steady_clock::time_point> deadline,
+                                  const std::function<void()>& last) {
   if (t_leading != nullptr || t_keeping != nullptr) {
     return false;
   }
@@ -229,6 +230,7 @@ bool IoLoop::lead_left_loop_until(const std::function<bool()>& done,
     }
   } end{loop};
   loop->run_handlers_until(done, arm, deadline);
+  if (last && !t_leave_for && done()) last();  // unless a handler of the lead already asked
   return true;
 }
 

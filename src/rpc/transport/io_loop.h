@@ -84,9 +84,13 @@ class IoLoop {
   /// lead_until, after which the loop is left for the next wait again (when a handler asked,
   /// leave_to_next_wait) or handed back to its threads. Otherwise false at once. Not from a
   /// thread whose wait other work queues behind (a pool's): what it waits for may be such work.
+  /// `last`, if given, runs once done() holds, still leading, as a handler would (it may call
+  /// leave_to_next_wait), under the calling thread's own LibTorch state; not when a handler of
+  /// the lead already asked to leave the loop.
   static bool lead_left_loop_until(const std::function<bool()>& done,
                                    const std::function<void(std::function<void()>)>& arm,
-                                   std::optional<std::chrono::steady_clock::time_point> deadline);
+                                   std::optional<std::chrono::steady_clock::time_point> deadline,
+                                   const std::function<void()>& last = {});
   /// Whether the calling thread runs a handler or a job of a loop, or leads one.
   static bool on_loop_thread();
   /// Whom a loop is left for. Asked under the loop's lock once the handler that left the loop
