@@ -243,33 +243,36 @@ DistributedOptimizer::~DistributedOptimizer() = default;
 
 void DistributedOptimizer::step(int64_t context_id) {
   check_pending_changes();
+  std::vector<rpc::RpcFuture<c10::IValue>> steps;
+  std::vector<bool> sent_changes(owners_.size(), false);
   // The step's calls name their context as an argument and carry no tensor: sent outside it, so
   // distributed autograd records nothing for them, on either side (as in PyTorch, whose calls
   // without a tensor that requires grad travel plain). Each owner reads the context's gradients
-  // where the backward pass left them, none where it never came (gradients_if_reached).
-  const c10::AutoGradMode outside_the_context(false);
-  std::vector<rpc::RpcFuture<c10::IValue>> steps;
-  std::vector<bool> sent_changes(owners_.size(), false);
-  for (size_t k = 0; k < owners_.size(); ++k) {
-    Owner& owner = owners_[k];
-    c10::IValue changes;  // None: this owner's options are current
-    if (owner.applied_generation != options_generation_) {
-      c10::impl::GenericList by_group(c10::AnyType::get());
-      bool any = false;
-      for (size_t g = 0; g < current_.size(); ++g) {
-        const optim::OptionBag changed = current_[g].changes_from(owner.applied[g]);
-        any = any || !changed.empty();
-        by_group.push_back(changed.to_ivalue());
+  // where the backward pass left them, none where it never came (gradients_if_reached). Only the
+  // sends: a wait in the loop's modes reads its replies without swapping this thread's state.
+  {
+    const c10::AutoGradMode outside_the_context(false);
+    for (size_t k = 0; k < owners_.size(); ++k) {
+      Owner& owner = owners_[k];
+      c10::IValue changes;  // None: this owner's options are current
+      if (owner.applied_generation != options_generation_) {
+        c10::impl::GenericList by_group(c10::AnyType::get());
+        bool any = false;
+        for (size_t g = 0; g < current_.size(); ++g) {
+          const optim::OptionBag changed = current_[g].changes_from(owner.applied[g]);
+          any = any || !changed.empty();
+          by_group.push_back(changed.to_ivalue());
+        }
+        if (any) {
+          changes = std::move(by_group);
+          sent_changes[k] = true;
+        } else {
+          owner.applied_generation = options_generation_;
+        }
       }
-      if (any) {
-        changes = std::move(by_group);
-        sent_changes[k] = true;
-      } else {
-        owner.applied_generation = options_generation_;
-      }
+      steps.push_back(
+          waited_method(owner.optimizer, "step", rpc::detail::to_values(context_id, changes)));
     }
-    steps.push_back(
-        waited_method(owner.optimizer, "step", rpc::detail::to_values(context_id, changes)));
   }
   Replies replies = wait_each(steps, worker_of(owners_));
   // An owner that failed gets the same changes again next step (setting an option to the value
