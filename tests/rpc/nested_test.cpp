@@ -626,8 +626,6 @@ std::shared_ptr<const detail::IoLoop::NextWaiter> coming_back() {
   return std::make_shared<TestWaiter>(true);
 }
 
-// Leads the loop from this (outside) thread until `done`, once the loop is left for it: the loop
-// thread that ran the handler asking for it may not have left it yet. False if it never was.
 // Has a loop thread leave the loop for the next outside wait; false if no thread ran the handler.
 bool leave_for_the_next_wait(asio::io_context& io) {
   auto left = std::make_shared<std::promise<void>>();
@@ -638,6 +636,9 @@ bool leave_for_the_next_wait(asio::io_context& io) {
   return left->get_future().wait_for(60s) == std::future_status::ready;
 }
 
+// Leads the loop from this (outside) thread until `done`, once the loop is left for it: the loop
+// thread that ran the handler asking for it may not have left it yet. False if it never was.
+// `last`: the lead's last handler (IoLoop::lead_left_loop_until).
 bool lead_once_left(const std::function<bool()>& done, const std::function<void()>& last = {}) {
   for (int i = 0; i < 10000; ++i) {
     if (detail::IoLoop::lead_left_loop_until(
