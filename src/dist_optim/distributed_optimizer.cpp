@@ -15,12 +15,21 @@
 #include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/errors.h>
 
+#include "owner_calls.h"
 #include "remote_optimizer.h"
 
 namespace distoptim {
 namespace dist_optim {
 
+using detail::note_failure;
 using detail::RemoteOptimizer;
+using detail::Replies;
+using detail::throw_failures;
+using detail::throw_if_failed;
+using detail::wait_all;
+using detail::wait_each;
+using detail::waited_method;
+using detail::worker_of;
 
 struct DistributedOptimizer::Owner {
   std::string worker;
@@ -32,95 +41,16 @@ struct DistributedOptimizer::Owner {
   uint64_t applied_generation = 0;
 };
 
+std::vector<detail::OwnerOptimizer> detail::OwnerAccess::owners(
+    const DistributedOptimizer& optimizer) {
+  std::vector<OwnerOptimizer> out;
+  for (const DistributedOptimizer::Owner& owner : optimizer.owners_) {
+    out.push_back({owner.worker, owner.positions, owner.optimizer});
+  }
+  return out;
+}
+
 namespace {
-
-// Adds `error` (the exception being handled) to a report of failures by worker.
-void note_failure(const std::string& worker, std::exception_ptr* first, std::string* failures) {
-  if (!*first) *first = std::current_exception();
-  try {
-    throw;
-  } catch (const c10::Error& error) {
-    *failures += "\n  worker '" + worker + "': " + error.what_without_backtrace();
-  } catch (const std::exception& error) {
-    *failures += "\n  worker '" + worker + "': " + error.what();
-  }
-}
-
-// One error naming every owner that failed, of the first failure's type (a lost worker stays a
-// PeerLostError, a refusal a RemoteError).
-[[noreturn]] void throw_failures(std::exception_ptr first, const std::string& what,
-                                 const std::string& failures) {
-  const std::string message = "DistributedOptimizer: " + what + " failed on" + failures;
-  try {
-    std::rethrow_exception(first);
-  } catch (const PeerLostError&) {
-    throw PeerLostError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
-  } catch (const TimeoutError&) {
-    throw TimeoutError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
-  } catch (const rpc::RemoteError& error) {
-    throw rpc::RemoteError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-                           error.worker_name(), message);
-  } catch (...) {
-    throw DistributedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
-  }
-}
-
-// A call of `method` of the owner's optimizer whose future is only ever waited for (its reply
-// may complete it on the thread that reads it: rpc::detail::waited_call_values).
-rpc::RpcFuture<c10::IValue> waited_method(const rpc::RRef<RemoteOptimizer>& optimizer,
-                                          const std::string& method,
-                                          std::vector<c10::IValue> args) {
-  return rpc::RpcFuture<c10::IValue>(
-      rpc::detail::method_call_values(optimizer.handle(), method, std::move(args),
-                                      rpc::kDefaultTimeout, /*waited_only=*/true),
-      // Named only in then()'s errors, never used here: not worth describing the RRef per step.
-      "method '" + method + "' of a remote optimizer");
-}
-
-// Every owner's answer, and which of them failed.
-struct Replies {
-  std::vector<c10::IValue> values;
-  std::vector<bool> ok;
-  std::exception_ptr first;  // the first failure, if any
-  std::string failures;
-};
-
-// Names the worker of each owner by position, for wait_each (an owner is the optimizer's own
-// type), without building a list per step.
-template <class Owners>
-auto worker_of(const Owners& owners) {
-  return [&owners](size_t k) -> const std::string& { return owners[k].worker; };
-}
-
-// `worker(i)` names the worker of future i; it is asked only when that one failed.
-template <class WorkerOf>
-Replies wait_each(const std::vector<rpc::RpcFuture<c10::IValue>>& futures, const WorkerOf& worker) {
-  Replies replies;
-  replies.values.resize(futures.size());
-  replies.ok.assign(futures.size(), false);
-  for (size_t i = 0; i < futures.size(); ++i) {
-    try {
-      replies.values[i] = futures[i].wait();
-      replies.ok[i] = true;
-    } catch (const std::exception&) {
-      note_failure(worker(i), &replies.first, &replies.failures);
-    }
-  }
-  return replies;
-}
-
-void throw_if_failed(const Replies& replies, const std::string& what) {
-  if (replies.first) throw_failures(replies.first, what, replies.failures);
-}
-
-// Waits for every owner's answer before reporting any failure.
-template <class WorkerOf>
-std::vector<c10::IValue> wait_all(const std::vector<rpc::RpcFuture<c10::IValue>>& futures,
-                                  const WorkerOf& worker, const std::string& what) {
-  Replies replies = wait_each(futures, worker);
-  throw_if_failed(replies, what);
-  return std::move(replies.values);
-}
 
 // An optimizer's checks of `overrides` of param group `group`, when it refuses them.
 void add_group_context(c10::Error& error, size_t group, const optim::OptionBag& overrides,

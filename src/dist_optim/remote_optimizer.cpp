@@ -1,6 +1,10 @@
 #include "remote_optimizer.h"
 
 #include <mutex>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <c10/util/Exception.h>
 
@@ -114,6 +118,110 @@ void RemoteOptimizer::load_state_dict(c10::IValue state) {
   optimizer_->load_state_dict(optim::OptimizerStateDict::from_ivalue(state));
 }
 
+const at::Tensor& RemoteOptimizer::table_param(int64_t index, const char* caller) const {
+  const std::vector<at::Tensor>& params = optimizer_->params();
+  TORCH_CHECK_VALUE(index >= 0 && static_cast<size_t>(index) < params.size(), caller,
+                    ": parameter ", index, " on worker '", rpc::get_worker_info().name,
+                    "': its optimizer has ", params.size(), " parameters");
+  const at::Tensor& param = params[index];
+  TORCH_CHECK_VALUE(param.dim() == 2, caller, ": parameter ", index, " on worker '",
+                    rpc::get_worker_info().name, "' has shape ", param.sizes(),
+                    ", not the 2-D rows of a table");
+  return param;
+}
+
+c10::IValue RemoteOptimizer::save_table_rows(std::string directory, int64_t index, int64_t shard,
+                                             int64_t shards, int64_t first_row,
+                                             int64_t rows_per_file) {
+  TORCH_CHECK_VALUE(rows_per_file > 0, kSaveTable, ": rows_per_file is ", rows_per_file,
+                    "; it must be at least 1");
+  TableRows copy;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor& param = table_param(index, kSaveTable);
+    rpc::InPlaceUpdateGuard no_step_meanwhile;
+    copy.rows = param.detach().clone();
+    const optim::ParamState& state = optimizer_->state(index);
+    copy.has_state = !state.empty();
+    copy.state.step = state.step;
+    for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
+      if (state.buffers[slot].defined()) {
+        copy.state.buffers[optimizer_->state_names()[slot]] = state.buffers[slot].clone();
+      }
+    }
+  }
+  const std::vector<int64_t> blocks =
+      write_shard_blocks(directory, shard, shards, first_row, copy, rows_per_file);
+  std::vector<std::string> names;
+  for (const auto& entry : copy.state.buffers) names.push_back(entry.first);
+  c10::impl::GenericDict summary(c10::StringType::get(), c10::AnyType::get());
+  summary.insert("has_state", copy.has_state);
+  summary.insert("step", copy.state.step);
+  summary.insert("buffers", c10::List<std::string>(names));
+  summary.insert("blocks", c10::List<int64_t>(blocks));
+  return summary;
+}
+
+void RemoteOptimizer::stage_table_rows(int64_t index, int64_t first_row, c10::IValue blocks,
+                                       bool has_state, int64_t step,
+                                       std::vector<std::string> buffer_names) {
+  int64_t rows = 0, dim = 0;
+  c10::ScalarType dtype;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const at::Tensor& param = table_param(index, kLoadTable);
+    rows = param.size(0);
+    dim = param.size(1);
+    dtype = param.scalar_type();
+  }
+  TORCH_CHECK_VALUE(blocks.isList(), kLoadTable, ": blocks must be a list, got ", blocks.tagKind());
+  std::vector<BlockFile> files;
+  for (const c10::IValue& entry : blocks.toListRef()) {
+    TORCH_CHECK_VALUE(
+        entry.isList() && entry.toListRef().size() == 4 && entry.toListRef()[0].isString(),
+        kLoadTable, ": a block must be [path, shard, first_row, end_row]");
+    const c10::ArrayRef<c10::IValue> fields = entry.toListRef();
+    files.push_back(BlockFile{fields[0].toStringRef(), fields[1].toInt(), fields[2].toInt(),
+                              fields[3].toInt()});
+  }
+  TORCH_CHECK_VALUE(!files.empty() && files.front().first_row <= first_row &&
+                        files.back().end_row >= first_row + rows,
+                    kLoadTable, ": the blocks sent to worker '", rpc::get_worker_info().name,
+                    "' do not hold its rows [", first_row, ", ", first_row + rows, ")");
+  // Read with no lock held: steps go on until the commit.
+  TableRows read = read_block_rows(files, first_row, first_row + rows, dim, dtype, has_state, step,
+                                   buffer_names);
+  std::lock_guard<std::mutex> lock(mutex_);
+  staged_[index] = std::move(read);
+}
+
+void RemoteOptimizer::commit_table_rows(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const at::Tensor& param = table_param(index, kLoadTable);
+  auto it = staged_.find(index);
+  TORCH_CHECK_VALUE(it != staged_.end(), kLoadTable, ": nothing was staged for parameter ", index,
+                    " on worker '", rpc::get_worker_info().name, "'");
+  optim::OptimizerStateDict state = optimizer_->state_dict();
+  if (it->second.has_state) {
+    state.state[index] = std::move(it->second.state);
+  } else {
+    state.state.erase(index);
+  }
+  optimizer_->check_state_dict(state);
+  {
+    rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
+    at::NoGradGuard no_grad;
+    param.copy_(it->second.rows);
+    optimizer_->load_state_dict(state);
+  }
+  staged_.erase(it);
+}
+
+void RemoteOptimizer::drop_table_rows(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  staged_.erase(index);
+}
+
 namespace {
 bool register_remote_optimizer() {
   rpc::detail::register_internal_class<RemoteOptimizer, std::string,
@@ -124,6 +232,14 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::state_dict);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "load_state_dict",
                                         &RemoteOptimizer::load_state_dict);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "save_table_rows",
+                                        &RemoteOptimizer::save_table_rows);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "stage_table_rows",
+                                        &RemoteOptimizer::stage_table_rows);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "commit_table_rows",
+                                        &RemoteOptimizer::commit_table_rows);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "drop_table_rows",
+                                        &RemoteOptimizer::drop_table_rows);
   return true;
 }
 }  // namespace

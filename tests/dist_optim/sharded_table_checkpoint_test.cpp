@@ -1,13 +1,17 @@
-// Per-shard checkpoints of a ShardedEmbeddingBag and its DistributedOptimizer, across real
-// processes on loopback: a run checkpointed with 3 shards and resumed with 2 or 1 (or 3) continues
-// bit for bit as the uninterrupted 3-shard run, with Adagrad (lr_decay, so the step count matters)
-// and SparseAdam; bad checkpoints are refused naming the file, the table and optimizer unchanged.
+// Checkpoints of a ShardedEmbeddingBag and its DistributedOptimizer that each shard's owner writes
+// and reads itself, across real processes on loopback: a run checkpointed with 3 shards (in one
+// block per shard, or in blocks of 7 rows) and resumed with 2 or 1 (or 3) continues bit for bit
+// as the uninterrupted 3-shard run, with Adagrad (lr_decay, so the step count matters) and
+// SparseAdam; a shard without optimizer state loads into the same split; bad checkpoints are
+// refused naming the file (and the owner that read it), the table and optimizer unchanged.
 
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -77,13 +81,16 @@ TEST(ShardedTableCheckpoint, ResumesOnAnotherNumberOfShardsBitForBit) {
   testing::with_workers(4, [] {
     using testing::worker;
     TempDir dir;
-    for (const std::string name : {"adagrad", "sparse_adam"}) {
-      SCOPED_TRACE(name);
-      const std::string checkpoint = dir / name;
+    for (const auto& [name, rows_per_file] : std::vector<std::pair<std::string, int64_t>>{
+             {"adagrad", 0}, {"sparse_adam", 0}, {"adagrad", 7}}) {
+      SCOPED_TRACE(name + " in blocks of " + std::to_string(rows_per_file) + " rows");
+      const std::string checkpoint = dir / (name + std::to_string(rows_per_file));
       ShardedEmbeddingBag three(options({worker(1), worker(2), worker(3)}));
       DistributedOptimizer optimizer(name, three.remote_parameters(), optimizer_options(name));
       for (int step = 0; step < 3; ++step) train_step(three, optimizer, step);
-      dist_optim::save_sharded_table(checkpoint, three, optimizer);
+      dist_optim::save_sharded_table(checkpoint, three, optimizer, rows_per_file);
+      // Shard 1 holds rows [34, 67): in blocks of 7 rows, its last block is [62, 67).
+      EXPECT_EQ(fs::exists(checkpoint + "/shard-1-of-3.block-4.pt"), rows_per_file == 7);
       std::vector<at::Tensor> expected;
       for (int step = 3; step < 6; ++step) expected.push_back(train_step(three, optimizer, step));
       const at::Tensor expected_table = three.weight();
@@ -157,31 +164,40 @@ TEST(ShardedTableCheckpoint, BadCheckpointsAreRefusedNamingTheFileAndChangeNothi
     dist_optim::save_sharded_table(other, four, four_optimizer);
     const std::string bad = dir / "bad";
     fs::copy(checkpoint, bad);
-    fs::copy_file(other + "/shard-1-of-4.pt", bad + "/shard-1-of-3.pt",
+    fs::copy_file(other + "/shard-1-of-4.block-0.pt", bad + "/shard-1-of-3.block-0.pt",
                   fs::copy_options::overwrite_existing);
     testing::expect_error_containing(
         [&] { dist_optim::load_sharded_table(bad, two, two_optimizer); },
         {"'" + bad +
-         "/shard-1-of-3.pt' is shard 1 with rows [25, 50); the manifest names shard "
-         "1 with rows [34, 67)"});
+         "/shard-1-of-3.block-0.pt' is a block of shard 1 with rows [25, 50); the manifest "
+         "names a block of shard 1 with rows [34, 67)"});
     expect_unchanged();
 
-    // A shard missing, or damaged.
-    fs::remove(bad + "/shard-1-of-3.pt");
+    // A block missing, or damaged: named by the owner that needed it (shard 2 of 3, rows
+    // [67, 100), goes to the second of two shards alone).
+    fs::remove(bad + "/shard-1-of-3.block-0.pt");
     testing::expect_error_containing(
         [&] { dist_optim::load_sharded_table(bad, two, two_optimizer); },
-        {"load_sharded_table", bad + "/shard-1-of-3.pt"});
-    fs::copy_file(checkpoint + "/shard-1-of-3.pt", bad + "/shard-1-of-3.pt");
+        {"load_sharded_table", bad + "/shard-1-of-3.block-0.pt"});
+    fs::copy_file(checkpoint + "/shard-1-of-3.block-0.pt", bad + "/shard-1-of-3.block-0.pt");
     {
-      std::fstream file(bad + "/shard-2-of-3.pt", std::ios::in | std::ios::out | std::ios::binary);
+      std::fstream file(bad + "/shard-2-of-3.block-0.pt",
+                        std::ios::in | std::ios::out | std::ios::binary);
       file.seekg(200);
       const char byte = static_cast<char>(file.get());
       file.seekp(200);
       file.put(static_cast<char>(~byte));
     }
-    testing::expect_error_containing(
-        [&] { dist_optim::load_sharded_table(bad, two, two_optimizer); },
-        {"load_sharded_table", bad + "/shard-2-of-3.pt"});
+    try {
+      dist_optim::load_sharded_table(bad, two, two_optimizer);
+      ADD_FAILURE() << "a damaged block loaded";
+    } catch (const rpc::RemoteError& error) {
+      EXPECT_EQ(error.worker_name(), worker(2));
+      EXPECT_NE(std::string(error.what()).find(bad + "/shard-2-of-3.block-0.pt"), std::string::npos)
+          << error.what();
+      EXPECT_EQ(std::string(error.what()).find("worker '" + worker(1) + "'"), std::string::npos)
+          << error.what();
+    }
     expect_unchanged();
 
     // Shards that counted different steps load only into as many shards.
@@ -196,7 +212,9 @@ TEST(ShardedTableCheckpoint, BadCheckpointsAreRefusedNamingTheFileAndChangeNothi
     dist_optim::save_sharded_table(uneven, three, optimizer);
     testing::expect_error_containing(
         [&] { dist_optim::load_sharded_table(uneven, two, two_optimizer); },
-        {"'" + uneven + "/shard-1-of-3.pt' counted 1 steps, '" + uneven + "/shard-0-of-3.pt' 2",
+        {"'" + uneven +
+             "/manifest.pt': shard 1 counted 1 steps (buffers sum), shard 0 counted 2 "
+             "steps (buffers sum)",
          "loads only into 3 shards"});
     expect_unchanged();
     ShardedEmbeddingBag three_again(options({worker(2), worker(1), worker(2)}, /*seed=*/9));
@@ -204,6 +222,63 @@ TEST(ShardedTableCheckpoint, BadCheckpointsAreRefusedNamingTheFileAndChangeNothi
                                                optimizer_options("adagrad"));
     dist_optim::load_sharded_table(uneven, three_again, three_again_optimizer);
     EXPECT_TRUE(at::equal(three_again.weight(), three.weight()));
+  });
+}
+
+// A checkpoint in which a later shard has no optimizer state (SparseAdam creates it at a shard's
+// first gradient) loads into as many shards, state and all, and is refused, naming the shard,
+// by another number of shards.
+TEST(ShardedTableCheckpoint, AShardWithoutStateLoadsIntoTheSameSplit) {
+  testing::with_workers(3, [] {
+    using testing::worker;
+    TempDir dir;
+    const std::string checkpoint = dir / "partial";
+    ShardedEmbeddingBag three(options({worker(1), worker(2), worker(1)}));
+    DistributedOptimizer optimizer("sparse_adam", three.remote_parameters(),
+                                   optimizer_options("sparse_adam"));
+    {
+      dist_autograd::ContextGuard context;
+      dist_autograd::backward(
+          context.id(),
+          {three.forward(at::tensor({0, 1}, at::kLong), at::tensor({0}, at::kLong)).sum()});
+      optimizer.step(context.id());  // shard 0 only
+    }
+    const auto saved_state = optimizer.state_dict();
+    dist_optim::save_sharded_table(checkpoint, three, optimizer);
+
+    ShardedEmbeddingBag again(options({worker(2), worker(1), worker(2)}, /*seed=*/9));
+    DistributedOptimizer again_optimizer("sparse_adam", again.remote_parameters(),
+                                         optimizer_options("sparse_adam"));
+    dist_optim::load_sharded_table(checkpoint, again, again_optimizer);
+    EXPECT_TRUE(at::equal(again.weight(), three.weight()));
+    // By shard: shard 0 has a step and both moments, shards 1 and 2 nothing.
+    auto by_shard = [](const dist_optim::DistributedOptimizerStateDict& dict) {
+      std::map<int64_t, optim::OptimizerStateDict::State> out;
+      for (const auto& owner : dict.owners) {
+        for (const auto& [index, state] : owner.state.state) out[owner.positions[index]] = state;
+      }
+      return out;
+    };
+    const auto expected = by_shard(saved_state), loaded = by_shard(again_optimizer.state_dict());
+    ASSERT_EQ(expected.size(), 1u);
+    ASSERT_EQ(loaded.size(), 1u);
+    const auto& state = loaded.at(0);
+    EXPECT_EQ(state.step, expected.at(0).step);
+    ASSERT_EQ(state.buffers.size(), expected.at(0).buffers.size());
+    for (const auto& [name, buffer] : expected.at(0).buffers) {
+      EXPECT_TRUE(at::equal(state.buffers.at(name), buffer)) << name;
+    }
+
+    ShardedEmbeddingBag two(options({worker(1), worker(2)}, /*seed=*/9));
+    DistributedOptimizer two_optimizer("sparse_adam", two.remote_parameters(),
+                                       optimizer_options("sparse_adam"));
+    const at::Tensor rows_before = two.weight();
+    testing::expect_error_containing(
+        [&] { dist_optim::load_sharded_table(checkpoint, two, two_optimizer); },
+        {"'" + checkpoint +
+             "/manifest.pt': shard 1 has no optimizer state, shard 0 counted 1 steps",
+         "loads only into 3 shards"});
+    EXPECT_TRUE(at::equal(two.weight(), rows_before));
   });
 }
 

@@ -59,6 +59,10 @@
 namespace distoptim {
 namespace dist_optim {
 
+namespace detail {
+struct OwnerAccess;
+}  // namespace detail
+
 /// A checkpoint of a DistributedOptimizer, which PyTorch's lacks: every owner's optimizer state,
 /// keyed by owner and by the positions of its parameters in the list the optimizer was built from
 /// (with param groups: their lists concatenated, group 0 first).
@@ -178,6 +182,7 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   std::vector<std::string> owners() const;
 
  private:
+  friend struct detail::OwnerAccess;  // the owners' remote optimizers, for the table checkpoints
   struct Owner;
   /// Checks the options of param_groups() against the last checked ones and takes them as
   /// current; throws, changing nothing for that group, when the optimizer refuses them.

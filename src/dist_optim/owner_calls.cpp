@@ -1,0 +1,57 @@
+#include "owner_calls.h"
+
+#include <c10/util/Exception.h>
+
+#include <distoptim/comm/errors.h>
+#include <distoptim/rpc/detail/rref_calls.h>
+#include <distoptim/rpc/errors.h>
+
+namespace distoptim {
+namespace dist_optim {
+namespace detail {
+
+void note_failure(const std::string& worker, std::exception_ptr* first, std::string* failures) {
+  if (!*first) *first = std::current_exception();
+  try {
+    throw;
+  } catch (const c10::Error& error) {
+    *failures += "\n  worker '" + worker + "': " + error.what_without_backtrace();
+  } catch (const std::exception& error) {
+    *failures += "\n  worker '" + worker + "': " + error.what();
+  }
+}
+
+void throw_failures(std::exception_ptr first, const std::string& what,
+                    const std::string& failures) {
+  const std::string message = "DistributedOptimizer: " + what + " failed on" + failures;
+  try {
+    std::rethrow_exception(first);
+  } catch (const PeerLostError&) {
+    throw PeerLostError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
+  } catch (const TimeoutError&) {
+    throw TimeoutError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
+  } catch (const rpc::RemoteError& error) {
+    throw rpc::RemoteError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                           error.worker_name(), message);
+  } catch (...) {
+    throw DistributedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, message);
+  }
+}
+
+rpc::RpcFuture<c10::IValue> waited_method(const rpc::RRef<RemoteOptimizer>& optimizer,
+                                          const std::string& method,
+                                          std::vector<c10::IValue> args) {
+  return rpc::RpcFuture<c10::IValue>(
+      rpc::detail::method_call_values(optimizer.handle(), method, std::move(args),
+                                      rpc::kDefaultTimeout, /*waited_only=*/true),
+      // Named only in then()'s errors, never used here: not worth describing the RRef per step.
+      "method '" + method + "' of a remote optimizer");
+}
+
+void throw_if_failed(const Replies& replies, const std::string& what) {
+  if (replies.first) throw_failures(replies.first, what, replies.failures);
+}
+
+}  // namespace detail
+}  // namespace dist_optim
+}  // namespace distoptim
