@@ -24,6 +24,7 @@
 #include <distoptim/comm/store_round.h>
 #include <distoptim/comm/store_wait.h>
 
+#include "error_text.h"
 #include "host_port.h"
 
 namespace distoptim {
@@ -32,6 +33,7 @@ namespace comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using detail::seconds_text;
 
 // The value of environment variable `name` as an int in [min, max]; nullopt when unset.
 std::optional<int> env_int(const char* name, int min, int max) {
@@ -71,10 +73,6 @@ std::string source_text(bool given, bool in_environment, const char* variable) {
   if (given) return "";
   if (in_environment) return " (from the launcher's environment)";
   return c10::str(" (not given, and ", variable, " is unset)");
-}
-
-std::string seconds_text(std::chrono::milliseconds ms) {
-  return c10::str(static_cast<double>(ms.count()) / 1000.0, " s");
 }
 
 c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int port, int rank,

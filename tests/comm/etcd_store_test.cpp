@@ -44,21 +44,22 @@ constexpr auto kHangBound = 60s;
 // One etcd for the whole suite; each test uses jobs of its own.
 class EtcdStoreOps : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { etcd_ = new EtcdServer(); }
+  static void SetUpTestSuite() { shared_etcd = new EtcdServer(); }
   static void TearDownTestSuite() {
-    delete etcd_;
-    etcd_ = nullptr;
+    delete shared_etcd;
+    shared_etcd = nullptr;
   }
 
   static std::unique_ptr<EtcdStore> store(const std::string& job,
                                           std::chrono::milliseconds timeout = 30s) {
-    return std::make_unique<EtcdStore>(EtcdStoreOptions(etcd_->endpoint(), job).timeout(timeout));
+    return std::make_unique<EtcdStore>(
+        EtcdStoreOptions(shared_etcd->endpoint(), job).timeout(timeout));
   }
 
-  static EtcdServer* etcd_;
+  static EtcdServer* shared_etcd;
 };
 
-EtcdServer* EtcdStoreOps::etcd_ = nullptr;
+EtcdServer* EtcdStoreOps::shared_etcd = nullptr;
 
 TEST_F(EtcdStoreOps, SetGetRoundTripsBinaryValues) {
   auto s = store("roundtrip");
@@ -76,7 +77,7 @@ TEST_F(EtcdStoreOps, SetGetRoundTripsBinaryValues) {
   s->set("nuls", bytes("over"));
   EXPECT_EQ(s->get("nuls"), bytes("over"));
   EXPECT_EQ(s->key_prefix(), "/distoptim/roundtrip/");
-  EXPECT_EQ(s->endpoint(), etcd_->endpoint());
+  EXPECT_EQ(s->endpoint(), shared_etcd->endpoint());
 }
 
 TEST_F(EtcdStoreOps, CompareSetFollowsTcpStore) {
@@ -212,7 +213,7 @@ TEST_F(EtcdStoreOps, MissingKeyTimesOutNamingKeyAndEndpoint) {
     ADD_FAILURE() << "expected a TimeoutError";
   } catch (const TimeoutError& e) {
     const std::string message = e.what();
-    EXPECT_NE(message.find("etcd at " + etcd_->endpoint()), std::string::npos) << message;
+    EXPECT_NE(message.find("etcd at " + shared_etcd->endpoint()), std::string::npos) << message;
     EXPECT_NE(message.find("get(never) timed out after 1 s; keys still missing: never"),
               std::string::npos)
         << message;
@@ -224,7 +225,7 @@ TEST_F(EtcdStoreOps, MissingKeyTimesOutNamingKeyAndEndpoint) {
     const std::string message = e.what();
     EXPECT_NE(message.find("keys still missing: never2"), std::string::npos) << message;
     EXPECT_EQ(message.find("missing: present"), std::string::npos) << message;
-    EXPECT_NE(message.find(etcd_->endpoint()), std::string::npos) << message;
+    EXPECT_NE(message.find(shared_etcd->endpoint()), std::string::npos) << message;
   }
   EXPECT_LT(Clock::now() - start, kHangBound);
 }

@@ -16,6 +16,7 @@
 
 #include <distoptim/comm/errors.h>
 
+#include "error_text.h"
 #include "etcd/base64.h"
 #include "etcd/http_client.h"
 #include "host_port.h"
@@ -42,16 +43,8 @@ constexpr std::chrono::seconds kLongestWatch{60};
 constexpr std::chrono::milliseconds kFirstPause{10};
 constexpr std::chrono::milliseconds kLongestPause{1000};
 
-std::string seconds_text(std::chrono::milliseconds ms) {
-  return c10::str(static_cast<double>(ms.count()) / 1000.0, " s");
-}
-
-std::string keys_text(const std::vector<std::string>& keys) {
-  const size_t shown = std::min<size_t>(keys.size(), 8);
-  std::string text = c10::Join(", ", std::vector<std::string>(keys.begin(), keys.begin() + shown));
-  if (shown < keys.size()) text += c10::str(", ... (", keys.size(), " keys)");
-  return text;
-}
+using detail::keys_text;
+using detail::seconds_text;
 
 std::string to_string(const std::vector<uint8_t>& bytes) {
   return std::string(bytes.begin(), bytes.end());
@@ -134,11 +127,7 @@ struct EtcdStore::Impl {
     }
     json answer = json::parse(body, nullptr, /*allow_exceptions=*/false);
     if (answer.is_discarded() || !answer.is_object()) {
-      std::string start = body.substr(0, 80);
-      for (char& c : start) {
-        if (!std::isprint(static_cast<unsigned char>(c))) c = '?';
-      }
-      malformed(what, c10::str("not a JSON object: '", start, body.size() > 80 ? "...'" : "'"));
+      malformed(what, c10::str("not a JSON object: '", detail::printable(body, 80), "'"));
     }
     return answer;
   }
@@ -348,7 +337,7 @@ struct EtcdStore::Impl {
       return !boolean(result, "canceled", what);
     });
     DISTOPTIM_CHECK_WITH(DistributedError, !error, "etcd at ", http.endpoint(), ": ", what,
-                         ": the watch failed: ", error->substr(0, 200));
+                         ": the watch failed: ", detail::printable(*error, 200));
     return changed;
   }
 

@@ -14,6 +14,8 @@
 
 #include <distoptim/comm/errors.h>
 
+#include "error_text.h"
+
 namespace distoptim {
 namespace comm {
 namespace etcd {
@@ -31,21 +33,6 @@ constexpr size_t kQuotedBytes = 200;
 void init_curl_once() {
   static std::once_flag once;
   std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
-}
-
-std::string seconds_text(std::chrono::milliseconds ms) {
-  return c10::str(static_cast<double>(ms.count()) / 1000.0, " s");
-}
-
-// The start of untrusted bytes, safe to print: at most kQuotedBytes, others than printable ASCII
-// as '?'.
-std::string printable(const std::string& text) {
-  std::string out = text.substr(0, kQuotedBytes);
-  for (char& c : out) {
-    if (!std::isprint(static_cast<unsigned char>(c))) c = '?';
-  }
-  if (text.size() > kQuotedBytes) out += "...";
-  return out;
 }
 
 // What one transfer receives; the callbacks below fill it.
@@ -261,7 +248,8 @@ std::string HttpClient::post(const std::string& path, const std::string& body,
     case CURLE_COULDNT_CONNECT:
       DISTOPTIM_THROW(PeerLostError, at, ": cannot connect: ", detail);
     case CURLE_OPERATION_TIMEDOUT:
-      DISTOPTIM_THROW(TimeoutError, at, ": no answer within ", seconds_text(bound), ": ", detail);
+      DISTOPTIM_THROW(TimeoutError, at, ": no answer within ", detail::seconds_text(bound), ": ",
+                      detail);
     default:
       if (is_connection_lost(code)) {
         DISTOPTIM_THROW(PeerLostError, at, ": the connection closed before the answer: ", detail);
@@ -269,7 +257,7 @@ std::string HttpClient::post(const std::string& path, const std::string& body,
       DISTOPTIM_THROW(DistributedError, at, ": ", detail);
   }
   DISTOPTIM_CHECK_WITH(DistributedError, status == 200, at, ": HTTP status ", status, ": ",
-                       printable(transfer.body));
+                       detail::printable(transfer.body, kQuotedBytes));
   return std::move(transfer.body);
 }
 
@@ -304,12 +292,12 @@ HttpClient::StreamEnd HttpClient::post_stream(
   }
   if (code == CURLE_OPERATION_TIMEDOUT && status == 200) return StreamEnd::kTimedOut;
   if (code == CURLE_OPERATION_TIMEDOUT) {
-    DISTOPTIM_THROW(TimeoutError, at, ": no answer within ", seconds_text(connect_bound), ": ",
-                    detail);
+    DISTOPTIM_THROW(TimeoutError, at, ": no answer within ", detail::seconds_text(connect_bound),
+                    ": ", detail);
   }
   if (code == CURLE_OK || (status == 200 && is_connection_lost(code))) {
     DISTOPTIM_CHECK_WITH(DistributedError, status == 200, at, ": HTTP status ", status, ": ",
-                         printable(transfer.body));
+                         detail::printable(transfer.body, kQuotedBytes));
     return StreamEnd::kClosed;
   }
   if (is_connection_lost(code)) {
