@@ -32,6 +32,10 @@ PACKAGES=(
   # libcrypto: HMAC-SHA256 and random nonces for the rpc layer's connection handshake, SHA-256
   # of the state dicts ZeroRedundancyOptimizer's ranks compare before loading.
   libssl-dev
+  # libcurl: the comm layer's etcd store speaks HTTP/1.1 to etcd's v3 JSON gateway.
+  libcurl4-openssl-dev
+  # etcd 3.4 (/usr/bin/etcd): the tests start a real one for the etcd store and etcd:// rendezvous.
+  etcd-server
   # libzip: checkpoint files are verified record by record (CRC-32) before they are loaded.
   libzip-dev
   # libFuzzer for the rpc message decoder's fuzz test (clang's runtime; the build stays on g++).

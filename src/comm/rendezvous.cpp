@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <tuple>
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -19,8 +20,12 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/comm/etcd_store.h>
 #include <distoptim/comm/store_round.h>
 #include <distoptim/comm/store_wait.h>
+
+#include "error_text.h"
+#include "host_port.h"
 
 namespace distoptim {
 namespace comm {
@@ -28,6 +33,7 @@ namespace comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using detail::seconds_text;
 
 // The value of environment variable `name` as an int in [min, max]; nullopt when unset.
 std::optional<int> env_int(const char* name, int min, int max) {
@@ -67,37 +73,6 @@ std::string source_text(bool given, bool in_environment, const char* variable) {
   if (given) return "";
   if (in_environment) return " (from the launcher's environment)";
   return c10::str(" (not given, and ", variable, " is unset)");
-}
-
-std::string seconds_text(std::chrono::milliseconds ms) {
-  return c10::str(static_cast<double>(ms.count()) / 1000.0, " s");
-}
-
-// "host:port" or "[v6]:port" of a tcp:// init_method, checked.
-std::pair<std::string, int> parse_host_port(const std::string& init_method,
-                                            const std::string& rest) {
-  std::string host;
-  std::string port_text;
-  if (!rest.empty() && rest.front() == '[') {
-    const size_t close = rest.find(']');
-    TORCH_CHECK_VALUE(
-        close != std::string::npos && close + 1 < rest.size() && rest[close + 1] == ':',
-        "rendezvous: init_method '", init_method, "' is not tcp://[ADDRESS]:PORT");
-    host = rest.substr(1, close - 1);
-    port_text = rest.substr(close + 2);
-  } else {
-    const size_t colon = rest.rfind(':');
-    TORCH_CHECK_VALUE(colon != std::string::npos && colon > 0, "rendezvous: init_method '",
-                      init_method, "' is not tcp://HOST:PORT");
-    host = rest.substr(0, colon);
-    port_text = rest.substr(colon + 1);
-  }
-  char* end = nullptr;
-  const long port = std::strtol(port_text.c_str(), &end, 10);
-  TORCH_CHECK_VALUE(!port_text.empty() && *end == '\0' && port >= 1 && port <= 65535,
-                    "rendezvous: init_method '", init_method, "' has port '", port_text,
-                    "'; expected 1..65535");
-  return {host, static_cast<int>(port)};
 }
 
 c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int port, int rank,
@@ -301,13 +276,58 @@ bool is_loopback_address(const std::string& host) {
 
 namespace {
 
-// The store of a rendezvous (served by rank 0 over tcp:// and env://), wrapped with deadlines
-// and the prefix, in `result` with the addresses; `world_size` 0 for a group of unknown size.
+// HOST, PORT and JOB of an etcd://HOST:PORT/JOB init_method, checked.
+std::tuple<std::string, int, std::string> parse_etcd_method(const std::string& method) {
+  const std::string rest = method.substr(std::string("etcd://").size());
+  const size_t slash = rest.find('/');
+  TORCH_CHECK_VALUE(slash != std::string::npos && slash + 1 < rest.size(),
+                    "rendezvous: init_method '", method, "' names no job; expected ",
+                    "etcd://HOST:PORT/JOB");
+  const std::string subject = c10::str("rendezvous: init_method '", method, "'");
+  auto [host, port] =
+      detail::parse_host_port(rest.substr(0, slash), subject, "etcd://HOST:PORT/JOB");
+  const std::string job = rest.substr(slash + 1);
+  return {host, port, job};
+}
+
+// An EtcdStore for `job`, once etcd answers: it may be (re)starting when the ranks start, so a
+// refused connection is tried again until `timeout` has passed, as a tcp:// rank does for rank
+// 0's store.
+c10::intrusive_ptr<c10d::Store> connect_etcd_store(const std::string& endpoint,
+                                                   const std::string& job, int rank,
+                                                   std::chrono::milliseconds timeout) {
+  c10::intrusive_ptr<EtcdStore> store;
+  try {
+    store = c10::make_intrusive<EtcdStore>(EtcdStoreOptions(endpoint, job).timeout(timeout));
+  } catch (const c10::ValueError& e) {
+    TORCH_CHECK_VALUE(false, "rendezvous: init_method 'etcd://", endpoint, "/", job,
+                      "': ", e.what_without_backtrace());
+  }
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    try {
+      store->getNumKeys();
+      return store;
+    } catch (const PeerLostError& e) {
+      if (Clock::now() >= deadline) {
+        DISTOPTIM_THROW(TimeoutError, "rendezvous: rank ", rank, " could not reach etcd at ",
+                        endpoint, " within ", seconds_text(timeout), ": ",
+                        e.what_without_backtrace());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+}
+
+// The store of a rendezvous (served by rank 0 over tcp:// and env://, kept in etcd by etcd://),
+// wrapped with deadlines and the prefix, in `result` with the addresses; `world_size` 0 for a group
+// of unknown size.
 void open_store_into(const RendezvousOptions& options, const LaunchEnv& env, int rank,
                      int world_size, Rendezvous& result) {
   const std::string& method = options.init_method();
   const bool is_tcp = method.rfind("tcp://", 0) == 0;
   const bool is_file = method.rfind("file://", 0) == 0;
+  const bool is_etcd = method.rfind("etcd://", 0) == 0;
   result.rank = rank;
   result.world_size = world_size;
   result.timeout = options.timeout();
@@ -320,11 +340,23 @@ void open_store_into(const RendezvousOptions& options, const LaunchEnv& env, int
     store->setTimeout(options.timeout());
     address = "file " + path;
     result.local_address = "127.0.0.1";
+  } else if (is_etcd) {
+    std::string host;
+    int port = 0;
+    std::string job;
+    std::tie(host, port, job) = parse_etcd_method(method);
+    const std::string endpoint = detail::host_port_text(host, port);
+    store = connect_etcd_store(endpoint, job, rank, options.timeout());
+    result.local_address =
+        is_loopback_address(host) ? "127.0.0.1" : source_address_toward(host, port);
+    address = c10::str("etcd ", endpoint, " (job ", job, ")");
   } else {
     std::string host;
     int port = 0;
     if (is_tcp) {
-      std::tie(host, port) = parse_host_port(method, method.substr(std::string("tcp://").size()));
+      std::tie(host, port) = detail::parse_host_port(
+          method.substr(std::string("tcp://").size()),
+          c10::str("rendezvous: init_method '", method, "'"), "tcp://HOST:PORT");
     } else {
       TORCH_CHECK_VALUE(env.master_addr.has_value(),
                         "rendezvous(env://): MASTER_ADDR is unset (rank ", rank, ")");
@@ -337,12 +369,12 @@ void open_store_into(const RendezvousOptions& options, const LaunchEnv& env, int
     store = connect_tcp_store(host, port, rank, world_size, options.timeout());
     result.local_address =
         is_loopback_address(host) ? "127.0.0.1" : source_address_toward(host, port);
-    address = c10::str(host.find(':') == std::string::npos ? host : "[" + host + "]", ":", port);
+    address = detail::host_port_text(host, port);
   }
   result.store = c10::make_intrusive<DeadlineStore>(
       c10::make_intrusive<c10d::PrefixStore>(options.prefix() + "/", store), address,
       options.timeout());
-  if (!is_file) {
+  if (!is_file && !is_etcd) {
     // LibTorch 1.13's TCPStore sets its socket's receive timeout to the timeout of a wait and
     // keeps it. After this wait for no keys (answered at once), no receive on the connection
     // blocks longer than the rendezvous timeout: an operation that DeadlineStore abandoned at
@@ -362,9 +394,9 @@ void check_method(const RendezvousOptions& options) {
                     "rendezvous: timeout = ", options.timeout().count(), " ms; must be positive");
   TORCH_CHECK_VALUE(!options.prefix().empty(), "rendezvous: prefix must not be empty");
   TORCH_CHECK_VALUE(method.rfind("env://", 0) == 0 || method.rfind("tcp://", 0) == 0 ||
-                        method.rfind("file://", 0) == 0,
+                        method.rfind("file://", 0) == 0 || method.rfind("etcd://", 0) == 0,
                     "rendezvous: init_method '", method,
-                    "' is not env://, tcp://HOST:PORT or file:///PATH");
+                    "' is not env://, tcp://HOST:PORT, file:///PATH or etcd://HOST:PORT/JOB");
 }
 
 }  // namespace
@@ -373,10 +405,10 @@ Rendezvous open_store(const RendezvousOptions& options) {
   check_method(options);
   const std::string& method = options.init_method();
   TORCH_CHECK_VALUE(method.rfind("file://", 0) != 0, "open_store: init_method '", method,
-                    "': a group of unknown size meets through tcp:// or env:// (rank 0 serves "
-                    "the store)");
+                    "': a group of unknown size meets through tcp://, env:// (rank 0 serves "
+                    "the store) or etcd://");
   TORCH_CHECK_VALUE(options.rank() >= 0, "open_store(", method, "): rank = ", options.rank(),
-                    "; must be given, at least 0 (rank 0 serves the store)");
+                    "; must be given, at least 0");
   const LaunchEnv env =
       options.launch_env() ? *options.launch_env() : LaunchEnv::from_environment();
   Rendezvous result;

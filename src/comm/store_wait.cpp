@@ -13,6 +13,8 @@
 
 #include <distoptim/comm/errors.h>
 
+#include "error_text.h"
+
 namespace distoptim {
 namespace comm {
 
@@ -20,16 +22,10 @@ namespace {
 
 using Clock = DeadlineStore::Clock;
 
-std::string seconds_since(Clock::time_point start, Clock::time_point end) {
-  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(end - start);
-  return c10::str(static_cast<double>(ms.count()) / 1000.0, " s");
-}
+using detail::keys_text;
 
-std::string keys_text(const std::vector<std::string>& keys) {
-  const size_t shown = std::min<size_t>(keys.size(), 4);
-  std::string text = c10::Join(", ", std::vector<std::string>(keys.begin(), keys.begin() + shown));
-  if (shown < keys.size()) text += c10::str(", ... (", keys.size(), " keys)");
-  return text;
+std::string seconds_since(Clock::time_point start, Clock::time_point end) {
+  return detail::seconds_text(std::chrono::duration_cast<std::chrono::milliseconds>(end - start));
 }
 
 bool mentions_timeout(std::string text) {

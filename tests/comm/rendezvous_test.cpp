@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -16,6 +17,7 @@
 
 #include <distoptim/comm.h>
 
+#include "harness/etcd_server.h"
 #include "harness/multiprocess.h"
 #include "support/test_util.h"
 
@@ -140,6 +142,19 @@ TEST(RendezvousBadInput, NamesTheArgument) {
         rendezvous(RendezvousOptions("tcp://127.0.0.1:1234").rank(0).world_size(1).timeout(0ms));
       },
       {"timeout = 0 ms"});
+  for (const std::string method : {"etcd://127.0.0.1:2379", "etcd://127.0.0.1:2379/"}) {
+    expect_error_containing([&] { rendezvous(RendezvousOptions(method).rank(0).world_size(1)); },
+                            {"init_method '" + method + "' names no job"});
+  }
+  expect_error_containing(
+      [] { rendezvous(RendezvousOptions("etcd://127.0.0.1:0/job").rank(0).world_size(1)); },
+      {"init_method 'etcd://127.0.0.1:0/job'", "port '0'"});
+  expect_error_containing(
+      [] { rendezvous(RendezvousOptions("etcd://127.0.0.1/job").rank(0).world_size(1)); },
+      {"init_method 'etcd://127.0.0.1/job' is not etcd://HOST:PORT/JOB"});
+  expect_error_containing(
+      [] { open_store(RendezvousOptions("etcd://127.0.0.1:2379/a/b").rank(0)); },
+      {"init_method 'etcd://127.0.0.1:2379/a/b'", "job 'a/b'"});
 }
 
 TEST(RendezvousFailure, UnreachableStoreTimesOut) {
@@ -188,6 +203,53 @@ TEST(Rendezvous, EnvMethodThreeRanks) {
     EXPECT_EQ(r.local_address, "127.0.0.1");
     leave(r);
   });
+}
+
+// The ranks meet in a real etcd that none of them hosts; the parent process runs it, and tells
+// the ranks where through the environment (they may be started afresh, see run_ranks).
+constexpr const char* kEtcdVariable = "DISTOPTIM_TEST_ETCD_ENDPOINT";
+
+TEST(Rendezvous, EtcdMethodThreeRanks) {
+  std::unique_ptr<testing::EtcdServer> etcd;
+  if (!testing::in_rank_process()) {
+    etcd = std::make_unique<testing::EtcdServer>();
+    ::setenv(kEtcdVariable, etcd->endpoint().c_str(), 1);
+  }
+  run_ranks(3, [](int rank, int world_size) {
+    // MASTER_PORT, the same for every rank of this run, makes the job fresh per run.
+    const std::string method =
+        c10::str("etcd://", std::getenv(kEtcdVariable), "/rdzv-", port_text());
+    const Rendezvous r =
+        rendezvous(RendezvousOptions(method).rank(rank).world_size(world_size).timeout(30s));
+    expect_meets_everyone(r, rank, world_size);
+    EXPECT_EQ(r.master_addr, "");
+    EXPECT_EQ(r.local_address, "127.0.0.1");
+    EXPECT_NE(r.store->address().find(std::getenv(kEtcdVariable)), std::string::npos);
+    leave(r);
+  });
+  // A group of unknown size over the same etcd: each rank opens the store; none serves it.
+  run_ranks(2, [](int rank, int) {
+    const std::string method =
+        c10::str("etcd://", std::getenv(kEtcdVariable), "/open-", port_text());
+    const Rendezvous r = open_store(RendezvousOptions(method).rank(rank).timeout(30s));
+    EXPECT_EQ(r.world_size, 0);
+    r.store->set("member/" + std::to_string(rank), {1});
+    r.store->wait({"member/0", "member/1"}, 30s);
+    EXPECT_EQ(r.store->add("count", 1) >= 1, true);
+  });
+  if (!testing::in_rank_process()) ::unsetenv(kEtcdVariable);
+}
+
+TEST(RendezvousFailure, UnreachableEtcdTimesOutNamingIt) {
+  const std::string endpoint = "127.0.0.1:" + std::to_string(distoptim::testing::free_port());
+  try {
+    rendezvous(RendezvousOptions("etcd://" + endpoint + "/job").rank(1).world_size(2).timeout(1s));
+    ADD_FAILURE() << "expected a TimeoutError";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 could not reach etcd at " + endpoint),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Rendezvous, TcpMethodTwoRanks) {

@@ -34,7 +34,13 @@ struct LaunchEnv {
 /// `timeout`). init_method is one of
 ///   "env://"            MASTER_ADDR / MASTER_PORT (and RANK / WORLD_SIZE unless given here);
 ///   "tcp://HOST:PORT"   rank 0 serves the store on PORT, the others connect to HOST:PORT;
-///   "file:///PATH"      a file every rank can reach (a fresh one per job).
+///   "file:///PATH"      a file every rank can reach (a fresh one per job);
+///   "etcd://HOST:PORT/JOB"  the ranks meet in the etcd 3.4 at HOST:PORT, under
+///                       "/distoptim/JOB/" (EtcdStore, etcd_store.h): no rank serves the store,
+///                       so none is special. JOB is letters, digits, '.', '_' and '-', and must
+///                       be fresh per run of a job (like a file://'s file): the keys of an
+///                       earlier run under the same JOB are still there, and its claims would
+///                       count against this one's.
 /// rank and world_size of -1 mean "from the environment" (env:// only).
 struct RendezvousOptions {
   /* implicit */ RendezvousOptions(std::string init_method = "env://")
@@ -63,12 +69,13 @@ struct Rendezvous {
   /// This rank's position among the ranks on its own host, and how many those are.
   int local_rank = -1;
   int local_world_size = 0;
-  /// The address ranks met at (tcp:// and env://), empty for file://.
+  /// The address ranks met at (tcp:// and env://), empty for file:// and etcd://.
   std::string master_addr;
   /// The address this host reaches master_addr from: the source address its kernel picks on
   /// the route there (its interface on the network the ranks met on). "127.0.0.1" when
-  /// master_addr is a loopback address or empty (file://). What Gloo and the RPC agent listen
-  /// on unless told otherwise, so that ranks on other hosts can reach them.
+  /// master_addr is a loopback address or empty (file://); for etcd://, the address this host
+  /// reaches etcd from (or "127.0.0.1" when etcd is on loopback). What Gloo and the RPC agent
+  /// listen on unless told otherwise, so that ranks on other hosts can reach them.
   std::string local_address;
   std::chrono::milliseconds timeout{0};
 };
@@ -77,18 +84,19 @@ struct Rendezvous {
 /// Errors: c10::ValueError for a bad init_method, rank or world_size (named, with its value);
 /// distoptim::TimeoutError naming the ranks that never arrived, or the store (host:port) that
 /// could not be reached or stopped answering; distoptim::PeerLostError naming the store when its
-/// connection breaks (rank 0 died); c10::ValueError when two processes claim one rank or ranks
-/// disagree on the world size. Bounded by `timeout` (a store that stops answering just before
-/// it may add up to DeadlineStore::kMinAnswerTime). Thread safety: safe to call from any thread;
-/// each call is independent.
+/// connection breaks (rank 0 died; etcd went down during the rendezvous); c10::ValueError when two
+/// processes claim one rank or ranks disagree on the world size. Bounded by `timeout` (a store that
+/// stops answering just before it may add up to DeadlineStore::kMinAnswerTime). Thread safety: safe
+/// to call from any thread; each call is independent.
 Rendezvous rendezvous(const RendezvousOptions& options);
 
-/// The rendezvous store alone, for a group whose size is not known (a dynamic rpc group): rank
-/// 0 serves it (options.rank() must be given), the others connect to it, waiting up to
-/// options.timeout() for it to come up; nobody waits for anyone else. tcp:// and env:// only
-/// (env:// reads MASTER_ADDR and MASTER_PORT). The result has world_size 0 and no hosts.
+/// The rendezvous store alone, for a group whose size is not known (a dynamic rpc group): over
+/// tcp:// and env:// rank 0 serves it (options.rank() must be given), the others connect to it;
+/// over etcd:// every rank connects to etcd; each waits up to options.timeout() for the store to
+/// come up (to answer); nobody waits for anyone else. Not file://. (env:// reads MASTER_ADDR and
+/// MASTER_PORT.) The result has world_size 0 and no hosts.
 /// Errors: c10::ValueError for a bad init_method or rank, file://; TimeoutError naming the store
-/// when it cannot be reached; DistributedError when rank 0 cannot serve it.
+/// (host:port) when it cannot be reached; DistributedError when rank 0 cannot serve it.
 Rendezvous open_store(const RendezvousOptions& options);
 
 /// True when `host` names this machine's loopback ("localhost", 127.0.0.0/8, "::1").
