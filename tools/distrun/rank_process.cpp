@@ -163,5 +163,13 @@ std::string how_ended(const RankProcess& run) {
   return fmt::format("exited with status {}", WEXITSTATUS(run.status));
 }
 
+std::string failure_notice(const RankProcess& run) {
+  const std::string ended =
+      !run.waited ? "cannot be waited for: " + std::string(std::strerror(run.wait_error))
+      : WIFSIGNALED(run.status) ? "was " + how_ended(run)
+                                : how_ended(run);
+  return fmt::format("distrun: rank {} (pid {}) {}\n", run.rank, run.pid, ended);
+}
+
 }  // namespace launcher
 }  // namespace distoptim

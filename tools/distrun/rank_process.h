@@ -57,5 +57,10 @@ bool still_running(const RankProcess& run);
 // waited for".
 std::string how_ended(const RankProcess& run);
 
+// distrun's line on stderr for a reaped run that failed (exited non-zero, was killed, or could
+// not be waited for): "distrun: rank 1 (pid 42) exited with status 3\n", "... was killed by
+// signal SIGTERM\n", "... cannot be waited for: No child processes\n".
+std::string failure_notice(const RankProcess& run);
+
 }  // namespace launcher
 }  // namespace distoptim

@@ -65,7 +65,6 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -340,16 +339,9 @@ class Supervisor {
     for (size_t i = 0; i < ranks_.size(); ++i) {
       RankProcess& rank = ranks_[i];
       if (!rank.running || !reap_if_exited(rank)) continue;
-      const bool failed = !rank.waited || rank.status != 0;
-      if (!failed) continue;
-      // "exited with status 3", "was killed by signal SIGTERM", "cannot be waited for: ...".
-      const std::string ended =
-          !rank.waited ? fmt::format("cannot be waited for: {}", std::strerror(rank.wait_error))
-          : WIFSIGNALED(rank.status) ? "was " + how_ended(rank)
-                                     : how_ended(rank);
-      write_all(STDERR_FILENO,
-                fmt::format("distrun: rank {} (pid {}) {}\n", rank.rank, rank.pid, ended));
+      if (rank.waited && rank.status == 0) continue;
       if (rank.waited && may_restart_alone(options_, rank.rank, rank.restart_count, stopping())) {
+        write_all(STDERR_FILENO, failure_notice(rank));
         rank.replaced = true;
         to_restart.push_back(i);
         continue;
@@ -359,6 +351,7 @@ class Supervisor {
         first_failure_.rank = rank.rank;
         note_ranks_named_by(first_failure_, rank, ranks_, options_);
       }
+      write_all(STDERR_FILENO, failure_notice(rank));
       if (!rank.waited) {
         on_failure(1);
       } else if (WIFSIGNALED(rank.status)) {
