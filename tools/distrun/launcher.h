@@ -7,9 +7,11 @@
 // c10::Error; it links LibTorch's c10d (through the comm layer) only for the store the nodes of a
 // job with restarts coordinate through.
 //
-// options.h: the command line and each rank's environment; supervisor.h: run(), which uses
-// signals_fds.h (descriptors, the self-pipe for signals), output_relay.h (a rank's output) and,
-// across nodes with restarts, node_coordination.h (the rounds every node goes through together).
+// options.h: the command line and each rank's environment; supervisor.h: run(), the state
+// machine, which uses rank_process.h (a rank's process: start, signal, reap), output_relay.h (a
+// rank's output), signals_fds.h (descriptors, the self-pipe for signals), restart_policy.h
+// (whether and how ranks start again), job_report.h (the summary at the end) and, across nodes
+// with restarts, node_coordination.h (the rounds every node goes through together).
 
 #include "distrun/options.h"
 #include "distrun/supervisor.h"
