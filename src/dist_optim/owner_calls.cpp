@@ -39,11 +39,11 @@ void throw_failures(std::exception_ptr first, const std::string& what,
 }
 
 rpc::RpcFuture<c10::IValue> waited_method(const rpc::RRef<RemoteOptimizer>& optimizer,
-                                          const std::string& method,
-                                          std::vector<c10::IValue> args) {
+                                          const std::string& method, std::vector<c10::IValue> args,
+                                          bool waited_only) {
   return rpc::RpcFuture<c10::IValue>(
       rpc::detail::method_call_values(optimizer.handle(), method, std::move(args),
-                                      rpc::kDefaultTimeout, /*waited_only=*/true),
+                                      rpc::kDefaultTimeout, waited_only),
       // Named only in then()'s errors, never used here: not worth describing the RRef per step.
       "method '" + method + "' of a remote optimizer");
 }

@@ -42,10 +42,12 @@ void note_failure(const std::string& worker, std::exception_ptr* first, std::str
 [[noreturn]] void throw_failures(std::exception_ptr first, const std::string& what,
                                  const std::string& failures);
 
-/// A call of `method` of the owner's optimizer whose future is only ever waited for (its reply
-/// may complete it on the thread that reads it: rpc::detail::waited_call_values).
+/// A call of `method` of the owner's optimizer. By default one whose future is only ever waited
+/// for (its reply may complete it on the thread that reads it: rpc::detail::waited_call_values);
+/// `waited_only` false for one whose future is polled.
 rpc::RpcFuture<c10::IValue> waited_method(const rpc::RRef<RemoteOptimizer>& optimizer,
-                                          const std::string& method, std::vector<c10::IValue> args);
+                                          const std::string& method, std::vector<c10::IValue> args,
+                                          bool waited_only = true);
 
 /// Every owner's answer, and which of them failed.
 struct Replies {

@@ -118,89 +118,158 @@ void RemoteOptimizer::load_state_dict(c10::IValue state) {
   optimizer_->load_state_dict(optim::OptimizerStateDict::from_ivalue(state));
 }
 
-const at::Tensor& RemoteOptimizer::table_param(int64_t index, const char* caller) const {
+const at::Tensor& RemoteOptimizer::param(int64_t index, const char* caller, bool table) const {
   const std::vector<at::Tensor>& params = optimizer_->params();
   TORCH_CHECK_VALUE(index >= 0 && static_cast<size_t>(index) < params.size(), caller,
                     ": parameter ", index, " on worker '", rpc::get_worker_info().name,
                     "': its optimizer has ", params.size(), " parameters");
   const at::Tensor& param = params[index];
-  TORCH_CHECK_VALUE(param.dim() == 2, caller, ": parameter ", index, " on worker '",
+  TORCH_CHECK_VALUE(!table || param.dim() == 2, caller, ": parameter ", index, " on worker '",
                     rpc::get_worker_info().name, "' has shape ", param.sizes(),
                     ", not the 2-D rows of a table");
   return param;
 }
 
-c10::IValue RemoteOptimizer::save_table_rows(std::string directory, int64_t index, int64_t shard,
-                                             int64_t shards, int64_t first_row,
-                                             int64_t rows_per_file) {
-  TORCH_CHECK_VALUE(rows_per_file > 0, kSaveTable, ": rows_per_file is ", rows_per_file,
-                    "; it must be at least 1");
-  TableRows copy;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const at::Tensor& param = table_param(index, kSaveTable);
-    rpc::InPlaceUpdateGuard no_step_meanwhile;
-    copy.rows = param.detach().clone();
-    const optim::ParamState& state = optimizer_->state(index);
-    copy.has_state = !state.empty();
-    copy.state.step = state.step;
-    for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
-      if (state.buffers[slot].defined()) {
-        copy.state.buffers[optimizer_->state_names()[slot]] = state.buffers[slot].clone();
-      }
+ParamCopy RemoteOptimizer::copy_param(int64_t index) const {
+  ParamCopy copy;
+  copy.value = optimizer_->params()[index].detach().clone();
+  const optim::ParamState& state = optimizer_->state(index);
+  copy.has_state = !state.empty();
+  copy.state.step = state.step;
+  for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
+    if (state.buffers[slot].defined()) {
+      copy.state.buffers[optimizer_->state_names()[slot]] = state.buffers[slot].clone();
     }
   }
+  return copy;
+}
+
+namespace {
+
+c10::impl::GenericDict summary_dict(const StateSummary& state) {
+  c10::impl::GenericDict dict = string_dict();
+  insert_state_summary(dict, state);
+  return dict;
+}
+
+StateSummary summary_from(const c10::IValue& state) {
+  TORCH_CHECK_VALUE(state.isGenericDict(), kLoadSnapshot, ": a state summary must be a dict, got ",
+                    state.tagKind());
+  return state_summary(state.toGenericDict(),
+                       "the state summary sent to worker '" + rpc::get_worker_info().name + "'");
+}
+
+}  // namespace
+
+int64_t RemoteOptimizer::index_of(rpc::RRef<at::Tensor> param) {
+  TORCH_CHECK_VALUE(param.is_owner(), "index_of: the parameter is worker '", param.owner_name(),
+                    "''s, not worker '", rpc::get_worker_info().name, "''s");
+  const at::Tensor value = param.local_value();
+  std::lock_guard<std::mutex> lock(mutex_);
+  const std::vector<at::Tensor>& params = optimizer_->params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].is_same(value)) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+c10::IValue RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, int64_t shard,
+                                             int64_t shards, int64_t first_row,
+                                             int64_t rows_per_file) {
+  TORCH_CHECK_VALUE(rows_per_file > 0, kSaveSnapshot, ": rows_per_file is ", rows_per_file,
+                    "; it must be at least 1");
+  ParamCopy copy;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    param(index, kSaveSnapshot, /*table=*/true);
+    rpc::InPlaceUpdateGuard no_step_meanwhile;
+    copy = copy_param(index);
+  }
   const std::vector<int64_t> blocks =
-      write_shard_blocks(directory, shard, shards, first_row, copy, rows_per_file);
-  std::vector<std::string> names;
-  for (const auto& entry : copy.state.buffers) names.push_back(entry.first);
-  c10::impl::GenericDict summary(c10::StringType::get(), c10::AnyType::get());
-  summary.insert("has_state", copy.has_state);
-  summary.insert("step", copy.state.step);
-  summary.insert("buffers", c10::List<std::string>(names));
+      write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file);
+  c10::impl::GenericDict summary = summary_dict(summary_of(copy));
   summary.insert("blocks", c10::List<int64_t>(blocks));
   return summary;
 }
 
+c10::IValue RemoteOptimizer::save_params(std::string path, std::vector<int64_t> indices,
+                                         std::vector<int64_t> dense_indices) {
+  TORCH_CHECK_VALUE(indices.size() == dense_indices.size(), kSaveSnapshot, ": ", indices.size(),
+                    " parameters named by ", dense_indices.size(), " indices");
+  std::vector<ParamCopy> copies;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t index : indices) param(index, kSaveSnapshot, /*table=*/false);
+    rpc::InPlaceUpdateGuard no_step_meanwhile;
+    for (int64_t index : indices) copies.push_back(copy_param(index));
+  }
+  write_params_file(path, dense_indices, copies);
+  c10::impl::GenericList summaries(c10::AnyType::get());
+  for (const ParamCopy& copy : copies) summaries.push_back(summary_dict(summary_of(copy)));
+  return summaries;
+}
+
 void RemoteOptimizer::stage_table_rows(int64_t index, int64_t first_row, c10::IValue blocks,
-                                       bool has_state, int64_t step,
-                                       std::vector<std::string> buffer_names) {
+                                       c10::IValue state) {
   int64_t rows = 0, dim = 0;
   c10::ScalarType dtype;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const at::Tensor& param = table_param(index, kLoadTable);
-    rows = param.size(0);
-    dim = param.size(1);
-    dtype = param.scalar_type();
+    const at::Tensor& table = param(index, kLoadSnapshot, /*table=*/true);
+    rows = table.size(0);
+    dim = table.size(1);
+    dtype = table.scalar_type();
   }
-  TORCH_CHECK_VALUE(blocks.isList(), kLoadTable, ": blocks must be a list, got ", blocks.tagKind());
+  const StateSummary summary = summary_from(state);
+  TORCH_CHECK_VALUE(blocks.isList(), kLoadSnapshot, ": blocks must be a list, got ",
+                    blocks.tagKind());
   std::vector<BlockFile> files;
   for (const c10::IValue& entry : blocks.toListRef()) {
-    TORCH_CHECK_VALUE(
-        entry.isList() && entry.toListRef().size() == 4 && entry.toListRef()[0].isString(),
-        kLoadTable, ": a block must be [path, shard, first_row, end_row]");
+    TORCH_CHECK_VALUE(entry.isList() && entry.toListRef().size() == 4 &&
+                          entry.toListRef()[0].isString() && entry.toListRef()[1].isInt() &&
+                          entry.toListRef()[2].isInt() && entry.toListRef()[3].isInt(),
+                      kLoadSnapshot, ": a block must be [path, shard, first_row, end_row]");
     const c10::ArrayRef<c10::IValue> fields = entry.toListRef();
     files.push_back(BlockFile{fields[0].toStringRef(), fields[1].toInt(), fields[2].toInt(),
                               fields[3].toInt()});
   }
-  TORCH_CHECK_VALUE(!files.empty() && files.front().first_row <= first_row &&
-                        files.back().end_row >= first_row + rows,
-                    kLoadTable, ": the blocks sent to worker '", rpc::get_worker_info().name,
-                    "' do not hold its rows [", first_row, ", ", first_row + rows, ")");
+  bool in_order = !files.empty() && files.front().first_row <= first_row &&
+                  files.back().end_row >= first_row + rows;
+  for (size_t b = 0; in_order && b < files.size(); ++b) {
+    in_order = files[b].first_row < files[b].end_row &&
+               (b == 0 || files[b - 1].end_row == files[b].first_row);
+  }
+  TORCH_CHECK_VALUE(in_order, kLoadSnapshot, ": the blocks sent to worker '",
+                    rpc::get_worker_info().name, "' do not hold its rows [", first_row, ", ",
+                    first_row + rows, ") in order");
   // Read with no lock held: steps go on until the commit.
-  TableRows read = read_block_rows(files, first_row, first_row + rows, dim, dtype, has_state, step,
-                                   buffer_names);
-  std::lock_guard<std::mutex> lock(mutex_);
-  staged_[index] = std::move(read);
+  stage(index, read_block_rows(files, first_row, first_row + rows, dim, dtype, summary));
 }
 
-void RemoteOptimizer::commit_table_rows(int64_t index) {
+void RemoteOptimizer::stage_param(int64_t index, std::string path, int64_t dense_index,
+                                  c10::IValue state) {
+  at::Tensor like;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    like = param(index, kLoadSnapshot, /*table=*/false);
+  }
+  stage(index, read_param(path, dense_index, like, summary_from(state)));
+}
+
+void RemoteOptimizer::stage(int64_t index, ParamCopy copy) {
   std::lock_guard<std::mutex> lock(mutex_);
-  const at::Tensor& param = table_param(index, kLoadTable);
+  staged_[index] = std::move(copy);
+}
+
+void RemoteOptimizer::commit_staged(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const at::Tensor& target = param(index, kLoadSnapshot, /*table=*/false);
   auto it = staged_.find(index);
-  TORCH_CHECK_VALUE(it != staged_.end(), kLoadTable, ": nothing was staged for parameter ", index,
-                    " on worker '", rpc::get_worker_info().name, "'");
+  TORCH_CHECK_VALUE(it != staged_.end(), kLoadSnapshot, ": nothing was staged for parameter ",
+                    index, " on worker '", rpc::get_worker_info().name, "'");
+  TORCH_CHECK_VALUE(it->second.value.sizes() == target.sizes(), kLoadSnapshot, ": parameter ",
+                    index, " on worker '", rpc::get_worker_info().name, "' has shape ",
+                    target.sizes(), ", what was staged ", it->second.value.sizes());
   optim::OptimizerStateDict state = optimizer_->state_dict();
   if (it->second.has_state) {
     state.state[index] = std::move(it->second.state);
@@ -211,13 +280,13 @@ void RemoteOptimizer::commit_table_rows(int64_t index) {
   {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     at::NoGradGuard no_grad;
-    param.copy_(it->second.rows);
+    target.copy_(it->second.value);
     optimizer_->load_state_dict(state);
   }
   staged_.erase(it);
 }
 
-void RemoteOptimizer::drop_table_rows(int64_t index) {
+void RemoteOptimizer::drop_staged(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   staged_.erase(index);
 }
@@ -232,14 +301,20 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::state_dict);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "load_state_dict",
                                         &RemoteOptimizer::load_state_dict);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "index_of",
+                                        &RemoteOptimizer::index_of);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "save_table_rows",
                                         &RemoteOptimizer::save_table_rows);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "save_params",
+                                        &RemoteOptimizer::save_params);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "stage_table_rows",
                                         &RemoteOptimizer::stage_table_rows);
-  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "commit_table_rows",
-                                        &RemoteOptimizer::commit_table_rows);
-  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "drop_table_rows",
-                                        &RemoteOptimizer::drop_table_rows);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "stage_param",
+                                        &RemoteOptimizer::stage_param);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "commit_staged",
+                                        &RemoteOptimizer::commit_staged);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "drop_staged",
+                                        &RemoteOptimizer::drop_staged);
   return true;
 }
 }  // namespace

@@ -15,7 +15,7 @@
 #include <distoptim/optim/functional_optimizer.h>
 #include <distoptim/rpc/rref.h>
 
-#include "table_shard_files.h"
+#include "snapshot_files.h"
 
 namespace distoptim {
 namespace dist_optim {
@@ -45,40 +45,53 @@ class RemoteOptimizer {
   c10::IValue state_dict();
   void load_state_dict(c10::IValue state);
 
-  /// The owner's side of save_sharded_table for parameter `index` (a 2-D shard of a table, shard
-  /// `shard` of `shards`, whose first row is the table's `first_row`): copies its rows and their
-  /// state under this optimizer's mutex and an rpc::InPlaceUpdateGuard (so no optimizer's step
-  /// is half in the copy: the shard at one point between steps), then writes the copy as blocks
-  /// of at most `rows_per_file` rows into `directory` holding no lock, so steps go on while the
-  /// files are written. Returns a dict: has_state, step, buffers (their names) and blocks (each
-  /// block's first row, then the shard's end). Errors: c10::ValueError for an index that is not
-  /// a 2-D parameter of this optimizer; c10::Error naming a file that could not be written.
-  c10::IValue save_table_rows(std::string directory, int64_t index, int64_t shard, int64_t shards,
+  // The owner's side of a snapshot (snapshot.h). A copy is taken under this optimizer's mutex
+  // and an rpc::InPlaceUpdateGuard, so that no optimizer's step is half in it (the parameters
+  // at one point between steps), and written to files holding no lock, so steps go on while
+  // they are written. A load reads and checks its files first, changing nothing, and keeps what
+  // it read for commit_staged. Errors: c10::ValueError naming a parameter index this optimizer
+  // does not have; what snapshot_files.h's functions throw, naming the file.
+
+  /// The index of the parameter `param` (a reference owned here) among this optimizer's, or -1.
+  int64_t index_of(rpc::RRef<at::Tensor> param);
+  /// Writes parameter `index`, shard `shard` of `shards` of a table whose first row is the
+  /// table's `first_row`, and its state, as blocks of at most `rows_per_file` rows named after
+  /// `prefix`. Returns a dict: has_state, step, buffers (names) and blocks (each block's first
+  /// row, then the shard's end).
+  c10::IValue save_table_rows(std::string prefix, int64_t index, int64_t shard, int64_t shards,
                               int64_t first_row, int64_t rows_per_file);
-  /// The owner's side of load_sharded_table, first half: reads the rows of parameter `index` (the
-  /// table's rows from `first_row` on, as many as the parameter has) and their state (`has_state`,
-  /// `step`, the buffers `buffer_names`) from `blocks`, a list of [path, shard, first_row,
-  /// end_row] in row order, and keeps them for commit_table_rows. Changes nothing else; a second
-  /// stage of the same index replaces the first. Errors: what read_block_rows throws, naming the
-  /// file; c10::ValueError for an index that is not a 2-D parameter of this optimizer.
-  void stage_table_rows(int64_t index, int64_t first_row, c10::IValue blocks, bool has_state,
-                        int64_t step, std::vector<std::string> buffer_names);
-  /// The second half: loads what was staged for `index` into the parameter (under the same
-  /// locks as a dense step) and its state; c10::ValueError when nothing is staged for it.
-  void commit_table_rows(int64_t index);
+  /// Writes the parameters `indices` (named in the file by `dense_indices`) and their state to
+  /// the file `path`, copied at one point. Returns one dict per parameter: has_state, step and
+  /// buffers.
+  c10::IValue save_params(std::string path, std::vector<int64_t> indices,
+                          std::vector<int64_t> dense_indices);
+  /// Reads parameter `index`'s rows (the table's rows from `first_row` on, as many as the
+  /// parameter has) and their state from `blocks`, a list of [path, shard, first_row, end_row]
+  /// in row order, each block holding the state `state` (a dict: has_state, step, buffers) says.
+  void stage_table_rows(int64_t index, int64_t first_row, c10::IValue blocks, c10::IValue state);
+  /// Reads parameter `index` from the entry of dense index `dense_index` of the file `path`,
+  /// holding `state`.
+  void stage_param(int64_t index, std::string path, int64_t dense_index, c10::IValue state);
+  /// Loads what was staged for `index` into the parameter (under the same locks as a dense step)
+  /// and its state; c10::ValueError when nothing is staged for it.
+  void commit_staged(int64_t index);
   /// Forgets what was staged for `index`, if anything.
-  void drop_table_rows(int64_t index);
+  void drop_staged(int64_t index);
 
  private:
-  /// Parameter `index`, checked to be a 2-D one of this optimizer; `caller` names the method.
-  const at::Tensor& table_param(int64_t index, const char* caller) const;
+  /// Parameter `index`, checked to be one of this optimizer (and 2-D when `table`).
+  const at::Tensor& param(int64_t index, const char* caller, bool table) const;
+  /// A copy of parameter `index` and its state; under mutex_ and an InPlaceUpdateGuard.
+  ParamCopy copy_param(int64_t index) const;
+  /// Keeps `copy` for commit_staged(index).
+  void stage(int64_t index, ParamCopy copy);
 
   // Guards optimizer_ (options, state, step counts): its calls must not overlap.
   std::mutex mutex_;
   std::unique_ptr<optim::FunctionalOptimizer> optimizer_;
-  // Rows read by stage_table_rows, by parameter index, until committed or dropped. Guarded by
-  // mutex_.
-  std::map<int64_t, TableRows> staged_;
+  // What stage_table_rows and stage_param read, by parameter index, until committed or dropped.
+  // Guarded by mutex_.
+  std::map<int64_t, ParamCopy> staged_;
 };
 
 }  // namespace detail

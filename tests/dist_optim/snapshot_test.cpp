@@ -1,29 +1,45 @@
-// Checkpoints of a ShardedEmbeddingBag and its DistributedOptimizer that each shard's owner writes
-// and reads itself, across real processes on loopback: a run checkpointed with 3 shards (in one
-// block per shard, or in blocks of 7 rows) and resumed with 2 or 1 (or 3) continues bit for bit
-// as the uninterrupted 3-shard run, with Adagrad (lr_decay, so the step count matters) and
+// Snapshots that the parameters' owners write and read themselves, across real processes on
+// loopback. A table with a RemoteModule beside it resumes on other owners bit for bit; a
+// SnapshotSchedule keeps the last snapshots and the latest loads as it was taken; damaged
+// snapshots are refused naming the file and the owner that read it. The sharded table's
+// checkpoints (save_sharded_table, a snapshot of one table alone): a run checkpointed with 3 shards
+// (in one block per shard, or in blocks of 7 rows) and resumed with 2 or 1 (or 3) continues bit for
+// bit as the uninterrupted 3-shard run, with Adagrad (lr_decay, so the step count matters) and
 // SparseAdam; a shard without optimizer state loads into the same split; bad checkpoints are
 // refused naming the file (and the owner that read it), the table and optimizer unchanged.
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/nn/modules/linear.h>
 
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
 #include <distoptim/dist_optim/sharded_table_checkpoint.h>
+#include <distoptim/dist_optim/snapshot.h>
 #include <distoptim/rpc.h>
 
 #include "harness/rpc_workers.h"
 #include "support/test_util.h"
+
+namespace {
+// A float Linear layer held by a RemoteModule beside the table.
+struct SnapshotLinear : torch::nn::LinearImpl {
+  SnapshotLinear(int64_t in, int64_t out) : torch::nn::LinearImpl(in, out) {}
+};
+}  // namespace
+DISTOPTIM_REMOTE_MODULE(SnapshotLinear, int64_t, int64_t);
 
 namespace distoptim {
 namespace {
@@ -90,7 +106,7 @@ TEST(ShardedTableCheckpoint, ResumesOnAnotherNumberOfShardsBitForBit) {
       for (int step = 0; step < 3; ++step) train_step(three, optimizer, step);
       dist_optim::save_sharded_table(checkpoint, three, optimizer, rows_per_file);
       // Shard 1 holds rows [34, 67): in blocks of 7 rows, its last block is [62, 67).
-      EXPECT_EQ(fs::exists(checkpoint + "/shard-1-of-3.block-4.pt"), rows_per_file == 7);
+      EXPECT_EQ(fs::exists(checkpoint + "/table-0.shard-1-of-3.block-4.pt"), rows_per_file == 7);
       std::vector<at::Tensor> expected;
       for (int step = 3; step < 6; ++step) expected.push_back(train_step(three, optimizer, step));
       const at::Tensor expected_table = three.weight();
@@ -150,7 +166,7 @@ TEST(ShardedTableCheckpoint, BadCheckpointsAreRefusedNamingTheFileAndChangeNothi
                                         optimizer_options("adagrad"));
     testing::expect_error_containing(
         [&] { dist_optim::load_sharded_table(checkpoint, wide, wide_optimizer); },
-        {"load_sharded_table: '" + checkpoint + "/manifest.pt' holds a table of 100 x 6",
+        {"load_snapshot: '" + checkpoint + "/manifest.pt' holds a table of 100 x 6",
          "this table is 100 x 7"});
     DistributedOptimizer sgd("sgd", two.remote_parameters(), optim::OptionBag().set("lr", 0.1));
     testing::expect_error_containing([&] { dist_optim::load_sharded_table(checkpoint, two, sgd); },
@@ -164,24 +180,25 @@ TEST(ShardedTableCheckpoint, BadCheckpointsAreRefusedNamingTheFileAndChangeNothi
     dist_optim::save_sharded_table(other, four, four_optimizer);
     const std::string bad = dir / "bad";
     fs::copy(checkpoint, bad);
-    fs::copy_file(other + "/shard-1-of-4.block-0.pt", bad + "/shard-1-of-3.block-0.pt",
-                  fs::copy_options::overwrite_existing);
+    fs::copy_file(other + "/table-0.shard-1-of-4.block-0.pt",
+                  bad + "/table-0.shard-1-of-3.block-0.pt", fs::copy_options::overwrite_existing);
     testing::expect_error_containing(
         [&] { dist_optim::load_sharded_table(bad, two, two_optimizer); },
         {"'" + bad +
-         "/shard-1-of-3.block-0.pt' is a block of shard 1 with rows [25, 50); the manifest "
+         "/table-0.shard-1-of-3.block-0.pt' is a block of shard 1 with rows [25, 50); the manifest "
          "names a block of shard 1 with rows [34, 67)"});
     expect_unchanged();
 
     // A block missing, or damaged: named by the owner that needed it (shard 2 of 3, rows
     // [67, 100), goes to the second of two shards alone).
-    fs::remove(bad + "/shard-1-of-3.block-0.pt");
+    fs::remove(bad + "/table-0.shard-1-of-3.block-0.pt");
     testing::expect_error_containing(
         [&] { dist_optim::load_sharded_table(bad, two, two_optimizer); },
-        {"load_sharded_table", bad + "/shard-1-of-3.block-0.pt"});
-    fs::copy_file(checkpoint + "/shard-1-of-3.block-0.pt", bad + "/shard-1-of-3.block-0.pt");
+        {"load_snapshot", bad + "/table-0.shard-1-of-3.block-0.pt"});
+    fs::copy_file(checkpoint + "/table-0.shard-1-of-3.block-0.pt",
+                  bad + "/table-0.shard-1-of-3.block-0.pt");
     {
-      std::fstream file(bad + "/shard-2-of-3.block-0.pt",
+      std::fstream file(bad + "/table-0.shard-2-of-3.block-0.pt",
                         std::ios::in | std::ios::out | std::ios::binary);
       file.seekg(200);
       const char byte = static_cast<char>(file.get());
@@ -193,7 +210,8 @@ TEST(ShardedTableCheckpoint, BadCheckpointsAreRefusedNamingTheFileAndChangeNothi
       ADD_FAILURE() << "a damaged block loaded";
     } catch (const rpc::RemoteError& error) {
       EXPECT_EQ(error.worker_name(), worker(2));
-      EXPECT_NE(std::string(error.what()).find(bad + "/shard-2-of-3.block-0.pt"), std::string::npos)
+      EXPECT_NE(std::string(error.what()).find(bad + "/table-0.shard-2-of-3.block-0.pt"),
+                std::string::npos)
           << error.what();
       EXPECT_EQ(std::string(error.what()).find("worker '" + worker(1) + "'"), std::string::npos)
           << error.what();
@@ -279,6 +297,184 @@ TEST(ShardedTableCheckpoint, AShardWithoutStateLoadsIntoTheSameSplit) {
              "/manifest.pt': shard 1 has no optimizer state, shard 0 counted 1 steps",
          "loads only into 3 shards"});
     EXPECT_TRUE(at::equal(two.weight(), rows_before));
+  });
+}
+
+// A table and a RemoteModule over its pooled rows, trained by one optimizer of two groups.
+struct Model {
+  Model(const std::vector<std::string>& table_workers, const std::string& linear_worker,
+        int64_t seed)
+      : table(options(table_workers, seed)),
+        linear(std::make_shared<rpc::RemoteModule<SnapshotLinear>>(linear_worker,
+                                                                   std::tuple{kDim, int64_t{2}})),
+        optimizer("adagrad",
+                  {{table.remote_parameters(), optim::OptionBag().set("lr", 0.1)},
+                   {linear->remote_parameters(), optim::OptionBag().set("lr", 0.05)}},
+                  optim::OptionBag().set("lr_decay", 0.05)) {}
+
+  // One step; returns the output.
+  at::Tensor step(int step) {
+    const Batch b = batch(step);
+    dist_autograd::ContextGuard context;
+    const at::Tensor out = linear->forward(table.forward(b.ids, b.offsets));
+    dist_autograd::backward(context.id(), {at::mse_loss(out, b.target.narrow(1, 0, 2))});
+    optimizer.step(context.id());
+    return out.detach();
+  }
+
+  // Every parameter's value: the table's rows, then the layer's.
+  std::vector<at::Tensor> values() const {
+    std::vector<at::Tensor> out{table.weight()};
+    for (const auto& param : linear->remote_parameters()) out.push_back(param.to_here());
+    return out;
+  }
+
+  ShardedEmbeddingBag table;
+  std::shared_ptr<rpc::RemoteModule<SnapshotLinear>> linear;
+  DistributedOptimizer optimizer;
+};
+
+TEST(Snapshot, ATableAndAModuleResumeOnOtherOwnersBitForBit) {
+  testing::with_workers(4, [] {
+    using testing::worker;
+    TempDir dir;
+    const std::string snapshot = dir / "snapshot";
+    Model model({worker(1), worker(2)}, worker(1), /*seed=*/5);
+    for (int step = 0; step < 3; ++step) model.step(step);
+    dist_optim::save_snapshot(snapshot, model.optimizer, {&model.table}, /*rows_per_file=*/16);
+    std::vector<at::Tensor> expected;
+    for (int step = 3; step < 6; ++step) expected.push_back(model.step(step));
+    const std::vector<at::Tensor> expected_values = model.values();
+
+    // Three shards on other owners, the layer on another worker, other initial values.
+    Model resumed({worker(3), worker(1), worker(2)}, worker(3), /*seed=*/9);
+    dist_optim::load_snapshot(snapshot, resumed.optimizer, {&resumed.table});
+    for (int step = 3; step < 6; ++step) {
+      EXPECT_TRUE(at::equal(resumed.step(step), expected[step - 3])) << "step " << step;
+    }
+    testing::expect_all_equal(resumed.values(), expected_values);
+  });
+}
+
+TEST(Snapshot, AScheduleKeepsTheLastSnapshotsAndTheLatestLoadsAsTaken) {
+  testing::with_workers(3, [] {
+    using testing::worker;
+    TempDir dir;
+    const std::string snapshots = dir / "schedule";
+    Model model({worker(1), worker(2)}, worker(2), /*seed=*/5);
+    // The values after each step, to compare whichever snapshot the schedule took.
+    std::map<int64_t, std::vector<at::Tensor>> values{{0, model.values()}};
+    std::vector<int64_t> finished;
+    {
+      dist_optim::SnapshotSchedule schedule(
+          dist_optim::SnapshotOptions(snapshots).every_steps(2).keep_last(2), model.optimizer,
+          {&model.table});
+      for (int step = 0; step < 9; ++step) {
+        model.step(step);
+        values[step + 1] = model.values();
+        if (auto done = schedule.step()) finished.push_back(*done);
+      }
+      if (auto done = schedule.flush()) finished.push_back(*done);
+      EXPECT_EQ(schedule.steps(), 9);
+      // Taken now, whatever the count: the newest.
+      finished.push_back(schedule.save_now());
+      EXPECT_EQ(finished.back(), 9);
+    }
+    ASSERT_GE(finished.size(), 3u);
+    EXPECT_TRUE(std::is_sorted(finished.begin(), finished.end()));
+    // The newest two are kept, the others removed.
+    std::vector<std::string> kept;
+    for (const auto& entry : fs::directory_iterator(snapshots)) {
+      if (entry.is_directory()) kept.push_back(entry.path().filename().string());
+    }
+    std::sort(kept.begin(), kept.end());
+    ASSERT_EQ(kept.size(), 2u);
+    EXPECT_EQ(kept[1], "step-000000000009");
+    const auto latest = dist_optim::latest_snapshot(snapshots);
+    ASSERT_TRUE(latest.has_value());
+    EXPECT_EQ(latest->step, 9);
+
+    // Every kept snapshot loads as the model was after its step.
+    for (const std::string& name : kept) {
+      SCOPED_TRACE(name);
+      const int64_t step = std::stoll(name.substr(std::string("step-").size()));
+      Model resumed({worker(2)}, worker(1), /*seed=*/9);
+      dist_optim::load_snapshot(snapshots + "/" + name, resumed.optimizer, {&resumed.table});
+      testing::expect_all_equal(resumed.values(), values.at(step));
+    }
+    Model resumed({worker(2), worker(1)}, worker(1), /*seed=*/9);
+    EXPECT_EQ(dist_optim::load_latest_snapshot(snapshots, resumed.optimizer, {&resumed.table}),
+              std::optional<int64_t>(9));
+    testing::expect_all_equal(resumed.values(), values.at(9));
+    EXPECT_EQ(dist_optim::load_latest_snapshot(dir / "none", resumed.optimizer, {&resumed.table}),
+              std::nullopt);
+  });
+}
+
+TEST(Snapshot, BadSnapshotsAreRefusedNamingTheFileAndTheOwnerAndChangeNothing) {
+  testing::with_workers(3, [] {
+    using testing::worker;
+    TempDir dir;
+    const std::string snapshot = dir / "good";
+    Model model({worker(1), worker(2)}, worker(2), /*seed=*/5);
+    model.step(0);
+    dist_optim::save_snapshot(snapshot, model.optimizer, {&model.table});
+
+    // Tables that are not the optimizer's, or given twice: refused before anything is written.
+    ShardedEmbeddingBag stranger(options({worker(1)}));
+    testing::expect_error_containing(
+        [&] { dist_optim::save_snapshot(dir / "x", model.optimizer, {&stranger}); },
+        {"save_snapshot: shard 0 of tables[0] (on worker '" + worker(1) +
+         "') is not a parameter of the optimizer"});
+    testing::expect_error_containing(
+        [&] {
+          dist_optim::save_snapshot(dir / "x", model.optimizer, {&model.table, &model.table});
+        },
+        {"save_snapshot: tables[1] shares its shard 0 with an earlier table"});
+    EXPECT_FALSE(fs::exists(dir / "x"));
+
+    Model other({worker(1)}, worker(1), /*seed=*/9);
+    const std::vector<at::Tensor> before = other.values();
+    // Without the table, its shards count among the other parameters.
+    testing::expect_error_containing(
+        [&] { dist_optim::load_snapshot(snapshot, other.optimizer); },
+        {"load_snapshot: '" + snapshot + "/manifest.pt': 'tables' has 1 entries, not 0"});
+
+    // The layer's file missing, or holding a layer of another shape: named by the owner that
+    // read it (worker 1, the layer's owner now).
+    std::string params;
+    for (const auto& entry : fs::directory_iterator(snapshot)) {
+      if (entry.path().filename().string().rfind("params-", 0) == 0) params = entry.path().string();
+    }
+    ASSERT_FALSE(params.empty());
+    const std::string bad = dir / "bad";
+    fs::copy(snapshot, bad);
+    const std::string bad_params = bad + "/" + fs::path(params).filename().string();
+    fs::remove(bad_params);
+    try {
+      dist_optim::load_snapshot(bad, other.optimizer, {&other.table});
+      ADD_FAILURE() << "a snapshot without its parameters' file loaded";
+    } catch (const rpc::RemoteError& error) {
+      EXPECT_EQ(error.worker_name(), worker(1));
+      EXPECT_NE(std::string(error.what()).find(bad_params), std::string::npos) << error.what();
+    }
+    testing::expect_all_equal(other.values(), before);
+
+    const std::string wide = dir / "wide";
+    {
+      ShardedEmbeddingBag table(options({worker(2)}));
+      auto linear = std::make_shared<rpc::RemoteModule<SnapshotLinear>>(
+          worker(2), std::tuple{kDim, int64_t{3}});
+      DistributedOptimizer optimizer("adagrad",
+                                     {{table.remote_parameters()}, {linear->remote_parameters()}},
+                                     optim::OptionBag().set("lr", 0.1).set("lr_decay", 0.05));
+      dist_optim::save_snapshot(wide, optimizer, {&table});
+    }
+    testing::expect_error_containing(
+        [&] { dist_optim::load_snapshot(wide, other.optimizer, {&other.table}); },
+        {"parameter 0's value has shape [3, 6] and dtype Float; the parameter has [2, 6] and "
+         "Float"});
+    testing::expect_all_equal(other.values(), before);
   });
 }
 

@@ -1,0 +1,55 @@
+#pragma once
+
+// A snapshot (snapshot.h) as the calls to the owners that make it: begun (every owner asked to
+// copy and write its parameters) and finished (every owner's answer in, the manifest written),
+// so that a SnapshotSchedule lets its trainer step in between; and the load.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <distoptim/dist_optim/distributed_optimizer.h>
+#include <distoptim/rpc/sharded_embedding_bag.h>
+
+namespace distoptim {
+namespace dist_optim {
+namespace detail {
+
+class PendingSnapshot {
+ public:
+  struct Calls;
+  explicit PendingSnapshot(std::unique_ptr<Calls> calls);
+  PendingSnapshot(PendingSnapshot&&) noexcept;
+  PendingSnapshot& operator=(PendingSnapshot&&) noexcept;
+  ~PendingSnapshot();
+
+  /// Every owner has answered (written its files, or failed).
+  bool written() const;
+  /// Waits for every owner's answer, then writes the manifest (with `step`, -1 for none).
+  /// Errors: save_snapshot's, naming every owner that failed; no manifest then.
+  void finish(std::optional<int64_t> step);
+
+ private:
+  std::unique_ptr<Calls> calls_;
+};
+
+/// Asks every owner of `optimizer`'s parameters to copy them and write them into `directory`
+/// (save_snapshot's arguments). `waited_only`: false when the snapshot's calls are polled
+/// (written()) rather than waited for at once. Errors before any owner is asked: save_snapshot's.
+PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimizer& optimizer,
+                               const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
+                               int64_t rows_per_file, bool waited_only);
+
+/// Throws what save_snapshot throws for `tables` that are not the optimizer's.
+void check_snapshot_tables(DistributedOptimizer& optimizer,
+                           const std::vector<const rpc::ShardedEmbeddingBag*>& tables);
+
+/// load_snapshot.
+void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,
+                        const std::vector<rpc::ShardedEmbeddingBag*>& tables);
+
+}  // namespace detail
+}  // namespace dist_optim
+}  // namespace distoptim

@@ -1,0 +1,303 @@
+#include "snapshot_files.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "checkpoint_file.h"
+
+namespace distoptim {
+namespace dist_optim {
+namespace detail {
+
+namespace {
+
+using c10::impl::GenericDict;
+
+constexpr const char* kBlockFormat = "distoptim.snapshot.table_block";
+constexpr const char* kParamsFormat = "distoptim.snapshot.params";
+
+// Rows [from, to) of `copy` (its value and buffers, whose first row is `first`): copies, so that
+// a pickle of them does not carry the whole shard's storage.
+void insert_rows(GenericDict& dict, const ParamCopy& copy, int64_t first, int64_t from,
+                 int64_t to) {
+  dict.insert("rows", copy.value.slice(0, from - first, to - first).clone());
+  insert_state_summary(dict, summary_of(copy));
+  c10::Dict<std::string, at::Tensor> buffers;
+  for (const auto& [name, buffer] : copy.state.buffers) {
+    buffers.insert(name, buffer.slice(0, from - first, to - first).clone());
+  }
+  dict.insert("buffers_values", buffers);
+}
+
+std::string describe(const StateSummary& state) {
+  return state.has_state ? c10::str("the state of step ", state.step, " (buffers ",
+                                    c10::Join(", ", state.buffers), ")")
+                         : std::string("no optimizer state");
+}
+
+// The buffers of a file's entry, checked against what the manifest said of its state; `check`
+// checks each buffer's tensor.
+template <class Check>
+std::map<std::string, at::Tensor> checked_buffers(const GenericDict& dict,
+                                                  const StateSummary& state,
+                                                  const std::string& path, const char* what,
+                                                  const Check& check) {
+  const StateSummary found = state_summary(dict, path);
+  TORCH_CHECK_VALUE(found.has_state == state.has_state &&
+                        (!state.has_state || found.step == state.step) &&
+                        found.buffers == state.buffers,
+                    kLoadSnapshot, ": '", path, "': ", what, " holds ", describe(found),
+                    "; the manifest says ", describe(state));
+  const c10::IValue& values = field(dict, "buffers_values", path);
+  TORCH_CHECK_VALUE(values.isGenericDict(), kLoadSnapshot, ": '", path,
+                    "': 'buffers_values' is no dict");
+  std::map<std::string, at::Tensor> out;
+  for (const auto& entry : values.toGenericDict()) {
+    TORCH_CHECK_VALUE(entry.key().isString(), kLoadSnapshot, ": '", path,
+                      "': a buffer name is no string");
+    const std::string& name = entry.key().toStringRef();
+    out[name] = check(entry.value(), "buffer '" + name + "'");
+  }
+  std::vector<std::string> names;
+  for (const auto& entry : out) names.push_back(entry.first);
+  TORCH_CHECK_VALUE(names == state.buffers, kLoadSnapshot, ": '", path, "': ", what,
+                    " holds the buffers ", c10::Join(", ", names), ", its 'buffers' say ",
+                    c10::Join(", ", state.buffers));
+  return out;
+}
+
+}  // namespace
+
+std::string block_path(const std::string& prefix, int64_t shard, int64_t shards, int64_t block) {
+  return c10::str(prefix, ".shard-", shard, "-of-", shards, ".block-", block, ".pt");
+}
+
+std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard, int64_t shards,
+                                        int64_t first_row, const ParamCopy& part,
+                                        int64_t rows_per_file) {
+  TORCH_INTERNAL_ASSERT(rows_per_file > 0);
+  const int64_t end_row = first_row + part.value.size(0);
+  std::vector<int64_t> firsts;
+  for (int64_t first = first_row; first < end_row; first += rows_per_file) {
+    const int64_t end = std::min(end_row, first + rows_per_file);
+    GenericDict block = string_dict();
+    block.insert("format", std::string(kBlockFormat));
+    block.insert("version", kSnapshotVersion);
+    block.insert("shard", shard);
+    block.insert("first_row", first);
+    block.insert("end_row", end);
+    insert_rows(block, part, first_row, first, end);
+    optim::detail::write_pickle_file(
+        block_path(prefix, shard, shards, static_cast<int64_t>(firsts.size())), block,
+        kSaveSnapshot);
+    firsts.push_back(first);
+  }
+  firsts.push_back(end_row);
+  return firsts;
+}
+
+ParamCopy read_block_rows(const std::vector<BlockFile>& blocks, int64_t first_row, int64_t end_row,
+                          int64_t dim, c10::ScalarType dtype, const StateSummary& state) {
+  TORCH_INTERNAL_ASSERT(!blocks.empty() && blocks.front().first_row <= first_row &&
+                        blocks.back().end_row >= end_row);
+  ParamCopy out;
+  out.value = at::empty({end_row - first_row, dim}, at::TensorOptions().dtype(dtype));
+  out.has_state = state.has_state;
+  out.state.step = state.has_state ? state.step : 0;
+  if (state.has_state) {
+    for (const std::string& name : state.buffers)
+      out.state.buffers[name] = at::empty_like(out.value);
+  }
+  for (const BlockFile& block : blocks) {
+    const GenericDict dict =
+        dict_of(optim::detail::read_pickle_file(block.path, kLoadSnapshot), block.path);
+    check_format(dict, kBlockFormat, block.path);
+    const int64_t shard = int_field(dict, "shard", block.path);
+    const int64_t first = int_field(dict, "first_row", block.path);
+    const int64_t end = int_field(dict, "end_row", block.path);
+    TORCH_CHECK_VALUE(shard == block.shard && first == block.first_row && end == block.end_row,
+                      kLoadSnapshot, ": '", block.path, "' is a block of shard ", shard,
+                      " with rows [", first, ", ", end, "); the manifest names a block of shard ",
+                      block.shard, " with rows [", block.first_row, ", ", block.end_row, ")");
+    auto rows_of = [&](const c10::IValue& value, const std::string& what) {
+      TORCH_CHECK_VALUE(value.isTensor(), kLoadSnapshot, ": '", block.path, "': ", what,
+                        " is not a tensor");
+      const at::Tensor& t = value.toTensor();
+      TORCH_CHECK_VALUE(t.layout() == c10::kStrided && t.dim() == 2 && t.size(0) == end - first &&
+                            t.size(1) == dim && t.scalar_type() == dtype,
+                        kLoadSnapshot, ": '", block.path, "': ", what, " has shape ", t.sizes(),
+                        " and dtype ", t.scalar_type(), "; the block holds ", end - first,
+                        " rows of ", dim, " ", dtype);
+      return t;
+    };
+    const std::map<std::string, at::Tensor> buffers = checked_buffers(
+        dict, state, block.path, ("the block of shard " + std::to_string(shard)).c_str(), rows_of);
+    // The rows of this block that [first_row, end_row) takes.
+    const int64_t from = std::max(first, first_row), to = std::min(end, end_row);
+    if (from >= to) continue;
+    auto take = [&](const at::Tensor& source, at::Tensor& target) {
+      target.slice(0, from - first_row, to - first_row)
+          .copy_(source.slice(0, from - first, to - first));
+    };
+    take(rows_of(field(dict, "rows", block.path), "'rows'"), out.value);
+    for (const auto& [name, buffer] : buffers) take(buffer, out.state.buffers.at(name));
+  }
+  return out;
+}
+
+void write_params_file(const std::string& path, const std::vector<int64_t>& dense_indices,
+                       const std::vector<ParamCopy>& params) {
+  TORCH_INTERNAL_ASSERT(dense_indices.size() == params.size());
+  c10::impl::GenericList entries(c10::AnyType::get());
+  for (size_t i = 0; i < params.size(); ++i) {
+    GenericDict entry = string_dict();
+    entry.insert("dense_index", dense_indices[i]);
+    entry.insert("rows", params[i].value);
+    insert_state_summary(entry, summary_of(params[i]));
+    c10::Dict<std::string, at::Tensor> buffers;
+    for (const auto& [name, buffer] : params[i].state.buffers) buffers.insert(name, buffer);
+    entry.insert("buffers_values", buffers);
+    entries.push_back(entry);
+  }
+  GenericDict file = string_dict();
+  file.insert("format", std::string(kParamsFormat));
+  file.insert("version", kSnapshotVersion);
+  file.insert("params", entries);
+  optim::detail::write_pickle_file(path, file, kSaveSnapshot);
+}
+
+ParamCopy read_param(const std::string& path, int64_t dense_index, const at::Tensor& like,
+                     const StateSummary& state) {
+  const GenericDict file = dict_of(optim::detail::read_pickle_file(path, kLoadSnapshot), path);
+  check_format(file, kParamsFormat, path);
+  for (const c10::IValue& item : list_field(file, "params", path)) {
+    TORCH_CHECK_VALUE(item.isGenericDict(), kLoadSnapshot, ": '", path,
+                      "': a parameter's entry is no dict");
+    const GenericDict entry = item.toGenericDict();
+    if (int_field(entry, "dense_index", path) != dense_index) continue;
+    const std::string what = "parameter " + std::to_string(dense_index);
+    auto shaped_like = [&](const c10::IValue& value, const std::string& part) {
+      TORCH_CHECK_VALUE(value.isTensor(), kLoadSnapshot, ": '", path, "': ", what, "'s ", part,
+                        " is not a tensor");
+      const at::Tensor& t = value.toTensor();
+      TORCH_CHECK_VALUE(t.layout() == c10::kStrided && t.sizes() == like.sizes() &&
+                            t.scalar_type() == like.scalar_type(),
+                        kLoadSnapshot, ": '", path, "': ", what, "'s ", part, " has shape ",
+                        t.sizes(), " and dtype ", t.scalar_type(), "; the parameter has ",
+                        like.sizes(), " and ", like.scalar_type());
+      return t;
+    };
+    ParamCopy out;
+    out.value = shaped_like(field(entry, "rows", path), "value");
+    out.state.buffers = checked_buffers(entry, state, path, what.c_str(), shaped_like);
+    out.has_state = state.has_state;
+    out.state.step = state.has_state ? state.step : 0;
+    return out;
+  }
+  TORCH_CHECK_VALUE(false, kLoadSnapshot, ": '", path, "' holds no parameter ", dense_index);
+}
+
+GenericDict string_dict() { return GenericDict(c10::StringType::get(), c10::AnyType::get()); }
+
+StateSummary summary_of(const ParamCopy& copy) {
+  StateSummary summary{copy.has_state, copy.state.step, {}};
+  for (const auto& entry : copy.state.buffers) summary.buffers.push_back(entry.first);
+  return summary;  // sorted: the buffers are a std::map
+}
+
+GenericDict dict_of(const c10::IValue& value, const std::string& path) {
+  TORCH_CHECK_VALUE(value.isGenericDict(), kLoadSnapshot, ": '", path, "' holds no dict but ",
+                    value.tagKind());
+  return value.toGenericDict();
+}
+
+const c10::IValue& field(const GenericDict& dict, const char* key, const std::string& path) {
+  auto it = dict.find(key);
+  TORCH_CHECK_VALUE(it != dict.end(), kLoadSnapshot, ": '", path, "' has no '", key, "'");
+  return it->value();
+}
+
+int64_t int_field(const GenericDict& dict, const char* key, const std::string& path) {
+  const c10::IValue& value = field(dict, key, path);
+  TORCH_CHECK_VALUE(value.isInt(), kLoadSnapshot, ": '", path, "': '", key, "' is ",
+                    value.tagKind(), ", not an int");
+  return value.toInt();
+}
+
+bool bool_field(const GenericDict& dict, const char* key, const std::string& path) {
+  const c10::IValue& value = field(dict, key, path);
+  TORCH_CHECK_VALUE(value.isBool(), kLoadSnapshot, ": '", path, "': '", key, "' is ",
+                    value.tagKind(), ", not a bool");
+  return value.toBool();
+}
+
+std::vector<int64_t> int_list_field(const GenericDict& dict, const char* key,
+                                    const std::string& path) {
+  const c10::IValue& value = field(dict, key, path);
+  if (value.isIntList()) return value.toIntVector();
+  std::vector<int64_t> out;
+  for (const c10::IValue& item : list_field(dict, key, path)) {
+    TORCH_CHECK_VALUE(item.isInt(), kLoadSnapshot, ": '", path, "': '", key, "' holds ",
+                      item.tagKind(), ", not an int");
+    out.push_back(item.toInt());
+  }
+  return out;
+}
+
+std::vector<std::string> string_list_field(const GenericDict& dict, const char* key,
+                                           const std::string& path) {
+  std::vector<std::string> out;
+  for (const c10::IValue& item : list_field(dict, key, path)) {
+    TORCH_CHECK_VALUE(item.isString(), kLoadSnapshot, ": '", path, "': '", key, "' holds ",
+                      item.tagKind(), ", not a string");
+    out.push_back(item.toStringRef());
+  }
+  return out;
+}
+
+c10::ArrayRef<c10::IValue> list_field(const GenericDict& dict, const char* key,
+                                      const std::string& path, int64_t count) {
+  const c10::IValue& value = field(dict, key, path);
+  TORCH_CHECK_VALUE(value.isList(), kLoadSnapshot, ": '", path, "': '", key, "' is ",
+                    value.tagKind(), ", not a list");
+  const c10::ArrayRef<c10::IValue> items = value.toListRef();
+  TORCH_CHECK_VALUE(count < 0 || static_cast<int64_t>(items.size()) == count, kLoadSnapshot, ": '",
+                    path, "': '", key, "' has ", items.size(), " entries, not ", count);
+  return items;
+}
+
+StateSummary state_summary(const GenericDict& dict, const std::string& path) {
+  StateSummary state;
+  state.has_state = bool_field(dict, "has_state", path);
+  state.step = int_field(dict, "step", path);
+  state.buffers = string_list_field(dict, "buffers", path);
+  TORCH_CHECK_VALUE(
+      std::is_sorted(state.buffers.begin(), state.buffers.end()) &&
+          std::adjacent_find(state.buffers.begin(), state.buffers.end()) == state.buffers.end() &&
+          (state.has_state || state.buffers.empty()),
+      kLoadSnapshot, ": '", path, "': 'buffers' ", c10::Join(", ", state.buffers),
+      " are not the sorted names of the state's buffers");
+  return state;
+}
+
+void insert_state_summary(GenericDict& dict, const StateSummary& state) {
+  dict.insert("has_state", state.has_state);
+  dict.insert("step", state.step);
+  dict.insert("buffers", c10::List<std::string>(state.buffers));
+}
+
+void check_format(const GenericDict& dict, const char* format, const std::string& path) {
+  const c10::IValue& value = field(dict, "format", path);
+  TORCH_CHECK_VALUE(value.isString() && value.toStringRef() == format, kLoadSnapshot, ": '", path,
+                    "' is not a ", format, " file");
+  const int64_t version = int_field(dict, "version", path);
+  TORCH_CHECK_VALUE(version == kSnapshotVersion, kLoadSnapshot, ": '", path, "' has version ",
+                    version, "; this library reads version ", kSnapshotVersion);
+}
+
+}  // namespace detail
+}  // namespace dist_optim
+}  // namespace distoptim

@@ -1,0 +1,116 @@
+#pragma once
+
+// The files of a snapshot (snapshot.h) that the parameters' owners write and read themselves: a
+// table's shard in blocks of at most a given number of rows, one file per block, so that an
+// owner loading another split reads only the blocks that overlap the rows it will own; and one
+// file per owner with its other parameters. Also the checked reading of the fields of a
+// snapshot's dicts, which the manifest shares.
+//
+// Every file is a LibTorch pickle of a dict (Python's torch.load reads it) written atomically and
+// checked on load as every checkpoint file of the library is (optim::detail's write_pickle_file /
+// read_pickle_file: headers, every record's CRC-32).
+// - A block: format, version, shard, first_row, end_row (the table's rows it holds), rows,
+//   has_state, step, buffers (names) and buffers_values (each buffer's rows, by name).
+// - An owner's parameters: format, version, params: a list of dicts with dense_index (the
+//   parameter's order among the DistributedOptimizer's parameters that are no table's shard),
+//   rows (its value), has_state, step, buffers (names) and buffers_values.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <distoptim/optim/functional_optimizer.h>
+
+namespace distoptim {
+namespace dist_optim {
+namespace detail {
+
+constexpr const char* kSaveSnapshot = "save_snapshot";
+constexpr const char* kLoadSnapshot = "load_snapshot";
+constexpr int64_t kSnapshotVersion = 1;
+
+/// A parameter's value (or some rows of a table) and its optimizer state, copied out of an
+/// optimizer or read from files.
+struct ParamCopy {
+  at::Tensor value;
+  bool has_state = false;
+  optim::OptimizerStateDict::State state;  // buffers shaped as `value`, by name
+};
+
+/// PREFIX.shard-S-of-N.block-B.pt
+std::string block_path(const std::string& prefix, int64_t shard, int64_t shards, int64_t block);
+
+/// Writes `part`, rows [first_row, first_row + part.value.size(0)) of a table and shard `shard`
+/// of `shards`, as blocks of at most `rows_per_file` rows named after `prefix`. Returns the
+/// first row of each block, then the shard's end. Errors: c10::Error naming the file that could
+/// not be written.
+std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard, int64_t shards,
+                                        int64_t first_row, const ParamCopy& part,
+                                        int64_t rows_per_file);
+
+/// One block file a load reads: who wrote it and which rows of the table it holds.
+struct BlockFile {
+  std::string path;
+  int64_t shard = 0;
+  int64_t first_row = 0;
+  int64_t end_row = 0;
+};
+
+/// What the manifest says of a parameter's (or a shard's) optimizer state.
+struct StateSummary {
+  bool has_state = false;
+  int64_t step = 0;
+  std::vector<std::string> buffers;  // sorted
+};
+
+/// Reads rows [first_row, end_row) of a table from `blocks`, which hold them in row order, each
+/// block read, checked and copied into the result before the next is read (so this process
+/// holds the result and one block). Every block must hold the state `state` says its shard has.
+/// Errors: c10::Error / c10::ValueError naming the file and what is wrong with it.
+ParamCopy read_block_rows(const std::vector<BlockFile>& blocks, int64_t first_row, int64_t end_row,
+                          int64_t dim, c10::ScalarType dtype, const StateSummary& state);
+
+/// Writes `params` (named by their dense indices) to `path`.
+void write_params_file(const std::string& path, const std::vector<int64_t>& dense_indices,
+                       const std::vector<ParamCopy>& params);
+
+/// Reads the parameter of dense index `dense_index` from the file at `path`, checked to be
+/// `like`'s shape and dtype and to hold the state `state` says. Errors as read_block_rows'.
+ParamCopy read_param(const std::string& path, int64_t dense_index, const at::Tensor& like,
+                     const StateSummary& state);
+
+/// An empty dict of string keys, as every dict of a snapshot is.
+c10::impl::GenericDict string_dict();
+
+/// The summary of `copy`'s state.
+StateSummary summary_of(const ParamCopy& copy);
+
+/// The checked reading of a snapshot dict's fields: errors are c10::ValueError
+/// "load_snapshot: 'PATH' ..." naming the field.
+c10::impl::GenericDict dict_of(const c10::IValue& value, const std::string& path);
+const c10::IValue& field(const c10::impl::GenericDict& dict, const char* key,
+                         const std::string& path);
+int64_t int_field(const c10::impl::GenericDict& dict, const char* key, const std::string& path);
+bool bool_field(const c10::impl::GenericDict& dict, const char* key, const std::string& path);
+/// An int list, or a list of ints (a list that crossed the wire arrives so).
+std::vector<int64_t> int_list_field(const c10::impl::GenericDict& dict, const char* key,
+                                    const std::string& path);
+std::vector<std::string> string_list_field(const c10::impl::GenericDict& dict, const char* key,
+                                           const std::string& path);
+/// A list of `count` values (any count when `count` is negative).
+c10::ArrayRef<c10::IValue> list_field(const c10::impl::GenericDict& dict, const char* key,
+                                      const std::string& path, int64_t count = -1);
+/// has_state, step and buffers of `dict`.
+StateSummary state_summary(const c10::impl::GenericDict& dict, const std::string& path);
+/// Inserts has_state, step and buffers into `dict`.
+void insert_state_summary(c10::impl::GenericDict& dict, const StateSummary& state);
+/// The dict's format is `format` and its version this library's.
+void check_format(const c10::impl::GenericDict& dict, const char* format, const std::string& path);
+
+}  // namespace detail
+}  // namespace dist_optim
+}  // namespace distoptim

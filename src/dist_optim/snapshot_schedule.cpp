@@ -1,0 +1,181 @@
+// SnapshotSchedule (snapshot.h): when a trainer's snapshots are begun and finished, the
+// DIR/latest.pt that names the newest complete one, and the removal of older ones.
+
+#include <distoptim/dist_optim/snapshot.h>
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <utility>
+
+#include <ATen/core/Dict.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+
+#include "checkpoint_file.h"
+#include "snapshot_calls.h"
+#include "snapshot_files.h"
+
+namespace distoptim {
+namespace dist_optim {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kLatestFormat = "distoptim.snapshot.latest";
+constexpr const char* kStepPrefix = "step-";
+
+std::string latest_path(const std::string& directory) {
+  return (fs::path(directory) / "latest.pt").string();
+}
+
+// step-000000001200: zero-padded, so that names sort as steps do.
+std::string step_name(int64_t step) {
+  std::string digits = std::to_string(step);
+  return kStepPrefix + std::string(digits.size() < 12 ? 12 - digits.size() : 0, '0') + digits;
+}
+
+// The step of a directory named by step_name, or -1.
+int64_t step_of(const std::string& name) {
+  if (name.rfind(kStepPrefix, 0) != 0 || name.size() == std::string(kStepPrefix).size() ||
+      name.size() > std::string(kStepPrefix).size() + 18) {
+    return -1;
+  }
+  const std::string digits = name.substr(std::string(kStepPrefix).size());
+  if (!std::all_of(digits.begin(), digits.end(), [](char c) { return std::isdigit(c); })) {
+    return -1;
+  }
+  return std::stoll(digits);
+}
+
+}  // namespace
+
+struct SnapshotSchedule::Pending {
+  detail::PendingSnapshot snapshot;
+  int64_t step;
+};
+
+SnapshotSchedule::SnapshotSchedule(SnapshotOptions options, DistributedOptimizer& optimizer,
+                                   std::vector<const rpc::ShardedEmbeddingBag*> tables,
+                                   int64_t step)
+    : options_(std::move(options)),
+      optimizer_(optimizer),
+      tables_(std::move(tables)),
+      step_(step),
+      last_begun_step_(step),
+      last_begun_(std::chrono::steady_clock::now()) {
+  TORCH_CHECK_VALUE(options_.every_steps() >= 0, "SnapshotSchedule: every_steps is ",
+                    options_.every_steps(), "; it must be 0 (none by count) or more");
+  TORCH_CHECK_VALUE(options_.every().count() >= 0, "SnapshotSchedule: every is ",
+                    options_.every().count(), " ms; it must be 0 (none by time) or more");
+  TORCH_CHECK_VALUE(options_.keep_last() >= 1, "SnapshotSchedule: keep_last is ",
+                    options_.keep_last(), "; it must be at least 1");
+  TORCH_CHECK_VALUE(options_.rows_per_file() >= 0, "SnapshotSchedule: rows_per_file is ",
+                    options_.rows_per_file(), "; it must be 0 (64 MiB of rows) or more");
+  TORCH_CHECK_VALUE(!options_.directory().empty(), "SnapshotSchedule: the directory is empty");
+  TORCH_CHECK_VALUE(step_ >= 0, "SnapshotSchedule: step is ", step_, "; it must be 0 or more");
+  detail::check_snapshot_tables(optimizer_, tables_);
+}
+
+SnapshotSchedule::~SnapshotSchedule() {
+  try {
+    flush();
+  } catch (const std::exception& error) {
+    LOG(WARNING) << "SnapshotSchedule: the snapshot being written when the schedule ended failed: "
+                 << error.what();
+  }
+}
+
+std::optional<int64_t> SnapshotSchedule::step() {
+  ++step_;
+  std::optional<int64_t> finished;
+  if (pending_ && pending_->snapshot.written()) finished = finish();
+  const bool due =
+      (options_.every_steps() > 0 && step_ - last_begun_step_ >= options_.every_steps()) ||
+      (options_.every().count() > 0 &&
+       std::chrono::steady_clock::now() - last_begun_ >= options_.every());
+  if (!pending_ && due) begin();
+  return finished;
+}
+
+std::optional<int64_t> SnapshotSchedule::flush() {
+  if (!pending_) return std::nullopt;
+  return finish();
+}
+
+int64_t SnapshotSchedule::save_now() {
+  flush();
+  begin();
+  return *finish();
+}
+
+void SnapshotSchedule::begin() {
+  const std::string directory = (fs::path(options_.directory()) / step_name(step_)).string();
+  pending_ = std::make_unique<Pending>(
+      Pending{detail::begin_snapshot(directory, optimizer_, tables_, options_.rows_per_file(),
+                                     /*waited_only=*/false),
+              step_});
+  last_begun_step_ = step_;
+  last_begun_ = std::chrono::steady_clock::now();
+}
+
+std::optional<int64_t> SnapshotSchedule::finish() {
+  // Whatever happens, this snapshot is no longer pending: a failed one is abandoned.
+  const std::unique_ptr<Pending> pending = std::move(pending_);
+  pending->snapshot.finish(pending->step);
+  c10::impl::GenericDict latest(c10::StringType::get(), c10::AnyType::get());
+  latest.insert("format", std::string(kLatestFormat));
+  latest.insert("version", detail::kSnapshotVersion);
+  latest.insert("step", pending->step);
+  latest.insert("snapshot", step_name(pending->step));
+  optim::detail::write_pickle_file(latest_path(options_.directory()), latest,
+                                   detail::kSaveSnapshot);
+  // The older snapshots beyond keep_last go; newer ones (of a run this one resumed before) stay.
+  std::vector<std::pair<int64_t, fs::path>> older;
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(options_.directory(), error)) {
+    const int64_t step = step_of(entry.path().filename().string());
+    if (step >= 0 && step < pending->step && entry.is_directory(error)) {
+      older.emplace_back(step, entry.path());
+    }
+  }
+  std::sort(older.rbegin(), older.rend());
+  for (size_t i = static_cast<size_t>(options_.keep_last()) - 1; i < older.size(); ++i) {
+    fs::remove_all(older[i].second, error);
+    if (error) {
+      LOG(WARNING) << "SnapshotSchedule: cannot remove the old snapshot " << older[i].second << ": "
+                   << error.message();
+    }
+  }
+  return pending->step;
+}
+
+std::optional<SnapshotInfo> latest_snapshot(const std::string& directory) {
+  const std::string path = latest_path(directory);
+  std::error_code error;
+  if (!fs::exists(path, error)) return std::nullopt;
+  const c10::impl::GenericDict latest =
+      detail::dict_of(optim::detail::read_pickle_file(path, detail::kLoadSnapshot), path);
+  detail::check_format(latest, kLatestFormat, path);
+  const int64_t step = detail::int_field(latest, "step", path);
+  const c10::IValue& name = detail::field(latest, "snapshot", path);
+  TORCH_CHECK_VALUE(name.isString() && step_of(name.toStringRef()) == step, detail::kLoadSnapshot,
+                    ": '", path, "' names no snapshot of step ", step);
+  const std::string snapshot = (fs::path(directory) / name.toStringRef()).string();
+  TORCH_CHECK(fs::exists(fs::path(snapshot) / "manifest.pt", error), detail::kLoadSnapshot, ": '",
+              path, "' names '", snapshot, "', which holds no manifest.pt");
+  return SnapshotInfo{step, snapshot};
+}
+
+std::optional<int64_t> load_latest_snapshot(const std::string& directory,
+                                            DistributedOptimizer& optimizer,
+                                            const std::vector<rpc::ShardedEmbeddingBag*>& tables) {
+  const std::optional<SnapshotInfo> latest = latest_snapshot(directory);
+  if (!latest) return std::nullopt;
+  load_snapshot(latest->path, optimizer, tables);
+  return latest->step;
+}
+
+}  // namespace dist_optim
+}  // namespace distoptim
