@@ -1105,24 +1105,24 @@ TEST(Distrun, HelpExitsZero) {
 // suite, which no rank serves; each launch meets under a job of its own.
 class DistrunEtcd : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { etcd_ = new distoptim::testing::EtcdServer(); }
+  static void SetUpTestSuite() { shared_etcd = new distoptim::testing::EtcdServer(); }
   static void TearDownTestSuite() {
-    delete etcd_;
-    etcd_ = nullptr;
+    delete shared_etcd;
+    shared_etcd = nullptr;
   }
 
   // distrun's options for `nproc` ranks meeting in the suite's etcd, then `more`.
   static Args etcd_args(int nproc, const Args& more) {
-    Args args = {"--nproc-per-node", std::to_string(nproc), "--rdzv-backend", "etcd",
-                 "--rdzv-endpoint",  etcd_->endpoint()};
+    Args args = {"--nproc-per-node", std::to_string(nproc),  "--rdzv-backend", "etcd",
+                 "--rdzv-endpoint",  shared_etcd->endpoint()};
     args.insert(args.end(), more.begin(), more.end());
     return args;
   }
 
-  static distoptim::testing::EtcdServer* etcd_;
+  static distoptim::testing::EtcdServer* shared_etcd;
 };
 
-distoptim::testing::EtcdServer* DistrunEtcd::etcd_ = nullptr;
+distoptim::testing::EtcdServer* DistrunEtcd::shared_etcd = nullptr;
 
 // The "where ..." line of distrun_rendezvous_child: {MASTER_ADDR, MASTER_PORT,
 // DISTOPTIM_RDZV_INIT_METHOD, DISTRUN_RESTART_COUNT}, one per run of `rank`.
@@ -1148,7 +1148,7 @@ TEST_F(DistrunEtcd, ThreeRanksMeetInEtcdThroughEnvInitMethod) {
   const RunResult r = run_distrun(etcd_args(3, {kRendezvousChild, "meet", "-1", "rejoin"}), {},
                                   {"MASTER_ADDR=10.9.9.9", "MASTER_PORT=1"});
   EXPECT_EQ(r.status, 0) << r.out << r.err;
-  const std::regex method("etcd://" + etcd_->endpoint() + "/distrun-[0-9a-f]{16}");
+  const std::regex method("etcd://" + shared_etcd->endpoint() + "/distrun-[0-9a-f]{16}");
   std::string job;
   for (int rank = 0; rank < 3; ++rank) {
     const auto places = places_of(r.out, rank);
@@ -1169,7 +1169,7 @@ TEST_F(DistrunEtcd, ThreeRanksMeetInEtcdThroughEnvInitMethod) {
   EXPECT_EQ(named.status, 0) << named.out << named.err;
   const auto places = places_of(named.out, 1);
   ASSERT_EQ(places.size(), 1u) << named.out;
-  EXPECT_EQ(places[0][2], "etcd://" + etcd_->endpoint() + "/named-job.1");
+  EXPECT_EQ(places[0][2], "etcd://" + shared_etcd->endpoint() + "/named-job.1");
 }
 
 // --restart-policy rank in etcd: rank 0, which no longer serves the store, kills itself after
