@@ -267,6 +267,10 @@ LaunchEnv LaunchEnv::from_environment() {
   }
   env.master_addr = env_string("MASTER_ADDR");
   env.master_port = env_int("MASTER_PORT", 1, 65535);
+  env.init_method = env_string(kInitMethodVariable);
+  TORCH_CHECK_VALUE(!env.init_method || env.init_method->rfind("etcd://", 0) == 0,
+                    "environment variable ", kInitMethodVariable, " = '",
+                    env.init_method.value_or(""), "' is not etcd://HOST:PORT/JOB");
   return env;
 }
 
@@ -319,12 +323,19 @@ c10::intrusive_ptr<c10d::Store> connect_etcd_store(const std::string& endpoint,
   }
 }
 
-// The store of a rendezvous (served by rank 0 over tcp:// and env://, kept in etcd by etcd://),
-// wrapped with deadlines and the prefix, in `result` with the addresses; `world_size` 0 for a group
-// of unknown size.
-void open_store_into(const RendezvousOptions& options, const LaunchEnv& env, int rank,
-                     int world_size, Rendezvous& result) {
+// The init method the ranks meet by: the one env:// stands for when the launcher named one
+// (distrun --rdzv-backend etcd), else options.init_method().
+std::string effective_method(const RendezvousOptions& options, const LaunchEnv& env) {
   const std::string& method = options.init_method();
+  if (method.rfind("env://", 0) == 0 && env.init_method) return *env.init_method;
+  return method;
+}
+
+// The store of a rendezvous by `method` (served by rank 0 over tcp:// and env://, kept in etcd by
+// etcd://), wrapped with deadlines and the prefix, in `result` with the addresses; `world_size` 0
+// for a group of unknown size.
+void open_store_into(const RendezvousOptions& options, const std::string& method,
+                     const LaunchEnv& env, int rank, int world_size, Rendezvous& result) {
   const bool is_tcp = method.rfind("tcp://", 0) == 0;
   const bool is_file = method.rfind("file://", 0) == 0;
   const bool is_etcd = method.rfind("etcd://", 0) == 0;
@@ -412,16 +423,16 @@ Rendezvous open_store(const RendezvousOptions& options) {
   const LaunchEnv env =
       options.launch_env() ? *options.launch_env() : LaunchEnv::from_environment();
   Rendezvous result;
-  open_store_into(options, env, options.rank(), 0, result);
+  open_store_into(options, effective_method(options, env), env, options.rank(), 0, result);
   return result;
 }
 
 Rendezvous rendezvous(const RendezvousOptions& options) {
   check_method(options);
-  const std::string& method = options.init_method();
   // Rank and world size: given, else from the launcher's environment.
   const LaunchEnv env =
       options.launch_env() ? *options.launch_env() : LaunchEnv::from_environment();
+  const std::string method = effective_method(options, env);
   const int rank = options.rank() >= 0 ? options.rank() : env.rank.value_or(-1);
   const int world_size =
       options.world_size() >= 0 ? options.world_size() : env.world_size.value_or(-1);
@@ -434,7 +445,7 @@ Rendezvous rendezvous(const RendezvousOptions& options) {
                     "; must be in [0, ", world_size, ")");
 
   Rendezvous result;
-  open_store_into(options, env, rank, world_size, result);
+  open_store_into(options, method, env, rank, world_size, result);
   const auto deadline = Clock::now() + options.timeout();
   const std::string context = c10::str("rendezvous(", method, "): rank ", rank, " of ", world_size,
                                        " waited ", seconds_text(options.timeout()));

@@ -1,8 +1,10 @@
 // distrun's command line, parsed and validated in-process (the launcher library).
 
 #include "distrun/launcher.h"
+#include "distrun/restart_policy.h"
 
 #include <cstdlib>
+#include <regex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -90,11 +92,28 @@ TEST(DistrunOptions, HelpNamesTheOptionsAndTheEnvironment) {
   } catch (const HelpRequested& help) {
     const std::string text = help.what();
     EXPECT_EQ(text, help_text());
-    for (const char* part :
-         {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-          "--grace-seconds", "--max-restarts", "--restart-policy", "rank 0", "--rdzv-timeout",
-          "DISTRUN_RESTART_COUNT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-          "MASTER_PORT"}) {
+    for (const char* part : {"--nproc-per-node",
+                             "--nnodes",
+                             "--node-rank",
+                             "--master-addr",
+                             "--master-port",
+                             "--grace-seconds",
+                             "--max-restarts",
+                             "--restart-policy",
+                             "rank 0",
+                             "--rdzv-timeout",
+                             "--rdzv-backend",
+                             "--rdzv-endpoint",
+                             "--rdzv-id",
+                             "static",
+                             "etcd",
+                             "DISTOPTIM_RDZV_INIT_METHOD",
+                             "DISTRUN_RESTART_COUNT",
+                             "RANK",
+                             "WORLD_SIZE",
+                             "LOCAL_RANK",
+                             "MASTER_ADDR",
+                             "MASTER_PORT"}) {
       EXPECT_NE(text.find(part), std::string::npos) << part;
     }
   }
@@ -265,7 +284,7 @@ TEST(DistrunOptions, ResolveMasterDefaultsToLoopbackAndAFreePort) {
   LaunchOptions options;
   options.nproc_per_node = 1;
   options.command = {"prog"};
-  const LaunchOptions resolved = resolve_master(options);
+  const LaunchOptions resolved = resolve_rendezvous(options);
   EXPECT_EQ(resolved.master_addr, "127.0.0.1");
   EXPECT_GE(resolved.master_port, 1);
   EXPECT_LE(resolved.master_port, 65535);
@@ -273,7 +292,7 @@ TEST(DistrunOptions, ResolveMasterDefaultsToLoopbackAndAFreePort) {
   // Given values are kept.
   options.master_addr = "example.org";
   options.master_port = 4242;
-  const LaunchOptions kept = resolve_master(options);
+  const LaunchOptions kept = resolve_rendezvous(options);
   EXPECT_EQ(kept.master_addr, "example.org");
   EXPECT_EQ(kept.master_port, 4242);
 }
@@ -291,6 +310,141 @@ TEST(DistrunOptions, SharedNodeRanksGetOneOmpThread) {
   ::setenv("OMP_NUM_THREADS", "3", 1);
   EXPECT_EQ(omp_threads(2), "(not set)");  // distrun's own environment passes it on
   ::unsetenv("OMP_NUM_THREADS");
+}
+
+// --rdzv-backend: static (torchrun's default, today's behaviour) or etcd, with torchrun's names.
+TEST(DistrunOptions, RdzvBackendIsStaticByDefaultOrEtcdWithAnEndpoint) {
+  const LaunchOptions defaults = parse_command_line({"--nproc-per-node", "2", "prog"});
+  EXPECT_EQ(defaults.rdzv_backend, RdzvBackend::kStatic);
+  EXPECT_EQ(defaults.rdzv_endpoint, "");
+  EXPECT_EQ(defaults.rdzv_id, "");
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "--rdzv-backend", "static", "prog"})
+                .rdzv_backend,
+            RdzvBackend::kStatic);
+  const LaunchOptions etcd =
+      parse_command_line({"--nproc-per-node", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                          "10.0.0.5:2379", "--rdzv-id", "train_42.a-b", "prog"});
+  EXPECT_EQ(etcd.rdzv_backend, RdzvBackend::kEtcd);
+  EXPECT_EQ(etcd.rdzv_endpoint, "10.0.0.5:2379");
+  EXPECT_EQ(etcd.rdzv_id, "train_42.a-b");
+  const LaunchOptions underscores = parse_command_line(
+      {"--nproc_per_node", "2", "--rdzv_backend", "etcd", "--rdzv_endpoint", "[::1]:2379", "prog"});
+  EXPECT_EQ(underscores.rdzv_backend, RdzvBackend::kEtcd);
+  EXPECT_EQ(underscores.rdzv_endpoint, "[::1]:2379");
+  EXPECT_EQ(underscores.rdzv_id, "") << "made at launch (resolve_rendezvous)";
+  // Across nodes without restarts the ranks meet in etcd; every node names the job.
+  const LaunchOptions nodes = parse_command_line(
+      {"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "etcd",
+       "--rdzv-endpoint", "etcd.example:2379", "--rdzv-id", "job", "prog"});
+  EXPECT_EQ(nodes.nnodes, 2);
+  EXPECT_EQ(nodes.master_addr, "");
+}
+
+TEST(DistrunOptions, RdzvOptionsAreCheckedNamingTheOptionAndValue) {
+  const Args base = {"--nproc-per-node", "2"};
+  auto with = [&base](Args more) {
+    Args args = base;
+    args.insert(args.end(), more.begin(), more.end());
+    args.push_back("prog");
+    return args;
+  };
+  expect_usage_error(with({"--rdzv-backend", "c10d"}), {"--rdzv-backend 'c10d'", "static or etcd"});
+  expect_usage_error(with({"--rdzv-backend", "etcd"}), {"--rdzv-backend etcd", "--rdzv-endpoint"});
+  expect_usage_error(with({"--rdzv-endpoint", "h:2379"}),
+                     {"--rdzv-endpoint 'h:2379'", "only with --rdzv-backend etcd"});
+  expect_usage_error(with({"--rdzv-id", "job"}),
+                     {"--rdzv-id 'job'", "only with --rdzv-backend etcd"});
+  for (const char* bad : {"h", "h:0", "h:65536", ":2379", "h:x", "h/x:2379", "[::1]2379"}) {
+    expect_usage_error(with({"--rdzv-backend", "etcd", "--rdzv-endpoint", bad}),
+                       {std::string("--rdzv-endpoint '") + bad + "'", "HOST:PORT"});
+  }
+  expect_usage_error(with({"--rdzv-backend", "etcd", "--rdzv-endpoint", ""}),
+                     {"--rdzv-endpoint ''", "must not be empty"});
+  expect_usage_error(
+      with({"--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379", "--rdzv-id", "a/b"}),
+      {"--rdzv-id 'a/b'", "letters, digits"});
+  expect_usage_error(with({"--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379", "--rdzv-id", ""}),
+                     {"--rdzv-id ''", "must not be empty"});
+  expect_usage_error(
+      with({"--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379", "--master-addr", "h"}),
+      {"--master-addr 'h'", "only with --rdzv-backend static"});
+  expect_usage_error(
+      with({"--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379", "--master-port", "29500"}),
+      {"--master-port 29500", "only with --rdzv-backend static"});
+  // Across nodes: the job must be named alike on every node, and restarts need the static
+  // backend (the nodes' distruns coordinate through a store node 0 serves).
+  expect_usage_error(with({"--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379"}),
+                     {"--rdzv-id is required", "--nnodes 2"});
+  expect_usage_error(with({"--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379",
+                           "--rdzv-id", "j", "--max-restarts", "1"}),
+                     {"--max-restarts 1 with --nnodes 2", "--rdzv-backend static"});
+}
+
+// Under etcd, each launch meets under a job of its own; a rank restarted alone rejoins it, and
+// every restart of all ranks gets its own (as a new MASTER_PORT under the static backend).
+TEST(DistrunOptions, EtcdRanksMeetUnderTheLaunchsJob) {
+  ::unsetenv("OMP_NUM_THREADS");
+  ::unsetenv("OPENBLAS_THREAD_TIMEOUT");
+  ::unsetenv("GOTO_THREAD_TIMEOUT");
+  LaunchOptions options =
+      parse_command_line({"--nproc-per-node", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                          "127.0.0.1:2379", "--max-restarts", "2", "prog"});
+  const LaunchOptions first = resolve_rendezvous(options);
+  const LaunchOptions second = resolve_rendezvous(options);
+  EXPECT_TRUE(std::regex_match(first.rdzv_id, std::regex("distrun-[0-9a-f]{16}"))) << first.rdzv_id;
+  EXPECT_NE(first.rdzv_id, second.rdzv_id);
+  EXPECT_EQ(first.master_addr, "") << "no rank serves a store";
+  EXPECT_EQ(first.master_port, 0);
+  const std::string method = "etcd://127.0.0.1:2379/" + first.rdzv_id;
+  const std::vector<std::pair<std::string, std::string>> expected = {
+      {"RANK", "0"},
+      {"WORLD_SIZE", "1"},
+      {"LOCAL_RANK", "0"},
+      {"LOCAL_WORLD_SIZE", "1"},
+      {"GROUP_RANK", "0"},
+      {"DISTOPTIM_RDZV_INIT_METHOD", method},
+      {"DISTRUN_RESTART_COUNT", "0"},
+      {"DISTRUN_MAX_RESTARTS", "2"}};
+  EXPECT_EQ(rank_environment(first, 0), expected);
+  EXPECT_EQ(meeting_point(first, 0), "DISTOPTIM_RDZV_INIT_METHOD=" + method);
+  // --restart-policy all: a restart is a new group, under a job of its own.
+  EXPECT_EQ(etcd_job(first, 2), first.rdzv_id + ".restart-2");
+  EXPECT_EQ(rank_environment(first, 0, 2)[5].second, method + ".restart-2");
+  // --restart-policy rank: the restarted rank rejoins the others' job.
+  LaunchOptions rank_policy = first;
+  rank_policy.restart_policy = RestartPolicy::kRank;
+  EXPECT_EQ(etcd_job(rank_policy, 2), first.rdzv_id);
+  // A job named on the command line is kept.
+  options.rdzv_id = "named";
+  EXPECT_EQ(resolve_rendezvous(options).rdzv_id, "named");
+}
+
+// Only distrun's own values say where the ranks meet: inherited ones would name another job's.
+TEST(DistrunOptions, RendezvousVariablesAreDistrunsAlone) {
+  for (const char* name : {"MASTER_ADDR", "MASTER_PORT", "DISTOPTIM_RDZV_INIT_METHOD"}) {
+    EXPECT_TRUE(is_rendezvous_variable(name)) << name;
+  }
+  for (const char* name : {"RANK", "MASTER", "DISTOPTIM_RPC_SECRET_FILE", ""}) {
+    EXPECT_FALSE(is_rendezvous_variable(name)) << name;
+  }
+}
+
+// Rank 0 serves the store under the static backend and is never restarted alone; in etcd it is
+// restarted like any other rank.
+TEST(DistrunOptions, Rank0RestartsAloneOnlyWhenNoRankServesTheStore) {
+  LaunchOptions options;
+  options.nproc_per_node = 3;
+  options.max_restarts = 1;
+  options.restart_policy = RestartPolicy::kRank;
+  options.command = {"prog"};
+  EXPECT_FALSE(may_restart_alone(options, 0, 0, false));
+  EXPECT_TRUE(may_restart_alone(options, 1, 0, false));
+  options.rdzv_backend = RdzvBackend::kEtcd;
+  EXPECT_TRUE(may_restart_alone(options, 0, 0, false));
+  EXPECT_FALSE(may_restart_alone(options, 0, 1, false)) << "no restart left";
+  EXPECT_FALSE(may_restart_alone(options, 0, 0, true)) << "the job is stopping";
+  options.restart_policy = RestartPolicy::kAll;
+  EXPECT_FALSE(may_restart_alone(options, 0, 0, false));
 }
 
 }  // namespace

@@ -28,6 +28,8 @@
 
 #include <gtest/gtest.h>
 
+#include "harness/etcd_server.h"
+
 extern char** environ;
 
 namespace {
@@ -35,6 +37,7 @@ namespace {
 constexpr auto kRunTimeout = std::chrono::seconds(30);
 const std::string kDistrun = DISTOPTIM_DISTRUN_PATH;
 const std::string kChild = DISTOPTIM_DISTRUN_CHILD_PATH;
+const std::string kRendezvousChild = DISTOPTIM_DISTRUN_RENDEZVOUS_CHILD_PATH;
 
 using Args = std::vector<std::string>;
 using Clock = std::chrono::steady_clock;
@@ -1075,6 +1078,11 @@ TEST(Distrun, BadArgumentsExit2NamingTheOption) {
       {{"--nproc-per-node", "1", "--nnodes", "2", "--master-addr", "h", "--master-port", "1",
         "--restart-policy", "rank", kChild},
        {"--restart-policy rank", "--nnodes 2"}},
+      {{"--nproc-per-node", "1", "--rdzv-backend", "etcd", kChild}, {"--rdzv-endpoint"}},
+      {{"--nproc-per-node", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:99999", kChild},
+       {"--rdzv-endpoint 'h:99999'"}},
+      {{"--nproc-per-node", "1", "--rdzv-endpoint", "h:2379", kChild},
+       {"--rdzv-endpoint 'h:2379'", "only with --rdzv-backend etcd"}},
       {{"--nproc-per-node", "1"}, {"no PROGRAM"}},
       {{kChild, "env"}, {"--nproc-per-node", "required"}},
   };
@@ -1091,6 +1099,150 @@ TEST(Distrun, HelpExitsZero) {
   const RunResult r = run_distrun({"--help"});
   EXPECT_EQ(r.status, 0);
   EXPECT_TRUE(contains(r.out, "--nproc-per-node")) << r.out;
+}
+
+// --rdzv-backend etcd: the ranks meet in a real etcd (tests/harness/etcd_server.h), one per
+// suite, which no rank serves; each launch meets under a job of its own.
+class DistrunEtcd : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { shared_etcd = new distoptim::testing::EtcdServer(); }
+  static void TearDownTestSuite() {
+    delete shared_etcd;
+    shared_etcd = nullptr;
+  }
+
+  // distrun's options for `nproc` ranks meeting in the suite's etcd, then `more`.
+  static Args etcd_args(int nproc, const Args& more) {
+    Args args = {"--nproc-per-node", std::to_string(nproc),  "--rdzv-backend", "etcd",
+                 "--rdzv-endpoint",  shared_etcd->endpoint()};
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  }
+
+  static distoptim::testing::EtcdServer* shared_etcd;
+};
+
+distoptim::testing::EtcdServer* DistrunEtcd::shared_etcd = nullptr;
+
+// The "where ..." line of distrun_rendezvous_child: {MASTER_ADDR, MASTER_PORT,
+// DISTOPTIM_RDZV_INIT_METHOD, DISTRUN_RESTART_COUNT}, one per run of `rank`.
+std::vector<std::array<std::string, 4>> places_of(const std::string& out, int rank) {
+  static const std::regex kWhere(
+      R"(^where MASTER_ADDR=(\S+) MASTER_PORT=(\S+) DISTOPTIM_RDZV_INIT_METHOD=(\S+) )"
+      R"(DISTRUN_RESTART_COUNT=(\d+)$)");
+  std::vector<std::array<std::string, 4>> found;
+  const auto by_rank = lines_by_rank(out);
+  if (by_rank.count(rank) == 0) return found;
+  for (const auto& text : by_rank.at(rank)) {
+    std::smatch match;
+    if (!std::regex_match(text, match, kWhere)) continue;
+    found.push_back({match[1], match[2], match[3], match[4]});
+  }
+  return found;
+}
+
+// Three ranks meet in etcd through env:// (comm::rendezvous), each as the rank distrun gave it,
+// and read each other's keys; no rank gets MASTER_ADDR or MASTER_PORT (a value in distrun's own
+// environment included), and all meet under one job made for the launch.
+TEST_F(DistrunEtcd, ThreeRanksMeetInEtcdThroughEnvInitMethod) {
+  const RunResult r = run_distrun(etcd_args(3, {kRendezvousChild, "meet", "-1", "rejoin"}), {},
+                                  {"MASTER_ADDR=10.9.9.9", "MASTER_PORT=1"});
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  const std::regex method("etcd://" + shared_etcd->endpoint() + "/distrun-[0-9a-f]{16}");
+  std::string job;
+  for (int rank = 0; rank < 3; ++rank) {
+    const auto places = places_of(r.out, rank);
+    ASSERT_EQ(places.size(), 1u) << r.out;
+    EXPECT_EQ(places[0][0], "<unset>");
+    EXPECT_EQ(places[0][1], "<unset>");
+    EXPECT_TRUE(std::regex_match(places[0][2], method)) << places[0][2];
+    if (rank == 0) job = places[0][2];
+    EXPECT_EQ(places[0][2], job) << "every rank meets under the launch's job";
+    EXPECT_TRUE(contains(r.out, "[rank " + std::to_string(rank) +
+                                    "] met rank=" + std::to_string(rank) + " world_size=3\n"))
+        << r.out;
+  }
+
+  // A job named on the command line is the one the ranks meet under.
+  const RunResult named = run_distrun(
+      etcd_args(2, {"--rdzv-id", "named-job.1", kRendezvousChild, "meet", "-1", "rejoin"}));
+  EXPECT_EQ(named.status, 0) << named.out << named.err;
+  const auto places = places_of(named.out, 1);
+  ASSERT_EQ(places.size(), 1u) << named.out;
+  EXPECT_EQ(places[0][2], "etcd://" + shared_etcd->endpoint() + "/named-job.1");
+}
+
+// --restart-policy rank in etcd: rank 0, which no longer serves the store, kills itself after
+// meeting the others; it is restarted alone (DISTRUN_RESTART_COUNT 1) under the same job, reads
+// the keys the ranks wrote before, and the others see it back; the job ends with status 0.
+TEST_F(DistrunEtcd, Rank0KilledIsRestartedAloneAndRejoinsInEtcd) {
+  const RunResult r = run_distrun(etcd_args(3, {"--restart-policy", "rank", "--max-restarts", "1",
+                                                kRendezvousChild, "meet", "0", "rejoin"}));
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  const auto rank0 = places_of(r.out, 0);
+  ASSERT_EQ(rank0.size(), 2u) << r.out;
+  EXPECT_EQ(rank0[0][3], "0");
+  EXPECT_EQ(rank0[1][3], "1");
+  EXPECT_EQ(rank0[1][2], rank0[0][2]) << "a rank restarted alone rejoins the launch's job";
+  for (int rank : {1, 2}) {
+    EXPECT_EQ(places_of(r.out, rank).size(), 1u) << "rank " << rank << " ran once\n" << r.out;
+    EXPECT_TRUE(
+        contains(r.out, "[rank " + std::to_string(rank) + "] saw rank 0 rejoin (restart 1)\n"))
+        << r.out;
+  }
+  // Rank 0's lines: its first run up to its death, then its second run's.
+  const Args rank0_lines = lines_by_rank(r.out)[0];
+  ASSERT_EQ(rank0_lines.size(), 5u) << r.out;
+  EXPECT_EQ(rank0_lines[1], "met rank=0 world_size=3");
+  EXPECT_EQ(rank0_lines[2], "killing myself");
+  EXPECT_EQ(rank0_lines[3].rfind("where ", 0), 0u) << rank0_lines[3];
+  EXPECT_EQ(rank0_lines[4], "rejoined rank=0");
+  EXPECT_TRUE(std::regex_search(
+      r.err, std::regex(R"(distrun: rank 0 \(pid \d+\) was killed by signal SIGKILL\n)"
+                        R"(distrun: restarting rank 0 alone \(--restart-policy rank\): restart 1 )"
+                        R"(of at most 1 for this rank, DISTRUN_RESTART_COUNT=1, )"
+                        "DISTOPTIM_RDZV_INIT_METHOD=" +
+                        rank0[0][2] + "; the other ranks keep running\n")))
+      << r.err;
+  EXPECT_TRUE(contains(r.err,
+                       "distrun: every rank exited with status 0\n"
+                       "distrun: restarted alone (--restart-policy rank): rank 0 1 "
+                       "time(s)\n"))
+      << r.err;
+}
+
+// The same under the static backend: rank 0 serves the store, so its death ends the job as
+// before (128 + SIGKILL), and nothing is restarted.
+TEST_F(DistrunEtcd, Rank0KilledStillEndsAStaticJob) {
+  const RunResult r = run_distrun({"--nproc-per-node", "3", "--restart-policy", "rank",
+                                   "--max-restarts", "1", kRendezvousChild, "meet", "0", "rejoin"});
+  EXPECT_EQ(r.status, 128 + SIGKILL) << r.out << r.err;
+  EXPECT_EQ(places_of(r.out, 0).size(), 1u) << r.out;
+  EXPECT_EQ(places_of(r.out, 0)[0][2], "<unset>") << r.out;
+  EXPECT_FALSE(contains(r.err, "restarting")) << r.err;
+  EXPECT_TRUE(contains(r.err,
+                       "distrun: rank 0 failed; under --restart-policy rank it is never restarted "
+                       "(it serves the rendezvous store the other ranks meet in), so the job "
+                       "ends; exit status 137\n"))
+      << r.err;
+}
+
+// --restart-policy all in etcd: after rank 1 kills itself, every rank starts again and meets
+// anew, under the launch's job with ".restart-1" (the first attempt's keys would count against
+// a new rendezvous under the same job).
+TEST_F(DistrunEtcd, ARestartOfAllRanksMeetsUnderAJobOfItsOwn) {
+  const RunResult r =
+      run_distrun(etcd_args(2, {"--max-restarts", "1", kRendezvousChild, "meet", "1", "anew"}));
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  for (int rank : {0, 1}) {
+    const auto places = places_of(r.out, rank);
+    ASSERT_EQ(places.size(), 2u) << r.out;
+    EXPECT_EQ(places[1][2], places[0][2] + ".restart-1");
+    EXPECT_EQ(places[1][3], "1");
+  }
+  EXPECT_TRUE(contains(r.err, "DISTRUN_RESTART_COUNT=1, DISTOPTIM_RDZV_INIT_METHOD=" +
+                                  places_of(r.out, 0)[1][2] + "\n"))
+      << r.err;
 }
 
 }  // namespace

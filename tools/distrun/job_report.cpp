@@ -84,7 +84,7 @@ std::string rank_policy_report(const LaunchOptions& options, const JobEnd& end,
   if (end.received_signal != 0) {
     text = fmt::format("distrun: got {}; no restart after a signal\n",
                        signal_name(end.received_signal));
-  } else if (end.first_failure_rank == 0) {
+  } else if (end.first_failure_rank == 0 && options.rdzv_backend == RdzvBackend::kStatic) {
     text = fmt::format(
         "distrun: rank 0 failed; under --restart-policy rank it is never restarted (it serves "
         "the rendezvous store the other ranks meet in), so the job ends; exit status {}\n",

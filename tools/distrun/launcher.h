@@ -4,8 +4,8 @@
 // rank gets, and the supervisor that starts the local ranks, relays their output and stops them
 // all when one fails. Used by tools/distrun/main.cpp and by the tests; not part of the installed
 // library. It starts any program, so its errors derive from the standard exceptions instead of
-// c10::Error; it links LibTorch's c10d (through the comm layer) only for the store the nodes of a
-// job with restarts coordinate through.
+// c10::Error; it links LibTorch's c10d (through the comm layer) for the store the nodes of a job
+// with restarts coordinate through, and for the etcd backend's checks and variable.
 //
 // options.h: the command line and each rank's environment; supervisor.h: run(), the state
 // machine, which uses rank_process.h (a rank's process: start, signal, reap), output_relay.h (a

@@ -2,16 +2,23 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
+
+#include <distoptim/comm/etcd_store.h>
+#include <distoptim/comm/rendezvous.h>
 
 #include "distrun/job_secret.h"
 #include "distrun/signals_fds.h"
@@ -34,10 +41,16 @@ class HelpFormatter : public CLI::Formatter {
   }
 };
 
-// Registers distrun's options on `app`, storing into `options` (--restart-policy as given into
-// `policy`). The underscore spellings are
-// torchrun's, accepted so its command lines port unchanged.
-void add_options(CLI::App& app, LaunchOptions& options, std::string& policy) {
+// What the command line gave as words, checked and stored into LaunchOptions after parsing.
+struct Words {
+  std::string policy;
+  std::string backend;
+};
+
+// Registers distrun's options on `app`, storing into `options` (--restart-policy and
+// --rdzv-backend as given into `words`). The underscore spellings are torchrun's, accepted so its
+// command lines port unchanged.
+void add_options(CLI::App& app, LaunchOptions& options, Words& words) {
   app.formatter(std::make_shared<HelpFormatter>());
   app.get_formatter()->column_width(38);
   app.description(
@@ -68,11 +81,23 @@ void add_options(CLI::App& app, LaunchOptions& options, std::string& policy) {
                  "After a rank fails, start all local ranks again, at most\nK times (default 0; "
                  "with M > 1, every node restarts)")
       ->type_name("K");
-  app.add_option("--restart-policy,--restart_policy", policy,
+  app.add_option("--restart-policy,--restart_policy", words.policy,
                  "all: a failure restarts every local rank (default);\nrank: only the failed "
-                 "rank, on the same MASTER_PORT,\nwhile the others run (K restarts per rank; "
-                 "rank 0's\nfailure ends the job; only with M = 1)")
+                 "rank, on the same MASTER_PORT\n(or etcd job), while the others run (K restarts "
+                 "per\nrank; with the static backend, rank 0's failure ends\nthe job; only with "
+                 "M = 1)")
       ->type_name("POLICY");
+  app.add_option("--rdzv-backend,--rdzv_backend", words.backend,
+                 "Where the ranks meet: static (default): rank 0 serves\nthe store on MASTER_ADDR:"
+                 "MASTER_PORT; etcd: in the\netcd at --rdzv-endpoint, which no rank serves")
+      ->type_name("BACKEND");
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", options.rdzv_endpoint,
+                 "With etcd: the etcd's client address (etcd 3.4, v3 API)")
+      ->type_name("HOST:PORT");
+  app.add_option("--rdzv-id,--rdzv_id", options.rdzv_id,
+                 "With etcd: the job's name in etcd, letters, digits,\n'.', '_', '-' (default: "
+                 "one made for this launch;\nrequired with M > 1)")
+      ->type_name("JOB");
   app.add_option("--rdzv-timeout,--rdzv_timeout", options.rdzv_timeout_seconds,
                  "With M > 1 and K > 0: seconds to wait for every node\nto join a round, or to "
                  "report its end (default 900)")
@@ -92,6 +117,11 @@ void add_options(CLI::App& app, LaunchOptions& options, std::string& policy) {
       "that fails is started again alone, at most K times, with its own DISTRUN_RESTART_COUNT\n"
       "and the same MASTER_PORT, while the others run on; rank 0, which serves the rendezvous\n"
       "store, is never restarted: its failure ends the job as without restarts.\n"
+      "With --rdzv-backend etcd, ranks get DISTOPTIM_RDZV_INIT_METHOD=etcd://HOST:PORT/JOB\n"
+      "instead of MASTER_ADDR and MASTER_PORT (env:// then means it): no rank serves the store,\n"
+      "so under --restart-policy rank rank 0 is restarted alone like any other, rejoining the\n"
+      "same JOB; under --restart-policy all each restart meets under JOB.restart-K. Across\n"
+      "nodes, give every node the same --rdzv-id; restarts across nodes need the static backend.\n"
       "With M > 1 and K > 0, node 0's distrun serves the launchers' store on --master-addr and\n"
       "--master-port; each round, every node joins, node 0 picks the ranks' MASTER_PORT (free on\n"
       "node 0), and a failure or a signal on any node stops the ranks of every node; after a\n"
@@ -103,10 +133,92 @@ void add_options(CLI::App& app, LaunchOptions& options, std::string& policy) {
       "the nodes could not coordinate (a node never joined within T, options that differ).");
 }
 
+// The name of a job made for one launch: 64 random bits, so that no other job's keys in etcd
+// (an earlier launch, another user's) are taken for this one's.
+std::string fresh_job_id() {
+  uint64_t bits = 0;
+  auto* bytes = reinterpret_cast<unsigned char*>(&bits);
+  size_t filled = 0;
+  while (filled < sizeof bits) {
+    const ssize_t n = ::getrandom(bytes + filled, sizeof bits - filled, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw errno_error(errno, "making an etcd job name: getrandom");
+    filled += static_cast<size_t>(n);
+  }
+  return fmt::format("distrun-{:016x}", bits);
+}
+
+bool is_job_name(const std::string& job) {
+  return !job.empty() && std::all_of(job.begin(), job.end(), [](unsigned char c) {
+    return std::isalnum(c) != 0 || c == '.' || c == '_' || c == '-';
+  });
+}
+
+// The options of --rdzv-backend, each only with the backend it belongs to.
+void validate_rendezvous(const LaunchOptions& options) {
+  if (options.rdzv_backend == RdzvBackend::kStatic) {
+    if (!options.rdzv_endpoint.empty() || !options.rdzv_id.empty()) {
+      const bool endpoint = !options.rdzv_endpoint.empty();
+      throw UsageError(fmt::format(
+          "{} {}: only with --rdzv-backend etcd (the static backend meets on --master-addr and "
+          "--master-port)",
+          endpoint ? "--rdzv-endpoint" : "--rdzv-id",
+          single_quoted(endpoint ? options.rdzv_endpoint : options.rdzv_id)));
+    }
+    return;
+  }
+  if (!options.master_addr.empty() || options.master_port != 0) {
+    const bool addr = !options.master_addr.empty();
+    throw UsageError(fmt::format(
+        "{} {}: only with --rdzv-backend static (with etcd the ranks meet in the etcd at "
+        "--rdzv-endpoint)",
+        addr ? "--master-addr" : "--master-port",
+        addr ? single_quoted(options.master_addr) : std::to_string(options.master_port)));
+  }
+  if (options.rdzv_endpoint.empty()) {
+    throw UsageError(
+        "--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT, the client address of the etcd the "
+        "ranks meet in");
+  }
+  try {
+    // Checks the endpoint as the ranks' store will, without contacting etcd.
+    comm::EtcdStore store(comm::EtcdStoreOptions(options.rdzv_endpoint, "distrun"));
+  } catch (const c10::Error& e) {
+    throw UsageError(fmt::format("--rdzv-endpoint {}: must be HOST:PORT or [IPV6]:PORT ({})",
+                                 single_quoted(options.rdzv_endpoint), e.what_without_backtrace()));
+  }
+  if (!options.rdzv_id.empty() && !is_job_name(options.rdzv_id)) {
+    throw UsageError(fmt::format("--rdzv-id {}: must be letters, digits, '.', '_' or '-'",
+                                 single_quoted(options.rdzv_id)));
+  }
+  if (options.nnodes > 1 && options.rdzv_id.empty()) {
+    throw UsageError(fmt::format(
+        "--rdzv-id is required with --rdzv-backend etcd and --nnodes {}: every node's distrun "
+        "must name the same job",
+        options.nnodes));
+  }
+  if (options.nnodes > 1 && options.max_restarts > 0) {
+    throw UsageError(fmt::format(
+        "--max-restarts {} with --nnodes {}: not with --rdzv-backend etcd (the nodes' distruns "
+        "coordinate restarts through a store node 0 serves, on --master-addr and --master-port; "
+        "use --rdzv-backend static)",
+        options.max_restarts, options.nnodes));
+  }
+}
+
+// "etcd://ENDPOINT/JOB" for the attempt after `restart_count` restarts.
+std::string etcd_init_method(const LaunchOptions& options, int restart_count) {
+  return fmt::format("etcd://{}/{}", options.rdzv_endpoint, etcd_job(options, restart_count));
+}
+
 }  // namespace
 
 const char* restart_policy_name(RestartPolicy policy) {
   return policy == RestartPolicy::kRank ? "rank" : "all";
+}
+
+const char* rdzv_backend_name(RdzvBackend backend) {
+  return backend == RdzvBackend::kEtcd ? "etcd" : "static";
 }
 
 int find_free_port(bool all_addresses) {
@@ -139,9 +251,9 @@ std::string single_quoted(const std::string& s) { return fmt::format("'{}'", s);
 
 LaunchOptions parse_command_line(const std::vector<std::string>& args) {
   LaunchOptions options;
-  std::string policy = restart_policy_name(options.restart_policy);
+  Words words{restart_policy_name(options.restart_policy), rdzv_backend_name(options.rdzv_backend)};
   CLI::App app("", "distrun");
-  add_options(app, options, policy);
+  add_options(app, options, words);
   // CLI11 takes the arguments last-first.
   std::vector<std::string> reversed(args.rbegin(), args.rend());
   try {
@@ -155,14 +267,26 @@ LaunchOptions parse_command_line(const std::vector<std::string>& args) {
   if (app.count("--master-port") > 0 && options.master_port == 0) {
     throw UsageError("--master-port 0: must be in 1..65535");
   }
-  if (policy == "all" || policy == "rank") {
-    options.restart_policy = policy == "rank" ? RestartPolicy::kRank : RestartPolicy::kAll;
+  if (words.policy == "all" || words.policy == "rank") {
+    options.restart_policy = words.policy == "rank" ? RestartPolicy::kRank : RestartPolicy::kAll;
   } else {
     throw UsageError(
-        fmt::format("--restart-policy {}: must be all or rank", single_quoted(policy)));
+        fmt::format("--restart-policy {}: must be all or rank", single_quoted(words.policy)));
   }
-  if (app.count("--master-addr") > 0 && options.master_addr.empty()) {
-    throw UsageError("--master-addr '': must not be empty");
+  if (words.backend == "static" || words.backend == "etcd") {
+    options.rdzv_backend = words.backend == "etcd" ? RdzvBackend::kEtcd : RdzvBackend::kStatic;
+  } else {
+    throw UsageError(
+        fmt::format("--rdzv-backend {}: must be static or etcd", single_quoted(words.backend)));
+  }
+  const std::pair<const char*, const std::string*> words_given[] = {
+      {"--master-addr", &options.master_addr},
+      {"--rdzv-endpoint", &options.rdzv_endpoint},
+      {"--rdzv-id", &options.rdzv_id}};
+  for (const auto& [name, value] : words_given) {
+    if (app.count(name) > 0 && value->empty()) {
+      throw UsageError(fmt::format("{} '': must not be empty", name));
+    }
   }
 
   // With prefix_command, remaining() holds an unknown option and what follows it, or "--" and
@@ -199,7 +323,9 @@ void validate(const LaunchOptions& options) {
   if (options.master_port < 0 || options.master_port > 65535) {
     throw UsageError(fmt::format("--master-port {}: must be in 1..65535", options.master_port));
   }
-  if (options.nnodes > 1 && (options.master_addr.empty() || options.master_port == 0)) {
+  validate_rendezvous(options);
+  if (options.rdzv_backend == RdzvBackend::kStatic && options.nnodes > 1 &&
+      (options.master_addr.empty() || options.master_port == 0)) {
     throw UsageError(fmt::format(
         "{} is required with --nnodes {}: the address of rank 0's rendezvous, the same on every "
         "node (--master-addr {}, --master-port {})",
@@ -239,16 +365,38 @@ void validate(const LaunchOptions& options) {
 
 std::string help_text() {
   LaunchOptions options;
-  std::string policy;
+  Words words;
   CLI::App app("", "distrun");
-  add_options(app, options, policy);
+  add_options(app, options, words);
   return app.help();
 }
 
-LaunchOptions resolve_master(LaunchOptions options) {
+LaunchOptions resolve_rendezvous(LaunchOptions options) {
+  if (options.rdzv_backend == RdzvBackend::kEtcd) {
+    if (options.rdzv_id.empty()) options.rdzv_id = fresh_job_id();
+    return options;
+  }
   if (options.master_addr.empty()) options.master_addr = kDefaultMasterAddr;
   if (options.master_port == 0) options.master_port = find_free_port();
   return options;
+}
+
+std::string etcd_job(const LaunchOptions& options, int restart_count) {
+  if (options.restart_policy == RestartPolicy::kRank || restart_count == 0) return options.rdzv_id;
+  return fmt::format("{}.restart-{}", options.rdzv_id, restart_count);
+}
+
+std::string meeting_point(const LaunchOptions& options, int restart_count) {
+  if (options.rdzv_backend == RdzvBackend::kStatic) {
+    return fmt::format("MASTER_PORT={}", options.master_port);
+  }
+  return fmt::format("{}={}", comm::LaunchEnv::kInitMethodVariable,
+                     etcd_init_method(options, restart_count));
+}
+
+bool is_rendezvous_variable(const std::string& name) {
+  return name == "MASTER_ADDR" || name == "MASTER_PORT" ||
+         name == comm::LaunchEnv::kInitMethodVariable;
 }
 
 std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOptions& options,
@@ -261,11 +409,16 @@ std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOp
       {"LOCAL_RANK", std::to_string(local_rank)},
       {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
       {"GROUP_RANK", std::to_string(options.node_rank)},
-      {"MASTER_ADDR", options.master_addr},
-      {"MASTER_PORT", std::to_string(options.master_port)},
-      {"DISTRUN_RESTART_COUNT", std::to_string(restart_count)},
-      {"DISTRUN_MAX_RESTARTS", std::to_string(options.max_restarts)},
   };
+  if (options.rdzv_backend == RdzvBackend::kStatic) {
+    environment.emplace_back("MASTER_ADDR", options.master_addr);
+    environment.emplace_back("MASTER_PORT", std::to_string(options.master_port));
+  } else {
+    environment.emplace_back(comm::LaunchEnv::kInitMethodVariable,
+                             etcd_init_method(options, restart_count));
+  }
+  environment.emplace_back("DISTRUN_RESTART_COUNT", std::to_string(restart_count));
+  environment.emplace_back("DISTRUN_MAX_RESTARTS", std::to_string(options.max_restarts));
   // Ranks sharing a machine, as torchrun: one OpenMP thread each, which also sizes LibTorch's
   // intra-op pool and the system OpenBLAS's own pool (OMP_NUM_THREADS is its third choice, after
   // OPENBLAS_NUM_THREADS and GOTO_NUM_THREADS). Without it every rank starts a BLAS thread per

@@ -31,14 +31,29 @@ enum class RestartPolicy {
   /// Every local rank is stopped and all start again together (data-parallel jobs: torchrun's
   /// only policy).
   kAll,
-  /// The failed rank alone starts again, on the same MASTER_PORT, while the others keep running
-  /// (RPC jobs whose workers rejoin a running group). Rank 0 is never restarted: it serves the
-  /// rendezvous store the others meet in, so its failure ends the job. One node only.
+  /// The failed rank alone starts again, meeting the others where they met (the same
+  /// MASTER_PORT, or the same etcd job), while the others keep running (RPC jobs whose workers
+  /// rejoin a running group). Under RdzvBackend::kStatic rank 0 is never restarted: it serves
+  /// the rendezvous store the others meet in, so its failure ends the job; under kEtcd no rank
+  /// serves it, and rank 0 restarts like the others. One node only.
   kRank,
 };
 
 /// "all" or "rank", as --restart-policy takes it.
 const char* restart_policy_name(RestartPolicy policy);
+
+/// Where the ranks meet (torchrun's --rdzv-backend).
+enum class RdzvBackend {
+  /// "static", torchrun's default: rank 0 serves the store on MASTER_ADDR:MASTER_PORT.
+  kStatic,
+  /// "etcd": the store is kept in an etcd 3.4 (LaunchOptions::rdzv_endpoint) under the job
+  /// rdzv_id, which no process of the job serves; env:// in a rank means
+  /// etcd://ENDPOINT/JOB (DISTOPTIM_RDZV_INIT_METHOD).
+  kEtcd,
+};
+
+/// "static" or "etcd", as --rdzv-backend takes it.
+const char* rdzv_backend_name(RdzvBackend backend);
 
 /// What distrun runs: `nproc_per_node` copies of `command` on this node, which is node
 /// `node_rank` of `nnodes`.
@@ -49,11 +64,21 @@ struct LaunchOptions {
   int nnodes = 1;
   /// This node's index, in [0, nnodes); its ranks are node_rank * nproc_per_node + local rank.
   int node_rank = 0;
-  /// Address of rank 0's rendezvous. Empty: 127.0.0.1 (only allowed with nnodes == 1).
+  /// Address of rank 0's rendezvous. Empty: 127.0.0.1 (only allowed with nnodes == 1). Static
+  /// backend only.
   std::string master_addr;
   /// Port of rank 0's rendezvous, 1..65535. 0: a port free on 127.0.0.1 when distrun starts
-  /// (only allowed with nnodes == 1).
+  /// (only allowed with nnodes == 1). Static backend only.
   int master_port = 0;
+  /// Where the ranks meet.
+  RdzvBackend rdzv_backend = RdzvBackend::kStatic;
+  /// kEtcd: the client address of the etcd, "HOST:PORT" or "[IPV6]:PORT"; required. Empty
+  /// under kStatic.
+  std::string rdzv_endpoint;
+  /// kEtcd: the job's name in etcd (letters, digits, '.', '_', '-'), the same on every node.
+  /// Empty: one made for this launch (resolve_rendezvous), so that no earlier job's keys count;
+  /// required with nnodes > 1. Empty under kStatic.
+  std::string rdzv_id;
   /// After the first failure (or a signal), how long the other ranks have to exit after being
   /// sent SIGTERM before they are sent SIGKILL. In [0, 86400].
   double grace_seconds = 5.0;
@@ -62,7 +87,8 @@ struct LaunchOptions {
   /// its ranks together (node_coordination.h); all nodes must give the same value.
   int max_restarts = 0;
   /// What a failure restarts. With kRank, max_restarts bounds each rank's own restarts (its
-  /// DISTRUN_RESTART_COUNT), not the job's; nnodes must be 1.
+  /// DISTRUN_RESTART_COUNT), not the job's; nnodes must be 1. Under kEtcd with nnodes > 1,
+  /// max_restarts must be 0 (the nodes' distruns coordinate through a store node 0 serves).
   RestartPolicy restart_policy = RestartPolicy::kAll;
   /// With nnodes > 1 and max_restarts > 0: how long a node's distrun waits for every node to
   /// join a round, and for every node to report the end of a round its own ranks finished, in
@@ -74,6 +100,7 @@ struct LaunchOptions {
 
 /// Parses distrun's arguments (without argv[0]):
 /// `--nproc-per-node N [--nnodes M --node-rank R --master-addr A --master-port P]
+///  [--rdzv-backend static|etcd --rdzv-endpoint HOST:PORT --rdzv-id JOB]
 ///  [--grace-seconds S] [--max-restarts K] [--restart-policy all|rank] [--rdzv-timeout T] [--]
 ///  PROGRAM ARGS...`.
 /// Everything from PROGRAM on is kept as given, even words that look like distrun's options.
@@ -86,10 +113,27 @@ void validate(const LaunchOptions& options);
 /// distrun's --help text.
 std::string help_text();
 
-/// `options` with master_addr and master_port filled in when they were left empty/0: 127.0.0.1
-/// and a port found free by binding a TCP socket to 127.0.0.1 port 0. Throws std::system_error
-/// if no socket can be bound.
-LaunchOptions resolve_master(LaunchOptions options);
+/// `options` with where the ranks meet filled in. kStatic: master_addr and master_port, when left
+/// empty/0, become 127.0.0.1 and a port found free by binding a TCP socket to 127.0.0.1 port 0
+/// (std::system_error if no socket can be bound). kEtcd: rdzv_id, when empty, becomes a name
+/// made for this launch, "distrun-" and 16 random hex digits (std::system_error if the system
+/// gives no random bytes).
+LaunchOptions resolve_rendezvous(LaunchOptions options);
+
+/// kEtcd: the etcd job the ranks of the attempt after `restart_count` restarts meet under:
+/// rdzv_id, or under --restart-policy all after a restart (a new group, as a new MASTER_PORT
+/// is under kStatic) rdzv_id + ".restart-" + restart_count. A rank restarted alone (kRank)
+/// rejoins rdzv_id. `options` must be resolved.
+std::string etcd_job(const LaunchOptions& options, int restart_count);
+
+/// Where the ranks of the attempt after `restart_count` restarts meet, as distrun's messages
+/// name it: "MASTER_PORT=29500", or "DISTOPTIM_RDZV_INIT_METHOD=etcd://HOST:PORT/JOB".
+std::string meeting_point(const LaunchOptions& options, int restart_count);
+
+/// Whether the variable `name` says where the ranks meet (MASTER_ADDR, MASTER_PORT,
+/// DISTOPTIM_RDZV_INIT_METHOD): only rank_environment's values of these reach a rank, never
+/// distrun's own, which may name another job's store.
+bool is_rendezvous_variable(const std::string& name);
 
 /// A TCP port free when called: on 127.0.0.1 or, with `all_addresses`, on every address of this
 /// machine (what a store listening on all of them needs), found by binding port 0. Throws
@@ -108,14 +152,16 @@ constexpr const char* kSharedMachineOmpThreads = "1";
 constexpr const char* kSharedMachineBlasThreadTimeout = "4";
 
 /// The variables set for local rank `local_rank` in the attempt after `restart_count` restarts,
-/// in this order: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-/// MASTER_PORT (torchrun's names), DISTRUN_RESTART_COUNT and DISTRUN_MAX_RESTARTS (torchrun's
+/// in this order: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and
+/// MASTER_PORT (torchrun's names; kStatic) or DISTOPTIM_RDZV_INIT_METHOD=etcd://ENDPOINT/JOB with
+/// JOB = etcd_job(options, restart_count) (kEtcd: comm::LaunchEnv reads it, and env:// means
+/// it), DISTRUN_RESTART_COUNT and DISTRUN_MAX_RESTARTS (torchrun's
 /// TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS); then, with several ranks on this
 /// node, OMP_NUM_THREADS=kSharedMachineOmpThreads unless distrun's environment has it, and
 /// OPENBLAS_THREAD_TIMEOUT=kSharedMachineBlasThreadTimeout unless it has that or
 /// GOTO_THREAD_TIMEOUT; then, given a `secret_file` (the
 /// job's RPC secret, job_secret.h), DISTOPTIM_RPC_SECRET_FILE=secret_file. `options` must be
-/// resolved (resolve_master) and valid.
+/// resolved (resolve_rendezvous) and valid.
 std::vector<std::pair<std::string, std::string>> rank_environment(
     const LaunchOptions& options, int local_rank, int restart_count = 0,
     const std::string& secret_file = std::string());

@@ -63,12 +63,14 @@ struct ChildSetup {
   ::_exit(kExecFailedStatus);
 }
 
-// distrun's environment without the variables distrun sets, then those, as NAME=value.
+// distrun's environment without the variables distrun sets, and without those saying where
+// ranks meet (they would name another job's store), then distrun's, as NAME=value.
 std::vector<std::string> child_environment(
     const std::vector<std::pair<std::string, std::string>>& variables) {
   std::vector<std::string> env;
   for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
     const std::string item = *entry;
+    if (is_rendezvous_variable(item.substr(0, item.find('=')))) continue;
     const bool overridden =
         std::any_of(variables.begin(), variables.end(), [&](const auto& variable) {
           return item.compare(0, variable.first.size() + 1, variable.first + "=") == 0;

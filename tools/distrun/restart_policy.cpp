@@ -14,7 +14,10 @@ bool restart_all_wanted(const LaunchOptions& options, int restart_count, int rec
 
 bool may_restart_alone(const LaunchOptions& options, int rank, int restart_count,
                        bool job_stopping) {
-  return options.restart_policy == RestartPolicy::kRank && rank != 0 &&
+  // Under the static backend rank 0 serves the store the others met in: a new rank 0 would
+  // serve an empty one, which nobody could rejoin. In etcd the store outlives every rank.
+  const bool hosts_store = rank == 0 && options.rdzv_backend == RdzvBackend::kStatic;
+  return options.restart_policy == RestartPolicy::kRank && !hosts_store &&
          restart_count < options.max_restarts && !job_stopping;
 }
 
@@ -32,16 +35,17 @@ std::string restart_all_notice(const LaunchOptions& options, int restart_count,
   }
   return fmt::format(
       "distrun: attempt {} failed ({}); restarting the {} local rank(s): restart {} of at most "
-      "{}, DISTRUN_RESTART_COUNT={}, MASTER_PORT={}\n",
+      "{}, DISTRUN_RESTART_COUNT={}, {}\n",
       restart_count + 1, failure, options.nproc_per_node, restart_count + 1, options.max_restarts,
-      restart_count + 1, options.master_port);
+      restart_count + 1, meeting_point(options, restart_count + 1));
 }
 
 std::string restart_alone_notice(const LaunchOptions& options, int rank, int restart_count) {
   return fmt::format(
       "distrun: restarting rank {} alone (--restart-policy rank): restart {} of at most {} for "
-      "this rank, DISTRUN_RESTART_COUNT={}, MASTER_PORT={}; the other ranks keep running\n",
-      rank, restart_count, options.max_restarts, restart_count, options.master_port);
+      "this rank, DISTRUN_RESTART_COUNT={}, {}; the other ranks keep running\n",
+      rank, restart_count, options.max_restarts, restart_count,
+      meeting_point(options, restart_count));
 }
 
 }  // namespace launcher

@@ -23,15 +23,17 @@ bool restart_all_wanted(const LaunchOptions& options, int restart_count, int rec
                         bool failed);
 
 /// --restart-policy rank: whether a failed run of `rank` (exited non-zero or killed), the run
-/// after `restart_count` restarts of that rank, starts again alone. Not rank 0: it serves the
-/// rendezvous store the others would rejoin. Not once the job is stopping (`job_stopping`: a
-/// signal, a failure that ends the job, or the round ended on another node; later failures are
-/// its consequences). At most --max-restarts times a rank.
+/// after `restart_count` restarts of that rank, starts again alone. Not rank 0 under
+/// --rdzv-backend static: it serves the rendezvous store the others would rejoin (under etcd,
+/// which no rank serves, rank 0 restarts like the others). Not once the job is stopping
+/// (`job_stopping`: a signal, a failure that ends the job, or the round ended on another node;
+/// later failures are its consequences). At most --max-restarts times a rank.
 bool may_restart_alone(const LaunchOptions& options, int rank, int restart_count,
                        bool job_stopping);
 
 /// What distrun says before every local rank starts again after attempt `restart_count` + 1
-/// failed: on one node, with the new MASTER_PORT (options.master_port, already renewed); across
+/// failed: on one node, with where the ranks meet next (meeting_point: the new MASTER_PORT,
+/// options.master_port, already renewed, or the attempt's etcd job); across
 /// nodes (`round` given: how the round ended on every node) the port comes with the next round.
 /// `first_failure_rank`: on one node, the rank that failed first, or -1 if a rank could not be
 /// started.
@@ -39,7 +41,8 @@ std::string restart_all_notice(const LaunchOptions& options, int restart_count,
                                const std::optional<RoundOutcome>& round, int first_failure_rank);
 
 /// What distrun says before `rank` starts again alone with DISTRUN_RESTART_COUNT
-/// `restart_count` (its own count, one higher than its failed run's).
+/// `restart_count` (its own count, one higher than its failed run's), and where it rejoins the
+/// others (meeting_point).
 std::string restart_alone_notice(const LaunchOptions& options, int rank, int restart_count);
 
 }  // namespace launcher

@@ -11,9 +11,10 @@
 //             (the ranks already started are stopped as below).
 //   running   the loop relays output and reaps ranks as they exit. Exit status 0 changes
 //             nothing; a non-zero status or a signal is a failure. With --restart-policy rank, a
-//             failed rank other than rank 0 that has restarts left (--max-restarts per rank) is
-//             started again at once, alone, with its own DISTRUN_RESTART_COUNT one higher and
-//             the same MASTER_PORT, unless the job is already stopping: that is no failure of
+//             failed rank that has restarts left (--max-restarts per rank), other than rank 0
+//             under --rdzv-backend static (it serves the store), is started again at once,
+//             alone, with its own DISTRUN_RESTART_COUNT one higher and the same MASTER_PORT (or
+//             etcd job), unless the job is already stopping: that is no failure of
 //             the job, and the other ranks run on. Across nodes, the loop also
 //             asks the store every 100 ms whether another node's failure, or a signal to another
 //             node's distrun, ended the round: then the local ranks are stopped as below (their
@@ -39,7 +40,8 @@
 //             when distrun got no SIGINT/SIGTERM (during it or before this point) and fewer than
 //             --max-restarts restarts were made: every rank of the attempt has been reaped, so
 //             no process of the old round is left; on one node, the master port is renewed
-//             (unless given on the command line); across nodes, the next round brings its own.
+//             (unless given on the command line; under etcd, the attempt's job is); across
+//             nodes, the next round brings its own.
 //             The next attempt starts with DISTRUN_RESTART_COUNT one higher.
 //   done      exit status: 128 + the signal distrun got, if any; across nodes, the round's: 0,
 //             the status of the failure that ended it, or 128 + the signal another node's
@@ -260,7 +262,9 @@ class Supervisor {
     drain_deadline_.reset();
     first_failure_ = FirstFailure();
     ended_elsewhere_.reset();
-    if (!coordinator_ && !port_given_) options_.master_port = fresh_port(options_.master_port);
+    if (!coordinator_ && !port_given_ && options_.rdzv_backend == RdzvBackend::kStatic) {
+      options_.master_port = fresh_port(options_.master_port);
+    }
     write_all(STDERR_FILENO,
               restart_all_notice(options_, restart_count_, round_outcome_, failed_first));
   }
@@ -367,7 +371,7 @@ class Supervisor {
   bool stopping() const { return received_signal_ != 0 || grace_deadline_ || ended_elsewhere_; }
 
   // Starts the failed run ranks_[index] again, alone, with its restart count one higher and the
-  // same MASTER_PORT; the other ranks run on.
+  // same MASTER_PORT (or etcd job); the other ranks run on.
   void restart_alone(size_t index) {
     if (grace_deadline_) {
       // Another rank reaped in the same pass ended the job: this failure is reported, not undone.
@@ -494,7 +498,7 @@ class Supervisor {
 
 int run(const LaunchOptions& options) {
   validate(options);
-  Supervisor supervisor(resolve_master(options), options.master_port != 0);
+  Supervisor supervisor(resolve_rendezvous(options), options.master_port != 0);
   return supervisor.run();
 }
 

@@ -23,10 +23,12 @@ namespace launcher {
 /// With max_restarts > 0, once every rank of a failed attempt has been reaped, all local ranks
 /// are started again (at most max_restarts times) with DISTRUN_RESTART_COUNT one higher and, if
 /// the port was not given, a new free MASTER_PORT; a SIGINT or SIGTERM to distrun ends the job
-/// without a restart. With restart_policy kRank instead, a failed rank other than rank 0 is
-/// started again at once, alone (at most max_restarts times per rank), with its own restart count
-/// and the same MASTER_PORT, while the others run on; rank 0's failure, or that of a rank with no
-/// restart left, ends the job as without restarts.
+/// without a restart. Under RdzvBackend::kEtcd the ranks meet in etcd instead (rank_environment),
+/// and each restarted attempt under a job of its own (etcd_job). With restart_policy kRank
+/// instead, a failed rank is started again at once, alone (at most max_restarts times per rank),
+/// with its own restart count and the same MASTER_PORT (or etcd job), while the others run on;
+/// under kStatic, rank 0's failure ends the job as without restarts (it serves the store), as
+/// does, under either backend, the failure of a rank with no restart left.
 ///
 /// With nnodes > 1 and max_restarts > 0, every node's distrun goes through the rounds together
 /// (NodeCoordinator, node_coordination.h): each round starts once every node has joined, on a

@@ -22,17 +22,30 @@ struct LaunchEnv {
   std::optional<int> local_world_size;
   std::optional<std::string> master_addr;
   std::optional<int> master_port;
+  /// The init method "env://" stands for, when the launcher names one: an
+  /// "etcd://HOST:PORT/JOB" (distrun --rdzv-backend etcd). It takes precedence over master_addr
+  /// and master_port.
+  std::optional<std::string> init_method;
 
   /// torchrun's and distrun's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
   /// MASTER_PORT; where RANK or WORLD_SIZE is unset, Open MPI's OMPI_COMM_WORLD_{RANK,SIZE,
-  /// LOCAL_RANK,LOCAL_SIZE}, then SLURM's SLURM_{PROCID,NTASKS,LOCALID}. A set variable that is
-  /// not a whole number in range throws c10::ValueError naming it.
+  /// LOCAL_RANK,LOCAL_SIZE}, then SLURM's SLURM_{PROCID,NTASKS,LOCALID}; and distrun's
+  /// DISTOPTIM_RDZV_INIT_METHOD (kInitMethodVariable) into init_method. A set variable that is
+  /// not a whole number in range, or a DISTOPTIM_RDZV_INIT_METHOD that is not etcd://, throws
+  /// c10::ValueError naming it.
   static LaunchEnv from_environment();
+
+  /// The variable a launcher sets to name the store its ranks meet in, so that "env://" means
+  /// it (distrun sets it to "etcd://HOST:PORT/JOB" under --rdzv-backend etcd).
+  static constexpr const char* kInitMethodVariable = "DISTOPTIM_RDZV_INIT_METHOD";
 };
 
 /// How ranks find each other (torch.distributed's `init_method`, `rank`, `world_size`,
 /// `timeout`). init_method is one of
 ///   "env://"            MASTER_ADDR / MASTER_PORT (and RANK / WORLD_SIZE unless given here);
+///                       or, when the launcher set DISTOPTIM_RDZV_INIT_METHOD (LaunchEnv's
+///                       init_method), the etcd://HOST:PORT/JOB it names, whatever MASTER_ADDR
+///                       and MASTER_PORT say;
 ///   "tcp://HOST:PORT"   rank 0 serves the store on PORT, the others connect to HOST:PORT;
 ///   "file:///PATH"      a file every rank can reach (a fresh one per job);
 ///   "etcd://HOST:PORT/JOB"  the ranks meet in the etcd 3.4 at HOST:PORT, under
@@ -94,9 +107,9 @@ Rendezvous rendezvous(const RendezvousOptions& options);
 /// tcp:// and env:// rank 0 serves it (options.rank() must be given), the others connect to it;
 /// over etcd:// every rank connects to etcd; each waits up to options.timeout() for the store to
 /// come up (to answer); nobody waits for anyone else. Not file://. (env:// reads MASTER_ADDR and
-/// MASTER_PORT.) The result has world_size 0 and no hosts.
-/// Errors: c10::ValueError for a bad init_method or rank, file://; TimeoutError naming the store
-/// (host:port) when it cannot be reached; DistributedError when rank 0 cannot serve it.
+/// MASTER_PORT, or the launcher's DISTOPTIM_RDZV_INIT_METHOD.) The result has world_size 0 and no
+/// hosts. Errors: c10::ValueError for a bad init_method or rank, file://; TimeoutError naming the
+/// store (host:port) when it cannot be reached; DistributedError when rank 0 cannot serve it.
 Rendezvous open_store(const RendezvousOptions& options);
 
 /// True when `host` names this machine's loopback ("localhost", 127.0.0.0/8, "::1").
