@@ -1,5 +1,5 @@
-// SnapshotSchedule (snapshot.h): when a trainer's snapshots are begun and finished, the
-// DIR/latest.pt that names the newest complete one, and the removal of older ones.
+// SnapshotSchedule (snapshot.h): when a trainer's snapshots are begun and finished, and the
+// removal of older ones; latest_snapshot, the newest complete one.
 
 #include <distoptim/dist_optim/snapshot.h>
 
@@ -8,13 +8,10 @@
 #include <filesystem>
 #include <utility>
 
-#include <ATen/core/Dict.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Logging.h>
 
-#include "checkpoint_file.h"
 #include "snapshot_calls.h"
-#include "snapshot_files.h"
 
 namespace distoptim {
 namespace dist_optim {
@@ -23,12 +20,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kLatestFormat = "distoptim.snapshot.latest";
 constexpr const char* kStepPrefix = "step-";
-
-std::string latest_path(const std::string& directory) {
-  return (fs::path(directory) / "latest.pt").string();
-}
 
 // step-000000001200: zero-padded, so that names sort as steps do.
 std::string step_name(int64_t step) {
@@ -124,13 +116,6 @@ std::optional<int64_t> SnapshotSchedule::finish() {
   // Whatever happens, this snapshot is no longer pending: a failed one is abandoned.
   const std::unique_ptr<Pending> pending = std::move(pending_);
   pending->snapshot.finish(pending->step);
-  c10::impl::GenericDict latest(c10::StringType::get(), c10::AnyType::get());
-  latest.insert("format", std::string(kLatestFormat));
-  latest.insert("version", detail::kSnapshotVersion);
-  latest.insert("step", pending->step);
-  latest.insert("snapshot", step_name(pending->step));
-  optim::detail::write_pickle_file(latest_path(options_.directory()), latest,
-                                   detail::kSaveSnapshot);
   // The older snapshots beyond keep_last go; newer ones (of a run this one resumed before) stay.
   std::vector<std::pair<int64_t, fs::path>> older;
   std::error_code error;
@@ -152,20 +137,17 @@ std::optional<int64_t> SnapshotSchedule::finish() {
 }
 
 std::optional<SnapshotInfo> latest_snapshot(const std::string& directory) {
-  const std::string path = latest_path(directory);
+  std::vector<std::pair<int64_t, fs::path>> snapshots;
   std::error_code error;
-  if (!fs::exists(path, error)) return std::nullopt;
-  const c10::impl::GenericDict latest =
-      detail::dict_of(optim::detail::read_pickle_file(path, detail::kLoadSnapshot), path);
-  detail::check_format(latest, kLatestFormat, path);
-  const int64_t step = detail::int_field(latest, "step", path);
-  const c10::IValue& name = detail::field(latest, "snapshot", path);
-  TORCH_CHECK_VALUE(name.isString() && step_of(name.toStringRef()) == step, detail::kLoadSnapshot,
-                    ": '", path, "' names no snapshot of step ", step);
-  const std::string snapshot = (fs::path(directory) / name.toStringRef()).string();
-  TORCH_CHECK(fs::exists(fs::path(snapshot) / "manifest.pt", error), detail::kLoadSnapshot, ": '",
-              path, "' names '", snapshot, "', which holds no manifest.pt");
-  return SnapshotInfo{step, snapshot};
+  for (const fs::directory_entry& entry : fs::directory_iterator(directory, error)) {
+    const int64_t step = step_of(entry.path().filename().string());
+    if (step >= 0 && fs::exists(entry.path() / "manifest.pt", error)) {
+      snapshots.emplace_back(step, entry.path());
+    }
+  }
+  if (snapshots.empty()) return std::nullopt;
+  const auto newest = std::max_element(snapshots.begin(), snapshots.end());
+  return SnapshotInfo{newest->first, newest->second.string()};
 }
 
 std::optional<int64_t> load_latest_snapshot(const std::string& directory,

@@ -432,6 +432,26 @@ TEST(Snapshot, BadSnapshotsAreRefusedNamingTheFileAndTheOwnerAndChangeNothing) {
         },
         {"save_snapshot: tables[1] shares its shard 0 with an earlier table"});
     EXPECT_FALSE(fs::exists(dir / "x"));
+    testing::expect_error_containing(
+        [&] {
+          dist_optim::SnapshotSchedule(dist_optim::SnapshotOptions(dir / "x").keep_last(0),
+                                       model.optimizer, {&model.table});
+        },
+        {"SnapshotSchedule: keep_last is 0; it must be at least 1"});
+
+    // An owner that cannot write its file (a directory stands where its block goes): named with
+    // the file, and no manifest is written.
+    const std::string blocked = dir / "blocked";
+    const std::string block = blocked + "/table-0.shard-1-of-2.block-0.pt";
+    fs::create_directories(block);
+    try {
+      dist_optim::save_snapshot(blocked, model.optimizer, {&model.table});
+      ADD_FAILURE() << "a snapshot whose block could not be written was saved";
+    } catch (const rpc::RemoteError& error) {
+      EXPECT_EQ(error.worker_name(), worker(2));
+      EXPECT_NE(std::string(error.what()).find(block), std::string::npos) << error.what();
+    }
+    EXPECT_FALSE(fs::exists(blocked + "/manifest.pt"));
 
     Model other({worker(1)}, worker(1), /*seed=*/9);
     const std::vector<at::Tensor> before = other.values();

@@ -28,9 +28,10 @@
 // (Python's torch.load reads them), written atomically and checked on load as every checkpoint
 // file of the library is (headers, every record's CRC-32); the manifest is removed first and
 // written last: a directory without one is no snapshot. A SnapshotSchedule writes each snapshot
-// into DIR/step-N and then DIR/latest.pt (which names it), and removes the oldest beyond
-// keep_last. The directory must be one path that every owner reaches (one host, or a shared
-// file system); a relative path is made absolute in the calling process.
+// into DIR/step-N (N zero-padded to 12 digits) and removes the oldest beyond keep_last;
+// latest_snapshot is the newest of them with a manifest. The directory must be one path that every
+// owner reaches (one host, or a shared file system); a relative path is made absolute in the
+// calling process.
 //
 // What one snapshot is: each owner copies its parameters and their state under its update lock
 // (no step of any optimizer is half in the copy; a copy at memory speed, the only time steps
@@ -94,7 +95,7 @@ void load_snapshot(const std::string& directory, DistributedOptimizer& optimizer
 
 struct SnapshotOptions {
   /* implicit */ SnapshotOptions(std::string directory) : directory_(std::move(directory)) {}
-  /// Where the snapshots go: DIR/step-N per snapshot, DIR/latest.pt naming the newest.
+  /// Where the snapshots go: DIR/step-N per snapshot.
   TORCH_ARG(std::string, directory);
   /// A snapshot every this many steps (0: none by count).
   TORCH_ARG(int64_t, every_steps) = 0;
@@ -107,7 +108,7 @@ struct SnapshotOptions {
 };
 
 /// Takes snapshots of one trainer's DistributedOptimizer on a schedule, in the background: a
-/// snapshot is begun by step() when due and finished (its manifest and DIR/latest.pt written,
+/// snapshot is begun by step() when due and finished (its manifest written,
 /// old ones removed) by the first step() after every owner has written its files, so the
 /// trainer waits only for the owners' copies. A snapshot due while another is being written is
 /// begun once that one is finished. Steps are counted from `step` (the step a resumed run starts
@@ -127,7 +128,7 @@ class SnapshotSchedule {
   /// Counts one step of the optimizer (call it after each step): finishes the snapshot being
   /// written if its owners are done, and begins one if due. Returns the step of the snapshot it
   /// finished, if any. Errors of a snapshot (as save_snapshot's) are thrown by the step() that
-  /// finishes it; that snapshot is then abandoned (no manifest, not named latest) and the next
+  /// finishes it; that snapshot is then abandoned (no manifest: never the latest) and the next
   /// one is begun when due.
   std::optional<int64_t> step();
   /// Waits for the snapshot being written, if any, and finishes it; returns its step.
@@ -151,9 +152,9 @@ class SnapshotSchedule {
   std::unique_ptr<Pending> pending_;
 };
 
-/// The newest complete snapshot a SnapshotSchedule wrote into `directory`: its step and path, or
-/// nullopt when there is none (no DIR/latest.pt). c10::Error naming the file when latest.pt is
-/// damaged or names a snapshot without a manifest.
+/// The newest complete snapshot (one with its manifest) a SnapshotSchedule wrote into
+/// `directory`: its step and path, or nullopt when there is none (or no such directory). Its
+/// files are checked when it is loaded.
 struct SnapshotInfo {
   int64_t step = 0;
   std::string path;
