@@ -158,6 +158,21 @@ uint32_t ValueEncoder::add_tensor(const at::Tensor& tensor) {
 }
 
 // Decoding: wire::Value -> IValue, within the limits.
+
+// The items of a list or a tuple, one level deeper, appended to `out` in order.
+template <class Items>
+Status ValueDecoder::decode_items(const wire::ListValue& list, size_t depth, Items* out) {
+  out->reserve(list.items_size());
+  for (const wire::Value& item : list.items()) {
+    c10::IValue element;
+    if (Status error = decode(item, &element, depth + 1)) {
+      return error;
+    }
+    out->push_back(std::move(element));
+  }
+  return std::nullopt;
+}
+
 Status ValueDecoder::decode(const wire::Value& value, c10::IValue* out, size_t depth) {
   if (depth > limits_.max_nesting_depth) {
     return c10::str("values nested deeper than ", limits_.max_nesting_depth, " levels");
@@ -190,26 +205,16 @@ Status ValueDecoder::decode(const wire::Value& value, c10::IValue* out, size_t d
       return std::nullopt;
     case wire::Value::kList: {
       c10::impl::GenericList list(c10::AnyType::get());
-      list.reserve(value.list().items_size());
-      for (const wire::Value& item : value.list().items()) {
-        c10::IValue element;
-        if (Status error = decode(item, &element, depth + 1)) {
-          return error;
-        }
-        list.push_back(std::move(element));
+      if (Status error = decode_items(value.list(), depth, &list)) {
+        return error;
       }
       *out = c10::IValue(std::move(list));
       return std::nullopt;
     }
     case wire::Value::kTuple: {
       std::vector<c10::IValue> elements;
-      elements.reserve(value.tuple().items_size());
-      for (const wire::Value& item : value.tuple().items()) {
-        c10::IValue element;
-        if (Status error = decode(item, &element, depth + 1)) {
-          return error;
-        }
-        elements.push_back(std::move(element));
+      if (Status error = decode_items(value.tuple(), depth, &elements)) {
+        return error;
       }
       *out = c10::IValue(c10::ivalue::Tuple::create(std::move(elements)));
       return std::nullopt;

@@ -27,6 +27,7 @@ namespace rpc {
 namespace wire {
 class Body;
 class DictValue;
+class ListValue;
 class SparseCooValue;
 class TensorMeta;
 class Value;
@@ -62,7 +63,8 @@ class RRefReference : public c10::RRefInterface {
 /// Encodes the values of one message's body into wire::Values, collecting its tensors in order of
 /// appearance: each one's TensorMeta goes into the body's table, and take_tensors() hands over
 /// the dense CPU tensors whose bytes follow the body. encode() throws c10::TypeError /
-/// c10::ValueError for a value that cannot travel (message.h's encoders say which).
+/// c10::ValueError for a value that cannot travel (message.h's encoders say which). One encoder
+/// per body, on one thread; `body` must outlive it.
 class ValueEncoder {
  public:
   explicit ValueEncoder(wire::Body* body) : body_(body) {}
@@ -79,8 +81,9 @@ class ValueEncoder {
 };
 
 /// Decodes the values of one message's body within `limits`, over the frame's tensors as
-/// typed_tensor made them. One decoder per body: limits.max_values counts the values of all
-/// that one decoder decodes.
+/// typed_tensor made them. One decoder per body, on one thread: limits.max_values counts the
+/// values of all that one decoder decodes. It holds `tensors` and `limits` by reference: both must
+/// outlive it.
 class ValueDecoder {
  public:
   ValueDecoder(const std::vector<at::Tensor>& tensors, const WireLimits& limits)
@@ -89,6 +92,8 @@ class ValueDecoder {
   Status decode(const wire::Value& value, c10::IValue* out, size_t depth = 0);
 
  private:
+  template <class Items>
+  Status decode_items(const wire::ListValue& list, size_t depth, Items* out);
   Status decode_sparse_coo(const wire::SparseCooValue& coo, c10::IValue* out);
   Status decode_dict(const wire::DictValue& dict, c10::IValue* out, size_t depth);
 
