@@ -19,7 +19,7 @@
 // may either side leave large tensors in its memory for the other to read. A peer that lies
 // gains nothing: a read at a wrong address fails, and a frame pointing at memory the reader
 // cannot read closes the connection. Until the proof is checked, the accepting worker admits one
-// small handshake frame (message.h's handshake_limits) and nothing else, within a deadline.
+// small handshake frame (frame_header.h's handshake_limits) and nothing else, within a deadline.
 //
 // States, accepting side: kChallenged -> (proof ok) kAccepted | (else) kRefused.
 // Connecting side: kAwaitingChallenge -> (challenge) kProved -> (accept ok) kAccepted |

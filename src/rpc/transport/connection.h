@@ -4,7 +4,7 @@
 // workers on one host, on Asio (docs/wire_format.md has the frame layout, docs/threading.md the
 // threads). The library owns every byte of a connection from
 // its first: until the peer has proven the shared secret, a connection admits only a small
-// handshake frame (message.h's handshake_limits) within a deadline, so nothing an
+// handshake frame (frame_header.h's handshake_limits) within a deadline, so nothing an
 // unauthenticated peer sends reaches a parser that allocates more than that bound.
 
 #include <atomic>
