@@ -101,10 +101,6 @@ struct Config {
   int deadline_seconds = 300;
 };
 
-double ms_between(Clock::time_point from, Clock::time_point to) {
-  return std::chrono::duration<double, std::milli>(to - from).count();
-}
-
 // worker0: trains and measures.
 Json train(int64_t rows, const Config& config) {
   const auto [rss_before_kb, ignored] =
@@ -169,12 +165,6 @@ void run_worker(int64_t rows, const Config& config) {
 
 // --- the driver ------------------------------------------------------------------------------
 
-std::string rows_label(int64_t rows) {
-  const double exponent = std::log10(static_cast<double>(rows));
-  return std::abs(exponent - std::round(exponent)) < 1e-9 ? fmt::format("1e{:.0f}", exponent)
-                                                          : std::to_string(rows);
-}
-
 int run(int argc, char** argv) {
   Config config;
   std::string json_path;
@@ -200,11 +190,10 @@ int run(int argc, char** argv) {
   app.add_option("--worker-rows", worker_rows)->group("");
   CLI11_PARSE(app, argc, argv);
   if (!steps.empty()) {
-    const auto comma = steps.find(',');
-    TORCH_CHECK_VALUE(comma != std::string::npos, "--steps: W,T, got '", steps, "'");
-    config.warmup = std::stoi(steps.substr(0, comma));
-    config.timed = std::stoi(steps.substr(comma + 1));
-    TORCH_CHECK_VALUE(config.warmup >= 0 && config.timed > 0, "--steps: W,T, got '", steps, "'");
+    StepCounts counts{config.warmup, config.timed};
+    parse_step_counts("--steps", steps, counts);
+    config.warmup = counts.warmup;
+    config.timed = counts.timed;
   }
   if (worker) {
     run_worker(worker_rows, config);
