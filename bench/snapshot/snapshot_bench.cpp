@@ -24,7 +24,7 @@
 //            schedule.step() finishes it (returns its step; if the T steps end first, flush()
 //            finishes it, the trainer waiting). The snapshot's duration is the time from that
 //            begin to that finish (seen at step granularity), its size the bytes of the files
-//            it left (manifest, blocks, latest.pt);
+//            under the schedule's directory (the manifest and blocks, and what it writes beside);
 //   blocking: in the last --blocking-rounds rounds (1), one save_snapshot of the same optimizer
 //            and table: what a trainer waits for with the synchronous API (at 1e7 rows it takes
 //            as long as the rest of a round, hence not in every round by default).
@@ -386,12 +386,12 @@ int run(int argc, char** argv) {
              machine_load_line(load_at_start, load_at_end));
 
   Json cases = Json::array();
-  const char* kPhases[][2] = {{"without", "without a snapshot"},
-                              {"during", "during (all T steps)"},
-                              {"while_written", "during, while written"}};
+  const char* phases[][2] = {{"without", "without a snapshot"},
+                             {"during", "during (all T steps)"},
+                             {"while_written", "during, while written"}};
   fmt::print("{:<24} {:>22} {:>22} {:>24} {:>14}\n", "step ms, phase", "p50 (min/med/max)",
              "p99 (min/med/max)", "max (min/med/max)", "steps (med)");
-  for (const auto& [phase, label] : kPhases) {
+  for (const auto& [phase, label] : phases) {
     std::vector<std::string> cells;
     for (const char* figure : {"p50", "p99", "max"}) {
       const std::vector<double> values = over_rounds(phase, figure);
