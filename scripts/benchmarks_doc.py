@@ -131,8 +131,9 @@ def render_other(cases, path):
     return [], table(["case"] + keys, rows)
 
 
-def render_elastic(cases, path):
-    """bench/elastic: min/median/max rows of ours alone, and one row of settings."""
+def render_ours_alone(cases, path):
+    """A benchmark with no PyTorch side (bench/elastic, bench/snapshot): min/median/max rows of
+    ours alone over its rounds, and one row of settings."""
     rows, notes = [], []
     for c in cases:
         if c["case"] == "settings":
@@ -144,7 +145,8 @@ def render_elastic(cases, path):
     return notes, table(["case", "min", "median", "max", "unit", "better"], rows)
 
 
-RENDERERS = {"optim": render_optim, "elastic": render_elastic, "zero": render_ours_and_pytorch,
+RENDERERS = {"optim": render_optim, "elastic": render_ours_alone, "snapshot": render_ours_alone,
+             "zero": render_ours_and_pytorch,
              "zero_mmap_thp": render_ours_and_pytorch,
              "dist_optim": render_ours_and_pytorch, "rpc": render_rpc,
              "sparse_ps": render_ours_and_pytorch, "sparse_rows": render_ours_and_pytorch}
@@ -238,7 +240,8 @@ def section(name, paths):
             (present[middle - 1] + present[middle]) / 2
         rows.append([case["case"]] + [ratio(r) for r in ratios] + [ratio(median)])
     if not rows:
-        # A benchmark that compares nothing (bench/elastic) has no ratios: its last run in full.
+        # A benchmark that compares nothing (bench/elastic, bench/snapshot) has no ratios: its last
+        # run in full.
         head = ["Written by `scripts/benchmarks_doc.py` from {} runs of the benchmark (`make "
                 "bench`), the last of {}; it compares nothing, so the last run in full.".format(
                     len(runs), written(paths[-1]))] + head[1:]

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <sstream>
+#include <stdexcept>
 #include <thread>
 
 #include <c10/util/Exception.h>
@@ -42,6 +43,44 @@ nlohmann::json comparison_row(const std::string& name, const Spread& ours, const
           {"rounds", rounds},
           {"unit", unit},
           {"better", lower_is_better ? "lower" : "higher"}};
+}
+
+nlohmann::json spread_row(const std::string& name, const std::vector<double>& values,
+                          const std::string& unit, const std::string& better) {
+  const Spread s = spread_of(values);
+  return {{"case", name},    {"min", s.min}, {"median", s.median},
+          {"max", s.max},    {"unit", unit}, {"samples", values.size()},
+          {"better", better}};
+}
+
+double ms_between(std::chrono::steady_clock::time_point from,
+                  std::chrono::steady_clock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
+}
+
+std::string rows_label(int64_t rows) {
+  const double exponent = std::log10(static_cast<double>(rows));
+  if (rows > 0 && std::abs(exponent - std::round(exponent)) < 1e-9) {
+    return "1e" + std::to_string(static_cast<int>(std::round(exponent)));
+  }
+  return std::to_string(rows);
+}
+
+void parse_step_counts(const std::string& flag, const std::string& text, StepCounts& counts) {
+  const auto comma = text.find(',');
+  StepCounts parsed;
+  bool ok = comma != std::string::npos;
+  if (ok) {
+    try {
+      parsed.warmup = std::stoi(text.substr(0, comma));
+      parsed.timed = std::stoi(text.substr(comma + 1));
+    } catch (const std::logic_error&) {  // std::stoi's invalid_argument and out_of_range
+      ok = false;
+    }
+  }
+  TORCH_CHECK_VALUE(ok && parsed.warmup >= 0 && parsed.timed > 0, flag,
+                    ": W,T (W >= 0, T > 0), got '", text, "'");
+  counts = parsed;
 }
 
 double percentile(std::vector<double> values, double p) {

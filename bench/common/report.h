@@ -4,6 +4,7 @@
 // memory and CPU counters, collecting the "RESULT {json}" lines its worker processes print, and
 // writing its JSON results file.
 
+#include <chrono>
 #include <cstdint>
 #include <fstream>
 #include <functional>
@@ -45,6 +46,29 @@ Spread spread_of(const std::vector<double>& values);
 /// or "higher")}.
 nlohmann::json comparison_row(const std::string& name, const Spread& ours, const Spread& pytorch,
                               size_t rounds, const std::string& unit, bool lower_is_better);
+
+/// One case of a results file for a figure of ours alone over rounds (a benchmark with no
+/// PyTorch side): {case, min, median, max (of `values`), unit, samples, better ("lower" or
+/// "higher")}. Throws c10::Error for an empty list.
+nlohmann::json spread_row(const std::string& name, const std::vector<double>& values,
+                          const std::string& unit, const std::string& better);
+
+/// Milliseconds from `from` to `to`.
+double ms_between(std::chrono::steady_clock::time_point from,
+                  std::chrono::steady_clock::time_point to);
+
+/// A table's row count as a benchmark names it: "1e7" for a power of ten, else its digits.
+std::string rows_label(int64_t rows);
+
+/// Warm-up and timed iterations, as a benchmark's --steps W,T gives them.
+struct StepCounts {
+  int warmup = 0;
+  int timed = 0;
+};
+
+/// Parses "W,T" (W >= 0, T > 0) into `counts`. Throws c10::ValueError naming `flag` and `text`
+/// otherwise, changing nothing.
+void parse_step_counts(const std::string& flag, const std::string& text, StepCounts& counts);
 
 /// Runs `ours` and `pytorch` alternately, `rounds` times each (ours first), printing progress
 /// on standard error behind "`program`: `label`", and returns each side's results in round order.

@@ -204,14 +204,6 @@ Round run_round(const Config& config, const fs::path& out_dir) {
   return round;
 }
 
-Json spread_row(const std::string& name, const std::vector<double>& values, const std::string& unit,
-                const std::string& better) {
-  const Spread s = spread_of(values);
-  return Json{{"case", name},    {"min", s.min}, {"median", s.median},
-              {"max", s.max},    {"unit", unit}, {"samples", values.size()},
-              {"better", better}};
-}
-
 int run(int argc, char** argv) {
   Config config;
   std::string json_path;

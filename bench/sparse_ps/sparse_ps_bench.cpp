@@ -47,24 +47,21 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include <distoptim/comm/rendezvous.h>
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
 #include <distoptim/rpc.h>
 
+#include "../common/ps_job.h"
 #include "../common/report.h"
 
 namespace {
 
-constexpr int64_t kDim = 32;
-constexpr int64_t kBags = 512;
-constexpr int64_t kIdsPerBag = 8;
-
 // The parameter server's table: LibTorch's EmbeddingBag with sparse gradients.
 struct BenchBag : torch::nn::EmbeddingBagImpl {
   explicit BenchBag(int64_t rows)
-      : torch::nn::EmbeddingBagImpl(
-            torch::nn::EmbeddingBagOptions(rows, kDim).mode(torch::kSum).sparse(true)) {}
+      : torch::nn::EmbeddingBagImpl(torch::nn::EmbeddingBagOptions(rows, distoptim::bench::kPsDim)
+                                        .mode(torch::kSum)
+                                        .sparse(true)) {}
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& offsets) {
     return torch::nn::EmbeddingBagImpl::forward(ids, offsets);
   }
@@ -84,8 +81,6 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 constexpr int kWorldSize = 2;
-constexpr int kIntraOpThreads = 1;
-constexpr int kRpcThreads = 16;
 constexpr double kLr = 0.01;
 
 DISTOPTIM_RPC_FUNCTION("bench.ps_memory_kb", [] {
@@ -101,10 +96,6 @@ struct Config {
   int deadline_seconds = 300;
 };
 
-double ms_between(Clock::time_point from, Clock::time_point to) {
-  return std::chrono::duration<double, std::milli>(to - from).count();
-}
-
 // worker0: trains and measures.
 Json train(int64_t rows, const Config& config) {
   const auto [rss_before_kb, ignored] =
@@ -114,11 +105,11 @@ Json train(int64_t rows, const Config& config) {
   dist_optim::DistributedOptimizer optimizer("sgd", table->remote_parameters(),
                                              optim::OptionBag().set("lr", kLr));
   auto generator = at::detail::createCPUGenerator(0);
-  const at::Tensor offsets = at::arange(0, kBags * kIdsPerBag, kIdsPerBag, at::kLong);
+  const at::Tensor offsets = ps_batch_offsets();
   std::vector<double> iteration, forward, backward, step;
   double last_loss = 0;
   for (int i = 0; i < config.warmup + config.timed; ++i) {
-    const at::Tensor ids = at::randint(rows, {kBags * kIdsPerBag}, generator, at::kLong);
+    const at::Tensor ids = ps_batch_ids(rows, generator);
     const auto begin = Clock::now();
     Clock::time_point forward_end, backward_end, step_end;
     {
@@ -152,28 +143,12 @@ Json train(int64_t rows, const Config& config) {
 }
 
 void run_worker(int64_t rows, const Config& config) {
-  const comm::LaunchEnv env = comm::LaunchEnv::from_environment();
-  TORCH_CHECK(env.rank && env.world_size == kWorldSize,
-              "--worker: start it with distrun --nproc-per-node ", kWorldSize);
-  at::set_num_threads(kIntraOpThreads);
-  rpc::init_rpc("worker" + std::to_string(*env.rank), *env.rank, *env.world_size,
-                rpc::RpcBackendOptions("env://")
-                    .num_worker_threads(kRpcThreads)
-                    .rpc_timeout(60s)
-                    .init_timeout(60s)
-                    .shutdown_timeout(std::chrono::seconds(config.deadline_seconds))
-                    .launch_env(env));
-  if (*env.rank == 0) print_result(train(rows, config));
+  const int rank = init_ps_worker(kWorldSize, 60s, std::chrono::seconds(config.deadline_seconds));
+  if (rank == 0) print_result(train(rows, config));
   rpc::shutdown();
 }
 
 // --- the driver ------------------------------------------------------------------------------
-
-std::string rows_label(int64_t rows) {
-  const double exponent = std::log10(static_cast<double>(rows));
-  return std::abs(exponent - std::round(exponent)) < 1e-9 ? fmt::format("1e{:.0f}", exponent)
-                                                          : std::to_string(rows);
-}
 
 int run(int argc, char** argv) {
   Config config;
@@ -200,11 +175,10 @@ int run(int argc, char** argv) {
   app.add_option("--worker-rows", worker_rows)->group("");
   CLI11_PARSE(app, argc, argv);
   if (!steps.empty()) {
-    const auto comma = steps.find(',');
-    TORCH_CHECK_VALUE(comma != std::string::npos, "--steps: W,T, got '", steps, "'");
-    config.warmup = std::stoi(steps.substr(0, comma));
-    config.timed = std::stoi(steps.substr(comma + 1));
-    TORCH_CHECK_VALUE(config.warmup >= 0 && config.timed > 0, "--steps: W,T, got '", steps, "'");
+    StepCounts counts{config.warmup, config.timed};
+    parse_step_counts("--steps", steps, counts);
+    config.warmup = counts.warmup;
+    config.timed = counts.timed;
   }
   if (worker) {
     run_worker(worker_rows, config);
@@ -252,13 +226,14 @@ int run(int argc, char** argv) {
       "\nsparse_ps_bench: a parameter server's EmbeddingBag (R x {} floats, sum, sparse "
       "gradients) trained through RPC + distributed autograd + DistributedOptimizer(SGD lr {}), "
       "distoptim vs PyTorch {}\n",
-      kDim, kLr, pytorch.begin()->second.front().value("torch_version", "?"));
+      kPsDim, kLr, pytorch.begin()->second.front().value("torch_version", "?"));
   fmt::print(
       "batch: {} bags of {} uniform random ids; {} warm-up + {} timed iterations per run, {} "
       "rounds per size alternating ours and PyTorch's; settings, both sides: 1 intra-op thread "
       "per process, {} RPC worker threads, 60 s RPC timeout (PyTorch: TensorPipe, "
       "TensorPipeRpcBackendOptions(num_worker_threads={}, rpc_timeout=60), defaults otherwise)\n",
-      kBags, kIdsPerBag, config.warmup, config.timed, config.rounds, kRpcThreads, kRpcThreads);
+      kPsBags, kPsIdsPerBag, config.warmup, config.timed, config.rounds, kPsRpcThreads,
+      kPsRpcThreads);
   fmt::print("{}\n\n", machine_load_line(load_at_start, load_at_end));
   fmt::print("{:<6} {:>26} {:>26} {:>12} {:>22} {:>22}\n", "rows", "ours ms (min/med/max)",
              "pytorch ms (min/med/max)", "ours faster", "ours ps peak/table MB",
@@ -268,7 +243,7 @@ int run(int argc, char** argv) {
   for (int64_t rows : config.rows) {
     const Spread o = per_rows(ours[rows], "iteration_ms");
     const Spread p = per_rows(pytorch[rows], "iteration_ms");
-    const double table_mb = rows * kDim * 4 / (1024.0 * 1024.0);
+    const double table_mb = rows * kPsDim * 4 / (1024.0 * 1024.0);
     auto growth = [&](const std::vector<Json>& runs) {
       return per_rows(runs, "ps_peak_mb").median - per_rows(runs, "ps_rss_before_mb").median;
     };
@@ -281,8 +256,8 @@ int run(int argc, char** argv) {
     cases.push_back(comparison_row("iteration, " + label + " rows", o, p,
                                    static_cast<size_t>(config.rounds), "ms", true));
     cases.push_back({{"case", "samples/s, " + label + " rows"},
-                     {"ours", kBags * 1e3 / o.median},
-                     {"pytorch", kBags * 1e3 / p.median},
+                     {"ours", kPsBags * 1e3 / o.median},
+                     {"pytorch", kPsBags * 1e3 / p.median},
                      {"unit", "bags/s"},
                      {"better", "higher"}});
     cases.push_back({{"case", "ps memory growth, " + label + " rows"},

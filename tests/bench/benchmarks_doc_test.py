@@ -23,7 +23,11 @@ FIGURES = {
     "rpc": [("ours", 1), ("pytorch", 1), ("ratio", 1)],
     "sparse_ps": [("ours", 1), ("pytorch", 1)],
     "elastic": [("min", 1), ("median", 1), ("max", 1)],
+    "snapshot": [("min", 1), ("median", 1), ("max", 1)],
 }
+
+# The benchmarks with no PyTorch side: min/median/max of ours, and a "settings" case.
+OURS_ALONE = {"elastic", "snapshot"}
 
 # Several runs (make bench): run k is the fixture with PyTorch's side made FACTORS[k] times
 # slower (its time scaled up, its throughput down), so each case's ratio in run k is its ratio in
@@ -35,7 +39,7 @@ def advantage(name, case):
     """The fixture case's ratio, above 1 where ours is better, as each benchmark defines it."""
     if name == "optim":
         return case["speedup_vs_pytorch"]
-    if name == "elastic":  # ours alone
+    if name in OURS_ALONE:
         return None
     if name == "rpc":
         return case["ratio"] if case["pytorch"] is not None else None
@@ -48,7 +52,7 @@ def advantage(name, case):
 def slower_pytorch(name, case, factor):
     """`case` with PyTorch's side `factor` times slower, as advantage() sees it."""
     case = dict(case)
-    if name == "elastic":
+    if name in OURS_ALONE:
         return case
     if name == "optim":
         case["speedup_vs_pytorch"] *= factor
@@ -134,7 +138,7 @@ def main():
         for value in load or []:
             check(shown(text, value), "{}: load average {} not shown".format(name, value))
         for case in cases:
-            if name == "elastic" and case["case"] == "settings":
+            if name in OURS_ALONE and case["case"] == "settings":
                 # Its settings and note, in the prose (wrapped).
                 for key in ("settings", "note"):
                     check(case[key] in " ".join(text.split()), "{}: the {} are not shown".format(
@@ -177,10 +181,10 @@ def main():
         cases, _ = load_fixture(os.path.join(fixtures, name + ".json"))
         region = runs_regions.get(name, [])
         header = [l for l in region if l.startswith("| case | run 1 | run 2 | run 3 |")]
-        if name == "elastic":
+        if name in OURS_ALONE:
             # Nothing compared: no table of ratios, the last run in full.
             check(not header and any(l.startswith("| case | min | median | max |") for l in region),
-                  "three runs: elastic: expected the last run alone")
+                  "three runs: {}: expected the last run alone".format(name))
             continue
         check(len(header) == 1, "three runs: {}: no table of the runs".format(name))
         for case in cases:

@@ -1,0 +1,463 @@
+// snapshot_bench: what a snapshot of a parameter server's table costs the trainer that goes on
+// stepping while the server writes it. The question: are trainers stopped for a snapshot
+// beyond a stated bound? A step's p50, p99 and max during a snapshot of a 1e7-row table, against
+// the same steps without one.
+//
+// A job of 1 + --servers processes on loopback, this program again (`--worker`), started by
+// distrun: worker0 the trainer, worker1.. the parameter servers. The model: an
+// rpc::ShardedEmbeddingBag of R rows x 32 floats split over the servers (sum pooling), a batch
+// of 512 bags of 8 uniformly random ids, loss = mean of the pooled rows squared, a
+// DistributedOptimizer "adagrad" (lr 0.01), so that every row has state: the servers hold 2 x
+// R x 128 bytes (2.56 GB at 1e7 rows), and a snapshot copies and writes both. A step: a
+// distributed autograd context, the forward, the distributed backward, the optimizer's step, the
+// context's release, and SnapshotSchedule::step().
+//
+// Each round (--rounds) runs, in this order:
+//   without: W warm-up steps, then T timed steps;
+//   during:  W warm-up steps, then the same T timed steps, the first of which begins one snapshot
+//            through a dist_optim::SnapshotSchedule: the schedule is made at the start of the
+//            round, counts every step of both phases, and is due every 2W + T + 1 steps, so it
+//            begins exactly one, at the first timed step of this phase (the public API has no
+//            call that begins one snapshot in the background without waiting for it). Each
+//            step's time is kept, and whether the snapshot was being written during it: from
+//            the first timed step (whose schedule.step() begins it) to the step whose
+//            schedule.step() finishes it (returns its step; if the T steps end first, flush()
+//            finishes it, the trainer waiting). The snapshot's duration is the time from that
+//            begin to that finish (seen at step granularity), its size the bytes of the files
+//            under the schedule's directory (the manifest and blocks, and what it writes beside);
+//   blocking: in the last --blocking-rounds rounds (1), one save_snapshot of the same optimizer
+//            and table: what a trainer waits for with the synchronous API (at 1e7 rows it takes
+//            as long as the rest of a round, hence not in every round by default).
+// The round's snapshot directories are removed at its end, and the page cache synced, so no
+// round's writes spill into the next. Phases alternate within and across rounds (without,
+// during, without, ...), so the machine's drift falls on both alike. The figures of a phase: the
+// p50 (median), p99 (nearest rank) and max of its T steps' times, which step was the longest,
+// their total, and for "during" the same of the steps while the snapshot was being written
+// alone; each figure is given as the min/median/max over the rounds, and so are the ratios
+// during / without of each round's p50 and p99. The snapshot: its duration from begin to
+// finished, its bytes and their rate; the blocking save's wall time and rate. The machine's disk:
+// dd writing 1 GiB with conv=fdatasync into the snapshot directory's file system, once, timed as
+// a whole (the snapshot's files are fsynced too), beside them.
+//
+// There is no PyTorch side: PyTorch has no snapshot of a parameter server (its
+// DistributedOptimizer has no state dict), so ours during a snapshot is compared with ours
+// without one.
+//
+// Settings: 1 intra-op thread per process, 16 RPC worker threads, a 300 s RPC timeout (a
+// server's write of its shard is one call). The output states them with the load average.
+//
+// Usage: snapshot_bench --json PATH [--rounds 3] [--steps W,T] [--rows R] [--servers 1|2]
+//                       [--blocking-rounds 1] [--dir DIR] [--quick]
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <fmt/core.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <distoptim/dist_autograd.h>
+#include <distoptim/dist_optim.h>
+#include <distoptim/dist_optim/snapshot.h>
+#include <distoptim/rpc.h>
+#include <distoptim/rpc/sharded_embedding_bag.h>
+
+#include "../common/child_process.h"
+#include "../common/ps_job.h"
+#include "../common/report.h"
+
+namespace distoptim {
+namespace bench {
+namespace {
+
+namespace fs = std::filesystem;
+namespace rpc = distoptim::rpc;
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr double kLr = 0.01;
+constexpr auto kRpcTimeout = 300s;
+constexpr int64_t kDdMiB = 1024;
+
+struct Config {
+  int warmup = 20;
+  int timed = 3000;
+  int rounds = 3;
+  int64_t rows = 10'000'000;
+  int servers = 1;
+  // The blocking save_snapshot in the last this many rounds (each writes the whole table again:
+  // at 1e7 rows, as long as the rest of a round).
+  int blocking_rounds = 1;
+  std::string directory = "/tmp/distoptim_snapshot_bench";
+  int deadline_seconds = 1500;
+};
+
+// The bytes of the files under `directory` (their sizes, as du --apparent-size counts them).
+int64_t bytes_under(const fs::path& directory) {
+  int64_t bytes = 0;
+  for (const auto& entry : fs::recursive_directory_iterator(directory)) {
+    if (entry.is_regular_file()) bytes += static_cast<int64_t>(entry.file_size());
+  }
+  return bytes;
+}
+
+// p50, p99 and max of a phase's step times (ms), which of its steps was the longest (1: the
+// first), and their sum.
+Json step_figures(const std::vector<double>& ms) {
+  if (ms.empty()) return Json{{"steps", 0}};
+  const auto longest = std::max_element(ms.begin(), ms.end());
+  return Json{{"p50", percentile(ms, 50)},
+              {"p99", percentile(ms, 99)},
+              {"max", *longest},
+              {"max_at", longest - ms.begin() + 1},
+              {"total_s", std::accumulate(ms.begin(), ms.end(), 0.0) / 1e3},
+              {"steps", ms.size()}};
+}
+
+// worker0: trains, snapshots, measures.
+class Trainer {
+ public:
+  Trainer(const Config& config, std::vector<std::string> servers)
+      : config_(config),
+        table_(rpc::ShardedEmbeddingBagOptions(config.rows, kPsDim, std::move(servers))
+                   .mode(torch::kSum)),
+        optimizer_("adagrad", table_.remote_parameters(), optim::OptionBag().set("lr", kLr)),
+        generator_(at::detail::createCPUGenerator(0)),
+        offsets_(ps_batch_offsets()) {}
+
+  Json round(int index) {
+    const fs::path scheduled = fs::path(config_.directory) / fmt::format("round-{}", index);
+    const fs::path blocking = fs::path(config_.directory) / fmt::format("round-{}-save", index);
+    const int64_t begin_at = 2 * config_.warmup + config_.timed + 1;
+    Json result;
+    {
+      dist_optim::SnapshotSchedule schedule(
+          dist_optim::SnapshotOptions(scheduled.string()).every_steps(begin_at), optimizer_,
+          {&table_});
+      std::vector<double> without;
+      for (int i = 0; i < config_.warmup + config_.timed; ++i) {
+        const double ms = step(schedule, nullptr);
+        if (i >= config_.warmup) without.push_back(ms);
+      }
+      for (int i = 0; i < config_.warmup; ++i) step(schedule, nullptr);
+
+      std::vector<double> during, while_written;
+      std::optional<int64_t> finished;
+      Clock::time_point begun, done;
+      for (int i = 0; i < config_.timed; ++i) {
+        const bool writing = !finished;
+        Clock::time_point schedule_call;
+        const double ms = step(schedule, &finished, &schedule_call);
+        if (i == 0) begun = schedule_call;
+        if (writing && finished) done = Clock::now();
+        during.push_back(ms);
+        if (writing) while_written.push_back(ms);
+      }
+      const bool finished_in_phase = finished.has_value();
+      if (!finished) {
+        finished = schedule.flush();
+        done = Clock::now();
+      }
+      TORCH_CHECK(finished == begin_at,
+                  "snapshot_bench: the schedule finished the snapshot of step ",
+                  finished.value_or(-1), ", expected one of step ", begin_at);
+      const int64_t bytes = bytes_under(scheduled);
+      const double seconds = ms_between(begun, done) / 1e3;
+
+      result = {{"without", step_figures(without)},
+                {"during", step_figures(during)},
+                {"while_written", step_figures(while_written)},
+                {"finished_in_phase", finished_in_phase},
+                {"snapshot_s", seconds},
+                {"snapshot_bytes", bytes},
+                {"last_loss", last_loss_}};
+      if (index > config_.rounds - config_.blocking_rounds) {
+        const auto save_begin = Clock::now();
+        dist_optim::save_snapshot(blocking.string(), optimizer_, {&table_});
+        result["blocking_s"] = ms_between(save_begin, Clock::now()) / 1e3;
+        result["blocking_bytes"] = bytes_under(blocking);
+      }
+    }
+    fs::remove_all(scheduled);
+    fs::remove_all(blocking);
+    ::sync();
+    return result;
+  }
+
+ private:
+  // One step and the schedule's count of it; returns its time (ms). A snapshot the schedule
+  // finishes goes to `finished`; `schedule_call` gets the time the schedule was called.
+  double step(dist_optim::SnapshotSchedule& schedule, std::optional<int64_t>* finished,
+              Clock::time_point* schedule_call = nullptr) {
+    const at::Tensor ids = ps_batch_ids(config_.rows, generator_);
+    const auto begin = Clock::now();
+    {
+      dist_autograd::ContextGuard context;
+      const at::Tensor loss = table_.forward(ids, offsets_).pow(2).mean();
+      dist_autograd::backward(context.id(), {loss});
+      optimizer_.step(context.id());
+      last_loss_ = loss.item<double>();
+    }
+    if (schedule_call) *schedule_call = Clock::now();
+    const std::optional<int64_t> done = schedule.step();
+    TORCH_CHECK(finished || !done, "snapshot_bench: a snapshot finished outside the timed steps");
+    if (done) *finished = done;
+    return ms_between(begin, Clock::now());
+  }
+
+  const Config& config_;
+  rpc::ShardedEmbeddingBag table_;
+  dist_optim::DistributedOptimizer optimizer_;
+  at::Generator generator_;
+  at::Tensor offsets_;
+  double last_loss_ = 0;
+};
+
+void run_worker(const Config& config) {
+  const int rank = init_ps_worker(1 + config.servers, kRpcTimeout,
+                                  std::chrono::seconds(config.deadline_seconds));
+  if (rank == 0) {
+    std::vector<std::string> servers;
+    for (int s = 1; s <= config.servers; ++s) servers.push_back("worker" + std::to_string(s));
+    Trainer trainer(config, servers);
+    Json rounds = Json::array();
+    for (int r = 0; r < config.rounds; ++r) {
+      fmt::print(stderr, "snapshot_bench: round {} of {}...\n", r + 1, config.rounds);
+      rounds.push_back(trainer.round(r + 1));
+    }
+    print_result({{"rounds", rounds}, {"intra_op_threads", at::get_num_threads()}});
+  }
+  rpc::shutdown();
+}
+
+// --- the driver ------------------------------------------------------------------------------
+
+// dd's write of 1 GiB with conv=fdatasync into `directory`, timed as a whole: MB/s.
+double disk_write_mb_per_s(const fs::path& directory) {
+  const fs::path file = directory / "dd.tmp";
+  const auto begin = Clock::now();
+  const ChildResult dd =
+      run_child({"/usr/bin/dd", "if=/dev/zero", "of=" + file.string(), "bs=1M",
+                 "count=" + std::to_string(kDdMiB), "conv=fdatasync", "status=none"},
+                "");
+  const double seconds = ms_between(begin, Clock::now()) / 1e3;
+  fs::remove(file);
+  TORCH_CHECK(dd.exit_code == 0, "snapshot_bench: dd into ", directory.string(),
+              " exited with status ", dd.exit_code);
+  return kDdMiB * 1024.0 * 1024.0 / 1e6 / seconds;
+}
+
+int run(int argc, char** argv) {
+  Config config;
+  std::string json_path;
+  std::string steps;
+  bool quick = false;
+  bool worker = false;
+  CLI::App app{"Snapshot benchmark: a trainer's steps during a parameter server's snapshot"};
+  app.add_option("--json", json_path, "Write the results as JSON to this file");
+  app.add_option("--rounds", config.rounds, "Rounds of without, during, blocking")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "W,T: warm-up and timed steps per phase (default 20,3000)");
+  app.add_option("--rows", config.rows, "Rows of the table")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--servers", config.servers, "Parameter servers holding the table's shards")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 2));
+  app.add_option("--blocking-rounds", config.blocking_rounds,
+                 "The blocking save_snapshot in the last this many rounds (0: none)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--dir", config.directory,
+                 "Where the snapshots are written (on local disk; removed after each round)")
+      ->capture_default_str();
+  app.add_flag("--quick", quick, "One round, 1e6 rows, fewer steps: a smoke run");
+  app.add_option("--deadline-seconds", config.deadline_seconds, "the job is killed past this")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--worker", worker, "Run as one of the job's processes (started by the benchmark)");
+  CLI11_PARSE(app, argc, argv);
+  if (quick) {
+    config.rounds = 1;
+    config.warmup = 5;
+    config.timed = 500;
+    if (app.count("--rows") == 0) config.rows = 1'000'000;
+  }
+  if (!steps.empty()) {
+    StepCounts counts{config.warmup, config.timed};
+    parse_step_counts("--steps", steps, counts);
+    config.warmup = counts.warmup;
+    config.timed = counts.timed;
+  }
+  config.blocking_rounds = std::min(config.blocking_rounds, config.rounds);
+  if (worker) {
+    run_worker(config);
+    return 0;
+  }
+
+  ResultsFile results_file(json_path, "snapshot_bench");
+  const double load_at_start = load_average();
+  // Room for one snapshot at a time (the parameters and their Adagrad sums, plus headers), and
+  // for dd's 1 GiB.
+  const double state_gb = 2.0 * config.rows * kPsDim * 4 / 1e9;
+  // A directory of this run's own under --dir, so that nothing else in --dir is removed.
+  config.directory =
+      (fs::absolute(config.directory) / fmt::format("snapshot_bench.{}", ::getpid())).string();
+  fs::create_directories(config.directory);
+  const double free_gb = static_cast<double>(fs::space(config.directory).available) / 1e9;
+  const double needed_gb = 1.1 * state_gb + kDdMiB * 1.048576e-3 + 1.0;
+  TORCH_CHECK(free_gb >= needed_gb, "snapshot_bench: ", config.directory, " has ", free_gb,
+              " GB free; a snapshot of ", config.rows, " rows needs about ", needed_gb);
+  const double disk_mb_s = disk_write_mb_per_s(config.directory);
+
+  const std::string self = fs::read_symlink("/proc/self/exe").string();
+  const Json job =
+      run_side("the job (distrun)",
+               {DISTOPTIM_DISTRUN_PATH, "--nproc-per-node", std::to_string(1 + config.servers),
+                self, "--worker", "--rows", std::to_string(config.rows), "--servers",
+                std::to_string(config.servers), "--rounds", std::to_string(config.rounds),
+                "--blocking-rounds", std::to_string(config.blocking_rounds), "--steps",
+                fmt::format("{},{}", config.warmup, config.timed), "--dir", config.directory,
+                "--deadline-seconds", std::to_string(config.deadline_seconds)},
+               config.deadline_seconds)
+          .front();
+  fs::remove_all(config.directory);
+  const double load_at_end = load_average();
+
+  const Json& rounds = job.at("rounds");
+  auto over_rounds = [&](const std::string& phase, const std::string& figure) {
+    std::vector<double> values;
+    for (const Json& round : rounds) values.push_back(round.at(phase).at(figure).get<double>());
+    return values;
+  };
+  auto per_round = [&](const std::function<double(const Json&)>& of) {
+    std::vector<double> values;
+    for (const Json& round : rounds) values.push_back(of(round));
+    return values;
+  };
+  const std::vector<double> snapshot_s =
+      per_round([](const Json& r) { return r.at("snapshot_s").get<double>(); });
+  const std::vector<double> snapshot_mb =
+      per_round([](const Json& r) { return r.at("snapshot_bytes").get<double>() / 1e6; });
+  const std::vector<double> snapshot_mb_s = per_round([](const Json& r) {
+    return r.at("snapshot_bytes").get<double>() / 1e6 / r.at("snapshot_s").get<double>();
+  });
+  std::vector<double> blocking_s, blocking_mb_s;
+  for (const Json& round : rounds) {
+    if (!round.contains("blocking_s")) continue;
+    blocking_s.push_back(round.at("blocking_s").get<double>());
+    blocking_mb_s.push_back(round.at("blocking_bytes").get<double>() / 1e6 / blocking_s.back());
+  }
+  const std::vector<double> written_steps =
+      per_round([](const Json& r) { return r.at("while_written").at("steps").get<double>(); });
+  const std::vector<double> finished_in_phase =
+      per_round([](const Json& r) { return r.at("finished_in_phase").get<bool>() ? 1.0 : 0.0; });
+
+  const std::string settings = fmt::format(
+      "1 trainer + {} parameter server(s) on one machine (loopback, distrun); "
+      "ShardedEmbeddingBag of {} rows x {} floats (sum), adagrad lr {}: {:.2f} GB of rows and "
+      "state on the server(s); batch {} bags of {} uniform random ids; {} intra-op thread per "
+      "process, {} RPC threads, {} s RPC timeout; {} round(s) of without / during, the blocking "
+      "save in the last {}; W = {} warm-up and T = {} timed steps per phase; snapshots in {} "
+      "(local disk, removed after each round); disk: dd of 1 GiB with conv=fdatasync there, "
+      "once, timed whole",
+      config.servers, rows_label(config.rows), kPsDim, kLr, state_gb, kPsBags, kPsIdsPerBag,
+      job.value("intra_op_threads", kPsIntraOpThreads), kPsRpcThreads, kRpcTimeout.count(),
+      config.rounds, config.blocking_rounds, config.warmup, config.timed, config.directory);
+  const std::string no_pytorch =
+      "no PyTorch side: PyTorch has no snapshot of a parameter server (its DistributedOptimizer "
+      "has no state dict); ours during a snapshot against ours without";
+  fmt::print("\nsnapshot_bench: {}\n{}\n{}\n\n", settings, no_pytorch,
+             machine_load_line(load_at_start, load_at_end));
+
+  Json cases = Json::array();
+  const char* phases[][2] = {{"without", "without a snapshot"},
+                             {"during", "during (all T steps)"},
+                             {"while_written", "during, while written"}};
+  fmt::print("{:<24} {:>22} {:>22} {:>24} {:>14}\n", "step ms, phase", "p50 (min/med/max)",
+             "p99 (min/med/max)", "max (min/med/max)", "steps (med)");
+  for (const auto& [phase, label] : phases) {
+    std::vector<std::string> cells;
+    for (const char* figure : {"p50", "p99", "max"}) {
+      const std::vector<double> values = over_rounds(phase, figure);
+      const Spread s = spread_of(values);
+      cells.push_back(fmt::format("{:.2f}/{:.2f}/{:.2f}", s.min, s.median, s.max));
+      cases.push_back(spread_row(fmt::format("step {}, {}", figure, label), values, "ms", "lower"));
+    }
+    fmt::print("{:<24} {:>22} {:>22} {:>24} {:>14.0f}\n", label, cells[0], cells[1], cells[2],
+               median(over_rounds(phase, "steps")));
+  }
+  // The rest, ours alone over the rounds, as one table below the phases'.
+  const size_t phase_rows = cases.size();
+  for (const char* figure : {"p50", "p99"}) {
+    for (const char* phase : {"during", "while_written"}) {
+      std::vector<double> ratios;
+      const std::vector<double> with = over_rounds(phase, figure);
+      const std::vector<double> without = over_rounds("without", figure);
+      for (size_t r = 0; r < with.size(); ++r) ratios.push_back(with[r] / without[r]);
+      cases.push_back(spread_row(
+          fmt::format("step {} ratio, {} / without", figure,
+                      std::string(phase) == "during" ? "during (all T)" : "while written"),
+          ratios, "ratio", "lower"));
+    }
+  }
+  cases.push_back(spread_row("T steps' total time, without a snapshot",
+                             over_rounds("without", "total_s"), "s", "lower"));
+  cases.push_back(
+      spread_row("T steps' total time, during", over_rounds("during", "total_s"), "s", "lower"));
+  cases.push_back(spread_row("during: the longest step's place (1: the first)",
+                             over_rounds("during", "max_at"), "step", "lower"));
+  cases.push_back(spread_row("snapshot: begin to finished", snapshot_s, "s", "lower"));
+  cases.push_back(spread_row("snapshot: bytes written", snapshot_mb, "MB", "lower"));
+  cases.push_back(spread_row("snapshot: write throughput", snapshot_mb_s, "MB/s", "higher"));
+  cases.push_back(
+      spread_row("snapshot: timed steps while written", written_steps, "steps", "higher"));
+  cases.push_back(spread_row("snapshot: finished within the T steps", finished_in_phase,
+                             "0 no, 1 yes", "higher"));
+  if (!blocking_s.empty()) {
+    cases.push_back(spread_row("blocking save_snapshot: wall time", blocking_s, "s", "lower"));
+    cases.push_back(
+        spread_row("blocking save_snapshot: write throughput", blocking_mb_s, "MB/s", "higher"));
+  }
+  cases.push_back(spread_row("disk: dd 1 GiB conv=fdatasync, once", {disk_mb_s}, "MB/s", "higher"));
+  fmt::print("\n{:<56} {:>9} {:>9} {:>9}  {}\n", "case", "min", "median", "max", "unit");
+  for (size_t i = phase_rows; i < cases.size(); ++i) {
+    const Json& row = cases[i];
+    fmt::print("{:<56} {:>9.2f} {:>9.2f} {:>9.2f}  {}\n", row["case"].get<std::string>(),
+               row["min"].get<double>(), row["median"].get<double>(), row["max"].get<double>(),
+               row["unit"].get<std::string>());
+  }
+  fmt::print("\n");
+  cases.push_back(Json{{"case", "settings"}, {"settings", settings}, {"note", no_pytorch}});
+
+  std::vector<std::string> problems;
+  for (const Json& round : rounds) {
+    if (!std::isfinite(round.at("last_loss").get<double>())) {
+      problems.push_back("the loss is not finite");
+    }
+  }
+  return results_file.write_unless(cases, problems);
+}
+
+}  // namespace
+}  // namespace bench
+}  // namespace distoptim
+
+int main(int argc, char** argv) {
+  return distoptim::bench::run_main("snapshot_bench", distoptim::bench::run, argc, argv);
+}
