@@ -130,18 +130,63 @@ const at::Tensor& RemoteOptimizer::param(int64_t index, const char* caller, bool
   return param;
 }
 
-ParamCopy RemoteOptimizer::copy_param(int64_t index) const {
-  ParamCopy copy;
-  copy.value = optimizer_->params()[index].detach().clone();
-  const optim::ParamState& state = optimizer_->state(index);
-  copy.has_state = !state.empty();
-  copy.state.step = state.step;
-  for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
-    if (state.buffers[slot].defined()) {
-      copy.state.buffers[optimizer_->state_names()[slot]] = state.buffers[slot].clone();
+std::vector<ParamCopy> RemoteOptimizer::copy_targets(const std::vector<int64_t>& indices) {
+  // Shapes and dtypes under the mutex; the memory outside it.
+  std::vector<std::pair<at::Tensor, std::map<std::string, at::Tensor>>> likes;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t index : indices) {
+      std::map<std::string, at::Tensor> buffers;
+      const optim::ParamState& state = optimizer_->state(index);
+      for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
+        if (state.buffers[slot].defined()) {
+          buffers[optimizer_->state_names()[slot]] = state.buffers[slot];
+        }
+      }
+      likes.emplace_back(optimizer_->params()[index], std::move(buffers));
     }
   }
-  return copy;
+  // Filled with zeros, so that every page is mapped now (fresh pages cost the kernel far more
+  // than a copy: at 1e7 rows the copy under the lock took seconds, not the copy's time).
+  auto touched_like = [](const at::Tensor& like) {
+    return at::zeros(like.sizes(), like.options().requires_grad(false));
+  };
+  std::vector<ParamCopy> copies(indices.size());
+  for (size_t i = 0; i < indices.size(); ++i) {
+    copies[i].value = touched_like(likes[i].first);
+    for (const auto& [name, buffer] : likes[i].second) {
+      copies[i].state.buffers[name] = touched_like(buffer);
+    }
+  }
+  return copies;
+}
+
+void RemoteOptimizer::copy_param(int64_t index, ParamCopy& into) const {
+  at::NoGradGuard no_grad;
+  const at::Tensor& param = optimizer_->params()[index];
+  if (!into.value.defined() || !into.value.sizes().equals(param.sizes())) {
+    into.value = param.detach().clone();
+  } else {
+    into.value.copy_(param);
+  }
+  const optim::ParamState& state = optimizer_->state(index);
+  into.has_state = !state.empty();
+  into.state.step = state.step;
+  std::map<std::string, at::Tensor> buffers;
+  for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
+    const at::Tensor& buffer = state.buffers[slot];
+    if (!buffer.defined()) continue;
+    const std::string& name = optimizer_->state_names()[slot];
+    auto it = into.state.buffers.find(name);
+    // A buffer created since copy_targets looked (a first step in between) is copied here.
+    if (it != into.state.buffers.end() && it->second.sizes().equals(buffer.sizes()) &&
+        it->second.scalar_type() == buffer.scalar_type()) {
+      buffers[name] = it->second.copy_(buffer);
+    } else {
+      buffers[name] = buffer.clone();
+    }
+  }
+  into.state.buffers = std::move(buffers);
 }
 
 namespace {
@@ -178,12 +223,15 @@ c10::IValue RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, 
                                              int64_t rows_per_file) {
   TORCH_CHECK_VALUE(rows_per_file > 0, kSaveSnapshot, ": rows_per_file is ", rows_per_file,
                     "; it must be at least 1");
-  ParamCopy copy;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     param(index, kSaveSnapshot, /*table=*/true);
+  }
+  ParamCopy copy = std::move(copy_targets({index}).front());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
     rpc::InPlaceUpdateGuard no_step_meanwhile;
-    copy = copy_param(index);
+    copy_param(index, copy);
   }
   const std::vector<int64_t> blocks =
       write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file);
@@ -196,12 +244,15 @@ c10::IValue RemoteOptimizer::save_params(std::string path, std::vector<int64_t> 
                                          std::vector<int64_t> dense_indices) {
   TORCH_CHECK_VALUE(indices.size() == dense_indices.size(), kSaveSnapshot, ": ", indices.size(),
                     " parameters named by ", dense_indices.size(), " indices");
-  std::vector<ParamCopy> copies;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (int64_t index : indices) param(index, kSaveSnapshot, /*table=*/false);
+  }
+  std::vector<ParamCopy> copies = copy_targets(indices);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
     rpc::InPlaceUpdateGuard no_step_meanwhile;
-    for (int64_t index : indices) copies.push_back(copy_param(index));
+    for (size_t i = 0; i < indices.size(); ++i) copy_param(indices[i], copies[i]);
   }
   write_params_file(path, dense_indices, copies);
   c10::impl::GenericList summaries(c10::AnyType::get());

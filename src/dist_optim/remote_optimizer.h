@@ -81,8 +81,12 @@ class RemoteOptimizer {
  private:
   /// Parameter `index`, checked to be one of this optimizer (and 2-D when `table`).
   const at::Tensor& param(int64_t index, const char* caller, bool table) const;
-  /// A copy of parameter `index` and its state; under mutex_ and an InPlaceUpdateGuard.
-  ParamCopy copy_param(int64_t index) const;
+  /// Memory for copies of the parameters `indices` and their state buffers, shaped as they are
+  /// now and written once, so that the copy under the locks moves bytes only. Takes mutex_.
+  std::vector<ParamCopy> copy_targets(const std::vector<int64_t>& indices);
+  /// Copies parameter `index` and its state into `into` (into copy_targets' memory where it
+  /// fits); under mutex_ and an InPlaceUpdateGuard.
+  void copy_param(int64_t index, ParamCopy& into) const;
   /// Keeps `copy` for commit_staged(index).
   void stage(int64_t index, ParamCopy copy);
 
