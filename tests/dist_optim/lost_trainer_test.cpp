@@ -215,13 +215,15 @@ void iteration(int trainer, int it, DistributedOptimizer& optimizer, KillPoint p
   }
   if (dies && point == KillPoint::kQueued) {
     // Requests that keep the server's request threads busy until it has seen the death, then
-    // two queued behind them: neither may run once the trainer is gone.
+    // the touch and the step queued behind them: neither may run once the trainer is gone. The
+    // trainer dies a second after sending the touch, time enough for it to arrive; whether the
+    // step's request also left before the death depends on the machine's speed.
     const at::Tensor ballast = at::ones({kVictimRows * kFeatures}, at::kDouble);
     for (int i = 0; i < 3; ++i) {
       (void)rpc::rpc_async<int64_t>(worker(kServer), "lost.hold", std::tuple{ballast});
     }
     (void)rpc::rpc_async<int64_t>(worker(kServer), "lost.touch");
-    die_in(200ms);
+    die_in(1s);
   }
   optimizer.step(context.id());
   if (dies && point != KillPoint::kBetweenIterations) wait_to_be_killed();
@@ -340,7 +342,10 @@ void serve(KillPoint point) {
                        << (allocated - baseline_allocated) << " bytes";
   EXPECT_EQ(g_touched.load(), 0) << "a request of the dead trainer ran after it died";
   if (point == KillPoint::kQueued) {
-    EXPECT_GE(info(rpc_info, "agent.num_dropped_requests"), 2);
+    // The touch at least was dropped unrun; the step behind it too if it had left the trainer.
+    std::printf("requests of the dead trainer dropped unrun: %lld\n",
+                static_cast<long long>(info(rpc_info, "agent.num_dropped_requests")));
+    EXPECT_GE(info(rpc_info, "agent.num_dropped_requests"), 1);
   }
 
   // The victim's parameters: every step that returned applied once, the one in flight applied
