@@ -63,12 +63,18 @@ std::map<std::string, int64_t> Peers::debug_info() {
   int64_t unix_socket = 0;
   int64_t peer_memory = 0;
   int64_t bytes_read = 0;
+  int64_t lent_frames = 0;
+  int64_t writing = 0;
   for (const auto& connection : open) {
     unix_socket += connection->unix_socket() ? 1 : 0;
     peer_memory += connection->peer_memory_enabled() ? 1 : 0;
     bytes_read += static_cast<int64_t>(connection->peer_memory_bytes_read());
+    lent_frames += static_cast<int64_t>(connection->lent_frames());
+    writing += connection->writes_done() ? 0 : 1;
   }
   return {{"connections", static_cast<int64_t>(open.size())},
+          {"connections.writing", writing},
+          {"peer_memory.lent_frames", lent_frames},
           {"unix_socket.connections", unix_socket},
           {"peer_memory.connections", peer_memory},
           {"peer_memory.bytes_read", bytes_read},

@@ -233,11 +233,13 @@ WorkerInfo get_worker_info(int id);
 std::vector<WorkerInfo> get_worker_infos();
 
 /// Counters of this worker's agent (PyTorch's RpcAgent::getDebugInfo, whose names it keeps where
-/// it has the same counter). Its open connections: "connections", "unix_socket.connections"
+/// it has the same counter). Its open connections: "connections", "connections.writing" (those
+/// with frames sent and not yet all written to the socket), "unix_socket.connections"
 /// (those over a Unix-domain socket, RpcBackendOptions::same_host_unix_sockets),
 /// "peer_memory.connections" (those reading and lending same-host memory,
 /// RpcBackendOptions::same_host_memory_reads) and "peer_memory.bytes_read" (tensor bytes they read
-/// from the peers' memory); "receive_budget.reserved_bytes" (memory reserved for frames being
+/// from the peers' memory), "peer_memory.lent_frames" (frames sent whose tensors this worker
+/// lent and the peer has not read yet); "receive_budget.reserved_bytes" (memory reserved for frames being
 /// received, within inbound_queue_bytes). Its RRefs, as PyTorch's RRefContext counts them:
 /// "num_owner_rrefs" (values owned here that some user holds), "num_forks" (those users' forks),
 /// "num_pending_users" (user RRefs alive here that their owner has not confirmed yet); and

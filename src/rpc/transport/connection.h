@@ -127,6 +127,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
     return write_closed_ || (!writing_ && queue_.empty());
   }
 
+  /// Frames whose tensors this side lent (left in its memory) and the peer has not read yet.
+  /// Any thread.
+  size_t lent_frames() {
+    std::lock_guard<std::mutex> lock(write_mutex_);
+    return lent_.size();
+  }
+
   /// The peer's address as "ip:port", or for a Unix-domain socket the listener's name or the
   /// connecting process's id (fixed at construction).
   const std::string& peer_address() const { return peer_address_; }
