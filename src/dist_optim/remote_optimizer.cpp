@@ -131,34 +131,54 @@ const at::Tensor& RemoteOptimizer::param(int64_t index, const char* caller, bool
 }
 
 std::vector<ParamCopy> RemoteOptimizer::copy_targets(const std::vector<int64_t>& indices) {
-  // Shapes and dtypes under the mutex; the memory outside it.
+  // Shapes and dtypes under the mutex, and the kept memory; new memory outside it.
   std::vector<std::pair<at::Tensor, std::map<std::string, at::Tensor>>> likes;
+  std::vector<ParamCopy> copies(indices.size());
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (int64_t index : indices) {
+    for (size_t i = 0; i < indices.size(); ++i) {
       std::map<std::string, at::Tensor> buffers;
-      const optim::ParamState& state = optimizer_->state(index);
+      const optim::ParamState& state = optimizer_->state(indices[i]);
       for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
         if (state.buffers[slot].defined()) {
           buffers[optimizer_->state_names()[slot]] = state.buffers[slot];
         }
       }
-      likes.emplace_back(optimizer_->params()[index], std::move(buffers));
+      likes.emplace_back(optimizer_->params()[indices[i]], std::move(buffers));
+      auto kept = kept_copies_.find(indices[i]);
+      if (kept != kept_copies_.end()) {
+        copies[i] = std::move(kept->second);
+        kept_copies_.erase(kept);
+      }
     }
   }
   // Filled with zeros, so that every page is mapped now (fresh pages cost the kernel far more
   // than a copy: at 1e7 rows the copy under the lock took seconds, not the copy's time).
-  auto touched_like = [](const at::Tensor& like) {
-    return at::zeros(like.sizes(), like.options().requires_grad(false));
+  auto fits = [](const at::Tensor& memory, const at::Tensor& like) {
+    return memory.defined() && memory.sizes().equals(like.sizes()) &&
+           memory.scalar_type() == like.scalar_type() && memory.is_contiguous();
   };
-  std::vector<ParamCopy> copies(indices.size());
+  auto touched_like = [&](const at::Tensor& memory, const at::Tensor& like) {
+    return fits(memory, like) ? memory
+                              : at::zeros(like.sizes(), like.options().requires_grad(false));
+  };
   for (size_t i = 0; i < indices.size(); ++i) {
-    copies[i].value = touched_like(likes[i].first);
+    copies[i].value = touched_like(copies[i].value, likes[i].first);
+    std::map<std::string, at::Tensor> buffers;
     for (const auto& [name, buffer] : likes[i].second) {
-      copies[i].state.buffers[name] = touched_like(buffer);
+      auto kept = copies[i].state.buffers.find(name);
+      buffers[name] =
+          touched_like(kept == copies[i].state.buffers.end() ? at::Tensor() : kept->second, buffer);
     }
+    copies[i].state.buffers = std::move(buffers);
   }
   return copies;
+}
+
+void RemoteOptimizer::keep_copies(const std::vector<int64_t>& indices,
+                                  std::vector<ParamCopy> copies) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (size_t i = 0; i < indices.size(); ++i) kept_copies_[indices[i]] = std::move(copies[i]);
 }
 
 void RemoteOptimizer::copy_param(int64_t index, ParamCopy& into) const {
@@ -237,6 +257,9 @@ c10::IValue RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, 
       write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file);
   c10::impl::GenericDict summary = summary_dict(summary_of(copy));
   summary.insert("blocks", c10::List<int64_t>(blocks));
+  std::vector<ParamCopy> kept;
+  kept.push_back(std::move(copy));
+  keep_copies({index}, std::move(kept));
   return summary;
 }
 
@@ -257,6 +280,7 @@ c10::IValue RemoteOptimizer::save_params(std::string path, std::vector<int64_t> 
   write_params_file(path, dense_indices, copies);
   c10::impl::GenericList summaries(c10::AnyType::get());
   for (const ParamCopy& copy : copies) summaries.push_back(summary_dict(summary_of(copy)));
+  keep_copies(indices, std::move(copies));
   return summaries;
 }
 

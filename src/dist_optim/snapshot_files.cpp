@@ -21,13 +21,22 @@ constexpr const char* kParamsFormat = "distoptim.snapshot.params";
 
 // Rows [from, to) of `copy` (its value and buffers, whose first row is `first`): copies, so that
 // a pickle of them does not carry the whole shard's storage.
+// Rows [from, to) of `table` (a contiguous copy) as a tensor whose storage is exactly those rows,
+// sharing their memory: pickling writes a tensor's whole storage, so a slice would write the whole
+// copy and a clone would cost a copy through fresh pages. Valid while `table` lives.
+at::Tensor alias_of_rows(const at::Tensor& table, int64_t from, int64_t to) {
+  const at::Tensor rows = table.slice(0, from, to);
+  if (!table.is_contiguous()) return rows.clone(at::MemoryFormat::Contiguous);
+  return at::from_blob(rows.data_ptr(), rows.sizes(), rows.options());
+}
+
 void insert_rows(GenericDict& dict, const ParamCopy& copy, int64_t first, int64_t from,
                  int64_t to) {
-  dict.insert("rows", copy.value.slice(0, from - first, to - first).clone());
+  dict.insert("rows", alias_of_rows(copy.value, from - first, to - first));
   insert_state_summary(dict, summary_of(copy));
   c10::Dict<std::string, at::Tensor> buffers;
   for (const auto& [name, buffer] : copy.state.buffers) {
-    buffers.insert(name, buffer.slice(0, from - first, to - first).clone());
+    buffers.insert(name, alias_of_rows(buffer, from - first, to - first));
   }
   dict.insert("buffers_values", buffers);
 }

@@ -16,6 +16,9 @@
 #include <utility>
 
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
 namespace distoptim {
@@ -399,10 +402,64 @@ int create_temporary(const std::string& path, std::string* tmp_path, const char*
   }
 }
 
+// Writes to a file descriptor through a buffer that gathers small pieces (the zip writer's headers
+// and padding); large pieces go straight from their memory. Remembers the first failure's errno
+// rather than throwing.
+class FileSink {
+ public:
+  explicit FileSink(int fd) : fd_(fd) { buffer_.reserve(kBufferBytes); }
+
+  bool write(const void* data, size_t size) {
+    if (error_ != 0) return false;
+    const char* bytes = static_cast<const char*>(data);
+    if (buffer_.size() + size <= kBufferBytes) {
+      buffer_.insert(buffer_.end(), bytes, bytes + size);
+      return true;
+    }
+    return flush() && write_all(bytes, size);
+  }
+
+  bool flush() {
+    if (error_ != 0) return false;
+    const bool written = write_all(buffer_.data(), buffer_.size());
+    buffer_.clear();
+    return written;
+  }
+
+  int error() const { return error_; }
+
+ private:
+  static constexpr size_t kBufferBytes = 1 << 20;
+
+  bool write_all(const char* bytes, size_t size) {
+    size_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::write(fd_, bytes + done, size - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        error_ = n < 0 ? errno : EIO;
+        return false;
+      }
+      done += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  int fd_;
+  int error_ = 0;
+  std::vector<char> buffer_;
+};
+
 }  // namespace
 
 void write_checkpoint_file(const std::string& path, const std::vector<char>& bytes,
                            const char* caller) {
+  write_checkpoint_file(path, caller,
+                        [&](const ByteSink& sink) { sink(bytes.data(), bytes.size()); });
+}
+
+void write_checkpoint_file(const std::string& path, const char* caller,
+                           const std::function<void(const ByteSink&)>& produce) {
   TORCH_CHECK(!path.empty(), caller, ": the path is empty");
   struct stat existing {};
   const bool exists = ::stat(path.c_str(), &existing) == 0;
@@ -423,14 +480,16 @@ void write_checkpoint_file(const std::string& path, const std::vector<char>& byt
     const int err = errno;
     fail(err, "setting the permissions of '" + tmp_path + "'");
   }
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd.get(), bytes.data() + done, bytes.size() - done);
-    const int err = n < 0 ? errno : EIO;
-    if (n < 0 && err == EINTR) continue;
-    if (n <= 0) fail(err, "writing '" + tmp_path + "'");
-    done += static_cast<size_t>(n);
+  FileSink sink(fd.get());
+  try {
+    produce([&sink](const void* data, size_t size) { return sink.write(data, size); });
+  } catch (...) {
+    if (sink.error() != 0) fail(sink.error(), "writing '" + tmp_path + "'");
+    fd.close();
+    ::unlink(tmp_path.c_str());
+    throw;
   }
+  if (!sink.flush()) fail(sink.error(), "writing '" + tmp_path + "'");
   if (::fsync(fd.get()) != 0) {
     const int err = errno;
     fail(err, "syncing '" + tmp_path + "'");
@@ -467,7 +526,21 @@ c10::IValue read_pickle_file(const std::string& path, const char* caller,
 }
 
 void write_pickle_file(const std::string& path, const c10::IValue& value, const char* caller) {
-  write_checkpoint_file(path, torch::pickle_save(value), caller);
+  write_checkpoint_file(path, caller, [&](const ByteSink& sink) {
+    // As torch::pickle_save lays it out: the pickle as the archive's "data" record, then each
+    // tensor's storage as a record of its own.
+    std::vector<char> pickle;
+    torch::jit::Pickler pickler(
+        [&](const char* data, size_t size) { pickle.insert(pickle.end(), data, data + size); });
+    pickler.protocol();
+    pickler.pushIValue(value);
+    pickler.stop();
+    caffe2::serialize::PyTorchStreamWriter writer(
+        [&](const void* data, size_t size) { return sink(data, size) ? size : 0; });
+    torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(),
+                                       writer);
+    writer.writeEndOfFile();
+  });
 }
 
 }  // namespace detail

@@ -4,6 +4,7 @@
 // through these functions (the optimizers' state dicts, the data-parallel checkpoints), so each one
 // is verified on load and replaced atomically on save.
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,14 +30,27 @@ std::vector<char> read_checkpoint_file(const std::string& path, const char* call
 void write_checkpoint_file(const std::string& path, const std::vector<char>& bytes,
                            const char* caller);
 
+/// Takes the bytes `produce` gives it, in order; false once writing them failed (the failure is
+/// reported when `produce` returns). Never throws: its callers may be C code (the zip writer).
+using ByteSink = std::function<bool(const void* data, size_t size)>;
+
+/// write_checkpoint_file for bytes made while they are written: `produce` hands them to its sink,
+/// so no whole copy of the file is ever held. The same atomic replacement and errors; an
+/// exception from `produce` removes the temporary file and propagates, unless the sink failed
+/// first (then the write's failure is reported).
+void write_checkpoint_file(const std::string& path, const char* caller,
+                           const std::function<void(const ByteSink&)>& produce);
+
 /// read_checkpoint_file, then LibTorch's unpickling of its bytes (kept in `*bytes` when not
 /// null); a file that passes the checks but holds no pickle LibTorch can read is a `c10::Error`
 /// `caller: 'path' holds no readable pickle: ...`.
 c10::IValue read_pickle_file(const std::string& path, const char* caller,
                              std::vector<char>* bytes = nullptr);
 
-/// `value` pickled by LibTorch (as torch::pickle_save; Python's torch.load reads it), written
-/// with write_checkpoint_file.
+/// `value` pickled by LibTorch, byte for byte as torch::pickle_save (Python's torch.load reads
+/// it), streamed to the file with write_checkpoint_file: each tensor's storage goes from its own
+/// memory to the file. Pickling writes a tensor's whole storage, so a view of a larger tensor
+/// should be given a storage of its own (see alias_of_rows in dist_optim) rather than cloned.
 void write_pickle_file(const std::string& path, const c10::IValue& value, const char* caller);
 
 }  // namespace detail

@@ -399,6 +399,18 @@ TEST_F(CheckpointFile, FailedSaveLeavesThePreviousCheckpointIntact) {
   expect_same_dict(load_state_dict_file(path), second);
 }
 
+// Saving streams the pickle to the file; the file holds exactly the bytes LibTorch's
+// torch::pickle_save makes of the same state (which Python's torch.load reads).
+TEST_F(CheckpointFile, ASavedFileIsExactlyLibTorchsPickleOfTheState) {
+  const std::string path = dir_ + "/adam.pt";
+  const OptimizerStateDict state = adam_state(3);
+  save_state_dict(state, path);
+  const std::vector<char> expected = torch::pickle_save(state.to_ivalue());
+  const std::vector<char> written = read_bytes(path);
+  ASSERT_EQ(written.size(), expected.size());
+  EXPECT_TRUE(written == expected);
+}
+
 }  // namespace
 }  // namespace optim
 }  // namespace distoptim
