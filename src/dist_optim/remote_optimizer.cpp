@@ -253,8 +253,9 @@ c10::IValue RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, 
     rpc::InPlaceUpdateGuard no_step_meanwhile;
     copy_param(index, copy);
   }
-  const std::vector<int64_t> blocks =
-      write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file);
+  std::vector<int64_t> blocks;
+  write_at_low_priority(
+      [&] { blocks = write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file); });
   c10::impl::GenericDict summary = summary_dict(summary_of(copy));
   summary.insert("blocks", c10::List<int64_t>(blocks));
   std::vector<ParamCopy> kept;
@@ -277,7 +278,7 @@ c10::IValue RemoteOptimizer::save_params(std::string path, std::vector<int64_t> 
     rpc::InPlaceUpdateGuard no_step_meanwhile;
     for (size_t i = 0; i < indices.size(); ++i) copy_param(indices[i], copies[i]);
   }
-  write_params_file(path, dense_indices, copies);
+  write_at_low_priority([&] { write_params_file(path, dense_indices, copies); });
   c10::impl::GenericList summaries(c10::AnyType::get());
   for (const ParamCopy& copy : copies) summaries.push_back(summary_dict(summary_of(copy)));
   keep_copies(indices, std::move(copies));

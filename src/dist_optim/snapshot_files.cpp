@@ -1,6 +1,12 @@
 #include "snapshot_files.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <exception>
+#include <thread>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -79,6 +85,21 @@ std::map<std::string, at::Tensor> checked_buffers(const GenericDict& dict,
 }
 
 }  // namespace
+
+void write_at_low_priority(const std::function<void()>& write) {
+  std::exception_ptr failure;
+  std::thread writer([&] {
+    // The thread's own nice value (Linux schedules threads apart); if refused, it writes anyway.
+    (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
+    try {
+      write();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  writer.join();
+  if (failure) std::rethrow_exception(failure);
+}
 
 std::string block_path(const std::string& prefix, int64_t shard, int64_t shards, int64_t block) {
   return c10::str(prefix, ".shard-", shard, "-of-", shards, ".block-", block, ".pt");
