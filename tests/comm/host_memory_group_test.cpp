@@ -16,6 +16,7 @@
 
 #include <distoptim/comm.h>
 
+#include "harness/absent_rank.h"
 #include "harness/multiprocess.h"
 #include "support/test_util.h"
 
@@ -200,8 +201,9 @@ TEST(HostMemoryGroup, AbsentMemberTimesOutNamingIt) {
   run_ranks(3, [](int rank, int) {
     init_process_group(ProcessGroupOptions("env://").timeout(30s));
     const Group impatient = share_host_memory(new_group({}, 1s), kSmallSlot);
+    const distoptim::testing::AbsentRank absent(rank, 3, 2);
     if (rank == 2) {
-      std::this_thread::sleep_for(3s);  // skips the collective, alive
+      absent.stay_until_the_others_are_done();  // skips the collective, alive
       return;
     }
     try {
@@ -219,6 +221,7 @@ TEST(HostMemoryGroup, AbsentMemberTimesOutNamingIt) {
     }
     // Broken for good: a later collective fails at once with the same kind of error.
     EXPECT_THROW(allreduce(impatient, torch::ones({10})), TimeoutError);
+    absent.done();
   });
 }
 

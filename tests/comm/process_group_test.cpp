@@ -24,6 +24,7 @@
 
 #include <distoptim/comm.h>
 
+#include "harness/absent_rank.h"
 #include "harness/multiprocess.h"
 #include "support/test_util.h"
 
@@ -277,13 +278,13 @@ TEST(ProcessGroupFailure, CollectiveOnSomeRanksTimesOutNamingTheAbsentRank) {
   run_ranks(3, [](int rank, int) {
     init_process_group(ProcessGroupOptions("env://").timeout(30s));
     const Group impatient = new_group({}, 1s);
+    const distoptim::testing::AbsentRank absent(rank, 3, 2);
     if (rank == 2) {
-      // Skips the collective, but stays connected until the others have given up.
-      std::this_thread::sleep_for(4s);
+      absent.stay_until_the_others_are_done();  // skips the collective, connected
       return;
     }
     expect_timeout_naming(impatient, 2);
-    leave_together(rank);
+    absent.done();
   });
 }
 

@@ -14,6 +14,7 @@
 #include <distoptim/optim.h>
 
 #include "global_batch.h"
+#include "harness/absent_rank.h"
 #include "harness/multiprocess.h"
 #include "support/test_util.h"
 
@@ -218,8 +219,9 @@ TEST(Join, WithoutJoinUnevenInputsFailAfterTheTimeout) {
     DistributedDataParallel ddp(model);
     const Batch first(7, world_size);
     torch::mse_loss(ddp.forward(first.local_x(rank)), first.local_y(rank)).backward();
+    const testing::AbsentRank absent(rank, world_size, 0);
     if (rank == 0) {
-      std::this_thread::sleep_for(6s);
+      absent.stay_until_the_others_are_done();
       return;
     }
     const Batch second(8, world_size);
@@ -229,6 +231,7 @@ TEST(Join, WithoutJoinUnevenInputsFailAfterTheTimeout) {
         },
         {"DistributedDataParallel.forward", "rank 1", "for uneven inputs use Join",
          "these ranks never reached it: 0"});
+    absent.done();
   });
 }
 
@@ -240,8 +243,9 @@ TEST(Join, AJoinFailingInItsDestructorThrowsAtTheNextIteration) {
     init(/*timeout=*/2s);
     auto model = make_model(100 + rank);
     DistributedDataParallel ddp(model);
+    const testing::AbsentRank absent(rank, world_size, 0);
     if (rank == 0) {
-      std::this_thread::sleep_for(6s);  // never joins, but stays connected
+      absent.stay_until_the_others_are_done();  // never joins, but stays connected
       return;
     }
     { Join join({&ddp}); }
@@ -262,6 +266,7 @@ TEST(Join, AJoinFailingInItsDestructorThrowsAtTheNextIteration) {
     } catch (const std::exception& e) {
       EXPECT_EQ(std::string(e.what()).find("Join: joining"), std::string::npos) << e.what();
     }
+    absent.done();
   });
 }
 

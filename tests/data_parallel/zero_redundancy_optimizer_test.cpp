@@ -23,6 +23,7 @@
 #include <distoptim/optim.h>
 
 #include "global_batch.h"
+#include "harness/absent_rank.h"
 #include "harness/command.h"
 #include "harness/multiprocess.h"
 #include "support/state_dicts.h"
@@ -1003,14 +1004,16 @@ TEST(ZeroRedundancyOptimizer, AStepOnOnlySomeRanksFailsAfterTheTimeout) {
     auto weight = torch::randn({64}, torch::kFloat64);
     auto bias = torch::randn({8}, torch::kFloat64);
     ZeroRedundancyOptimizer zero({weight, bias}, "sgd", {{"lr", 0.1}});
+    const testing::AbsentRank absent(rank, 2, 1);
     if (rank == 0) {
       expect_error_containing(
           [&] {
             zero.step({torch::ones_like(weight), torch::ones_like(bias)});
           },
           {"ZeroRedundancyOptimizer.step", "every rank must call step()", "rank 0"});
+      absent.done();
     } else {
-      std::this_thread::sleep_for(4s);  // rank 1 never steps, but stays connected
+      absent.stay_until_the_others_are_done();  // rank 1 never steps, but stays connected
     }
   });
 }
@@ -1024,12 +1027,14 @@ TEST(ZeroStage2, ABackwardOnOnlySomeRanksFailsAfterTheTimeout) {
     auto bias = torch::randn({8}, torch::dtype(torch::kFloat64).requires_grad(true));
     ZeroRedundancyOptimizer zero({weight, bias}, "sgd", {{"lr", 0.1}},
                                  ZeroRedundancyOptimizerOptions().stage(2));
+    const testing::AbsentRank absent(rank, 2, 1);
     if (rank == 0) {
       expect_error_containing([&] { (weight.sum() + bias.sum()).backward(); },
                               {"stage 2", "reducing the gradients of rank",
                                "every rank must run the same backward passes"});
+      absent.done();
     } else {
-      std::this_thread::sleep_for(4s);  // rank 1 never runs backward, but stays connected
+      absent.stay_until_the_others_are_done();  // rank 1 never runs backward, but stays connected
     }
   });
 }

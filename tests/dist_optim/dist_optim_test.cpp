@@ -122,10 +122,18 @@ void refuse() { TORCH_CHECK_VALUE(false, "refusing to step on ", rpc::get_worker
 void die_on_worker2() {  // as in a crash, in the middle of the step
   if (on_worker2()) std::_Exit(7);
 }
+// Set on worker2 once the caller has seen its stalled step time out.
+std::atomic<bool> g_stall_released{false};
+DISTOPTIM_RPC_FUNCTION("release_stall", [] { g_stall_released = true; });
 void stall_on_worker2() {
-  if (on_worker2()) std::this_thread::sleep_for(std::chrono::seconds(4));
+  if (!on_worker2()) return;
+  const auto bound = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!g_stall_released && std::chrono::steady_clock::now() < bound) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
-// Every step fails; a process ends in its step on worker2; a step takes 4 s on worker2.
+// Every step fails; a process ends in its step on worker2; a step on worker2 lasts until its
+// caller releases it (release_stall).
 const optim::OptimizerRegistration kRefusingOptimizer = register_faulty_sgd<refuse>("refusing_sgd");
 const optim::OptimizerRegistration kDyingOptimizer =
     register_faulty_sgd<die_on_worker2>("dying_sgd");
@@ -441,8 +449,8 @@ TEST(DistributedOptimizer, AnOwnerLostDuringStepIsNamed) {
       options);
 }
 
-// An owner whose step outlives the RPC timeout (1.5 s here): the step fails with TimeoutError
-// naming it, and only it.
+// An owner whose step outlives the RPC timeout (1.5 s here; it lasts until the caller has seen
+// the timeout): the step fails with TimeoutError naming it, and only it.
 TEST(DistributedOptimizer, AnOwnerTimingOutDuringStepIsNamed) {
   testing::with_workers(
       3,
@@ -457,6 +465,7 @@ TEST(DistributedOptimizer, AnOwnerTimingOutDuringStepIsNamed) {
           EXPECT_NE(message.find("worker '" + worker(2) + "': "), std::string::npos) << message;
           EXPECT_EQ(message.find("worker '" + worker(1) + "': "), std::string::npos) << message;
         }
+        rpc_sync(worker(2), "release_stall");
       },
       testing::test_options(1500ms));
 }
