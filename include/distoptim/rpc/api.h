@@ -239,8 +239,8 @@ std::vector<WorkerInfo> get_worker_infos();
 /// "peer_memory.connections" (those reading and lending same-host memory,
 /// RpcBackendOptions::same_host_memory_reads) and "peer_memory.bytes_read" (tensor bytes they read
 /// from the peers' memory), "peer_memory.lent_frames" (frames sent whose tensors this worker
-/// lent and the peer has not read yet); "receive_budget.reserved_bytes" (memory reserved for frames being
-/// received, within inbound_queue_bytes). Its RRefs, as PyTorch's RRefContext counts them:
+/// lent and the peer has not read yet); "receive_budget.reserved_bytes" (memory reserved for frames
+/// being received, within inbound_queue_bytes). Its RRefs, as PyTorch's RRefContext counts them:
 /// "num_owner_rrefs" (values owned here that some user holds), "num_forks" (those users' forks),
 /// "num_pending_users" (user RRefs alive here that their owner has not confirmed yet); and
 /// "num_user_rrefs" (user RRefs alive here), "num_pending_children" (RRefs sent on, whose owner has
