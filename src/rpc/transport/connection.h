@@ -5,7 +5,8 @@
 // threads). The library owns every byte of a connection from
 // its first: until the peer has proven the shared secret, a connection admits only a small
 // handshake frame (frame_header.h's handshake_limits) within a deadline, so nothing an
-// unauthenticated peer sends reaches a parser that allocates more than that bound.
+// unauthenticated peer sends reaches a parser that allocates more than that bound. How
+// connections begin is listener.h.
 
 #include <atomic>
 #include <chrono>
@@ -36,11 +37,6 @@ struct Frame {
   std::shared_ptr<std::string> body;
   std::vector<at::Tensor> buffers;
 };
-
-/// The abstract Unix-domain socket name (Linux: no file, gone with its socket) of the worker
-/// listening on TCP `address`:`port`. A TCP port is held by one socket at a time, so live
-/// listeners' names differ; whoever answers on a name still proves itself in the handshake.
-std::string unix_socket_name(const std::string& address, int port);
 
 /// A framed connection over TCP or a Unix-domain socket. Threading: the read side and the handlers
 /// are confined to the I/O thread of its io_context; the write side is guarded by a mutex, so that
@@ -241,60 +237,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   uint64_t lent_count_ = 0;
   std::deque<std::pair<uint64_t, std::vector<at::Tensor>>> lent_;
 };
-
-/// Accepts connections on an address, on the I/O thread, and (if asked) on the Unix-domain
-/// socket named after it (unix_socket_name) for workers on the same host; a failure of a
-/// listening socket is logged and the socket re-created with the same port or name (a failure to
-/// accept one connection never stops it). Threading as Connection.
-class Listener : public std::enable_shared_from_this<Listener> {
- public:
-  using AcceptHandler = std::function<void(std::shared_ptr<Connection>)>;
-
-  /// Binds `address` (an IP address; port 0 picks one), and with `unix_socket` the Unix-domain
-  /// socket named after it. Throws DistributedError if it cannot bind the address; a Unix name
-  /// taken by another process is logged and left (peers then connect over TCP).
-  Listener(asio::io_context& io, const std::string& address, int port = 0,
-           bool unix_socket = false);
-  /// I/O thread only.
-  void start(AcceptHandler on_accept);
-  /// Any thread.
-  void close();
-  int port() const { return port_; }
-  const std::string& address() const { return address_; }
-  /// Whether the Unix-domain socket listens (asked for, and its name was free).
-  bool unix_socket() const { return unix_open_; }
-
- private:
-  void open(asio::ip::tcp::acceptor& acceptor);
-  void open(asio::local::stream_protocol::acceptor& acceptor);
-  // What a warning calls each listening socket, and the timer that re-creates it.
-  std::string describe(const asio::ip::tcp::acceptor&) const;
-  std::string describe(const asio::local::stream_protocol::acceptor&) const;
-  asio::steady_timer& retry_timer(const asio::ip::tcp::acceptor&) { return retry_; }
-  asio::steady_timer& retry_timer(const asio::local::stream_protocol::acceptor&) {
-    return unix_retry_;
-  }
-  template <class Acceptor>
-  void accept_next(Acceptor& acceptor);
-  template <class Acceptor>
-  void reopen_later(Acceptor& acceptor, const std::string& why);
-
-  asio::io_context& io_;
-  asio::ip::tcp::acceptor acceptor_;
-  asio::local::stream_protocol::acceptor unix_acceptor_;
-  asio::steady_timer retry_;
-  asio::steady_timer unix_retry_;
-  const std::string address_;
-  int port_ = 0;
-  bool unix_open_ = false;
-  AcceptHandler on_accept_;
-  bool closed_ = false;
-};
-
-/// Connects to `address`:`port` on the I/O thread, or with `unix_socket` to the Unix-domain
-/// socket named after it; `done` runs there with the connection, or with null and the reason.
-void connect(asio::io_context& io, const std::string& address, int port, bool unix_socket,
-             std::function<void(std::shared_ptr<Connection>, const std::string& error)> done);
 
 }  // namespace detail
 }  // namespace rpc
