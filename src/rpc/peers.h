@@ -22,6 +22,7 @@
 #include "refusal_log.h"
 #include "transport/connection.h"
 #include "transport/io_loop.h"
+#include "transport/listener.h"
 #include "worker_table.h"
 
 namespace distoptim {

@@ -1,11 +1,14 @@
 #pragma once
 
-// The rpc layer's transport: framed messages over TCP, or over a Unix-domain socket between
-// workers on one host, on Asio (docs/wire_format.md has the frame layout, docs/threading.md the
-// threads). The library owns every byte of a connection from
-// its first: until the peer has proven the shared secret, a connection admits only a small
-// handshake frame (frame_header.h's handshake_limits) within a deadline, so nothing an
-// unauthenticated peer sends reaches a parser that allocates more than that bound.
+// One connection of the rpc layer's transport: framed messages over TCP, or over a Unix-domain
+// socket between workers on one host, on Asio (docs/wire_format.md has the frame layout,
+// docs/threading.md the threads). The library owns every byte of a connection from its first:
+// until the peer has proven the shared secret, a connection admits only a small handshake frame
+// (frame_header.h's handshake_limits) within a deadline, so nothing an unauthenticated peer sends
+// reaches a parser that allocates more than that bound. How connections begin is listener.h;
+// the same-host lending of large tensors memory_lending.h. The class is implemented by job:
+// its lifecycle in connection.cpp, reading in connection_reading.cpp, writing in
+// connection_writing.cpp.
 
 #include <atomic>
 #include <chrono>
@@ -24,6 +27,7 @@
 #include <asio/steady_timer.hpp>
 
 #include "../message.h"
+#include "memory_lending.h"
 #include "receive_budget.h"
 
 namespace distoptim {
@@ -36,11 +40,6 @@ struct Frame {
   std::shared_ptr<std::string> body;
   std::vector<at::Tensor> buffers;
 };
-
-/// The abstract Unix-domain socket name (Linux: no file, gone with its socket) of the worker
-/// listening on TCP `address`:`port`. A TCP port is held by one socket at a time, so live
-/// listeners' names differ; whoever answers on a name still proves itself in the handshake.
-std::string unix_socket_name(const std::string& address, int port);
 
 /// A framed connection over TCP or a Unix-domain socket. Threading: the read side and the handlers
 /// are confined to the I/O thread of its io_context; the write side is guarded by a mutex, so that
@@ -107,31 +106,26 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   /// I/O thread only, once the handshake proved both sides can read each other's memory
   /// (handshake.h), before frames are read again. From then on tensors of at least
-  /// kPeerMemoryBytes are left in this process's memory for process `peer_pid` to read
-  /// (peer_memory.h), kept until the peer's kRelease for their frame, and such tensors the peer
-  /// announces are read from its memory.
+  /// MemoryLending::kPeerMemoryBytes are left in this process's memory for process `peer_pid` to
+  /// read (memory_lending.h), kept until the peer's kRelease for their frame, and such tensors
+  /// the peer announces are read from its memory.
   void enable_peer_memory(int32_t peer_pid);
-  static constexpr size_t kPeerMemoryBytes = size_t{256} << 10;
   /// Whether enable_peer_memory ran, and the bytes read from the peer's memory since (for
   /// diagnostics: rpc::get_debug_info). Any thread.
-  bool peer_memory_enabled() const { return peer_memory_enabled_; }
-  uint64_t peer_memory_bytes_read() const { return peer_memory_bytes_read_; }
+  bool peer_memory_enabled() const { return lending_.enabled(); }
+  uint64_t peer_memory_bytes_read() const { return lending_.bytes_read(); }
+  /// Frames whose tensors this side lent (left in its memory) and the peer has not read yet.
+  /// Any thread.
+  size_t lent_frames() { return lending_.lent_frames(); }
 
   /// Whether the connection has closed (failed, or close() ran): nothing sent on it reaches the
   /// peer any more. Any thread; once true it stays true.
-  bool closed() const { return ended_.load(std::memory_order_acquire); }
+  bool closed() const { return state() == State::kClosed; }
   /// Whether every frame sent so far has been written to the socket (or the connection closed).
   /// Any thread.
   bool writes_done() {
     std::lock_guard<std::mutex> lock(write_mutex_);
-    return write_closed_ || (!writing_ && queue_.empty());
-  }
-
-  /// Frames whose tensors this side lent (left in its memory) and the peer has not read yet.
-  /// Any thread.
-  size_t lent_frames() {
-    std::lock_guard<std::mutex> lock(write_mutex_);
-    return lent_.size();
+    return state() == State::kClosed || (!writing_ && queue_.empty());
   }
 
   /// The peer's address as "ip:port", or for a Unix-domain socket the listener's name or the
@@ -141,6 +135,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool unix_socket() const { return unix_socket_; }
 
  private:
+  // The connection's lifecycle, forward only: kOpen, then either kClosed at once (fail: an error,
+  // a deadline, close()) or first kClosingAfterFarewell (close_after: the farewell is written,
+  // what the peer sends is read and dropped, until the peer closes or the linger ends) and then
+  // kClosed. enter() is the only place that changes it. (Until the peer has proven itself the
+  // connection is open too: the handshake is the caller's, held in the limits it reads with.)
+  enum class State : uint8_t { kOpen, kClosingAfterFarewell, kClosed };
+  void enter(State next);
+  State state() const { return state_.load(std::memory_order_acquire); }
+
   struct Outgoing {
     EncodedMessage message;
     std::string lengths;
@@ -152,16 +155,21 @@ class Connection : public std::enable_shared_from_this<Connection> {
     std::string addresses{};
     uint64_t lent = 0;
   };
-  // Prepares `out`'s lengths, and its large tensors for the peer to read when it may.
-  void prepare_locked(Outgoing& out);
-  void release_lent();
-  // Calls add(data, size) for each piece of the frame's bytes (header, tensor lengths, body,
-  // tensors), from `out.written` on.
-  template <class Add>
-  static void for_each_piece(const Outgoing& out, Add add);
-  // send()'s direct write; write_mutex_ held. Returns whether the whole frame went.
-  bool write_directly(Outgoing& out);
 
+  static std::string error_text(const asio::error_code& error);
+
+  // Lifecycle (connection.cpp).
+  void violation(const std::string& why);
+  void fail(const std::string& why);
+  // close_after's steps on the I/O thread, in their order (connection.cpp says why).
+  void say_farewell(EncodedMessage farewell, const std::string& why,
+                    std::chrono::milliseconds linger);
+  void limit_reads_to_small_frames();
+  void queue_farewell(EncodedMessage farewell);
+  void report_closed_as(const std::string& why);
+  void read_until_peer_closes();
+
+  // Reading (connection_reading.cpp).
   void read_then(std::function<void()> next);
   bool read_ended(const asio::error_code& error);
   void read_header();
@@ -170,9 +178,19 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool read_from_peer_memory();
   void release_reservation();
   void deliver_frame();
-  void fail(const std::string& why);
-  void violation(const std::string& why);
+
+  // Writing (connection_writing.cpp).
+  // Prepares `out`'s lengths, and lends its large tensors to the peer when it may.
+  void prepare_locked(Outgoing& out);
+  // Calls add(data, size) for each piece of the frame's bytes (header, tensor lengths, body,
+  // tensors), from `out.written` on.
+  template <class Add>
+  static void for_each_piece(const Outgoing& out, Add add);
+  // send()'s direct write; write_mutex_ held. Returns whether the whole frame went.
+  bool write_directly(Outgoing& out);
   void write_next();
+  // Takes what is queued and not written (the connection closed).
+  std::deque<Outgoing> take_unsent();
 
   asio::io_context& io_;
   asio::generic::stream_protocol::socket socket_;  // TCP or Unix-domain
@@ -182,16 +200,20 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // disarmed (cancel() cannot recall it) finds the count moved on and does nothing.
   uint64_t deadline_generation_ = 0;
   std::string peer_address_;
+  // Read from any thread (closed(), and the write side under write_mutex_); changed by enter()
+  // on the I/O thread.
+  std::atomic<State> state_{State::kOpen};
+  MemoryLending lending_;
 
   // I/O thread only:
   WireLimits limits_;
   std::shared_ptr<FrameHandler> on_frame_;
   ClosedHandler on_closed_;
   FarewellMaker make_farewell_;
+  // The read loop's flags, which overlap (a handler may start the next read while it runs; a
+  // frame waits for the budget between two reads): no lifecycle, which is state_.
   bool reading_ = false;  // a read is outstanding
-  bool paused_ = false;
-  bool closed_ = false;
-  bool closing_ = false;  // close_after: frames are read and dropped
+  bool paused_ = false;   // the frame handler returned false
   char header_bytes_[MessageHeader::kEncodedSize];
   // Bytes read beyond the field a read wanted, for the next reads (read_then): allocated at the
   // first small read, kInboxBytes per connection.
@@ -210,12 +232,6 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::vector<size_t> lengths_;  // of frame_'s tensors
   static constexpr size_t kKeptTensorLengths = 64;
   Frame frame_;
-  int32_t peer_pid_ = 0;              // enable_peer_memory's peer; 0: none
-  std::vector<bool> in_peer_memory_;  // of frame_'s tensors
-  std::string peer_addresses_;        // 8 bytes per tensor in the peer's memory
-  std::atomic<bool> ended_{false};    // closed_, readable from any thread (closed())
-  std::atomic<bool> peer_memory_enabled_{false};
-  std::atomic<uint64_t> peer_memory_bytes_read_{0};
   // Receiving bounds (set_receive_budget): the budget, what frame_ holds of it, and whether
   // frame_ waits for it; whether a frame is being read, the count of reads that brought some of
   // it (bumped by the reads themselves: no clock or timer per frame), and what the last stall
@@ -229,72 +245,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   int stalled_checks_ = 0;
 
   // The write side, any thread, under write_mutex_: one writer at a time on the socket (a direct
-  // write or the I/O thread's gathered one), frames in order, and no write once it is closed.
+  // write or the I/O thread's gathered one), frames in order, and no write once closed. Lock
+  // order: write_mutex_, then lending_'s own.
   std::mutex write_mutex_;
   bool writing_ = false;  // the I/O thread's write is outstanding
-  bool write_closed_ = false;
   std::deque<Outgoing> queue_;
   std::vector<Outgoing> in_flight_;
-  // Lending to the peer (enable_peer_memory): the tensors of each frame that lent, oldest first,
-  // until the peer's kRelease for it.
-  bool lend_ = false;
-  uint64_t lent_count_ = 0;
-  std::deque<std::pair<uint64_t, std::vector<at::Tensor>>> lent_;
 };
-
-/// Accepts connections on an address, on the I/O thread, and (if asked) on the Unix-domain
-/// socket named after it (unix_socket_name) for workers on the same host; a failure of a
-/// listening socket is logged and the socket re-created with the same port or name (a failure to
-/// accept one connection never stops it). Threading as Connection.
-class Listener : public std::enable_shared_from_this<Listener> {
- public:
-  using AcceptHandler = std::function<void(std::shared_ptr<Connection>)>;
-
-  /// Binds `address` (an IP address; port 0 picks one), and with `unix_socket` the Unix-domain
-  /// socket named after it. Throws DistributedError if it cannot bind the address; a Unix name
-  /// taken by another process is logged and left (peers then connect over TCP).
-  Listener(asio::io_context& io, const std::string& address, int port = 0,
-           bool unix_socket = false);
-  /// I/O thread only.
-  void start(AcceptHandler on_accept);
-  /// Any thread.
-  void close();
-  int port() const { return port_; }
-  const std::string& address() const { return address_; }
-  /// Whether the Unix-domain socket listens (asked for, and its name was free).
-  bool unix_socket() const { return unix_open_; }
-
- private:
-  void open(asio::ip::tcp::acceptor& acceptor);
-  void open(asio::local::stream_protocol::acceptor& acceptor);
-  // What a warning calls each listening socket, and the timer that re-creates it.
-  std::string describe(const asio::ip::tcp::acceptor&) const;
-  std::string describe(const asio::local::stream_protocol::acceptor&) const;
-  asio::steady_timer& retry_timer(const asio::ip::tcp::acceptor&) { return retry_; }
-  asio::steady_timer& retry_timer(const asio::local::stream_protocol::acceptor&) {
-    return unix_retry_;
-  }
-  template <class Acceptor>
-  void accept_next(Acceptor& acceptor);
-  template <class Acceptor>
-  void reopen_later(Acceptor& acceptor, const std::string& why);
-
-  asio::io_context& io_;
-  asio::ip::tcp::acceptor acceptor_;
-  asio::local::stream_protocol::acceptor unix_acceptor_;
-  asio::steady_timer retry_;
-  asio::steady_timer unix_retry_;
-  const std::string address_;
-  int port_ = 0;
-  bool unix_open_ = false;
-  AcceptHandler on_accept_;
-  bool closed_ = false;
-};
-
-/// Connects to `address`:`port` on the I/O thread, or with `unix_socket` to the Unix-domain
-/// socket named after it; `done` runs there with the connection, or with null and the reason.
-void connect(asio::io_context& io, const std::string& address, int port, bool unix_socket,
-             std::function<void(std::shared_ptr<Connection>, const std::string& error)> done);
 
 }  // namespace detail
 }  // namespace rpc
