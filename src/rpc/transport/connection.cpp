@@ -66,6 +66,7 @@ std::string Connection::error_text(const asio::error_code& error) {
 // written its frame before fail() takes the queue and closes the socket, and no send() after it
 // touches the socket.
 void Connection::enter(State next) {
+  TORCH_INTERNAL_ASSERT(next > state(), "a connection's state moves forward only");
   if (next == State::kClosed) {
     std::lock_guard<std::mutex> lock(write_mutex_);
     state_.store(next, std::memory_order_release);

@@ -1,3 +1,6 @@
+// The I/O loop: its threads, the handoff of the loop to another thread while one runs a long
+// job, and the requests run after a handler (io_loop.h).
+
 #include "io_loop.h"
 
 #include <algorithm>

@@ -1,3 +1,5 @@
+// Reading a same-host peer's memory (process_vm_readv), with errors that say what was missing.
+
 #include "peer_memory.h"
 
 #include <sys/uio.h>

@@ -1,3 +1,5 @@
+// The receive budget's reservations, and the queue of connections waiting for room.
+
 #include "receive_budget.h"
 
 #include "connection.h"
