@@ -36,6 +36,12 @@
 // This saves a control message and its reply per call through an RRef to its owner (a
 // DistributedOptimizer's step: one per owner and step).
 //
+// Each control message's arguments travel as the named fields of its struct in rref_control.h,
+// which encodes them and checks received ones. RRefContext's work is in three files:
+// rref_context.cpp (the tables and the user's side), rref_transfer.cpp (RRefs inside messages
+// sent and received) and rref_control_handlers.cpp (received control messages, dispatched by
+// name to their handlers).
+//
 // Peer death: forks held by a lost worker are erased on the owner (and values freed), pending
 // children sent to it are released; a user's to_here on a lost owner fails with PeerLostError
 // and its delete is dropped. A reference the lost worker sent to the owner, received after that
@@ -59,6 +65,7 @@
 #include <distoptim/rpc/api.h>
 
 #include "message.h"
+#include "rref_control.h"
 #include "rref_handle.h"
 #include "worker_table.h"
 
@@ -102,13 +109,19 @@ struct ForkBatch {
   std::vector<GlobalId> pending_children;
 };
 
+/// The request a control message came in, as its handler sees it: the sender, and the request's
+/// id and metadata (for the interceptor of a create or a fetch). Lives while handle_control runs.
+struct ControlCall {
+  int caller = -1;
+  uint64_t id = 0;
+  const CallMetadata& metadata;
+};
+
 /// The RRef tables of one agent, and its side of the protocol. Thread safety: one mutex guards
 /// the tables; it is never held while sending a message, completing a future or running user
 /// code (lock order: this mutex is never taken inside the agent's).
 class RRefContext {
  public:
-  static constexpr const char* kControlPrefix = "__distoptim.rref.";
-
   /// `owner` owns this context and `channel` (the agent), and is already held by a shared
   /// pointer: handles hold the context through it, so that a handle dropped while the agent
   /// stops still finds it whole. `default_timeout` is kDefaultTimeout's meaning.
@@ -156,8 +169,8 @@ class RRefContext {
   /// are seen on their own (RRefContext::remote, handle_control).
   static bool carries_user_values(const std::string& callable);
   /// Handles a control message (on the agent's ordered thread); returns the reply's future.
-  /// Throws c10::ValueError for malformed arguments.
-  /// `id` and `metadata`: the request's, for the interceptor of a create.
+  /// Throws c10::ValueError for an unknown name, malformed arguments or an id of no worker.
+  /// `id` and `metadata`: the request's, for the interceptor of a create or a fetch.
   c10::intrusive_ptr<c10::ivalue::Future> handle_control(const std::string& callable,
                                                          std::vector<c10::IValue> args, int caller,
                                                          uint64_t id = 0,
@@ -200,7 +213,20 @@ class RRefContext {
   std::shared_ptr<OwnedValue> erase_fork_locked(const GlobalId& rref_id,
                                                 const GlobalId& fork_id);  // requires mutex_
   int checked_worker(int64_t id, const char* what) const;
-  void send_control(int to, const std::string& name, std::vector<c10::IValue> args);
+  /// A received id whose creator is a worker; c10::ValueError otherwise.
+  GlobalId checked_id(const ControlId& id) const;
+  /// Sends `request` and forgets it (no reply awaited; nothing sent once the agent stops).
+  void send_control(int to, ControlRequest request);
+
+  // The handlers of received control messages (handle_control's table), on the ordered thread.
+  c10::intrusive_ptr<c10::ivalue::Future> handle_create(CreateMessage create,
+                                                        const ControlCall& call);
+  c10::intrusive_ptr<c10::ivalue::Future> handle_fetch(FetchMessage fetch, const ControlCall& call);
+  c10::intrusive_ptr<c10::ivalue::Future> handle_fork(ForkMessage fork, const ControlCall& call);
+  c10::intrusive_ptr<c10::ivalue::Future> handle_delete(DeleteMessage deleted,
+                                                        const ControlCall& call);
+  c10::intrusive_ptr<c10::ivalue::Future> handle_accept(AcceptMessage accept,
+                                                        const ControlCall& call);
   std::chrono::milliseconds effective_timeout(std::chrono::milliseconds timeout) const {
     return timeout == kDefaultTimeout ? default_timeout_ : timeout;
   }
