@@ -10,4 +10,5 @@
 #include <distoptim/data_parallel/model_averaging.h>
 #include <distoptim/data_parallel/post_local_sgd_hook.h>
 #include <distoptim/data_parallel/post_local_sgd_optimizer.h>
+#include <distoptim/data_parallel/power_sgd_hook.h>
 #include <distoptim/data_parallel/zero_redundancy_optimizer.h>
