@@ -239,8 +239,8 @@ std::vector<WorkerInfo> get_worker_infos();
 /// "peer_memory.connections" (those reading and lending same-host memory,
 /// RpcBackendOptions::same_host_memory_reads) and "peer_memory.bytes_read" (tensor bytes they read
 /// from the peers' memory), "peer_memory.lent_frames" (frames sent whose tensors this worker
-/// lent and the peer has not read yet); "receive_budget.reserved_bytes" (memory reserved for frames being
-/// received, within inbound_queue_bytes). Its RRefs, as PyTorch's RRefContext counts them:
+/// lent and the peer has not read yet); "receive_budget.reserved_bytes" (memory reserved for frames
+/// being received, within inbound_queue_bytes). Its RRefs, as PyTorch's RRefContext counts them:
 /// "num_owner_rrefs" (values owned here that some user holds), "num_forks" (those users' forks),
 /// "num_pending_users" (user RRefs alive here that their owner has not confirmed yet); and
 /// "num_user_rrefs" (user RRefs alive here), "num_pending_children" (RRefs sent on, whose owner has
@@ -250,26 +250,6 @@ std::vector<WorkerInfo> get_worker_infos();
 /// before they started: the caller died or stopped). Each value is a snapshot. Throws
 /// DistributedError if no agent runs.
 std::map<std::string, int64_t> get_debug_info();
-
-namespace detail {
-
-/// Waits for `future` and returns its value as a T, or throws what the future holds.
-/// `describe()` names the call in a conversion error and runs only then.
-template <class T, class Describe>
-T wait_for_result(c10::ivalue::Future& future, const Describe& describe) {
-  wait_future(future);
-  future.waitAndThrow();
-  if constexpr (std::is_void_v<T>) {
-    return;
-  } else if constexpr (std::is_same_v<T, c10::IValue>) {
-    return future.constValue();
-  } else {
-    return from_value_described<T>(future.constValue(),
-                                   [&describe] { return "the result of " + describe(); });
-  }
-}
-
-}  // namespace detail
 
 /// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.
 /// wait() blocks until the result arrives (the call's timeout bounds it) and returns it, or
