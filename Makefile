@@ -10,8 +10,9 @@
 #   make bench   build, then run every benchmark three times; results in
 #                $(BUILD_DIR)/bench-results/run*/*.json, tables in docs/benchmarks.md
 #   make format  clang-format every C++ file in place
-#   make lint    the format check, and clang-tidy's naming checks over the uncommitted changes
-#                (scripts/lint.sh; LINT_BASE=main~3 checks what changed since then)
+#   make lint    the format check, the house rules (file sizes, no namespace detail in a public
+#                header outside detail/), and clang-tidy's naming checks over the uncommitted
+#                changes (scripts/lint.sh; LINT_BASE=main~3 checks what changed since then)
 
 BUILD_DIR ?= build
 ASAN_BUILD_DIR ?= build-asan

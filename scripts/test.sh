@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # All setup, then every test:
 #   1. scripts/setup.sh (installs the Debian 12 packages; fast when they are there), then the
-#      format check (scripts/lint.sh format);
+#      format and house-rules checks (scripts/lint.sh format, then scripts/lint.sh rules);
 #   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (build-asan) running the unit tests;
 #   3. a ThreadSanitizer build of the comm, rpc and dist_autograd layers (build-tsan) running their
 #      tests (tsan);
@@ -94,8 +94,9 @@ esac
 
 phase "setup"
 bash scripts/setup.sh
-phase "format check"
+phase "format check and house rules"
 bash scripts/lint.sh format
+bash scripts/lint.sh rules
 # In subshells, so the sanitizer options do not reach the Release build and tests.
 if [[ "$WHAT" == all || "$WHAT" == asan ]]; then
   (sanitizer_tests)

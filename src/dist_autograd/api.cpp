@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/dist_autograd/detail/gradients.h>
 #include <distoptim/rpc/api.h>
 
 #include "context.h"

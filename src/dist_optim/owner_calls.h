@@ -11,6 +11,7 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <distoptim/dist_optim/detail/owner_access.h>
 #include <distoptim/dist_optim/distributed_optimizer.h>
 #include <distoptim/rpc/futures.h>
 #include <distoptim/rpc/rref.h>

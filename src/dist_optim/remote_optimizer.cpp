@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <distoptim/dist_autograd/context.h>
+#include <distoptim/dist_autograd/detail/gradients.h>
 #include <distoptim/optim/registry.h>
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/classes.h>

@@ -6,6 +6,8 @@
 #include <ATen/core/Dict.h>
 #include <c10/util/Exception.h>
 
+#include <distoptim/optim/detail/option_fields.h>
+
 namespace distoptim {
 namespace optim {
 

@@ -15,6 +15,8 @@
 
 #include <c10/core/TensorImpl.h>
 
+#include <distoptim/optim/detail/step_cache.h>
+
 #include "kernels/update_task.h"
 
 namespace distoptim {

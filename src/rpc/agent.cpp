@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <thread>
 
 #include <distoptim/comm/errors.h>
 
@@ -30,7 +29,7 @@ std::shared_ptr<Agent> Agent::create(const std::string& name, int rank, int worl
     agent->start(name);
   } catch (...) {
     // A worker joining later must not wait for this one: it never joined.
-    if (agent->group_.dynamic() && agent->group_.self().id >= 0) agent->group_.leave();
+    agent->membership_.abandon_join();
     agent->stop();
     throw;
   }
@@ -43,7 +42,14 @@ Agent::Agent(int rank, int world_size, const RpcBackendOptions& options)
       pending_([this](std::vector<PendingCall> expired) { on_calls_expired(std::move(expired)); }),
       dispatcher_(options, limits_, pending_),
       peers_(group_.listen_address(), limits_, options.inbound_queue_bytes(),
-             options.frame_stall_timeout(), options.same_host_unix_sockets()) {}
+             options.frame_stall_timeout(), options.same_host_unix_sockets()),
+      membership_(
+          group_, options,
+          [this](int to, const std::string& function, std::vector<c10::IValue> args,
+                 std::chrono::milliseconds timeout) {
+            return send(to, function, std::move(args), timeout);
+          },
+          [this](int id) { dispatcher_.caller_lost(id); }) {}
 
 void Agent::start(const std::string& name) {
   if (group_.dynamic()) {
@@ -55,7 +61,7 @@ void Agent::start(const std::string& name) {
                                          options_.rpc_timeout(), limits_);
   dispatcher_.start(group_.rank(), group_.table(), rrefs_.get(), weak_from_this(),
                     [this](int caller, const std::string& notice, std::vector<c10::IValue> args) {
-                      return on_membership(caller, notice, std::move(args));
+                      return membership_.on_notice(caller, notice, std::move(args));
                     });
   HandshakeConfig handshake;
   handshake.secret = options_.shared_secret();
@@ -88,90 +94,10 @@ void Agent::start(const std::string& name) {
     dispatcher_.post_ordered([this, caller] { rrefs_->on_peer_back(caller); });
   };
   events.on_peer_lost = [this](int peer, const std::string& why) { on_peer_lost(peer, why); };
-  if (group_.dynamic() && group_.rank() == 0) {
-    lost_members_ = std::make_unique<LostMemberWatch>(
-        [this](int peer, std::chrono::milliseconds timeout) {
-          return send(peer, kAliveFunction, {}, timeout);
-        },
-        options_.liveness_timeout(),
-        [this](int id) {
-          const auto table = group_.table().snapshot();
-          const WorkerTable::Entry* entry = table->find(id);
-          return id != group_.rank() && entry != nullptr && !entry->left;
-        },
-        [this](int id, const std::string& why) { drop_member(id, why); });
-  }
+  membership_.watch_lost_members();
   // Only now, with every worker known, take peers' connections (they wait in the backlog).
   peers_.start(std::move(handshake), group_.table(), std::move(events));
-  if (group_.dynamic()) announce_join();
-}
-
-// Every member that joined before this worker hears of it from this worker (those joining after
-// read it in the store and tell it themselves), so that when init_rpc returns, all can call it.
-void Agent::announce_join() {
-  const std::vector<int> earlier = group_.enter();
-  const auto table = group_.table().snapshot();
-  const WorkerTable::Entry& me = *table->find(group_.rank());
-  std::vector<std::pair<int, c10::intrusive_ptr<c10::ivalue::Future>>> notices;
-  for (int member : earlier) {
-    notices.emplace_back(member, send(member, kMemberJoined,
-                                      {c10::IValue(me.info.name), c10::IValue(me.host),
-                                       c10::IValue(static_cast<int64_t>(me.port))},
-                                      options_.init_timeout()));
-  }
-  for (auto& [member, notice] : notices) {
-    notice->wait();
-    if (!notice->hasError()) {
-      // A member that is leaving does not stay: it is not called.
-      if (!notice->value().toBool()) group_.table().mark_left(member);
-      continue;
-    }
-    try {
-      std::rethrow_exception(notice->exception_ptr());
-    } catch (const PeerLostError& lost) {
-      // It died (or left) since it entered the store's list: not a member any more.
-      TORCH_WARN("init_rpc: worker '", self().name, "' could not tell worker '", name_of(member),
-                 "' that it joined: ", lost.what_without_backtrace());
-      group_.table().mark_left(member);
-    } catch (const c10::Error& error) {
-      DISTOPTIM_THROW(DistributedError, "init_rpc: worker '", self().name, "' (rank ",
-                      group_.rank(), ") could not tell worker '", name_of(member),
-                      "' that it joined: ", error.what_without_backtrace());
-    }
-  }
-}
-
-c10::IValue Agent::on_membership(int caller, const std::string& notice,
-                                 std::vector<c10::IValue> args) {
-  TORCH_CHECK_VALUE(group_.dynamic(), "worker '", self().name,
-                    "' is in a static group: workers do not join or leave it");
-  if (notice == kMemberLeft) {
-    group_.table().mark_left(caller);
-    return c10::IValue(true);
-  }
-  if (notice == kMemberDropped) {
-    // Only the store host drops members: no other member can make this one forget a third.
-    TORCH_CHECK_VALUE(caller == 0, "worker id ", caller,
-                      " sent a notice that a member was dropped; only the store host (rank 0) "
-                      "drops members");
-    TORCH_CHECK_VALUE(args.size() == 1 && args[0].isInt(),
-                      "a notice that a member was dropped needs its id");
-    const int64_t id = args[0].toInt();
-    TORCH_CHECK_VALUE(id > 0 && id <= WorkerTable::kMaxDynamicId && id != group_.rank(),
-                      "a notice that a member was dropped names worker id ", id, " (this worker, '",
-                      self().name, "', is id ", group_.rank(), ")");
-    group_.table().mark_left(static_cast<int>(id));
-    // Whatever it still sends (a stopped worker that resumes) is not run.
-    dispatcher_.caller_lost(static_cast<int>(id));
-    return c10::IValue(true);
-  }
-  TORCH_CHECK_VALUE(args.size() == 3 && args[0].isString() && args[1].isString() && args[2].isInt(),
-                    "a notice that worker id ", caller, " joined needs its name, host and port");
-  const int64_t port = args[2].toInt();
-  TORCH_CHECK_VALUE(port > 0 && port <= 65535, "worker id ", caller, " joined with port ", port);
-  group_.table().add(WorkerInfo{args[0].toStringRef(), caller}, args[1].toStringRef(),
-                     static_cast<int>(port));
-  return c10::IValue(!leaving_.load());
+  if (group_.dynamic()) membership_.announce_join();
 }
 
 WorkerInfo Agent::member(int id) const {
@@ -354,11 +280,7 @@ void Agent::offer_loop_to(std::shared_ptr<const CallingThread> caller) {
 }
 
 void Agent::on_peer_gone(int peer) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    gone_.insert(peer);
-  }
-  if (lost_members_) lost_members_->suspect(peer);
+  membership_.on_peer_gone(peer);
   rrefs_->on_peer_lost(peer);
   if (auto installed = interceptor()) {
     installed->on_peer_lost(peer);
@@ -414,36 +336,15 @@ void Agent::shutdown(bool graceful) {
 }
 
 void Agent::leave() {
-  leaving_ = true;
   // Without a shutdown_timeout: as long as the workers waited for are alive (the store host's
   // wait) and this worker's own calls and requests take (each call has its timeout).
   const auto bound = options_.shutdown_timeout();
   const auto deadline =
       std::chrono::steady_clock::now() + (bound.count() > 0 ? bound : kUnboundedDrain);
-  std::exception_ptr failure;
-  if (group_.rank() == 0) {
-    // The store host: the others join and leave through its store, so it leaves last.
-    try {
-      wait_for_others_to_leave(deadline);
-    } catch (...) {
-      failure = std::current_exception();
-    }
-  }
-  group_.leave();
+  const std::exception_ptr failure = membership_.leave_group(deadline);
   // Delete the references this worker holds while their owners still hear it.
   rrefs_->release_all_users(deadline);
-  std::vector<std::pair<int, c10::intrusive_ptr<c10::ivalue::Future>>> notices;
-  for (const WorkerInfo& member : workers()) {
-    if (member.id == group_.rank()) continue;
-    // A member that does not answer within liveness_timeout is stopped, hung or gone: it sees
-    // this worker's connections end.
-    const auto timeout =
-        std::min(options_.liveness_timeout(), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                  deadline - std::chrono::steady_clock::now()));
-    notices.emplace_back(member.id, send(member.id, kMemberLeft, {},
-                                         std::max(timeout, std::chrono::milliseconds(1))));
-  }
-  for (auto& [member, notice] : notices) notice->wait();
+  membership_.tell_members_left(deadline);
   const bool calls_done = pending_.wait_empty(deadline);
   const int requests_left = dispatcher_.wait_idle(deadline);
   // The replies of the requests just finished may still be queued on their connections: written
@@ -456,64 +357,9 @@ void Agent::leave() {
                        " request(s) outstanding after ", bound.count(), " ms");
 }
 
-// The member's connection ended without a notice and it failed a liveness check: it is gone. Its
-// rank stays used (ids are never reused); its name may be taken by a worker joining later.
-void Agent::drop_member(int id, const std::string& why) {
-  group_.drop(id);
-  if (!group_.table().mark_left(id)) return;  // Its notice that it left came meanwhile.
-  dispatcher_.caller_lost(id);
-  TORCH_WARN("rpc: worker '", self().name, "' dropped worker '", name_of(id), "' (rank ", id,
-             ") from the group: its connection ended without a notice that it left, and ", why);
-  for (const WorkerInfo& member : workers()) {
-    if (member.id == group_.rank()) continue;
-    // Not waited for: a member that does not hear it sees the dropped worker's connections end.
-    (void)send(member.id, kMemberDropped, {c10::IValue(static_cast<int64_t>(id))},
-               options_.liveness_timeout());
-  }
-}
-
-// Waits while the members that stay are alive: one that dies (its connection ends) or does not
-// answer a liveness check (stopped, hung, unreachable) is not waited for.
-void Agent::wait_for_others_to_leave(std::chrono::steady_clock::time_point deadline) {
-  LivenessProbe probe(
-      [this](int peer, std::chrono::milliseconds timeout) {
-        return send(peer, kAliveFunction, {}, timeout);
-      },
-      options_.liveness_timeout());
-  auto next_check = std::chrono::steady_clock::now();
-  while (true) {
-    std::vector<int> ids;
-    std::string staying;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (const WorkerInfo& member : workers()) {
-        if (member.id == group_.rank() || gone_.count(member.id) > 0) continue;
-        ids.push_back(member.id);
-        staying += (staying.empty() ? "'" : ", '") + member.name + "' (rank " +
-                   std::to_string(member.id) + ")";
-      }
-    }
-    if (ids.empty()) return;
-    DISTOPTIM_CHECK_WITH(
-        TimeoutError, std::chrono::steady_clock::now() < deadline, "rpc shutdown: worker '",
-        self().name, "' serves the group's store and leaves last, but after ",
-        options_.shutdown_timeout().count(), " ms these workers had not left: ", staying);
-    if (std::chrono::steady_clock::now() >= next_check) {
-      if (auto silent = probe.check(ids)) {
-        TORCH_WARN("rpc shutdown: worker '", self().name, "' does not wait for worker '",
-                   name_of(silent->first), "' to leave: ", silent->second);
-        std::lock_guard<std::mutex> lock(mutex_);
-        gone_.insert(silent->first);
-      }
-      next_check = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-}
-
 void Agent::stop() {
   // First: a member dropped now would be told by calls that fail.
-  if (lost_members_) lost_members_->stop();
+  membership_.stop();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (state_ != State::kRunning) {

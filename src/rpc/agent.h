@@ -1,13 +1,11 @@
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -18,7 +16,7 @@
 
 #include "dispatcher.h"
 #include "group.h"
-#include "lost_members.h"
+#include "membership.h"
 #include "message.h"
 #include "peers.h"
 #include "pending_calls.h"
@@ -36,7 +34,7 @@ namespace detail {
 ///   PendingCalls the calls made and not yet answered, with their deadlines
 ///   Dispatcher   requests to the threads that run them, replies to the pending calls
 ///   RRefContext  the RRef protocol, on the RRefChannel this agent gives it
-///   LostMemberWatch  a dynamic group's store host only: which members died without leaving
+///   Membership   a dynamic group's joins, leaves and dropped members, told through this agent
 ///
 /// and does what is left: making a call (send), failing the calls of a lost peer or a passed
 /// deadline, and the lifecycle (graceful shutdown, stop).
@@ -118,17 +116,8 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   void on_peer_gone(int peer);
   void stop();
   std::string name_of(int id) const { return group_.table().snapshot()->name(id); }
-  // A dynamic group: tells the members that joined before this worker that it joined.
-  void announce_join();
-  // A notice from `caller` that it joined or leaves (Dispatcher::MembershipHandler).
-  c10::IValue on_membership(int caller, const std::string& notice, std::vector<c10::IValue> args);
   // A dynamic group's graceful shutdown: this worker's own (api.h, shutdown).
   void leave();
-  // The store host waits for the other members to leave (they use its store to join and leave).
-  void wait_for_others_to_leave(std::chrono::steady_clock::time_point deadline);
-  // The store host drops member `id`, which died without leaving (LostMemberWatch): marks it left
-  // in the store and here, and tells the other members.
-  void drop_member(int id, const std::string& why);
 
   const RpcBackendOptions options_;
   const WireLimits limits_;
@@ -142,13 +131,8 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   std::mutex mutex_;
   State state_ = State::kRunning;  // guarded by mutex_
   size_t owned_at_stop_ = 0;
-  // A dynamic group: this worker has begun to leave (joining workers are told it does not stay).
-  std::atomic<bool> leaving_{false};
-  // Workers whose connections closed without a notice that they left (they died), by id.
-  std::set<int> gone_;  // guarded by mutex_
-  // The store host of a dynamic group only: drops members that die without leaving. Set before
-  // Peers start (its suspects come from their callbacks); stopped first by stop().
-  std::unique_ptr<LostMemberWatch> lost_members_;
+  // Last, so destroyed first: the store host's watch calls through the rooms above.
+  Membership membership_;
 };
 
 }  // namespace detail

@@ -18,8 +18,8 @@
 
 #include <distoptim/comm/errors.h>
 #include <distoptim/rpc/classes.h>
+#include <distoptim/rpc/detail/internal_registry.h>
 #include <distoptim/rpc/rref.h>
-#include <distoptim/rpc/sharded_embedding_bag.h>
 
 #include "agent.h"
 #include "calling_thread.h"

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/rpc/detail/futures.h>
 #include <distoptim/rpc/errors.h>
 
 namespace distoptim {

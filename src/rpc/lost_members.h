@@ -21,7 +21,7 @@ namespace detail {
 /// connection if the old one is gone). A live worker answers that check from its transport's
 /// threads whatever its user code does, and never ends a connection while its agent runs, so a
 /// slow worker is never dropped; a stopped one (SIGSTOP) keeps its connections open and is not
-/// dropped either (the store host's shutdown does not wait for it: Agent::leave).
+/// dropped either (the store host's shutdown does not wait for it: Membership::leave_group).
 ///
 /// Threading: suspect() from any thread, never blocks (it queues); one thread of this object's
 /// own checks the suspects one at a time and runs `drop` for those that fail. stop() (and the

@@ -3,6 +3,8 @@
 #include <c10/core/Device.h>
 #include <c10/util/Exception.h>
 
+#include <distoptim/rpc/detail/remote_module.h>
+
 namespace distoptim {
 namespace rpc {
 

@@ -9,6 +9,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <distoptim/rpc/detail/row_locks.h>
+
 namespace distoptim {
 namespace rpc {
 namespace detail {

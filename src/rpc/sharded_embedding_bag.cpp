@@ -10,6 +10,7 @@
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/detail/internal_registry.h>
+#include <distoptim/rpc/detail/remote_module.h>
 #include <distoptim/rpc/row_guard.h>
 
 namespace distoptim {

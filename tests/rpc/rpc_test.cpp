@@ -23,6 +23,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <distoptim/rpc.h>
+#include <distoptim/rpc/detail/calls.h>
+#include <distoptim/rpc/detail/values.h>
 
 #include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"

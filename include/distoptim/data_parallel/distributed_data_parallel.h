@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <distoptim/comm/process_group.h>
+#include <distoptim/data_parallel/detail/collect_tensors.h>
 #include <distoptim/data_parallel/join.h>
 
 namespace distoptim {
@@ -122,19 +123,6 @@ class GradientSync : public Joinable {
   class ReplicaJoinHook;  // what join_hook returns
   std::unique_ptr<Impl> impl_;
 };
-
-namespace detail {
-inline void collect_tensors(const at::Tensor& t, std::vector<at::Tensor>& out) { out.push_back(t); }
-inline void collect_tensors(const std::vector<at::Tensor>& ts, std::vector<at::Tensor>& out) {
-  out.insert(out.end(), ts.begin(), ts.end());
-}
-template <typename... T>
-void collect_tensors(const std::tuple<T...>& t, std::vector<at::Tensor>& out) {
-  std::apply([&](const auto&... items) { (collect_tensors(items, out), ...); }, t);
-}
-template <typename T>
-void collect_tensors(const T&, std::vector<at::Tensor>&) {}
-}  // namespace detail
 
 /// torch.nn.parallel.DistributedDataParallel for a LibTorch module: rank 0's parameters and
 /// buffers are broadcast at construction, and every backward pass averages the gradients over

@@ -83,14 +83,5 @@ size_t context_count();
 /// from another worker). A snapshot; for tests and monitoring.
 std::map<std::string, int64_t> get_debug_info();
 
-namespace detail {
-
-/// The gradients of a context that may never have reached this worker: empty then (an owner of
-/// parameters the backward pass did not reach), where get_gradients throws. c10::ValueError when
-/// the context was released here (its creator released it, or was lost). What each owner of a
-/// DistributedOptimizer reads at a step, whose call travels outside the context.
-c10::Dict<at::Tensor, at::Tensor> gradients_if_reached(int64_t context_id);
-
-}  // namespace detail
 }  // namespace dist_autograd
 }  // namespace distoptim

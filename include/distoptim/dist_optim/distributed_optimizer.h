@@ -51,6 +51,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <distoptim/dist_optim/detail/owner_access.h>
 #include <distoptim/optim/functional_optimizer.h>
 #include <distoptim/optim/option_bag.h>
 #include <distoptim/optim/torch_adapter.h>
@@ -58,10 +59,6 @@
 
 namespace distoptim {
 namespace dist_optim {
-
-namespace detail {
-struct OwnerAccess;
-}  // namespace detail
 
 /// A checkpoint of a DistributedOptimizer, which PyTorch's lacks: every owner's optimizer state,
 /// keyed by owner and by the positions of its parameters in the list the optimizer was built from

@@ -9,14 +9,11 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <distoptim/optim/detail/step_cache.h>
 #include <distoptim/optim/option_bag.h>
 
 namespace distoptim {
 namespace optim {
-
-namespace detail {
-struct StepCache;
-}
 
 /// A group of parameters and the options that override the optimizer's defaults for them
 /// (Python's `{"params": [...], "lr": 0.1}`). Keys left out take the optimizer's defaults.

@@ -9,6 +9,8 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <distoptim/optim/detail/option_fields.h>
+
 namespace distoptim {
 namespace optim {
 
@@ -75,21 +77,6 @@ OptionBag options_to_bag(const Options& options);
 /// The field names `Options::visit` declares, in declaration order.
 template <class Options>
 std::vector<std::string> option_keys();
-
-namespace detail {
-void read_option(const OptionBag& bag, const std::string& key, double& field);
-void read_option(const OptionBag& bag, const std::string& key, int64_t& field);
-void read_option(const OptionBag& bag, const std::string& key, bool& field);
-void read_option(const OptionBag& bag, const std::string& key, std::string& field);
-void read_option(const OptionBag& bag, const std::string& key, std::tuple<double, double>& field);
-c10::IValue option_to_ivalue(double value);
-c10::IValue option_to_ivalue(int64_t value);
-c10::IValue option_to_ivalue(bool value);
-c10::IValue option_to_ivalue(const std::string& value);
-c10::IValue option_to_ivalue(const std::tuple<double, double>& value);
-[[noreturn]] void throw_unknown_option(const std::string& bag, const std::string& key,
-                                       const std::vector<std::string>& known);
-}  // namespace detail
 
 template <class Options>
 std::vector<std::string> option_keys() {

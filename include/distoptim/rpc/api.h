@@ -251,26 +251,6 @@ std::vector<WorkerInfo> get_worker_infos();
 /// DistributedError if no agent runs.
 std::map<std::string, int64_t> get_debug_info();
 
-namespace detail {
-
-/// Waits for `future` and returns its value as a T, or throws what the future holds.
-/// `describe()` names the call in a conversion error and runs only then.
-template <class T, class Describe>
-T wait_for_result(c10::ivalue::Future& future, const Describe& describe) {
-  wait_future(future);
-  future.waitAndThrow();
-  if constexpr (std::is_void_v<T>) {
-    return;
-  } else if constexpr (std::is_same_v<T, c10::IValue>) {
-    return future.constValue();
-  } else {
-    return from_value_described<T>(future.constValue(),
-                                   [&describe] { return "the result of " + describe(); });
-  }
-}
-
-}  // namespace detail
-
 /// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.
 /// wait() blocks until the result arrives (the call's timeout bounds it) and returns it, or
 /// throws: RemoteError (the callable raised, or the worker refused the call), TimeoutError,

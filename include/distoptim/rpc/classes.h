@@ -27,6 +27,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
+#include <distoptim/rpc/detail/values.h>
 #include <distoptim/rpc/registry.h>
 #include <distoptim/rpc/values.h>
 

@@ -42,6 +42,7 @@
 
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/classes.h>
+#include <distoptim/rpc/detail/remote_module.h>
 #include <distoptim/rpc/rref.h>
 
 namespace distoptim {
@@ -65,36 +66,6 @@ struct RemoteDevice {
 /// Parses `remote_device`; c10::ValueError naming it for a malformed string, an empty worker
 /// name, a bare device, or a device other than the CPU.
 RemoteDevice parse_remote_device(const std::string& remote_device);
-
-namespace detail {
-/// RRefs (owned here) to `module`'s parameters: what a RemoteModule's remote_parameters returns.
-std::vector<RRef<at::Tensor>> module_parameter_rrefs(const torch::nn::Module& module, bool recurse);
-/// The registered name of the module class `type`; c10::TypeError telling how to register it.
-std::string remote_module_class_name(const std::type_info& type);
-/// The c10::ValueError a RemoteModule throws for a method it cannot offer.
-[[noreturn]] void throw_remote_module_unsupported(const std::string& method,
-                                                  const std::string& module);
-}  // namespace detail
-
-namespace detail {
-/// The methods RemoteModule<C> calls on the owner's module of the class registered as `name`:
-/// `forward`, `train` and `remote_parameters`.
-template <class C>
-void register_module_methods(const std::string& name) {
-  static_assert(std::is_base_of_v<torch::nn::Module, C>,
-                "a remote module's class must derive from torch::nn::Module");
-  register_method<C>(name, "forward", &C::forward);
-  register_method<C>(name, "train", &torch::nn::Module::train);
-  auto parameters = [](const std::shared_ptr<C>& module, bool recurse) {
-    return module_parameter_rrefs(*module, recurse);
-  };
-  register_raw_method(
-      name, "remote_parameters",
-      wrap_typed<decltype(parameters), std::vector<RRef<at::Tensor>>>(
-          name + ".remote_parameters", std::move(parameters),
-          c10::guts::typelist::typelist<std::shared_ptr<C>, bool>{}, std::index_sequence<0, 1>{}));
-}
-}  // namespace detail
 
 /// Registers the nn::Module subclass C under `name` for RemoteModule<C>: its constructor (taking
 /// CtorArgs), `forward`, `train` and `remote_parameters`. C's forward must not be overloaded.

@@ -44,12 +44,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <distoptim/rpc/detail/row_locks.h>
+
 namespace distoptim {
 namespace rpc {
-
-namespace detail {
-class RowLocks;
-}
 
 /// Held while writing the rows `rows[i]` of `tensors[i]` in place (and nothing else of them).
 class InPlaceRowUpdateGuard {

@@ -33,6 +33,7 @@
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/detail/rref_calls.h>
+#include <distoptim/rpc/detail/values.h>
 #include <distoptim/rpc/values.h>
 
 namespace distoptim {

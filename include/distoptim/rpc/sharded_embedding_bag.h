@@ -125,10 +125,5 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   void check_and_split();
 };
 
-namespace detail {
-/// Registers EmbeddingShard with the rpc registry; once, from init_rpc.
-void register_embedding_shard();
-}  // namespace detail
-
 }  // namespace rpc
 }  // namespace distoptim

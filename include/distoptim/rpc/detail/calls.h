@@ -7,12 +7,14 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
 #include <ATen/core/ivalue_inl.h>
 
+#include <distoptim/rpc/detail/values.h>
 #include <distoptim/rpc/values.h>
 
 namespace distoptim {
@@ -27,6 +29,22 @@ namespace detail {
 /// thread in its place meanwhile (RpcBackendOptions::max_extra_worker_threads).
 bool wait_future(c10::ivalue::Future& future,
                  std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt);
+
+/// Waits for `future` and returns its value as a T, or throws what the future holds.
+/// `describe()` names the call in a conversion error and runs only then.
+template <class T, class Describe>
+T wait_for_result(c10::ivalue::Future& future, const Describe& describe) {
+  wait_future(future);
+  future.waitAndThrow();
+  if constexpr (std::is_void_v<T>) {
+    return;
+  } else if constexpr (std::is_same_v<T, c10::IValue>) {
+    return future.constValue();
+  } else {
+    return from_value_described<T>(future.constValue(),
+                                   [&describe] { return "the result of " + describe(); });
+  }
+}
 
 /// rpc_async_values for a caller that only ever waits on the future (never attaches a callback,
 /// never hands it on): its reply may complete the future on the thread that reads it, one thread

@@ -1,8 +1,8 @@
 #pragma once
 
-// For the layers above rpc (distributed autograd, the DistributedOptimizer): functions and classes
-// registered under names reserved for distoptim ("__distoptim.*"), which users cannot take.
-// Not part of the public API.
+// For the rpc layer itself and the layers above it (distributed autograd, the
+// DistributedOptimizer): functions and classes registered under names reserved for distoptim
+// ("__distoptim.*"), which users cannot take. Not part of the public API.
 
 #include <string>
 
@@ -24,6 +24,11 @@ void register_internal_class(const std::string& name) {
   register_class_name(typeid(C), name);
   register_internal_function(name, class_constructor<C, CtorArgs...>(name));
 }
+
+/// Registers the shards of a ShardedEmbeddingBag (sharded_embedding_bag.h) under their reserved
+/// name; once, from init_rpc.
+void register_embedding_shard();
+
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/TypeTraits.h>
 
+#include <distoptim/rpc/detail/values.h>
 #include <distoptim/rpc/values.h>
 
 namespace distoptim {
