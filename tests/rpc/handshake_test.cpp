@@ -903,9 +903,7 @@ TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
     }
 #endif
     // The piecewise frame's pauses of 50 ms must stay far below the stall bound on a loaded
-    // machine (under ASan beside other work, 2 s was reached). Under the sanitizers the 12 GiB
-    // frame is accepted and stalls, and its connection (holding the memory budget) ends only by
-    // this bound: each case waits for its closing well past it.
+    // machine (under ASan beside other work, 2 s was reached).
     constexpr auto kStallBound = 5s;
     init_rpc(worker(rank), rank, world_size,
              options_with_secret("the-secret").frame_stall_timeout(kStallBound));
@@ -926,22 +924,25 @@ TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
       noise[0] = 'x';  // never the magic
       std::string twelve_gib;
       detail::put_le(&twelve_gib, uint64_t{12} << 30, 8);
-      const std::vector<Case> cases = {
+      std::vector<Case> cases = {
           {"64 KiB of random bytes", noise, "bad magic"},
           {"a 4 GiB body", header_of(0xffffffffu, 0), "a body of 4294967295 bytes"},
           {"2^32 - 1 tensors", header_of(0, 0xffffffffu), "4294967295 tensors"},
-          {"a 12 GiB tensor", header_of(0, 1) + twelve_gib, "12884901888 bytes"},
       };
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+      // Only where the address-space limit above holds: under the sanitizers the allocation
+      // succeeds (lazily) and the frame stalls, which ProvenPeersStallingMidFrameShareOneBudget
+      // covers; freeing 12 GiB there also outlasted this test's bounds on a loaded machine.
+      cases.push_back({"a 12 GiB tensor", header_of(0, 1) + twelve_gib, "12884901888 bytes"});
+#endif
       for (const Case& hostile : cases) {
         auto peer = proven_connection(0);
         ASSERT_TRUE(peer) << hostile.what << ": worker id 0 was not accepted";
         ASSERT_TRUE(peer->send_bytes(hostile.bytes)) << hostile.what;
         const std::optional<std::string> why = peer->farewell();
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
         ASSERT_TRUE(why) << hostile.what << ": no farewell";
         EXPECT_THAT(*why, HasSubstr(hostile.expected)) << hostile.what;
-#endif
-        EXPECT_TRUE(peer->closed_within(kStallBound + 15s)) << hostile.what;
+        EXPECT_TRUE(peer->closed_within(10s)) << hostile.what;
       }
       {
         auto peer = proven_connection(0);
