@@ -49,6 +49,7 @@ using detail::DecodedMessage;
 using detail::EncodedMessage;
 using detail::HandshakeMessage;
 using distoptim::testing::run_ranks;
+using distoptim::testing::RunRanksOptions;
 using distoptim::testing::worker;
 using ::testing::HasSubstr;
 
@@ -814,58 +815,70 @@ bool worker0_reserves(int64_t bytes) {
 TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
   constexpr int64_t kBudget = int64_t{64} << 20;
   constexpr uint32_t kAnnounced = uint32_t{60} << 20;
-  run_ranks(4, [&](int rank, int world_size) {
-    init_rpc(
-        worker(rank), rank, world_size,
-        options_with_secret("the-secret").inbound_queue_bytes(kBudget).frame_stall_timeout(1s));
-    if (rank == 1) {
-      const auto [address, port] = address_of_worker0();
+  // Rank 1's part takes a few stall bounds and 320 MiB of echoes, many seconds on a slow machine
+  // under the sanitizers: the others wait for it at shutdown as long as it is alive (no
+  // shutdown_timeout), bounded by the deadline here.
+  RunRanksOptions bounded;
+  bounded.deadline = 300s;
+  run_ranks(
+      4,
+      [&](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size,
+                 options_with_secret("the-secret")
+                     .shutdown_timeout(0ms)
+                     .inbound_queue_bytes(kBudget)
+                     .frame_stall_timeout(1s));
+        if (rank == 1) {
+          const auto [address, port] = address_of_worker0();
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-      const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
+          const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
 #endif
-      // Worker ids 0, 2 and 3 have no connection to worker 0 (workers 2 and 3 only shut down).
-      std::vector<std::unique_ptr<RawPeer>> stalled;
-      for (int id : {0, 2, 3}) {
-        stalled.push_back(std::make_unique<RawPeer>(address, port));
-        ASSERT_TRUE(prove_as(*stalled.back(), id)) << "worker id " << id << " was not accepted";
-        detail::MessageHeader header;
-        header.type = detail::MessageType::kRequest;
-        header.id = 1;
-        header.body_length = kAnnounced;
-        ASSERT_TRUE(stalled.back()->send_bytes(detail::encode_header(header) +
-                                               std::string(size_t{1} << 20, 'b')));
-      }
-      // One announced body is allocated; the other two wait for the budget.
-      ASSERT_TRUE(worker0_reserves(kAnnounced));
-      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+          // Worker ids 0, 2 and 3 have no connection to worker 0 (workers 2 and 3 only shut down).
+          std::vector<std::unique_ptr<RawPeer>> stalled;
+          for (int id : {0, 2, 3}) {
+            stalled.push_back(std::make_unique<RawPeer>(address, port));
+            ASSERT_TRUE(prove_as(*stalled.back(), id)) << "worker id " << id << " was not accepted";
+            detail::MessageHeader header;
+            header.type = detail::MessageType::kRequest;
+            header.id = 1;
+            header.body_length = kAnnounced;
+            ASSERT_TRUE(stalled.back()->send_bytes(detail::encode_header(header) +
+                                                   std::string(size_t{1} << 20, 'b')));
+          }
+          // One announced body is allocated; the other two wait for the budget.
+          ASSERT_TRUE(worker0_reserves(kAnnounced));
+          EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-      // (The sanitizers' shadow memory grows with what is written: there the exact reservation
-      // above is the check.)
-      const int64_t resident_during = rpc_sync<int64_t>(worker(0), "resident_bytes");
-      EXPECT_LT(resident_during - resident_before, kBudget + (int64_t{32} << 20));
+          // (The sanitizers' shadow memory grows with what is written: there the exact reservation
+          // above is the check.)
+          const int64_t resident_during = rpc_sync<int64_t>(worker(0), "resident_bytes");
+          EXPECT_LT(resident_during - resident_before, kBudget + (int64_t{32} << 20));
 #endif
-      // Each is closed in turn once its body stops arriving.
-      for (size_t i = 0; i < stalled.size(); ++i) {
-        EXPECT_TRUE(stalled[i]->closed_within(20s)) << "stalled connection " << i << " is open";
-      }
-      EXPECT_TRUE(worker0_reserves(0));
-      // A request and reply larger than the whole budget travel, alone; parallel calls that do
-      // not fit together take turns.
-      const at::Tensor big = at::rand({int64_t{80} << 18});  // 80 MiB
-      EXPECT_TRUE(at::equal(rpc_sync<at::Tensor>(worker(0), "echo_tensor", std::tuple{big}), big));
-      std::vector<at::Tensor> sent;
-      std::vector<RpcFuture<at::Tensor>> echoes;
-      for (int i = 0; i < 3; ++i) {
-        sent.push_back(at::rand({int64_t{40} << 18}));  // 40 MiB each
-        echoes.push_back(rpc_async<at::Tensor>(worker(0), "echo_tensor", std::tuple{sent.back()}));
-      }
-      for (int i = 0; i < 3; ++i) {
-        EXPECT_TRUE(at::equal(echoes[i].wait(), sent[i])) << "echo " << i;
-      }
-      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 2);
-    }
-    shutdown();
-  });
+          // Each is closed in turn once its body stops arriving.
+          for (size_t i = 0; i < stalled.size(); ++i) {
+            EXPECT_TRUE(stalled[i]->closed_within(20s)) << "stalled connection " << i << " is open";
+          }
+          EXPECT_TRUE(worker0_reserves(0));
+          // A request and reply larger than the whole budget travel, alone; parallel calls that do
+          // not fit together take turns.
+          const at::Tensor big = at::rand({int64_t{80} << 18});  // 80 MiB
+          EXPECT_TRUE(
+              at::equal(rpc_sync<at::Tensor>(worker(0), "echo_tensor", std::tuple{big}), big));
+          std::vector<at::Tensor> sent;
+          std::vector<RpcFuture<at::Tensor>> echoes;
+          for (int i = 0; i < 3; ++i) {
+            sent.push_back(at::rand({int64_t{40} << 18}));  // 40 MiB each
+            echoes.push_back(
+                rpc_async<at::Tensor>(worker(0), "echo_tensor", std::tuple{sent.back()}));
+          }
+          for (int i = 0; i < 3; ++i) {
+            EXPECT_TRUE(at::equal(echoes[i].wait(), sent[i])) << "echo " << i;
+          }
+          EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 2);
+        }
+        shutdown();
+      },
+      bounded);
 }
 
 // Proves worker id `id` on a new connection to worker 0, waiting (up to 10 s) for a previous
