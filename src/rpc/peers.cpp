@@ -72,7 +72,13 @@ std::map<std::string, int64_t> Peers::debug_info() {
     lent_frames += static_cast<int64_t>(connection->lent_frames());
     writing += connection->writes_done() ? 0 : 1;
   }
+  int64_t accepted = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    accepted = static_cast<int64_t>(accepted_.size());
+  }
   return {{"connections", static_cast<int64_t>(open.size())},
+          {"connections.accepted", accepted},
           {"connections.writing", writing},
           {"peer_memory.lent_frames", lent_frames},
           {"unix_socket.connections", unix_socket},
@@ -293,6 +299,11 @@ void Peers::forget_incoming(const std::shared_ptr<Connection>& connection) {
   std::lock_guard<std::mutex> lock(mutex_);
   incoming_.erase(std::remove(incoming_.begin(), incoming_.end(), connection), incoming_.end());
   unproven_.erase(std::remove(unproven_.begin(), unproven_.end(), connection), unproven_.end());
+  // A closed connection gives its place back at once (one refused in the handshake stays
+  // counted while its farewell lingers, until it closes or the next accept finds it closed).
+  if (connection->closed()) {
+    accepted_.erase(std::remove(accepted_.begin(), accepted_.end(), connection), accepted_.end());
+  }
 }
 
 // Connecting side. Messages sent meanwhile wait in `held`.

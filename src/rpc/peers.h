@@ -115,7 +115,7 @@ class Peers {
   /// `deadline` passes: a worker leaving a dynamic group flushes its last replies before it
   /// closes its connections.
   void wait_writes_done(std::chrono::steady_clock::time_point deadline);
-  /// "connections", "unix_socket.connections", "peer_memory.connections",
+  /// "connections", "connections.accepted", "unix_socket.connections", "peer_memory.connections",
   /// "peer_memory.bytes_read", "receive_budget.reserved_bytes" (rpc::get_debug_info).
   std::map<std::string, int64_t> debug_info();
   /// Closes every connection and the listener and stops the I/O loop: no callback runs after.

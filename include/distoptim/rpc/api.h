@@ -233,8 +233,10 @@ WorkerInfo get_worker_info(int id);
 std::vector<WorkerInfo> get_worker_infos();
 
 /// Counters of this worker's agent (PyTorch's RpcAgent::getDebugInfo, whose names it keeps where
-/// it has the same counter). Its open connections: "connections", "connections.writing" (those
-/// with frames sent and not yet all written to the socket), "unix_socket.connections"
+/// it has the same counter). Its open connections: "connections", "connections.accepted" (those
+/// peers opened to it that count against its bound on descriptors: open, or refused and saying
+/// why), "connections.writing"
+/// (those with frames sent and not yet all written to the socket), "unix_socket.connections"
 /// (those over a Unix-domain socket, RpcBackendOptions::same_host_unix_sockets),
 /// "peer_memory.connections" (those reading and lending same-host memory,
 /// RpcBackendOptions::same_host_memory_reads) and "peer_memory.bytes_read" (tensor bytes they read

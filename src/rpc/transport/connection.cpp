@@ -201,7 +201,18 @@ void Connection::fail(const std::string& why) {
   socket_.close(ignored);
   lending_.release_all_after_grace();
   waiting_for_budget_ = false;
+  // What a frame still being received holds goes with its reservation, at once: the connection
+  // object may outlive its close a while (listed, or held by a handler), and a peer that
+  // announces large frames and closes must not pin more than the budget. The socket is closed,
+  // so no read writes into these buffers any more.
+  frame_ = Frame();
+  in_frame_ = false;
   release_reservation();
+  inbox_.reset();
+  inbox_begin_ = inbox_end_ = 0;
+  targets_ = {};
+  lengths_ = {};
+  length_bytes_ = {};
   for (Outgoing& out : unsent) {
     if (out.on_written) out.on_written(why);
   }
