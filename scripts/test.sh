@@ -2,7 +2,8 @@
 # All setup, then every test:
 #   1. scripts/setup.sh (installs the Debian 12 packages; fast when they are there), then the
 #      format and house-rules checks (scripts/lint.sh format, then scripts/lint.sh rules);
-#   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (build-asan) running the unit tests;
+#   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (build-asan) running the unit tests
+#      but those of step 3, save the ones that feed a worker hostile bytes (tests/CMakeLists.txt);
 #   3. a ThreadSanitizer build of the comm, rpc and dist_autograd layers (build-tsan) running their
 #      tests (tsan);
 #   4. the Release build (build) of everything but the unit tests, which ran under the sanitizers
@@ -66,7 +67,8 @@ thread_sanitizer_tests() {
   sanitized_tests "ThreadSanitizer" "$TSAN_BUILD_DIR" thread tsan
 }
 
-# Builds in Release, with the unit tests when $1 is ON, and runs every test it built.
+# Builds in Release, with the unit tests and the benchmarks when $1 is ON (no test runs a
+# benchmark: `make bench` builds them), and runs every test it built.
 release_tests() {
   local unit_tests="$1"
   phase "Release build in $BUILD_DIR"
@@ -75,7 +77,7 @@ release_tests() {
     -DDISTOPTIM_SANITIZE=OFF \
     -DDISTOPTIM_BUILD_TESTS=ON \
     -DDISTOPTIM_BUILD_UNIT_TESTS="$unit_tests" \
-    -DDISTOPTIM_BUILD_BENCH=ON \
+    -DDISTOPTIM_BUILD_BENCH="$unit_tests" \
     -DDISTOPTIM_BUILD_EXAMPLES=ON
   cmake --build "$BUILD_DIR" -j"$JOBS"
   phase "tests (Release)"

@@ -8,10 +8,10 @@
 //
 // The test process starts one process per rank, with RANK, WORLD_SIZE, LOCAL_RANK,
 // LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT set, which runs the body and
-// exits (status 1 when an assertion failed or the body threw). While the test process has a
-// single thread (besides OpenBLAS's; under ThreadSanitizer, a single thread and no OpenBLAS pool)
-// it forks the ranks (LibTorch is then loaded and initialized once per test, not once per rank);
-// otherwise, or with DISTOPTIM_TEST_RANKS=exec, it re-runs its own executable per rank, filtered to
+// exits (status 1 when an assertion failed or the body threw). In a build without sanitizers,
+// while the test process has a single thread (besides OpenBLAS's), it forks the ranks (LibTorch is
+// then loaded and initialized once per test, not once per rank); otherwise (multiprocess.cpp says
+// why), or with DISTOPTIM_TEST_RANKS=exec, it re-runs its own executable per rank, filtered to
 // the current test, where run_ranks calls the body (and the rest of the test body runs too: code
 // after run_ranks that only the test process should run checks in_rank_process()). The parent
 // supervises the ranks: the first rank to fail (non-zero exit, signal) makes it kill the others
