@@ -1168,15 +1168,19 @@ TEST(RpcHandshake, ConnectionsThatAnnounceABodyAndCloseCostNoMoreThanTheBudget) 
     testing::StoreTurns turns(1, "test/announce_and_close");
     turns.await("ps_up");
     const auto [address, port] = address_of_worker0(/*dynamic_group=*/true);
+    // All announced before any closes: each waits for the budget, then is read to its end.
+    std::vector<std::unique_ptr<RawPeer>> claims;
     for (int i = 0; i < kClaims; ++i) {
-      RawPeer claim(address, port);
-      ASSERT_TRUE(prove_as(claim, 100 + i)) << "worker id " << 100 + i;
+      claims.push_back(std::make_unique<RawPeer>(address, port));
+      ASSERT_TRUE(prove_as(*claims.back(), 100 + i)) << "worker id " << 100 + i;
       detail::MessageHeader header;
       header.type = detail::MessageType::kRequest;
       header.id = 1;
       header.body_length = kAnnounced;
-      ASSERT_TRUE(claim.send_bytes(detail::encode_header(header) + std::string(4096, 'b')));
-    }  // each closes here
+      ASSERT_TRUE(
+          claims.back()->send_bytes(detail::encode_header(header) + std::string(4096, 'b')));
+    }
+    claims.clear();
     turns.say("closed");
     turns.await("measured");
     init_rpc("trainer", 1, options_with_secret("the-secret"));
