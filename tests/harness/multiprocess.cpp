@@ -33,6 +33,8 @@ namespace {
 
 // Set in a rank's environment: the rank's own process runs the body instead of supervising.
 constexpr const char* kChildVariable = "DISTOPTIM_TEST_RANK_PROCESS";
+// The folder of a started rank's log, where it says it has started (start_together).
+constexpr const char* kRanksDirVariable = "DISTOPTIM_TEST_RANKS_DIR";
 
 struct Rank {
   pid_t pid = -1;
@@ -157,13 +159,16 @@ pid_t spawn_rank(int call, int rank, int world_size, int port, const std::string
     const std::string entry = *e;
     // The launcher's variables of an enclosing job must not leak into the ranks.
     bool ours = false;
-    for (const char* name : {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
-                             "MASTER_ADDR=", "MASTER_PORT=", "DISTOPTIM_TEST_RANK_PROCESS="}) {
+    for (const char* name :
+         {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
+          "MASTER_PORT=", "DISTOPTIM_TEST_RANK_PROCESS=", "DISTOPTIM_TEST_RANKS_DIR="}) {
       if (entry.rfind(name, 0) == 0) ours = true;
     }
     if (!ours) env_strings.push_back(entry);
   }
   env_strings.push_back(std::string(kChildVariable) + "=" + std::to_string(call));
+  env_strings.push_back(std::string(kRanksDirVariable) + "=" +
+                        std::filesystem::path(log_path).parent_path().string());
   for (std::string& variable : rank_variables(rank, world_size, port)) {
     env_strings.push_back(std::move(variable));
   }
@@ -185,6 +190,26 @@ pid_t spawn_rank(int call, int rank, int world_size, int port, const std::string
   posix_spawn_file_actions_destroy(&actions);
   if (error != 0) return -1;
   return pid;
+}
+
+// The file in which started rank `rank` says it has started.
+std::string started_path(const std::string& dir, int rank) {
+  return dir + "/started" + std::to_string(rank);
+}
+
+// In a started rank: says it has started, then waits (at most 120 s; the parent's deadline bounds
+// the test) until every rank has, so that the bodies begin together as forked ones do. Processes
+// started afresh take seconds to load LibTorch under the sanitizers, and unevenly on a busy
+// machine: a test whose rendezvous timeout is a few seconds would otherwise see a rank missing.
+void start_together(const std::string& dir, int rank, int world_size) {
+  std::ofstream(started_path(dir, rank)).put('1');
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  for (int other = 0; other < world_size; ++other) {
+    while (!std::filesystem::exists(started_path(dir, other)) &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
 }
 
 void kill_all(std::vector<Rank>& ranks) {
@@ -280,7 +305,10 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
       // now, so that a body counting its threads counts them steadily.
       std::thread([] {}).join();
 #endif
-      body(std::atoi(std::getenv("RANK")), std::atoi(std::getenv("WORLD_SIZE")));
+      const int rank = std::atoi(std::getenv("RANK"));
+      const int world_size = std::atoi(std::getenv("WORLD_SIZE"));
+      if (const char* dir = std::getenv(kRanksDirVariable)) start_together(dir, rank, world_size);
+      body(rank, world_size);
     }
     return;
   }
@@ -349,7 +377,10 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
     }
   }
   kill_all(ranks);
-  for (int r = 0; r < world_size; ++r) ::unlink(ranks[r].log_path.c_str());
+  for (int r = 0; r < world_size; ++r) {
+    ::unlink(ranks[r].log_path.c_str());
+    ::unlink(started_path(dir, r).c_str());
+  }
   ::rmdir(dir.c_str());
   if (!failure.empty()) FAIL() << failure;
 }
