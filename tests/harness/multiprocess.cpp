@@ -159,10 +159,9 @@ pid_t spawn_rank(int call, int rank, int world_size, int port, const std::string
     const std::string entry = *e;
     // The launcher's variables of an enclosing job must not leak into the ranks.
     bool ours = false;
-    for (const char* name :
-         {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=", "MASTER_ADDR=",
-          "MASTER_PORT=", "DISTOPTIM_TEST_RANK_PROCESS=", "DISTOPTIM_TEST_RANKS_DIR="}) {
-      if (entry.rfind(name, 0) == 0) ours = true;
+    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                             "MASTER_PORT", kChildVariable, kRanksDirVariable}) {
+      if (entry.rfind(std::string(name) + "=", 0) == 0) ours = true;
     }
     if (!ours) env_strings.push_back(entry);
   }
