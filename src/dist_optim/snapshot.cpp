@@ -305,7 +305,8 @@ void check_snapshot_tables(DistributedOptimizer& optimizer,
 }
 
 void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,
-                        const std::vector<rpc::ShardedEmbeddingBag*>& tables) {
+                        const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                        const std::string& only_worker) {
   const std::string absolute = fs::absolute(directory).string();
   const std::string path = manifest_path(directory);
   const GenericDict manifest = dict_of(optim::detail::read_pickle_file(path, kLoadSnapshot), path);
@@ -326,6 +327,7 @@ void load_snapshot_into(const std::string& directory, DistributedOptimizer& opti
   std::vector<std::string> workers;
   std::vector<Slot> staged;
   auto stage = [&](const Slot& slot, const char* method, std::vector<c10::IValue> args) {
+    if (!only_worker.empty() && layout.owners[slot.owner].worker != only_worker) return;
     workers.push_back(layout.owners[slot.owner].worker);
     staged.push_back(slot);
     stages.push_back(waited_method(layout.owners[slot.owner].optimizer, method, std::move(args)));

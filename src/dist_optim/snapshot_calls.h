@@ -46,9 +46,11 @@ PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimize
 void check_snapshot_tables(DistributedOptimizer& optimizer,
                            const std::vector<const rpc::ShardedEmbeddingBag*>& tables);
 
-/// load_snapshot.
+/// load_snapshot; with `only_worker`, only what that owner holds is read and loaded (a restarted
+/// owner's parameters, recovery.h).
 void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,
-                        const std::vector<rpc::ShardedEmbeddingBag*>& tables);
+                        const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                        const std::string& only_worker = {});
 
 }  // namespace detail
 }  // namespace dist_optim

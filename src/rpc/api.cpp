@@ -444,6 +444,8 @@ void rref_backward(const RRefHandle& handle, int64_t context_id, bool retain_gra
 
 std::string describe_rref(const RRefHandle& handle) { return impl_of(handle).describe(); }
 
+std::string rref_global_id(const RRefHandle& handle) { return impl_of(handle).rref_id().str(); }
+
 RRefHandle declare_rref_type(const RRefHandle& handle, const std::string& type_name) {
   RRefImpl* impl = rref_impl(handle.get());
   TORCH_CHECK_VALUE(impl != nullptr, "rpc: not a distoptim RRef");

@@ -11,6 +11,7 @@
 #include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/detail/internal_registry.h>
 #include <distoptim/rpc/detail/remote_module.h>
+#include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/row_guard.h>
 
 namespace distoptim {
@@ -111,11 +112,10 @@ ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& optio
     : torch::nn::Module("ShardedEmbeddingBag"), options_(options) {
   check_and_split();
   for (size_t s = 0; s < options.workers().size(); ++s) {
-    shards_.push_back(std::make_shared<RemoteModule<EmbeddingShard>>(
-        options.workers()[s],
-        std::tuple{first_rows_[s], first_rows_[s + 1] - first_rows_[s], options.embedding_dim(),
-                   static_cast<int64_t>(options.dtype()), options.seed()}));
+    shards_.push_back(
+        RemoteModule<EmbeddingShard>::init_from_module_rref(options.workers()[s], make_shard(s)));
   }
+  name_shards();
 }
 
 ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options,
@@ -131,6 +131,41 @@ ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& optio
     shards_.push_back(
         RemoteModule<EmbeddingShard>::init_from_module_rref(options.workers()[s], shards[s]));
   }
+  name_shards();
+}
+
+void ShardedEmbeddingBag::name_shards() {
+  for (const auto& shard : shards_) {
+    keys_.push_back(detail::rref_global_id(shard->module_rref().handle()));
+  }
+  weights_.resize(shards_.size());
+}
+
+const std::string& ShardedEmbeddingBag::shard_key(size_t shard) const {
+  shard_rows(shard);  // checks the index
+  return keys_[shard];
+}
+
+RRef<EmbeddingShard> ShardedEmbeddingBag::make_shard(size_t shard) const {
+  TORCH_CHECK_INDEX(shard + 1 < first_rows_.size(), "ShardedEmbeddingBag::make_shard: shard ",
+                    shard, " of ", first_rows_.size() - 1);
+  return remote<EmbeddingShard>(
+      options_.workers()[shard], kShardClass,
+      std::tuple{first_rows_[shard], first_rows_[shard + 1] - first_rows_[shard],
+                 options_.embedding_dim(), static_cast<int64_t>(options_.dtype()),
+                 options_.seed()});
+}
+
+void ShardedEmbeddingBag::rebind_shard(size_t shard, RRef<EmbeddingShard> module) {
+  shard_rows(shard);  // checks the index
+  TORCH_CHECK_VALUE(module.defined(), "ShardedEmbeddingBag::rebind_shard: shard ", shard,
+                    ": the reference is empty");
+  // Checks that the module's owner is the shard's worker.
+  auto handle = RemoteModule<EmbeddingShard>::init_from_module_rref(options_.workers()[shard],
+                                                                    std::move(module));
+  std::lock_guard<std::mutex> lock(weights_mutex_);
+  shards_[shard] = std::move(handle);
+  weights_[shard] = RRef<at::Tensor>();
 }
 
 void ShardedEmbeddingBag::check_and_split() {
@@ -160,11 +195,14 @@ std::pair<int64_t, int64_t> ShardedEmbeddingBag::shard_rows(size_t shard) const 
 }
 
 std::vector<RRef<at::Tensor>> ShardedEmbeddingBag::remote_parameters() const {
-  std::vector<RRef<at::Tensor>> params;
-  for (const auto& shard : shards_) {
-    for (auto& param : shard->remote_parameters()) params.push_back(std::move(param));
+  std::lock_guard<std::mutex> lock(weights_mutex_);
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (weights_[s].defined()) continue;
+    std::vector<RRef<at::Tensor>> params = shards_[s]->remote_parameters();
+    TORCH_INTERNAL_ASSERT(params.size() == 1, "an embedding shard has one parameter");
+    weights_[s] = std::move(params[0]);
   }
-  return params;
+  return weights_;
 }
 
 at::Tensor ShardedEmbeddingBag::weight() const {

@@ -178,6 +178,20 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   /// The owners, in order of their first parameter in the list.
   std::vector<std::string> owners() const;
 
+  /// After an owner died and was started again under its name, with its parameters made anew
+  /// there (dist_optim/recovery.h does all of it): replaces old_params[i], a parameter this
+  /// optimizer holds (the same reference it was given, or an earlier rebind's), by
+  /// new_params[i]. An owner's parameters are replaced all at once, each by one owned by a worker
+  /// of the owner's name; its optimizer is then made anew there, without state, with every
+  /// group's current options. Errors, changing nothing: c10::ValueError for lists of different
+  /// lengths, an empty or repeated reference, one this optimizer does not hold, an owner only
+  /// some of whose parameters are given, or a new parameter of another worker (each named by its
+  /// index); the new owner's refusal (RemoteError, PeerLostError naming it).
+  void rebind(const std::vector<rpc::RRef<at::Tensor>>& old_params,
+              const std::vector<rpc::RRef<at::Tensor>>& new_params);
+  /// The parameters this optimizer holds, in the order it was given them (rebound ones replaced).
+  std::vector<rpc::RRef<at::Tensor>> parameters() const;
+
  private:
   friend struct detail::OwnerAccess;  // the owners' remote optimizers, for the table checkpoints
   struct Owner;

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -99,7 +100,9 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& input, const at::Tensor& offsets = {},
                      const at::Tensor& per_sample_weights = {});
 
-  /// One RRef per shard, to its weight, in shard order: for the DistributedOptimizer.
+  /// One RRef per shard, to its weight, in shard order: for the DistributedOptimizer. The same
+  /// references on every call (fetched from each shard's owner once, and again once the shard is
+  /// rebound), so that they name the table's parameters in an optimizer built from them.
   std::vector<RRef<at::Tensor>> remote_parameters() const;
   /// One RRef per shard, to the shard module, in shard order: to send to another worker, which
   /// builds a handle on the same table from them.
@@ -116,13 +119,32 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   size_t num_shards() const { return shards_.size(); }
   const ShardedEmbeddingBagOptions& options() const { return options_; }
 
+  // After a shard's owner died and was started again under its name (dist_optim/recovery.h):
+  /// A name of shard `shard` that every handle on this table, on every worker, gives: the id of
+  /// the reference to its first module. A rebound shard keeps it.
+  const std::string& shard_key(size_t shard) const;
+  /// Creates shard `shard` anew on its worker, its rows as a new table's (from the seed), and
+  /// returns the reference to it; the handle is not changed.
+  RRef<EmbeddingShard> make_shard(size_t shard) const;
+  /// Binds shard `shard` to `module`, a shard of the same rows owned by the worker the options
+  /// name for it (make_shard's, or another handle's after it). Throws c10::ValueError for an
+  /// empty reference or another owner, c10::IndexError for a shard out of range, changing
+  /// nothing. Not while a forward of this handle runs.
+  void rebind_shard(size_t shard, RRef<EmbeddingShard> module);
+
  private:
   ShardedEmbeddingBagOptions options_;
   std::vector<int64_t> first_rows_;  // per shard, then the table's end
   std::vector<std::shared_ptr<RemoteModule<EmbeddingShard>>> shards_;
+  std::vector<std::string> keys_;  // per shard: shard_key
+  // Per shard: its weight's reference once fetched (remote_parameters).
+  mutable std::mutex weights_mutex_;
+  mutable std::vector<RRef<at::Tensor>> weights_;
 
   /// Checks the options and computes first_rows_.
   void check_and_split();
+  /// Fills keys_ from the shards' references, sizes weights_.
+  void name_shards();
 };
 
 }  // namespace rpc

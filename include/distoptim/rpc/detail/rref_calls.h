@@ -39,6 +39,10 @@ c10::IValue rref_local_value(const RRefHandle& handle);
 bool rref_confirmed_by_owner(const RRefHandle& handle);
 void rref_confirm(const RRefHandle& handle, std::chrono::milliseconds timeout);
 std::string describe_rref(const RRefHandle& handle);
+/// The id of the value `handle` refers to, the same in every reference to it on every worker
+/// ("CREATOR:LOCAL"): what names a value across workers, e.g. one that must be made again after
+/// its owner died.
+std::string rref_global_id(const RRefHandle& handle);
 /// RRef<at::Tensor>::backward: a local backward on the owner (context_id -1), else the
 /// distributed backward pass of context `context_id` started on the owner (kRRefBackward).
 void rref_backward(const RRefHandle& handle, int64_t context_id, bool retain_graph);

@@ -1,0 +1,84 @@
+#pragma once
+
+// A parameter server that died and was started again under its name (a new incarnation, e.g.
+// by `distrun --restart-policy rank` in a dynamic group): the trainers' handles bind to it again
+// without the user's code re-creating them, and it gets back what the latest snapshot holds.
+// PyTorch has no equivalent (a lost owner ends its RPC job).
+//
+//   dist_optim::SnapshotSchedule snapshots(dist_optim::SnapshotOptions(dir).every_steps(100),
+//                                          optimizer, {&table});
+//   for (int64_t step = 1; step <= steps; ++step) {
+//     try {
+//       ...  // forward, dist_autograd::backward, optimizer.step(context)
+//       snapshots.step();
+//     } catch (const PeerLostError&) {
+//       dist_optim::recover_lost_owners(optimizer, {&table}, dist_optim::RecoveryOptions(dir));
+//       // this batch's step may have reached the living owners: go on with the next batch
+//     }
+//   }
+//
+// What a recovery does, for each owner of the optimizer's parameters that is lost (its calls
+// fail as lost, or its name is gone from the group or taken by another process): it waits for a
+// worker of that name to be a member again, then one trainer (the first to ask the new worker)
+// makes the lost table shards there anew, binds its handles and its optimizer to them and loads
+// the owner's part of the newest snapshot in `snapshot_directory` (its rows, and the optimizer
+// state saved with them into this trainer's optimizer); only then does the new worker hand the
+// same shards to the other trainers that ask, whose optimizers start without state there (as a
+// new trainer's would). The cost: every update the owner took since that snapshot (its step is
+// returned), none on the other owners; with no snapshot the shards start from their initial rows.
+//
+// Decided: only a ShardedEmbeddingBag's shards are made anew; an owner that also holds other
+// parameters of the optimizer (a RemoteModule's) is refused (c10::ValueError naming it). A
+// shard is known to every handle on its table by its first module's reference id
+// (ShardedEmbeddingBag::shard_key), so a handle built from a rebound shard's references names it
+// differently: hand out the references made before the loss. If the trainer that restores dies
+// before the new worker hands out its shards, the next trainer that asks restores instead.
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/arg.h>
+
+#include <distoptim/dist_optim/distributed_optimizer.h>
+#include <distoptim/rpc/sharded_embedding_bag.h>
+
+namespace distoptim {
+namespace dist_optim {
+
+struct RecoveryOptions {
+  /* implicit */ RecoveryOptions(std::string snapshot_directory = {})
+      : snapshot_directory_(std::move(snapshot_directory)) {}
+  /// Where a SnapshotSchedule writes (its newest complete snapshot is loaded); empty: none.
+  TORCH_ARG(std::string, snapshot_directory);
+  /// How long to wait for a lost owner to come back, and for another trainer's restore of it.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
+};
+
+/// What one recovery of one owner did.
+struct RecoveredOwner {
+  std::string worker;
+  /// The step of the snapshot its parameters were loaded from; nullopt: none (initial rows).
+  std::optional<int64_t> snapshot_step;
+  /// Whether this trainer made the owner's shards anew and loaded the snapshot (else another did
+  /// and this one bound to them).
+  bool restored_here = false;
+  /// From the call to the owner's shards being bound again here.
+  std::chrono::milliseconds waited{0};
+};
+
+/// Binds `optimizer` and `tables` to every lost owner of the optimizer's parameters once it is
+/// back (see the top of this file); returns one entry per owner recovered, none when no owner
+/// was lost. `tables`: every ShardedEmbeddingBag whose shards are among the optimizer's
+/// parameters (as remote_parameters() gave them). Not while another call uses these handles.
+/// Errors: TimeoutError naming the owner that did not come back, or the trainer whose restore
+/// did not finish, within `timeout`; c10::ValueError naming an owner holding parameters that
+/// are no table's shard; the failures of loading the snapshot (load_snapshot's, for that owner).
+std::vector<RecoveredOwner> recover_lost_owners(
+    DistributedOptimizer& optimizer, const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+    const RecoveryOptions& options = {});
+
+}  // namespace dist_optim
+}  // namespace distoptim

@@ -1,0 +1,243 @@
+// A parameter server SIGKILLed and started again under its name, across real processes on
+// loopback: the trainer's next iteration fails with PeerLostError, recover_lost_owners binds the
+// trainer's table and DistributedOptimizer to the new process and loads that server's part of the
+// latest snapshot, and training goes on. The table and the optimizer's state then equal, bit for
+// bit, a reference trained beside it on the server that lived, whose lost server's rows and state
+// were set back to the snapshot's by hand (public load_weight and load_state_dict).
+//
+// Processes (run_ranks): rank 0 "ps0", the dynamic group's store host; rank 1 the first "ps1",
+// which SIGKILLs itself when told; rank 2 the trainer; rank 3 the second "ps1", which joins once
+// the first has been dropped.
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <distoptim/dist_autograd.h>
+#include <distoptim/dist_optim.h>
+#include <distoptim/dist_optim/recovery.h>
+#include <distoptim/dist_optim/snapshot.h>
+#include <distoptim/rpc.h>
+
+#include "harness/multiprocess.h"
+#include "harness/rpc_workers.h"
+#include "support/process_memory.h"
+#include "support/test_util.h"
+
+namespace distoptim {
+namespace dist_optim {
+namespace {
+
+namespace fs = std::filesystem;
+using namespace std::chrono_literals;
+using rpc::ShardedEmbeddingBag;
+using rpc::ShardedEmbeddingBagOptions;
+using testing::wait_until;
+
+constexpr int64_t kRows = 100, kDim = 6, kBags = 10;
+constexpr int64_t kSnapshotEvery = 3;
+constexpr int64_t kKillAfter = 7;  // steps done when ps1 dies; the snapshot holds step 6
+constexpr int64_t kSteps = 10;
+const char* const kTurns = "test/server_restart";
+
+rpc::RpcBackendOptions options() { return testing::test_options(30s).liveness_timeout(2s); }
+
+ShardedEmbeddingBagOptions table_options(std::vector<std::string> workers) {
+  return ShardedEmbeddingBagOptions(kRows, kDim, std::move(workers)).mode(torch::kSum).seed(11);
+}
+
+optim::OptionBag adagrad() { return optim::OptionBag().set("lr", 0.1).set("lr_decay", 0.05); }
+
+struct Batch {
+  at::Tensor ids, offsets, target;
+};
+Batch batch(int64_t step) {
+  auto generator = at::detail::createCPUGenerator(300 + step);
+  const at::Tensor random = at::randint(kRows, {3 * kBags - 2}, generator, at::kLong);
+  return {at::cat({at::tensor({0, 99}, at::kLong), random}), at::arange(0, 3 * kBags, 3, at::kLong),
+          at::randn({kBags, kDim}, generator)};
+}
+
+void train_step(ShardedEmbeddingBag& table, DistributedOptimizer& optimizer, int64_t step) {
+  const Batch b = batch(step);
+  dist_autograd::ContextGuard context;
+  const at::Tensor out = table.forward(b.ids, b.offsets);
+  dist_autograd::backward(context.id(), {at::mse_loss(out, b.target)});
+  optimizer.step(context.id());
+}
+
+// Each parameter's optimizer state, in the optimizer's order of parameters.
+std::vector<optim::OptimizerStateDict::State> states_by_position(
+    const DistributedOptimizer& optimizer) {
+  const DistributedOptimizerStateDict dict = optimizer.state_dict();
+  std::vector<optim::OptimizerStateDict::State> out;
+  for (const auto& owner : dict.owners) {
+    for (size_t j = 0; j < owner.positions.size(); ++j) {
+      if (out.size() <= static_cast<size_t>(owner.positions[j])) out.resize(owner.positions[j] + 1);
+      out[owner.positions[j]] = owner.state.state.at(static_cast<int64_t>(j));
+    }
+  }
+  return out;
+}
+
+void train(const std::string& directory) {
+  testing::StoreTurns turns(2, kTurns);
+  ASSERT_TRUE(wait_until(
+      [] {
+        try {
+          rpc::get_worker_info("ps1");
+          return true;
+        } catch (const c10::ValueError&) {
+          return false;
+        }
+      },
+      30s));
+  ShardedEmbeddingBag table(table_options({"ps0", "ps1"}));
+  DistributedOptimizer optimizer("adagrad", table.remote_parameters(), adagrad());
+  // Snapshots on demand (save_now), so that the one ps1 is restored from is of step 6 exactly.
+  SnapshotSchedule snapshots(SnapshotOptions(directory), optimizer, {&table});
+  // The reference: the same table and steps on the server that lives (both shards on ps0).
+  ShardedEmbeddingBag reference(table_options({"ps0", "ps0"}));
+  DistributedOptimizer reference_optimizer("adagrad", reference.remote_parameters(), adagrad());
+  at::Tensor reference_rows_at_snapshot;
+  std::vector<optim::OptimizerStateDict::State> reference_state_at_snapshot;
+  for (int64_t step = 1; step <= kKillAfter; ++step) {
+    train_step(table, optimizer, step);
+    snapshots.step();
+    train_step(reference, reference_optimizer, step);
+    if (step % kSnapshotEvery == 0) {
+      ASSERT_EQ(snapshots.save_now(), step);
+      reference_rows_at_snapshot = reference.weight();
+      reference_state_at_snapshot = states_by_position(reference_optimizer);
+    }
+  }
+  // ps1 dies; the reference loses what ps1 held since the snapshot: its rows and their state.
+  const auto [lost_first, lost_end] = table.shard_rows(1);
+  at::Tensor rows = reference.weight();
+  rows.slice(0, lost_first, lost_end)
+      .copy_(reference_rows_at_snapshot.slice(0, lost_first, lost_end));
+  reference.load_weight(rows);
+  DistributedOptimizerStateDict state = reference_optimizer.state_dict();
+  ASSERT_EQ(state.owners.size(), 1u);
+  state.owners[0].state.state[1] = reference_state_at_snapshot[1];
+  reference_optimizer.load_state_dict(state);
+
+  turns.say("kill_ps1");
+  ASSERT_TRUE(wait_until(
+      [] {
+        try {
+          rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}, 5s);
+        } catch (const PeerLostError&) {
+          return true;
+        } catch (const c10::ValueError&) {  // already dropped
+          return true;
+        }
+        return false;
+      },
+      60s))
+      << "ps1 did not die";
+  // The next iteration fails in its forward, before anything is applied anywhere.
+  bool lost = false;
+  try {
+    train_step(table, optimizer, kKillAfter + 1);
+  } catch (const PeerLostError& e) {
+    lost = true;
+    EXPECT_NE(std::string(e.what()).find("ps1"), std::string::npos) << e.what();
+  }
+  ASSERT_TRUE(lost) << "the step after ps1's death did not fail";
+  turns.say("ps1_lost");
+  const std::vector<RecoveredOwner> recovered =
+      recover_lost_owners(optimizer, {&table}, RecoveryOptions(directory).timeout(60s));
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_EQ(recovered[0].worker, "ps1");
+  EXPECT_EQ(recovered[0].snapshot_step.value_or(-1), 6);
+  EXPECT_TRUE(recovered[0].restored_here);
+  EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "second ps1");
+  // Nothing else is lost: a second recovery finds no owner to recover.
+  EXPECT_TRUE(recover_lost_owners(optimizer, {&table}, RecoveryOptions(directory)).empty());
+
+  for (int64_t step = kKillAfter + 1; step <= kSteps; ++step) {
+    train_step(table, optimizer, step);
+    snapshots.step();
+    train_step(reference, reference_optimizer, step);
+  }
+  EXPECT_TRUE(at::equal(table.weight(), reference.weight()));
+  const auto trained = states_by_position(optimizer);
+  const auto expected = states_by_position(reference_optimizer);
+  ASSERT_EQ(trained.size(), expected.size());
+  for (size_t p = 0; p < trained.size(); ++p) {
+    EXPECT_EQ(trained[p].step, expected[p].step) << "parameter " << p;
+    ASSERT_EQ(trained[p].buffers.size(), expected[p].buffers.size()) << "parameter " << p;
+    for (const auto& [name, buffer] : expected[p].buffers) {
+      EXPECT_TRUE(at::equal(trained[p].buffers.at(name), buffer))
+          << "parameter " << p << " " << name;
+    }
+  }
+  snapshots.flush();
+  turns.say("done");
+  rpc::shutdown();
+}
+
+std::string g_name;
+DISTOPTIM_RPC_FUNCTION("server_restart.name", [] { return g_name; });
+
+TEST(ServerRestart, ATrainerBindsToTheRestartedServerWithItsSnapshot) {
+  const std::string directory =
+      (fs::temp_directory_path() / ("server_restart_" + std::to_string(::getpid()))).string();
+  testing::RunRanksOptions run;
+  run.deadline = 300s;
+  run.expected_signals = {{1, SIGKILL}};
+  testing::run_ranks(
+      4,
+      [&directory](int rank, int) {
+        if (rank == 0) {
+          g_name = "ps0";
+          rpc::init_rpc("ps0", 0, options());
+          testing::StoreTurns turns(0, kTurns);
+          turns.store->wait({"done"}, 240s);
+          rpc::shutdown();
+          return;
+        }
+        testing::StoreTurns turns(rank, kTurns);
+        if (rank == 1) {
+          g_name = "first ps1";
+          rpc::init_rpc("ps1", rpc::kAssignRank, options());
+          turns.store->wait({"kill_ps1"}, 240s);
+          ::kill(::getpid(), SIGKILL);
+          return;
+        }
+        if (rank == 2) {
+          rpc::init_rpc("trainer", rpc::kAssignRank, options());
+          train(directory);
+          return;
+        }
+        // The restarted server: joins once the trainer has seen the first one lost and the
+        // store host has dropped it (its name passes on then).
+        g_name = "second ps1";
+        turns.store->wait({"ps1_lost"}, 240s);
+        ASSERT_TRUE(wait_until(
+            [] {
+              try {
+                rpc::init_rpc("ps1", rpc::kAssignRank, options());
+                return true;
+              } catch (const c10::ValueError&) {  // the name is still the dead process's
+                return false;
+              }
+            },
+            60s));
+        turns.store->wait({"done"}, 240s);
+        rpc::shutdown();
+      },
+      run);
+  fs::remove_all(directory);
+}
+
+}  // namespace
+}  // namespace dist_optim
+}  // namespace distoptim
