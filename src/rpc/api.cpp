@@ -158,6 +158,8 @@ void start_agent(const std::string& name, int rank, int world_size,
                     "positive, got ",
                     options.init_timeout().count(), ", ", options.handshake_timeout().count(),
                     " and ", options.liveness_timeout().count(), " ms (worker '", name, "')");
+  TORCH_CHECK_VALUE(options.name_wait().count() >= 0, "init_rpc: name_wait of ",
+                    options.name_wait().count(), " ms (use 0 for none) (worker '", name, "')");
   TORCH_CHECK_VALUE(options.shutdown_timeout().count() >= 0, "init_rpc: shutdown_timeout of ",
                     options.shutdown_timeout().count(), " ms (use 0 for none) (worker '", name,
                     "')");

@@ -112,10 +112,20 @@ void WorkerGroup::claim(const std::string& name, const std::string& address, int
   const std::string name_key = dynamic_key("name/" + name);
   const std::string mine = std::to_string(rank_);
   std::string held = to_text(store.compareSet(name_key, {}, to_bytes(mine)));
+  const auto name_deadline = std::chrono::steady_clock::now() + options_.name_wait();
   while (held != mine) {
     const bool holder_left = store.check({dynamic_key("left/" + held)}, deadline);
-    TORCH_CHECK_VALUE(holder_left, "init_rpc: the worker name '", name, "' is taken by rank ", held,
-                      ", which has not left the group (rank ", rank_, ")");
+    if (!holder_left) {
+      // A dead holder is dropped (marked left) by the store's host: wait for that, if asked to.
+      TORCH_CHECK_VALUE(std::chrono::steady_clock::now() < name_deadline, "init_rpc: the worker ",
+                        "name '", name, "' is taken by rank ", held,
+                        ", which has not left the group (rank ", rank_, ")",
+                        options_.name_wait().count() > 0
+                            ? c10::str(" within name_wait, ", options_.name_wait().count(), " ms")
+                            : std::string());
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
     held = to_text(store.compareSet(name_key, to_bytes(held), to_bytes(mine)));
   }
   self_ = WorkerInfo{name, rank_};

@@ -217,20 +217,11 @@ TEST(ServerRestart, ATrainerBindsToTheRestartedServerWithItsSnapshot) {
           train(directory);
           return;
         }
-        // The restarted server: joins once the trainer has seen the first one lost and the
-        // store host has dropped it (its name passes on then).
+        // The restarted server: started once the trainer has seen the first one lost, it takes
+        // the name once the store's host has dropped the dead process (name_wait).
         g_name = "second ps1";
         turns.store->wait({"ps1_lost"}, 240s);
-        ASSERT_TRUE(wait_until(
-            [] {
-              try {
-                rpc::init_rpc("ps1", rpc::kAssignRank, options());
-                return true;
-              } catch (const c10::ValueError&) {  // the name is still the dead process's
-                return false;
-              }
-            },
-            60s));
+        rpc::init_rpc("ps1", rpc::kAssignRank, options().name_wait(60s));
         turns.store->wait({"done"}, 240s);
         rpc::shutdown();
       },

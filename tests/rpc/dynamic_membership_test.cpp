@@ -186,6 +186,12 @@ TEST(DynamicMembership, BadJoinsAreRefusedNamingTheRankOrName) {
     turns.await("ps_up");
     expect_error<c10::ValueError>([] { init_rpc("ps", 5, options()); },
                                   "the worker name 'ps' is taken by rank 0");
+    // Waiting for the name ends with the same refusal while its holder lives.
+    expect_error<c10::ValueError>([] { init_rpc("ps", 6, options().name_wait(300ms)); },
+                                  "taken by rank 0, which has not left the group (rank 6) within "
+                                  "name_wait, 300 ms");
+    expect_error<c10::ValueError>([] { init_rpc("w", 7, options().name_wait(-1ms)); },
+                                  "name_wait of -1 ms");
     EXPECT_THROW(init_rpc("w", 40000, options()), c10::ValueError);
     EXPECT_THROW(init_rpc("w", 1, RpcBackendOptions("file:///tmp/x")), c10::ValueError);
     turns.say("checked");

@@ -79,6 +79,11 @@ struct RpcBackendOptions {
   /// within this time (stopped, hung, unreachable) is lost, and so is the store's host (rank 0)
   /// when one store operation takes longer. A lost connection counts at once.
   TORCH_ARG(std::chrono::milliseconds, liveness_timeout) = std::chrono::seconds(20);
+  /// In a dynamic group, how long init_rpc waits for the worker holding this worker's name to
+  /// leave or to be dropped as lost (by the store's host, within about liveness_timeout of its
+  /// death): a process started again in place of a dead one takes its name. 0 (the default):
+  /// a name held by a member is refused at once.
+  TORCH_ARG(std::chrono::milliseconds, name_wait) = std::chrono::milliseconds(0);
   /// The IP address to listen on; empty: comm::Rendezvous::local_address, the address this host
   /// reaches the rendezvous address from (127.0.0.1 when that is loopback).
   TORCH_ARG(std::string, listen_address) = "";
