@@ -55,6 +55,19 @@
 //   build/tools/distrun/distrun --nproc-per-node 4 --restart-policy rank --max-restarts 1 \
 //       build/examples/click_through/click_through --elastic --kill-trainer-at 300 \
 //       --out click_through_out
+//
+// Servers that die and come back: with --elastic the first trainer snapshots the servers' state
+// (every 30 s, or --snapshot-every steps) into <out>/snapshots. A server other than the first
+// (which hosts the group) that distrun starts again takes its old name; each trainer's step that
+// failed on the lost server is dropped, and the trainers bind their table and optimizer to the
+// new process, the first of them giving it back its shard from the latest snapshot
+// (dist_optim::recover_lost_owners), and go on; what the loss cost (the server's updates since
+// that snapshot, the time until the trainers stepped again) is printed. --kill-server-at STEP
+// makes the last server SIGKILL itself once the trainers have taken STEP steps each:
+//
+//   build/tools/distrun/distrun --nproc-per-node 4 --restart-policy rank --max-restarts 1 \
+//       build/examples/click_through/click_through --elastic --kill-server-at 300 \
+//       --snapshot-every 100 --out click_through_out
 
 #include <signal.h>
 
@@ -76,6 +89,7 @@
 #include <distoptim/comm.h>
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
+#include <distoptim/dist_optim/snapshot.h>
 #include <distoptim/rpc.h>
 
 #include "example_main.h"
@@ -110,7 +124,15 @@ struct Settings {
   int64_t kill_trainer_at = 0;   // a trainer SIGKILLs itself in this step (once; 0: never)
   int kill_trainer = -1;         // which one, from 0 (-1: the last)
   double trainer_timeout = 300;  // the first server's bound on a trainer slot without a step
+  int64_t kill_server_at = 0;    // the last server SIGKILLs itself after this many steps each
+  int64_t snapshot_every = 0;    // --elastic: the first trainer's snapshots (0: every 30 s)
 };
+
+// --elastic: a snapshot of the servers' state every 30 s by default. Its cost is writing the
+// table and its optimizer state once (256 MB at the default 1M x 32 with Adagrad), by the servers,
+// in the background at low priority: every 30 s bounds that to a few MB/s and what a server's
+// death loses to its last 30 s of updates.
+constexpr std::chrono::seconds kDefaultSnapshotPeriod{30};
 
 // Under --elastic the first server creates the model and hands out its references.
 const std::string kFirstServer = "ps0";
@@ -190,12 +212,56 @@ void serve(const Settings& s, const std::vector<std::string>& servers, int train
                             fs::path(s.out) / "loss.png");
 }
 
-// --elastic, on the other servers: serving until every trainer slot has finished.
-void serve_until_trainers_finish() {
+// --elastic, on the other servers: serving until every trainer slot has finished. With
+// --kill-server-at, the last server SIGKILLs itself once the trainers have taken that many steps
+// each (the first time it runs); distrun --restart-policy rank starts it again, and the trainers
+// bind to it and give it back its shard from the latest snapshot.
+void serve_until_trainers_finish(const Settings& s, int rank, int trainers) {
   examples::wait_until_listed(kFirstServer);
+  const bool kills_itself =
+      s.kill_server_at > 0 && rank == s.servers - 1 && examples::restart_count() == 0;
   while (!examples::trainer_slots_finished(kFirstServer)) {
+    if (kills_itself && examples::recorded_steps(kFirstServer) >= s.kill_server_at * trainers) {
+      fmt::print("{}: SIGKILLs itself after {} steps of the trainers (--kill-server-at {})\n",
+                 rpc::get_worker_info().name, examples::recorded_steps(kFirstServer),
+                 s.kill_server_at);
+      std::fflush(stdout);
+      ::raise(SIGKILL);
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
+}
+
+// --elastic: after a step failed because a server was lost, binds `optimizer` and the model's
+// table to the server started in its place (waiting for it) and gives it back its shard from the
+// latest snapshot; says what the loss cost. Rethrows `lost` when no server was lost.
+void recover(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
+             distoptim::dist_optim::DistributedOptimizer& optimizer,
+             click_through::ClickModel& model, const fs::path& snapshots) {
+  const auto failed_at = Clock::now();
+  fmt::print("{}: step {} failed: {}\n", name, step,
+             examples::one_line(lost.what_without_backtrace()));
+  std::fflush(stdout);
+  const std::vector<distoptim::dist_optim::RecoveredOwner> recovered =
+      distoptim::dist_optim::recover_lost_owners(
+          optimizer, {&model.table()}, distoptim::dist_optim::RecoveryOptions(snapshots.string()));
+  if (recovered.empty()) throw lost;
+  for (const auto& owner : recovered) {
+    // What the loss cost: the server's updates since the snapshot, of every trainer.
+    const std::string from =
+        owner.snapshot_step
+            ? fmt::format(
+                  "the snapshot of step {} (the first trainer's step; this trainer is at "
+                  "step {}: the server's updates since the snapshot are lost)",
+                  *owner.snapshot_step, step)
+            : std::string("no snapshot (its initial rows)");
+    fmt::print(
+        "{}: worker '{}' is back; {} its shard from {}; stepping again {} ms after the "
+        "failed step\n",
+        name, owner.worker, owner.restored_here ? "restored" : "another trainer restored", from,
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - failed_at).count());
+  }
+  std::fflush(stdout);
 }
 
 // `rank`: the trainer's slot under --elastic.
@@ -216,6 +282,21 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   distoptim::dist_optim::DistributedOptimizer optimizer(
       "adagrad", {{model->table_parameters(), OptionBag().set("lr", s.lr)},
                   {model->mlp_parameters(), OptionBag().set("lr", s.mlp_lr)}});
+  // --elastic: the first trainer snapshots the servers' state, from which a server started again
+  // gets back its shard.
+  const fs::path snapshots_dir = fs::path(s.out) / "snapshots";
+  std::unique_ptr<distoptim::dist_optim::SnapshotSchedule> snapshots;
+  if (s.elastic && trainer == 0) {
+    distoptim::dist_optim::SnapshotOptions schedule(snapshots_dir.string());
+    if (s.snapshot_every > 0) {
+      schedule.every_steps(s.snapshot_every);
+    } else {
+      schedule.every(kDefaultSnapshotPeriod);
+    }
+    snapshots = std::make_unique<distoptim::dist_optim::SnapshotSchedule>(
+        schedule, optimizer, std::vector<const rpc::ShardedEmbeddingBag*>{&model->table()},
+        resume.steps);
+  }
 
   const click_through::Teacher teacher(static_cast<uint64_t>(s.teacher_seed));
   // A restarted trainer draws batches of its own, not its predecessor's again (which the model
@@ -308,28 +389,36 @@ void train(const Settings& s, int rank, int trainer, int trainers,
                             restarts == 0;
   for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
     const click_through::Batch batch = teacher.draw(s.batch, generator);
-    double loss_value;
-    {
-      distoptim::dist_autograd::ContextGuard context;
-      const at::Tensor loss = at::binary_cross_entropy_with_logits(
-          model->forward(batch.ids, batch.dense), batch.labels);
-      distoptim::dist_autograd::backward(context.id(), {loss});
-      if (kills_itself && step == s.kill_trainer_at) {
-        // The fault --kill-trainer-at injects: gradients on the servers, the step not taken.
-        examples::report_kill(kFirstServer, rank, name, step);
-        std::fflush(stdout);
-        ::raise(SIGKILL);
+    try {
+      double loss_value;
+      {
+        distoptim::dist_autograd::ContextGuard context;
+        const at::Tensor loss = at::binary_cross_entropy_with_logits(
+            model->forward(batch.ids, batch.dense), batch.labels);
+        distoptim::dist_autograd::backward(context.id(), {loss});
+        if (kills_itself && step == s.kill_trainer_at) {
+          // The fault --kill-trainer-at injects: gradients on the servers, the step not taken.
+          examples::report_kill(kFirstServer, rank, name, step);
+          std::fflush(stdout);
+          ::raise(SIGKILL);
+        }
+        optimizer.step(context.id());
+        loss_value = loss.item<double>();
       }
-      optimizer.step(context.id());
-      loss_value = loss.item<double>();
+      if (snapshots) snapshots->step();
+      samples_trained += s.batch;
+      train_loss_sum += loss_value;
+      ++train_loss_count;
+      if (s.elastic)
+        examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
+      if (reporter && (step % eval_every == 0 || step == s.steps)) report(step);
+    } catch (const distoptim::PeerLostError& lost) {
+      if (!s.elastic) throw;
+      // The batch is dropped: its step may have reached the servers that lived.
+      recover(name, step, lost, optimizer, *model, snapshots_dir);
     }
-    samples_trained += s.batch;
-    train_loss_sum += loss_value;
-    ++train_loss_count;
-    if (s.elastic)
-      examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
-    if (reporter && (step % eval_every == 0 || step == s.steps)) report(step);
   }
+  if (snapshots) snapshots->flush();
 
   if (reporter) {
     csv_out.close();
@@ -366,6 +455,11 @@ int run_example(const Settings& s) {
                     rank, ")");
   TORCH_CHECK_VALUE(s.kill_trainer < trainers, "--kill-trainer ", s.kill_trainer,
                     " names no trainer: there are ", trainers, " (rank ", rank, ")");
+  TORCH_CHECK_VALUE(s.kill_server_at == 0 || s.servers >= 2, "--kill-server-at ", s.kill_server_at,
+                    " needs --servers 2 or more (the first server hosts the group), got ",
+                    s.servers, " (rank ", rank, ")");
+  TORCH_CHECK_VALUE(s.kill_server_at <= s.steps, "--kill-server-at ", s.kill_server_at,
+                    " is beyond --steps ", s.steps, " (rank ", rank, ")");
   std::vector<std::string> servers;
   for (int64_t i = 0; i < s.servers; ++i) servers.push_back("ps" + std::to_string(i));
   const bool server = rank < s.servers;
@@ -387,7 +481,10 @@ int run_example(const Settings& s) {
     return 0;
   }
   if (server) {
-    examples::run_dynamic_rpc_worker(servers[rank], rpc::kAssignRank, serve_until_trainers_finish);
+    // A server started again takes its name once the first server has dropped the dead process.
+    examples::run_dynamic_rpc_worker(
+        servers[rank], rpc::kAssignRank, [&] { serve_until_trainers_finish(s, rank, trainers); },
+        examples::restart_count() > 0 ? std::chrono::minutes(2) : std::chrono::minutes(0));
     return 0;
   }
   // A dead member's name passes on only once the first server has dropped it: a restarted
@@ -433,6 +530,18 @@ int main(int argc, char** argv) {
       "trains its slot's remaining steps; the first server logs every trainer's steps to "
       "<out>/loss.csv",
       s.elastic, s.kill_trainer_at, s.kill_trainer, s.trainer_timeout);
+  CLI::Option* elastic = app.get_option("--elastic");
+  app.add_option("--kill-server-at", s.kill_server_at,
+                 "the last parameter server SIGKILLs itself once the trainers have taken this "
+                 "many steps each, once (a fault to see a server started again from its "
+                 "snapshot, under distrun --restart-policy rank; 0: never)")
+      ->check(examples::at_least(0))
+      ->needs(elastic);
+  app.add_option("--snapshot-every", s.snapshot_every,
+                 "the first trainer snapshots the servers' state every this many steps, into "
+                 "<out>/snapshots (0: every 30 s)")
+      ->check(examples::at_least(0))
+      ->needs(elastic);
   return examples::run(
       app, argc, argv,
       examples::distrun() + " --nproc-per-node 4 " + argv[0] + " --out click_through_out",

@@ -42,9 +42,12 @@ inline void run_rpc_worker(const std::string& name, int rank, int world_size,
 
 /// As run_rpc_worker, in a dynamic group (init_rpc without a world size): rank 0 starts it,
 /// the others (rank distoptim::rpc::kAssignRank: the group picks) join and leave at any time.
+/// `name_wait`: how long to wait for a dead worker of the same name to be dropped (a process
+/// started again in its place).
 inline void run_dynamic_rpc_worker(const std::string& name, int rank,
-                                   const std::function<void()>& work) {
-  distoptim::rpc::init_rpc(name, rank, example_rpc_options());
+                                   const std::function<void()>& work,
+                                   std::chrono::milliseconds name_wait = {}) {
+  distoptim::rpc::init_rpc(name, rank, example_rpc_options().name_wait(name_wait));
   run_until_shutdown(work);
 }
 
