@@ -232,6 +232,20 @@ void serve_until_trainers_finish(const Settings& s, int rank, int trainers) {
   }
 }
 
+// --elastic: counts a step in the first trainer's snapshot schedule. A snapshot that failed (one
+// written while a server died, say) is abandoned, said, and training goes on: the next one is
+// taken when due.
+void take_snapshot_if_due(distoptim::dist_optim::SnapshotSchedule& snapshots,
+                          const std::string& name, int64_t step) {
+  try {
+    snapshots.step();
+  } catch (const c10::Error& e) {
+    fmt::print("{}: a snapshot begun before step {} was abandoned: {}\n", name, step,
+               examples::one_line(e.what_without_backtrace()));
+    std::fflush(stdout);
+  }
+}
+
 // --elastic: after a step failed because a server was lost, binds `optimizer` and the model's
 // table to the server started in its place (waiting for it) and gives it back its shard from the
 // latest snapshot; says what the loss cost. Rethrows `lost` when no server was lost.
@@ -405,7 +419,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         optimizer.step(context.id());
         loss_value = loss.item<double>();
       }
-      if (snapshots) snapshots->step();
+      if (snapshots) take_snapshot_if_due(*snapshots, name, step);
       samples_trained += s.batch;
       train_loss_sum += loss_value;
       ++train_loss_count;
@@ -418,7 +432,14 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       recover(name, step, lost, optimizer, *model, snapshots_dir);
     }
   }
-  if (snapshots) snapshots->flush();
+  if (snapshots) {
+    try {
+      snapshots->flush();
+    } catch (const c10::Error& e) {
+      fmt::print("{}: the last snapshot was abandoned: {}\n", name,
+                 examples::one_line(e.what_without_backtrace()));
+    }
+  }
 
   if (reporter) {
     csv_out.close();
