@@ -5,6 +5,7 @@
 
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -127,36 +128,30 @@ Claim claim_of(const c10::IValue& reply) {
   return {std::get<0>(items), std::get<1>(items), std::get<2>(items)};
 }
 
+// Asks `worker`'s board as `caller` (empty: claiming nothing, a call every owner answers at once).
+Claim ask(const std::string& worker, const std::string& caller, const std::string& stale) {
+  return claim_of(rpc::rpc_sync<c10::IValue>(worker, kClaim, std::tuple{caller, stale}));
+}
+
 Claim claim(const std::string& worker, const std::string& stale) {
-  return claim_of(
-      rpc::rpc_sync<c10::IValue>(worker, kClaim, std::tuple{rpc::get_worker_info().name, stale}));
+  return ask(worker, rpc::get_worker_info().name, stale);
 }
 
-// The board of `worker`, claiming nothing: a call that every owner answers at once.
-Claim query(const std::string& worker) {
-  return claim_of(
-      rpc::rpc_sync<c10::IValue>(worker, kClaim, std::tuple{std::string(), std::string()}));
-}
-
-bool is_member(const std::string& name) {
+// The id of the member named `name`; nullopt when none is.
+std::optional<int> member_id(const std::string& name) {
   try {
-    rpc::get_worker_info(name);
-    return true;
+    return rpc::get_worker_info(name).id;
   } catch (const c10::ValueError&) {
-    return false;
+    return std::nullopt;
   }
 }
 
 // Whether `worker`, the owner `old_id` was, is lost: its name gone or taken by another process,
 // or its calls failing as lost. A stalled owner is not lost (its calls time out).
 bool is_lost(const std::string& worker, int old_id) {
+  if (member_id(worker) != old_id) return true;
   try {
-    if (rpc::get_worker_info(worker).id != old_id) return true;
-  } catch (const c10::ValueError&) {
-    return true;
-  }
-  try {
-    query(worker);  // a cheap call that every owner answers
+    ask(worker, {}, {});
     return false;
   } catch (const PeerLostError&) {
     return true;
@@ -169,10 +164,8 @@ bool is_lost(const std::string& worker, int old_id) {
 void wait_for_new_incarnation(const std::string& worker, int old_id, Clock::time_point deadline,
                               std::chrono::milliseconds timeout) {
   while (true) {
-    try {
-      if (rpc::get_worker_info(worker).id != old_id) return;
-    } catch (const c10::ValueError&) {
-    }
+    const std::optional<int> id = member_id(worker);
+    if (id && *id != old_id) return;
     DISTOPTIM_CHECK_WITH(TimeoutError, Clock::now() < deadline, "recover_lost_owners: worker '",
                          worker, "' was lost and no worker of that name joined within ",
                          timeout.count(), " ms");
@@ -183,7 +176,6 @@ void wait_for_new_incarnation(const std::string& worker, int old_id, Clock::time
 // A table shard on the lost owner.
 struct LostShard {
   rpc::ShardedEmbeddingBag* table;
-  size_t table_index;
   size_t shard;
   rpc::RRef<at::Tensor> old_weight;
 };
@@ -200,7 +192,7 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
   Claim state = claim(worker, stale);
   while (state.outcome == kAnotherRestores) {
     // A restorer that left the group never finishes: its claim passes on.
-    if (!is_member(state.claimant)) stale = state.claimant;
+    if (!member_id(state.claimant)) stale = state.claimant;
     DISTOPTIM_CHECK_WITH(TimeoutError, Clock::now() < deadline, "recover_lost_owners: '",
                          state.claimant, "' did not finish restoring worker '", worker, "' within ",
                          options.timeout().count(), " ms");
@@ -272,7 +264,7 @@ std::vector<RecoveredOwner> recover_lost_owners(
       for (size_t s = 0; s < tables[t]->num_shards(); ++s) {
         if (tables[t]->options().workers()[s] != worker) continue;
         // The shard's weight as the optimizer holds it (remote_parameters keeps it).
-        lost.push_back({tables[t], t, s, tables[t]->remote_parameters()[s]});
+        lost.push_back({tables[t], s, tables[t]->remote_parameters()[s]});
       }
     }
     TORCH_CHECK_VALUE(lost.size() == known.second, "recover_lost_owners: worker '", worker,
