@@ -79,7 +79,8 @@ std::string WorkerGroup::dynamic_key(const std::string& key) const {
 void WorkerGroup::claim(const std::string& name, const std::string& address, int port) {
   comm::DeadlineStore& store = *rendezvous_.store;
   const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
-  DISTOPTIM_CHECK_WITH(DistributedError, !store.check({dynamic_key("closing")}, deadline),
+  DISTOPTIM_CHECK_WITH(DistributedError,
+                       !has_store_host() || !store.check({dynamic_key("closing")}, deadline),
                        "init_rpc: worker '", name,
                        "' cannot join: the group's store host (rank "
                        "0) is leaving, and the group with it");
@@ -90,7 +91,8 @@ void WorkerGroup::claim(const std::string& name, const std::string& address, int
     return held == record ? std::string() : held.substr(0, held.find('\n'));
   };
   if (rank_ == kAssignRank) {
-    // Ranks counted from 1 (0 is the store host's); one given by hand may take a number first.
+    // Ranks counted from 1 (0 is the store host's, or over etcd the one a worker may give by
+    // hand); one given by hand may take a number first.
     while (true) {
       const int64_t next = store.add(dynamic_key("next_rank"), 1, deadline);
       TORCH_CHECK_VALUE(next <= WorkerTable::kMaxDynamicId, "init_rpc: worker '", name,
@@ -116,7 +118,8 @@ void WorkerGroup::claim(const std::string& name, const std::string& address, int
   while (held != mine) {
     const bool holder_left = store.check({dynamic_key("left/" + held)}, deadline);
     if (!holder_left) {
-      // A dead holder is dropped (marked left) by the store's host: wait for that, if asked to.
+      // A dead holder is dropped (marked left) by the store's host, or over etcd by any member
+      // that lost it: wait for that, if asked to.
       TORCH_CHECK_VALUE(std::chrono::steady_clock::now() < name_deadline, "init_rpc: the worker ",
                         "name '", name, "' is taken by rank ", held,
                         ", which has not left the group (rank ", rank_, ")",
@@ -135,9 +138,9 @@ void WorkerGroup::claim(const std::string& name, const std::string& address, int
 std::vector<int> WorkerGroup::enter() {
   comm::DeadlineStore& store = *rendezvous_.store;
   const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
-  if (rank_ != 0) {
+  if (has_store_host() && rank_ != 0) {
     // The store comes up before its host has entered: a worker entering first would not list
-    // the host, so it enters after the host has.
+    // the host, so it enters after the host has. (Over etcd no member is waited for.)
     try {
       store.get(dynamic_key("host_entered"), deadline);
     } catch (const TimeoutError&) {
@@ -167,7 +170,9 @@ std::vector<int> WorkerGroup::enter() {
                std::stoi(record.substr(space + 1)));
     earlier.push_back(rank);
   }
-  if (rank_ == 0) store.set(dynamic_key("host_entered"), to_bytes("1"), deadline);
+  if (has_store_host() && rank_ == 0) {
+    store.set(dynamic_key("host_entered"), to_bytes("1"), deadline);
+  }
   return earlier;
 }
 
@@ -176,7 +181,7 @@ void WorkerGroup::leave() {
     comm::DeadlineStore& store = *rendezvous_.store;
     // Each operation bounded as the barriers' are (shutdown_timeout may be 0, for none).
     const auto deadline = std::chrono::steady_clock::now() + options_.liveness_timeout();
-    if (rank_ == 0) store.set(dynamic_key("closing"), to_bytes("1"), deadline);
+    if (has_store_host() && rank_ == 0) store.set(dynamic_key("closing"), to_bytes("1"), deadline);
     store.set(dynamic_key("left/" + std::to_string(rank_)), to_bytes("1"), deadline);
   } catch (const DistributedError&) {
     // The store host is gone: only workers joining later read these keys, and none can.
@@ -191,6 +196,11 @@ void WorkerGroup::drop(int rank) {
     TORCH_WARN("rpc: worker '", self_.name, "' could not mark rank ", rank,
                " left in the store: ", error.what_without_backtrace());
   }
+}
+
+bool WorkerGroup::marked_left(int rank) {
+  const auto deadline = std::chrono::steady_clock::now() + options_.liveness_timeout();
+  return rendezvous_.store->check({dynamic_key("left/" + std::to_string(rank))}, deadline);
 }
 
 void WorkerGroup::join(const std::string& name, const std::string& address, int port) {

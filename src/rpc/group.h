@@ -23,13 +23,15 @@ namespace detail {
 /// graceful shutdown. A static group (world_size given) is immutable once join() has returned,
 /// but for the store; barrier() and close() from the thread that stops the agent.
 ///
-/// A dynamic group (world_size kDynamicGroup) has no barriers: rank 0 serves the store and the
-/// others connect to it; a worker claims its rank and name there (claim()), then enters the
-/// list of joins (enter(), which says which workers joined before it: it tells them itself),
-/// and marks itself left when it leaves (leave()). Store keys under "distoptim/rpc/dynamic/":
-/// rank/<r> (name, host, port; claimed once per group), name/<name> (the rank holding it),
-/// joins (a counter), join/<n> (the rank of the n-th join), left/<r>, closing (set when the
-/// store host leaves: no more joins). The table() is the agent's, updated by notices too.
+/// A dynamic group (world_size kDynamicGroup) has no barriers. Over tcp:// and env:// rank 0
+/// serves the store and the others connect to it (the store host: it enters first and leaves
+/// last, and the group closes with it); over etcd:// the store is etcd's and no member is
+/// special. A worker claims its rank and name there (claim()), then enters the list of joins
+/// (enter(), which says which workers joined before it: it tells them itself), and marks itself
+/// left when it leaves (leave()). Store keys under "distoptim/rpc/dynamic/": rank/<r> (name,
+/// host, port; claimed once per group), name/<name> (the rank holding it), joins (a counter),
+/// join/<n> (the rank of the n-th join), left/<r>, host_entered, closing (set when the store
+/// host leaves: no more joins). The table() is the agent's, updated by notices too.
 class WorkerGroup {
  public:
   /// world_size for a dynamic group.
@@ -40,6 +42,11 @@ class WorkerGroup {
   WorkerGroup(int rank, int world_size, const RpcBackendOptions& options);
 
   bool dynamic() const { return world_size_ == kDynamicGroup; }
+  /// Whether a member (rank 0) serves the store: tcp:// and env://, not etcd://.
+  bool has_store_host() const { return !rendezvous_.master_addr.empty(); }
+  /// Whether a member of this worker's own dynamic group is the one that drops the members that
+  /// die without leaving: the store host when there is one, else every member.
+  bool drops_lost_members() const { return dynamic() && (!has_store_host() || rank_ == 0); }
   WorkerTable& table() { return table_; }
   const WorkerTable& table() const { return table_; }
 
@@ -55,10 +62,13 @@ class WorkerGroup {
   /// Dynamic group: marks this worker left in the store (a worker joining later skips it), and
   /// for the store host, closes the group to new joins. Best effort: the store may be gone.
   void leave();
-  /// Dynamic group, the store host: marks worker `rank`, which died without leaving, left in the
-  /// store, as its own leave() would have (its name passes on; its rank stays used). Best effort,
-  /// bounded by liveness_timeout.
+  /// Dynamic group, a member that drops_lost_members(): marks worker `rank`, which died without
+  /// leaving, left in the store, as its own leave() would have (its name passes on; its rank
+  /// stays used). Best effort, bounded by liveness_timeout.
   void drop(int rank);
+  /// Dynamic group: whether the store says worker `rank` left or was dropped; the store's errors
+  /// (bounded by liveness_timeout).
+  bool marked_left(int rank);
 
   /// The address to listen on: options().listen_address, else the rendezvous's local address.
   std::string listen_address() const;

@@ -21,7 +21,7 @@ Membership::Membership(WorkerGroup& group, const RpcBackendOptions& options, Sen
       caller_lost_(std::move(caller_lost)) {}
 
 void Membership::watch_lost_members() {
-  if (!group_.dynamic() || group_.rank() != 0) return;
+  if (!group_.drops_lost_members()) return;
   lost_members_ = std::make_unique<LostMemberWatch>(
       [this](int peer, std::chrono::milliseconds timeout) {
         return send_(peer, kAliveFunction, {}, timeout);
@@ -83,16 +83,21 @@ c10::IValue Membership::on_notice(int caller, const std::string& notice,
     return c10::IValue(true);
   }
   if (notice == kMemberDropped) {
-    // Only the store host drops members: no other member can make this one forget a third.
-    TORCH_CHECK_VALUE(caller == 0, "worker id ", caller,
+    // Only the store host drops members, or over etcd a member whose drop the store records: no
+    // member can make this one forget a third that the store still lists.
+    TORCH_CHECK_VALUE(!group_.has_store_host() || caller == 0, "worker id ", caller,
                       " sent a notice that a member was dropped; only the store host (rank 0) "
                       "drops members");
     TORCH_CHECK_VALUE(args.size() == 1 && args[0].isInt(),
                       "a notice that a member was dropped needs its id");
     const int64_t id = args[0].toInt();
-    TORCH_CHECK_VALUE(id > 0 && id <= WorkerTable::kMaxDynamicId && id != group_.rank(),
+    const int64_t lowest = group_.has_store_host() ? 1 : 0;
+    TORCH_CHECK_VALUE(id >= lowest && id <= WorkerTable::kMaxDynamicId && id != group_.rank(),
                       "a notice that a member was dropped names worker id ", id, " (this worker, '",
                       self().name, "', is id ", group_.rank(), ")");
+    TORCH_CHECK_VALUE(group_.has_store_host() || group_.marked_left(static_cast<int>(id)),
+                      "worker id ", caller, " sent a notice that worker id ", id,
+                      " was dropped, but the store does not say it left");
     group_.table().mark_left(static_cast<int>(id));
     // Whatever it still sends (a stopped worker that resumes) is not run.
     caller_lost_(static_cast<int>(id));
@@ -118,7 +123,7 @@ void Membership::on_peer_gone(int peer) {
 std::exception_ptr Membership::leave_group(std::chrono::steady_clock::time_point deadline) {
   leaving_ = true;
   std::exception_ptr failure;
-  if (group_.rank() == 0) {
+  if (group_.has_store_host() && group_.rank() == 0) {
     // The store host: the others join and leave through its store, so it leaves last.
     try {
       wait_for_others_to_leave(deadline);

@@ -26,7 +26,8 @@ namespace detail {
 /// joined before it that it joined (announce_join), takes the other members' notices that they
 /// joined, left or were dropped (on_notice), and, when it leaves, waits for the others if it is
 /// the store host, marks itself left and tells the members (leave_group, tell_members_left). The
-/// store host also drops the members that die without leaving (LostMemberWatch). The workers
+/// store host (over etcd, where no member hosts the store, every member) also drops the members
+/// that die without leaving (LostMemberWatch). The workers
 /// themselves are in the WorkerGroup's table, which this updates; calls go through the agent
 /// (Send), so this object knows nothing of connections or frames.
 ///
@@ -52,8 +53,8 @@ class Membership {
   Membership& operator=(const Membership&) = delete;
 
   /// Once the group is met, before peers' connections are taken: the store host of a dynamic
-  /// group starts watching for members that die without leaving (its suspects come from the
-  /// connections' callbacks).
+  /// group (over etcd, every member) starts watching for members that die without leaving (its
+  /// suspects come from the connections' callbacks).
   void watch_lost_members();
   /// Dynamic group, once this worker accepts connections: tells every member that joined before
   /// it that it joined. A member that is leaving, or is lost, is marked left; any other failure

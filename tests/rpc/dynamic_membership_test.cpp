@@ -2,8 +2,10 @@
 // parameter server starts alone, trainers join one by one and call it and each other, one leaves,
 // calls to it fail naming it, a new worker joins under a new name and another under the left one's
 // name, and every member's get_worker_infos follows; a member killed without leaving is dropped
-// from every member's list and its name taken again. The processes take turns through keys of
-// their own in the rendezvous store, so every list asserted is exact. Every wait is bounded.
+// from every member's list and its name taken again. Over etcd:// (a real etcd the test starts)
+// rank 0 is a member like any other: it dies, the others drop it, a new process takes its name.
+// The processes take turns through keys of their own in the rendezvous store (or etcd), so every
+// list asserted is exact. Every wait is bounded.
 
 #include <signal.h>
 #include <unistd.h>
@@ -18,8 +20,10 @@
 
 #include <gtest/gtest.h>
 
+#include <distoptim/comm/etcd_store.h>
 #include <distoptim/rpc.h>
 
+#include "harness/etcd_server.h"
 #include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"
 
@@ -405,6 +409,116 @@ TEST(DynamicMembership, ABusyMemberIsNotDroppedWhileADeadOneIs) {
         ::kill(::getpid(), SIGKILL);
       },
       run);
+}
+
+// Over etcd:// no member serves the store, so none is special: the parent process runs a real
+// etcd and tells the ranks where through the environment (they may be started afresh, see
+// run_ranks). Rank 0 is one member among others: a worker joins before it, it is killed, every
+// member drops it, a new process takes its name, and the members leave in any order.
+constexpr const char* kEtcdVariable = "DISTOPTIM_TEST_ETCD_ENDPOINT";
+
+// The job in etcd of this run of a test: MASTER_PORT, the same for every rank of a run, makes it
+// fresh per run.
+std::string etcd_job(const std::string& what) {
+  return what + "-" + std::string(std::getenv("MASTER_PORT"));
+}
+
+// The test's own turns, in etcd under a job of their own.
+struct EtcdTurns {
+  EtcdTurns()
+      : store(c10::make_intrusive<comm::EtcdStore>(
+            comm::EtcdStoreOptions(std::getenv(kEtcdVariable), etcd_job("turns")).timeout(30s))) {}
+  void say(const std::string& key) { store->set(key, std::vector<uint8_t>{1}); }
+  void await(const std::string& key) { store->wait({key}, 30s); }
+  c10::intrusive_ptr<comm::EtcdStore> store;
+};
+
+RpcBackendOptions etcd_options() {
+  return RpcBackendOptions(c10::str("etcd://", std::getenv(kEtcdVariable), "/", etcd_job("rpc")))
+      .init_timeout(30s)
+      .shutdown_timeout(30s)
+      .rpc_timeout(30s)
+      .liveness_timeout(2s);
+}
+
+TEST(DynamicMembershipOverEtcd, RankZeroIsNotSpecialItDiesAndIsReplacedAndAnyoneLeavesFirst) {
+  std::unique_ptr<testing::EtcdServer> etcd;
+  if (!testing::in_rank_process()) {
+    etcd = std::make_unique<testing::EtcdServer>();
+    ::setenv(kEtcdVariable, etcd->endpoint().c_str(), 1);
+  }
+  testing::RunRanksOptions run;
+  run.expected_signals = {{0, SIGKILL}};
+  run_ranks(
+      4,
+      [](int rank, int) {
+        EtcdTurns turns;
+        if (rank == 0) {
+          // Joins after "a": nobody waited for rank 0 to start the group.
+          turns.await("a_up");
+          init_rpc("ps", 0, etcd_options());
+          turns.say("ps_up");
+          turns.await("forged");
+          ::kill(::getpid(), SIGKILL);
+          return;
+        }
+        if (rank == 1) {
+          init_rpc("a", kAssignRank, etcd_options());
+          EXPECT_EQ(get_worker_info().id, 1);
+          turns.say("a_up");
+          turns.await("b_up");
+          EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "a", "b"}));
+          // Any member drops a dead one, so each hears of drops from any member: but only of
+          // one the store says left. A forged notice that live "b" was dropped is refused.
+          expect_error<c10::Error>(
+              [] {
+                rpc_sync<bool>("ps", "__distoptim.rpc.member_dropped", std::tuple{int64_t{2}});
+              },
+              "sent a notice that worker id 2 was dropped, but the store does not say it left");
+          EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"ps", "a", "b"}));
+          turns.say("forged");
+          EXPECT_EQ(await_members(my_members, {"a", "b"}), (std::vector<std::string>{"a", "b"}));
+          expect_error<PeerLostError>([] { rpc_sync<std::string>("ps", "dynamic_whoami"); },
+                                      "worker 'ps' (id 0) left the group");
+          turns.say("a_saw_the_drop");
+          turns.await("ps_back");
+          EXPECT_EQ(get_worker_info("ps").id, 3);
+          EXPECT_EQ(rpc_sync<std::string>("ps", "dynamic_whoami"), "ps");
+          EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"a", "b", "ps"}));
+          // The first to leave, and no member waits for the others.
+          shutdown();
+          turns.say("a_left");
+          return;
+        }
+        if (rank == 2) {
+          turns.await("ps_up");
+          init_rpc("b", kAssignRank, etcd_options());
+          EXPECT_EQ(get_worker_info().id, 2);
+          turns.say("b_up");
+          EXPECT_EQ(await_members(my_members, {"a", "b"}), (std::vector<std::string>{"a", "b"}));
+          turns.say("b_saw_the_drop");
+          turns.await("a_left");
+          EXPECT_EQ(await_members(my_members, {"b", "ps"}), (std::vector<std::string>{"b", "ps"}));
+          shutdown();
+          turns.say("b_left");
+          return;
+        }
+        turns.await("a_saw_the_drop");
+        turns.await("b_saw_the_drop");
+        // Ranks are still used once per group; the name passes on, as over tcp://.
+        expect_error<c10::ValueError>([] { init_rpc("ps", 0, etcd_options()); },
+                                      "rank 0 (worker 'ps') is taken");
+        init_rpc("ps", kAssignRank, etcd_options());
+        EXPECT_EQ(get_worker_info().id, 3);
+        EXPECT_EQ(my_members(), (std::vector<std::string>{"a", "b", "ps"}));
+        EXPECT_EQ(rpc_sync<int64_t>("b", "dynamic_add", std::tuple{int64_t{2}, int64_t{3}}), 5);
+        turns.say("ps_back");
+        turns.await("b_left");
+        EXPECT_EQ(my_members(), (std::vector<std::string>{"ps"}));
+        shutdown();
+      },
+      run);
+  if (!testing::in_rank_process()) ::unsetenv(kEtcdVariable);
 }
 
 }  // namespace

@@ -80,9 +80,9 @@ struct RpcBackendOptions {
   /// when one store operation takes longer. A lost connection counts at once.
   TORCH_ARG(std::chrono::milliseconds, liveness_timeout) = std::chrono::seconds(20);
   /// In a dynamic group, how long init_rpc waits for the worker holding this worker's name to
-  /// leave or to be dropped as lost (by the store's host, within about liveness_timeout of its
-  /// death): a process started again in place of a dead one takes its name. 0 (the default):
-  /// a name held by a member is refused at once.
+  /// leave or to be dropped as lost (by the store's host, or over etcd by the members, within
+  /// about liveness_timeout of its death): a process started again in place of a dead one
+  /// takes its name. 0 (the default): a name held by a member is refused at once.
   TORCH_ARG(std::chrono::milliseconds, name_wait) = std::chrono::milliseconds(0);
   /// The IP address to listen on; empty: comm::Rendezvous::local_address, the address this host
   /// reaches the rendezvous address from (127.0.0.1 when that is loopback).
@@ -182,22 +182,24 @@ void init_rpc(const std::string& name, int rank, int world_size,
 constexpr int kAssignRank = -1;
 
 /// Joins a dynamic group (PyTorch 1.13's init_rpc with world_size=None): workers join and leave
-/// while it runs. Rank 0 serves the rendezvous store (options().init_method, tcp:// or env://)
-/// and starts the group; the others may start before it (they wait, up to init_timeout, for its
-/// store) or any time later. A rank (0..32767, or kAssignRank) and a name are claimed once: a
+/// while it runs. Over tcp:// or env:// (options().init_method) rank 0 serves the rendezvous
+/// store and starts the group; the others may start before it (they wait, up to init_timeout,
+/// for its store) or any time later. Over etcd://HOST:PORT/JOB the store is etcd's and no rank
+/// is special: any member may die and be replaced, rank 0 included; every member drops those
+/// that die without leaving. A rank (0..32767, or kAssignRank) and a name are claimed once: a
 /// rank is never used twice in a group, and a name passes to a new worker only once its holder
 /// has left. Returns once every current member knows this worker: each can call it from then on,
 /// and get_worker_infos() lists it there. Errors as the static init_rpc, and c10::ValueError for
 /// a rank or name that is taken (naming the holder), DistributedError when the store host is
 /// leaving. Differences from a static group: shutdown() involves only this worker (see
-/// shutdown), and the store host (rank 0) leaves last: its shutdown waits for the other members
-/// to leave. docs/rpc.md, "Dynamic membership".
+/// shutdown), and a store host (rank 0 over tcp:// or env://) leaves last: its shutdown waits for
+/// the other members to leave. docs/rpc.md, "Dynamic membership".
 void init_rpc(const std::string& name, int rank, const RpcBackendOptions& options);
 
 /// Stops the agent. In a dynamic group a graceful shutdown is this worker's own: it marks itself
 /// left in the store, deletes the RRefs it holds, tells every member it leaves (from then on
 /// their calls to it fail at once with PeerLostError saying it left), waits for its outstanding
-/// calls and the requests it is running, then stops; the store host (rank 0) first waits for
+/// calls and the requests it is running, then stops; a store host (rank 0) first waits for
 /// every other member to leave, as long as those are alive (one that dies or does not answer a
 /// liveness check within liveness_timeout is not waited for) and up to shutdown_timeout when set
 /// (TimeoutError naming those still there; it stops all the same). In a static group, graceful: a
