@@ -1,11 +1,13 @@
 // Binding trainers to an owner that was started again (recovery.h): the trainers' side, and the
-// restarted owner's board through which one trainer restores its shards and the others take them.
+// restarted owner's board through which one trainer restores its shards and modules and the
+// others take them.
 
 #include <distoptim/dist_optim/recovery.h>
 
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <thread>
 #include <utility>
 
@@ -32,16 +34,17 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kClaim = "__distoptim.recovery.claim";
 constexpr const char* kPublish = "__distoptim.recovery.publish";
 constexpr const char* kObject = "__distoptim.recovery.object";
+constexpr const char* kRelease = "__distoptim.recovery.release";
 // A claim's outcome, and the board's state.
 constexpr int64_t kYouRestore = 0, kAnotherRestores = 1, kRestored = 2;
 constexpr std::chrono::milliseconds kPoll{20};
 
 struct Board {
   std::mutex mutex;
-  std::string claimant;  // the trainer restoring this owner's shards; empty: none
+  std::string claimant;  // the trainer restoring this owner's shards and modules; empty: none
   bool restored = false;
   int64_t snapshot_step = -1;
-  std::map<std::string, c10::IValue> objects;  // by shard key: the shard
+  std::map<std::string, c10::IValue> objects;  // by shard or module key
 };
 
 Board& board() {
@@ -68,17 +71,24 @@ c10::IValue on_claim(const std::string& caller, const std::string& stale) {
   return c10::ivalue::Tuple::create({outcome, b.claimant, b.snapshot_step});
 }
 
+// A restorer that failed gives its claim back, so that the next trainer that asks restores.
+void on_release(const std::string& caller) {
+  Board& b = board();
+  std::lock_guard<std::mutex> lock(b.mutex);
+  if (!b.restored && b.claimant == caller) b.claimant.clear();
+}
+
 void on_publish(const std::string& caller, std::vector<std::string> keys,
-                std::vector<rpc::RRef<c10::IValue>> shards, int64_t snapshot_step) {
-  TORCH_CHECK_VALUE(keys.size() == shards.size(), "recovery: ", keys.size(), " keys for ",
-                    shards.size(), " shards");
+                std::vector<rpc::RRef<c10::IValue>> made, int64_t snapshot_step) {
+  TORCH_CHECK_VALUE(keys.size() == made.size(), "recovery: ", keys.size(), " keys for ",
+                    made.size(), " shards and modules");
   std::map<std::string, c10::IValue> objects;
-  for (size_t i = 0; i < keys.size(); ++i) objects[keys[i]] = shards[i].local_value();
+  for (size_t i = 0; i < keys.size(); ++i) objects[keys[i]] = made[i].local_value();
   Board& b = board();
   std::lock_guard<std::mutex> lock(b.mutex);
   TORCH_CHECK_VALUE(
       !b.restored && b.claimant == caller, "recovery: '", caller,
-      "' publishes the shards of this worker, but ",
+      "' publishes the shards and modules of this worker, but ",
       b.restored ? "they were published already" : "'" + b.claimant + "' restores them");
   b.objects = std::move(objects);
   b.snapshot_step = snapshot_step;
@@ -88,10 +98,11 @@ void on_publish(const std::string& caller, std::vector<std::string> keys,
 c10::IValue on_object(const std::string& key) {
   Board& b = board();
   std::lock_guard<std::mutex> lock(b.mutex);
-  TORCH_CHECK_VALUE(b.restored, "recovery: the shards of this worker are not restored yet");
+  TORCH_CHECK_VALUE(b.restored, "recovery: this worker is not restored yet");
   auto it = b.objects.find(key);
-  TORCH_CHECK_VALUE(it != b.objects.end(), "recovery: no shard '", key, "' was restored here (",
-                    "the trainer '", b.claimant, "' that restored this worker did not know it)");
+  TORCH_CHECK_VALUE(it != b.objects.end(), "recovery: no shard or module '", key,
+                    "' was restored here (", "the trainer '", b.claimant,
+                    "' that restored this worker did not know it)");
   return it->second;
 }
 
@@ -112,6 +123,11 @@ bool register_board() {
   rpc::detail::register_internal_function(kObject, [](std::vector<c10::IValue> args) {
     TORCH_CHECK_TYPE(args.size() == 1, "takes 1 argument");
     return on_object(rpc::from_value<std::string>(args[0], "the key"));
+  });
+  rpc::detail::register_internal_function(kRelease, [](std::vector<c10::IValue> args) {
+    TORCH_CHECK_TYPE(args.size() == 1, "takes 1 argument");
+    on_release(rpc::from_value<std::string>(args[0], "the caller"));
+    return c10::IValue();
   });
   return true;
 }
@@ -173,15 +189,70 @@ void wait_for_new_incarnation(const std::string& worker, int old_id, Clock::time
   }
 }
 
-// A table shard on the lost owner.
-struct LostShard {
-  rpc::ShardedEmbeddingBag* table;
-  size_t shard;
-  rpc::RRef<at::Tensor> old_weight;
+// What the lost owner held: its table shards (with each shard's weight as the optimizer holds
+// it), its RemoteModules, and the optimizer's parameters there that are no shard, in order.
+struct LostParts {
+  struct Shard {
+    rpc::ShardedEmbeddingBag* table;
+    size_t shard;
+    rpc::RRef<at::Tensor> old_weight;
+  };
+  std::vector<Shard> shards;
+  std::vector<rpc::RemoteModuleBase*> modules;
+  std::vector<rpc::RRef<at::Tensor>> old_module_parameters;
 };
 
+// Makes (the restorer) or takes (the others) the lost shards and modules on the new `worker` and
+// binds the handles and the optimizer to them; returns, for the restorer, what it made (for the
+// board) by key.
+std::pair<std::vector<std::string>, std::vector<rpc::RRef<c10::IValue>>> bind_anew(
+    const std::string& worker, bool restorer, DistributedOptimizer& optimizer,
+    const LostParts& lost) {
+  std::vector<std::string> keys;
+  std::vector<rpc::RRef<c10::IValue>> made;
+  std::vector<rpc::RRef<rpc::EmbeddingShard>> shards;
+  for (const LostParts::Shard& l : lost.shards) {
+    shards.push_back(restorer ? l.table->make_shard(l.shard)
+                              : rpc::remote<rpc::EmbeddingShard>(
+                                    worker, kObject, std::tuple{l.table->shard_key(l.shard)}));
+    keys.push_back(l.table->shard_key(l.shard));
+    made.emplace_back(shards.back().handle());
+  }
+  for (rpc::RemoteModuleBase* module : lost.modules) {
+    if (restorer) {
+      made.push_back(module->make_anew());
+    } else {
+      module->bind_to_remote(worker, kObject, module->module_key());
+    }
+    keys.push_back(module->module_key());
+  }
+  for (const auto& shard : shards) shard.confirm();
+  std::vector<rpc::RRef<at::Tensor>> old_params, new_params;
+  for (size_t i = 0; i < lost.shards.size(); ++i) {
+    lost.shards[i].table->rebind_shard(lost.shards[i].shard, shards[i]);
+    old_params.push_back(lost.shards[i].old_weight);
+    new_params.push_back(lost.shards[i].table->remote_parameters()[lost.shards[i].shard]);
+  }
+  std::vector<rpc::RRef<at::Tensor>> module_params;
+  for (rpc::RemoteModuleBase* module : lost.modules) {
+    const std::vector<rpc::RRef<at::Tensor>> params = module->owner_parameters();
+    module_params.insert(module_params.end(), params.begin(), params.end());
+  }
+  TORCH_CHECK_VALUE(module_params.size() == lost.old_module_parameters.size(),
+                    "recover_lost_owners: worker '", worker, "' was lost holding ",
+                    lost.old_module_parameters.size(),
+                    " parameter(s) of the optimizer that are no table's shard; its modules, made "
+                    "anew, have ",
+                    module_params.size());
+  old_params.insert(old_params.end(), lost.old_module_parameters.begin(),
+                    lost.old_module_parameters.end());
+  new_params.insert(new_params.end(), module_params.begin(), module_params.end());
+  optimizer.rebind(old_params, new_params);
+  return {keys, made};
+}
+
 RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOptimizer& optimizer,
-                           const std::vector<LostShard>& lost,
+                           const LostParts& lost,
                            const std::vector<rpc::ShardedEmbeddingBag*>& tables,
                            const RecoveryOptions& options) {
   const Clock::time_point start = Clock::now(), deadline = start + options.timeout();
@@ -199,25 +270,14 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
     if (stale.empty()) std::this_thread::sleep_for(kPoll);
     state = claim(worker, stale);
   }
-  std::vector<rpc::RRef<rpc::EmbeddingShard>> shards;
-  if (state.outcome == kYouRestore) {
-    for (const LostShard& l : lost) shards.push_back(l.table->make_shard(l.shard));
-  } else {
-    for (const LostShard& l : lost) {
-      shards.push_back(rpc::remote<rpc::EmbeddingShard>(worker, kObject,
-                                                        std::tuple{l.table->shard_key(l.shard)}));
-    }
+  if (state.outcome != kYouRestore) {
+    bind_anew(worker, /*restorer=*/false, optimizer, lost);
     if (state.snapshot_step >= 0) result.snapshot_step = state.snapshot_step;
+    result.waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+    return result;
   }
-  for (const auto& shard : shards) shard.confirm();
-  std::vector<rpc::RRef<at::Tensor>> old_weights, new_weights;
-  for (size_t i = 0; i < lost.size(); ++i) {
-    lost[i].table->rebind_shard(lost[i].shard, shards[i]);
-    old_weights.push_back(lost[i].old_weight);
-    new_weights.push_back(lost[i].table->remote_parameters()[lost[i].shard]);
-  }
-  optimizer.rebind(old_weights, new_weights);
-  if (state.outcome == kYouRestore) {
+  try {
+    auto [keys, made] = bind_anew(worker, /*restorer=*/true, optimizer, lost);
     result.restored_here = true;
     const std::optional<SnapshotInfo> latest = options.snapshot_directory().empty()
                                                    ? std::nullopt
@@ -226,15 +286,18 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
       load_snapshot_into(latest->path, optimizer, tables, worker);
       result.snapshot_step = latest->step;
     }
-    std::vector<std::string> keys;
-    std::vector<rpc::RRef<c10::IValue>> published;
-    for (size_t i = 0; i < lost.size(); ++i) {
-      keys.push_back(lost[i].table->shard_key(lost[i].shard));
-      published.emplace_back(shards[i].handle());
+    rpc::rpc_sync<void>(
+        worker, kPublish,
+        std::tuple{rpc::get_worker_info().name, keys, made, result.snapshot_step.value_or(-1)});
+  } catch (...) {
+    // The next trainer that asks restores instead, rather than wait for this one's timeout.
+    try {
+      rpc::rpc_sync<void>(worker, kRelease, std::tuple{rpc::get_worker_info().name});
+    } catch (const c10::Error& error) {
+      TORCH_WARN("recover_lost_owners: could not give back the claim to restore worker '", worker,
+                 "': ", error.what_without_backtrace());
     }
-    rpc::rpc_sync<void>(worker, kPublish,
-                        std::tuple{rpc::get_worker_info().name, keys, published,
-                                   result.snapshot_step.value_or(-1)});
+    throw;
   }
   result.waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
   return result;
@@ -245,35 +308,68 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
 
 std::vector<RecoveredOwner> recover_lost_owners(
     DistributedOptimizer& optimizer, const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-    const RecoveryOptions& options) {
+    const std::vector<rpc::RemoteModuleBase*>& modules, const RecoveryOptions& options) {
   TORCH_CHECK_VALUE(options.timeout().count() > 0, "recover_lost_owners: timeout of ",
                     options.timeout().count(), " ms (must be positive)");
-  // Each owner's process as the optimizer knows it, and how many parameters it holds there.
-  std::map<std::string, std::pair<int, size_t>> owners;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    TORCH_CHECK_VALUE(tables[t] != nullptr, "recover_lost_owners: tables[", t, "] is null");
+  }
+  for (size_t m = 0; m < modules.size(); ++m) {
+    TORCH_CHECK_VALUE(modules[m] != nullptr, "recover_lost_owners: modules[", m, "] is null");
+  }
+  // Each owner's process as the optimizer knows it.
+  std::map<std::string, int> owners;
   for (const rpc::RRef<at::Tensor>& param : optimizer.parameters()) {
     const rpc::WorkerInfo owner = param.owner();
-    auto [it, fresh] = owners.emplace(owner.name, std::pair{owner.id, size_t{0}});
-    ++it->second.second;
+    owners.emplace(owner.name, owner.id);
   }
   std::vector<RecoveredOwner> recovered;
-  for (const auto& [worker, known] : owners) {
-    if (!detail::is_lost(worker, known.first)) continue;
-    std::vector<detail::LostShard> lost;
-    for (size_t t = 0; t < tables.size(); ++t) {
-      TORCH_CHECK_VALUE(tables[t] != nullptr, "recover_lost_owners: tables[", t, "] is null");
-      for (size_t s = 0; s < tables[t]->num_shards(); ++s) {
-        if (tables[t]->options().workers()[s] != worker) continue;
+  for (const auto& [worker, old_id] : owners) {
+    if (!detail::is_lost(worker, old_id)) continue;
+    detail::LostParts lost;
+    std::set<std::string> shard_ids;
+    for (rpc::ShardedEmbeddingBag* table : tables) {
+      for (size_t s = 0; s < table->num_shards(); ++s) {
+        if (table->options().workers()[s] != worker) continue;
         // The shard's weight as the optimizer holds it (remote_parameters keeps it).
-        lost.push_back({tables[t], s, tables[t]->remote_parameters()[s]});
+        lost.shards.push_back({table, s, table->remote_parameters()[s]});
+        shard_ids.insert(rpc::detail::rref_global_id(lost.shards.back().old_weight.handle()));
       }
     }
-    TORCH_CHECK_VALUE(lost.size() == known.second, "recover_lost_owners: worker '", worker,
-                      "' was lost holding ", known.second, " parameter(s) of the optimizer, ",
-                      lost.size(), " of them table shards; only table shards are made anew (",
-                      "give every table whose shards the optimizer steps)");
-    recovered.push_back(detail::recover_one(worker, known.first, optimizer, lost, tables, options));
+    for (const rpc::RRef<at::Tensor>& param : optimizer.parameters()) {
+      if (param.owner().name != worker ||
+          shard_ids.count(rpc::detail::rref_global_id(param.handle())) > 0) {
+        continue;
+      }
+      lost.old_module_parameters.push_back(param);
+    }
+    for (rpc::RemoteModuleBase* module : modules) {
+      if (module->remote_device().worker_name != worker) continue;
+      // Checked before anything is claimed: any trainer may have to make it anew.
+      TORCH_CHECK_VALUE(module->can_make_anew() && !module->remote_device().rank,
+                        "recover_lost_owners: a RemoteModule on '",
+                        module->remote_device().to_string(), "' (worker '", worker,
+                        "', lost) cannot be made anew: ",
+                        module->remote_device().rank
+                            ? "its worker is given by rank"
+                            : "its constructor's arguments are unknown (make_anew_with)");
+      lost.modules.push_back(module);
+    }
+    TORCH_CHECK_VALUE(lost.old_module_parameters.empty() || !lost.modules.empty(),
+                      "recover_lost_owners: worker '", worker, "' was lost holding ",
+                      lost.old_module_parameters.size(),
+                      " parameter(s) of the optimizer that are no table's shard and no module "
+                      "was given for it (give every table whose shards the optimizer steps, and "
+                      "every RemoteModule whose parameters it steps)");
+    recovered.push_back(detail::recover_one(worker, old_id, optimizer, lost, tables, options));
   }
   return recovered;
+}
+
+std::vector<RecoveredOwner> recover_lost_owners(
+    DistributedOptimizer& optimizer, const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+    const RecoveryOptions& options) {
+  return recover_lost_owners(optimizer, tables, {}, options);
 }
 
 }  // namespace dist_optim

@@ -158,13 +158,17 @@ std::vector<int> WorkerGroup::enter() {
     // Set right after its counter: a worker that entered before has written it, or is about to.
     const int rank =
         std::stoi(to_text(store.get(dynamic_key("join/" + std::to_string(n)), deadline)));
-    if (store.check({dynamic_key("left/" + std::to_string(rank))}, deadline)) continue;
     const std::string record =
         to_text(store.get(dynamic_key("rank/" + std::to_string(rank)), deadline));
     const size_t newline = record.find('\n');
     const size_t space = record.rfind(' ');
     TORCH_CHECK_VALUE(newline != std::string::npos && space != std::string::npos && space > newline,
                       "init_rpc: rank ", rank, " published a malformed record '", record, "'");
+    if (store.check({dynamic_key("left/" + std::to_string(rank))}, deadline)) {
+      // Gone, but RRefs it created may still be passed on by those who hold them.
+      table_.add_left(WorkerInfo{record.substr(0, newline), rank});
+      continue;
+    }
     table_.add(WorkerInfo{record.substr(0, newline), rank},
                record.substr(newline + 1, space - newline - 1),
                std::stoi(record.substr(space + 1)));

@@ -67,6 +67,18 @@ void WorkerTable::add(const WorkerInfo& worker, const std::string& host, int por
   std::atomic_store(&snapshot_, std::shared_ptr<const Snapshot>(std::move(next)));
 }
 
+void WorkerTable::add_left(const WorkerInfo& worker) {
+  TORCH_CHECK_VALUE(worker.id >= 0 && worker.id <= kMaxDynamicId, "rpc: worker '", worker.name,
+                    "' has id ", worker.id, ", outside [0, ", kMaxDynamicId, "]");
+  std::lock_guard<std::mutex> lock(write_mutex_);
+  const std::shared_ptr<const Snapshot> current = std::atomic_load(&snapshot_);
+  if (current->find(worker.id) != nullptr) return;
+  auto next = std::make_shared<Snapshot>(*current);
+  if (static_cast<int>(next->entries.size()) <= worker.id) next->entries.resize(worker.id + 1);
+  next->entries[worker.id] = Entry{worker, "", 0, true};
+  std::atomic_store(&snapshot_, std::shared_ptr<const Snapshot>(std::move(next)));
+}
+
 bool WorkerTable::mark_left(int id) {
   std::lock_guard<std::mutex> lock(write_mutex_);
   const std::shared_ptr<const Snapshot> current = std::atomic_load(&snapshot_);

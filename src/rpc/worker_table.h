@@ -81,6 +81,9 @@ class WorkerTable {
   void add(const WorkerInfo& worker, const std::string& host, int port);
   /// `id` left the group; returns whether it was a member that had not left yet.
   bool mark_left(int id);
+  /// Dynamic group: `worker` joined and left before this worker joined. Its id stays known (an
+  /// RRef it created may still be passed on); its name is not its any more. No-op for a known id.
+  void add_left(const WorkerInfo& worker);
 
   /// Whether a connection may prove worker id `id` (the handshake's check): in a static group an
   /// id in [0, world size); in a dynamic one any id in [0, kMaxDynamicId] of a worker that has not

@@ -1,9 +1,11 @@
 // A parameter server SIGKILLed and started again under its name, across real processes on
 // loopback: the trainer's next iteration fails with PeerLostError, recover_lost_owners binds the
-// trainer's table and DistributedOptimizer to the new process and loads that server's part of the
-// latest snapshot, and training goes on. The table and the optimizer's state then equal, bit for
-// bit, a reference trained beside it on the server that lived, whose lost server's rows and state
-// were set back to the snapshot's by hand (public load_weight and load_state_dict).
+// trainer's table, its RemoteModule and its DistributedOptimizer to the new process (making the
+// shard and the module anew there) and loads that server's part of the latest snapshot, and
+// training goes on. The table, the module and the optimizer's state then equal, bit for bit, a
+// reference trained beside it on the server that lived, whose lost server's rows, module and state
+// were set back to the snapshot's by hand (public load_weight and load_state_dict, and a copy into
+// the module's parameters on their owner).
 //
 // Processes (run_ranks): rank 0 "ps0", the dynamic group's store host; rank 1 the first "ps1",
 // which SIGKILLs itself when told; rank 2 the trainer; rank 3 the second "ps1", which joins once
@@ -40,7 +42,7 @@ using rpc::ShardedEmbeddingBag;
 using rpc::ShardedEmbeddingBagOptions;
 using testing::wait_until;
 
-constexpr int64_t kRows = 100, kDim = 6, kBags = 10;
+constexpr int64_t kRows = 100, kDim = 6, kBags = 10, kOut = 2, kHeadSeed = 5;
 constexpr int64_t kSnapshotEvery = 3;
 constexpr int64_t kKillAfter = 7;  // steps done when ps1 dies; the snapshot holds step 6
 constexpr int64_t kSteps = 10;
@@ -54,6 +56,33 @@ ShardedEmbeddingBagOptions table_options(std::vector<std::string> workers) {
 
 optim::OptionBag adagrad() { return optim::OptionBag().set("lr", 0.1).set("lr_decay", 0.05); }
 
+// A module on a server after the table, whose initial parameters are a function of its arguments
+// alone: one made anew on the restarted server starts as the first did.
+struct RestartHead : torch::nn::Module {
+  RestartHead(int64_t in, int64_t out, int64_t seed) {
+    auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(seed));
+    weight = register_parameter("weight", at::randn({out, in}, generator) * 0.3);
+    bias = register_parameter("bias", at::randn({out}, generator) * 0.1);
+  }
+  at::Tensor forward(at::Tensor x) { return at::addmm(bias, x, weight.t()); }
+  at::Tensor weight, bias;
+};
+using Head = rpc::RemoteModule<RestartHead>;
+DISTOPTIM_REMOTE_MODULE(RestartHead, int64_t, int64_t, int64_t);
+
+// Sets a parameter on its owner (the reference's, set back to the snapshot's by hand).
+void assign(rpc::RRef<at::Tensor> param, at::Tensor value) {
+  at::NoGradGuard no_grad;
+  param.local_value().copy_(value);
+}
+
+// The module's parameters as they are now, on this worker.
+std::vector<at::Tensor> values_of(const Head& head) {
+  std::vector<at::Tensor> values;
+  for (const auto& param : head.remote_parameters()) values.push_back(param.to_here());
+  return values;
+}
+
 struct Batch {
   at::Tensor ids, offsets, target;
 };
@@ -61,13 +90,14 @@ Batch batch(int64_t step) {
   auto generator = at::detail::createCPUGenerator(300 + step);
   const at::Tensor random = at::randint(kRows, {3 * kBags - 2}, generator, at::kLong);
   return {at::cat({at::tensor({0, 99}, at::kLong), random}), at::arange(0, 3 * kBags, 3, at::kLong),
-          at::randn({kBags, kDim}, generator)};
+          at::randn({kBags, kOut}, generator)};
 }
 
-void train_step(ShardedEmbeddingBag& table, DistributedOptimizer& optimizer, int64_t step) {
+void train_step(ShardedEmbeddingBag& table, Head& head, DistributedOptimizer& optimizer,
+                int64_t step) {
   const Batch b = batch(step);
   dist_autograd::ContextGuard context;
-  const at::Tensor out = table.forward(b.ids, b.offsets);
+  const at::Tensor out = head.forward(table.forward(b.ids, b.offsets));
   dist_autograd::backward(context.id(), {at::mse_loss(out, b.target)});
   optimizer.step(context.id());
 }
@@ -99,25 +129,37 @@ void train(const std::string& directory) {
       },
       30s));
   ShardedEmbeddingBag table(table_options({"ps0", "ps1"}));
-  DistributedOptimizer optimizer("adagrad", table.remote_parameters(), adagrad());
+  auto head = std::make_shared<Head>("ps1", std::tuple{kDim, kOut, kHeadSeed});
+  const auto parameters_of = [](ShardedEmbeddingBag& t, const Head& h) {
+    std::vector<rpc::RRef<at::Tensor>> params = t.remote_parameters();
+    for (auto& p : h.remote_parameters()) params.push_back(p);
+    return params;
+  };
+  DistributedOptimizer optimizer("adagrad", parameters_of(table, *head), adagrad());
   // Snapshots on demand (save_now), so that the one ps1 is restored from is of step 6 exactly.
   SnapshotSchedule snapshots(SnapshotOptions(directory), optimizer, {&table});
   // The reference: the same table and steps on the server that lives (both shards on ps0).
   ShardedEmbeddingBag reference(table_options({"ps0", "ps0"}));
-  DistributedOptimizer reference_optimizer("adagrad", reference.remote_parameters(), adagrad());
+  Head reference_head("ps0", std::tuple{kDim, kOut, kHeadSeed});
+  DistributedOptimizer reference_optimizer("adagrad", parameters_of(reference, reference_head),
+                                           adagrad());
   at::Tensor reference_rows_at_snapshot;
+  std::vector<at::Tensor> reference_head_at_snapshot;
   std::vector<optim::OptimizerStateDict::State> reference_state_at_snapshot;
   for (int64_t step = 1; step <= kKillAfter; ++step) {
-    train_step(table, optimizer, step);
+    train_step(table, *head, optimizer, step);
     snapshots.step();
-    train_step(reference, reference_optimizer, step);
+    train_step(reference, reference_head, reference_optimizer, step);
     if (step % kSnapshotEvery == 0) {
       ASSERT_EQ(snapshots.save_now(), step);
       reference_rows_at_snapshot = reference.weight();
+      reference_head_at_snapshot = values_of(reference_head);
       reference_state_at_snapshot = states_by_position(reference_optimizer);
     }
   }
-  // ps1 dies; the reference loses what ps1 held since the snapshot: its rows and their state.
+  ASSERT_EQ(reference_state_at_snapshot.size(), 4u);  // the two shards, the head's two
+  // ps1 dies; the reference loses what ps1 held since the snapshot: its rows, the head, and
+  // their state.
   const auto [lost_first, lost_end] = table.shard_rows(1);
   at::Tensor rows = reference.weight();
   rows.slice(0, lost_first, lost_end)
@@ -125,8 +167,13 @@ void train(const std::string& directory) {
   reference.load_weight(rows);
   DistributedOptimizerStateDict state = reference_optimizer.state_dict();
   ASSERT_EQ(state.owners.size(), 1u);
-  state.owners[0].state.state[1] = reference_state_at_snapshot[1];
+  for (size_t p = 1; p < 4; ++p) state.owners[0].state.state[p] = reference_state_at_snapshot[p];
   reference_optimizer.load_state_dict(state);
+  const auto reference_head_params = reference_head.remote_parameters();
+  for (size_t p = 0; p < reference_head_params.size(); ++p) {
+    rpc::rpc_sync<void>("ps0", "server_restart.assign",
+                        std::tuple{reference_head_params[p], reference_head_at_snapshot[p]});
+  }
 
   turns.say("kill_ps1");
   ASSERT_TRUE(wait_until(
@@ -145,29 +192,47 @@ void train(const std::string& directory) {
   // The next iteration fails in its forward, before anything is applied anywhere.
   bool lost = false;
   try {
-    train_step(table, optimizer, kKillAfter + 1);
+    train_step(table, *head, optimizer, kKillAfter + 1);
   } catch (const PeerLostError& e) {
     lost = true;
     EXPECT_NE(std::string(e.what()).find("ps1"), std::string::npos) << e.what();
   }
   ASSERT_TRUE(lost) << "the step after ps1's death did not fail";
   turns.say("ps1_lost");
-  const std::vector<RecoveredOwner> recovered =
-      recover_lost_owners(optimizer, {&table}, RecoveryOptions(directory).timeout(60s));
+  // Without the module, what ps1 held cannot be made anew: refused before anything is claimed.
+  try {
+    recover_lost_owners(optimizer, {&table}, RecoveryOptions(directory).timeout(60s));
+    ADD_FAILURE() << "a recovery without the module was not refused";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("worker 'ps1' was lost holding 2 parameter(s) of the "
+                                         "optimizer that are no table's shard and no module was "
+                                         "given for it"),
+              std::string::npos)
+        << e.what();
+  }
+  const std::vector<RecoveredOwner> recovered = recover_lost_owners(
+      optimizer, {&table}, {head.get()}, RecoveryOptions(directory).timeout(60s));
   ASSERT_EQ(recovered.size(), 1u);
   EXPECT_EQ(recovered[0].worker, "ps1");
   EXPECT_EQ(recovered[0].snapshot_step.value_or(-1), 6);
   EXPECT_TRUE(recovered[0].restored_here);
   EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "second ps1");
   // Nothing else is lost: a second recovery finds no owner to recover.
-  EXPECT_TRUE(recover_lost_owners(optimizer, {&table}, RecoveryOptions(directory)).empty());
+  EXPECT_TRUE(
+      recover_lost_owners(optimizer, {&table}, {head.get()}, RecoveryOptions(directory)).empty());
 
   for (int64_t step = kKillAfter + 1; step <= kSteps; ++step) {
-    train_step(table, optimizer, step);
+    train_step(table, *head, optimizer, step);
     snapshots.step();
-    train_step(reference, reference_optimizer, step);
+    train_step(reference, reference_head, reference_optimizer, step);
   }
   EXPECT_TRUE(at::equal(table.weight(), reference.weight()));
+  const std::vector<at::Tensor> trained_head = values_of(*head);
+  const std::vector<at::Tensor> expected_head = values_of(reference_head);
+  ASSERT_EQ(trained_head.size(), expected_head.size());
+  for (size_t p = 0; p < trained_head.size(); ++p) {
+    EXPECT_TRUE(at::equal(trained_head[p], expected_head[p])) << "head parameter " << p;
+  }
   const auto trained = states_by_position(optimizer);
   const auto expected = states_by_position(reference_optimizer);
   ASSERT_EQ(trained.size(), expected.size());
@@ -186,6 +251,7 @@ void train(const std::string& directory) {
 
 std::string g_name;
 DISTOPTIM_RPC_FUNCTION("server_restart.name", [] { return g_name; });
+DISTOPTIM_RPC_FUNCTION("server_restart.assign", assign);
 
 TEST(ServerRestart, ATrainerBindsToTheRestartedServerWithItsSnapshot) {
   const std::string directory =

@@ -423,6 +423,17 @@ std::string etcd_job(const std::string& what) {
   return what + "-" + std::string(std::getenv("MASTER_PORT"));
 }
 
+// An RRef a worker keeps, and the value of one sent to a worker.
+RRef<int64_t>& kept_rref() {
+  static auto* kept = new RRef<int64_t>();
+  return *kept;
+}
+DISTOPTIM_RPC_FUNCTION("dynamic_keep_rref", [](RRef<int64_t> rref) {
+  kept_rref() = std::move(rref);
+  return kept_rref().to_here();
+});
+DISTOPTIM_RPC_FUNCTION("dynamic_rref_value", [](RRef<int64_t> rref) { return rref.to_here(); });
+
 // The test's own turns, in etcd under a job of their own.
 struct EtcdTurns {
   EtcdTurns()
@@ -458,6 +469,10 @@ TEST(DynamicMembershipOverEtcd, RankZeroIsNotSpecialItDiesAndIsReplacedAndAnyone
           turns.await("a_up");
           init_rpc("ps", 0, etcd_options());
           turns.say("ps_up");
+          // A value on "b", whose reference (created here) "a" keeps past this worker's death.
+          turns.await("b_up");
+          auto on_b = remote<int64_t>("b", "dynamic_add", std::tuple{int64_t{2}, int64_t{3}});
+          EXPECT_EQ(rpc_sync<int64_t>("a", "dynamic_keep_rref", std::tuple{on_b}), 5);
           turns.await("forged");
           ::kill(::getpid(), SIGKILL);
           return;
@@ -485,6 +500,9 @@ TEST(DynamicMembershipOverEtcd, RankZeroIsNotSpecialItDiesAndIsReplacedAndAnyone
           EXPECT_EQ(get_worker_info("ps").id, 3);
           EXPECT_EQ(rpc_sync<std::string>("ps", "dynamic_whoami"), "ps");
           EXPECT_EQ(members_of("ps"), (std::vector<std::string>{"a", "b", "ps"}));
+          // The reference the dead "ps" created passes on to a worker that joined after it died.
+          EXPECT_EQ(rpc_sync<int64_t>("ps", "dynamic_rref_value", std::tuple{kept_rref()}), 5);
+          kept_rref() = RRef<int64_t>();
           // The first to leave, and no member waits for the others.
           shutdown();
           turns.say("a_left");

@@ -20,19 +20,22 @@
 // What a recovery does, for each owner of the optimizer's parameters that is lost (its calls
 // fail as lost, or its name is gone from the group or taken by another process): it waits for a
 // worker of that name to be a member again, then one trainer (the first to ask the new worker)
-// makes the lost table shards there anew, binds its handles and its optimizer to them and loads
-// the owner's part of the newest snapshot in `snapshot_directory` (its rows, and the optimizer
-// state saved with them into this trainer's optimizer); only then does the new worker hand the
-// same shards to the other trainers that ask, whose optimizers start without state there (as a
-// new trainer's would). The cost: every update the owner took since that snapshot (its step is
-// returned), none on the other owners; with no snapshot the shards start from their initial rows.
+// makes the lost table shards and RemoteModules there anew, binds its handles and its optimizer
+// to them and loads the owner's part of the newest snapshot in `snapshot_directory` (its rows and
+// module parameters, and the optimizer state saved with them into this trainer's optimizer);
+// only then does the new worker hand the same shards and modules to the other trainers that ask,
+// whose optimizers start without state there (as a new trainer's would). The cost: every update
+// the owner took since that snapshot (its step is returned), none on the other owners; with no
+// snapshot the shards and modules start from their initial values.
 //
-// Decided: only a ShardedEmbeddingBag's shards are made anew; an owner that also holds other
-// parameters of the optimizer (a RemoteModule's) is refused (c10::ValueError naming it). A
-// shard is known to every handle on its table by its first module's reference id
-// (ShardedEmbeddingBag::shard_key), so a handle built from a rebound shard's references names it
-// differently: hand out the references made before the loss. If the trainer that restores dies
-// before the new worker hands out its shards, the next trainer that asks restores instead.
+// Decided: what a lost owner held is made anew from the trainers' handles alone: a
+// ShardedEmbeddingBag's shards, and RemoteModules whose constructor's arguments the handle
+// knows (RemoteModule::make_anew_with). An owner holding other parameters of the optimizer is
+// refused (c10::ValueError naming it). Each shard and module is known to every handle by its
+// first reference's id (ShardedEmbeddingBag::shard_key, RemoteModule::module_key), so a handle
+// built from a rebound reference names it differently: hand out the references made before the
+// loss. If the trainer that restores dies before the new worker hands out what it made, the next
+// trainer that asks restores instead.
 
 #include <chrono>
 #include <cstdint>
@@ -43,6 +46,7 @@
 #include <torch/arg.h>
 
 #include <distoptim/dist_optim/distributed_optimizer.h>
+#include <distoptim/rpc/remote_module.h>
 #include <distoptim/rpc/sharded_embedding_bag.h>
 
 namespace distoptim {
@@ -69,13 +73,21 @@ struct RecoveredOwner {
   std::chrono::milliseconds waited{0};
 };
 
-/// Binds `optimizer` and `tables` to every lost owner of the optimizer's parameters once it is
-/// back (see the top of this file); returns one entry per owner recovered, none when no owner
-/// was lost. `tables`: every ShardedEmbeddingBag whose shards are among the optimizer's
-/// parameters (as remote_parameters() gave them). Not while another call uses these handles.
-/// Errors: TimeoutError naming the owner that did not come back, or the trainer whose restore
-/// did not finish, within `timeout`; c10::ValueError naming an owner holding parameters that
-/// are no table's shard; the failures of loading the snapshot (load_snapshot's, for that owner).
+/// Binds `optimizer`, `tables` and `modules` to every lost owner of the optimizer's parameters
+/// once it is back (see the top of this file); returns one entry per owner recovered, none when
+/// no owner was lost. `tables`: every ShardedEmbeddingBag whose shards are among the optimizer's
+/// parameters (as remote_parameters() gave them). `modules`: the RemoteModules whose parameters
+/// the optimizer holds; a lost owner's parameters that are no table's shard must be, in the
+/// optimizer's order, those of its modules in the order of `modules`. Not while another call
+/// uses these handles. Errors: TimeoutError naming the owner that did not come back, or the
+/// trainer whose restore did not finish, within `timeout`; c10::ValueError naming an owner
+/// holding parameters that are neither a table's shard nor a module's, or a module that cannot
+/// be made anew (make_anew's errors); the failures of loading the snapshot (load_snapshot's, for
+/// that owner).
+std::vector<RecoveredOwner> recover_lost_owners(
+    DistributedOptimizer& optimizer, const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+    const std::vector<rpc::RemoteModuleBase*>& modules, const RecoveryOptions& options = {});
+/// The same without modules.
 std::vector<RecoveredOwner> recover_lost_owners(
     DistributedOptimizer& optimizer, const std::vector<rpc::ShardedEmbeddingBag*>& tables,
     const RecoveryOptions& options = {});

@@ -24,10 +24,18 @@
 // local copy of the flag follows. save()/load() are refused (save the module on its owner). Only
 // the CPU device is supported (remote_device "worker/cpu", "rank:1/cpu" or "worker").
 //
-// Threading: as RRef; concurrent forwards run concurrently on the owner's request pool.
+// A RemoteModule can be made anew when its owner died and a process was started again under the
+// owner's name (dist_optim/recovery.h does it for a trainer's whole model): make_anew() creates
+// the module there again from its constructor's arguments (kept when it was created with them;
+// given with make_anew_with for one bound to an existing module), bind_to_remote() binds the
+// handle to a module another handle made anew. PyTorch has neither (a lost owner ends its job).
+//
+// Threading: as RRef; concurrent forwards run concurrently on the owner's request pool. Not
+// make_anew, make_anew_with or bind_to_remote while another call uses the handle.
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -43,6 +51,7 @@
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/detail/remote_module.h>
+#include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/rref.h>
 
 namespace distoptim {
@@ -83,9 +92,44 @@ struct RemoteModuleRegistrar {
   }
 };
 
+/// What every RemoteModule<C> offers whatever its class C: what a recovery of its lost owner
+/// needs (dist_optim/recovery.h).
+class RemoteModuleBase : public torch::nn::Module {
+ public:
+  /// Where the module lives.
+  const RemoteDevice& remote_device() const { return device_; }
+  /// Names the module across workers: the id of the reference this handle was created or first
+  /// bound with (kept when it is made anew or bound again), the same on every handle made from
+  /// that reference.
+  const std::string& module_key() const { return key_; }
+  /// remote_parameters(true) of the module as it is now.
+  virtual std::vector<RRef<at::Tensor>> owner_parameters() const = 0;
+  /// Whether make_anew() can make the module anew: its constructor's arguments are known.
+  virtual bool can_make_anew() const = 0;
+  /// Creates the module again from its constructor's arguments on the worker remote_device names
+  /// now (a process started again under a lost owner's name), asynchronously as the constructor
+  /// does, and binds this handle to it; returns its reference, untyped. c10::ValueError naming
+  /// the module when its arguments are unknown (bound to an existing module: see make_anew_with)
+  /// or its device names a rank (a process started again has another).
+  virtual RRef<c10::IValue> make_anew() = 0;
+  /// Binds this handle to the module that `function`(key) returns on `worker`, the module's
+  /// worker by name (a module another handle made anew and handed out, say); checked by
+  /// confirm() of module_rref(). c10::ValueError when `worker` is not remote_device's.
+  virtual void bind_to_remote(const std::string& worker, const std::string& function,
+                              const std::string& key) = 0;
+
+ protected:
+  explicit RemoteModuleBase(RemoteDevice device)
+      : torch::nn::Module("RemoteModule"), device_(std::move(device)) {}
+  void keep_key(const detail::RRefHandle& handle) { key_ = detail::rref_global_id(handle); }
+
+  RemoteDevice device_;
+  std::string key_;
+};
+
 /// A module of class C living on another worker (see the top of this file).
 template <class C>
-class RemoteModule : public torch::nn::Module {
+class RemoteModule : public RemoteModuleBase {
  public:
   /// Creates C(args...) on the worker `remote_device` names (PyTorch's RemoteModule(remote_device,
   /// module_cls, args)). Returns at once; `timeout` bounds the creation. Throws c10::ValueError for
@@ -95,8 +139,9 @@ class RemoteModule : public torch::nn::Module {
   explicit RemoteModule(const std::string& remote_device, std::tuple<Args...> args = {},
                         std::chrono::milliseconds timeout = kDefaultTimeout)
       : RemoteModule(parse_remote_device(remote_device)) {
-    module_rref_ = remote<C>(device_.worker(), detail::remote_module_class_name(typeid(C)),
-                             std::move(args), timeout);
+    make_anew_with(std::move(args), timeout);
+    module_rref_ = make_();
+    keep_key(module_rref_.handle());
   }
 
   /// A RemoteModule over a module that already exists (PyTorch's init_from_module_rref), e.g.
@@ -114,7 +159,39 @@ class RemoteModule : public torch::nn::Module {
                       module->device_.to_string(), "' is not the module's owner '", owner.name,
                       "'");
     module->module_rref_ = std::move(module_rref);
+    module->keep_key(module->module_rref_.handle());
     return module;
+  }
+
+  /// The arguments C's constructor takes to make this module anew (make_anew): for a handle
+  /// bound to an existing module, those it was created with. A RemoteModule created here keeps
+  /// its own.
+  template <class... Args>
+  void make_anew_with(std::tuple<Args...> args,
+                      std::chrono::milliseconds timeout = kDefaultTimeout) {
+    make_ = [device = device_, args = std::move(args), timeout] {
+      return remote<C>(device.worker(), detail::remote_module_class_name(typeid(C)), args, timeout);
+    };
+  }
+  bool can_make_anew() const override { return static_cast<bool>(make_); }
+  RRef<c10::IValue> make_anew() override {
+    TORCH_CHECK_VALUE(make_, "RemoteModule::make_anew: ", describe(),
+                      " was bound to an existing module: give its constructor's arguments with "
+                      "make_anew_with");
+    TORCH_CHECK_VALUE(!device_.rank.has_value(), "RemoteModule::make_anew: ", describe(),
+                      " names its worker by rank; a process started again has another rank: name "
+                      "the worker in remote_device");
+    module_rref_ = make_();
+    return RRef<c10::IValue>(module_rref_.handle());
+  }
+  void bind_to_remote(const std::string& worker, const std::string& function,
+                      const std::string& key) override {
+    TORCH_CHECK_VALUE(device_.worker_name == worker, "RemoteModule::bind_to_remote: ", describe(),
+                      " cannot be bound to a module of worker '", worker, "'");
+    module_rref_ = remote<C>(worker, function, std::tuple{key});
+  }
+  std::vector<RRef<at::Tensor>> owner_parameters() const override {
+    return remote_parameters(true);
   }
 
   /// The module's forward on its owner, with these arguments; blocks for the result (R).
@@ -138,9 +215,6 @@ class RemoteModule : public torch::nn::Module {
   /// The reference to the module on its owner (PyTorch's get_module_rref()).
   const RRef<C>& module_rref() const { return module_rref_; }
   const RRef<C>& get_module_rref() const { return module_rref_; }
-  /// Where the module lives.
-  const RemoteDevice& remote_device() const { return device_; }
-
   /// Sets training mode on the remote module (one RPC), then on this handle.
   void train(bool on = true) override {
     module_rref_.rpc_sync().template method<void>("train", on);
@@ -156,16 +230,15 @@ class RemoteModule : public torch::nn::Module {
   void pretty_print(std::ostream& stream) const override { stream << describe(); }
 
  private:
-  explicit RemoteModule(RemoteDevice device)
-      : torch::nn::Module("RemoteModule"), device_(std::move(device)) {}
+  explicit RemoteModule(RemoteDevice device) : RemoteModuleBase(std::move(device)) {}
 
   std::string describe() const {
     return "RemoteModule(" + detail::remote_module_class_name(typeid(C)) + " on '" +
            device_.to_string() + "')";
   }
 
-  RemoteDevice device_;
   RRef<C> module_rref_;
+  std::function<RRef<C>()> make_;  // creates C(args...) on the worker named by device_
 };
 
 }  // namespace rpc
