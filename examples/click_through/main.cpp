@@ -57,17 +57,26 @@
 //       --out click_through_out
 //
 // Servers that die and come back: with --elastic the first trainer snapshots the servers' state
-// (every 30 s, or --snapshot-every steps) into <out>/snapshots. A server other than the first
-// (which hosts the group) that distrun starts again takes its old name; each trainer's step that
-// failed on the lost server is dropped, and the trainers bind their table and optimizer to the
-// new process, the first of them giving it back its shard from the latest snapshot
+// (every 30 s, or --snapshot-every steps) into <out>/snapshots. A server that distrun starts
+// again takes its old name; each trainer's step that failed on the lost server is dropped, and
+// the trainers bind their table, MLP and optimizer to the new process, the first of them giving
+// it back its shard (and the MLP, on the first server) from the latest snapshot
 // (dist_optim::recover_lost_owners), and go on; what the loss cost (the server's updates since
-// that snapshot, the time until the trainers stepped again) is printed. --kill-server-at STEP
-// makes the last server SIGKILL itself once the trainers have taken STEP steps each:
+// that snapshot, the time until the trainers stepped again) is printed. The first server also
+// keeps the trainer slots: started again, it reads them back from its log, and the trainers'
+// reports wait for it meanwhile. Over the TCP store the first server hosts the group and cannot
+// come back; with the membership in etcd (distrun --rdzv-backend etcd) any server can.
+// --kill-server-at STEP makes the last server (or --kill-server K) SIGKILL itself once the
+// trainers have taken STEP steps each:
 //
 //   build/tools/distrun/distrun --nproc-per-node 4 --restart-policy rank --max-restarts 1 \
 //       build/examples/click_through/click_through --elastic --kill-server-at 300 \
 //       --snapshot-every 100 --out click_through_out
+//   etcd &   # Debian's etcd-server, on 127.0.0.1:2379
+//   build/tools/distrun/distrun --nproc-per-node 4 --restart-policy rank --max-restarts 1 \
+//       --rdzv-backend etcd --rdzv-endpoint 127.0.0.1:2379 \
+//       build/examples/click_through/click_through --elastic --kill-server-at 300 \
+//       --kill-server 0 --snapshot-every 100 --out click_through_out
 
 #include <signal.h>
 
@@ -97,6 +106,7 @@
 #include "metrics.h"
 #include "model.h"
 #include "rpc_worker.h"
+#include "server_recovery.h"
 #include "teacher.h"
 #include "trainer_slots.h"
 
@@ -124,15 +134,10 @@ struct Settings {
   int64_t kill_trainer_at = 0;   // a trainer SIGKILLs itself in this step (once; 0: never)
   int kill_trainer = -1;         // which one, from 0 (-1: the last)
   double trainer_timeout = 300;  // the first server's bound on a trainer slot without a step
-  int64_t kill_server_at = 0;    // the last server SIGKILLs itself after this many steps each
+  int64_t kill_server_at = 0;    // a server SIGKILLs itself after this many steps each (0: never)
+  int kill_server = -1;          // which one, from 0 (-1: the last)
   int64_t snapshot_every = 0;    // --elastic: the first trainer's snapshots (0: every 30 s)
 };
-
-// --elastic: a snapshot of the servers' state every 30 s by default. Its cost is writing the
-// table and its optimizer state once (256 MB at the default 1M x 32 with Adagrad), by the servers,
-// in the background at low priority: every 30 s bounds that to a few MB/s and what a server's
-// death loses to its last 30 s of updates.
-constexpr std::chrono::seconds kDefaultSnapshotPeriod{30};
 
 // Under --elastic the first server creates the model and hands out its references.
 const std::string kFirstServer = "ps0";
@@ -142,9 +147,12 @@ std::atomic<int64_t> samples_trained{0};
 int64_t trained_samples() { return samples_trained.load(); }
 DISTOPTIM_RPC_FUNCTION("click_through.trained_samples", trained_samples);
 
-// Under --elastic the first server publishes the model's references.
+// Under --elastic the first server publishes the model's references; started again, it gets
+// them back from the trainer that restored it.
 DISTOPTIM_RPC_FUNCTION("click_through.shared_model",
                        examples::published<click_through::ClickModel::References>);
+DISTOPTIM_RPC_FUNCTION("click_through.publish_model",
+                       examples::publish<click_through::ClickModel::References>);
 
 struct Evaluation {
   double log_loss;
@@ -210,16 +218,35 @@ void serve(const Settings& s, const std::vector<std::string>& servers, int train
   examples::wait_for_trainers();
   examples::plot_and_report(examples::trainer_slots_plot_commands(), csv,
                             fs::path(s.out) / "loss.png");
+  // The other servers ask this one whether the slots have finished: it leaves after them.
+  examples::wait_until_gone({servers.begin() + 1, servers.end()});
+}
+
+// --elastic, on the first server started again (its membership in etcd): the trainers give it
+// back its shard and the MLP from the latest snapshot, and the first of them its model's
+// references; it serves until every trainer slot has finished, then plots.
+void serve_again(const Settings& s, const std::vector<std::string>& servers) {
+  fmt::print("{}: started again; the trainers restore its shard and the MLP\n", kFirstServer);
+  std::fflush(stdout);
+  examples::wait_for_trainers();
+  examples::plot_and_report(examples::trainer_slots_plot_commands(), fs::path(s.out) / "loss.csv",
+                            fs::path(s.out) / "loss.png");
+  examples::wait_until_gone({servers.begin() + 1, servers.end()});
+}
+
+// The server --kill-server-at kills: --kill-server, else the last.
+int64_t killed_server(const Settings& s) {
+  return s.kill_server < 0 ? s.servers - 1 : s.kill_server;
 }
 
 // --elastic, on the other servers: serving until every trainer slot has finished. With
-// --kill-server-at, the last server SIGKILLs itself once the trainers have taken that many steps
-// each (the first time it runs); distrun --restart-policy rank starts it again, and the trainers
-// bind to it and give it back its shard from the latest snapshot.
+// --kill-server-at, the server it names SIGKILLs itself once the trainers have taken that many
+// steps each (the first time it runs); distrun --restart-policy rank starts it again, and the
+// trainers bind to it and give it back its shard from the latest snapshot.
 void serve_until_trainers_finish(const Settings& s, int rank, int trainers) {
   examples::wait_until_listed(kFirstServer);
   const bool kills_itself =
-      s.kill_server_at > 0 && rank == s.servers - 1 && examples::restart_count() == 0;
+      s.kill_server_at > 0 && rank == killed_server(s) && examples::restart_count() == 0;
   while (!examples::trainer_slots_finished(kFirstServer)) {
     if (kills_itself && examples::recorded_steps(kFirstServer) >= s.kill_server_at * trainers) {
       fmt::print("{}: SIGKILLs itself after {} steps of the trainers (--kill-server-at {})\n",
@@ -232,50 +259,26 @@ void serve_until_trainers_finish(const Settings& s, int rank, int trainers) {
   }
 }
 
-// --elastic: counts a step in the first trainer's snapshot schedule. A snapshot that failed (one
-// written while a server died, say) is abandoned, said, and training goes on: the next one is
-// taken when due.
-void take_snapshot_if_due(distoptim::dist_optim::SnapshotSchedule& snapshots,
-                          const std::string& name, int64_t step) {
-  try {
-    snapshots.step();
-  } catch (const c10::Error& e) {
-    fmt::print("{}: a snapshot begun before step {} was abandoned: {}\n", name, step,
-               examples::one_line(e.what_without_backtrace()));
-    std::fflush(stdout);
-  }
-}
-
 // --elastic: after a step failed because a server was lost, binds `optimizer` and the model's
-// table to the server started in its place (waiting for it) and gives it back its shard from the
-// latest snapshot; says what the loss cost. Rethrows `lost` when no server was lost.
+// table and MLP to the server started in its place and gives it back what it held; the first
+// server also gets back the model's references, which it hands to trainers that join later.
 void recover(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
              distoptim::dist_optim::DistributedOptimizer& optimizer,
              click_through::ClickModel& model, const fs::path& snapshots) {
-  const auto failed_at = Clock::now();
-  fmt::print("{}: step {} failed: {}\n", name, step,
-             examples::one_line(lost.what_without_backtrace()));
-  std::fflush(stdout);
-  const std::vector<distoptim::dist_optim::RecoveredOwner> recovered =
-      distoptim::dist_optim::recover_lost_owners(
-          optimizer, {&model.table()}, distoptim::dist_optim::RecoveryOptions(snapshots.string()));
-  if (recovered.empty()) throw lost;
-  for (const auto& owner : recovered) {
-    // What the loss cost: the server's updates since the snapshot, of every trainer.
-    const std::string from =
-        owner.snapshot_step
-            ? fmt::format(
-                  "the snapshot of step {} (the first trainer's step; this trainer is at "
-                  "step {}: the server's updates since the snapshot are lost)",
-                  *owner.snapshot_step, step)
-            : std::string("no snapshot (its initial rows)");
-    fmt::print(
-        "{}: worker '{}' is back; {} its shard from {}; stepping again {} ms after the "
-        "failed step\n",
-        name, owner.worker, owner.restored_here ? "restored" : "another trainer restored", from,
-        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - failed_at).count());
-  }
-  std::fflush(stdout);
+  examples::recover_servers(
+      name, step, lost, {&optimizer, {&model.table()}, {&model.mlp()}}, snapshots,
+      [&](const std::string& worker) {
+        if (worker != kFirstServer) return;
+        try {
+          rpc::rpc_sync<void>(kFirstServer, "click_through.publish_model",
+                              std::make_tuple(model.references()));
+        } catch (const c10::Error& e) {
+          fmt::print(
+              "{}: could not hand the model's references back to {} (a trainer joining "
+              "later will not get them): {}\n",
+              name, kFirstServer, examples::one_line(e.what_without_backtrace()));
+        }
+      });
 }
 
 // `rank`: the trainer's slot under --elastic.
@@ -301,15 +304,8 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   const fs::path snapshots_dir = fs::path(s.out) / "snapshots";
   std::unique_ptr<distoptim::dist_optim::SnapshotSchedule> snapshots;
   if (s.elastic && trainer == 0) {
-    distoptim::dist_optim::SnapshotOptions schedule(snapshots_dir.string());
-    if (s.snapshot_every > 0) {
-      schedule.every_steps(s.snapshot_every);
-    } else {
-      schedule.every(kDefaultSnapshotPeriod);
-    }
-    snapshots = std::make_unique<distoptim::dist_optim::SnapshotSchedule>(
-        schedule, optimizer, std::vector<const rpc::ShardedEmbeddingBag*>{&model->table()},
-        resume.steps);
+    snapshots = examples::snapshot_schedule(snapshots_dir, s.snapshot_every, optimizer,
+                                            {&model->table()}, resume.steps);
   }
 
   const click_through::Teacher teacher(static_cast<uint64_t>(s.teacher_seed));
@@ -419,7 +415,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         optimizer.step(context.id());
         loss_value = loss.item<double>();
       }
-      if (snapshots) take_snapshot_if_due(*snapshots, name, step);
+      if (snapshots) examples::take_snapshot_if_due(*snapshots, name, step);
       samples_trained += s.batch;
       train_loss_sum += loss_value;
       ++train_loss_count;
@@ -476,9 +472,15 @@ int run_example(const Settings& s) {
                     rank, ")");
   TORCH_CHECK_VALUE(s.kill_trainer < trainers, "--kill-trainer ", s.kill_trainer,
                     " names no trainer: there are ", trainers, " (rank ", rank, ")");
-  TORCH_CHECK_VALUE(s.kill_server_at == 0 || s.servers >= 2, "--kill-server-at ", s.kill_server_at,
-                    " needs --servers 2 or more (the first server hosts the group), got ",
-                    s.servers, " (rank ", rank, ")");
+  TORCH_CHECK_VALUE(s.kill_server < s.servers, "--kill-server ", s.kill_server,
+                    " names no server: there are ", s.servers, " (rank ", rank, ")");
+  const bool membership_in_etcd = env.init_method.has_value();  // etcd:// (distrun's etcd backend)
+  TORCH_CHECK_VALUE(s.kill_server_at == 0 || killed_server(s) > 0 || membership_in_etcd,
+                    "--kill-server-at ", s.kill_server_at,
+                    " on the first server needs the group's membership in etcd (distrun "
+                    "--rdzv-backend etcd): over the TCP store the first server hosts the group "
+                    "and cannot come back (rank ",
+                    rank, ")");
   TORCH_CHECK_VALUE(s.kill_server_at <= s.steps, "--kill-server-at ", s.kill_server_at,
                     " is beyond --steps ", s.steps, " (rank ", rank, ")");
   std::vector<std::string> servers;
@@ -498,7 +500,16 @@ int run_example(const Settings& s) {
         fs::path(s.out) / "loss.csv", static_cast<int>(s.servers), trainers, s.trainer_timeout,
         {kFirstServer, "Click-through model, trainers killed and restarted (--elastic)",
          "training log loss"});
-    examples::run_dynamic_rpc_worker(kFirstServer, 0, [&] { serve(s, servers, trainers); });
+    const bool restarted = examples::restart_count() > 0;
+    if (s.kill_server_at > 0 && killed_server(s) == 0 && !restarted) {
+      examples::kill_at_recorded_steps(s.kill_server_at * trainers);
+    }
+    // Started again (its membership in etcd), it takes its name back under a new rank once the
+    // others have dropped the dead process.
+    examples::run_dynamic_rpc_worker(
+        kFirstServer, restarted ? rpc::kAssignRank : 0,
+        [&] { restarted ? serve_again(s, servers) : serve(s, servers, trainers); },
+        restarted ? std::chrono::minutes(2) : std::chrono::minutes(0));
     return 0;
   }
   if (server) {
@@ -552,12 +563,18 @@ int main(int argc, char** argv) {
       "<out>/loss.csv",
       s.elastic, s.kill_trainer_at, s.kill_trainer, s.trainer_timeout);
   CLI::Option* elastic = app.get_option("--elastic");
-  app.add_option("--kill-server-at", s.kill_server_at,
-                 "the last parameter server SIGKILLs itself once the trainers have taken this "
-                 "many steps each, once (a fault to see a server started again from its "
-                 "snapshot, under distrun --restart-policy rank; 0: never)")
-      ->check(examples::at_least(0))
-      ->needs(elastic);
+  CLI::Option* kill_server_at =
+      app.add_option("--kill-server-at", s.kill_server_at,
+                     "a parameter server (--kill-server) SIGKILLs itself once the trainers have "
+                     "taken this many steps each, once (a fault to see a server started again "
+                     "from its snapshot, under distrun --restart-policy rank; 0: never)")
+          ->check(examples::at_least(0))
+          ->needs(elastic);
+  app.add_option("--kill-server", s.kill_server,
+                 "which server --kill-server-at kills, counted from 0 (-1: the last; 0, the "
+                 "first, needs distrun --rdzv-backend etcd)")
+      ->check(examples::at_least(-1))
+      ->needs(kill_server_at);
   app.add_option("--snapshot-every", s.snapshot_every,
                  "the first trainer snapshots the servers' state every this many steps, into "
                  "<out>/snapshots (0: every 30 s)")

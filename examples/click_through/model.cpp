@@ -91,6 +91,9 @@ ClickModel::ClickModel(const ModelOptions& options, Shards shards, rpc::RRef<Cli
     : options_(options) {
   table_ = std::make_unique<rpc::ShardedEmbeddingBag>(table_options(options), std::move(shards));
   mlp_ = rpc::RemoteModule<ClickMlp>::init_from_module_rref(options.servers[0], std::move(mlp));
+  // What the first server's MLP was created with: a trainer makes it anew from them when that
+  // server is started again (dist_optim::recover_lost_owners).
+  mlp_->make_anew_with(std::tuple{kCategorical * options.dim, kDense, options.seed});
 }
 
 std::unique_ptr<ClickModel> ClickModel::receive(const ModelOptions& options,

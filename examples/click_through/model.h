@@ -71,8 +71,10 @@ class ClickModel {
   /// The table's shards' weights, then the MLP's parameters: for the DistributedOptimizer.
   std::vector<distoptim::rpc::RRef<at::Tensor>> table_parameters() const;
   std::vector<distoptim::rpc::RRef<at::Tensor>> mlp_parameters() const;
-  /// The table's handle (for snapshots and for binding to a server started again).
+  /// The table's and the MLP's handles (for snapshots and for binding to a server started
+  /// again).
   distoptim::rpc::ShardedEmbeddingBag& table() { return *table_; }
+  distoptim::rpc::RemoteModule<ClickMlp>& mlp() { return *mlp_; }
 
  private:
   ClickModel(const ModelOptions& options,

@@ -2,6 +2,8 @@
 
 #include "example_main.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -11,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 #include <tuple>
@@ -39,11 +42,23 @@ class ServerRecord {
     std::lock_guard<std::mutex> lock(mutex_);
     first_rank_ = first_rank;
     names_ = std::move(names);
-    csv_.open(csv);
-    csv_ << "seconds,event,slot,worker,step,global_step,loss\n";
     slots_.assign(static_cast<size_t>(trainers), Slot{});
     for (Slot& slot : slots_) slot.last_seen = start_;
     timeout_seconds_ = timeout_seconds;
+    // A server started again (distrun --restart-policy rank) reads its predecessor's record back
+    // from the log and goes on appending to it.
+    const bool resume = restart_count() > 0 && fs::exists(csv);
+    if (resume) replay(csv);
+    csv_.open(csv, resume ? std::ios::app : std::ios::trunc);
+    TORCH_CHECK(csv_, names_.server, ": cannot write ", csv.string());
+    if (!resume) csv_ << kHeader << "\n";
+    csv_.flush();
+  }
+
+  // Raises SIGKILL in the step that brings the steps recorded to `steps` (0: never).
+  void kill_at_global_step(int64_t steps) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    kill_at_ = steps;
   }
 
   std::tuple<int64_t, int64_t, double, double> join(int64_t slot_rank, const std::string& worker) {
@@ -76,8 +91,14 @@ class ServerRecord {
     slot.samples = samples;
     slot.last_seen = Clock::now();
     ++global_steps_;
-    log(slot.last_seen, "step", slot_rank, worker, step, loss);
+    log(slot.last_seen, "step", slot_rank, worker, step, loss, samples);
     curves_[worker].emplace_back(seconds(start_, slot.last_seen), loss);
+    if (kill_at_ > 0 && global_steps_ >= kill_at_) {
+      fmt::print("{}: SIGKILLs itself after {} steps of the trainers (--kill-server-at)\n",
+                 names_.server, global_steps_);
+      std::fflush(stdout);
+      ::raise(SIGKILL);
+    }
   }
 
   void kill(int64_t slot_rank, const std::string& worker, int64_t step) {
@@ -101,6 +122,7 @@ class ServerRecord {
   void set_held_out_before(double value) {
     std::lock_guard<std::mutex> lock(mutex_);
     held_out_before_ = value;
+    log(Clock::now(), "held_out_before", -1, "", 0, value);
   }
 
   int64_t global_steps() {
@@ -194,15 +216,67 @@ class ServerRecord {
   }
 
   void log(Clock::time_point when, const char* event, int64_t slot, const std::string& worker,
-           int64_t step, double loss) {
-    csv_ << fmt::format("{:.3f},{},{},{},{},{},{}\n", seconds(start_, when), event, slot, worker,
-                        step, global_steps_, std::isnan(loss) ? "" : fmt::format("{:.6f}", loss));
+           int64_t step, double loss, int64_t samples = 0) {
+    csv_ << fmt::format("{:.3f},{},{},{},{},{},{},{}\n", seconds(start_, when), event, slot, worker,
+                        step, global_steps_, std::isnan(loss) ? "" : fmt::format("{:.6f}", loss),
+                        samples);
     csv_.flush();
   }
 
+  // The record as the log `csv` left it, its clock going on from the log's last time; every
+  // unfinished slot counts as seen now (its trainer could not report while no server ran).
+  void replay(const fs::path& csv) {
+    std::ifstream in(csv);
+    std::string line;
+    std::getline(in, line);
+    TORCH_CHECK(line == kHeader, names_.server, ": '", csv.string(),
+                "' is not a trainer slots log");
+    double last_seconds = 0;
+    std::vector<std::pair<Slot*, double>> first_joins;  // seconds into the log
+    while (std::getline(in, line)) {
+      std::vector<std::string> fields;
+      std::stringstream row(line);
+      for (std::string field; std::getline(row, field, ',');) fields.push_back(field);
+      if (fields.size() == 7) fields.emplace_back();  // no samples: an empty last field
+      TORCH_CHECK(fields.size() == 8, names_.server, ": '", csv.string(), "': malformed row '",
+                  line, "'");
+      last_seconds = std::stod(fields[0]);
+      const std::string& event = fields[1];
+      if (event == "held_out_before") {
+        held_out_before_ = std::stod(fields[6]);
+        continue;
+      }
+      Slot& slot = checked(std::stoll(fields[2]), fields[3]);
+      if (event == "join") {
+        if (slot.workers++ == 0) first_joins.emplace_back(&slot, last_seconds);
+        slot.worker = fields[3];
+        joined_.push_back(fields[3]);
+      } else if (event == "step") {
+        slot.steps = std::stoll(fields[4]);
+        slot.samples = fields[7].empty() ? 0 : std::stoll(fields[7]);
+        ++global_steps_;
+        curves_[fields[3]].emplace_back(last_seconds, std::stod(fields[6]));
+      } else if (event == "finish") {
+        slot.finished = true;
+      }
+    }
+    start_ = Clock::now() - std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double>(last_seconds));
+    for (auto& [slot, at] : first_joins) {
+      slot->first_join =
+          start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(at));
+    }
+    for (Slot& slot : slots_) slot.last_seen = Clock::now();
+    fmt::print("{}: started again; the trainer slots resume from its log {}: {} steps recorded\n",
+               names_.server, csv.string(), global_steps_);
+    std::fflush(stdout);
+  }
+
+  static constexpr const char* kHeader = "seconds,event,slot,worker,step,global_step,loss,samples";
+
   std::mutex mutex_;
   std::condition_variable finished_;
-  const Clock::time_point start_ = Clock::now();
+  Clock::time_point start_ = Clock::now();
   std::ofstream csv_;
   std::vector<Slot> slots_;
   std::vector<std::string> joined_;  // every worker that joined, in order
@@ -210,6 +284,7 @@ class ServerRecord {
   double timeout_seconds_ = 0;
   int64_t global_steps_ = 0;
   double held_out_before_ = NAN;
+  int64_t kill_at_ = 0;
   int64_t first_rank_ = 1;
   SlotLog names_;
 };
@@ -256,6 +331,7 @@ void open_trainer_slots(const fs::path& csv, int first_rank, int trainers, doubl
   server_record().open(csv, first_rank, trainers, timeout_seconds, std::move(log));
 }
 void wait_for_trainers() { server_record().wait_for_trainers(); }
+void kill_at_recorded_steps(int64_t steps) { server_record().kill_at_global_step(steps); }
 std::string trainer_slots_plot_commands() { return server_record().plot_commands(); }
 
 // A trainer started with the server may find the group's store up before the server has entered
@@ -276,36 +352,72 @@ void wait_until_listed(const std::string& server) {
   }
 }
 
+void wait_until_gone(const std::vector<std::string>& workers) {
+  const auto deadline = Clock::now() + std::chrono::minutes(2);
+  auto staying = [&] {
+    std::string names;
+    for (const rpc::WorkerInfo& worker : rpc::get_worker_infos()) {
+      if (std::find(workers.begin(), workers.end(), worker.name) == workers.end()) continue;
+      names += (names.empty() ? "'" : ", '") + worker.name + "'";
+    }
+    return names;
+  };
+  for (std::string names = staying(); !names.empty(); names = staying()) {
+    if (Clock::now() > deadline) {
+      throw std::runtime_error("these workers have not left the group within 2 minutes: " + names);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+namespace {
+
+// `function` of the server: a server that is lost (killed, and being started again under its
+// name) is waited for, within 2 minutes, and asked again.
+template <typename R, typename... Args>
+R ask_server(const std::string& server, const char* function, std::tuple<Args...> args) {
+  const auto deadline = Clock::now() + std::chrono::minutes(2);
+  for (;;) {
+    wait_until_listed(server);
+    try {
+      return rpc::rpc_sync<R>(server, function, args);
+    } catch (const distoptim::PeerLostError&) {
+      if (Clock::now() > deadline) throw;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+}
+
+}  // namespace
+
 SlotStart join_slot(const std::string& server, int rank, const std::string& name) {
-  wait_until_listed(server);
   SlotStart start;
   std::tie(start.steps, start.samples, start.seconds, start.held_out_before) =
-      rpc::rpc_sync<std::tuple<int64_t, int64_t, double, double>>(
+      ask_server<std::tuple<int64_t, int64_t, double, double>>(
           server, "examples.slots.join", std::tuple{static_cast<int64_t>(rank), name});
   return start;
 }
 
 void report_step(const std::string& server, int rank, const std::string& name, int64_t step,
                  int64_t samples, double loss) {
-  rpc::rpc_sync<bool>(server, "examples.slots.step",
-                      std::tuple{static_cast<int64_t>(rank), name, step, samples, loss});
+  ask_server<bool>(server, "examples.slots.step",
+                   std::tuple{static_cast<int64_t>(rank), name, step, samples, loss});
 }
 void report_kill(const std::string& server, int rank, const std::string& name, int64_t step) {
-  rpc::rpc_sync<bool>(server, "examples.slots.kill",
-                      std::tuple{static_cast<int64_t>(rank), name, step});
+  ask_server<bool>(server, "examples.slots.kill",
+                   std::tuple{static_cast<int64_t>(rank), name, step});
 }
 void report_finish(const std::string& server, int rank, const std::string& name) {
-  rpc::rpc_sync<bool>(server, "examples.slots.finish",
-                      std::tuple{static_cast<int64_t>(rank), name});
+  ask_server<bool>(server, "examples.slots.finish", std::tuple{static_cast<int64_t>(rank), name});
 }
 void report_held_out_before(const std::string& server, double value) {
-  rpc::rpc_sync<bool>(server, "examples.slots.held_out_before", std::tuple{value});
+  ask_server<bool>(server, "examples.slots.held_out_before", std::tuple{value});
 }
 int64_t recorded_steps(const std::string& server) {
-  return rpc::rpc_sync<int64_t>(server, "examples.slots.steps", std::tuple{});
+  return ask_server<int64_t>(server, "examples.slots.steps", std::tuple{});
 }
 bool trainer_slots_finished(const std::string& server) {
-  return rpc::rpc_sync<bool>(server, "examples.slots.finished", std::tuple{});
+  return ask_server<bool>(server, "examples.slots.finished", std::tuple{});
 }
 
 void add_elastic_options(CLI::App& app, const std::string& elastic_help, bool& elastic,

@@ -8,7 +8,10 @@
 // restarted it: a dead member's rank stays used, and its name frees only once the server has
 // dropped it). The server keeps each slot's progress, so a worker joining a slot continues where
 // the slot stood: its step count, its samples and its time budget. It logs every join, step,
-// announced kill and finish to a CSV, and stops once every slot has finished.
+// announced kill and finish to a CSV (seconds,event,slot,worker,step,global_step,loss,samples),
+// and stops once every slot has finished. The log is the record: a server started again (under
+// distrun --restart-policy rank, its membership in etcd) reads it back and goes on, and the
+// trainers' calls to it wait for it while it is lost.
 //
 // The server's side (one record per process, guarded by one mutex, shared by the RPC handlers and
 // the server's main thread) and the trainers' side (calls to the server, by name).
@@ -24,6 +27,7 @@
 #include <thread>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include <distoptim/rpc.h>
 
@@ -51,9 +55,13 @@ struct SlotLog {
 // --- On the server -----------------------------------------------------------------------------
 
 /// Opens the record of `trainers` slots (ranks first_rank .. first_rank + trainers - 1) and its
-/// log `csv`; before init_rpc.
+/// log `csv`; before init_rpc. A server started again (restart_count() > 0) reads the record back
+/// from `csv` and appends to it.
 void open_trainer_slots(const std::filesystem::path& csv, int first_rank, int trainers,
                         double timeout_seconds, SlotLog log);
+/// The fault --kill-server-at injects on this server: it raises SIGKILL in the step that brings
+/// the steps recorded to `steps`.
+void kill_at_recorded_steps(int64_t steps);
 /// Returns once every slot has finished; throws naming a slot that has shown no sign of life (a
 /// join or a step) for `timeout_seconds`: its trainer died and was not restarted, or hangs.
 void wait_for_trainers();
@@ -64,6 +72,9 @@ std::string trainer_slots_plot_commands();
 
 /// Waits (within 2 minutes) for worker `server` to be listed in the group.
 void wait_until_listed(const std::string& server);
+/// Waits (within 2 minutes) until none of `workers` is listed in the group: a server that the
+/// others ask whether the slots have finished leaves after them (over etcd nobody else waits).
+void wait_until_gone(const std::vector<std::string>& workers);
 /// A value a server publishes once (the model it creates, as references) for the others to fetch
 /// with fetch_when_ready, through an RPC function that is published<T>:
 ///   DISTOPTIM_RPC_FUNCTION("example.shared_model", examples::published<Model::References>);
@@ -109,7 +120,8 @@ T fetch_when_ready(const std::string& server, const std::string& function, const
 /// stands.
 SlotStart join_slot(const std::string& server, int rank, const std::string& name);
 /// Tells the server of a step, of the kill --kill-trainer-at injects, of the slot's end, of the
-/// held-out loss before training. Each blocks for the server's answer.
+/// held-out loss before training. Each blocks for the server's answer; these and the calls below
+/// wait (within 2 minutes) for a server that is lost to be back under its name.
 void report_step(const std::string& server, int rank, const std::string& name, int64_t step,
                  int64_t samples, double loss);
 void report_kill(const std::string& server, int rank, const std::string& name, int64_t step);

@@ -25,6 +25,21 @@
 //   build/tools/distrun/distrun --nproc-per-node 3 --restart-policy rank --max-restarts 1 \
 //       build/examples/rnn_parameter_server/rnn_parameter_server --seconds 60 --elastic \
 //       --kill-trainer-at 50 --out-dir out
+//
+// The server that dies and comes back: with --elastic the first trainer snapshots the server's
+// state (every 30 s, or --snapshot-every steps) into <out-dir>/snapshots. With the group's
+// membership in etcd (distrun --rdzv-backend etcd; over the TCP store the server hosts the group
+// and cannot come back), a server that distrun starts again takes its name, reads the trainer
+// slots back from its log, and the trainers make its modules anew there, the first of them from
+// the latest snapshot (dist_optim::recover_lost_owners), and go on; each says what the loss
+// cost. --kill-server-at STEP makes the server SIGKILL itself once the trainers have taken STEP
+// steps each:
+//
+//   etcd --data-dir /tmp/etcd-data &   # Debian's etcd-server, on 127.0.0.1:2379
+//   build/tools/distrun/distrun --nproc-per-node 3 --restart-policy rank --max-restarts 1 \
+//       --rdzv-backend etcd --rdzv-endpoint 127.0.0.1:2379 \
+//       build/examples/rnn_parameter_server/rnn_parameter_server --seconds 60 --elastic \
+//       --kill-server-at 50 --out-dir out
 
 #include <signal.h>
 
@@ -60,6 +75,7 @@
 #include "gnuplot.h"
 #include "rnn_model.h"
 #include "rpc_worker.h"
+#include "server_recovery.h"
 #include "trainer_slots.h"
 
 namespace {
@@ -88,6 +104,8 @@ struct Settings {
   int64_t kill_trainer_at = 0;   // a trainer SIGKILLs itself in this step (once; 0: never)
   int kill_trainer = -1;         // which one, from 0 (-1: the last)
   double trainer_timeout = 300;  // the server's bound on a trainer slot without a step
+  int64_t kill_server_at = 0;    // the server SIGKILLs itself after this many steps each
+  int64_t snapshot_every = 0;    // --elastic: the first trainer's snapshots (0: every 30 s)
 };
 
 // The corpus's vocabulary as the model's options (each trainer adds its own seed).
@@ -206,8 +224,10 @@ std::string plot_commands(const fs::path& csv) {
       csv.string());
 }
 
-// Under --elastic the server publishes the model every trainer trains.
+// Under --elastic the server publishes the model every trainer trains; started again, it gets
+// the model back from the trainer that restored it.
 DISTOPTIM_RPC_FUNCTION("rnn_ps.shared_model", examples::published<rnn_ps::RNNModel::Shared>);
+DISTOPTIM_RPC_FUNCTION("rnn_ps.publish_model", examples::publish<rnn_ps::RNNModel::Shared>);
 
 // On the server: the shared model, then serving until every trainer slot has finished.
 void serve(const Settings& settings, int trainers, int64_t ntoken) {
@@ -220,6 +240,17 @@ void serve(const Settings& settings, int trainers, int64_t ntoken) {
   examples::wait_for_trainers();
   const fs::path csv = fs::path(settings.out_dir) / "loss.csv";
   examples::plot_and_report(examples::trainer_slots_plot_commands(), csv,
+                            fs::path(settings.out_dir) / "loss.png");
+}
+
+// On the server started again (its membership in etcd): the trainers make its modules anew and
+// give them back their state; it serves until every trainer slot has finished, then plots.
+void serve_again(const Settings& settings) {
+  fmt::print("ps: started again; the trainers restore its modules\n");
+  std::fflush(stdout);
+  examples::wait_for_trainers();
+  examples::plot_and_report(examples::trainer_slots_plot_commands(),
+                            fs::path(settings.out_dir) / "loss.csv",
                             fs::path(settings.out_dir) / "loss.png");
 }
 
@@ -245,13 +276,21 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
   examples::SlotStart resume;
   if (settings.elastic) resume = examples::join_slot("ps", rank, name);
   rnn_ps::RNNModel model =
-      settings.elastic ? rnn_ps::RNNModel("ps", options,
+      settings.elastic ? rnn_ps::RNNModel("ps", model_options(settings, ntoken),
                                           examples::fetch_when_ready<rnn_ps::RNNModel::Shared>(
                                               "ps", "rnn_ps.shared_model", "the shared model"))
                        : rnn_ps::RNNModel("ps", options);
   distoptim::dist_optim::DistributedOptimizer optimizer(
       settings.optimizer, model.parameter_rrefs(),
       distoptim::optim::OptionBag().set("lr", settings.lr));
+  // --elastic: the first trainer snapshots the server's state, from which a server started again
+  // gets back its modules.
+  const fs::path snapshots_dir = fs::path(settings.out_dir) / "snapshots";
+  std::unique_ptr<distoptim::dist_optim::SnapshotSchedule> snapshots;
+  if (settings.elastic && rank == 1) {
+    snapshots = examples::snapshot_schedule(snapshots_dir, settings.snapshot_every, optimizer, {},
+                                            resume.steps);
+  }
 
   const bool reporter = rank == 1;
   if (reporter) {
@@ -311,10 +350,9 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
       // The hidden state carries over, its history does not (the tutorial's repackage).
       hidden = {std::get<0>(hidden).detach(), std::get<1>(hidden).detach()};
       double loss_value;
-      {
+      try {
         distoptim::dist_autograd::ContextGuard context;
         auto [output, next] = model.forward(input, hidden);
-        hidden = next;
         const at::Tensor loss =
             torch::nn::functional::cross_entropy(output.view({-1, ntoken}), target);
         distoptim::dist_autograd::backward(context.id(), {loss});
@@ -325,9 +363,21 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
           ::raise(SIGKILL);
         }
         optimizer.step(context.id());
+        hidden = next;
         loss_value = loss.item<double>();
+      } catch (const distoptim::PeerLostError& lost) {
+        if (!settings.elastic) throw;
+        // The batch is dropped (its step may have reached the server before it died); the
+        // server started again gets back its modules from the latest snapshot.
+        examples::recover_servers(name, step + 1, lost, {&optimizer, {}, model.remote_modules()},
+                                  snapshots_dir, [&](const std::string&) {
+                                    rpc::rpc_sync<void>("ps", "rnn_ps.publish_model",
+                                                        std::make_tuple(model.shared()));
+                                  });
+        continue;
       }
       ++step;
+      if (snapshots) examples::take_snapshot_if_due(*snapshots, name, step);
       if (first_step) {
         first_step = false;
         const auto seconds_since = [&](Clock::time_point t) {
@@ -362,8 +412,13 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
     }
   }
   out.close();
-  if (settings.elastic) {
-    examples::report_finish("ps", rank, name);
+  if (snapshots) {
+    try {
+      snapshots->flush();
+    } catch (const c10::Error& e) {
+      fmt::print("{}: the last snapshot was abandoned: {}\n", name,
+                 examples::one_line(e.what_without_backtrace()));
+    }
   }
   if (reporter) {
     const double t = elapsed();
@@ -382,6 +437,10 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
       examples::plot_and_report(plot_commands(csv), csv, fs::path(settings.out_dir) / "loss.png");
     }
   }
+  // Last: the server serves until every slot has finished, the reporter's evaluation included.
+  if (settings.elastic) {
+    examples::report_finish("ps", rank, name);
+  }
 }
 
 // The server (rank 0) serves the model's remote parts; the trainers train.
@@ -394,6 +453,11 @@ int run_example(const Settings& s) {
                     " (WORLD_SIZE, which distrun sets: --nproc-per-node 2 or more)");
   TORCH_CHECK_VALUE(s.kill_trainer < world_size - 1, "--kill-trainer ", s.kill_trainer,
                     " names no trainer: there are ", world_size - 1, " (rank ", rank, ")");
+  TORCH_CHECK_VALUE(s.kill_server_at == 0 || env.init_method.has_value(), "--kill-server-at ",
+                    s.kill_server_at,
+                    " needs the group's membership in etcd (distrun --rdzv-backend etcd): over "
+                    "the TCP store the server hosts the group and cannot come back (rank ",
+                    rank, ")");
   at::manual_seed(static_cast<uint64_t>(s.seed * 1000 + rank));
   // Read before init_rpc: a joining trainer's time to its first step is the group's, not the
   // disk's.
@@ -413,7 +477,16 @@ int run_example(const Settings& s) {
         fs::path(s.out_dir) / "loss.csv", 1, world_size - 1, s.trainer_timeout,
         {"ps", "RNN language model, trainers killed and restarted (--elastic)",
          "cross-entropy loss"});
-    examples::run_dynamic_rpc_worker("ps", 0, [&] { serve(s, world_size - 1, ntoken); });
+    const bool restarted = examples::restart_count() > 0;
+    if (s.kill_server_at > 0 && !restarted) {
+      examples::kill_at_recorded_steps(s.kill_server_at * (world_size - 1));
+    }
+    // Started again (its membership in etcd), it takes its name back under a new rank once the
+    // trainers have dropped the dead process.
+    examples::run_dynamic_rpc_worker(
+        "ps", restarted ? rpc::kAssignRank : 0,
+        [&] { restarted ? serve_again(s) : serve(s, world_size - 1, ntoken); },
+        restarted ? std::chrono::minutes(2) : std::chrono::minutes(0));
     return 0;
   }
   // A dead member's rank stays used in the group, and its name passes on only once the server
@@ -462,6 +535,18 @@ int main(int argc, char** argv) {
       "restarted trainer continues from it, and from its slot's step; the server logs every "
       "trainer's steps to <out-dir>/loss.csv",
       s.elastic, s.kill_trainer_at, s.kill_trainer, s.trainer_timeout);
+  CLI::Option* elastic = app.get_option("--elastic");
+  app.add_option("--kill-server-at", s.kill_server_at,
+                 "the server SIGKILLs itself once the trainers have taken this many steps each, "
+                 "once (a fault to see it started again from its snapshot, under distrun "
+                 "--restart-policy rank --rdzv-backend etcd; 0: never)")
+      ->check(examples::at_least(0))
+      ->needs(elastic);
+  app.add_option("--snapshot-every", s.snapshot_every,
+                 "the first trainer snapshots the server's state every this many steps, into "
+                 "<out-dir>/snapshots (0: every 30 s)")
+      ->check(examples::at_least(0))
+      ->needs(elastic);
   return examples::run(app, argc, argv,
                        examples::distrun() + " --nproc-per-node 2 " + argv[0] +
                            " --seconds 120 --out-dir rnn_ps_out",

@@ -106,6 +106,25 @@ RNNModel::RNNModel(const std::string& ps, const ModelOptions& options, const Sha
   embedding_ = RemoteModule<EmbeddingTable>::init_from_module_rref(ps, std::get<0>(shared));
   lstm_weights_ = RemoteModule<LstmWeights>::init_from_module_rref(ps, std::get<1>(shared));
   decoder_ = RemoteModule<Decoder>::init_from_module_rref(ps, std::get<2>(shared));
+  // What create_shared made them with: a trainer makes them anew from these when the server is
+  // started again (dist_optim::recover_lost_owners).
+  embedding_->make_anew_with(
+      std::tuple{options.ntoken, options.ninp, options.dropout, options.seed + 1});
+  lstm_weights_->make_anew_with(
+      std::tuple{options.ninp, options.nhid, options.nlayers, options.seed + 3});
+  decoder_->make_anew_with(
+      std::tuple{options.ntoken, options.nhid, options.dropout, options.seed + 2});
+}
+
+std::vector<distoptim::rpc::RemoteModuleBase*> RNNModel::remote_modules() {
+  std::vector<distoptim::rpc::RemoteModuleBase*> modules{embedding_.get()};
+  if (lstm_weights_) modules.push_back(lstm_weights_.get());
+  modules.push_back(decoder_.get());
+  return modules;
+}
+
+RNNModel::Shared RNNModel::shared() const {
+  return {embedding_->module_rref(), lstm_weights_->module_rref(), decoder_->module_rref()};
 }
 
 std::tuple<at::Tensor, RNNModel::Hidden> RNNModel::forward(const at::Tensor& input,

@@ -75,12 +75,19 @@ class RNNModel {
   /// Creates a shared model's modules, LSTM weights included, on worker `ps` (this worker too),
   /// and waits until they exist.
   static Shared create_shared(const std::string& ps, const ModelOptions& options);
-  /// A handle on a shared model (create_shared's result): all its parameters live on `ps`, and
-  /// the LSTM runs here on weights fetched from there every forward.
+  /// A handle on a shared model (create_shared's result, made with `options`): all its
+  /// parameters live on `ps`, and the LSTM runs here on weights fetched from there every
+  /// forward. Its modules can be made anew (RemoteModule::make_anew) as create_shared made them.
   RNNModel(const std::string& ps, const ModelOptions& options, const Shared& shared);
   /// input: tokens (bptt x batch); returns the logits (bptt x batch x ntoken) and the next hidden
   /// state.
   std::tuple<at::Tensor, Hidden> forward(const at::Tensor& input, const Hidden& hidden);
+  /// The server's modules, in the order of their parameters in parameter_rrefs(): for binding
+  /// to a server started again.
+  std::vector<distoptim::rpc::RemoteModuleBase*> remote_modules();
+  /// A shared model's references as they are now (create_shared's result, or its modules made
+  /// anew).
+  Shared shared() const;
   /// The parameters of all three parts, as references (the LSTM's owned by this worker).
   std::vector<RRef<at::Tensor>> parameter_rrefs();
   /// A zero hidden state for `batch` sequences.

@@ -35,8 +35,8 @@ check_restart() {
     grep -q "^distrun: every rank exited with status 0" "$work/run.log" ||
     fail "distrun's summary does not name the restart of rank $slot"
 
-  # The server's log: seconds,event,slot,worker,step,global_step,loss.
-  [[ $(head -1 "$csv") == "seconds,event,slot,worker,step,global_step,loss" ]] ||
+  # The server's log: seconds,event,slot,worker,step,global_step,loss,samples.
+  [[ $(head -1 "$csv") == "seconds,event,slot,worker,step,global_step,loss,samples" ]] ||
     fail "loss.csv header: $(head -1 "$csv")"
   rows() { awk -F, -v e="$1" -v w="$2" '$2 == e && $4 == w' "$csv"; }
   [[ $(rows kill "$killed" | cut -d, -f5) == "$kill_at" ]] || fail "no kill of $killed in step $kill_at"
@@ -69,4 +69,68 @@ check_restart() {
   echo "PASSED: $killed killed in step $kill_at and replaced; the mean loss of the log's first" \
        "$first step(s) $fresh_first, of $killed's $killed_first (all: $killed_mean), the" \
        "replacement's $back_first (all: $back_mean)"
+}
+
+# start_etcd: a real etcd (Debian's /usr/bin/etcd) on loopback for the run, its data in
+# $work/etcd, stopped when the script exits; sets $etcd_endpoint (127.0.0.1:PORT). Free ports are
+# not known in advance: a port taken meanwhile makes etcd exit, and another is tried.
+start_etcd() {
+  etcd_pid=""
+  trap '[[ -n "$etcd_pid" ]] && kill -9 "$etcd_pid" 2> /dev/null; true' EXIT
+  local attempt port
+  for attempt in 1 2 3 4 5; do
+    port=$((20000 + RANDOM % 20000))
+    rm -rf "$work/etcd"
+    /usr/bin/etcd --name=test --data-dir="$work/etcd" \
+      --listen-client-urls="http://127.0.0.1:$port" --advertise-client-urls="http://127.0.0.1:$port" \
+      --listen-peer-urls="http://127.0.0.1:$((port + 1))" \
+      --initial-advertise-peer-urls="http://127.0.0.1:$((port + 1))" \
+      --initial-cluster="test=http://127.0.0.1:$((port + 1))" > "$work/etcd.log" 2>&1 &
+    etcd_pid=$!
+    for _ in $(seq 200); do
+      if grep -q "ready to serve client requests" "$work/etcd.log"; then
+        etcd_endpoint="127.0.0.1:$port"
+        return 0
+      fi
+      kill -0 "$etcd_pid" 2> /dev/null || break
+      sleep 0.05
+    done
+    kill -9 "$etcd_pid" 2> /dev/null || true
+    wait "$etcd_pid" 2> /dev/null || true
+    etcd_pid=""
+  done
+  tail -20 "$work/etcd.log"
+  echo "FAILED: etcd did not start"
+  exit 1
+}
+
+# check_server_restart SERVER RANK KILL_AT TRAINER...: after a run with --kill-server-at KILL_AT
+# in which server SERVER (rank RANK) killed itself and distrun started it again: distrun's summary
+# names the restart of rank RANK, its first run killed by SIGKILL, every rank ended 0; SERVER said
+# it kills itself; each TRAINER says which step failed (naming SERVER) and that SERVER is back,
+# once; exactly one of them restored what SERVER held from a snapshot of a step past 0 and every
+# other bound to it; each TRAINER finished in the server's log $work/out/loss.csv.
+check_server_restart() {
+  local server=$1 rank=$2 kill_at=$3
+  shift 3
+  local log="$work/run.log" trainer
+  grep -q "^distrun: restarted alone (--restart-policy rank): rank $rank 1 time(s)" "$log" &&
+    grep -q "run 1 (pid [0-9]*, DISTRUN_RESTART_COUNT=0): killed by signal SIGKILL" "$log" &&
+    grep -q "^distrun: every rank exited with status 0" "$log" ||
+    fail "distrun's summary does not name the restart of rank $rank ($server)"
+  grep -q "^\[rank $rank\] $server: SIGKILLs itself after [0-9]* steps of the trainers (--kill-server-at" "$log" ||
+    fail "$server did not kill itself"
+  for trainer in "$@"; do
+    grep -q "^\[rank [0-9]*\] $trainer: step [0-9]* failed: .*$server" "$log" ||
+      fail "$trainer's failed step is not named"
+    [[ $(grep -c "^\[rank [0-9]*\] $trainer: worker '$server' is back; " "$log") -eq 1 ]] ||
+      fail "$trainer did not bind to the restarted $server exactly once"
+    [[ $(awk -F, -v w="$trainer" '$2 == "finish" && $4 == w' "$work/out/loss.csv" | wc -l) -eq 1 ]] ||
+      fail "$trainer did not finish in the server's log"
+  done
+  local restored bound
+  restored=$(grep -c "worker '$server' is back; restored what it held from the snapshot of step [1-9][0-9]* (" "$log" || true)
+  bound=$(grep -c "worker '$server' is back; another trainer restored what it held from the snapshot" "$log" || true)
+  [[ $restored -eq 1 && $bound -eq $(($# - 1)) ]] ||
+    fail "not one trainer restoring $server from a snapshot and the others binding to it ($restored, $bound)"
 }

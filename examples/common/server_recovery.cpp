@@ -1,0 +1,68 @@
+#include "server_recovery.h"
+
+#include <cstdio>
+#include <exception>
+
+#include <fmt/core.h>
+
+#include "example_main.h"
+
+namespace examples {
+
+namespace dist_optim = distoptim::dist_optim;
+using Clock = std::chrono::steady_clock;
+
+std::unique_ptr<dist_optim::SnapshotSchedule> snapshot_schedule(
+    const std::filesystem::path& directory, int64_t every_steps,
+    dist_optim::DistributedOptimizer& optimizer,
+    std::vector<const distoptim::rpc::ShardedEmbeddingBag*> tables, int64_t step) {
+  dist_optim::SnapshotOptions schedule(directory.string());
+  if (every_steps > 0) {
+    schedule.every_steps(every_steps);
+  } else {
+    schedule.every(kDefaultSnapshotPeriod);
+  }
+  return std::make_unique<dist_optim::SnapshotSchedule>(schedule, optimizer, std::move(tables),
+                                                        step);
+}
+
+void take_snapshot_if_due(dist_optim::SnapshotSchedule& snapshots, const std::string& name,
+                          int64_t step) {
+  try {
+    snapshots.step();
+  } catch (const c10::Error& e) {
+    fmt::print("{}: a snapshot begun before step {} was abandoned: {}\n", name, step,
+               one_line(e.what_without_backtrace()));
+    std::fflush(stdout);
+  }
+}
+
+void recover_servers(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
+                     const ServerHeld& held, const std::filesystem::path& snapshots,
+                     const std::function<void(const std::string& worker)>& restored) {
+  const auto failed_at = Clock::now();
+  fmt::print("{}: step {} failed: {}\n", name, step, one_line(lost.what_without_backtrace()));
+  std::fflush(stdout);
+  const std::vector<dist_optim::RecoveredOwner> recovered = dist_optim::recover_lost_owners(
+      *held.optimizer, held.tables, held.modules, dist_optim::RecoveryOptions(snapshots.string()));
+  if (recovered.empty()) throw lost;
+  for (const auto& owner : recovered) {
+    if (owner.restored_here && restored) restored(owner.worker);
+    // What the loss cost: the server's updates since the snapshot, of every trainer.
+    const std::string from =
+        owner.snapshot_step
+            ? fmt::format(
+                  "the snapshot of step {} (the first trainer's step; this trainer is at "
+                  "step {}: the server's updates since the snapshot are lost)",
+                  *owner.snapshot_step, step)
+            : std::string("no snapshot (its initial values)");
+    fmt::print(
+        "{}: worker '{}' is back; {} what it held from {}; stepping again {} ms after the "
+        "failed step\n",
+        name, owner.worker, owner.restored_here ? "restored" : "another trainer restored", from,
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - failed_at).count());
+  }
+  std::fflush(stdout);
+}
+
+}  // namespace examples

@@ -1,0 +1,56 @@
+#pragma once
+
+// The parameter-server examples' --elastic mode, servers' side of it: the first trainer snapshots
+// the servers' state on a schedule, and a trainer whose step failed because a server was lost
+// binds its model and optimizer to the server started again in its place and gives it back what
+// it held from the latest snapshot (dist_optim::recover_lost_owners), saying what the loss cost.
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <distoptim/comm/errors.h>
+#include <distoptim/dist_optim/distributed_optimizer.h>
+#include <distoptim/dist_optim/recovery.h>
+#include <distoptim/dist_optim/snapshot.h>
+
+namespace examples {
+
+/// A snapshot every 30 s by default. Its cost is writing the servers' parameters and their
+/// optimizer state once (256 MB for the click-through model's default table with Adagrad), by
+/// the servers, in the background at low priority: every 30 s bounds that to a few MB/s and what
+/// a server's death loses to its last 30 s of updates.
+constexpr std::chrono::seconds kDefaultSnapshotPeriod{30};
+
+/// The first trainer's snapshots of `optimizer`'s parameters into `directory`: every
+/// `every_steps` steps (0: every kDefaultSnapshotPeriod), counted from `step`.
+std::unique_ptr<distoptim::dist_optim::SnapshotSchedule> snapshot_schedule(
+    const std::filesystem::path& directory, int64_t every_steps,
+    distoptim::dist_optim::DistributedOptimizer& optimizer,
+    std::vector<const distoptim::rpc::ShardedEmbeddingBag*> tables, int64_t step);
+
+/// Counts a step in `snapshots`. A snapshot that failed (one written while a server died, say)
+/// is abandoned, said (by worker `name`), and training goes on: the next one is taken when due.
+void take_snapshot_if_due(distoptim::dist_optim::SnapshotSchedule& snapshots,
+                          const std::string& name, int64_t step);
+
+/// What a trainer's model and optimizer hold on the servers, for recover_servers.
+struct ServerHeld {
+  distoptim::dist_optim::DistributedOptimizer* optimizer;
+  std::vector<distoptim::rpc::ShardedEmbeddingBag*> tables;
+  std::vector<distoptim::rpc::RemoteModuleBase*> modules;
+};
+
+/// After worker `name`'s step `step` failed with `lost`: binds `held` to every lost server once
+/// it is back (waiting for it) and gives it back what it held from the latest snapshot in
+/// `snapshots`; prints what the loss cost. `restored(worker)` runs for each server this trainer
+/// restored (to hand the server what it hands out, say). Rethrows `lost` when no server was lost.
+void recover_servers(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
+                     const ServerHeld& held, const std::filesystem::path& snapshots,
+                     const std::function<void(const std::string& worker)>& restored = {});
+
+}  // namespace examples
