@@ -65,6 +65,12 @@ class ServerRecord {
     std::lock_guard<std::mutex> lock(mutex_);
     Slot& slot = checked(slot_rank, worker);
     const auto now = Clock::now();
+    // A report sent again (its answer lost with a server that died, see ask_server) that the
+    // record already holds changes nothing: here, and for steps and finishes below.
+    if (slot.workers > 0 && slot.worker == worker) {
+      slot.last_seen = now;
+      return {slot.steps, slot.samples, seconds(slot.first_join, now), held_out_before_};
+    }
     if (slot.workers == 0) {
       slot.first_join = now;
       fmt::print("{}: {} joined slot {}\n", names_.server, worker, slot_rank);
@@ -87,6 +93,7 @@ class ServerRecord {
             double loss) {
     std::lock_guard<std::mutex> lock(mutex_);
     Slot& slot = checked(slot_rank, worker);
+    if (slot.worker == worker && step <= slot.steps) return;
     slot.steps = step;
     slot.samples = samples;
     slot.last_seen = Clock::now();
@@ -113,6 +120,7 @@ class ServerRecord {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       Slot& slot = checked(slot_rank, worker);
+      if (slot.finished) return;
       slot.finished = true;
       log(Clock::now(), "finish", slot_rank, worker, slot.steps, NAN);
     }
