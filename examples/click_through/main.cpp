@@ -261,14 +261,14 @@ void serve_until_trainers_finish(const Settings& s, int rank, int trainers) {
 
 // --elastic: after a step failed because a server was lost, binds `optimizer` and the model's
 // table and MLP to the server started in its place and gives it back what it held; the first
-// server also gets back the model's references, which it hands to trainers that join later.
+// server gets the model's references as they now are (the restarted server's shard and module
+// among them), which it hands to trainers that join later.
 void recover(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
              distoptim::dist_optim::DistributedOptimizer& optimizer,
              click_through::ClickModel& model, const fs::path& snapshots) {
   examples::recover_servers(
       name, step, lost, {&optimizer, {&model.table()}, {&model.mlp()}}, snapshots,
-      [&](const std::string& worker) {
-        if (worker != kFirstServer) return;
+      [&](const std::string&) {
         try {
           rpc::rpc_sync<void>(kFirstServer, "click_through.publish_model",
                               std::make_tuple(model.references()));

@@ -42,17 +42,19 @@ rpc::ShardedEmbeddingBagOptions table_options(const ModelOptions& options) {
 struct Inbox {
   std::mutex mutex;
   std::condition_variable ready;
-  std::optional<std::pair<Shards, rpc::RRef<ClickMlp>>> model;  // guarded by mutex
+  std::optional<ClickModel::References> model;  // guarded by mutex
 };
 Inbox& inbox() {
   static auto* inbox = new Inbox;
   return *inbox;
 }
 
-bool take_model(Shards shards, rpc::RRef<ClickMlp> mlp) {
+bool take_model(Shards shards, std::vector<std::string> shard_keys, rpc::RRef<ClickMlp> mlp,
+                std::string mlp_key) {
   {
     std::lock_guard<std::mutex> lock(inbox().mutex);
-    inbox().model.emplace(std::move(shards), std::move(mlp));
+    inbox().model.emplace(std::move(shards), std::move(shard_keys), std::move(mlp),
+                          std::move(mlp_key));
   }
   inbox().ready.notify_all();
   return true;
@@ -87,10 +89,12 @@ ClickModel::ClickModel(const ModelOptions& options) : options_(options) {
   mlp_->module_rref().confirm();
 }
 
-ClickModel::ClickModel(const ModelOptions& options, Shards shards, rpc::RRef<ClickMlp> mlp)
-    : options_(options) {
-  table_ = std::make_unique<rpc::ShardedEmbeddingBag>(table_options(options), std::move(shards));
-  mlp_ = rpc::RemoteModule<ClickMlp>::init_from_module_rref(options.servers[0], std::move(mlp));
+ClickModel::ClickModel(const ModelOptions& options, References references) : options_(options) {
+  auto [shards, shard_keys, mlp, mlp_key] = std::move(references);
+  table_ = std::make_unique<rpc::ShardedEmbeddingBag>(table_options(options), std::move(shards),
+                                                      std::move(shard_keys));
+  mlp_ = rpc::RemoteModule<ClickMlp>::init_from_module_rref(options.servers[0], std::move(mlp),
+                                                            mlp_key);
   // What the first server's MLP was created with: a trainer makes it anew from them when that
   // server is started again (dist_optim::recover_lost_owners).
   mlp_->make_anew_with(std::tuple{kCategorical * options.dim, kDense, options.seed});
@@ -101,10 +105,10 @@ std::unique_ptr<ClickModel> ClickModel::receive(const ModelOptions& options,
   std::unique_lock<std::mutex> lock(inbox().mutex);
   TORCH_CHECK(inbox().ready.wait_for(lock, timeout, [] { return inbox().model.has_value(); }),
               "no model arrived from the first trainer within ", timeout.count() / 1000, " s");
-  auto [shards, mlp] = std::move(*inbox().model);
+  References references = std::move(*inbox().model);
   inbox().model.reset();
   lock.unlock();
-  return std::unique_ptr<ClickModel>(new ClickModel(options, std::move(shards), std::move(mlp)));
+  return std::unique_ptr<ClickModel>(new ClickModel(options, std::move(references)));
 }
 
 void ClickModel::share(const std::string& trainer) const {
@@ -112,13 +116,13 @@ void ClickModel::share(const std::string& trainer) const {
 }
 
 ClickModel::References ClickModel::references() const {
-  return {table_->shard_module_rrefs(), mlp_->module_rref()};
+  return {table_->shard_module_rrefs(), table_->shard_keys(), mlp_->module_rref(),
+          mlp_->module_key()};
 }
 
 std::unique_ptr<ClickModel> ClickModel::from_references(const ModelOptions& options,
                                                         References references) {
-  auto [shards, mlp] = std::move(references);
-  return std::unique_ptr<ClickModel>(new ClickModel(options, std::move(shards), std::move(mlp)));
+  return std::unique_ptr<ClickModel>(new ClickModel(options, std::move(references)));
 }
 
 at::Tensor ClickModel::forward(const at::Tensor& ids, const at::Tensor& dense) {

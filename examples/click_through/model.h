@@ -55,10 +55,14 @@ class ClickModel {
   /// Sends this model's references to worker `trainer`, whose receive() takes them.
   void share(const std::string& trainer) const;
 
-  /// The references of the table's shards and of the MLP (what share() sends), for a worker
-  /// that hands them out itself (the first server under --elastic).
-  using References = std::tuple<std::vector<distoptim::rpc::RRef<distoptim::rpc::EmbeddingShard>>,
-                                distoptim::rpc::RRef<ClickMlp>>;
+  /// The references of the table's shards and of the MLP with their keys (what share() sends),
+  /// for a worker that hands them out itself (the first server under --elastic): the shards, the
+  /// table's shard_keys(), the MLP, its module_key(). The keys name the shards and the MLP across
+  /// their owners' restarts, so that a handle made from references handed out after a server
+  /// was restored binds to the server's next incarnation too.
+  using References =
+      std::tuple<std::vector<distoptim::rpc::RRef<distoptim::rpc::EmbeddingShard>>,
+                 std::vector<std::string>, distoptim::rpc::RRef<ClickMlp>, std::string>;
   References references() const;
   /// A handle on the model `references` name.
   static std::unique_ptr<ClickModel> from_references(const ModelOptions& options,
@@ -77,9 +81,7 @@ class ClickModel {
   distoptim::rpc::RemoteModule<ClickMlp>& mlp() { return *mlp_; }
 
  private:
-  ClickModel(const ModelOptions& options,
-             std::vector<distoptim::rpc::RRef<distoptim::rpc::EmbeddingShard>> shards,
-             distoptim::rpc::RRef<ClickMlp> mlp);
+  ClickModel(const ModelOptions& options, References references);
 
   ModelOptions options_;
   std::unique_ptr<distoptim::rpc::ShardedEmbeddingBag> table_;

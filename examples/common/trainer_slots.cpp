@@ -344,6 +344,27 @@ std::string trainer_slots_plot_commands() { return server_record().plot_commands
 
 // A trainer started with the server may find the group's store up before the server has entered
 // the group itself; the server, entering, tells it, so it waits to see it listed.
+bool owners_current(const c10::IValue& value) {
+  if (value.isTuple()) {
+    for (const c10::IValue& item : value.toTupleRef().elements()) {
+      if (!owners_current(item)) return false;
+    }
+  } else if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) {
+      if (!owners_current(item)) return false;
+    }
+  } else if (value.isRRef()) {
+    const distoptim::rpc::WorkerInfo owner =
+        distoptim::rpc::RRef<c10::IValue>(value.toRRef()).owner();
+    try {
+      return distoptim::rpc::get_worker_info(owner.name).id == owner.id;
+    } catch (const c10::ValueError&) {
+      return false;  // no member of that name: not back yet
+    }
+  }
+  return true;
+}
+
 void wait_until_listed(const std::string& server) {
   const auto deadline = Clock::now() + std::chrono::minutes(2);
   auto listed = [&] {

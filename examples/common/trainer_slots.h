@@ -94,15 +94,26 @@ void publish(T value) {
   std::lock_guard<std::mutex> lock(published.mutex);
   published.value = std::move(value);
 }
+/// Whether every RRef in `value` (through tuples and lists) is owned by the process that now
+/// holds its owner's name: false while a server that died is not back and restored.
+bool owners_current(const c10::IValue& value);
+/// The published value; none while some reference in it names a server's process that died (the
+/// trainer that restores the server publishes the value again).
 template <typename T>
 std::optional<T> published() {
   Published<T>& published = Published<T>::instance();
-  std::lock_guard<std::mutex> lock(published.mutex);
-  return published.value;
+  std::optional<T> value;
+  {
+    std::lock_guard<std::mutex> lock(published.mutex);
+    value = published.value;
+  }
+  if (value && !owners_current(distoptim::rpc::to_value(*value))) return std::nullopt;
+  return value;
 }
 
 /// Waits (within 2 minutes) for `server`'s `function` (no arguments, returning std::optional<T>)
-/// to have a value, e.g. the model the server creates once it is up; `what` names it in the error.
+/// to have a value, e.g. the model the server creates once it is up (published<T>: and whose
+/// servers are all up); `what` names it in the error.
 template <typename T>
 T fetch_when_ready(const std::string& server, const std::string& function, const char* what) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
@@ -110,8 +121,9 @@ T fetch_when_ready(const std::string& server, const std::string& function, const
     auto value = distoptim::rpc::rpc_sync<std::optional<T>>(server, function, std::tuple{});
     if (value) return std::move(*value);
     if (std::chrono::steady_clock::now() > deadline) {
-      throw std::runtime_error("the server '" + server + "' has not created " + what +
-                               " within 2 minutes");
+      throw std::runtime_error("the server '" + server + "' has not handed out " + what +
+                               " within 2 minutes (not created, or a server it lives on not "
+                               "back)");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }

@@ -93,7 +93,10 @@ RNNModel::Shared RNNModel::create_shared(const std::string& ps, const ModelOptio
       ps, std::tuple{options.ninp, options.nhid, options.nlayers, options.seed + 3});
   distoptim::rpc::RemoteModule<Decoder> decoder(
       ps, std::tuple{options.ntoken, options.nhid, options.dropout, options.seed + 2});
-  Shared shared{embedding.module_rref(), lstm.module_rref(), decoder.module_rref()};
+  Shared shared{embedding.module_rref(),
+                lstm.module_rref(),
+                decoder.module_rref(),
+                {embedding.module_key(), lstm.module_key(), decoder.module_key()}};
   std::get<0>(shared).confirm();
   std::get<1>(shared).confirm();
   std::get<2>(shared).confirm();
@@ -103,9 +106,13 @@ RNNModel::Shared RNNModel::create_shared(const std::string& ps, const ModelOptio
 RNNModel::RNNModel(const std::string& ps, const ModelOptions& options, const Shared& shared)
     : options_(options) {
   using distoptim::rpc::RemoteModule;
-  embedding_ = RemoteModule<EmbeddingTable>::init_from_module_rref(ps, std::get<0>(shared));
-  lstm_weights_ = RemoteModule<LstmWeights>::init_from_module_rref(ps, std::get<1>(shared));
-  decoder_ = RemoteModule<Decoder>::init_from_module_rref(ps, std::get<2>(shared));
+  const std::vector<std::string>& keys = std::get<3>(shared);
+  TORCH_CHECK_VALUE(keys.size() == 3, "RNNModel: ", keys.size(), " module keys for 3 modules");
+  embedding_ =
+      RemoteModule<EmbeddingTable>::init_from_module_rref(ps, std::get<0>(shared), keys[0]);
+  lstm_weights_ =
+      RemoteModule<LstmWeights>::init_from_module_rref(ps, std::get<1>(shared), keys[1]);
+  decoder_ = RemoteModule<Decoder>::init_from_module_rref(ps, std::get<2>(shared), keys[2]);
   // What create_shared made them with: a trainer makes them anew from these when the server is
   // started again (dist_optim::recover_lost_owners).
   embedding_->make_anew_with(
@@ -124,7 +131,10 @@ std::vector<distoptim::rpc::RemoteModuleBase*> RNNModel::remote_modules() {
 }
 
 RNNModel::Shared RNNModel::shared() const {
-  return {embedding_->module_rref(), lstm_weights_->module_rref(), decoder_->module_rref()};
+  return {embedding_->module_rref(),
+          lstm_weights_->module_rref(),
+          decoder_->module_rref(),
+          {embedding_->module_key(), lstm_weights_->module_key(), decoder_->module_key()}};
 }
 
 std::tuple<at::Tensor, RNNModel::Hidden> RNNModel::forward(const at::Tensor& input,

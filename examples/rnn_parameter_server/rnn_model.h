@@ -67,8 +67,11 @@ struct ModelOptions {
 class RNNModel {
  public:
   using Hidden = std::tuple<at::Tensor, at::Tensor>;
-  /// The server's part of a model that every trainer shares: references to its modules there.
-  using Shared = std::tuple<RRef<EmbeddingTable>, RRef<LstmWeights>, RRef<Decoder>>;
+  /// The server's part of a model that every trainer shares: references to its modules there,
+  /// and their module_key()s, which name them across the server's restarts (so that a handle made
+  /// from references handed out after a restart binds to the server's next incarnation too).
+  using Shared =
+      std::tuple<RRef<EmbeddingTable>, RRef<LstmWeights>, RRef<Decoder>, std::vector<std::string>>;
 
   /// Creates the server's modules on worker `ps` and waits until they exist.
   RNNModel(const std::string& ps, const ModelOptions& options);

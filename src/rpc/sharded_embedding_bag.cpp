@@ -115,28 +115,38 @@ ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& optio
     shards_.push_back(
         RemoteModule<EmbeddingShard>::init_from_module_rref(options.workers()[s], make_shard(s)));
   }
-  name_shards();
+  name_shards({});
 }
 
 ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options,
-                                         std::vector<RRef<EmbeddingShard>> shards)
+                                         std::vector<RRef<EmbeddingShard>> shards,
+                                         std::vector<std::string> shard_keys)
     : torch::nn::Module("ShardedEmbeddingBag"), options_(options) {
   check_and_split();
   TORCH_CHECK_VALUE(shards.size() == options.workers().size(),
                     "ShardedEmbeddingBag: ", shards.size(), " shards for ",
                     options.workers().size(), " workers");
+  TORCH_CHECK_VALUE(shard_keys.empty() || shard_keys.size() == shards.size(),
+                    "ShardedEmbeddingBag: ", shard_keys.size(), " shard keys for ", shards.size(),
+                    " shards");
+  for (size_t s = 0; s < shard_keys.size(); ++s) {
+    TORCH_CHECK_VALUE(!shard_keys[s].empty(), "ShardedEmbeddingBag: shard key ", s, " is empty");
+  }
   for (size_t s = 0; s < shards.size(); ++s) {
     TORCH_CHECK_VALUE(shards[s].defined(), "ShardedEmbeddingBag: shard ", s, " is empty");
     // Checks that the shard's owner is the worker the options name for it.
     shards_.push_back(
         RemoteModule<EmbeddingShard>::init_from_module_rref(options.workers()[s], shards[s]));
   }
-  name_shards();
+  name_shards(std::move(shard_keys));
 }
 
-void ShardedEmbeddingBag::name_shards() {
-  for (const auto& shard : shards_) {
-    keys_.push_back(detail::rref_global_id(shard->module_rref().handle()));
+void ShardedEmbeddingBag::name_shards(std::vector<std::string> keys) {
+  keys_ = std::move(keys);
+  if (keys_.empty()) {
+    for (const auto& shard : shards_) {
+      keys_.push_back(detail::rref_global_id(shard->module_rref().handle()));
+    }
   }
   weights_.resize(shards_.size());
 }

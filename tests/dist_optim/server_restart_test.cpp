@@ -7,15 +7,24 @@
 // were set back to the snapshot's by hand (public load_weight and load_state_dict, and a copy into
 // the module's parameters on their owner).
 //
+// Then ps1 dies a second time, after a second trainer joined with the table's and the module's
+// references and keys as the first trainer holds them after its recovery: the first trainer
+// restores the third ps1 from a snapshot of that moment (nothing lost), and the second binds to
+// it by the keys, which name a shard and a module across any number of its owner's deaths.
+//
 // Processes (run_ranks): rank 0 "ps0", the dynamic group's store host; rank 1 the first "ps1",
 // which SIGKILLs itself when told; rank 2 the trainer; rank 3 the second "ps1", which joins once
-// the first has been dropped.
+// the first has been dropped and SIGKILLs itself when told; rank 4 the second trainer; rank 5 the
+// third "ps1".
 
 #include <signal.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -116,6 +125,125 @@ std::vector<optim::OptimizerStateDict::State> states_by_position(
   return out;
 }
 
+// What the first trainer hands the second: its table's and module's references and keys.
+using References = std::tuple<std::vector<rpc::RRef<rpc::EmbeddingShard>>, std::vector<std::string>,
+                              rpc::RRef<RestartHead>, std::string>;
+std::mutex g_references_mutex;
+std::optional<References> g_references;  // guarded by g_references_mutex
+std::optional<References> references() {
+  std::lock_guard<std::mutex> lock(g_references_mutex);
+  return g_references;
+}
+DISTOPTIM_RPC_FUNCTION("server_restart.references", references);
+
+bool equal_tensors(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!at::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+// Waits until ps1 is lost to this worker (its calls fail as lost, or it was dropped).
+bool wait_for_ps1_lost() {
+  return wait_until(
+      [] {
+        try {
+          rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}, 5s);
+        } catch (const PeerLostError&) {
+          return true;
+        } catch (const c10::ValueError&) {  // already dropped
+          return true;
+        }
+        return false;
+      },
+      60s);
+}
+
+// The second death, on the first trainer (the restorer): a second trainer takes the references
+// and keys and steps once; a snapshot of that moment; ps1 dies; the first trainer restores the
+// third ps1 from it, and the table, the head and this trainer's state are as at the snapshot.
+void second_death(ShardedEmbeddingBag& table, std::shared_ptr<Head>& head,
+                  DistributedOptimizer& optimizer, SnapshotSchedule& snapshots,
+                  const std::string& directory, testing::StoreTurns& turns) {
+  {
+    std::lock_guard<std::mutex> lock(g_references_mutex);
+    g_references = References{table.shard_module_rrefs(), table.shard_keys(), head->module_rref(),
+                              head->module_key()};
+  }
+  turns.say("late_may_join");
+  turns.store->wait({"late_stepped"}, 120s);
+  const int64_t step = snapshots.save_now();
+  const at::Tensor rows = table.weight();
+  const std::vector<at::Tensor> head_values = values_of(*head);
+  const auto states = states_by_position(optimizer);
+  turns.say("kill_ps1_again");
+  ASSERT_TRUE(wait_for_ps1_lost()) << "the second ps1 did not die";
+  turns.say("ps1_lost_again");
+  const std::vector<RecoveredOwner> recovered = recover_lost_owners(
+      optimizer, {&table}, {head.get()}, RecoveryOptions(directory).timeout(60s));
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_TRUE(recovered[0].restored_here);
+  EXPECT_EQ(recovered[0].snapshot_step.value_or(-1), step);
+  EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "third ps1");
+  EXPECT_TRUE(at::equal(table.weight(), rows));
+  EXPECT_TRUE(equal_tensors(values_of(*head), head_values));
+  const auto restored = states_by_position(optimizer);
+  ASSERT_EQ(restored.size(), states.size());
+  for (size_t p = 0; p < states.size(); ++p) {
+    EXPECT_EQ(restored[p].step, states[p].step) << "parameter " << p;
+    for (const auto& [name, buffer] : states[p].buffers) {
+      EXPECT_TRUE(at::equal(restored[p].buffers.at(name), buffer))
+          << "parameter " << p << " " << name;
+    }
+  }
+  turns.say("restored_again");
+  turns.store->wait({"late_done"}, 120s);
+}
+
+// The second trainer: joins with the first trainer's references and keys after ps1's first
+// restart, steps once, and after ps1's second death binds to the third ps1 by the keys.
+void train_late(const std::string& directory) {
+  testing::StoreTurns turns(4, kTurns);
+  turns.store->wait({"late_may_join"}, 240s);
+  std::optional<References> given = rpc::rpc_sync<std::optional<References>>(
+      "trainer", "server_restart.references", std::tuple{});
+  ASSERT_TRUE(given.has_value());
+  auto [shards, shard_keys, head_rref, head_key] = std::move(*given);
+  ShardedEmbeddingBag table(table_options({"ps0", "ps1"}), std::move(shards), shard_keys);
+  EXPECT_EQ(table.shard_keys(), shard_keys);
+  std::shared_ptr<Head> head = Head::init_from_module_rref("ps1", std::move(head_rref), head_key);
+  EXPECT_EQ(head->module_key(), head_key);
+  head->make_anew_with(std::tuple{kDim, kOut, kHeadSeed});
+  std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
+  for (auto& p : head->remote_parameters()) params.push_back(p);
+  DistributedOptimizer optimizer("adagrad", params, adagrad());
+  train_step(table, *head, optimizer, 100);
+  turns.say("late_stepped");
+  turns.store->wait({"restored_again"}, 240s);
+  // Its references name the second ps1, which died: the step fails as lost.
+  bool lost = false;
+  try {
+    train_step(table, *head, optimizer, 101);
+  } catch (const PeerLostError&) {
+    lost = true;
+  }
+  EXPECT_TRUE(lost) << "the second trainer's step after ps1's second death did not fail";
+  const std::vector<RecoveredOwner> recovered = recover_lost_owners(
+      optimizer, {&table}, {head.get()}, RecoveryOptions(directory).timeout(60s));
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_FALSE(recovered[0].restored_here);
+  EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "third ps1");
+  // Bound to what the first trainer restored: one table and one head, seen alike by both.
+  const at::Tensor rows = table.weight();
+  const std::vector<at::Tensor> head_values = values_of(*head);
+  train_step(table, *head, optimizer, 101);
+  EXPECT_FALSE(at::equal(table.weight(), rows)) << "the second trainer's step changed no row";
+  EXPECT_FALSE(equal_tensors(values_of(*head), head_values));
+  turns.say("late_done");
+  rpc::shutdown();
+}
+
 void train(const std::string& directory) {
   testing::StoreTurns turns(2, kTurns);
   ASSERT_TRUE(wait_until(
@@ -176,19 +304,7 @@ void train(const std::string& directory) {
   }
 
   turns.say("kill_ps1");
-  ASSERT_TRUE(wait_until(
-      [] {
-        try {
-          rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}, 5s);
-        } catch (const PeerLostError&) {
-          return true;
-        } catch (const c10::ValueError&) {  // already dropped
-          return true;
-        }
-        return false;
-      },
-      60s))
-      << "ps1 did not die";
+  ASSERT_TRUE(wait_for_ps1_lost()) << "ps1 did not die";
   // The next iteration fails in its forward, before anything is applied anywhere.
   bool lost = false;
   try {
@@ -244,6 +360,7 @@ void train(const std::string& directory) {
           << "parameter " << p << " " << name;
     }
   }
+  second_death(table, head, optimizer, snapshots, directory, turns);
   snapshots.flush();
   turns.say("done");
   rpc::shutdown();
@@ -258,9 +375,9 @@ TEST(ServerRestart, ATrainerBindsToTheRestartedServerWithItsSnapshot) {
       (fs::temp_directory_path() / ("server_restart_" + std::to_string(::getpid()))).string();
   testing::RunRanksOptions run;
   run.deadline = 300s;
-  run.expected_signals = {{1, SIGKILL}};
+  run.expected_signals = {{1, SIGKILL}, {3, SIGKILL}};
   testing::run_ranks(
-      4,
+      6,
       [&directory](int rank, int) {
         if (rank == 0) {
           g_name = "ps0";
@@ -283,11 +400,21 @@ TEST(ServerRestart, ATrainerBindsToTheRestartedServerWithItsSnapshot) {
           train(directory);
           return;
         }
-        // The restarted server: started once the trainer has seen the first one lost, it takes
-        // the name once the store's host has dropped the dead process (name_wait).
-        g_name = "second ps1";
-        turns.store->wait({"ps1_lost"}, 240s);
+        if (rank == 4) {
+          rpc::init_rpc("trainer2", rpc::kAssignRank, options());
+          train_late(directory);
+          return;
+        }
+        // The restarted servers: each started once the trainer has seen the one before lost, it
+        // takes the name once the store's host has dropped the dead process (name_wait).
+        g_name = rank == 3 ? "second ps1" : "third ps1";
+        turns.store->wait({rank == 3 ? "ps1_lost" : "ps1_lost_again"}, 240s);
         rpc::init_rpc("ps1", rpc::kAssignRank, options().name_wait(60s));
+        if (rank == 3) {
+          turns.store->wait({"kill_ps1_again"}, 240s);
+          ::kill(::getpid(), SIGKILL);
+          return;
+        }
         turns.store->wait({"done"}, 240s);
         rpc::shutdown();
       },

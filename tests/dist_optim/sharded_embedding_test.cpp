@@ -145,6 +145,10 @@ TEST(ShardedEmbeddingBag, HandlesFromShardModuleRrefsShareTheTable) {
     EXPECT_EQ(shards[1].owner_name(), worker(2));
     ShardedEmbeddingBag second(options, shards);
     EXPECT_EQ(second.shard_rows(1), first.shard_rows(1));
+    // Without keys, a handle names each shard by its reference, as the first does; with keys,
+    // by those it is given.
+    EXPECT_EQ(second.shard_keys(), first.shard_keys());
+    EXPECT_EQ(ShardedEmbeddingBag(options, shards, {"a", "b"}).shard_key(1), "b");
     EXPECT_EQ(second.remote_parameters().size(), 2u);
 
     // A step through the second handle moves the rows the first one and a handle on worker 3
@@ -174,6 +178,13 @@ TEST(ShardedEmbeddingBag, HandlesFromShardModuleRrefsShareTheTable) {
                               shards);
         },
         {"is not the module's owner"});
+    testing::expect_error_containing([&] { ShardedEmbeddingBag(options, shards, {"a"}); },
+                                     {"1 shard keys for 2 shards"});
+    testing::expect_error_containing(
+        [&] {
+          ShardedEmbeddingBag(options, shards, {"a", ""});
+        },
+        {"shard key 1 is empty"});
   });
 }
 

@@ -145,10 +145,14 @@ class RemoteModule : public RemoteModuleBase {
   }
 
   /// A RemoteModule over a module that already exists (PyTorch's init_from_module_rref), e.g.
-  /// one another worker created and sent: several RemoteModules may share one module. Throws
+  /// one another worker created and sent: several RemoteModules may share one module.
+  /// `module_key`: the sending handle's module_key(), which a module made anew after its owner
+  /// was lost keeps; give it with the reference, so that this handle too binds to the module's
+  /// next incarnation (empty: the reference's id, right until the module is made anew). Throws
   /// c10::ValueError if `module_rref` is empty or owned by another worker than remote_device's.
   static std::shared_ptr<RemoteModule> init_from_module_rref(const std::string& remote_device,
-                                                             RRef<C> module_rref) {
+                                                             RRef<C> module_rref,
+                                                             const std::string& module_key = {}) {
     std::shared_ptr<RemoteModule> module(new RemoteModule(parse_remote_device(remote_device)));
     TORCH_CHECK_VALUE(module_rref.defined(),
                       "RemoteModule::init_from_module_rref: module_rref is "
@@ -159,7 +163,8 @@ class RemoteModule : public RemoteModuleBase {
                       module->device_.to_string(), "' is not the module's owner '", owner.name,
                       "'");
     module->module_rref_ = std::move(module_rref);
-    module->keep_key(module->module_rref_.handle());
+    module->key_ =
+        module_key.empty() ? detail::rref_global_id(module->module_rref_.handle()) : module_key;
     return module;
   }
 

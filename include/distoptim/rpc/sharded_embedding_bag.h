@@ -87,11 +87,15 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   explicit ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options);
   /// A second handle on a table that exists (RemoteModule's init_from_module_rref, for every
   /// shard): `shards` are another handle's shard_module_rrefs(), `options` the options it was
-  /// built with, so several trainers look up and train one table. Creates nothing. Throws
-  /// c10::ValueError when the number of shards differs from options.workers()' or a shard is
-  /// empty or not owned by its worker there.
+  /// built with, so several trainers look up and train one table. `shard_keys` are that handle's
+  /// shard_keys(), which a shard made anew after its owner was lost keeps (dist_optim/recovery.h):
+  /// give them with the references, so that this handle too binds to the shard's next
+  /// incarnation; empty, each shard's key is its reference's id (right until a shard is made
+  /// anew). Creates nothing. Throws c10::ValueError when the number of shards or keys differs from
+  /// options.workers()', a shard is empty or not owned by its worker there, or a key is empty.
   ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options,
-                      std::vector<RRef<EmbeddingShard>> shards);
+                      std::vector<RRef<EmbeddingShard>> shards,
+                      std::vector<std::string> shard_keys = {});
 
   /// `input`: 1-D ids with `offsets` (each bag's start), or 2-D [bags, ids per bag] without.
   /// `per_sample_weights` as LibTorch's (sum mode only). Returns [bags, embedding_dim].
@@ -123,6 +127,8 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   /// A name of shard `shard` that every handle on this table, on every worker, gives: the id of
   /// the reference to its first module. A rebound shard keeps it.
   const std::string& shard_key(size_t shard) const;
+  /// Every shard's shard_key, in shard order: to send with shard_module_rrefs().
+  const std::vector<std::string>& shard_keys() const { return keys_; }
   /// Creates shard `shard` anew on its worker, its rows as a new table's (from the seed), and
   /// returns the reference to it; the handle is not changed.
   RRef<EmbeddingShard> make_shard(size_t shard) const;
@@ -143,8 +149,8 @@ class ShardedEmbeddingBag : public torch::nn::Module {
 
   /// Checks the options and computes first_rows_.
   void check_and_split();
-  /// Fills keys_ from the shards' references, sizes weights_.
-  void name_shards();
+  /// Fills keys_ with `keys`, or from the shards' references when empty; sizes weights_.
+  void name_shards(std::vector<std::string> keys);
 };
 
 }  // namespace rpc
