@@ -309,12 +309,17 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   }
 
   const click_through::Teacher teacher(static_cast<uint64_t>(s.teacher_seed));
-  // A restarted trainer draws batches of its own, not its predecessor's again (which the model
-  // has fitted). The generator keeps only the low 32 bits of its seed: the restarts move those.
+  // Each step of each trainer slot has a batch of its own, drawn from (seed, slot, step) alone:
+  // a restarted trainer draws the batches of the steps its predecessor did not take, and a run
+  // with deaths trains on the batches of one without (less those of the steps that failed).
   const int restarts = examples::restart_count();
-  auto generator =
-      at::detail::createCPUGenerator(static_cast<uint64_t>(s.seed * 1000 + 1 + trainer) +
-                                     static_cast<uint64_t>(restarts) * 0x9E3779B9u);
+  const auto batch_of_step = [&](int64_t step) {
+    // The generator keeps only the low 32 bits of its seed: the slot and the step move those.
+    auto generator = at::detail::createCPUGenerator(
+        static_cast<uint64_t>(s.seed) * 0x9E3779B1u +
+        static_cast<uint64_t>(trainer + 1) * 0x85EBCA77u + static_cast<uint64_t>(step));
+    return teacher.draw(s.batch, generator);
+  };
   click_through::Batch held_out;
   double teacher_loss = NAN, teacher_auc = NAN;
   std::ofstream csv_out;
@@ -398,7 +403,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
                             trainer == (s.kill_trainer < 0 ? trainers - 1 : s.kill_trainer) &&
                             restarts == 0;
   for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
-    const click_through::Batch batch = teacher.draw(s.batch, generator);
+    const click_through::Batch batch = batch_of_step(step);
     try {
       double loss_value;
       {
@@ -421,7 +426,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       ++train_loss_count;
       if (s.elastic)
         examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
-      if (reporter && (step % eval_every == 0 || step == s.steps)) report(step);
+      if (reporter && step % eval_every == 0 && step < s.steps) report(step);
     } catch (const distoptim::PeerLostError& lost) {
       if (!s.elastic) throw;
       // The batch is dropped: its step may have reached the servers that lived.
@@ -438,6 +443,18 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   }
 
   if (reporter) {
+    // The last evaluation, of the model every trainer has trained (under --elastic, once the
+    // other slots have finished): a server lost meanwhile is recovered first.
+    if (s.elastic) examples::wait_for_other_slots(kFirstServer, rank, s.trainer_timeout);
+    for (;;) {
+      try {
+        report(s.steps);
+        break;
+      } catch (const distoptim::PeerLostError& lost) {
+        if (!s.elastic) throw;
+        recover(name, s.steps, lost, optimizer, *model, snapshots_dir);
+      }
+    }
     csv_out.close();
     const double gap = first.log_loss - teacher_loss;
     const std::string first_auc =

@@ -11,6 +11,8 @@ namespace examples {
 
 namespace dist_optim = distoptim::dist_optim;
 using Clock = std::chrono::steady_clock;
+// How long a trainer goes on recovering servers that die while being restored.
+constexpr std::chrono::minutes kRecoveryDeadline{3};
 
 std::unique_ptr<dist_optim::SnapshotSchedule> snapshot_schedule(
     const std::filesystem::path& directory, int64_t every_steps,
@@ -43,11 +45,25 @@ void recover_servers(const std::string& name, int64_t step, const distoptim::Pee
   const auto failed_at = Clock::now();
   fmt::print("{}: step {} failed: {}\n", name, step, one_line(lost.what_without_backtrace()));
   std::fflush(stdout);
-  const std::vector<dist_optim::RecoveredOwner> recovered = dist_optim::recover_lost_owners(
-      *held.optimizer, held.tables, held.modules, dist_optim::RecoveryOptions(snapshots.string()));
+  // A server that dies while being restored, or another one meanwhile, fails the recovery as
+  // lost: it is recovered again, as long as the servers come back within the deadline.
+  const auto deadline = failed_at + kRecoveryDeadline;
+  std::vector<dist_optim::RecoveredOwner> recovered;
+  for (;;) {
+    try {
+      recovered = dist_optim::recover_lost_owners(*held.optimizer, held.tables, held.modules,
+                                                  dist_optim::RecoveryOptions(snapshots.string()));
+      break;
+    } catch (const distoptim::PeerLostError& again) {
+      if (Clock::now() > deadline) throw;
+      fmt::print("{}: recovering after step {}, a server was lost again ({}); recovering anew\n",
+                 name, step, one_line(again.what_without_backtrace()));
+      std::fflush(stdout);
+    }
+  }
   if (recovered.empty()) throw lost;
   for (const auto& owner : recovered) {
-    if (owner.restored_here && restored) restored(owner.worker);
+    if (restored) restored(owner.worker);
     // What the loss cost: the server's updates since the snapshot, of every trainer.
     const std::string from =
         owner.snapshot_step

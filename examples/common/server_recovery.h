@@ -47,8 +47,10 @@ struct ServerHeld {
 
 /// After worker `name`'s step `step` failed with `lost`: binds `held` to every lost server once
 /// it is back (waiting for it) and gives it back what it held from the latest snapshot in
-/// `snapshots`; prints what the loss cost. `restored(worker)` runs for each server this trainer
-/// restored (to hand the server what it hands out, say). Rethrows `lost` when no server was lost.
+/// `snapshots`; prints what the loss cost. A server lost again meanwhile is recovered again, for
+/// up to 3 minutes. `restored(worker)` runs for each server bound again, whoever restored it (to
+/// hand out the model's references as they now are, say: every trainer does, so that the last to
+/// do so names each server's newest objects). Rethrows `lost` when no server was lost.
 void recover_servers(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
                      const ServerHeld& held, const std::filesystem::path& snapshots,
                      const std::function<void(const std::string& worker)>& restored = {});

@@ -142,6 +142,14 @@ class ServerRecord {
     return !slots_.empty() && std::all_of(slots_.begin(), slots_.end(),
                                           [](const Slot& slot) { return slot.finished; });
   }
+  // Whether every slot but the one of rank `rank` has finished.
+  bool others_finished(int64_t rank) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      if (static_cast<int64_t>(i) + first_rank_ != rank && !slots_[i].finished) return false;
+    }
+    return true;
+  }
 
   // Returns once every slot has finished; throws naming a slot that has shown no sign of life
   // (a join or a step) for timeout_seconds_: its trainer died and was not restarted, or hangs.
@@ -323,6 +331,7 @@ bool record_held_out_before(double value) {
 }
 int64_t recorded_steps_here() { return server_record().global_steps(); }
 bool all_finished_here() { return server_record().all_finished(); }
+bool others_finished_here(int64_t rank) { return server_record().others_finished(rank); }
 
 }  // namespace
 
@@ -333,6 +342,7 @@ DISTOPTIM_RPC_FUNCTION("examples.slots.finish", record_finish);
 DISTOPTIM_RPC_FUNCTION("examples.slots.held_out_before", record_held_out_before);
 DISTOPTIM_RPC_FUNCTION("examples.slots.steps", recorded_steps_here);
 DISTOPTIM_RPC_FUNCTION("examples.slots.finished", all_finished_here);
+DISTOPTIM_RPC_FUNCTION("examples.slots.others_finished", others_finished_here);
 
 void open_trainer_slots(const fs::path& csv, int first_rank, int trainers, double timeout_seconds,
                         SlotLog log) {
@@ -412,8 +422,10 @@ R ask_server(const std::string& server, const char* function, std::tuple<Args...
       return rpc::rpc_sync<R>(server, function, args);
     } catch (const distoptim::PeerLostError&) {
       if (Clock::now() > deadline) throw;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    } catch (const c10::ValueError&) {  // dropped since it was listed
+      if (Clock::now() > deadline) throw;
     }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
 }
 
@@ -447,6 +459,25 @@ int64_t recorded_steps(const std::string& server) {
 }
 bool trainer_slots_finished(const std::string& server) {
   return ask_server<bool>(server, "examples.slots.finished", std::tuple{});
+}
+void wait_for_other_slots(const std::string& server, int rank, double timeout_seconds) {
+  int64_t steps = recorded_steps(server);
+  auto progressed = Clock::now();
+  while (!ask_server<bool>(server, "examples.slots.others_finished",
+                           std::tuple{static_cast<int64_t>(rank)})) {
+    const int64_t now = recorded_steps(server);
+    if (now != steps) {
+      steps = now;
+      progressed = Clock::now();
+    }
+    if (std::chrono::duration<double>(Clock::now() - progressed).count() > timeout_seconds) {
+      throw std::runtime_error(fmt::format(
+          "slot {}: the other trainer slots of '{}' have not finished, and no step was recorded "
+          "there for {} s",
+          rank, server, timeout_seconds));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
 }
 
 void add_elastic_options(CLI::App& app, const std::string& elastic_help, bool& elastic,

@@ -118,7 +118,13 @@ template <typename T>
 T fetch_when_ready(const std::string& server, const std::string& function, const char* what) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
   for (;;) {
-    auto value = distoptim::rpc::rpc_sync<std::optional<T>>(server, function, std::tuple{});
+    std::optional<T> value;
+    try {
+      wait_until_listed(server);
+      value = distoptim::rpc::rpc_sync<std::optional<T>>(server, function, std::tuple{});
+    } catch (const distoptim::PeerLostError&) {  // lost: asked again once it is back
+    } catch (const c10::ValueError&) {           // dropped since it was listed
+    }
     if (value) return std::move(*value);
     if (std::chrono::steady_clock::now() > deadline) {
       throw std::runtime_error("the server '" + server + "' has not handed out " + what +
@@ -143,6 +149,9 @@ void report_held_out_before(const std::string& server, double value);
 int64_t recorded_steps(const std::string& server);
 /// Whether every slot of the server has finished (for workers that serve until then).
 bool trainer_slots_finished(const std::string& server);
+/// Waits until every slot of `server` but slot `rank` has finished (a final evaluation of the
+/// model all trained, say); throws once no step has been recorded there for `timeout_seconds`.
+void wait_for_other_slots(const std::string& server, int rank, double timeout_seconds);
 
 /// The options --elastic (described by `elastic_help`), --kill-trainer-at and --trainer-timeout
 /// (both need --elastic) and --kill-trainer (needs --kill-trainer-at: which trainer it kills,

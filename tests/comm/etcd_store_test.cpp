@@ -4,12 +4,14 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -228,6 +230,110 @@ TEST_F(EtcdStoreOps, MissingKeyTimesOutNamingKeyAndEndpoint) {
     EXPECT_NE(message.find(shared_etcd->endpoint()), std::string::npos) << message;
   }
   EXPECT_LT(Clock::now() - start, kHangBound);
+}
+
+// A relay in front of the real etcd that passes each connection's first request and its answer,
+// and resets the connection (SO_LINGER 0) when a second request arrives on it, unread: what a
+// client sees when the server closed a kept-alive connection meanwhile, as its next request is
+// sent.
+class ResetsSecondRequests {
+ public:
+  explicit ResetsSecondRequests(const std::string& etcd_endpoint) {
+    const auto colon = etcd_endpoint.rfind(':');
+    etcd_port_ = std::stoi(etcd_endpoint.substr(colon + 1));
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof addr;
+    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    EXPECT_EQ(::listen(fd_, 16), 0);
+    EXPECT_EQ(::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &length), 0);
+    port_ = ntohs(addr.sin_port);
+    acceptor_ = std::thread([this] { accept_all(); });
+  }
+  ~ResetsSecondRequests() {
+    stopping_ = true;
+    ::shutdown(fd_, SHUT_RDWR);
+    acceptor_.join();
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (std::thread& relay : relays_) relay.join();
+    ::close(fd_);
+  }
+  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+  int connections() const { return connections_; }
+  int resets() const { return resets_; }
+
+ private:
+  void accept_all() {
+    while (!stopping_) {
+      const int client = ::accept(fd_, nullptr, nullptr);
+      if (client < 0) return;
+      ++connections_;
+      std::lock_guard<std::mutex> lock(mutex_);
+      relays_.emplace_back([this, client] { relay(client); });
+    }
+  }
+  void relay(int client) {
+    const int server = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(etcd_port_));
+    if (::connect(server, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      ::close(client);
+      ::close(server);
+      return;
+    }
+    bool answered = false;  // etcd has sent bytes back: the next request is a second one
+    char buffer[65536];
+    while (!stopping_) {
+      pollfd fds[2] = {{client, POLLIN, 0}, {server, POLLIN, 0}};
+      if (::poll(fds, 2, 100) < 0) break;
+      if (fds[0].revents != 0) {
+        if (answered) {
+          const linger reset{1, 0};
+          ::setsockopt(client, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+          ++resets_;
+          break;
+        }
+        const ssize_t n = ::recv(client, buffer, sizeof buffer, 0);
+        if (n <= 0 || ::send(server, buffer, static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
+      }
+      if (fds[1].revents != 0) {
+        const ssize_t n = ::recv(server, buffer, sizeof buffer, 0);
+        if (n <= 0 || ::send(client, buffer, static_cast<size_t>(n), MSG_NOSIGNAL) != n) break;
+        answered = true;
+      }
+    }
+    ::close(client);
+    ::close(server);
+  }
+
+  int etcd_port_ = 0;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> connections_{0};
+  std::atomic<int> resets_{0};
+  std::mutex mutex_;
+  std::vector<std::thread> relays_;  // guarded by mutex_
+  std::thread acceptor_;
+};
+
+// A request on a kept-alive connection that the server reset before answering is sent once more
+// on a new connection (libcurl does it), and applied once: an add counts once.
+TEST_F(EtcdStoreOps, ARequestOnAKeptAliveConnectionResetUnansweredIsSentAgainOnce) {
+  ResetsSecondRequests relay(shared_etcd->endpoint());
+  EtcdStore s(EtcdStoreOptions(relay.endpoint(), "kept_alive_reset").timeout(30s));
+  for (int64_t i = 1; i <= 4; ++i) EXPECT_EQ(s.add("counter", 1), i);
+  s.set("key", bytes("value"));
+  EXPECT_EQ(s.get("key"), bytes("value"));
+  EXPECT_TRUE(s.check({"key", "counter"}));
+  EXPECT_GE(relay.resets(), 3);
+  EXPECT_EQ(relay.connections(), relay.resets() + 1);
+  // What etcd holds, read past the relay: every add applied once.
+  EXPECT_EQ(store("kept_alive_reset")->add("counter", 0), 4);
 }
 
 TEST_F(EtcdStoreOps, BadOptionsAndValuesAreValueErrors) {

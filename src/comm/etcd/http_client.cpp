@@ -224,8 +224,13 @@ std::string HttpClient::post(const std::string& path, const std::string& body,
   transfer.cap = max_response_bytes_;
   char error[CURL_ERROR_SIZE];
   auto* handle = static_cast<CURL*>(acquire());
+  // (libcurl itself sends a request once more, on a new connection, when a kept-alive one was
+  // closed or reset before any answer.)
   const CURLcode code = perform(handle, base_url_ + path, body, bound, bound, transfer, error);
   const long status = status_of(handle);
+  long connects = 0;
+  curl_easy_getinfo(handle, CURLINFO_NUM_CONNECTS, &connects);
+  const bool reused = connects == 0;
   // A failed transfer's connection is in an unknown state: its handle is not reused.
   if (code == CURLE_OK) {
     release(handle);
@@ -252,7 +257,9 @@ std::string HttpClient::post(const std::string& path, const std::string& body,
                       detail);
     default:
       if (is_connection_lost(code)) {
-        DISTOPTIM_THROW(PeerLostError, at, ": the connection closed before the answer: ", detail);
+        DISTOPTIM_THROW(PeerLostError, at, ": the connection closed before the answer",
+                        reused ? " (a kept-alive connection)" : " (a new connection)", ": ",
+                        detail);
       }
       DISTOPTIM_THROW(DistributedError, at, ": ", detail);
   }

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Soak: examples/click_through --elastic with two parameter servers and two trainers, the group's
+# membership in etcd (a real etcd this script starts on loopback), under distrun --restart-policy
+# rank. A process chosen at random (either server, the first one included, or either trainer) is
+# SIGKILLed at a random point, KILLS times; each kill waits until the job has recovered from the
+# one before (every trainer slot stepping again) and until the trainers have taken their share of
+# the steps, so the kills spread over the run. The plan comes from a seed, printed (replay it with
+# DISTOPTIM_SOAK_SEED; which process dies when is the seed's, the exact moment within a step is
+# the machine's).
+#
+# Checks: the job finishes (exit status 0) with every kill restarted by distrun; the held-out log
+# loss is within 1% of an unkilled run's with the same seed (run first, same settings); every
+# server that came back was restored from a snapshot (what each restore lost is printed: the
+# steps since that snapshot); and the servers' resident memory at the end is within 1.5x + 64 MB
+# of what the same rank held once training had begun.
+# Usage: click_through_soak_test.sh DISTRUN EXAMPLE WORKDIR [KILLS]
+set -euo pipefail
+distrun="$1" example="$2" work="$3" kills="${4:-20}"
+rm -rf "$work" && mkdir -p "$work"
+steps=2500 snapshot_every=10
+seed="${DISTOPTIM_SOAK_SEED:-$((($(date +%s) + $$) % 32768))}"
+echo "soak: seed $seed (replay with DISTOPTIM_SOAK_SEED=$seed), $kills kills"
+
+source "$(dirname "$0")/restart_checks.sh"
+start_etcd
+example_exe=$(realpath "$example")
+settings=(--elastic --snapshot-every $snapshot_every --trainer-timeout 120 --steps $steps
+          --batch 512 --rows 16384 --dim 8 --held-out 4000 --eval-every $steps --seed 3)
+
+held_out_loss() { sed -n 's/^\[rank 2\] held-out log loss \([0-9.]*\) .* after .*/\1/p' "$1"; }
+
+# The unkilled run.
+timeout 600 "$distrun" --nproc-per-node 4 --rdzv-backend etcd --rdzv-endpoint "$etcd_endpoint" \
+  "$example" "${settings[@]}" --out "$work/unkilled" > "$work/unkilled.log" 2>&1 || {
+  cat "$work/unkilled.log"
+  echo "FAILED: the unkilled run exited with status $?"
+  exit 1
+}
+unkilled_loss=$(held_out_loss "$work/unkilled.log")
+[[ -n "$unkilled_loss" ]] || { cat "$work/unkilled.log"; echo "FAILED: no held-out loss"; exit 1; }
+
+# The killed run; its processes carry DISTOPTIM_SOAK_RUN, by which the driver finds them.
+export DISTOPTIM_SOAK_RUN="$work"
+timeout 900 "$distrun" --nproc-per-node 4 --restart-policy rank --max-restarts "$kills" \
+  --rdzv-backend etcd --rdzv-endpoint "$etcd_endpoint" \
+  "$example" "${settings[@]}" --out "$work/out" > "$work/run.log" 2>&1 &
+run_pid=$!
+csv="$work/out/loss.csv"
+
+# The process of rank RANK of this run (empty while it is being started again).
+pid_of_rank() {
+  local p
+  for p in /proc/[0-9]*; do
+    [[ $(readlink "$p/exe" 2> /dev/null) == "$example_exe" ]] || continue
+    local environment
+    environment=$(tr '\0' '\n' < "$p/environ" 2> /dev/null) || continue
+    grep -qxF "DISTOPTIM_SOAK_RUN=$work" <<< "$environment" || continue
+    grep -qxF "RANK=$1" <<< "$environment" && { echo "${p#/proc/}"; return 0; }
+  done
+  return 0
+}
+resident_mb() { awk '/^VmRSS:/ { printf "%d", $2 / 1024 }' "/proc/$1/status" 2> /dev/null || true; }
+# Steps recorded in the server's log after line $1: "<global step> <steps of slot 2> <of slot 3>".
+progress_since() {
+  awk -F, -v from="$1" 'NR > from && $2 == "step" { g = $6; n[$3]++ }
+                        END { printf "%d %d %d\n", g, n[2], n[3] }' "$csv" 2> /dev/null || echo "0 0 0"
+}
+
+RANDOM=$seed
+spacing=$((2 * steps / (kills + 2)))
+mark=0 last_kill="none"
+declare -A baseline_mb
+for ((k = 1; k <= kills; ++k)); do
+  target=$((k * spacing + RANDOM % (spacing / 2)))
+  deadline=$((SECONDS + 240))
+  while :; do
+    kill -0 "$run_pid" 2> /dev/null || fail "the job ended before kill $k (after $last_kill)"
+    read -r global slot2 slot3 < <(progress_since "$mark")
+    [[ $global -ge $target && $slot2 -ge 2 && $slot3 -ge 2 ]] && break
+    [[ $SECONDS -lt $deadline ]] ||
+      fail "after $last_kill the trainers did not step again within 240 s (global step $global," \
+           "steps since: slot 2 $slot2, slot 3 $slot3)"
+    sleep 0.1
+  done
+  if [[ $k -eq 1 ]]; then
+    for rank in 0 1; do baseline_mb[$rank]=$(resident_mb "$(pid_of_rank $rank)"); done
+  fi
+  sleep "0.$((RANDOM % 10))"
+  rank=$((RANDOM % 4))
+  pid=$(pid_of_rank $rank)
+  [[ -n "$pid" ]] || fail "kill $k: no process of rank $rank"
+  kill -9 "$pid"
+  last_kill="kill $k (rank $rank, pid $pid, near global step $target)"
+  echo "soak: $last_kill"
+  mark=$(wc -l < "$csv")
+done
+# The servers' memory once the trainers are near the end (before the servers leave).
+while kill -0 "$run_pid" 2> /dev/null; do
+  read -r global _ _ < <(progress_since 0)
+  [[ $global -ge $((2 * steps * 19 / 20)) ]] && break
+  sleep 0.1
+done
+declare -A end_mb
+for rank in 0 1; do end_mb[$rank]=$(resident_mb "$(pid_of_rank $rank)"); done
+status=0
+wait "$run_pid" || status=$?
+[[ $status -eq 0 ]] || fail "the run exited with status $status"
+
+# Every kill restarted, every rank ended 0.
+grep -q "^distrun: every rank exited with status 0" "$work/run.log" ||
+  fail "not every rank exited with status 0"
+restarts=$(sed -n 's/^distrun: restarted alone (--restart-policy rank): //p' "$work/run.log" |
+           grep -o "rank [0-9]* [0-9]* time(s)" | awk '{ s += $3 } END { print s + 0 }')
+[[ $restarts -eq $kills ]] || fail "distrun restarted $restarts times for $kills kills"
+
+# Every server that came back was restored from a snapshot; what each restore lost.
+restores=$(grep -c "is back; restored what it held from" "$work/run.log" || true)
+from_snapshot=$(grep -c "is back; restored what it held from the snapshot of step" "$work/run.log" || true)
+[[ $restores -eq $from_snapshot ]] ||
+  fail "$((restores - from_snapshot)) of $restores restores were from no snapshot"
+echo "soak: what each restore lost (the restoring trainer's step, the snapshot's step):"
+sed -n "s/^\[rank [0-9]*\] \(trainer[-0-9a-z]*\): worker '\(ps[0-9]\)' is back; restored what it held from the snapshot of step \([0-9]*\) (the first trainer's step; this trainer is at step \([0-9]*\).*/  \2 restored by \1 at its step \4 from the snapshot of step \3/p" \
+  "$work/run.log"
+
+# The model: within 1% of the unkilled run's held-out log loss.
+killed_loss=$(held_out_loss "$work/run.log")
+[[ -n "$killed_loss" ]] || fail "no held-out loss"
+awk -v a="$killed_loss" -v b="$unkilled_loss" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= 0.01 * b) }' ||
+  fail "held-out log loss $killed_loss after $kills kills, $unkilled_loss unkilled: beyond 1%"
+
+# The servers' memory at the end against once training had begun.
+for rank in 0 1; do
+  awk -v e="${end_mb[$rank]:-0}" -v b="${baseline_mb[$rank]:-0}" \
+    'BEGIN { exit !(b > 0 && e > 0 && e <= 1.5 * b + 64) }' ||
+    fail "server rank $rank: resident memory ${end_mb[$rank]:-?} MB at the end, ${baseline_mb[$rank]:-?} MB once training had begun"
+done
+echo "PASSED: $kills kills (seed $seed), $restores server restores from snapshots; held-out log" \
+     "loss $killed_loss against $unkilled_loss unkilled; the servers' memory ${baseline_mb[0]} ->" \
+     "${end_mb[0]} MB (rank 0), ${baseline_mb[1]} -> ${end_mb[1]} MB (rank 1)"
