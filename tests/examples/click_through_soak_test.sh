@@ -10,7 +10,7 @@
 #
 # Checks: the job finishes (exit status 0) with every kill restarted by distrun; the held-out log
 # loss is within 1% of an unkilled run's with the same seed (run first, same settings); every
-# server that came back was restored from a snapshot (what each restore lost is printed: the
+# server killed was restored once, from a snapshot (what each restore lost is printed: the
 # steps since that snapshot); and the servers' resident memory at the end is within 1.5x + 64 MB
 # of what the same rank held once training had begun.
 # Usage: click_through_soak_test.sh DISTRUN EXAMPLE WORKDIR [KILLS]
@@ -68,7 +68,7 @@ progress_since() {
 
 RANDOM=$seed
 spacing=$((2 * steps / (kills + 2)))
-mark=0 last_kill="none"
+mark=0 last_kill="none" server_kills=0
 declare -A baseline_mb
 for ((k = 1; k <= kills; ++k)); do
   target=$((k * spacing + RANDOM % (spacing / 2)))
@@ -90,6 +90,7 @@ for ((k = 1; k <= kills; ++k)); do
   pid=$(pid_of_rank $rank)
   [[ -n "$pid" ]] || fail "kill $k: no process of rank $rank"
   kill -9 "$pid"
+  [[ $rank -le 1 ]] && server_kills=$((server_kills + 1))
   last_kill="kill $k (rank $rank, pid $pid, near global step $target)"
   echo "soak: $last_kill"
   mark=$(wc -l < "$csv")
@@ -113,8 +114,9 @@ restarts=$(sed -n 's/^distrun: restarted alone (--restart-policy rank): //p' "$w
            grep -o "rank [0-9]* [0-9]* time(s)" | awk '{ s += $3 } END { print s + 0 }')
 [[ $restarts -eq $kills ]] || fail "distrun restarted $restarts times for $kills kills"
 
-# Every server that came back was restored from a snapshot; what each restore lost.
+# Every server that died was restored once, from a snapshot; what each restore lost.
 restores=$(grep -c "is back; restored what it held from" "$work/run.log" || true)
+[[ $restores -eq $server_kills ]] || fail "$restores restores for $server_kills kills of a server"
 from_snapshot=$(grep -c "is back; restored what it held from the snapshot of step" "$work/run.log" || true)
 [[ $restores -eq $from_snapshot ]] ||
   fail "$((restores - from_snapshot)) of $restores restores were from no snapshot"
