@@ -302,7 +302,7 @@ void Agent::shutdown(bool graceful) {
             [this](int peer, std::chrono::milliseconds timeout) {
               return send(peer, kAliveFunction, {}, timeout);
             },
-            options_.liveness_timeout());
+            options_.liveness_timeout(), [this](int peer) { return peers_.refused_us(peer); });
         WorkerGroup::BarrierWatch watch;
         watch.dead_peers = [this] { return peers_.dead_peers(); };
         watch.check_alive = [&probe](const std::vector<int>& peers) { return probe.check(peers); };

@@ -16,8 +16,9 @@ const bool kAliveRegistered = [] {
 
 }  // namespace
 
-LivenessProbe::LivenessProbe(Ask ask, std::chrono::milliseconds timeout)
-    : ask_(std::move(ask)), timeout_(timeout) {}
+LivenessProbe::LivenessProbe(Ask ask, std::chrono::milliseconds timeout,
+                             std::function<bool(int peer)> refused_us)
+    : ask_(std::move(ask)), timeout_(timeout), refused_us_(std::move(refused_us)) {}
 
 std::string liveness_failure(const std::exception_ptr& error, std::chrono::milliseconds timeout) {
   try {
@@ -40,6 +41,8 @@ std::optional<std::pair<int, std::string>> LivenessProbe::check(const std::vecto
     if (question && question->hasError()) {
       const std::string why = liveness_failure(question->exception_ptr(), timeout_);
       question.reset();  // asked afresh if it is still waited for
+      // A peer that refused our connection answered it: alive, waited for.
+      if (refused_us_ && refused_us_(peer)) continue;
       return std::make_pair(peer, why);
     }
     try {

@@ -38,7 +38,10 @@ class LivenessProbe {
   using Ask = std::function<c10::intrusive_ptr<c10::ivalue::Future>(
       int peer, std::chrono::milliseconds timeout)>;
 
-  LivenessProbe(Ask ask, std::chrono::milliseconds timeout);
+  /// `refused_us(peer)`: whether `peer` refused this worker's connection (another shared
+  /// secret): it answered, so it is alive, and its failed checks are no loss.
+  LivenessProbe(Ask ask, std::chrono::milliseconds timeout,
+                std::function<bool(int peer)> refused_us = {});
 
   /// Asks each of `peers` that has no question in flight. Returns a peer whose last call failed
   /// and why ("it did not answer a liveness check within 2000 ms (stopped, hung or
@@ -48,6 +51,7 @@ class LivenessProbe {
  private:
   const Ask ask_;
   const std::chrono::milliseconds timeout_;
+  const std::function<bool(int)> refused_us_;
   std::map<int, c10::intrusive_ptr<c10::ivalue::Future>> in_flight_;
 };
 

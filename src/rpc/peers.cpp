@@ -108,6 +108,11 @@ std::map<int, std::string> Peers::dead_peers() {
   return dead_;
 }
 
+bool Peers::refused_us(int peer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return refused_.count(peer) > 0;
+}
+
 std::optional<std::string> Peers::send(int peer, EncodedMessage message) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (stopped_) return std::string("the agent stopped");
@@ -423,7 +428,9 @@ void Peers::on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connec
       });
       return;
     }
-    if (!refused) {
+    if (refused) {
+      refused_.insert(peer);
+    } else {
       dead_.emplace(peer, reason);
     }
   }

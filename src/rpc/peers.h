@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -111,6 +112,8 @@ class Peers {
   void lose(int peer, const std::string& why);
   /// Peers lost other than by refusal, with why.
   std::map<int, std::string> dead_peers();
+  /// Whether `peer` refused this worker's connection in its handshake (it is alive).
+  bool refused_us(int peer);
   /// Waits until every open connection has written what was sent on it (replies included), or
   /// `deadline` passes: a worker leaving a dynamic group flushes its last replies before it
   /// closes its connections.
@@ -210,6 +213,7 @@ class Peers {
   std::deque<std::shared_ptr<Connection>> accepted_;
   std::map<int, std::string> lost_;  // why each is lost; guarded by mutex_
   std::map<int, std::string> dead_;  // lost other than by refusal; guarded by mutex_
+  std::set<int> refused_;            // lost by refusal; guarded by mutex_
   // The one proven incoming connection of each caller id: a second proof of an id whose
   // connection is open is refused, and only that connection's end means the caller is gone.
   std::unordered_map<int, const Connection*> callers_;  // guarded by mutex_
