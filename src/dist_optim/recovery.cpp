@@ -251,6 +251,21 @@ std::pair<std::vector<std::string>, std::vector<rpc::RRef<c10::IValue>>> bind_an
   return {keys, made};
 }
 
+// Loads `optimizer`'s state on `worker` from the newest snapshot in the trainer's own
+// state_directory, if it names one other than snapshot_directory; returns its step.
+std::optional<int64_t> load_own_state(const std::string& worker, DistributedOptimizer& optimizer,
+                                      const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                                      const RecoveryOptions& options) {
+  if (options.state_directory().empty() ||
+      options.state_directory() == options.snapshot_directory()) {
+    return std::nullopt;
+  }
+  const std::optional<SnapshotInfo> own = latest_snapshot(options.state_directory());
+  if (!own) return std::nullopt;
+  load_snapshot_into(own->path, optimizer, tables, worker, /*state_only=*/true);
+  return own->step;
+}
+
 RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOptimizer& optimizer,
                            const LostParts& lost,
                            const std::vector<rpc::ShardedEmbeddingBag*>& tables,
@@ -273,6 +288,7 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
   if (state.outcome != kYouRestore) {
     bind_anew(worker, /*restorer=*/false, optimizer, lost);
     if (state.snapshot_step >= 0) result.snapshot_step = state.snapshot_step;
+    result.state_step = load_own_state(worker, optimizer, tables, options);
     result.waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
     return result;
   }
@@ -299,6 +315,7 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
     }
     throw;
   }
+  result.state_step = load_own_state(worker, optimizer, tables, options);
   result.waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
   return result;
 }

@@ -338,7 +338,11 @@ void RemoteOptimizer::stage(int64_t index, ParamCopy copy) {
   staged_[index] = std::move(copy);
 }
 
-void RemoteOptimizer::commit_staged(int64_t index) {
+void RemoteOptimizer::commit_staged(int64_t index) { commit(index, /*with_value=*/true); }
+
+void RemoteOptimizer::commit_staged_state(int64_t index) { commit(index, /*with_value=*/false); }
+
+void RemoteOptimizer::commit(int64_t index, bool with_value) {
   std::lock_guard<std::mutex> lock(mutex_);
   const at::Tensor& target = param(index, kLoadSnapshot, /*table=*/false);
   auto it = staged_.find(index);
@@ -357,7 +361,7 @@ void RemoteOptimizer::commit_staged(int64_t index) {
   {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     at::NoGradGuard no_grad;
-    target.copy_(it->second.value);
+    if (with_value) target.copy_(it->second.value);
     optimizer_->load_state_dict(state);
   }
   staged_.erase(it);
@@ -390,6 +394,8 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::stage_param);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "commit_staged",
                                         &RemoteOptimizer::commit_staged);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "commit_staged_state",
+                                        &RemoteOptimizer::commit_staged_state);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "drop_staged",
                                         &RemoteOptimizer::drop_staged);
   return true;

@@ -75,6 +75,9 @@ class RemoteOptimizer {
   /// Loads what was staged for `index` into the parameter (under the same locks as a dense step)
   /// and its state; c10::ValueError when nothing is staged for it.
   void commit_staged(int64_t index);
+  /// The same for the optimizer's state alone: the parameter keeps its value (a trainer's own
+  /// state loaded over a parameter another trainer's snapshot restored).
+  void commit_staged_state(int64_t index);
   /// Forgets what was staged for `index`, if anything.
   void drop_staged(int64_t index);
 
@@ -93,6 +96,8 @@ class RemoteOptimizer {
   void copy_param(int64_t index, ParamCopy& into) const;
   /// Keeps `copy` for commit_staged(index).
   void stage(int64_t index, ParamCopy copy);
+  /// commit_staged (`with_value`) or commit_staged_state.
+  void commit(int64_t index, bool with_value);
 
   // Guards optimizer_ (options, state, step counts): its calls must not overlap.
   std::mutex mutex_;

@@ -306,7 +306,7 @@ void check_snapshot_tables(DistributedOptimizer& optimizer,
 
 void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,
                         const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                        const std::string& only_worker) {
+                        const std::string& only_worker, bool state_only) {
   const std::string absolute = fs::absolute(directory).string();
   const std::string path = manifest_path(directory);
   const GenericDict manifest = dict_of(optim::detail::read_pickle_file(path, kLoadSnapshot), path);
@@ -437,8 +437,9 @@ void load_snapshot_into(const std::string& directory, DistributedOptimizer& opti
     wait_each(each_staged("drop_staged"), worker);
     throw_if_failed(read, std::string(kLoadSnapshot) + " (reading the owners' files)");
   }
-  wait_all(each_staged("commit_staged"), worker,
-           std::string(kLoadSnapshot) + " (loading the parameters)");
+  wait_all(each_staged(state_only ? "commit_staged_state" : "commit_staged"), worker,
+           std::string(kLoadSnapshot) +
+               (state_only ? " (loading the optimizer's state)" : " (loading the parameters)"));
 }
 
 }  // namespace detail

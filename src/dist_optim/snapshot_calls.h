@@ -47,10 +47,11 @@ void check_snapshot_tables(DistributedOptimizer& optimizer,
                            const std::vector<const rpc::ShardedEmbeddingBag*>& tables);
 
 /// load_snapshot; with `only_worker`, only what that owner holds is read and loaded (a restarted
-/// owner's parameters, recovery.h).
+/// owner's parameters, recovery.h); with `state_only`, only the optimizer's state, the parameters
+/// keeping their values.
 void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,
                         const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                        const std::string& only_worker = {});
+                        const std::string& only_worker = {}, bool state_only = false);
 
 }  // namespace detail
 }  // namespace dist_optim

@@ -232,6 +232,20 @@ TEST_F(EtcdStoreOps, MissingKeyTimesOutNamingKeyAndEndpoint) {
   EXPECT_LT(Clock::now() - start, kHangBound);
 }
 
+// A listening socket on a free loopback port, which goes to `port`.
+int listen_on_loopback(int& port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof addr;
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  EXPECT_EQ(::listen(fd, 16), 0);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length), 0);
+  port = ntohs(addr.sin_port);
+  return fd;
+}
+
 // A relay in front of the real etcd that passes each connection's first request and its answer,
 // and resets the connection (SO_LINGER 0) when a second request arrives on it, unread: what a
 // client sees when the server closed a kept-alive connection meanwhile, as its next request is
@@ -241,15 +255,7 @@ class ResetsSecondRequests {
   explicit ResetsSecondRequests(const std::string& etcd_endpoint) {
     const auto colon = etcd_endpoint.rfind(':');
     etcd_port_ = std::stoi(etcd_endpoint.substr(colon + 1));
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof addr;
-    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-    EXPECT_EQ(::listen(fd_, 16), 0);
-    EXPECT_EQ(::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &length), 0);
-    port_ = ntohs(addr.sin_port);
+    fd_ = listen_on_loopback(port_);
     acceptor_ = std::thread([this] { accept_all(); });
   }
   ~ResetsSecondRequests() {
@@ -399,15 +405,7 @@ class HostileEndpoint {
  public:
   explicit HostileEndpoint(Reply reply, std::optional<Reply> watch_reply = std::nullopt)
       : reply_(std::move(reply)), watch_reply_(std::move(watch_reply)) {
-    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof addr;
-    EXPECT_EQ(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-    EXPECT_EQ(::listen(fd_, 16), 0);
-    EXPECT_EQ(::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &length), 0);
-    port_ = ntohs(addr.sin_port);
+    fd_ = listen_on_loopback(port_);
     thread_ = std::thread([this] { serve(); });
   }
   ~HostileEndpoint() {

@@ -125,6 +125,20 @@ std::vector<optim::OptimizerStateDict::State> states_by_position(
   return out;
 }
 
+// Expects `actual`, each parameter's optimizer state, to equal `expected` bit for bit.
+void expect_equal_states(const std::vector<optim::OptimizerStateDict::State>& actual,
+                         const std::vector<optim::OptimizerStateDict::State>& expected) {
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t p = 0; p < expected.size(); ++p) {
+    EXPECT_EQ(actual[p].step, expected[p].step) << "parameter " << p;
+    ASSERT_EQ(actual[p].buffers.size(), expected[p].buffers.size()) << "parameter " << p;
+    for (const auto& [name, buffer] : expected[p].buffers) {
+      EXPECT_TRUE(at::equal(actual[p].buffers.at(name), buffer))
+          << "parameter " << p << " " << name;
+    }
+  }
+}
+
 // What the first trainer hands the second: its table's and module's references and keys.
 using References = std::tuple<std::vector<rpc::RRef<rpc::EmbeddingShard>>, std::vector<std::string>,
                               rpc::RRef<RestartHead>, std::string>;
@@ -185,24 +199,19 @@ void second_death(ShardedEmbeddingBag& table, std::shared_ptr<Head>& head,
   ASSERT_EQ(recovered.size(), 1u);
   EXPECT_TRUE(recovered[0].restored_here);
   EXPECT_EQ(recovered[0].snapshot_step.value_or(-1), step);
+  EXPECT_FALSE(recovered[0].state_step.has_value());
   EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "third ps1");
   EXPECT_TRUE(at::equal(table.weight(), rows));
   EXPECT_TRUE(equal_tensors(values_of(*head), head_values));
-  const auto restored = states_by_position(optimizer);
-  ASSERT_EQ(restored.size(), states.size());
-  for (size_t p = 0; p < states.size(); ++p) {
-    EXPECT_EQ(restored[p].step, states[p].step) << "parameter " << p;
-    for (const auto& [name, buffer] : states[p].buffers) {
-      EXPECT_TRUE(at::equal(restored[p].buffers.at(name), buffer))
-          << "parameter " << p << " " << name;
-    }
-  }
+  expect_equal_states(states_by_position(optimizer), states);
   turns.say("restored_again");
   turns.store->wait({"late_done"}, 120s);
 }
 
 // The second trainer: joins with the first trainer's references and keys after ps1's first
-// restart, steps once, and after ps1's second death binds to the third ps1 by the keys.
+// restart, steps once and snapshots its own optimizer into a directory of its own, and after
+// ps1's second death binds to the third ps1 by the keys and takes its optimizer's state there
+// from its own snapshot (RecoveryOptions::state_directory).
 void train_late(const std::string& directory) {
   testing::StoreTurns turns(4, kTurns);
   turns.store->wait({"late_may_join"}, 240s);
@@ -218,7 +227,12 @@ void train_late(const std::string& directory) {
   std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
   for (auto& p : head->remote_parameters()) params.push_back(p);
   DistributedOptimizer optimizer("adagrad", params, adagrad());
+  const std::string own_directory = directory + "/trainer2";
+  SnapshotSchedule own_snapshots(SnapshotOptions(own_directory), optimizer, {&table});
   train_step(table, *head, optimizer, 100);
+  own_snapshots.step();
+  ASSERT_EQ(own_snapshots.save_now(), 1);
+  const auto own_states = states_by_position(optimizer);
   turns.say("late_stepped");
   turns.store->wait({"restored_again"}, 240s);
   // Its references name the second ps1, which died: the step fails as lost.
@@ -229,10 +243,15 @@ void train_late(const std::string& directory) {
     lost = true;
   }
   EXPECT_TRUE(lost) << "the second trainer's step after ps1's second death did not fail";
-  const std::vector<RecoveredOwner> recovered = recover_lost_owners(
-      optimizer, {&table}, {head.get()}, RecoveryOptions(directory).timeout(60s));
+  const std::vector<RecoveredOwner> recovered =
+      recover_lost_owners(optimizer, {&table}, {head.get()},
+                          RecoveryOptions(directory).state_directory(own_directory).timeout(60s));
   ASSERT_EQ(recovered.size(), 1u);
   EXPECT_FALSE(recovered[0].restored_here);
+  EXPECT_EQ(recovered[0].state_step.value_or(-1), 1);
+  // Its own state on the third ps1 (the head's, and its shard's rows) is what its snapshot holds,
+  // not the first trainer's.
+  expect_equal_states(states_by_position(optimizer), own_states);
   EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "third ps1");
   // Bound to what the first trainer restored: one table and one head, seen alike by both.
   const at::Tensor rows = table.weight();
@@ -343,23 +362,8 @@ void train(const std::string& directory) {
     train_step(reference, reference_head, reference_optimizer, step);
   }
   EXPECT_TRUE(at::equal(table.weight(), reference.weight()));
-  const std::vector<at::Tensor> trained_head = values_of(*head);
-  const std::vector<at::Tensor> expected_head = values_of(reference_head);
-  ASSERT_EQ(trained_head.size(), expected_head.size());
-  for (size_t p = 0; p < trained_head.size(); ++p) {
-    EXPECT_TRUE(at::equal(trained_head[p], expected_head[p])) << "head parameter " << p;
-  }
-  const auto trained = states_by_position(optimizer);
-  const auto expected = states_by_position(reference_optimizer);
-  ASSERT_EQ(trained.size(), expected.size());
-  for (size_t p = 0; p < trained.size(); ++p) {
-    EXPECT_EQ(trained[p].step, expected[p].step) << "parameter " << p;
-    ASSERT_EQ(trained[p].buffers.size(), expected[p].buffers.size()) << "parameter " << p;
-    for (const auto& [name, buffer] : expected[p].buffers) {
-      EXPECT_TRUE(at::equal(trained[p].buffers.at(name), buffer))
-          << "parameter " << p << " " << name;
-    }
-  }
+  EXPECT_TRUE(equal_tensors(values_of(*head), values_of(reference_head)));
+  expect_equal_states(states_by_position(optimizer), states_by_position(reference_optimizer));
   second_death(table, head, optimizer, snapshots, directory, turns);
   snapshots.flush();
   turns.say("done");

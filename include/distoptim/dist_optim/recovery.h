@@ -24,18 +24,22 @@
 // to them and loads the owner's part of the newest snapshot in `snapshot_directory` (its rows and
 // module parameters, and the optimizer state saved with them into this trainer's optimizer);
 // only then does the new worker hand the same shards and modules to the other trainers that ask,
-// whose optimizers start without state there (as a new trainer's would). The cost: every update
+// whose optimizers start without state there (as a new trainer's would), or take it from their
+// own snapshots (RecoveryOptions::state_directory: each trainer's SnapshotSchedule of its own
+// optimizer holds its state; the parameters are the restorer's). The cost: every update
 // the owner took since that snapshot (its step is returned), none on the other owners; with no
 // snapshot the shards and modules start from their initial values.
 //
 // Decided: what a lost owner held is made anew from the trainers' handles alone: a
 // ShardedEmbeddingBag's shards, and RemoteModules whose constructor's arguments the handle
 // knows (RemoteModule::make_anew_with). An owner holding other parameters of the optimizer is
-// refused (c10::ValueError naming it). Each shard and module is known to every handle by its
-// first reference's id (ShardedEmbeddingBag::shard_key, RemoteModule::module_key), so a handle
-// built from a rebound reference names it differently: hand out the references made before the
-// loss. If the trainer that restores dies before the new worker hands out what it made, the next
-// trainer that asks restores instead.
+// refused (c10::ValueError naming it). Each shard and module is known to every handle by a key,
+// its first reference's id (ShardedEmbeddingBag::shard_key, RemoteModule::module_key), kept when
+// the handle is bound again: hand out the keys with the references
+// (ShardedEmbeddingBag(options, shards, keys), RemoteModule::init_from_module_rref(device, rref,
+// key)), so that a handle built after a recovery binds after the next one too. If the trainer
+// that restores dies before the new worker hands out what it made, the next trainer that asks
+// restores instead.
 
 #include <chrono>
 #include <cstdint>
@@ -57,6 +61,12 @@ struct RecoveryOptions {
       : snapshot_directory_(std::move(snapshot_directory)) {}
   /// Where a SnapshotSchedule writes (its newest complete snapshot is loaded); empty: none.
   TORCH_ARG(std::string, snapshot_directory);
+  /// Where this trainer's own SnapshotSchedule writes, when snapshot_directory is another
+  /// trainer's: once bound to a recovered owner, this trainer's optimizer takes its state there
+  /// from the newest snapshot in it (the owner's parameters stay as the restorer loaded them).
+  /// Empty (or snapshot_directory): a trainer that did not restore the owner starts without
+  /// state there.
+  TORCH_ARG(std::string, state_directory);
   /// How long to wait for a lost owner to come back, and for another trainer's restore of it.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
 };
@@ -69,6 +79,9 @@ struct RecoveredOwner {
   /// Whether this trainer made the owner's shards anew and loaded the snapshot (else another did
   /// and this one bound to them).
   bool restored_here = false;
+  /// The step of this trainer's own snapshot (state_directory) its optimizer's state there was
+  /// loaded from; nullopt: none.
+  std::optional<int64_t> state_step;
   /// From the call to the owner's shards being bound again here.
   std::chrono::milliseconds waited{0};
 };
