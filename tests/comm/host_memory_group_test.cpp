@@ -2,10 +2,9 @@
 // processes on this host, checked bit for bit, and the ways a member's absence or death is
 // reported.
 
-#include <dirent.h>
-#include <unistd.h>
-
 #include <cstdlib>
+#include <fstream>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,15 +29,17 @@ using namespace std::chrono_literals;
 // One page per slot: a tensor of a few KB already goes through in several pieces.
 constexpr size_t kSmallSlot = 4096;
 
-std::vector<std::string> distoptim_segments() {
-  std::vector<std::string> names;
-  DIR* dir = opendir("/dev/shm");
-  if (dir == nullptr) return names;
-  while (const dirent* entry = readdir(dir)) {
-    const std::string name = entry->d_name;
-    if (name.rfind("distoptim-", 0) == 0) names.push_back(name);
+// The shared-memory segments this process has mapped, as /proc/self/maps names them: a segment
+// whose name was removed reads "/dev/shm/distoptim-... (deleted)". Other processes' segments
+// (a concurrent test's, or one left by a killed run) are not in this process's maps.
+std::set<std::string> mapped_segments() {
+  std::set<std::string> names;
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line)) {
+    const size_t at = line.find("/dev/shm/distoptim-");
+    if (at != std::string::npos) names.insert(line.substr(at));
   }
-  closedir(dir);
   return names;
 }
 
@@ -56,10 +57,13 @@ at::Tensor rank_order_sum(int world_size, int64_t n, at::ScalarType type) {
   return sum;
 }
 
-void allreduce(const Group& group, at::Tensor tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM) {
+// `timeout`: this collective's own (c10d's per-call option); unset, the group's.
+void allreduce(const Group& group, at::Tensor tensor, c10d::ReduceOp op = c10d::ReduceOp::SUM,
+               std::chrono::milliseconds timeout = c10d::kUnsetTimeout) {
   std::vector<at::Tensor> tensors = {std::move(tensor)};
   c10d::AllreduceOptions options;
   options.reduceOp = op;
+  options.timeout = timeout;
   group.process_group()->allreduce(tensors, options)->wait();
 }
 
@@ -77,7 +81,11 @@ TEST(HostMemoryGroup, CollectivesGiveEveryMemberTheSameBits) {
     // The segments' names are gone once the group is open (the other ranks' too: they remove
     // theirs before the group returns).
     world().barrier();
-    EXPECT_TRUE(distoptim_segments().empty());
+    const std::set<std::string> mapped = mapped_segments();
+    EXPECT_EQ(mapped.size(), static_cast<size_t>(world_size));
+    for (const std::string& name : mapped) {
+      EXPECT_NE(name.find(" (deleted)"), std::string::npos) << name;
+    }
 
     // Sizes around the pieces and shares: empty, smaller than a share, one element over a
     // piece, many pieces; and the dtypes it sums itself.
@@ -200,14 +208,16 @@ TEST(HostMemoryGroup, DeadMemberIsNamedAsLost) {
 TEST(HostMemoryGroup, AbsentMemberTimesOutNamingIt) {
   run_ranks(3, [](int rank, int) {
     init_process_group(ProcessGroupOptions("env://").timeout(30s));
-    const Group impatient = share_host_memory(new_group({}, 1s), kSmallSlot);
+    // Setting up the shared memory is collective too, bounded by the group's timeout: only the
+    // collective under test is impatient (a loaded machine may keep a rank 1 s from the setup).
+    const Group shared = share_host_memory(world(), kSmallSlot);
     const distoptim::testing::AbsentRank absent(rank, 3, 2);
     if (rank == 2) {
       absent.stay_until_the_others_are_done();  // skips the collective, alive
       return;
     }
     try {
-      allreduce(impatient, torch::ones({10}));
+      allreduce(shared, torch::ones({10}), c10d::ReduceOp::SUM, 1s);
       ADD_FAILURE() << "expected a timeout";
     } catch (const TimeoutError& e) {
       const std::string message = e.what();
@@ -220,7 +230,7 @@ TEST(HostMemoryGroup, AbsentMemberTimesOutNamingIt) {
       EXPECT_NE(message.find("2", message.find("never reached it")), std::string::npos) << message;
     }
     // Broken for good: a later collective fails at once with the same kind of error.
-    EXPECT_THROW(allreduce(impatient, torch::ones({10})), TimeoutError);
+    EXPECT_THROW(allreduce(shared, torch::ones({10})), TimeoutError);
     absent.done();
   });
 }

@@ -217,6 +217,8 @@ TEST(ProcessGroupFailure, DisagreeingNewGroupIsNamed) {
 TEST(ProcessGroupFailure, RankThatNeverCallsNewGroupIsNamed) {
   run_ranks(3, [](int rank, int) {
     init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    // Together first: on a loaded machine ranks 0 and 1 could otherwise start 1 s apart.
+    world().barrier();
     if (rank != 2) {
       try {
         new_group({0, 1}, 1s);
@@ -277,6 +279,7 @@ void expect_timeout_naming(const Group& group, int absent) {
 TEST(ProcessGroupFailure, CollectiveOnSomeRanksTimesOutNamingTheAbsentRank) {
   run_ranks(3, [](int rank, int) {
     init_process_group(ProcessGroupOptions("env://").timeout(30s));
+    world().barrier();  // together first: making the group is bounded by its 1 s too
     const Group impatient = new_group({}, 1s);
     const distoptim::testing::AbsentRank absent(rank, 3, 2);
     if (rank == 2) {
@@ -314,6 +317,7 @@ TEST(ProcessGroupFailure, StoppedRankIsNamedInTheTimeout) {
       3,
       [](int rank, int) {
         init_process_group(ProcessGroupOptions("env://").timeout(30s));
+        world().barrier();  // together first: making the group is bounded by its 2 s too
         const Group impatient = new_group({}, 2s);
         const c10::intrusive_ptr<DeadlineStore> store = default_store();
         const auto deadline = std::chrono::steady_clock::now() + 20s;
