@@ -40,6 +40,8 @@ PACKAGES=(
   libzip-dev
   # libFuzzer for the rpc message decoder's fuzz test (clang's runtime; the build stays on g++).
   clang-14 libclang-rt-14-dev
+  # LLVM's linker: the builds link with it (CMakeLists.txt, DISTOPTIM_USE_LLD).
+  lld
   # The format check (scripts/test.sh, make lint) and the naming checks (make lint).
   clang-format clang-tidy
   # /etc/services and /etc/protocols, which a minimal system lacks and TCP name lookups read.
