@@ -94,18 +94,102 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   if (!optimizer_->updates_only_gradient_rows(gradients)) {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     optimizer_->step(gradients);
+    if (mirror_) send_to_backup(gradients, {});
     return;
   }
+  if (mirror_) send_new_params_whole(gradients);
   // Only the rows the sparse gradients name change (parameters and this optimizer's state, which
   // mutex_ guards): other trainers' steps of other rows, and lookups of them, go on meanwhile.
-  std::vector<at::Tensor> params, rows;
+  std::vector<at::Tensor> params, rows, rows_by_param(gradients.size());
   for (size_t i = 0; i < gradients.size(); ++i) {
     if (!gradients[i].defined()) continue;
     params.push_back(optimizer_->params()[i]);
     rows.push_back(gradients[i]._indices().select(0, 0));
+    rows_by_param[i] = rows.back();
   }
   rpc::InPlaceRowUpdateGuard no_reply_reads_these_rows_meanwhile(params, rows);
   optimizer_->step(gradients);
+  if (mirror_) send_to_backup(gradients, rows_by_param);
+}
+
+void RemoteOptimizer::set_backup(std::string backup, std::vector<std::string> param_keys,
+                                 std::string state_owner) {
+  const std::string me = rpc::get_worker_info().name;
+  TORCH_CHECK_VALUE(backup != me, "replicate_steps: worker '", me, "' cannot be its own backup");
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK_VALUE(param_keys.size() == optimizer_->params().size(),
+                    "replicate_steps: ", param_keys.size(), " keys for the ",
+                    optimizer_->params().size(), " parameters of the optimizer on worker '", me,
+                    "'");
+  for (size_t i = 0; i < param_keys.size(); ++i) {
+    TORCH_CHECK_VALUE(!param_keys[i].empty(), "replicate_steps: the key of parameter ", i,
+                      " on worker '", me, "' is empty");
+  }
+  mirror_ = std::make_unique<MirrorLink>(std::move(backup), std::move(param_keys),
+                                         std::move(state_owner));
+}
+
+void RemoteOptimizer::send_new_params_whole(const std::vector<at::Tensor>& gradients) {
+  std::vector<size_t> unsent;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (gradients[i].defined() && !mirror_->sent_whole(mirror_->param_key(i))) unsent.push_back(i);
+  }
+  if (unsent.empty()) return;
+  // No other optimizer's step of these parameters meanwhile: the copy is of one moment, and
+  // the rows they send later apply to it.
+  rpc::InPlaceUpdateGuard no_update_meanwhile;
+  at::NoGradGuard no_grad;
+  std::vector<MirrorUpdate> updates;
+  for (size_t i : unsent) {
+    updates.push_back({mirror_->param_key(i), at::Tensor(), optimizer_->params()[i].clone()});
+  }
+  try {
+    mirror_->send(std::move(updates));
+  } catch (c10::Error& error) {
+    error.add_context("replicas: worker '" + rpc::get_worker_info().name + "' could not copy " +
+                      "its parameters to its backup '" + mirror_->backup() +
+                      "'; the step was not applied");
+    throw;
+  }
+}
+
+void RemoteOptimizer::send_to_backup(const std::vector<at::Tensor>& gradients,
+                                     const std::vector<at::Tensor>& rows) {
+  at::NoGradGuard no_grad;
+  std::vector<MirrorUpdate> updates;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (!gradients[i].defined()) continue;
+    const at::Tensor& param = optimizer_->params()[i];
+    // Each changed row once (a sparse gradient may name a row many times).
+    const at::Tensor changed =
+        rows.empty() ? at::Tensor() : std::get<0>(at::_unique(rows[i], /*sorted=*/true));
+    // A copy that the backup holds takes the changed rows; any other goes whole.
+    auto update = [&](const std::string& key, const at::Tensor& value) {
+      if (changed.defined() && value.dim() >= 1 && value.size(0) == param.size(0) &&
+          mirror_->sent_whole(key)) {
+        updates.push_back({key, changed, value.index_select(0, changed)});
+      } else {
+        updates.push_back({key, at::Tensor(), value.clone()});
+      }
+    };
+    update(mirror_->param_key(i), param);
+    const optim::ParamState& state = optimizer_->state(i);
+    for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
+      if (!state.buffers[slot].defined()) continue;
+      update(mirror_->state_key(i, optimizer_->state_names()[slot]), state.buffers[slot]);
+    }
+    updates.push_back(
+        {mirror_->step_key(i), at::Tensor(), at::scalar_tensor(state.step, at::kLong)});
+  }
+  try {
+    mirror_->send(std::move(updates));
+  } catch (c10::Error& error) {
+    // The backup may be a new incarnation when this optimizer next steps: everything whole then.
+    mirror_->forget_sent();
+    error.add_context("replicas: the step was applied on worker '" + rpc::get_worker_info().name +
+                      "' but not copied to its backup '" + mirror_->backup() + "'");
+    throw;
+  }
 }
 
 c10::IValue RemoteOptimizer::state_dict() {
@@ -374,6 +458,7 @@ void RemoteOptimizer::drop_staged(int64_t index) {
 
 namespace {
 bool register_remote_optimizer() {
+  register_step_mirror();
   rpc::detail::register_internal_class<RemoteOptimizer, std::string,
                                        std::vector<std::vector<rpc::RRef<at::Tensor>>>, c10::IValue,
                                        std::vector<c10::IValue>>(kRemoteOptimizerClass);
@@ -398,6 +483,8 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::commit_staged_state);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "drop_staged",
                                         &RemoteOptimizer::drop_staged);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "set_backup",
+                                        &RemoteOptimizer::set_backup);
   return true;
 }
 }  // namespace

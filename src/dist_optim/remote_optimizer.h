@@ -16,6 +16,7 @@
 #include <distoptim/rpc/rref.h>
 
 #include "snapshot_files.h"
+#include "step_mirror.h"
 
 namespace distoptim {
 namespace dist_optim {
@@ -41,6 +42,14 @@ class RemoteOptimizer {
   /// are read first, under the mutex; a released context (its trainer was lost) throws
   /// c10::ValueError with nothing changed, options included.
   void step(int64_t context_id, c10::IValue changes);
+  /// From the next step on, each step sends what it changed (its parameters' rows or whole
+  /// parameters, and this optimizer's state of them) to worker `backup`'s copies before it
+  /// returns (replicas.h). `param_keys`: the key of each parameter's copy, in this optimizer's
+  /// order; `state_owner`: the trainer whose optimizer this is. A parameter's copy is sent whole
+  /// at its first step here (under an rpc::InPlaceUpdateGuard, so that it is of one moment).
+  /// c10::ValueError, changing nothing, for a count of keys other than of parameters, an empty
+  /// key, or `backup` naming this worker.
+  void set_backup(std::string backup, std::vector<std::string> param_keys, std::string state_owner);
   /// OptimizerStateDict::to_ivalue() of the optimizer, and its inverse.
   c10::IValue state_dict();
   void load_state_dict(c10::IValue state);
@@ -98,6 +107,15 @@ class RemoteOptimizer {
   void stage(int64_t index, ParamCopy copy);
   /// commit_staged (`with_value`) or commit_staged_state.
   void commit(int64_t index, bool with_value);
+  /// Sends whole, under an rpc::InPlaceUpdateGuard, the parameters with a gradient in
+  /// `gradients` whose copies the backup does not have from this optimizer; under mutex_.
+  void send_new_params_whole(const std::vector<at::Tensor>& gradients);
+  /// Sends what the step with `gradients` changed: the rows `rows[i]` of parameter i (and of its
+  /// state), or, where `rows` is empty, whole parameters and state. Under mutex_ and the step's
+  /// guard, so that the copies take each row's updates in the order the parameters did. A failed
+  /// send throws (the step stays applied here) and makes the next step send everything whole.
+  void send_to_backup(const std::vector<at::Tensor>& gradients,
+                      const std::vector<at::Tensor>& rows);
 
   // Guards optimizer_ (options, state, step counts): its calls must not overlap.
   std::mutex mutex_;
@@ -111,6 +129,8 @@ class RemoteOptimizer {
   // keeps its parameters' size again, which every snapshot needs at its peak anyway. Guarded by
   // mutex_.
   std::map<int64_t, ParamCopy> kept_copies_;
+  // Where steps send their changes (set_backup); null: nowhere. Guarded by mutex_.
+  std::unique_ptr<MirrorLink> mirror_;
 };
 
 }  // namespace detail

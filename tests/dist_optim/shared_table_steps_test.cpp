@@ -2,7 +2,8 @@
 // parameter servers real processes on loopback: no update is lost, no lookup or to_here carries a
 // half-updated row, and a step of some rows does not wait for a step of others (a step held inside
 // its row locks on the parameter server lets another trainer's step of other rows, and lookups of
-// them, finish; a step, a lookup or a to_here of a held row waits for it).
+// them, finish; a step, a lookup or a to_here of a held row waits for it); and replicated, every
+// step that returned is on the shard's backup too.
 //
 // Rows start at 0 and every step is SGD with lr 1 on the sum of one-id bags, so a step subtracts 1
 // from every element of a row per time the row is named: rows hold exact integers whatever the
@@ -26,6 +27,7 @@
 #include <distoptim/rpc.h>
 
 #include "harness/rpc_workers.h"
+#include "support/test_util.h"
 
 namespace distoptim {
 namespace {
@@ -264,6 +266,112 @@ TEST(SharedTableSteps, AStepOfOtherRowsDoesNotWaitForAHeldStep) {
     EXPECT_EQ(copied[0][0].item<float>(), -1.f);
     // Every step applied once: A (0, 1), B (10, 11), C (1, 20).
     EXPECT_TRUE(at::equal(fetch_table(table), expected_table(ids({0, 1, 10, 11, 1, 20}))));
+  });
+}
+
+// On a trainer of the replicated table: a handle from the shards and their keys, an optimizer of
+// its own whose steps worker1 and worker2 copy to each other, a step per row of `ids`; then its
+// own state's copies are checked against its optimizer's (they change with no one else's steps).
+// Returns what differs ("" when nothing does).
+std::string train_replicated(std::vector<std::string> workers,
+                             std::vector<RRef<EmbeddingShard>> shards,
+                             std::vector<std::string> keys, std::string optimizer,
+                             c10::IValue options, at::Tensor ids) {
+  ShardedEmbeddingBag table(table_options(workers), std::move(shards), keys);
+  dist_optim::DistributedOptimizer trainer(optimizer, table.remote_parameters(),
+                                           optim::OptionBag::from_ivalue(options));
+  dist_optim::replicate_steps(
+      trainer, {&table}, {},
+      dist_optim::ReplicaOptions().backups({{workers[0], workers[1]}, {workers[1], workers[0]}}));
+  for (int64_t step = 0; step < ids.size(0); ++step) step_rows(table, trainer, ids[step]);
+
+  std::string differs;
+  const std::string me = rpc::get_worker_info().name;
+  for (const auto& owner : trainer.state_dict().owners) {
+    const size_t shard = owner.positions.at(0);
+    const std::string& backup = workers[1 - shard];
+    for (const auto& [index, state] : owner.state.state) {
+      const std::string prefix = keys[shard] + "/state/" + me + "/";
+      const at::Tensor step = dist_optim::replica_copy(backup, owner.worker, prefix + "step");
+      if (!step.defined() || step.item<int64_t>() != state.step) {
+        differs += " the step count of shard " + std::to_string(shard) + ";";
+      }
+      for (const auto& [name, buffer] : state.buffers) {
+        const at::Tensor copy = dist_optim::replica_copy(backup, owner.worker, prefix + name);
+        if (!copy.defined() || !at::equal(copy, buffer)) {
+          differs += " state '" + name + "' of shard " + std::to_string(shard) + ";";
+        }
+      }
+    }
+  }
+  return differs;
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.train_replicated", train_replicated);
+
+// Two trainers step one table, sharded over worker1 and worker2, each the other's backup: one
+// trainer with Adagrad (sparse steps: their rows are sent, under the rows' locks), the other with
+// SGD with momentum (dense steps: the whole shard and state), at once, often on the same rows.
+// Once both have returned, each backup's copy of a shard is the shard bit for bit, and each
+// trainer's copies of its state its optimizer's state.
+TEST(SharedTableSteps, EachShardsBackupHoldsWhatEveryReturnedStepChanged) {
+  testing::with_workers(5, [] {
+    using testing::worker;
+    const std::vector<std::string> workers = {worker(1), worker(2)};
+    ShardedEmbeddingBag table(table_options(workers));
+    const auto shards = table.shard_module_rrefs();
+    {
+      // Refused by name, before anything is sent.
+      dist_optim::DistributedOptimizer sgd("sgd", table.remote_parameters(),
+                                           optim::OptionBag().set("lr", 1.0));
+      using Backups = dist_optim::ReplicaOptions::Backups;
+      auto replicate = [&](Backups backups, std::vector<rpc::ShardedEmbeddingBag*> tables) {
+        dist_optim::replicate_steps(sgd, tables, {},
+                                    dist_optim::ReplicaOptions().backups(std::move(backups)));
+      };
+      testing::expect_error_containing(
+          [&] {
+            replicate({{worker(3), worker(1)}}, {&table});
+          },
+          {"a backup ('worker1') for worker 'worker3', which owns none of the optimizer's"});
+      testing::expect_error_containing(
+          [&] {
+            replicate({{worker(1), worker(1)}}, {&table});
+          },
+          {"worker 'worker1' cannot be its own backup"});
+      testing::expect_error_containing(
+          [&] {
+            replicate({{worker(1), worker(2)}}, {});
+          },
+          {"parameter 0 of the optimizer (on worker 'worker1', replicated) is no given table's"});
+    }
+    constexpr int64_t kSteps = 40, kIdsPerStep = 12;
+    auto generator = at::detail::createCPUGenerator(5);
+    const std::vector<std::pair<std::string, optim::OptionBag>> optimizers = {
+        {"adagrad", optim::OptionBag().set("lr", 0.5)},
+        {"sgd", optim::OptionBag().set("lr", 0.1).set("momentum", 0.9)}};
+    std::vector<rpc::RpcFuture<std::string>> trainers;
+    for (int t = 3; t <= 4; ++t) {
+      const auto& [name, options] = optimizers[t - 3];
+      trainers.push_back(rpc::rpc_async<std::string>(
+          worker(t), "shared_table_steps_test.train_replicated",
+          std::tuple{workers, shards, table.shard_keys(), name, options.to_ivalue(),
+                     at::randint(kRows, {kSteps, kIdsPerStep}, generator, at::kLong)}));
+    }
+    for (int t = 3; t <= 4; ++t) {
+      EXPECT_EQ(trainers[t - 3].wait(), "") << "trainer " << worker(t) << "'s state copies";
+    }
+    const std::vector<RRef<at::Tensor>> weights = table.remote_parameters();
+    for (size_t s = 0; s < 2; ++s) {
+      const at::Tensor copy =
+          dist_optim::replica_copy(workers[1 - s], workers[s], table.shard_key(s));
+      ASSERT_TRUE(copy.defined()) << "no copy of shard " << s;
+      const at::Tensor shard = weights[s].to_here();
+      EXPECT_TRUE(at::equal(copy, shard))
+          << "shard " << s << " differs from its copy in "
+          << (copy != shard).any(1).sum().item<int64_t>() << " rows";
+      // The shard, the Adagrad trainer's sum and step, the SGD trainer's momentum and step.
+      EXPECT_EQ(dist_optim::replica_keys(workers[1 - s], workers[s]).size(), 5u);
+    }
   });
 }
 

@@ -1,0 +1,76 @@
+#pragma once
+
+// Replicas of parameter servers' state (PyTorch has none): each step of a DistributedOptimizer on
+// a replicated owner (the primary) sends what it changed to another worker (its backup) before
+// the step's reply returns, so that a step that returned to its trainer is on two workers.
+//
+//   dist_optim::replicate_steps(optimizer, {&table}, {&mlp},
+//                               dist_optim::ReplicaOptions().backups({{"ps0", "ps1"},
+//                                                                     {"ps1", "ps0"}}));
+//   ... steps as before ...
+//
+// What the backup holds, per primary: a copy of each replicated parameter (a table shard's rows,
+// a RemoteModule's parameters), shared by every trainer's optimizer that steps it, and each
+// trainer's optimizer state of it. A copy is sent whole at the parameter's first step on the
+// primary after replicate_steps (under an rpc::InPlaceUpdateGuard there, so it is of one moment),
+// then, within each step, the rows a sparse step changed (of the parameter and of this trainer's
+// state) or the whole parameter and state after a dense step. A sparse step sends its rows while
+// it holds them (rpc::InPlaceRowUpdateGuard), so two trainers' updates of a row reach the copy in
+// the order they reached the parameter. The copies live in the backup's memory (its own parameters'
+// size again for each primary it backs up, and the state of every trainer there).
+//
+// The keys of the copies: a table shard's is its shard_key(); parameter j of a RemoteModule's
+// owner_parameters() is module_key() + "/" + j; a trainer's state buffer NAME of a parameter is
+// the parameter's key + "/state/" + TRAINER + "/" + NAME, its step count ... + "/step" (TRAINER:
+// the trainer's worker name).
+//
+// Errors of a step: a backup that cannot take a copy fails the step. Before a sparse step a
+// parameter's whole copy is sent: its failure leaves the step unapplied. After the update, the
+// changes' failure leaves the step applied on the primary (the error says so), and the next step
+// sends every copy whole again (the backup may have come back as a new incarnation).
+//
+// Not yet: a primary's recovery from its backup's copies (recovery.h restores from snapshots),
+// and replication through DistributedOptimizer::rebind (call replicate_steps again after a
+// recovery).
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <distoptim/dist_optim/distributed_optimizer.h>
+#include <distoptim/rpc/remote_module.h>
+#include <distoptim/rpc/sharded_embedding_bag.h>
+
+namespace distoptim {
+namespace dist_optim {
+
+struct ReplicaOptions {
+  using Backups = std::map<std::string, std::string>;
+  /// Each primary's backup, by worker name: {{"ps0", "ps1"}, {"ps1", "ps0"}}.
+  TORCH_ARG(Backups, backups);
+};
+
+/// From the next step on, each step of `optimizer` on an owner that options.backups() names
+/// sends its changes to that owner's backup before it returns (see the top of this file).
+/// `tables` and `modules`: those whose shards and parameters the optimizer holds on the
+/// replicated owners (they give the copies their keys). Blocks until every replicated owner has
+/// taken it. Errors, before anything is sent: c10::ValueError naming a backup named for a worker
+/// that owns none of the optimizer's parameters, a worker that is its own backup, or a
+/// parameter on a replicated owner that is no given table's shard and no given module's; the
+/// owners' refusals (RemoteError, PeerLostError naming them) after all have answered.
+void replicate_steps(DistributedOptimizer& optimizer,
+                     const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                     const std::vector<rpc::RemoteModuleBase*>& modules,
+                     const ReplicaOptions& options);
+
+/// The keys of the copies worker `backup` holds for worker `primary` (sorted), and one of them
+/// (an undefined tensor when it holds none under `key`): what a recovery, or a check, reads.
+std::vector<std::string> replica_keys(const std::string& backup, const std::string& primary);
+at::Tensor replica_copy(const std::string& backup, const std::string& primary,
+                        const std::string& key);
+
+}  // namespace dist_optim
+}  // namespace distoptim

@@ -1,0 +1,72 @@
+#pragma once
+
+// Replicas (replicas.h): a backup's copies of what its primaries' steps change, and the primary's
+// side that sends each step's changes there before the step's reply returns.
+//
+// The backup keeps, per primary, tensors by key: each replicated parameter under its key (a
+// table shard's or module's key with the parameter's place), and each trainer's optimizer state
+// of it beside it. A copy is sent whole first and then row by row (the rows a sparse step
+// changed) or whole again (a dense step). Process-wide on the backup, so that the trainers'
+// optimizers on one primary share one copy of a parameter they all step.
+
+#include <cstdint>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace distoptim {
+namespace dist_optim {
+namespace detail {
+
+/// One change of a copy: `values` replaces the whole copy when `rows` is undefined; otherwise
+/// values[i] is the copy's row rows[i] (a copy that was never sent whole is an error).
+struct MirrorUpdate {
+  std::string key;
+  at::Tensor rows;
+  at::Tensor values;
+};
+
+/// A primary optimizer's replication: the backup, the keys of its parameters' copies and whose
+/// state it sends. Used under the optimizer's lock.
+class MirrorLink {
+ public:
+  /// `param_keys`: one per parameter of the optimizer, in its order; `state_owner`: the trainer
+  /// whose optimizer this is (its state's copies are its own).
+  MirrorLink(std::string backup, std::vector<std::string> param_keys, std::string state_owner);
+
+  const std::string& backup() const { return backup_; }
+  size_t size() const { return param_keys_.size(); }
+  const std::string& param_key(size_t index) const { return param_keys_[index]; }
+  /// The key of state buffer `name` of parameter `index`, and of its step count.
+  std::string state_key(size_t index, const std::string& name) const;
+  std::string step_key(size_t index) const;
+
+  /// Whether `key` was sent whole by this link (a copy must be before it takes rows).
+  bool sent_whole(const std::string& key) const { return sent_whole_.count(key) > 0; }
+  /// Sends `updates` (one call, applied all or nothing on the backup) and waits for the answer;
+  /// then notes the whole ones as sent. Throws what the call throws.
+  void send(std::vector<MirrorUpdate> updates);
+  /// After a failed send: the next sends go whole (the backup may be a new incarnation).
+  void forget_sent() { sent_whole_.clear(); }
+
+ private:
+  std::string backup_;
+  std::vector<std::string> param_keys_;
+  std::string state_owner_;
+  std::set<std::string> sent_whole_;
+};
+
+/// Registers the backup's functions (once, at start-up).
+bool register_step_mirror();
+
+/// The backup's side, read through rpc (replicas.h): the keys of `primary`'s copies held on
+/// `backup`, and one copy (undefined when there is none).
+std::vector<std::string> mirrored_keys(const std::string& backup, const std::string& primary);
+at::Tensor mirrored_copy(const std::string& backup, const std::string& primary,
+                         const std::string& key);
+
+}  // namespace detail
+}  // namespace dist_optim
+}  // namespace distoptim
