@@ -20,7 +20,9 @@
 #include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/errors.h>
 
+#include "replicated_owners.h"
 #include "snapshot_calls.h"
+#include "step_mirror.h"
 
 namespace distoptim {
 namespace dist_optim {
@@ -285,20 +287,35 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
     if (stale.empty()) std::this_thread::sleep_for(kPoll);
     state = claim(worker, stale);
   }
+  auto backup = options.backups().find(worker);
+  if (backup != options.backups().end()) result.backup = backup->second;
+  // Replicated: this trainer's state from the backup's copies, and its steps there again.
+  auto from_backup = [&](bool with_value) {
+    load_from_backup(optimizer, tables, lost.modules, worker, result.backup, with_value);
+    replicate_steps(optimizer, tables, lost.modules,
+                    ReplicaOptions().backups({{worker, result.backup}}));
+  };
   if (state.outcome != kYouRestore) {
     bind_anew(worker, /*restorer=*/false, optimizer, lost);
-    if (state.snapshot_step >= 0) result.snapshot_step = state.snapshot_step;
-    result.state_step = load_own_state(worker, optimizer, tables, options);
+    if (!result.backup.empty()) {
+      from_backup(/*with_value=*/false);
+    } else {
+      if (state.snapshot_step >= 0) result.snapshot_step = state.snapshot_step;
+      result.state_step = load_own_state(worker, optimizer, tables, options);
+    }
     result.waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
     return result;
   }
   try {
     auto [keys, made] = bind_anew(worker, /*restorer=*/true, optimizer, lost);
     result.restored_here = true;
-    const std::optional<SnapshotInfo> latest = options.snapshot_directory().empty()
-                                                   ? std::nullopt
-                                                   : latest_snapshot(options.snapshot_directory());
-    if (latest) {
+    const std::optional<SnapshotInfo> latest =
+        options.snapshot_directory().empty() || !result.backup.empty()
+            ? std::nullopt
+            : latest_snapshot(options.snapshot_directory());
+    if (!result.backup.empty()) {
+      from_backup(/*with_value=*/true);
+    } else if (latest) {
       load_snapshot_into(latest->path, optimizer, tables, worker);
       result.snapshot_step = latest->step;
     }
@@ -315,7 +332,7 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
     }
     throw;
   }
-  result.state_step = load_own_state(worker, optimizer, tables, options);
+  if (result.backup.empty()) result.state_step = load_own_state(worker, optimizer, tables, options);
   result.waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
   return result;
 }

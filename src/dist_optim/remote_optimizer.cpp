@@ -91,13 +91,14 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
       if (!bags[g].empty()) optimizer_->set_group_options(g, bags[g]);
     }
   }
+  // A backup that came back as a new incarnation (or a failed send) gets everything whole first.
+  if (mirror_ && !mirror_->in_sync()) send_everything_whole(*mirror_);
   if (!optimizer_->updates_only_gradient_rows(gradients)) {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     optimizer_->step(gradients);
     if (mirror_) send_to_backup(gradients, {});
     return;
   }
-  if (mirror_) send_new_params_whole(gradients);
   // Only the rows the sparse gradients name change (parameters and this optimizer's state, which
   // mutex_ guards): other trainers' steps of other rows, and lookups of them, go on meanwhile.
   std::vector<at::Tensor> params, rows, rows_by_param(gradients.size());
@@ -125,32 +126,72 @@ void RemoteOptimizer::set_backup(std::string backup, std::vector<std::string> pa
     TORCH_CHECK_VALUE(!param_keys[i].empty(), "replicate_steps: the key of parameter ", i,
                       " on worker '", me, "' is empty");
   }
-  mirror_ = std::make_unique<MirrorLink>(std::move(backup), std::move(param_keys),
-                                         std::move(state_owner));
+  auto link = std::make_unique<MirrorLink>(std::move(backup), std::move(param_keys),
+                                           std::move(state_owner));
+  send_everything_whole(*link);
+  mirror_ = std::move(link);
 }
 
-void RemoteOptimizer::send_new_params_whole(const std::vector<at::Tensor>& gradients) {
-  std::vector<size_t> unsent;
-  for (size_t i = 0; i < gradients.size(); ++i) {
-    if (gradients[i].defined() && !mirror_->sent_whole(mirror_->param_key(i))) unsent.push_back(i);
-  }
-  if (unsent.empty()) return;
-  // No other optimizer's step of these parameters meanwhile: the copy is of one moment, and
-  // the rows they send later apply to it.
+void RemoteOptimizer::send_everything_whole(MirrorLink& link) {
+  const int backup_id = rpc::get_worker_info(link.backup()).id;
+  link.forget_sent();
+  // Every parameter and the state it has, at one moment (no other optimizer's step of them
+  // meanwhile): the copies the later steps' rows apply to, and all a recovery needs.
   rpc::InPlaceUpdateGuard no_update_meanwhile;
   at::NoGradGuard no_grad;
   std::vector<MirrorUpdate> updates;
-  for (size_t i : unsent) {
-    updates.push_back({mirror_->param_key(i), at::Tensor(), optimizer_->params()[i].clone()});
+  for (size_t i = 0; i < link.size(); ++i) {
+    updates.push_back({link.param_key(i), at::Tensor(), optimizer_->params()[i].clone()});
+    const optim::ParamState& state = optimizer_->state(i);
+    if (state.empty()) continue;
+    for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
+      if (!state.buffers[slot].defined()) continue;
+      updates.push_back({link.state_key(i, optimizer_->state_names()[slot]), at::Tensor(),
+                         state.buffers[slot].clone()});
+    }
+    updates.push_back({link.step_key(i), at::Tensor(), at::scalar_tensor(state.step, at::kLong)});
   }
   try {
-    mirror_->send(std::move(updates));
+    link.send(std::move(updates));
   } catch (c10::Error& error) {
-    error.add_context("replicas: worker '" + rpc::get_worker_info().name + "' could not copy " +
-                      "its parameters to its backup '" + mirror_->backup() +
+    error.add_context("replicas: worker '" + rpc::get_worker_info().name +
+                      "' could not copy its parameters to its backup '" + link.backup() +
                       "'; the step was not applied");
     throw;
   }
+  link.note_synced(backup_id);
+}
+
+void RemoteOptimizer::stage_from_backup(int64_t index, std::string backup, std::string param_key,
+                                        std::string state_owner) {
+  const std::string me = rpc::get_worker_info().name;
+  at::Tensor like;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    like = param(index, kRecoverFromBackup, /*table=*/false);
+  }
+  ParamCopy copy;
+  copy.value = mirrored_copy(backup, me, param_key);
+  TORCH_CHECK_VALUE(copy.value.defined(), kRecoverFromBackup, ": worker '", backup,
+                    "' holds no copy of '", param_key, "' of worker '", me, "'");
+  TORCH_CHECK_VALUE(
+      copy.value.sizes() == like.sizes() && copy.value.scalar_type() == like.scalar_type(),
+      kRecoverFromBackup, ": the copy of '", param_key, "' on worker '", backup, "' has shape ",
+      copy.value.sizes(), ", parameter ", index, " on worker '", me, "' ", like.sizes());
+  const std::string prefix = param_key + "/state/" + state_owner + "/";
+  for (const std::string& key : mirrored_keys(backup, me)) {
+    if (key.rfind(prefix, 0) != 0) continue;
+    const std::string name = key.substr(prefix.size());
+    const at::Tensor value = mirrored_copy(backup, me, key);
+    if (!value.defined()) continue;  // gone meanwhile: a new incarnation of the backup
+    copy.has_state = true;
+    if (name == "step") {
+      copy.state.step = value.item<int64_t>();
+    } else {
+      copy.state.buffers[name] = value;
+    }
+  }
+  stage(index, std::move(copy));
 }
 
 void RemoteOptimizer::send_to_backup(const std::vector<at::Tensor>& gradients,
@@ -485,6 +526,8 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::drop_staged);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "set_backup",
                                         &RemoteOptimizer::set_backup);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "stage_from_backup",
+                                        &RemoteOptimizer::stage_from_backup);
   return true;
 }
 }  // namespace

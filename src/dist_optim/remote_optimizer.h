@@ -45,11 +45,18 @@ class RemoteOptimizer {
   /// From the next step on, each step sends what it changed (its parameters' rows or whole
   /// parameters, and this optimizer's state of them) to worker `backup`'s copies before it
   /// returns (replicas.h). `param_keys`: the key of each parameter's copy, in this optimizer's
-  /// order; `state_owner`: the trainer whose optimizer this is. A parameter's copy is sent whole
-  /// at its first step here (under an rpc::InPlaceUpdateGuard, so that it is of one moment).
-  /// c10::ValueError, changing nothing, for a count of keys other than of parameters, an empty
-  /// key, or `backup` naming this worker.
+  /// order; `state_owner`: the trainer whose optimizer this is. c10::ValueError, changing nothing,
+  /// for a count of keys other than of parameters, an empty key, or `backup` naming this worker.
+  /// Every parameter, and the state it has, is sent whole at once (what the backup cannot take
+  /// fails the call, leaving no replication), and again before the next step whenever the backup is
+  /// a new incarnation or a send failed.
   void set_backup(std::string backup, std::vector<std::string> param_keys, std::string state_owner);
+  /// Reads parameter `index` and trainer `state_owner`'s state of it from worker `backup`'s
+  /// copies of this worker's (under `param_key`, replicas.h), for commit_staged or
+  /// commit_staged_state. c10::ValueError naming the key when the backup holds no copy of the
+  /// parameter or one of another shape; what the calls to the backup throw.
+  void stage_from_backup(int64_t index, std::string backup, std::string param_key,
+                         std::string state_owner);
   /// OptimizerStateDict::to_ivalue() of the optimizer, and its inverse.
   c10::IValue state_dict();
   void load_state_dict(c10::IValue state);
@@ -107,9 +114,9 @@ class RemoteOptimizer {
   void stage(int64_t index, ParamCopy copy);
   /// commit_staged (`with_value`) or commit_staged_state.
   void commit(int64_t index, bool with_value);
-  /// Sends whole, under an rpc::InPlaceUpdateGuard, the parameters with a gradient in
-  /// `gradients` whose copies the backup does not have from this optimizer; under mutex_.
-  void send_new_params_whole(const std::vector<at::Tensor>& gradients);
+  /// Sends every parameter and its state whole to `link`'s backup, under an
+  /// rpc::InPlaceUpdateGuard; under mutex_. Its failure changes nothing here.
+  void send_everything_whole(MirrorLink& link);
   /// Sends what the step with `gradients` changed: the rows `rows[i]` of parameter i (and of its
   /// state), or, where `rows` is empty, whole parameters and state. Under mutex_ and the step's
   /// guard, so that the copies take each row's updates in the order the parameters did. A failed

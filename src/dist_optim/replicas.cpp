@@ -3,8 +3,8 @@
 
 #include <distoptim/dist_optim/replicas.h>
 
+#include <algorithm>
 #include <map>
-#include <set>
 #include <utility>
 
 #include <c10/util/Exception.h>
@@ -13,73 +13,132 @@
 #include <distoptim/rpc/detail/rref_calls.h>
 
 #include "owner_calls.h"
+#include "replicated_owners.h"
 #include "step_mirror.h"
 
 namespace distoptim {
 namespace dist_optim {
 
+namespace detail {
+
+std::vector<ReplicatedOwner> replicated_owners(const DistributedOptimizer& optimizer,
+                                               const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                                               const std::vector<rpc::RemoteModuleBase*>& modules,
+                                               const std::vector<std::string>& workers,
+                                               const char* what) {
+  for (size_t t = 0; t < tables.size(); ++t) {
+    TORCH_CHECK_VALUE(tables[t] != nullptr, what, ": tables[", t, "] is null");
+  }
+  for (size_t m = 0; m < modules.size(); ++m) {
+    TORCH_CHECK_VALUE(modules[m] != nullptr, what, ": modules[", m, "] is null");
+  }
+  // The key of every table shard, by its reference's id (a table keeps its references).
+  std::map<std::string, std::string> shard_key_of;
+  for (const rpc::ShardedEmbeddingBag* table : tables) {
+    const std::vector<rpc::RRef<at::Tensor>> shards = table->remote_parameters();
+    for (size_t s = 0; s < shards.size(); ++s) {
+      shard_key_of[rpc::detail::rref_global_id(shards[s].handle())] = table->shard_key(s);
+    }
+  }
+  const std::vector<OwnerOptimizer> owners = OwnerAccess::owners(optimizer);
+  const std::vector<rpc::RRef<at::Tensor>> params = optimizer.parameters();
+  std::vector<ReplicatedOwner> out;
+  for (const std::string& worker : workers) {
+    auto owner = std::find_if(owners.begin(), owners.end(),
+                              [&worker](const OwnerOptimizer& o) { return o.worker == worker; });
+    TORCH_CHECK_VALUE(owner != owners.end(), what, ": worker '", worker,
+                      "' owns none of the optimizer's parameters");
+    // The parameters that are no table's shard are, in the optimizer's order, those of the
+    // modules on the worker in the order of `modules` (as recovery.h makes them anew).
+    std::vector<std::string> module_keys;
+    for (const rpc::RemoteModuleBase* module : modules) {
+      if (module->remote_device().worker_name != worker) continue;
+      const size_t count = module->owner_parameters().size();
+      for (size_t j = 0; j < count; ++j) {
+        module_keys.push_back(module->module_key() + "/" + std::to_string(j));
+      }
+    }
+    ReplicatedOwner replicated{*owner, {}};
+    size_t next_module_key = 0;
+    for (const int64_t position : owner->positions) {
+      auto it = shard_key_of.find(rpc::detail::rref_global_id(params[position].handle()));
+      if (it != shard_key_of.end()) {
+        replicated.keys.push_back(it->second);
+      } else {
+        TORCH_CHECK_VALUE(next_module_key < module_keys.size(), what, ": parameter ", position,
+                          " of the optimizer (on worker '", worker,
+                          "', replicated) is no given table's shard, and the modules given on "
+                          "that worker have ",
+                          module_keys.size(), " parameters in all");
+        replicated.keys.push_back(module_keys[next_module_key++]);
+      }
+    }
+    TORCH_CHECK_VALUE(next_module_key == module_keys.size(), what,
+                      ": the modules given on worker '", worker, "' have ", module_keys.size(),
+                      " parameters; the optimizer holds ", next_module_key,
+                      " of that worker's that are no table's shard");
+    out.push_back(std::move(replicated));
+  }
+  return out;
+}
+
+void load_from_backup(DistributedOptimizer& optimizer,
+                      const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                      const std::vector<rpc::RemoteModuleBase*>& modules, const std::string& worker,
+                      const std::string& backup, bool with_value) {
+  const ReplicatedOwner replicated =
+      replicated_owners(optimizer, tables, modules, {worker}, kRecoverFromBackup).at(0);
+  const rpc::RRef<RemoteOptimizer>& remote = replicated.owner.optimizer;
+  const std::string trainer = rpc::get_worker_info().name;
+  auto each_index = [&](const std::string& method, auto args_of) {
+    std::vector<rpc::RpcFuture<c10::IValue>> calls;
+    for (size_t i = 0; i < replicated.keys.size(); ++i) {
+      calls.push_back(waited_method(remote, method, args_of(i)));
+    }
+    wait_all(
+        calls, [&worker](size_t) -> const std::string& { return worker; }, kRecoverFromBackup);
+  };
+  try {
+    each_index("stage_from_backup", [&](size_t i) {
+      return std::vector<c10::IValue>{static_cast<int64_t>(i), backup, replicated.keys[i], trainer};
+    });
+  } catch (...) {
+    try {
+      each_index("drop_staged",
+                 [](size_t i) { return std::vector<c10::IValue>{static_cast<int64_t>(i)}; });
+    } catch (const c10::Error&) {
+      // The owner is gone or refuses: what it staged goes with it.
+    }
+    throw;
+  }
+  each_index(with_value ? "commit_staged" : "commit_staged_state",
+             [](size_t i) { return std::vector<c10::IValue>{static_cast<int64_t>(i)}; });
+}
+
+}  // namespace detail
+
 void replicate_steps(DistributedOptimizer& optimizer,
                      const std::vector<rpc::ShardedEmbeddingBag*>& tables,
                      const std::vector<rpc::RemoteModuleBase*>& modules,
                      const ReplicaOptions& options) {
-  for (size_t t = 0; t < tables.size(); ++t) {
-    TORCH_CHECK_VALUE(tables[t] != nullptr, "replicate_steps: tables[", t, "] is null");
-  }
-  for (size_t m = 0; m < modules.size(); ++m) {
-    TORCH_CHECK_VALUE(modules[m] != nullptr, "replicate_steps: modules[", m, "] is null");
-  }
-  // The key of every parameter the tables and modules hold, by its reference's id.
-  std::map<std::string, std::string> key_of;
-  for (const rpc::ShardedEmbeddingBag* table : tables) {
-    const std::vector<rpc::RRef<at::Tensor>> shards = table->remote_parameters();
-    for (size_t s = 0; s < shards.size(); ++s) {
-      key_of[rpc::detail::rref_global_id(shards[s].handle())] = table->shard_key(s);
-    }
-  }
-  for (const rpc::RemoteModuleBase* module : modules) {
-    const std::vector<rpc::RRef<at::Tensor>> params = module->owner_parameters();
-    for (size_t j = 0; j < params.size(); ++j) {
-      key_of[rpc::detail::rref_global_id(params[j].handle())] =
-          module->module_key() + "/" + std::to_string(j);
-    }
-  }
-
-  const std::vector<detail::OwnerOptimizer> owners = detail::OwnerAccess::owners(optimizer);
-  const std::vector<rpc::RRef<at::Tensor>> params = optimizer.parameters();
-  std::set<std::string> owner_names;
-  for (const detail::OwnerOptimizer& owner : owners) owner_names.insert(owner.worker);
+  std::vector<std::string> workers;
   for (const auto& [primary, backup] : options.backups()) {
-    TORCH_CHECK_VALUE(owner_names.count(primary) > 0, "replicate_steps: a backup ('", backup,
-                      "') for worker '", primary,
-                      "', which owns none of the optimizer's parameters");
     TORCH_CHECK_VALUE(primary != backup, "replicate_steps: worker '", primary,
                       "' cannot be its own backup");
+    workers.push_back(primary);
   }
   // Every key first, so that a parameter without one refuses the whole call.
-  std::vector<const detail::OwnerOptimizer*> replicated;
-  std::vector<std::vector<std::string>> keys;
-  for (const detail::OwnerOptimizer& owner : owners) {
-    if (options.backups().count(owner.worker) == 0) continue;
-    std::vector<std::string> owner_keys;
-    for (const int64_t position : owner.positions) {
-      auto it = key_of.find(rpc::detail::rref_global_id(params[position].handle()));
-      TORCH_CHECK_VALUE(it != key_of.end(), "replicate_steps: parameter ", position,
-                        " of the optimizer (on worker '", owner.worker,
-                        "', replicated) is no given table's shard and no given module's");
-      owner_keys.push_back(it->second);
-    }
-    replicated.push_back(&owner);
-    keys.push_back(std::move(owner_keys));
-  }
+  const std::vector<detail::ReplicatedOwner> replicated =
+      detail::replicated_owners(optimizer, tables, modules, workers, "replicate_steps");
   const std::string trainer = rpc::get_worker_info().name;
   std::vector<rpc::RpcFuture<c10::IValue>> calls;
-  for (size_t k = 0; k < replicated.size(); ++k) {
-    calls.push_back(detail::waited_method(replicated[k]->optimizer, "set_backup",
-                                          {c10::IValue(options.backups().at(replicated[k]->worker)),
-                                           rpc::to_value(keys[k]), c10::IValue(trainer)}));
+  for (const detail::ReplicatedOwner& r : replicated) {
+    calls.push_back(detail::waited_method(r.owner.optimizer, "set_backup",
+                                          {c10::IValue(options.backups().at(r.owner.worker)),
+                                           rpc::to_value(r.keys), c10::IValue(trainer)}));
   }
   detail::wait_all(
-      calls, [&replicated](size_t k) -> const std::string& { return replicated[k]->worker; },
+      calls, [&replicated](size_t k) -> const std::string& { return replicated[k].owner.worker; },
       "replicate_steps");
 }
 

@@ -147,6 +147,15 @@ void MirrorLink::send(std::vector<MirrorUpdate> updates) {
   }
 }
 
+bool MirrorLink::in_sync() const {
+  return synced_to_ >= 0 && rpc::get_worker_info(backup_).id == synced_to_;
+}
+
+void MirrorLink::forget_sent() {
+  sent_whole_.clear();
+  synced_to_ = -1;
+}
+
 bool register_step_mirror() {
   rpc::detail::register_internal_function(kApply, [](std::vector<c10::IValue> args) {
     TORCH_CHECK_TYPE(args.size() == 5, "takes 5 arguments");

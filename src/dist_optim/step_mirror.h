@@ -20,6 +20,9 @@ namespace distoptim {
 namespace dist_optim {
 namespace detail {
 
+/// What a recovery from a backup's copies names in its errors.
+constexpr const char* kRecoverFromBackup = "recover_lost_owners";
+
 /// One change of a copy: `values` replaces the whole copy when `rows` is undefined; otherwise
 /// values[i] is the copy's row rows[i] (a copy that was never sent whole is an error).
 struct MirrorUpdate {
@@ -48,14 +51,21 @@ class MirrorLink {
   /// Sends `updates` (one call, applied all or nothing on the backup) and waits for the answer;
   /// then notes the whole ones as sent. Throws what the call throws.
   void send(std::vector<MirrorUpdate> updates);
-  /// After a failed send: the next sends go whole (the backup may be a new incarnation).
-  void forget_sent() { sent_whole_.clear(); }
+  /// Whether everything was sent whole to the backup's current incarnation (and no send failed
+  /// since): otherwise the next step sends everything whole first. c10::ValueError naming the
+  /// backup when it is no member of the group now.
+  bool in_sync() const;
+  /// Everything was sent whole to incarnation `backup_id` of the backup.
+  void note_synced(int backup_id) { synced_to_ = backup_id; }
+  /// After a failed send: everything goes whole next (the backup may be a new incarnation).
+  void forget_sent();
 
  private:
   std::string backup_;
   std::vector<std::string> param_keys_;
   std::string state_owner_;
   std::set<std::string> sent_whole_;
+  int synced_to_ = -1;  // the backup's worker id when everything was sent whole; -1: not in sync
 };
 
 /// Registers the backup's functions (once, at start-up).

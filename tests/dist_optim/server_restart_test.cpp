@@ -12,6 +12,8 @@
 // restores the third ps1 from a snapshot of that moment (nothing lost), and the second binds to
 // it by the keys, which name a shard and a module across any number of its owner's deaths.
 //
+// With replicas (the second test), the same death loses nothing: ps1 comes back from ps0's copies.
+//
 // Processes (run_ranks): rank 0 "ps0", the dynamic group's store host; rank 1 the first "ps1",
 // which SIGKILLs itself when told; rank 2 the trainer; rank 3 the second "ps1", which joins once
 // the first has been dropped and SIGKILLs itself when told; rank 4 the second trainer; rank 5 the
@@ -263,9 +265,9 @@ void train_late(const std::string& directory) {
   rpc::shutdown();
 }
 
-void train(const std::string& directory) {
-  testing::StoreTurns turns(2, kTurns);
-  ASSERT_TRUE(wait_until(
+// Waits until ps1 has joined the group.
+bool wait_for_ps1_joined() {
+  return wait_until(
       [] {
         try {
           rpc::get_worker_info("ps1");
@@ -274,7 +276,12 @@ void train(const std::string& directory) {
           return false;
         }
       },
-      30s));
+      30s);
+}
+
+void train(const std::string& directory) {
+  testing::StoreTurns turns(2, kTurns);
+  ASSERT_TRUE(wait_for_ps1_joined());
   ShardedEmbeddingBag table(table_options({"ps0", "ps1"}));
   auto head = std::make_shared<Head>("ps1", std::tuple{kDim, kOut, kHeadSeed});
   const auto parameters_of = [](ShardedEmbeddingBag& t, const Head& h) {
@@ -424,6 +431,136 @@ TEST(ServerRestart, ATrainerBindsToTheRestartedServerWithItsSnapshot) {
       },
       run);
   fs::remove_all(directory);
+}
+
+// Replicas: ps0 and ps1 back each other up (replicate_steps). When ps1 dies, its table shard,
+// its module and both trainers' optimizer states come back from ps0's copies, bit for bit as the
+// last steps that returned left them; no snapshot is involved.
+//
+// Processes: rank 0 "ps0" (the store's host, ps1's backup); rank 1 the first "ps1", which
+// SIGKILLs itself when told; rank 2 "trainer", which restores ps1; rank 3 the second "ps1";
+// rank 4 "trainer2", which steps the same table and module with an optimizer of its own.
+const char* const kReplicaTurns = "test/server_restart_replicas";
+
+ReplicaOptions both_backed_up() {
+  return ReplicaOptions().backups({{"ps0", "ps1"}, {"ps1", "ps0"}});
+}
+
+void train_replicated() {
+  testing::StoreTurns turns(2, kReplicaTurns);
+  ASSERT_TRUE(wait_for_ps1_joined());
+  ShardedEmbeddingBag table(table_options({"ps0", "ps1"}));
+  auto head = std::make_shared<Head>("ps1", std::tuple{kDim, kOut, kHeadSeed});
+  std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
+  for (auto& p : head->remote_parameters()) params.push_back(p);
+  DistributedOptimizer optimizer("adagrad", params, adagrad());
+  replicate_steps(optimizer, {&table}, {head.get()}, both_backed_up());
+  for (int64_t step = 1; step <= kKillAfter; ++step) train_step(table, *head, optimizer, step);
+  {
+    std::lock_guard<std::mutex> lock(g_references_mutex);
+    g_references = References{table.shard_module_rrefs(), table.shard_keys(), head->module_rref(),
+                              head->module_key()};
+  }
+  turns.say("late_may_join");
+  turns.store->wait({"late_stepped"}, 120s);
+  // What every step that returned left, the other trainer's included.
+  const at::Tensor rows = table.weight();
+  const std::vector<at::Tensor> head_values = values_of(*head);
+  const auto states = states_by_position(optimizer);
+  turns.say("kill_ps1");
+  ASSERT_TRUE(wait_for_ps1_lost()) << "ps1 did not die";
+  turns.say("ps1_lost");
+  const std::vector<RecoveredOwner> recovered = recover_lost_owners(
+      optimizer, {&table}, {head.get()}, RecoveryOptions().backups(both_backed_up().backups()));
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_EQ(recovered[0].worker, "ps1");
+  EXPECT_EQ(recovered[0].backup, "ps0");
+  EXPECT_TRUE(recovered[0].restored_here);
+  EXPECT_FALSE(recovered[0].snapshot_step.has_value());
+  EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "second ps1");
+  EXPECT_TRUE(at::equal(table.weight(), rows));
+  EXPECT_TRUE(equal_tensors(values_of(*head), head_values));
+  expect_equal_states(states_by_position(optimizer), states);
+  turns.say("restored");
+  turns.store->wait({"late_done"}, 120s);
+  // Both trainers step on; ps1's copies on ps0 follow them again.
+  train_step(table, *head, optimizer, kSteps);
+  const at::Tensor ps1_rows = table.remote_parameters()[1].to_here();
+  EXPECT_TRUE(at::equal(replica_copy("ps0", "ps1", table.shard_key(1)), ps1_rows));
+  turns.say("done");
+  rpc::shutdown();
+}
+
+void train_late_replicated() {
+  testing::StoreTurns turns(4, kReplicaTurns);
+  turns.store->wait({"late_may_join"}, 240s);
+  std::optional<References> given = rpc::rpc_sync<std::optional<References>>(
+      "trainer", "server_restart.references", std::tuple{});
+  ASSERT_TRUE(given.has_value());
+  auto [shards, shard_keys, head_rref, head_key] = std::move(*given);
+  ShardedEmbeddingBag table(table_options({"ps0", "ps1"}), std::move(shards), shard_keys);
+  std::shared_ptr<Head> head = Head::init_from_module_rref("ps1", std::move(head_rref), head_key);
+  head->make_anew_with(std::tuple{kDim, kOut, kHeadSeed});
+  std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
+  for (auto& p : head->remote_parameters()) params.push_back(p);
+  DistributedOptimizer optimizer("adagrad", params, adagrad());
+  replicate_steps(optimizer, {&table}, {head.get()}, both_backed_up());
+  for (int64_t step = 100; step < 103; ++step) train_step(table, *head, optimizer, step);
+  const auto own_states = states_by_position(optimizer);
+  turns.say("late_stepped");
+  turns.store->wait({"restored"}, 240s);
+  bool lost = false;
+  try {
+    train_step(table, *head, optimizer, 103);
+  } catch (const PeerLostError&) {
+    lost = true;
+  }
+  EXPECT_TRUE(lost) << "the second trainer's step after ps1's death did not fail";
+  const std::vector<RecoveredOwner> recovered = recover_lost_owners(
+      optimizer, {&table}, {head.get()}, RecoveryOptions().backups(both_backed_up().backups()));
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_FALSE(recovered[0].restored_here);
+  EXPECT_EQ(recovered[0].backup, "ps0");
+  // Its own state on the second ps1, from its own copies (not the first trainer's).
+  expect_equal_states(states_by_position(optimizer), own_states);
+  train_step(table, *head, optimizer, 103);
+  turns.say("late_done");
+  rpc::shutdown();
+}
+
+TEST(ServerRestart, AReplicatedServerComesBackFromItsBackupWithEveryStepThatReturned) {
+  testing::RunRanksOptions run;
+  run.deadline = 300s;
+  run.expected_signals = {{1, SIGKILL}};
+  testing::run_ranks(
+      5,
+      [](int rank, int) {
+        testing::StoreTurns turns(rank, kReplicaTurns);
+        if (rank == 0) {
+          g_name = "ps0";
+          rpc::init_rpc("ps0", 0, options());
+          turns.store->wait({"done"}, 240s);
+          rpc::shutdown();
+        } else if (rank == 1) {
+          g_name = "first ps1";
+          rpc::init_rpc("ps1", rpc::kAssignRank, options());
+          turns.store->wait({"kill_ps1"}, 240s);
+          ::kill(::getpid(), SIGKILL);
+        } else if (rank == 2) {
+          rpc::init_rpc("trainer", rpc::kAssignRank, options());
+          train_replicated();
+        } else if (rank == 3) {
+          g_name = "second ps1";
+          turns.store->wait({"ps1_lost"}, 240s);
+          rpc::init_rpc("ps1", rpc::kAssignRank, options().name_wait(60s));
+          turns.store->wait({"done"}, 240s);
+          rpc::shutdown();
+        } else {
+          rpc::init_rpc("trainer2", rpc::kAssignRank, options());
+          train_late_replicated();
+        }
+      },
+      run);
 }
 
 }  // namespace

@@ -332,7 +332,7 @@ TEST(SharedTableSteps, EachShardsBackupHoldsWhatEveryReturnedStepChanged) {
           [&] {
             replicate({{worker(3), worker(1)}}, {&table});
           },
-          {"a backup ('worker1') for worker 'worker3', which owns none of the optimizer's"});
+          {"replicate_steps: worker 'worker3' owns none of the optimizer's parameters"});
       testing::expect_error_containing(
           [&] {
             replicate({{worker(1), worker(1)}}, {&table});
@@ -342,7 +342,8 @@ TEST(SharedTableSteps, EachShardsBackupHoldsWhatEveryReturnedStepChanged) {
           [&] {
             replicate({{worker(1), worker(2)}}, {});
           },
-          {"parameter 0 of the optimizer (on worker 'worker1', replicated) is no given table's"});
+          {"parameter 0 of the optimizer (on worker 'worker1', replicated) is no given table's "
+           "shard, and the modules given on that worker have 0 parameters in all"});
     }
     constexpr int64_t kSteps = 40, kIdsPerStep = 12;
     auto generator = at::detail::createCPUGenerator(5);

@@ -50,6 +50,7 @@
 #include <torch/arg.h>
 
 #include <distoptim/dist_optim/distributed_optimizer.h>
+#include <distoptim/dist_optim/replicas.h>
 #include <distoptim/rpc/remote_module.h>
 #include <distoptim/rpc/sharded_embedding_bag.h>
 
@@ -67,6 +68,12 @@ struct RecoveryOptions {
   /// Empty (or snapshot_directory): a trainer that did not restore the owner starts without
   /// state there.
   TORCH_ARG(std::string, state_directory);
+  /// Each replicated owner's backup (replicas.h: as given to replicate_steps). A lost owner that
+  /// has one is restored from the backup's copies, not from a snapshot: its parameters as the
+  /// last step that reached the backup left them (every step that returned to a trainer), and
+  /// each trainer's optimizer state there from its own copies; its steps go to the backup again
+  /// from then on.
+  TORCH_ARG(ReplicaOptions::Backups, backups);
   /// How long to wait for a lost owner to come back, and for another trainer's restore of it.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
 };
@@ -82,6 +89,9 @@ struct RecoveredOwner {
   /// The step of this trainer's own snapshot (state_directory) its optimizer's state there was
   /// loaded from; nullopt: none.
   std::optional<int64_t> state_step;
+  /// The backup whose copies its parameters and this trainer's state were loaded from (then
+  /// snapshot_step and state_step are nullopt); empty: none.
+  std::string backup;
   /// From the call to the owner's shards being bound again here.
   std::chrono::milliseconds waited{0};
 };

@@ -11,27 +11,26 @@
 //
 // What the backup holds, per primary: a copy of each replicated parameter (a table shard's rows,
 // a RemoteModule's parameters), shared by every trainer's optimizer that steps it, and each
-// trainer's optimizer state of it. A copy is sent whole at the parameter's first step on the
-// primary after replicate_steps (under an rpc::InPlaceUpdateGuard there, so it is of one moment),
-// then, within each step, the rows a sparse step changed (of the parameter and of this trainer's
-// state) or the whole parameter and state after a dense step. A sparse step sends its rows while
-// it holds them (rpc::InPlaceRowUpdateGuard), so two trainers' updates of a row reach the copy in
-// the order they reached the parameter. The copies live in the backup's memory (its own parameters'
-// size again for each primary it backs up, and the state of every trainer there).
+// trainer's optimizer state of it. replicate_steps sends every parameter and its state whole
+// (under an rpc::InPlaceUpdateGuard on the primary, so they are of one moment); then each step
+// sends the rows a sparse step changed (of the parameter and of this trainer's state), or the
+// whole parameter and state after a dense step. A sparse step sends its rows while it holds them
+// (rpc::InPlaceRowUpdateGuard), so two trainers' updates of a row reach the copy in the order
+// they reached the parameter. The copies live in the backup's memory (its primaries' parameters
+// again, and the state of every trainer there).
 //
 // The keys of the copies: a table shard's is its shard_key(); parameter j of a RemoteModule's
 // owner_parameters() is module_key() + "/" + j; a trainer's state buffer NAME of a parameter is
 // the parameter's key + "/state/" + TRAINER + "/" + NAME, its step count ... + "/step" (TRAINER:
 // the trainer's worker name).
 //
-// Errors of a step: a backup that cannot take a copy fails the step. Before a sparse step a
-// parameter's whole copy is sent: its failure leaves the step unapplied. After the update, the
-// changes' failure leaves the step applied on the primary (the error says so), and the next step
-// sends every copy whole again (the backup may have come back as a new incarnation).
+// Errors of a step: a backup that cannot take the changes fails the step, applied on the primary
+// (the error says so). The primary's next step first sends everything whole again, as it does
+// whenever the backup is a new incarnation (it died and was started again): a step fails, not
+// applied, while its backup is lost.
 //
-// Not yet: a primary's recovery from its backup's copies (recovery.h restores from snapshots),
-// and replication through DistributedOptimizer::rebind (call replicate_steps again after a
-// recovery).
+// A lost primary comes back from its backup's copies with recover_lost_owners
+// (RecoveryOptions::backups, recovery.h): every step that returned to a trainer is in them.
 
 #include <map>
 #include <string>
@@ -56,11 +55,12 @@ struct ReplicaOptions {
 /// From the next step on, each step of `optimizer` on an owner that options.backups() names
 /// sends its changes to that owner's backup before it returns (see the top of this file).
 /// `tables` and `modules`: those whose shards and parameters the optimizer holds on the
-/// replicated owners (they give the copies their keys). Blocks until every replicated owner has
-/// taken it. Errors, before anything is sent: c10::ValueError naming a backup named for a worker
-/// that owns none of the optimizer's parameters, a worker that is its own backup, or a
-/// parameter on a replicated owner that is no given table's shard and no given module's; the
-/// owners' refusals (RemoteError, PeerLostError naming them) after all have answered.
+/// replicated owners (they give the copies their keys, so that a recovery finds them). Blocks until
+/// every replicated owner has taken it. Errors, before anything is sent: c10::ValueError naming a
+/// backup named for a worker that owns none of the optimizer's parameters, a worker that is its own
+/// backup, or a replicated owner whose parameters that are no given table's shard are not, in the
+/// optimizer's order, those of the given modules on it in their order (as recovery.h requires);
+/// the owners' refusals (RemoteError, PeerLostError naming them) after all have answered.
 void replicate_steps(DistributedOptimizer& optimizer,
                      const std::vector<rpc::ShardedEmbeddingBag*>& tables,
                      const std::vector<rpc::RemoteModuleBase*>& modules,
