@@ -27,7 +27,14 @@
 // (medians over the rounds; the iterations also with ours_min, ours_max, pytorch_min,
 // pytorch_max and rounds), and the load average (common/report.h).
 //
+// --replica measures what a replica costs instead (dist_optim/replicas.h): ours alone, each job
+// of 3 processes (worker2 the backup), with the parameter server's steps sent to worker2 before
+// they return against without (worker2 then idle), alternating; default sizes 1e5 and 1e6 (the
+// backup first takes the whole table in one message). The JSON then holds each side's iteration
+// (spread_row) and the ratio of the medians.
+//
 // Usage: sparse_ps_bench --json PATH [--rounds 3] [--steps W,T] [--rows R ...] [--quick]
+//        [--replica]
 
 #include <algorithm>
 #include <chrono>
@@ -81,6 +88,7 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 constexpr int kWorldSize = 2;
+constexpr int kReplicaWorldSize = 3;  // --replica: worker2 the backup (idle without the replica)
 constexpr double kLr = 0.01;
 
 DISTOPTIM_RPC_FUNCTION("bench.ps_memory_kb", [] {
@@ -96,14 +104,18 @@ struct Config {
   int deadline_seconds = 300;
 };
 
-// worker0: trains and measures.
-Json train(int64_t rows, const Config& config) {
+// worker0: trains and measures; with `replicated`, the server's steps go to worker2 as well.
+Json train(int64_t rows, const Config& config, bool replicated) {
   const auto [rss_before_kb, ignored] =
       rpc::rpc_sync<std::tuple<int64_t, int64_t>>("worker1", "bench.ps_memory_kb");
   (void)ignored;
   auto table = std::make_shared<rpc::RemoteModule<BenchBag>>("worker1", std::tuple{rows});
   dist_optim::DistributedOptimizer optimizer("sgd", table->remote_parameters(),
                                              optim::OptionBag().set("lr", kLr));
+  if (replicated) {
+    dist_optim::replicate_steps(optimizer, {}, {table.get()},
+                                dist_optim::ReplicaOptions().backups({{"worker1", "worker2"}}));
+  }
   auto generator = at::detail::createCPUGenerator(0);
   const at::Tensor offsets = ps_batch_offsets();
   std::vector<double> iteration, forward, backward, step;
@@ -142,10 +154,75 @@ Json train(int64_t rows, const Config& config) {
           {"intra_op_threads", at::get_num_threads()}};
 }
 
-void run_worker(int64_t rows, const Config& config) {
-  const int rank = init_ps_worker(kWorldSize, 60s, std::chrono::seconds(config.deadline_seconds));
-  if (rank == 0) print_result(train(rows, config));
+void run_worker(int64_t rows, const Config& config, int world_size, bool replicated) {
+  const int rank = init_ps_worker(world_size, 60s, std::chrono::seconds(config.deadline_seconds));
+  if (rank == 0) print_result(train(rows, config, replicated));
   rpc::shutdown();
+}
+
+// --replica: ours without and with one replica, alternating; prints the table and returns the
+// results file's cases.
+Json compare_replica(const Config& config, const std::string& self, const std::string& counts) {
+  const double load_at_start = load_average();
+  auto job = [&](int64_t rows, bool replicated) {
+    std::vector<std::string> command = {DISTOPTIM_DISTRUN_PATH,
+                                        "--nproc-per-node",
+                                        std::to_string(kReplicaWorldSize),
+                                        self,
+                                        "--worker",
+                                        "--worker-rows",
+                                        std::to_string(rows),
+                                        "--worker-world-size",
+                                        std::to_string(kReplicaWorldSize),
+                                        "--steps",
+                                        counts};
+    if (replicated) command.push_back("--worker-replicated");
+    return run_side(replicated ? "our workers, one replica" : "our workers, no replica", command,
+                    config.deadline_seconds)
+        .front();
+  };
+  std::map<int64_t, std::pair<std::vector<Json>, std::vector<Json>>> runs;
+  for (int64_t rows : config.rows) {
+    runs[rows] = alternate_rounds(
+        "sparse_ps_bench", rows_label(rows) + " rows, without and with a replica", config.rounds,
+        [&] { return job(rows, false); }, [&] { return job(rows, true); });
+  }
+  const double load_at_end = load_average();
+  auto values = [](const std::vector<Json>& side, const char* key) {
+    std::vector<double> out;
+    for (const Json& run : side) out.push_back(run.at(key).get<double>());
+    return out;
+  };
+  fmt::print(
+      "\nsparse_ps_bench --replica: the same job (3 processes: trainer, parameter server, its "
+      "backup) with the server's steps copied to the backup before they return "
+      "(dist_optim::replicate_steps) and without; {} warm-up + {} timed iterations per run, {} "
+      "rounds per size alternating; 1 intra-op thread per process, {} RPC worker threads\n",
+      config.warmup, config.timed, config.rounds, kPsRpcThreads);
+  fmt::print("{}\n\n", machine_load_line(load_at_start, load_at_end));
+  fmt::print("{:<6} {:>26} {:>26} {:>10} {:>30}\n", "rows", "no replica ms (min/med/max)",
+             "one replica ms (min/med/max)", "cost", "step ms, no replica / replica");
+  Json cases = Json::array();
+  for (int64_t rows : config.rows) {
+    const auto& [without, with] = runs[rows];
+    const Spread a = spread_of(values(without, "iteration_ms"));
+    const Spread b = spread_of(values(with, "iteration_ms"));
+    fmt::print("{:<6} {:>26} {:>26} {:>9.2f}x {:>30}\n", rows_label(rows),
+               fmt::format("{:.2f}/{:.2f}/{:.2f}", a.min, a.median, a.max),
+               fmt::format("{:.2f}/{:.2f}/{:.2f}", b.min, b.median, b.max), b.median / a.median,
+               fmt::format("{:.2f} / {:.2f}", median(values(without, "step_ms")),
+                           median(values(with, "step_ms"))));
+    const std::string label = rows_label(rows);
+    cases.push_back(spread_row("iteration without a replica, " + label + " rows",
+                               values(without, "iteration_ms"), "ms", "lower"));
+    cases.push_back(spread_row("iteration with one replica, " + label + " rows",
+                               values(with, "iteration_ms"), "ms", "lower"));
+    cases.push_back({{"case", "replica cost (medians' ratio), " + label + " rows"},
+                     {"ours", b.median / a.median},
+                     {"unit", "x"},
+                     {"better", "lower"}});
+  }
+  return cases;
 }
 
 // --- the driver ------------------------------------------------------------------------------
@@ -156,6 +233,9 @@ int run(int argc, char** argv) {
   std::string steps;
   bool quick = false;
   bool worker = false;
+  bool replica = false;
+  bool worker_replicated = false;
+  int worker_world_size = kWorldSize;
   int64_t worker_rows = 0;
   std::string python = DISTOPTIM_REFERENCE_PYTHON;
   std::string script = DISTOPTIM_PYTORCH_SPARSE_PS_SCRIPT;
@@ -173,6 +253,10 @@ int run(int argc, char** argv) {
   app.add_option("--python", python, "Python with PyTorch 1.13")->capture_default_str();
   app.add_flag("--worker", worker, "Run as one of our workers (started by the benchmark)");
   app.add_option("--worker-rows", worker_rows)->group("");
+  app.add_option("--worker-world-size", worker_world_size)->group("");
+  app.add_flag("--worker-replicated", worker_replicated)->group("");
+  app.add_flag("--replica", replica,
+               "Measure one replica's cost (ours with and without) instead of PyTorch against us");
   CLI11_PARSE(app, argc, argv);
   if (!steps.empty()) {
     StepCounts counts{config.warmup, config.timed};
@@ -181,9 +265,10 @@ int run(int argc, char** argv) {
     config.timed = counts.timed;
   }
   if (worker) {
-    run_worker(worker_rows, config);
+    run_worker(worker_rows, config, worker_world_size, worker_replicated);
     return 0;
   }
+  if (replica && app.count("--rows") == 0) config.rows = {100'000, 1'000'000};
   if (quick) {
     config.rounds = 1;
     config.warmup = 2;
@@ -193,6 +278,7 @@ int run(int argc, char** argv) {
   ResultsFile results_file(json_path, "sparse_ps_bench");
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string counts = fmt::format("{},{}", config.warmup, config.timed);
+  if (replica) return results_file.write_unless(compare_replica(config, self, counts), {});
   const double load_at_start = load_average();
 
   std::map<int64_t, std::vector<Json>> ours, pytorch;

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -176,6 +177,40 @@ bool wait_for_ps1_lost() {
       60s);
 }
 
+// The second trainer's handles, built from the references and keys the first trainer hands it.
+struct HandedModel {
+  std::unique_ptr<ShardedEmbeddingBag> table;
+  std::shared_ptr<Head> head;
+  std::vector<rpc::RRef<at::Tensor>> params;  // the table's, then the head's
+};
+HandedModel take_handed_model() {
+  std::optional<References> given = rpc::rpc_sync<std::optional<References>>(
+      "trainer", "server_restart.references", std::tuple{});
+  TORCH_CHECK(given.has_value(), "the first trainer handed no references");
+  auto [shards, shard_keys, head_rref, head_key] = std::move(*given);
+  HandedModel model;
+  model.table = std::make_unique<ShardedEmbeddingBag>(table_options({"ps0", "ps1"}),
+                                                      std::move(shards), shard_keys);
+  EXPECT_EQ(model.table->shard_keys(), shard_keys);
+  model.head = Head::init_from_module_rref("ps1", std::move(head_rref), head_key);
+  EXPECT_EQ(model.head->module_key(), head_key);
+  model.head->make_anew_with(std::tuple{kDim, kOut, kHeadSeed});
+  model.params = model.table->remote_parameters();
+  for (auto& p : model.head->remote_parameters()) model.params.push_back(p);
+  return model;
+}
+
+// Whether a step throws PeerLostError (its references name a server that died).
+bool step_fails_as_lost(ShardedEmbeddingBag& table, Head& head, DistributedOptimizer& optimizer,
+                        int64_t step) {
+  try {
+    train_step(table, head, optimizer, step);
+  } catch (const PeerLostError&) {
+    return true;
+  }
+  return false;
+}
+
 // The second death, on the first trainer (the restorer): a second trainer takes the references
 // and keys and steps once; a snapshot of that moment; ps1 dies; the first trainer restores the
 // third ps1 from it, and the table, the head and this trainer's state are as at the snapshot.
@@ -217,18 +252,10 @@ void second_death(ShardedEmbeddingBag& table, std::shared_ptr<Head>& head,
 void train_late(const std::string& directory) {
   testing::StoreTurns turns(4, kTurns);
   turns.store->wait({"late_may_join"}, 240s);
-  std::optional<References> given = rpc::rpc_sync<std::optional<References>>(
-      "trainer", "server_restart.references", std::tuple{});
-  ASSERT_TRUE(given.has_value());
-  auto [shards, shard_keys, head_rref, head_key] = std::move(*given);
-  ShardedEmbeddingBag table(table_options({"ps0", "ps1"}), std::move(shards), shard_keys);
-  EXPECT_EQ(table.shard_keys(), shard_keys);
-  std::shared_ptr<Head> head = Head::init_from_module_rref("ps1", std::move(head_rref), head_key);
-  EXPECT_EQ(head->module_key(), head_key);
-  head->make_anew_with(std::tuple{kDim, kOut, kHeadSeed});
-  std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
-  for (auto& p : head->remote_parameters()) params.push_back(p);
-  DistributedOptimizer optimizer("adagrad", params, adagrad());
+  HandedModel model = take_handed_model();
+  ShardedEmbeddingBag& table = *model.table;
+  const std::shared_ptr<Head>& head = model.head;
+  DistributedOptimizer optimizer("adagrad", model.params, adagrad());
   const std::string own_directory = directory + "/trainer2";
   SnapshotSchedule own_snapshots(SnapshotOptions(own_directory), optimizer, {&table});
   train_step(table, *head, optimizer, 100);
@@ -238,13 +265,8 @@ void train_late(const std::string& directory) {
   turns.say("late_stepped");
   turns.store->wait({"restored_again"}, 240s);
   // Its references name the second ps1, which died: the step fails as lost.
-  bool lost = false;
-  try {
-    train_step(table, *head, optimizer, 101);
-  } catch (const PeerLostError&) {
-    lost = true;
-  }
-  EXPECT_TRUE(lost) << "the second trainer's step after ps1's second death did not fail";
+  EXPECT_TRUE(step_fails_as_lost(table, *head, optimizer, 101))
+      << "the second trainer's step after ps1's second death did not fail";
   const std::vector<RecoveredOwner> recovered =
       recover_lost_owners(optimizer, {&table}, {head.get()},
                           RecoveryOptions(directory).state_directory(own_directory).timeout(60s));
@@ -494,28 +516,17 @@ void train_replicated() {
 void train_late_replicated() {
   testing::StoreTurns turns(4, kReplicaTurns);
   turns.store->wait({"late_may_join"}, 240s);
-  std::optional<References> given = rpc::rpc_sync<std::optional<References>>(
-      "trainer", "server_restart.references", std::tuple{});
-  ASSERT_TRUE(given.has_value());
-  auto [shards, shard_keys, head_rref, head_key] = std::move(*given);
-  ShardedEmbeddingBag table(table_options({"ps0", "ps1"}), std::move(shards), shard_keys);
-  std::shared_ptr<Head> head = Head::init_from_module_rref("ps1", std::move(head_rref), head_key);
-  head->make_anew_with(std::tuple{kDim, kOut, kHeadSeed});
-  std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
-  for (auto& p : head->remote_parameters()) params.push_back(p);
-  DistributedOptimizer optimizer("adagrad", params, adagrad());
+  HandedModel model = take_handed_model();
+  ShardedEmbeddingBag& table = *model.table;
+  const std::shared_ptr<Head>& head = model.head;
+  DistributedOptimizer optimizer("adagrad", model.params, adagrad());
   replicate_steps(optimizer, {&table}, {head.get()}, both_backed_up());
   for (int64_t step = 100; step < 103; ++step) train_step(table, *head, optimizer, step);
   const auto own_states = states_by_position(optimizer);
   turns.say("late_stepped");
   turns.store->wait({"restored"}, 240s);
-  bool lost = false;
-  try {
-    train_step(table, *head, optimizer, 103);
-  } catch (const PeerLostError&) {
-    lost = true;
-  }
-  EXPECT_TRUE(lost) << "the second trainer's step after ps1's death did not fail";
+  EXPECT_TRUE(step_fails_as_lost(table, *head, optimizer, 103))
+      << "the second trainer's step after ps1's death did not fail";
   const std::vector<RecoveredOwner> recovered = recover_lost_owners(
       optimizer, {&table}, {head.get()}, RecoveryOptions().backups(both_backed_up().backups()));
   ASSERT_EQ(recovered.size(), 1u);
