@@ -66,8 +66,14 @@ progress_since() {
                         END { printf "%d %d %d\n", g, n[2], n[3] }' "$csv" 2> /dev/null || echo "0 0 0"
 }
 
+# Whether trainer slot $1 has finished all its steps (its trainer has then exited: no step of it
+# comes again, and there is no process of its rank to kill).
+slot_finished() { awk -F, -v slot="$1" '$2 == "finish" && $3 == slot { f = 1 } END { exit !f }' "$csv" 2> /dev/null; }
+
 RANDOM=$seed
-spacing=$((2 * steps / (kills + 2)))
+# The kills spread over the first 80% of the steps: a trainer killed often falls behind the other,
+# which may then finish first (and a kill must not wait for a finished slot to step).
+spacing=$((2 * steps * 4 / 5 / (kills + 1)))
 mark=0 last_kill="none" server_kills=0
 declare -A baseline_mb
 for ((k = 1; k <= kills; ++k)); do
@@ -76,6 +82,8 @@ for ((k = 1; k <= kills; ++k)); do
   while :; do
     kill -0 "$run_pid" 2> /dev/null || fail "the job ended before kill $k (after $last_kill)"
     read -r global slot2 slot3 < <(progress_since "$mark")
+    slot_finished 2 && slot2=2
+    slot_finished 3 && slot3=2
     [[ $global -ge $target && $slot2 -ge 2 && $slot3 -ge 2 ]] && break
     [[ $SECONDS -lt $deadline ]] ||
       fail "after $last_kill the trainers did not step again within 240 s (global step $global," \
@@ -87,6 +95,9 @@ for ((k = 1; k <= kills; ++k)); do
   fi
   sleep "0.$((RANDOM % 10))"
   rank=$((RANDOM % 4))
+  # A trainer whose slot finished has exited: a server dies in its place (trainer0 holds slot 2
+  # and rank 2, trainer1 slot 3 and rank 3).
+  [[ $rank -ge 2 ]] && slot_finished "$rank" && rank=$((rank - 2))
   pid=$(pid_of_rank $rank)
   [[ -n "$pid" ]] || fail "kill $k: no process of rank $rank"
   kill -9 "$pid"
