@@ -3,8 +3,8 @@
 # membership in etcd (a real etcd this script starts on loopback), under distrun --restart-policy
 # rank. A process chosen at random (either server, the first one included, or either trainer) is
 # SIGKILLed at a random point, KILLS times; each kill waits until the job has recovered from the
-# one before (every trainer slot stepping again) and until the trainers have taken their share of
-# the steps, so the kills spread over the run. The plan comes from a seed, printed (replay it with
+# one before (every trainer slot that has not finished stepping again) and until the trainers
+# have taken their share of the steps, so the kills spread over the first 80% of the run. The plan comes from a seed, printed (replay it with
 # DISTOPTIM_SOAK_SEED; which process dies when is the seed's, the exact moment within a step is
 # the machine's).
 #
