@@ -78,6 +78,13 @@
 //       build/examples/click_through/click_through --elastic --kill-server-at 300 \
 //       --kill-server 0 --snapshot-every 100 --out click_through_out
 
+// Servers whose deaths lose no step that returned: with --replicas each server's steps are copied
+// to the next server (the last's to the first) before they return (dist_optim::replicate_steps),
+// and a server started again comes back from its backup's copies rather than from the snapshot.
+// After each recovery and at its end, each trainer prints how many of its steps returned and how
+// many each server applied (from the optimizer state's step counts), and fails if a server holds
+// fewer than returned.
+
 #include <signal.h>
 
 #include <algorithm>
@@ -87,6 +94,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -98,6 +106,7 @@
 #include <distoptim/comm.h>
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
+#include <distoptim/dist_optim/replicas.h>
 #include <distoptim/dist_optim/snapshot.h>
 #include <distoptim/rpc.h>
 
@@ -137,6 +146,7 @@ struct Settings {
   int64_t kill_server_at = 0;    // a server SIGKILLs itself after this many steps each (0: never)
   int kill_server = -1;          // which one, from 0 (-1: the last)
   int64_t snapshot_every = 0;    // --elastic: the first trainer's snapshots (0: every 30 s)
+  bool replicas = false;         // --elastic: each server's steps copied to the next server
 };
 
 // Under --elastic the first server creates the model and hands out its references.
@@ -265,9 +275,10 @@ void serve_until_trainers_finish(const Settings& s, int rank, int trainers) {
 // among them), which it hands to trainers that join later.
 void recover(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
              distoptim::dist_optim::DistributedOptimizer& optimizer,
-             click_through::ClickModel& model, const fs::path& snapshots) {
+             click_through::ClickModel& model, const fs::path& snapshots,
+             const distoptim::dist_optim::ReplicaOptions::Backups& backups) {
   examples::recover_servers(
-      name, step, lost, {&optimizer, {&model.table()}, {&model.mlp()}}, snapshots,
+      name, step, lost, {&optimizer, {&model.table()}, {&model.mlp()}, backups}, snapshots,
       [&](const std::string&) {
         try {
           rpc::rpc_sync<void>(kFirstServer, "click_through.publish_model",
@@ -306,6 +317,29 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   if (s.elastic && trainer == 0) {
     snapshots = examples::snapshot_schedule(snapshots_dir, s.snapshot_every, optimizer,
                                             {&model->table()}, resume.steps);
+  }
+  // --replicas: each server's steps are copied to the next server before they return.
+  const distoptim::dist_optim::ReplicaOptions::Backups backups =
+      s.replicas ? examples::backup_ring(servers)
+                 : distoptim::dist_optim::ReplicaOptions::Backups{};
+  // Under --elastic, `fn` again after a server was lost, once it is back and restored.
+  const auto while_servers_come_back = [&](int64_t step, const std::function<void()>& fn) {
+    for (;;) {
+      try {
+        fn();
+        return;
+      } catch (const distoptim::PeerLostError& lost) {
+        if (!s.elastic) throw;
+        recover(name, step, lost, optimizer, *model, snapshots_dir, backups);
+      }
+    }
+  };
+  if (s.replicas) {
+    while_servers_come_back(resume.steps, [&] {
+      distoptim::dist_optim::replicate_steps(
+          optimizer, {&model->table()}, {&model->mlp()},
+          distoptim::dist_optim::ReplicaOptions().backups(backups));
+    });
   }
 
   const click_through::Teacher teacher(static_cast<uint64_t>(s.teacher_seed));
@@ -402,8 +436,11 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   const bool kills_itself = s.kill_trainer_at > 0 &&
                             trainer == (s.kill_trainer < 0 ? trainers - 1 : s.kill_trainer) &&
                             restarts == 0;
+  examples::StepCounts counts;
+  int64_t failed_in_a_row = 0;
   for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
     const click_through::Batch batch = batch_of_step(step);
+    bool returned = false;
     try {
       double loss_value;
       {
@@ -418,6 +455,8 @@ void train(const Settings& s, int rank, int trainer, int trainers,
           ::raise(SIGKILL);
         }
         optimizer.step(context.id());
+        returned = true;
+        ++counts.returned;
         loss_value = loss.item<double>();
       }
       if (snapshots) examples::take_snapshot_if_due(*snapshots, name, step);
@@ -427,10 +466,27 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       if (s.elastic)
         examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
       if (reporter && step % eval_every == 0 && step < s.steps) report(step);
+      failed_in_a_row = 0;
     } catch (const distoptim::PeerLostError& lost) {
       if (!s.elastic) throw;
       // The batch is dropped: its step may have reached the servers that lived.
-      recover(name, step, lost, optimizer, *model, snapshots_dir);
+      if (!returned) ++counts.failed;
+      recover(name, step, lost, optimizer, *model, snapshots_dir, backups);
+      // --replicas: the restored server holds every step of this trainer that returned.
+      if (s.replicas) {
+        while_servers_come_back(step, [&] {
+          examples::check_applied_steps(name, counts, optimizer, /*replicated=*/true);
+        });
+      }
+    } catch (const rpc::RemoteError& error) {
+      // --replicas: a server whose backup died after answering its own part of the step fails
+      // the step (applied there, not copied); the backup's loss shows at the next step. The
+      // batch is dropped; a server that keeps failing ends the trainer.
+      if (!s.replicas || returned || ++failed_in_a_row > 10) throw;
+      ++counts.failed;
+      fmt::print("{}: step {} failed on a server: {}\n", name, step,
+                 examples::one_line(error.what_without_backtrace()));
+      std::fflush(stdout);
     }
   }
   if (snapshots) {
@@ -446,15 +502,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
     // The last evaluation, of the model every trainer has trained (under --elastic, once the
     // other slots have finished): a server lost meanwhile is recovered first.
     if (s.elastic) examples::wait_for_other_slots(kFirstServer, rank, s.trainer_timeout);
-    for (;;) {
-      try {
-        report(s.steps);
-        break;
-      } catch (const distoptim::PeerLostError& lost) {
-        if (!s.elastic) throw;
-        recover(name, s.steps, lost, optimizer, *model, snapshots_dir);
-      }
-    }
+    while_servers_come_back(s.steps, [&] { report(s.steps); });
     csv_out.close();
     const double gap = first.log_loss - teacher_loss;
     const std::string first_auc =
@@ -465,6 +513,11 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         last.log_loss, last.auc, s.steps, first.log_loss, first_auc, teacher_loss, teacher_auc,
         gap > 0 ? 100 * (first.log_loss - last.log_loss) / gap : NAN);
     examples::plot_and_report(plot_commands(csv), csv, fs::path(s.out) / "click_through.png");
+  }
+  // Whether the servers hold every step of this trainer that returned, and none twice.
+  if (s.elastic) {
+    while_servers_come_back(
+        s.steps, [&] { examples::check_applied_steps(name, counts, optimizer, s.replicas); });
   }
   // Last: the servers serve until every slot has finished, the reporter's evaluations included.
   if (s.elastic) examples::report_finish(kFirstServer, rank, name);
@@ -500,6 +553,10 @@ int run_example(const Settings& s) {
                     rank, ")");
   TORCH_CHECK_VALUE(s.kill_server_at <= s.steps, "--kill-server-at ", s.kill_server_at,
                     " is beyond --steps ", s.steps, " (rank ", rank, ")");
+  TORCH_CHECK_VALUE(!s.replicas || s.servers >= 2,
+                    "--replicas needs two servers or more (each "
+                    "server's backup is the next one), got --servers ",
+                    s.servers, " (rank ", rank, ")");
   std::vector<std::string> servers;
   for (int64_t i = 0; i < s.servers; ++i) servers.push_back("ps" + std::to_string(i));
   const bool server = rank < s.servers;
@@ -596,6 +653,11 @@ int main(int argc, char** argv) {
                  "the first trainer snapshots the servers' state every this many steps, into "
                  "<out>/snapshots (0: every 30 s)")
       ->check(examples::at_least(0))
+      ->needs(elastic);
+  app.add_flag("--replicas", s.replicas,
+               "each server's steps are copied to the next server (the last's to the first) "
+               "before they return: a server that dies comes back from its backup with every step "
+               "that returned, not from the last snapshot (dist_optim::replicate_steps)")
       ->needs(elastic);
   return examples::run(
       app, argc, argv,

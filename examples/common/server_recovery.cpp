@@ -1,7 +1,9 @@
 #include "server_recovery.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <map>
 
 #include <fmt/core.h>
 
@@ -51,8 +53,9 @@ void recover_servers(const std::string& name, int64_t step, const distoptim::Pee
   std::vector<dist_optim::RecoveredOwner> recovered;
   for (;;) {
     try {
-      recovered = dist_optim::recover_lost_owners(*held.optimizer, held.tables, held.modules,
-                                                  dist_optim::RecoveryOptions(snapshots.string()));
+      recovered = dist_optim::recover_lost_owners(
+          *held.optimizer, held.tables, held.modules,
+          dist_optim::RecoveryOptions(snapshots.string()).backups(held.backups));
       break;
     } catch (const distoptim::PeerLostError& again) {
       if (Clock::now() > deadline) throw;
@@ -66,7 +69,9 @@ void recover_servers(const std::string& name, int64_t step, const distoptim::Pee
     if (restored) restored(owner.worker);
     // What the loss cost: the server's updates since the snapshot, of every trainer.
     const std::string from =
-        owner.snapshot_step
+        !owner.backup.empty()
+            ? fmt::format("its backup '{}' (every step that returned to a trainer)", owner.backup)
+        : owner.snapshot_step
             ? fmt::format(
                   "the snapshot of step {} (the first trainer's step; this trainer is at "
                   "step {}: the server's updates since the snapshot are lost)",
@@ -79,6 +84,38 @@ void recover_servers(const std::string& name, int64_t step, const distoptim::Pee
         std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - failed_at).count());
   }
   std::fflush(stdout);
+}
+
+dist_optim::ReplicaOptions::Backups backup_ring(const std::vector<std::string>& servers) {
+  dist_optim::ReplicaOptions::Backups backups;
+  for (size_t i = 0; i < servers.size(); ++i) {
+    backups[servers[i]] = servers[(i + 1) % servers.size()];
+  }
+  return backups;
+}
+
+void check_applied_steps(const std::string& name, const StepCounts& counts,
+                         const dist_optim::DistributedOptimizer& optimizer, bool replicated) {
+  std::map<std::string, int64_t> applied;
+  for (const auto& owner : optimizer.state_dict().owners) {
+    int64_t& steps = applied[owner.worker];
+    for (const auto& [index, state] : owner.state.state) steps = std::max(steps, state.step);
+  }
+  std::string by_server;
+  for (const auto& [worker, steps] : applied) {
+    by_server += fmt::format("{}{} {}", by_server.empty() ? "" : ", ", worker, steps);
+  }
+  fmt::print("{}: {} steps returned, {} failed; applied by server: {}\n", name, counts.returned,
+             counts.failed, by_server);
+  std::fflush(stdout);
+  for (const auto& [worker, steps] : applied) {
+    TORCH_CHECK(steps <= counts.returned + counts.failed, name, ": server '", worker, "' applied ",
+                steps, " of its steps, more than the ", counts.returned, " that returned and ",
+                counts.failed, " that failed: a step applied twice");
+    TORCH_CHECK(!replicated || steps >= counts.returned, name, ": server '", worker, "' applied ",
+                steps, " of its ", counts.returned,
+                " steps that returned, though replicated: ", counts.returned - steps, " lost");
+  }
 }
 
 }  // namespace examples

@@ -3,7 +3,9 @@
 // The parameter-server examples' --elastic mode, servers' side of it: the first trainer snapshots
 // the servers' state on a schedule, and a trainer whose step failed because a server was lost
 // binds its model and optimizer to the server started again in its place and gives it back what
-// it held from the latest snapshot (dist_optim::recover_lost_owners), saying what the loss cost.
+// it held from the latest snapshot, or from its backup's copies (dist_optim::recover_lost_owners),
+// saying what the loss cost; and the trainer's check, at its end, that no step that returned was
+// lost and none applied twice.
 
 #include <chrono>
 #include <cstdint>
@@ -16,6 +18,7 @@
 #include <distoptim/comm/errors.h>
 #include <distoptim/dist_optim/distributed_optimizer.h>
 #include <distoptim/dist_optim/recovery.h>
+#include <distoptim/dist_optim/replicas.h>
 #include <distoptim/dist_optim/snapshot.h>
 
 namespace examples {
@@ -43,7 +46,31 @@ struct ServerHeld {
   distoptim::dist_optim::DistributedOptimizer* optimizer;
   std::vector<distoptim::rpc::ShardedEmbeddingBag*> tables;
   std::vector<distoptim::rpc::RemoteModuleBase*> modules;
+  /// Each server's backup when the optimizer's steps are replicated (replicate_steps): a lost
+  /// server comes back from its backup's copies rather than from the snapshot.
+  distoptim::dist_optim::ReplicaOptions::Backups backups = {};
 };
+
+/// Each of `servers` backed up by the next, the last by the first: {{"ps0", "ps1"}, {"ps1",
+/// "ps0"}} for two.
+distoptim::dist_optim::ReplicaOptions::Backups backup_ring(const std::vector<std::string>& servers);
+
+/// A trainer's account of its own steps: those whose optimizer.step returned, those that failed.
+struct StepCounts {
+  int64_t returned = 0;
+  int64_t failed = 0;
+};
+
+/// What the servers hold of worker `name`'s steps against `counts`: each server's count of the
+/// steps of `optimizer` it applied (its optimizer state's step count, the largest over its
+/// parameters there). Prints them; throws c10::Error naming the server when one holds more than
+/// returned + failed (a step applied twice) or, with `replicated`, fewer than returned (a step
+/// that returned was lost; without replicas a server restored from a snapshot holds fewer, and
+/// a trainer that did not restore it starts there without state). A server that no gradient of
+/// some step reached counts fewer: the examples' batches reach every server.
+void check_applied_steps(const std::string& name, const StepCounts& counts,
+                         const distoptim::dist_optim::DistributedOptimizer& optimizer,
+                         bool replicated);
 
 /// After worker `name`'s step `step` failed with `lost`: binds `held` to every lost server once
 /// it is back (waiting for it) and gives it back what it held from the latest snapshot in

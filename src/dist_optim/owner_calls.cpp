@@ -10,8 +10,23 @@ namespace distoptim {
 namespace dist_optim {
 namespace detail {
 
+namespace {
+
+bool is_lost(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const PeerLostError&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
 void note_failure(const std::string& worker, std::exception_ptr* first, std::string* failures) {
-  if (!*first) *first = std::current_exception();
+  const std::exception_ptr current = std::current_exception();
+  if (!*first || (!is_lost(*first) && is_lost(current))) *first = current;
   try {
     throw;
   } catch (const c10::Error& error) {

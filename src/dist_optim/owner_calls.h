@@ -35,10 +35,13 @@ struct OwnerAccess {
   static std::vector<OwnerOptimizer> owners(const DistributedOptimizer& optimizer);
 };
 
-/// Adds `error` (the exception being handled) to a report of failures by worker.
+/// Adds the exception being handled to a report of failures by worker. `first` keeps the first
+/// failure, or the first PeerLostError: a lost worker decides the report's type, whatever the
+/// order of the replies (a replicated owner whose backup died fails a step with a RemoteError
+/// that may arrive before the backup's own step fails as lost; the caller must hear "lost").
 void note_failure(const std::string& worker, std::exception_ptr* first, std::string* failures);
 
-/// One error naming every owner that failed, of the first failure's type (a lost worker stays a
+/// One error naming every owner that failed, of the type of `first` (a lost worker stays a
 /// PeerLostError, a refusal a RemoteError): "DistributedOptimizer: WHAT failed on" + failures.
 [[noreturn]] void throw_failures(std::exception_ptr first, const std::string& what,
                                  const std::string& failures);
@@ -54,7 +57,7 @@ rpc::RpcFuture<c10::IValue> waited_method(const rpc::RRef<RemoteOptimizer>& opti
 struct Replies {
   std::vector<c10::IValue> values;
   std::vector<bool> ok;
-  std::exception_ptr first;  // the first failure, if any
+  std::exception_ptr first;  // the first failure (the first lost worker's, if any)
   std::string failures;
 };
 

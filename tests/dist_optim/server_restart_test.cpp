@@ -457,7 +457,8 @@ TEST(ServerRestart, ATrainerBindsToTheRestartedServerWithItsSnapshot) {
 
 // Replicas: ps0 and ps1 back each other up (replicate_steps). When ps1 dies, its table shard,
 // its module and both trainers' optimizer states come back from ps0's copies, bit for bit as the
-// last steps that returned left them; no snapshot is involved.
+// last steps that returned left them; no snapshot is involved. A step racing ps1's death fails
+// as lost, though ps0's failure (its backup gone) is the first reply.
 //
 // Processes: rank 0 "ps0" (the store's host, ps1's backup); rank 1 the first "ps1", which
 // SIGKILLs itself when told; rank 2 "trainer", which restores ps1; rank 3 the second "ps1";
@@ -489,8 +490,18 @@ void train_replicated() {
   const at::Tensor rows = table.weight();
   const std::vector<at::Tensor> head_values = values_of(*head);
   const auto states = states_by_position(optimizer);
-  turns.say("kill_ps1");
-  ASSERT_TRUE(wait_for_ps1_lost()) << "ps1 did not die";
+  {
+    // A step whose gradients were computed before ps1 died fails as lost, though ps0, the first
+    // owner, answers with a failure of its own (its backup is ps1), and may have applied it.
+    const Batch b = batch(kKillAfter + 1);
+    dist_autograd::ContextGuard context;
+    dist_autograd::backward(
+        context.id(), {at::mse_loss(head->forward(table.forward(b.ids, b.offsets)), b.target)});
+    turns.say("kill_ps1");
+    ASSERT_TRUE(wait_for_ps1_lost()) << "ps1 did not die";
+    EXPECT_THROW(optimizer.step(context.id()), PeerLostError);
+  }
+  const at::Tensor ps0_rows = table.remote_parameters()[0].to_here();
   turns.say("ps1_lost");
   const std::vector<RecoveredOwner> recovered = recover_lost_owners(
       optimizer, {&table}, {head.get()}, RecoveryOptions().backups(both_backed_up().backups()));
@@ -500,9 +511,14 @@ void train_replicated() {
   EXPECT_TRUE(recovered[0].restored_here);
   EXPECT_FALSE(recovered[0].snapshot_step.has_value());
   EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "second ps1");
-  EXPECT_TRUE(at::equal(table.weight(), rows));
+  // ps1's part as every step that returned left it; ps0's as the failed step left it.
+  EXPECT_TRUE(
+      at::equal(table.weight(),
+                at::cat({ps0_rows, rows.narrow(0, ps0_rows.size(0), kRows - ps0_rows.size(0))})));
   EXPECT_TRUE(equal_tensors(values_of(*head), head_values));
-  expect_equal_states(states_by_position(optimizer), states);
+  auto restored_states = states_by_position(optimizer);
+  restored_states.at(0) = states.at(0);  // ps0's shard: not restored
+  expect_equal_states(restored_states, states);
   turns.say("restored");
   turns.store->wait({"late_done"}, 120s);
   // Both trainers step on; ps1's copies on ps0 follow them again.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Soak: examples/click_through --elastic with two parameter servers and two trainers, the group's
-# membership in etcd (a real etcd this script starts on loopback), under distrun --restart-policy
-# rank. A process chosen at random (either server, the first one included, or either trainer) is
+# Soak: examples/click_through --elastic --replicas with two parameter servers that back each other
+# up and two trainers, the group's membership in etcd (a real etcd this script starts on
+# loopback), under distrun --restart-policy rank. A process chosen at random (either server, the first one included, or either trainer) is
 # SIGKILLed at a random point, KILLS times; each kill waits until the job has recovered from the
 # one before (every trainer slot that has not finished stepping again) and until the trainers
 # have taken their share of the steps, so the kills spread over the first 80% of the run. The plan comes from a seed, printed (replay it with
@@ -9,10 +9,13 @@
 # the machine's).
 #
 # Checks: the job finishes (exit status 0) with every kill restarted by distrun; the held-out log
-# loss is within 1% of an unkilled run's with the same seed (run first, same settings); every
-# server killed was restored once, from a snapshot (what each restore lost is printed: the
-# steps since that snapshot); and the servers' resident memory at the end is within 1.5x + 64 MB
-# of what the same rank held once training had begun.
+# loss is within 1% of an unkilled run's with the same seed (run first, same settings but for
+# --replicas, which changes no value); every server killed was restored once, from its backup;
+# no step that returned was lost and none was applied twice (each trainer, after each restore and
+# at its end, prints how many of its steps returned and failed and how many each server applied,
+# from the optimizer state's step counts: returned <= applied <= returned + failed); and the servers'
+# resident memory at the end is within 1.5x + 64 MB of what the same rank held once training had
+# begun.
 # Usage: click_through_soak_test.sh DISTRUN EXAMPLE WORKDIR [KILLS]
 set -euo pipefail
 distrun="$1" example="$2" work="$3" kills="${4:-20}"
@@ -43,7 +46,7 @@ unkilled_loss=$(held_out_loss "$work/unkilled.log")
 export DISTOPTIM_SOAK_RUN="$work"
 timeout 900 "$distrun" --nproc-per-node 4 --restart-policy rank --max-restarts "$kills" \
   --rdzv-backend etcd --rdzv-endpoint "$etcd_endpoint" \
-  "$example" "${settings[@]}" --out "$work/out" > "$work/run.log" 2>&1 &
+  "$example" "${settings[@]}" --replicas --out "$work/out" > "$work/run.log" 2>&1 &
 run_pid=$!
 csv="$work/out/loss.csv"
 
@@ -125,15 +128,28 @@ restarts=$(sed -n 's/^distrun: restarted alone (--restart-policy rank): //p' "$w
            grep -o "rank [0-9]* [0-9]* time(s)" | awk '{ s += $3 } END { print s + 0 }')
 [[ $restarts -eq $kills ]] || fail "distrun restarted $restarts times for $kills kills"
 
-# Every server that died was restored once, from a snapshot; what each restore lost.
+# Every server that died was restored once, from its backup.
 restores=$(grep -c "is back; restored what it held from" "$work/run.log" || true)
 [[ $restores -eq $server_kills ]] || fail "$restores restores for $server_kills kills of a server"
-from_snapshot=$(grep -c "is back; restored what it held from the snapshot of step" "$work/run.log" || true)
-[[ $restores -eq $from_snapshot ]] ||
-  fail "$((restores - from_snapshot)) of $restores restores were from no snapshot"
-echo "soak: what each restore lost (the restoring trainer's step, the snapshot's step):"
-sed -n "s/^\[rank [0-9]*\] \(trainer[-0-9a-z]*\): worker '\(ps[0-9]\)' is back; restored what it held from the snapshot of step \([0-9]*\) (the first trainer's step; this trainer is at step \([0-9]*\).*/  \2 restored by \1 at its step \4 from the snapshot of step \3/p" \
-  "$work/run.log"
+from_backup=$(grep -c "is back; restored what it held from its backup" "$work/run.log" || true)
+[[ $restores -eq $from_backup ]] ||
+  fail "$((restores - from_backup)) of $restores restores were not from the backup"
+
+# No step that returned was lost, none applied twice: "NAME: R steps returned, F failed; applied
+# by server: ps0 S0, ps1 S1" from each trainer after each restore of a server it took part in
+# (at least one per server killed) and at its end (both slots' last incarnations).
+accounts=$(grep -E "^\[rank [0-9]+\] trainer[-0-9a-z]*: [0-9]+ steps returned" "$work/run.log" || true)
+echo "soak: the trainers' steps and what the servers applied of them, after each restore and at the end:"
+echo "$accounts"
+[[ $(grep -c . <<< "$accounts") -ge $((server_kills + 2)) ]] ||
+  fail "fewer than $((server_kills + 2)) accounts of steps for $server_kills kills of a server"
+awk '{ returned = $4; failed = $7
+       for (i = 1; i <= NF; ++i) if ($i ~ /^ps[0-9]+$/) {
+         applied = $(i + 1); sub(/,$/, "", applied)
+         if (applied + 0 < returned + 0 || applied + 0 > returned + failed) { print; bad = 1 }
+       } }
+     END { exit bad }' <<< "$accounts" ||
+  fail "a server applied fewer of a trainer's steps than returned, or more than were taken"
 
 # The model: within 1% of the unkilled run's held-out log loss.
 killed_loss=$(held_out_loss "$work/run.log")
@@ -147,6 +163,6 @@ for rank in 0 1; do
     'BEGIN { exit !(b > 0 && e > 0 && e <= 1.5 * b + 64) }' ||
     fail "server rank $rank: resident memory ${end_mb[$rank]:-?} MB at the end, ${baseline_mb[$rank]:-?} MB once training had begun"
 done
-echo "PASSED: $kills kills (seed $seed), $restores server restores from snapshots; held-out log" \
+echo "PASSED: $kills kills (seed $seed), $restores server restores from backups, no returned step lost; held-out log" \
      "loss $killed_loss against $unkilled_loss unkilled; the servers' memory ${baseline_mb[0]} ->" \
      "${end_mb[0]} MB (rank 0), ${baseline_mb[1]} -> ${end_mb[1]} MB (rank 1)"

@@ -140,8 +140,10 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   /// changes made since an owner last took one travel with its step (nothing extra otherwise)
   /// and apply before it. Errors: c10::ValueError naming the group and option for a change made
   /// through param_groups() that the optimizer refuses, before anything is sent; every owner that
-  /// failed, named (RemoteError, PeerLostError, TimeoutError, the first one's type), after all
-  /// owners have answered. An owner that failed is sent its option changes again next step.
+  /// failed, named, after all owners have answered: a PeerLostError when any owner was lost
+  /// (whatever the others said: a replicated owner whose backup died fails with a RemoteError),
+  /// else the first failure's type (RemoteError, TimeoutError). An owner that failed is sent its
+  /// option changes again next step.
   void step(int64_t context_id);
   /// LibTorch's form: runs `closure` (if any) with grad mode on, then step(context_id) with this
   /// thread's current distributed autograd context (dist_autograd::ContextGuard); returns the

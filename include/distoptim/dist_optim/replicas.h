@@ -25,9 +25,10 @@
 // the trainer's worker name).
 //
 // Errors of a step: a backup that cannot take the changes fails the step, applied on the primary
-// (the error says so). The primary's next step first sends everything whole again, as it does
-// whenever the backup is a new incarnation (it died and was started again): a step fails, not
-// applied, while its backup is lost.
+// (a RemoteError that says so; when the backup is itself an owner of the optimizer, lost, the
+// step's error is the PeerLostError naming it, whatever the order of the replies). The primary's
+// next step first sends everything whole again, as it does whenever the backup is a new incarnation
+// (it died and was started again): a step fails, not applied, while its backup is lost.
 //
 // A lost primary comes back from its backup's copies with recover_lost_owners
 // (RecoveryOptions::backups, recovery.h): every step that returned to a trainer is in them.
