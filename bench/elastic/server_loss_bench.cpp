@@ -20,6 +20,11 @@
 //   samples/s before the kill, after every trainer is back: all trainers' samples per second in
 //     the first server's log, from the 20th step to the kill, and from the step at which every
 //     trainer has stepped again to the first trainer's finish; and after / before.
+// With --replicas each round runs the job twice, alternating: as above, then with the example's
+// --replicas (each server's steps copied to the other before they return; the lost server comes
+// back from its backup's copies, no snapshot read, no step that returned lost), and the rows are
+// given for each, with the replicas' price before the kill (samples/s, replicas over snapshots,
+// per round).
 // Every figure is the min/median/max over the rounds; the load average at the start and the end
 // is printed. There is no PyTorch side: a PyTorch 1.13 RPC job ends when a worker dies.
 
@@ -116,7 +121,9 @@ struct Round {
   double before = NAN, after = NAN;
 };
 
-Round run_round(const Config& config, const fs::path& out_dir) {
+// One run of the job; `replicas`: with the example's --replicas (each server backed up by the
+// other, the lost one restored from its backup's copies rather than from the snapshot).
+Round run_round(const Config& config, bool replicas, const fs::path& out_dir) {
   fs::remove_all(out_dir);
   std::unique_ptr<testing::EtcdServer> etcd;
   std::vector<std::string> argv = {"/usr/bin/timeout",
@@ -153,6 +160,7 @@ Round run_round(const Config& config, const fs::path& out_dir) {
                            std::to_string(config.steps),
                            "--out",
                            out_dir.string()});
+  if (replicas) argv.push_back("--replicas");
   const ChildResult child = run_child(argv, "");
   TORCH_CHECK(child.exit_code == 0, "server_loss_bench: the job exited with status ",
               child.exit_code, "; its output:\n", child.stdout_text);
@@ -160,17 +168,21 @@ Round run_round(const Config& config, const fs::path& out_dir) {
   Round round;
   const std::string server = fmt::format("ps{}", config.kill_server);
   // "NAME: worker 'psK' is back; restored what it held from the snapshot of step S (...);
-  // stepping again N ms after the failed step".
+  // stepping again N ms after the failed step" (or "... from its backup 'psJ' (...); ...").
   static const std::regex kBack(
-      R"((trainer[0-9]+): worker '(ps[0-9]+)' is back; (restored|another trainer restored) what it held from (the snapshot of step ([0-9]+)|no snapshot).*; stepping again ([0-9]+) ms after)");
+      R"((trainer[0-9]+): worker '(ps[0-9]+)' is back; (restored|another trainer restored) what it held from (the snapshot of step ([0-9]+)|no snapshot|its backup '(ps[0-9]+)').*; stepping again ([0-9]+) ms after)");
   std::istringstream lines(child.stdout_text);
   std::string line;
   while (std::getline(lines, line)) {
     std::smatch m;
     if (!std::regex_search(line, m, kBack) || m[2] != server) continue;
-    round.failed_to_next_ms.push_back(std::stod(m[6]));
+    TORCH_CHECK(m[6].matched == replicas, "server_loss_bench: ", server, " was restored ",
+                m[6].matched ? "from its backup" : "not from its backup", ": ", line);
+    round.failed_to_next_ms.push_back(std::stod(m[7]));
     if (m[3] == "restored") {
-      round.lag_steps = m[5].matched ? config.kill_at - std::stod(m[5]) : config.kill_at;
+      round.lag_steps = replicas       ? 0
+                        : m[5].matched ? config.kill_at - std::stod(m[5])
+                                       : config.kill_at;
     }
   }
   TORCH_CHECK(round.failed_to_next_ms.size() == kTrainers && !std::isnan(round.lag_steps),
@@ -223,6 +235,10 @@ int run(int argc, char** argv) {
   app.add_option("--snapshot-every", config.snapshot_every, "The first trainer's snapshots")
       ->capture_default_str();
   app.add_option("--rows", config.rows, "Rows of the table")->capture_default_str();
+  bool compare_replicas = false;
+  app.add_flag("--replicas", compare_replicas,
+               "Each round also runs the job with the example's --replicas (after the run "
+               "without), and compares");
   app.add_option("--deadline-seconds", config.deadline_seconds,
                  "each job is killed after this long")
       ->capture_default_str();
@@ -233,36 +249,68 @@ int run(int argc, char** argv) {
   ResultsFile results_file(json_path, "server_loss_bench");
   const fs::path work = fs::path(results_file.path()).parent_path() / "server_loss_bench_runs";
 
+  // Each round runs the job as configured; with --replicas, first so and then with replicas, so
+  // that the two alternate on the machine as it is.
+  std::vector<bool> variants = {false};
+  if (compare_replicas) variants.push_back(true);
+  struct Figures {
+    std::vector<double> all_back, each, lag, before, after, ratio;
+  };
+  std::vector<Figures> figures(variants.size());
   const double load_at_start = load_average();
-  std::vector<double> all_back, each, lag, before, after, ratio;
   for (int r = 0; r < config.rounds; ++r) {
-    fmt::print(stderr, "server_loss_bench: round {} of {}...\n", r + 1, config.rounds);
-    const Round round = run_round(config, work / fmt::format("round{}", r + 1));
-    all_back.push_back(
-        *std::max_element(round.failed_to_next_ms.begin(), round.failed_to_next_ms.end()));
-    each.insert(each.end(), round.failed_to_next_ms.begin(), round.failed_to_next_ms.end());
-    lag.push_back(round.lag_steps);
-    before.push_back(round.before);
-    after.push_back(round.after);
-    ratio.push_back(round.after / round.before);
+    for (size_t v = 0; v < variants.size(); ++v) {
+      fmt::print(stderr, "server_loss_bench: round {} of {}{}...\n", r + 1, config.rounds,
+                 variants[v] ? ", with replicas" : "");
+      const Round round =
+          run_round(config, variants[v],
+                    work / fmt::format("round{}{}", r + 1, variants[v] ? "-replicas" : ""));
+      Figures& f = figures[v];
+      f.all_back.push_back(
+          *std::max_element(round.failed_to_next_ms.begin(), round.failed_to_next_ms.end()));
+      f.each.insert(f.each.end(), round.failed_to_next_ms.begin(), round.failed_to_next_ms.end());
+      f.lag.push_back(round.lag_steps);
+      f.before.push_back(round.before);
+      f.after.push_back(round.after);
+      f.ratio.push_back(round.after / round.before);
+    }
   }
   const double load_at_end = load_average();
 
   Json cases = Json::array();
-  cases.push_back(spread_row("every trainer stepping again", all_back, "ms", "lower"));
-  cases.push_back(spread_row("a trainer's failed step to its next", each, "ms", "lower"));
-  cases.push_back(spread_row("snapshot's lag behind the kill", lag, "steps", "lower"));
-  cases.push_back(spread_row("samples/s before the kill", before, "samples/s", "higher"));
-  cases.push_back(
-      spread_row("samples/s after every trainer is back", after, "samples/s", "higher"));
-  cases.push_back(spread_row("samples/s after / before", ratio, "ratio", "higher"));
+  for (size_t v = 0; v < variants.size(); ++v) {
+    const Figures& f = figures[v];
+    const std::string of = !compare_replicas ? "" : variants[v] ? " (replicas)" : " (snapshots)";
+    cases.push_back(spread_row("every trainer stepping again" + of, f.all_back, "ms", "lower"));
+    cases.push_back(spread_row("a trainer's failed step to its next" + of, f.each, "ms", "lower"));
+    cases.push_back(
+        spread_row(variants[v] ? "steps lost (replicas)" : "snapshot's lag behind the kill" + of,
+                   f.lag, "steps", "lower"));
+    cases.push_back(spread_row("samples/s before the kill" + of, f.before, "samples/s", "higher"));
+    cases.push_back(
+        spread_row("samples/s after every trainer is back" + of, f.after, "samples/s", "higher"));
+    cases.push_back(spread_row("samples/s after / before" + of, f.ratio, "ratio", "higher"));
+  }
+  if (compare_replicas) {
+    // Per round, replicas over snapshots: the price of the replica before the kill.
+    std::vector<double> cost;
+    for (int r = 0; r < config.rounds; ++r) {
+      cost.push_back(figures[1].before[r] / figures[0].before[r]);
+    }
+    cases.push_back(
+        spread_row("samples/s before the kill, replicas / snapshots", cost, "ratio", "higher"));
+  }
   const std::string settings = fmt::format(
       "examples/click_through --elastic: 2 servers + 2 trainers on one machine, a {} x {} table "
       "(Adagrad), batch {}, {} steps each; ps{} SIGKILLed after {} steps each{}, snapshots every "
-      "{} steps of the first trainer",
+      "{} steps of the first trainer{}",
       config.rows, config.dim, config.batch, config.steps, config.kill_server, config.kill_at,
       config.kill_server == 0 ? " (the group in a real etcd on loopback)" : "",
-      config.snapshot_every);
+      config.snapshot_every,
+      compare_replicas ? "; each round runs the job twice, alternating: as so, then with "
+                         "--replicas (each server backed up by the other; the lost one restored "
+                         "from its backup)"
+                       : "");
   const std::string no_pytorch = "no PyTorch side: a PyTorch 1.13 RPC job ends when a worker dies";
 
   fmt::print("server_loss_bench: {}; {} round(s)\n{}\n", settings, config.rounds, no_pytorch);

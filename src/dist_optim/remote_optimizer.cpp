@@ -96,7 +96,9 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   if (!optimizer_->updates_only_gradient_rows(gradients)) {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     optimizer_->step(gradients);
-    if (mirror_) send_to_backup(gradients, {});
+    // A table shard's sparse rows go as rows even beside a dense parameter (an MLP on the same
+    // server): whole, they would be the shard and its state at every step.
+    if (mirror_) send_to_backup(gradients, row_local_rows(gradients));
     return;
   }
   // Only the rows the sparse gradients name change (parameters and this optimizer's state, which
@@ -111,6 +113,20 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   rpc::InPlaceRowUpdateGuard no_reply_reads_these_rows_meanwhile(params, rows);
   optimizer_->step(gradients);
   if (mirror_) send_to_backup(gradients, rows_by_param);
+}
+
+std::vector<at::Tensor> RemoteOptimizer::row_local_rows(
+    const std::vector<at::Tensor>& gradients) const {
+  std::vector<at::Tensor> rows(gradients.size()), alone(gradients.size());
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (!gradients[i].defined() || gradients[i].layout() != at::kSparse) continue;
+    alone[i] = gradients[i];
+    if (optimizer_->updates_only_gradient_rows(alone)) {
+      rows[i] = gradients[i]._indices().select(0, 0);
+    }
+    alone[i] = at::Tensor();
+  }
+  return rows;
 }
 
 void RemoteOptimizer::set_backup(std::string backup, std::vector<std::string> param_keys,
@@ -203,7 +219,7 @@ void RemoteOptimizer::send_to_backup(const std::vector<at::Tensor>& gradients,
     const at::Tensor& param = optimizer_->params()[i];
     // Each changed row once (a sparse gradient may name a row many times).
     const at::Tensor changed =
-        rows.empty() ? at::Tensor() : std::get<0>(at::_unique(rows[i], /*sorted=*/true));
+        rows[i].defined() ? std::get<0>(at::_unique(rows[i], /*sorted=*/true)) : at::Tensor();
     // A copy that the backup holds takes the changed rows; any other goes whole.
     auto update = [&](const std::string& key, const at::Tensor& value) {
       if (changed.defined() && value.dim() >= 1 && value.size(0) == param.size(0) &&

@@ -118,11 +118,17 @@ class RemoteOptimizer {
   /// rpc::InPlaceUpdateGuard; under mutex_. Its failure changes nothing here.
   void send_everything_whole(MirrorLink& link);
   /// Sends what the step with `gradients` changed: the rows `rows[i]` of parameter i (and of its
-  /// state), or, where `rows` is empty, whole parameters and state. Under mutex_ and the step's
-  /// guard, so that the copies take each row's updates in the order the parameters did. A failed
-  /// send throws (the step stays applied here) and makes the next step send everything whole.
+  /// state), or, where `rows[i]` is undefined, the whole parameter and state. Under mutex_ and the
+  /// step's guard, so that the copies take each row's updates in the order the parameters did. A
+  /// failed send throws (the step stays applied here) and makes the next step send everything
+  /// whole.
   void send_to_backup(const std::vector<at::Tensor>& gradients,
                       const std::vector<at::Tensor>& rows);
+  /// The rows a step with `gradients` changes of each parameter whose gradient is sparse and
+  /// whose update is row-local on its own (FunctionalOptimizer::updates_only_gradient_rows of
+  /// that gradient alone): its gradient's row indices; undefined for the others. A table shard
+  /// stepped with a dense MLP on the same owner still changes only its gradient's rows.
+  std::vector<at::Tensor> row_local_rows(const std::vector<at::Tensor>& gradients) const;
 
   // Guards optimizer_ (options, state, step counts): its calls must not overlap.
   std::mutex mutex_;
