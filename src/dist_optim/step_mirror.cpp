@@ -127,9 +127,7 @@ std::string MirrorLink::state_key(size_t index, const std::string& name) const {
   return param_keys_[index] + "/state/" + state_owner_ + "/" + name;
 }
 
-std::string MirrorLink::step_key(size_t index) const {
-  return param_keys_[index] + "/state/" + state_owner_ + "/step";
-}
+std::string MirrorLink::step_key(size_t index) const { return state_key(index, "step"); }
 
 void MirrorLink::send(std::vector<MirrorUpdate> updates) {
   if (updates.empty()) return;
