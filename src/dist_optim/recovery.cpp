@@ -292,8 +292,10 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
   // Replicated: this trainer's state from the backup's copies, and its steps there again.
   auto from_backup = [&](bool with_value) {
     load_from_backup(optimizer, tables, lost.modules, worker, result.backup, with_value);
-    replicate_steps(optimizer, tables, lost.modules,
-                    ReplicaOptions().backups({{worker, result.backup}}));
+    // The backup holds what was just loaded: nothing is sent back to it.
+    set_backups(optimizer, tables, lost.modules,
+                ReplicaOptions().backups({{worker, result.backup}}),
+                /*restored_from_them=*/true);
   };
   if (state.outcome != kYouRestore) {
     bind_anew(worker, /*restorer=*/false, optimizer, lost);

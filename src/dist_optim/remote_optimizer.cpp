@@ -130,7 +130,7 @@ std::vector<at::Tensor> RemoteOptimizer::row_local_rows(
 }
 
 void RemoteOptimizer::set_backup(std::string backup, std::vector<std::string> param_keys,
-                                 std::string state_owner) {
+                                 std::string state_owner, bool restored_from_it) {
   const std::string me = rpc::get_worker_info().name;
   TORCH_CHECK_VALUE(backup != me, "replicate_steps: worker '", me, "' cannot be its own backup");
   std::lock_guard<std::mutex> lock(mutex_);
@@ -144,7 +144,17 @@ void RemoteOptimizer::set_backup(std::string backup, std::vector<std::string> pa
   }
   auto link = std::make_unique<MirrorLink>(std::move(backup), std::move(param_keys),
                                            std::move(state_owner));
-  send_everything_whole(*link);
+  if (restored_from_it) {
+    // A restore from the backup's copies: they hold what this optimizer now holds (the other
+    // trainers' steps of these parameters since the restore went to them too, before returning).
+    const int backup_id = rpc::get_worker_info(link->backup()).id;
+    for (const MirrorUpdate& whole : everything_whole(*link, /*with_values=*/false)) {
+      link->note_sent_whole(whole.key);
+    }
+    link->note_synced(backup_id);
+  } else {
+    send_everything_whole(*link);
+  }
   mirror_ = std::move(link);
 }
 
@@ -154,21 +164,8 @@ void RemoteOptimizer::send_everything_whole(MirrorLink& link) {
   // Every parameter and the state it has, at one moment (no other optimizer's step of them
   // meanwhile): the copies the later steps' rows apply to, and all a recovery needs.
   rpc::InPlaceUpdateGuard no_update_meanwhile;
-  at::NoGradGuard no_grad;
-  std::vector<MirrorUpdate> updates;
-  for (size_t i = 0; i < link.size(); ++i) {
-    updates.push_back({link.param_key(i), at::Tensor(), optimizer_->params()[i].clone()});
-    const optim::ParamState& state = optimizer_->state(i);
-    if (state.empty()) continue;
-    for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
-      if (!state.buffers[slot].defined()) continue;
-      updates.push_back({link.state_key(i, optimizer_->state_names()[slot]), at::Tensor(),
-                         state.buffers[slot].clone()});
-    }
-    updates.push_back({link.step_key(i), at::Tensor(), at::scalar_tensor(state.step, at::kLong)});
-  }
   try {
-    link.send(std::move(updates));
+    link.send(everything_whole(link, /*with_values=*/true));
   } catch (c10::Error& error) {
     error.add_context("replicas: worker '" + rpc::get_worker_info().name +
                       "' could not copy its parameters to its backup '" + link.backup() +
@@ -176,6 +173,28 @@ void RemoteOptimizer::send_everything_whole(MirrorLink& link) {
     throw;
   }
   link.note_synced(backup_id);
+}
+
+std::vector<MirrorUpdate> RemoteOptimizer::everything_whole(const MirrorLink& link,
+                                                            bool with_values) const {
+  at::NoGradGuard no_grad;
+  std::vector<MirrorUpdate> updates;
+  auto value = [with_values](const at::Tensor& t) {
+    return with_values ? t.clone() : at::Tensor();
+  };
+  for (size_t i = 0; i < link.size(); ++i) {
+    updates.push_back({link.param_key(i), at::Tensor(), value(optimizer_->params()[i])});
+    const optim::ParamState& state = optimizer_->state(i);
+    if (state.empty()) continue;
+    for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
+      if (!state.buffers[slot].defined()) continue;
+      updates.push_back({link.state_key(i, optimizer_->state_names()[slot]), at::Tensor(),
+                         value(state.buffers[slot])});
+    }
+    updates.push_back({link.step_key(i), at::Tensor(),
+                       with_values ? at::scalar_tensor(state.step, at::kLong) : at::Tensor()});
+  }
+  return updates;
 }
 
 void RemoteOptimizer::stage_from_backup(int64_t index, std::string backup, std::string param_key,

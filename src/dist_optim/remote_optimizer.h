@@ -49,8 +49,11 @@ class RemoteOptimizer {
   /// for a count of keys other than of parameters, an empty key, or `backup` naming this worker.
   /// Every parameter, and the state it has, is sent whole at once (what the backup cannot take
   /// fails the call, leaving no replication), and again before the next step whenever the backup is
-  /// a new incarnation or a send failed.
-  void set_backup(std::string backup, std::vector<std::string> param_keys, std::string state_owner);
+  /// a new incarnation or a send failed. `restored_from_it`: this optimizer's parameters and state
+  /// were just loaded from the backup's copies (stage_from_backup), which every step since went to:
+  /// they are taken as sent whole, and nothing is sent.
+  void set_backup(std::string backup, std::vector<std::string> param_keys, std::string state_owner,
+                  bool restored_from_it);
   /// Reads parameter `index` and trainer `state_owner`'s state of it from worker `backup`'s
   /// copies of this worker's (under `param_key`, replicas.h), for commit_staged or
   /// commit_staged_state. c10::ValueError naming the key when the backup holds no copy of the
@@ -117,6 +120,9 @@ class RemoteOptimizer {
   /// Sends every parameter and its state whole to `link`'s backup, under an
   /// rpc::InPlaceUpdateGuard; under mutex_. Its failure changes nothing here.
   void send_everything_whole(MirrorLink& link);
+  /// Every copy `link` keeps of this optimizer (each parameter, each state buffer it has, each
+  /// step count), whole: with their values (copies), or the keys alone. Under mutex_.
+  std::vector<MirrorUpdate> everything_whole(const MirrorLink& link, bool with_values) const;
   /// Sends what the step with `gradients` changed: the rows `rows[i]` of parameter i (and of its
   /// state), or, where `rows[i]` is undefined, the whole parameter and state. Under mutex_ and the
   /// step's guard, so that the copies take each row's updates in the order the parameters did. A

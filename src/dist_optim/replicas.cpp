@@ -115,12 +115,10 @@ void load_from_backup(DistributedOptimizer& optimizer,
              [](size_t i) { return std::vector<c10::IValue>{static_cast<int64_t>(i)}; });
 }
 
-}  // namespace detail
-
-void replicate_steps(DistributedOptimizer& optimizer,
-                     const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                     const std::vector<rpc::RemoteModuleBase*>& modules,
-                     const ReplicaOptions& options) {
+void set_backups(DistributedOptimizer& optimizer,
+                 const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                 const std::vector<rpc::RemoteModuleBase*>& modules, const ReplicaOptions& options,
+                 bool restored_from_them) {
   std::vector<std::string> workers;
   for (const auto& [primary, backup] : options.backups()) {
     TORCH_CHECK_VALUE(primary != backup, "replicate_steps: worker '", primary,
@@ -128,18 +126,28 @@ void replicate_steps(DistributedOptimizer& optimizer,
     workers.push_back(primary);
   }
   // Every key first, so that a parameter without one refuses the whole call.
-  const std::vector<detail::ReplicatedOwner> replicated =
-      detail::replicated_owners(optimizer, tables, modules, workers, "replicate_steps");
+  const std::vector<ReplicatedOwner> replicated =
+      replicated_owners(optimizer, tables, modules, workers, "replicate_steps");
   const std::string trainer = rpc::get_worker_info().name;
   std::vector<rpc::RpcFuture<c10::IValue>> calls;
-  for (const detail::ReplicatedOwner& r : replicated) {
-    calls.push_back(detail::waited_method(r.owner.optimizer, "set_backup",
-                                          {c10::IValue(options.backups().at(r.owner.worker)),
-                                           rpc::to_value(r.keys), c10::IValue(trainer)}));
+  for (const ReplicatedOwner& r : replicated) {
+    calls.push_back(
+        waited_method(r.owner.optimizer, "set_backup",
+                      {c10::IValue(options.backups().at(r.owner.worker)), rpc::to_value(r.keys),
+                       c10::IValue(trainer), c10::IValue(restored_from_them)}));
   }
-  detail::wait_all(
+  wait_all(
       calls, [&replicated](size_t k) -> const std::string& { return replicated[k].owner.worker; },
       "replicate_steps");
+}
+
+}  // namespace detail
+
+void replicate_steps(DistributedOptimizer& optimizer,
+                     const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                     const std::vector<rpc::RemoteModuleBase*>& modules,
+                     const ReplicaOptions& options) {
+  detail::set_backups(optimizer, tables, modules, options, /*restored_from_them=*/false);
 }
 
 std::vector<std::string> replica_keys(const std::string& backup, const std::string& primary) {

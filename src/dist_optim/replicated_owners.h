@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <distoptim/dist_optim/distributed_optimizer.h>
+#include <distoptim/dist_optim/replicas.h>
 #include <distoptim/rpc/remote_module.h>
 #include <distoptim/rpc/sharded_embedding_bag.h>
 
@@ -31,6 +32,13 @@ std::vector<ReplicatedOwner> replicated_owners(const DistributedOptimizer& optim
                                                const std::vector<rpc::RemoteModuleBase*>& modules,
                                                const std::vector<std::string>& workers,
                                                const char* what);
+
+/// replicate_steps; `restored_from_them`: the owners were just loaded from their backups' copies
+/// (load_from_backup), which are then taken as current rather than sent again.
+void set_backups(DistributedOptimizer& optimizer,
+                 const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                 const std::vector<rpc::RemoteModuleBase*>& modules, const ReplicaOptions& options,
+                 bool restored_from_them);
 
 /// Loads worker `worker`'s parameters (when `with_value`) and this trainer's optimizer state of
 /// them from worker `backup`'s copies, into `optimizer` (bound to `worker`'s new incarnation).

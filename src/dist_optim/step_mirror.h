@@ -57,6 +57,8 @@ class MirrorLink {
   bool in_sync() const;
   /// Everything was sent whole to incarnation `backup_id` of the backup.
   void note_synced(int backup_id) { synced_to_ = backup_id; }
+  /// The backup's copy under `key` is whole and current (a restore read it): rows may follow.
+  void note_sent_whole(const std::string& key) { sent_whole_.insert(key); }
   /// After a failed send: everything goes whole next (the backup may be a new incarnation).
   void forget_sent();
 
