@@ -253,15 +253,15 @@ int64_t killed_server(const Settings& s) {
 // --kill-server-at, the server it names SIGKILLs itself once the trainers have taken that many
 // steps each (the first time it runs); distrun --restart-policy rank starts it again, and the
 // trainers bind to it and give it back its shard from the latest snapshot.
-void serve_until_trainers_finish(const Settings& s, int rank, int trainers) {
+void serve_until_trainers_finish(const Settings& s, int rank) {
   examples::wait_until_listed(kFirstServer);
   const bool kills_itself =
       s.kill_server_at > 0 && rank == killed_server(s) && examples::restart_count() == 0;
   while (!examples::trainer_slots_finished(kFirstServer)) {
-    if (kills_itself && examples::recorded_steps(kFirstServer) >= s.kill_server_at * trainers) {
-      fmt::print("{}: SIGKILLs itself after {} steps of the trainers (--kill-server-at {})\n",
-                 rpc::get_worker_info().name, examples::recorded_steps(kFirstServer),
-                 s.kill_server_at);
+    if (kills_itself && examples::fewest_slot_steps(kFirstServer) >= s.kill_server_at) {
+      fmt::print(
+          "{}: SIGKILLs itself once every trainer slot has taken {} steps (--kill-server-at)\n",
+          rpc::get_worker_info().name, s.kill_server_at);
       std::fflush(stdout);
       ::raise(SIGKILL);
     }
@@ -431,6 +431,8 @@ void train(const Settings& s, int rank, int trainer, int trainers,
     if (!s.elastic) {
       for (int t = 1; t < trainers; ++t) model->share("trainer" + std::to_string(t));
     }
+  } else if (s.elastic && std::isnan(resume.held_out_before)) {
+    examples::wait_for_held_out_before(kFirstServer);
   }
 
   const bool kills_itself = s.kill_trainer_at > 0 &&
@@ -576,7 +578,7 @@ int run_example(const Settings& s) {
          "training log loss"});
     const bool restarted = examples::restart_count() > 0;
     if (s.kill_server_at > 0 && killed_server(s) == 0 && !restarted) {
-      examples::kill_at_recorded_steps(s.kill_server_at * trainers);
+      examples::kill_when_every_slot_reaches(s.kill_server_at);
     }
     // Started again (its membership in etcd), it takes its name back under a new rank once the
     // others have dropped the dead process.
@@ -589,7 +591,7 @@ int run_example(const Settings& s) {
   if (server) {
     // A server started again takes its name once the first server has dropped the dead process.
     examples::run_dynamic_rpc_worker(
-        servers[rank], rpc::kAssignRank, [&] { serve_until_trainers_finish(s, rank, trainers); },
+        servers[rank], rpc::kAssignRank, [&] { serve_until_trainers_finish(s, rank); },
         examples::restart_count() > 0 ? std::chrono::minutes(2) : std::chrono::minutes(0));
     return 0;
   }

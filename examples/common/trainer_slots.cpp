@@ -55,8 +55,8 @@ class ServerRecord {
     csv_.flush();
   }
 
-  // Raises SIGKILL in the step that brings the steps recorded to `steps` (0: never).
-  void kill_at_global_step(int64_t steps) {
+  // Raises SIGKILL in the step that brings every slot to `steps` steps (0: never).
+  void kill_when_every_slot_reaches(int64_t steps) {
     std::lock_guard<std::mutex> lock(mutex_);
     kill_at_ = steps;
   }
@@ -100,9 +100,10 @@ class ServerRecord {
     ++global_steps_;
     log(slot.last_seen, "step", slot_rank, worker, step, loss, samples);
     curves_[worker].emplace_back(seconds(start_, slot.last_seen), loss);
-    if (kill_at_ > 0 && global_steps_ >= kill_at_) {
-      fmt::print("{}: SIGKILLs itself after {} steps of the trainers (--kill-server-at)\n",
-                 names_.server, global_steps_);
+    if (kill_at_ > 0 && fewest_steps_locked() >= kill_at_) {
+      fmt::print(
+          "{}: SIGKILLs itself once every trainer slot has taken {} steps (--kill-server-at)\n",
+          names_.server, kill_at_);
       std::fflush(stdout);
       ::raise(SIGKILL);
     }
@@ -136,6 +137,15 @@ class ServerRecord {
   int64_t global_steps() {
     std::lock_guard<std::mutex> lock(mutex_);
     return global_steps_;
+  }
+  int64_t fewest_steps() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return fewest_steps_locked();
+  }
+  std::optional<double> held_out_before() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (std::isnan(held_out_before_)) return std::nullopt;
+    return held_out_before_;
   }
   bool all_finished() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -218,6 +228,12 @@ class ServerRecord {
     Clock::time_point first_join;
     Clock::time_point last_seen;
   };
+
+  int64_t fewest_steps_locked() const {
+    int64_t fewest = slots_.empty() ? 0 : slots_.front().steps;
+    for (const Slot& slot : slots_) fewest = std::min(fewest, slot.steps);
+    return fewest;
+  }
 
   static double seconds(Clock::time_point from, Clock::time_point to) {
     return std::chrono::duration<double>(to - from).count();
@@ -330,6 +346,8 @@ bool record_held_out_before(double value) {
   return true;
 }
 int64_t recorded_steps_here() { return server_record().global_steps(); }
+int64_t fewest_steps_here() { return server_record().fewest_steps(); }
+std::optional<double> held_out_before_here() { return server_record().held_out_before(); }
 bool all_finished_here() { return server_record().all_finished(); }
 bool others_finished_here(int64_t rank) { return server_record().others_finished(rank); }
 
@@ -341,6 +359,8 @@ DISTOPTIM_RPC_FUNCTION("examples.slots.kill", record_kill);
 DISTOPTIM_RPC_FUNCTION("examples.slots.finish", record_finish);
 DISTOPTIM_RPC_FUNCTION("examples.slots.held_out_before", record_held_out_before);
 DISTOPTIM_RPC_FUNCTION("examples.slots.steps", recorded_steps_here);
+DISTOPTIM_RPC_FUNCTION("examples.slots.fewest_steps", fewest_steps_here);
+DISTOPTIM_RPC_FUNCTION("examples.slots.measured_before", held_out_before_here);
 DISTOPTIM_RPC_FUNCTION("examples.slots.finished", all_finished_here);
 DISTOPTIM_RPC_FUNCTION("examples.slots.others_finished", others_finished_here);
 
@@ -349,7 +369,9 @@ void open_trainer_slots(const fs::path& csv, int first_rank, int trainers, doubl
   server_record().open(csv, first_rank, trainers, timeout_seconds, std::move(log));
 }
 void wait_for_trainers() { server_record().wait_for_trainers(); }
-void kill_at_recorded_steps(int64_t steps) { server_record().kill_at_global_step(steps); }
+void kill_when_every_slot_reaches(int64_t steps) {
+  server_record().kill_when_every_slot_reaches(steps);
+}
 std::string trainer_slots_plot_commands() { return server_record().plot_commands(); }
 
 // A trainer started with the server may find the group's store up before the server has entered
@@ -456,6 +478,14 @@ void report_held_out_before(const std::string& server, double value) {
 }
 int64_t recorded_steps(const std::string& server) {
   return ask_server<int64_t>(server, "examples.slots.steps", std::tuple{});
+}
+int64_t fewest_slot_steps(const std::string& server) {
+  return ask_server<int64_t>(server, "examples.slots.fewest_steps", std::tuple{});
+}
+double wait_for_held_out_before(const std::string& server) {
+  return fetch_when_ready<double>(server, "examples.slots.measured_before",
+                                  "the held-out loss before training (the first trainer measures "
+                                  "it before any trainer steps)");
 }
 bool trainer_slots_finished(const std::string& server) {
   return ask_server<bool>(server, "examples.slots.finished", std::tuple{});

@@ -60,8 +60,9 @@ struct SlotLog {
 void open_trainer_slots(const std::filesystem::path& csv, int first_rank, int trainers,
                         double timeout_seconds, SlotLog log);
 /// The fault --kill-server-at injects on this server: it raises SIGKILL in the step that brings
-/// the steps recorded to `steps`.
-void kill_at_recorded_steps(int64_t steps);
+/// every slot to `steps` steps (the trainers' pace may differ: a total could be reached while one
+/// slot has not yet taken a snapshot).
+void kill_when_every_slot_reaches(int64_t steps);
 /// Returns once every slot has finished; throws naming a slot that has shown no sign of life (a
 /// join or a step) for `timeout_seconds`: its trainer died and was not restarted, or hangs.
 void wait_for_trainers();
@@ -147,6 +148,11 @@ void report_finish(const std::string& server, int rank, const std::string& name)
 void report_held_out_before(const std::string& server, double value);
 /// The steps of every worker the server has recorded so far.
 int64_t recorded_steps(const std::string& server);
+/// The steps of the slot that has taken fewest.
+int64_t fewest_slot_steps(const std::string& server);
+/// Waits (within 2 minutes) for the held-out loss before training, which the first trainer
+/// measures and reports before the others may step (else "before" would include their steps).
+double wait_for_held_out_before(const std::string& server);
 /// Whether every slot of the server has finished (for workers that serve until then).
 bool trainer_slots_finished(const std::string& server);
 /// Waits until every slot of `server` but slot `rank` has finished (a final evaluation of the

@@ -312,6 +312,9 @@ void train(const Settings& settings, const Corpus& corpus, int rank, int world_s
     if (settings.elastic) {
       examples::report_held_out_before("ps", held_out_before);
     }
+  } else if (settings.elastic && std::isnan(held_out_before)) {
+    // The shared model is measured before any trainer steps: the first trainer's turn.
+    examples::wait_for_held_out_before("ps");
   }
   fs::create_directories(settings.out_dir);
   // Each worker's own curve (under --elastic a restarted worker's is a file of its own).
@@ -479,7 +482,7 @@ int run_example(const Settings& s) {
          "cross-entropy loss"});
     const bool restarted = examples::restart_count() > 0;
     if (s.kill_server_at > 0 && !restarted) {
-      examples::kill_at_recorded_steps(s.kill_server_at * (world_size - 1));
+      examples::kill_when_every_slot_reaches(s.kill_server_at);
     }
     // Started again (its membership in etcd), it takes its name back under a new rank once the
     // trainers have dropped the dead process.

@@ -118,7 +118,7 @@ check_server_restart() {
     grep -q "run 1 (pid [0-9]*, DISTRUN_RESTART_COUNT=0): killed by signal SIGKILL" "$log" &&
     grep -q "^distrun: every rank exited with status 0" "$log" ||
     fail "distrun's summary does not name the restart of rank $rank ($server)"
-  grep -q "^\[rank $rank\] $server: SIGKILLs itself after [0-9]* steps of the trainers (--kill-server-at" "$log" ||
+  grep -q "^\[rank $rank\] $server: SIGKILLs itself once every trainer slot has taken $kill_at steps (--kill-server-at" "$log" ||
     fail "$server did not kill itself"
   for trainer in "$@"; do
     grep -q "^\[rank [0-9]*\] $trainer: step [0-9]* failed: .*$server" "$log" ||
