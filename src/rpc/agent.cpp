@@ -69,6 +69,8 @@ void Agent::start(const std::string& name) {
   handshake.self_name = name;
   handshake.timeout = options_.handshake_timeout();
   handshake.peer_memory = options_.same_host_memory_reads();
+  handshake.same_user_only =
+      options_.shared_secret().empty() && !options_.insecure_without_secret();
   handshake.refusals = std::make_shared<RefusalLog>(name);
   PeerEvents events;
   events.on_request = [this](const std::shared_ptr<Connection>& connection, int caller,

@@ -74,15 +74,19 @@ void keep_freed_memory() {
 }
 
 // The job's secret: the one given, else the bytes of the file that DISTOPTIM_RPC_SECRET_FILE
-// names (distrun makes one for a job on one node); empty, with a warning, if neither.
+// names (distrun makes one for a job on one node); empty if neither, with a warning when that
+// leaves the worker open to anyone (insecure_without_secret).
 std::string job_secret(const RpcBackendOptions& options, const std::string& name) {
   if (!options.shared_secret().empty()) return options.shared_secret();
   const char* file = std::getenv("DISTOPTIM_RPC_SECRET_FILE");
   if (file == nullptr || *file == '\0') {
-    TORCH_WARN_ONCE("init_rpc: worker '", name,
-                    "' has no shared_secret: any process that can reach its port passes the "
-                    "handshake and may call it. Give RpcBackendOptions::shared_secret, or a file "
-                    "in DISTOPTIM_RPC_SECRET_FILE (distrun makes one for a job on one node)");
+    if (options.insecure_without_secret()) {
+      TORCH_WARN_ONCE("init_rpc: worker '", name,
+                      "' has no shared_secret and insecure_without_secret is set: any process "
+                      "that can reach its port passes the handshake and may call it. Give "
+                      "RpcBackendOptions::shared_secret, or a file in DISTOPTIM_RPC_SECRET_FILE "
+                      "(distrun --rpc-secret-file)");
+    }
     return "";
   }
   std::ifstream in(file, std::ios::binary);
@@ -170,7 +174,14 @@ void start_agent(const std::string& name, int rank, int world_size,
                     "init_rpc: shared_secret of ", options.shared_secret().size(),
                     " bytes (at most 4096) (worker '", name, "')");
   RpcBackendOptions resolved = options;
-  resolved.shared_secret(job_secret(options, name));
+  if (const char* insecure = std::getenv("DISTOPTIM_RPC_INSECURE")) {
+    TORCH_CHECK_VALUE(std::string(insecure) == "1" || std::string(insecure) == "0",
+                      "init_rpc: DISTOPTIM_RPC_INSECURE='", insecure,
+                      "' (1 to take connections with anyone without a secret, or 0) (worker '",
+                      name, "')");
+    if (std::string(insecure) == "1") resolved.insecure_without_secret(true);
+  }
+  resolved.shared_secret(job_secret(resolved, name));
   // Holding the lock through the rendezvous keeps a second init_rpc from racing this one.
   std::lock_guard<std::mutex> lock(g_agent_mutex);
   DISTOPTIM_CHECK_WITH(DistributedError, g_agent == nullptr,

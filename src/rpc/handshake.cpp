@@ -1,5 +1,7 @@
 #include "handshake.h"
 
+#include <unistd.h>
+
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
@@ -87,6 +89,21 @@ EncodedMessage refusal(Connection* connection, const HandshakeConfig& config,
   return encode_handshake(message);
 }
 
+// Under same_user_only: why `connection`'s peer may not be ours (another user's process, or
+// one not on this machine), or nothing.
+std::optional<std::string> foreign_peer(Connection* connection, const HandshakeConfig& config) {
+  if (!config.same_user_only) return std::nullopt;
+  const std::optional<uint32_t> user = connection->peer_user();
+  const uint32_t self = ::geteuid();
+  if (user == self) return std::nullopt;
+  return (user ? "its other end is a process of another user (uid " + std::to_string(*user) +
+                     ", this worker's is " + std::to_string(self) + ")"
+               : std::string("its other end is not a process on this machine")) +
+         ", and without a shared secret worker '" + config.self_name +
+         "' accepts only its own user's processes on this machine (give every worker the same "
+         "RpcBackendOptions::shared_secret, or set insecure_without_secret to accept anyone)";
+}
+
 std::string deadline_text(const HandshakeConfig& config) {
   return "it did not complete the handshake within " + std::to_string(config.timeout.count()) +
          " ms";
@@ -142,6 +159,11 @@ void accept_handshake(const std::shared_ptr<Connection>& connection, const Hands
                       std::function<void(HandshakeOutcome)> done) {
   using Step = HandshakeMessage::Step;
   done = once(std::move(done));
+  if (std::optional<std::string> why = foreign_peer(connection.get(), config)) {
+    connection->close_after(refusal(connection.get(), config, *why), "refused: " + *why);
+    done(failed(*why, /*refused=*/true));
+    return;
+  }
   HandshakeMessage question;
   question.step = Step::kChallenge;
   question.server_nonce = random_nonce();
@@ -202,6 +224,11 @@ void connect_handshake(const std::shared_ptr<Connection>& connection, const Hand
                        int peer, std::function<void(HandshakeOutcome)> done) {
   using Step = HandshakeMessage::Step;
   done = once(std::move(done));
+  if (std::optional<std::string> why = foreign_peer(connection.get(), config)) {
+    done(failed(*why, /*refused=*/true));
+    connection->close(*why);
+    return;
+  }
   connection->arm_deadline(config.timeout, deadline_text(config));
   Connection* raw = connection.get();
   auto answer = std::make_shared<HandshakeMessage>();  // our proof, once the challenge is in
@@ -210,6 +237,13 @@ void connect_handshake(const std::shared_ptr<Connection>& connection, const Hand
     HandshakeMessage message;
     Status failure = decode_handshake_frame(frame, &message);
     if (answer->step != Step::kProof) {
+      if (!failure && message.step == Step::kRefuse) {  // refused before any challenge
+        const std::string why =
+            message.refusal.empty() ? "it refused the connection" : message.refusal;
+        done(failed(why, /*refused=*/true));
+        raw->close(why);
+        return false;
+      }
       if (!failure && (message.step != Step::kChallenge || message.server_id != peer)) {
         failure = "a handshake that is not a challenge from worker id " + std::to_string(peer);
       }

@@ -71,6 +71,10 @@ struct HandshakeConfig {
   std::function<std::optional<std::string>(int id)> refuse_id;
   std::chrono::milliseconds timeout{10000};  // the whole handshake, from its first byte
   bool peer_memory = true;                   // offer same-host memory reads
+  // Both sides: only a process of this process's effective user on this machine may be the
+  // peer (Connection::peer_user); any other is refused before a byte of it is read. Set when
+  // the worker has no secret (RpcBackendOptions::insecure_without_secret).
+  bool same_user_only = false;
   // Where refused connections are logged, at a bounded rate; a warning each when null.
   std::shared_ptr<RefusalLog> refusals;
   // Accepting side, once a peer has proven worker id `id` on `connection` and before it is

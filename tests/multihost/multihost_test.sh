@@ -6,6 +6,10 @@
 #              bit equal to those of one host running the 4 ranks on loopback.
 #   rpc        an RPC group over both hosts: every worker calls every other one (rpc_sync), so
 #              calls cross between the namespaces both ways.
+#   rpc_without_secret
+#              the same calls as a job started by hand without a secret: the calls between the
+#              hosts are refused (a worker without a secret takes only its own user's processes on
+#              its own machine), those within a host run.
 #   link_down  host b's link is set down while the ranks are paused mid-training: host a's
 #              ranks fail (after the training group's timeout and grace) with the library's
 #              error naming ranks 2 and 3, and host a's distrun reports the failed rank.
@@ -81,10 +85,13 @@ start_host() {
   shift 3
   ip netns exec "$ns" "$distrun" --nnodes 2 --node-rank "$node_rank" \
     --master-addr "$addr_a" --master-port "$port" --nproc-per-node 2 --grace-seconds 2 \
-    "${distrun_options[@]}" "$worker" "$@" > "$work/$name.log" 2>&1 &
+    --rpc-secret-file "$work/rpc_secret" "${distrun_options[@]}" "$worker" "$@" \
+    > "$work/$name.log" 2>&1 &
   pids+=($!)
 }
 distrun_options=()
+# The job's RPC secret, the same file for both hosts (as a shared file system would give it).
+(umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/rpc_secret")
 
 # Waits for background distrun PID, at most SECONDS more (then kills it); sets `status` to its
 # exit status (137 when killed here).
@@ -149,6 +156,32 @@ case "$case_name" in
       done
     done
     echo "PASSED: 12 rpc_sync calls among 4 workers on 2 hosts, 8 of them between the hosts"
+    ;;
+
+  rpc_without_secret)
+    # The same calls as a job started by hand without a secret: a worker takes connections only
+    # with its own user's processes on its own machine, so the calls between the hosts are
+    # refused (the other end is in no socket table of the caller's machine) and the others run.
+    start_host a "$ns_a" 0 rpc_no_secret 20000
+    start_host b "$ns_b" 1 rpc_no_secret 20000
+    wait_status "${pids[0]}" 60 && status_a=$status
+    wait_status "${pids[1]}" 60 && status_b=$status
+    [[ $status_a == 0 && $status_b == 0 ]] ||
+      fail "distrun exited with status $status_a on host a, $status_b on host b"
+    for caller in 0 1 2 3; do
+      for callee in 0 1 2 3; do
+        ((caller != callee)) || continue
+        prefix="[rank $caller] worker$caller -> worker$callee: "
+        if ((caller / 2 == callee / 2)); then
+          grep -qxF -- "${prefix}worker$callee (called by worker$caller) in same namespace" \
+            "$work/a.log" "$work/b.log" || fail "worker$caller's call to worker$callee did not run"
+        else
+          grep -hF -- "${prefix}refused: " "$work/a.log" "$work/b.log" | grep -qF "its other end is not a process on this machine, and without a shared secret worker 'worker$caller' accepts only its own user's processes on this machine" ||
+            fail "worker$caller's call to worker$callee on the other host was not refused as it should"
+        fi
+      done
+    done
+    echo "PASSED: without a secret, the 4 calls within each host ran and the 8 between the hosts were refused"
     ;;
 
   link_down)

@@ -15,6 +15,10 @@
 //   rpc TIMEOUT_MS
 //       joins an RPC group of every rank (worker<RANK>), calls every other worker with rpc_sync
 //       and prints, per call, "worker<R> -> worker<P>: <P's answer> in <same|other> namespace".
+//   rpc_no_secret TIMEOUT_MS
+//       as rpc, but as a job started by hand without a secret (DISTOPTIM_RPC_SECRET_FILE and
+//       DISTOPTIM_RPC_INSECURE dropped before init_rpc): a call that fails prints
+//       "worker<R> -> worker<P>: refused: <message>".
 //
 // A distributed error ends it with status 3 after printing "rank R: <class>: <message>".
 
@@ -157,7 +161,11 @@ int train(int steps, const std::string& out_dir, milliseconds timeout, int pause
   return 0;
 }
 
-int call_everyone(milliseconds timeout) {
+int call_everyone(milliseconds timeout, bool without_secret) {
+  if (without_secret) {
+    ::unsetenv("DISTOPTIM_RPC_SECRET_FILE");
+    ::unsetenv("DISTOPTIM_RPC_INSECURE");
+  }
   const comm::LaunchEnv env = comm::LaunchEnv::from_environment();
   const int rank = env.rank.value_or(-1);
   const int world_size = env.world_size.value_or(0);
@@ -169,8 +177,16 @@ int call_everyone(milliseconds timeout) {
   const std::string here = network_namespace();
   for (int peer = 0; peer < world_size; ++peer) {
     if (peer == rank) continue;
-    const auto answer = rpc::rpc_sync<std::vector<std::string>>(worker_name(peer), "where",
-                                                                std::tuple{worker_name(rank)});
+    std::vector<std::string> answer;
+    try {
+      answer = rpc::rpc_sync<std::vector<std::string>>(worker_name(peer), "where",
+                                                       std::tuple{worker_name(rank)});
+    } catch (const distoptim::PeerLostError& refused) {
+      if (!without_secret) throw;
+      std::cout << worker_name(rank) << " -> " << worker_name(peer)
+                << ": refused: " << refused.what_without_backtrace() << std::endl;
+      continue;
+    }
     std::cout << worker_name(rank) << " -> " << worker_name(peer) << ": " << answer.at(0)
               << " (called by " << answer.at(2) << ") in "
               << (answer.at(1) == here ? "same" : "other") << " namespace" << std::endl;
@@ -190,7 +206,9 @@ int run(int argc, char** argv) {
                  argc == 9 ? std::stoi(argv[7]) : -1, argc == 9 ? argv[8] : "",
                  Checkpoints{argv[5], std::stoi(argv[6])});
   }
-  if (mode == "rpc" && argc == 3) return call_everyone(milliseconds(std::stol(argv[2])));
+  if ((mode == "rpc" || mode == "rpc_no_secret") && argc == 3) {
+    return call_everyone(milliseconds(std::stol(argv[2])), mode == "rpc_no_secret");
+  }
   std::cerr << "multihost_worker: bad arguments (mode '" << mode << "')" << std::endl;
   return 2;
 }

@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -104,6 +105,77 @@ TEST(RpcHandshake, WorkersWithAnotherSecretAreRefusedBothWays) {
     EXPECT_EQ(g_recorded.load(), rank == 0 ? 1 : 0);
   });
 }
+
+// Without a secret a worker takes connections only with processes of its own user on its own
+// machine: here rank 2 runs as another user (nobody, uid 65534), over Unix-domain sockets (the
+// peer's credentials) and over loopback TCP (the owner of the socket at the other end, from
+// /proc/net/tcp). Worker 0 refuses to connect to it, and refuses its connection, although rank 2
+// itself opted out of the check (an attacker's own options do not help it); nothing runs on either
+// side for the other. insecure_without_secret, given or from DISTOPTIM_RPC_INSECURE=1, serves it.
+constexpr uint32_t kNobody = 65534;
+
+void become_nobody() {
+  ASSERT_EQ(::setgid(kNobody), 0);
+  ASSERT_EQ(::setuid(kNobody), 0);
+  // A change of user makes the process undumpable, which would keep LeakSanitizer (under ASan)
+  // from stopping the process's own threads at exit.
+  ASSERT_EQ(::prctl(PR_SET_DUMPABLE, 1), 0);
+}
+
+class RpcWithoutSecret : public ::testing::TestWithParam<bool> {};
+
+TEST_P(RpcWithoutSecret, AnotherUsersProcessIsRefusedBothWays) {
+  const bool unix_sockets = GetParam();
+  run_ranks(3, [&](int rank, int world_size) {
+    ::unsetenv("DISTOPTIM_RPC_SECRET_FILE");
+    ::unsetenv("DISTOPTIM_RPC_INSECURE");
+    RpcBackendOptions options = options_with_secret("").same_host_unix_sockets(unix_sockets);
+    if (rank == 2) {
+      become_nobody();
+      options.insecure_without_secret(true);
+    }
+    init_rpc(worker(rank), rank, world_size, options);
+    const std::string refusal = "its other end is a process of another user (uid " +
+                                std::to_string(kNobody) +
+                                ", this worker's is 0), and without a shared secret worker "
+                                "'worker0' accepts only its own user's processes on this machine";
+    if (rank == 0) {
+      EXPECT_THAT(error_of([] { rpc_sync(worker(2), "record", std::tuple{}); }),
+                  HasSubstr(refusal));
+    } else if (rank == 1) {
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+    } else {
+      EXPECT_THAT(error_of([] { rpc_sync(worker(0), "record", std::tuple{}); }),
+                  HasSubstr("worker 'worker0' refused the connection: " + refusal));
+    }
+    shutdown();
+    // Only worker 1's call ran on worker 0; nothing ran on worker 2.
+    EXPECT_EQ(g_recorded.load(), rank == 0 ? 1 : 0);
+  });
+}
+
+TEST_P(RpcWithoutSecret, TheInsecureOptionServesAnotherUsersProcess) {
+  const bool unix_sockets = GetParam();
+  run_ranks(2, [&](int rank, int world_size) {
+    ::unsetenv("DISTOPTIM_RPC_SECRET_FILE");
+    RpcBackendOptions options = options_with_secret("").same_host_unix_sockets(unix_sockets);
+    if (rank == 0) {
+      ::setenv("DISTOPTIM_RPC_INSECURE", "1", 1);
+    } else {
+      become_nobody();
+      options.insecure_without_secret(true);
+    }
+    init_rpc(worker(rank), rank, world_size, options);
+    EXPECT_EQ(rpc_sync<int64_t>(worker(1 - rank), "record", std::tuple{}), 1);
+    shutdown();
+    EXPECT_EQ(g_recorded.load(), 1);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, RpcWithoutSecret, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("UnixSockets") : std::string("Tcp");
+                         });
 
 // Writes `content` to a fresh file under the test's temporary directory; returns its path.
 std::string secret_file(const std::string& name, const std::string& content) {

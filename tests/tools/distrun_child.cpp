@@ -16,7 +16,8 @@
 //   sleep                   print "ready pid=P", sleep 60 s, print "done"
 //   secret                  print one line about the file DISTOPTIM_RPC_SECRET_FILE names:
 //                           "secret path=P file-mode=M dir-mode=M bytes=N hex=yes|no" (modes in
-//                           octal, "missing" where stat fails), or "secret none"
+//                           octal, "missing" where stat fails), or "secret none" (then
+//                           " insecure=V" with DISTOPTIM_RPC_INSECURE=V)
 //   fail-until C R N        print "attempt DISTRUN_RESTART_COUNT=.. DISTRUN_MAX_RESTARTS=..
 //                           MASTER_PORT=.."; while DISTRUN_RESTART_COUNT < C, rank R exits with
 //                           status N and the others sleep 60 s; from restart C on, exit 0
@@ -175,7 +176,8 @@ int fail_saying(int failing_rank, int status, const std::string& line) {
 int print_secret() {
   const char* path = std::getenv("DISTOPTIM_RPC_SECRET_FILE");
   if (path == nullptr) {
-    say("secret none\n");
+    const char* insecure = std::getenv("DISTOPTIM_RPC_INSECURE");
+    say(std::string("secret none") + (insecure ? std::string(" insecure=") + insecure : "") + "\n");
     return 0;
   }
   const std::string file = path;

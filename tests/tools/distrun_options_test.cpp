@@ -3,7 +3,12 @@
 #include "distrun/launcher.h"
 #include "distrun/restart_policy.h"
 
+#include <sys/stat.h>
+
+#include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <regex>
 #include <string>
 #include <utility>
@@ -47,7 +52,7 @@ TEST(DistrunOptions, DefaultsNeedOnlyTheProcessCountAndTheProgram) {
 TEST(DistrunOptions, ParsesEveryOption) {
   const LaunchOptions options = parse_command_line(
       {"--nproc-per-node=2", "--nnodes", "4", "--node-rank", "3", "--master-addr", "10.0.0.7",
-       "--master-port", "29500", "--grace-seconds", "0.5", "prog", "a"});
+       "--master-port", "29500", "--grace-seconds", "0.5", "--rpc-insecure", "prog", "a"});
   EXPECT_EQ(
       parse_command_line({"--nproc-per-node", "2", "--max-restarts", "3", "prog"}).max_restarts, 3);
   EXPECT_EQ(options.nproc_per_node, 2);
@@ -60,9 +65,9 @@ TEST(DistrunOptions, ParsesEveryOption) {
 }
 
 TEST(DistrunOptions, AcceptsTorchrunSpellings) {
-  const LaunchOptions options =
-      parse_command_line({"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1",
-                          "--master_addr", "host", "--master_port", "1234", "prog"});
+  const LaunchOptions options = parse_command_line(
+      {"--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_addr", "host",
+       "--master_port", "1234", "--rpc_insecure", "prog"});
   EXPECT_EQ(
       parse_command_line({"--nproc_per_node", "2", "--max_restarts", "1", "prog"}).max_restarts, 1);
   EXPECT_EQ(options.nproc_per_node, 2);
@@ -152,11 +157,58 @@ TEST(DistrunOptions, SeveralNodesNeedTheMasterAddressAndPort) {
                      {"--master-addr", "--nnodes 2"});
 }
 
+// The RPC secret's file must be one init_rpc can use and the owner's alone; across nodes the job
+// needs one, or the explicit --rpc-insecure; not both.
+TEST(DistrunOptions, ASecretFileIsTheOwnersAloneAndAcrossNodesOneIsRequired) {
+  const std::string base =
+      ::testing::TempDir() + "distrun_options_secret_" + std::to_string(::getpid());
+  auto file = [&](const std::string& name, const std::string& content, mode_t mode) {
+    const std::string path = base + name;
+    std::ofstream(path) << content;
+    EXPECT_EQ(::chmod(path.c_str(), mode), 0);
+    return path;
+  };
+  const std::string good = file("good", "secret", 0600);
+  const std::string shared = file("shared", "secret", 0644);
+  const std::string empty = file("empty", "", 0600);
+  const std::string large = file("large", std::string(4097, 'x'), 0600);
+  const Args across = {"--nproc-per-node", "1", "--nnodes",      "2",
+                       "--master-addr",    "h", "--master-port", "80"};
+  auto with = [&](Args more) {
+    Args args = across;
+    args.insert(args.end(), more.begin(), more.end());
+    args.push_back("prog");
+    return args;
+  };
+  EXPECT_EQ(parse_command_line(with({"--rpc-secret-file", good})).rpc_secret_file, good);
+  EXPECT_TRUE(parse_command_line(with({"--rpc-insecure"})).rpc_insecure);
+  expect_usage_error(with({}), {"--nnodes 2 needs --rpc-secret-file FILE", "--rpc-insecure"});
+  expect_usage_error(with({"--rpc-secret-file", shared}),
+                     {"--rpc-secret-file '" + shared + "'", "mode 0644", "chmod 600"});
+  expect_usage_error(with({"--rpc-secret-file", empty}),
+                     {"--rpc-secret-file '" + empty + "'", "1-4096 bytes", "holds 0 bytes"});
+  expect_usage_error(with({"--rpc-secret-file", large}),
+                     {"--rpc-secret-file '" + large + "'", "holds 4097 bytes"});
+  expect_usage_error(with({"--rpc-secret-file", base + "missing"}),
+                     {"--rpc-secret-file '" + base + "missing'", "No such file"});
+  expect_usage_error(with({"--rpc-secret-file", good, "--rpc-insecure"}),
+                     {"--rpc-insecure with --rpc-secret-file"});
+  // A relative path reaches the ranks made absolute (they may change their directory).
+  const std::string here = std::filesystem::current_path().string();
+  std::filesystem::current_path(::testing::TempDir());
+  const std::string relative = std::filesystem::path(good).filename().string();
+  EXPECT_EQ(parse_command_line({"--nproc-per-node", "1", "--rpc-secret-file", relative, "prog"})
+                .rpc_secret_file,
+            (std::filesystem::path(::testing::TempDir()) / relative).string());
+  std::filesystem::current_path(here);
+  for (const std::string& path : {good, shared, empty, large}) std::remove(path.c_str());
+}
+
 // Restarts across nodes are coordinated by the nodes' distruns, within a join timeout.
 TEST(DistrunOptions, RestartsAcrossNodesTakeAJoinTimeout) {
   const LaunchOptions options =
       parse_command_line({"--nproc-per-node", "2", "--nnodes", "2", "--master-addr", "h",
-                          "--master-port", "80", "--max-restarts", "1", "prog"});
+                          "--master-port", "80", "--max-restarts", "1", "--rpc-insecure", "prog"});
   EXPECT_EQ(options.max_restarts, 1);
   EXPECT_EQ(options.rdzv_timeout_seconds, 900.0);
   EXPECT_EQ(parse_command_line({"--nproc-per-node", "2", "--rdzv_timeout", "2.5", "prog"})
@@ -335,7 +387,7 @@ TEST(DistrunOptions, RdzvBackendIsStaticByDefaultOrEtcdWithAnEndpoint) {
   // Across nodes without restarts the ranks meet in etcd; every node names the job.
   const LaunchOptions nodes = parse_command_line(
       {"--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "etcd",
-       "--rdzv-endpoint", "etcd.example:2379", "--rdzv-id", "job", "prog"});
+       "--rdzv-endpoint", "etcd.example:2379", "--rdzv-id", "job", "--rpc-insecure", "prog"});
   EXPECT_EQ(nodes.nnodes, 2);
   EXPECT_EQ(nodes.master_addr, "");
 }

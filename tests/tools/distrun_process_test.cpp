@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <array>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -288,7 +290,7 @@ TEST(Distrun, EachLocalRankGetsItsEnvironment) {
 TEST(Distrun, SecondNodeOfTwoGetsTheUpperRanks) {
   const RunResult r =
       run_distrun({"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr",
-                   "10.0.0.5", "--master-port", "29512", kChild, "env"});
+                   "10.0.0.5", "--master-port", "29512", "--rpc-insecure", kChild, "env"});
   ASSERT_EQ(r.status, 0) << r.err;
   const std::map<int, Args> expected = {
       {2,
@@ -333,13 +335,35 @@ TEST(Distrun, AJobOnOneNodeGetsAPrivateSecretFile) {
   EXPECT_FALSE(contains(again.out, "path=" + path + " ")) << again.out;
 }
 
-// A secret file the user names reaches the ranks as it is, on one node or several.
+// A secret file the user names (--rpc-secret-file, or DISTOPTIM_RPC_SECRET_FILE in distrun's
+// environment) reaches the ranks as it is, on one node or several; --rpc-insecure reaches them as
+// DISTOPTIM_RPC_INSECURE=1 and no secret, even when distrun's environment named one.
 TEST(Distrun, ASecretFileTheUserNamesIsKept) {
-  const RunResult r = run_distrun({"--nproc-per-node", "1", kChild, "secret"}, {},
-                                  {"DISTOPTIM_RPC_SECRET_FILE=/nonexistent/users-secret"});
-  ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_TRUE(contains(r.out, "[rank 0] secret path=/nonexistent/users-secret file-mode=missing"))
-      << r.out;
+  const std::string path =
+      ::testing::TempDir() + "distrun_users_secret_" + std::to_string(::getpid());
+  std::ofstream(path) << "users-secret";
+  ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+  const std::string expected = "[rank 0] secret path=" + path + " file-mode=600 ";
+  const RunResult given =
+      run_distrun({"--nproc-per-node", "1", "--rpc-secret-file", path, kChild, "secret"});
+  ASSERT_EQ(given.status, 0) << given.err;
+  EXPECT_TRUE(contains(given.out, expected)) << given.out;
+  const RunResult in_environment = run_distrun({"--nproc-per-node", "1", kChild, "secret"}, {},
+                                               {"DISTOPTIM_RPC_SECRET_FILE=" + path});
+  ASSERT_EQ(in_environment.status, 0) << in_environment.err;
+  EXPECT_TRUE(contains(in_environment.out, expected)) << in_environment.out;
+  const RunResult across = run_distrun({"--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                        "10.0.0.5", "--master-port", "29512", "--nproc-per-node",
+                                        "1", "--rpc-secret-file", path, kChild, "secret"});
+  ASSERT_EQ(across.status, 0) << across.err;
+  EXPECT_TRUE(contains(across.out, "[rank 1] secret path=" + path + " file-mode=600 "))
+      << across.out;
+  const RunResult insecure =
+      run_distrun({"--nproc-per-node", "1", "--rpc-insecure", kChild, "secret"}, {},
+                  {"DISTOPTIM_RPC_SECRET_FILE=", "DISTOPTIM_RPC_INSECURE=0"});
+  ASSERT_EQ(insecure.status, 0) << insecure.err;
+  EXPECT_EQ(insecure.out, "[rank 0] secret none insecure=1\n");
+  std::remove(path.c_str());
 }
 
 TEST(Distrun, ArgumentsReachTheProgramUntouched) {
@@ -767,9 +791,10 @@ TEST(Distrun, TheSummaryPointsAtTheRankTheFirstFailureNames) {
         << r.err;
   }
   // A named rank on another node (node 1's distrun alone, without restarts) is named, no more.
-  const RunResult remote = run_distrun({"--nnodes", "2", "--node-rank", "1", "--master-addr",
-                                        "127.0.0.1", "--master-port", "9", "--nproc-per-node", "1",
-                                        kChild, "fail-saying", "1", "1", "rank 0 is lost"});
+  const RunResult remote =
+      run_distrun({"--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                   "--master-port", "9", "--nproc-per-node", "1", "--rpc-insecure", kChild,
+                   "fail-saying", "1", "1", "rank 0 is lost"});
   EXPECT_EQ(remote.status, 1) << remote.err;
   EXPECT_TRUE(std::regex_search(
       remote.err, std::regex(R"(distrun:   rank 1 \(pid \d+\): exited with status 1 \(the first )"
@@ -804,7 +829,7 @@ int free_loopback_port() {
 Args node_args(int node, int port, const Args& options, const Args& program) {
   Args args = {"--nnodes",         "2",         "--node-rank",   std::to_string(node),
                "--master-addr",    "127.0.0.1", "--master-port", std::to_string(port),
-               "--nproc-per-node", "1"};
+               "--nproc-per-node", "1",         "--rpc-insecure"};
   args.insert(args.end(), options.begin(), options.end());
   args.push_back(kChild);
   args.insert(args.end(), program.begin(), program.end());

@@ -4,6 +4,8 @@
 #include <netinet/in.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -11,6 +13,8 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <memory>
 
 #include <c10/util/Exception.h>
@@ -102,6 +106,13 @@ void add_options(CLI::App& app, LaunchOptions& options, Words& words) {
                  "With M > 1 and K > 0: seconds to wait for every node\nto join a round, or to "
                  "report its end (default 900)")
       ->type_name("T");
+  app.add_option("--rpc-secret-file,--rpc_secret_file", options.rpc_secret_file,
+                 "The job's RPC secret (1-4096 bytes, mode 0600), the\nsame file on every node "
+                 "(default: on one node, one made\nfor the job; across nodes, required unless "
+                 "--rpc-insecure)")
+      ->type_name("FILE");
+  app.add_flag("--rpc-insecure,--rpc_insecure", options.rpc_insecure,
+               "No RPC secret: the ranks take RPC connections from\nanyone who can reach them");
   app.footer(
       "Each rank's environment gets RANK (R * N + local rank), WORLD_SIZE (M * N), LOCAL_RANK,\n"
       "LOCAL_WORLD_SIZE (N), GROUP_RANK (R), MASTER_ADDR, MASTER_PORT, DISTRUN_RESTART_COUNT\n"
@@ -206,6 +217,47 @@ void validate_rendezvous(const LaunchOptions& options) {
   }
 }
 
+// The RPC secret's file as init_rpc will read it (1-4096 bytes), and the owner's alone; across
+// nodes, a secret or the explicit opt-out.
+void validate_rpc_secret(const LaunchOptions& options) {
+  if (options.rpc_insecure && !options.rpc_secret_file.empty()) {
+    throw UsageError(
+        fmt::format("--rpc-insecure with --rpc-secret-file {} (or {} in the "
+                    "environment): either a secret or none",
+                    single_quoted(options.rpc_secret_file), kRpcSecretFileVariable));
+  }
+  if (options.nnodes > 1 && options.rpc_secret_file.empty() && !options.rpc_insecure) {
+    throw UsageError(fmt::format(
+        "--nnodes {} needs --rpc-secret-file FILE, the same secret on every node (the ranks' RPC "
+        "authenticates every connection with it; without one it takes no connection from another "
+        "machine), or --rpc-insecure to run without (any process that can reach a rank may call "
+        "it)",
+        options.nnodes));
+  }
+  if (options.rpc_secret_file.empty()) return;
+  const std::string file = single_quoted(options.rpc_secret_file);
+  struct stat status {};
+  if (::stat(options.rpc_secret_file.c_str(), &status) != 0) {
+    throw UsageError(fmt::format("--rpc-secret-file {}: {}", file, std::strerror(errno)));
+  }
+  if (!S_ISREG(status.st_mode) || status.st_size < 1 || status.st_size > 4096) {
+    throw UsageError(
+        fmt::format("--rpc-secret-file {}: must be a file of 1-4096 bytes (it {})", file,
+                    S_ISREG(status.st_mode) ? fmt::format("holds {} bytes", status.st_size)
+                                            : std::string("is not a regular file")));
+  }
+  if ((status.st_mode & 077) != 0) {
+    throw UsageError(fmt::format(
+        "--rpc-secret-file {}: mode {:04o} lets other users read or change the secret; make it "
+        "the owner's alone (chmod 600 {})",
+        file, status.st_mode & 07777, file));
+  }
+  if (::access(options.rpc_secret_file.c_str(), R_OK) != 0) {
+    throw UsageError(
+        fmt::format("--rpc-secret-file {}: cannot be read ({})", file, std::strerror(errno)));
+  }
+}
+
 // "etcd://ENDPOINT/JOB" for the attempt after `restart_count` restarts.
 std::string etcd_init_method(const LaunchOptions& options, int restart_count) {
   return fmt::format("etcd://{}/{}", options.rdzv_endpoint, etcd_job(options, restart_count));
@@ -279,7 +331,16 @@ LaunchOptions parse_command_line(const std::vector<std::string>& args) {
     throw UsageError(
         fmt::format("--rdzv-backend {}: must be static or etcd", single_quoted(words.backend)));
   }
+  // A secret's file given as distrun's environment (as init_rpc reads it) counts as the option.
+  const char* secret_in_environment = std::getenv(kRpcSecretFileVariable);
+  if (app.count("--rpc-secret-file") == 0 && secret_in_environment != nullptr) {
+    options.rpc_secret_file = secret_in_environment;
+  }
+  if (!options.rpc_secret_file.empty()) {
+    options.rpc_secret_file = std::filesystem::absolute(options.rpc_secret_file).string();
+  }
   const std::pair<const char*, const std::string*> words_given[] = {
+      {"--rpc-secret-file", &options.rpc_secret_file},
       {"--master-addr", &options.master_addr},
       {"--rdzv-endpoint", &options.rdzv_endpoint},
       {"--rdzv-id", &options.rdzv_id}};
@@ -349,6 +410,7 @@ void validate(const LaunchOptions& options) {
         "--restart-policy all",
         options.nnodes));
   }
+  validate_rpc_secret(options);
   if (!(options.rdzv_timeout_seconds > 0 &&
         options.rdzv_timeout_seconds <= kMaxRdzvTimeoutSeconds)) {
     throw UsageError(fmt::format("--rdzv-timeout {}: must be in (0, {}]",
@@ -435,6 +497,7 @@ std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOp
     environment.emplace_back("OPENBLAS_THREAD_TIMEOUT", kSharedMachineBlasThreadTimeout);
   }
   if (!secret_file.empty()) environment.emplace_back(kRpcSecretFileVariable, secret_file);
+  if (options.rpc_insecure) environment.emplace_back("DISTOPTIM_RPC_INSECURE", "1");
   return environment;
 }
 

@@ -94,6 +94,17 @@ struct LaunchOptions {
   /// join a round, and for every node to report the end of a round its own ranks finished, in
   /// seconds; in (0, 604800].
   double rdzv_timeout_seconds = 900.0;
+  /// --rpc-secret-file: the job's RPC secret, a file of 1-4096 bytes that only its owner may
+  /// read or write (mode 0600 or stricter), the same bytes on every node; the ranks get its
+  /// absolute path in DISTOPTIM_RPC_SECRET_FILE, so the secret itself is never in a command line
+  /// or an environment. Given DISTOPTIM_RPC_SECRET_FILE in distrun's own environment, that file.
+  /// Empty: on one node distrun makes one per job (job_secret.h); across nodes the job needs a
+  /// file or rpc_insecure (without a secret the ranks' RPC takes no connection from another
+  /// machine).
+  std::string rpc_secret_file;
+  /// --rpc-insecure: no secret; the ranks' RPC takes connections with any process that can
+  /// reach it (DISTOPTIM_RPC_INSECURE=1 in their environment). Not with rpc_secret_file.
+  bool rpc_insecure = false;
   /// PROGRAM and its arguments, passed to every rank untouched.
   std::vector<std::string> command;
 };
@@ -159,9 +170,10 @@ constexpr const char* kSharedMachineBlasThreadTimeout = "4";
 /// TORCHELASTIC_RESTART_COUNT and TORCHELASTIC_MAX_RESTARTS); then, with several ranks on this
 /// node, OMP_NUM_THREADS=kSharedMachineOmpThreads unless distrun's environment has it, and
 /// OPENBLAS_THREAD_TIMEOUT=kSharedMachineBlasThreadTimeout unless it has that or
-/// GOTO_THREAD_TIMEOUT; then, given a `secret_file` (the
-/// job's RPC secret, job_secret.h), DISTOPTIM_RPC_SECRET_FILE=secret_file. `options` must be
-/// resolved (resolve_rendezvous) and valid.
+/// GOTO_THREAD_TIMEOUT; then, given a `secret_file` (the job's RPC secret: options'
+/// rpc_secret_file, or the one distrun made, job_secret.h), DISTOPTIM_RPC_SECRET_FILE=secret_file;
+/// with rpc_insecure, DISTOPTIM_RPC_INSECURE=1. `options` must be resolved (resolve_rendezvous)
+/// and valid.
 std::vector<std::pair<std::string, std::string>> rank_environment(
     const LaunchOptions& options, int local_rank, int restart_count = 0,
     const std::string& secret_file = std::string());

@@ -1,5 +1,7 @@
 #include "distrun/rank_process.h"
 
+#include "distrun/job_secret.h"
+
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -63,14 +65,19 @@ struct ChildSetup {
   ::_exit(kExecFailedStatus);
 }
 
-// distrun's environment without the variables distrun sets, and without those saying where
-// ranks meet (they would name another job's store), then distrun's, as NAME=value.
+// distrun's environment without the variables distrun sets, without those saying where ranks
+// meet (they would name another job's store), and without those of the RPC's security (distrun's
+// options decide it: --rpc-secret-file, --rpc-insecure), then distrun's, as NAME=value.
 std::vector<std::string> child_environment(
     const std::vector<std::pair<std::string, std::string>>& variables) {
   std::vector<std::string> env;
   for (char** entry = environ; entry != nullptr && *entry != nullptr; ++entry) {
     const std::string item = *entry;
-    if (is_rendezvous_variable(item.substr(0, item.find('=')))) continue;
+    const std::string name = item.substr(0, item.find('='));
+    if (is_rendezvous_variable(name) || name == kRpcSecretFileVariable ||
+        name == "DISTOPTIM_RPC_INSECURE") {
+      continue;
+    }
     const bool overridden =
         std::any_of(variables.begin(), variables.end(), [&](const auto& variable) {
           return item.compare(0, variable.first.size() + 1, variable.first + "=") == 0;

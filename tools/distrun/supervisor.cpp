@@ -116,10 +116,9 @@ class Supervisor {
   int run() {
     ensure_standard_fds_open();
     // On one node, the job's ranks authenticate each other with a secret made here, unless the
-    // user gave one. Across nodes each node's distrun would make its own: the user gives every
-    // node the same file (DISTOPTIM_RPC_SECRET_FILE), or the job runs without, as by hand.
-    const char* given = std::getenv(kRpcSecretFileVariable);
-    if (options_.nnodes == 1 && (given == nullptr || *given == '\0')) {
+    // user gave one (--rpc-secret-file) or chose none (--rpc-insecure). Across nodes each node's
+    // distrun would make its own: the user gives every node the same file (validate() insists).
+    if (options_.nnodes == 1 && options_.rpc_secret_file.empty() && !options_.rpc_insecure) {
       try {
         secret_.emplace();
       } catch (const std::exception& e) {
@@ -283,7 +282,7 @@ class Supervisor {
     }
   }
 
-  std::string secret_file() const { return secret_ ? secret_->path() : std::string(); }
+  std::string secret_file() const { return secret_ ? secret_->path() : options_.rpc_secret_file; }
 
   bool any_running() const {
     return std::any_of(ranks_.begin(), ranks_.end(), [](const auto& r) { return r.running; });

@@ -109,13 +109,23 @@ struct RpcBackendOptions {
   /// challenge-response handshake (HMAC-SHA256 over fresh nonces) in both directions: a peer
   /// that cannot prove it knows the same secret is refused before any of its requests is read,
   /// and a worker that cannot prove it to us is never sent one. Empty (the default): workers
-  /// still run the handshake, with an empty key, so a worker with a secret refuses one without.
-  /// The secret never travels. Keep it out of command lines: read it from a file or the
-  /// environment. Left empty here, init_rpc reads the bytes of the file that the environment
-  /// variable DISTOPTIM_RPC_SECRET_FILE names (distrun makes one per job for the ranks it starts
-  /// on one node), and without one runs as just described, with a warning. (PyTorch's RPC has no
-  /// authentication.)
+  /// still run the handshake, with an empty key, so a worker with a secret refuses one without;
+  /// and the worker takes connections only with processes of its own (effective) user on its own
+  /// machine, unless insecure_without_secret is set. The secret never travels. Keep it out of
+  /// command lines: read it from a file or the environment. Left empty here, init_rpc reads the
+  /// bytes of the file that the environment variable DISTOPTIM_RPC_SECRET_FILE names (distrun
+  /// makes one per job for the ranks it starts on one node, and passes on the one every node
+  /// shares, --rpc-secret-file, across nodes). (PyTorch's RPC has no authentication.)
   TORCH_ARG(std::string, shared_secret) = "";
+  /// Without a shared secret, whether to take connections with any process that can reach this
+  /// worker (on another machine, or of another user), as PyTorch's RPC does; false (the
+  /// default): only with processes of this process's effective user on this machine, which the
+  /// kernel names (a Unix-domain socket's peer credentials; for TCP, the owner of the socket at
+  /// the other end in /proc/net/tcp, which lists only this machine's sockets), so another user's
+  /// process is refused before anything it sent is read, and this worker never sends a request
+  /// to one. Ignored with a secret. Also set by DISTOPTIM_RPC_INSECURE=1 in the environment
+  /// (distrun --rpc-insecure).
+  TORCH_ARG(bool, insecure_without_secret) = false;
   /// Whether a large tensor (256 KiB or more) travelling to or from a worker on the same host
   /// is read straight out of the sender's memory (Linux cross-memory attach, process_vm_readv):
   /// one copy instead of two through the kernel's socket buffers, as PyTorch's TensorPipe agent

@@ -3,6 +3,8 @@
 
 #include "connection.h"
 
+#include "peer_user.h"
+
 #include <sys/socket.h>
 
 #include <asio/dispatch.hpp>
@@ -56,6 +58,10 @@ Connection::Connection(asio::io_context& io, asio::local::stream_protocol::socke
 }
 
 Connection::~Connection() = default;
+
+std::optional<uint32_t> Connection::peer_user() {
+  return detail::peer_user(socket_.native_handle());
+}
 
 std::string Connection::error_text(const asio::error_code& error) {
   return error == asio::error::eof ? std::string("end of file") : error.message();

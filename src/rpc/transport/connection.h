@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -131,6 +132,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   /// The peer's address as "ip:port", or for a Unix-domain socket the listener's name or the
   /// connecting process's id (fixed at construction).
   const std::string& peer_address() const { return peer_address_; }
+  /// The uid of the process at the other end, if it runs on this machine (peer_user.h): asks
+  /// the kernel (for TCP, reads /proc/net/tcp*), so call it once per connection; nullopt: not
+  /// known to be on this machine (or closed). I/O thread only.
+  std::optional<uint32_t> peer_user();
   /// Whether the connection is a Unix-domain socket (same host) rather than TCP.
   bool unix_socket() const { return unix_socket_; }
 
