@@ -1,6 +1,9 @@
 #include "group.h"
 
+#include "store_seal.h"
+
 #include <algorithm>
+#include <cctype>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -56,9 +59,6 @@ comm::Rendezvous meet(int rank, int world_size, const RpcBackendOptions& options
              : comm::rendezvous(rendezvous_options);
 }
 
-std::string to_text(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
-std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), text.end()}; }
-
 }  // namespace
 
 WorkerGroup::WorkerGroup(int rank, int world_size, const RpcBackendOptions& options)
@@ -76,19 +76,46 @@ std::string WorkerGroup::dynamic_key(const std::string& key) const {
   return std::string(kStorePrefix) + "dynamic/" + key;
 }
 
+std::vector<uint8_t> WorkerGroup::sealed(const std::string& key, const std::string& payload) const {
+  return seal(options_.shared_secret(), key, payload);
+}
+
+std::string WorkerGroup::unsealed(const std::string& key, const std::vector<uint8_t>& value) const {
+  std::optional<std::string> payload = unseal(options_.shared_secret(), key, value);
+  DISTOPTIM_CHECK_WITH(DistributedError, payload.has_value(), "rpc: the group's store holds '", key,
+                       "' not sealed with the job's shared secret: a process that does not ",
+                       "know the secret wrote it (or this worker's secret is not the group's)");
+  return *payload;
+}
+
+bool WorkerGroup::sealed_mark(const std::string& key,
+                              std::chrono::steady_clock::time_point deadline) {
+  comm::DeadlineStore& store = *rendezvous_.store;
+  if (!store.check({key}, deadline)) return false;
+  if (unseal(options_.shared_secret(), key, store.get(key, deadline))) return true;
+  TORCH_WARN("rpc: worker '", self_.name, "' ignores '", key,
+             "' in the group's store: it is not sealed with the job's shared secret (a process "
+             "that does not know the secret wrote it)");
+  return false;
+}
+
 void WorkerGroup::claim(const std::string& name, const std::string& address, int port) {
   comm::DeadlineStore& store = *rendezvous_.store;
   const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
   DISTOPTIM_CHECK_WITH(DistributedError,
-                       !has_store_host() || !store.check({dynamic_key("closing")}, deadline),
+                       !has_store_host() || !sealed_mark(dynamic_key("closing"), deadline),
                        "init_rpc: worker '", name,
                        "' cannot join: the group's store host (rank "
                        "0) is leaving, and the group with it");
   const std::string record = name + "\n" + address + " " + std::to_string(port);
   const auto claim_rank = [&](int rank) {
     const std::string key = dynamic_key("rank/" + std::to_string(rank));
-    const std::string held = to_text(store.compareSet(key, {}, to_bytes(record)));
-    return held == record ? std::string() : held.substr(0, held.find('\n'));
+    const std::vector<uint8_t> mine = sealed(key, record);
+    const std::vector<uint8_t> held = store.compareSet(key, {}, mine);
+    if (held == mine) return std::string();
+    const std::optional<std::string> holder = unseal(options_.shared_secret(), key, held);
+    return holder ? holder->substr(0, holder->find('\n'))
+                  : std::string("(a record not sealed with the job's secret)");
   };
   if (rank_ == kAssignRank) {
     // Ranks counted from 1 (0 is the store host's, or over etcd the one a worker may give by
@@ -112,11 +139,12 @@ void WorkerGroup::claim(const std::string& name, const std::string& address, int
   }
   // The name: free, or held by a worker that has left.
   const std::string name_key = dynamic_key("name/" + name);
-  const std::string mine = std::to_string(rank_);
-  std::string held = to_text(store.compareSet(name_key, {}, to_bytes(mine)));
+  const std::vector<uint8_t> mine = sealed(name_key, std::to_string(rank_));
+  std::vector<uint8_t> held_value = store.compareSet(name_key, {}, mine);
   const auto name_deadline = std::chrono::steady_clock::now() + options_.name_wait();
-  while (held != mine) {
-    const bool holder_left = store.check({dynamic_key("left/" + held)}, deadline);
+  while (held_value != mine) {
+    const std::string held = unsealed(name_key, held_value);
+    const bool holder_left = sealed_mark(dynamic_key("left/" + held), deadline);
     if (!holder_left) {
       // A dead holder is dropped (marked left) by the store's host, or over etcd by any member
       // that lost it: wait for that, if asked to.
@@ -129,7 +157,7 @@ void WorkerGroup::claim(const std::string& name, const std::string& address, int
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       continue;
     }
-    held = to_text(store.compareSet(name_key, to_bytes(held), to_bytes(mine)));
+    held_value = store.compareSet(name_key, held_value, mine);
   }
   self_ = WorkerInfo{name, rank_};
   table_.add(self_, address, port);
@@ -142,7 +170,8 @@ std::vector<int> WorkerGroup::enter() {
     // The store comes up before its host has entered: a worker entering first would not list
     // the host, so it enters after the host has. (Over etcd no member is waited for.)
     try {
-      store.get(dynamic_key("host_entered"), deadline);
+      const std::string key = dynamic_key("host_entered");
+      unsealed(key, store.get(key, deadline));
     } catch (const TimeoutError&) {
       DISTOPTIM_THROW(TimeoutError, "init_rpc: worker '", self_.name, "' (rank ", rank_,
                       ") waited ", options_.init_timeout().count(),
@@ -151,20 +180,25 @@ std::vector<int> WorkerGroup::enter() {
     }
   }
   const int64_t joins = store.add(dynamic_key("joins"), 1, deadline);
-  store.set(dynamic_key("join/" + std::to_string(joins - 1)), to_bytes(std::to_string(rank_)),
-            deadline);
+  const std::string my_join = dynamic_key("join/" + std::to_string(joins - 1));
+  store.set(my_join, sealed(my_join, std::to_string(rank_)), deadline);
   std::vector<int> earlier;
   for (int64_t n = 0; n < joins - 1; ++n) {
     // Set right after its counter: a worker that entered before has written it, or is about to.
-    const int rank =
-        std::stoi(to_text(store.get(dynamic_key("join/" + std::to_string(n)), deadline)));
-    const std::string record =
-        to_text(store.get(dynamic_key("rank/" + std::to_string(rank)), deadline));
+    const std::string join_key = dynamic_key("join/" + std::to_string(n));
+    const std::string joined = unsealed(join_key, store.get(join_key, deadline));
+    TORCH_CHECK_VALUE(!joined.empty() && joined.size() <= 6 &&
+                          std::all_of(joined.begin(), joined.end(), ::isdigit),
+                      "init_rpc: the group's store holds '", join_key, "' = '", joined,
+                      "', not a rank");
+    const int rank = std::stoi(joined);
+    const std::string record_key = dynamic_key("rank/" + std::to_string(rank));
+    const std::string record = unsealed(record_key, store.get(record_key, deadline));
     const size_t newline = record.find('\n');
     const size_t space = record.rfind(' ');
     TORCH_CHECK_VALUE(newline != std::string::npos && space != std::string::npos && space > newline,
                       "init_rpc: rank ", rank, " published a malformed record '", record, "'");
-    if (store.check({dynamic_key("left/" + std::to_string(rank))}, deadline)) {
+    if (sealed_mark(dynamic_key("left/" + std::to_string(rank)), deadline)) {
       // Gone, but RRefs it created may still be passed on by those who hold them.
       table_.add_left(WorkerInfo{record.substr(0, newline), rank});
       continue;
@@ -175,7 +209,8 @@ std::vector<int> WorkerGroup::enter() {
     earlier.push_back(rank);
   }
   if (has_store_host() && rank_ == 0) {
-    store.set(dynamic_key("host_entered"), to_bytes("1"), deadline);
+    const std::string key = dynamic_key("host_entered");
+    store.set(key, sealed(key, "1"), deadline);
   }
   return earlier;
 }
@@ -185,8 +220,12 @@ void WorkerGroup::leave() {
     comm::DeadlineStore& store = *rendezvous_.store;
     // Each operation bounded as the barriers' are (shutdown_timeout may be 0, for none).
     const auto deadline = std::chrono::steady_clock::now() + options_.liveness_timeout();
-    if (has_store_host() && rank_ == 0) store.set(dynamic_key("closing"), to_bytes("1"), deadline);
-    store.set(dynamic_key("left/" + std::to_string(rank_)), to_bytes("1"), deadline);
+    if (has_store_host() && rank_ == 0) {
+      const std::string closing = dynamic_key("closing");
+      store.set(closing, sealed(closing, "1"), deadline);
+    }
+    const std::string left = dynamic_key("left/" + std::to_string(rank_));
+    store.set(left, sealed(left, "1"), deadline);
   } catch (const DistributedError&) {
     // The store host is gone: only workers joining later read these keys, and none can.
   }
@@ -195,7 +234,8 @@ void WorkerGroup::leave() {
 void WorkerGroup::drop(int rank) {
   try {
     const auto deadline = std::chrono::steady_clock::now() + options_.liveness_timeout();
-    rendezvous_.store->set(dynamic_key("left/" + std::to_string(rank)), to_bytes("1"), deadline);
+    const std::string left = dynamic_key("left/" + std::to_string(rank));
+    rendezvous_.store->set(left, sealed(left, "1"), deadline);
   } catch (const DistributedError& error) {
     TORCH_WARN("rpc: worker '", self_.name, "' could not mark rank ", rank,
                " left in the store: ", error.what_without_backtrace());
@@ -204,7 +244,7 @@ void WorkerGroup::drop(int rank) {
 
 bool WorkerGroup::marked_left(int rank) {
   const auto deadline = std::chrono::steady_clock::now() + options_.liveness_timeout();
-  return rendezvous_.store->check({dynamic_key("left/" + std::to_string(rank))}, deadline);
+  return sealed_mark(dynamic_key("left/" + std::to_string(rank)), deadline);
 }
 
 void WorkerGroup::join(const std::string& name, const std::string& address, int port) {
@@ -213,10 +253,14 @@ void WorkerGroup::join(const std::string& name, const std::string& address, int 
   const std::string url = address + " " + std::to_string(port);
   const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
   // The address first: a worker that has arrived (its name is in) can be connected to.
-  store.set(key_prefix + std::to_string(rank_) + "/url",
-            std::vector<uint8_t>(url.begin(), url.end()), deadline);
+  // A static group's names and addresses are not sealed: every connection proves the secret in
+  // its handshake anyway, and a forged address can only make a worker unreachable, as deleting
+  // the key would. (Sealed, a worker given another secret by mistake would fail every worker's
+  // init instead of being refused by the others.)
+  const std::string url_key = key_prefix + std::to_string(rank_) + "/url";
+  store.set(url_key, {url.begin(), url.end()}, deadline);
   comm::StoreRound exchange(store, comm::StoreRound::Keys::under(key_prefix), rank_, world_size_);
-  exchange.arrive(std::vector<uint8_t>(name.begin(), name.end()), deadline);
+  exchange.arrive({name.begin(), name.end()}, deadline);
   const std::vector<int> missing = exchange.wait_for_all(deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "init_rpc: worker '", name, "' (rank ", rank_,
                        ") waited ", options_.init_timeout().count(),

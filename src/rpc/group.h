@@ -31,7 +31,11 @@ namespace detail {
 /// left when it leaves (leave()). Store keys under "distoptim/rpc/dynamic/": rank/<r> (name,
 /// host, port; claimed once per group), name/<name> (the rank holding it), joins (a counter),
 /// join/<n> (the rank of the n-th join), left/<r>, host_entered, closing (set when the store
-/// host leaves: no more joins). The table() is the agent's, updated by notices too.
+/// host leaves: no more joins). The table() is the agent's, updated by notices too. With a shared
+/// secret every one of these values is sealed with it and must verify when read (store_seal.h):
+/// a process that reaches the store without the secret cannot publish an address, a name, a join
+/// or a left mark the members take. A static group's names and addresses are not sealed (see
+/// join()).
 class WorkerGroup {
  public:
   /// world_size for a dynamic group.
@@ -110,6 +114,14 @@ class WorkerGroup {
 
  private:
   std::string dynamic_key(const std::string& key) const;
+  // `payload` sealed for `key` with the job's secret (store_seal.h).
+  std::vector<uint8_t> sealed(const std::string& key, const std::string& payload) const;
+  // The payload of `value`, read under `key`; DistributedError naming the key when its seal does
+  // not verify (a process without the secret wrote it).
+  std::string unsealed(const std::string& key, const std::vector<uint8_t>& value) const;
+  // Whether `key` holds a left mark sealed with the job's secret; a forged one does not count
+  // (a warning names it).
+  bool sealed_mark(const std::string& key, std::chrono::steady_clock::time_point deadline);
 
   int rank_;
   const int world_size_;

@@ -125,6 +125,21 @@ std::string random_nonce() {
   return nonce;
 }
 
+std::string hmac_sha256(const std::string& secret, const std::string& data) {
+  std::string mac(32, '\0');
+  unsigned int length = 0;
+  // An empty key still needs a valid pointer.
+  static const unsigned char kNoKey = 0;
+  const unsigned char* key =
+      secret.empty() ? &kNoKey : reinterpret_cast<const unsigned char*>(secret.data());
+  TORCH_CHECK(HMAC(EVP_sha256(), key, static_cast<int>(secret.size()),
+                   reinterpret_cast<const unsigned char*>(data.data()), data.size(),
+                   reinterpret_cast<unsigned char*>(mac.data()), &length) != nullptr &&
+                  length == mac.size(),
+              "rpc: HMAC-SHA256 failed");
+  return mac;
+}
+
 std::string handshake_proof(const std::string& secret, HandshakeRole role,
                             const std::string& server_nonce, const std::string& client_nonce,
                             int32_t client_id, int32_t server_id) {
@@ -137,17 +152,8 @@ std::string handshake_proof(const std::string& secret, HandshakeRole role,
   data += client_nonce;
   append_u32(&data, static_cast<uint32_t>(client_id));
   append_u32(&data, static_cast<uint32_t>(server_id));
-  std::string proof(HandshakeMessage::kProofBytes, '\0');
-  unsigned int length = 0;
-  // An empty key still needs a valid pointer.
-  static const unsigned char kNoKey = 0;
-  const unsigned char* key =
-      secret.empty() ? &kNoKey : reinterpret_cast<const unsigned char*>(secret.data());
-  TORCH_CHECK(HMAC(EVP_sha256(), key, static_cast<int>(secret.size()),
-                   reinterpret_cast<const unsigned char*>(data.data()), data.size(),
-                   reinterpret_cast<unsigned char*>(proof.data()), &length) != nullptr &&
-                  length == proof.size(),
-              "rpc: HMAC-SHA256 failed");
+  std::string proof = hmac_sha256(secret, data);
+  TORCH_INTERNAL_ASSERT(proof.size() == HandshakeMessage::kProofBytes);
   return proof;
 }
 

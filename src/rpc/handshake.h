@@ -48,6 +48,9 @@ void initialize_crypto();
 /// HandshakeMessage::kNonceBytes bytes from the operating system's random source.
 std::string random_nonce();
 
+/// HMAC-SHA256 of `data` under `secret` (32 bytes; an empty secret is a valid key).
+std::string hmac_sha256(const std::string& secret, const std::string& data);
+
 /// HMAC-SHA256 under `secret` of the role and everything the handshake agreed on: both nonces
 /// and both worker ids. An empty secret is a valid key (workers configured without one still
 /// prove they speak the same protocol and agree on who is who).

@@ -361,6 +361,61 @@ TEST(DynamicMembership, AKilledMemberIsDroppedAndItsNameTaken) {
       run);
 }
 
+// With a shared secret, what the workers write to the group's store is sealed with it: a process
+// that reaches the store without the secret forges a left mark for a live member, the store host's
+// "closing" flag and a claim of a name. A worker joining afterwards ignores the forged marks (it
+// joins, lists the member and calls it) and refuses the forged name, naming the key.
+TEST(DynamicMembership, ForgedStoreRecordsAreNotTaken) {
+  run_ranks(4, [](int rank, int) {
+    const RpcBackendOptions sealed = options().shared_secret("the-secret");
+    Turns turns(rank);
+    if (rank == 0) {
+      init_rpc("ps", 0, sealed);
+      turns.say("ps_up");
+      turns.await("checked");
+      shutdown();
+      return;
+    }
+    turns.await("ps_up");
+    if (rank == 1) {
+      init_rpc("victim", 1, sealed);
+      turns.say("victim_joined");
+      turns.await("checked");
+      shutdown();
+      return;
+    }
+    if (rank == 2) {
+      turns.await("victim_joined");
+      // The outsider: the store, without the secret.
+      auto store = comm::open_store(comm::RendezvousOptions("env://")
+                                        .rank(2)
+                                        .prefix("distoptim/rpc/rendezvous")
+                                        .timeout(30s))
+                       .store;
+      const std::vector<uint8_t> one{'1'};
+      store->set("distoptim/rpc/dynamic/left/1", one);
+      store->set("distoptim/rpc/dynamic/closing", one);
+      const std::string rank9 = "9";
+      store->set("distoptim/rpc/dynamic/name/late2", {rank9.begin(), rank9.end()});
+      turns.say("forged");
+      init_rpc("late", kAssignRank, sealed);
+      EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "victim", "late"}));
+      EXPECT_EQ(rpc_sync<std::string>("victim", "dynamic_whoami"), "victim");
+      turns.say("late_joined");
+      turns.await("checked");
+      shutdown();
+      return;
+    }
+    turns.await("forged");
+    turns.await("late_joined");
+    expect_error<DistributedError>(
+        [&] { init_rpc("late2", kAssignRank, sealed); },
+        "the group's store holds 'distoptim/rpc/dynamic/name/late2' not sealed with the job's "
+        "shared secret: a process that does not know the secret wrote it");
+    turns.say("checked");
+  });
+}
+
 // A member whose user code is busy (its main thread sleeps, a request of it runs longer than
 // liveness_timeout) is not dropped while a member that dies is.
 DISTOPTIM_RPC_FUNCTION("dynamic_busy", [](int64_t value) {
