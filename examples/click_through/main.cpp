@@ -43,7 +43,8 @@
 // creates the model itself and hands its references to every trainer that joins, so no trainer
 // holds state that a restarted one would miss (the MLP is on the first server in every mode). A
 // restarted trainer's DistributedOptimizer starts with Adagrad state of its own, as a new
-// trainer's would (its predecessor's is not reused). A trainer that distrun restarts
+// trainer's would, unless --replicas: then it takes over its predecessor's from the servers'
+// backups (dist_optim::take_over_replicated_state). A trainer that distrun restarts
 // (--restart-policy rank) joins again under a new name ("trainer1-restart1") and trains its
 // slot's remaining steps, on batches of its own. --kill-trainer-at STEP makes the last trainer
 // (or --kill-trainer K) SIGKILL itself once, after its backward pass and before its step; a
@@ -334,11 +335,23 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       }
     }
   };
+  // The steps of this slot the servers' optimizer state counts (a predecessor's, taken over).
+  examples::StepCounts counts;
   if (s.replicas) {
+    // A trainer in a dead one's place goes on with its Adagrad state, from the backups' copies.
     while_servers_come_back(resume.steps, [&] {
-      distoptim::dist_optim::replicate_steps(
-          optimizer, {&model->table()}, {&model->mlp()},
-          distoptim::dist_optim::ReplicaOptions().backups(backups));
+      const auto replicas = distoptim::dist_optim::ReplicaOptions().backups(backups);
+      if (resume.previous_worker.empty()) {
+        distoptim::dist_optim::replicate_steps(optimizer, {&model->table()}, {&model->mlp()},
+                                               replicas);
+      } else {
+        distoptim::dist_optim::take_over_replicated_state(
+            optimizer, {&model->table()}, {&model->mlp()}, replicas, resume.previous_worker);
+        counts = examples::adopted_step_counts(optimizer);
+        fmt::print("{}: took over {}'s optimizer state from the servers' backups\n", name,
+                   resume.previous_worker);
+        std::fflush(stdout);
+      }
     });
   }
 
@@ -438,7 +451,6 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   const bool kills_itself = s.kill_trainer_at > 0 &&
                             trainer == (s.kill_trainer < 0 ? trainers - 1 : s.kill_trainer) &&
                             restarts == 0;
-  examples::StepCounts counts;
   int64_t failed_in_a_row = 0;
   for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
     const click_through::Batch batch = batch_of_step(step);

@@ -94,13 +94,38 @@ dist_optim::ReplicaOptions::Backups backup_ring(const std::vector<std::string>& 
   return backups;
 }
 
-void check_applied_steps(const std::string& name, const StepCounts& counts,
-                         const dist_optim::DistributedOptimizer& optimizer, bool replicated) {
+namespace {
+
+// Each server's count of the optimizer's steps it applied: its state's step count, the largest
+// over its parameters there.
+std::map<std::string, int64_t> applied_steps(const dist_optim::DistributedOptimizer& optimizer) {
   std::map<std::string, int64_t> applied;
   for (const auto& owner : optimizer.state_dict().owners) {
     int64_t& steps = applied[owner.worker];
     for (const auto& [index, state] : owner.state.state) steps = std::max(steps, state.step);
   }
+  return applied;
+}
+
+}  // namespace
+
+StepCounts adopted_step_counts(const dist_optim::DistributedOptimizer& optimizer) {
+  const std::map<std::string, int64_t> applied = applied_steps(optimizer);
+  StepCounts counts;
+  if (applied.empty()) return counts;
+  int64_t fewest = applied.begin()->second, most = fewest;
+  for (const auto& [worker, steps] : applied) {
+    fewest = std::min(fewest, steps);
+    most = std::max(most, steps);
+  }
+  counts.returned = fewest;
+  counts.failed = most - fewest;
+  return counts;
+}
+
+void check_applied_steps(const std::string& name, const StepCounts& counts,
+                         const dist_optim::DistributedOptimizer& optimizer, bool replicated) {
+  const std::map<std::string, int64_t> applied = applied_steps(optimizer);
   std::string by_server;
   for (const auto& [worker, steps] : applied) {
     by_server += fmt::format("{}{} {}", by_server.empty() ? "" : ", ", worker, steps);

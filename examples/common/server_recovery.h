@@ -61,6 +61,11 @@ struct StepCounts {
   int64_t failed = 0;
 };
 
+/// After take_over_replicated_state: the counts the predecessor's state brings, as
+/// check_applied_steps reads them (each server's step count): the fewest as returned, the rest as
+/// failed, so that its checks hold for the slot's steps from then on.
+StepCounts adopted_step_counts(const distoptim::dist_optim::DistributedOptimizer& optimizer);
+
 /// What the servers hold of worker `name`'s steps against `counts`: each server's count of the
 /// steps of `optimizer` it applied (its optimizer state's step count, the largest over its
 /// parameters there). Prints them; throws c10::Error naming the server when one holds more than

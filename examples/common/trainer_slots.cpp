@@ -61,7 +61,8 @@ class ServerRecord {
     kill_at_ = steps;
   }
 
-  std::tuple<int64_t, int64_t, double, double> join(int64_t slot_rank, const std::string& worker) {
+  std::tuple<int64_t, int64_t, double, double, std::string> join(int64_t slot_rank,
+                                                                 const std::string& worker) {
     std::lock_guard<std::mutex> lock(mutex_);
     Slot& slot = checked(slot_rank, worker);
     const auto now = Clock::now();
@@ -69,7 +70,8 @@ class ServerRecord {
     // record already holds changes nothing: here, and for steps and finishes below.
     if (slot.workers > 0 && slot.worker == worker) {
       slot.last_seen = now;
-      return {slot.steps, slot.samples, seconds(slot.first_join, now), held_out_before_};
+      return {slot.steps, slot.samples, seconds(slot.first_join, now), held_out_before_,
+              slot.previous};
     }
     if (slot.workers == 0) {
       slot.first_join = now;
@@ -82,11 +84,13 @@ class ServerRecord {
     }
     std::fflush(stdout);
     ++slot.workers;
+    slot.previous = slot.worker;
     slot.worker = worker;
     joined_.push_back(worker);
     slot.last_seen = now;
     log(now, "join", slot_rank, worker, slot.steps, NAN);
-    return {slot.steps, slot.samples, seconds(slot.first_join, now), held_out_before_};
+    return {slot.steps, slot.samples, seconds(slot.first_join, now), held_out_before_,
+            slot.previous};
   }
 
   void step(int64_t slot_rank, const std::string& worker, int64_t step, int64_t samples,
@@ -220,7 +224,8 @@ class ServerRecord {
 
  private:
   struct Slot {
-    std::string worker;  // the latest to join
+    std::string worker;    // the latest to join
+    std::string previous;  // the one it replaced ("" for the first)
     int64_t workers = 0;
     int64_t steps = 0;
     int64_t samples = 0;
@@ -281,6 +286,7 @@ class ServerRecord {
       Slot& slot = checked(std::stoll(fields[2]), fields[3]);
       if (event == "join") {
         if (slot.workers++ == 0) first_joins.emplace_back(&slot, last_seconds);
+        slot.previous = slot.worker;
         slot.worker = fields[3];
         joined_.push_back(fields[3]);
       } else if (event == "step") {
@@ -326,7 +332,7 @@ ServerRecord& server_record() {
   return *record;
 }
 
-std::tuple<int64_t, int64_t, double, double> join(int64_t slot, std::string worker) {
+std::tuple<int64_t, int64_t, double, double, std::string> join(int64_t slot, std::string worker) {
   return server_record().join(slot, worker);
 }
 bool record_step(int64_t slot, std::string worker, int64_t step, int64_t samples, double loss) {
@@ -455,8 +461,9 @@ R ask_server(const std::string& server, const char* function, std::tuple<Args...
 
 SlotStart join_slot(const std::string& server, int rank, const std::string& name) {
   SlotStart start;
-  std::tie(start.steps, start.samples, start.seconds, start.held_out_before) =
-      ask_server<std::tuple<int64_t, int64_t, double, double>>(
+  std::tie(start.steps, start.samples, start.seconds, start.held_out_before,
+           start.previous_worker) =
+      ask_server<std::tuple<int64_t, int64_t, double, double, std::string>>(
           server, "examples.slots.join", std::tuple{static_cast<int64_t>(rank), name});
   return start;
 }

@@ -43,6 +43,7 @@ struct SlotStart {
   int64_t samples = 0;           // tokens, samples: what the example counts
   double seconds = 0;            // since the slot's first join: the time budget counts the gaps too
   double held_out_before = NAN;  // the first reporter's held-out loss before any step
+  std::string previous_worker;   // the worker this one replaces in the slot ("" for the first)
 };
 
 /// What the server's messages and plot say.

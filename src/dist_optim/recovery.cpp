@@ -291,7 +291,8 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
   if (backup != options.backups().end()) result.backup = backup->second;
   // Replicated: this trainer's state from the backup's copies, and its steps there again.
   auto from_backup = [&](bool with_value) {
-    load_from_backup(optimizer, tables, lost.modules, worker, result.backup, with_value);
+    load_from_backup(optimizer, tables, lost.modules, worker, result.backup, with_value,
+                     rpc::get_worker_info().name);
     // The backup holds what was just loaded: nothing is sent back to it.
     set_backups(optimizer, tables, lost.modules,
                 ReplicaOptions().backups({{worker, result.backup}}),

@@ -85,11 +85,11 @@ std::vector<ReplicatedOwner> replicated_owners(const DistributedOptimizer& optim
 void load_from_backup(DistributedOptimizer& optimizer,
                       const std::vector<rpc::ShardedEmbeddingBag*>& tables,
                       const std::vector<rpc::RemoteModuleBase*>& modules, const std::string& worker,
-                      const std::string& backup, bool with_value) {
+                      const std::string& backup, bool with_value, const std::string& state_owner) {
   const ReplicatedOwner replicated =
       replicated_owners(optimizer, tables, modules, {worker}, kRecoverFromBackup).at(0);
   const rpc::RRef<RemoteOptimizer>& remote = replicated.owner.optimizer;
-  const std::string trainer = rpc::get_worker_info().name;
+  const std::string& trainer = state_owner;
   auto each_index = [&](const std::string& method, auto args_of) {
     std::vector<rpc::RpcFuture<c10::IValue>> calls;
     for (size_t i = 0; i < replicated.keys.size(); ++i) {
@@ -147,6 +147,20 @@ void replicate_steps(DistributedOptimizer& optimizer,
                      const std::vector<rpc::ShardedEmbeddingBag*>& tables,
                      const std::vector<rpc::RemoteModuleBase*>& modules,
                      const ReplicaOptions& options) {
+  detail::set_backups(optimizer, tables, modules, options, /*restored_from_them=*/false);
+}
+
+void take_over_replicated_state(DistributedOptimizer& optimizer,
+                                const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                                const std::vector<rpc::RemoteModuleBase*>& modules,
+                                const ReplicaOptions& options, const std::string& predecessor) {
+  const std::string me = rpc::get_worker_info().name;
+  TORCH_CHECK_VALUE(predecessor != me, "take_over_replicated_state: the predecessor '", predecessor,
+                    "' is this trainer itself");
+  for (const auto& [primary, backup] : options.backups()) {
+    detail::load_from_backup(optimizer, tables, modules, primary, backup, /*with_value=*/false,
+                             predecessor);
+  }
   detail::set_backups(optimizer, tables, modules, options, /*restored_from_them=*/false);
 }
 

@@ -40,14 +40,15 @@ void set_backups(DistributedOptimizer& optimizer,
                  const std::vector<rpc::RemoteModuleBase*>& modules, const ReplicaOptions& options,
                  bool restored_from_them);
 
-/// Loads worker `worker`'s parameters (when `with_value`) and this trainer's optimizer state of
-/// them from worker `backup`'s copies, into `optimizer` (bound to `worker`'s new incarnation).
+/// Loads worker `worker`'s parameters (when `with_value`) and the optimizer state of them that
+/// trainer `state_owner` had (this trainer's own, or a dead one's whose place it takes) from
+/// worker `backup`'s copies, into `optimizer` (bound to `worker`, or its new incarnation).
 /// Errors: c10::ValueError naming a copy the backup does not hold; the owner's and the backup's
 /// refusals (RemoteError, PeerLostError naming them). Nothing is loaded unless all was read.
 void load_from_backup(DistributedOptimizer& optimizer,
                       const std::vector<rpc::ShardedEmbeddingBag*>& tables,
                       const std::vector<rpc::RemoteModuleBase*>& modules, const std::string& worker,
-                      const std::string& backup, bool with_value);
+                      const std::string& backup, bool with_value, const std::string& state_owner);
 
 }  // namespace detail
 }  // namespace dist_optim

@@ -376,5 +376,97 @@ TEST(SharedTableSteps, EachShardsBackupHoldsWhatEveryReturnedStepChanged) {
   });
 }
 
+// A trainer of the replicated table with Adagrad: steps on `ids`, then returns its optimizer's
+// state dict; its optimizer goes with the call, as a dead trainer's does (its state's copies stay
+// on the backups).
+c10::IValue train_and_leave(std::vector<std::string> workers,
+                            std::vector<RRef<EmbeddingShard>> shards, std::vector<std::string> keys,
+                            at::Tensor ids) {
+  ShardedEmbeddingBag table(table_options(workers), std::move(shards), keys);
+  dist_optim::DistributedOptimizer trainer("adagrad", table.remote_parameters(),
+                                           optim::OptionBag().set("lr", 0.5));
+  const dist_optim::ReplicaOptions replicas =
+      dist_optim::ReplicaOptions().backups({{workers[0], workers[1]}, {workers[1], workers[0]}});
+  dist_optim::replicate_steps(trainer, {&table}, {}, replicas);
+  for (int64_t step = 0; step < ids.size(0); ++step) step_rows(table, trainer, ids[step]);
+  return trainer.state_dict().to_ivalue();
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.train_and_leave", train_and_leave);
+
+// A trainer in the place of `predecessor` ("" for none): a new optimizer over the table, which
+// takes over the predecessor's state from the backups; returns its state dict.
+c10::IValue take_over(std::vector<std::string> workers, std::vector<RRef<EmbeddingShard>> shards,
+                      std::vector<std::string> keys, std::string predecessor) {
+  ShardedEmbeddingBag table(table_options(workers), std::move(shards), keys);
+  dist_optim::DistributedOptimizer trainer("adagrad", table.remote_parameters(),
+                                           optim::OptionBag().set("lr", 0.5));
+  const dist_optim::ReplicaOptions replicas =
+      dist_optim::ReplicaOptions().backups({{workers[0], workers[1]}, {workers[1], workers[0]}});
+  if (predecessor.empty()) {
+    dist_optim::replicate_steps(trainer, {&table}, {}, replicas);
+  } else {
+    dist_optim::take_over_replicated_state(trainer, {&table}, {}, replicas, predecessor);
+  }
+  return trainer.state_dict().to_ivalue();
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.take_over", take_over);
+
+// A trainer that replaces one that died takes over its optimizer state from the backups: its
+// Adagrad sums and step counts on both shards are bit for bit those the dead trainer's steps
+// left; a new trainer that does not take over starts as Adagrad begins.
+TEST(SharedTableSteps, AReplacementTrainerTakesItsPredecessorsStateFromTheBackups) {
+  testing::with_workers(5, [] {
+    using testing::worker;
+    const std::vector<std::string> workers = {worker(1), worker(2)};
+    ShardedEmbeddingBag table(table_options(workers));
+    const auto shards = table.shard_module_rrefs();
+    auto generator = at::detail::createCPUGenerator(7);
+    const auto left = dist_optim::DistributedOptimizerStateDict::from_ivalue(
+        rpc::rpc_sync<c10::IValue>(worker(3), "shared_table_steps_test.train_and_leave",
+                                   std::tuple{workers, shards, table.shard_keys(),
+                                              at::randint(kRows, {20, 12}, generator, at::kLong)}));
+    const auto fresh = dist_optim::DistributedOptimizerStateDict::from_ivalue(
+        rpc::rpc_sync<c10::IValue>(worker(4), "shared_table_steps_test.take_over",
+                                   std::tuple{workers, shards, table.shard_keys(), std::string()}));
+    // Adagrad's state as it begins: no step, zero sums.
+    for (const auto& owner : fresh.owners) {
+      for (const auto& [index, state] : owner.state.state) {
+        EXPECT_EQ(state.step, 0) << owner.worker;
+        for (const auto& [name, buffer] : state.buffers) {
+          EXPECT_EQ(buffer.count_nonzero().item<int64_t>(), 0)
+              << owner.worker << " '" << name << "'";
+        }
+      }
+    }
+    const auto taken = dist_optim::DistributedOptimizerStateDict::from_ivalue(
+        rpc::rpc_sync<c10::IValue>(worker(4), "shared_table_steps_test.take_over",
+                                   std::tuple{workers, shards, table.shard_keys(), worker(3)}));
+    ASSERT_EQ(taken.owners.size(), left.owners.size());
+    for (size_t k = 0; k < left.owners.size(); ++k) {
+      const auto& before = left.owners[k].state.state;
+      const auto& after = taken.owners[k].state.state;
+      ASSERT_EQ(before.size(), 1u) << left.owners[k].worker;
+      ASSERT_EQ(after.size(), before.size()) << left.owners[k].worker;
+      for (const auto& [index, state] : before) {
+        EXPECT_EQ(after.at(index).step, state.step) << left.owners[k].worker;
+        EXPECT_EQ(after.at(index).buffers.size(), state.buffers.size());
+        for (const auto& [name, buffer] : state.buffers) {
+          EXPECT_TRUE(at::equal(after.at(index).buffers.at(name), buffer))
+              << left.owners[k].worker << " '" << name << "'";
+        }
+      }
+    }
+    testing::expect_error_containing(
+        [&] {
+          dist_optim::DistributedOptimizer mine("adagrad", table.remote_parameters(),
+                                                optim::OptionBag().set("lr", 0.5));
+          dist_optim::take_over_replicated_state(
+              mine, {&table}, {}, dist_optim::ReplicaOptions().backups({{workers[0], workers[1]}}),
+              worker(0));
+        },
+        {"take_over_replicated_state: the predecessor 'worker0' is this trainer itself"});
+  });
+}
+
 }  // namespace
 }  // namespace distoptim

@@ -8,7 +8,8 @@
 # DISTOPTIM_SOAK_SEED; which process dies when is the seed's, the exact moment within a step is
 # the machine's).
 #
-# Checks: the job finishes (exit status 0) with every kill restarted by distrun; the held-out log
+# Checks: the job finishes (exit status 0) with every kill restarted by distrun; every trainer
+# started in a dead one's place took over its optimizer state from the backups; the held-out log
 # loss is within 1% of an unkilled run's with the same seed (run first, same settings but for
 # --replicas, which changes no value); every server killed was restored once, from its backup;
 # no step that returned was lost and none was applied twice (each trainer, after each restore and
@@ -135,6 +136,12 @@ from_backup=$(grep -c "is back; restored what it held from its backup" "$work/ru
 [[ $restores -eq $from_backup ]] ||
   fail "$((restores - from_backup)) of $restores restores were not from the backup"
 
+# Every trainer started in a dead one's place took over its optimizer state from the backups.
+trainer_kills=$((kills - server_kills))
+takeovers=$(grep -cE "^\[rank [23]\] trainer[0-9]+-restart[0-9]+: took over trainer[-0-9a-z]*'s optimizer state" "$work/run.log" || true)
+[[ $takeovers -eq $trainer_kills ]] ||
+  fail "$takeovers trainers took over their predecessor's optimizer state for $trainer_kills kills of a trainer"
+
 # No step that returned was lost, none applied twice: "NAME: R steps returned, F failed; applied
 # by server: ps0 S0, ps1 S1" from each trainer after each restore of a server it took part in
 # (at least one per server killed) and at its end (both slots' last incarnations).
@@ -163,6 +170,6 @@ for rank in 0 1; do
     'BEGIN { exit !(b > 0 && e > 0 && e <= 1.5 * b + 64) }' ||
     fail "server rank $rank: resident memory ${end_mb[$rank]:-?} MB at the end, ${baseline_mb[$rank]:-?} MB once training had begun"
 done
-echo "PASSED: $kills kills (seed $seed), $restores server restores from backups, no returned step lost; held-out log" \
+echo "PASSED: $kills kills (seed $seed), $restores server restores from backups, $takeovers trainers' optimizer states taken over, no returned step lost; held-out log" \
      "loss $killed_loss against $unkilled_loss unkilled; the servers' memory ${baseline_mb[0]} ->" \
      "${end_mb[0]} MB (rank 0), ${baseline_mb[1]} -> ${end_mb[1]} MB (rank 1)"

@@ -67,6 +67,22 @@ void replicate_steps(DistributedOptimizer& optimizer,
                      const std::vector<rpc::RemoteModuleBase*>& modules,
                      const ReplicaOptions& options);
 
+/// For a trainer that takes the place of one that died (its slot's replacement): loads, on every
+/// owner options.backups() names, the optimizer state that trainer `predecessor` (its worker
+/// name) had there, from the backup's copies (every step of it that returned is in them), into
+/// `optimizer`'s state there, leaving the parameters as they are; then replicates this trainer's
+/// steps as replicate_steps does (call it instead). So the replacement goes on with its
+/// predecessor's Adagrad sums or Adam moments rather than afresh. A backup that holds no state of
+/// `predecessor` for a parameter (a backup started again since, whose copies the predecessor's
+/// steps never reached) leaves that parameter without state. `tables`, `modules` and errors as
+/// replicate_steps's, and c10::ValueError naming a copy of a parameter the backup does not hold,
+/// or a predecessor that is this trainer; nothing is loaded on an owner unless all of its state
+/// was read. The predecessor's copies stay on the backups.
+void take_over_replicated_state(DistributedOptimizer& optimizer,
+                                const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                                const std::vector<rpc::RemoteModuleBase*>& modules,
+                                const ReplicaOptions& options, const std::string& predecessor);
+
 /// The keys of the copies worker `backup` holds for worker `primary` (sorted), and one of them
 /// (an undefined tensor when it holds none under `key`): what a recovery, or a check, reads.
 std::vector<std::string> replica_keys(const std::string& backup, const std::string& primary);
