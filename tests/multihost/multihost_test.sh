@@ -114,16 +114,21 @@ wait_for_lines() {
   done
 }
 
+# Runs WORKER ARGS... on both hosts and waits (at most 60 s); fails unless both distruns exit 0.
+run_both_hosts() {
+  start_host a "$ns_a" 0 "$@"
+  start_host b "$ns_b" 1 "$@"
+  wait_status "${pids[0]}" 60 && status_a=$status
+  wait_status "${pids[1]}" 60 && status_b=$status
+  [[ $status_a == 0 && $status_b == 0 ]] ||
+    fail "distrun exited with status $status_a on host a, $status_b on host b"
+}
+
 case "$case_name" in
   ddp_zero)
     steps=8
     mkdir -p "$work/two_hosts" "$work/one_host"
-    start_host a "$ns_a" 0 train "$steps" "$work/two_hosts" 60000
-    start_host b "$ns_b" 1 train "$steps" "$work/two_hosts" 60000
-    wait_status "${pids[0]}" 60 && status_a=$status
-    wait_status "${pids[1]}" 60 && status_b=$status
-    [[ $status_a == 0 && $status_b == 0 ]] ||
-      fail "distrun exited with status $status_a on host a, $status_b on host b"
+    run_both_hosts train "$steps" "$work/two_hosts" 60000
     timeout -k 5 60 "$distrun" --nproc-per-node 4 "$worker" train "$steps" "$work/one_host" \
       60000 > "$work/one_host.log" 2>&1 || fail "the one-host run of 4 ranks failed"
     for rank in 0 1 2 3; do
@@ -138,12 +143,7 @@ case "$case_name" in
     ;;
 
   rpc)
-    start_host a "$ns_a" 0 rpc 20000
-    start_host b "$ns_b" 1 rpc 20000
-    wait_status "${pids[0]}" 60 && status_a=$status
-    wait_status "${pids[1]}" 60 && status_b=$status
-    [[ $status_a == 0 && $status_b == 0 ]] ||
-      fail "distrun exited with status $status_a on host a, $status_b on host b"
+    run_both_hosts rpc 20000
     # Ranks 0 and 1 run on host a, 2 and 3 on host b.
     for caller in 0 1 2 3; do
       for callee in 0 1 2 3; do
@@ -162,12 +162,7 @@ case "$case_name" in
     # The same calls as a job started by hand without a secret: a worker takes connections only
     # with its own user's processes on its own machine, so the calls between the hosts are
     # refused (the other end is in no socket table of the caller's machine) and the others run.
-    start_host a "$ns_a" 0 rpc_no_secret 20000
-    start_host b "$ns_b" 1 rpc_no_secret 20000
-    wait_status "${pids[0]}" 60 && status_a=$status
-    wait_status "${pids[1]}" 60 && status_b=$status
-    [[ $status_a == 0 && $status_b == 0 ]] ||
-      fail "distrun exited with status $status_a on host a, $status_b on host b"
+    run_both_hosts rpc_no_secret 20000
     for caller in 0 1 2 3; do
       for callee in 0 1 2 3; do
         ((caller != callee)) || continue
