@@ -277,8 +277,9 @@ void serve_until_trainers_finish(const Settings& s, int rank) {
 void recover(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
              distoptim::dist_optim::DistributedOptimizer& optimizer,
              click_through::ClickModel& model, const fs::path& snapshots,
-             const distoptim::dist_optim::ReplicaOptions::Backups& backups) {
-  examples::recover_servers(
+             const distoptim::dist_optim::ReplicaOptions::Backups& backups, bool reporter,
+             examples::StepCounts& counts) {
+  const auto recovered = examples::recover_servers(
       name, step, lost, {&optimizer, {&model.table()}, {&model.mlp()}, backups}, snapshots,
       [&](const std::string&) {
         try {
@@ -291,6 +292,12 @@ void recover(const std::string& name, int64_t step, const distoptim::PeerLostErr
               name, kFirstServer, examples::one_line(e.what_without_backtrace()));
         }
       });
+  // The reporter writes the snapshots: another trainer that restores from one takes its state.
+  for (const auto& owner : recovered) {
+    if (owner.restored_here && owner.snapshot_step && !reporter) {
+      counts.inherited.insert(owner.worker);
+    }
+  }
 }
 
 // `rank`: the trainer's slot under --elastic.
@@ -323,6 +330,8 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   const distoptim::dist_optim::ReplicaOptions::Backups backups =
       s.replicas ? examples::backup_ring(servers)
                  : distoptim::dist_optim::ReplicaOptions::Backups{};
+  // The steps of this slot the servers' optimizer state counts (a predecessor's, taken over).
+  examples::StepCounts counts;
   // Under --elastic, `fn` again after a server was lost, once it is back and restored.
   const auto while_servers_come_back = [&](int64_t step, const std::function<void()>& fn) {
     for (;;) {
@@ -331,12 +340,10 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         return;
       } catch (const distoptim::PeerLostError& lost) {
         if (!s.elastic) throw;
-        recover(name, step, lost, optimizer, *model, snapshots_dir, backups);
+        recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts);
       }
     }
   };
-  // The steps of this slot the servers' optimizer state counts (a predecessor's, taken over).
-  examples::StepCounts counts;
   if (s.replicas) {
     // A trainer in a dead one's place goes on with its Adagrad state, from the backups' copies.
     while_servers_come_back(resume.steps, [&] {
@@ -485,7 +492,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       if (!s.elastic) throw;
       // The batch is dropped: its step may have reached the servers that lived.
       if (!returned) ++counts.failed;
-      recover(name, step, lost, optimizer, *model, snapshots_dir, backups);
+      recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts);
       // --replicas: the restored server holds every step of this trainer that returned.
       if (s.replicas) {
         while_servers_come_back(step, [&] {

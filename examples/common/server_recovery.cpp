@@ -41,9 +41,10 @@ void take_snapshot_if_due(dist_optim::SnapshotSchedule& snapshots, const std::st
   }
 }
 
-void recover_servers(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
-                     const ServerHeld& held, const std::filesystem::path& snapshots,
-                     const std::function<void(const std::string& worker)>& restored) {
+std::vector<dist_optim::RecoveredOwner> recover_servers(
+    const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
+    const ServerHeld& held, const std::filesystem::path& snapshots,
+    const std::function<void(const std::string& worker)>& restored) {
   const auto failed_at = Clock::now();
   fmt::print("{}: step {} failed: {}\n", name, step, one_line(lost.what_without_backtrace()));
   std::fflush(stdout);
@@ -84,6 +85,7 @@ void recover_servers(const std::string& name, int64_t step, const distoptim::Pee
         std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - failed_at).count());
   }
   std::fflush(stdout);
+  return recovered;
 }
 
 dist_optim::ReplicaOptions::Backups backup_ring(const std::vector<std::string>& servers) {
@@ -134,6 +136,7 @@ void check_applied_steps(const std::string& name, const StepCounts& counts,
              counts.failed, by_server);
   std::fflush(stdout);
   for (const auto& [worker, steps] : applied) {
+    if (counts.inherited.count(worker) > 0) continue;
     TORCH_CHECK(steps <= counts.returned + counts.failed, name, ": server '", worker, "' applied ",
                 steps, " of its steps, more than the ", counts.returned, " that returned and ",
                 counts.failed, " that failed: a step applied twice");

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,10 @@ distoptim::dist_optim::ReplicaOptions::Backups backup_ring(const std::vector<std
 struct StepCounts {
   int64_t returned = 0;
   int64_t failed = 0;
+  /// Servers whose optimizer state this trainer took from another trainer's snapshot (it
+  /// restored them: recovery.h loads the snapshot's state into the restorer's optimizer), so
+  /// that their step counts are that trainer's: not checked against this trainer's steps.
+  std::set<std::string> inherited;
 };
 
 /// After take_over_replicated_state: the counts the predecessor's state brings, as
@@ -83,8 +88,10 @@ void check_applied_steps(const std::string& name, const StepCounts& counts,
 /// up to 3 minutes. `restored(worker)` runs for each server bound again, whoever restored it (to
 /// hand out the model's references as they now are, say: every trainer does, so that the last to
 /// do so names each server's newest objects). Rethrows `lost` when no server was lost.
-void recover_servers(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
-                     const ServerHeld& held, const std::filesystem::path& snapshots,
-                     const std::function<void(const std::string& worker)>& restored = {});
+/// Returns what each recovery did.
+std::vector<distoptim::dist_optim::RecoveredOwner> recover_servers(
+    const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
+    const ServerHeld& held, const std::filesystem::path& snapshots,
+    const std::function<void(const std::string& worker)>& restored = {});
 
 }  // namespace examples
