@@ -1,5 +1,6 @@
 #include <distoptim/dist_optim/distributed_optimizer.h>
 
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <set>
@@ -15,6 +16,7 @@
 #include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/errors.h>
 
+#include "optimizer_owner.h"
 #include "owner_calls.h"
 #include "remote_optimizer.h"
 
@@ -30,19 +32,6 @@ using detail::wait_all;
 using detail::wait_each;
 using detail::waited_method;
 using detail::worker_of;
-
-struct DistributedOptimizer::Owner {
-  std::string worker;
-  std::vector<int64_t> positions;
-  rpc::RRef<RemoteOptimizer> optimizer;
-  // Each group's complete options as this owner last took them, and the options_generation_
-  // they were taken at: an owner at the current generation is sent no changes, unexamined.
-  std::vector<optim::OptionBag> applied;
-  uint64_t applied_generation = 0;
-  // Its parameters and the group of each, by index into `positions` (rebind finds them here).
-  std::vector<rpc::RRef<at::Tensor>> params;
-  std::vector<size_t> groups;
-};
 
 std::vector<detail::OwnerOptimizer> detail::OwnerAccess::owners(
     const DistributedOptimizer& optimizer) {
@@ -175,75 +164,6 @@ DistributedOptimizer::DistributedOptimizer(const std::string& optimizer,
 }
 
 DistributedOptimizer::~DistributedOptimizer() = default;
-
-void DistributedOptimizer::rebind(const std::vector<rpc::RRef<at::Tensor>>& old_params,
-                                  const std::vector<rpc::RRef<at::Tensor>>& new_params) {
-  TORCH_CHECK_VALUE(old_params.size() == new_params.size(),
-                    "DistributedOptimizer::rebind: ", old_params.size(), " old parameters, ",
-                    new_params.size(), " new ones");
-  std::map<const void*, size_t> replaced;  // an old parameter's handle -> its index
-  for (size_t i = 0; i < old_params.size(); ++i) {
-    TORCH_CHECK_VALUE(old_params[i].defined() && new_params[i].defined(),
-                      "DistributedOptimizer::rebind: old_params[", i, "] or new_params[", i,
-                      "] is empty");
-    TORCH_CHECK_VALUE(replaced.emplace(old_params[i].handle().get(), i).second,
-                      "DistributedOptimizer::rebind: old_params[", i, "] is given twice");
-  }
-  // Each affected owner's new parameters, by its index into `positions`.
-  std::map<size_t, std::vector<rpc::RRef<at::Tensor>>> rebound;
-  size_t found = 0;
-  for (size_t k = 0; k < owners_.size(); ++k) {
-    const Owner& owner = owners_[k];
-    std::vector<rpc::RRef<at::Tensor>> fresh;
-    for (const rpc::RRef<at::Tensor>& param : owner.params) {
-      auto it = replaced.find(param.handle().get());
-      if (it == replaced.end()) continue;
-      const rpc::RRef<at::Tensor>& replacement = new_params[it->second];
-      const std::string worker = replacement.owner_name();
-      TORCH_CHECK_VALUE(worker == owner.worker, "DistributedOptimizer::rebind: new_params[",
-                        it->second, "] is owned by worker '", worker, "', the parameter it ",
-                        "replaces by '", owner.worker, "'");
-      fresh.push_back(replacement);
-    }
-    if (fresh.empty()) continue;
-    TORCH_CHECK_VALUE(fresh.size() == owner.params.size(),
-                      "DistributedOptimizer::rebind: ", fresh.size(), " of the ",
-                      owner.params.size(), " parameters of worker '", owner.worker,
-                      "' given; an owner's parameters are rebound all at once");
-    found += fresh.size();
-    rebound.emplace(k, std::move(fresh));
-  }
-  TORCH_CHECK_VALUE(found == old_params.size(),
-                    "DistributedOptimizer::rebind: ", old_params.size() - found,
-                    " of old_params are not parameters of this optimizer");
-  // The new optimizers, each with every group's complete current options.
-  std::vector<c10::IValue> options_by_group;
-  for (const optim::OptionBag& options : current_) options_by_group.push_back(options.to_ivalue());
-  std::map<size_t, rpc::RRef<RemoteOptimizer>> made;
-  std::exception_ptr first;
-  std::string failures;
-  for (auto& [k, params] : rebound) {
-    std::vector<std::vector<rpc::RRef<at::Tensor>>> by_group(current_.size());
-    for (size_t j = 0; j < params.size(); ++j) by_group[owners_[k].groups[j]].push_back(params[j]);
-    made[k] = rpc::remote<RemoteOptimizer>(
-        owners_[k].worker, detail::kRemoteOptimizerClass,
-        std::tuple{optimizer_, by_group, optim::OptionBag().to_ivalue(), options_by_group});
-  }
-  for (auto& [k, optimizer] : made) {
-    try {
-      optimizer.confirm();
-    } catch (const std::exception&) {
-      note_failure(owners_[k].worker, &first, &failures);
-    }
-  }
-  if (first) throw_failures(first, "rebind of '" + optimizer_ + "'", failures);
-  for (auto& [k, params] : rebound) {
-    owners_[k].params = std::move(params);
-    owners_[k].optimizer = std::move(made[k]);
-    owners_[k].applied = current_;
-    owners_[k].applied_generation = options_generation_;
-  }
-}
 
 std::vector<rpc::RRef<at::Tensor>> DistributedOptimizer::parameters() const {
   size_t total = 0;

@@ -1,11 +1,10 @@
-// Binding trainers to an owner that was started again (recovery.h): the trainers' side, and the
-// restarted owner's board through which one trainer restores its shards and modules and the
-// others take them.
+// Binding trainers to a lost owner's parts made anew (recovery.h): on its new incarnation, from a
+// snapshot or its backup's copies, or on its backup itself (hot standby). The trainers' side;
+// recovery_board.h is where they agree on who makes the parts.
 
 #include <distoptim/dist_optim/recovery.h>
 
 #include <map>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <thread>
@@ -16,10 +15,10 @@
 #include <distoptim/comm/errors.h>
 #include <distoptim/dist_optim/snapshot.h>
 #include <distoptim/rpc/api.h>
-#include <distoptim/rpc/detail/internal_registry.h>
 #include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/errors.h>
 
+#include "recovery_board.h"
 #include "replicated_owners.h"
 #include "snapshot_calls.h"
 #include "step_mirror.h"
@@ -32,136 +31,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The restarted owner's board (one per process: a new incarnation starts with an empty one).
-constexpr const char* kClaim = "__distoptim.recovery.claim";
-constexpr const char* kPublish = "__distoptim.recovery.publish";
-constexpr const char* kObject = "__distoptim.recovery.object";
-constexpr const char* kRelease = "__distoptim.recovery.release";
-// A claim's outcome, and the board's state.
-constexpr int64_t kYouRestore = 0, kAnotherRestores = 1, kRestored = 2;
 constexpr std::chrono::milliseconds kPoll{20};
 
-struct Board {
-  std::mutex mutex;
-  std::string claimant;  // the trainer restoring this owner's shards and modules; empty: none
-  bool restored = false;
-  int64_t snapshot_step = -1;
-  std::map<std::string, c10::IValue> objects;  // by shard or module key
-};
-
-Board& board() {
-  static Board* instance = new Board();  // never destroyed: requests may run at exit
-  return *instance;
-}
-
-// [outcome, claimant, snapshot step]. `stale`: a claimant the caller found gone from the group,
-// whose claim passes to the caller. An empty `caller` only asks.
-c10::IValue on_claim(const std::string& caller, const std::string& stale) {
-  Board& b = board();
-  std::lock_guard<std::mutex> lock(b.mutex);
-  int64_t outcome = kRestored;
-  if (!b.restored && caller.empty()) {
-    outcome = kAnotherRestores;  // a query: nothing is claimed
-  } else if (!b.restored) {
-    if (b.claimant.empty() || b.claimant == caller || (!stale.empty() && b.claimant == stale)) {
-      b.claimant = caller;
-      outcome = kYouRestore;
-    } else {
-      outcome = kAnotherRestores;
-    }
-  }
-  return c10::ivalue::Tuple::create({outcome, b.claimant, b.snapshot_step});
-}
-
-// A restorer that failed gives its claim back, so that the next trainer that asks restores.
-void on_release(const std::string& caller) {
-  Board& b = board();
-  std::lock_guard<std::mutex> lock(b.mutex);
-  if (!b.restored && b.claimant == caller) b.claimant.clear();
-}
-
-void on_publish(const std::string& caller, std::vector<std::string> keys,
-                std::vector<rpc::RRef<c10::IValue>> made, int64_t snapshot_step) {
-  TORCH_CHECK_VALUE(keys.size() == made.size(), "recovery: ", keys.size(), " keys for ",
-                    made.size(), " shards and modules");
-  std::map<std::string, c10::IValue> objects;
-  for (size_t i = 0; i < keys.size(); ++i) objects[keys[i]] = made[i].local_value();
-  Board& b = board();
-  std::lock_guard<std::mutex> lock(b.mutex);
-  TORCH_CHECK_VALUE(
-      !b.restored && b.claimant == caller, "recovery: '", caller,
-      "' publishes the shards and modules of this worker, but ",
-      b.restored ? "they were published already" : "'" + b.claimant + "' restores them");
-  b.objects = std::move(objects);
-  b.snapshot_step = snapshot_step;
-  b.restored = true;
-}
-
-c10::IValue on_object(const std::string& key) {
-  Board& b = board();
-  std::lock_guard<std::mutex> lock(b.mutex);
-  TORCH_CHECK_VALUE(b.restored, "recovery: this worker is not restored yet");
-  auto it = b.objects.find(key);
-  TORCH_CHECK_VALUE(it != b.objects.end(), "recovery: no shard or module '", key,
-                    "' was restored here (", "the trainer '", b.claimant,
-                    "' that restored this worker did not know it)");
-  return it->second;
-}
-
-bool register_board() {
-  rpc::detail::register_internal_function(kClaim, [](std::vector<c10::IValue> args) {
-    TORCH_CHECK_TYPE(args.size() == 2, "takes 2 arguments");
-    return on_claim(rpc::from_value<std::string>(args[0], "the caller"),
-                    rpc::from_value<std::string>(args[1], "the stale claimant"));
-  });
-  rpc::detail::register_internal_function(kPublish, [](std::vector<c10::IValue> args) {
-    TORCH_CHECK_TYPE(args.size() == 4, "takes 4 arguments");
-    on_publish(rpc::from_value<std::string>(args[0], "the caller"),
-               rpc::from_value<std::vector<std::string>>(args[1], "the keys"),
-               rpc::from_value<std::vector<rpc::RRef<c10::IValue>>>(args[2], "the shards"),
-               rpc::from_value<int64_t>(args[3], "the snapshot's step"));
-    return c10::IValue();
-  });
-  rpc::detail::register_internal_function(kObject, [](std::vector<c10::IValue> args) {
-    TORCH_CHECK_TYPE(args.size() == 1, "takes 1 argument");
-    return on_object(rpc::from_value<std::string>(args[0], "the key"));
-  });
-  rpc::detail::register_internal_function(kRelease, [](std::vector<c10::IValue> args) {
-    TORCH_CHECK_TYPE(args.size() == 1, "takes 1 argument");
-    on_release(rpc::from_value<std::string>(args[0], "the caller"));
-    return c10::IValue();
-  });
-  return true;
-}
-
-struct Claim {
-  int64_t outcome;
-  std::string claimant;
-  int64_t snapshot_step;
-};
-
-Claim claim_of(const c10::IValue& reply) {
-  const auto items = rpc::from_value<std::tuple<int64_t, std::string, int64_t>>(
-      reply, "the restarted owner's answer");
-  return {std::get<0>(items), std::get<1>(items), std::get<2>(items)};
-}
-
-// Asks `worker`'s board as `caller` (empty: claiming nothing, a call every owner answers at once).
-Claim ask(const std::string& worker, const std::string& caller, const std::string& stale) {
-  return claim_of(rpc::rpc_sync<c10::IValue>(worker, kClaim, std::tuple{caller, stale}));
-}
-
-Claim claim(const std::string& worker, const std::string& stale) {
-  return ask(worker, rpc::get_worker_info().name, stale);
-}
-
-// The id of the member named `name`; nullopt when none is.
-std::optional<int> member_id(const std::string& name) {
-  try {
-    return rpc::get_worker_info(name).id;
-  } catch (const c10::ValueError&) {
-    return std::nullopt;
-  }
+// This trainer's claim on board `board` of `worker`.
+Claim claim(const std::string& worker, const std::string& board, const std::string& stale) {
+  return ask_board(worker, board, rpc::get_worker_info().name, stale);
 }
 
 // Whether `worker`, the owner `old_id` was, is lost: its name gone or taken by another process,
@@ -169,7 +43,7 @@ std::optional<int> member_id(const std::string& name) {
 bool is_lost(const std::string& worker, int old_id) {
   if (member_id(worker) != old_id) return true;
   try {
-    ask(worker, {}, {});
+    ask_board(worker, "", "", "");
     return false;
   } catch (const PeerLostError&) {
     return true;
@@ -204,29 +78,46 @@ struct LostParts {
   std::vector<rpc::RRef<at::Tensor>> old_module_parameters;
 };
 
-// Makes (the restorer) or takes (the others) the lost shards and modules on the new `worker` and
-// binds the handles and the optimizer to them; returns, for the restorer, what it made (for the
-// board) by key.
-std::pair<std::vector<std::string>, std::vector<rpc::RRef<c10::IValue>>> bind_anew(
-    const std::string& worker, bool restorer, DistributedOptimizer& optimizer,
-    const LostParts& lost) {
+// Where a lost owner's parts are made anew: on its new incarnation (`worker` its own name,
+// board "") or on its backup (hot standby: the backup's name, a board for the lost owner).
+struct Place {
+  std::string worker;
+  std::string board;
+};
+
+// What bind_anew made (the restorer's, for the board) by key, and the keys of the optimizer's
+// parameters it bound (as replicas.h names their copies).
+struct Bound {
   std::vector<std::string> keys;
   std::vector<rpc::RRef<c10::IValue>> made;
+  std::set<std::string> param_keys;
+};
+
+// Makes (the restorer) or takes (the others) the lost shards and modules at `place` and binds
+// the handles and the optimizer to them.
+Bound bind_anew(const std::string& lost_worker, const Place& place, bool restorer,
+                DistributedOptimizer& optimizer, const LostParts& lost) {
+  Bound bound;
   std::vector<rpc::RRef<rpc::EmbeddingShard>> shards;
   for (const LostParts::Shard& l : lost.shards) {
-    shards.push_back(restorer ? l.table->make_shard(l.shard)
-                              : rpc::remote<rpc::EmbeddingShard>(
-                                    worker, kObject, std::tuple{l.table->shard_key(l.shard)}));
-    keys.push_back(l.table->shard_key(l.shard));
-    made.emplace_back(shards.back().handle());
+    const std::string& key = l.table->shard_key(l.shard);
+    shards.push_back(
+        restorer ? l.table->make_shard(l.shard, place.worker)
+                 : rpc::remote<rpc::EmbeddingShard>(
+                       place.worker, kBoardObject, std::tuple{board_object_key(place.board, key)}));
+    bound.keys.push_back(key);
+    bound.param_keys.insert(key);
+    bound.made.emplace_back(shards.back().handle());
   }
   for (rpc::RemoteModuleBase* module : lost.modules) {
+    module->move_to(place.worker);
     if (restorer) {
-      made.push_back(module->make_anew());
+      bound.made.push_back(module->make_anew());
     } else {
-      module->bind_to_remote(worker, kObject, module->module_key());
+      module->bind_to_remote(place.worker, kBoardObject,
+                             board_object_key(place.board, module->module_key()));
     }
-    keys.push_back(module->module_key());
+    bound.keys.push_back(module->module_key());
   }
   for (const auto& shard : shards) shard.confirm();
   std::vector<rpc::RRef<at::Tensor>> old_params, new_params;
@@ -239,9 +130,12 @@ std::pair<std::vector<std::string>, std::vector<rpc::RRef<c10::IValue>>> bind_an
   for (rpc::RemoteModuleBase* module : lost.modules) {
     const std::vector<rpc::RRef<at::Tensor>> params = module->owner_parameters();
     module_params.insert(module_params.end(), params.begin(), params.end());
+    for (size_t j = 0; j < params.size(); ++j) {
+      bound.param_keys.insert(module->module_key() + "/" + std::to_string(j));
+    }
   }
   TORCH_CHECK_VALUE(module_params.size() == lost.old_module_parameters.size(),
-                    "recover_lost_owners: worker '", worker, "' was lost holding ",
+                    "recover_lost_owners: worker '", lost_worker, "' was lost holding ",
                     lost.old_module_parameters.size(),
                     " parameter(s) of the optimizer that are no table's shard; its modules, made "
                     "anew, have ",
@@ -250,7 +144,7 @@ std::pair<std::vector<std::string>, std::vector<rpc::RRef<c10::IValue>>> bind_an
                     lost.old_module_parameters.end());
   new_params.insert(new_params.end(), module_params.begin(), module_params.end());
   optimizer.rebind(old_params, new_params);
-  return {keys, made};
+  return bound;
 }
 
 // Loads `optimizer`'s state on `worker` from the newest snapshot in the trainer's own
@@ -268,6 +162,47 @@ std::optional<int64_t> load_own_state(const std::string& worker, DistributedOpti
   return own->step;
 }
 
+// Claims board `place` until this trainer has the claim or the parts were made (by another).
+Claim claim_until_made(const std::string& lost_worker, const Place& place,
+                       Clock::time_point deadline, std::chrono::milliseconds timeout) {
+  std::string stale;
+  Claim state = claim(place.worker, place.board, stale);
+  while (state.outcome == kAnotherRestores) {
+    // A restorer that left the group never finishes: its claim passes on.
+    if (!member_id(state.claimant)) stale = state.claimant;
+    DISTOPTIM_CHECK_WITH(TimeoutError, Clock::now() < deadline, "recover_lost_owners: '",
+                         state.claimant, "' did not finish making the parts of worker '",
+                         lost_worker, "' anew on worker '", place.worker, "' within ",
+                         timeout.count(), " ms");
+    if (stale.empty()) std::this_thread::sleep_for(kPoll);
+    state = claim(place.worker, place.board, stale);
+  }
+  return state;
+}
+
+// The restorer's part: `restore` makes and loads the parts, then they are published on the
+// board; if it fails, the claim is given back, so that the next trainer that asks restores
+// rather than wait for this one's timeout.
+template <class Restore>
+void restore_and_publish(const std::string& lost_worker, const Place& place, Restore restore) {
+  try {
+    const auto [bound, snapshot_step] = restore();
+    publish_on_board(place.worker, place.board, bound.keys, bound.made, snapshot_step);
+  } catch (...) {
+    try {
+      release_board(place.worker, place.board);
+    } catch (const c10::Error& error) {
+      TORCH_WARN("recover_lost_owners: could not give back the claim to make the parts of worker '",
+                 lost_worker, "' on worker '", place.worker, "': ", error.what_without_backtrace());
+    }
+    throw;
+  }
+}
+
+std::chrono::milliseconds since(Clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+}
+
 RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOptimizer& optimizer,
                            const LostParts& lost,
                            const std::vector<rpc::ShardedEmbeddingBag*>& tables,
@@ -276,41 +211,33 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
   wait_for_new_incarnation(worker, old_id, deadline, options.timeout());
   RecoveredOwner result;
   result.worker = worker;
-  std::string stale;
-  Claim state = claim(worker, stale);
-  while (state.outcome == kAnotherRestores) {
-    // A restorer that left the group never finishes: its claim passes on.
-    if (!member_id(state.claimant)) stale = state.claimant;
-    DISTOPTIM_CHECK_WITH(TimeoutError, Clock::now() < deadline, "recover_lost_owners: '",
-                         state.claimant, "' did not finish restoring worker '", worker, "' within ",
-                         options.timeout().count(), " ms");
-    if (stale.empty()) std::this_thread::sleep_for(kPoll);
-    state = claim(worker, stale);
-  }
+  result.served_by = worker;
+  const Place place{worker, ""};
+  const Claim state = claim_until_made(worker, place, deadline, options.timeout());
   auto backup = options.backups().find(worker);
   if (backup != options.backups().end()) result.backup = backup->second;
   // Replicated: this trainer's state from the backup's copies, and its steps there again.
   auto from_backup = [&](bool with_value) {
-    load_from_backup(optimizer, tables, lost.modules, worker, result.backup, with_value,
-                     rpc::get_worker_info().name);
+    load_from_backup(optimizer, tables, lost.modules,
+                     {worker, result.backup, worker, {}, with_value, rpc::get_worker_info().name});
     // The backup holds what was just loaded: nothing is sent back to it.
     set_backups(optimizer, tables, lost.modules,
                 ReplicaOptions().backups({{worker, result.backup}}),
                 /*restored_from_them=*/true);
   };
   if (state.outcome != kYouRestore) {
-    bind_anew(worker, /*restorer=*/false, optimizer, lost);
+    bind_anew(worker, place, /*restorer=*/false, optimizer, lost);
     if (!result.backup.empty()) {
       from_backup(/*with_value=*/false);
     } else {
       if (state.snapshot_step >= 0) result.snapshot_step = state.snapshot_step;
       result.state_step = load_own_state(worker, optimizer, tables, options);
     }
-    result.waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+    result.waited = since(start);
     return result;
   }
-  try {
-    auto [keys, made] = bind_anew(worker, /*restorer=*/true, optimizer, lost);
+  restore_and_publish(worker, place, [&] {
+    Bound bound = bind_anew(worker, place, /*restorer=*/true, optimizer, lost);
     result.restored_here = true;
     const std::optional<SnapshotInfo> latest =
         options.snapshot_directory().empty() || !result.backup.empty()
@@ -322,21 +249,58 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
       load_snapshot_into(latest->path, optimizer, tables, worker);
       result.snapshot_step = latest->step;
     }
-    rpc::rpc_sync<void>(
-        worker, kPublish,
-        std::tuple{rpc::get_worker_info().name, keys, made, result.snapshot_step.value_or(-1)});
-  } catch (...) {
-    // The next trainer that asks restores instead, rather than wait for this one's timeout.
-    try {
-      rpc::rpc_sync<void>(worker, kRelease, std::tuple{rpc::get_worker_info().name});
-    } catch (const c10::Error& error) {
-      TORCH_WARN("recover_lost_owners: could not give back the claim to restore worker '", worker,
-                 "': ", error.what_without_backtrace());
-    }
-    throw;
-  }
+    return std::pair{std::move(bound), result.snapshot_step.value_or(-1)};
+  });
   if (result.backup.empty()) result.state_step = load_own_state(worker, optimizer, tables, options);
-  result.waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+  result.waited = since(start);
+  return result;
+}
+
+// Hot standby: the lost `worker`'s parts are made on its `backup` from the backup's copies of
+// them, with every step that returned, and the backup serves them from then on; its own steps
+// go to its backup (options.backups()), stepping on without it while that one is lost.
+RecoveredOwner take_over_on_backup(const std::string& worker, int old_id, const std::string& backup,
+                                   DistributedOptimizer& optimizer, const LostParts& lost,
+                                   const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                                   const RecoveryOptions& options) {
+  const Clock::time_point start = Clock::now(), deadline = start + options.timeout();
+  const std::optional<int> backup_id = member_id(backup);
+  DISTOPTIM_CHECK_WITH(PeerLostError, backup_id && !is_lost(backup, *backup_id),
+                       "recover_lost_owners: worker '", worker,
+                       "' was lost, and so is its backup '", backup,
+                       "', which held the only copies of its parameters");
+  RecoveredOwner result;
+  result.worker = worker;
+  result.backup = backup;
+  result.served_by = backup;
+  // One board per lost incarnation: the backup may take over a later one of the same name too.
+  const Place place{backup, worker + "#" + std::to_string(old_id)};
+  const Claim state = claim_until_made(worker, place, deadline, options.timeout());
+  const std::string me = rpc::get_worker_info().name;
+  const bool restorer = state.outcome == kYouRestore;
+  auto load = [&](const Bound& bound) {
+    load_from_backup(optimizer, tables, lost.modules,
+                     {backup, backup, worker, bound.param_keys, /*with_value=*/restorer, me});
+  };
+  if (restorer) {
+    restore_and_publish(worker, place, [&] {
+      Bound bound = bind_anew(worker, place, /*restorer=*/true, optimizer, lost);
+      load(bound);
+      return std::pair{std::move(bound), int64_t{-1}};
+    });
+    result.restored_here = true;
+  } else {
+    load(bind_anew(worker, place, /*restorer=*/false, optimizer, lost));
+  }
+  // The backup's optimizer of this trainer, its own parameters and the lost one's, replicates
+  // to the backup's backup (the lost worker, as a rule: its next incarnation takes everything).
+  auto next = options.backups().find(backup);
+  if (next != options.backups().end()) {
+    set_backups(optimizer, tables, lost.modules,
+                ReplicaOptions().backups({{backup, next->second}}).continue_without_backup(true),
+                /*restored_from_them=*/false);
+  }
+  result.waited = since(start);
   return result;
 }
 
@@ -367,7 +331,7 @@ std::vector<RecoveredOwner> recover_lost_owners(
     std::set<std::string> shard_ids;
     for (rpc::ShardedEmbeddingBag* table : tables) {
       for (size_t s = 0; s < table->num_shards(); ++s) {
-        if (table->options().workers()[s] != worker) continue;
+        if (table->shard_owner(s) != worker) continue;
         // The shard's weight as the optimizer holds it (remote_parameters keeps it).
         lost.shards.push_back({table, s, table->remote_parameters()[s]});
         shard_ids.insert(rpc::detail::rref_global_id(lost.shards.back().old_weight.handle()));
@@ -398,7 +362,13 @@ std::vector<RecoveredOwner> recover_lost_owners(
                       " parameter(s) of the optimizer that are no table's shard and no module "
                       "was given for it (give every table whose shards the optimizer steps, and "
                       "every RemoteModule whose parameters it steps)");
-    recovered.push_back(detail::recover_one(worker, old_id, optimizer, lost, tables, options));
+    auto backup = options.backups().find(worker);
+    if (options.hot_standby() && backup != options.backups().end()) {
+      recovered.push_back(detail::take_over_on_backup(worker, old_id, backup->second, optimizer,
+                                                      lost, tables, options));
+    } else {
+      recovered.push_back(detail::recover_one(worker, old_id, optimizer, lost, tables, options));
+    }
   }
   return recovered;
 }

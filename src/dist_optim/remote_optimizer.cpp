@@ -91,14 +91,13 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
       if (!bags[g].empty()) optimizer_->set_group_options(g, bags[g]);
     }
   }
-  // A backup that came back as a new incarnation (or a failed send) gets everything whole first.
-  if (mirror_ && !mirror_->in_sync()) send_everything_whole(*mirror_);
+  const bool replicated = mirror_ && backup_ready(*mirror_);
   if (!optimizer_->updates_only_gradient_rows(gradients)) {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     optimizer_->step(gradients);
     // A table shard's sparse rows go as rows even beside a dense parameter (an MLP on the same
     // server): whole, they would be the shard and its state at every step.
-    if (mirror_) send_to_backup(gradients, row_local_rows(gradients));
+    if (replicated) send_to_backup(gradients, row_local_rows(gradients));
     return;
   }
   // Only the rows the sparse gradients name change (parameters and this optimizer's state, which
@@ -112,160 +111,7 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   }
   rpc::InPlaceRowUpdateGuard no_reply_reads_these_rows_meanwhile(params, rows);
   optimizer_->step(gradients);
-  if (mirror_) send_to_backup(gradients, rows_by_param);
-}
-
-std::vector<at::Tensor> RemoteOptimizer::row_local_rows(
-    const std::vector<at::Tensor>& gradients) const {
-  std::vector<at::Tensor> rows(gradients.size()), alone(gradients.size());
-  for (size_t i = 0; i < gradients.size(); ++i) {
-    if (!gradients[i].defined() || gradients[i].layout() != at::kSparse) continue;
-    alone[i] = gradients[i];
-    if (optimizer_->updates_only_gradient_rows(alone)) {
-      rows[i] = gradients[i]._indices().select(0, 0);
-    }
-    alone[i] = at::Tensor();
-  }
-  return rows;
-}
-
-void RemoteOptimizer::set_backup(std::string backup, std::vector<std::string> param_keys,
-                                 std::string state_owner, bool restored_from_it) {
-  const std::string me = rpc::get_worker_info().name;
-  TORCH_CHECK_VALUE(backup != me, "replicate_steps: worker '", me, "' cannot be its own backup");
-  std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK_VALUE(param_keys.size() == optimizer_->params().size(),
-                    "replicate_steps: ", param_keys.size(), " keys for the ",
-                    optimizer_->params().size(), " parameters of the optimizer on worker '", me,
-                    "'");
-  for (size_t i = 0; i < param_keys.size(); ++i) {
-    TORCH_CHECK_VALUE(!param_keys[i].empty(), "replicate_steps: the key of parameter ", i,
-                      " on worker '", me, "' is empty");
-  }
-  auto link = std::make_unique<MirrorLink>(std::move(backup), std::move(param_keys),
-                                           std::move(state_owner));
-  if (restored_from_it) {
-    // A restore from the backup's copies: they hold what this optimizer now holds (the other
-    // trainers' steps of these parameters since the restore went to them too, before returning).
-    const int backup_id = rpc::get_worker_info(link->backup()).id;
-    for (const MirrorUpdate& whole : everything_whole(*link, /*with_values=*/false)) {
-      link->note_sent_whole(whole.key);
-    }
-    link->note_synced(backup_id);
-  } else {
-    send_everything_whole(*link);
-  }
-  mirror_ = std::move(link);
-}
-
-void RemoteOptimizer::send_everything_whole(MirrorLink& link) {
-  const int backup_id = rpc::get_worker_info(link.backup()).id;
-  link.forget_sent();
-  // Every parameter and the state it has, at one moment (no other optimizer's step of them
-  // meanwhile): the copies the later steps' rows apply to, and all a recovery needs.
-  rpc::InPlaceUpdateGuard no_update_meanwhile;
-  try {
-    link.send(everything_whole(link, /*with_values=*/true));
-  } catch (c10::Error& error) {
-    error.add_context("replicas: worker '" + rpc::get_worker_info().name +
-                      "' could not copy its parameters to its backup '" + link.backup() +
-                      "'; the step was not applied");
-    throw;
-  }
-  link.note_synced(backup_id);
-}
-
-std::vector<MirrorUpdate> RemoteOptimizer::everything_whole(const MirrorLink& link,
-                                                            bool with_values) const {
-  at::NoGradGuard no_grad;
-  std::vector<MirrorUpdate> updates;
-  auto value = [with_values](const at::Tensor& t) {
-    return with_values ? t.clone() : at::Tensor();
-  };
-  for (size_t i = 0; i < link.size(); ++i) {
-    updates.push_back({link.param_key(i), at::Tensor(), value(optimizer_->params()[i])});
-    const optim::ParamState& state = optimizer_->state(i);
-    if (state.empty()) continue;
-    for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
-      if (!state.buffers[slot].defined()) continue;
-      updates.push_back({link.state_key(i, optimizer_->state_names()[slot]), at::Tensor(),
-                         value(state.buffers[slot])});
-    }
-    updates.push_back({link.step_key(i), at::Tensor(),
-                       with_values ? at::scalar_tensor(state.step, at::kLong) : at::Tensor()});
-  }
-  return updates;
-}
-
-void RemoteOptimizer::stage_from_backup(int64_t index, std::string backup, std::string param_key,
-                                        std::string state_owner) {
-  const std::string me = rpc::get_worker_info().name;
-  at::Tensor like;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    like = param(index, kRecoverFromBackup, /*table=*/false);
-  }
-  ParamCopy copy;
-  copy.value = mirrored_copy(backup, me, param_key);
-  TORCH_CHECK_VALUE(copy.value.defined(), kRecoverFromBackup, ": worker '", backup,
-                    "' holds no copy of '", param_key, "' of worker '", me, "'");
-  TORCH_CHECK_VALUE(
-      copy.value.sizes() == like.sizes() && copy.value.scalar_type() == like.scalar_type(),
-      kRecoverFromBackup, ": the copy of '", param_key, "' on worker '", backup, "' has shape ",
-      copy.value.sizes(), ", parameter ", index, " on worker '", me, "' ", like.sizes());
-  const std::string prefix = param_key + "/state/" + state_owner + "/";
-  for (const std::string& key : mirrored_keys(backup, me)) {
-    if (key.rfind(prefix, 0) != 0) continue;
-    const std::string name = key.substr(prefix.size());
-    const at::Tensor value = mirrored_copy(backup, me, key);
-    if (!value.defined()) continue;  // gone meanwhile: a new incarnation of the backup
-    copy.has_state = true;
-    if (name == "step") {
-      copy.state.step = value.item<int64_t>();
-    } else {
-      copy.state.buffers[name] = value;
-    }
-  }
-  stage(index, std::move(copy));
-}
-
-void RemoteOptimizer::send_to_backup(const std::vector<at::Tensor>& gradients,
-                                     const std::vector<at::Tensor>& rows) {
-  at::NoGradGuard no_grad;
-  std::vector<MirrorUpdate> updates;
-  for (size_t i = 0; i < gradients.size(); ++i) {
-    if (!gradients[i].defined()) continue;
-    const at::Tensor& param = optimizer_->params()[i];
-    // Each changed row once (a sparse gradient may name a row many times).
-    const at::Tensor changed =
-        rows[i].defined() ? std::get<0>(at::_unique(rows[i], /*sorted=*/true)) : at::Tensor();
-    // A copy that the backup holds takes the changed rows; any other goes whole.
-    auto update = [&](const std::string& key, const at::Tensor& value) {
-      if (changed.defined() && value.dim() >= 1 && value.size(0) == param.size(0) &&
-          mirror_->sent_whole(key)) {
-        updates.push_back({key, changed, value.index_select(0, changed)});
-      } else {
-        updates.push_back({key, at::Tensor(), value.clone()});
-      }
-    };
-    update(mirror_->param_key(i), param);
-    const optim::ParamState& state = optimizer_->state(i);
-    for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
-      if (!state.buffers[slot].defined()) continue;
-      update(mirror_->state_key(i, optimizer_->state_names()[slot]), state.buffers[slot]);
-    }
-    updates.push_back(
-        {mirror_->step_key(i), at::Tensor(), at::scalar_tensor(state.step, at::kLong)});
-  }
-  try {
-    mirror_->send(std::move(updates));
-  } catch (c10::Error& error) {
-    // The backup may be a new incarnation when this optimizer next steps: everything whole then.
-    mirror_->forget_sent();
-    error.add_context("replicas: the step was applied on worker '" + rpc::get_worker_info().name +
-                      "' but not copied to its backup '" + mirror_->backup() + "'");
-    throw;
-  }
+  if (replicated) send_to_backup(gradients, rows_by_param);
 }
 
 c10::IValue RemoteOptimizer::state_dict() {
@@ -563,6 +409,8 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::set_backup);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "stage_from_backup",
                                         &RemoteOptimizer::stage_from_backup);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "take_state",
+                                        &RemoteOptimizer::take_state);
   return true;
 }
 }  // namespace

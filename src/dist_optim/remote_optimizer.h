@@ -52,14 +52,24 @@ class RemoteOptimizer {
   /// a new incarnation or a send failed. `restored_from_it`: this optimizer's parameters and state
   /// were just loaded from the backup's copies (stage_from_backup), which every step since went to:
   /// they are taken as sent whole, and nothing is sent.
+  /// `continue_without_backup` (ReplicaOptions::continue_without_backup): while the backup is
+  /// lost (no member of its name, or a send to it failed as lost), steps go on here, not copied;
+  /// its next incarnation gets everything whole before the next step.
   void set_backup(std::string backup, std::vector<std::string> param_keys, std::string state_owner,
-                  bool restored_from_it);
+                  bool restored_from_it, bool continue_without_backup);
   /// Reads parameter `index` and trainer `state_owner`'s state of it from worker `backup`'s
-  /// copies of this worker's (under `param_key`, replicas.h), for commit_staged or
-  /// commit_staged_state. c10::ValueError naming the key when the backup holds no copy of the
-  /// parameter or one of another shape; what the calls to the backup throw.
-  void stage_from_backup(int64_t index, std::string backup, std::string param_key,
-                         std::string state_owner);
+  /// copies of worker `primary`'s (empty: this worker's; under `param_key`, replicas.h), for
+  /// commit_staged or commit_staged_state. `backup` may be this worker (it takes over a lost
+  /// primary's parameters). c10::ValueError naming the key when the backup holds no copy of
+  /// the parameter or one of another shape; what the calls to the backup throw.
+  void stage_from_backup(int64_t index, std::string backup, std::string primary,
+                         std::string param_key, std::string state_owner);
+  /// Takes the state of parameters `from_indices` of `from` (an optimizer on this worker, which
+  /// steps no more: DistributedOptimizer::rebind merged its parameters into this one) as the
+  /// state of this optimizer's parameters `to_indices`. c10::ValueError for another worker's
+  /// optimizer or an index out of range, changing nothing.
+  void take_state(rpc::RRef<RemoteOptimizer> from, std::vector<int64_t> from_indices,
+                  std::vector<int64_t> to_indices);
   /// OptimizerStateDict::to_ivalue() of the optimizer, and its inverse.
   c10::IValue state_dict();
   void load_state_dict(c10::IValue state);
@@ -117,6 +127,10 @@ class RemoteOptimizer {
   void stage(int64_t index, ParamCopy copy);
   /// commit_staged (`with_value`) or commit_staged_state.
   void commit(int64_t index, bool with_value);
+  /// Before a step: whether it is copied to `link`'s backup. Sends everything whole first when
+  /// the backup is not in sync; with continue_without_backup, false while the backup is lost
+  /// (then the step goes on, not copied). Under mutex_.
+  bool backup_ready(MirrorLink& link);
   /// Sends every parameter and its state whole to `link`'s backup, under an
   /// rpc::InPlaceUpdateGuard; under mutex_. Its failure changes nothing here.
   void send_everything_whole(MirrorLink& link);

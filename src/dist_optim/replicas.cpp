@@ -84,35 +84,39 @@ std::vector<ReplicatedOwner> replicated_owners(const DistributedOptimizer& optim
 
 void load_from_backup(DistributedOptimizer& optimizer,
                       const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                      const std::vector<rpc::RemoteModuleBase*>& modules, const std::string& worker,
-                      const std::string& backup, bool with_value, const std::string& state_owner) {
+                      const std::vector<rpc::RemoteModuleBase*>& modules, const BackupLoad& load) {
+  const std::string& worker = load.worker;
   const ReplicatedOwner replicated =
       replicated_owners(optimizer, tables, modules, {worker}, kRecoverFromBackup).at(0);
   const rpc::RRef<RemoteOptimizer>& remote = replicated.owner.optimizer;
-  const std::string& trainer = state_owner;
+  // The parameters loaded: all, or those the load names by key.
+  std::vector<int64_t> indices;
+  for (size_t i = 0; i < replicated.keys.size(); ++i) {
+    if (load.keys.empty() || load.keys.count(replicated.keys[i]) > 0) {
+      indices.push_back(static_cast<int64_t>(i));
+    }
+  }
   auto each_index = [&](const std::string& method, auto args_of) {
     std::vector<rpc::RpcFuture<c10::IValue>> calls;
-    for (size_t i = 0; i < replicated.keys.size(); ++i) {
-      calls.push_back(waited_method(remote, method, args_of(i)));
-    }
+    for (const int64_t i : indices) calls.push_back(waited_method(remote, method, args_of(i)));
     wait_all(
         calls, [&worker](size_t) -> const std::string& { return worker; }, kRecoverFromBackup);
   };
   try {
-    each_index("stage_from_backup", [&](size_t i) {
-      return std::vector<c10::IValue>{static_cast<int64_t>(i), backup, replicated.keys[i], trainer};
+    each_index("stage_from_backup", [&](int64_t i) {
+      return std::vector<c10::IValue>{i, load.backup, load.primary, replicated.keys[i],
+                                      load.state_owner};
     });
   } catch (...) {
     try {
-      each_index("drop_staged",
-                 [](size_t i) { return std::vector<c10::IValue>{static_cast<int64_t>(i)}; });
+      each_index("drop_staged", [](int64_t i) { return std::vector<c10::IValue>{i}; });
     } catch (const c10::Error&) {
       // The owner is gone or refuses: what it staged goes with it.
     }
     throw;
   }
-  each_index(with_value ? "commit_staged" : "commit_staged_state",
-             [](size_t i) { return std::vector<c10::IValue>{static_cast<int64_t>(i)}; });
+  each_index(load.with_value ? "commit_staged" : "commit_staged_state",
+             [](int64_t i) { return std::vector<c10::IValue>{i}; });
 }
 
 void set_backups(DistributedOptimizer& optimizer,
@@ -134,7 +138,8 @@ void set_backups(DistributedOptimizer& optimizer,
     calls.push_back(
         waited_method(r.owner.optimizer, "set_backup",
                       {c10::IValue(options.backups().at(r.owner.worker)), rpc::to_value(r.keys),
-                       c10::IValue(trainer), c10::IValue(restored_from_them)}));
+                       c10::IValue(trainer), c10::IValue(restored_from_them),
+                       c10::IValue(options.continue_without_backup())}));
   }
   wait_all(
       calls, [&replicated](size_t k) -> const std::string& { return replicated[k].owner.worker; },
@@ -158,8 +163,8 @@ void take_over_replicated_state(DistributedOptimizer& optimizer,
   TORCH_CHECK_VALUE(predecessor != me, "take_over_replicated_state: the predecessor '", predecessor,
                     "' is this trainer itself");
   for (const auto& [primary, backup] : options.backups()) {
-    detail::load_from_backup(optimizer, tables, modules, primary, backup, /*with_value=*/false,
-                             predecessor);
+    detail::load_from_backup(optimizer, tables, modules,
+                             {primary, backup, primary, {}, /*with_value=*/false, predecessor});
   }
   detail::set_backups(optimizer, tables, modules, options, /*restored_from_them=*/false);
 }

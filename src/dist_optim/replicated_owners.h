@@ -3,6 +3,7 @@
 // The trainer's side of replicas (replicas.h) that recovery uses too: the keys of a replicated
 // owner's parameters, and the load of an owner made anew from its backup's copies.
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -40,15 +41,29 @@ void set_backups(DistributedOptimizer& optimizer,
                  const std::vector<rpc::RemoteModuleBase*>& modules, const ReplicaOptions& options,
                  bool restored_from_them);
 
-/// Loads worker `worker`'s parameters (when `with_value`) and the optimizer state of them that
-/// trainer `state_owner` had (this trainer's own, or a dead one's whose place it takes) from
-/// worker `backup`'s copies, into `optimizer` (bound to `worker`, or its new incarnation).
-/// Errors: c10::ValueError naming a copy the backup does not hold; the owner's and the backup's
+/// What load_from_backup loads.
+struct BackupLoad {
+  /// The owner whose optimizer takes it (the lost owner's new incarnation, or the backup that
+  /// took over its parameters).
+  std::string worker;
+  /// Whose copies are read, and the worker whose copies they are (the lost owner: empty, or
+  /// `worker`, when it is the new incarnation).
+  std::string backup, primary;
+  /// The keys of the parameters loaded (those the lost owner held); empty: all of `worker`'s.
+  std::set<std::string> keys;
+  /// The parameters' values too, or the optimizer state alone.
+  bool with_value = false;
+  /// The trainer whose state is loaded (this one, or a dead one whose place it takes).
+  std::string state_owner;
+};
+
+/// Loads the parameters `load` names (when with_value) and the optimizer state of them that
+/// its state_owner had from the backup's copies, into `optimizer` on load.worker. Errors:
+/// c10::ValueError naming a copy the backup does not hold; the owner's and the backup's
 /// refusals (RemoteError, PeerLostError naming them). Nothing is loaded unless all was read.
 void load_from_backup(DistributedOptimizer& optimizer,
                       const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                      const std::vector<rpc::RemoteModuleBase*>& modules, const std::string& worker,
-                      const std::string& backup, bool with_value, const std::string& state_owner);
+                      const std::vector<rpc::RemoteModuleBase*>& modules, const BackupLoad& load);
 
 }  // namespace detail
 }  // namespace dist_optim

@@ -24,7 +24,6 @@ constexpr const char* kLoadTable = "load_sharded_table";
 void check_optimizer(const std::vector<OwnerOptimizer>& owners,
                      const rpc::ShardedEmbeddingBag& table, const char* caller) {
   const size_t shards = table.num_shards();
-  const std::vector<std::string>& workers = table.options().workers();
   size_t params = 0;
   for (const OwnerOptimizer& owner : owners) params += owner.positions.size();
   TORCH_CHECK_VALUE(params == shards, caller, ": the optimizer has ", params,
@@ -34,7 +33,7 @@ void check_optimizer(const std::vector<OwnerOptimizer>& owners,
     for (size_t i = 0; i < owners[k].positions.size(); ++i) {
       const int64_t position = owners[k].positions[i];
       TORCH_CHECK_VALUE(position >= 0 && static_cast<size_t>(position) < shards &&
-                            owners[k].worker == workers[position],
+                            owners[k].worker == table.shard_owner(position),
                         caller, ": the optimizer's parameter ", position, " is on worker '",
                         owners[k].worker, "', which holds no shard ", position,
                         " of the table (build the optimizer over table.remote_parameters())");

@@ -1,6 +1,7 @@
 #include "step_mirror.h"
 
 #include <map>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -118,10 +119,11 @@ c10::IValue on_copy(const std::string& primary, const std::string& key) {
 }  // namespace
 
 MirrorLink::MirrorLink(std::string backup, std::vector<std::string> param_keys,
-                       std::string state_owner)
+                       std::string state_owner, bool continue_without_backup)
     : backup_(std::move(backup)),
       param_keys_(std::move(param_keys)),
-      state_owner_(std::move(state_owner)) {}
+      state_owner_(std::move(state_owner)),
+      continue_without_backup_(continue_without_backup) {}
 
 std::string MirrorLink::state_key(size_t index, const std::string& name) const {
   return param_keys_[index] + "/state/" + state_owner_ + "/" + name;
@@ -151,6 +153,24 @@ bool MirrorLink::in_sync() const {
   return synced_to_ >= 0 && rpc::get_worker_info(backup_).id == synced_to_;
 }
 
+std::optional<int> member_id(const std::string& name) {
+  try {
+    return rpc::get_worker_info(name).id;
+  } catch (const c10::ValueError&) {
+    return std::nullopt;
+  }
+}
+
+bool MirrorLink::backup_lost() const {
+  const std::optional<int> id = member_id(backup_);
+  return !id || id == lost_id_;
+}
+
+void MirrorLink::note_lost() {
+  lost_id_ = member_id(backup_);
+  forget_sent();
+}
+
 void MirrorLink::forget_sent() {
   sent_whole_.clear();
   synced_to_ = -1;
@@ -177,13 +197,20 @@ bool register_step_mirror() {
   return true;
 }
 
+// A backup that reads its own copies (it takes over a lost primary's parameters) reads them here.
 std::vector<std::string> mirrored_keys(const std::string& backup, const std::string& primary) {
+  if (backup == rpc::get_worker_info().name) {
+    return rpc::from_value<std::vector<std::string>>(on_keys(primary), "the keys");
+  }
   return rpc::rpc_sync<std::vector<std::string>>(backup, kKeys, std::tuple{primary});
 }
 
 at::Tensor mirrored_copy(const std::string& backup, const std::string& primary,
                          const std::string& key) {
-  const c10::IValue copy = rpc::rpc_sync<c10::IValue>(backup, kCopy, std::tuple{primary, key});
+  const c10::IValue copy =
+      backup == rpc::get_worker_info().name
+          ? on_copy(primary, key)
+          : rpc::rpc_sync<c10::IValue>(backup, kCopy, std::tuple{primary, key});
   return copy.isNone() ? at::Tensor() : copy.toTensor();
 }
 

@@ -10,6 +10,7 @@
 // optimizers on one primary share one copy of a parameter they all step.
 
 #include <cstdint>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -37,7 +38,10 @@ class MirrorLink {
  public:
   /// `param_keys`: one per parameter of the optimizer, in its order; `state_owner`: the trainer
   /// whose optimizer this is (its state's copies are its own).
-  MirrorLink(std::string backup, std::vector<std::string> param_keys, std::string state_owner);
+  /// `continue_without_backup`: steps go on, not copied, while the backup is lost
+  /// (ReplicaOptions::continue_without_backup).
+  MirrorLink(std::string backup, std::vector<std::string> param_keys, std::string state_owner,
+             bool continue_without_backup);
 
   const std::string& backup() const { return backup_; }
   size_t size() const { return param_keys_.size(); }
@@ -61,6 +65,12 @@ class MirrorLink {
   void note_sent_whole(const std::string& key) { sent_whole_.insert(key); }
   /// After a failed send: everything goes whole next (the backup may be a new incarnation).
   void forget_sent();
+  bool continue_without_backup() const { return continue_without_backup_; }
+  /// Whether the backup is lost: no member has its name, or its incarnation is the one a send
+  /// failed to as lost (note_lost).
+  bool backup_lost() const;
+  /// A send failed as lost: the backup's current incarnation is lost for good.
+  void note_lost();
 
  private:
   std::string backup_;
@@ -68,7 +78,12 @@ class MirrorLink {
   std::string state_owner_;
   std::set<std::string> sent_whole_;
   int synced_to_ = -1;  // the backup's worker id when everything was sent whole; -1: not in sync
+  bool continue_without_backup_;
+  std::optional<int> lost_id_;  // the backup's incarnation a send failed to as lost
 };
+
+/// The id of the member named `name`; nullopt when none is.
+std::optional<int> member_id(const std::string& name);
 
 /// Registers the backup's functions (once, at start-up).
 bool register_step_mirror();

@@ -77,7 +77,8 @@ struct RowLookup : torch::autograd::Function<RowLookup> {
 }  // namespace
 
 EmbeddingShard::EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype,
-                               int64_t seed) {
+                               int64_t seed)
+    : first_row_(first_row) {
   TORCH_CHECK_VALUE(first_row >= 0 && rows >= 1 && dim >= 1, "EmbeddingShard: rows [", first_row,
                     ", ", first_row + rows, ") of dimension ", dim);
   const auto type = static_cast<c10::ScalarType>(dtype);
@@ -134,9 +135,22 @@ ShardedEmbeddingBag::ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& optio
   }
   for (size_t s = 0; s < shards.size(); ++s) {
     TORCH_CHECK_VALUE(shards[s].defined(), "ShardedEmbeddingBag: shard ", s, " is empty");
-    // Checks that the shard's owner is the worker the options name for it.
+  }
+  // The shards' owners may be any workers (a backup took one over): each must hold its rows.
+  std::vector<RpcFuture<std::vector<int64_t>>> ranges;
+  for (const auto& shard : shards) {
+    ranges.push_back(shard.rpc_async().method<std::vector<int64_t>>("row_range"));
+  }
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const std::vector<int64_t> range = ranges[s].wait();
+    TORCH_CHECK_VALUE(
+        range.size() == 2 && range[0] == first_rows_[s] && range[1] == first_rows_[s + 1],
+        "ShardedEmbeddingBag: shard ", s, " (on worker '", shards[s].owner_name(),
+        "') holds rows [", range.at(0), ", ", range.at(1),
+        ") of the table; the options give it rows [", first_rows_[s], ", ", first_rows_[s + 1],
+        ")");
     shards_.push_back(
-        RemoteModule<EmbeddingShard>::init_from_module_rref(options.workers()[s], shards[s]));
+        RemoteModule<EmbeddingShard>::init_from_module_rref(shards[s].owner_name(), shards[s]));
   }
   name_shards(std::move(shard_keys));
 }
@@ -156,11 +170,21 @@ const std::string& ShardedEmbeddingBag::shard_key(size_t shard) const {
   return keys_[shard];
 }
 
-RRef<EmbeddingShard> ShardedEmbeddingBag::make_shard(size_t shard) const {
+const std::string& ShardedEmbeddingBag::shard_owner(size_t shard) const {
+  shard_rows(shard);  // checks the index
+  return shards_[shard]->remote_device().worker_name;
+}
+
+RRef<EmbeddingShard> ShardedEmbeddingBag::make_shard(size_t shard,
+                                                     const std::string& worker) const {
   TORCH_CHECK_INDEX(shard + 1 < first_rows_.size(), "ShardedEmbeddingBag::make_shard: shard ",
                     shard, " of ", first_rows_.size() - 1);
+  // Before the constructor's handles exist, a shard's owner is the options' worker.
+  const std::string& owner = !worker.empty()          ? worker
+                             : shard < shards_.size() ? shards_[shard]->remote_device().worker_name
+                                                      : options_.workers()[shard];
   return remote<EmbeddingShard>(
-      options_.workers()[shard], kShardClass,
+      owner, kShardClass,
       std::tuple{first_rows_[shard], first_rows_[shard + 1] - first_rows_[shard],
                  options_.embedding_dim(), static_cast<int64_t>(options_.dtype()),
                  options_.seed()});
@@ -170,9 +194,8 @@ void ShardedEmbeddingBag::rebind_shard(size_t shard, RRef<EmbeddingShard> module
   shard_rows(shard);  // checks the index
   TORCH_CHECK_VALUE(module.defined(), "ShardedEmbeddingBag::rebind_shard: shard ", shard,
                     ": the reference is empty");
-  // Checks that the module's owner is the shard's worker.
-  auto handle = RemoteModule<EmbeddingShard>::init_from_module_rref(options_.workers()[shard],
-                                                                    std::move(module));
+  const std::string owner = module.owner_name();
+  auto handle = RemoteModule<EmbeddingShard>::init_from_module_rref(owner, std::move(module));
   std::lock_guard<std::mutex> lock(weights_mutex_);
   shards_[shard] = std::move(handle);
   weights_[shard] = RRef<at::Tensor>();
@@ -306,6 +329,7 @@ void register_embedding_shard() {
         kShardClass);
     register_module_methods<EmbeddingShard>(kShardClass);
     register_method<EmbeddingShard>(kShardClass, "load_rows", &EmbeddingShard::load_rows);
+    register_method<EmbeddingShard>(kShardClass, "row_range", &EmbeddingShard::row_range);
   });
 }
 

@@ -13,6 +13,8 @@
 // it by the keys, which name a shard and a module across any number of its owner's deaths.
 //
 // With replicas (the second test), the same death loses nothing: ps1 comes back from ps0's copies.
+// With hot standby (the third), ps0 serves ps1's parts at once, and the next ps1 becomes its
+// backup.
 //
 // Processes (run_ranks): rank 0 "ps0", the dynamic group's store host; rank 1 the first "ps1",
 // which SIGKILLs itself when told; rank 2 the trainer; rank 3 the second "ps1", which joins once
@@ -585,6 +587,172 @@ TEST(ServerRestart, AReplicatedServerComesBackFromItsBackupWithEveryStepThatRetu
         } else {
           rpc::init_rpc("trainer2", rpc::kAssignRank, options());
           train_late_replicated();
+        }
+      },
+      run);
+}
+
+// Hot standby: when ps1 dies, ps0, its backup, takes over its table shard and its module (made
+// there from ps0's copies, with every step that returned) and both trainers' optimizer states
+// of them, without waiting for a new ps1; ps0 steps on alone while its own backup, ps1, is away,
+// and the next ps1 becomes its backup, taking everything whole.
+//
+// Processes: rank 0 "ps0" (the store's host, ps1's backup); rank 1 the first "ps1", which
+// SIGKILLs itself when told; rank 2 "trainer", which makes ps1's parts on ps0; rank 3 the second
+// "ps1", which joins only after the take-over; rank 4 "trainer2", which takes them.
+const char* const kHotTurns = "test/server_restart_hot_standby";
+
+ReplicaOptions hot_backups() { return both_backed_up().continue_without_backup(true); }
+
+RecoveryOptions hot_standby() {
+  return RecoveryOptions().backups(hot_backups().backups()).hot_standby(true).timeout(60s);
+}
+
+void train_hot_standby() {
+  testing::StoreTurns turns(2, kHotTurns);
+  ASSERT_TRUE(wait_for_ps1_joined());
+  ShardedEmbeddingBag table(table_options({"ps0", "ps1"}));
+  auto head = std::make_shared<Head>("ps1", std::tuple{kDim, kOut, kHeadSeed});
+  std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
+  for (auto& p : head->remote_parameters()) params.push_back(p);
+  DistributedOptimizer optimizer("adagrad", params, adagrad());
+  replicate_steps(optimizer, {&table}, {head.get()}, hot_backups());
+  for (int64_t step = 1; step <= kKillAfter; ++step) train_step(table, *head, optimizer, step);
+  {
+    std::lock_guard<std::mutex> lock(g_references_mutex);
+    g_references = References{table.shard_module_rrefs(), table.shard_keys(), head->module_rref(),
+                              head->module_key()};
+  }
+  turns.say("late_may_join");
+  turns.store->wait({"late_stepped"}, 120s);
+  // What every step that returned left, the other trainer's included.
+  const at::Tensor rows = table.weight();
+  const std::vector<at::Tensor> head_values = values_of(*head);
+  const auto states = states_by_position(optimizer);
+  const int first_ps1 = rpc::get_worker_info("ps1").id;
+  {
+    // A step racing ps1's death fails as lost; ps0 applies its part, not copied (its backup is
+    // lost), rather than fail.
+    const Batch b = batch(kKillAfter + 1);
+    dist_autograd::ContextGuard context;
+    dist_autograd::backward(
+        context.id(), {at::mse_loss(head->forward(table.forward(b.ids, b.offsets)), b.target)});
+    turns.say("kill_ps1");
+    ASSERT_TRUE(wait_for_ps1_lost()) << "ps1 did not die";
+    EXPECT_THROW(optimizer.step(context.id()), PeerLostError);
+  }
+  const at::Tensor ps0_rows = table.remote_parameters()[0].to_here();
+  const std::vector<RecoveredOwner> recovered =
+      recover_lost_owners(optimizer, {&table}, {head.get()}, hot_standby());
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_EQ(recovered[0].worker, "ps1");
+  EXPECT_EQ(recovered[0].backup, "ps0");
+  EXPECT_EQ(recovered[0].served_by, "ps0");
+  EXPECT_TRUE(recovered[0].restored_here);
+  EXPECT_EQ(table.shard_owner(1), "ps0");
+  EXPECT_EQ(head->remote_device().worker_name, "ps0");
+  // ps1's part as every step that returned left it; ps0's as the failed step left it; each
+  // parameter's state as before (ps0's shard's: stepped by the failed step too).
+  EXPECT_TRUE(
+      at::equal(table.weight(),
+                at::cat({ps0_rows, rows.narrow(0, ps0_rows.size(0), kRows - ps0_rows.size(0))})));
+  EXPECT_TRUE(equal_tensors(values_of(*head), head_values));
+  auto taken_states = states_by_position(optimizer);
+  taken_states.at(0) = states.at(0);
+  expect_equal_states(taken_states, states);
+  // ps0 steps on alone: its backup, ps1, is away.
+  const at::Tensor before = table.weight();
+  train_step(table, *head, optimizer, kKillAfter + 2);
+  EXPECT_FALSE(at::equal(table.weight(), before)) << "the step after the take-over changed no row";
+  turns.say("taken_over");
+  turns.store->wait({"late_taken_over"}, 120s);
+  // The next ps1 becomes ps0's backup: the next step sends it everything, ps1's old part too.
+  turns.say("ps1_may_join_again");
+  ASSERT_TRUE(wait_until(
+      [first_ps1] {
+        try {
+          return rpc::get_worker_info("ps1").id != first_ps1;
+        } catch (const c10::ValueError&) {
+          return false;
+        }
+      },
+      120s))
+      << "the second ps1 did not join";
+  train_step(table, *head, optimizer, kKillAfter + 3);
+  const std::vector<rpc::RRef<at::Tensor>> shards = table.remote_parameters();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    EXPECT_TRUE(at::equal(replica_copy("ps1", "ps0", table.shard_key(s)), shards[s].to_here()))
+        << "shard " << s;
+  }
+  const std::vector<at::Tensor> head_now = values_of(*head);
+  for (size_t j = 0; j < head_now.size(); ++j) {
+    EXPECT_TRUE(at::equal(replica_copy("ps1", "ps0", head->module_key() + "/" + std::to_string(j)),
+                          head_now[j]));
+  }
+  turns.say("done");
+  rpc::shutdown();
+}
+
+void train_late_hot_standby() {
+  testing::StoreTurns turns(4, kHotTurns);
+  turns.store->wait({"late_may_join"}, 240s);
+  HandedModel model = take_handed_model();
+  ShardedEmbeddingBag& table = *model.table;
+  const std::shared_ptr<Head>& head = model.head;
+  DistributedOptimizer optimizer("adagrad", model.params, adagrad());
+  replicate_steps(optimizer, {&table}, {head.get()}, hot_backups());
+  for (int64_t step = 100; step < 103; ++step) train_step(table, *head, optimizer, step);
+  const auto own_states = states_by_position(optimizer);
+  turns.say("late_stepped");
+  turns.store->wait({"taken_over"}, 240s);
+  EXPECT_TRUE(step_fails_as_lost(table, *head, optimizer, 103))
+      << "the second trainer's step after ps1's death did not fail";
+  const std::vector<RecoveredOwner> recovered =
+      recover_lost_owners(optimizer, {&table}, {head.get()}, hot_standby());
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_FALSE(recovered[0].restored_here);
+  EXPECT_EQ(recovered[0].served_by, "ps0");
+  // Its own state on ps0, from its own copies (not the first trainer's), and its state of ps0's
+  // own shard kept.
+  expect_equal_states(states_by_position(optimizer), own_states);
+  const at::Tensor before = table.weight();
+  train_step(table, *head, optimizer, 104);
+  EXPECT_FALSE(at::equal(table.weight(), before)) << "the second trainer's step changed no row";
+  turns.say("late_taken_over");
+  turns.store->wait({"done"}, 240s);
+  rpc::shutdown();
+}
+
+TEST(ServerRestart, ABackupTakesOverALostServerAtOnceWithEveryStepThatReturned) {
+  testing::RunRanksOptions run;
+  run.deadline = 300s;
+  run.expected_signals = {{1, SIGKILL}};
+  testing::run_ranks(
+      5,
+      [](int rank, int) {
+        testing::StoreTurns turns(rank, kHotTurns);
+        if (rank == 0) {
+          g_name = "ps0";
+          rpc::init_rpc("ps0", 0, options());
+          turns.store->wait({"done"}, 240s);
+          rpc::shutdown();
+        } else if (rank == 1) {
+          g_name = "first ps1";
+          rpc::init_rpc("ps1", rpc::kAssignRank, options());
+          turns.store->wait({"kill_ps1"}, 240s);
+          ::kill(::getpid(), SIGKILL);
+        } else if (rank == 2) {
+          rpc::init_rpc("trainer", rpc::kAssignRank, options());
+          train_hot_standby();
+        } else if (rank == 3) {
+          g_name = "second ps1";
+          turns.store->wait({"ps1_may_join_again"}, 240s);
+          rpc::init_rpc("ps1", rpc::kAssignRank, options().name_wait(60s));
+          turns.store->wait({"done"}, 240s);
+          rpc::shutdown();
+        } else {
+          rpc::init_rpc("trainer2", rpc::kAssignRank, options());
+          train_late_hot_standby();
         }
       },
       run);

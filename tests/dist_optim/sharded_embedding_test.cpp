@@ -174,10 +174,17 @@ TEST(ShardedEmbeddingBag, HandlesFromShardModuleRrefsShareTheTable) {
         {"2 shards for 1 workers"});
     testing::expect_error_containing(
         [&] {
-          ShardedEmbeddingBag(ShardedEmbeddingBagOptions(kRows, kDim, {worker(2), worker(1)}),
-                              shards);
+          ShardedEmbeddingBag(options, {shards[1], shards[0]});
         },
-        {"is not the module's owner"});
+        {"shard 0 (on worker '" + worker(2) +
+         "') holds rows [50, 100) of the table; the options "
+         "give it rows [0, 50)"});
+    // A shard's owner is its reference's, whatever worker the options name (a backup may have
+    // taken it over).
+    EXPECT_EQ(
+        ShardedEmbeddingBag(ShardedEmbeddingBagOptions(kRows, kDim, {worker(2), worker(1)}), shards)
+            .shard_owner(0),
+        worker(1));
     testing::expect_error_containing([&] { ShardedEmbeddingBag(options, shards, {"a"}); },
                                      {"1 shard keys for 2 shards"});
     testing::expect_error_containing(

@@ -180,15 +180,18 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   /// The owners, in order of their first parameter in the list.
   std::vector<std::string> owners() const;
 
-  /// After an owner died and was started again under its name, with its parameters made anew
-  /// there (dist_optim/recovery.h does all of it): replaces old_params[i], a parameter this
+  /// After an owner died and was started again under its name, or its backup took over its
+  /// parameters (dist_optim/recovery.h does all of it): replaces old_params[i], a parameter this
   /// optimizer holds (the same reference it was given, or an earlier rebind's), by
-  /// new_params[i]. An owner's parameters are replaced all at once, each by one owned by a worker
-  /// of the owner's name; its optimizer is then made anew there, without state, with every
-  /// group's current options. Errors, changing nothing: c10::ValueError for lists of different
-  /// lengths, an empty or repeated reference, one this optimizer does not hold, an owner only
-  /// some of whose parameters are given, or a new parameter of another worker (each named by its
-  /// index); the new owner's refusal (RemoteError, PeerLostError naming it).
+  /// new_params[i]. An owner's parameters are replaced all at once, all by parameters of one
+  /// worker (its own name's new incarnation, or another worker). The optimizer of each worker
+  /// that gets new parameters is made anew there, with every group's current options: the new
+  /// parameters without state, and a worker's own parameters that stay with the state they had
+  /// (a worker that takes another's parameters holds them beside its own, in one optimizer).
+  /// Errors, changing nothing: c10::ValueError for lists of different lengths, an empty or
+  /// repeated reference, one this optimizer does not hold, an owner only some of whose
+  /// parameters are given, or one whose new parameters are on several workers (each named by
+  /// its index); the new owners' refusals (RemoteError, PeerLostError naming them).
   void rebind(const std::vector<rpc::RRef<at::Tensor>>& old_params,
               const std::vector<rpc::RRef<at::Tensor>>& new_params);
   /// The parameters this optimizer holds, in the order it was given them (rebound ones replaced).

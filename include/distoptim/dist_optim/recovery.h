@@ -2,7 +2,8 @@
 
 // A parameter server that died and was started again under its name (a new incarnation, e.g.
 // by `distrun --restart-policy rank` in a dynamic group): the trainers' handles bind to it again
-// without the user's code re-creating them, and it gets back what the latest snapshot holds.
+// without the user's code re-creating them, and it gets back what the latest snapshot holds, or
+// what its backup's copies hold; or, with hot standby, its backup serves what it held at once.
 // PyTorch has no equivalent (a lost owner ends its RPC job).
 //
 //   dist_optim::SnapshotSchedule snapshots(dist_optim::SnapshotOptions(dir).every_steps(100),
@@ -29,6 +30,19 @@
 // optimizer holds its state; the parameters are the restorer's). The cost: every update
 // the owner took since that snapshot (its step is returned), none on the other owners; with no
 // snapshot the shards and modules start from their initial values.
+//
+// Hot standby (RecoveryOptions::hot_standby, with replicas): a lost owner that has a backup is
+// not waited for. One trainer (the first to claim it on the backup) makes the lost owner's
+// shards and modules on the backup and loads them from the backup's own copies (no bytes cross
+// the network: every step that returned is in them); the other trainers bind to what it made.
+// Each trainer's optimizer on the backup then holds the backup's own parameters and the lost
+// owner's, with this trainer's state of both (DistributedOptimizer::rebind), and its steps go to
+// the backup's own backup (replicate_steps's map), stepping on without it while it is away
+// (ReplicaOptions::continue_without_backup): with two servers backing each other up, the lost
+// server's next incarnation becomes the backup of both parts and takes them whole. The handles
+// follow: ShardedEmbeddingBag::shard_owner and RemoteModule::remote_device name the backup. The
+// cost: the time the take-over takes (RecoveredOwner::waited); a second death before the backup's
+// own backup is back loses the steps since (they were on one worker).
 //
 // Decided: what a lost owner held is made anew from the trainers' handles alone: a
 // ShardedEmbeddingBag's shards, and RemoteModules whose constructor's arguments the handle
@@ -74,6 +88,13 @@ struct RecoveryOptions {
   /// each trainer's optimizer state there from its own copies; its steps go to the backup again
   /// from then on.
   TORCH_ARG(ReplicaOptions::Backups, backups);
+  /// Hot standby: a lost owner that has a backup (backups) is not waited for; its parts (table
+  /// shards, RemoteModules, each trainer's optimizer state of them) are made on the backup from
+  /// the backup's copies, with every step that returned, and the backup serves them from then
+  /// on, beside its own (see the top of this file). Give replicate_steps
+  /// ReplicaOptions::continue_without_backup too, so that the backup steps on while its own
+  /// backup, often the lost owner, is away. Default false: wait for the owner's new incarnation.
+  TORCH_ARG(bool, hot_standby) = false;
   /// How long to wait for a lost owner to come back, and for another trainer's restore of it.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
 };
@@ -92,6 +113,9 @@ struct RecoveredOwner {
   /// The backup whose copies its parameters and this trainer's state were loaded from (then
   /// snapshot_step and state_step are nullopt); empty: none.
   std::string backup;
+  /// The worker that holds the owner's parts now: its new incarnation (`worker`), or with
+  /// hot_standby its backup.
+  std::string served_by;
   /// From the call to the owner's shards being bound again here.
   std::chrono::milliseconds waited{0};
 };

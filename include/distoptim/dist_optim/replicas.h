@@ -28,10 +28,12 @@
 // (a RemoteError that says so; when the backup is itself an owner of the optimizer, lost, the
 // step's error is the PeerLostError naming it, whatever the order of the replies). The primary's
 // next step first sends everything whole again, as it does whenever the backup is a new incarnation
-// (it died and was started again): a step fails, not applied, while its backup is lost.
+// (it died and was started again): a step fails, not applied, while its backup is lost, unless
+// ReplicaOptions::continue_without_backup lets it go on there alone.
 //
 // A lost primary comes back from its backup's copies with recover_lost_owners
-// (RecoveryOptions::backups, recovery.h): every step that returned to a trainer is in them.
+// (RecoveryOptions::backups, recovery.h): every step that returned to a trainer is in them; with
+// RecoveryOptions::hot_standby the backup itself serves them at once.
 
 #include <map>
 #include <string>
@@ -51,6 +53,14 @@ struct ReplicaOptions {
   using Backups = std::map<std::string, std::string>;
   /// Each primary's backup, by worker name: {{"ps0", "ps1"}, {"ps1", "ps0"}}.
   TORCH_ARG(Backups, backups);
+  /// While a primary's backup is lost (its process died; no new incarnation of its name has
+  /// joined yet), the primary's steps go on, applied there alone, rather than fail; the backup's
+  /// next incarnation gets everything whole before the next step. What hot standby
+  /// (recovery.h's RecoveryOptions::hot_standby) needs: a backup that took over a lost primary's
+  /// shards has that primary, lost, as its own backup. The price: a step that returns while the
+  /// backup is lost is on one worker only, so a second death before the backup's next
+  /// incarnation took everything loses it. Default false: such a step fails.
+  TORCH_ARG(bool, continue_without_backup) = false;
 };
 
 /// From the next step on, each step of `optimizer` on an owner that options.backups() names

@@ -117,6 +117,15 @@ class RemoteModuleBase : public torch::nn::Module {
   /// confirm() of module_rref(). c10::ValueError when `worker` is not remote_device's.
   virtual void bind_to_remote(const std::string& worker, const std::string& function,
                               const std::string& key) = 0;
+  /// The module's worker becomes `worker` (a backup that takes over a lost owner's modules,
+  /// dist_optim/recovery.h's hot_standby), keeping the device: the next make_anew or
+  /// bind_to_remote makes or finds the module there. Changes nothing else; c10::ValueError for
+  /// an empty name.
+  void move_to(const std::string& worker) {
+    TORCH_CHECK_VALUE(!worker.empty(), "RemoteModule::move_to: the worker's name is empty");
+    device_.worker_name = worker;
+    device_.rank.reset();
+  }
 
  protected:
   explicit RemoteModuleBase(RemoteDevice device)
@@ -140,7 +149,7 @@ class RemoteModule : public RemoteModuleBase {
                         std::chrono::milliseconds timeout = kDefaultTimeout)
       : RemoteModule(parse_remote_device(remote_device)) {
     make_anew_with(std::move(args), timeout);
-    module_rref_ = make_();
+    module_rref_ = make_(device_);
     keep_key(module_rref_.handle());
   }
 
@@ -174,7 +183,8 @@ class RemoteModule : public RemoteModuleBase {
   template <class... Args>
   void make_anew_with(std::tuple<Args...> args,
                       std::chrono::milliseconds timeout = kDefaultTimeout) {
-    make_ = [device = device_, args = std::move(args), timeout] {
+    // On the worker device_ names when it is made (move_to may change it).
+    make_ = [args = std::move(args), timeout](const RemoteDevice& device) {
       return remote<C>(device.worker(), detail::remote_module_class_name(typeid(C)), args, timeout);
     };
   }
@@ -186,7 +196,7 @@ class RemoteModule : public RemoteModuleBase {
     TORCH_CHECK_VALUE(!device_.rank.has_value(), "RemoteModule::make_anew: ", describe(),
                       " names its worker by rank; a process started again has another rank: name "
                       "the worker in remote_device");
-    module_rref_ = make_();
+    module_rref_ = make_(device_);
     return RRef<c10::IValue>(module_rref_.handle());
   }
   void bind_to_remote(const std::string& worker, const std::string& function,
@@ -243,7 +253,7 @@ class RemoteModule : public RemoteModuleBase {
   }
 
   RRef<C> module_rref_;
-  std::function<RRef<C>()> make_;  // creates C(args...) on the worker named by device_
+  std::function<RRef<C>(const RemoteDevice&)> make_;  // creates C(args...) on a device's worker
 };
 
 }  // namespace rpc

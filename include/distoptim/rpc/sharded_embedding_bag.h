@@ -77,7 +77,12 @@ struct EmbeddingShard : torch::nn::Module {
   /// Replaces the rows with `rows` (the weight's shape and dtype), under an
   /// rpc::InPlaceUpdateGuard. Throws c10::ValueError naming the shapes, changing nothing.
   void load_rows(const at::Tensor& rows);
+  /// The table's rows this shard holds: {first, end}.
+  std::vector<int64_t> row_range() const { return {first_row_, first_row_ + weight.size(0)}; }
   at::Tensor weight;
+
+ private:
+  int64_t first_row_;
 };
 
 class ShardedEmbeddingBag : public torch::nn::Module {
@@ -91,8 +96,11 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   /// shard_keys(), which a shard made anew after its owner was lost keeps (dist_optim/recovery.h):
   /// give them with the references, so that this handle too binds to the shard's next
   /// incarnation; empty, each shard's key is its reference's id (right until a shard is made
-  /// anew). Creates nothing. Throws c10::ValueError when the number of shards or keys differs from
-  /// options.workers()', a shard is empty or not owned by its worker there, or a key is empty.
+  /// anew). Each shard's owner is its reference's (the worker options.workers() names for it, or
+  /// a backup that took it over: dist_optim/recovery.h). Creates nothing; asks each shard's
+  /// owner which rows it holds. Throws c10::ValueError when the number of shards or keys differs
+  /// from options.workers()', a shard is empty or holds other rows than the options give it, or
+  /// a key is empty.
   ShardedEmbeddingBag(const ShardedEmbeddingBagOptions& options,
                       std::vector<RRef<EmbeddingShard>> shards,
                       std::vector<std::string> shard_keys = {});
@@ -129,13 +137,16 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   const std::string& shard_key(size_t shard) const;
   /// Every shard's shard_key, in shard order: to send with shard_module_rrefs().
   const std::vector<std::string>& shard_keys() const { return keys_; }
-  /// Creates shard `shard` anew on its worker, its rows as a new table's (from the seed), and
-  /// returns the reference to it; the handle is not changed.
-  RRef<EmbeddingShard> make_shard(size_t shard) const;
-  /// Binds shard `shard` to `module`, a shard of the same rows owned by the worker the options
-  /// name for it (make_shard's, or another handle's after it). Throws c10::ValueError for an
-  /// empty reference or another owner, c10::IndexError for a shard out of range, changing
-  /// nothing. Not while a forward of this handle runs.
+  /// The worker that holds shard `shard` now: the one options.workers() names for it until a
+  /// backup takes it over (dist_optim/recovery.h, hot_standby).
+  const std::string& shard_owner(size_t shard) const;
+  /// Creates shard `shard` anew on `worker` (empty: its current owner), its rows as a new
+  /// table's (from the seed), and returns the reference to it; the handle is not changed.
+  RRef<EmbeddingShard> make_shard(size_t shard, const std::string& worker = {}) const;
+  /// Binds shard `shard` to `module`, a shard of the same rows (make_shard's, or another
+  /// handle's after it); its owner becomes the shard's owner. Throws c10::ValueError for an
+  /// empty reference, c10::IndexError for a shard out of range, changing nothing. Not while a
+  /// forward of this handle runs.
   void rebind_shard(size_t shard, RRef<EmbeddingShard> module);
 
  private:
