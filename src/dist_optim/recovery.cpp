@@ -262,6 +262,7 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
 RecoveredOwner take_over_on_backup(const std::string& worker, int old_id, const std::string& backup,
                                    DistributedOptimizer& optimizer, const LostParts& lost,
                                    const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                                   const std::vector<rpc::RemoteModuleBase*>& modules,
                                    const RecoveryOptions& options) {
   const Clock::time_point start = Clock::now(), deadline = start + options.timeout();
   const std::optional<int> backup_id = member_id(backup);
@@ -279,7 +280,8 @@ RecoveredOwner take_over_on_backup(const std::string& worker, int old_id, const 
   const std::string me = rpc::get_worker_info().name;
   const bool restorer = state.outcome == kYouRestore;
   auto load = [&](const Bound& bound) {
-    load_from_backup(optimizer, tables, lost.modules,
+    // Every module: the backup's optimizer holds its own modules' parameters too.
+    load_from_backup(optimizer, tables, modules,
                      {backup, backup, worker, bound.param_keys, /*with_value=*/restorer, me});
   };
   if (restorer) {
@@ -296,7 +298,7 @@ RecoveredOwner take_over_on_backup(const std::string& worker, int old_id, const 
   // to the backup's backup (the lost worker, as a rule: its next incarnation takes everything).
   auto next = options.backups().find(backup);
   if (next != options.backups().end()) {
-    set_backups(optimizer, tables, lost.modules,
+    set_backups(optimizer, tables, modules,
                 ReplicaOptions().backups({{backup, next->second}}).continue_without_backup(true),
                 /*restored_from_them=*/false);
   }
@@ -365,7 +367,7 @@ std::vector<RecoveredOwner> recover_lost_owners(
     auto backup = options.backups().find(worker);
     if (options.hot_standby() && backup != options.backups().end()) {
       recovered.push_back(detail::take_over_on_backup(worker, old_id, backup->second, optimizer,
-                                                      lost, tables, options));
+                                                      lost, tables, modules, options));
     } else {
       recovered.push_back(detail::recover_one(worker, old_id, optimizer, lost, tables, options));
     }

@@ -354,9 +354,13 @@ void RemoteOptimizer::commit(int64_t index, bool with_value) {
   auto it = staged_.find(index);
   TORCH_CHECK_VALUE(it != staged_.end(), kLoadSnapshot, ": nothing was staged for parameter ",
                     index, " on worker '", rpc::get_worker_info().name, "'");
-  TORCH_CHECK_VALUE(it->second.value.sizes() == target.sizes(), kLoadSnapshot, ": parameter ",
-                    index, " on worker '", rpc::get_worker_info().name, "' has shape ",
-                    target.sizes(), ", what was staged ", it->second.value.sizes());
+  TORCH_CHECK_VALUE(it->second.value.defined() || !with_value, kLoadSnapshot,
+                    ": no value was staged for parameter ", index, " on worker '",
+                    rpc::get_worker_info().name, "'");
+  TORCH_CHECK_VALUE(!it->second.value.defined() || it->second.value.sizes() == target.sizes(),
+                    kLoadSnapshot, ": parameter ", index, " on worker '",
+                    rpc::get_worker_info().name, "' has shape ", target.sizes(),
+                    ", what was staged ", it->second.value.sizes());
   optim::OptimizerStateDict state = optimizer_->state_dict();
   if (it->second.has_state) {
     state.state[index] = std::move(it->second.state);

@@ -59,11 +59,12 @@ class RemoteOptimizer {
                   bool restored_from_it, bool continue_without_backup);
   /// Reads parameter `index` and trainer `state_owner`'s state of it from worker `backup`'s
   /// copies of worker `primary`'s (empty: this worker's; under `param_key`, replicas.h), for
-  /// commit_staged or commit_staged_state. `backup` may be this worker (it takes over a lost
+  /// commit_staged (`with_value`) or commit_staged_state (the state alone is read then). `backup`
+  /// may be this worker (it takes over a lost
   /// primary's parameters). c10::ValueError naming the key when the backup holds no copy of
   /// the parameter or one of another shape; what the calls to the backup throw.
   void stage_from_backup(int64_t index, std::string backup, std::string primary,
-                         std::string param_key, std::string state_owner);
+                         std::string param_key, std::string state_owner, bool with_value);
   /// Takes the state of parameters `from_indices` of `from` (an optimizer on this worker, which
   /// steps no more: DistributedOptimizer::rebind merged its parameters into this one) as the
   /// state of this optimizer's parameters `to_indices`. c10::ValueError for another worker's

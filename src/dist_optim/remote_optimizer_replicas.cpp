@@ -74,13 +74,22 @@ bool RemoteOptimizer::backup_ready(MirrorLink& link) {
     if (!link.in_sync()) send_everything_whole(link);
     return true;
   }
-  if (link.backup_lost()) return false;
+  if (link.backup_lost()) {
+    link.note_uncopied_step();
+    return false;
+  }
   if (link.in_sync()) return true;
   try {
+    const int64_t uncopied = link.uncopied_steps();
     send_everything_whole(link);
+    // Said, so that an operator (or a test) sees when the parameters are on two workers again.
+    TORCH_WARN("replicas: worker '", rpc::get_worker_info().name,
+               "' copied everything of trainer '", link.state_owner(), "' to its backup '",
+               link.backup(), "', after ", uncopied, " step(s) not copied");
     return true;
   } catch (const PeerLostError& error) {
     link.note_lost();
+    link.note_uncopied_step();
     TORCH_WARN("replicas: worker '", rpc::get_worker_info().name, "' steps on without its backup '",
                link.backup(), "', lost: ", error.what_without_backtrace());
     return false;
@@ -127,7 +136,8 @@ std::vector<MirrorUpdate> RemoteOptimizer::everything_whole(const MirrorLink& li
 }
 
 void RemoteOptimizer::stage_from_backup(int64_t index, std::string backup, std::string primary,
-                                        std::string param_key, std::string state_owner) {
+                                        std::string param_key, std::string state_owner,
+                                        bool with_value) {
   const std::string me = primary.empty() ? rpc::get_worker_info().name : primary;
   at::Tensor like;
   {
@@ -135,14 +145,17 @@ void RemoteOptimizer::stage_from_backup(int64_t index, std::string backup, std::
     like = param(index, kRecoverFromBackup, /*table=*/false);
   }
   ParamCopy copy;
-  copy.value = mirrored_copy(backup, me, param_key);
-  TORCH_CHECK_VALUE(copy.value.defined(), kRecoverFromBackup, ": worker '", backup,
-                    "' holds no copy of '", param_key, "' of worker '", me, "'");
-  TORCH_CHECK_VALUE(
-      copy.value.sizes() == like.sizes() && copy.value.scalar_type() == like.scalar_type(),
-      kRecoverFromBackup, ": the copy of '", param_key, "' on worker '", backup, "' has shape ",
-      copy.value.sizes(), ", parameter ", index, " on worker '", rpc::get_worker_info().name, "' ",
-      like.sizes());
+  // The value only when it is loaded: a table shard's is the whole shard.
+  if (with_value) {
+    copy.value = mirrored_copy(backup, me, param_key);
+    TORCH_CHECK_VALUE(copy.value.defined(), kRecoverFromBackup, ": worker '", backup,
+                      "' holds no copy of '", param_key, "' of worker '", me, "'");
+    TORCH_CHECK_VALUE(
+        copy.value.sizes() == like.sizes() && copy.value.scalar_type() == like.scalar_type(),
+        kRecoverFromBackup, ": the copy of '", param_key, "' on worker '", backup, "' has shape ",
+        copy.value.sizes(), ", parameter ", index, " on worker '", rpc::get_worker_info().name,
+        "' ", like.sizes());
+  }
   const std::string prefix = param_key + "/state/" + state_owner + "/";
   for (const std::string& key : mirrored_keys(backup, me)) {
     if (key.rfind(prefix, 0) != 0) continue;
@@ -193,6 +206,7 @@ void RemoteOptimizer::send_to_backup(const std::vector<at::Tensor>& gradients,
     if (!mirror_->continue_without_backup()) throw;
     // The step stays applied here, not copied: the backup's next incarnation takes it whole.
     mirror_->note_lost();
+    mirror_->note_uncopied_step();
     TORCH_WARN("replicas: worker '", rpc::get_worker_info().name, "' steps on without its backup '",
                mirror_->backup(), "', lost: ", error.what_without_backtrace());
   } catch (c10::Error& error) {

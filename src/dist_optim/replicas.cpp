@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <utility>
 
 #include <c10/util/Exception.h>
@@ -104,8 +105,8 @@ void load_from_backup(DistributedOptimizer& optimizer,
   };
   try {
     each_index("stage_from_backup", [&](int64_t i) {
-      return std::vector<c10::IValue>{i, load.backup, load.primary, replicated.keys[i],
-                                      load.state_owner};
+      return std::vector<c10::IValue>{
+          i, load.backup, load.primary, replicated.keys[i], load.state_owner, load.with_value};
     });
   } catch (...) {
     try {
@@ -119,16 +120,26 @@ void load_from_backup(DistributedOptimizer& optimizer,
              [](int64_t i) { return std::vector<c10::IValue>{i}; });
 }
 
-void set_backups(DistributedOptimizer& optimizer,
-                 const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                 const std::vector<rpc::RemoteModuleBase*>& modules, const ReplicaOptions& options,
-                 bool restored_from_them) {
+std::vector<std::string> primaries(const DistributedOptimizer& optimizer,
+                                   const ReplicaOptions& options) {
+  std::set<std::string> owners;
+  for (const OwnerOptimizer& owner : OwnerAccess::owners(optimizer)) owners.insert(owner.worker);
   std::vector<std::string> workers;
   for (const auto& [primary, backup] : options.backups()) {
     TORCH_CHECK_VALUE(primary != backup, "replicate_steps: worker '", primary,
                       "' cannot be its own backup");
+    // Under hot standby a primary's parts may have moved to its backup: it holds none now.
+    if (options.continue_without_backup() && owners.count(primary) == 0) continue;
     workers.push_back(primary);
   }
+  return workers;
+}
+
+void set_backups(DistributedOptimizer& optimizer,
+                 const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                 const std::vector<rpc::RemoteModuleBase*>& modules, const ReplicaOptions& options,
+                 bool restored_from_them) {
+  const std::vector<std::string> workers = primaries(optimizer, options);
   // Every key first, so that a parameter without one refuses the whole call.
   const std::vector<ReplicatedOwner> replicated =
       replicated_owners(optimizer, tables, modules, workers, "replicate_steps");
@@ -162,11 +173,17 @@ void take_over_replicated_state(DistributedOptimizer& optimizer,
   const std::string me = rpc::get_worker_info().name;
   TORCH_CHECK_VALUE(predecessor != me, "take_over_replicated_state: the predecessor '", predecessor,
                     "' is this trainer itself");
-  for (const auto& [primary, backup] : options.backups()) {
-    detail::load_from_backup(optimizer, tables, modules,
-                             {primary, backup, primary, {}, /*with_value=*/false, predecessor});
+  const std::vector<std::string> primaries = detail::primaries(optimizer, options);
+  for (const std::string& primary : primaries) {
+    detail::load_from_backup(
+        optimizer, tables, modules,
+        {primary, options.backups().at(primary), primary, {}, /*with_value=*/false, predecessor});
   }
   detail::set_backups(optimizer, tables, modules, options, /*restored_from_them=*/false);
+  // The predecessor steps no more: its copies would only hold the backups' memory.
+  for (const std::string& primary : primaries) {
+    detail::drop_mirrored_state(options.backups().at(primary), primary, predecessor);
+  }
 }
 
 std::vector<std::string> replica_keys(const std::string& backup, const std::string& primary) {

@@ -34,6 +34,11 @@ std::vector<ReplicatedOwner> replicated_owners(const DistributedOptimizer& optim
                                                const std::vector<std::string>& workers,
                                                const char* what);
 
+/// The primaries of options.backups() to replicate: all (checked not to be their own backups),
+/// but with continue_without_backup those that own none of the optimizer's parameters now.
+std::vector<std::string> primaries(const DistributedOptimizer& optimizer,
+                                   const ReplicaOptions& options);
+
 /// replicate_steps; `restored_from_them`: the owners were just loaded from their backups' copies
 /// (load_from_backup), which are then taken as current rather than sent again.
 void set_backups(DistributedOptimizer& optimizer,

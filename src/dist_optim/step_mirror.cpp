@@ -21,6 +21,7 @@ namespace {
 constexpr const char* kApply = "__distoptim.replicas.apply";
 constexpr const char* kKeys = "__distoptim.replicas.keys";
 constexpr const char* kCopy = "__distoptim.replicas.copy";
+constexpr const char* kDropState = "__distoptim.replicas.drop_state";
 
 // The copies this process keeps as a backup, by primary and key. A new incarnation of the backup
 // starts with none: its primaries send theirs whole again.
@@ -116,6 +117,25 @@ c10::IValue on_copy(const std::string& primary, const std::string& key) {
   return copy->second.clone();  // the reply's own: later updates do not reach it
 }
 
+// Drops every copy of trainer `trainer`'s state that `primary` sent; returns how many.
+c10::IValue on_drop_state(const std::string& primary, const std::string& trainer) {
+  const std::string marker = "/state/" + trainer + "/";
+  Copies& c = copies();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  int64_t dropped = 0;
+  auto it = c.by_primary.find(primary);
+  if (it == c.by_primary.end()) return dropped;
+  for (auto copy = it->second.begin(); copy != it->second.end();) {
+    if (copy->first.find(marker) != std::string::npos) {
+      copy = it->second.erase(copy);
+      ++dropped;
+    } else {
+      ++copy;
+    }
+  }
+  return dropped;
+}
+
 }  // namespace
 
 MirrorLink::MirrorLink(std::string backup, std::vector<std::string> param_keys,
@@ -189,6 +209,11 @@ bool register_step_mirror() {
     TORCH_CHECK_TYPE(args.size() == 1, "takes 1 argument");
     return on_keys(rpc::from_value<std::string>(args[0], "the primary"));
   });
+  rpc::detail::register_internal_function(kDropState, [](std::vector<c10::IValue> args) {
+    TORCH_CHECK_TYPE(args.size() == 2, "takes 2 arguments");
+    return on_drop_state(rpc::from_value<std::string>(args[0], "the primary"),
+                         rpc::from_value<std::string>(args[1], "the trainer"));
+  });
   rpc::detail::register_internal_function(kCopy, [](std::vector<c10::IValue> args) {
     TORCH_CHECK_TYPE(args.size() == 2, "takes 2 arguments");
     return on_copy(rpc::from_value<std::string>(args[0], "the primary"),
@@ -212,6 +237,11 @@ at::Tensor mirrored_copy(const std::string& backup, const std::string& primary,
           ? on_copy(primary, key)
           : rpc::rpc_sync<c10::IValue>(backup, kCopy, std::tuple{primary, key});
   return copy.isNone() ? at::Tensor() : copy.toTensor();
+}
+
+int64_t drop_mirrored_state(const std::string& backup, const std::string& primary,
+                            const std::string& trainer) {
+  return rpc::rpc_sync<int64_t>(backup, kDropState, std::tuple{primary, trainer});
 }
 
 }  // namespace detail

@@ -44,6 +44,7 @@ class MirrorLink {
              bool continue_without_backup);
 
   const std::string& backup() const { return backup_; }
+  const std::string& state_owner() const { return state_owner_; }
   size_t size() const { return param_keys_.size(); }
   const std::string& param_key(size_t index) const { return param_keys_[index]; }
   /// The key of state buffer `name` of parameter `index`, and of its step count.
@@ -60,7 +61,11 @@ class MirrorLink {
   /// backup when it is no member of the group now.
   bool in_sync() const;
   /// Everything was sent whole to incarnation `backup_id` of the backup.
-  void note_synced(int backup_id) { synced_to_ = backup_id; }
+  void note_synced(int backup_id) {
+    synced_to_ = backup_id;
+    lost_id_.reset();
+    uncopied_steps_ = 0;
+  }
   /// The backup's copy under `key` is whole and current (a restore read it): rows may follow.
   void note_sent_whole(const std::string& key) { sent_whole_.insert(key); }
   /// After a failed send: everything goes whole next (the backup may be a new incarnation).
@@ -71,6 +76,10 @@ class MirrorLink {
   bool backup_lost() const;
   /// A send failed as lost: the backup's current incarnation is lost for good.
   void note_lost();
+  /// A step went on without the backup (continue_without_backup); how many did since everything
+  /// last went whole.
+  void note_uncopied_step() { ++uncopied_steps_; }
+  int64_t uncopied_steps() const { return uncopied_steps_; }
 
  private:
   std::string backup_;
@@ -80,6 +89,7 @@ class MirrorLink {
   int synced_to_ = -1;  // the backup's worker id when everything was sent whole; -1: not in sync
   bool continue_without_backup_;
   std::optional<int> lost_id_;  // the backup's incarnation a send failed to as lost
+  int64_t uncopied_steps_ = 0;
 };
 
 /// The id of the member named `name`; nullopt when none is.
@@ -93,6 +103,10 @@ bool register_step_mirror();
 std::vector<std::string> mirrored_keys(const std::string& backup, const std::string& primary);
 at::Tensor mirrored_copy(const std::string& backup, const std::string& primary,
                          const std::string& key);
+/// Drops the copies of trainer `trainer`'s optimizer state that `primary` sent to `backup` (a
+/// dead trainer's, once its successor took them over); returns how many were dropped.
+int64_t drop_mirrored_state(const std::string& backup, const std::string& primary,
+                            const std::string& trainer);
 
 }  // namespace detail
 }  // namespace dist_optim

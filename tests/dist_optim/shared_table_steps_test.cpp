@@ -456,6 +456,16 @@ TEST(SharedTableSteps, AReplacementTrainerTakesItsPredecessorsStateFromTheBackup
         }
       }
     }
+    // The predecessor's copies are dropped once taken over; its successor's are there.
+    for (size_t s = 0; s < 2; ++s) {
+      size_t predecessors = 0, successors = 0;
+      for (const std::string& key : dist_optim::replica_keys(workers[1 - s], workers[s])) {
+        predecessors += key.find("/state/" + worker(3) + "/") != std::string::npos ? 1 : 0;
+        successors += key.find("/state/" + worker(4) + "/") != std::string::npos ? 1 : 0;
+      }
+      EXPECT_EQ(predecessors, 0u) << "shard " << s;
+      EXPECT_GT(successors, 0u) << "shard " << s;
+    }
     testing::expect_error_containing(
         [&] {
           dist_optim::DistributedOptimizer mine("adagrad", table.remote_parameters(),

@@ -68,7 +68,8 @@ struct ReplicaOptions {
 /// `tables` and `modules`: those whose shards and parameters the optimizer holds on the
 /// replicated owners (they give the copies their keys, so that a recovery finds them). Blocks until
 /// every replicated owner has taken it. Errors, before anything is sent: c10::ValueError naming a
-/// backup named for a worker that owns none of the optimizer's parameters, a worker that is its own
+/// backup named for a worker that owns none of the optimizer's parameters (skipped instead with
+/// continue_without_backup: under hot standby a server's parts move), a worker that is its own
 /// backup, or a replicated owner whose parameters that are no given table's shard are not, in the
 /// optimizer's order, those of the given modules on it in their order (as recovery.h requires);
 /// the owners' refusals (RemoteError, PeerLostError naming them) after all have answered.
@@ -87,7 +88,7 @@ void replicate_steps(DistributedOptimizer& optimizer,
 /// steps never reached) leaves that parameter without state. `tables`, `modules` and errors as
 /// replicate_steps's, and c10::ValueError naming a copy of a parameter the backup does not hold,
 /// or a predecessor that is this trainer; nothing is loaded on an owner unless all of its state
-/// was read. The predecessor's copies stay on the backups.
+/// was read. Then the predecessor's copies of its state are dropped from the backups.
 void take_over_replicated_state(DistributedOptimizer& optimizer,
                                 const std::vector<rpc::ShardedEmbeddingBag*>& tables,
                                 const std::vector<rpc::RemoteModuleBase*>& modules,
