@@ -21,10 +21,10 @@
 //     the first server's log, from the 20th step to the kill, and from the step at which every
 //     trainer has stepped again to the first trainer's finish; and after / before.
 // With --replicas each round runs the job twice, alternating: as above, then with the example's
-// --replicas (each server's steps copied to the other before they return; the lost server comes
-// back from its backup's copies, no snapshot read, no step that returned lost), and the rows are
-// given for each, with the replicas' price before the kill (samples/s, replicas over snapshots,
-// per round).
+// --replicas (each server's steps copied to the other before they return; when the server dies
+// its backup serves what it held at once, made there from its copies: hot standby, no snapshot
+// read, no step that returned lost, no wait for the new process), and the rows are given for
+// each, with the replicas' price before the kill (samples/s, replicas over snapshots, per round).
 // Every figure is the min/median/max over the rounds; the load average at the start and the end
 // is printed. There is no PyTorch side: a PyTorch 1.13 RPC job ends when a worker dies.
 
@@ -172,10 +172,20 @@ Round run_round(const Config& config, bool replicas, const fs::path& out_dir) {
   // stepping again N ms after the failed step" (or "... from its backup 'psJ' (...); ...").
   static const std::regex kBack(
       R"((trainer[0-9]+): worker '(ps[0-9]+)' is back; (restored|another trainer restored) what it held from (the snapshot of step ([0-9]+)|no snapshot|its backup '(ps[0-9]+)').*; stepping again ([0-9]+) ms after)");
+  // With --replicas (hot standby): "NAME: worker 'psK' was lost; its backup 'psJ' took over what
+  // it held (...), made there by this trainer (M ms); stepping again N ms after the failed step".
+  static const std::regex kTakenOver(
+      R"((trainer[0-9]+): worker '(ps[0-9]+)' was lost; its backup '(ps[0-9]+)' took over what it held .*, made there by (this|another) trainer .*; stepping again ([0-9]+) ms after)");
   std::istringstream lines(child.stdout_text);
   std::string line;
   while (std::getline(lines, line)) {
     std::smatch m;
+    if (std::regex_search(line, m, kTakenOver) && m[2] == server) {
+      TORCH_CHECK(replicas, "server_loss_bench: ", server, " was taken over by its backup: ", line);
+      round.failed_to_next_ms.push_back(std::stod(m[5]));
+      if (m[4] == "this") round.restored = true;
+      continue;
+    }
     if (!std::regex_search(line, m, kBack) || m[2] != server) continue;
     TORCH_CHECK(m[6].matched == replicas, "server_loss_bench: ", server, " was restored ",
                 m[6].matched ? "from its backup" : "not from its backup", ": ", line);

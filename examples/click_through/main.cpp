@@ -81,7 +81,10 @@
 
 // Servers whose deaths lose no step that returned: with --replicas each server's steps are copied
 // to the next server (the last's to the first) before they return (dist_optim::replicate_steps),
-// and a server started again comes back from its backup's copies rather than from the snapshot.
+// and when a server dies its backup serves what it held at once, made there from its copies (hot
+// standby: dist_optim::RecoveryOptions::hot_standby); the trainers do not wait for the server to
+// come back. Meanwhile the backup steps on alone; the server distrun starts again becomes its
+// backup and takes everything whole at the next step.
 // After each recovery and at its end, each trainer prints how many of its steps returned and how
 // many each server applied (from the optimizer state's step counts), and fails if a server holds
 // fewer than returned.
@@ -234,8 +237,9 @@ void serve(const Settings& s, const std::vector<std::string>& servers, int train
 }
 
 // --elastic, on the first server started again (its membership in etcd): the trainers give it
-// back its shard and the MLP from the latest snapshot, and the first of them its model's
-// references; it serves until every trainer slot has finished, then plots.
+// back its shard and the MLP from the latest snapshot (with --replicas the other server took them
+// over, and this one is its backup), and their model's references; it serves until every trainer
+// slot has finished, then plots.
 void serve_again(const Settings& s, const std::vector<std::string>& servers) {
   fmt::print("{}: started again; the trainers restore its shard and the MLP\n", kFirstServer);
   std::fflush(stdout);
@@ -270,28 +274,37 @@ void serve_until_trainers_finish(const Settings& s, int rank) {
   }
 }
 
+// Hands the first server the model's references as they now are (a restored server's shard and
+// module among them, or the parts a backup took over), which it hands to trainers that join
+// later; false when it could not (the first server is the one lost, and not back yet).
+bool hand_back_references(const std::string& name, const click_through::ClickModel& model) {
+  try {
+    rpc::rpc_sync<void>(kFirstServer, "click_through.publish_model",
+                        std::make_tuple(model.references()));
+    return true;
+  } catch (const c10::Error& e) {
+    fmt::print("{}: could not hand the model's references back to {} yet: {}\n", name, kFirstServer,
+               examples::one_line(e.what_without_backtrace()));
+    std::fflush(stdout);
+    return false;
+  }
+}
+
 // --elastic: after a step failed because a server was lost, binds `optimizer` and the model's
-// table and MLP to the server started in its place and gives it back what it held; the first
-// server gets the model's references as they now are (the restarted server's shard and module
-// among them), which it hands to trainers that join later.
+// table and MLP to the server started in its place and gives it back what it held, or, with
+// --replicas, to the lost server's backup, which serves what it held at once. The first server
+// gets the model's references as they now are; `references_pending` says whether that is still
+// owed (the first server is the one lost: handed once it is back).
 void recover(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
              distoptim::dist_optim::DistributedOptimizer& optimizer,
              click_through::ClickModel& model, const fs::path& snapshots,
              const distoptim::dist_optim::ReplicaOptions::Backups& backups, bool reporter,
-             examples::StepCounts& counts) {
+             examples::StepCounts& counts, bool& references_pending) {
   const auto recovered = examples::recover_servers(
-      name, step, lost, {&optimizer, {&model.table()}, {&model.mlp()}, backups}, snapshots,
-      [&](const std::string&) {
-        try {
-          rpc::rpc_sync<void>(kFirstServer, "click_through.publish_model",
-                              std::make_tuple(model.references()));
-        } catch (const c10::Error& e) {
-          fmt::print(
-              "{}: could not hand the model's references back to {} (a trainer joining "
-              "later will not get them): {}\n",
-              name, kFirstServer, examples::one_line(e.what_without_backtrace()));
-        }
-      });
+      name, step, lost,
+      {&optimizer, {&model.table()}, {&model.mlp()}, backups, /*hot_standby=*/!backups.empty()},
+      snapshots,
+      [&](const std::string&) { references_pending = !hand_back_references(name, model); });
   // The reporter writes the snapshots: another trainer that restores from one takes its state.
   for (const auto& owner : recovered) {
     if (owner.restored_here && owner.snapshot_step && !reporter) {
@@ -332,6 +345,8 @@ void train(const Settings& s, int rank, int trainer, int trainers,
                  : distoptim::dist_optim::ReplicaOptions::Backups{};
   // The steps of this slot the servers' optimizer state counts (a predecessor's, taken over).
   examples::StepCounts counts;
+  // Whether the first server still lacks the model's references as they now are.
+  bool references_pending = false;
   // Under --elastic, `fn` again after a server was lost, once it is back and restored.
   const auto while_servers_come_back = [&](int64_t step, const std::function<void()>& fn) {
     for (;;) {
@@ -340,14 +355,17 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         return;
       } catch (const distoptim::PeerLostError& lost) {
         if (!s.elastic) throw;
-        recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts);
+        recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts,
+                references_pending);
       }
     }
   };
   if (s.replicas) {
     // A trainer in a dead one's place goes on with its Adagrad state, from the backups' copies.
     while_servers_come_back(resume.steps, [&] {
-      const auto replicas = distoptim::dist_optim::ReplicaOptions().backups(backups);
+      // Hot standby: a server whose backup died steps on alone until the backup is back.
+      const auto replicas =
+          distoptim::dist_optim::ReplicaOptions().backups(backups).continue_without_backup(true);
       if (resume.previous_worker.empty()) {
         distoptim::dist_optim::replicate_steps(optimizer, {&model->table()}, {&model->mlp()},
                                                replicas);
@@ -484,15 +502,19 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       samples_trained += s.batch;
       train_loss_sum += loss_value;
       ++train_loss_count;
-      if (s.elastic)
+      if (s.elastic) {
+        // A first server that died waits here until it is back: then it gets the references.
         examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
+        if (references_pending) references_pending = !hand_back_references(name, *model);
+      }
       if (reporter && step % eval_every == 0 && step < s.steps) report(step);
       failed_in_a_row = 0;
     } catch (const distoptim::PeerLostError& lost) {
       if (!s.elastic) throw;
       // The batch is dropped: its step may have reached the servers that lived.
       if (!returned) ++counts.failed;
-      recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts);
+      recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts,
+              references_pending);
       // --replicas: the restored server holds every step of this trainer that returned.
       if (s.replicas) {
         while_servers_come_back(step, [&] {

@@ -93,8 +93,9 @@ ClickModel::ClickModel(const ModelOptions& options, References references) : opt
   auto [shards, shard_keys, mlp, mlp_key] = std::move(references);
   table_ = std::make_unique<rpc::ShardedEmbeddingBag>(table_options(options), std::move(shards),
                                                       std::move(shard_keys));
-  mlp_ = rpc::RemoteModule<ClickMlp>::init_from_module_rref(options.servers[0], std::move(mlp),
-                                                            mlp_key);
+  // On the first server, or on the server that took it over (hot standby).
+  const std::string mlp_owner = mlp.owner_name();
+  mlp_ = rpc::RemoteModule<ClickMlp>::init_from_module_rref(mlp_owner, std::move(mlp), mlp_key);
   // What the first server's MLP was created with: a trainer makes it anew from them when that
   // server is started again (dist_optim::recover_lost_owners).
   mlp_->make_anew_with(std::tuple{kCategorical * options.dim, kDense, options.seed});

@@ -54,9 +54,10 @@ std::vector<dist_optim::RecoveredOwner> recover_servers(
   std::vector<dist_optim::RecoveredOwner> recovered;
   for (;;) {
     try {
-      recovered = dist_optim::recover_lost_owners(
-          *held.optimizer, held.tables, held.modules,
-          dist_optim::RecoveryOptions(snapshots.string()).backups(held.backups));
+      recovered = dist_optim::recover_lost_owners(*held.optimizer, held.tables, held.modules,
+                                                  dist_optim::RecoveryOptions(snapshots.string())
+                                                      .backups(held.backups)
+                                                      .hot_standby(held.hot_standby));
       break;
     } catch (const distoptim::PeerLostError& again) {
       if (Clock::now() > deadline) throw;
@@ -68,6 +69,18 @@ std::vector<dist_optim::RecoveredOwner> recover_servers(
   if (recovered.empty()) throw lost;
   for (const auto& owner : recovered) {
     if (restored) restored(owner.worker);
+    const auto since_failure =
+        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - failed_at).count();
+    if (owner.served_by != owner.worker) {
+      // Hot standby: nothing lost, nothing waited for but the take-over itself.
+      fmt::print(
+          "{}: worker '{}' was lost; its backup '{}' took over what it held (every step that "
+          "returned to a trainer), {} ({} ms); stepping again {} ms after the failed step\n",
+          name, owner.worker, owner.served_by,
+          owner.restored_here ? "made there by this trainer" : "made there by another trainer",
+          owner.waited.count(), since_failure);
+      continue;
+    }
     // What the loss cost: the server's updates since the snapshot, of every trainer.
     const std::string from =
         !owner.backup.empty()
@@ -82,7 +95,7 @@ std::vector<dist_optim::RecoveredOwner> recover_servers(
         "{}: worker '{}' is back; {} what it held from {}; stepping again {} ms after the "
         "failed step\n",
         name, owner.worker, owner.restored_here ? "restored" : "another trainer restored", from,
-        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - failed_at).count());
+        since_failure);
   }
   std::fflush(stdout);
   return recovered;

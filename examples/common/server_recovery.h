@@ -50,6 +50,9 @@ struct ServerHeld {
   /// Each server's backup when the optimizer's steps are replicated (replicate_steps): a lost
   /// server comes back from its backup's copies rather than from the snapshot.
   distoptim::dist_optim::ReplicaOptions::Backups backups = {};
+  /// With backups: a lost server's backup serves what it held at once, without waiting for the
+  /// server to come back (RecoveryOptions::hot_standby).
+  bool hot_standby = false;
 };
 
 /// Each of `servers` backed up by the next, the last by the first: {{"ps0", "ps1"}, {"ps1",
