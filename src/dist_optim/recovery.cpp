@@ -94,15 +94,16 @@ struct Bound {
 };
 
 // Makes (the restorer) or takes (the others) the lost shards and modules at `place` and binds
-// the handles and the optimizer to them.
-Bound bind_anew(const std::string& lost_worker, const Place& place, bool restorer,
+// the handles and the optimizer to them. `from_copies`: the rows are loaded at once from a
+// backup's copies, so the restorer's shards are made without drawing initial rows.
+Bound bind_anew(const std::string& lost_worker, const Place& place, bool restorer, bool from_copies,
                 DistributedOptimizer& optimizer, const LostParts& lost) {
   Bound bound;
   std::vector<rpc::RRef<rpc::EmbeddingShard>> shards;
   for (const LostParts::Shard& l : lost.shards) {
     const std::string& key = l.table->shard_key(l.shard);
     shards.push_back(
-        restorer ? l.table->make_shard(l.shard, place.worker)
+        restorer ? l.table->make_shard(l.shard, place.worker, /*initial_rows=*/!from_copies)
                  : rpc::remote<rpc::EmbeddingShard>(
                        place.worker, kBoardObject, std::tuple{board_object_key(place.board, key)}));
     bound.keys.push_back(key);
@@ -226,7 +227,7 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
                 /*restored_from_them=*/true);
   };
   if (state.outcome != kYouRestore) {
-    bind_anew(worker, place, /*restorer=*/false, optimizer, lost);
+    bind_anew(worker, place, /*restorer=*/false, /*from_copies=*/false, optimizer, lost);
     if (!result.backup.empty()) {
       from_backup(/*with_value=*/false);
     } else {
@@ -237,7 +238,8 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
     return result;
   }
   restore_and_publish(worker, place, [&] {
-    Bound bound = bind_anew(worker, place, /*restorer=*/true, optimizer, lost);
+    Bound bound =
+        bind_anew(worker, place, /*restorer=*/true, !result.backup.empty(), optimizer, lost);
     result.restored_here = true;
     const std::optional<SnapshotInfo> latest =
         options.snapshot_directory().empty() || !result.backup.empty()
@@ -286,13 +288,14 @@ RecoveredOwner take_over_on_backup(const std::string& worker, int old_id, const 
   };
   if (restorer) {
     restore_and_publish(worker, place, [&] {
-      Bound bound = bind_anew(worker, place, /*restorer=*/true, optimizer, lost);
+      Bound bound =
+          bind_anew(worker, place, /*restorer=*/true, /*from_copies=*/true, optimizer, lost);
       load(bound);
       return std::pair{std::move(bound), int64_t{-1}};
     });
     result.restored_here = true;
   } else {
-    load(bind_anew(worker, place, /*restorer=*/false, optimizer, lost));
+    load(bind_anew(worker, place, /*restorer=*/false, /*from_copies=*/false, optimizer, lost));
   }
   // The backup's optimizer of this trainer, its own parameters and the lost one's, replicates
   // to the backup's backup (the lost worker, as a rule: its next incarnation takes everything).

@@ -1,6 +1,7 @@
 #include "remote_optimizer.h"
 
 #include <mutex>
+#include <optional>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -361,18 +362,15 @@ void RemoteOptimizer::commit(int64_t index, bool with_value) {
                     kLoadSnapshot, ": parameter ", index, " on worker '",
                     rpc::get_worker_info().name, "' has shape ", target.sizes(),
                     ", what was staged ", it->second.value.sizes());
-  optim::OptimizerStateDict state = optimizer_->state_dict();
-  if (it->second.has_state) {
-    state.state[index] = std::move(it->second.state);
-  } else {
-    state.state.erase(index);
-  }
-  optimizer_->check_state_dict(state);
+  // This parameter's state alone: the others' (a merged optimizer holds another server's
+  // parameters beside its own) are not copied.
+  std::optional<optim::OptimizerStateDict::State> state;
+  if (it->second.has_state) state = std::move(it->second.state);
   {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     at::NoGradGuard no_grad;
+    optimizer_->load_param_state(index, state);  // checked first: on error nothing changed
     if (with_value) target.copy_(it->second.value);
-    optimizer_->load_state_dict(state);
   }
   staged_.erase(it);
 }

@@ -245,18 +245,14 @@ void RemoteOptimizer::take_state(rpc::RRef<RemoteOptimizer> from, std::vector<in
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  optim::OptimizerStateDict state = optimizer_->state_dict();
+  for (const int64_t index : to_indices) param(index, "DistributedOptimizer::rebind", false);
   for (const int64_t index : to_indices) {
-    param(index, "DistributedOptimizer::rebind", /*table=*/false);
     auto it = taken.find(index);
-    if (it == taken.end()) {
-      state.state.erase(index);
-    } else {
-      state.state[index] = std::move(it->second);
-    }
+    optimizer_->load_param_state(
+        index, it == taken.end()
+                   ? std::nullopt
+                   : std::optional<optim::OptimizerStateDict::State>(std::move(it->second)));
   }
-  optimizer_->check_state_dict(state);
-  optimizer_->load_state_dict(state);
 }
 
 }  // namespace detail

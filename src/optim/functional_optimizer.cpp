@@ -1,6 +1,7 @@
 #include <distoptim/optim/functional_optimizer.h>
 
 #include <algorithm>
+#include <optional>
 #include <unordered_set>
 
 #include <ATen/core/grad_mode.h>
@@ -327,44 +328,68 @@ void FunctionalOptimizer::check_state_dict(const OptimizerStateDict& dict) const
     check_options(dict.defaults.merged_with(dict.param_groups[g].overrides));
   }
   check_options(dict.defaults);
-  for (const auto& item : dict.state) {
-    const int64_t i = item.first;
-    TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), name_,
-                      ".load_state_dict: state for parameter ", i, " but the optimizer has ",
-                      params_.size(), " parameters");
-    TORCH_CHECK_VALUE(item.second.step >= 0, name_, ".load_state_dict: parameter ", i, " has step ",
-                      item.second.step);
-    const at::Tensor& p = params_[i];
-    for (const auto& buf : item.second.buffers) {
-      TORCH_CHECK_VALUE(
-          std::find(state_names_.begin(), state_names_.end(), buf.first) != state_names_.end(),
-          name_, ".load_state_dict: unknown state '", buf.first, "' for parameter ", i);
-      TORCH_CHECK_VALUE(buf.second.defined() && buf.second.sizes() == p.sizes(), name_,
-                        ".load_state_dict: state '", buf.first, "' of parameter ", i, " has shape ",
-                        buf.second.defined() ? buf.second.sizes() : at::IntArrayRef{},
-                        ", the parameter ", p.sizes());
-      // A sparse tensor would pass the checks above and fail only in load_state_dict's copy.
-      TORCH_CHECK_VALUE(buf.second.layout() == at::kStrided, name_, ".load_state_dict: state '",
-                        buf.first, "' of parameter ", i, " has layout ", buf.second.layout(),
-                        "; state must be dense");
-    }
+  for (const auto& item : dict.state) check_param_state(item.first, item.second, "load_state_dict");
+}
+
+void FunctionalOptimizer::check_param_state(int64_t i, const OptimizerStateDict::State& state,
+                                            const char* method) const {
+  TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), name_, ".", method,
+                    ": state for parameter ", i, " but the optimizer has ", params_.size(),
+                    " parameters");
+  TORCH_CHECK_VALUE(state.step >= 0, name_, ".", method, ": parameter ", i, " has step ",
+                    state.step);
+  const at::Tensor& p = params_[i];
+  for (const auto& buf : state.buffers) {
+    TORCH_CHECK_VALUE(
+        std::find(state_names_.begin(), state_names_.end(), buf.first) != state_names_.end(), name_,
+        ".", method, ": unknown state '", buf.first, "' for parameter ", i);
+    TORCH_CHECK_VALUE(buf.second.defined() && buf.second.sizes() == p.sizes(), name_, ".", method,
+                      ": state '", buf.first, "' of parameter ", i, " has shape ",
+                      buf.second.defined() ? buf.second.sizes() : at::IntArrayRef{},
+                      ", the parameter ", p.sizes());
+    // A sparse tensor would pass the checks above and fail only in the copy.
+    TORCH_CHECK_VALUE(buf.second.layout() == at::kStrided, name_, ".", method, ": state '",
+                      buf.first, "' of parameter ", i, " has layout ", buf.second.layout(),
+                      "; state must be dense");
   }
+}
+
+ParamState FunctionalOptimizer::own_state(int64_t i, const OptimizerStateDict::State& state) const {
+  ParamState own;
+  own.buffers.resize(state_names_.size());
+  own.step = state.step;
+  for (const auto& buf : state.buffers) {
+    at::Tensor copy = new_state_buffer(params_[i]);
+    copy.copy_(buf.second);
+    const auto slot = std::find(state_names_.begin(), state_names_.end(), buf.first);
+    own.buffers[slot - state_names_.begin()] = std::move(copy);
+  }
+  return own;
+}
+
+void FunctionalOptimizer::load_param_state(int64_t i,
+                                           const std::optional<OptimizerStateDict::State>& state) {
+  check_portable_state("load_param_state");
+  ParamState own;
+  if (state) {
+    check_param_state(i, *state, "load_param_state");
+    own = own_state(i, *state);
+  } else {
+    TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), name_,
+                      ".load_param_state: parameter ", i, " but the optimizer has ", params_.size(),
+                      " parameters");
+    own.buffers.resize(state_names_.size());
+  }
+  states_[i] = std::move(own);
+  // New buffers may reuse the addresses of the old ones: no cached entry may match them.
+  ++step_cache_->generation;
 }
 
 void FunctionalOptimizer::load_state_dict(const OptimizerStateDict& dict) {
   check_state_dict(dict);
   std::vector<ParamState> new_states(states_.size());
   for (auto& s : new_states) s.buffers.resize(state_names_.size());
-  for (const auto& item : dict.state) {
-    const at::Tensor& p = params_[item.first];
-    new_states[item.first].step = item.second.step;
-    for (const auto& buf : item.second.buffers) {
-      at::Tensor own = new_state_buffer(p);
-      own.copy_(buf.second);
-      const auto slot = std::find(state_names_.begin(), state_names_.end(), buf.first);
-      new_states[item.first].buffers[slot - state_names_.begin()] = std::move(own);
-    }
-  }
+  for (const auto& item : dict.state) new_states[item.first] = own_state(item.first, item.second);
   // Checked and built: commit.
   defaults_ = dict.defaults;
   for (size_t g = 0; g < groups_.size(); ++g) {

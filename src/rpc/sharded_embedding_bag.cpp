@@ -77,14 +77,16 @@ struct RowLookup : torch::autograd::Function<RowLookup> {
 }  // namespace
 
 EmbeddingShard::EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype,
-                               int64_t seed)
+                               int64_t seed, int64_t initial)
     : first_row_(first_row) {
   TORCH_CHECK_VALUE(first_row >= 0 && rows >= 1 && dim >= 1, "EmbeddingShard: rows [", first_row,
                     ", ", first_row + rows, ") of dimension ", dim);
   const auto type = static_cast<c10::ScalarType>(dtype);
   TORCH_CHECK_VALUE(type == c10::ScalarType::Float || type == c10::ScalarType::Double,
                     "EmbeddingShard: dtype ", dtype, " (float32 or float64)");
-  weight = register_parameter("weight", initial_rows(first_row, rows, dim, type, seed));
+  weight = register_parameter(
+      "weight", initial != 0 ? initial_rows(first_row, rows, dim, type, seed)
+                             : at::zeros({rows, dim}, at::TensorOptions().dtype(type)));
 }
 
 at::Tensor EmbeddingShard::forward(const at::Tensor& local_ids) {
@@ -175,8 +177,8 @@ const std::string& ShardedEmbeddingBag::shard_owner(size_t shard) const {
   return shards_[shard]->remote_device().worker_name;
 }
 
-RRef<EmbeddingShard> ShardedEmbeddingBag::make_shard(size_t shard,
-                                                     const std::string& worker) const {
+RRef<EmbeddingShard> ShardedEmbeddingBag::make_shard(size_t shard, const std::string& worker,
+                                                     bool initial_rows) const {
   TORCH_CHECK_INDEX(shard + 1 < first_rows_.size(), "ShardedEmbeddingBag::make_shard: shard ",
                     shard, " of ", first_rows_.size() - 1);
   // Before the constructor's handles exist, a shard's owner is the options' worker.
@@ -186,8 +188,8 @@ RRef<EmbeddingShard> ShardedEmbeddingBag::make_shard(size_t shard,
   return remote<EmbeddingShard>(
       owner, kShardClass,
       std::tuple{first_rows_[shard], first_rows_[shard + 1] - first_rows_[shard],
-                 options_.embedding_dim(), static_cast<int64_t>(options_.dtype()),
-                 options_.seed()});
+                 options_.embedding_dim(), static_cast<int64_t>(options_.dtype()), options_.seed(),
+                 int64_t{initial_rows ? 1 : 0}});
 }
 
 void ShardedEmbeddingBag::rebind_shard(size_t shard, RRef<EmbeddingShard> module) {
@@ -325,7 +327,7 @@ namespace detail {
 void register_embedding_shard() {
   static std::once_flag once;
   std::call_once(once, [] {
-    register_internal_class<EmbeddingShard, int64_t, int64_t, int64_t, int64_t, int64_t>(
+    register_internal_class<EmbeddingShard, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>(
         kShardClass);
     register_module_methods<EmbeddingShard>(kShardClass);
     register_method<EmbeddingShard>(kShardClass, "load_rows", &EmbeddingShard::load_rows);

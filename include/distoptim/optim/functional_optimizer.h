@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -152,8 +153,20 @@ class FunctionalOptimizer {
   /// Checks `dict` as load_state_dict does and throws what it would throw, changing nothing:
   /// after it returns, load_state_dict(dict) can fail only by running out of memory.
   void check_state_dict(const OptimizerStateDict& dict) const;
+  /// Replaces parameter `param_index`'s state alone with `state` (copied into this optimizer's
+  /// own storage), or with none (nullopt: as before its first step); the other parameters' state
+  /// and every option stay. What load_state_dict checks of one parameter is checked first; on
+  /// error nothing changes. A lost server's parameters loaded into an optimizer that holds others
+  /// too (dist_optim's recoveries) cost their own size, not the whole state's.
+  void load_param_state(int64_t param_index, const std::optional<OptimizerStateDict::State>& state);
 
  protected:
+  /// What load_state_dict checks of parameter `i`'s `state`; `method` names the caller.
+  void check_param_state(int64_t i, const OptimizerStateDict::State& state,
+                         const char* method) const;
+  /// `state` copied into buffers of this optimizer's own, laid out like parameter `i`.
+  ParamState own_state(int64_t i, const OptimizerStateDict::State& state) const;
+
   /// `defaults` must hold every option key of the concrete optimizer.
   FunctionalOptimizer(std::string name, std::vector<std::string> state_names, OptionBag defaults);
 

@@ -68,7 +68,10 @@ struct ShardedEmbeddingBagOptions {
 /// One shard on its owner: rows [first_row, first_row + rows) of the table. Internal to
 /// ShardedEmbeddingBag (registered in every process that runs the rpc layer).
 struct EmbeddingShard : torch::nn::Module {
-  EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype, int64_t seed);
+  /// `initial`: 1, the rows a new table starts with (from the seed); 0, zeros (rows that are
+  /// loaded at once, from a backup's copy: drawing them would be wasted).
+  EmbeddingShard(int64_t first_row, int64_t rows, int64_t dim, int64_t dtype, int64_t seed,
+                 int64_t initial);
   /// The rows of `local_ids` (shard-relative), with a sparse gradient (LibTorch's sparse
   /// embedding's). The rows are copied under an rpc::RowReadGuard, so a lookup never carries a
   /// row half-updated by a trainer's step; the backward does not keep the weight, so steps
@@ -141,8 +144,10 @@ class ShardedEmbeddingBag : public torch::nn::Module {
   /// backup takes it over (dist_optim/recovery.h, hot_standby).
   const std::string& shard_owner(size_t shard) const;
   /// Creates shard `shard` anew on `worker` (empty: its current owner), its rows as a new
-  /// table's (from the seed), and returns the reference to it; the handle is not changed.
-  RRef<EmbeddingShard> make_shard(size_t shard, const std::string& worker = {}) const;
+  /// table's (from the seed; zeros without `initial_rows`, for rows loaded at once), and returns
+  /// the reference to it; the handle is not changed.
+  RRef<EmbeddingShard> make_shard(size_t shard, const std::string& worker = {},
+                                  bool initial_rows = true) const;
   /// Binds shard `shard` to `module`, a shard of the same rows (make_shard's, or another
   /// handle's after it); its owner becomes the shard's owner. Throws c10::ValueError for an
   /// empty reference, c10::IndexError for a shard out of range, changing nothing. Not while a
