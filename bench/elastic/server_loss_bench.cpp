@@ -123,7 +123,7 @@ struct Round {
 };
 
 // One run of the job; `replicas`: with the example's --replicas (each server backed up by the
-// other, the lost one restored from its backup's copies rather than from the snapshot).
+// other; the lost one's backup takes over what it held, hot standby, rather than a restart).
 Round run_round(const Config& config, bool replicas, const fs::path& out_dir) {
   fs::remove_all(out_dir);
   std::unique_ptr<testing::EtcdServer> etcd;
@@ -321,8 +321,8 @@ int run(int argc, char** argv) {
       config.kill_server == 0 ? " (the group in a real etcd on loopback)" : "",
       config.snapshot_every,
       compare_replicas ? "; each round runs the job twice, alternating: as so, then with "
-                         "--replicas (each server backed up by the other; the lost one restored "
-                         "from its backup)"
+                         "--replicas (each server backed up by the other; the lost one's backup "
+                         "takes over what it held at once, hot standby)"
                        : "");
   const std::string no_pytorch = "no PyTorch side: a PyTorch 1.13 RPC job ends when a worker dies";
 

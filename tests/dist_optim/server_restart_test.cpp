@@ -557,14 +557,18 @@ void train_late_replicated() {
   rpc::shutdown();
 }
 
-TEST(ServerRestart, AReplicatedServerComesBackFromItsBackupWithEveryStepThatReturned) {
+// The five processes of a replicated server's death (the two tests below): ps0; the first ps1,
+// which SIGKILLs itself at "kill_ps1"; the trainer (`train`); the second ps1, which joins at
+// `second_joins_at`; the second trainer (`train_late`). Everyone leaves at "done".
+void run_replicated_death(const char* turns_key, const char* second_joins_at, void (*train)(),
+                          void (*train_late)()) {
   testing::RunRanksOptions run;
   run.deadline = 300s;
   run.expected_signals = {{1, SIGKILL}};
   testing::run_ranks(
       5,
-      [](int rank, int) {
-        testing::StoreTurns turns(rank, kReplicaTurns);
+      [=](int rank, int) {
+        testing::StoreTurns turns(rank, turns_key);
         if (rank == 0) {
           g_name = "ps0";
           rpc::init_rpc("ps0", 0, options());
@@ -577,19 +581,23 @@ TEST(ServerRestart, AReplicatedServerComesBackFromItsBackupWithEveryStepThatRetu
           ::kill(::getpid(), SIGKILL);
         } else if (rank == 2) {
           rpc::init_rpc("trainer", rpc::kAssignRank, options());
-          train_replicated();
+          train();
         } else if (rank == 3) {
           g_name = "second ps1";
-          turns.store->wait({"ps1_lost"}, 240s);
+          turns.store->wait({second_joins_at}, 240s);
           rpc::init_rpc("ps1", rpc::kAssignRank, options().name_wait(60s));
           turns.store->wait({"done"}, 240s);
           rpc::shutdown();
         } else {
           rpc::init_rpc("trainer2", rpc::kAssignRank, options());
-          train_late_replicated();
+          train_late();
         }
       },
       run);
+}
+
+TEST(ServerRestart, AReplicatedServerComesBackFromItsBackupWithEveryStepThatReturned) {
+  run_replicated_death(kReplicaTurns, "ps1_lost", train_replicated, train_late_replicated);
 }
 
 // Hot standby: when ps1 dies, ps0, its backup, takes over its table shard and its module (made
@@ -724,38 +732,7 @@ void train_late_hot_standby() {
 }
 
 TEST(ServerRestart, ABackupTakesOverALostServerAtOnceWithEveryStepThatReturned) {
-  testing::RunRanksOptions run;
-  run.deadline = 300s;
-  run.expected_signals = {{1, SIGKILL}};
-  testing::run_ranks(
-      5,
-      [](int rank, int) {
-        testing::StoreTurns turns(rank, kHotTurns);
-        if (rank == 0) {
-          g_name = "ps0";
-          rpc::init_rpc("ps0", 0, options());
-          turns.store->wait({"done"}, 240s);
-          rpc::shutdown();
-        } else if (rank == 1) {
-          g_name = "first ps1";
-          rpc::init_rpc("ps1", rpc::kAssignRank, options());
-          turns.store->wait({"kill_ps1"}, 240s);
-          ::kill(::getpid(), SIGKILL);
-        } else if (rank == 2) {
-          rpc::init_rpc("trainer", rpc::kAssignRank, options());
-          train_hot_standby();
-        } else if (rank == 3) {
-          g_name = "second ps1";
-          turns.store->wait({"ps1_may_join_again"}, 240s);
-          rpc::init_rpc("ps1", rpc::kAssignRank, options().name_wait(60s));
-          turns.store->wait({"done"}, 240s);
-          rpc::shutdown();
-        } else {
-          rpc::init_rpc("trainer2", rpc::kAssignRank, options());
-          train_late_hot_standby();
-        }
-      },
-      run);
+  run_replicated_death(kHotTurns, "ps1_may_join_again", train_hot_standby, train_late_hot_standby);
 }
 
 }  // namespace
