@@ -274,37 +274,51 @@ void serve_until_trainers_finish(const Settings& s, int rank) {
   }
 }
 
+// The first server's worker id (its incarnation); -1 while no member has its name.
+int first_server_id() {
+  try {
+    return rpc::get_worker_info(kFirstServer).id;
+  } catch (const c10::ValueError&) {
+    return -1;
+  }
+}
+
 // Hands the first server the model's references as they now are (a restored server's shard and
 // module among them, or the parts a backup took over), which it hands to trainers that join
-// later; false when it could not (the first server is the one lost, and not back yet).
-bool hand_back_references(const std::string& name, const click_through::ClickModel& model) {
+// later; on success `references_at` becomes the first server's worker id (its incarnation). Says
+// so when it could not (the first server is lost, and not back yet).
+void hand_back_references(const std::string& name, const click_through::ClickModel& model,
+                          int& references_at) {
   try {
+    const int first_server = rpc::get_worker_info(kFirstServer).id;
     rpc::rpc_sync<void>(kFirstServer, "click_through.publish_model",
                         std::make_tuple(model.references()));
-    return true;
+    references_at = first_server;
   } catch (const c10::Error& e) {
     fmt::print("{}: could not hand the model's references back to {} yet: {}\n", name, kFirstServer,
                examples::one_line(e.what_without_backtrace()));
     std::fflush(stdout);
-    return false;
   }
 }
 
 // --elastic: after a step failed because a server was lost, binds `optimizer` and the model's
 // table and MLP to the server started in its place and gives it back what it held, or, with
 // --replicas, to the lost server's backup, which serves what it held at once. The first server
-// gets the model's references as they now are; `references_pending` says whether that is still
-// owed (the first server is the one lost: handed once it is back).
+// gets the model's references as they now are (`references_at`: the incarnation of the first
+// server that holds them; a first server lost meanwhile gets them once it is back).
 void recover(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
              distoptim::dist_optim::DistributedOptimizer& optimizer,
              click_through::ClickModel& model, const fs::path& snapshots,
              const distoptim::dist_optim::ReplicaOptions::Backups& backups, bool reporter,
-             examples::StepCounts& counts, bool& references_pending) {
+             examples::StepCounts& counts, int& references_at) {
   const auto recovered = examples::recover_servers(
       name, step, lost,
       {&optimizer, {&model.table()}, {&model.mlp()}, backups, /*hot_standby=*/!backups.empty()},
-      snapshots,
-      [&](const std::string&) { references_pending = !hand_back_references(name, model); });
+      snapshots, [&](const std::string&) {
+        // Changed references: every incarnation of the first server must get them again.
+        references_at = -1;
+        hand_back_references(name, model, references_at);
+      });
   // The reporter writes the snapshots: another trainer that restores from one takes its state.
   for (const auto& owner : recovered) {
     if (owner.restored_here && owner.snapshot_step && !reporter) {
@@ -346,7 +360,9 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   // The steps of this slot the servers' optimizer state counts (a predecessor's, taken over).
   examples::StepCounts counts;
   // Whether the first server still lacks the model's references as they now are.
-  bool references_pending = false;
+  // The incarnation of the first server that holds this trainer's model references (it
+  // published them itself at the start; a first server started again has none).
+  int references_at = s.elastic ? first_server_id() : -1;
   // Under --elastic, `fn` again after a server was lost, once it is back and restored.
   const auto while_servers_come_back = [&](int64_t step, const std::function<void()>& fn) {
     for (;;) {
@@ -356,7 +372,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       } catch (const distoptim::PeerLostError& lost) {
         if (!s.elastic) throw;
         recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts,
-                references_pending);
+                references_at);
       }
     }
   };
@@ -505,7 +521,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       if (s.elastic) {
         // A first server that died waits here until it is back: then it gets the references.
         examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
-        if (references_pending) references_pending = !hand_back_references(name, *model);
+        if (first_server_id() != references_at) hand_back_references(name, *model, references_at);
       }
       if (reporter && step % eval_every == 0 && step < s.steps) report(step);
       failed_in_a_row = 0;
@@ -514,7 +530,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       // The batch is dropped: its step may have reached the servers that lived.
       if (!returned) ++counts.failed;
       recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts,
-              references_pending);
+              references_at);
       // --replicas: the restored server holds every step of this trainer that returned.
       if (s.replicas) {
         while_servers_come_back(step, [&] {
