@@ -63,10 +63,12 @@
 // the trainers bind their table, MLP and optimizer to the new process, the first of them giving
 // it back its shard (and the MLP, on the first server) from the latest snapshot
 // (dist_optim::recover_lost_owners), and go on; what the loss cost (the server's updates since
-// that snapshot, the time until the trainers stepped again) is printed. The first server also
-// keeps the trainer slots: started again, it reads them back from its log, and the trainers'
-// reports wait for it meanwhile. Over the TCP store the first server hosts the group and cannot
-// come back; with the membership in etcd (distrun --rdzv-backend etcd) any server can.
+// that snapshot, the time until the trainers stepped again) is printed. The snapshots hold the
+// first trainer's Adagrad state: it says how many of its steps the restore lost, and checks they
+// are exactly those since that snapshot; another trainer's state there starts anew. The first
+// server also keeps the trainer slots: started again, it reads them back from its log, and the
+// trainers' reports wait for it meanwhile. Over the TCP store the first server hosts the group and
+// cannot come back; with the membership in etcd (distrun --rdzv-backend etcd) any server can.
 // --kill-server-at STEP makes the last server (or --kill-server K) SIGKILL itself once the
 // trainers have taken STEP steps each:
 //
@@ -309,7 +311,7 @@ void hand_back_references(const std::string& name, const click_through::ClickMod
 void recover(const std::string& name, int64_t step, const distoptim::PeerLostError& lost,
              distoptim::dist_optim::DistributedOptimizer& optimizer,
              click_through::ClickModel& model, const fs::path& snapshots,
-             const distoptim::dist_optim::ReplicaOptions::Backups& backups, bool reporter,
+             const distoptim::dist_optim::ReplicaOptions::Backups& backups,
              examples::StepCounts& counts, int& references_at) {
   const auto recovered = examples::recover_servers(
       name, step, lost,
@@ -319,12 +321,8 @@ void recover(const std::string& name, int64_t step, const distoptim::PeerLostErr
         references_at = -1;
         hand_back_references(name, model, references_at);
       });
-  // The reporter writes the snapshots: another trainer that restores from one takes its state.
-  for (const auto& owner : recovered) {
-    if (owner.restored_here && owner.snapshot_step && !reporter) {
-      counts.inherited.insert(owner.worker);
-    }
-  }
+  // Without replicas: what each restore from a snapshot lost of this trainer's steps.
+  if (backups.empty()) examples::account_restores(name, counts, optimizer, recovered);
 }
 
 // `rank`: the trainer's slot under --elastic.
@@ -371,8 +369,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         return;
       } catch (const distoptim::PeerLostError& lost) {
         if (!s.elastic) throw;
-        recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts,
-                references_at);
+        recover(name, step, lost, optimizer, *model, snapshots_dir, backups, counts, references_at);
       }
     }
   };
@@ -514,7 +511,10 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         ++counts.returned;
         loss_value = loss.item<double>();
       }
-      if (snapshots) examples::take_snapshot_if_due(*snapshots, name, step);
+      if (snapshots) {
+        examples::take_snapshot_if_due(*snapshots, name, step);
+        examples::note_snapshot_begun(*snapshots, counts);
+      }
       samples_trained += s.batch;
       train_loss_sum += loss_value;
       ++train_loss_count;
@@ -529,13 +529,11 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       if (!s.elastic) throw;
       // The batch is dropped: its step may have reached the servers that lived.
       if (!returned) ++counts.failed;
-      recover(name, step, lost, optimizer, *model, snapshots_dir, backups, reporter, counts,
-              references_at);
+      recover(name, step, lost, optimizer, *model, snapshots_dir, backups, counts, references_at);
       // --replicas: the restored server holds every step of this trainer that returned.
       if (s.replicas) {
-        while_servers_come_back(step, [&] {
-          examples::check_applied_steps(name, counts, optimizer, /*replicated=*/true);
-        });
+        while_servers_come_back(step,
+                                [&] { examples::check_applied_steps(name, counts, optimizer); });
       }
     } catch (const rpc::RemoteError& error) {
       // --replicas: a server whose backup died after answering its own part of the step fails
@@ -575,8 +573,8 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   }
   // Whether the servers hold every step of this trainer that returned, and none twice.
   if (s.elastic) {
-    while_servers_come_back(
-        s.steps, [&] { examples::check_applied_steps(name, counts, optimizer, s.replicas); });
+    while_servers_come_back(s.steps,
+                            [&] { examples::check_applied_steps(name, counts, optimizer); });
   }
   // Last: the servers serve until every slot has finished, the reporter's evaluations included.
   if (s.elastic) examples::report_finish(kFirstServer, rank, name);

@@ -122,6 +122,15 @@ std::map<std::string, int64_t> applied_steps(const dist_optim::DistributedOptimi
   return applied;
 }
 
+// Of a trainer's steps that returned, those server `worker` no longer counts (lost by restores).
+int64_t lost_on(const std::map<std::string, int64_t>& lost, const std::string& worker) {
+  const auto it = lost.find(worker);
+  return it == lost.end() ? 0 : it->second;
+}
+int64_t lost_on(const StepCounts& counts, const std::string& worker) {
+  return lost_on(counts.lost, worker);
+}
+
 }  // namespace
 
 StepCounts adopted_step_counts(const dist_optim::DistributedOptimizer& optimizer) {
@@ -138,24 +147,77 @@ StepCounts adopted_step_counts(const dist_optim::DistributedOptimizer& optimizer
   return counts;
 }
 
-void check_applied_steps(const std::string& name, const StepCounts& counts,
-                         const dist_optim::DistributedOptimizer& optimizer, bool replicated) {
+void note_snapshot_begun(const dist_optim::SnapshotSchedule& snapshots, StepCounts& counts) {
+  const std::optional<int64_t> writing = snapshots.writing();
+  if (!writing || counts.at_snapshot.count(*writing) > 0) return;
+  counts.at_snapshot[*writing] = {counts.returned, counts.failed, counts.lost};
+  // A restore loads one of the newest few: the schedule keeps two complete ones.
+  while (counts.at_snapshot.size() > 4) counts.at_snapshot.erase(counts.at_snapshot.begin());
+}
+
+void account_restores(const std::string& name, StepCounts& counts,
+                      const dist_optim::DistributedOptimizer& optimizer,
+                      const std::vector<dist_optim::RecoveredOwner>& recovered) {
   const std::map<std::string, int64_t> applied = applied_steps(optimizer);
+  for (const auto& owner : recovered) {
+    if (!owner.backup.empty() || owner.served_by != owner.worker) continue;
+    const auto it = applied.find(owner.worker);
+    const int64_t there = it == applied.end() ? 0 : it->second;
+    // The steps this server counted of this trainer's before it died, and what it lost of them.
+    const int64_t lost_before = lost_on(counts, owner.worker);
+    const int64_t lost = counts.returned - lost_before - there;
+    counts.lost[owner.worker] = counts.returned - there;
+    if (!owner.snapshot_step || owner.state_step != owner.snapshot_step) {
+      fmt::print(
+          "{}: worker '{}': this trainer's optimizer state there starts anew (the snapshot "
+          "holds another trainer's): its {} steps there no longer count\n",
+          name, owner.worker, lost);
+      continue;
+    }
+    const auto at = counts.at_snapshot.find(*owner.snapshot_step);
+    TORCH_CHECK(at != counts.at_snapshot.end(), name, ": worker '", owner.worker,
+                "' came back from this trainer's snapshot of step ", *owner.snapshot_step,
+                ", which it did not take");
+    const StepCounts::AtSnapshot& then = at->second;
+    const int64_t held_then = then.returned - lost_on(then.lost, owner.worker);
+    // A step that failed before the snapshot may have reached this server, and so be in it.
+    TORCH_CHECK(there >= held_then && there <= held_then + then.failed, name, ": worker '",
+                owner.worker, "' came back from the snapshot of step ", *owner.snapshot_step,
+                " holding ", there, " of this trainer's steps; it held ", held_then,
+                " of those that had returned (and at most ", then.failed,
+                " that failed) when the snapshot began");
+    fmt::print(
+        "{}: worker '{}' lost {} of this trainer's steps that returned: those since the "
+        "snapshot of step {} ({})\n",
+        name, owner.worker, lost, *owner.snapshot_step, counts.returned - then.returned);
+  }
+  std::fflush(stdout);
+}
+
+void check_applied_steps(const std::string& name, const StepCounts& counts,
+                         const dist_optim::DistributedOptimizer& optimizer) {
+  const std::map<std::string, int64_t> applied = applied_steps(optimizer);
+  // Per server, the steps that returned less those a restore from a snapshot lost.
   std::string by_server;
   for (const auto& [worker, steps] : applied) {
-    by_server += fmt::format("{}{} {}", by_server.empty() ? "" : ", ", worker, steps);
+    by_server += fmt::format("{}{} {} of {}", by_server.empty() ? "" : ", ", worker, steps,
+                             counts.returned - lost_on(counts, worker));
   }
-  fmt::print("{}: {} steps returned, {} failed; applied by server: {}\n", name, counts.returned,
-             counts.failed, by_server);
+  fmt::print(
+      "{}: {} steps returned, {} failed; applied by server (of those that returned, less "
+      "those a restore lost): {}\n",
+      name, counts.returned, counts.failed, by_server);
   std::fflush(stdout);
   for (const auto& [worker, steps] : applied) {
-    if (counts.inherited.count(worker) > 0) continue;
-    TORCH_CHECK(steps <= counts.returned + counts.failed, name, ": server '", worker, "' applied ",
-                steps, " of its steps, more than the ", counts.returned, " that returned and ",
-                counts.failed, " that failed: a step applied twice");
-    TORCH_CHECK(!replicated || steps >= counts.returned, name, ": server '", worker, "' applied ",
-                steps, " of its ", counts.returned,
-                " steps that returned, though replicated: ", counts.returned - steps, " lost");
+    const int64_t lost = lost_on(counts, worker);
+    const int64_t returned = counts.returned - lost;
+    TORCH_CHECK(steps <= returned + counts.failed, name, ": server '", worker, "' applied ", steps,
+                " of its steps, more than the ", returned, " that returned (", lost,
+                " lost by a restore before) and ", counts.failed,
+                " that failed: a step applied twice");
+    TORCH_CHECK(steps >= returned, name, ": server '", worker, "' applied ", steps, " of its ",
+                returned, " steps that returned (", lost,
+                " lost by a restore before): ", returned - steps, " lost");
   }
 }
 

@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -63,11 +63,33 @@ distoptim::dist_optim::ReplicaOptions::Backups backup_ring(const std::vector<std
 struct StepCounts {
   int64_t returned = 0;
   int64_t failed = 0;
-  /// Servers whose optimizer state this trainer took from another trainer's snapshot (it
-  /// restored them: recovery.h loads the snapshot's state into the restorer's optimizer), so
-  /// that their step counts are that trainer's: not checked against this trainer's steps.
-  std::set<std::string> inherited;
+  /// Per server restored from a snapshot: this trainer's steps that had returned and its
+  /// optimizer state there no longer counts (returned minus its step count there, just after
+  /// the restore): the trainer's steps since the snapshot, or all of them when its state there
+  /// started anew.
+  std::map<std::string, int64_t> lost;
+  /// The counts when each of this trainer's snapshots began (by the schedule's step): a server
+  /// restored from one holds exactly the steps that had returned then, less those an earlier
+  /// restore had lost.
+  struct AtSnapshot {
+    int64_t returned = 0;
+    int64_t failed = 0;
+    std::map<std::string, int64_t> lost;
+  };
+  std::map<int64_t, AtSnapshot> at_snapshot;
 };
+
+/// After `snapshots.step()`: notes `counts` as they stand for a snapshot begun just now.
+void note_snapshot_begun(const distoptim::dist_optim::SnapshotSchedule& snapshots,
+                         StepCounts& counts);
+
+/// After recover_servers without replicas: for each server restored from a snapshot, how many
+/// of worker `name`'s steps that returned it lost (noted in counts.lost, printed). When the
+/// snapshot holds this trainer's optimizer state (it wrote it), they must be exactly those since
+/// that snapshot: throws c10::Error naming the server and the snapshot otherwise.
+void account_restores(const std::string& name, StepCounts& counts,
+                      const distoptim::dist_optim::DistributedOptimizer& optimizer,
+                      const std::vector<distoptim::dist_optim::RecoveredOwner>& recovered);
 
 /// After take_over_replicated_state: the counts the predecessor's state brings, as
 /// check_applied_steps reads them (each server's step count): the fewest as returned, the rest as
@@ -77,13 +99,12 @@ StepCounts adopted_step_counts(const distoptim::dist_optim::DistributedOptimizer
 /// What the servers hold of worker `name`'s steps against `counts`: each server's count of the
 /// steps of `optimizer` it applied (its optimizer state's step count, the largest over its
 /// parameters there). Prints them; throws c10::Error naming the server when one holds more than
-/// returned + failed (a step applied twice) or, with `replicated`, fewer than returned (a step
-/// that returned was lost; without replicas a server restored from a snapshot holds fewer, and
-/// a trainer that did not restore it starts there without state). A server that no gradient of
-/// some step reached counts fewer: the examples' batches reach every server.
+/// returned + failed (a step applied twice) or fewer than returned (a step that returned was
+/// lost), less on a server restored from a snapshot what its restore lost (counts.lost). A
+/// server that no gradient of some step reached counts fewer: the examples' batches reach every
+/// server.
 void check_applied_steps(const std::string& name, const StepCounts& counts,
-                         const distoptim::dist_optim::DistributedOptimizer& optimizer,
-                         bool replicated);
+                         const distoptim::dist_optim::DistributedOptimizer& optimizer);
 
 /// After worker `name`'s step `step` failed with `lost`: binds `held` to every lost server once
 /// it is back (waiting for it) and gives it back what it held from the latest snapshot in

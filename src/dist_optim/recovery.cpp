@@ -4,6 +4,7 @@
 
 #include <distoptim/dist_optim/recovery.h>
 
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <set>
@@ -148,18 +149,35 @@ Bound bind_anew(const std::string& lost_worker, const Place& place, bool restore
   return bound;
 }
 
-// Loads `optimizer`'s state on `worker` from the newest snapshot in the trainer's own
-// state_directory, if it names one other than snapshot_directory; returns its step.
+// Whether the snapshot in `path` holds this trainer's optimizer state: its optimizer wrote it.
+// A snapshot that does not say whose it is counts as the restorer's (`restorer`).
+bool holds_own_state(const std::string& path, bool restorer) {
+  const std::string trainer = snapshot_trainer(path);
+  return trainer.empty() ? restorer : trainer == rpc::get_worker_info().name;
+}
+
+// Loads `optimizer`'s state on `worker` from this trainer's own snapshots: that of step
+// `snapshot_step` in snapshot_directory (which the restorer loaded the parameters from) when this
+// trainer's optimizer wrote it, else the newest in state_directory, if that names another
+// directory; returns the step of the snapshot it loaded, if any.
 std::optional<int64_t> load_own_state(const std::string& worker, DistributedOptimizer& optimizer,
                                       const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                                      const RecoveryOptions& options) {
+                                      const RecoveryOptions& options, int64_t snapshot_step) {
+  if (!options.snapshot_directory().empty() && snapshot_step >= 0) {
+    const std::string path = scheduled_snapshot_path(options.snapshot_directory(), snapshot_step);
+    if (std::filesystem::exists(std::filesystem::path(path) / "manifest.pt") &&
+        holds_own_state(path, /*restorer=*/false)) {
+      load_snapshot_into(path, optimizer, tables, worker, SnapshotPart::kState);
+      return snapshot_step;
+    }
+  }
   if (options.state_directory().empty() ||
       options.state_directory() == options.snapshot_directory()) {
     return std::nullopt;
   }
   const std::optional<SnapshotInfo> own = latest_snapshot(options.state_directory());
   if (!own) return std::nullopt;
-  load_snapshot_into(own->path, optimizer, tables, worker, /*state_only=*/true);
+  load_snapshot_into(own->path, optimizer, tables, worker, SnapshotPart::kState);
   return own->step;
 }
 
@@ -232,7 +250,7 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
       from_backup(/*with_value=*/false);
     } else {
       if (state.snapshot_step >= 0) result.snapshot_step = state.snapshot_step;
-      result.state_step = load_own_state(worker, optimizer, tables, options);
+      result.state_step = load_own_state(worker, optimizer, tables, options, state.snapshot_step);
     }
     result.waited = since(start);
     return result;
@@ -248,12 +266,18 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
     if (!result.backup.empty()) {
       from_backup(/*with_value=*/true);
     } else if (latest) {
-      load_snapshot_into(latest->path, optimizer, tables, worker);
+      // Another trainer's optimizer state is not this one's: its values alone then.
+      const bool own = holds_own_state(latest->path, /*restorer=*/true);
+      load_snapshot_into(latest->path, optimizer, tables, worker,
+                         own ? SnapshotPart::kEverything : SnapshotPart::kValues);
       result.snapshot_step = latest->step;
+      if (own) result.state_step = latest->step;
     }
     return std::pair{std::move(bound), result.snapshot_step.value_or(-1)};
   });
-  if (result.backup.empty()) result.state_step = load_own_state(worker, optimizer, tables, options);
+  if (result.backup.empty() && !result.state_step) {
+    result.state_step = load_own_state(worker, optimizer, tables, options, /*snapshot_step=*/-1);
+  }
   result.waited = since(start);
   return result;
 }

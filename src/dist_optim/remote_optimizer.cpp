@@ -349,7 +349,11 @@ void RemoteOptimizer::commit_staged(int64_t index) { commit(index, /*with_value=
 
 void RemoteOptimizer::commit_staged_state(int64_t index) { commit(index, /*with_value=*/false); }
 
-void RemoteOptimizer::commit(int64_t index, bool with_value) {
+void RemoteOptimizer::commit_staged_value(int64_t index) {
+  commit(index, /*with_value=*/true, /*with_state=*/false);
+}
+
+void RemoteOptimizer::commit(int64_t index, bool with_value, bool with_state) {
   std::lock_guard<std::mutex> lock(mutex_);
   const at::Tensor& target = param(index, kLoadSnapshot, /*table=*/false);
   auto it = staged_.find(index);
@@ -369,7 +373,8 @@ void RemoteOptimizer::commit(int64_t index, bool with_value) {
   {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     at::NoGradGuard no_grad;
-    optimizer_->load_param_state(index, state);  // checked first: on error nothing changed
+    // Checked first: on error nothing changed.
+    if (with_state) optimizer_->load_param_state(index, state);
     if (with_value) target.copy_(it->second.value);
   }
   staged_.erase(it);
@@ -405,6 +410,8 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::commit_staged);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "commit_staged_state",
                                         &RemoteOptimizer::commit_staged_state);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "commit_staged_value",
+                                        &RemoteOptimizer::commit_staged_value);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "drop_staged",
                                         &RemoteOptimizer::drop_staged);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "set_backup",

@@ -108,6 +108,9 @@ class RemoteOptimizer {
   /// The same for the optimizer's state alone: the parameter keeps its value (a trainer's own
   /// state loaded over a parameter another trainer's snapshot restored).
   void commit_staged_state(int64_t index);
+  /// The same for the value alone: the optimizer's state there stays (a snapshot another
+  /// trainer's optimizer wrote, whose state is not this one's).
+  void commit_staged_value(int64_t index);
   /// Forgets what was staged for `index`, if anything.
   void drop_staged(int64_t index);
 
@@ -126,8 +129,9 @@ class RemoteOptimizer {
   void copy_param(int64_t index, ParamCopy& into) const;
   /// Keeps `copy` for commit_staged(index).
   void stage(int64_t index, ParamCopy copy);
-  /// commit_staged (`with_value`) or commit_staged_state.
-  void commit(int64_t index, bool with_value);
+  /// commit_staged (both), commit_staged_state (`with_state` alone) or commit_staged_value
+  /// (`with_value` alone).
+  void commit(int64_t index, bool with_value, bool with_state = true);
   /// Before a step: whether it is copied to `link`'s backup. Sends everything whole first when
   /// the backup is not in sync; with continue_without_backup, false while the backup is lost
   /// (then the step goes on, not copied). Under mutex_.

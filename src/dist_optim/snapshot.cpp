@@ -292,6 +292,8 @@ void PendingSnapshot::finish(std::optional<int64_t> step) {
   manifest.insert("format", std::string(kManifestFormat));
   manifest.insert("version", kSnapshotVersion);
   manifest.insert("optimizer", c.optimizer);
+  // Whose optimizer state it holds: a recovery by another trainer takes the values alone.
+  manifest.insert("trainer", rpc::get_worker_info().name);
   manifest.insert("params", c.params);
   manifest.insert("step", step.value_or(-1));
   manifest.insert("tables", tables);
@@ -306,7 +308,7 @@ void check_snapshot_tables(DistributedOptimizer& optimizer,
 
 void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,
                         const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                        const std::string& only_worker, bool state_only) {
+                        const std::string& only_worker, SnapshotPart part) {
   const std::string absolute = fs::absolute(directory).string();
   const std::string path = manifest_path(directory);
   const GenericDict manifest = dict_of(optim::detail::read_pickle_file(path, kLoadSnapshot), path);
@@ -437,9 +439,23 @@ void load_snapshot_into(const std::string& directory, DistributedOptimizer& opti
     wait_each(each_staged("drop_staged"), worker);
     throw_if_failed(read, std::string(kLoadSnapshot) + " (reading the owners' files)");
   }
-  wait_all(each_staged(state_only ? "commit_staged_state" : "commit_staged"), worker,
-           std::string(kLoadSnapshot) +
-               (state_only ? " (loading the optimizer's state)" : " (loading the parameters)"));
+  const char* commit = part == SnapshotPart::kState    ? "commit_staged_state"
+                       : part == SnapshotPart::kValues ? "commit_staged_value"
+                                                       : "commit_staged";
+  wait_all(each_staged(commit), worker,
+           std::string(kLoadSnapshot) + (part == SnapshotPart::kState
+                                             ? " (loading the optimizer's state)"
+                                             : " (loading the parameters)"));
+}
+
+std::string snapshot_trainer(const std::string& directory) {
+  const std::string path = manifest_path(directory);
+  const GenericDict manifest = dict_of(optim::detail::read_pickle_file(path, kLoadSnapshot), path);
+  check_format(manifest, kManifestFormat, path);
+  if (!manifest.contains("trainer")) return {};
+  const c10::IValue& trainer = manifest.at("trainer");
+  TORCH_CHECK_VALUE(trainer.isString(), kLoadSnapshot, ": '", path, "': 'trainer' is no string");
+  return trainer.toStringRef();
 }
 
 }  // namespace detail

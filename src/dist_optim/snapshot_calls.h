@@ -46,12 +46,24 @@ PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimize
 void check_snapshot_tables(DistributedOptimizer& optimizer,
                            const std::vector<const rpc::ShardedEmbeddingBag*>& tables);
 
+/// What of a snapshot a load takes: everything, the optimizer's state alone (the parameters
+/// keep their values), or the parameters' values alone (the optimizer's state there stays).
+enum class SnapshotPart { kEverything, kState, kValues };
+
 /// load_snapshot; with `only_worker`, only what that owner holds is read and loaded (a restarted
-/// owner's parameters, recovery.h); with `state_only`, only the optimizer's state, the parameters
-/// keeping their values.
+/// owner's parameters, recovery.h); `part`: what is loaded of it.
 void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,
                         const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                        const std::string& only_worker = {}, bool state_only = false);
+                        const std::string& only_worker = {},
+                        SnapshotPart part = SnapshotPart::kEverything);
+
+/// The worker whose optimizer wrote the snapshot in `directory` (its manifest's "trainer"), or
+/// empty for a snapshot that does not say (written before it did). Errors: load_snapshot's for a
+/// missing, damaged or foreign manifest.
+std::string snapshot_trainer(const std::string& directory);
+
+/// The directory a SnapshotSchedule writing into `directory` gives its snapshot of `step`.
+std::string scheduled_snapshot_path(const std::string& directory, int64_t step);
 
 }  // namespace detail
 }  // namespace dist_optim

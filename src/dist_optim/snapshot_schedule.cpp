@@ -91,6 +91,11 @@ std::optional<int64_t> SnapshotSchedule::step() {
   return finished;
 }
 
+std::optional<int64_t> SnapshotSchedule::writing() const {
+  if (!pending_) return std::nullopt;
+  return pending_->step;
+}
+
 std::optional<int64_t> SnapshotSchedule::flush() {
   if (!pending_) return std::nullopt;
   return finish();
@@ -103,7 +108,7 @@ int64_t SnapshotSchedule::save_now() {
 }
 
 void SnapshotSchedule::begin() {
-  const std::string directory = (fs::path(options_.directory()) / step_name(step_)).string();
+  const std::string directory = detail::scheduled_snapshot_path(options_.directory(), step_);
   pending_ = std::make_unique<Pending>(
       Pending{detail::begin_snapshot(directory, optimizer_, tables_, options_.rows_per_file(),
                                      /*waited_only=*/false),
@@ -135,6 +140,12 @@ std::optional<int64_t> SnapshotSchedule::finish() {
   }
   return pending->step;
 }
+
+namespace detail {
+std::string scheduled_snapshot_path(const std::string& directory, int64_t step) {
+  return (fs::path(directory) / step_name(step)).string();
+}
+}  // namespace detail
 
 std::optional<SnapshotInfo> latest_snapshot(const std::string& directory) {
   std::vector<std::pair<int64_t, fs::path>> snapshots;

@@ -525,6 +525,60 @@ TEST(DistributedOptimizer, ConstructionErrorsNameTheWorker) {
   });
 }
 
+// DistributedOptimizer::rebind's refusals (recovery.h calls it with parameters made anew on a
+// restarted owner or on its backup): each names what is wrong, and the optimizer goes on bound
+// to its parameters as before.
+TEST(DistributedOptimizer, RebindRefusalsNameTheParameterAndChangeNothing) {
+  with_workers(3, [] {
+    const auto make = [](int rank, double value) {
+      return rpc::remote<at::Tensor>(worker(rank), "add_parameter",
+                                     std::tuple{at::zeros({2}, at::kDouble), value});
+    };
+    // Two parameters on worker 1, one on worker 2.
+    const std::vector<RRef<at::Tensor>> params{make(1, 1.0), make(1, 2.0), make(2, 3.0)};
+    DistributedOptimizer optimizer("sgd", params, OptionBag().set("lr", 0.1));
+    const std::vector<std::string> owners = optimizer.owners();
+    const RRef<at::Tensor> on_worker2 = make(2, 0.0), on_worker0 = make(0, 0.0);
+    const auto expect_refused = [&](const std::vector<RRef<at::Tensor>>& old_params,
+                                    const std::vector<RRef<at::Tensor>>& new_params,
+                                    const std::string& text) {
+      try {
+        optimizer.rebind(old_params, new_params);
+        ADD_FAILURE() << "rebound; expected: " << text;
+      } catch (const c10::ValueError& error) {
+        EXPECT_NE(std::string(error.what()).find(text), std::string::npos) << error.what();
+      }
+      EXPECT_EQ(optimizer.owners(), owners);
+    };
+    expect_refused({params[0]}, {}, "1 old parameters, 0 new ones");
+    expect_refused({params[0]}, {RRef<at::Tensor>()}, "old_params[0] or new_params[0] is empty");
+    expect_refused({params[2], params[2]}, {on_worker2, on_worker0},
+                   "old_params[1] is given twice");
+    expect_refused({params[0], params[1]}, {on_worker2, on_worker0},
+                   "new_params[1] is owned by worker '" + worker(0) +
+                       "', the other new parameters of worker '" + worker(1) + "''s by '" +
+                       worker(2) + "'; an owner's parameters move to one worker");
+    expect_refused({params[0]}, {on_worker2},
+                   "1 of the 2 parameters of worker '" + worker(1) +
+                       "' given; an owner's parameters are rebound all at once");
+    expect_refused({on_worker0}, {on_worker2},
+                   "1 of old_params are not parameters of this optimizer");
+    // Still bound to its own parameters: a step moves each by -lr (every gradient is ones).
+    std::vector<at::Tensor> before;
+    for (const auto& p : params) before.push_back(p.to_here().detach().clone());
+    {
+      ContextGuard context;
+      at::Tensor loss = params[0].to_here().sum();
+      for (size_t i = 1; i < params.size(); ++i) loss = loss + params[i].to_here().sum();
+      dist_autograd::backward(context.id(), {loss});
+      optimizer.step(context.id());
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(params[i].to_here().detach(), before[i] - 0.1)) << "parameter " << i;
+    }
+  });
+}
+
 }  // namespace
 }  // namespace dist_optim
 }  // namespace distoptim

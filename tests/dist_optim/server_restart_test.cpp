@@ -213,9 +213,11 @@ bool step_fails_as_lost(ShardedEmbeddingBag& table, Head& head, DistributedOptim
   return false;
 }
 
-// The second death, on the first trainer (the restorer): a second trainer takes the references
-// and keys and steps once; a snapshot of that moment; ps1 dies; the first trainer restores the
-// third ps1 from it, and the table, the head and this trainer's state are as at the snapshot.
+// The second death, on the first trainer (whose snapshots hold its state): a second trainer
+// takes the references and keys and steps once; a snapshot of that moment; ps1 dies; the second
+// trainer restores the third ps1 from the first's snapshot and this trainer binds to it: the
+// table, the head and this trainer's state (its own, from the snapshot it wrote) are as at the
+// snapshot.
 void second_death(ShardedEmbeddingBag& table, std::shared_ptr<Head>& head,
                   DistributedOptimizer& optimizer, SnapshotSchedule& snapshots,
                   const std::string& directory, testing::StoreTurns& turns) {
@@ -233,12 +235,13 @@ void second_death(ShardedEmbeddingBag& table, std::shared_ptr<Head>& head,
   turns.say("kill_ps1_again");
   ASSERT_TRUE(wait_for_ps1_lost()) << "the second ps1 did not die";
   turns.say("ps1_lost_again");
+  turns.store->wait({"late_restored"}, 120s);
   const std::vector<RecoveredOwner> recovered = recover_lost_owners(
       optimizer, {&table}, {head.get()}, RecoveryOptions(directory).timeout(60s));
   ASSERT_EQ(recovered.size(), 1u);
-  EXPECT_TRUE(recovered[0].restored_here);
+  EXPECT_FALSE(recovered[0].restored_here);
   EXPECT_EQ(recovered[0].snapshot_step.value_or(-1), step);
-  EXPECT_FALSE(recovered[0].state_step.has_value());
+  EXPECT_EQ(recovered[0].state_step.value_or(-1), step);
   EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "third ps1");
   EXPECT_TRUE(at::equal(table.weight(), rows));
   EXPECT_TRUE(equal_tensors(values_of(*head), head_values));
@@ -249,8 +252,9 @@ void second_death(ShardedEmbeddingBag& table, std::shared_ptr<Head>& head,
 
 // The second trainer: joins with the first trainer's references and keys after ps1's first
 // restart, steps once and snapshots its own optimizer into a directory of its own, and after
-// ps1's second death binds to the third ps1 by the keys and takes its optimizer's state there
-// from its own snapshot (RecoveryOptions::state_directory).
+// ps1's second death restores the third ps1 from the first trainer's snapshot: the parameters'
+// values from it, and its optimizer's state there from its own snapshot
+// (RecoveryOptions::state_directory), not the first trainer's.
 void train_late(const std::string& directory) {
   testing::StoreTurns turns(4, kTurns);
   turns.store->wait({"late_may_join"}, 240s);
@@ -265,7 +269,7 @@ void train_late(const std::string& directory) {
   ASSERT_EQ(own_snapshots.save_now(), 1);
   const auto own_states = states_by_position(optimizer);
   turns.say("late_stepped");
-  turns.store->wait({"restored_again"}, 240s);
+  turns.store->wait({"ps1_lost_again"}, 240s);
   // Its references name the second ps1, which died: the step fails as lost.
   EXPECT_TRUE(step_fails_as_lost(table, *head, optimizer, 101))
       << "the second trainer's step after ps1's second death did not fail";
@@ -273,13 +277,16 @@ void train_late(const std::string& directory) {
       recover_lost_owners(optimizer, {&table}, {head.get()},
                           RecoveryOptions(directory).state_directory(own_directory).timeout(60s));
   ASSERT_EQ(recovered.size(), 1u);
-  EXPECT_FALSE(recovered[0].restored_here);
+  EXPECT_TRUE(recovered[0].restored_here);
+  EXPECT_TRUE(recovered[0].snapshot_step.has_value());
   EXPECT_EQ(recovered[0].state_step.value_or(-1), 1);
   // Its own state on the third ps1 (the head's, and its shard's rows) is what its snapshot holds,
-  // not the first trainer's.
+  // not the first trainer's, whose snapshot it restored the values from.
   expect_equal_states(states_by_position(optimizer), own_states);
   EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "third ps1");
-  // Bound to what the first trainer restored: one table and one head, seen alike by both.
+  turns.say("late_restored");
+  turns.store->wait({"restored_again"}, 240s);
+  // One table and one head, seen alike by both trainers.
   const at::Tensor rows = table.weight();
   const std::vector<at::Tensor> head_values = values_of(*head);
   train_step(table, *head, optimizer, 101);
@@ -471,39 +478,102 @@ ReplicaOptions both_backed_up() {
   return ReplicaOptions().backups({{"ps0", "ps1"}, {"ps1", "ps0"}});
 }
 
-void train_replicated() {
-  testing::StoreTurns turns(2, kReplicaTurns);
-  ASSERT_TRUE(wait_for_ps1_joined());
-  ShardedEmbeddingBag table(table_options({"ps0", "ps1"}));
-  auto head = std::make_shared<Head>("ps1", std::tuple{kDim, kOut, kHeadSeed});
-  std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
-  for (auto& p : head->remote_parameters()) params.push_back(p);
-  DistributedOptimizer optimizer("adagrad", params, adagrad());
-  replicate_steps(optimizer, {&table}, {head.get()}, both_backed_up());
-  for (int64_t step = 1; step <= kKillAfter; ++step) train_step(table, *head, optimizer, step);
+// The first trainer's part up to ps1's death, alike in both replicated tests: the table over ps0
+// and ps1, the head on ps1, an Adagrad replicated with `replicas`; kKillAfter steps; the
+// references handed to the second trainer, which steps too ("late_stepped"); what every step
+// that returned left; then a step whose gradients were computed before ps1 died fails as lost,
+// though ps0, the first owner, answers first (with a failure of its own, its backup being
+// gone, or, with continue_without_backup, applying its part uncopied).
+struct BeforeDeath {
+  std::unique_ptr<ShardedEmbeddingBag> table;
+  std::shared_ptr<Head> head;
+  std::unique_ptr<DistributedOptimizer> optimizer;
+  at::Tensor rows;  // the whole table, as every step that returned left it
+  std::vector<at::Tensor> head_values;
+  std::vector<optim::OptimizerStateDict::State> states;
+  int first_ps1 = -1;   // the dead ps1's id
+  at::Tensor ps0_rows;  // ps0's shard after the failed step
+};
+BeforeDeath step_until_ps1_dies(testing::StoreTurns& turns, const ReplicaOptions& replicas) {
+  BeforeDeath run;
+  EXPECT_TRUE(wait_for_ps1_joined());
+  run.table = std::make_unique<ShardedEmbeddingBag>(table_options({"ps0", "ps1"}));
+  run.head = std::make_shared<Head>("ps1", std::tuple{kDim, kOut, kHeadSeed});
+  std::vector<rpc::RRef<at::Tensor>> params = run.table->remote_parameters();
+  for (auto& p : run.head->remote_parameters()) params.push_back(p);
+  run.optimizer = std::make_unique<DistributedOptimizer>("adagrad", params, adagrad());
+  ShardedEmbeddingBag& table = *run.table;
+  Head& head = *run.head;
+  replicate_steps(*run.optimizer, {&table}, {&head}, replicas);
+  for (int64_t step = 1; step <= kKillAfter; ++step) train_step(table, head, *run.optimizer, step);
   {
     std::lock_guard<std::mutex> lock(g_references_mutex);
-    g_references = References{table.shard_module_rrefs(), table.shard_keys(), head->module_rref(),
-                              head->module_key()};
+    g_references = References{table.shard_module_rrefs(), table.shard_keys(), head.module_rref(),
+                              head.module_key()};
   }
   turns.say("late_may_join");
   turns.store->wait({"late_stepped"}, 120s);
-  // What every step that returned left, the other trainer's included.
-  const at::Tensor rows = table.weight();
-  const std::vector<at::Tensor> head_values = values_of(*head);
-  const auto states = states_by_position(optimizer);
+  run.rows = table.weight();
+  run.head_values = values_of(head);
+  run.states = states_by_position(*run.optimizer);
+  run.first_ps1 = rpc::get_worker_info("ps1").id;
   {
-    // A step whose gradients were computed before ps1 died fails as lost, though ps0, the first
-    // owner, answers with a failure of its own (its backup is ps1), and may have applied it.
     const Batch b = batch(kKillAfter + 1);
     dist_autograd::ContextGuard context;
     dist_autograd::backward(
-        context.id(), {at::mse_loss(head->forward(table.forward(b.ids, b.offsets)), b.target)});
+        context.id(), {at::mse_loss(head.forward(table.forward(b.ids, b.offsets)), b.target)});
     turns.say("kill_ps1");
-    ASSERT_TRUE(wait_for_ps1_lost()) << "ps1 did not die";
-    EXPECT_THROW(optimizer.step(context.id()), PeerLostError);
+    EXPECT_TRUE(wait_for_ps1_lost()) << "ps1 did not die";
+    EXPECT_THROW(run.optimizer->step(context.id()), PeerLostError);
   }
-  const at::Tensor ps0_rows = table.remote_parameters()[0].to_here();
+  run.ps0_rows = table.remote_parameters()[0].to_here();
+  return run;
+}
+
+// After ps1's recovery: ps1's part (its rows, the head, their state) as every step that returned
+// left it; ps0's shard as the failed step left it (its state: stepped by that step too).
+void expect_as_before_death(const BeforeDeath& run) {
+  const int64_t ps0_part = run.ps0_rows.size(0);
+  EXPECT_TRUE(at::equal(run.table->weight(),
+                        at::cat({run.ps0_rows, run.rows.narrow(0, ps0_part, kRows - ps0_part)})));
+  EXPECT_TRUE(equal_tensors(values_of(*run.head), run.head_values));
+  auto states = states_by_position(*run.optimizer);
+  states.at(0) = run.states.at(0);  // ps0's shard
+  expect_equal_states(states, run.states);
+}
+
+// The second trainer's part up to its step that fails as lost, alike in both replicated tests:
+// it takes the handed model, replicates with `replicas`, steps 3 times, keeps its own state and
+// waits for `recovered_key` (the first trainer's recovery); its next step fails as lost.
+struct LateBeforeRecovery {
+  HandedModel model;
+  std::unique_ptr<DistributedOptimizer> optimizer;
+  std::vector<optim::OptimizerStateDict::State> own_states;
+};
+LateBeforeRecovery step_late_until_lost(testing::StoreTurns& turns, const ReplicaOptions& replicas,
+                                        const char* recovered_key) {
+  LateBeforeRecovery run;
+  turns.store->wait({"late_may_join"}, 240s);
+  run.model = take_handed_model();
+  ShardedEmbeddingBag& table = *run.model.table;
+  Head& head = *run.model.head;
+  run.optimizer = std::make_unique<DistributedOptimizer>("adagrad", run.model.params, adagrad());
+  replicate_steps(*run.optimizer, {&table}, {&head}, replicas);
+  for (int64_t step = 100; step < 103; ++step) train_step(table, head, *run.optimizer, step);
+  run.own_states = states_by_position(*run.optimizer);
+  turns.say("late_stepped");
+  turns.store->wait({recovered_key}, 240s);
+  EXPECT_TRUE(step_fails_as_lost(table, head, *run.optimizer, 103))
+      << "the second trainer's step after ps1's death did not fail";
+  return run;
+}
+
+void train_replicated() {
+  testing::StoreTurns turns(2, kReplicaTurns);
+  BeforeDeath run = step_until_ps1_dies(turns, both_backed_up());
+  ShardedEmbeddingBag& table = *run.table;
+  const std::shared_ptr<Head>& head = run.head;
+  DistributedOptimizer& optimizer = *run.optimizer;
   turns.say("ps1_lost");
   const std::vector<RecoveredOwner> recovered = recover_lost_owners(
       optimizer, {&table}, {head.get()}, RecoveryOptions().backups(both_backed_up().backups()));
@@ -513,14 +583,7 @@ void train_replicated() {
   EXPECT_TRUE(recovered[0].restored_here);
   EXPECT_FALSE(recovered[0].snapshot_step.has_value());
   EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "server_restart.name", std::tuple<>{}), "second ps1");
-  // ps1's part as every step that returned left it; ps0's as the failed step left it.
-  EXPECT_TRUE(
-      at::equal(table.weight(),
-                at::cat({ps0_rows, rows.narrow(0, ps0_rows.size(0), kRows - ps0_rows.size(0))})));
-  EXPECT_TRUE(equal_tensors(values_of(*head), head_values));
-  auto restored_states = states_by_position(optimizer);
-  restored_states.at(0) = states.at(0);  // ps0's shard: not restored
-  expect_equal_states(restored_states, states);
+  expect_as_before_death(run);
   turns.say("restored");
   turns.store->wait({"late_done"}, 120s);
   // Both trainers step on; ps1's copies on ps0 follow them again.
@@ -533,25 +596,17 @@ void train_replicated() {
 
 void train_late_replicated() {
   testing::StoreTurns turns(4, kReplicaTurns);
-  turns.store->wait({"late_may_join"}, 240s);
-  HandedModel model = take_handed_model();
-  ShardedEmbeddingBag& table = *model.table;
-  const std::shared_ptr<Head>& head = model.head;
-  DistributedOptimizer optimizer("adagrad", model.params, adagrad());
-  replicate_steps(optimizer, {&table}, {head.get()}, both_backed_up());
-  for (int64_t step = 100; step < 103; ++step) train_step(table, *head, optimizer, step);
-  const auto own_states = states_by_position(optimizer);
-  turns.say("late_stepped");
-  turns.store->wait({"restored"}, 240s);
-  EXPECT_TRUE(step_fails_as_lost(table, *head, optimizer, 103))
-      << "the second trainer's step after ps1's death did not fail";
+  LateBeforeRecovery run = step_late_until_lost(turns, both_backed_up(), "restored");
+  ShardedEmbeddingBag& table = *run.model.table;
+  const std::shared_ptr<Head>& head = run.model.head;
+  DistributedOptimizer& optimizer = *run.optimizer;
   const std::vector<RecoveredOwner> recovered = recover_lost_owners(
       optimizer, {&table}, {head.get()}, RecoveryOptions().backups(both_backed_up().backups()));
   ASSERT_EQ(recovered.size(), 1u);
   EXPECT_FALSE(recovered[0].restored_here);
   EXPECT_EQ(recovered[0].backup, "ps0");
   // Its own state on the second ps1, from its own copies (not the first trainer's).
-  expect_equal_states(states_by_position(optimizer), own_states);
+  expect_equal_states(states_by_position(optimizer), run.own_states);
   train_step(table, *head, optimizer, 103);
   turns.say("late_done");
   rpc::shutdown();
@@ -618,38 +673,11 @@ RecoveryOptions hot_standby() {
 
 void train_hot_standby() {
   testing::StoreTurns turns(2, kHotTurns);
-  ASSERT_TRUE(wait_for_ps1_joined());
-  ShardedEmbeddingBag table(table_options({"ps0", "ps1"}));
-  auto head = std::make_shared<Head>("ps1", std::tuple{kDim, kOut, kHeadSeed});
-  std::vector<rpc::RRef<at::Tensor>> params = table.remote_parameters();
-  for (auto& p : head->remote_parameters()) params.push_back(p);
-  DistributedOptimizer optimizer("adagrad", params, adagrad());
-  replicate_steps(optimizer, {&table}, {head.get()}, hot_backups());
-  for (int64_t step = 1; step <= kKillAfter; ++step) train_step(table, *head, optimizer, step);
-  {
-    std::lock_guard<std::mutex> lock(g_references_mutex);
-    g_references = References{table.shard_module_rrefs(), table.shard_keys(), head->module_rref(),
-                              head->module_key()};
-  }
-  turns.say("late_may_join");
-  turns.store->wait({"late_stepped"}, 120s);
-  // What every step that returned left, the other trainer's included.
-  const at::Tensor rows = table.weight();
-  const std::vector<at::Tensor> head_values = values_of(*head);
-  const auto states = states_by_position(optimizer);
-  const int first_ps1 = rpc::get_worker_info("ps1").id;
-  {
-    // A step racing ps1's death fails as lost; ps0 applies its part, not copied (its backup is
-    // lost), rather than fail.
-    const Batch b = batch(kKillAfter + 1);
-    dist_autograd::ContextGuard context;
-    dist_autograd::backward(
-        context.id(), {at::mse_loss(head->forward(table.forward(b.ids, b.offsets)), b.target)});
-    turns.say("kill_ps1");
-    ASSERT_TRUE(wait_for_ps1_lost()) << "ps1 did not die";
-    EXPECT_THROW(optimizer.step(context.id()), PeerLostError);
-  }
-  const at::Tensor ps0_rows = table.remote_parameters()[0].to_here();
+  BeforeDeath run = step_until_ps1_dies(turns, hot_backups());
+  ShardedEmbeddingBag& table = *run.table;
+  const std::shared_ptr<Head>& head = run.head;
+  DistributedOptimizer& optimizer = *run.optimizer;
+  const int first_ps1 = run.first_ps1;
   const std::vector<RecoveredOwner> recovered =
       recover_lost_owners(optimizer, {&table}, {head.get()}, hot_standby());
   ASSERT_EQ(recovered.size(), 1u);
@@ -659,15 +687,7 @@ void train_hot_standby() {
   EXPECT_TRUE(recovered[0].restored_here);
   EXPECT_EQ(table.shard_owner(1), "ps0");
   EXPECT_EQ(head->remote_device().worker_name, "ps0");
-  // ps1's part as every step that returned left it; ps0's as the failed step left it; each
-  // parameter's state as before (ps0's shard's: stepped by the failed step too).
-  EXPECT_TRUE(
-      at::equal(table.weight(),
-                at::cat({ps0_rows, rows.narrow(0, ps0_rows.size(0), kRows - ps0_rows.size(0))})));
-  EXPECT_TRUE(equal_tensors(values_of(*head), head_values));
-  auto taken_states = states_by_position(optimizer);
-  taken_states.at(0) = states.at(0);
-  expect_equal_states(taken_states, states);
+  expect_as_before_death(run);
   // ps0 steps on alone: its backup, ps1, is away.
   const at::Tensor before = table.weight();
   train_step(table, *head, optimizer, kKillAfter + 2);
@@ -703,18 +723,10 @@ void train_hot_standby() {
 
 void train_late_hot_standby() {
   testing::StoreTurns turns(4, kHotTurns);
-  turns.store->wait({"late_may_join"}, 240s);
-  HandedModel model = take_handed_model();
-  ShardedEmbeddingBag& table = *model.table;
-  const std::shared_ptr<Head>& head = model.head;
-  DistributedOptimizer optimizer("adagrad", model.params, adagrad());
-  replicate_steps(optimizer, {&table}, {head.get()}, hot_backups());
-  for (int64_t step = 100; step < 103; ++step) train_step(table, *head, optimizer, step);
-  const auto own_states = states_by_position(optimizer);
-  turns.say("late_stepped");
-  turns.store->wait({"taken_over"}, 240s);
-  EXPECT_TRUE(step_fails_as_lost(table, *head, optimizer, 103))
-      << "the second trainer's step after ps1's death did not fail";
+  LateBeforeRecovery run = step_late_until_lost(turns, hot_backups(), "taken_over");
+  ShardedEmbeddingBag& table = *run.model.table;
+  const std::shared_ptr<Head>& head = run.model.head;
+  DistributedOptimizer& optimizer = *run.optimizer;
   const std::vector<RecoveredOwner> recovered =
       recover_lost_owners(optimizer, {&table}, {head.get()}, hot_standby());
   ASSERT_EQ(recovered.size(), 1u);
@@ -722,7 +734,7 @@ void train_late_hot_standby() {
   EXPECT_EQ(recovered[0].served_by, "ps0");
   // Its own state on ps0, from its own copies (not the first trainer's), and its state of ps0's
   // own shard kept.
-  expect_equal_states(states_by_position(optimizer), own_states);
+  expect_equal_states(states_by_position(optimizer), run.own_states);
   const at::Tensor before = table.weight();
   train_step(table, *head, optimizer, 104);
   EXPECT_FALSE(at::equal(table.weight(), before)) << "the second trainer's step changed no row";

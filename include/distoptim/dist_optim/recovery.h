@@ -23,13 +23,16 @@
 // worker of that name to be a member again, then one trainer (the first to ask the new worker)
 // makes the lost table shards and RemoteModules there anew, binds its handles and its optimizer
 // to them and loads the owner's part of the newest snapshot in `snapshot_directory` (its rows and
-// module parameters, and the optimizer state saved with them into this trainer's optimizer);
-// only then does the new worker hand the same shards and modules to the other trainers that ask,
-// whose optimizers start without state there (as a new trainer's would), or take it from their
-// own snapshots (RecoveryOptions::state_directory: each trainer's SnapshotSchedule of its own
-// optimizer holds its state; the parameters are the restorer's). The cost: every update
-// the owner took since that snapshot (its step is returned), none on the other owners; with no
-// snapshot the shards and modules start from their initial values.
+// module parameters); only then does the new worker hand the same shards and modules to the
+// other trainers that ask. A snapshot holds the optimizer state of the trainer whose
+// SnapshotSchedule wrote it (its manifest names it): that trainer's optimizer takes it, whether it
+// restored or bound, so that its state and the parameters are one cut. Every other trainer's
+// optimizer starts without state there (as a new trainer's would: another trainer's Adagrad sums
+// or step counts are not its own), or takes it from its own snapshots
+// (RecoveryOptions::state_directory). A trainer started in a dead one's place is another trainer
+// here: its name is new. The cost: every update the owner took since that snapshot (its step is
+// returned), none on the other owners; with no snapshot the shards and modules start from their
+// initial values.
 //
 // Hot standby (RecoveryOptions::hot_standby, with replicas): a lost owner that has a backup is
 // not waited for. One trainer (the first to claim it on the backup) makes the lost owner's
@@ -79,8 +82,8 @@ struct RecoveryOptions {
   /// Where this trainer's own SnapshotSchedule writes, when snapshot_directory is another
   /// trainer's: once bound to a recovered owner, this trainer's optimizer takes its state there
   /// from the newest snapshot in it (the owner's parameters stay as the restorer loaded them).
-  /// Empty (or snapshot_directory): a trainer that did not restore the owner starts without
-  /// state there.
+  /// Empty (or snapshot_directory): this trainer's state comes from snapshot_directory's snapshot
+  /// if this trainer wrote it, else it starts without state there.
   TORCH_ARG(std::string, state_directory);
   /// Each replicated owner's backup (replicas.h: as given to replicate_steps). A lost owner that
   /// has one is restored from the backup's copies, not from a snapshot: its parameters as the
@@ -107,8 +110,8 @@ struct RecoveredOwner {
   /// Whether this trainer made the owner's shards anew and loaded the snapshot (else another did
   /// and this one bound to them).
   bool restored_here = false;
-  /// The step of this trainer's own snapshot (state_directory) its optimizer's state there was
-  /// loaded from; nullopt: none.
+  /// The step of this trainer's own snapshot its optimizer's state there was loaded from (the
+  /// snapshot_step one, when this trainer wrote it, or state_directory's newest); nullopt: none.
   std::optional<int64_t> state_step;
   /// The backup whose copies its parameters and this trainer's state were loaded from (then
   /// snapshot_step and state_step are nullopt); empty: none.

@@ -20,9 +20,11 @@
 //   std::optional<int64_t> step = dist_optim::load_latest_snapshot("ckpt/job", optimizer,
 //   {&table});
 //
-// Layout of one snapshot directory: manifest.pt (the optimizer's name, and per table its size,
-// dtype, row ranges, and per shard its optimizer state's step count, buffer names and blocks;
-// per other parameter its state's summary and its file), per table shard
+// Layout of one snapshot directory: manifest.pt (the optimizer's name; the worker whose
+// optimizer wrote it, whose state it holds: a recovery by another trainer takes the values alone,
+// recovery.h; per table its size, dtype, row ranges, and per shard its optimizer state's step
+// count, buffer names and blocks; per other parameter its state's summary and its file), per
+// table shard
 // table-T.shard-S-of-N.block-B.pt files of at most `rows_per_file` rows (64 MiB of rows by
 // default), and per owner of other parameters params-K.pt. All are LibTorch pickles of dicts
 // (Python's torch.load reads them), written atomically and checked on load as every checkpoint
@@ -141,6 +143,8 @@ class SnapshotSchedule {
   int64_t save_now();
   /// Steps counted so far.
   int64_t steps() const { return step_; }
+  /// The step of the snapshot being written (begun, not yet finished), if any.
+  std::optional<int64_t> writing() const;
 
  private:
   struct Pending;
