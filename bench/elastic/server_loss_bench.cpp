@@ -26,7 +26,9 @@
 // read, no step that returned lost, no wait for the new process), and the rows are given for
 // each, with the replicas' price before the kill (samples/s, replicas over snapshots, per round).
 // Every figure is the min/median/max over the rounds; the load average at the start and the end
-// is printed. There is no PyTorch side: a PyTorch 1.13 RPC job ends when a worker dies.
+// is printed. There is no PyTorch side: a PyTorch 1.13 RPC job ends when a worker dies. Each
+// round's job (its output in job.log, the first server's log) stays in server_loss_bench_runs/
+// beside the JSON results.
 
 #include <algorithm>
 #include <cmath>
@@ -163,6 +165,8 @@ Round run_round(const Config& config, bool replicas, const fs::path& out_dir) {
                            out_dir.string()});
   if (replicas) argv.push_back("--replicas");
   const ChildResult child = run_child(argv, "");
+  // Kept beside the job's logs, so that a round's outlier can be read afterwards.
+  std::ofstream(out_dir / "job.log") << child.stdout_text;
   TORCH_CHECK(child.exit_code == 0, "server_loss_bench: the job exited with status ",
               child.exit_code, "; its output:\n", child.stdout_text);
 

@@ -316,10 +316,12 @@ void recover(const std::string& name, int64_t step, const distoptim::PeerLostErr
   const auto recovered = examples::recover_servers(
       name, step, lost,
       {&optimizer, {&model.table()}, {&model.mlp()}, backups, /*hot_standby=*/!backups.empty()},
-      snapshots, [&](const std::string&) {
-        // Changed references: every incarnation of the first server must get them again.
+      snapshots, [&](const std::string& worker) {
+        // Changed references: every incarnation of the first server must get them again. A lost
+        // first server gets them after the next step, once it is back: the trainer does not wait
+        // for it here (with hot standby its parts are served already).
         references_at = -1;
-        hand_back_references(name, model, references_at);
+        if (worker != kFirstServer) hand_back_references(name, model, references_at);
       });
   // Without replicas: what each restore from a snapshot lost of this trainer's steps.
   if (backups.empty()) examples::account_restores(name, counts, optimizer, recovered);
@@ -577,7 +579,10 @@ void train(const Settings& s, int rank, int trainer, int trainers,
                             [&] { examples::check_applied_steps(name, counts, optimizer); });
   }
   // Last: the servers serve until every slot has finished, the reporter's evaluations included.
-  if (s.elastic) examples::report_finish(kFirstServer, rank, name);
+  if (s.elastic) {
+    if (first_server_id() != references_at) hand_back_references(name, *model, references_at);
+    examples::report_finish(kFirstServer, rank, name);
+  }
 }
 
 int run_example(const Settings& s) {
