@@ -121,7 +121,7 @@ struct RpcBackendOptions {
   /// worker (on another machine, or of another user), as PyTorch's RPC does; false (the
   /// default): only with processes of this process's effective user on this machine, which the
   /// kernel names (a Unix-domain socket's peer credentials; for TCP, the owner of the socket at
-  /// the other end in /proc/net/tcp, which lists only this machine's sockets), so another user's
+  /// the other end among only this machine's sockets), so another user's
   /// process is refused before anything it sent is read, and this worker never sends a request
   /// to one. Ignored with a secret. Also set by DISTOPTIM_RPC_INSECURE=1 in the environment
   /// (distrun --rpc-insecure).

@@ -133,8 +133,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   /// connecting process's id (fixed at construction).
   const std::string& peer_address() const { return peer_address_; }
   /// The uid of the process at the other end, if it runs on this machine (peer_user.h): asks
-  /// the kernel (for TCP, reads /proc/net/tcp*), so call it once per connection; nullopt: not
-  /// known to be on this machine (or closed). I/O thread only.
+  /// the kernel (for TCP, one socket-diagnostics lookup), so call it once per connection; nullopt:
+  /// not known to be on this machine (or closed). I/O thread only.
   std::optional<uint32_t> peer_user();
   /// Whether the connection is a Unix-domain socket (same host) rather than TCP.
   bool unix_socket() const { return unix_socket_; }
