@@ -202,13 +202,25 @@ TEST(DynamicMembership, BadJoinsAreRefusedNamingTheRankOrName) {
   });
 }
 
+// Polls `names` (every 20 ms, at most 20 s) until it lists `expected`; returns what it listed last.
+std::vector<std::string> await_members(const std::function<std::vector<std::string>()>& names,
+                                       const std::vector<std::string>& expected) {
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  std::vector<std::string> seen = names();
+  while (seen != expected && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+    seen = names();
+  }
+  return seen;
+}
+
 // The store host leaves last: its shutdown waits for the members still in the group, and past
 // shutdown_timeout names them (and stops all the same). A member leaving while a call to it is
-// pending answers it first.
+// pending answers it first: the call returns only once the store host has seen its callee leave.
 std::atomic<bool> g_slow_echo_started{false};
 DISTOPTIM_RPC_FUNCTION("dynamic_slow_echo", [](int64_t value) {
   g_slow_echo_started = true;
-  std::this_thread::sleep_for(300ms);
+  Turns(1).await("ps_saw_leaver_go");
   return value;
 });
 
@@ -222,6 +234,9 @@ TEST(DynamicMembership, TheStoreHostLeavesLastAndNamesWhoStayed) {
       // The leaver's call was running when it left: answered before its connections close.
       auto pending = rpc_async<int64_t>("leaver", "dynamic_slow_echo", std::tuple{int64_t{7}});
       turns.say("call_sent");
+      EXPECT_EQ(await_members(my_members, {"ps", "stayer"}),
+                (std::vector<std::string>{"ps", "stayer"}));
+      turns.say("ps_saw_leaver_go");
       EXPECT_EQ(pending.wait(), 7);
       turns.await("leaver_left");
       EXPECT_EQ(my_members(), (std::vector<std::string>{"ps", "stayer"}));
@@ -284,18 +299,6 @@ TEST(DynamicMembership, TheStoreHostDoesNotWaitForAStoppedMember) {
     shutdown();
     turns.say("stuck_done");
   });
-}
-
-// Polls `names` (every 20 ms, at most 20 s) until it lists `expected`; returns what it listed last.
-std::vector<std::string> await_members(const std::function<std::vector<std::string>()>& names,
-                                       const std::vector<std::string>& expected) {
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  std::vector<std::string> seen = names();
-  while (seen != expected && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(20ms);
-    seen = names();
-  }
-  return seen;
 }
 
 // A member that dies without leaving (SIGKILL) is dropped: the store host sees its connections

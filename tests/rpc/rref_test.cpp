@@ -481,7 +481,9 @@ TEST(RequestOrder, RequestsStartInTheOrderTheyArrived) {
       ASSERT_TRUE(wait_until(in_flight(3)));
       g_released |= uint64_t{1} << 1;
       ASSERT_TRUE(wait_until([] { return g_holding.load() == 1; }));
-      std::this_thread::sleep_for(50ms);  // the freed thread back to waiting for work
+      // Makes it likely that the freed thread is back waiting for work before 4 arrives: that wait
+      // is inside the library's pool and I/O loop, which report no idle thread to wait for.
+      std::this_thread::sleep_for(50ms);
       send("note", 4);
       // Time for 4 to arrive (if the freed thread was the pool's, 3 ran already and this waits
       // in vain: the order holds either way).
@@ -653,22 +655,31 @@ TEST(RRef, ConfirmShowsConstructionErrorsAtConstruction) {
   });
 }
 
+// Late replies: the callee answers only once the caller, its call timed out, has let that many
+// replies go (late_reply_go); bounded by 30 s.
+std::atomic<int64_t> g_late_replies_let_go{0};
+DISTOPTIM_RPC_FUNCTION("late_reply_go", [] { return ++g_late_replies_let_go; });
+void await_late_reply_go(int64_t count) {
+  (void)wait_until([count] { return g_late_replies_let_go.load() >= count; }, 30s);
+}
+
 // Replies carrying RRefs that arrive after their call timed out are not
 // dropped undecoded: their RRefs are released, and the owner's table empties.
-std::vector<RRef<int64_t>> make_rrefs_later(int64_t value, int64_t delay_ms) {
-  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+std::vector<RRef<int64_t>> make_rrefs_late(int64_t value) {
+  await_late_reply_go(value + 1);
   return {RRef<int64_t>(value), RRef<int64_t>(value + 1)};
 }
-DISTOPTIM_RPC_FUNCTION("make_rref_later", make_rrefs_later);
+DISTOPTIM_RPC_FUNCTION("make_rref_late", make_rrefs_late);
 
 TEST(RRef, LateRepliesReleaseTheirRRefs) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
       for (int64_t i = 0; i < 8; ++i) {
-        auto late = rpc_async<std::vector<RRef<int64_t>>>("worker1", "make_rref_later",
-                                                          std::tuple{i, int64_t{300}}, 50ms);
+        auto late =
+            rpc_async<std::vector<RRef<int64_t>>>("worker1", "make_rref_late", std::tuple{i}, 50ms);
         EXPECT_THROW(late.wait(), TimeoutError);
+        rpc_sync<int64_t>("worker1", "late_reply_go");
       }
       EXPECT_TRUE(owner_table_empties("worker1", 20s));
     }
@@ -681,8 +692,8 @@ TEST(RRef, LateRepliesReleaseTheirRRefs) {
 // times out is settled by its late reply; the value stays whole for the call meanwhile, though
 // the caller dropped its reference.
 std::atomic<int64_t> g_late_successes{0};
-DISTOPTIM_RPC_FUNCTION("plus_one_later", [](RRef<int64_t> rref, int64_t delay_ms) {
-  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+DISTOPTIM_RPC_FUNCTION("plus_one_late", [](RRef<int64_t> rref) {
+  await_late_reply_go(1);
   const int64_t value = rref.local_value() + 1;
   g_late_successes.fetch_add(1);
   return value;
@@ -701,11 +712,11 @@ TEST(RRef, CallsThroughAnRRefToItsOwnerAreSettledByTheirReply) {
           EXPECT_EQ(rpc_sync<int64_t>("worker1", "plus_one_on_owner", std::tuple{sum}), 43);
           EXPECT_EQ(pending_children(), 0) << "after call " << i;
         }
-        auto late =
-            rpc_async<int64_t>("worker1", "plus_one_later", std::tuple{sum, int64_t{300}}, 50ms);
+        auto late = rpc_async<int64_t>("worker1", "plus_one_late", std::tuple{sum}, 50ms);
         EXPECT_THROW(late.wait(), TimeoutError);
         EXPECT_EQ(pending_children(), 1);  // until the late reply comes
       }
+      rpc_sync<int64_t>("worker1", "late_reply_go");  // once the caller dropped `sum`
       const auto deadline = std::chrono::steady_clock::now() + 20s;
       while (pending_children() != 0 && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(10ms);
