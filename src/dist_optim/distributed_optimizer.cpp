@@ -1,3 +1,7 @@
+// DistributedOptimizer (distributed_optimizer.h), the trainer's side: one RemoteOptimizer per
+// owner of the parameters, each step sent to every owner at once, the options and state dicts
+// gathered from them. Rebinding to parameters made anew is rebind.cpp's.
+
 #include <distoptim/dist_optim/distributed_optimizer.h>
 
 #include <algorithm>

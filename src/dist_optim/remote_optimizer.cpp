@@ -1,3 +1,7 @@
+// RemoteOptimizer (remote_optimizer.h), the owner's side of a DistributedOptimizer: its steps
+// under the owner's update locks, its state dict, and the staging and commit of what a snapshot
+// or a backup's copies load. Sending steps to a backup is remote_optimizer_replicas.cpp's.
+
 #include "remote_optimizer.h"
 
 #include <mutex>

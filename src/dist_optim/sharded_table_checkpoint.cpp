@@ -1,3 +1,6 @@
+// save_sharded_table / load_sharded_table (sharded_table_checkpoint.h): a ShardedEmbeddingBag's
+// checkpoint, written as a snapshot of the optimizer's table parameters alone.
+
 #include <distoptim/dist_optim/sharded_table_checkpoint.h>
 
 #include <cstddef>
