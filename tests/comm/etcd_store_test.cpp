@@ -191,6 +191,7 @@ TEST_F(EtcdStoreOps, WaitAndGetReturnOnceTheKeysAreSet) {
   s->wait({"here"}, 5s);
   // Keys set by another client while this one waits (or before: the result is the same).
   std::thread writer([&] {
+    // Likely lets the wait begin first: that it blocks is inside the store, not visible here.
     std::this_thread::sleep_for(100ms);
     writer_store->set("late1", bytes("a"));
     writer_store->set("late2", bytes("b"));

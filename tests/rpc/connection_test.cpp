@@ -4,6 +4,7 @@
 // itself; a frame that breaks the framing after good ones in the same read closes the connection
 // after exactly those.
 
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -124,6 +125,7 @@ class SocketPair {
       throw std::runtime_error(std::string("socketpair: ") + std::strerror(errno));
     }
     writer = fds[1];
+    reader = fds[0];
     connection = std::make_shared<Connection>(
         io, asio::local::stream_protocol::socket(io, asio::local::stream_protocol(), fds[0]),
         std::string());
@@ -146,8 +148,21 @@ class SocketPair {
     io.run();
   }
 
+  // Whether the connection has read every byte written so far; waits for it at most 10 s.
+  bool all_read() const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (true) {
+      int unread = 0;
+      if (::ioctl(reader, FIONREAD, &unread) != 0) return false;
+      if (unread == 0) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
   asio::io_context io;
   int writer = -1;
+  int reader = -1;  // the connection's end, owned by its socket
   std::shared_ptr<Connection> connection;
   std::vector<std::thread> threads;
 };
@@ -189,6 +204,7 @@ TEST(RpcConnection, ABurstReadAtOnceArrivesInOrderThroughPausesAndAHandlerSwap) 
       paused = true;
       go_on = false;
       pair.threads.emplace_back([&pair, &paused] {
+        // Time for a reader that ignored the pause to deliver: a pause that holds has no event.
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
         asio::post(pair.io, [&paused] { paused = false; });
         pair.connection->resume_reading();
@@ -237,15 +253,16 @@ TEST(RpcConnection, FramesSplitAnywhereAcrossReadsArriveWhole) {
   const std::vector<TestFrame> frames = make_frames(80, 20, 0);
   const std::string stream = wire_bytes(frames);
   SocketPair pair;  // after the stream: its writer thread ends first
-  // Pieces of 1 to 17 bytes with a pause after each, so that reads end inside headers, lengths,
-  // bodies and tensors, and the inbox holds the start of a field whose rest is read after.
+  // Pieces of 1 to 17 bytes, each sent once the connection has read all before it, so that reads
+  // end inside headers, lengths, bodies and tensors, and the inbox holds the start of a field
+  // whose rest is read after.
   pair.threads.emplace_back([&pair, &stream] {
     std::mt19937 random(11);
     for (size_t done = 0; done < stream.size();) {
       const size_t piece = std::min<size_t>(1 + random() % 17, stream.size() - done);
       send_all(pair.writer, stream.data() + done, piece);
       done += piece;
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      if (!pair.all_read()) return;  // the test fails by run()'s bound
     }
   });
   std::vector<TestFrame> got;

@@ -1043,6 +1043,7 @@ TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
         for (const std::string& piece : {request.header, lengths.substr(0, 4),
                                          lengths.substr(4) + rest.substr(0, 3), rest.substr(3)}) {
           ASSERT_TRUE(peer->send_bytes(piece));
+          // Likely has worker 0 read each piece alone: its reads are not visible to the test.
           std::this_thread::sleep_for(50ms);
         }
         DecodedMessage reply;

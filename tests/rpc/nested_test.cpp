@@ -356,6 +356,7 @@ struct ReplyThreads : Interceptor {
 };
 
 DISTOPTIM_RPC_FUNCTION("ones_later", [] {
+  // Likely answers after "ones", to a caller already waiting: neither is visible to the callee.
   std::this_thread::sleep_for(5ms);
   return at::ones({4});
 });
@@ -377,6 +378,7 @@ std::thread& caller_back_thread() {
 // join_call_back).
 DISTOPTIM_RPC_FUNCTION("call_back_later", [](int64_t value) {
   caller_back_thread() = std::thread([value] {
+    // Likely lets worker0 reach its std::future first: telling us would take it into the library.
     std::this_thread::sleep_for(20ms);
     (void)rpc_sync<int64_t>("worker0", "note_call_back", std::tuple{value});
   });
@@ -889,6 +891,7 @@ TEST(ExecutorUnit, PastTheBoundABlockedJobWaitsWithoutCompensation) {
   std::promise<bool> first_saw_second;
   pool.post([&] {
     detail::Executor::BlockingScope blocking;
+    // Time for a wrong compensating thread to run the second job: a job not run has no event.
     std::this_thread::sleep_for(200ms);
     first_saw_second.set_value(second_ran.load());
   });

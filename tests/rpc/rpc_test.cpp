@@ -822,7 +822,8 @@ DISTOPTIM_RPC_FUNCTION("call_once_exiting", [](int64_t on) {
   while (!g_leaving && std::chrono::steady_clock::now() < until) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // into exit's clean-up
+  // Likely into exit's clean-up: how far the exit has gone is not visible from a request.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   return rpc_sync<int64_t>(worker(static_cast<int>(on)), "add", std::tuple{1, 2});
 });
 // Among the last destructors at exit, made before main: holds a leaving process's exit up a
@@ -846,7 +847,9 @@ TEST(Rpc, ExitingWithoutShutdownWhileRequestsRunEndsTheProcess) {
         (void)rpc_async<int64_t>(worker(0), "call_once_exiting", std::tuple{1});
         (void)rpc_async<int64_t>(worker(0), "sleep_ms", std::tuple{200});
       }
-      // Serves worker0's connection meanwhile; leaves with its own calls in flight.
+      // Serves worker0's connection meanwhile; leaves with its own calls in flight. Likely
+      // long enough for worker0's calls made while exiting: those may fail in its clean-up and
+      // never come, so there is no event to wait for.
       std::this_thread::sleep_for(1s);
     } else {
       const auto until = std::chrono::steady_clock::now() + 20s;
