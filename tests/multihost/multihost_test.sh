@@ -15,9 +15,10 @@
 #              error naming ranks 2 and 3, and host a's distrun reports the failed rank.
 #   link_down_resume
 #              the same cut with --max-restarts 1 on both hosts and checkpoints every 2 steps:
-#              the ranks fail, the link is set up again a few seconds later, host b's distrun
-#              reaches host a's again, both start their ranks again together, which resume from
-#              the last checkpoint and end bit-identical to an uninterrupted run.
+#              the ranks fail, the link is set up again once host b's distrun has lost host
+#              a's store, host b's distrun reaches it again, both start their ranks again
+#              together, which resume from the last checkpoint and end bit-identical to an
+#              uninterrupted run.
 # Needs root (CAP_NET_ADMIN) and iproute2: without them it exits 77, which CTest counts as
 # skipped. The namespaces (and with them the veths) are deleted on every exit.
 # Usage: multihost_test.sh CASE DISTRUN WORKER WORKDIR
@@ -225,9 +226,10 @@ case "$case_name" in
     ip -n "$ns_b" link set veth0 down
     start=$SECONDS
     touch "$work/go"
-    # Host a's ranks fail and its distrun learns the round's outcome; host b is cut off.
+    # Host a's ranks fail and its distrun learns the round's outcome; host b is cut off, and its
+    # distrun says so before the link comes back.
     wait_for_lines "$work/a.log" "every node restarts its ranks" 1 "${pids[0]}"
-    sleep 2
+    wait_for_lines "$work/b.log" "lost the launchers' store" 1 "${pids[1]}"
     ip -n "$ns_b" link set veth0 up
     down=$((SECONDS - start))
     wait_status "${pids[0]}" 40 && status_a=$status
