@@ -20,6 +20,9 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <string>
@@ -117,7 +120,7 @@ std::atomic<int> g_done{0};
 std::atomic<int> g_phase{0};  // 1: the baseline is taken; 2: the server's checks are done
 std::atomic<bool> g_victim_gone{false};
 std::atomic<int> g_touched{0};
-std::atomic<int> g_step_delay_ms{0};
+std::atomic<bool> g_hold_steps{false};
 
 std::vector<at::Tensor> model_of(int trainer) {
   std::lock_guard<std::mutex> lock(g_models_mutex);
@@ -131,20 +134,32 @@ DISTOPTIM_RPC_FUNCTION("lost.params", [](int64_t trainer) {
   for (const at::Tensor& p : model_of(static_cast<int>(trainer))) rrefs.emplace_back(p);
   return rrefs;
 });
-// The forward pass of `trainer`'s model, after `delay_ms`; its backward on the server waits
-// `backward_delay_ms` first.
-DISTOPTIM_RPC_FUNCTION("lost.forward", [](int64_t trainer, const at::Tensor& x, int64_t delay_ms,
-                                          int64_t backward_delay_ms) {
-  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+// A file of this run's, which the server writes once it holds the dying trainer's work: asking
+// the server instead would need a request thread, which the held work may keep from answering.
+std::string held_work_file() {
+  return "/tmp/distoptim-lost-trainer-held-" + std::string(std::getenv("MASTER_PORT"));
+}
+// The dying trainer's work in flight on the server (KillPoint::kForward, kBackward, kStep): it
+// says it has started, then holds until the server has seen the trainer go (bounded), so that
+// the trainer dies while it runs.
+void hold_until_the_victim_is_gone() {
+  std::ofstream(held_work_file()).put('1');
+  (void)wait_until([] { return g_victim_gone.load(); }, 30s);
+}
+// The forward pass of `trainer`'s model, held first if `hold`; its backward on the server is held
+// first if `hold_backward`.
+at::Tensor forward_of(int64_t trainer, const at::Tensor& x, bool hold, bool hold_backward) {
+  if (hold) hold_until_the_victim_is_gone();
   at::Tensor y = layer(model_of(static_cast<int>(trainer)), x);
-  if (backward_delay_ms > 0) {
-    y.register_hook([backward_delay_ms](const at::Tensor& grad) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(backward_delay_ms));
+  if (hold_backward) {
+    y.register_hook([](const at::Tensor& grad) {
+      hold_until_the_victim_is_gone();
       return grad;
     });
   }
   return y;
-});
+}
+DISTOPTIM_RPC_FUNCTION("lost.forward", forward_of);
 // Holds a request thread until the server has seen the dying trainer go (PeerLostError), so
 // that the requests queued behind it start only after the trainer counts as lost, however long
 // noticing its death takes.
@@ -155,7 +170,7 @@ DISTOPTIM_RPC_FUNCTION("lost.hold", [](const at::Tensor& ballast) {
   return ballast.numel();
 });
 DISTOPTIM_RPC_FUNCTION("lost.touch", [] { return ++g_touched; });
-DISTOPTIM_RPC_FUNCTION("lost.slow_steps", [](int64_t ms) { g_step_delay_ms = ms; });
+DISTOPTIM_RPC_FUNCTION("lost.hold_steps", [] { g_hold_steps = true; });
 DISTOPTIM_RPC_FUNCTION("lost.arrive", [] { return ++g_arrived; });
 DISTOPTIM_RPC_FUNCTION("lost.done", [] { return ++g_done; });
 std::atomic<int> g_left{0};
@@ -164,19 +179,19 @@ DISTOPTIM_RPC_FUNCTION("lost.phase", [] { return static_cast<int64_t>(g_phase.lo
 DISTOPTIM_RPC_FUNCTION("lost.victim_gone", [] { return g_victim_gone.load(); });
 DISTOPTIM_RPC_FUNCTION("lost.noop", [] { return true; });
 
-// SGD whose every step on the server first waits g_step_delay_ms (the dying trainer's optimizer;
-// the wait is 0 until it asks for one).
-struct SlowSGD : optim::SGD {
+// SGD whose every step on the server is held first once g_hold_steps is set (the dying
+// trainer's optimizer, which sets it for the step it dies in).
+struct HeldSGD : optim::SGD {
   using optim::SGD::SGD;
 
  protected:
   void update(size_t group, const std::vector<ParamUpdate>& updates) override {
-    std::this_thread::sleep_for(std::chrono::milliseconds(g_step_delay_ms.load()));
+    if (g_hold_steps) hold_until_the_victim_is_gone();
     optim::SGD::update(group, updates);
   }
 };
-const optim::OptimizerRegistration kSlowSGD(
-    "lost_slow_sgd", optim::typed_factory<SlowSGD, optim::SGDOptions>(optim::SGDOptions(kLr)));
+const optim::OptimizerRegistration kHeldSGD(
+    "lost_held_sgd", optim::typed_factory<HeldSGD, optim::SGDOptions>(optim::SGDOptions(kLr)));
 
 rpc::RpcBackendOptions options_for(int rank) {
   // The server runs requests on one pool thread besides the I/O loop's, so that a few slow
@@ -186,9 +201,11 @@ rpc::RpcBackendOptions options_for(int rank) {
   return options;
 }
 
-void die_in(std::chrono::milliseconds delay) {
-  std::thread([delay] {
-    std::this_thread::sleep_for(delay);
+// Dies once the server holds the work of this trainer (bounded), watching for it from a thread of
+// its own while the trainer waits for that work.
+void die_once_the_server_holds_my_work() {
+  std::thread([] {
+    (void)wait_until([] { return std::filesystem::exists(held_work_file()); }, 30s);
     ::kill(::getpid(), SIGKILL);
   }).detach();
 }
@@ -216,19 +233,15 @@ void iteration(int trainer, int it, DistributedOptimizer& optimizer, KillPoint p
   const bool dies = trainer == kVictim && it == kKillIteration;
   ContextGuard context;
   const at::Tensor x = input(trainer, it);
-  int64_t delay = 0;
-  int64_t backward_delay = 0;
-  if (dies && point == KillPoint::kForward) delay = 800;
-  if (dies && point == KillPoint::kBackward) backward_delay = 800;
-  if (dies && (point == KillPoint::kForward || point == KillPoint::kBackward)) {
-    die_in(point == KillPoint::kForward ? 200ms : 300ms);
-  }
+  const bool hold = dies && point == KillPoint::kForward;
+  const bool hold_backward = dies && point == KillPoint::kBackward;
+  if (hold || hold_backward) die_once_the_server_holds_my_work();
   const at::Tensor y = rpc_sync<at::Tensor>(worker(kServer), "lost.forward",
-                                            std::tuple{int64_t{trainer}, x, delay, backward_delay});
+                                            std::tuple{int64_t{trainer}, x, hold, hold_backward});
   dist_autograd::backward(context.id(), {y.pow(2).sum()});
   if (dies && point == KillPoint::kStep) {
-    rpc_sync(worker(kServer), "lost.slow_steps", std::tuple{int64_t{800}});
-    die_in(200ms);
+    rpc_sync(worker(kServer), "lost.hold_steps");
+    die_once_the_server_holds_my_work();
   }
   if (dies && point == KillPoint::kQueued) {
     // Requests that keep the server's request threads busy until it has seen the death, then
@@ -250,7 +263,7 @@ void train(int trainer, KillPoint point) {
   {
     std::vector<RRef<at::Tensor>> params = rpc_sync<std::vector<RRef<at::Tensor>>>(
         worker(kServer), "lost.params", std::tuple{int64_t{trainer}});
-    DistributedOptimizer optimizer(trainer == kVictim ? "lost_slow_sgd" : "sgd", params,
+    DistributedOptimizer optimizer(trainer == kVictim ? "lost_held_sgd" : "sgd", params,
                                    OptionBag().set("lr", kLr));
     int it = 0;
     for (; it < kWarmUpIterations; ++it) iteration(trainer, it, optimizer, point);
@@ -309,6 +322,7 @@ void serve(KillPoint point) {
   const int64_t baseline = resident_bytes();
   const int64_t baseline_allocated = allocated_bytes();
   ASSERT_GT(baseline, 0);
+  std::filesystem::remove(held_work_file());  // a file left by a failed run on the same port
   g_phase = 1;
   // Learns of the victim's death as any caller of it would.
   ASSERT_TRUE(wait_until(
@@ -393,6 +407,7 @@ void serve(KillPoint point) {
       EXPECT_TRUE(all_close(now, after)) << "the steps that returned were not applied once each";
       break;
   }
+  std::filesystem::remove(held_work_file());
   g_phase = 2;
   // The survivors' last calls are answered before the server leaves.
   EXPECT_TRUE(wait_until([] { return g_left.load() == 2; }, 30s));
