@@ -145,12 +145,38 @@ def render_ours_alone(cases, path):
     return notes, table(["case", "min", "median", "max", "unit", "better"], rows)
 
 
+def render_spread(cases, path):
+    """Rows of bench/common's comparison_row {case, ours, pytorch, ours_min, ours_max,
+    pytorch_min, pytorch_max, unit, better} with each side's min/median/max over the rounds, and
+    a row {case: "settings", settings} (bench/ddp_hooks)."""
+    def spread(c, side):
+        return "{} / {} / {}".format(number(field(c, side + "_min", path)),
+                                     number(field(c, side, path)),
+                                     number(field(c, side + "_max", path)))
+
+    rows, notes = [], []
+    for c in cases:
+        if c["case"] == "settings":
+            notes.append("Settings: {}.".format(field(c, "settings", path)))
+            continue
+        ours, pytorch = field(c, "ours", path), field(c, "pytorch", path)
+        plain = ours / pytorch if number(ours) != "-" and number(pytorch) != "-" and \
+            ours > 0 and pytorch > 0 else None
+        rows.append([c["case"], spread(c, "ours"), spread(c, "pytorch"), field(c, "unit", path),
+                     ratio(plain), field(c, "better", path)])
+    notes.append("ours, PyTorch: min / median / max over the rounds; ours / PyTorch: the plain "
+                 "ratio of the medians; 'better' says which way is better.")
+    return notes, table(["case", "ours (min / median / max)", "PyTorch (min / median / max)",
+                         "unit", "ours / PyTorch", "better"], rows)
+
+
 RENDERERS = {"optim": render_optim, "elastic": render_ours_alone, "snapshot": render_ours_alone,
              "server_loss": render_ours_alone, "server_loss_first": render_ours_alone,
              "zero": render_ours_and_pytorch,
              "zero_mmap_thp": render_ours_and_pytorch,
              "dist_optim": render_ours_and_pytorch, "rpc": render_rpc,
-             "sparse_ps": render_ours_and_pytorch, "sparse_rows": render_ours_and_pytorch}
+             "sparse_ps": render_ours_and_pytorch, "sparse_rows": render_ours_and_pytorch,
+             "ddp_hooks": render_spread}
 
 
 def load(path):
