@@ -9,8 +9,8 @@ Usage: pytorch_ddp_hooks.py --hook NAME [--input 16384] [--hidden 256] [--hidden
 Hooks (NAME): allreduce, fp16_compress, bf16_compress, powersgd_rank1, powersgd_rank4,
 batched_powersgd_rank4, noop, as ddp_hooks_bench names them.
 
-Stand-ins, for what PyTorch 1.13 cannot run on gloo (as in
-tests/data_parallel/reference/comm_hooks_reference.py):
+Stand-ins, for what PyTorch 1.13 cannot run on gloo (the last two from
+tests/data_parallel/reference/pytorch_hook_stand_ins.py, shared with the hooks' parity test):
 - DDP refuses a hook named bf16_compress_hook without CUDA and NCCL: it is registered through a
   function of another name that calls it.
 - Gloo cannot sum bfloat16: dist.all_reduce of a bfloat16 tensor sums it in float32 and rounds
@@ -48,6 +48,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
 
+# The stand-ins PyTorch's hooks need on gloo, shared with the hooks' parity test.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests",
+                                "data_parallel", "reference"))
+import pytorch_hook_stand_ins  # noqa: E402
+
 HOOKS = ["allreduce", "fp16_compress", "bf16_compress", "powersgd_rank1", "powersgd_rank4",
          "batched_powersgd_rank4", "noop"]
 LR = 0.01
@@ -66,33 +71,18 @@ class Counter:
 
 
 def install_stand_ins(counter):
+    """PyTorch's hooks on gloo need stand-ins (pytorch_hook_stand_ins.py, shared with the hooks'
+    parity test); around them, dist.all_reduce and dist.all_gather count what the hooks hand
+    them (a bfloat16 bucket at 2 bytes an element, though the stand-in sums it in float32)."""
+    pytorch_hook_stand_ins.install()
     all_reduce = dist.all_reduce
     all_gather = dist.all_gather
-
-    class _Done:
-        def __init__(self, tensor):
-            self._future = torch.futures.Future()
-            self._future.set_result([tensor])
-
-        def get_future(self):
-            return self._future
-
-        def wait(self):
-            return True
-
-    def all_reduce_with_bfloat16(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if tensor.dtype != torch.bfloat16:
-            return all_reduce(tensor, op=op, group=group, async_op=async_op)
-        wide = tensor.float()
-        all_reduce(wide, op=op, group=group)
-        tensor.copy_(wide)
-        return _Done(tensor) if async_op else None
 
     def counted_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if counter.on:
             counter.allreduce_bytes += tensor.numel() * tensor.element_size()
             counter.calls += 1
-        return all_reduce_with_bfloat16(tensor, op=op, group=group, async_op=async_op)
+        return all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     def counted_all_gather(tensor_list, tensor, group=None, async_op=False):
         if counter.on:
@@ -102,15 +92,6 @@ def install_stand_ins(counter):
 
     dist.all_reduce = counted_all_reduce
     dist.all_gather = counted_all_gather
-
-    orthogonalize = powersgd._orthogonalize
-
-    def orthogonalize_matrix_or_batch(matrices, epsilon=0):
-        if matrices.dim() == 2:
-            matrices = matrices.unsqueeze(0)
-        orthogonalize(matrices, epsilon)
-
-    powersgd._orthogonalize = orthogonalize_matrix_or_batch
 
 
 def register(ddp, hook, start_iter, counter):

@@ -15,7 +15,7 @@ Writes into DIR (with torch.save; every list holds at least two items, see _save
 Two ranks run as processes (torch.multiprocessing) on gloo, CPU, float32, one thread each. Every
 iteration steps the parameters by -LR * grad by hand, so no optimizer's rounding enters.
 
-Stand-ins, for what PyTorch 1.13 cannot run on gloo:
+Stand-ins, for what PyTorch 1.13 cannot run on gloo (pytorch_hook_stand_ins.py, beside this file):
 - DDP refuses hooks named bf16_compress_hook or bf16_compress_wrapper_hook without CUDA and NCCL:
   here they are registered through a function of another name that calls them.
 - Gloo cannot sum bfloat16, which bf16_compress_hook and bf16_compress_wrapper allreduce: here
@@ -36,6 +36,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel
+
+import pytorch_hook_stand_ins
 
 # Keep in sync with the C++ test (kHooks* constants).
 WORLD_SIZE = 2
@@ -108,40 +110,6 @@ def _save(tensors, path):
     torch.save(list(tensors), path)
 
 
-def _install_stand_ins():
-    all_reduce = dist.all_reduce
-
-    class _Done:
-        def __init__(self, tensor):
-            self._future = torch.futures.Future()
-            self._future.set_result([tensor])
-
-        def get_future(self):
-            return self._future
-
-        def wait(self):
-            return True
-
-    def all_reduce_with_bfloat16(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if tensor.dtype != torch.bfloat16:
-            return all_reduce(tensor, op=op, group=group, async_op=async_op)
-        wide = tensor.float()
-        all_reduce(wide, op=op, group=group)
-        tensor.copy_(wide)
-        return _Done(tensor) if async_op else None
-
-    dist.all_reduce = all_reduce_with_bfloat16
-
-    orthogonalize = powersgd._orthogonalize
-
-    def orthogonalize_matrix_or_batch(matrices, epsilon=0):
-        if matrices.dim() == 2:
-            matrices = matrices.unsqueeze(0)
-        orthogonalize(matrices, epsilon)
-
-    powersgd._orthogonalize = orthogonalize_matrix_or_batch
-
-
 def train(rank, out_dir, case, init, x, y):
     model = make_model()
     with torch.no_grad():
@@ -164,7 +132,7 @@ def train(rank, out_dir, case, init, x, y):
 
 def run_rank(rank, out_dir):
     torch.set_num_threads(1)
-    _install_stand_ins()
+    pytorch_hook_stand_ins.install()
     dist.init_process_group(
         "gloo", init_method="file://" + os.path.join(out_dir, "rendezvous"),
         rank=rank, world_size=WORLD_SIZE)
