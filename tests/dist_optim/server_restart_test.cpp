@@ -412,21 +412,32 @@ std::string g_name;
 DISTOPTIM_RPC_FUNCTION("server_restart.name", [] { return g_name; });
 DISTOPTIM_RPC_FUNCTION("server_restart.assign", assign);
 
+// The run's snapshot directory, the same in every rank (whether the ranks are forked or each
+// runs the executable afresh): named after the run's MASTER_PORT.
+std::string run_directory() {
+  const char* port = std::getenv("MASTER_PORT");
+  return (fs::temp_directory_path() / ("server_restart_" + std::string(port ? port : "0")))
+      .string();
+}
+
 TEST(ServerRestart, ATrainerBindsToTheRestartedServerWithItsSnapshot) {
-  const std::string directory =
-      (fs::temp_directory_path() / ("server_restart_" + std::to_string(::getpid()))).string();
   testing::RunRanksOptions run;
   run.deadline = 300s;
   run.expected_signals = {{1, SIGKILL}, {3, SIGKILL}};
   testing::run_ranks(
       6,
-      [&directory](int rank, int) {
+      [](int rank, int) {
+        const std::string directory = run_directory();
         if (rank == 0) {
+          // Before anyone can step (the trainers wait for ps0): no snapshot of an earlier run on
+          // the same port is taken for this one's.
+          fs::remove_all(directory);
           g_name = "ps0";
           rpc::init_rpc("ps0", 0, options());
           testing::StoreTurns turns(0, kTurns);
           turns.store->wait({"done"}, 240s);
           rpc::shutdown();
+          fs::remove_all(directory);  // every trainer has finished with it
           return;
         }
         testing::StoreTurns turns(rank, kTurns);
@@ -461,7 +472,6 @@ TEST(ServerRestart, ATrainerBindsToTheRestartedServerWithItsSnapshot) {
         rpc::shutdown();
       },
       run);
-  fs::remove_all(directory);
 }
 
 // Replicas: ps0 and ps1 back each other up (replicate_steps). When ps1 dies, its table shard,
