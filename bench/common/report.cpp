@@ -1,5 +1,6 @@
 #include "report.h"
 
+#include <dlfcn.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -101,6 +102,11 @@ double process_cpu_seconds() {
   ::getrusage(RUSAGE_SELF, &usage);
   auto seconds = [](const timeval& t) { return t.tv_sec + t.tv_usec * 1e-6; };
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+int blas_threads() {
+  auto get = reinterpret_cast<int (*)()>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
+  return get != nullptr ? get() : -1;
 }
 
 long proc_status_kb(const std::string& field) {

@@ -79,6 +79,10 @@ std::pair<std::vector<nlohmann::json>, std::vector<nlohmann::json>> alternate_ro
 /// CPU time this process has used so far, every thread, user plus system (getrusage), seconds.
 double process_cpu_seconds();
 
+/// The threads of the OpenBLAS this process loaded (LibTorch calls the system BLAS, and
+/// at::set_num_threads does not reach it), or -1 where the BLAS is another.
+int blas_threads();
+
 /// Context switches this process's threads have made so far, voluntary and involuntary
 /// (getrusage: every thread, ended ones included).
 int64_t process_context_switches();

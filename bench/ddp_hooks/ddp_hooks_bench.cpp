@@ -61,8 +61,6 @@
 #include <thread>
 #include <vector>
 
-#include <dlfcn.h>
-
 #include <fmt/core.h>
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
@@ -101,13 +99,6 @@ struct Config {
   int deadline_seconds = 300;
   std::vector<std::string> hooks = kHooks;
 };
-
-// The threads of the OpenBLAS this process loaded (at::set_num_threads does not reach it), or -1
-// where the BLAS is another.
-int blas_threads() {
-  auto get = reinterpret_cast<int (*)()>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  return get != nullptr ? get() : -1;
-}
 
 // --- a rank of ours ------------------------------------------------------------------------------
 

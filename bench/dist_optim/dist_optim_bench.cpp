@@ -58,8 +58,6 @@
 // Usage: dist_optim_bench --json PATH [--rounds 3] [--iterations N] [--quick]
 //                         [--deadline-seconds N]
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -159,13 +157,6 @@ DISTOPTIM_RPC_FUNCTION("bench.sum_parameters",
                          for (const auto& param : params) sum = sum + param.local_value().sum();
                          return sum;
                        });
-
-// The threads of the OpenBLAS this process loaded (LibTorch calls the system BLAS, and
-// at::set_num_threads does not reach it), or -1 where the BLAS is another.
-int blas_threads() {
-  auto get = reinterpret_cast<int (*)()>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  return get != nullptr ? get() : -1;
-}
 
 // --- worker0's measurements ------------------------------------------------------------------
 

@@ -106,13 +106,6 @@ const std::map<std::string, Mode> kModes{{"plain", Mode::kPlain},
                                          {"overlap", Mode::kOverlap},
                                          {"stage2", Mode::kStage2}};
 
-// The threads of the OpenBLAS this process loaded (at::set_num_threads does not reach it), or -1
-// where the BLAS is another.
-int blas_threads() {
-  auto get = reinterpret_cast<int (*)()>(::dlsym(RTLD_DEFAULT, "openblas_get_num_threads"));
-  return get != nullptr ? get() : -1;
-}
-
 // CPU seconds of this process so far, every thread's.
 double process_cpu_seconds() {
   timespec t{};
