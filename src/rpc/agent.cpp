@@ -72,6 +72,18 @@ void Agent::start(const std::string& name) {
   handshake.same_user_only =
       options_.shared_secret().empty() && !options_.insecure_without_secret();
   handshake.refusals = std::make_shared<RefusalLog>(name);
+  handshake.own_key = group_.own_key();
+  // A key known already answers at once, on the I/O thread; otherwise the handshake goes on
+  // from the I/O loop once the lookup thread has answered.
+  handshake.member_key = [this](int id, MemberKeys::Resolved done) {
+    if (std::optional<std::string> key = group_.keys().find(id)) {
+      done(std::move(key), "");
+      return;
+    }
+    group_.keys().resolve(id, [this, done](std::optional<std::string> key, const std::string& why) {
+      peers_.run_on_loop([done, key, why] { done(key, why); });
+    });
+  };
   PeerEvents events;
   events.on_request = [this](const std::shared_ptr<Connection>& connection, int caller,
                              Frame frame) {
@@ -362,6 +374,8 @@ void Agent::leave() {
 void Agent::stop() {
   // First: a member dropped now would be told by calls that fail.
   membership_.stop();
+  // No key lookup answers a handshake once the transport stops.
+  group_.keys().stop();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (state_ != State::kRunning) {

@@ -54,6 +54,7 @@ class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
   Agent& operator=(const Agent&) = delete;
 
   const WorkerInfo& self() const { return group_.self(); }
+  const std::shared_ptr<const MemberKey>& own_key() const { return group_.own_key(); }
   /// The workers that have joined and not left, by id.
   std::vector<WorkerInfo> workers() const { return group_.workers(); }
   int resolve(const WorkerRef& to) const { return group_.resolve(to); }

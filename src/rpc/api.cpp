@@ -254,6 +254,12 @@ void shutdown(bool graceful) {
 
 WorkerInfo get_worker_info() { return current_agent("get_worker_info")->self(); }
 
+namespace detail {
+std::shared_ptr<const MemberKey> current_member_key() {
+  return current_agent("current_member_key")->own_key();
+}
+}  // namespace detail
+
 InPlaceUpdateGuard::InPlaceUpdateGuard() { detail::in_place_update_mutex().lock(); }
 InPlaceUpdateGuard::~InPlaceUpdateGuard() { detail::in_place_update_mutex().unlock(); }
 

@@ -46,6 +46,36 @@ std::string describe_missing(const std::vector<int>& missing,
   return out;
 }
 
+// What a worker publishes of itself, after its name in a dynamic group's record: where it
+// listens and its member key, "host port\nkey in hex".
+std::string address_record(const std::string& host, int port, const MemberKey& key) {
+  return host + " " + std::to_string(port) + "\n" + to_hex(key.public_key());
+}
+
+struct AddressRecord {
+  std::string host;
+  int port = 0;
+  std::string key;  // raw
+};
+
+// An address record read from the store, or nullopt when it is malformed.
+std::optional<AddressRecord> parse_address_record(const std::string& text) {
+  const size_t newline = text.find('\n');
+  const size_t space = text.rfind(' ', newline);
+  if (newline == std::string::npos || space == std::string::npos || space == 0) return std::nullopt;
+  const std::string port = text.substr(space + 1, newline - space - 1);
+  if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), ::isdigit)) {
+    return std::nullopt;
+  }
+  AddressRecord record{text.substr(0, space), std::stoi(port), ""};
+  std::optional<std::string> key = from_hex(text.substr(newline + 1));
+  if (record.port < 1 || record.port > 65535 || !key || key->size() != MemberKey::kPublicKeyBytes) {
+    return std::nullopt;
+  }
+  record.key = std::move(*key);
+  return record;
+}
+
 comm::Rendezvous meet(int rank, int world_size, const RpcBackendOptions& options) {
   auto rendezvous_options = comm::RendezvousOptions(options.init_method())
                                 .rank(rank)
@@ -66,7 +96,11 @@ WorkerGroup::WorkerGroup(int rank, int world_size, const RpcBackendOptions& opti
       world_size_(world_size),
       options_(options),
       rendezvous_(meet(rank, world_size, options)),
-      table_(world_size == kDynamicGroup) {}
+      table_(world_size == kDynamicGroup),
+      own_key_(std::make_shared<const MemberKey>(MemberKey::generate())),
+      keys_(world_size == kDynamicGroup
+                ? MemberKeys::Lookup([this](int id) { return published_key(id); })
+                : MemberKeys::Lookup()) {}
 
 std::string WorkerGroup::listen_address() const {
   return options_.listen_address().empty() ? rendezvous_.local_address : options_.listen_address();
@@ -107,7 +141,7 @@ void WorkerGroup::claim(const std::string& name, const std::string& address, int
                        "init_rpc: worker '", name,
                        "' cannot join: the group's store host (rank "
                        "0) is leaving, and the group with it");
-  const std::string record = name + "\n" + address + " " + std::to_string(port);
+  const std::string record = name + "\n" + address_record(address, port, *own_key_);
   const auto claim_rank = [&](int rank) {
     const std::string key = dynamic_key("rank/" + std::to_string(rank));
     const std::vector<uint8_t> mine = sealed(key, record);
@@ -160,7 +194,23 @@ void WorkerGroup::claim(const std::string& name, const std::string& address, int
     held_value = store.compareSet(name_key, held_value, mine);
   }
   self_ = WorkerInfo{name, rank_};
+  keys_.fix(rank_, own_key_->public_key());
   table_.add(self_, address, port);
+}
+
+std::string WorkerGroup::published_key(int id) {
+  comm::DeadlineStore& store = *rendezvous_.store;
+  const auto deadline = std::chrono::steady_clock::now() + options_.liveness_timeout();
+  const std::string key = dynamic_key("rank/" + std::to_string(id));
+  TORCH_CHECK_VALUE(store.check({key}, deadline), "no worker has claimed id ", id,
+                    " in the group's store");
+  const std::string record = unsealed(key, store.get(key, deadline));
+  const size_t newline = record.find('\n');
+  const std::optional<AddressRecord> published =
+      newline == std::string::npos ? std::nullopt
+                                   : parse_address_record(record.substr(newline + 1));
+  TORCH_CHECK_VALUE(published, "the group's store holds a malformed record for worker id ", id);
+  return published->key;
 }
 
 std::vector<int> WorkerGroup::enter() {
@@ -195,17 +245,18 @@ std::vector<int> WorkerGroup::enter() {
     const std::string record_key = dynamic_key("rank/" + std::to_string(rank));
     const std::string record = unsealed(record_key, store.get(record_key, deadline));
     const size_t newline = record.find('\n');
-    const size_t space = record.rfind(' ');
-    TORCH_CHECK_VALUE(newline != std::string::npos && space != std::string::npos && space > newline,
-                      "init_rpc: rank ", rank, " published a malformed record '", record, "'");
+    const std::optional<AddressRecord> published =
+        newline == std::string::npos ? std::nullopt
+                                     : parse_address_record(record.substr(newline + 1));
+    TORCH_CHECK_VALUE(published, "init_rpc: rank ", rank, " published a malformed record '", record,
+                      "'");
     if (sealed_mark(dynamic_key("left/" + std::to_string(rank)), deadline)) {
       // Gone, but RRefs it created may still be passed on by those who hold them.
       table_.add_left(WorkerInfo{record.substr(0, newline), rank});
       continue;
     }
-    table_.add(WorkerInfo{record.substr(0, newline), rank},
-               record.substr(newline + 1, space - newline - 1),
-               std::stoi(record.substr(space + 1)));
+    keys_.fix(rank, published->key);
+    table_.add(WorkerInfo{record.substr(0, newline), rank}, published->host, published->port);
     earlier.push_back(rank);
   }
   if (has_store_host() && rank_ == 0) {
@@ -250,7 +301,7 @@ bool WorkerGroup::marked_left(int rank) {
 void WorkerGroup::join(const std::string& name, const std::string& address, int port) {
   comm::DeadlineStore& store = *rendezvous_.store;
   const std::string key_prefix = std::string(kStorePrefix) + "worker/";
-  const std::string url = address + " " + std::to_string(port);
+  const std::string url = address_record(address, port, *own_key_);
   const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
   // The address first: a worker that has arrived (its name is in) can be connected to.
   // A static group's names and addresses are not sealed: every connection proves the secret in
@@ -258,6 +309,7 @@ void WorkerGroup::join(const std::string& name, const std::string& address, int 
   // the key would. (Sealed, a worker given another secret by mistake would fail every worker's
   // init instead of being refused by the others.)
   const std::string url_key = key_prefix + std::to_string(rank_) + "/url";
+  keys_.fix(rank_, own_key_->public_key());
   store.set(url_key, {url.begin(), url.end()}, deadline);
   comm::StoreRound exchange(store, comm::StoreRound::Keys::under(key_prefix), rank_, world_size_);
   exchange.arrive({name.begin(), name.end()}, deadline);
@@ -274,10 +326,12 @@ void WorkerGroup::join(const std::string& name, const std::string& address, int 
         store.get(key_prefix + std::to_string(id) + "/url", deadline);
     workers_[id] = WorkerInfo{std::string(peer_name.begin(), peer_name.end()), id};
     const std::string published(peer_url.begin(), peer_url.end());
-    const size_t space = published.rfind(' ');
-    TORCH_CHECK_VALUE(space != std::string::npos, "init_rpc: worker ", id,
-                      " published a malformed address '", published, "'");
-    addresses[id] = {published.substr(0, space), std::stoi(published.substr(space + 1))};
+    const std::optional<AddressRecord> record = parse_address_record(published);
+    TORCH_CHECK_VALUE(record, "init_rpc: worker ", id, " published a malformed address '",
+                      published, "'");
+    addresses[id] = {record->host, record->port};
+    // This worker's own record read back as it wrote it, else another process replaced it.
+    keys_.fix(id, record->key);
     auto [it, inserted] = ids_by_name.emplace(workers_[id].name, id);
     TORCH_CHECK_VALUE(inserted, "init_rpc: the worker name '", workers_[id].name,
                       "' is used by both rank ", it->second, " and rank ", id);

@@ -12,6 +12,8 @@
 #include <distoptim/comm/rendezvous.h>
 #include <distoptim/rpc/api.h>
 
+#include "member_key.h"
+#include "member_keys.h"
 #include "worker_table.h"
 
 namespace distoptim {
@@ -36,6 +38,10 @@ namespace detail {
 /// a process that reaches the store without the secret cannot publish an address, a name, a join
 /// or a left mark the members take. A static group's names and addresses are not sealed (see
 /// join()).
+///
+/// Every worker makes its member key (member_key.h) here and publishes its public half with its
+/// address; keys() holds the members' keys as this worker read them, each fixed by the first
+/// record read for its id (a dynamic group's are looked up in the store as members are met).
 class WorkerGroup {
  public:
   /// world_size for a dynamic group.
@@ -53,6 +59,9 @@ class WorkerGroup {
   bool drops_lost_members() const { return dynamic() && (!has_store_host() || rank_ == 0); }
   WorkerTable& table() { return table_; }
   const WorkerTable& table() const { return table_; }
+  /// This worker's own member key, and the members' public keys as this worker knows them.
+  const std::shared_ptr<const MemberKey>& own_key() const { return own_key_; }
+  MemberKeys& keys() { return keys_; }
 
   /// Dynamic group: claims this worker's rank (kAssignRank: the next free one) and name and
   /// publishes where it listens; afterwards rank() is the rank claimed. c10::ValueError when the
@@ -122,6 +131,9 @@ class WorkerGroup {
   // Whether `key` holds a left mark sealed with the job's secret; a forged one does not count
   // (a warning names it).
   bool sealed_mark(const std::string& key, std::chrono::steady_clock::time_point deadline);
+  // Dynamic group: the member key worker `id` published with its claim (MemberKeys::Lookup),
+  // each store operation bounded by liveness_timeout.
+  std::string published_key(int id);
 
   int rank_;
   const int world_size_;
@@ -130,6 +142,8 @@ class WorkerGroup {
   WorkerInfo self_;
   std::vector<WorkerInfo> workers_;  // a static group's, by id
   WorkerTable table_;
+  const std::shared_ptr<const MemberKey> own_key_;
+  MemberKeys keys_;  // after rendezvous_: its lookups read the store, so it stops first
 };
 
 }  // namespace detail

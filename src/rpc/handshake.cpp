@@ -140,10 +140,13 @@ std::string hmac_sha256(const std::string& secret, const std::string& data) {
   return mac;
 }
 
-std::string handshake_proof(const std::string& secret, HandshakeRole role,
-                            const std::string& server_nonce, const std::string& client_nonce,
-                            int32_t client_id, int32_t server_id) {
-  // Fixed-size fields only, so no two different inputs encode the same.
+namespace {
+
+// What a proof and a signature cover: the role and everything the handshake agreed on, in
+// fixed-size fields only, so that no two different inputs encode the same.
+std::string handshake_transcript(HandshakeRole role, const std::string& server_nonce,
+                                 const std::string& client_nonce, int32_t client_id,
+                                 int32_t server_id) {
   std::string data = role == HandshakeRole::kConnecting ? "distoptim-rpc-handshake/1 connecting"
                                                         : "distoptim-rpc-handshake/1 accepting ";
   TORCH_INTERNAL_ASSERT(server_nonce.size() == HandshakeMessage::kNonceBytes &&
@@ -152,9 +155,24 @@ std::string handshake_proof(const std::string& secret, HandshakeRole role,
   data += client_nonce;
   append_u32(&data, static_cast<uint32_t>(client_id));
   append_u32(&data, static_cast<uint32_t>(server_id));
-  std::string proof = hmac_sha256(secret, data);
+  return data;
+}
+
+}  // namespace
+
+std::string handshake_proof(const std::string& secret, HandshakeRole role,
+                            const std::string& server_nonce, const std::string& client_nonce,
+                            int32_t client_id, int32_t server_id) {
+  std::string proof = hmac_sha256(
+      secret, handshake_transcript(role, server_nonce, client_nonce, client_id, server_id));
   TORCH_INTERNAL_ASSERT(proof.size() == HandshakeMessage::kProofBytes);
   return proof;
+}
+
+std::string handshake_signature(const MemberKey& key, HandshakeRole role,
+                                const std::string& server_nonce, const std::string& client_nonce,
+                                int32_t client_id, int32_t server_id) {
+  return key.sign(handshake_transcript(role, server_nonce, client_nonce, client_id, server_id));
 }
 
 bool proofs_equal(const std::string& a, const std::string& b) {
@@ -199,47 +217,75 @@ void accept_handshake(const std::shared_ptr<Connection>& connection, const Hands
                    handshake_proof(config.secret, HandshakeRole::kConnecting, question.server_nonce,
                                    answer.client_nonce, answer.client_id, config.self_id))) {
       why = "it did not prove that it knows the shared secret";
-    } else if (config.admit) {
-      why = config.admit(raw, answer.client_id).value_or("");
     }
     if (!why.empty()) {
       raw->close_after(refusal(raw, config, why), "refused: " + why);
       done(failed(why, /*refused=*/true));
       return false;
     }
-    HandshakeMessage accept;
-    accept.step = Step::kAccept;
-    accept.proof = handshake_proof(config.secret, HandshakeRole::kAccepting, question.server_nonce,
-                                   answer.client_nonce, answer.client_id, config.self_id);
-    accept.reads_peer = answer.reads_peer && reads_peer(config, answer, answer.client_nonce);
-    raw->disarm_deadline();
-    raw->send(encode_handshake(accept));
-    HandshakeOutcome outcome;
-    outcome.accepted = true;
-    outcome.peer = answer.client_id;
-    outcome.peer_memory = accept.reads_peer;
-    outcome.peer_pid = answer.pid;
-    done(std::move(outcome));
+    // The secret is proven; which member it is, by the key that id published (which may have to
+    // be read from the store first: reading stays paused meanwhile).
+    std::weak_ptr<Connection> weak = raw->shared_from_this();
+    config.member_key(answer.client_id, [weak, config, question, probe, answer, done](
+                                            std::optional<std::string> key,
+                                            const std::string& no_key) {
+      auto connection = weak.lock();
+      if (!connection || connection->closed()) return;  // its close already ran `done`
+      Connection* raw = connection.get();
+      std::string why;
+      if (!key) {
+        why =
+            "worker id " + std::to_string(answer.client_id) + " has no member key here: " + no_key;
+      } else if (!member_signature_valid(
+                     *key,
+                     handshake_transcript(HandshakeRole::kConnecting, question.server_nonce,
+                                          answer.client_nonce, answer.client_id, config.self_id),
+                     answer.signature)) {
+        why = "it proved the shared secret but not the member key worker id " +
+              std::to_string(answer.client_id) + " published (another process claims its id)";
+      } else if (config.admit) {
+        why = config.admit(raw, answer.client_id).value_or("");
+      }
+      if (!why.empty()) {
+        raw->close_after(refusal(raw, config, why), "refused: " + why);
+        done(failed(why, /*refused=*/true));
+        return;
+      }
+      HandshakeMessage accept;
+      accept.step = Step::kAccept;
+      accept.proof =
+          handshake_proof(config.secret, HandshakeRole::kAccepting, question.server_nonce,
+                          answer.client_nonce, answer.client_id, config.self_id);
+      accept.signature =
+          handshake_signature(*config.own_key, HandshakeRole::kAccepting, question.server_nonce,
+                              answer.client_nonce, answer.client_id, config.self_id);
+      accept.reads_peer = answer.reads_peer && reads_peer(config, answer, answer.client_nonce);
+      raw->disarm_deadline();
+      raw->send(encode_handshake(accept));
+      HandshakeOutcome outcome;
+      outcome.accepted = true;
+      outcome.peer = answer.client_id;
+      outcome.peer_memory = accept.reads_peer;
+      outcome.peer_pid = answer.pid;
+      done(std::move(outcome));
+    });
     return false;
   };
   connection->read_frames(handshake_limits(), std::move(on_frame),
                           [done](const std::string& why) { done(failed(why)); });
 }
 
-void connect_handshake(const std::shared_ptr<Connection>& connection, const HandshakeConfig& config,
-                       int peer, std::function<void(HandshakeOutcome)> done) {
+namespace {
+
+// The connecting side, once the key worker `peer` published is known.
+void prove_to(const std::shared_ptr<Connection>& connection, const HandshakeConfig& config,
+              int peer, const std::string& peer_key, std::function<void(HandshakeOutcome)> done) {
   using Step = HandshakeMessage::Step;
-  done = once(std::move(done));
-  if (std::optional<std::string> why = foreign_peer(connection.get(), config)) {
-    done(failed(*why, /*refused=*/true));
-    connection->close(*why);
-    return;
-  }
   connection->arm_deadline(config.timeout, deadline_text(config));
   Connection* raw = connection.get();
   auto answer = std::make_shared<HandshakeMessage>();  // our proof, once the challenge is in
   auto peer_pid = std::make_shared<int32_t>(0);
-  auto on_frame = [raw, config, peer, answer, peer_pid, done](Frame frame) {
+  auto on_frame = [raw, config, peer, peer_key, answer, peer_pid, done](Frame frame) {
     HandshakeMessage message;
     Status failure = decode_handshake_frame(frame, &message);
     if (answer->step != Step::kProof) {
@@ -265,6 +311,9 @@ void connect_handshake(const std::shared_ptr<Connection>& connection, const Hand
       answer->proof =
           handshake_proof(config.secret, HandshakeRole::kConnecting, answer->server_nonce,
                           answer->client_nonce, config.self_id, peer);
+      answer->signature =
+          handshake_signature(*config.own_key, HandshakeRole::kConnecting, answer->server_nonce,
+                              answer->client_nonce, config.self_id, peer);
       answer->reads_peer = reads_peer(config, message, message.server_nonce);
       *peer_pid = message.pid;
       // answer->client_nonce stays where it is until the handshake ends: the peer may read it.
@@ -284,6 +333,13 @@ void connect_handshake(const std::shared_ptr<Connection>& connection, const Hand
                    handshake_proof(config.secret, HandshakeRole::kAccepting, answer->server_nonce,
                                    answer->client_nonce, config.self_id, peer))) {
       why = "it did not prove that it knows the shared secret";
+    } else if (!member_signature_valid(
+                   peer_key,
+                   handshake_transcript(HandshakeRole::kAccepting, answer->server_nonce,
+                                        answer->client_nonce, config.self_id, peer),
+                   message.signature)) {
+      why = "it proved the shared secret but not the member key worker id " + std::to_string(peer) +
+            " published (another process answers at its address)";
     } else {
       refused = false;
     }
@@ -303,6 +359,29 @@ void connect_handshake(const std::shared_ptr<Connection>& connection, const Hand
   };
   connection->read_frames(handshake_limits(), std::move(on_frame),
                           [done](const std::string& why) { done(failed(why)); });
+}
+
+}  // namespace
+
+void connect_handshake(const std::shared_ptr<Connection>& connection, const HandshakeConfig& config,
+                       int peer, std::function<void(HandshakeOutcome)> done) {
+  done = once(std::move(done));
+  if (std::optional<std::string> why = foreign_peer(connection.get(), config)) {
+    done(failed(*why, /*refused=*/true));
+    connection->close(*why);
+    return;
+  }
+  config.member_key(peer, [connection, config, peer, done](std::optional<std::string> key,
+                                                           const std::string& no_key) {
+    if (!key) {
+      const std::string why =
+          "worker id " + std::to_string(peer) + " has no member key here: " + no_key;
+      done(failed(why, /*refused=*/true));
+      connection->close(why);
+      return;
+    }
+    prove_to(connection, config, peer, *key, done);
+  });
 }
 
 }  // namespace detail

@@ -11,7 +11,11 @@
 // So both ends prove they know the secret without sending it, a recorded proof is worthless on
 // another connection (fresh nonces on both sides), and each connection is bound to the
 // authenticated id of the worker at its other end: requests claiming another caller id are
-// refused.
+// refused. Each proof and acceptance is also signed with the sender's member key (member_key.h)
+// over the same fields, and checked against the key that worker id published in the group's
+// store (member_keys.h): knowing the secret proves membership of the job, the signature proves
+// which member. The accepting side checks the secret first and looks a key up only for a peer
+// that proved it.
 // Same-host memory reads (transport/peer_memory.h) ride on the same three messages: the challenge
 // and the proof each carry the sender's process id and the address of its own nonce in its
 // memory; the connecting worker says in its proof whether it read the challenger's nonce there,
@@ -32,6 +36,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+
+#include "member_key.h"
+#include "member_keys.h"
 
 namespace distoptim {
 namespace rpc {
@@ -57,6 +64,11 @@ std::string hmac_sha256(const std::string& secret, const std::string& data);
 std::string handshake_proof(const std::string& secret, HandshakeRole role,
                             const std::string& server_nonce, const std::string& client_nonce,
                             int32_t client_id, int32_t server_id);
+
+/// The member key's signature of what handshake_proof covers (the same role, nonces and ids).
+std::string handshake_signature(const MemberKey& key, HandshakeRole role,
+                                const std::string& server_nonce, const std::string& client_nonce,
+                                int32_t client_id, int32_t server_id);
 
 /// Equality of two proofs in time independent of where they differ.
 bool proofs_equal(const std::string& a, const std::string& b);
@@ -84,6 +96,11 @@ struct HandshakeConfig {
   // accepted: why it may not be (that id already has a live connection here), or nothing, and
   // then the id is `connection`'s. Null: every proven peer is accepted.
   std::function<std::optional<std::string>(const Connection* connection, int id)> admit;
+  // This worker's own member key: its proofs and acceptances are signed with it. Required.
+  std::shared_ptr<const MemberKey> own_key;
+  // Calls `done`, on the I/O thread, with the public key worker `id` published (or nullopt and
+  // why there is none): the peer's signature must verify under it. Required.
+  std::function<void(int id, MemberKeys::Resolved done)> member_key;
 };
 
 struct HandshakeOutcome {

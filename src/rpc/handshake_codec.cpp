@@ -18,6 +18,7 @@ void encode_handshake_step(const HandshakeMessage& step, wire::Handshake* out) {
   out->set_client_id(step.client_id);
   out->set_server_id(step.server_id);
   out->set_proof(step.proof);
+  out->set_signature(step.signature);
   out->set_refusal(step.refusal);
   out->set_pid(step.pid);
   out->set_probe_address(step.probe_address);
@@ -37,13 +38,15 @@ Status decode_handshake_step(const wire::Handshake& in, HandshakeMessage* out) {
     case wire::Handshake::PROOF:
       if (!sized(in.server_nonce(), HandshakeMessage::kNonceBytes) ||
           !sized(in.client_nonce(), HandshakeMessage::kNonceBytes) ||
-          !sized(in.proof(), HandshakeMessage::kProofBytes)) {
-        return std::string("a handshake proof without nonces and proof of their sizes");
+          !sized(in.proof(), HandshakeMessage::kProofBytes) ||
+          !sized(in.signature(), HandshakeMessage::kSignatureBytes)) {
+        return std::string("a handshake proof without nonces, proof and signature of their sizes");
       }
       break;
     case wire::Handshake::ACCEPT:
-      if (!sized(in.proof(), HandshakeMessage::kProofBytes)) {
-        return std::string("a handshake acceptance without a proof of its size");
+      if (!sized(in.proof(), HandshakeMessage::kProofBytes) ||
+          !sized(in.signature(), HandshakeMessage::kSignatureBytes)) {
+        return std::string("a handshake acceptance without a proof and signature of their sizes");
       }
       break;
     case wire::Handshake::REFUSE:
@@ -61,6 +64,7 @@ Status decode_handshake_step(const wire::Handshake& in, HandshakeMessage* out) {
   out->client_id = in.client_id();
   out->server_id = in.server_id();
   out->proof = in.proof();
+  out->signature = in.signature();
   out->refusal = in.refusal();
   out->pid = in.pid();
   out->probe_address = in.probe_address();

@@ -26,7 +26,8 @@ namespace detail {
 /// checked by the decoder: nonces and proofs have exactly their sizes.
 struct HandshakeMessage {
   static constexpr size_t kNonceBytes = 32;
-  static constexpr size_t kProofBytes = 32;  // HMAC-SHA256
+  static constexpr size_t kProofBytes = 32;      // HMAC-SHA256
+  static constexpr size_t kSignatureBytes = 64;  // Ed25519 (member_key.h)
   static constexpr size_t kMaxRefusalBytes = 1024;
   enum class Step : uint8_t { kChallenge = 1, kProof = 2, kAccept = 3, kRefuse = 4 };
 
@@ -36,6 +37,7 @@ struct HandshakeMessage {
   int32_t client_id = -1;    // kProof
   int32_t server_id = -1;    // kChallenge, kProof
   std::string proof;         // kProof, kAccept
+  std::string signature;     // kProof, kAccept: the sender's member key signs what `proof` covers
   std::string refusal;       // kRefuse
   // Same-host memory reads (handshake.h), all optional: the sender's process id and the address
   // of its own nonce in its memory (kChallenge, kProof), and whether the sender could read the

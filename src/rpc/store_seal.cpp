@@ -1,6 +1,7 @@
 #include "store_seal.h"
 
 #include "handshake.h"
+#include "member_key.h"
 
 namespace distoptim {
 namespace rpc {
@@ -14,13 +15,7 @@ std::string mac_hex(const std::string& secret, const std::string& key, const std
   // Lengths first, so that no (key, payload) pair encodes as another.
   const std::string data = "distoptim-rpc-store/1 " + std::to_string(key.size()) + " " +
                            std::to_string(payload.size()) + " " + key + payload;
-  static const char kDigits[] = "0123456789abcdef";
-  std::string hex;
-  for (unsigned char byte : hmac_sha256(secret, data)) {
-    hex += kDigits[byte >> 4];
-    hex += kDigits[byte & 15];
-  }
-  return hex;
+  return to_hex(hmac_sha256(secret, data));
 }
 
 }  // namespace

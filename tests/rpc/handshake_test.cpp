@@ -40,6 +40,7 @@
 #include "harness/rpc_workers.h"
 #include "message.h"
 #include "peers.h"
+#include "store_seal.h"
 
 namespace distoptim {
 namespace rpc {
@@ -364,8 +365,11 @@ class RawPeer {
 // The nonce the tests' hand-made proofs carry.
 const std::string kClientNonce(HandshakeMessage::kNonceBytes, 'n');
 
-// The answer to worker 0's `challenge` claiming worker id 1, with `proof` (over kClientNonce).
-HandshakeMessage proof_as_worker1(const HandshakeMessage& challenge, const std::string& proof) {
+// The answer to worker 0's `challenge` claiming worker id 1, with `proof` (over kClientNonce) and
+// `signature` (a made-up one by default).
+HandshakeMessage proof_as_worker1(
+    const HandshakeMessage& challenge, const std::string& proof,
+    const std::string& signature = std::string(HandshakeMessage::kSignatureBytes, 's')) {
   HandshakeMessage answer;
   answer.step = HandshakeMessage::Step::kProof;
   answer.server_nonce = challenge.server_nonce;
@@ -373,25 +377,55 @@ HandshakeMessage proof_as_worker1(const HandshakeMessage& challenge, const std::
   answer.client_id = 1;
   answer.server_id = 0;
   answer.proof = proof;
+  answer.signature = signature;
   return answer;
 }
 
-// The listening address and port of the worker of rank `rank`, as the agent publishes them in the
-// rendezvous store (a dynamic group's record is its name, a newline, then the same).
-std::pair<std::string, int> address_of_worker(int rank, bool dynamic_group = false) {
+// A member's key as an attacker holds it once it has leaked: this worker's own, or another
+// worker's asked of it (a test function; nothing in the library sends a private key).
+DISTOPTIM_RPC_FUNCTION("leak_member_key",
+                       [] { return detail::to_hex(detail::current_member_key()->private_key()); });
+
+detail::MemberKey leaked_key_of(int rank) {
+  if (rank == get_worker_info().id) return *detail::current_member_key();
+  return detail::MemberKey::from_private_key(
+      *detail::from_hex(rpc_sync<std::string>(worker(rank), "leak_member_key")));
+}
+
+// The rendezvous store of the test's group, as a client.
+c10::intrusive_ptr<c10d::Store> group_store() {
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<uint16_t>(std::atoi(std::getenv("MASTER_PORT")));
   store_options.isServer = false;
   store_options.waitWorkers = false;
   store_options.timeout = 20s;
   auto store = c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR"), store_options);
-  c10d::PrefixStore rendezvous("distoptim/rpc/rendezvous/", store);
+  return c10::make_intrusive<c10d::PrefixStore>("distoptim/rpc/rendezvous/", store);
+}
+
+// What a process holding the job's secret can do in a dynamic group: claim a free worker id in
+// the store with a record of its own (as a joining worker does), with a key of its own. Returns
+// the key.
+detail::MemberKey claim_in_store(c10d::Store& store, int id) {
+  detail::MemberKey key = detail::MemberKey::generate();
+  const std::string record_key = "distoptim/rpc/dynamic/rank/" + std::to_string(id);
+  const std::vector<uint8_t> record = detail::seal(
+      "the-secret", record_key,
+      "claimant" + std::to_string(id) + "\n127.0.0.1 9\n" + detail::to_hex(key.public_key()));
+  EXPECT_EQ(store.compareSet(record_key, {}, record), record) << "worker id " << id << " is taken";
+  return key;
+}
+
+// The listening address and port of the worker of rank `rank`, as the agent publishes them in the
+// rendezvous store (a dynamic group's record is its name, a newline, then the same).
+std::pair<std::string, int> address_of_worker(int rank, bool dynamic_group = false) {
   const std::string rank_text = std::to_string(rank);
   const std::vector<uint8_t> bytes =
-      rendezvous.get(dynamic_group ? "distoptim/rpc/dynamic/rank/" + rank_text
-                                   : "distoptim/rpc/worker/" + rank_text + "/url");
+      group_store()->get(dynamic_group ? "distoptim/rpc/dynamic/rank/" + rank_text
+                                       : "distoptim/rpc/worker/" + rank_text + "/url");
   std::string text(bytes.begin(), bytes.end());
   if (dynamic_group) text = text.substr(text.find('\n') + 1);
+  text = text.substr(0, text.find('\n'));  // the member key follows
   const size_t space = text.rfind(' ');
   return {text.substr(0, space), std::stoi(text.substr(space + 1))};
 }
@@ -453,9 +487,10 @@ TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
   });
 }
 
-// One identity, one member: a connection that proves a worker id whose worker already has a live
-// connection here is refused, so it cannot make the worker take the real one for gone (and free
-// the RRefs it holds) by closing.
+// One identity, one member: a connection that proves the secret and a worker id it does not hold
+// the key of is refused; one that holds that worker's key too (it leaked) is refused while the
+// worker has a live connection here. Either way it cannot make the worker take the real one for
+// gone (and free the RRefs it holds) by closing.
 TEST(RpcHandshake, ASecondClaimOfALiveIdentityIsRefused) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
@@ -464,18 +499,29 @@ TEST(RpcHandshake, ASecondClaimOfALiveIdentityIsRefused) {
       RRef<int64_t> held = remote<int64_t>(worker(0), "record", std::tuple{});
       EXPECT_EQ(held.to_here(), 1);
       const auto [address, port] = address_of_worker0();
-      for (int attempt = 0; attempt < 3; ++attempt) {
-        // Someone who knows the secret proves worker id 1 too, then leaves.
+      const detail::MemberKey stolen = *detail::current_member_key();
+      const detail::MemberKey own = detail::MemberKey::generate();
+      for (int attempt = 0; attempt < 4; ++attempt) {
+        // Someone who knows the secret proves worker id 1 too (with a key of its own, or with
+        // worker 1's), then leaves.
+        const detail::MemberKey& key = attempt % 2 == 0 ? own : stolen;
         RawPeer rogue(address, port);
         auto challenge = rogue.receive();
         ASSERT_TRUE(challenge);
         rogue.send(detail::encode_handshake(proof_as_worker1(
-            *challenge, detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
-                                                challenge->server_nonce, kClientNonce, 1, 0))));
+            *challenge,
+            detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
+                                    challenge->server_nonce, kClientNonce, 1, 0),
+            detail::handshake_signature(key, detail::HandshakeRole::kConnecting,
+                                        challenge->server_nonce, kClientNonce, 1, 0))));
         auto verdict = rogue.receive();
         ASSERT_TRUE(verdict);
         EXPECT_EQ(verdict->step, HandshakeMessage::Step::kRefuse);
-        EXPECT_THAT(verdict->refusal, HasSubstr("worker id 1 already has a live connection"));
+        EXPECT_THAT(
+            verdict->refusal,
+            HasSubstr(&key == &own ? "it proved the shared secret but not the member key worker "
+                                     "id 1 published (another process claims its id)"
+                                   : "worker id 1 already has a live connection"));
         EXPECT_TRUE(rogue.closed_within(10s));
       }
       // Worker 0 still holds worker 1's value and serves it.
@@ -483,6 +529,111 @@ TEST(RpcHandshake, ASecondClaimOfALiveIdentityIsRefused) {
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 1);
     }
     shutdown();
+  });
+}
+
+// Proves worker id `id` to worker 0 with the secret but a key of its own, and returns the refusal
+// worker 0 answers with (empty if it accepted, or did not answer).
+std::string refusal_of_a_claim(int id, bool dynamic_group = false) {
+  const auto [address, port] = address_of_worker0(dynamic_group);
+  RawPeer rogue(address, port);
+  const detail::MemberKey own = detail::MemberKey::generate();
+  auto challenge = rogue.receive();
+  if (!challenge) return "";
+  HandshakeMessage proof;
+  proof.step = HandshakeMessage::Step::kProof;
+  proof.server_nonce = challenge->server_nonce;
+  proof.client_nonce = kClientNonce;
+  proof.client_id = id;
+  proof.server_id = 0;
+  proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
+                                        challenge->server_nonce, kClientNonce, id, 0);
+  proof.signature = detail::handshake_signature(own, detail::HandshakeRole::kConnecting,
+                                                challenge->server_nonce, kClientNonce, id, 0);
+  rogue.send(detail::encode_handshake(proof));
+  auto verdict = rogue.receive();
+  EXPECT_TRUE(rogue.closed_within(10s)) << "the claim of worker id " << id << " stays open";
+  return verdict && verdict->step == HandshakeMessage::Step::kRefuse ? verdict->refusal : "";
+}
+
+DISTOPTIM_RPC_FUNCTION("owned_rrefs", [] { return get_debug_info().at("num_owner_rrefs"); });
+
+// A process that knows the secret but not worker 2's key cannot take worker 2's id: not before
+// worker 2 has connected to worker 0 (which cut worker 2 off from worker 0 for good), nor after,
+// closing at once (which made worker 0 free the value it holds for worker 2). Both claims are
+// refused, and worker 2 calls worker 0 and reads its value as if nothing happened.
+TEST(RpcHandshake, AWorkersIdCannotBeTakenWithoutItsKey) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    testing::StoreTurns turns(rank, "test/taken_id");
+    const std::string refused =
+        "it proved the shared secret but not the member key worker id 2 published (another "
+        "process claims its id)";
+    if (rank == 1) {
+      EXPECT_THAT(refusal_of_a_claim(2), HasSubstr(refused)) << "before worker 2 connected";
+      turns.say("claimed_first");
+      turns.await("holding");
+      EXPECT_THAT(refusal_of_a_claim(2), HasSubstr(refused)) << "once worker 2 connected";
+      turns.say("claimed_again");
+    } else if (rank == 2) {
+      turns.await("claimed_first");
+      RRef<int64_t> held = remote<int64_t>(worker(0), "record", std::tuple{});
+      EXPECT_EQ(held.to_here(), 1);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "owned_rrefs", std::tuple{}), 1);
+      turns.say("holding");
+      turns.await("claimed_again");
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "owned_rrefs", std::tuple{}), 1);
+      EXPECT_EQ(held.to_here(), 1);
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "recorded", std::tuple{}), 1);
+    }
+    shutdown();
+  });
+}
+
+// In a dynamic group an id is bound to the key its first claim in the store published: a process
+// that holds the secret is refused an id no worker claimed, and a member's id (also after it
+// rewrote the member's record in the store: the store host fixed the member's key when it met it).
+TEST(RpcHandshake, ADynamicMembersIdIsBoundToTheKeyItClaimedWith) {
+  run_ranks(3, [](int rank, int) {
+    if (rank == 0) {
+      init_rpc("ps", 0, options_with_secret("the-secret"));
+      testing::StoreTurns turns(0, "test/bound_id");
+      turns.say("ps_up");
+      turns.await("done");
+      EXPECT_EQ(rpc_sync<int64_t>("ps", "recorded", std::tuple{}), 1);
+      shutdown();
+      return;
+    }
+    testing::StoreTurns turns(rank, "test/bound_id");
+    turns.await("ps_up");
+    if (rank == 1) {
+      init_rpc("victim", 1, options_with_secret("the-secret"));
+      turns.say("victim_in");
+      turns.await("claimed");
+      EXPECT_EQ(rpc_sync<int64_t>("ps", "record", std::tuple{}), 1);
+      turns.say("done");
+      shutdown();
+      return;
+    }
+    turns.await("victim_in");
+    EXPECT_THAT(refusal_of_a_claim(5, /*dynamic_group=*/true),
+                HasSubstr("worker id 5 has no member key here: no worker has claimed id 5 in the "
+                          "group's store"));
+    const std::string refused =
+        "it proved the shared secret but not the member key worker id 1 published";
+    EXPECT_THAT(refusal_of_a_claim(1, /*dynamic_group=*/true), HasSubstr(refused));
+    // The victim's record rewritten with another key, sealed with the secret.
+    const auto store = group_store();
+    const std::string record_key = "distoptim/rpc/dynamic/rank/1";
+    const std::vector<uint8_t> before = store->get(record_key);
+    std::string text(before.begin(), before.end());
+    text = text.substr(0, text.find("\nhmac-sha256:"));
+    text = text.substr(0, text.rfind('\n') + 1) +
+           detail::to_hex(detail::MemberKey::generate().public_key());
+    store->set(record_key, detail::seal("the-secret", record_key, text));
+    EXPECT_THAT(refusal_of_a_claim(1, /*dynamic_group=*/true), HasSubstr(refused));
+    turns.say("claimed");
+    turns.await("done");
   });
 }
 
@@ -508,6 +659,9 @@ TEST(RpcHandshake, SameHostReadsOfMemoryThePeerDoesNotHold) {
         proof.server_id = 0;
         proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
                                               challenge->server_nonce, nonce, 1, 0);
+        proof.signature = detail::handshake_signature(*detail::current_member_key(),
+                                                      detail::HandshakeRole::kConnecting,
+                                                      challenge->server_nonce, nonce, 1, 0);
         proof.pid = ::getpid();
         proof.probe_address = reinterpret_cast<uintptr_t>(nonce.data());
         proof.reads_peer = true;
@@ -849,10 +1003,10 @@ TEST(RpcHandshake, AnImpostorOnAWorkersUnixNameGetsNoCall) {
   });
 }
 
-// Proves worker id `id` to worker 0 on `peer` with the tests' secret (offering no same-host
-// reads); whether worker 0 accepted. With `await_verdict` false, sends the proof and returns
-// without reading the verdict (true).
-bool prove_as(RawPeer& peer, int id, bool await_verdict = true) {
+// Proves worker id `id` to worker 0 on `peer` with the tests' secret, signed with `key` (offering
+// no same-host reads); whether worker 0 accepted. With `await_verdict` false, sends the proof and
+// returns without reading the verdict (true).
+bool prove_as(RawPeer& peer, int id, const detail::MemberKey& key, bool await_verdict = true) {
   auto challenge = peer.receive();
   if (!challenge) return false;
   HandshakeMessage proof;
@@ -863,6 +1017,8 @@ bool prove_as(RawPeer& peer, int id, bool await_verdict = true) {
   proof.server_id = 0;
   proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
                                         challenge->server_nonce, kClientNonce, id, 0);
+  proof.signature = detail::handshake_signature(key, detail::HandshakeRole::kConnecting,
+                                                challenge->server_nonce, kClientNonce, id, 0);
   peer.send(detail::encode_handshake(proof));
   if (!await_verdict) return true;
   auto verdict = peer.receive();
@@ -909,11 +1065,13 @@ TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
           const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
 #endif
-          // Worker ids 0, 2 and 3 have no connection to worker 0 (workers 2 and 3 only shut down).
+          // Worker ids 0, 2 and 3 have no connection to worker 0 (workers 2 and 3 only shut down),
+          // and their keys have leaked: the peers are members gone rogue.
           std::vector<std::unique_ptr<RawPeer>> stalled;
           for (int id : {0, 2, 3}) {
             stalled.push_back(std::make_unique<RawPeer>(address, port));
-            ASSERT_TRUE(prove_as(*stalled.back(), id)) << "worker id " << id << " was not accepted";
+            ASSERT_TRUE(prove_as(*stalled.back(), id, leaked_key_of(id)))
+                << "worker id " << id << " was not accepted";
             detail::MessageHeader header;
             header.type = detail::MessageType::kRequest;
             header.id = 1;
@@ -961,10 +1119,11 @@ TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
 // connection of that id to be gone there.
 std::unique_ptr<RawPeer> proven_connection(int id) {
   const auto [address, port] = address_of_worker0();
+  const detail::MemberKey key = leaked_key_of(id);
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (true) {
     auto peer = std::make_unique<RawPeer>(address, port);
-    if (prove_as(*peer, id)) return peer;
+    if (prove_as(*peer, id, key)) return peer;
     if (std::chrono::steady_clock::now() > deadline) return nullptr;
     std::this_thread::sleep_for(20ms);
   }
@@ -1121,11 +1280,12 @@ TEST(RpcHandshake, AcceptedConnectionsAreBoundedInNumber) {
       const int64_t open_before = rpc_sync<int64_t>(worker(0), "open_descriptors");
       // Worker 0's own id is free at worker 0 until it calls itself.
       RawPeer idle(address, port);
-      ASSERT_TRUE(prove_as(idle, 0));
+      const detail::MemberKey key = leaked_key_of(0);
+      ASSERT_TRUE(prove_as(idle, 0, key));
       std::vector<std::unique_ptr<RawPeer>> claims;
       for (int i = 0; i < kClaims; ++i) {
         claims.push_back(std::make_unique<RawPeer>(address, port));
-        ASSERT_TRUE(prove_as(*claims.back(), 0, /*await_verdict=*/false)) << "claim " << i;
+        ASSERT_TRUE(prove_as(*claims.back(), 0, key, /*await_verdict=*/false)) << "claim " << i;
       }
       const int64_t open_after = rpc_sync<int64_t>(worker(0), "open_descriptors");
       // One more while worker 0 may still be accepting the last claims: the accepted descriptor
@@ -1150,9 +1310,10 @@ TEST(RpcHandshake, AcceptedConnectionsAreBoundedInNumber) {
   });
 }
 
-// In a dynamic group any id up to 32767 may be proven (a worker announces itself on its first
-// connection): proven connections of ids that are no member's count against the same bound, the
-// oldest closed first, and a worker that joins afterwards is served.
+// In a dynamic group a process that holds the secret may claim any free id up to 32767 in the
+// store with a key of its own and prove it (a worker announces itself on its first connection):
+// proven connections of ids that are no member's count against the same bound, the oldest closed
+// first, and a worker that joins afterwards is served.
 TEST(RpcHandshake, ProvenIdsOfNoMemberAreBoundedInADynamicGroup) {
   constexpr int kClaims = 300;
   run_ranks(2, [](int rank, int) {
@@ -1175,10 +1336,12 @@ TEST(RpcHandshake, ProvenIdsOfNoMemberAreBoundedInADynamicGroup) {
     testing::StoreTurns turns(1, "test/proven_ids");
     turns.await("ps_up");
     const auto [address, port] = address_of_worker0(/*dynamic_group=*/true);
+    const auto store = group_store();
     std::vector<std::unique_ptr<RawPeer>> claims;
     for (int i = 0; i < kClaims; ++i) {
+      const detail::MemberKey key = claim_in_store(*store, 100 + i);
       claims.push_back(std::make_unique<RawPeer>(address, port));
-      ASSERT_TRUE(prove_as(*claims.back(), 100 + i)) << "worker id " << 100 + i;
+      ASSERT_TRUE(prove_as(*claims.back(), 100 + i, key)) << "worker id " << 100 + i;
     }
     turns.say("claimed");
     turns.await("measured");
@@ -1211,9 +1374,9 @@ bool debug_info_reaches(const std::string& key, int64_t value) {
   return true;
 }
 
-// Peers that each prove a distinct free id of a dynamic group, announce a body as large as most
-// of the receive budget and close: each closed connection gives back its body and its place at
-// once, so together they cost no more than the budget, and the worker serves on.
+// Peers that each claim and prove a distinct free id of a dynamic group, announce a body as large
+// as most of the receive budget and close: each closed connection gives back its body and its place
+// at once, so together they cost no more than the budget, and the worker serves on.
 TEST(RpcHandshake, ConnectionsThatAnnounceABodyAndCloseCostNoMoreThanTheBudget) {
   constexpr int64_t kBudget = int64_t{16} << 20;
   constexpr uint32_t kAnnounced = uint32_t{15} << 20;
@@ -1246,10 +1409,12 @@ TEST(RpcHandshake, ConnectionsThatAnnounceABodyAndCloseCostNoMoreThanTheBudget) 
     turns.await("ps_up");
     const auto [address, port] = address_of_worker0(/*dynamic_group=*/true);
     // All announced before any closes: each waits for the budget, then is read to its end.
+    const auto store = group_store();
     std::vector<std::unique_ptr<RawPeer>> claims;
     for (int i = 0; i < kClaims; ++i) {
+      const detail::MemberKey key = claim_in_store(*store, 100 + i);
       claims.push_back(std::make_unique<RawPeer>(address, port));
-      ASSERT_TRUE(prove_as(*claims.back(), 100 + i)) << "worker id " << 100 + i;
+      ASSERT_TRUE(prove_as(*claims.back(), 100 + i, key)) << "worker id " << 100 + i;
       detail::MessageHeader header;
       header.type = detail::MessageType::kRequest;
       header.id = 1;

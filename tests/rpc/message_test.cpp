@@ -172,6 +172,7 @@ TEST(RpcMessage, HandshakeStepsRoundTrip) {
   EXPECT_EQ(decoded.handshake.client_id, 2);
   EXPECT_EQ(decoded.handshake.server_id, 0);
   EXPECT_EQ(decoded.handshake.proof, sample_proof_step().proof);
+  EXPECT_EQ(decoded.handshake.signature, sample_proof_step().signature);
   EXPECT_EQ(decoded.handshake.pid, 0);
   EXPECT_FALSE(decoded.handshake.reads_peer);
 
@@ -195,15 +196,25 @@ TEST(RpcMessage, MalformedHandshakesAreRejected) {
   DecodedMessage decoded;
   HandshakeMessage short_nonce = sample_proof_step();
   short_nonce.client_nonce.pop_back();
-  EXPECT_THAT(receive(encode_handshake(short_nonce), &decoded).value_or(""),
-              ::testing::HasSubstr("handshake proof without nonces and proof of their sizes"));
+  EXPECT_THAT(
+      receive(encode_handshake(short_nonce), &decoded).value_or(""),
+      ::testing::HasSubstr("handshake proof without nonces, proof and signature of their sizes"));
   HandshakeMessage long_proof = sample_proof_step();
   long_proof.proof += "x";
   EXPECT_TRUE(receive(encode_handshake(long_proof), &decoded).has_value());
+  HandshakeMessage short_signature = sample_proof_step();
+  short_signature.signature.pop_back();
+  EXPECT_THAT(receive(encode_handshake(short_signature), &decoded).value_or(""),
+              ::testing::HasSubstr("proof and signature of their sizes"));
   HandshakeMessage no_proof;
   no_proof.step = HandshakeMessage::Step::kAccept;
   EXPECT_THAT(receive(encode_handshake(no_proof), &decoded).value_or(""),
-              ::testing::HasSubstr("acceptance without a proof"));
+              ::testing::HasSubstr("acceptance without a proof and signature"));
+  HandshakeMessage unsigned_acceptance;
+  unsigned_acceptance.step = HandshakeMessage::Step::kAccept;
+  unsigned_acceptance.proof = std::string(HandshakeMessage::kProofBytes, 'p');
+  EXPECT_THAT(receive(encode_handshake(unsigned_acceptance), &decoded).value_or(""),
+              ::testing::HasSubstr("acceptance without a proof and signature"));
   HandshakeMessage long_refusal;
   long_refusal.step = HandshakeMessage::Step::kRefuse;
   long_refusal.refusal = std::string(HandshakeMessage::kMaxRefusalBytes + 1, 'r');

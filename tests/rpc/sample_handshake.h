@@ -19,6 +19,7 @@ inline HandshakeMessage sample_proof_step() {
   proof.client_id = 2;
   proof.server_id = 0;
   proof.proof = std::string(HandshakeMessage::kProofBytes, 'p');
+  proof.signature = std::string(HandshakeMessage::kSignatureBytes, 'g');
   return proof;
 }
 
