@@ -49,7 +49,8 @@ Agent::Agent(int rank, int world_size, const RpcBackendOptions& options)
                  std::chrono::milliseconds timeout) {
             return send(to, function, std::move(args), timeout);
           },
-          [this](int id) { dispatcher_.caller_lost(id); }) {}
+          [this](int id) { dispatcher_.caller_lost(id); },
+          [this](int id) { return peers_.refused_us(id); }) {}
 
 void Agent::start(const std::string& name) {
   if (group_.dynamic()) {

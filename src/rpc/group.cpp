@@ -301,18 +301,17 @@ bool WorkerGroup::marked_left(int rank) {
 void WorkerGroup::join(const std::string& name, const std::string& address, int port) {
   comm::DeadlineStore& store = *rendezvous_.store;
   const std::string key_prefix = std::string(kStorePrefix) + "worker/";
-  const std::string url = address_record(address, port, *own_key_);
+  const auto url_key = [&](int id) { return key_prefix + std::to_string(id) + "/url"; };
   const auto deadline = std::chrono::steady_clock::now() + options_.init_timeout();
-  // The address first: a worker that has arrived (its name is in) can be connected to.
-  // A static group's names and addresses are not sealed: every connection proves the secret in
-  // its handshake anyway, and a forged address can only make a worker unreachable, as deleting
-  // the key would. (Sealed, a worker given another secret by mistake would fail every worker's
-  // init instead of being refused by the others.)
-  const std::string url_key = key_prefix + std::to_string(rank_) + "/url";
+  // The address first: a worker that has arrived (its name is in) can be connected to. Both are
+  // sealed with the job's secret; a worker whose record does not verify is not failed here but
+  // left unreachable from this worker, with why (one given another secret by mistake is then
+  // refused by the others, not the cause of every worker's failure).
   keys_.fix(rank_, own_key_->public_key());
-  store.set(url_key, {url.begin(), url.end()}, deadline);
+  store.set(url_key(rank_), sealed(url_key(rank_), address_record(address, port, *own_key_)),
+            deadline);
   comm::StoreRound exchange(store, comm::StoreRound::Keys::under(key_prefix), rank_, world_size_);
-  exchange.arrive({name.begin(), name.end()}, deadline);
+  exchange.arrive(sealed(exchange.arrival_key(rank_), name), deadline);
   const std::vector<int> missing = exchange.wait_for_all(deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "init_rpc: worker '", name, "' (rank ", rank_,
                        ") waited ", options_.init_timeout().count(),
@@ -320,15 +319,27 @@ void WorkerGroup::join(const std::string& name, const std::string& address, int 
   workers_.resize(world_size_);
   std::unordered_map<std::string, int> ids_by_name;
   std::vector<std::pair<std::string, int>> addresses(world_size_);
+  std::vector<int> unverified;
   for (int id = 0; id < world_size_; ++id) {
-    const std::vector<uint8_t> peer_name = store.get(exchange.arrival_key(id), deadline);
-    const std::vector<uint8_t> peer_url =
-        store.get(key_prefix + std::to_string(id) + "/url", deadline);
-    workers_[id] = WorkerInfo{std::string(peer_name.begin(), peer_name.end()), id};
-    const std::string published(peer_url.begin(), peer_url.end());
-    const std::optional<AddressRecord> record = parse_address_record(published);
+    const std::vector<uint8_t> name_value = store.get(exchange.arrival_key(id), deadline);
+    const std::vector<uint8_t> url_value = store.get(url_key(id), deadline);
+    const std::optional<std::string> peer_name =
+        unseal(options_.shared_secret(), exchange.arrival_key(id), name_value);
+    const std::optional<std::string> published =
+        unseal(options_.shared_secret(), url_key(id), url_value);
+    if (!peer_name || !published) {
+      DISTOPTIM_CHECK_WITH(DistributedError, id != rank_, "init_rpc: worker '", name, "' (rank ",
+                           rank_,
+                           ") finds its own record in the group's store not sealed with its "
+                           "secret: another process rewrote it");
+      workers_[id] = WorkerInfo{unverified_payload(name_value), id};
+      unverified.push_back(id);
+      continue;
+    }
+    workers_[id] = WorkerInfo{*peer_name, id};
+    const std::optional<AddressRecord> record = parse_address_record(*published);
     TORCH_CHECK_VALUE(record, "init_rpc: worker ", id, " published a malformed address '",
-                      published, "'");
+                      *published, "'");
     addresses[id] = {record->host, record->port};
     // This worker's own record read back as it wrote it, else another process replaced it.
     keys_.fix(id, record->key);
@@ -336,8 +347,60 @@ void WorkerGroup::join(const std::string& name, const std::string& address, int 
     TORCH_CHECK_VALUE(inserted, "init_rpc: the worker name '", workers_[id].name,
                       "' is used by both rank ", it->second, " and rank ", id);
   }
+  for (int id : unverified) {
+    // Its name, unless a worker whose record verifies has it.
+    if (!ids_by_name.emplace(workers_[id].name, id).second) {
+      workers_[id].name += " (rank " + std::to_string(id) + ", unverified)";
+    }
+    const std::string why =
+        "its record in the group's store is not sealed with the job's shared secret (a worker "
+        "given another secret, or a process that does not know it, wrote it)";
+    TORCH_WARN("init_rpc: worker '", name, "' cannot reach worker '", workers_[id].name, "' (rank ",
+               id, "): ", why);
+    keys_.refuse(id, why);
+  }
+  agree_on_member_keys(deadline);
   self_ = workers_[rank_];
   table_.set_static(workers_, addresses);
+}
+
+// A process that holds the secret and rewrote a worker's record while the workers met would hold
+// that worker's id at every worker that read its version: so every worker signs the keys it read,
+// and each checks every other's signature over the keys it read itself.
+void WorkerGroup::agree_on_member_keys(std::chrono::steady_clock::time_point deadline) {
+  comm::DeadlineStore& store = *rendezvous_.store;
+  std::string read;
+  for (int id = 0; id < world_size_; ++id) {
+    read += std::to_string(id) + "=" + to_hex(keys_.find(id).value_or("")) + "\n";
+  }
+  const std::string statement = "distoptim-rpc-member-keys/1\n" + read;
+  comm::StoreRound agreement(store,
+                             comm::StoreRound::Keys::under(std::string(kStorePrefix) + "members/"),
+                             rank_, world_size_);
+  agreement.arrive(sealed(agreement.arrival_key(rank_), to_hex(own_key_->sign(statement))),
+                   deadline);
+  const std::vector<int> missing = agreement.wait_for_all(deadline);
+  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "init_rpc: worker '", workers_[rank_].name,
+                       "' (rank ", rank_, ") waited ", options_.init_timeout().count(),
+                       " ms for workers that never said which member keys they read: ",
+                       describe_missing(missing, workers_));
+  for (int id = 0; id < world_size_; ++id) {
+    const std::optional<std::string> key = keys_.find(id);
+    if (id == rank_ || !key) continue;
+    const std::optional<std::string> signature =
+        unseal(options_.shared_secret(), agreement.arrival_key(id),
+               store.get(agreement.arrival_key(id), deadline));
+    DISTOPTIM_CHECK_WITH(
+        DistributedError,
+        signature && member_signature_valid(*key, statement, from_hex(*signature).value_or("")),
+        "init_rpc: worker ", describe_missing({id}, workers_),
+        " read other member keys than "
+        "worker '",
+        workers_[rank_].name, "' (rank ", rank_,
+        "): a process rewrote a worker's "
+        "record in the group's store while the workers met, so no worker's identity can be "
+        "trusted");
+  }
 }
 
 int WorkerGroup::resolve(const WorkerRef& to) const {
@@ -395,6 +458,7 @@ void WorkerGroup::barrier(const std::string& round, bool wait, const BarrierWatc
     return !store.check({barrier.arrival_key(peer)}, operation_deadline());
   };
   Clock::time_point next_liveness_check = Clock::now() + liveness_period;
+  bool forged_failure_seen = false;
   const auto check = [&] {
     // A worker already known to be dead that has not arrived never will: fail now. (A worker
     // that refused us is alive: it is waited for.)
@@ -404,9 +468,22 @@ void WorkerGroup::barrier(const std::string& round, bool wait, const BarrierWatc
         throw Stop{};
       }
     }
-    // Rank 0, which serves the store, gave up: it says why (published below).
+    // Rank 0, which serves the store, gave up: it says why (published below), sealed with the
+    // job's secret; a failure that does not verify is not taken (a warning names it once).
     if (rank_ != 0) {
-      if (std::optional<std::string> published = barrier.read_failure(operation_deadline())) {
+      std::optional<std::string> published;
+      if (std::optional<std::string> value = barrier.read_failure(operation_deadline())) {
+        published = unseal(options_.shared_secret(), barrier.keys().failed,
+                           std::vector<uint8_t>(value->begin(), value->end()));
+        if (!published && !forged_failure_seen) {
+          forged_failure_seen = true;
+          TORCH_WARN("rpc shutdown: worker '", self().name, "' ignores the failure at '",
+                     barrier.keys().failed,
+                     "' in the group's store: it is not sealed with the "
+                     "job's shared secret (a process that does not know it wrote it)");
+        }
+      }
+      if (published) {
         const bool was_lost = published->rfind(kLostTag, 0) == 0;
         const std::string tag = was_lost ? kLostTag : kTimeoutTag;
         const bool tagged = published->rfind(tag, 0) == 0;
@@ -463,7 +540,9 @@ void WorkerGroup::barrier(const std::string& round, bool wait, const BarrierWatc
   if (rank_ == 0 && !failure->from_host) {
     // Rank 0 serves the store: the workers still waiting read why before it goes on to stop it
     // (else they would see only the store's loss, or wait for the lost worker themselves).
-    barrier.publish_failure(encode_failure(failure->lost, failure->why),
+    const std::vector<uint8_t> why =
+        sealed(barrier.keys().failed, encode_failure(failure->lost, failure->why));
+    barrier.publish_failure(std::string(why.begin(), why.end()),
                             Clock::now() + kBarrierFailureGrace);
   }
   if (failure->lost) DISTOPTIM_THROW(PeerLostError, "rpc shutdown: ", failure->why);

@@ -36,8 +36,8 @@ namespace detail {
 /// host leaves: no more joins). The table() is the agent's, updated by notices too. With a shared
 /// secret every one of these values is sealed with it and must verify when read (store_seal.h):
 /// a process that reaches the store without the secret cannot publish an address, a name, a join
-/// or a left mark the members take. A static group's names and addresses are not sealed (see
-/// join()).
+/// or a left mark the members take. So are a static group's names and addresses (join()) and the
+/// failure rank 0 publishes at a shutdown barrier (barrier()).
 ///
 /// Every worker makes its member key (member_key.h) here and publishes its public half with its
 /// address; keys() holds the members' keys as this worker read them, each fixed by the first
@@ -131,6 +131,9 @@ class WorkerGroup {
   // Whether `key` holds a left mark sealed with the job's secret; a forged one does not count
   // (a warning names it).
   bool sealed_mark(const std::string& key, std::chrono::steady_clock::time_point deadline);
+  // Static group, once every record is read: every worker read the same member keys, else
+  // DistributedError (a record was rewritten while the workers met).
+  void agree_on_member_keys(std::chrono::steady_clock::time_point deadline);
   // Dynamic group: the member key worker `id` published with its claim (MemberKeys::Lookup),
   // each store operation bounded by liveness_timeout.
   std::string published_key(int id);

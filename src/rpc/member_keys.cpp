@@ -25,6 +25,11 @@ std::optional<std::string> MemberKeys::find(int id) const {
   return it->second;
 }
 
+void MemberKeys::refuse(int id, const std::string& why) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  refused_[id] = why;
+}
+
 void MemberKeys::resolve(int id, Resolved done) {
   std::string refusal;
   {
@@ -36,7 +41,9 @@ void MemberKeys::resolve(int id, Resolved done) {
       done(key, "");
       return;
     }
-    if (!lookup_) {
+    if (auto refused = refused_.find(id); refused != refused_.end()) {
+      refusal = refused->second;
+    } else if (!lookup_) {
       refusal = "no worker of this group has id " + std::to_string(id);
     } else if (stopping_) {
       refusal = "this worker is stopping";

@@ -46,6 +46,9 @@ class MemberKeys {
   /// Worker `id`'s key is `key`; c10::ValueError naming the id if another key is fixed for it.
   void fix(int id, const std::string& key);
   std::optional<std::string> find(int id) const;
+  /// Worker `id` has no key this worker takes, for `why` (its record is not sealed with the job's
+  /// secret): resolve() answers that, and no lookup is made.
+  void refuse(int id, const std::string& why);
   /// Calls `done` with worker `id`'s key: at once, on this thread, when it is known (or cannot
   /// be looked up); else once the lookup thread has read it (and fixed it), on that thread.
   void resolve(int id, Resolved done);
@@ -59,6 +62,7 @@ class MemberKeys {
   mutable std::mutex mutex_;
   std::condition_variable wake_;
   std::map<int, std::string> keys_;
+  std::map<int, std::string> refused_;            // why, by id
   std::map<int, std::vector<Resolved>> waiting_;  // ids whose lookup is queued or running
   std::deque<int> queue_;                         // ids not yet being looked up, in order
   bool stopping_ = false;

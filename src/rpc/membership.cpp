@@ -14,11 +14,12 @@ namespace rpc {
 namespace detail {
 
 Membership::Membership(WorkerGroup& group, const RpcBackendOptions& options, Send send,
-                       CallerLost caller_lost)
+                       CallerLost caller_lost, Refused refused)
     : group_(group),
       options_(options),
       send_(std::move(send)),
-      caller_lost_(std::move(caller_lost)) {}
+      caller_lost_(std::move(caller_lost)),
+      refused_(std::move(refused)) {}
 
 void Membership::watch_lost_members() {
   if (!group_.drops_lost_members()) return;
@@ -58,6 +59,9 @@ void Membership::announce_join() {
     try {
       std::rethrow_exception(notice->exception_ptr());
     } catch (const PeerLostError& lost) {
+      DISTOPTIM_CHECK_WITH(DistributedError, !refused_(member), "init_rpc: worker '", self().name,
+                           "' (rank ", group_.rank(), ") could not tell worker '", name_of(member),
+                           "' that it joined: ", lost.what_without_backtrace());
       // It died (or left) since it entered the store's list: not a member any more.
       TORCH_WARN("init_rpc: worker '", self().name, "' could not tell worker '", name_of(member),
                  "' that it joined: ", lost.what_without_backtrace());

@@ -45,10 +45,13 @@ class Membership {
       std::chrono::milliseconds timeout)>;
   /// Counts worker `id` as lost: whatever it still sends is not run (Dispatcher::caller_lost).
   using CallerLost = std::function<void(int id)>;
+  /// Whether the connection to worker `id` ended in a refusal by either side (Peers::refused_us):
+  /// it is alive, but one side did not take the other's proof.
+  using Refused = std::function<bool(int id)>;
 
   /// `group` outlives this object.
   Membership(WorkerGroup& group, const RpcBackendOptions& options, Send send,
-             CallerLost caller_lost);
+             CallerLost caller_lost, Refused refused);
   Membership(const Membership&) = delete;
   Membership& operator=(const Membership&) = delete;
 
@@ -58,7 +61,8 @@ class Membership {
   void watch_lost_members();
   /// Dynamic group, once this worker accepts connections: tells every member that joined before
   /// it that it joined. A member that is leaving, or is lost, is marked left; any other failure
-  /// to tell one is a DistributedError naming it.
+  /// to tell one is a DistributedError naming it, a refusal by either side included (a member
+  /// key that does not match the one its record holds: a record rewritten in the store).
   void announce_join();
   /// init_rpc failed after this worker claimed its place in a dynamic group: it marks itself
   /// left, so that a worker joining later does not wait for it (it never joined).
@@ -96,6 +100,7 @@ class Membership {
   const RpcBackendOptions options_;
   const Send send_;
   const CallerLost caller_lost_;
+  const Refused refused_;
 
   // This worker has begun to leave (joining workers are told it does not stay).
   std::atomic<bool> leaving_{false};

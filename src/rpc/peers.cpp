@@ -319,13 +319,28 @@ void Peers::connect_to(int peer) {
     on_outgoing_lost(peer, nullptr, "no worker has id " + std::to_string(peer), /*refused=*/true);
     return;
   }
+  // Not even a connection to an address whose worker published no key this worker takes (its
+  // record is not sealed with the job's secret): the address may be anyone's.
+  handshake_.member_key(peer, [this, peer, host = entry->host, port = entry->port](
+                                  std::optional<std::string> key, const std::string& why) {
+    if (!key) {
+      on_outgoing_lost(peer, nullptr,
+                       "worker id " + std::to_string(peer) + " has no member key here: " + why,
+                       /*refused=*/true);
+      return;
+    }
+    open_connection(peer, host, port);
+  });
+}
+
+void Peers::open_connection(int peer, const std::string& host, int port) {
   bool via_unix = false;
   if (unix_sockets_) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = outgoing_.find(peer);
     via_unix = it != outgoing_.end() && !it->second.tcp_only;
   }
-  connect(io_, entry->host, entry->port, via_unix,
+  connect(io_, host, port, via_unix,
           [this, peer, via_unix](std::shared_ptr<Connection> connection, const std::string& error) {
             if (!connection && via_unix) {
               // Nothing listens on the name here: the peer is on another host (or does not

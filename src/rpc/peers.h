@@ -171,7 +171,9 @@ class Peers {
   std::optional<std::string> admit_caller(const Connection* connection, int caller);
   /// Whether `connection` held `caller`'s identity here; it no longer does.
   bool release_caller(const Connection* connection, int caller);
+  /// Connecting side: opens a connection to `peer` once its member key is known.
   void connect_to(int peer);
+  void open_connection(int peer, const std::string& host, int port);
   void on_connected(int peer, const std::shared_ptr<Connection>& connection);
   void on_outgoing_lost(int peer, const std::shared_ptr<Connection>& connection,
                         const std::string& why, bool refused);

@@ -39,6 +39,11 @@ std::optional<std::string> unseal(const std::string& secret, const std::string& 
   return payload;
 }
 
+std::string unverified_payload(const std::vector<uint8_t>& value) {
+  const std::string text(value.begin(), value.end());
+  return text.substr(0, text.rfind(kSealTag));
+}
+
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

@@ -33,6 +33,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <distoptim/comm/rendezvous.h>
 #include <distoptim/rpc.h>
 
 #include "handshake.h"
@@ -84,21 +85,25 @@ TEST(RpcHandshake, WorkersWithAnotherSecretAreRefusedBothWays) {
     // Workers 0 and 1 share a secret; worker 2 has another.
     init_rpc(worker(rank), rank, world_size,
              options_with_secret(rank == 2 ? "not-the-secret" : "the-secret"));
+    // Each side finds the other's records in the store not sealed with its secret, and does not
+    // even connect.
+    const std::string not_sealed =
+        " has no member key here: its record in the group's store is not sealed with the job's "
+        "shared secret (a worker given another secret, or a process that does not know it, wrote "
+        "it)";
     if (rank == 2) {
       const std::string refused = error_of([] { rpc_sync(worker(0), "record", std::tuple{}); });
-      EXPECT_THAT(refused, HasSubstr("worker 'worker0' refused the connection: it did not prove "
-                                     "that it knows the shared secret"));
+      EXPECT_THAT(refused, HasSubstr("worker id 0" + not_sealed));
       // Refused once, every later call fails at once the same way.
       EXPECT_THAT(error_of([] { rpc_sync(worker(0), "recorded", std::tuple{}); }),
-                  HasSubstr("refused the connection"));
+                  HasSubstr("worker id 0" + not_sealed));
       // Late to the shutdown: the others' liveness checks of this worker, made while they wait
       // for it (every second), are refused, and it is still waited for, not taken for lost.
       // Likely, not certain: the checks are refused inside the library, unseen by the test.
       std::this_thread::sleep_for(2500ms);
     } else if (rank == 0) {
-      // Worker 2 refuses us too: we cannot prove the secret it expects.
       EXPECT_THAT(error_of([] { rpc_sync(worker(2), "record", std::tuple{}); }),
-                  HasSubstr("worker 'worker2' refused the connection"));
+                  HasSubstr("worker id 2" + not_sealed));
     } else {
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
     }
@@ -189,7 +194,7 @@ std::string secret_file(const std::string& name, const std::string& content) {
 
 // Without a shared_secret, init_rpc takes the bytes of the file DISTOPTIM_RPC_SECRET_FILE names
 // (what distrun hands its ranks): such a worker and one given the same secret directly accept each
-// other, and one whose file holds another secret is refused.
+// other, and one whose file holds another secret cannot reach them.
 TEST(RpcHandshake, ASecretFileInTheEnvironmentIsTheSecret) {
   const std::string same = secret_file("same", "the-secret");
   const std::string other = secret_file("other", "not-the-secret");
@@ -202,7 +207,8 @@ TEST(RpcHandshake, ASecretFileInTheEnvironmentIsTheSecret) {
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
     } else if (rank == 2) {
       EXPECT_THAT(error_of([] { rpc_sync(worker(0), "record", std::tuple{}); }),
-                  HasSubstr("worker 'worker0' refused the connection"));
+                  HasSubstr("worker id 0 has no member key here: its record in the group's store "
+                            "is not sealed with the job's shared secret"));
     }
     shutdown();
     EXPECT_EQ(g_recorded.load(), rank == 0 ? 1 : 0);
@@ -487,6 +493,134 @@ TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
   });
 }
 
+// Plays rank 2 of a static group of 3 without being a worker: meets the rendezvous as rank 2
+// would, and returns its store.
+c10::intrusive_ptr<comm::DeadlineStore> meet_as_rank2() {
+  return comm::rendezvous(
+             comm::RendezvousOptions("env://").rank(2).world_size(3).timeout(30s).prefix(
+                 "distoptim/rpc/rendezvous"))
+      .store;
+}
+
+void set_text(comm::DeadlineStore& store, const std::string& key, const std::string& text) {
+  store.set(key, std::vector<uint8_t>(text.begin(), text.end()));
+}
+
+// A process that reaches the store but not the secret writes rank 2's records in a static group
+// (its name, an address it listens on, a member key, a statement of keys), unsealed, in place of
+// a worker: workers 0 and 1 take none of it. init_rpc returns, a call to 'worker2' fails naming
+// why, and nothing connects to the forged address.
+TEST(RpcHandshake, ForgedStaticRecordsAreNotTaken) {
+  run_ranks(3, [](int rank, int world_size) {
+    if (rank == 2) {
+      const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in address{};
+      address.sin_family = AF_INET;
+      address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+      ASSERT_EQ(::listen(listener, 16), 0);
+      socklen_t length = sizeof(address);
+      ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length), 0);
+      const auto store = meet_as_rank2();
+      set_text(*store, "distoptim/rpc/worker/2/url",
+               "127.0.0.1 " + std::to_string(ntohs(address.sin_port)) + "\n" +
+                   detail::to_hex(detail::MemberKey::generate().public_key()));
+      set_text(*store, "distoptim/rpc/worker/2", "worker2");
+      set_text(*store, "distoptim/rpc/members/2", std::string(128, 'a'));
+      testing::StoreTurns turns(2, "test/forged_static");
+      turns.await("called");
+      pollfd entry{listener, POLLIN, 0};
+      EXPECT_EQ(::poll(&entry, 1, 0), 0) << "a worker connected to the forged address";
+      ::close(listener);
+      turns.say("checked");
+      return;
+    }
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    testing::StoreTurns turns(rank, "test/forged_static");
+    if (rank == 1) {
+      EXPECT_THAT(error_of([] { rpc_sync(worker(2), "record", std::tuple{}); }),
+                  HasSubstr("worker id 2 has no member key here: its record in the group's store "
+                            "is not sealed with the job's shared secret"));
+      EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
+      turns.say("called");
+    }
+    turns.await("checked");
+    // (No graceful shutdown: rank 2 never arrives at its barrier.)
+  });
+}
+
+// A member holding the secret that read another member's record other than the others did (a
+// record rewritten while the workers met) says so by the keys it signs: every worker's init_rpc
+// fails naming it, rather than connect to whoever holds the rewritten key. Rank 0 here plays that
+// member (and serves the store): a member key of its own, sealed records, and a statement that
+// worker 1's key is another.
+TEST(RpcHandshake, WorkersThatReadOtherMemberKeysFailInit) {
+  run_ranks(3, [](int rank, int world_size) {
+    if (rank == 0) {
+      const auto store =
+          comm::rendezvous(
+              comm::RendezvousOptions("env://").rank(0).world_size(3).timeout(30s).prefix(
+                  "distoptim/rpc/rendezvous"))
+              .store;
+      const detail::MemberKey key = detail::MemberKey::generate();
+      const auto seal_text = [&](const std::string& store_key, const std::string& text) {
+        store->set(store_key, detail::seal("the-secret", store_key, text));
+      };
+      seal_text("distoptim/rpc/worker/0/url", "127.0.0.1 9\n" + detail::to_hex(key.public_key()));
+      seal_text("distoptim/rpc/worker/0", "worker0");
+      // The keys as the workers published them, worker 1's then rewritten.
+      std::string statement = "distoptim-rpc-member-keys/1\n";
+      for (int id = 0; id < 3; ++id) {
+        const std::string url_key = "distoptim/rpc/worker/" + std::to_string(id) + "/url";
+        const std::optional<std::string> record =
+            detail::unseal("the-secret", url_key, store->get(url_key));
+        ASSERT_TRUE(record) << url_key;
+        const std::string published = record->substr(record->find('\n') + 1);
+        statement +=
+            std::to_string(id) + "=" +
+            (id == 1 ? detail::to_hex(detail::MemberKey::generate().public_key()) : published) +
+            "\n";
+      }
+      seal_text("distoptim/rpc/members/0", detail::to_hex(key.sign(statement)));
+      // The store stays up until both workers have failed.
+      store->wait({"test/failed1", "test/failed2"}, 30s);
+      return;
+    }
+    try {
+      init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+      ADD_FAILURE() << "init_rpc returned on rank " << rank;
+    } catch (const DistributedError& error) {
+      EXPECT_THAT(error.what_without_backtrace(),
+                  HasSubstr("init_rpc: worker 'worker0' (rank 0) read other member keys than "
+                            "worker '" +
+                            worker(rank) + "' (rank " + std::to_string(rank) +
+                            "): a process rewrote a worker's record in the group's store while "
+                            "the workers met"));
+    }
+    group_store()->set("test/failed" + std::to_string(rank), {1});
+  });
+}
+
+// A process that reaches the store but not the secret publishes, as rank 0 does when a shutdown
+// barrier fails, a failure for each barrier while workers 1 and 2 wait at the first: they ignore
+// it (a warning names the key) and shut down, rather than fail with the forged reason.
+TEST(RpcHandshake, AForgedShutdownFailureIsNotTaken) {
+  run_ranks(3, [](int rank, int world_size) {
+    init_rpc(worker(rank), rank, world_size, options_with_secret("the-secret"));
+    const auto store = group_store();
+    const std::string barrier = "distoptim/rpc/shutdown/";
+    if (rank == 0) {
+      const std::string forged = "lost: worker 'worker2' (rank 2) is lost (a forged reason)";
+      for (const char* round : {"entered", "drained", "left"}) {
+        store->set(barrier + round + "/failed", {forged.begin(), forged.end()});
+      }
+      // Workers 1 and 2 wait at the first barrier, where they read the forged failure.
+      store->wait({barrier + "entered/1", barrier + "entered/2"}, 30s);
+    }
+    shutdown();
+  });
+}
+
 // One identity, one member: a connection that proves the secret and a worker id it does not hold
 // the key of is refused; one that holds that worker's key too (it leaked) is refused while the
 // worker has a live connection here. Either way it cannot make the worker take the real one for
@@ -592,7 +726,8 @@ TEST(RpcHandshake, AWorkersIdCannotBeTakenWithoutItsKey) {
 
 // In a dynamic group an id is bound to the key its first claim in the store published: a process
 // that holds the secret is refused an id no worker claimed, and a member's id (also after it
-// rewrote the member's record in the store: the store host fixed the member's key when it met it).
+// rewrote the member's record in the store: the store host fixed the member's key when it met it);
+// a worker that joins after the rewrite fails to join, naming it.
 TEST(RpcHandshake, ADynamicMembersIdIsBoundToTheKeyItClaimedWith) {
   run_ranks(3, [](int rank, int) {
     if (rank == 0) {
@@ -611,7 +746,7 @@ TEST(RpcHandshake, ADynamicMembersIdIsBoundToTheKeyItClaimedWith) {
       turns.say("victim_in");
       turns.await("claimed");
       EXPECT_EQ(rpc_sync<int64_t>("ps", "record", std::tuple{}), 1);
-      turns.say("done");
+      turns.await("done");
       shutdown();
       return;
     }
@@ -633,7 +768,21 @@ TEST(RpcHandshake, ADynamicMembersIdIsBoundToTheKeyItClaimedWith) {
     store->set(record_key, detail::seal("the-secret", record_key, text));
     EXPECT_THAT(refusal_of_a_claim(1, /*dynamic_group=*/true), HasSubstr(refused));
     turns.say("claimed");
-    turns.await("done");
+    // A worker joining now reads the rewritten record: the victim's acceptance does not verify
+    // under the key it names, and the joiner's init_rpc fails saying so (it neither goes on
+    // without the victim nor takes whoever holds that key for it).
+    try {
+      init_rpc("late", 3, options_with_secret("the-secret"));
+      ADD_FAILURE() << "init_rpc of a worker that read a rewritten record returned";
+    } catch (const DistributedError& error) {
+      EXPECT_THAT(error.what_without_backtrace(),
+                  HasSubstr("init_rpc: worker 'late' (rank 3) could not tell worker 'victim' that "
+                            "it joined"));
+      EXPECT_THAT(error.what_without_backtrace(),
+                  HasSubstr("it proved the shared secret but not the member key worker id 1 "
+                            "published (another process answers at its address)"));
+    }
+    turns.say("done");
   });
 }
 

@@ -116,6 +116,11 @@ struct RpcBackendOptions {
   /// bytes of the file that the environment variable DISTOPTIM_RPC_SECRET_FILE names (distrun
   /// makes one per job for the ranks it starts on one node, and passes on the one every node
   /// shares, --rpc-secret-file, across nodes). (PyTorch's RPC has no authentication.)
+  /// The secret proves membership of the job; which member, a key per worker proves, with or
+  /// without a secret: each worker makes an Ed25519 key pair at init_rpc, publishes its public
+  /// half in the group's store, and signs its side of every handshake, so a process that knows
+  /// the secret still cannot prove another worker's id. With a secret, what workers write in the
+  /// store is sealed with it too (docs/rpc.md, "What an attacker can still do").
   TORCH_ARG(std::string, shared_secret) = "";
   /// Without a shared secret, whether to take connections with any process that can reach this
   /// worker (on another machine, or of another user), as PyTorch's RPC does; false (the
