@@ -372,10 +372,8 @@ class RawPeer {
 const std::string kClientNonce(HandshakeMessage::kNonceBytes, 'n');
 
 // The answer to worker 0's `challenge` claiming worker id 1, with `proof` (over kClientNonce) and
-// `signature` (a made-up one by default).
-HandshakeMessage proof_as_worker1(
-    const HandshakeMessage& challenge, const std::string& proof,
-    const std::string& signature = std::string(HandshakeMessage::kSignatureBytes, 's')) {
+// a made-up signature.
+HandshakeMessage proof_as_worker1(const HandshakeMessage& challenge, const std::string& proof) {
   HandshakeMessage answer;
   answer.step = HandshakeMessage::Step::kProof;
   answer.server_nonce = challenge.server_nonce;
@@ -383,8 +381,25 @@ HandshakeMessage proof_as_worker1(
   answer.client_id = 1;
   answer.server_id = 0;
   answer.proof = proof;
-  answer.signature = signature;
+  answer.signature = std::string(HandshakeMessage::kSignatureBytes, 's');
   return answer;
+}
+
+// The proof a worker sends for worker 0's `challenge` as worker id `id`: the tests' secret over
+// kClientNonce, signed with `key` (no same-host reads offered).
+HandshakeMessage signed_proof(const HandshakeMessage& challenge, int id,
+                              const detail::MemberKey& key) {
+  HandshakeMessage proof;
+  proof.step = HandshakeMessage::Step::kProof;
+  proof.server_nonce = challenge.server_nonce;
+  proof.client_nonce = kClientNonce;
+  proof.client_id = id;
+  proof.server_id = 0;
+  proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
+                                        challenge.server_nonce, kClientNonce, id, 0);
+  proof.signature = detail::handshake_signature(key, detail::HandshakeRole::kConnecting,
+                                                challenge.server_nonce, kClientNonce, id, 0);
+  return proof;
 }
 
 // A member's key as an attacker holds it once it has leaked: this worker's own, or another
@@ -642,12 +657,7 @@ TEST(RpcHandshake, ASecondClaimOfALiveIdentityIsRefused) {
         RawPeer rogue(address, port);
         auto challenge = rogue.receive();
         ASSERT_TRUE(challenge);
-        rogue.send(detail::encode_handshake(proof_as_worker1(
-            *challenge,
-            detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
-                                    challenge->server_nonce, kClientNonce, 1, 0),
-            detail::handshake_signature(key, detail::HandshakeRole::kConnecting,
-                                        challenge->server_nonce, kClientNonce, 1, 0))));
+        rogue.send(detail::encode_handshake(signed_proof(*challenge, 1, key)));
         auto verdict = rogue.receive();
         ASSERT_TRUE(verdict);
         EXPECT_EQ(verdict->step, HandshakeMessage::Step::kRefuse);
@@ -671,20 +681,9 @@ TEST(RpcHandshake, ASecondClaimOfALiveIdentityIsRefused) {
 std::string refusal_of_a_claim(int id, bool dynamic_group = false) {
   const auto [address, port] = address_of_worker0(dynamic_group);
   RawPeer rogue(address, port);
-  const detail::MemberKey own = detail::MemberKey::generate();
   auto challenge = rogue.receive();
   if (!challenge) return "";
-  HandshakeMessage proof;
-  proof.step = HandshakeMessage::Step::kProof;
-  proof.server_nonce = challenge->server_nonce;
-  proof.client_nonce = kClientNonce;
-  proof.client_id = id;
-  proof.server_id = 0;
-  proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
-                                        challenge->server_nonce, kClientNonce, id, 0);
-  proof.signature = detail::handshake_signature(own, detail::HandshakeRole::kConnecting,
-                                                challenge->server_nonce, kClientNonce, id, 0);
-  rogue.send(detail::encode_handshake(proof));
+  rogue.send(detail::encode_handshake(signed_proof(*challenge, id, detail::MemberKey::generate())));
   auto verdict = rogue.receive();
   EXPECT_TRUE(rogue.closed_within(10s)) << "the claim of worker id " << id << " stays open";
   return verdict && verdict->step == HandshakeMessage::Step::kRefuse ? verdict->refusal : "";
@@ -1158,17 +1157,7 @@ TEST(RpcHandshake, AnImpostorOnAWorkersUnixNameGetsNoCall) {
 bool prove_as(RawPeer& peer, int id, const detail::MemberKey& key, bool await_verdict = true) {
   auto challenge = peer.receive();
   if (!challenge) return false;
-  HandshakeMessage proof;
-  proof.step = HandshakeMessage::Step::kProof;
-  proof.server_nonce = challenge->server_nonce;
-  proof.client_nonce = kClientNonce;
-  proof.client_id = id;
-  proof.server_id = 0;
-  proof.proof = detail::handshake_proof("the-secret", detail::HandshakeRole::kConnecting,
-                                        challenge->server_nonce, kClientNonce, id, 0);
-  proof.signature = detail::handshake_signature(key, detail::HandshakeRole::kConnecting,
-                                                challenge->server_nonce, kClientNonce, id, 0);
-  peer.send(detail::encode_handshake(proof));
+  peer.send(detail::encode_handshake(signed_proof(*challenge, id, key)));
   if (!await_verdict) return true;
   auto verdict = peer.receive();
   return verdict && verdict->step == HandshakeMessage::Step::kAccept;
