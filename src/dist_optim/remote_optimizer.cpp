@@ -97,25 +97,21 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
     }
   }
   const bool replicated = mirror_ && backup_ready(*mirror_);
-  if (!optimizer_->updates_only_gradient_rows(gradients)) {
-    rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
-    optimizer_->step(gradients);
-    // A table shard's sparse rows go as rows even beside a dense parameter (an MLP on the same
-    // server): whole, they would be the shard and its state at every step.
-    if (replicated) send_to_backup(gradients, row_local_rows(gradients));
-    return;
-  }
-  // Only the rows the sparse gradients name change (parameters and this optimizer's state, which
-  // mutex_ guards): other trainers' steps of other rows, and lookups of them, go on meanwhile.
-  std::vector<at::Tensor> params, rows, rows_by_param(gradients.size());
+  // Only what the step writes is locked: of a parameter whose sparse gradient's update is
+  // row-local, the rows it names; of any other with a gradient, the whole parameter (a dense
+  // layer on the same server). Other trainers' steps of other parameters and rows, and lookups
+  // and replies of them, go on meanwhile (this optimizer's state is mutex_'s).
+  const std::vector<at::Tensor> rows_by_param = row_local_rows(gradients);
+  std::vector<at::Tensor> params, rows;
   for (size_t i = 0; i < gradients.size(); ++i) {
     if (!gradients[i].defined()) continue;
     params.push_back(optimizer_->params()[i]);
-    rows.push_back(gradients[i]._indices().select(0, 0));
-    rows_by_param[i] = rows.back();
+    rows.push_back(rows_by_param[i]);  // undefined: the whole parameter
   }
-  rpc::InPlaceRowUpdateGuard no_reply_reads_these_rows_meanwhile(params, rows);
+  rpc::InPlaceRowUpdateGuard no_reply_reads_what_changes_meanwhile(params, rows);
   optimizer_->step(gradients);
+  // A table shard's sparse rows go as rows even beside a dense parameter: whole, they would be
+  // the shard and its state at every step.
   if (replicated) send_to_backup(gradients, rows_by_param);
 }
 

@@ -34,13 +34,14 @@ class RemoteOptimizer {
                   c10::IValue options, std::vector<c10::IValue> overrides);
 
   /// A step with the gradients of this worker's copy of context `context_id`, under this
-  /// optimizer's mutex and, when the step writes only the rows its sparse gradients name
-  /// (FunctionalOptimizer::updates_only_gradient_rows), an rpc::InPlaceRowUpdateGuard on those
-  /// rows; otherwise an rpc::InPlaceUpdateGuard. Other optimizers (another trainer's over the
-  /// same table) step other rows meanwhile. `changes`: None, or one OptionBag (to_ivalue()) per
-  /// group, set on that group (set_group_options) before the step. All or nothing: the gradients
-  /// are read first, under the mutex; a released context (its trainer was lost) throws
-  /// c10::ValueError with nothing changed, options included.
+  /// optimizer's mutex and one rpc::InPlaceRowUpdateGuard on what it writes: the rows its sparse
+  /// gradients name where their update is row-local (FunctionalOptimizer::
+  /// updates_only_gradient_rows), every other parameter with a gradient whole. Other optimizers
+  /// (another trainer's over the same table and layers) step other rows and parameters meanwhile.
+  /// `changes`: None, or one OptionBag (to_ivalue()) per group, set on that group
+  /// (set_group_options) before the step. All or nothing: the gradients are read first, under the
+  /// mutex; a released context (its trainer was lost) throws c10::ValueError with nothing changed,
+  /// options included.
   void step(int64_t context_id, c10::IValue changes);
   /// From the next step on, each step sends what it changed (its parameters' rows or whole
   /// parameters, and this optimizer's state of them) to worker `backup`'s copies before it

@@ -23,14 +23,11 @@ namespace detail {
 
 std::vector<at::Tensor> RemoteOptimizer::row_local_rows(
     const std::vector<at::Tensor>& gradients) const {
-  std::vector<at::Tensor> rows(gradients.size()), alone(gradients.size());
+  std::vector<at::Tensor> rows(gradients.size());
   for (size_t i = 0; i < gradients.size(); ++i) {
-    if (!gradients[i].defined() || gradients[i].layout() != at::kSparse) continue;
-    alone[i] = gradients[i];
-    if (optimizer_->updates_only_gradient_rows(alone)) {
+    if (optimizer_->updates_only_gradient_rows(i, gradients[i])) {
       rows[i] = gradients[i]._indices().select(0, 0);
     }
-    alone[i] = at::Tensor();
   }
   return rows;
 }

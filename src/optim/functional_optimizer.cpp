@@ -262,15 +262,17 @@ bool FunctionalOptimizer::updates_only_gradient_rows(
   if (gradients.size() != params_.size()) return false;
   bool any = false;
   for (size_t i = 0; i < gradients.size(); ++i) {
-    const at::Tensor& g = gradients[i];
-    if (!g.defined()) continue;
-    if (g.layout() != at::kSparse || g.sparse_dim() < 1 ||
-        !sparse_update_is_row_local(param_group_[i])) {
-      return false;
-    }
+    if (!gradients[i].defined()) continue;
+    if (!updates_only_gradient_rows(i, gradients[i])) return false;
     any = true;
   }
   return any;
+}
+
+bool FunctionalOptimizer::updates_only_gradient_rows(size_t index,
+                                                     const at::Tensor& gradient) const {
+  return index < params_.size() && gradient.defined() && gradient.layout() == at::kSparse &&
+         gradient.sparse_dim() >= 1 && sparse_update_is_row_local(param_group_[index]);
 }
 
 void FunctionalOptimizer::apply_updates(const std::vector<std::vector<ParamUpdate>>& by_group) {

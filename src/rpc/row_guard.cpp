@@ -116,7 +116,7 @@ std::unique_ptr<RowLocks> RowLocks::for_update(const std::vector<at::Tensor>& te
                     tensors.size(), " tensors");
   bool by_rows = true;
   for (size_t i = 0; i < tensors.size(); ++i) {
-    check_rows(rows[i], kGuard, i);
+    if (rows[i].defined()) check_rows(rows[i], kGuard, i);
     by_rows = by_rows && owns_its_rows(tensors[i]);
   }
   auto locks = std::make_unique<RowLocks>();
@@ -138,7 +138,8 @@ std::unique_ptr<RowLocks> RowLocks::for_update(const std::vector<at::Tensor>& te
     // Created above, and kept while the tensor lives.
     std::shared_ptr<RowStripes> stripes = find_stripes(tensors[i]);
     TORCH_INTERNAL_ASSERT(stripes);
-    std::vector<uint32_t> indices = stripes_of_rows(rows[i], stripes->count);
+    std::vector<uint32_t> indices =
+        rows[i].defined() ? stripes_of_rows(rows[i], stripes->count) : all_stripes(stripes->count);
     locks->held_.push_back(Held{std::move(stripes), std::move(indices)});
   }
   locks->lock_stripes(/*exclusive=*/true);

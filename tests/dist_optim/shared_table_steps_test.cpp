@@ -3,7 +3,8 @@
 // half-updated row, and a step of some rows does not wait for a step of others (a step held inside
 // its row locks on the parameter server lets another trainer's step of other rows, and lookups of
 // them, finish; a step, a lookup or a to_here of a held row waits for it); and replicated, every
-// step that returned is on the shard's backup too.
+// step that returned is on the shard's backup too. A dense step of a layer on the same server
+// holds that layer only.
 //
 // Rows start at 0 and every step is SGD with lr 1 on the sum of one-id bags, so a step subtracts 1
 // from every element of a row per time the row is named: rows hold exact integers whatever the
@@ -113,6 +114,37 @@ class LatchedSGD : public optim::SGD {
 };
 const optim::OptimizerRegistration kLatchedSgd(
     "latched_sgd", optim::typed_factory<LatchedSGD, optim::SGDOptions>());
+
+// The same for a dense step: held inside its update (so inside the locks of the parameters it
+// writes).
+class LatchedDenseSGD : public optim::SGD {
+ public:
+  using optim::SGD::SGD;
+
+ protected:
+  void update(size_t group, const std::vector<ParamUpdate>& updates) override {
+    Latch& l = latch();
+    {
+      std::unique_lock<std::mutex> lock(l.mutex);
+      l.holding = true;
+      l.changed.notify_all();
+      TORCH_CHECK(l.changed.wait_for(lock, kBound, [&] { return l.released; }),
+                  "LatchedDenseSGD: not released within ", kBound.count(), " s");
+    }
+    optim::SGD::update(group, updates);
+  }
+};
+const optim::OptimizerRegistration kLatchedDenseSgd(
+    "latched_dense_sgd", optim::typed_factory<LatchedDenseSGD, optim::SGDOptions>());
+
+// A dense layer's weight on the parameter server, beside the table: zeros, [kRows, kDim].
+at::Tensor& dense_weight() {
+  static at::Tensor weight = at::zeros({kRows, kDim}).requires_grad_();
+  return weight;
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.dense_weight_rref",
+                       [] { return RRef<at::Tensor>(dense_weight()); });
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.dense_sum", [] { return dense_weight().sum(); });
 
 bool wait_until_held() {
   Latch& l = latch();
@@ -266,6 +298,64 @@ TEST(SharedTableSteps, AStepOfOtherRowsDoesNotWaitForAHeldStep) {
     EXPECT_EQ(copied[0][0].item<float>(), -1.f);
     // Every step applied once: A (0, 1), B (10, 11), C (1, 20).
     EXPECT_TRUE(at::equal(fetch_table(table), expected_table(ids({0, 1, 10, 11, 1, 20}))));
+  });
+}
+
+// A dense step on the server (one trainer's SGD of a layer beside the table, held inside its
+// update) holds that layer only: another trainer's step of table rows, and lookups of them, finish
+// meanwhile; a fetch of the layer waits for it. Afterwards both steps are applied exactly once.
+TEST(SharedTableSteps, ADenseStepOfALayerDoesNotHoldTheTable) {
+  testing::with_workers(3, [] {
+    using testing::worker;
+    const std::vector<std::string> workers = {worker(1)};
+    ShardedEmbeddingBag table(table_options(workers));
+    const auto shards = table.shard_module_rrefs();
+    rpc::rpc_sync(worker(1), "shared_table_steps_test.zero_shard", std::tuple{shards[0]});
+    const auto weight =
+        rpc::rpc_sync<RRef<at::Tensor>>(worker(1), "shared_table_steps_test.dense_weight_rref");
+    auto ids = [](std::vector<int64_t> values) { return at::tensor(values, at::kLong); };
+    const auto step_table_on_worker2 = [&](const at::Tensor& rows) {
+      rpc::rpc_sync(
+          worker(2), "shared_table_steps_test.train",
+          std::tuple{workers, shards, kRows, kDim, std::string("sgd"), rows.reshape({1, -1})},
+          kBound);
+    };
+    // The table's first row step makes its row locks, which waits for every update in progress
+    // (once per tensor): made here, before the held step.
+    step_table_on_worker2(ids({30}));
+
+    // Trainer A steps the layer with the latched SGD: held inside the layer's lock.
+    auto trainer_a = std::async(std::launch::async, [&] {
+      dist_optim::DistributedOptimizer sgd("latched_dense_sgd", {weight},
+                                           optim::OptionBag().set("lr", 1.0));
+      dist_autograd::ContextGuard context;
+      dist_autograd::backward(context.id(), {rpc::rpc_sync<at::Tensor>(
+                                                worker(1), "shared_table_steps_test.dense_sum")});
+      sgd.step(context.id());
+    });
+    ASSERT_TRUE(rpc::rpc_sync<bool>(worker(1), "shared_table_steps_test.wait_until_held"));
+
+    // Meanwhile trainer B (another process) steps rows 10 and 11 of the table, and they are
+    // looked up.
+    step_table_on_worker2(ids({10, 11}));
+    auto rows = std::async(std::launch::async, [&] {
+      return table.forward(ids({10, 11, 20}).reshape({-1, 1})).detach();
+    });
+    ASSERT_EQ(rows.wait_for(kBound), std::future_status::ready);
+    EXPECT_TRUE(
+        at::equal(rows.get(), at::tensor({-1.f, -1.f, 0.f}).unsqueeze(1).expand({3, kDim})));
+
+    // A fetch of the layer waits for trainer A.
+    auto fetched = std::async(std::launch::async, [&] { return weight.to_here(); });
+    EXPECT_EQ(fetched.wait_for(kStillWaiting), std::future_status::timeout);
+    EXPECT_FALSE(trainer_a.wait_for(std::chrono::milliseconds(1)) == std::future_status::ready);
+
+    rpc::rpc_sync(worker(1), "shared_table_steps_test.release");
+    ASSERT_EQ(trainer_a.wait_for(kBound), std::future_status::ready);
+    trainer_a.get();
+    ASSERT_EQ(fetched.wait_for(kBound), std::future_status::ready);
+    EXPECT_TRUE(at::equal(fetched.get(), at::full({kRows, kDim}, -1.f)));
+    EXPECT_TRUE(at::equal(fetch_table(table), expected_table(ids({30, 10, 11}))));
   });
 }
 

@@ -2,11 +2,12 @@
 // rows written and read element by element by our own code (so ThreadSanitizer sees every access
 // the guards are meant to order): no row update is lost, no reader (a row lookup, a reply's copy
 // of the whole tensor) sees a row half-written, guards on disjoint rows do not wait for each other
-// and guards on a shared row do.
+// and guards on a shared row do, and a tensor written whole holds only itself.
 
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <memory>
 #include <random>
 #include <thread>
 #include <vector>
@@ -69,11 +70,19 @@ TEST(RowGuards, ConcurrentRowUpdatesLoseNothingAndReadersSeeWholeRows) {
       --updaters_left;
     });
   }
-  // A dense update now and then: the whole tensor, alone.
+  // A dense update now and then: the whole tensor, alone (the process-wide guard), or under its
+  // own rows only (a whole-tensor row guard, as a parameter server's dense step).
   threads.emplace_back([&] {
-    while (updaters_left > 0) {
+    for (int round = 0; updaters_left > 0; ++round) {
       {
-        InPlaceUpdateGuard writing;
+        std::unique_ptr<InPlaceUpdateGuard> everything;
+        std::unique_ptr<InPlaceRowUpdateGuard> this_tensor;
+        if (round % 2 == 0) {
+          everything = std::make_unique<InPlaceUpdateGuard>();
+        } else {
+          this_tensor = std::make_unique<InPlaceRowUpdateGuard>(std::vector<at::Tensor>{weight},
+                                                                std::vector<at::Tensor>{{}});
+        }
         for (int64_t row = 0; row < kRows; ++row) add_to_row(weight, row, 1);
         ++dense_steps;
       }
@@ -165,6 +174,51 @@ TEST(RowGuards, DisjointRowsDoNotWaitSharedRowsDo) {
   }
   EXPECT_EQ(weight[0][0].item<float>(), 2);
   EXPECT_EQ(weight[1][0].item<float>(), 1);
+}
+
+// A tensor written whole (a dense layer's step) holds its own rows only: another tensor's rows are
+// updated, looked up and copied whole meanwhile, while its own wait.
+TEST(RowGuards, ATensorWrittenWholeHoldsOnlyItself) {
+  at::Tensor dense = at::zeros({kRows, kDim});
+  at::Tensor table = at::zeros({kRows, kDim});
+  std::promise<void> holding, release;
+  std::shared_future<void> released = release.get_future().share();
+  auto holder = on_thread([&] {
+    InPlaceRowUpdateGuard writing({dense, table}, {at::Tensor(), long_tensor({3})});
+    for (int64_t row = 0; row < kRows; ++row) add_to_row(dense, row, 1);
+    add_to_row(table, 3, 1);
+    holding.set_value();
+    released.wait();
+  });
+  holding.get_future().wait();
+
+  auto other_update = on_thread([&] {
+    InPlaceRowUpdateGuard writing({table}, {long_tensor({1, 2})});
+    add_to_row(table, 1, 1);
+  });
+  auto other_read = on_thread([&] { RowReadGuard reading(table, long_tensor({1, 4})); });
+  ASSERT_EQ(other_update.wait_for(kBound), std::future_status::ready);
+  ASSERT_EQ(other_read.wait_for(kBound), std::future_status::ready);
+
+  auto dense_update = on_thread([&] {
+    InPlaceRowUpdateGuard writing({dense}, {long_tensor({40})});
+    add_to_row(dense, 40, 1);
+  });
+  auto dense_read = on_thread([&] { RowReadGuard reading(dense, long_tensor({7})); });
+  auto dense_copy = on_thread([&] { detail::snapshot_shared_tensors(c10::IValue(dense), 0); });
+  auto held_row = on_thread([&] { RowReadGuard reading(table, long_tensor({3})); });
+  EXPECT_EQ(dense_update.wait_for(kStillWaiting), std::future_status::timeout);
+  EXPECT_EQ(dense_read.wait_for(std::chrono::milliseconds(1)), std::future_status::timeout);
+  EXPECT_EQ(dense_copy.wait_for(std::chrono::milliseconds(1)), std::future_status::timeout);
+  EXPECT_EQ(held_row.wait_for(std::chrono::milliseconds(1)), std::future_status::timeout);
+  release.set_value();
+  for (auto* f : {&holder, &dense_update, &dense_read, &dense_copy, &held_row}) {
+    ASSERT_EQ(f->wait_for(kBound), std::future_status::ready);
+  }
+  EXPECT_EQ(dense[40][0].item<float>(), 2);
+  EXPECT_EQ(dense[0][0].item<float>(), 1);
+  EXPECT_EQ(table[1][0].item<float>(), 1);
+  EXPECT_EQ(table[3][0].item<float>(), 1);
 }
 
 TEST(RowGuards, ATensorThatIsNotItsWholeStorageIsLockedWhole) {

@@ -119,6 +119,9 @@ class FunctionalOptimizer {
   /// (rpc::InPlaceRowUpdateGuard) while other rows are read and stepped. Checks nothing else:
   /// step may still refuse the gradients.
   bool updates_only_gradient_rows(const std::vector<at::Tensor>& gradients) const;
+  /// The same for one parameter: whether a step with `gradient` for parameter `index` writes
+  /// only the rows `gradient` names of it and of its state.
+  bool updates_only_gradient_rows(size_t index, const at::Tensor& gradient) const;
 
   /// Appends a group; its parameters get the next indices. Checks everything first.
   void add_param_group(const ParamGroup& group);

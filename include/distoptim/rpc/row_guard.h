@@ -2,7 +2,9 @@
 
 // Row locks for tensors that several callers update in place a few rows at a time (a parameter
 // server's embedding table stepped by several trainers with sparse gradients), so that updates of
-// disjoint rows run at once while no reply carries a half-updated row.
+// disjoint rows run at once while no reply carries a half-updated row. A tensor written whole
+// (a dense layer's step on the same server) takes all of its own rows, and nothing of any other
+// tensor: steps of other parameters, and lookups of them, go on meanwhile.
 //
 //   {
 //     rpc::InPlaceRowUpdateGuard writing({weight}, {rows});  // rows: int64 indices along dim 0
@@ -17,11 +19,13 @@
 //  1. The process-wide reader-writer lock of rpc::InPlaceUpdateGuard (api.h): row guards hold it
 //     shared, so an InPlaceUpdateGuard (a dense step) excludes them all and they exclude it.
 //  2. The row stripes of each tensor's storage: min(rows, 1024) reader-writer locks, row r under
-//     stripe r % stripes. An update holds the stripes of its rows exclusively, a read shared;
+//     stripe r % stripes. An update holds the stripes of its rows exclusively (of a tensor
+//     written whole, every stripe), a read shared;
 //     a reply that copies the whole tensor (to_here, a parameter a method returns) holds every
 //     stripe shared. Stripes are taken in order of (storage's stripe set, stripe index).
-// A storage gets its stripes at its first row update (under the process-wide lock, exclusively,
-// so no reader is copying it then); until then readers lock nothing but (1).
+// A storage gets its stripes at its first row or whole update (under the process-wide lock,
+// exclusively, so no reader is copying it then: that first update waits for every update in
+// progress, once per tensor); until then readers lock nothing but (1).
 // Rows of two tensors may share a stripe: they then wait for each other without need, never the
 // other way round. A step that names many random rows of one tensor takes most of its stripes
 // (a batch of b rows leaves (1 - 1/1024)^b of them free): disjoint updates overlap fully when
@@ -49,7 +53,8 @@
 namespace distoptim {
 namespace rpc {
 
-/// Held while writing the rows `rows[i]` of `tensors[i]` in place (and nothing else of them).
+/// Held while writing the rows `rows[i]` of `tensors[i]` in place (and nothing else of them);
+/// an undefined `rows[i]` stands for every row: `tensors[i]` is written whole.
 class InPlaceRowUpdateGuard {
  public:
   InPlaceRowUpdateGuard(const std::vector<at::Tensor>& tensors,
