@@ -79,6 +79,7 @@ GenericDict rank_contents(const TrainingPosition& position, const CheckpointItem
     dict.insert("buffers", tensors(items.module->named_buffers()));
   }
   if (items.averager != nullptr) dict.insert("averager_step", items.averager->step());
+  if (items.power_sgd != nullptr) dict.insert("power_sgd", items.power_sgd->state_dict());
   if (items.zero != nullptr && group.rank() == 0) {
     dict.insert("zero", items.zero->state_dict().to_ivalue());
   }
@@ -137,6 +138,11 @@ class RankFile {
     }
     check(saved.size() == named.size(), "has ", saved.size(), " ", key, ", the module ",
           named.size());
+  }
+
+  c10::IValue power_sgd_state() const {
+    check(has("power_sgd"), "holds no PowerSGD state");
+    return dict_.at("power_sgd");
   }
 
   optim::OptimizerStateDict zero_state() const {
@@ -268,6 +274,7 @@ TrainingPosition load_checkpoint(const std::string& path, const CheckpointItems&
   std::vector<std::pair<at::Tensor, at::Tensor>> copies;
   int64_t averager_step = 0;
   optim::OptimizerStateDict zero_state;
+  c10::IValue power_sgd_before;
   StateDictCheck check;
   try {
     std::vector<char> first_bytes;
@@ -293,6 +300,11 @@ TrainingPosition load_checkpoint(const std::string& path, const CheckpointItems&
                   : std::make_optional<RankFile>(rank_file(path, 0, group.size()), &rank0_bytes);
     if (rank == 0) rank0_bytes = std::move(first_bytes);
     if (items.zero != nullptr) zero_state = (rank0 ? *rank0 : own).zero_state();
+    if (items.power_sgd != nullptr) {
+      // Loaded now, for its checks; put back below if any rank fails.
+      power_sgd_before = items.power_sgd->state_dict();
+      items.power_sgd->load_state_dict(own.power_sgd_state());
+    }
     check.digest = bytes_digest(rank0_bytes.data(), rank0_bytes.size());
   } catch (const std::exception& e) {
     check.error = without_caller(error_text(e), kLoad);
@@ -300,7 +312,12 @@ TrainingPosition load_checkpoint(const std::string& path, const CheckpointItems&
   AgreementWording wording;
   wording.failed = "cannot load the checkpoint";
   wording.disagree = "ranks read different checkpoints (rank 0's file)";
-  agree_on_state_dict(group, check, kLoad, wording);
+  try {
+    agree_on_state_dict(group, check, kLoad, wording);
+  } catch (...) {
+    if (!power_sgd_before.isNone()) items.power_sgd->load_state_dict(power_sgd_before);
+    throw;
+  }
   // Every rank's checks passed. The optimizer's load is collective and all-or-nothing; what
   // follows cannot fail.
   if (items.zero != nullptr) items.zero->load_state_dict(zero_state);

@@ -25,100 +25,10 @@
 #include <c10/util/Exception.h>
 
 #include "bucket_allreduce.h"
+#include "power_sgd_memory.h"
 
 namespace distoptim {
 namespace data_parallel {
-
-struct PowerSGDState::Memory {
-  mutable std::mutex mutex;
-  // NumPy's legacy RandomState(seed) is this Mersenne Twister, seeded the same way.
-  std::mt19937 rng;                                      // guarded by mutex
-  std::unordered_map<size_t, at::Tensor> error_dict;     // guarded by mutex
-  std::unordered_map<size_t, at::Tensor> p_memory_dict;  // guarded by mutex
-  std::unordered_map<size_t, at::Tensor> q_memory_dict;  // guarded by mutex
-  int64_t iter = 0;                                      // guarded by mutex
-  int64_t total_numel_before_compression = 0;            // guarded by mutex
-  int64_t total_numel_after_compression = 0;             // guarded by mutex
-
-  explicit Memory(uint32_t seed) : rng(seed) {}
-
-  // NumPy's RandomState.randint(1_000_000_000): 30-bit masked draws, rejected above the bound.
-  // Called with mutex held.
-  uint64_t next_seed() {
-    constexpr uint32_t kBound = 999'999'999;
-    constexpr uint32_t kMask = (uint32_t{1} << 30) - 1;
-    uint32_t value = 0;
-    do {
-      value = static_cast<uint32_t>(rng()) & kMask;
-    } while (value > kBound);
-    return value;
-  }
-
-  // PyTorch's maybe_increase_iter: bucket 0 is the last of an iteration. Called with mutex held.
-  void count_bucket(bool is_last) {
-    if (is_last) ++iter;
-  }
-};
-
-// The hooks' way into the state's memory.
-struct PowerSGDStateAccess {
-  using Memory = PowerSGDState::Memory;
-  static Memory& memory(PowerSGDState& state) { return *state.memory_; }
-};
-
-namespace {
-
-// The options, checked before anything else (the world group included) is touched.
-const PowerSGDOptions& checked_power_sgd_options(const PowerSGDOptions& options) {
-  TORCH_CHECK_VALUE(options.matrix_approximation_rank() >= 1,
-                    "PowerSGDState: matrix_approximation_rank = ",
-                    options.matrix_approximation_rank(), "; must be at least 1");
-  TORCH_CHECK_VALUE(options.start_power_sgd_iter() >= 0,
-                    "PowerSGDState: start_power_sgd_iter = ", options.start_power_sgd_iter(),
-                    "; must not be negative");
-  TORCH_CHECK_VALUE(
-      !(options.use_error_feedback() || options.warm_start()) || options.start_power_sgd_iter() > 1,
-      "PowerSGDState: start_power_sgd_iter = ", options.start_power_sgd_iter(),
-      "; must be at least 2 with use_error_feedback or warm_start, because DDP rebuilds its "
-      "buckets after the first iteration");
-  TORCH_CHECK_VALUE(
-      std::isfinite(options.min_compression_rate()) && options.min_compression_rate() >= 0,
-      "PowerSGDState: min_compression_rate = ", options.min_compression_rate(),
-      "; must be finite and not negative");
-  TORCH_CHECK_VALUE(std::isfinite(options.orthogonalization_epsilon()) &&
-                        options.orthogonalization_epsilon() >= 0,
-                    "PowerSGDState: orthogonalization_epsilon = ",
-                    options.orthogonalization_epsilon(), "; must be finite and not negative");
-  TORCH_CHECK_VALUE(options.random_seed() >= 0 && options.random_seed() <= UINT32_MAX,
-                    "PowerSGDState: random_seed = ", options.random_seed(),
-                    "; must be in [0, 2^32 - 1] (NumPy's seeds)");
-  return options;
-}
-
-}  // namespace
-
-PowerSGDState::PowerSGDState(std::optional<comm::Group> process_group, PowerSGDOptions options)
-    : options_(checked_power_sgd_options(options)),
-      process_group_(process_group.value_or(comm::world())) {
-  TORCH_CHECK_VALUE(process_group_.is_member(),
-                    "PowerSGDState: this rank is not a member of the process_group");
-  memory_ = std::make_unique<Memory>(static_cast<uint32_t>(options_.random_seed()));
-}
-
-PowerSGDState::~PowerSGDState() = default;
-
-int64_t PowerSGDState::iter() const {
-  std::lock_guard<std::mutex> lock(memory_->mutex);
-  return memory_->iter;
-}
-
-std::tuple<double, int64_t, int64_t> PowerSGDState::compression_stats() const {
-  std::lock_guard<std::mutex> lock(memory_->mutex);
-  const int64_t before = memory_->total_numel_before_compression;
-  const int64_t after = memory_->total_numel_after_compression;
-  return {after > 0 ? static_cast<double>(before) / static_cast<double>(after) : 0.0, before,
-          after};
-}
 
 namespace {
 
@@ -255,12 +165,16 @@ class PowerSGDHook : public PowerSGDHookBase {
     auto round = std::make_shared<LayerwiseRound>(state_, bucket);
     const at::Tensor& input = round->input;
     const size_t index = round->bucket_index;
+    {
+      std::lock_guard<std::mutex> lock(memory.mutex);
+      memory.forget_if_relaid(index, bucket.getGradients());
+    }
 
     if (options.use_error_feedback()) {
       {
         std::lock_guard<std::mutex> lock(memory.mutex);
         auto error = memory.error_dict.find(index);
-        if (error != memory.error_dict.end()) {
+        if (error != memory.error_dict.end() && error->second.numel() == input.numel()) {
           input.add_(error->second);
         } else {
           memory.error_dict[index] = at::zeros({input.numel()}, input.options());
@@ -326,7 +240,10 @@ class PowerSGDHook : public PowerSGDHookBase {
       memory.total_numel_before_compression += numel_before;
       memory.total_numel_after_compression += numel_after;
       auto p = memory.p_memory_dict.find(index);
-      if (!options.warm_start() || p == memory.p_memory_dict.end()) {
+      auto q = memory.q_memory_dict.find(index);
+      if (!options.warm_start() || p == memory.p_memory_dict.end() ||
+          q == memory.q_memory_dict.end() || p->second.numel() != total_ps ||
+          q->second.numel() != total_qs) {
         randomize_qs = true;
         round->p_memory = at::empty({total_ps}, input.options());
         round->q_memory = at::empty({total_qs}, input.options());
@@ -445,6 +362,10 @@ class BatchedPowerSGDHook : public PowerSGDHookBase {
     PowerSGDStateAccess::Memory& memory = PowerSGDStateAccess::memory(*state_);
     auto round = std::make_shared<BatchedRound>(state_, bucket);
     const size_t index = round->bucket_index;
+    {
+      std::lock_guard<std::mutex> lock(memory.mutex);
+      memory.forget_if_relaid(index, bucket.getGradients());
+    }
 
     // PyTorch resizes the bucket itself; a padded copy leaves the Reducer's memory alone.
     const int64_t total_length = round->input.numel();
@@ -462,14 +383,17 @@ class BatchedPowerSGDHook : public PowerSGDHookBase {
       memory.total_numel_after_compression += side * options.matrix_approximation_rank() * 2;
       if (options.use_error_feedback()) {
         auto error = memory.error_dict.find(index);
-        if (error != memory.error_dict.end()) {
+        if (error != memory.error_dict.end() && error->second.numel() == padded_length) {
           round->padded.add_(error->second);
         } else {
           memory.error_dict[index] = at::zeros({padded_length}, round->input.options());
         }
       }
       auto p = memory.p_memory_dict.find(index);
-      if (!options.warm_start() || p == memory.p_memory_dict.end()) {
+      auto q = memory.q_memory_dict.find(index);
+      if (!options.warm_start() || p == memory.p_memory_dict.end() ||
+          q == memory.q_memory_dict.end() || p->second.numel() != side * rank ||
+          q->second.numel() != side * rank) {
         randomize_q = true;
         round->p = at::empty({side, rank}, round->input.options());
         round->q = at::empty({side, rank}, round->input.options());

@@ -27,6 +27,7 @@
 
 #include <distoptim/comm/process_group.h>
 #include <distoptim/data_parallel/model_averaging.h>
+#include <distoptim/data_parallel/power_sgd_hook.h>
 #include <distoptim/data_parallel/zero_redundancy_optimizer.h>
 
 namespace distoptim {
@@ -53,6 +54,10 @@ struct CheckpointItems {
   ZeroRedundancyOptimizer* zero = nullptr;
   /// Its step (for a PostLocalSGDOptimizer: &optimizer.averager()).
   ModelAverager* averager = nullptr;
+  /// The PowerSGD hooks' state (PowerSGDState::state_dict: iteration, random generator, error
+  /// feedback and warm-start factors), each rank's own, so that compressed training resumes as if
+  /// never stopped. Its options must be the saved ones.
+  PowerSGDState* power_sgd = nullptr;
 };
 
 /// The directory of the checkpoint at `position` in `directory`: `directory/epoch-E-step-S`.

@@ -5,6 +5,7 @@
 #include <optional>
 #include <tuple>
 
+#include <ATen/core/ivalue.h>
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
@@ -63,6 +64,16 @@ class PowerSGDState {
   /// PyTorch's compression_stats(): (elements before / elements after compression, elements
   /// before, elements after), summed over the compressed iterations; the rate is 0 before any.
   std::tuple<double, int64_t, int64_t> compression_stats() const;
+
+  /// What PyTorch 1.13 pickles of its PowerSGDState (all but the group): the options, the
+  /// iteration count, the compression statistics, the random generator's state, and per bucket
+  /// this rank's error feedback and factors P and Q (copies). A dict of strings to values, for
+  /// checkpoints (CheckpointItems::power_sgd saves it with each rank's file).
+  c10::IValue state_dict() const;
+  /// Takes what state_dict() returned, of a state with the same options, so that training goes
+  /// on as if never stopped. c10::ValueError naming the option that differs or the entry that is
+  /// missing or malformed, with nothing changed. Call it before the hooks run (not concurrently).
+  void load_state_dict(const c10::IValue& state);
 
  private:
   friend struct PowerSGDStateAccess;
