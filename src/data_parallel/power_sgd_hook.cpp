@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <iterator>
+#include <map>
 #include <mutex>
 #include <random>
 #include <unordered_map>
@@ -20,6 +21,7 @@
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/randn.h>
 #include <ATen/ops/stack.h>
+#include <ATen/ops/sub.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -85,6 +87,10 @@ void fill_random(const std::vector<at::Tensor>& factors, uint64_t seed) {
   }
 }
 
+// Which scratch buffer of a bucket (PowerSGDHookBase::scratch).
+constexpr int kInputCopy = 0;
+constexpr int kPadded = 1;
+
 class PowerSGDHookBase : public c10d::CommHookInterface {
  public:
   explicit PowerSGDHookBase(std::shared_ptr<PowerSGDState> state) : state_(std::move(state)) {}
@@ -107,7 +113,24 @@ class PowerSGDHookBase : public c10d::CommHookInterface {
  protected:
   virtual FuturePtr compress(c10d::GradBucket& bucket) = 0;
 
+  // A buffer of bucket `bucket` kept from one iteration to the next (`slot` names which), of
+  // `numel` elements like `like`: a bucket of a model's size would otherwise fault in fresh
+  // pages every iteration. One iteration's round of a bucket ends before the next begins (DDP
+  // waits for every bucket's future), so the buffers are never in two rounds at once.
+  at::Tensor scratch(size_t bucket, int slot, int64_t numel, const at::Tensor& like) {
+    std::lock_guard<std::mutex> lock(scratch_mutex_);
+    at::Tensor& buffer = scratch_[{bucket, slot}];
+    if (!buffer.defined() || buffer.numel() != numel || buffer.dtype() != like.dtype()) {
+      buffer = at::empty({numel}, like.options());
+    }
+    return buffer;
+  }
+
   std::shared_ptr<PowerSGDState> state_;
+
+ private:
+  std::mutex scratch_mutex_;
+  std::map<std::pair<size_t, int>, at::Tensor> scratch_;  // guarded by scratch_mutex_
 };
 
 // One bucket's compression, kept alive by the futures that finish it (the GradBucket itself is
@@ -125,7 +148,15 @@ struct BucketRound {
     const std::shared_ptr<PowerSGDState> live = live_state(state);
     PowerSGDStateAccess::Memory& memory = PowerSGDStateAccess::memory(*live);
     std::lock_guard<std::mutex> lock(memory.mutex);
-    if (live->options().use_error_feedback()) memory.error_dict[bucket_index] = before - after;
+    if (live->options().use_error_feedback()) {
+      // Into last iteration's error, already added to this one's gradients: no fresh pages.
+      auto error = memory.error_dict.find(bucket_index);
+      if (error != memory.error_dict.end() && error->second.sizes() == before.sizes()) {
+        at::sub_out(error->second, before, after);
+      } else {
+        memory.error_dict[bucket_index] = before - after;
+      }
+    }
     memory.count_bucket(is_last);
     return c10::IValue(input);
   }
@@ -180,7 +211,8 @@ class PowerSGDHook : public PowerSGDHookBase {
           memory.error_dict[index] = at::zeros({input.numel()}, input.options());
         }
       }
-      round->input_copy = input.clone();
+      round->input_copy = scratch(index, kInputCopy, input.numel(), input).view_as(input);
+      round->input_copy.copy_(input);
     }
 
     // Step I: which gradients are worth compressing, grouped by shape in order of first
@@ -372,8 +404,9 @@ class BatchedPowerSGDHook : public PowerSGDHookBase {
     const auto side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total_length))));
     const int64_t padded_length = side * side;
     const int64_t rank = std::min(side, options.matrix_approximation_rank());
-    round->padded = at::zeros({padded_length}, round->input.options());
+    round->padded = scratch(index, kPadded, padded_length, round->input);
     round->padded.narrow(0, 0, total_length).copy_(round->input.reshape({-1}));
+    round->padded.narrow(0, total_length, padded_length - total_length).zero_();
 
     bool randomize_q = false;
     uint64_t seed = 0;
@@ -407,7 +440,10 @@ class BatchedPowerSGDHook : public PowerSGDHookBase {
         round->q = memory.q_memory_dict.at(index);
       }
     }
-    if (options.use_error_feedback()) round->input_copy = round->padded.clone();
+    if (options.use_error_feedback()) {
+      round->input_copy = scratch(index, kInputCopy, padded_length, round->padded);
+      round->input_copy.copy_(round->padded);
+    }
     round->matrix = round->padded.view({side, side});
 
     if (randomize_q) fill_random({round->q}, seed);
