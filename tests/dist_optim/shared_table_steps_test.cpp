@@ -146,6 +146,35 @@ DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.dense_weight_rref",
                        [] { return RRef<at::Tensor>(dense_weight()); });
 DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.dense_sum", [] { return dense_weight().sum(); });
 
+// A wide dense layer beside the hot table, for the lost-update test: zeros, [kHotRows, kWideDim].
+at::Tensor& wide_weight() {
+  static at::Tensor weight = at::zeros({kHotRows, kWideDim}).requires_grad_();
+  return weight;
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.wide_weight_rref",
+                       [] { return RRef<at::Tensor>(wide_weight()); });
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.wide_sum", [] { return wide_weight().sum(); });
+
+// On a trainer: one SGD (lr 1) over the table and the wide layer, and one step per row of `ids`,
+// each of those table rows and of the whole layer (every element of it -1 a step).
+void train_with_layer(std::vector<std::string> workers, std::vector<RRef<EmbeddingShard>> shards,
+                      RRef<at::Tensor> weight, at::Tensor ids) {
+  ShardedEmbeddingBag table(table_options(std::move(workers), kHotRows, kWideDim),
+                            std::move(shards));
+  std::vector<RRef<at::Tensor>> params = table.remote_parameters();
+  params.push_back(weight);
+  dist_optim::DistributedOptimizer sgd("sgd", params, optim::OptionBag().set("lr", 1.0));
+  for (int64_t step = 0; step < ids.size(0); ++step) {
+    dist_autograd::ContextGuard context;
+    const at::Tensor layer =
+        rpc::rpc_sync<at::Tensor>(weight.owner_name(), "shared_table_steps_test.wide_sum");
+    dist_autograd::backward(context.id(),
+                            {table.forward(ids[step].reshape({-1, 1})).sum() + layer});
+    sgd.step(context.id());
+  }
+}
+DISTOPTIM_RPC_FUNCTION("shared_table_steps_test.train_with_layer", train_with_layer);
+
 bool wait_until_held() {
   Latch& l = latch();
   std::unique_lock<std::mutex> lock(l.mutex);
@@ -221,6 +250,49 @@ TEST(SharedTableSteps, ThreeTrainersLoseNoUpdateAndLookupsSeeWholeRows) {
     const at::Tensor expected = expected_table(at::cat(ids), kHotRows, kWideDim);
     EXPECT_TRUE(at::equal(trained, expected))
         << "updates lost: " << (trained - expected).abs().sum().item<float>() << " in all";
+  });
+}
+
+// Dense and sparse parameters on one owner: three trainers step the table's rows and a wide
+// dense layer beside it at once (each step writes the whole layer under that layer's locks only,
+// and its rows under theirs), while the layer is fetched whole and the rows looked up: no update
+// of either is lost and no read is torn.
+TEST(SharedTableSteps, DenseAndSparseStepsOfOneOwnerLoseNothingAndReadWhole) {
+  testing::with_workers(5, [] {
+    using testing::worker;
+    const std::vector<std::string> workers = {worker(1)};
+    ShardedEmbeddingBag table(table_options(workers, kHotRows, kWideDim));
+    const auto shards = table.shard_module_rrefs();
+    rpc::rpc_sync(worker(1), "shared_table_steps_test.zero_shard", std::tuple{shards[0]});
+    const auto weight =
+        rpc::rpc_sync<RRef<at::Tensor>>(worker(1), "shared_table_steps_test.wide_weight_rref");
+    constexpr int64_t kSteps = 40, kIdsPerStep = 6;
+    auto generator = at::detail::createCPUGenerator(23);
+    std::vector<at::Tensor> ids;
+    std::vector<rpc::RpcFuture<void>> trainers;
+    for (int t = 2; t <= 4; ++t) {
+      ids.push_back(at::randint(kHotRows, {kSteps, kIdsPerStep}, generator, at::kLong));
+      trainers.push_back(rpc::rpc_async<void>(worker(t), "shared_table_steps_test.train_with_layer",
+                                              std::tuple{workers, shards, weight, ids.back()}));
+    }
+    const at::Tensor all_ids = at::arange(kHotRows, at::kLong);
+    int64_t reads = 0, torn = 0;
+    auto trainers_done = [&] {
+      for (const auto& trainer : trainers) {
+        if (!trainer.completed()) return false;
+      }
+      return true;
+    };
+    do {
+      const at::Tensor layer = weight.to_here();
+      torn += (layer.min() != layer.max()).item<bool>() ? 1 : 0;
+      torn += torn_rows(table.forward(all_ids.reshape({-1, 1})));
+      ++reads;
+    } while (!trainers_done());
+    for (auto& trainer : trainers) trainer.wait();
+    EXPECT_EQ(torn, 0) << "reads torn in " << reads << " rounds";
+    EXPECT_TRUE(at::equal(weight.to_here(), at::full({kHotRows, kWideDim}, -3.f * kSteps)));
+    EXPECT_TRUE(at::equal(fetch_table(table), expected_table(at::cat(ids), kHotRows, kWideDim)));
   });
 }
 
