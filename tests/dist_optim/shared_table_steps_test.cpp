@@ -95,20 +95,23 @@ Latch& latch() {
   return instance;
 }
 
+// Marks the latch held and waits (at most kBound) for the test to release it.
+void hold_until_released(const char* who) {
+  Latch& l = latch();
+  std::unique_lock<std::mutex> lock(l.mutex);
+  l.holding = true;
+  l.changed.notify_all();
+  TORCH_CHECK(l.changed.wait_for(lock, kBound, [&] { return l.released; }), who,
+              ": not released within ", kBound.count(), " s");
+}
+
 class LatchedSGD : public optim::SGD {
  public:
   using optim::SGD::SGD;
 
  protected:
   void update_sparse(size_t group, const std::vector<ParamUpdate>& updates) override {
-    Latch& l = latch();
-    {
-      std::unique_lock<std::mutex> lock(l.mutex);
-      l.holding = true;
-      l.changed.notify_all();
-      TORCH_CHECK(l.changed.wait_for(lock, kBound, [&] { return l.released; }),
-                  "LatchedSGD: not released within ", kBound.count(), " s");
-    }
+    hold_until_released("LatchedSGD");
     optim::SGD::update_sparse(group, updates);
   }
 };
@@ -123,14 +126,7 @@ class LatchedDenseSGD : public optim::SGD {
 
  protected:
   void update(size_t group, const std::vector<ParamUpdate>& updates) override {
-    Latch& l = latch();
-    {
-      std::unique_lock<std::mutex> lock(l.mutex);
-      l.holding = true;
-      l.changed.notify_all();
-      TORCH_CHECK(l.changed.wait_for(lock, kBound, [&] { return l.released; }),
-                  "LatchedDenseSGD: not released within ", kBound.count(), " s");
-    }
+    hold_until_released("LatchedDenseSGD");
     optim::SGD::update(group, updates);
   }
 };
