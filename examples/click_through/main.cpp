@@ -34,6 +34,11 @@
 //   --mlp-lr). As in PyTorch, each trainer's DistributedOptimizer keeps Adagrad state of its own
 //   on every owner; the owners serialize the steps of all of them.
 //
+// --max-staleness K lets each trainer's step return once sent, with at most K of its steps
+// outstanding on any server (DistributedOptimizer::set_max_staleness): its next forward reads
+// parameters up to K of its own steps old. --slow-trainer T --slowdown F makes trainer T take F
+// times as long per step (a sleep after its step, as on a slower machine). Not with --elastic.
+//
 // The first trainer evaluates on the held-out set every --eval-every steps and prints a line
 // with the samples/s of all trainers, its recent training log loss, the held-out log loss and
 // AUC, and the teacher's; it writes them to <out>/click_through.csv and plots them to
@@ -153,6 +158,9 @@ struct Settings {
   int kill_server = -1;          // which one, from 0 (-1: the last)
   int64_t snapshot_every = 0;    // --elastic: the first trainer's snapshots (0: every 30 s)
   bool replicas = false;         // --elastic: each server's steps copied to the next server
+  int64_t max_staleness = 0;     // each trainer's steps outstanding at most (0: synchronous)
+  int slow_trainer = -1;         // this trainer (from 0) is slowed --slowdown times (-1: none)
+  double slowdown = 2;
 };
 
 // Under --elastic the first server creates the model and hands out its references.
@@ -345,6 +353,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   distoptim::dist_optim::DistributedOptimizer optimizer(
       "adagrad", {{model->table_parameters(), OptionBag().set("lr", s.lr)},
                   {model->mlp_parameters(), OptionBag().set("lr", s.mlp_lr)}});
+  optimizer.set_max_staleness(s.max_staleness);
   // --elastic: the first trainer snapshots the servers' state, from which a server started again
   // gets back its shard.
   const fs::path snapshots_dir = fs::path(s.out) / "snapshots";
@@ -495,6 +504,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
     const click_through::Batch batch = batch_of_step(step);
     bool returned = false;
+    const auto began = Clock::now();
     try {
       double loss_value;
       {
@@ -512,6 +522,11 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         returned = true;
         ++counts.returned;
         loss_value = loss.item<double>();
+      }
+      if (trainer == s.slow_trainer) {
+        // A slower machine: this step's work takes --slowdown times as long (a sleep, so the
+        // others keep the cores).
+        std::this_thread::sleep_for((Clock::now() - began) * (s.slowdown - 1));
       }
       if (snapshots) {
         examples::take_snapshot_if_due(*snapshots, name, step);
@@ -548,6 +563,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       std::fflush(stdout);
     }
   }
+  optimizer.flush();  // --max-staleness: the last steps applied before the last evaluation
   if (snapshots) {
     try {
       snapshots->flush();
@@ -606,6 +622,8 @@ int run_example(const Settings& s) {
                     " names no trainer: there are ", trainers, " (rank ", rank, ")");
   TORCH_CHECK_VALUE(s.kill_server < s.servers, "--kill-server ", s.kill_server,
                     " names no server: there are ", s.servers, " (rank ", rank, ")");
+  TORCH_CHECK_VALUE(s.slow_trainer < trainers, "--slow-trainer ", s.slow_trainer,
+                    " names no trainer: there are ", trainers, " (rank ", rank, ")");
   const bool membership_in_etcd = env.init_method.has_value();  // etcd:// (distrun's etcd backend)
   TORCH_CHECK_VALUE(s.kill_server_at == 0 || killed_server(s) > 0 || membership_in_etcd,
                     "--kill-server-at ", s.kill_server_at,
@@ -716,6 +734,20 @@ int main(int argc, char** argv) {
                  "<out>/snapshots (0: every 30 s)")
       ->check(examples::at_least(0))
       ->needs(elastic);
+  app.add_option("--max-staleness", s.max_staleness,
+                 "each trainer's step returns once sent, with at most this many of its steps "
+                 "outstanding on any server (DistributedOptimizer::set_max_staleness; 0: "
+                 "synchronous steps, as PyTorch's)")
+      ->check(examples::at_least(0))
+      ->excludes(elastic);
+  CLI::Option* slow_trainer =
+      app.add_option("--slow-trainer", s.slow_trainer,
+                     "this trainer (counted from 0) takes --slowdown times as long per step, as "
+                     "on a slower machine (-1: none)")
+          ->check(examples::at_least(-1));
+  app.add_option("--slowdown", s.slowdown, "how much slower --slow-trainer is")
+      ->check(CLI::Range(1.0, 100.0))
+      ->needs(slow_trainer);
   app.add_flag("--replicas", s.replicas,
                "each server's steps are copied to the next server (the last's to the first) "
                "before they return: a server that dies comes back from its backup with every step "

@@ -1,6 +1,8 @@
 #include <distoptim/dist_autograd/context.h>
 
 #include <chrono>
+#include <mutex>
+#include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -8,6 +10,7 @@
 
 #include <distoptim/comm/errors.h>
 #include <distoptim/dist_autograd/detail/gradients.h>
+#include <distoptim/dist_autograd/detail/release_hold.h>
 #include <distoptim/rpc/api.h>
 
 #include "context.h"
@@ -26,6 +29,28 @@ std::shared_ptr<detail::Context> find_context(int64_t context_id, const char* wh
   return context;
 }
 
+// Contexts whose release waits for tokens of hold_release: how many tokens live, and whether
+// their guard is gone (so the last token releases them).
+struct ReleaseHolds {
+  struct Held {
+    int tokens = 0;
+    bool guard_gone = false;
+  };
+  std::mutex mutex;
+  std::unordered_map<int64_t, Held> contexts;
+};
+
+ReleaseHolds& release_holds() {
+  static auto* holds = new ReleaseHolds;  // never destroyed: tokens may end at exit
+  return *holds;
+}
+
+void release_here_and_everywhere(int64_t context_id) {
+  if (auto context = detail::Container::instance().release(context_id)) {
+    detail::release_everywhere(context);
+  }
+}
+
 }  // namespace
 
 ContextGuard::ContextGuard() : previous_(detail::current_context()) {
@@ -37,9 +62,16 @@ ContextGuard::ContextGuard() : previous_(detail::current_context()) {
 
 ContextGuard::~ContextGuard() {
   detail::current_context() = previous_;
-  if (auto context = detail::Container::instance().release(id_)) {
-    detail::release_everywhere(context);
+  {
+    ReleaseHolds& holds = release_holds();
+    std::lock_guard<std::mutex> lock(holds.mutex);
+    auto held = holds.contexts.find(id_);
+    if (held != holds.contexts.end()) {
+      held->second.guard_gone = true;  // the last token releases it
+      return;
+    }
   }
+  release_here_and_everywhere(id_);
 }
 
 namespace detail {
@@ -66,6 +98,28 @@ std::shared_ptr<BackwardPass> start_backward(int64_t context_id,
                        ": a backward pass already runs on context ", context_id);
   pass->start(edges, std::move(grads));
   return pass;
+}
+
+std::shared_ptr<void> hold_release(int64_t context_id) {
+  (void)find_context(context_id, "hold_release");
+  ReleaseHolds& holds = release_holds();
+  {
+    std::lock_guard<std::mutex> lock(holds.mutex);
+    ++holds.contexts[context_id].tokens;
+  }
+  // A token without an object: only its deleter matters, run when the last copy ends.
+  return std::shared_ptr<void>(nullptr, [context_id](void*) {
+    ReleaseHolds& holds = release_holds();
+    bool release = false;
+    {
+      std::lock_guard<std::mutex> lock(holds.mutex);
+      auto held = holds.contexts.find(context_id);
+      if (--held->second.tokens > 0) return;
+      release = held->second.guard_gone;
+      holds.contexts.erase(held);
+    }
+    if (release) release_here_and_everywhere(context_id);
+  });
 }
 
 c10::Dict<at::Tensor, at::Tensor> gradients_if_reached(int64_t context_id) {

@@ -167,8 +167,6 @@ DistributedOptimizer::DistributedOptimizer(const std::string& optimizer,
   }
 }
 
-DistributedOptimizer::~DistributedOptimizer() = default;
-
 std::vector<rpc::RRef<at::Tensor>> DistributedOptimizer::parameters() const {
   size_t total = 0;
   for (const Owner& owner : owners_) total += owner.positions.size();
@@ -179,8 +177,27 @@ std::vector<rpc::RRef<at::Tensor>> DistributedOptimizer::parameters() const {
   return out;
 }
 
+c10::IValue DistributedOptimizer::changes_for(Owner& owner) const {
+  if (owner.applied_generation == options_generation_) return c10::IValue();
+  c10::impl::GenericList by_group(c10::AnyType::get());
+  bool any = false;
+  for (size_t g = 0; g < current_.size(); ++g) {
+    const optim::OptionBag changed = current_[g].changes_from(owner.applied[g]);
+    any = any || !changed.empty();
+    by_group.push_back(changed.to_ivalue());
+  }
+  if (any) return by_group;
+  owner.applied_generation = options_generation_;
+  return c10::IValue();
+}
+
 void DistributedOptimizer::step(int64_t context_id) {
   check_pending_changes();
+  if (outstanding_) {
+    step_ahead(context_id);
+    return;
+  }
+  ++steps_taken_;
   std::vector<rpc::RpcFuture<c10::IValue>> steps;
   std::vector<bool> sent_changes(owners_.size(), false);
   // The step's calls name their context as an argument and carry no tensor: sent outside it, so
@@ -190,24 +207,9 @@ void DistributedOptimizer::step(int64_t context_id) {
   // sends: a wait in the loop's modes reads its replies without swapping this thread's state.
   {
     const c10::AutoGradMode outside_the_context(false);
-    for (size_t k = 0; k < owners_.size(); ++k) {
-      Owner& owner = owners_[k];
-      c10::IValue changes;  // None: this owner's options are current
-      if (owner.applied_generation != options_generation_) {
-        c10::impl::GenericList by_group(c10::AnyType::get());
-        bool any = false;
-        for (size_t g = 0; g < current_.size(); ++g) {
-          const optim::OptionBag changed = current_[g].changes_from(owner.applied[g]);
-          any = any || !changed.empty();
-          by_group.push_back(changed.to_ivalue());
-        }
-        if (any) {
-          changes = std::move(by_group);
-          sent_changes[k] = true;
-        } else {
-          owner.applied_generation = options_generation_;
-        }
-      }
+    for (Owner& owner : owners_) {
+      c10::IValue changes = changes_for(owner);
+      sent_changes[steps.size()] = !changes.isNone();
       steps.push_back(
           waited_method(owner.optimizer, "step", rpc::detail::to_values(context_id, changes)));
     }
@@ -302,6 +304,7 @@ void DistributedOptimizer::check_pending_changes() const {
 
 DistributedOptimizerStateDict DistributedOptimizer::state_dict() const {
   check_pending_changes();
+  if (outstanding_) outstanding_->wait_all();  // every step taken is in the state
   std::vector<rpc::RpcFuture<c10::IValue>> states;
   for (const Owner& owner : owners_) {
     states.push_back(waited_method(owner.optimizer, "state_dict", {}));
@@ -364,6 +367,7 @@ void DistributedOptimizer::load_state_dict(const DistributedOptimizerStateDict& 
       throw;
     }
   }
+  flush();  // the steps taken before come first
   std::vector<rpc::RpcFuture<c10::IValue>> loads;
   for (size_t k = 0; k < owners_.size(); ++k) {
     loads.push_back(waited_method(owners_[k].optimizer, "load_state_dict",

@@ -1,7 +1,8 @@
 #pragma once
 
 // One owner of a DistributedOptimizer's parameters, as the optimizer keeps it: shared by the
-// files that make up DistributedOptimizer (distributed_optimizer.cpp, rebind.cpp).
+// files that make up DistributedOptimizer (distributed_optimizer.cpp, rebind.cpp, step_ahead.cpp),
+// with its record of outstanding steps.
 
 #include <cstdint>
 #include <string>
@@ -11,6 +12,7 @@
 #include <distoptim/optim/option_bag.h>
 #include <distoptim/rpc/rref.h>
 
+#include "outstanding_steps.h"
 #include "remote_optimizer.h"
 
 namespace distoptim {
@@ -27,6 +29,10 @@ struct DistributedOptimizer::Owner {
   // Its parameters and the group of each, by index into `positions` (rebind finds them here).
   std::vector<rpc::RRef<at::Tensor>> params;
   std::vector<size_t> groups;
+};
+
+struct DistributedOptimizer::Outstanding : detail::OutstandingSteps {
+  using OutstandingSteps::OutstandingSteps;
 };
 
 }  // namespace dist_optim

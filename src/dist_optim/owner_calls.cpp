@@ -24,15 +24,16 @@ bool is_lost(const std::exception_ptr& error) {
 
 }  // namespace
 
-void note_failure(const std::string& worker, std::exception_ptr* first, std::string* failures) {
+void note_failure(const std::string& worker, std::exception_ptr* first, std::string* failures,
+                  const std::string& which) {
   const std::exception_ptr current = std::current_exception();
   if (!*first || (!is_lost(*first) && is_lost(current))) *first = current;
   try {
     throw;
   } catch (const c10::Error& error) {
-    *failures += "\n  worker '" + worker + "': " + error.what_without_backtrace();
+    *failures += "\n  worker '" + worker + "'" + which + ": " + error.what_without_backtrace();
   } catch (const std::exception& error) {
-    *failures += "\n  worker '" + worker + "': " + error.what();
+    *failures += "\n  worker '" + worker + "'" + which + ": " + error.what();
   }
 }
 

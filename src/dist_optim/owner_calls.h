@@ -39,7 +39,9 @@ struct OwnerAccess {
 /// failure, or the first PeerLostError: a lost worker decides the report's type, whatever the
 /// order of the replies (a replicated owner whose backup died fails a step with a RemoteError
 /// that may arrive before the backup's own step fails as lost; the caller must hear "lost").
-void note_failure(const std::string& worker, std::exception_ptr* first, std::string* failures);
+/// `which` follows the worker's name (", step 3 (context 7)").
+void note_failure(const std::string& worker, std::exception_ptr* first, std::string* failures,
+                  const std::string& which = "");
 
 /// One error naming every owner that failed, of the type of `first` (a lost worker stays a
 /// PeerLostError, a refusal a RemoteError): "DistributedOptimizer: WHAT failed on" + failures.

@@ -122,6 +122,9 @@ void DistributedOptimizer::rebind(const std::vector<rpc::RRef<at::Tensor>>& old_
     next.push_back(std::move(owner));
     made.push_back(std::move(m));
   }
+  // The steps taken before, answered (their failures stay to be reported) before any optimizer
+  // is made anew: a new one takes its state from the old after every step it had.
+  if (outstanding_) outstanding_->wait_all();
   // The new optimizers, each with every group's complete current options.
   std::vector<c10::IValue> options_by_group;
   for (const optim::OptionBag& options : current_) options_by_group.push_back(options.to_ivalue());
@@ -160,6 +163,7 @@ void DistributedOptimizer::rebind(const std::vector<rpc::RRef<at::Tensor>>& old_
       takes, [&taking](size_t i) -> const std::string& { return taking[i]; },
       "rebind of '" + optimizer_ + "'");
   owners_ = std::move(next);
+  restart_outstanding();
 }
 
 }  // namespace dist_optim

@@ -145,6 +145,27 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   /// else the first failure's type (RemoteError, TimeoutError). An owner that failed is sent its
   /// option changes again next step.
   void step(int64_t context_id);
+  /// Bounded staleness, which PyTorch's lacks (the parameter-server paper's bounded delay): with
+  /// max_staleness k > 0, step() returns once its calls are on their way, with at most k steps
+  /// of this optimizer outstanding on any owner (it first waits for the oldest as needed), so a
+  /// trainer runs its next forward and backward while its last steps are applied, reading
+  /// parameters up to k steps behind its own. Each owner applies this optimizer's steps in the
+  /// order they were taken (its next is sent when its last is answered). The step's context may
+  /// be released at once (its ContextGuard destroyed): it stays on the owners until they have
+  /// stepped with it; a step with k > 0 must be taken on the worker that made its context
+  /// (c10::ValueError otherwise). An outstanding step's failure is reported by the next step(),
+  /// which then sends nothing, or by flush(): every failed step named by worker, step number
+  /// (from 1, as counted here) and context, of the first failure's type as step()'s. The default
+  /// k = 0 is PyTorch's synchronous step. Changing k first flush()es. c10::ValueError naming the
+  /// value for k < 0.
+  void set_max_staleness(int64_t max_staleness);
+  int64_t max_staleness() const { return max_staleness_; }
+  /// Waits until no step of this optimizer is outstanding, then reports the failures of those
+  /// that failed (as above). Each wait is bounded by the RPC timeout of the step it waits for.
+  /// state_dict() waits for them too (without reporting), load_state_dict(), rebind() and
+  /// set_max_staleness() flush; the destructor waits and warns of failures no one heard of.
+  void flush();
+
   /// LibTorch's form: runs `closure` (if any) with grad mode on, then step(context_id) with this
   /// thread's current distributed autograd context (dist_autograd::ContextGuard); returns the
   /// closure's loss (undefined without one). c10::ValueError, before the closure runs, when no
@@ -200,6 +221,17 @@ class DistributedOptimizer : public torch::optim::Optimizer {
  private:
   friend struct detail::OwnerAccess;  // the owners' remote optimizers, for the table checkpoints
   struct Owner;
+  struct Outstanding;  // the steps sent and not yet answered, with max_staleness > 0
+  /// step() with max_staleness > 0.
+  void step_ahead(int64_t context_id);
+  /// Reports the outstanding steps' failures (as step's errors); `what` names the call.
+  void report_failed_steps(const std::string& what);
+  /// A new record of outstanding steps for the current owners (none with max_staleness 0).
+  void restart_outstanding();
+  /// The option changes `owner` has not taken, by group, or None (and it is marked current).
+  c10::IValue changes_for(Owner& owner) const;
+  // An owner's applied_generation that matches none: its changes are computed again.
+  static constexpr uint64_t kResendChanges = ~uint64_t{0};
   /// Checks the options of param_groups() against the last checked ones and takes them as
   /// current; throws, changing nothing for that group, when the optimizer refuses them.
   void check_pending_changes() const;
@@ -221,6 +253,9 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // new generation.
   mutable std::vector<optim::OptionBag> current_;
   mutable uint64_t options_generation_ = 0;
+  int64_t max_staleness_ = 0;
+  int64_t steps_taken_ = 0;  // numbers the steps in errors
+  std::unique_ptr<Outstanding> outstanding_;
 };
 
 }  // namespace dist_optim
