@@ -170,6 +170,33 @@ const std::string kFirstServer = "ps0";
 std::atomic<int64_t> samples_trained{0};
 int64_t trained_samples() { return samples_trained.load(); }
 DISTOPTIM_RPC_FUNCTION("click_through.trained_samples", trained_samples);
+// Set once this trainer's last step is applied; the first trainer waits for every other's before
+// its last evaluation.
+std::atomic<bool> steps_applied{false};
+DISTOPTIM_RPC_FUNCTION("click_through.steps_applied", [] { return steps_applied.load(); });
+
+// Waits until every trainer but the first has applied its last step; c10::Error naming one that
+// took no step for `timeout_seconds`.
+void wait_for_other_trainers(int trainers, double timeout_seconds) {
+  const auto timeout =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_seconds));
+  for (int t = 1; t < trainers; ++t) {
+    const std::string name = "trainer" + std::to_string(t);
+    int64_t samples = -1;
+    auto deadline = Clock::now() + timeout;
+    while (!rpc::rpc_sync<bool>(name, "click_through.steps_applied", std::tuple{})) {
+      const int64_t now =
+          rpc::rpc_sync<int64_t>(name, "click_through.trained_samples", std::tuple{});
+      if (now != samples) {
+        samples = now;
+        deadline = Clock::now() + timeout;
+      }
+      TORCH_CHECK(Clock::now() < deadline, "click_through: ", name, " took no step for ",
+                  timeout_seconds, " s and has not applied its last");
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+}
 
 // Under --elastic the first server publishes the model's references; started again, it gets
 // them back from the trainer that restored it.
@@ -454,6 +481,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   // The held-out loss before any step: a trainer restarted in the reporter's slot gets its
   // predecessor's from the first server (without the AUC, which the server does not keep).
   Evaluation first{resume.held_out_before, NAN}, last{NAN, NAN};
+  double last_rate = NAN;  // all trainers' samples/s at the last report
   // One line of the CSV and of progress: all trainers' samples so far, the mean training loss
   // since the last report.
   auto report = [&](int64_t step) {
@@ -474,6 +502,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       if (s.elastic) examples::report_held_out_before(kFirstServer, first.log_loss);
     }
     const double rate = seconds > 0 ? samples / seconds : 0;
+    last_rate = rate;
     csv_out << fmt::format("{},{},{:.3f},{:.1f},{:.6f},{:.6f},{:.6f},{:.6f}\n", step, samples,
                            seconds, rate, train_loss, last.log_loss, last.auc, teacher_loss);
     csv_out.flush();
@@ -564,6 +593,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
     }
   }
   optimizer.flush();  // --max-staleness: the last steps applied before the last evaluation
+  steps_applied = true;
   if (snapshots) {
     try {
       snapshots->flush();
@@ -576,7 +606,11 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   if (reporter) {
     // The last evaluation, of the model every trainer has trained (under --elastic, once the
     // other slots have finished): a server lost meanwhile is recovered first.
-    if (s.elastic) examples::wait_for_other_slots(kFirstServer, rank, s.trainer_timeout);
+    if (s.elastic) {
+      examples::wait_for_other_slots(kFirstServer, rank, s.trainer_timeout);
+    } else {
+      wait_for_other_trainers(trainers, s.trainer_timeout);
+    }
     while_servers_come_back(s.steps, [&] { report(s.steps); });
     csv_out.close();
     const double gap = first.log_loss - teacher_loss;
@@ -584,9 +618,10 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         std::isnan(first.auc) ? "" : fmt::format(" (AUC {:.4f})", first.auc);
     fmt::print(
         "held-out log loss {:.4f} (AUC {:.4f}) after {} steps per trainer, {:.4f}{} before "
-        "training; the teacher's {:.4f} (AUC {:.4f}): {:.0f}% of the gap closed\n",
+        "training; the teacher's {:.4f} (AUC {:.4f}): {:.0f}% of the gap closed; {:.0f} "
+        "samples/s of all trainers\n",
         last.log_loss, last.auc, s.steps, first.log_loss, first_auc, teacher_loss, teacher_auc,
-        gap > 0 ? 100 * (first.log_loss - last.log_loss) / gap : NAN);
+        gap > 0 ? 100 * (first.log_loss - last.log_loss) / gap : NAN, last_rate);
     examples::plot_and_report(plot_commands(csv), csv, fs::path(s.out) / "click_through.png");
   }
   // Whether the servers hold every step of this trainer that returned, and none twice.

@@ -1,0 +1,181 @@
+// staleness_bench: what bounded staleness (DistributedOptimizer::set_max_staleness) gives a
+// training job, measured on examples/click_through (two servers holding a 1M x 32 table
+// sharded over both and the MLP on the first, two trainers, Adagrad) with one trainer slowed
+// (--slow-trainer 1 --slowdown 2: it sleeps after each step as long as the step took, as on a
+// machine half as fast).
+//
+// Each round runs the job once per bound k (0, 1, 4 by default; 0 is the synchronous step, as
+// PyTorch's), alternating, so that the machine's drift falls on every k alike. From the first
+// trainer's last line: all trainers' samples per second from its start until every trainer has
+// applied its last step, and the held-out log loss then (every trainer takes the same steps on the
+// same batches, so each k has trained on the same samples). The table gives each k's min, median
+// and max over the rounds, and per round k's samples/s over k = 0's and its held-out log loss
+// against k = 0's (in percent). There is no PyTorch side: PyTorch's DistributedOptimizer has no
+// bounded staleness (its step is k = 0). Each round's output stays in staleness_bench_runs/ beside
+// the JSON results.
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+#include <fmt/core.h>
+#include <fmt/ranges.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "child_process.h"
+#include "report.h"
+
+namespace distoptim {
+namespace bench {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+struct Config {
+  std::vector<int> bounds = {0, 1, 4};
+  int rounds = 3;
+  int steps = 400;
+  int trainers = 2;
+  int slow_trainer = 1;
+  double slowdown = 2;
+  int deadline_seconds = 600;
+};
+
+struct Run {
+  double samples_per_second = NAN;
+  double held_out_log_loss = NAN;
+};
+
+Run run_job(const Config& config, int bound, const fs::path& out_dir) {
+  fs::remove_all(out_dir);
+  std::vector<std::string> argv = {"/usr/bin/timeout",
+                                   "--kill-after=10",
+                                   std::to_string(config.deadline_seconds),
+                                   DISTOPTIM_DISTRUN_PATH,
+                                   "--nproc-per-node",
+                                   std::to_string(2 + config.trainers),
+                                   DISTOPTIM_CLICK_THROUGH_EXAMPLE_PATH,
+                                   "--steps",
+                                   std::to_string(config.steps),
+                                   "--eval-every",
+                                   std::to_string(config.steps),
+                                   "--max-staleness",
+                                   std::to_string(bound),
+                                   "--out",
+                                   out_dir.string()};
+  if (config.slow_trainer >= 0) {
+    argv.insert(argv.end(), {"--slow-trainer", std::to_string(config.slow_trainer), "--slowdown",
+                             fmt::format("{}", config.slowdown)});
+  }
+  const ChildResult child = run_child(argv, "");
+  fs::create_directories(out_dir);
+  std::ofstream(out_dir / "job.log") << child.stdout_text;
+  TORCH_CHECK(child.exit_code == 0, "staleness_bench: the job with --max-staleness ", bound,
+              " exited with status ", child.exit_code, "; its output:\n", child.stdout_text);
+  // "held-out log loss L (AUC A) after N steps per trainer, ...; R samples/s of all trainers"
+  static const std::regex kLast(
+      R"(held-out log loss ([0-9.]+) \(AUC [0-9.]+\) after [0-9]+ steps per trainer.*; ([0-9.]+) samples/s of all trainers)");
+  std::smatch m;
+  TORCH_CHECK(std::regex_search(child.stdout_text, m, kLast),
+              "staleness_bench: the job with --max-staleness ", bound,
+              " printed no last line; its output:\n", child.stdout_text);
+  return {std::stod(m[2]), std::stod(m[1])};
+}
+
+int run(int argc, char** argv) {
+  Config config;
+  std::string json_path;
+  CLI::App app{"staleness_bench: bounded staleness on examples/click_through, one trainer slowed"};
+  app.add_option("--json", json_path, "Write the results as JSON to this file");
+  app.add_option("--rounds", config.rounds, "Runs of the job per bound")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--bounds", config.bounds, "The max_staleness values; the first is the baseline")
+      ->capture_default_str();
+  app.add_option("--steps", config.steps, "Steps of every trainer")->capture_default_str();
+  app.add_option("--trainers", config.trainers, "Trainers (beside two servers)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--slow-trainer", config.slow_trainer, "The trainer slowed (-1: none)")
+      ->capture_default_str();
+  app.add_option("--slowdown", config.slowdown, "How much slower it is")->capture_default_str();
+  app.add_option("--deadline-seconds", config.deadline_seconds,
+                 "each job is killed after this long")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  TORCH_CHECK_VALUE(!config.bounds.empty(), "--bounds is empty");
+  TORCH_CHECK_VALUE(config.slow_trainer < config.trainers, "--slow-trainer ", config.slow_trainer,
+                    " names no trainer of ", config.trainers);
+  ResultsFile results_file(json_path, "staleness_bench");
+  const fs::path work = fs::path(results_file.path()).parent_path() / "staleness_bench_runs";
+  std::map<int, std::vector<Run>> runs;
+  const double load_at_start = load_average();
+  for (int r = 0; r < config.rounds; ++r) {
+    for (int bound : config.bounds) {
+      fmt::print(stderr, "staleness_bench: round {} of {}, max_staleness {}...\n", r + 1,
+                 config.rounds, bound);
+      runs[bound].push_back(
+          run_job(config, bound, work / fmt::format("round{}-k{}", r + 1, bound)));
+    }
+  }
+  const double load_at_end = load_average();
+  const int base = config.bounds.front();
+  Json cases = Json::array();
+  for (int bound : config.bounds) {
+    std::vector<double> rate, loss, speedup, loss_change;
+    for (int r = 0; r < config.rounds; ++r) {
+      rate.push_back(runs[bound][r].samples_per_second);
+      loss.push_back(runs[bound][r].held_out_log_loss);
+      speedup.push_back(runs[bound][r].samples_per_second / runs[base][r].samples_per_second);
+      loss_change.push_back(
+          100 * (runs[bound][r].held_out_log_loss / runs[base][r].held_out_log_loss - 1));
+    }
+    const std::string k = fmt::format("max_staleness {}", bound);
+    cases.push_back(spread_row(k + ": samples/s", rate, "samples/s", "higher"));
+    cases.push_back(spread_row(k + ": held-out log loss", loss, "log loss", "lower"));
+    if (bound != base) {
+      cases.push_back(spread_row(fmt::format("{}: samples/s over max_staleness {}", k, base),
+                                 speedup, "ratio", "higher"));
+      cases.push_back(
+          spread_row(fmt::format("{}: held-out log loss against max_staleness {}", k, base),
+                     loss_change, "%", "lower"));
+    }
+  }
+  const std::string settings = fmt::format(
+      "examples/click_through: 2 servers + {} trainers on one machine, the example's defaults "
+      "(a 1M x 32 table over both servers, the MLP on the first, Adagrad, batch 512), {} steps "
+      "each, {}; max_staleness {}, alternating in each round",
+      config.trainers, config.steps,
+      config.slow_trainer >= 0
+          ? fmt::format("trainer {} slowed {}x", config.slow_trainer, config.slowdown)
+          : std::string("no trainer slowed"),
+      fmt::join(config.bounds, ", "));
+  const std::string no_pytorch =
+      "no PyTorch side: PyTorch's DistributedOptimizer steps synchronously (max_staleness 0)";
+  fmt::print("staleness_bench: {}; {} round(s)\n{}\n", settings, config.rounds, no_pytorch);
+  fmt::print("{:<58} {:>10} {:>10} {:>10}  {}\n", "case", "min", "median", "max", "unit");
+  for (const Json& row : cases) {
+    fmt::print("{:<58} {:>10.4f} {:>10.4f} {:>10.4f}  {}\n", row["case"].get<std::string>(),
+               row["min"].get<double>(), row["median"].get<double>(), row["max"].get<double>(),
+               row["unit"].get<std::string>());
+  }
+  fmt::print("{}\n", machine_load_line(load_at_start, load_at_end));
+  cases.push_back(Json{{"case", "settings"}, {"settings", settings}, {"note", no_pytorch}});
+  return results_file.write_unless(cases, {});
+}
+
+}  // namespace
+}  // namespace bench
+}  // namespace distoptim
+
+int main(int argc, char** argv) {
+  return distoptim::bench::run_main("staleness_bench", distoptim::bench::run, argc, argv);
+}
