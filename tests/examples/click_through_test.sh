@@ -4,7 +4,9 @@
 # the held-out log loss falls below its value before training, the held-out AUC ends above 0.6,
 # and the teacher's log loss (the best possible) is below the model's. Two more runs of one step
 # try the plot without gnuplot on PATH and with a gnuplot that fails: the example says the plot
-# was not written and why, and leaves no PNG; with gnuplot, the PNG is written.
+# was not written and why, and leaves no PNG; with gnuplot, the PNG is written. A run with
+# --max-staleness 3 and one trainer slowed (--slow-trainer 1) trains as well, and its last row
+# counts every trainer's samples.
 # Usage: click_through_test.sh DISTRUN EXAMPLE WORKDIR
 set -euo pipefail
 distrun="$1" example="$2" work="$3"
@@ -28,20 +30,21 @@ run() {  # name, PATH, arguments...
 run a "$PATH" --steps 60 --batch 256 --eval-every 6
 run b "$work/no_gnuplot" --steps 1 --batch 64
 run c "$work/failing_gnuplot:$PATH" --steps 1 --batch 64
+run d "$PATH" --steps 30 --batch 256 --eval-every 30 --max-staleness 3 --slow-trainer 1
 
 csv="$work/a/click_through.csv"
 header="step,samples,seconds,samples_per_second,train_log_loss,held_out_log_loss,held_out_auc,teacher_log_loss"
 [[ $(head -1 "$csv") == "$header" ]] || { echo "FAILED: CSV header: $(head -1 "$csv")"; exit 1; }
 rows=$(tail -n +2 "$csv" | wc -l)
 [[ $rows -eq 11 ]] || { cat "$csv"; echo "FAILED: expected 11 evaluations (steps 0, 6, ..., 60), got $rows"; exit 1; }
-# step 0 before training; the last at step 60, with 2 trainers x 60 x 256 samples (the other
-# trainer may not have finished when the first one reports: at least 60 x 256).
+# step 0 before training; the last at step 60, once both trainers have applied their 60 steps of
+# 256 samples.
 read -r first_loss first_auc teacher < <(sed -n 2p "$csv" | awk -F, '{ print $6, $7, $8 }')
 read -r last_step samples last_loss last_auc < <(tail -1 "$csv" | awk -F, '{ print $1, $2, $6, $7 }')
 awk -v step="$last_step" -v n="$samples" -v a="$first_loss" -v b="$last_loss" -v auc="$last_auc" \
   -v t="$teacher" 'BEGIN {
     finite = "^[0-9]+([.][0-9]+)?$"
-    exit !(step == 60 && n >= 60 * 256 && n <= 2 * 60 * 256 && a ~ finite && b ~ finite &&
+    exit !(step == 60 && n == 2 * 60 * 256 && a ~ finite && b ~ finite &&
            b + 0 < a - 0.02 && auc + 0 > 0.6 && t + 0 > 0 && t + 0 < b + 0) }' || {
   cat "$work/a.log"
   echo "FAILED: step $last_step, $samples samples; held-out log loss $first_loss -> $last_loss," \
@@ -58,4 +61,14 @@ grep -q "wrote .*click_through.csv and .*click_through.png" "$work/a.log" &&
 }
 expect_no_plot "$work/b.log" "$work/b" click_through.png "gnuplot is not installed"
 expect_no_plot "$work/c.log" "$work/c" click_through.png "gnuplot exited with status 3"
+# Bounded staleness: every trainer's 30 steps counted, and the model learned.
+read -r d_first_loss < <(sed -n 2p "$work/d/click_through.csv" | awk -F, '{ print $6 }')
+read -r d_step d_samples d_loss < <(tail -1 "$work/d/click_through.csv" | awk -F, '{ print $1, $2, $6 }')
+awk -v step="$d_step" -v n="$d_samples" -v a="$d_first_loss" -v b="$d_loss" \
+  'BEGIN { exit !(step == 30 && n == 2 * 30 * 256 && b + 0 < a - 0.01) }' || {
+  cat "$work/d.log"
+  echo "FAILED: --max-staleness 3: step $d_step, $d_samples samples; held-out log loss" \
+       "$d_first_loss -> $d_loss"
+  exit 1
+}
 echo "PASSED: held-out log loss $first_loss -> $last_loss (teacher $teacher), AUC $first_auc -> $last_auc"
