@@ -9,6 +9,7 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
@@ -45,8 +46,13 @@ struct GradientSync::Impl {
   comm::Group group;
   std::vector<at::Tensor> parameters;
   std::vector<at::Tensor> buffers;
-  std::unique_ptr<c10d::Reducer> reducer;
-  // Set unless the user asked for gradient_as_bucket_view or find_unused_parameters: the
+  // Shared only with the first backward of a static graph (queue_delayed_reduction).
+  std::shared_ptr<c10d::Reducer> reducer;
+  // Synchronizing forwards so far (PyTorch's num_iterations): a static graph's first is
+  // reduced after its backward.
+  int64_t iterations = 0;
+  // Set unless the user asked for gradient_as_bucket_view, find_unused_parameters or
+  // static_graph: the
   // Reducer then runs with bucket views all the same, and this keeps .grad plain tensors.
   std::unique_ptr<BucketAliasedGradients> aliases;
   // torch's require_backward_grad_sync (false inside no_sync) and require_forward_param_sync
@@ -99,6 +105,29 @@ struct GradientSync::Impl {
         " run forward inside a distributed autograd context and rank(s) ", c10::Join(", ", to_grad),
         " outside one; every rank of the group must do the same (inside a context gradients are "
         "averaged in the context, outside in .grad)");
+  }
+
+  // A static graph's first synchronized backward: once it reaches the outputs, the Reducer's
+  // delayed reduction of every bucket is queued to run when the pass ends (what PyTorch's
+  // _DDPSink does), since the Reducer reduces nothing during that pass.
+  void queue_delayed_reduction(const std::vector<at::Tensor>& outputs) {
+    TORCH_CHECK_VALUE(
+        std::any_of(outputs.begin(), outputs.end(),
+                    [](const at::Tensor& t) { return t.requires_grad(); }),
+        "DistributedDataParallel (rank ", global_rank(),
+        "): static_graph needs the first forward to return a tensor that requires grad (alone, "
+        "in a vector or in a tuple), whose backward reduces the gradients");
+    auto queued = std::make_shared<std::atomic<bool>>(false);
+    const std::weak_ptr<c10d::Reducer> weak = reducer;
+    for (const at::Tensor& output : outputs) {
+      if (!output.requires_grad()) continue;
+      output.register_hook([queued, weak](const at::Tensor&) {
+        if (queued->exchange(true)) return;
+        torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+          if (auto reducer = weak.lock()) reducer->delay_all_reduce();
+        });
+      });
+    }
   }
 
   // Queues the averaging of this forward's gradients in `store` on the next backward pass into
@@ -215,18 +244,29 @@ GradientSync::GradientSync(const torch::nn::Module& module, DistributedDataParal
   // backward (and, for a gradient kept in .grad, the copy in). Without find_unused_parameters
   // (whose gradients PyTorch's Reducer treats differently with views) that holds by default,
   // .grad keeping its meaning (bucket_aliased_gradients.h).
-  if (!s.options.gradient_as_bucket_view() && !s.options.find_unused_parameters()) {
+  if (!s.options.gradient_as_bucket_view() && !s.options.find_unused_parameters() &&
+      !s.options.static_graph()) {
     s.aliases = std::make_unique<BucketAliasedGradients>(s.parameters);
   }
   const std::vector<at::Tensor> grads_before =
       s.aliases != nullptr ? s.aliases->before_rebuild() : std::vector<at::Tensor>{};
-  s.reducer = std::make_unique<c10d::Reducer>(
+  s.reducer = std::make_shared<c10d::Reducer>(
       s.parameters, std::move(bucket_indices), std::move(bucket_limits), pg,
       std::vector<bool>(s.parameters.size(), false), bucket_bytes,
       s.options.find_unused_parameters(),
       s.options.gradient_as_bucket_view() || s.aliases != nullptr,
       std::unordered_map<size_t, std::string>{}, std::min(kFirstBucketBytes, bucket_bytes));
   if (s.aliases != nullptr) s.aliases->after_rebuild(grads_before);
+  if (s.options.static_graph()) {
+    s.reducer->set_static_graph();
+    if (s.options.find_unused_parameters()) {
+      TORCH_WARN(
+          "You passed find_unused_parameters=true to DistributedDataParallel, "
+          "`_set_static_graph` will detect unused parameters automatically, so you do not "
+          "need to set find_unused_parameters=true, just be sure these unused parameters "
+          "will not change during training loop while calling `_set_static_graph`.");
+    }
+  }
 }
 
 GradientSync::~GradientSync() {
@@ -250,8 +290,9 @@ void GradientSync::before_forward() {
         !join_config().enable, "DistributedDataParallel.forward (rank ", s.global_rank(),
         "): inside ", store->name(),
         " under a Join; Join is supported only outside distributed autograd contexts");
-    TORCH_CHECK_VALUE(!s.options.find_unused_parameters(), "DistributedDataParallel.forward (rank ",
-                      s.global_rank(), "): find_unused_parameters = true inside ", store->name(),
+    TORCH_CHECK_VALUE(!s.options.find_unused_parameters() || s.options.static_graph(),
+                      "DistributedDataParallel.forward (rank ", s.global_rank(),
+                      "): find_unused_parameters = true inside ", store->name(),
                       " is not supported");
     auto pending = s.store_sync_pending.lock();
     TORCH_CHECK_VALUE(pending == nullptr || !pending->load(),
@@ -260,7 +301,10 @@ void GradientSync::before_forward() {
                       ": the previous forward's gradients were not reduced yet; run the backward "
                       "pass of each forward before the next forward (or release its context)");
   }
-  if (syncing && store == nullptr) s.reducer->prepare_for_forward();
+  if (syncing && store == nullptr) {
+    s.reducer->prepare_for_forward();
+    ++s.iterations;
+  }
   // Under a Join: count this rank as training; the count is the divisor if asked. Its failure
   // says what it means itself.
   if (auto work = Join::notify_join_context(*this)) {
@@ -360,6 +404,9 @@ std::unique_ptr<JoinHook> GradientSync::join_hook(const JoinHookOptions&) {
   TORCH_CHECK_VALUE(!impl_->options.find_unused_parameters(),
                     "DistributedDataParallel::join_hook: find_unused_parameters = true is not "
                     "supported under Join");
+  TORCH_CHECK_VALUE(!impl_->options.static_graph(),
+                    "DistributedDataParallel::join_hook: static_graph = true is not supported "
+                    "under Join");
   return std::make_unique<ReplicaJoinHook>(*impl_);
 }
 
@@ -370,12 +417,13 @@ void GradientSync::after_forward(const std::vector<at::Tensor>& outputs) {
     s.sync_buffers_next = true;
     if (store != nullptr) {
       s.queue_store_sync(store);
-    } else if (s.options.find_unused_parameters()) {
+    } else if (s.options.find_unused_parameters() && !s.options.static_graph()) {
       TORCH_CHECK_VALUE(!outputs.empty(),
                         "DistributedDataParallel: find_unused_parameters needs "
                         "forward to return a tensor, a vector or a tuple of tensors");
       s.reducer->prepare_for_backward(outputs);
     } else {
+      if (s.options.static_graph() && s.iterations == 1) s.queue_delayed_reduction(outputs);
       s.reducer->prepare_for_backward({});
       if (s.aliases != nullptr) s.aliases->expect_synchronized_pass();
     }

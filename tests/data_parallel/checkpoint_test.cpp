@@ -282,7 +282,7 @@ TEST(PowerSGDStateDict, OnlyTheSameOptionsAndWellFormedStatesLoad) {
     expect_error_containing([&] { same.load_state_dict(broken); },
                             {"'rng' is not the state of a Mersenne Twister"});
     broken = saved.toGenericDict().copy();
-    broken.erase("q_memory_dict");
+    (void)broken.erase("q_memory_dict");
     expect_error_containing([&] { same.load_state_dict(broken); },
                             {"the state lacks 'q_memory_dict'"});
     EXPECT_EQ(same.iter(), 0);

@@ -43,6 +43,16 @@ struct DistributedDataParallelOptions {
   /// refuses for a view), a kept gradient is overwritten by the next backward, and one set by hand
   /// is replaced by the view instead of receiving the average.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// The graph is the same every iteration (PyTorch's static_graph): the first synchronized
+  /// backward finds the parameters that take no part (their gradients stay undefined, as with
+  /// find_unused_parameters, without walking the graph every iteration) and averages every
+  /// bucket once it has ended; later ones average each bucket as soon as it is ready, counting
+  /// a parameter whose gradient arrives several times per backward (a reentrant backward, as
+  /// activation checkpointing makes) once all have. A parameter unused in the first iteration
+  /// and used later fails that backward with PyTorch's error ("Your training graph has changed
+  /// in this iteration ..."). find_unused_parameters beside it is ignored, with PyTorch's
+  /// warning. Not under Join (c10::ValueError, as find_unused_parameters).
+  TORCH_ARG(bool, static_graph) = false;
   /// Not in PyTorch: when every rank of the group runs on this host, the buckets are averaged
   /// (and buffers broadcast) through memory the ranks share rather than Gloo's loopback TCP
   /// (comm::share_host_memory: 8 MiB of /dev/shm per rank, the same averages to rounding).
