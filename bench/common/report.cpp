@@ -235,5 +235,28 @@ int run_main(const char* program, int (*run)(int, char**), int argc, char** argv
   return 1;
 }
 
+int finish_ours_alone(ResultsFile& results, const std::string& program, nlohmann::json cases,
+                      const std::string& settings, const std::string& note, int rounds,
+                      double load_at_start) {
+  const double load_at_end = load_average();
+  size_t width = 4;
+  for (const nlohmann::json& row : cases) {
+    width = std::max(width, row["case"].get<std::string>().size());
+  }
+  std::printf("%s: %s; %d round(s)\n%s\n", program.c_str(), settings.c_str(), rounds, note.c_str());
+  std::printf("%-*s %10s %10s %10s  %s\n", static_cast<int>(width), "case", "min", "median", "max",
+              "unit");
+  for (const nlohmann::json& row : cases) {
+    std::printf("%-*s %10.4g %10.4g %10.4g  %s\n", static_cast<int>(width),
+                row["case"].get<std::string>().c_str(), row["min"].get<double>(),
+                row["median"].get<double>(), row["max"].get<double>(),
+                row["unit"].get<std::string>().c_str());
+  }
+  std::printf("%s\n", machine_load_line(load_at_start, load_at_end).c_str());
+  std::fflush(stdout);
+  cases.push_back(nlohmann::json{{"case", "settings"}, {"settings", settings}, {"note", note}});
+  return results.write_unless(cases, {});
+}
+
 }  // namespace bench
 }  // namespace distoptim

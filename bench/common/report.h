@@ -146,5 +146,13 @@ class ResultsFile {
   double load_at_start_;
 };
 
+/// The end of a benchmark with no PyTorch side whose cases are spread_rows: prints "`program`:
+/// `settings`; R round(s)", `note`, the cases as a table (min, median, max, unit) and the load
+/// line (from `load_at_start` to now); adds the case {"case": "settings", "settings", "note"}
+/// and writes the results (write_unless, without problems). Returns the exit status.
+int finish_ours_alone(ResultsFile& results, const std::string& program, nlohmann::json cases,
+                      const std::string& settings, const std::string& note, int rounds,
+                      double load_at_start);
+
 }  // namespace bench
 }  // namespace distoptim

@@ -245,7 +245,6 @@ int run(int argc, char** argv) {
     ratio.push_back(round.gap_steps_per_second / round.steady_steps_per_second);
     gap_seconds.push_back(round.gap_seconds);
   }
-  const double load_at_end = load_average();
 
   Json cases = Json::array();
   cases.push_back(spread_row("rejoin: init_rpc to first step", rejoin, "s", "lower"));
@@ -268,16 +267,8 @@ int run(int argc, char** argv) {
       "no PyTorch side: PyTorch 1.13 refuses distributed autograd and the DistributedOptimizer "
       "in dynamic groups (init_rpc without a world size)";
 
-  fmt::print("elastic_bench: {}; {} round(s)\n{}\n", settings, config.rounds, no_pytorch);
-  fmt::print("{:<52} {:>9} {:>9} {:>9}  {}\n", "case", "min", "median", "max", "unit");
-  for (const Json& row : cases) {
-    fmt::print("{:<52} {:>9.3f} {:>9.3f} {:>9.3f}  {}\n", row["case"].get<std::string>(),
-               row["min"].get<double>(), row["median"].get<double>(), row["max"].get<double>(),
-               row["unit"].get<std::string>());
-  }
-  fmt::print("{}\n", machine_load_line(load_at_start, load_at_end));
-  cases.push_back(Json{{"case", "settings"}, {"settings", settings}, {"note", no_pytorch}});
-  return results_file.write_unless(cases, {});
+  return finish_ours_alone(results_file, "elastic_bench", std::move(cases), settings, no_pytorch,
+                           config.rounds, load_at_start);
 }
 
 }  // namespace

@@ -290,7 +290,6 @@ int run(int argc, char** argv) {
       f.ratio.push_back(round.after / round.before);
     }
   }
-  const double load_at_end = load_average();
 
   Json cases = Json::array();
   for (size_t v = 0; v < variants.size(); ++v) {
@@ -330,16 +329,8 @@ int run(int argc, char** argv) {
                        : "");
   const std::string no_pytorch = "no PyTorch side: a PyTorch 1.13 RPC job ends when a worker dies";
 
-  fmt::print("server_loss_bench: {}; {} round(s)\n{}\n", settings, config.rounds, no_pytorch);
-  fmt::print("{:<44} {:>10} {:>10} {:>10}  {}\n", "case", "min", "median", "max", "unit");
-  for (const Json& row : cases) {
-    fmt::print("{:<44} {:>10.2f} {:>10.2f} {:>10.2f}  {}\n", row["case"].get<std::string>(),
-               row["min"].get<double>(), row["median"].get<double>(), row["max"].get<double>(),
-               row["unit"].get<std::string>());
-  }
-  fmt::print("{}\n", machine_load_line(load_at_start, load_at_end));
-  cases.push_back(Json{{"case", "settings"}, {"settings", settings}, {"note", no_pytorch}});
-  return results_file.write_unless(cases, {});
+  return finish_ours_alone(results_file, "server_loss_bench", std::move(cases), settings,
+                           no_pytorch, config.rounds, load_at_start);
 }
 
 }  // namespace

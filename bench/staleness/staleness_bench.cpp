@@ -126,7 +126,6 @@ int run(int argc, char** argv) {
           run_job(config, bound, work / fmt::format("round{}-k{}", r + 1, bound)));
     }
   }
-  const double load_at_end = load_average();
   const int base = config.bounds.front();
   Json cases = Json::array();
   for (int bound : config.bounds) {
@@ -160,16 +159,8 @@ int run(int argc, char** argv) {
       fmt::join(config.bounds, ", "));
   const std::string no_pytorch =
       "no PyTorch side: PyTorch's DistributedOptimizer steps synchronously (max_staleness 0)";
-  fmt::print("staleness_bench: {}; {} round(s)\n{}\n", settings, config.rounds, no_pytorch);
-  fmt::print("{:<58} {:>10} {:>10} {:>10}  {}\n", "case", "min", "median", "max", "unit");
-  for (const Json& row : cases) {
-    fmt::print("{:<58} {:>10.4f} {:>10.4f} {:>10.4f}  {}\n", row["case"].get<std::string>(),
-               row["min"].get<double>(), row["median"].get<double>(), row["max"].get<double>(),
-               row["unit"].get<std::string>());
-  }
-  fmt::print("{}\n", machine_load_line(load_at_start, load_at_end));
-  cases.push_back(Json{{"case", "settings"}, {"settings", settings}, {"note", no_pytorch}});
-  return results_file.write_unless(cases, {});
+  return finish_ours_alone(results_file, "staleness_bench", std::move(cases), settings, no_pytorch,
+                           config.rounds, load_at_start);
 }
 
 }  // namespace
