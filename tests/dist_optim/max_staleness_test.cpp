@@ -9,11 +9,14 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <mutex>
+#include <thread>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <distoptim/comm/errors.h>
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
 #include <distoptim/optim/adam.h>
@@ -130,6 +133,23 @@ class RefusingOnWorker2 : public optim::SGD {
 const optim::OptimizerRegistration kRefusingOnWorker2(
     "refusing_on_worker2",
     optim::typed_factory<RefusingOnWorker2, optim::SGDOptions>(optim::SGDOptions(0.1)));
+
+// SGD (lr 0.1) whose process ends in its step on worker2, as in a crash.
+class DyingOnWorker2 : public optim::SGD {
+ public:
+  using optim::SGD::SGD;
+
+ protected:
+  void update(size_t group, const std::vector<ParamUpdate>& updates) override {
+    if (rpc::get_worker_info().name == worker(2)) std::_Exit(7);
+    optim::SGD::update(group, updates);
+  }
+};
+const optim::OptimizerRegistration kDyingOnWorker2(
+    "dying_on_worker2",
+    optim::typed_factory<DyingOnWorker2, optim::SGDOptions>(optim::SGDOptions(0.1)));
+std::atomic<bool> g_leave{false};
+DISTOPTIM_RPC_FUNCTION("leave", [] { g_leave = true; });
 
 void with_workers(int world_size, const std::function<void()>& trainer) {
   testing::with_workers(world_size, trainer, testing::test_options(60s));
@@ -266,6 +286,58 @@ TEST(MaxStaleness, AFailedStepIsReportedByTheNextStepWhichSendsNothing) {
     expect_equal(now[0], expected[0], "worker1's w after two steps");
     expect_equal(now[1], expected[1], "worker1's b after two steps");
   });
+}
+
+// An owner lost with a step outstanding: flush reports a PeerLostError naming it and the step;
+// the other owner applied the step.
+TEST(MaxStaleness, AnOwnerLostWithAStepOutstandingIsNamedByFlush) {
+  testing::RunRanksOptions options;
+  options.expected_exit_codes = {{2, 7}};
+  testing::run_ranks(
+      3,
+      [](int rank, int size) {
+        rpc::init_rpc(worker(rank), rank, size, testing::test_options(60s));
+        if (rank != 0) {
+          while (!g_leave) std::this_thread::sleep_for(10ms);  // serves until told to leave
+          rpc::shutdown(/*graceful=*/false);
+          return;
+        }
+        std::vector<RRef<at::Tensor>> params = params_of(1);
+        for (const auto& p : params_of(2)) params.push_back(p);
+        DistributedOptimizer optimizer("dying_on_worker2", params);
+        optimizer.set_max_staleness(2);
+        int64_t context_id = 0;
+        {
+          ContextGuard context;
+          context_id = context.id();
+          const at::Tensor loss =
+              rpc_sync<at::Tensor>(worker(1), "linear", std::tuple{int64_t{0}}) +
+              rpc_sync<at::Tensor>(worker(2), "linear", std::tuple{int64_t{0}});
+          dist_autograd::backward(context.id(), {loss});
+          optimizer.step(context.id());  // returns; worker2 dies in it
+        }
+        try {
+          optimizer.flush();
+          ADD_FAILURE() << "the step passed without worker2";
+        } catch (const PeerLostError& error) {
+          const std::string message = error.what();
+          EXPECT_NE(message.find("worker '" + worker(2) + "', step 1 (context " +
+                                 std::to_string(context_id) + "): "),
+                    std::string::npos)
+              << message;
+          EXPECT_EQ(message.find("worker '" + worker(1) + "'"), std::string::npos) << message;
+        }
+        std::vector<at::Tensor> expected = make_params(1);
+        const auto now = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+        for (size_t i = 0; i < 2; ++i) {
+          expect_equal(now[i], expected[i].detach() - 0.1 * coefficients(0, 1)[i],
+                       "worker1's parameter " + std::to_string(i));
+        }
+        optimizer.flush();  // reported once
+        rpc_sync(worker(1), "leave");
+        rpc::shutdown(/*graceful=*/false);
+      },
+      options);
 }
 
 TEST(MaxStaleness, RefusedSettingsAndContextsChangeNothing) {
