@@ -14,3 +14,4 @@
 #include <distoptim/optim/sgd.h>
 #include <distoptim/optim/sparse_adam.h>
 #include <distoptim/optim/torch_adapter.h>
+#include <distoptim/optim/torchscript_optimizer.h>
