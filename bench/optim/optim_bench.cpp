@@ -9,10 +9,15 @@
 //   (d) PyTorch's torch.optim step in Python (bench/optim/pytorch_step.py under the system
 //       Python, the faster of foreach=True and foreach=False);
 // for SGD with momentum, Adam, AdamW, Adagrad and RMSprop over two parameter sets: the seed's
-// model (20 x Linear(2000, 2000), about 80M floats) and 2000 tensors of 1000 floats. (d) and then
-// (b) and (c) alternate in rounds; in each round a time is the minimum over repetitions (the
-// machine is shared and noisy), and the figure reported is the median over the rounds, with the
-// min and max beside it. It prints a table and writes the same as JSON to the file named by --json.
+// model (20 x Linear(2000, 2000), about 80M floats) and 2000 tensors of 1000 floats. And the
+// seed's QHM, three ways: "qhm" is ours in C++ (examples/custom_qhm/qhm.h), "qhm_script" the
+// recipe's TorchScript file (examples/custom_qhm/qhm_torchscript.py, made at start-up) loaded by
+// optim::register_torchscript_optimizer, both against PyTorch running that same file from Python
+// (its update called per step, as the seed's DistributedOptimizer would); LibTorch has no QHM. (d)
+// and then (b) and (c) alternate in rounds; in each round a time is the minimum over repetitions
+// (the machine is shared and noisy), and the figure reported is the median over the rounds, with
+// the min and max beside it. It prints a table and writes the same as JSON to the file named by
+// --json.
 //
 // Usage: optim_bench --json PATH [--rounds N] [--reps N] [--quick] [--optimizers LIST]
 //                    [--warm-cache]
@@ -43,6 +48,7 @@
 
 #include "../common/child_process.h"
 #include "../common/report.h"
+#include "qhm.h"
 #include "stream_kernel.h"
 
 namespace distoptim {
@@ -234,9 +240,9 @@ struct OptimizerSpec {
   std::string name;  // registry name, also the torch.optim class key in pytorch_step.py
   // Bytes an ideal one-pass float32 kernel must move per parameter; see kOptimizers.
   int bytes_per_param;
-  optim::OptionBag bag;  // ours
-  json python_options;   // torch.optim keyword arguments
-  LibTorchFactory libtorch;
+  optim::OptionBag bag;      // ours
+  json python_options;       // torch.optim keyword arguments
+  LibTorchFactory libtorch;  // none: LibTorch has no such optimizer
 };
 
 // The optimizers and options compared, with the bytes per parameter that an ideal kernel (one
@@ -274,6 +280,11 @@ std::vector<OptimizerSpec> optimizer_specs() {
                      return std::unique_ptr<to::Optimizer>(
                          new to::RMSprop(p, to::RMSpropOptions(0.01)));
                    }});
+  // QHM (no weight decay): param r+w, grad r, momentum_buffer r+w, as SGD with momentum.
+  const optim::OptionBag qhm{{"lr", 0.01}, {"momentum", 0.9}, {"nu", 0.7}};
+  const json python_qhm{{"lr", 0.01}, {"momentum", 0.9}, {"nu", 0.7}, {"weight_decay", 0.0}};
+  specs.push_back({"qhm", 20, qhm, python_qhm, nullptr});
+  specs.push_back({"qhm_script", 20, qhm, python_qhm, nullptr});
   return specs;
 }
 
@@ -345,7 +356,7 @@ double min_step_time(int reps, CacheEvictor& evictor, Step&& step) {
 
 void run_pytorch(const std::string& python, const std::string& script,
                  const std::vector<ParamSet>& sets, std::vector<CaseResult>& cases, int reps,
-                 int64_t evict_floats, std::string& torch_version) {
+                 int64_t evict_floats, const std::string& qhm_script, std::string& torch_version) {
   json spec;
   spec["threads"] = kThreads;
   spec["warmup"] = kWarmupSteps;
@@ -362,6 +373,7 @@ void run_pytorch(const std::string& python, const std::string& script,
                              {"param_set", c.param_set->name},
                              {"options", c.optimizer->python_options}});
   }
+  spec["qhm_script"] = qhm_script;
   const ChildResult child = run_child({python, script}, spec.dump());
   TORCH_CHECK(child.exit_code == 0, "optim_bench: '", python, " ", script, "' exited with code ",
               child.exit_code);
@@ -415,12 +427,14 @@ void run_cpp(const std::vector<ParamSet>& sets, std::vector<CaseResult>& cases, 
         c.ours_s = min_step_time(reps * set.rep_factor, evictor, [&] { ours->step(grads); });
       }
       fmt::print(stderr, " {:.2f} ms; libtorch...", c.ours_s * 1e3);
-      for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i];
-      {
+      if (c.optimizer->libtorch) {
+        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i];
         auto theirs = c.optimizer->libtorch(params);
         c.libtorch_s = min_step_time(reps * set.rep_factor, evictor, [&] { theirs->step(); });
+        for (auto& p : params) p.mutable_grad() = at::Tensor();
+      } else {
+        c.libtorch_s = std::numeric_limits<double>::quiet_NaN();
       }
-      for (auto& p : params) p.mutable_grad() = at::Tensor();
       fmt::print(stderr, " {:.2f} ms\n", c.libtorch_s * 1e3);
       for (const auto& p : params) {
         TORCH_CHECK(p.isfinite().all().item<bool>(), "optim_bench: ", c.name,
@@ -480,7 +494,7 @@ void print_report(const StreamResult& stream, const std::vector<ParamSet>& sets,
   }
   fmt::print("\n");
 
-  fmt::print("{:<15} {:>5} {:>10} {:>7} {:>7} {:>11} {:>8} {:>11} {:>9} {:>8}  {}\n", "case",
+  fmt::print("{:<16} {:>5} {:>10} {:>7} {:>7} {:>11} {:>8} {:>11} {:>9} {:>8}  {}\n", "case",
              "B/par", "ours ms", "GB/s", "limit", "libtorch ms", "vs lt", "pytorch ms", "(variant)",
              "vs py", "target");
   for (const auto& c : cases) {
@@ -495,17 +509,20 @@ void print_report(const StreamResult& stream, const std::vector<ParamSet>& sets,
       verdict += verdict.empty() ? "slower than LibTorch" : ", slower than LibTorch";
     if (verdict.empty())
       verdict = fmt::format("ok (>= {:.0f}%, beats LibTorch)", c.target_fraction * 100);
+    // LibTorch has no QHM: its columns say so.
+    const bool libtorch = !std::isnan(c.libtorch_s);
     fmt::print(
-        "{:<15} {:>5} {:>10.2f} {:>7.2f} {:>6.0f}% {:>11.2f} {:>7.2f}x {:>11.2f} {:>9} {:>7.2f}x  "
-        "{}\n",
+        "{:<16} {:>5} {:>10.2f} {:>7.2f} {:>6.0f}% {:>11} {:>8} {:>11.2f} {:>9} {:>7.2f}x  {}\n",
         c.name, c.optimizer->bytes_per_param, c.ours_s * 1e3, gbps, fraction * 100,
-        c.libtorch_s * 1e3, vs_libtorch, c.pytorch_s * 1e3,
-        c.pytorch_foreach ? "foreach" : "for-loop", c.pytorch_s / c.ours_s, verdict);
+        libtorch ? fmt::format("{:.2f}", c.libtorch_s * 1e3) : "-",
+        libtorch ? fmt::format("{:.2f}x", vs_libtorch) : "-", c.pytorch_s * 1e3,
+        libtorch ? (c.pytorch_foreach ? "foreach" : "for-loop") : "script", c.pytorch_s / c.ours_s,
+        verdict);
   }
   fmt::print("\nspread over the rounds, ms (min/median/max):\n");
   for (const auto& c : cases) {
     const Spread o = spread_of(c.ours_rounds), p = spread_of(c.pytorch_rounds);
-    fmt::print("  {:<15} ours {:.2f}/{:.2f}/{:.2f}  pytorch {:.2f}/{:.2f}/{:.2f}\n", c.name,
+    fmt::print("  {:<16} ours {:.2f}/{:.2f}/{:.2f}  pytorch {:.2f}/{:.2f}/{:.2f}\n", c.name,
                o.min * 1e3, o.median * 1e3, o.max * 1e3, p.min * 1e3, p.median * 1e3, p.max * 1e3);
   }
   fmt::print(
@@ -563,9 +580,9 @@ int run(int argc, char** argv) {
   std::vector<std::string> only;
   app.add_option("--optimizers", only,
                  "Run only these optimizers (comma-separated; default: sgd,adam,adamw,adagrad,"
-                 "rmsprop)")
+                 "rmsprop,qhm,qhm_script)")
       ->delimiter(',')
-      ->check(CLI::IsMember({"sgd", "adam", "adamw", "adagrad", "rmsprop"}));
+      ->check(CLI::IsMember({"sgd", "adam", "adamw", "adagrad", "rmsprop", "qhm", "qhm_script"}));
   app.add_flag("--warm-cache", warm_cache,
                "Do not evict the caches before each timed step (the small set then partly runs "
                "from the L3 cache)");
@@ -577,6 +594,16 @@ int run(int argc, char** argv) {
 
   ResultsFile results_file(json_path, "optim_bench");
   const double load_at_start = load_average();
+
+  // The seed's QHM as the recipe saves it, beside the results; ours in C++ and from that file.
+  const std::string qhm_script =
+      (std::filesystem::path(results_file.path()).parent_path() / "qhm_script.pt").string();
+  const ChildResult made = run_child(
+      {python, DISTOPTIM_SOURCE_DIR "/examples/custom_qhm/qhm_torchscript.py", qhm_script}, "");
+  TORCH_CHECK(made.exit_code == 0, "optim_bench: qhm_torchscript.py exited with code ",
+              made.exit_code);
+  qhm::register_qhm();
+  optim::register_torchscript_optimizer("qhm_script", qhm_script);
 
   // Exactly two threads for everything: the bandwidth kernel, our steps and LibTorch's here,
   // PyTorch's in the child.
@@ -635,7 +662,7 @@ int run(int argc, char** argv) {
   for (int round = 1; round <= rounds; ++round) {
     fmt::print(stderr, "optim_bench: round {} of {}: running {} {}...\n", round, rounds, python,
                script);
-    run_pytorch(python, script, sets, cases, reps, evict_floats, torch_version);
+    run_pytorch(python, script, sets, cases, reps, evict_floats, qhm_script, torch_version);
     run_cpp(sets, cases, reps, evictor, [&] { stream_bench.round(1); });
     for (auto& c : cases) c.end_round();
   }

@@ -4,7 +4,7 @@ comparison. Run with Debian's /usr/bin/python3 (python3-torch, PyTorch 1.13).
 optim_bench starts this script once and writes the whole run's specification to its standard
 input as JSON:
 
-    {"threads": 2, "warmup": 2, "evict_floats": 33554432, "seed": 0,
+    {"threads": 2, "warmup": 2, "evict_floats": 33554432, "seed": 0, "qhm_script": "PATH",
      "param_sets": {"large": {"repeat": 20, "shapes": [[2000, 2000], [2000]], "reps": 7}, ...},
      "cases": [{"case": "sgd/large", "optimizer": "sgd", "param_set": "large",
                 "options": {"lr": 0.01, "momentum": 0.9}}, ...]}
@@ -38,6 +38,37 @@ OPTIMIZERS = {
     "adagrad": torch.optim.Adagrad,
     "rmsprop": torch.optim.RMSprop,
 }
+
+
+class RecipeOptimizer:
+    """A TorchScript optimizer saved by the recipe (docs/optim.md), run by PyTorch from Python as
+    the seed's DistributedOptimizer would run it: the module's update over the parameters that
+    have a .grad, their states made by init_state, under no_grad. For cases "qhm" and
+    "qhm_script": the file spec["qhm_script"], the seed's QHM."""
+
+    def __init__(self, params, script, **options):
+        self.module = torch.jit.load(script)
+        self.params = list(params)
+        self.options = {key: float(value) for key, value in options.items()}
+        self.states = [None] * len(self.params)
+        self.steps = [0] * len(self.params)
+
+    def step(self):
+        indices = [i for i, p in enumerate(self.params) if p.grad is not None]
+        for i in indices:
+            if self.states[i] is None:
+                self.states[i] = self.module.init_state(self.params[i])
+            self.steps[i] += 1
+        with torch.no_grad():
+            after = self.module.update(
+                [self.params[i] for i in indices], [self.params[i].grad for i in indices],
+                [self.states[i] for i in indices], [self.steps[i] for i in indices],
+                self.options)
+        for i, state in zip(indices, after):
+            self.states[i] = state
+
+
+RECIPE_OPTIMIZERS = ("qhm", "qhm_script")
 
 
 def make_params(param_set, generator):
@@ -92,7 +123,12 @@ def main():
         params, grads = make_params(param_set, generator)
         for case in (c for c in spec["cases"] if c["param_set"] == set_name):
             times = {}
-            for foreach in (True, False):
+            if case["optimizer"] in RECIPE_OPTIMIZERS:  # no foreach variant: timed once
+                optimizer = RecipeOptimizer(params, spec["qhm_script"], **case["options"])
+                times[True] = times[False] = time_steps(optimizer, warmup, reps, evict)
+                del optimizer
+                gc.collect()
+            for foreach in () if times else (True, False):
                 optimizer = OPTIMIZERS[case["optimizer"]](params, foreach=foreach,
                                                           **case["options"])
                 times[foreach] = time_steps(optimizer, warmup, reps, evict)
