@@ -177,7 +177,7 @@ RENDERERS = {"optim": render_optim, "elastic": render_ours_alone, "snapshot": re
              "zero_mmap_thp": render_ours_and_pytorch,
              "dist_optim": render_ours_and_pytorch, "rpc": render_rpc,
              "sparse_ps": render_ours_and_pytorch, "sparse_rows": render_ours_and_pytorch,
-             "ddp_hooks": render_spread}
+             "ddp_hooks": render_spread, "ps_scale": render_spread}
 
 
 def load(path):

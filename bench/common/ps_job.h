@@ -1,9 +1,9 @@
 #pragma once
 
-// What the parameter-server benchmarks (sparse_ps, snapshot) share: the start of each process of
-// their jobs under distrun, and their model's batch, 512 bags of 8 uniformly random ids into a
-// table of 32 floats a row (sum pooling). Header-only: only these benchmarks link the library's
-// rpc layer.
+// What the parameter-server benchmarks (sparse_ps, snapshot, ps_scale) share: the start of each
+// process of their jobs under distrun, their table's module, and their model's batch, 512 bags of
+// 8 uniformly random ids into a table of 32 floats a row (sum pooling). Header-only: only these
+// benchmarks link the library's rpc layer.
 
 #include <chrono>
 #include <cstdint>
@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+#include <torch/nn/modules/embedding.h>
 
 #include <distoptim/comm/rendezvous.h>
 #include <distoptim/rpc.h>
@@ -22,6 +23,19 @@ namespace bench {
 constexpr int64_t kPsDim = 32;
 constexpr int64_t kPsBags = 512;
 constexpr int64_t kPsIdsPerBag = 8;
+/// A parameter server's table in a RemoteModule: LibTorch's EmbeddingBag of `rows` x kPsDim
+/// floats, sum pooling, sparse gradients, with a forward of ids and offsets (a RemoteModule's
+/// class has one forward). A benchmark that makes one registers it:
+/// DISTOPTIM_REMOTE_MODULE(distoptim::bench::PsEmbeddingBag, int64_t).
+struct PsEmbeddingBag : torch::nn::EmbeddingBagImpl {
+  explicit PsEmbeddingBag(int64_t rows)
+      : torch::nn::EmbeddingBagImpl(
+            torch::nn::EmbeddingBagOptions(rows, kPsDim).mode(torch::kSum).sparse(true)) {}
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& offsets) {
+    return torch::nn::EmbeddingBagImpl::forward(ids, offsets);
+  }
+};
+
 /// Per process of the job, on every side of the comparison.
 constexpr int kPsIntraOpThreads = 1;
 constexpr int kPsRpcThreads = 16;

@@ -50,7 +50,6 @@
 
 #include <ATen/ATen.h>
 #include <fmt/core.h>
-#include <torch/nn/modules/embedding.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -61,22 +60,8 @@
 #include "../common/ps_job.h"
 #include "../common/report.h"
 
-namespace {
-
 // The parameter server's table: LibTorch's EmbeddingBag with sparse gradients.
-struct BenchBag : torch::nn::EmbeddingBagImpl {
-  explicit BenchBag(int64_t rows)
-      : torch::nn::EmbeddingBagImpl(torch::nn::EmbeddingBagOptions(rows, distoptim::bench::kPsDim)
-                                        .mode(torch::kSum)
-                                        .sparse(true)) {}
-  at::Tensor forward(const at::Tensor& ids, const at::Tensor& offsets) {
-    return torch::nn::EmbeddingBagImpl::forward(ids, offsets);
-  }
-};
-
-}  // namespace
-
-DISTOPTIM_REMOTE_MODULE(BenchBag, int64_t);
+DISTOPTIM_REMOTE_MODULE(distoptim::bench::PsEmbeddingBag, int64_t);
 
 namespace distoptim {
 namespace bench {
@@ -109,7 +94,7 @@ Json train(int64_t rows, const Config& config, bool replicated) {
   const auto [rss_before_kb, ignored] =
       rpc::rpc_sync<std::tuple<int64_t, int64_t>>("worker1", "bench.ps_memory_kb");
   (void)ignored;
-  auto table = std::make_shared<rpc::RemoteModule<BenchBag>>("worker1", std::tuple{rows});
+  auto table = std::make_shared<rpc::RemoteModule<PsEmbeddingBag>>("worker1", std::tuple{rows});
   dist_optim::DistributedOptimizer optimizer("sgd", table->remote_parameters(),
                                              optim::OptionBag().set("lr", kLr));
   if (replicated) {
