@@ -246,11 +246,17 @@ int finish_ours_alone(ResultsFile& results, const std::string& program, nlohmann
   std::printf("%s: %s; %d round(s)\n%s\n", program.c_str(), settings.c_str(), rounds, note.c_str());
   std::printf("%-*s %10s %10s %10s  %s\n", static_cast<int>(width), "case", "min", "median", "max",
               "unit");
+  // Whole numbers from 1000 up, four significant digits below.
+  const auto figure = [](double value) {
+    char text[32];
+    std::snprintf(text, sizeof text, std::abs(value) >= 1000 ? "%.0f" : "%.4g", value);
+    return std::string(text);
+  };
   for (const nlohmann::json& row : cases) {
-    std::printf("%-*s %10.4g %10.4g %10.4g  %s\n", static_cast<int>(width),
-                row["case"].get<std::string>().c_str(), row["min"].get<double>(),
-                row["median"].get<double>(), row["max"].get<double>(),
-                row["unit"].get<std::string>().c_str());
+    std::printf("%-*s %10s %10s %10s  %s\n", static_cast<int>(width),
+                row["case"].get<std::string>().c_str(), figure(row["min"].get<double>()).c_str(),
+                figure(row["median"].get<double>()).c_str(),
+                figure(row["max"].get<double>()).c_str(), row["unit"].get<std::string>().c_str());
   }
   std::printf("%s\n", machine_load_line(load_at_start, load_at_end).c_str());
   std::fflush(stdout);
