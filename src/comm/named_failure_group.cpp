@@ -28,7 +28,6 @@
 #include <exception>
 #include <mutex>
 #include <set>
-#include <thread>
 #include <utility>
 
 #include <c10/util/Exception.h>
@@ -36,6 +35,7 @@
 #include <gloo/common/error.h>
 
 #include <distoptim/comm/errors.h>
+#include <distoptim/comm/store_round.h>
 
 #include "forwarding_process_group.h"
 
@@ -156,15 +156,18 @@ class Blame {
         if (r != channel_.group_rank && lost_.count(r) == 0) missing.push_back(r);
       }
     }
+    // A round of reports under `prefix`: each member that failed the collective arrives.
+    StoreRound reports(*channel_.store, StoreRound::Keys::under(prefix), channel_.group_rank,
+                       static_cast<int>(channel_.ranks.size()));
     try {
-      channel_.store->set(prefix + std::to_string(channel_.group_rank), {'1'}, deadline);
+      reports.arrive({'1'}, deadline);
     } catch (const DistributedError& e) {
       return "the other members could not be asked which of them failed (" +
              std::string(e.what_without_backtrace()) + ")";
     }
     std::string how = " (did not answer within " + duration_text(grace_) + " after the failure)";
     try {
-      poll_reports(prefix, deadline, &missing);
+      reports.wait_for(&missing, deadline);
     } catch (const DistributedError& e) {
       // The store's host (rank 0) may leave once its own grace is over: what the polls saw
       // before still counts.
@@ -183,31 +186,6 @@ class Blame {
     }
     std::sort(named.begin(), named.end());
     return culprits_text(kind, named) + how;
-  }
-
-  // Removes from `missing` the members whose report for the collective is under `prefix`,
-  // polling (1 ms, doubling to 50 ms) until none is missing or `deadline` passes. Each poll
-  // checks all the missing keys at once, then each key alone only while some are missing, so
-  // that `missing` is always what the last poll saw.
-  void poll_reports(const std::string& prefix, Clock::time_point deadline,
-                    std::vector<int>* missing) {
-    auto pause = std::chrono::milliseconds(1);
-    while (!missing->empty()) {
-      std::vector<std::string> keys;
-      for (int r : *missing) keys.push_back(prefix + std::to_string(r));
-      if (channel_.store->check(keys, deadline)) {
-        missing->clear();
-        return;
-      }
-      std::vector<int> still;
-      for (size_t i = 0; i < keys.size(); ++i) {
-        if (!channel_.store->check({keys[i]}, deadline)) still.push_back((*missing)[i]);
-      }
-      *missing = std::move(still);
-      if (Clock::now() >= deadline) return;
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::milliseconds(50));
-    }
   }
 
   const FailureChannel channel_;

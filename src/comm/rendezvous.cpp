@@ -166,31 +166,6 @@ const std::string kFailedKey = "rdzv/failed";
 // How long rank 0 lingers after a failure for the others to see it.
 constexpr auto kFailureGrace = std::chrono::seconds(2);
 
-// Rank 0's failure, as published: "timeout\n<message>" or "error\n<message>".
-[[noreturn]] void throw_published_failure(const std::string& published, int rank) {
-  const size_t newline = published.find('\n');
-  const std::string kind = published.substr(0, newline);
-  const std::string message = c10::str("rendezvous failed at rank 0 (seen by rank ", rank,
-                                       "): ", published.substr(newline + 1));
-  if (kind == "timeout") DISTOPTIM_THROW(TimeoutError, message);
-  DISTOPTIM_THROW(DistributedError, message);
-}
-
-// Waits until every rank r has set `prefix + r`, polling so that a timeout can name the ranks
-// that never did, and so that rank 0's published failure is seen. `what` says what was awaited,
-// for the error.
-void wait_for_ranks(StoreRound& round, DeadlineStore& store, const std::string& prefix,
-                    Clock::time_point deadline, const std::string& what) {
-  const std::vector<int> missing =
-      wait_for_rank_keys(store, prefix, round.world_size(), deadline, [&] {
-        if (auto published = round.read_failure(deadline)) {
-          throw_published_failure(*published, round.rank());
-        }
-      });
-  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), what,
-                       "; these ranks never arrived: ", c10::Join(", ", missing));
-}
-
 // Claims this rank, announces it, waits for all, and fills in `result` from what the ranks
 // announced.
 void meet(StoreRound& round, DeadlineStore& store, const std::string& method,
@@ -203,7 +178,7 @@ void meet(StoreRound& round, DeadlineStore& store, const std::string& method,
   const std::string host = this_hostname();
   store.set(kArrivedKey + std::to_string(rank), to_bytes(std::to_string(world_size) + "\n" + host),
             deadline);
-  wait_for_ranks(round, store, kArrivedKey, deadline, context);
+  round.await_all(deadline, "rendezvous", context, kArrivedKey);
 
   result.hosts.resize(world_size);
   for (int r = 0; r < world_size; ++r) {
@@ -222,8 +197,8 @@ void meet(StoreRound& round, DeadlineStore& store, const std::string& method,
 
   store.set(kDoneKey + std::to_string(rank), to_bytes("1"), deadline);
   if (rank == 0) {
-    wait_for_ranks(round, store, kDoneKey, deadline,
-                   context + " for the other ranks to read the rendezvous");
+    round.await_all(deadline, "rendezvous", context + " for the other ranks to read the rendezvous",
+                    kDoneKey);
   }
 }
 
@@ -239,9 +214,7 @@ void announce_failure(StoreRound& round, const c10::Error& error) {
     return;  // the store is gone too: nothing more to tell anyone
   }
   if (round.rank() != 0) return;
-  const bool timeout = dynamic_cast<const TimeoutError*>(&error) != nullptr;
-  round.publish_failure(
-      std::string(timeout ? "timeout" : "error") + "\n" + error.what_without_backtrace(), until);
+  round.publish_failure(RoundFailure::of(error).encode(), until);
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <distoptim/comm/errors.h>
+
 namespace distoptim {
 namespace comm {
 
@@ -27,7 +29,55 @@ int64_t times_counted(DeadlineStore& store, const std::string& key, Clock::time_
   return is_count ? std::stoll(std::string(value.begin(), value.end())) : 1;
 }
 
+// RoundFailure's kinds as encoded, in the order of RoundFailure::Kind.
+constexpr const char* kKindNames[] = {"timeout", "lost", "error"};
+
 }  // namespace
+
+std::string never_arrived_text(const std::vector<int>& members,
+                               const std::function<std::string(int)>& describe) {
+  std::string text = "never arrived: ";
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += describe ? describe(members[i]) : "rank " + std::to_string(members[i]);
+  }
+  return text;
+}
+
+RoundFailure RoundFailure::of(const c10::Error& error) {
+  Kind kind = Kind::kError;
+  if (dynamic_cast<const TimeoutError*>(&error) != nullptr) kind = Kind::kTimeout;
+  if (dynamic_cast<const PeerLostError*>(&error) != nullptr) kind = Kind::kPeerLost;
+  return RoundFailure{kind, error.what_without_backtrace()};
+}
+
+std::string RoundFailure::encode() const {
+  return std::string(kKindNames[static_cast<int>(kind)]) + "\n" + message;
+}
+
+RoundFailure RoundFailure::decode(const std::string& text) {
+  const size_t newline = text.find('\n');
+  if (newline != std::string::npos) {
+    for (int kind = 0; kind < 3; ++kind) {
+      if (text.compare(0, newline, kKindNames[kind]) == 0) {
+        return RoundFailure{static_cast<Kind>(kind), text.substr(newline + 1)};
+      }
+    }
+  }
+  return RoundFailure{Kind::kError, text};
+}
+
+void RoundFailure::raise(const std::string& context) const {
+  switch (kind) {
+    case Kind::kTimeout:
+      DISTOPTIM_THROW(TimeoutError, context, message);
+    case Kind::kPeerLost:
+      DISTOPTIM_THROW(PeerLostError, context, message);
+    case Kind::kError:
+      break;
+  }
+  DISTOPTIM_THROW(DistributedError, context, message);
+}
 
 StoreRound::Keys StoreRound::Keys::under(const std::string& prefix) {
   return Keys{prefix, prefix + "failed", prefix + "left/"};
@@ -55,6 +105,46 @@ std::vector<int> StoreRound::wait_for_all(Clock::time_point deadline,
                                           const std::function<void()>& each_poll,
                                           std::chrono::milliseconds per_operation) const {
   return wait_for_rank_keys(store_, keys_.arrived, world_size_, deadline, each_poll, per_operation);
+}
+
+void StoreRound::await_all(Clock::time_point deadline, const std::string& subject,
+                           const std::string& what, const std::string& prefix,
+                           const std::function<std::string(int)>& describe) {
+  const std::vector<int> missing = wait_for_rank_keys(
+      store_, prefix.empty() ? keys_.arrived : prefix, world_size_, deadline, [&] {
+        if (std::optional<std::string> published = read_failure(deadline)) {
+          RoundFailure::decode(*published)
+              .raise(subject + " failed at rank 0 (seen by rank " + std::to_string(rank_) + "): ");
+        }
+      });
+  DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), what, "; ",
+                       never_arrived_text(missing, describe));
+}
+
+void StoreRound::wait_for(std::vector<int>* missing, Clock::time_point deadline) const {
+  // Short pauses first: members usually report within milliseconds of each other.
+  auto pause = std::chrono::milliseconds(1);
+  while (!missing->empty()) {
+    std::vector<std::string> keys;
+    for (int r : *missing) keys.push_back(arrival_key(r));
+    if (store_.check(keys, deadline)) {
+      missing->clear();
+      return;
+    }
+    std::vector<int> still;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!store_.check({keys[i]}, deadline)) still.push_back((*missing)[i]);
+    }
+    *missing = std::move(still);
+    if (Clock::now() >= deadline) return;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+}
+
+std::vector<int> StoreRound::not_arrived(Clock::time_point deadline,
+                                         const std::string& prefix) const {
+  return ranks_without_key(store_, prefix.empty() ? keys_.arrived : prefix, world_size_, deadline);
 }
 
 std::vector<int> StoreRound::ranks_not_left(Clock::time_point deadline) const {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <functional>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -24,26 +25,15 @@ constexpr auto kBarrierFailureGrace = std::chrono::seconds(2);
 
 // How often a worker waiting at a barrier asks the workers it waits for whether they are alive.
 constexpr std::chrono::milliseconds kLivenessPeriod{1000};
-// Rank 0's published failure starts with its kind, so that the others throw the same type.
-constexpr const char* kLostTag = "lost: ";
-constexpr const char* kTimeoutTag = "timeout: ";
-
-std::string encode_failure(bool lost, const std::string& why) {
-  return (lost ? kLostTag : kTimeoutTag) + why;
-}
-
-std::string describe_missing(const std::vector<int>& missing,
-                             const std::vector<WorkerInfo>& workers) {
-  std::string out;
-  for (int rank : missing) {
-    if (!out.empty()) out += ", ";
+// A member in the errors that name who is missing: "'name' (rank N)", or "rank N" before its
+// name is known.
+std::function<std::string(int)> describe_member(const std::vector<WorkerInfo>& workers) {
+  return [&workers](int rank) {
     if (rank < static_cast<int>(workers.size()) && !workers[rank].name.empty()) {
-      out += "'" + workers[rank].name + "' (rank " + std::to_string(rank) + ")";
-    } else {
-      out += "rank " + std::to_string(rank);
+      return "'" + workers[rank].name + "' (rank " + std::to_string(rank) + ")";
     }
-  }
-  return out;
+    return "rank " + std::to_string(rank);
+  };
 }
 
 // What a worker publishes of itself, after its name in a dynamic group's record: where it
@@ -314,8 +304,8 @@ void WorkerGroup::join(const std::string& name, const std::string& address, int 
   exchange.arrive(sealed(exchange.arrival_key(rank_), name), deadline);
   const std::vector<int> missing = exchange.wait_for_all(deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "init_rpc: worker '", name, "' (rank ", rank_,
-                       ") waited ", options_.init_timeout().count(),
-                       " ms for workers that never arrived: ", describe_missing(missing, {}));
+                       ") waited ", options_.init_timeout().count(), " ms for the others; ",
+                       comm::never_arrived_text(missing));
   workers_.resize(world_size_);
   std::unordered_map<std::string, int> ids_by_name;
   std::vector<std::pair<std::string, int>> addresses(world_size_);
@@ -382,8 +372,8 @@ void WorkerGroup::agree_on_member_keys(std::chrono::steady_clock::time_point dea
   const std::vector<int> missing = agreement.wait_for_all(deadline);
   DISTOPTIM_CHECK_WITH(TimeoutError, missing.empty(), "init_rpc: worker '", workers_[rank_].name,
                        "' (rank ", rank_, ") waited ", options_.init_timeout().count(),
-                       " ms for workers that never said which member keys they read: ",
-                       describe_missing(missing, workers_));
+                       " ms for every worker to say which member keys it read; ",
+                       comm::never_arrived_text(missing, describe_member(workers_)));
   for (int id = 0; id < world_size_; ++id) {
     const std::optional<std::string> key = keys_.find(id);
     if (id == rank_ || !key) continue;
@@ -393,7 +383,7 @@ void WorkerGroup::agree_on_member_keys(std::chrono::steady_clock::time_point dea
     DISTOPTIM_CHECK_WITH(
         DistributedError,
         signature && member_signature_valid(*key, statement, from_hex(*signature).value_or("")),
-        "init_rpc: worker ", describe_missing({id}, workers_),
+        "init_rpc: worker ", describe_member(workers_)(id),
         " read other member keys than "
         "worker '",
         workers_[rank_].name, "' (rank ", rank_,
@@ -447,8 +437,8 @@ void WorkerGroup::barrier(const std::string& round, bool wait, const BarrierWatc
   };
   std::optional<Failure> failure;
   const auto lost = [&](int peer, const std::string& why) {
-    return Failure{
-        true, here + "worker " + describe_missing({peer}, workers_) + " is lost (" + why + ")"};
+    return Failure{true,
+                   here + "worker " + describe_member(workers_)(peer) + " is lost (" + why + ")"};
   };
   // Thrown out of the wait once `failure` says why.
   struct Stop {};
@@ -484,10 +474,9 @@ void WorkerGroup::barrier(const std::string& round, bool wait, const BarrierWatc
         }
       }
       if (published) {
-        const bool was_lost = published->rfind(kLostTag, 0) == 0;
-        const std::string tag = was_lost ? kLostTag : kTimeoutTag;
-        const bool tagged = published->rfind(tag, 0) == 0;
-        failure = Failure{was_lost, here + published->substr(tagged ? tag.size() : 0), true};
+        const comm::RoundFailure host = comm::RoundFailure::decode(*published);
+        failure =
+            Failure{host.kind == comm::RoundFailure::Kind::kPeerLost, here + host.message, true};
         throw Stop{};
       }
     }
@@ -532,16 +521,18 @@ void WorkerGroup::barrier(const std::string& round, bool wait, const BarrierWatc
   }
   if (!failure) {
     if (missing.empty()) return;
-    failure = Failure{
-        false, "worker '" + self().name + "' waited " + std::to_string(whole.count()) +
-                   " ms at barrier '" + round +
-                   "' for workers that never arrived: " + describe_missing(missing, workers_)};
+    failure =
+        Failure{false, "worker '" + self().name + "' waited " + std::to_string(whole.count()) +
+                           " ms at barrier '" + round + "'; " +
+                           comm::never_arrived_text(missing, describe_member(workers_))};
   }
   if (rank_ == 0 && !failure->from_host) {
     // Rank 0 serves the store: the workers still waiting read why before it goes on to stop it
     // (else they would see only the store's loss, or wait for the lost worker themselves).
-    const std::vector<uint8_t> why =
-        sealed(barrier.keys().failed, encode_failure(failure->lost, failure->why));
+    const comm::RoundFailure published{
+        failure->lost ? comm::RoundFailure::Kind::kPeerLost : comm::RoundFailure::Kind::kTimeout,
+        failure->why};
+    const std::vector<uint8_t> why = sealed(barrier.keys().failed, published.encode());
     barrier.publish_failure(std::string(why.begin(), why.end()),
                             Clock::now() + kBarrierFailureGrace);
   }

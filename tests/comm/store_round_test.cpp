@@ -234,6 +234,99 @@ TEST(StoreRound, ChecksItsRankAndHost) {
       bounded());
 }
 
+TEST(RoundFailure, KeepsItsKindAndTextThroughTheStoreAndRaisesItsType) {
+  const std::string text = "rank 0 waited\nfor rank 3";
+  const std::vector<std::pair<RoundFailure::Kind, std::string>> kinds = {
+      {RoundFailure::Kind::kTimeout, "timeout\n"},
+      {RoundFailure::Kind::kPeerLost, "lost\n"},
+      {RoundFailure::Kind::kError, "error\n"}};
+  for (const auto& [kind, tag] : kinds) {
+    const RoundFailure failure{kind, text};
+    EXPECT_EQ(failure.encode(), tag + text);
+    const RoundFailure read = RoundFailure::decode(failure.encode());
+    EXPECT_EQ(read.kind, kind);
+    EXPECT_EQ(read.message, text);
+    try {
+      read.raise("seen by rank 1: ");
+    } catch (const c10::Error& error) {
+      EXPECT_EQ(std::string(error.what_without_backtrace()).rfind("seen by rank 1: " + text, 0), 0u)
+          << error.what_without_backtrace();
+      EXPECT_EQ(RoundFailure::of(error).kind, kind) << error.what_without_backtrace();
+    }
+  }
+  // A text in no known encoding is an error of the whole text.
+  const RoundFailure unknown = RoundFailure::decode("ended\nbadly");
+  EXPECT_EQ(unknown.kind, RoundFailure::Kind::kError);
+  EXPECT_EQ(unknown.message, "ended\nbadly");
+  EXPECT_EQ(never_arrived_text({1, 3}), "never arrived: rank 1, rank 3");
+  EXPECT_EQ(never_arrived_text({2}, [](int node) { return "node " + std::to_string(node); }),
+            "never arrived: node 2");
+}
+
+TEST(StoreRound, AwaitAllNamesTheMissingAtTheHostAndTheOthersFailWithItsReason) {
+  // Rank 3 never comes to the second phase: rank 0 names it at its deadline and publishes that;
+  // ranks 1 and 2, waiting far longer, fail with rank 0's reason and type, as the rendezvous does.
+  run_ranks(
+      4,
+      [](int rank, int world_size) {
+        auto store = connect_store(rank, world_size);
+        StoreRound round(*store, StoreRound::Keys::under("round/"), rank, world_size);
+        round.arrive(Clock::now() + 30s);
+        round.await_all(Clock::now() + kLongWait, "phases", "rank waited for the arrivals");
+        if (rank == 3) {
+          // Rank 0 knows rank 3 arrived: it waits until rank 3 has left too.
+          store->wait({"round/failed"}, 30s);
+          round.leave(Clock::now() + 10s);
+          return;
+        }
+        store->set("second/" + std::to_string(rank), {'1'});
+        try {
+          if (rank == 0) store->wait({"second/1", "second/2"}, 30s);
+          const auto deadline = rank == 0 ? Clock::now() + 1s : Clock::now() + kLongWait;
+          round.await_all(deadline, "phases", "rank " + std::to_string(rank) + " waited",
+                          "second/");
+          ADD_FAILURE() << "rank " << rank << " passed without rank 3";
+        } catch (const TimeoutError& error) {
+          const std::string what = error.what_without_backtrace();
+          if (rank == 0) {
+            EXPECT_EQ(what, "rank 0 waited; never arrived: rank 3");
+            round.publish_failure(RoundFailure::of(error).encode(), Clock::now() + kLongWait);
+            EXPECT_EQ(round.ranks_not_left(Clock::now() + 10s), std::vector<int>{});
+          } else {
+            EXPECT_EQ(what, "phases failed at rank 0 (seen by rank " + std::to_string(rank) +
+                                "): rank 0 waited; never arrived: rank 3");
+          }
+        }
+        finish(*store, rank, {0, 1, 2});
+      },
+      bounded());
+}
+
+TEST(StoreRound, WaitForKnowsAfterEveryPollWhoHadNotArrived) {
+  // A round of 4 of which ranks 0 and 1 are processes, rank 3's report is written by rank 0, and
+  // rank 2 never reports: the wait ends at its deadline with rank 2 alone (what the group's
+  // failure reports name).
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        auto store = connect_store(rank, world_size);
+        StoreRound reports(*store, StoreRound::Keys::under("reports/"), rank, 4);
+        reports.arrive({'1'}, Clock::now() + 30s);
+        if (rank == 0) {
+          store->wait({"reports/1"}, 30s);
+          std::vector<int> missing = {1, 2, 3};
+          store->set("reports/3", {'1'});
+          reports.wait_for(&missing, Clock::now() + 1s);
+          EXPECT_EQ(missing, std::vector<int>{2});
+          std::vector<int> none = {1, 3};
+          reports.wait_for(&none, Clock::now() + kLongWait);
+          EXPECT_EQ(none, std::vector<int>{});
+        }
+        finish(*store, rank, {0, 1});
+      },
+      bounded());
+}
+
 }  // namespace
 }  // namespace comm
 }  // namespace distoptim

@@ -541,7 +541,7 @@ TEST(Rpc, InitWithAWorkerThatNeverArrivesNamesIt) {
       ADD_FAILURE() << "init_rpc passed without rank 2";
       shutdown(/*graceful=*/false);
     } catch (const TimeoutError& error) {
-      EXPECT_NE(std::string(error.what()).find("never arrived: 2"), std::string::npos)
+      EXPECT_NE(std::string(error.what()).find("never arrived: rank 2"), std::string::npos)
           << error.what();
     }
   });

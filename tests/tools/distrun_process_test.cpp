@@ -768,7 +768,7 @@ TEST(Distrun, TheSummaryPointsAtTheRankTheFirstFailureNames) {
       "allreduce #4 on group [0, 1, 2] failed at rank 1: timed out; these ranks never reached "
       "it: 2",
       "broadcast #2 on group [0, 1, 2] failed at rank 1: rank 2 is lost",
-      "init_rpc: worker 'ps' (rank 1) waited 3000 ms for workers that never arrived: "
+      "rpc shutdown: worker 'ps' waited 3000 ms at barrier 'entered'; never arrived: "
       "'trainer' (rank 2)",
       "new_group: rank 1 cannot connect: could not reach rank 2; Gloo: Connect timeout",
   };
@@ -987,11 +987,11 @@ TEST(DistrunNodes, ANodeWhoseDistrunDiedIsNamedAsLost) {
   const std::string lost =
       "its distrun is lost (died or cut off: no sign of life during the wait)\n";
   const std::vector<std::string> messages = {
-      "distrun: round 1: node 1, which took part in round 0, never joined round 1 within 8 s "
-      "(--rdzv-timeout): " +
+      "distrun: round 1: waited 8 s (--rdzv-timeout) for the nodes of round 0 to join it; "
+      "never arrived: node 1: " +
           lost,
-      "distrun: round 0: the ranks of this node (0) ended with status 0, but node 1 neither "
-      "finished nor failed within 8 s (--rdzv-timeout): " +
+      "distrun: round 0: the ranks of this node (0) ended with status 0, then it waited 8 s "
+      "(--rdzv-timeout) for every node to finish or fail; never arrived: node 1: " +
           lost,
   };
   const auto node0s = run_node0s_after_node1s_are_killed({3, 0});
@@ -1016,9 +1016,9 @@ TEST(DistrunNodes, ANodeThatNeverJoinsIsNamedAfterTheJoinTimeout) {
   const RunResult r =
       run_distrun(node_args(0, port, {"--max-restarts", "1", "--rdzv-timeout", "1"}, {"env"}));
   expect_coordination_failure(r,
-                              "distrun: round 0: node(s) 1 never joined within 1 s "
-                              "(--rdzv-timeout); every node's distrun must be started with the "
-                              "same --nnodes, --master-addr and --master-port\n");
+                              "distrun: round 0: waited 1 s (--rdzv-timeout) for every node to "
+                              "join; never arrived: node 1; every node's distrun must be started "
+                              "with the same --nnodes, --master-addr and --master-port\n");
 
   // Node 1 alone cannot reach node 0's store, and says so.
   const RunResult alone =

@@ -183,15 +183,14 @@ class NodeCoordinator::Impl {
         if (round > 0) {
           // Every node took part in the previous round (it started only once all had joined).
           throw CoordinationError(fmt::format(
-              "round {}: {}, which took part in round {}, never joined round {} within {} "
-              "(--rdzv-timeout){}",
-              round, nodes_text(missing), round - 1, round,
-              seconds_text(options_.rdzv_timeout_seconds), liveness(missing)));
+              "round {}: waited {} (--rdzv-timeout) for the nodes of round {} to join it; {}{}",
+              round, seconds_text(options_.rdzv_timeout_seconds), round - 1,
+              never_arrived_text(missing), liveness(missing)));
         }
         throw CoordinationError(fmt::format(
-            "round {}: node(s) {} never joined within {} (--rdzv-timeout); every node's distrun "
-            "must be started with the same --nnodes, --master-addr and --master-port",
-            round, node_list(missing), seconds_text(options_.rdzv_timeout_seconds)));
+            "round {}: waited {} (--rdzv-timeout) for every node to join; {}; every node's "
+            "distrun must be started with the same --nnodes, --master-addr and --master-port",
+            round, seconds_text(options_.rdzv_timeout_seconds), never_arrived_text(missing)));
       }
       std::this_thread::sleep_for(kRetryInterval);
     }
@@ -274,10 +273,10 @@ class NodeCoordinator::Impl {
       if (Clock::now() >= deadline) {
         if (!store_) throw unreachable("report the end of round " + std::to_string(round_));
         throw CoordinationError(fmt::format(
-            "round {}: the ranks of this node ({}) ended with status 0, but {} neither finished "
-            "nor failed within {} (--rdzv-timeout){}",
-            round_, options_.node_rank, nodes_text(missing),
-            seconds_text(options_.rdzv_timeout_seconds), liveness(missing)));
+            "round {}: the ranks of this node ({}) ended with status 0, then it waited {} "
+            "(--rdzv-timeout) for every node to finish or fail; {}{}",
+            round_, options_.node_rank, seconds_text(options_.rdzv_timeout_seconds),
+            never_arrived_text(missing), liveness(missing)));
       }
       std::this_thread::sleep_for(kRetryInterval);
     }
@@ -458,9 +457,16 @@ class NodeCoordinator::Impl {
     }
   }
 
-  // The nodes n for which `prefix + n` is not set.
+  // The nodes n for which `prefix + n` is not set: a phase of the job's round. The waits poll
+  // it in loops of their own, as they outlive a connection to node 0's store and watch signals
+  // and beats between polls.
   std::vector<int> nodes_without(const std::string& prefix) {
-    return comm::ranks_without_key(*store_, prefix, options_.nnodes, Clock::now() + kAnswerTimeout);
+    return job_round().not_arrived(Clock::now() + kAnswerTimeout, prefix);
+  }
+
+  // The nodes missing from a wait, in the one wording of comm's rounds.
+  static std::string never_arrived_text(const std::vector<int>& nodes) {
+    return comm::never_arrived_text(nodes, [](int node) { return "node " + std::to_string(node); });
   }
 
   // The job as one round of the nodes: a node arrives when it claims its node rank, and leaves

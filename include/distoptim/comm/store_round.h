@@ -3,8 +3,9 @@
 // A round between the ranks [0, world_size) through a store: every rank arrives under a prefix
 // and waits for all; when rank 0, which may serve the store, gives up, it publishes why and keeps
 // the store up until the ranks that came have read it, so that they fail with its reason rather
-// than with the store's loss. The rendezvous, new_group, the RPC agent and distrun's node rounds
-// all meet this way.
+// than with the store's loss. The rendezvous, a group's failure reports, the RPC group's rounds
+// and distrun's node rounds all meet this way, with one encoding of the host's failure
+// (RoundFailure) and one wording of who is missing (never_arrived_text).
 
 #include <chrono>
 #include <cstdint>
@@ -15,8 +16,36 @@
 
 #include <distoptim/comm/store_wait.h>
 
+namespace c10 {
+class Error;
+}  // namespace c10
+
 namespace distoptim {
 namespace comm {
+
+/// Who is missing from a round, in the one wording every round's error uses, which tests and
+/// distrun's error reader match on: "never arrived: rank 1, rank 3". `describe` names one member
+/// ("rank N" by default; the RPC group's "'name' (rank N)", distrun's "node N").
+std::string never_arrived_text(const std::vector<int>& members,
+                               const std::function<std::string(int)>& describe = {});
+
+/// Why a round failed, as its host publishes it for the others: its kind, so that every rank
+/// throws the same type, and its message. Encoded "<kind>\n<message>", kind "timeout", "lost" or
+/// "error".
+struct RoundFailure {
+  enum class Kind { kTimeout, kPeerLost, kError };
+  Kind kind = Kind::kError;
+  std::string message;
+
+  /// `error`'s kind (TimeoutError, PeerLostError, anything else) and text without its backtrace.
+  static RoundFailure of(const c10::Error& error);
+  std::string encode() const;
+  /// What `text` encodes; a text without a known kind is an error of the whole text.
+  static RoundFailure decode(const std::string& text);
+  /// Throws the failure as its kind's type (TimeoutError, PeerLostError, DistributedError), its
+  /// message after `context`.
+  [[noreturn]] void raise(const std::string& context) const;
+};
 
 /// One rank's side of a round through a DeadlineStore.
 ///
@@ -83,11 +112,32 @@ class StoreRound {
                                 const std::function<void()>& each_poll = {},
                                 std::chrono::milliseconds per_operation = {}) const;
 
+  /// As wait_for_all, for a later phase of the round whose rank r sets `prefix + r` (`prefix`
+  /// empty: the arrivals), and throwing where it would return a rank. Each poll also reads the
+  /// host's published failure (read_failure) and throws it as its kind's type: "<subject> failed
+  /// at rank 0 (seen by rank R): <its message>". At the deadline throws TimeoutError: "<what>;
+  /// never arrived: rank 1, rank 3" (`describe` as never_arrived_text's).
+  void await_all(Clock::time_point deadline, const std::string& subject, const std::string& what,
+                 const std::string& prefix = {},
+                 const std::function<std::string(int)>& describe = {});
+
+  /// As wait_for_all, for the ranks in `*missing` alone. After every poll `*missing` holds those
+  /// the poll did not see (each looked up on its own while any is missing: one store operation
+  /// more per missing rank and poll), so that a caller that catches a store failure midway knows
+  /// who had not arrived by then.
+  void wait_for(std::vector<int>* missing, Clock::time_point deadline) const;
+
+  /// The ranks whose key `prefix + r` is not set (`prefix` empty: the arrivals), by one look at
+  /// the store ending by `deadline`, as ranks_without_key: for a caller whose wait has its own
+  /// loop (one that reconnects to a store that restarts, say).
+  std::vector<int> not_arrived(Clock::time_point deadline, const std::string& prefix = {}) const;
+
   /// The ranks other than the host that arrived more often than they left, by one look at the
   /// store (ending by `deadline`): those the host still waits for before the store goes away.
   std::vector<int> ranks_not_left(Clock::time_point deadline) const;
 
-  /// The host (rank 0) after its side of the round failed: publishes `why` under the failed key,
+  /// The host (rank 0) after its side of the round failed: publishes `why` (RoundFailure's
+  /// encoding, sealed or not by the caller) under the failed key,
   /// then waits until every other rank that arrived has left (ranks_not_left is empty), asking
   /// every kLeavePollInterval, but never past `until`. Never throws: a store that fails ends the
   /// wait, as there is nobody left to tell. Throws c10::ValueError, before sending anything, on
