@@ -38,6 +38,8 @@ PACKAGES=(
   etcd-server
   # libzip: checkpoint files are verified record by record (CRC-32) before they are loaded.
   libzip-dev
+  # Abseil's flat_hash_map: a collisionless table's id -> row map on each parameter server.
+  libabsl-dev
   # libFuzzer for the rpc message decoder's fuzz test (clang's runtime; the build stays on g++).
   clang-14 libclang-rt-14-dev
   # LLVM's linker: the builds link with it (CMakeLists.txt, DISTOPTIM_USE_LLD).

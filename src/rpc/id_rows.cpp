@@ -1,0 +1,218 @@
+#include "id_rows.h"
+
+#include <algorithm>
+#include <mutex>
+
+#include <c10/util/Exception.h>
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+namespace {
+
+// At the bound, this share of the rows goes at once (at least one).
+constexpr int64_t kEvictShare = 64;
+
+}  // namespace
+
+IdRows::IdRows(const IdRowsOptions& options)
+    : options_([&] {
+        IdRowsOptions checked = options;
+        TORCH_CHECK_VALUE(checked.capacity >= 1, "IdRows: capacity = ", checked.capacity,
+                          "; must be at least 1");
+        TORCH_CHECK_VALUE(checked.admit_after >= 1, "IdRows: admit_after = ", checked.admit_after,
+                          "; must be at least 1");
+        TORCH_CHECK_VALUE(checked.expire_after >= 0,
+                          "IdRows: expire_after = ", checked.expire_after,
+                          "; must be at least 0 (0: never)");
+        TORCH_CHECK_VALUE(checked.max_pending >= 0, "IdRows: max_pending = ", checked.max_pending,
+                          "; must be at least 0 (0: the capacity)");
+        if (checked.max_pending == 0) checked.max_pending = checked.capacity;
+        return checked;
+      }()),
+      id_of_(options_.capacity, 0),
+      live_(options_.capacity, false),
+      last_used_(new std::atomic<int64_t>[options_.capacity]) {
+  free_rows_.reserve(options_.capacity);
+  // Taken from the back: row 0 first.
+  for (int64_t row = options_.capacity - 1; row >= 0; --row) {
+    free_rows_.push_back(row);
+    last_used_[row].store(0, std::memory_order_relaxed);
+  }
+}
+
+void IdRows::lookup(const int64_t* ids, int64_t n, int64_t now, int64_t* rows,
+                    const OnAssign& on_assign, const ReadRows& read) {
+  const bool expiry_due =
+      options_.expire_after > 0 && now >= next_expiry_.load(std::memory_order_relaxed);
+  if (!expiry_due) {
+    std::shared_lock<std::shared_mutex> lock(mutex_);
+    bool all_known = true;
+    for (int64_t i = 0; i < n && all_known; ++i) {
+      const auto it = row_of_.find(ids[i]);
+      all_known = it != row_of_.end();
+      if (all_known) {
+        rows[i] = it->second;
+        last_used_[it->second].store(now, std::memory_order_relaxed);
+      }
+    }
+    if (all_known) {
+      if (read) read(rows);
+      return;
+    }
+  }
+  // Some id has no row (or rows expire now): the rest under the exclusive lock, which no
+  // lookup holds while it reads rows, so no row changes hands between its lookup and its read.
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  if (expiry_due && now >= next_expiry_.load(std::memory_order_relaxed)) {
+    next_expiry_.store(now + std::max<int64_t>(1, options_.expire_after / 8),
+                       std::memory_order_relaxed);
+    expire_locked(now);
+  }
+  // Known ids first, so that admissions below never evict a row this lookup returns.
+  std::vector<int64_t> unknown;  // positions in `ids`
+  for (int64_t i = 0; i < n; ++i) {
+    const auto it = row_of_.find(ids[i]);
+    if (it == row_of_.end()) {
+      unknown.push_back(i);
+      continue;
+    }
+    rows[i] = it->second;
+    last_used_[it->second].store(now, std::memory_order_relaxed);
+  }
+  for (const int64_t i : unknown) {
+    const int64_t id = ids[i];
+    // Admitted earlier in this lookup (an id seen twice).
+    if (const auto it = row_of_.find(id); it != row_of_.end()) {
+      rows[i] = it->second;
+      continue;
+    }
+    int64_t row = kNoRow;
+    if (sighted(id, now)) {
+      row = take_row(now);
+      if (row != kNoRow) {
+        pending_.erase(id);
+        row_of_.emplace(id, row);
+        id_of_[row] = id;
+        live_[row] = true;
+        last_used_[row].store(now, std::memory_order_relaxed);
+        ++admitted_;
+        if (on_assign) on_assign(id, row);
+      }
+    }
+    if (row == kNoRow) unadmitted_lookups_.fetch_add(1, std::memory_order_relaxed);
+    rows[i] = row;
+  }
+  if (read) read(rows);
+}
+
+int64_t IdRows::find(int64_t id) const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  const auto it = row_of_.find(id);
+  return it == row_of_.end() ? kNoRow : it->second;
+}
+
+int64_t IdRows::place(int64_t id, int64_t now) {
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  if (const auto it = row_of_.find(id); it != row_of_.end()) return it->second;
+  const int64_t row = take_row(now);
+  if (row == kNoRow) return kNoRow;
+  pending_.erase(id);
+  row_of_.emplace(id, row);
+  id_of_[row] = id;
+  live_[row] = true;
+  last_used_[row].store(now, std::memory_order_relaxed);
+  return row;
+}
+
+void IdRows::expire(int64_t now) {
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  expire_locked(now);
+}
+
+std::vector<std::pair<int64_t, int64_t>> IdRows::live() const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  return {row_of_.begin(), row_of_.end()};
+}
+
+IdRowsCounters IdRows::counters() const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  IdRowsCounters counters;
+  counters.live_rows = static_cast<int64_t>(row_of_.size());
+  counters.admitted = admitted_;
+  counters.expired = expired_;
+  counters.evicted = evicted_;
+  counters.unadmitted_lookups = unadmitted_lookups_.load(std::memory_order_relaxed);
+  counters.pending_ids = static_cast<int64_t>(pending_.size());
+  return counters;
+}
+
+int64_t IdRows::take_row(int64_t now) {
+  if (free_rows_.empty()) evict_least_recent(now);
+  if (free_rows_.empty()) return kNoRow;
+  const int64_t row = free_rows_.back();
+  free_rows_.pop_back();
+  return row;
+}
+
+void IdRows::evict_least_recent(int64_t now) {
+  // (last use, row) of every live row not used at `now`: this lookup's rows stay.
+  std::vector<std::pair<int64_t, int64_t>> candidates;
+  candidates.reserve(row_of_.size());
+  for (int64_t row = 0; row < options_.capacity; ++row) {
+    const int64_t used = last_used_[row].load(std::memory_order_relaxed);
+    if (live_[row] && used < now) candidates.emplace_back(used, row);
+  }
+  if (candidates.empty()) return;
+  const auto count =
+      std::min<size_t>(candidates.size(),
+                       static_cast<size_t>(std::max<int64_t>(1, options_.capacity / kEvictShare)));
+  // Ties broken by row, so the choice does not depend on the map's order.
+  std::nth_element(candidates.begin(), candidates.begin() + (count - 1), candidates.end());
+  std::sort(candidates.begin(), candidates.begin() + count);
+  for (size_t i = 0; i < count; ++i) drop_row(candidates[i].second);
+  evicted_ += static_cast<int64_t>(count);
+}
+
+void IdRows::drop_row(int64_t row) {
+  row_of_.erase(id_of_[row]);
+  live_[row] = false;
+  free_rows_.push_back(row);
+}
+
+void IdRows::expire_locked(int64_t now) {
+  if (options_.expire_after == 0) return;
+  for (int64_t row = 0; row < options_.capacity; ++row) {
+    if (live_[row] &&
+        last_used_[row].load(std::memory_order_relaxed) < now - options_.expire_after) {
+      drop_row(row);
+      ++expired_;
+    }
+  }
+}
+
+bool IdRows::sighted(int64_t id, int64_t now) {
+  if (options_.admit_after == 1) return true;
+  auto it = pending_.find(id);
+  if (it == pending_.end()) {
+    if (static_cast<int64_t>(pending_.size()) >= options_.max_pending) {
+      // Forget the half of the counted ids seen least recently.
+      std::vector<std::pair<int64_t, int64_t>> seen;  // (last seen, id)
+      seen.reserve(pending_.size());
+      for (const auto& [pending_id, pending] : pending_) {
+        seen.emplace_back(pending.last_seen, pending_id);
+      }
+      const size_t forget = std::max<size_t>(1, seen.size() / 2);
+      std::nth_element(seen.begin(), seen.begin() + (forget - 1), seen.end());
+      for (size_t i = 0; i < forget; ++i) pending_.erase(seen[i].second);
+    }
+    it = pending_.emplace(id, Pending{}).first;
+  }
+  it->second.last_seen = now;
+  return ++it->second.sightings >= options_.admit_after;
+}
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim

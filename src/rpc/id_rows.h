@@ -1,0 +1,126 @@
+#pragma once
+
+// Which row of a server's storage holds each 64-bit id of a collisionless embedding table, and
+// which ids get one: an id is admitted at its admit_after-th sighting (before, its lookups read a
+// shared default row), a row not looked up for expire_after ticks of the caller's clock is
+// dropped, and at the bound on rows the least recently used rows go first (a share of them at
+// once, so that a full table pays one pass over its rows per capacity/64 admissions, not per
+// admission). Rows are slots [0, capacity) of storage the caller preallocates; whoever hands a
+// slot to a new id sets its value and optimizer state (on_assign) before any lookup returns it.
+//
+// Locks: a lookup whose ids all have rows runs under a shared lock, so such lookups run together
+// (their last-use ticks are atomics); one with an id without a row runs under the exclusive
+// lock, which counts, admits and evicts: nothing is allocated under the shared lock. A lookup
+// reads its rows' values under its lock, so a row never changes hands between the two.
+//
+// Bounds: at most `capacity` rows and `max_pending` ids counted towards admission (at the bound
+// the half seen least recently are forgotten), so what hostile or unbounded id streams can make
+// a server hold is fixed by the options.
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <shared_mutex>
+#include <utility>
+#include <vector>
+
+#include <absl/container/flat_hash_map.h>
+
+namespace distoptim {
+namespace rpc {
+namespace detail {
+
+struct IdRowsOptions {
+  /// The hard bound on rows (>= 1).
+  int64_t capacity = 0;
+  /// Sightings of an id before it gets a row of its own (>= 1; 1 admits at once).
+  int64_t admit_after = 1;
+  /// A row not looked up for this many ticks is dropped; 0 keeps rows until evicted.
+  int64_t expire_after = 0;
+  /// Ids counted towards admission at most (>= 1; 0: `capacity`).
+  int64_t max_pending = 0;
+};
+
+/// What the table did, for a server's debug info.
+struct IdRowsCounters {
+  int64_t live_rows = 0;
+  int64_t admitted = 0;
+  int64_t expired = 0;
+  int64_t evicted = 0;
+  /// Lookups answered with the default row: the id not admitted yet, or no row evictable.
+  int64_t unadmitted_lookups = 0;
+  int64_t pending_ids = 0;
+};
+
+class IdRows {
+ public:
+  /// The row of an id that has none: the caller's shared default row.
+  static constexpr int64_t kNoRow = -1;
+  /// Called under the exclusive lock when `row` is handed to `id`: set its value and state.
+  using OnAssign = std::function<void(int64_t id, int64_t row)>;
+  /// Called with a lookup's rows while its lock is held: no row changes hands meanwhile.
+  using ReadRows = std::function<void(const int64_t* rows)>;
+
+  /// Throws c10::ValueError naming an option out of range.
+  explicit IdRows(const IdRowsOptions& options);
+
+  /// The rows of `ids[0..n)` at tick `now` (the caller's clock; never decreasing), written to
+  /// `rows`: kNoRow for an id not admitted; then `read(rows)` under the same lock. Counts each
+  /// unknown id's sighting and admits it at its admit_after-th, in the order of `ids` (an id
+  /// seen twice in one call counts twice). A lookup whose ids all have rows takes the shared
+  /// lock only; one with an unknown id, the exclusive lock, and never evicts a row it returns.
+  /// Expires rows every max(1, expire_after / 8) ticks.
+  void lookup(const int64_t* ids, int64_t n, int64_t now, int64_t* rows, const OnAssign& on_assign,
+              const ReadRows& read = {});
+
+  /// The row of `id`, kNoRow if it has none: no sighting counted, nothing allocated.
+  int64_t find(int64_t id) const;
+
+  /// Gives `id` a row at tick `now` as if admitted (a snapshot's load), evicting at the bound;
+  /// returns the one it has if any. kNoRow when every row was looked up at `now`.
+  int64_t place(int64_t id, int64_t now);
+
+  /// Drops the rows not looked up since `now - expire_after` (nothing when expire_after is 0).
+  void expire(int64_t now);
+
+  /// Every live row: (id, row), in no particular order.
+  std::vector<std::pair<int64_t, int64_t>> live() const;
+
+  IdRowsCounters counters() const;
+  const IdRowsOptions& options() const { return options_; }
+
+ private:
+  struct Pending {
+    int64_t sightings = 0;
+    int64_t last_seen = 0;
+  };
+
+  // Under the exclusive lock: a free row for a new id at `now`, evicting when none is free.
+  int64_t take_row(int64_t now);
+  // Under the exclusive lock: frees the least recently used rows not used at `now`.
+  void evict_least_recent(int64_t now);
+  // Under the exclusive lock: forgets `row`'s id and frees it.
+  void drop_row(int64_t row);
+  void expire_locked(int64_t now);
+  // Under the exclusive lock: counts a sighting of unknown `id`; whether it is admitted now.
+  bool sighted(int64_t id, int64_t now);
+
+  const IdRowsOptions options_;
+  mutable std::shared_mutex mutex_;
+  absl::flat_hash_map<int64_t, int64_t> row_of_;
+  absl::flat_hash_map<int64_t, Pending> pending_;
+  std::vector<int64_t> id_of_;                         // per row; meaningful while the row is live
+  std::vector<bool> live_;                             // per row
+  std::unique_ptr<std::atomic<int64_t>[]> last_used_;  // per row, the tick of its last lookup
+  std::vector<int64_t> free_rows_;
+  std::atomic<int64_t> next_expiry_{0};
+  int64_t admitted_ = 0;
+  int64_t expired_ = 0;
+  int64_t evicted_ = 0;
+  std::atomic<int64_t> unadmitted_lookups_{0};
+};
+
+}  // namespace detail
+}  // namespace rpc
+}  // namespace distoptim
