@@ -73,20 +73,47 @@ def field(case, key, path):
 
 
 def render_optim(cases, path):
+    """Rows of bench/optim's cases {case, ours_s, libtorch_s, pytorch_s, gbps, limit_gbps,
+    limit_probe, limit_fraction, speedup_vs_libtorch, speedup_vs_pytorch}, and where the file has
+    them, each side's min and max over the rounds (ours_min_s, ...). LibTorch has no QHM: its
+    libtorch_s and speedup_vs_libtorch are null (NaN) in the qhm cases, shown as '-'."""
+    def ms(value):
+        return number(value * 1e3) if number(value) != "-" else "-"
+
+    def spread(c, side):
+        median = ms(field(c, side + "_s", path))
+        if side + "_min_s" not in c or side + "_max_s" not in c:
+            return median
+        return "{} / {} / {}".format(ms(c[side + "_min_s"]), median, ms(c[side + "_max_s"]))
+
     rows = []
     limits = set()
+    spreads = False
+    no_libtorch = []
     for c in cases:
         f = lambda key: field(c, key, path)
         limits.add((f("limit_gbps"), f("limit_probe")))
-        rows.append([c["case"], number(f("ours_s") * 1e3), number(f("gbps")),
-                     "{:.0f}%".format(100 * f("limit_fraction")), number(f("libtorch_s") * 1e3),
-                     ratio(f("speedup_vs_libtorch")), number(f("pytorch_s") * 1e3),
+        spreads = spreads or "ours_min_s" in c
+        if number(f("libtorch_s")) == "-":
+            no_libtorch.append(c["case"].split("/")[0])
+        fraction = f("limit_fraction")
+        rows.append([c["case"], spread(c, "ours"), number(f("gbps")),
+                     "{:.0f}%".format(100 * fraction) if number(fraction) != "-" else "-",
+                     ms(f("libtorch_s")), ratio(f("speedup_vs_libtorch")), spread(c, "pytorch"),
                      ratio(f("speedup_vs_pytorch"))])
     notes = ["Bandwidth limit: " + "; ".join(
-        "{} GB/s ({})".format(number(gbps), probe) for gbps, probe in sorted(limits)) +
-             ". vs LibTorch, vs PyTorch: their time over ours (above 1: ours is faster)."]
-    return notes, table(["case", "ours ms", "GB/s", "of the limit", "LibTorch ms", "vs LibTorch",
-                         "PyTorch ms", "vs PyTorch"], rows)
+        "{} GB/s ({})".format(number(gbps), probe) for gbps, probe in sorted(limits)) + "."]
+    if spreads:
+        notes.append("ours ms, PyTorch ms: min / median / max over the rounds (each round's "
+                     "minimum over its timed steps); the ratios are of the medians.")
+    notes.append("vs LibTorch, vs PyTorch: their time over ours (above 1: ours is faster).")
+    if no_libtorch:
+        names = sorted(set(no_libtorch))
+        notes.append("{}: LibTorch has no such optimizer ('-').".format(", ".join(names)))
+    header = ["case", "ours ms" + (" (min / median / max)" if spreads else ""), "GB/s",
+              "of the limit", "LibTorch ms", "vs LibTorch",
+              "PyTorch ms" + (" (min / median / max)" if spreads else ""), "vs PyTorch"]
+    return notes, table(header, rows)
 
 
 def render_ours_and_pytorch(cases, path):
