@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <utility>
@@ -58,7 +59,7 @@ std::string RoundFailure::encode() const {
 RoundFailure RoundFailure::decode(const std::string& text) {
   const size_t newline = text.find('\n');
   if (newline != std::string::npos) {
-    for (int kind = 0; kind < 3; ++kind) {
+    for (int kind = 0; kind < static_cast<int>(std::size(kKindNames)); ++kind) {
       if (text.compare(0, newline, kKindNames[kind]) == 0) {
         return RoundFailure{static_cast<Kind>(kind), text.substr(newline + 1)};
       }

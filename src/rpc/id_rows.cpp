@@ -90,13 +90,8 @@ void IdRows::lookup(const int64_t* ids, int64_t n, int64_t now, int64_t* rows,
     }
     int64_t row = kNoRow;
     if (sighted(id, now)) {
-      row = take_row(now);
+      row = give_row(id, now);
       if (row != kNoRow) {
-        pending_.erase(id);
-        row_of_.emplace(id, row);
-        id_of_[row] = id;
-        live_[row] = true;
-        last_used_[row].store(now, std::memory_order_relaxed);
         ++admitted_;
         if (on_assign) on_assign(id, row);
       }
@@ -116,14 +111,7 @@ int64_t IdRows::find(int64_t id) const {
 int64_t IdRows::place(int64_t id, int64_t now) {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   if (const auto it = row_of_.find(id); it != row_of_.end()) return it->second;
-  const int64_t row = take_row(now);
-  if (row == kNoRow) return kNoRow;
-  pending_.erase(id);
-  row_of_.emplace(id, row);
-  id_of_[row] = id;
-  live_[row] = true;
-  last_used_[row].store(now, std::memory_order_relaxed);
-  return row;
+  return give_row(id, now);
 }
 
 void IdRows::expire(int64_t now) {
@@ -146,6 +134,17 @@ IdRowsCounters IdRows::counters() const {
   counters.unadmitted_lookups = unadmitted_lookups_.load(std::memory_order_relaxed);
   counters.pending_ids = static_cast<int64_t>(pending_.size());
   return counters;
+}
+
+int64_t IdRows::give_row(int64_t id, int64_t now) {
+  const int64_t row = take_row(now);
+  if (row == kNoRow) return kNoRow;
+  pending_.erase(id);
+  row_of_.emplace(id, row);
+  id_of_[row] = id;
+  live_[row] = true;
+  last_used_[row].store(now, std::memory_order_relaxed);
+  return row;
 }
 
 int64_t IdRows::take_row(int64_t now) {

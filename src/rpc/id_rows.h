@@ -96,6 +96,9 @@ class IdRows {
     int64_t last_seen = 0;
   };
 
+  // Under the exclusive lock: a row for `id`, which has none, used at `now` (kNoRow if every
+  // row was used at `now`).
+  int64_t give_row(int64_t id, int64_t now);
   // Under the exclusive lock: a free row for a new id at `now`, evicting when none is free.
   int64_t take_row(int64_t now);
   // Under the exclusive lock: frees the least recently used rows not used at `now`.
