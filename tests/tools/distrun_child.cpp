@@ -18,6 +18,8 @@
 //                           "secret path=P file-mode=M dir-mode=M bytes=N hex=yes|no" (modes in
 //                           octal, "missing" where stat fails), or "secret none" (then
 //                           " insecure=V" with DISTOPTIM_RPC_INSECURE=V)
+//   parent-maps NAME        print "parent maps NAME: yes" or "...: no": whether a file whose name
+//                           contains NAME is mapped into the parent's (distrun's) memory
 //   fail-until C R N        print "attempt DISTRUN_RESTART_COUNT=.. DISTRUN_MAX_RESTARTS=..
 //                           MASTER_PORT=.."; while DISTRUN_RESTART_COUNT < C, rank R exits with
 //                           status N and the others sleep 60 s; from restart C on, exit 0
@@ -199,6 +201,15 @@ int print_secret() {
   return 0;
 }
 
+int print_parent_maps(const std::string& name) {
+  std::ifstream maps("/proc/" + std::to_string(::getppid()) + "/maps");
+  bool mapped = false;
+  for (std::string line; std::getline(maps, line);)
+    mapped = mapped || line.find(name) != std::string::npos;
+  say("parent maps " + name + ": " + (mapped ? "yes" : "no") + "\n");
+  return 0;
+}
+
 int trap() {
   const int got = wait_for({SIGTERM, SIGINT});
   say(got == 0 ? "done\n" : std::string("got SIG") + ::sigabbrev_np(got) + "\n");
@@ -230,6 +241,7 @@ int main(int argc, char** argv) {
   }
   if (mode == "trap") return trap();
   if (mode == "secret") return print_secret();
+  if (mode == "parent-maps" && argc == 3) return print_parent_maps(argv[2]);
   if (mode == "sleep") {
     print_ready();
     sleep_then_done();

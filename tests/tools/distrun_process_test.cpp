@@ -366,6 +366,21 @@ TEST(Distrun, ASecretFileTheUserNamesIsKept) {
   std::remove(path.c_str());
 }
 
+// LibTorch is in distrun's store module, loaded only for what needs a store of its own: a job on
+// one node starts without it (its ranks load their own), one whose ranks meet in etcd loads it
+// to check the endpoint as their store will.
+TEST(Distrun, LoadsLibTorchOnlyWhereAStoreNeedsIt) {
+  const RunResult alone =
+      run_distrun({"--nproc-per-node", "1", kChild, "parent-maps", "libtorch_cpu"});
+  ASSERT_EQ(alone.status, 0) << alone.err;
+  EXPECT_EQ(alone.out, "[rank 0] parent maps libtorch_cpu: no\n");
+  const RunResult etcd =
+      run_distrun({"--nproc-per-node", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+                   "127.0.0.1:1", kChild, "parent-maps", "libtorch_cpu"});
+  ASSERT_EQ(etcd.status, 0) << etcd.err;
+  EXPECT_EQ(etcd.out, "[rank 0] parent maps libtorch_cpu: yes\n");
+}
+
 TEST(Distrun, ArgumentsReachTheProgramUntouched) {
   const RunResult r = run_distrun(
       {"--nproc-per-node", "1", kChild, "args", "--nproc-per-node", "9", "--", "-x", "--help"});

@@ -20,6 +20,10 @@ int main(int argc, char** argv) {
   } catch (const launcher::UsageError& e) {
     fmt::print(stderr, "distrun: {}\nRun 'distrun --help' for usage.\n", e.what());
     return launcher::kUsageExitCode;
+  } catch (const std::exception& e) {
+    // Not the command line's fault: its store module could not be loaded, say.
+    fmt::print(stderr, "distrun: {}\n", e.what());
+    return 1;
   }
   try {
     return launcher::run(options);

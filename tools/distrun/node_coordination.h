@@ -2,6 +2,8 @@
 
 // Restarts across nodes: the distruns of a job with --nnodes > 1 and --max-restarts > 0 meet in
 // a store that node 0's distrun serves, and go through each round (attempt) of the job together.
+// The coordinator's implementation (store_coordinator.cpp) lives in distrun's store module, with
+// LibTorch's c10d; make_node_coordinator loads it (store_module.h).
 
 #include <chrono>
 #include <functional>
@@ -65,6 +67,8 @@ struct RoundOutcome {
 /// Not thread-safe: one thread (the supervisor's) calls it. Blocking: as each method says.
 class NodeCoordinator {
  public:
+  virtual ~NodeCoordinator() = default;
+
   /// Returns the signal (SIGINT or SIGTERM) distrun has received so far, or 0; called between
   /// the tries of the blocking waits, which give up on a signal.
   using SignalCheck = std::function<int()>;
@@ -79,14 +83,6 @@ class NodeCoordinator {
   /// ended.
   static constexpr std::chrono::milliseconds kLeaveTimeout{5000};
 
-  /// `options`: validated, with nnodes > 1, master_addr and master_port given. Node 0 starts
-  /// serving the store at once (CoordinationError if it cannot, e.g. the port is taken); the
-  /// other nodes connect in join_round.
-  explicit NodeCoordinator(const LaunchOptions& options);
-  NodeCoordinator(const NodeCoordinator&) = delete;
-  NodeCoordinator& operator=(const NodeCoordinator&) = delete;
-  ~NodeCoordinator();
-
   /// What join_round found: the ranks' MASTER_PORT for the round, or that a distrun stopped the
   /// job (this one when `signal_check` returned a signal, which is then published).
   struct Joined {
@@ -100,22 +96,22 @@ class NodeCoordinator {
   /// whose options differ from node 0's (every node throws the same), or a node rank claimed by
   /// two distruns. In a round after the first, a node that never joined and whose beat never
   /// moved during the wait is named as lost: its distrun died or is cut off.
-  Joined join_round(int round, const SignalCheck& signal_check);
+  virtual Joined join_round(int round, const SignalCheck& signal_check) = 0;
 
   /// While the ranks run: whether the round has already ended elsewhere (another node's failure,
   /// or a distrun that got a signal). Never throws; asks the store at most every
   /// kRetryInterval (returning nullopt in between) and waits at most kAnswerTimeout. After the
   /// store failed to answer, it reports it on stderr and stops asking for the rest of the round.
-  std::optional<RoundOutcome> poll_round();
+  virtual std::optional<RoundOutcome> poll_round() = 0;
 
   /// A local rank failed first on this node: publishes it as the round's failure, unless one was
   /// published already (then that one stands) or the store was lost this round (finish_round
   /// publishes it once it is back). Never throws; waits at most kAnswerTimeout.
-  void publish_failure(int rank, int status);
+  virtual void publish_failure(int rank, int status) = 0;
 
   /// This distrun got `signal`: publishes that the job stops, unless a stop was published
   /// already. Best effort: never throws, waits at most kAnswerTimeout, does not retry.
-  void publish_stop(int signal);
+  virtual void publish_stop(int signal) = 0;
 
   /// Once every local rank of the round has ended with `local` (kind, rank, status, signal of
   /// this node): the round's outcome for every node. A success waits until every node's ranks
@@ -123,22 +119,24 @@ class NodeCoordinator {
   /// returned; a stop returns at once. Throws CoordinationError naming the nodes that did not
   /// report within --rdzv-timeout (or the store it could not reach), and for each whether its
   /// distrun is lost (its beat never moved during the wait) or still answers.
-  RoundOutcome finish_round(const RoundOutcome& local, const SignalCheck& signal_check);
+  virtual RoundOutcome finish_round(const RoundOutcome& local, const SignalCheck& signal_check) = 0;
 
   /// While the local ranks run: tells the other nodes that this distrun is alive, by raising
   /// `beat/N` at most every kBeatInterval (the blocking waits do it too). Never throws; waits at
   /// most kAnswerTimeout; does nothing while the store is lost.
-  void beat();
+  virtual void beat() = 0;
 
   /// At the end of the job (also after a CoordinationError): the other nodes tell node 0 that
   /// they know how it ended (best effort); node 0 waits up to kLeaveTimeout for every node that
   /// ever joined, except those found lost, before returning, as the store goes away with it.
-  void leave();
-
- private:
-  class Impl;
-  std::unique_ptr<Impl> impl_;
+  virtual void leave() = 0;
 };
+
+/// `options`: validated, with nnodes > 1, master_addr and master_port given. Node 0 starts
+/// serving the store at once (CoordinationError if it cannot, e.g. the port is taken); the
+/// other nodes connect in join_round. Loads distrun's store module on first use
+/// (CoordinationError naming the module if it cannot).
+std::unique_ptr<NodeCoordinator> make_node_coordinator(const LaunchOptions& options);
 
 }  // namespace launcher
 }  // namespace distoptim

@@ -17,15 +17,12 @@
 #include <filesystem>
 #include <memory>
 
-#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
-#include <distoptim/comm/etcd_store.h>
-#include <distoptim/comm/rendezvous.h>
-
 #include "distrun/job_secret.h"
 #include "distrun/signals_fds.h"
+#include "distrun/store_module.h"
 
 namespace distoptim {
 namespace launcher {
@@ -191,12 +188,11 @@ void validate_rendezvous(const LaunchOptions& options) {
         "--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT, the client address of the etcd the "
         "ranks meet in");
   }
-  try {
-    // Checks the endpoint as the ranks' store will, without contacting etcd.
-    comm::EtcdStore store(comm::EtcdStoreOptions(options.rdzv_endpoint, "distrun"));
-  } catch (const c10::Error& e) {
+  // Checked as the ranks' store will check it, without contacting etcd.
+  const std::string endpoint_error = etcd_endpoint_error(options.rdzv_endpoint);
+  if (!endpoint_error.empty()) {
     throw UsageError(fmt::format("--rdzv-endpoint {}: must be HOST:PORT or [IPV6]:PORT ({})",
-                                 single_quoted(options.rdzv_endpoint), e.what_without_backtrace()));
+                                 single_quoted(options.rdzv_endpoint), endpoint_error));
   }
   if (!options.rdzv_id.empty() && !is_job_name(options.rdzv_id)) {
     throw UsageError(fmt::format("--rdzv-id {}: must be letters, digits, '.', '_' or '-'",
@@ -452,13 +448,11 @@ std::string meeting_point(const LaunchOptions& options, int restart_count) {
   if (options.rdzv_backend == RdzvBackend::kStatic) {
     return fmt::format("MASTER_PORT={}", options.master_port);
   }
-  return fmt::format("{}={}", comm::LaunchEnv::kInitMethodVariable,
-                     etcd_init_method(options, restart_count));
+  return fmt::format("{}={}", kRdzvInitMethodVariable, etcd_init_method(options, restart_count));
 }
 
 bool is_rendezvous_variable(const std::string& name) {
-  return name == "MASTER_ADDR" || name == "MASTER_PORT" ||
-         name == comm::LaunchEnv::kInitMethodVariable;
+  return name == "MASTER_ADDR" || name == "MASTER_PORT" || name == kRdzvInitMethodVariable;
 }
 
 std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOptions& options,
@@ -476,8 +470,7 @@ std::vector<std::pair<std::string, std::string>> rank_environment(const LaunchOp
     environment.emplace_back("MASTER_ADDR", options.master_addr);
     environment.emplace_back("MASTER_PORT", std::to_string(options.master_port));
   } else {
-    environment.emplace_back(comm::LaunchEnv::kInitMethodVariable,
-                             etcd_init_method(options, restart_count));
+    environment.emplace_back(kRdzvInitMethodVariable, etcd_init_method(options, restart_count));
   }
   environment.emplace_back("DISTRUN_RESTART_COUNT", std::to_string(restart_count));
   environment.emplace_back("DISTRUN_MAX_RESTARTS", std::to_string(options.max_restarts));

@@ -162,6 +162,10 @@ constexpr const char* kSharedMachineOmpThreads = "1";
 /// OpenBLAS's idle-thread spin, as a power of two of cycles, for ranks that share a machine.
 constexpr const char* kSharedMachineBlasThreadTimeout = "4";
 
+/// The variable that gives the ranks of an etcd job their rendezvous's init method (the comm
+/// layer's LaunchEnv::kInitMethodVariable; the store module checks that they agree).
+constexpr const char* kRdzvInitMethodVariable = "DISTOPTIM_RDZV_INIT_METHOD";
+
 /// The variables set for local rank `local_rank` in the attempt after `restart_count` restarts,
 /// in this order: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR and
 /// MASTER_PORT (torchrun's names; kStatic) or DISTOPTIM_RDZV_INIT_METHOD=etcd://ENDPOINT/JOB with

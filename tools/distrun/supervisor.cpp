@@ -129,7 +129,7 @@ class Supervisor {
     try {
       // Across nodes, a restart is a new round for every node: their distruns coordinate.
       if (options_.nnodes > 1 && options_.max_restarts > 0) {
-        coordinator_ = std::make_unique<NodeCoordinator>(options_);
+        coordinator_ = make_node_coordinator(options_);
       }
       run_rounds();
     } catch (const CoordinationError& e) {

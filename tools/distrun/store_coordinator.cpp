@@ -1,6 +1,10 @@
-#include "distrun/node_coordination.h"
+// distrun's store module: the parts of the launcher that use LibTorch's c10d through the comm
+// layer, loaded by store_module.cpp only when a job needs them. Here the coordination of the
+// nodes' distruns across restarts (StoreCoordinator, node_coordination.h says how), the check of
+// an etcd endpoint as the ranks' store makes it, and the module's two entry points.
 
 #include <signal.h>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,10 +20,15 @@
 #include <fmt/ranges.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <distoptim/comm/etcd_store.h>
+#include <distoptim/comm/rendezvous.h>
 #include <distoptim/comm/store_round.h>
 #include <distoptim/comm/store_wait.h>
 
+#include "distrun/node_coordination.h"
+#include "distrun/options.h"
 #include "distrun/signals_fds.h"
+#include "distrun/store_module.h"
 
 namespace distoptim {
 namespace launcher {
@@ -64,48 +73,9 @@ std::string node_list(const std::vector<int>& nodes) {
   return fmt::format("{}", fmt::join(nodes, ", "));
 }
 
-}  // namespace
-
-RoundOutcome RoundOutcome::succeeded(int node) {
-  RoundOutcome outcome;
-  outcome.node = node;
-  return outcome;
-}
-
-RoundOutcome RoundOutcome::failed(int node, int rank, int status) {
-  RoundOutcome outcome;
-  outcome.kind = Kind::kFailed;
-  outcome.node = node;
-  outcome.rank = rank;
-  outcome.status = status;
-  return outcome;
-}
-
-RoundOutcome RoundOutcome::stopped(int node, int signal) {
-  RoundOutcome outcome;
-  outcome.kind = Kind::kStopped;
-  outcome.node = node;
-  outcome.signal = signal;
-  outcome.status = 128 + signal;
-  return outcome;
-}
-
-std::string RoundOutcome::describe() const {
-  switch (kind) {
-    case Kind::kSucceeded:
-      return "every node's ranks exited with status 0";
-    case Kind::kFailed:
-      if (rank < 0) return fmt::format("node {} could not start a rank", node);
-      return fmt::format("node {}'s rank {} failed with status {}", node, rank, status);
-    case Kind::kStopped:
-      return fmt::format("node {}'s distrun got {}", node, signal_name(signal));
-  }
-  return "";
-}
-
-class NodeCoordinator::Impl {
+class StoreCoordinator final : public NodeCoordinator {
  public:
-  explicit Impl(const LaunchOptions& options)
+  explicit StoreCoordinator(const LaunchOptions& options)
       : options_(options),
         address_(fmt::format("{}:{}",
                              options.master_addr.find(':') == std::string::npos
@@ -134,7 +104,7 @@ class NodeCoordinator::Impl {
     }
   }
 
-  Joined join_round(int round, const SignalCheck& signal_check) {
+  Joined join_round(int round, const SignalCheck& signal_check) override {
     round_ = round;
     lost_in_round_ = false;
     seen_.reset();
@@ -196,7 +166,7 @@ class NodeCoordinator::Impl {
     }
   }
 
-  std::optional<RoundOutcome> poll_round() {
+  std::optional<RoundOutcome> poll_round() override {
     if (seen_) return seen_;
     if (lost_in_round_ || !store_) return std::nullopt;
     const auto now = Clock::now();
@@ -215,7 +185,7 @@ class NodeCoordinator::Impl {
     return seen_;
   }
 
-  void publish_failure(int rank, int status) {
+  void publish_failure(int rank, int status) override {
     if (local_published_ || lost_in_round_ || !store_) return;
     try {
       seen_ = publish_local_failure(rank, status);
@@ -225,7 +195,7 @@ class NodeCoordinator::Impl {
     }
   }
 
-  void publish_stop(int signo) {
+  void publish_stop(int signo) override {
     if (stop_published_) return;
     stop_published_ = true;
     if (!connected(Clock::now())) return;
@@ -236,7 +206,7 @@ class NodeCoordinator::Impl {
     }
   }
 
-  RoundOutcome finish_round(RoundOutcome local, const SignalCheck& signal_check) {
+  RoundOutcome finish_round(const RoundOutcome& local, const SignalCheck& signal_check) override {
     if (local.kind == RoundOutcome::Kind::kStopped) {
       publish_stop(local.signal);
       return local;
@@ -282,7 +252,7 @@ class NodeCoordinator::Impl {
     }
   }
 
-  void beat() {
+  void beat() override {
     if (lost_in_round_ || !store_) return;
     try {
       beat_now();
@@ -292,7 +262,7 @@ class NodeCoordinator::Impl {
     }
   }
 
-  void leave() {
+  void leave() override {
     if (options_.node_rank != 0) {
       if (!connected(Clock::now())) return;
       try {
@@ -543,31 +513,42 @@ class NodeCoordinator::Impl {
   std::set<int> lost_nodes_;  // found lost at the end of a wait
 };
 
-NodeCoordinator::NodeCoordinator(const LaunchOptions& options)
-    : impl_(std::make_unique<Impl>(options)) {}
+// The variable the launcher sets is the one the ranks' rendezvous reads.
+static_assert(std::string_view(kRdzvInitMethodVariable) == comm::LaunchEnv::kInitMethodVariable);
 
-NodeCoordinator::~NodeCoordinator() = default;
-
-NodeCoordinator::Joined NodeCoordinator::join_round(int round, const SignalCheck& signal_check) {
-  return impl_->join_round(round, signal_check);
-}
-
-std::optional<RoundOutcome> NodeCoordinator::poll_round() { return impl_->poll_round(); }
-
-void NodeCoordinator::publish_failure(int rank, int status) {
-  impl_->publish_failure(rank, status);
-}
-
-void NodeCoordinator::publish_stop(int signal) { impl_->publish_stop(signal); }
-
-RoundOutcome NodeCoordinator::finish_round(const RoundOutcome& local,
-                                           const SignalCheck& signal_check) {
-  return impl_->finish_round(local, signal_check);
-}
-
-void NodeCoordinator::beat() { impl_->beat(); }
-
-void NodeCoordinator::leave() { impl_->leave(); }
+}  // namespace
 
 }  // namespace launcher
 }  // namespace distoptim
+
+// The module's entry points (store_module.h): C names, so the loader finds them with dlsym; no
+// exception leaves them.
+using distoptim::launcher::CoordinationError;
+using distoptim::launcher::LaunchOptions;
+using distoptim::launcher::NodeCoordinator;
+using distoptim::launcher::StoreCoordinator;
+
+extern "C" NodeCoordinator* distrun_store_module_coordinator(const LaunchOptions* options,
+                                                             std::string* error) {
+  try {
+    return new StoreCoordinator(*options);
+  } catch (const c10::Error& e) {
+    *error = e.what_without_backtrace();
+    return nullptr;
+  } catch (const std::exception& e) {
+    *error = e.what();
+    return nullptr;
+  }
+}
+
+extern "C" void distrun_store_module_check_etcd_endpoint(const std::string* endpoint,
+                                                         std::string* error) {
+  try {
+    // As the ranks' store checks it, without contacting etcd.
+    distoptim::comm::EtcdStore store(distoptim::comm::EtcdStoreOptions(*endpoint, "distrun"));
+  } catch (const c10::Error& e) {
+    *error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    *error = e.what();
+  }
+}
