@@ -96,9 +96,11 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const std::string& host, int p
                       ":", port, ": ", c10::GetExceptionString(e));
     }
   }
-  // LibTorch 1.13's client gives up at once when rank 0 is not listening yet (connection
-  // refused), whatever its timeout: retry until ours has passed.
+  // LibTorch 1.13's client, refused while rank 0 is not listening yet, sleeps a whole second
+  // before it tries again, and may give up whatever its timeout: first wait for rank 0's store
+  // to listen (trying every 10 ms), then retry the client until our timeout has passed.
   const auto deadline = Clock::now() + timeout;
+  detail::wait_until_listening(host, port, deadline);
   while (true) {
     try {
       store_options.timeout =

@@ -5,6 +5,8 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <memory>
@@ -19,6 +21,7 @@
 
 #include "harness/etcd_server.h"
 #include "harness/multiprocess.h"
+#include "host_port.h"
 #include "support/test_util.h"
 
 namespace distoptim {
@@ -169,6 +172,34 @@ TEST(RendezvousFailure, UnreachableStoreTimesOut) {
               std::string::npos)
         << e.what();
   }
+}
+
+// A rank that starts before rank 0's store listens waits for it without LibTorch's whole second
+// per refusal: wait_until_listening sees a listener that comes late, and gives up at its deadline
+// when none comes.
+TEST(RendezvousFailure, WaitsForALateStoreUntilItListensOrTheDeadline) {
+  const int port = distoptim::testing::free_port();
+  const int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  const int on = 1;
+  ::setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &on, sizeof on);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof address), 0);
+  // Listening only after the waiter's first refusals (whenever this thread runs, the wait ends
+  // once it listens).
+  std::thread late([listener] {
+    std::this_thread::sleep_for(200ms);
+    ::listen(listener, 4);
+  });
+  EXPECT_TRUE(
+      detail::wait_until_listening("127.0.0.1", port, std::chrono::steady_clock::now() + 60s));
+  late.join();
+  ::close(listener);
+  EXPECT_FALSE(
+      detail::wait_until_listening("127.0.0.1", port, std::chrono::steady_clock::now() + 100ms));
 }
 
 void expect_meets_everyone(const Rendezvous& r, int rank, int world_size) {

@@ -15,6 +15,7 @@
 #include <distoptim/comm.h>
 
 #include "harness/multiprocess.h"
+#include "host_port.h"
 
 namespace distoptim {
 namespace comm {
@@ -43,8 +44,10 @@ c10::intrusive_ptr<DeadlineStore> connect_store(int rank, int world_size) {
   options.numWorkers = static_cast<size_t>(world_size);
   options.waitWorkers = false;
   options.timeout = 30s;
-  // The client gives up at once while rank 0 is not listening yet: try again.
+  // LibTorch's client sleeps a second after each refusal while rank 0 is not listening yet,
+  // and may give up: wait for the listener (every 10 ms), then try again until it connects.
   const auto until = Clock::now() + 30s;
+  if (rank != 0) detail::wait_until_listening("127.0.0.1", options.port, until);
   while (true) {
     try {
       return c10::make_intrusive<DeadlineStore>(
