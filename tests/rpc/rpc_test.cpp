@@ -361,41 +361,52 @@ int64_t resident_bytes() {
 DISTOPTIM_RPC_FUNCTION("resident_bytes", resident_bytes);
 
 TEST(Rpc, FloodingCallerIsHeldBackAndLosesNothing) {
-  run_ranks(2, [](int rank, int world_size) {
-    constexpr int64_t kQueueBytes = 8 << 20;
-    init_rpc(worker(rank), rank, world_size,
-             test_options().num_worker_threads(1).inbound_queue_bytes(kQueueBytes));
-    if (rank == 1) {
-      constexpr int kCalls = 400;
-      constexpr int64_t kElements = 1 << 18;  // 1 MiB of int32 per call: 400 MiB in all
-      const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
-      std::vector<std::pair<int64_t, RpcFuture<int64_t>>> futures;
-      for (int i = 0; i < kCalls; ++i) {
-        const at::Tensor tensor = at::full({kElements}, i, at::kInt);
-        futures.emplace_back(int64_t{i} * kElements,
-                             rpc_async<int64_t>(worker(0), "slow_checksum", std::tuple{tensor}));
-      }
-      // Sampled while the flood drains: the callee holds about the queue bound, not the flood.
-      int64_t resident_peak = 0;
-      for (int i = 0; i < 20; ++i) {
-        resident_peak = std::max(resident_peak, rpc_sync<int64_t>(worker(0), "resident_bytes"));
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      for (auto& [expected, future] : futures) {
-        EXPECT_EQ(future.wait(), expected);
-      }
+  // Rank 0 waits in shutdown while rank 1's flood drains through its one worker thread (over
+  // 30 s under ThreadSanitizer on a busy 2-core machine): give it the harness's whole bound.
+  distoptim::testing::RunRanksOptions bound;
+  bound.deadline = std::chrono::seconds(180);
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        constexpr int64_t kQueueBytes = 8 << 20;
+        init_rpc(worker(rank), rank, world_size,
+                 test_options()
+                     .num_worker_threads(1)
+                     .inbound_queue_bytes(kQueueBytes)
+                     .shutdown_timeout(std::chrono::seconds(170)));
+        if (rank == 1) {
+          constexpr int kCalls = 400;
+          constexpr int64_t kElements = 1 << 18;  // 1 MiB of int32 per call: 400 MiB in all
+          const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
+          std::vector<std::pair<int64_t, RpcFuture<int64_t>>> futures;
+          for (int i = 0; i < kCalls; ++i) {
+            const at::Tensor tensor = at::full({kElements}, i, at::kInt);
+            futures.emplace_back(
+                int64_t{i} * kElements,
+                rpc_async<int64_t>(worker(0), "slow_checksum", std::tuple{tensor}));
+          }
+          // Sampled while the flood drains: the callee holds about the queue bound, not the flood.
+          int64_t resident_peak = 0;
+          for (int i = 0; i < 20; ++i) {
+            resident_peak = std::max(resident_peak, rpc_sync<int64_t>(worker(0), "resident_bytes"));
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          }
+          for (auto& [expected, future] : futures) {
+            EXPECT_EQ(future.wait(), expected);
+          }
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-      // Under ASan freed memory stays resident in its quarantine (256 MiB by default), under TSan
-      // every byte has shadow memory: the resident size says nothing about the queue bound there.
-      // The Release suite checks it.
-      (void)resident_before;
-      (void)resident_peak;
+          // Under ASan freed memory stays resident in its quarantine (256 MiB by default), under
+          // TSan every byte has shadow memory: the resident size says nothing about the queue bound
+          // there. The Release suite checks it.
+          (void)resident_before;
+          (void)resident_peak;
 #else
-      EXPECT_LT(resident_peak - resident_before, int64_t{96} << 20);
+          EXPECT_LT(resident_peak - resident_before, int64_t{96} << 20);
 #endif
-    }
-    shutdown();
-  });
+        }
+        shutdown();
+      },
+      bound);
 }
 
 // A reply carries the values as they were when the handler returned, even when the handler
