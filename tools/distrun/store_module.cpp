@@ -4,7 +4,12 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <filesystem>
 #include <stdexcept>
+#include <string>
+#include <system_error>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -24,15 +29,45 @@ struct StoreModule {
   CheckEtcdEndpoint check_etcd_endpoint = nullptr;
 };
 
+// The module's file: beside the executable (distrun in its build directory), where an installed
+// distrun's is (lib/distoptim beside bin), or where it was built (the launcher's tests, which
+// are other executables). Absolute paths: a run path would not do, because under
+// AddressSanitizer dlopen's caller is the sanitizer's interceptor, not the executable.
+std::vector<std::string> module_candidates() {
+  std::vector<std::string> candidates;
+  std::error_code error;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", error);
+  if (!error) {
+    candidates.push_back((exe.parent_path() / DISTOPTIM_DISTRUN_STORE_MODULE).string());
+    candidates.push_back(
+        (exe.parent_path() / DISTOPTIM_DISTRUN_STORE_MODULE_FROM_BIN).lexically_normal().string());
+  }
+  const std::string built = DISTOPTIM_DISTRUN_STORE_MODULE_BUILT;
+  if (std::find(candidates.begin(), candidates.end(), built) == candidates.end()) {
+    candidates.push_back(built);
+  }
+  return candidates;
+}
+
 // Loaded once and kept for the life of the process: the coordinators' code lives in it.
 const StoreModule& store_module() {
   static const StoreModule kModule = [] {
-    void* handle = ::dlopen(DISTOPTIM_DISTRUN_STORE_MODULE, RTLD_NOW | RTLD_LOCAL);
+    void* handle = nullptr;
+    std::string tried;
+    for (const std::string& path : module_candidates()) {
+      if (!std::filesystem::exists(path)) {
+        tried += fmt::format("{}{} (no such file)", tried.empty() ? "" : "; ", path);
+        continue;
+      }
+      handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (handle != nullptr) break;
+      tried += fmt::format("{}{} ({})", tried.empty() ? "" : "; ", path, ::dlerror());
+    }
     if (handle == nullptr) {
       throw std::runtime_error(fmt::format(
           "cannot load distrun's store module (for --rdzv-backend etcd, and restarts across "
-          "nodes): {}",
-          ::dlerror()));
+          "nodes): tried {}",
+          tried));
     }
     StoreModule loaded;
     loaded.make_coordinator = reinterpret_cast<StoreModule::MakeCoordinator>(

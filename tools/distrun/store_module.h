@@ -8,9 +8,8 @@
 // of a 2-core virtual machine to load and relocate, 4 s under AddressSanitizer; its ranks load
 // their own.
 //
-// The module is found by its file name, as the dynamic loader finds libraries, through the run
-// path of the executable: its build directory, or $ORIGIN/../lib/distoptim once installed
-// (tools/distrun/CMakeLists.txt).
+// The module is looked for beside the executable, where an installed distrun's is
+// (lib/distoptim), and where it was built (store_module.cpp).
 
 #include <string>
 
