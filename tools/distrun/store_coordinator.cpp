@@ -28,7 +28,6 @@
 #include "distrun/node_coordination.h"
 #include "distrun/options.h"
 #include "distrun/signals_fds.h"
-#include "distrun/store_module.h"
 
 namespace distoptim {
 namespace launcher {
@@ -521,9 +520,8 @@ static_assert(std::string_view(kRdzvInitMethodVariable) == comm::LaunchEnv::kIni
 }  // namespace launcher
 }  // namespace distoptim
 
-// The module's entry points (store_module.h): C names, so the loader finds them with dlsym; no
-// exception leaves them.
-using distoptim::launcher::CoordinationError;
+// The module's entry points, which store_module.cpp calls: C names, so the loader finds them
+// with dlsym; no exception leaves them.
 using distoptim::launcher::LaunchOptions;
 using distoptim::launcher::NodeCoordinator;
 using distoptim::launcher::StoreCoordinator;
