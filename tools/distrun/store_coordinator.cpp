@@ -3,8 +3,6 @@
 // nodes' distruns across restarts (StoreCoordinator, node_coordination.h says how), the check of
 // an etcd endpoint as the ranks' store makes it, and the module's two entry points.
 
-#include <signal.h>
-
 #include <unistd.h>
 
 #include <algorithm>
