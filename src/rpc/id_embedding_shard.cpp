@@ -1,0 +1,169 @@
+// IdEmbeddingShard (id_embedding_bag.h): one server's part of a collisionless table, its rows
+// handed out by IdRows, their initial values, and the lookup's autograd function.
+
+#include <distoptim/rpc/id_embedding_bag.h>
+
+#include <cmath>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/core/PhiloxRNGEngine.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/custom_class.h>
+
+#include <distoptim/rpc/row_guard.h>
+
+#include "id_rows.h"
+
+namespace distoptim {
+namespace rpc {
+
+struct IdEmbeddingShard::Rows {
+  explicit Rows(const detail::IdRowsOptions& options) : map(options) {}
+  detail::IdRows map;
+};
+
+namespace {
+
+constexpr int64_t kDefaultRow = 0;
+
+// A uniform double in (0, 1] from one 32-bit draw.
+double open_unit(uint32_t bits) { return (static_cast<double>(bits) + 1.0) / 4294967296.0; }
+
+// `dim` draws of normal(0, 1) for `id`: Box-Muller over the Philox stream of (seed, id), so the
+// values depend on nothing else.
+std::vector<double> initial_values(int64_t seed, int64_t id, int64_t dim) {
+  at::Philox4_32 engine(static_cast<uint64_t>(seed), static_cast<uint64_t>(id));
+  std::vector<double> values(dim);
+  constexpr double kTwoPi = 6.283185307179586;
+  for (int64_t i = 0; i < dim; i += 2) {
+    const double radius = std::sqrt(-2.0 * std::log(open_unit(engine())));
+    const double angle = kTwoPi * open_unit(engine());
+    values[i] = radius * std::cos(angle);
+    if (i + 1 < dim) values[i + 1] = radius * std::sin(angle);
+  }
+  return values;
+}
+
+at::Tensor initial_row_tensor(int64_t seed, int64_t id, int64_t dim, c10::ScalarType dtype) {
+  const std::vector<double> values = initial_values(seed, id, dim);
+  return at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(dtype);
+}
+
+// The table's id -> row map as a value autograd can keep until the backward.
+struct SavedIdRows : torch::CustomClassHolder {
+  explicit SavedIdRows(std::shared_ptr<IdEmbeddingShard::Rows> rows) : rows(std::move(rows)) {}
+  std::shared_ptr<IdEmbeddingShard::Rows> rows;
+};
+
+// The lookup: rows of the ids as they are now, and a backward that moves only the rows the
+// lookup read that still belong to their ids. The weight is not kept (its gradient needs only
+// its size), so steps between a forward and its backward are no error.
+struct IdRowLookup : torch::autograd::Function<IdRowLookup> {
+  static at::Tensor forward(torch::autograd::AutogradContext* context, const at::Tensor& weight,
+                            const at::Tensor& ids,
+                            const std::shared_ptr<IdEmbeddingShard::Rows>& rows, int64_t now,
+                            int64_t seed) {
+    const int64_t n = ids.numel();
+    at::Tensor slots = at::empty({n}, at::kLong);
+    at::Tensor out;
+    const int64_t dim = weight.size(1);
+    rows->map.lookup(
+        ids.data_ptr<int64_t>(), n, now, slots.data_ptr<int64_t>(),
+        [&](int64_t id, int64_t slot) {
+          const at::Tensor row = at::tensor({slot + 1}, at::kLong);
+          InPlaceRowUpdateGuard writing({weight}, {row});
+          weight[slot + 1].copy_(initial_row_tensor(seed, id, dim, weight.scalar_type()));
+        },
+        [&](const int64_t*) {
+          // IdRows::kNoRow (-1) + 1 is the default row.
+          const at::Tensor weight_rows = slots + 1;
+          RowReadGuard rows_unchanged_meanwhile(weight, weight_rows);
+          out = weight.index_select(0, weight_rows);
+        });
+    context->saved_data["ids"] = ids;
+    context->saved_data["slots"] = slots;
+    context->saved_data["weight_rows"] = weight.size(0);
+    context->saved_data["id_rows"] =
+        at::IValue::make_capsule(c10::make_intrusive<SavedIdRows>(rows));
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor ids = context->saved_data["ids"].toTensor();
+    const at::Tensor slots = context->saved_data["slots"].toTensor();
+    const auto saved =
+        c10::static_intrusive_pointer_cast<SavedIdRows>(context->saved_data["id_rows"].toCapsule());
+    const int64_t n = ids.numel();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    std::vector<int64_t> positions, rows;
+    for (int64_t i = 0; i < n; ++i) {
+      if (slot[i] != detail::IdRows::kNoRow && saved->rows->map.find(id[i]) == slot[i]) {
+        positions.push_back(i);
+        rows.push_back(slot[i] + 1);
+      }
+    }
+    const at::Tensor grad = grads[0].reshape({n, -1});
+    const int64_t dim = grad.size(1);
+    const int64_t kept = static_cast<int64_t>(rows.size());
+    const at::Tensor gradient =
+        at::_sparse_coo_tensor_unsafe(at::tensor(rows, at::kLong).reshape({1, kept}),
+                                      grad.index_select(0, at::tensor(positions, at::kLong)),
+                                      {context->saved_data["weight_rows"].toInt(), dim});
+    return {gradient, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+IdEmbeddingShard::IdEmbeddingShard(int64_t capacity, int64_t dim, int64_t dtype, int64_t seed,
+                                   int64_t admit_after, int64_t expire_after, int64_t max_pending)
+    : seed_(seed) {
+  TORCH_CHECK_VALUE(dim >= 1, "IdEmbeddingShard: dim = ", dim, "; must be at least 1");
+  const auto type = static_cast<c10::ScalarType>(dtype);
+  TORCH_CHECK_VALUE(type == c10::ScalarType::Float || type == c10::ScalarType::Double,
+                    "IdEmbeddingShard: dtype ", dtype, " (float32 or float64)");
+  detail::IdRowsOptions options;
+  options.capacity = capacity;
+  options.admit_after = admit_after;
+  options.expire_after = expire_after;
+  options.max_pending = max_pending;
+  rows_ = std::make_shared<Rows>(options);  // checks the rest
+  weight =
+      register_parameter("weight", at::zeros({capacity + 1, dim}, at::TensorOptions().dtype(type)));
+}
+
+IdEmbeddingShard::~IdEmbeddingShard() = default;
+
+at::Tensor IdEmbeddingShard::forward(const at::Tensor& ids) {
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong,
+                    "IdEmbeddingShard: ids must be a 1-D int64 tensor, got ", ids.scalar_type(),
+                    " of shape ", ids.sizes());
+  const int64_t now = clock_.fetch_add(1, std::memory_order_relaxed) + 1;
+  return IdRowLookup::apply(weight, ids.contiguous(), rows_, now, seed_);
+}
+
+int64_t IdEmbeddingShard::row_of(int64_t id) const {
+  const int64_t slot = rows_->map.find(id);
+  return slot == detail::IdRows::kNoRow ? kDefaultRow : slot + 1;
+}
+
+at::Tensor IdEmbeddingShard::initial_row(int64_t id) const {
+  return initial_row_tensor(seed_, id, weight.size(1), weight.scalar_type());
+}
+
+std::map<std::string, int64_t> IdEmbeddingShard::counters() const {
+  const detail::IdRowsCounters c = rows_->map.counters();
+  return {{"live_rows", c.live_rows},
+          {"admitted", c.admitted},
+          {"expired", c.expired},
+          {"evicted", c.evicted},
+          {"unadmitted_lookups", c.unadmitted_lookups},
+          {"pending_ids", c.pending_ids}};
+}
+
+}  // namespace rpc
+}  // namespace distoptim
