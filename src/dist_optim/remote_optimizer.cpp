@@ -19,6 +19,7 @@
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/detail/internal_registry.h>
+#include <distoptim/rpc/detail/reassigned_rows.h>
 #include <distoptim/rpc/row_guard.h>
 
 namespace distoptim {
@@ -95,6 +96,12 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
     for (size_t g = 0; g < bags.size(); ++g) {
       if (!bags[g].empty()) optimizer_->set_group_options(g, bags[g]);
     }
+  }
+  // Rows of a collisionless table handed to new ids since the last step start with a new
+  // parameter's state (rpc/detail/reassigned_rows.h).
+  for (size_t i = 0; i < optimizer_->params().size(); ++i) {
+    const at::Tensor reassigned = rpc::detail::take_reassigned_rows(optimizer_->params()[i]);
+    if (reassigned.numel() > 0) optimizer_->reset_state_rows(static_cast<int64_t>(i), reassigned);
   }
   const bool replicated = mirror_ && backup_ready(*mirror_);
   // Only what the step writes is locked: of a parameter whose sparse gradient's update is

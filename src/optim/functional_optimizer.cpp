@@ -387,6 +387,39 @@ void FunctionalOptimizer::load_param_state(int64_t i,
   ++step_cache_->generation;
 }
 
+void FunctionalOptimizer::reset_state_rows(int64_t i, const at::Tensor& rows) {
+  TORCH_CHECK_INDEX(i >= 0 && i < static_cast<int64_t>(params_.size()), name_,
+                    ".reset_state_rows: parameter ", i, " but the optimizer has ", params_.size(),
+                    " parameters");
+  TORCH_CHECK_VALUE(rows.dim() == 1 && rows.scalar_type() == at::kLong, name_,
+                    ".reset_state_rows: rows must be a 1-D int64 tensor, got ", rows.scalar_type(),
+                    " of shape ", rows.sizes());
+  const at::Tensor& param = params_[i];
+  if (rows.numel() == 0) return;
+  const int64_t param_rows = param.dim() == 0 ? 0 : param.size(0);
+  const int64_t low = rows.min().item<int64_t>(), high = rows.max().item<int64_t>();
+  TORCH_CHECK_INDEX(low >= 0 && high < param_rows, name_, ".reset_state_rows: row ",
+                    low < 0 ? low : high, " of parameter ", i, ", which has ", param_rows, " rows");
+  ParamState& state = states_[i];
+  if (state.empty()) return;
+  // What a new parameter's state holds, made for a parameter of one row.
+  ParamState fresh;
+  fresh.buffers.resize(state_names_.size());
+  init_state(param_group_[i], param.slice(0, 0, 1), fresh);
+  at::NoGradGuard no_grad;
+  for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
+    at::Tensor& buffer = state.buffers[slot];
+    if (!buffer.defined() || !buffer.sizes().equals(param.sizes())) continue;
+    if (fresh.buffers[slot].defined()) {
+      std::vector<int64_t> shape = param.sizes().vec();
+      shape[0] = rows.numel();
+      buffer.index_copy_(0, rows, fresh.buffers[slot].expand(shape).contiguous());
+    } else {
+      buffer.index_fill_(0, rows, 0);
+    }
+  }
+}
+
 void FunctionalOptimizer::load_state_dict(const OptimizerStateDict& dict) {
   check_state_dict(dict);
   std::vector<ParamState> new_states(states_.size());

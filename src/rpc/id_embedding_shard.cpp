@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/custom_class.h>
 
+#include <distoptim/rpc/detail/reassigned_rows.h>
 #include <distoptim/rpc/row_guard.h>
 
 #include "id_rows.h"
@@ -75,6 +76,8 @@ struct IdRowLookup : torch::autograd::Function<IdRowLookup> {
           const at::Tensor row = at::tensor({slot + 1}, at::kLong);
           InPlaceRowUpdateGuard writing({weight}, {row});
           weight[slot + 1].copy_(initial_row_tensor(seed, id, dim, weight.scalar_type()));
+          // The owner's optimizer resets the row's state before its next step of the weight.
+          detail::note_reassigned_row(weight, slot + 1);
         },
         [&](const int64_t*) {
           // IdRows::kNoRow (-1) + 1 is the default row.
@@ -136,7 +139,7 @@ IdEmbeddingShard::IdEmbeddingShard(int64_t capacity, int64_t dim, int64_t dtype,
       register_parameter("weight", at::zeros({capacity + 1, dim}, at::TensorOptions().dtype(type)));
 }
 
-IdEmbeddingShard::~IdEmbeddingShard() = default;
+IdEmbeddingShard::~IdEmbeddingShard() { detail::forget_reassigned_rows(weight); }
 
 at::Tensor IdEmbeddingShard::forward(const at::Tensor& ids) {
   TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong,

@@ -3,11 +3,14 @@
 // threads compute what they compute alone.
 
 #include <cstdio>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <distoptim/optim/functional_optimizer.h>
 #include <distoptim/optim/kernel_isa.h>
 #include <distoptim/optim/registry.h>
 
@@ -175,6 +178,81 @@ TEST_P(Checkpoint, EveryKernelIsaAgrees) {
 
 INSTANTIATE_TEST_SUITE_P(Builtins, Checkpoint, ::testing::ValuesIn(testing::all_optimizer_cases()),
                          [](const auto& info) { return info.param.name; });
+
+// A row of a collisionless table handed to a new id starts afresh: the rows reset hold what a
+// new parameter's state holds, every other row and the step count stay.
+TEST(ResetStateRows, TheRowsStartAfreshAndTheRestStays) {
+  const double initial_sum = 0.5;
+  struct Case {
+    std::string name;
+    OptionBag options;
+    bool sparse;
+  };
+  const std::vector<Case> cases = {
+      {"adagrad", OptionBag().set("lr", 0.1).set("initial_accumulator_value", initial_sum), true},
+      {"sparse_adam", OptionBag().set("lr", 0.1), true},
+      {"adam", OptionBag().set("lr", 0.1), false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    at::manual_seed(3);
+    const at::Tensor param = at::randn({6, 3});
+    auto optimizer = create_optimizer(c.name, {ParamGroup({param})}, c.options);
+    for (int step = 0; step < 2; ++step) {
+      const at::Tensor gradient = at::randn({6, 3});
+      optimizer->step({c.sparse ? gradient.to_sparse() : gradient});
+    }
+    const ParamState before = optimizer->state(0);
+    std::vector<at::Tensor> kept;
+    for (const at::Tensor& buffer : before.buffers) {
+      kept.push_back(buffer.defined() ? buffer.clone() : at::Tensor());
+    }
+    const at::Tensor rows = at::tensor(std::vector<int64_t>{1, 4}, at::kLong);
+    optimizer->reset_state_rows(0, rows);
+    const ParamState& after = optimizer->state(0);
+    EXPECT_EQ(after.step, before.step);
+    int compared = 0;
+    for (size_t slot = 0; slot < after.buffers.size(); ++slot) {
+      const std::string& name = optimizer->state_names()[slot];
+      const at::Tensor& buffer = after.buffers[slot];
+      if (!buffer.defined() || !buffer.sizes().equals(param.sizes())) continue;
+      ++compared;
+      const double fresh = c.name == "adagrad" ? initial_sum : 0.0;
+      for (int64_t row = 0; row < 6; ++row) {
+        if (row == 1 || row == 4) {
+          EXPECT_TRUE(at::equal(buffer[row], at::full({3}, fresh))) << name << " row " << row;
+        } else {
+          EXPECT_TRUE(at::equal(buffer[row], kept[slot][row])) << name << " row " << row;
+          EXPECT_FALSE(at::equal(buffer[row], at::full({3}, fresh))) << name << " row " << row;
+        }
+      }
+    }
+    EXPECT_EQ(compared, c.name == "adagrad" ? 1 : 2);  // sum; exp_avg and exp_avg_sq
+  }
+}
+
+TEST(ResetStateRows, BadArgumentsAreNamedAndChangeNothing) {
+  const at::Tensor param = at::randn({4, 2});
+  auto optimizer = create_optimizer("adagrad", {ParamGroup({param})}, OptionBag().set("lr", 0.1));
+  optimizer->step({at::randn({4, 2})});
+  const at::Tensor sum = optimizer->state(0).buffers[0].clone();
+  testing::expect_error_containing(
+      [&] { optimizer->reset_state_rows(1, at::tensor(std::vector<int64_t>{0}, at::kLong)); },
+      {"parameter 1 but the optimizer has 1 parameters"});
+  testing::expect_error_containing(
+      [&] {
+        optimizer->reset_state_rows(0, at::zeros({1, 1}, at::kLong));
+      },
+      {"rows must be a 1-D int64 tensor"});
+  testing::expect_error_containing(
+      [&] {
+        optimizer->reset_state_rows(0, at::tensor(std::vector<int64_t>{0, 4}, at::kLong));
+      },
+      {"row 4 of parameter 0, which has 4 rows"});
+  EXPECT_THROW(optimizer->reset_state_rows(-1, at::zeros({0}, at::kLong)), c10::IndexError);
+  EXPECT_THROW(optimizer->reset_state_rows(0, at::zeros({1}, at::kInt)), c10::ValueError);
+  EXPECT_THROW(optimizer->reset_state_rows(0, at::full({1}, -1, at::kLong)), c10::IndexError);
+  EXPECT_TRUE(at::equal(optimizer->state(0).buffers[0], sum));
+}
 
 }  // namespace
 }  // namespace optim

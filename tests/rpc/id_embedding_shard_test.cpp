@@ -4,12 +4,15 @@
 
 #include <distoptim/rpc/id_embedding_bag.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+
+#include <distoptim/rpc/detail/reassigned_rows.h>
 
 namespace distoptim {
 namespace rpc {
@@ -101,6 +104,26 @@ TEST(IdEmbeddingShard, AGradientMovesOnlyRowsThatStillBelongToTheirIds) {
   EXPECT_TRUE(at::equal(dense_gradient(table), expected));
   EXPECT_EQ(table.counters().at("evicted"), 1);
   EXPECT_EQ(table.counters().at("live_rows"), 2);
+}
+
+// What the owner's optimizer reads before its next step: each row handed to a new id, once.
+TEST(IdEmbeddingShard, RowsHandedToNewIdsAreNotedOnceForTheOptimizer) {
+  IdEmbeddingShard table = shard(2, 2, /*seed=*/9);
+  const auto noted = [&] {
+    const at::Tensor rows = detail::take_reassigned_rows(table.weight);
+    return std::vector<int64_t>(rows.data_ptr<int64_t>(), rows.data_ptr<int64_t>() + rows.numel());
+  };
+  table.forward(ids_of({10, 20}));
+  std::vector<int64_t> expected = {table.row_of(10), table.row_of(20)};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(noted(), expected);
+  EXPECT_EQ(noted(), std::vector<int64_t>{});
+  table.forward(ids_of({10, 20}));  // known ids: no row changes hands
+  EXPECT_EQ(noted(), std::vector<int64_t>{});
+  table.forward(ids_of({30}));
+  EXPECT_EQ(noted(), std::vector<int64_t>{table.row_of(30)});
+  table.forward(ids_of({30}));
+  EXPECT_EQ(noted(), std::vector<int64_t>{});
 }
 
 TEST(IdEmbeddingShard, BadArgumentsAreNamed) {

@@ -162,6 +162,14 @@ class FunctionalOptimizer {
   /// error nothing changes. A lost server's parameters loaded into an optimizer that holds others
   /// too (dist_optim's recoveries) cost their own size, not the whole state's.
   void load_param_state(int64_t param_index, const std::optional<OptimizerStateDict::State>& state);
+  /// Sets the rows `rows` (1-D int64, along the parameter's first dimension) of every state
+  /// buffer of parameter `param_index` that is laid out like the parameter to what a new
+  /// parameter's state holds there (Adagrad's initial_accumulator_value, zeros for the moments of
+  /// the others); the step count and the other rows stay. A row of a collisionless table handed
+  /// to a new id starts afresh so (rpc/id_embedding_bag.h); a parameter without state yet is left
+  /// as it is. Throws c10::IndexError for a parameter or row out of range, c10::ValueError for
+  /// rows that are not 1-D int64, before anything changes.
+  void reset_state_rows(int64_t param_index, const at::Tensor& rows);
 
  protected:
   /// What load_state_dict checks of parameter `i`'s `state`; `method` names the caller.
