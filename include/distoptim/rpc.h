@@ -4,6 +4,7 @@
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/errors.h>
 #include <distoptim/rpc/futures.h>
+#include <distoptim/rpc/id_embedding_bag.h>
 #include <distoptim/rpc/interceptor.h>
 #include <distoptim/rpc/registry.h>
 #include <distoptim/rpc/remote_module.h>

@@ -193,8 +193,10 @@ void start_agent(const std::string& name, int rank, int world_size,
     std::atexit(stop_agent_at_exit);
   });
   if (options.keep_freed_memory()) keep_freed_memory();
-  // The shards of a ShardedEmbeddingBag may be created here by a peer's model.
+  // The shards of a ShardedEmbeddingBag or a ShardedIdEmbeddingBag may be created here by a
+  // peer's model.
   detail::register_embedding_shard();
+  detail::register_id_embedding_shard();
   g_agent = detail::Agent::create(name, rank, world_size, resolved);
 }
 

@@ -14,6 +14,8 @@
 #include <distoptim/rpc/detail/rref_calls.h>
 #include <distoptim/rpc/row_guard.h>
 
+#include "embedding_bags.h"
+
 namespace distoptim {
 namespace rpc {
 
@@ -40,12 +42,6 @@ at::Tensor initial_rows(int64_t first_row, int64_t rows, int64_t dim, c10::Scala
         .copy_(values.slice(0, from - block_first, to - block_first));
   }
   return out;
-}
-
-int64_t pooling_mode(const torch::nn::EmbeddingBagMode& mode) {
-  if (c10::get_if<torch::enumtype::kSum>(&mode)) return 0;
-  if (c10::get_if<torch::enumtype::kMean>(&mode)) return 1;
-  return 2;
 }
 
 // LibTorch's embedding with sparse=true, except that its backward does not keep the weight: its
@@ -269,21 +265,8 @@ std::vector<RRef<EmbeddingShard>> ShardedEmbeddingBag::shard_module_rrefs() cons
 
 at::Tensor ShardedEmbeddingBag::forward(const at::Tensor& input, const at::Tensor& offsets,
                                         const at::Tensor& per_sample_weights) {
-  TORCH_CHECK_VALUE(input.scalar_type() == at::kLong || input.scalar_type() == at::kInt,
-                    "ShardedEmbeddingBag: input must hold int64 or int32 ids, got ",
-                    input.scalar_type());
-  at::Tensor ids = input.to(at::kLong);
-  at::Tensor bag_offsets = offsets;
-  if (ids.dim() == 2) {
-    TORCH_CHECK_VALUE(!offsets.defined(),
-                      "ShardedEmbeddingBag: a 2-D input takes no offsets (each row is a bag)");
-    bag_offsets = at::arange(0, ids.numel(), std::max<int64_t>(ids.size(1), 1), at::kLong);
-    ids = ids.reshape({-1});
-  } else {
-    TORCH_CHECK_VALUE(ids.dim() == 1 && offsets.defined() && offsets.dim() == 1,
-                      "ShardedEmbeddingBag: a 1-D input needs 1-D offsets (got input of shape ",
-                      input.sizes(), ")");
-  }
+  const detail::Bags bags = detail::read_bags("ShardedEmbeddingBag", input, offsets);
+  const at::Tensor& ids = bags.ids;
   const int64_t n = ids.numel();
   if (n > 0) {
     const int64_t low = ids.min().item<int64_t>(), high = ids.max().item<int64_t>();
@@ -303,23 +286,9 @@ at::Tensor ShardedEmbeddingBag::forward(const at::Tensor& input, const at::Tenso
     positions.push_back(at_shard);
     replies.push_back(shards_[s]->forward_async(ids.index_select(0, at_shard) - first_rows_[s]));
   }
-  at::Tensor rows;
-  if (replies.empty()) {
-    rows = at::zeros({0, options_.embedding_dim()}, at::TensorOptions().dtype(options_.dtype()));
-  } else {
-    std::vector<at::Tensor> parts;
-    for (auto& reply : replies) parts.push_back(reply.wait());
-    // The rows in the order of the ids: exact copies both ways (no sums), so pooling them below
-    // adds exactly what an unsharded table's embedding_bag adds, in the same order.
-    const at::Tensor order = at::cat(positions);
-    at::Tensor inverse = at::empty_like(order);
-    inverse.index_put_({order}, at::arange(n, at::kLong));
-    rows = at::cat(parts).index_select(0, inverse);
-  }
-  return std::get<0>(at::embedding_bag(rows, at::arange(n, at::kLong), bag_offsets,
-                                       /*scale_grad_by_freq=*/false, pooling_mode(options_.mode()),
-                                       /*sparse=*/false, per_sample_weights,
-                                       options_.include_last_offset()));
+  return detail::pool_replies(replies, positions, n, options_.embedding_dim(), options_.dtype(),
+                              bags, options_.mode(), per_sample_weights,
+                              options_.include_last_offset());
 }
 
 namespace detail {

@@ -5,6 +5,19 @@
 // once the id has been seen admit_after times, drops rows not looked up for expire_after lookups,
 // and at its bound on rows drops the least recently used first (src/rpc/id_rows.h).
 //
+//   rpc::ShardedIdEmbeddingBag table(
+//       rpc::ShardedIdEmbeddingBagOptions(1'000'000, 32, {"ps0", "ps1"}).admit_after(2));
+//   dist_autograd::ContextGuard context;
+//   at::Tensor pooled = table.forward(raw_ids, offsets);   // any int64 ids; [bags, 32]
+//   ...backward...
+//   DistributedOptimizer optimizer("adagrad", table.remote_parameters(), {{"lr", 0.05}});
+//
+// ShardedIdEmbeddingBag is the handle, shaped like ShardedEmbeddingBag: an id's server is
+// jump consistent hashing's bucket of the id (Lamping and Veach), so a table of N + 1 servers
+// places 1/(N + 1) of the ids on the new one and leaves every other id where it was; forward
+// sends each server only its ids, all servers at once, and pools the rows here as LibTorch's
+// EmbeddingBag would.
+//
 // IdEmbeddingShard is one server's part: storage for `capacity` rows plus row 0, the shared
 // default row (zeros), which every id without a row of its own reads and which no gradient moves.
 // A row handed to an id starts at the id's initial value, a function of the id and the seed
@@ -23,10 +36,19 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <torch/arg.h>
+#include <torch/enum.h>
 #include <torch/nn/module.h>
+#include <torch/nn/options/embedding.h>
+
+#include <distoptim/rpc/remote_module.h>
 
 namespace distoptim {
 namespace rpc {
@@ -66,6 +88,71 @@ struct IdEmbeddingShard : torch::nn::Module {
   int64_t seed_;
   std::shared_ptr<Rows> rows_;
   std::atomic<int64_t> clock_{0};
+};
+
+struct ShardedIdEmbeddingBagOptions {
+  ShardedIdEmbeddingBagOptions(int64_t rows_per_shard, int64_t embedding_dim,
+                               std::vector<std::string> workers)
+      : rows_per_shard_(rows_per_shard),
+        embedding_dim_(embedding_dim),
+        workers_(std::move(workers)) {}
+  /// Each server's bound on rows (IdEmbeddingShard's capacity).
+  TORCH_ARG(int64_t, rows_per_shard);
+  TORCH_ARG(int64_t, embedding_dim);
+  /// The shards' owners, one shard per entry (a worker may hold several).
+  TORCH_ARG(std::vector<std::string>, workers);
+  /// Sightings of an id before it gets a row (1: at once).
+  TORCH_ARG(int64_t, admit_after) = 1;
+  /// A row not looked up for this many lookups of its shard is dropped (0: never).
+  TORCH_ARG(int64_t, expire_after) = 0;
+  /// Ids each shard counts towards admission at most (0: rows_per_shard).
+  TORCH_ARG(int64_t, max_pending) = 0;
+  /// How a bag's rows are pooled, as LibTorch's EmbeddingBag (default kMean, as there).
+  TORCH_ARG(torch::nn::EmbeddingBagMode, mode) = torch::kMean;
+  /// The last offset is the end of the last bag (as LibTorch's option).
+  TORCH_ARG(bool, include_last_offset) = false;
+  TORCH_ARG(c10::ScalarType, dtype) = c10::ScalarType::Float;
+  /// The initial rows' seed.
+  TORCH_ARG(int64_t, seed) = 0;
+};
+
+class ShardedIdEmbeddingBag : public torch::nn::Module {
+ public:
+  /// Creates every shard on its owner. Throws c10::ValueError naming an option out of range
+  /// (before anything is created) or no workers.
+  explicit ShardedIdEmbeddingBag(const ShardedIdEmbeddingBagOptions& options);
+  /// A second handle on a table that exists: `shards` are another handle's shard_module_rrefs(),
+  /// `options` the options it was built with. Creates nothing. Throws c10::ValueError when the
+  /// number of shards differs from options.workers()' or a reference is empty.
+  ShardedIdEmbeddingBag(const ShardedIdEmbeddingBagOptions& options,
+                        std::vector<RRef<IdEmbeddingShard>> shards);
+
+  /// `input`: 1-D int64 (or int32) ids, any values, with `offsets` (each bag's start), or 2-D
+  /// [bags, ids per bag] without. `per_sample_weights` as LibTorch's (sum mode only). Returns
+  /// [bags, embedding_dim]. Errors: c10::ValueError for inputs of the wrong shape or dtype; a
+  /// shard's failure as RemoteError naming its owner.
+  at::Tensor forward(const at::Tensor& input, const at::Tensor& offsets = {},
+                     const at::Tensor& per_sample_weights = {});
+
+  /// The shard that holds `id`: its jump consistent hash over num_shards() buckets.
+  size_t shard_of(int64_t id) const;
+  /// One RRef per shard, to its weight, in shard order: for the DistributedOptimizer. The same
+  /// references on every call.
+  std::vector<RRef<at::Tensor>> remote_parameters() const;
+  /// One RRef per shard, to the shard module, in shard order: for another worker's handle.
+  std::vector<RRef<IdEmbeddingShard>> shard_module_rrefs() const;
+  /// Each shard's IdEmbeddingShard::counters(), in shard order.
+  std::vector<std::map<std::string, int64_t>> shard_counters() const;
+  size_t num_shards() const { return shards_.size(); }
+  const ShardedIdEmbeddingBagOptions& options() const { return options_; }
+
+ private:
+  ShardedIdEmbeddingBagOptions options_;
+  std::vector<std::shared_ptr<RemoteModule<IdEmbeddingShard>>> shards_;
+  mutable std::mutex weights_mutex_;
+  mutable std::vector<RRef<at::Tensor>> weights_;  // per shard, once fetched
+
+  void check_options() const;
 };
 
 }  // namespace rpc

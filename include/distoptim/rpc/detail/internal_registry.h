@@ -28,6 +28,8 @@ void register_internal_class(const std::string& name) {
 /// Registers the shards of a ShardedEmbeddingBag (sharded_embedding_bag.h) under their reserved
 /// name; once, from init_rpc.
 void register_embedding_shard();
+/// Registers the shards of a ShardedIdEmbeddingBag (id_embedding_bag.h); once, from init_rpc.
+void register_id_embedding_shard();
 
 }  // namespace detail
 }  // namespace rpc

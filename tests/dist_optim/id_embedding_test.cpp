@@ -1,0 +1,154 @@
+// ShardedIdEmbeddingBag (rpc/id_embedding_bag.h) across real processes on loopback: raw 64-bit
+// ids over three servers train exactly as over one and as LibTorch's sparse EmbeddingBag over
+// one row per id (same initial rows; bit for bit), through distributed autograd and the
+// DistributedOptimizer; and a row handed to a new id steps from a new parameter's Adagrad state,
+// not from its predecessor's.
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/optim/adagrad.h>
+#include <torch/optim/sgd.h>
+
+#include <distoptim/dist_autograd.h>
+#include <distoptim/dist_optim.h>
+#include <distoptim/rpc.h>
+#include <distoptim/rpc/id_embedding_bag.h>
+
+#include "harness/rpc_workers.h"
+#include "support/test_util.h"
+
+namespace distoptim {
+namespace {
+
+using rpc::ShardedIdEmbeddingBag;
+using rpc::ShardedIdEmbeddingBagOptions;
+
+constexpr int64_t kDim = 5, kBags = 10, kSeed = 7;
+constexpr double kLr = 0.1;
+
+// The initial row of every id in `ids`, computed here: a function of the id and the seed alone.
+at::Tensor initial_rows(const std::vector<int64_t>& ids) {
+  rpc::IdEmbeddingShard local(1, kDim, static_cast<int64_t>(c10::ScalarType::Float), kSeed, 1, 0,
+                              0);
+  std::vector<at::Tensor> rows;
+  for (int64_t id : ids) rows.push_back(local.initial_row(id));
+  return at::stack(rows);
+}
+
+TEST(ShardedIdEmbeddingBag, ThreeServersTrainAsOneAndAsATableOfOneRowPerId) {
+  testing::with_workers(4, [] {
+    using testing::worker;
+    // 40 raw ids from all over the 64-bit space, each with a row of its own in the reference.
+    std::mt19937_64 raw_ids(11);
+    std::vector<int64_t> pool_ids;
+    for (int i = 0; i < 40; ++i) pool_ids.push_back(static_cast<int64_t>(raw_ids()));
+    const at::Tensor pool = at::tensor(pool_ids, at::kLong);
+    auto generator = at::detail::createCPUGenerator(11);
+    ASSERT_EQ(std::set<int64_t>(pool_ids.begin(), pool_ids.end()).size(), pool_ids.size());
+    auto options = [](std::vector<std::string> workers) {
+      return ShardedIdEmbeddingBagOptions(64, kDim, std::move(workers))
+          .mode(torch::kSum)
+          .seed(kSeed);
+    };
+    ShardedIdEmbeddingBag three(options({worker(1), worker(2), worker(3)}));
+    ShardedIdEmbeddingBag one(options({worker(1)}));
+    std::vector<int> per_shard(3, 0);
+    for (int64_t id : pool_ids) ++per_shard.at(three.shard_of(id));
+    EXPECT_GT(*std::min_element(per_shard.begin(), per_shard.end()), 0);
+
+    torch::nn::EmbeddingBag reference(
+        torch::nn::EmbeddingBagOptions(40, kDim).mode(torch::kSum).sparse(true));
+    {
+      at::NoGradGuard no_grad;
+      reference->weight.copy_(initial_rows(pool_ids));
+    }
+    torch::optim::SGD reference_sgd(reference->parameters(), torch::optim::SGDOptions(kLr));
+    dist_optim::DistributedOptimizer three_sgd("sgd", three.remote_parameters(),
+                                               optim::OptionBag().set("lr", kLr));
+    dist_optim::DistributedOptimizer one_sgd("sgd", one.remote_parameters(),
+                                             optim::OptionBag().set("lr", kLr));
+    for (int step = 0; step < 5; ++step) {
+      const at::Tensor sizes = at::randint(1, 5, {kBags}, generator, at::kLong);
+      const at::Tensor offsets =
+          at::cat({at::zeros({1}, at::kLong), sizes.cumsum(0).slice(0, 0, -1)});
+      // Positions in the pool (the reference's rows) and the raw ids they stand for.
+      const at::Tensor rows = at::randint(40, {sizes.sum().item<int64_t>()}, generator, at::kLong);
+      const at::Tensor ids = pool.index_select(0, rows);
+      const at::Tensor target = at::randn({kBags, kDim}, generator);
+      at::Tensor outputs[2];
+      ShardedIdEmbeddingBag* tables[2] = {&three, &one};
+      dist_optim::DistributedOptimizer* optimizers[2] = {&three_sgd, &one_sgd};
+      for (int t = 0; t < 2; ++t) {
+        dist_autograd::ContextGuard context;
+        outputs[t] = tables[t]->forward(ids, offsets);
+        dist_autograd::backward(context.id(), {at::mse_loss(outputs[t], target)});
+        optimizers[t]->step(context.id());
+      }
+      reference_sgd.zero_grad();
+      const at::Tensor expected = reference->forward(rows, offsets);
+      at::mse_loss(expected, target).backward();
+      reference_sgd.step();
+      EXPECT_TRUE(at::equal(outputs[0].detach(), expected.detach())) << "step " << step;
+      EXPECT_TRUE(at::equal(outputs[1].detach(), expected.detach())) << "step " << step;
+    }
+    // Every id's row after the steps, one bag each, as the reference's.
+    const at::Tensor trained = three.forward(pool.reshape({-1, 1})).detach();
+    EXPECT_TRUE(at::equal(trained, reference->weight.detach()));
+    EXPECT_TRUE(at::equal(one.forward(pool.reshape({-1, 1})).detach(), trained));
+    int64_t live = 0;
+    for (const auto& counters : three.shard_counters()) live += counters.at("live_rows");
+    EXPECT_EQ(live, 40);
+
+    testing::expect_error_containing(
+        [&] {
+          three.forward(at::tensor({3, 4}, at::kLong));
+        },
+        {"a 1-D input needs 1-D offsets"});
+    testing::expect_error_containing(
+        [&] { ShardedIdEmbeddingBag(options({worker(1)}).rows_per_shard(0)); },
+        {"rows_per_shard = 0; must be at least 1"});
+  });
+}
+
+TEST(ShardedIdEmbeddingBag, ARowHandedToANewIdStepsFromANewAdagradState) {
+  testing::with_workers(2, [] {
+    using testing::worker;
+    // Two rows: a third id takes the row of one of the first two.
+    ShardedIdEmbeddingBag table(
+        ShardedIdEmbeddingBagOptions(2, kDim, {worker(1)}).mode(torch::kSum).seed(kSeed));
+    dist_optim::DistributedOptimizer adagrad("adagrad", table.remote_parameters(),
+                                             optim::OptionBag().set("lr", kLr));
+    const int64_t first = 1001, second = -2002, third = 3003;
+    auto step_on = [&](const at::Tensor& ids) {
+      dist_autograd::ContextGuard context;
+      // Each id its own bag and a loss of their sum: every row looked up gets a gradient of ones.
+      dist_autograd::backward(context.id(), {table.forward(ids.reshape({-1, 1})).sum()});
+      adagrad.step(context.id());
+    };
+    for (int step = 0; step < 3; ++step) step_on(at::tensor({first, second}, at::kLong));
+    step_on(at::tensor({third}, at::kLong));
+    const at::Tensor third_row = table.forward(at::tensor({third}, at::kLong).reshape({1, 1}));
+
+    // LibTorch's Adagrad, one step of a gradient of ones from a new state, on third's initial row.
+    at::Tensor expected = initial_rows({third})[0].clone().requires_grad_(true);
+    torch::optim::Adagrad reference({expected}, torch::optim::AdagradOptions(kLr));
+    expected.mutable_grad() = at::ones({kDim});
+    reference.step();
+    EXPECT_TRUE(at::allclose(third_row.detach()[0], expected.detach(), 1e-6, 1e-7))
+        << third_row << " against " << expected;
+    const std::map<std::string, int64_t> counters = table.shard_counters().at(0);
+    EXPECT_EQ(counters.at("admitted"), 3);
+    EXPECT_EQ(counters.at("evicted"), 1);
+    EXPECT_EQ(counters.at("live_rows"), 2);
+  });
+}
+
+}  // namespace
+}  // namespace distoptim
