@@ -217,11 +217,12 @@ TEST(ProcessGroupFailure, DisagreeingNewGroupIsNamed) {
 TEST(ProcessGroupFailure, RankThatNeverCallsNewGroupIsNamed) {
   run_ranks(3, [](int rank, int) {
     init_process_group(ProcessGroupOptions("env://").timeout(30s));
-    // Together first: on a loaded machine ranks 0 and 1 could otherwise start 1 s apart.
+    // Together first: on a loaded machine ranks 0 and 1 could otherwise start 1 s apart. 5 s,
+    // not less: the store's own answers count against it (see the next test).
     world().barrier();
     if (rank != 2) {
       try {
-        new_group({0, 1}, 1s);
+        new_group({0, 1}, 5s);
         ADD_FAILURE() << "expected a TimeoutError";
       } catch (const TimeoutError& e) {
         EXPECT_NE(std::string(e.what()).find("these ranks never called it: 2"), std::string::npos)
@@ -279,8 +280,11 @@ void expect_timeout_naming(const Group& group, int absent) {
 TEST(ProcessGroupFailure, CollectiveOnSomeRanksTimesOutNamingTheAbsentRank) {
   run_ranks(3, [](int rank, int) {
     init_process_group(ProcessGroupOptions("env://").timeout(30s));
-    world().barrier();  // together first: making the group is bounded by its 1 s too
-    const Group impatient = new_group({}, 1s);
+    // Together first: making the group is bounded by its timeout too. 5 s, not less: under
+    // ThreadSanitizer on a machine kept busy, rank 0's store once took over 1 s to answer the
+    // group's first check.
+    world().barrier();
+    const Group impatient = new_group({}, 5s);
     const distoptim::testing::AbsentRank absent(rank, 3, 2);
     if (rank == 2) {
       absent.stay_until_the_others_are_done();  // skips the collective, connected
@@ -317,8 +321,8 @@ TEST(ProcessGroupFailure, StoppedRankIsNamedInTheTimeout) {
       3,
       [](int rank, int) {
         init_process_group(ProcessGroupOptions("env://").timeout(30s));
-        world().barrier();  // together first: making the group is bounded by its 2 s too
-        const Group impatient = new_group({}, 2s);
+        world().barrier();  // together first: making the group is bounded by its 5 s too
+        const Group impatient = new_group({}, 5s);
         const c10::intrusive_ptr<DeadlineStore> store = default_store();
         const auto deadline = std::chrono::steady_clock::now() + 20s;
         if (rank == 2) {
