@@ -7,6 +7,7 @@
 #include <mutex>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -100,8 +101,11 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   // Rows of a collisionless table handed to new ids since the last step start with a new
   // parameter's state (rpc/detail/reassigned_rows.h).
   for (size_t i = 0; i < optimizer_->params().size(); ++i) {
-    const at::Tensor reassigned = rpc::detail::take_reassigned_rows(optimizer_->params()[i]);
-    if (reassigned.numel() > 0) optimizer_->reset_state_rows(static_cast<int64_t>(i), reassigned);
+    const std::vector<int64_t> reassigned =
+        rpc::detail::take_reassigned_rows(optimizer_->params()[i]);
+    if (!reassigned.empty()) {
+      optimizer_->reset_state_rows(static_cast<int64_t>(i), at::tensor(reassigned, at::kLong));
+    }
   }
   const bool replicated = mirror_ && backup_ready(*mirror_);
   // Only what the step writes is locked: of a parameter whose sparse gradient's update is

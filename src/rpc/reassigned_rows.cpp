@@ -8,7 +8,6 @@
 #include <mutex>
 #include <vector>
 
-#include <ATen/ATen.h>
 #include <absl/container/flat_hash_map.h>
 #include <absl/container/flat_hash_set.h>
 
@@ -39,7 +38,7 @@ void note_reassigned_row(const at::Tensor& tensor, int64_t row) {
   }
 }
 
-at::Tensor take_reassigned_rows(const at::Tensor& tensor) {
+std::vector<int64_t> take_reassigned_rows(const at::Tensor& tensor) {
   ReassignedRows& all = reassigned();
   std::vector<int64_t> rows;
   if (all.noted.load(std::memory_order_relaxed) > 0) {
@@ -52,7 +51,7 @@ at::Tensor take_reassigned_rows(const at::Tensor& tensor) {
     }
   }
   std::sort(rows.begin(), rows.end());
-  return at::tensor(rows, at::kLong);
+  return rows;
 }
 
 void forget_reassigned_rows(const at::Tensor& tensor) { take_reassigned_rows(tensor); }

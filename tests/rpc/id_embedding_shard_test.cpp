@@ -109,10 +109,7 @@ TEST(IdEmbeddingShard, AGradientMovesOnlyRowsThatStillBelongToTheirIds) {
 // What the owner's optimizer reads before its next step: each row handed to a new id, once.
 TEST(IdEmbeddingShard, RowsHandedToNewIdsAreNotedOnceForTheOptimizer) {
   IdEmbeddingShard table = shard(2, 2, /*seed=*/9);
-  const auto noted = [&] {
-    const at::Tensor rows = detail::take_reassigned_rows(table.weight);
-    return std::vector<int64_t>(rows.data_ptr<int64_t>(), rows.data_ptr<int64_t>() + rows.numel());
-  };
+  const auto noted = [&] { return detail::take_reassigned_rows(table.weight); };
   table.forward(ids_of({10, 20}));
   std::vector<int64_t> expected = {table.row_of(10), table.row_of(20)};
   std::sort(expected.begin(), expected.end());

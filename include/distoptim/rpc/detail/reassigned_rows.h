@@ -11,6 +11,7 @@
 // called from any thread.
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -20,9 +21,9 @@ namespace detail {
 
 /// Notes that `row` of `tensor` now holds a new key.
 void note_reassigned_row(const at::Tensor& tensor, int64_t row);
-/// The rows of `tensor` noted since the last call, ascending (1-D int64), and forgets them; empty
-/// for a tensor with none.
-at::Tensor take_reassigned_rows(const at::Tensor& tensor);
+/// The rows of `tensor` noted since the last call, ascending, and forgets them; empty for a tensor
+/// with none (without a lock or an allocation when no tensor has any: every step asks).
+std::vector<int64_t> take_reassigned_rows(const at::Tensor& tensor);
 /// Forgets every row of `tensor` noted (its table is gone; its memory may hold another tensor).
 void forget_reassigned_rows(const at::Tensor& tensor);
 
