@@ -29,7 +29,7 @@
 
 namespace distoptim {
 namespace comm {
-namespace {
+namespace etcd_store_test {
 
 using distoptim::testing::EtcdServer;
 using distoptim::testing::expect_error_containing;
@@ -561,6 +561,6 @@ TEST(EtcdStoreHostile, MalformedAnswersAreClearErrors) {
   }
 }
 
-}  // namespace
+}  // namespace etcd_store_test
 }  // namespace comm
 }  // namespace distoptim

@@ -21,7 +21,7 @@
 
 namespace distoptim {
 namespace comm {
-namespace {
+namespace host_memory_group_test {
 
 using distoptim::testing::run_ranks;
 using namespace std::chrono_literals;
@@ -235,6 +235,6 @@ TEST(HostMemoryGroup, AbsentMemberTimesOutNamingIt) {
   });
 }
 
-}  // namespace
+}  // namespace host_memory_group_test
 }  // namespace comm
 }  // namespace distoptim

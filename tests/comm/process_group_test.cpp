@@ -30,7 +30,7 @@
 
 namespace distoptim {
 namespace comm {
-namespace {
+namespace process_group_test {
 
 using distoptim::testing::expect_error_containing;
 using distoptim::testing::run_ranks;
@@ -303,7 +303,14 @@ TEST(ProcessGroupFailure, DeadRankIsNamedAsLost) {
       [](int rank, int) {
         // A long timeout: the survivors fail as soon as the others have reported, not after it.
         init_process_group(ProcessGroupOptions("env://").timeout(30s));
-        if (rank == 2) std::_Exit(3);
+        // Rank 2 dies once the others have their group: its init returning does not mean theirs
+        // has (a survivor may still be reading the last of the connection's handshake).
+        const c10::intrusive_ptr<DeadlineStore> store = default_store();
+        if (rank == 2) {
+          store->wait({"test/group/0", "test/group/1"}, 20s);
+          std::_Exit(3);
+        }
+        store->set("test/group/" + std::to_string(rank), {1});
         const std::string message = failed_allreduce_message<PeerLostError>(world());
         EXPECT_TRUE(names_rank(message, "ranks? ", 2, " (is|are) lost")) << message;
         // Gloo's own text: "Connection closed by peer" or "Connection reset by peer", as the
@@ -419,6 +426,6 @@ TEST(ProcessGroupFailure, SilentPeerWhileMakingAGroupTimesOutNamingIt) {
                                                      "group's timeout of 1000 ms to connect); ");
 }
 
-}  // namespace
+}  // namespace process_group_test
 }  // namespace comm
 }  // namespace distoptim

@@ -26,7 +26,7 @@
 
 namespace distoptim {
 namespace comm {
-namespace {
+namespace rendezvous_test {
 
 using distoptim::testing::expect_error_containing;
 using distoptim::testing::run_ranks;
@@ -387,6 +387,6 @@ TEST(RendezvousFailure, RankClaimedTwice) {
   });
 }
 
-}  // namespace
+}  // namespace rendezvous_test
 }  // namespace comm
 }  // namespace distoptim

@@ -25,7 +25,7 @@
 
 namespace distoptim {
 namespace comm {
-namespace {
+namespace store_deadline_test {
 
 using distoptim::testing::run_ranks;
 using namespace std::chrono_literals;
@@ -203,6 +203,6 @@ TEST(DeadlineStore, LostConnectionIsPeerLost) {
   }
 }
 
-}  // namespace
+}  // namespace store_deadline_test
 }  // namespace comm
 }  // namespace distoptim

@@ -19,7 +19,7 @@
 
 namespace distoptim {
 namespace comm {
-namespace {
+namespace store_round_test {
 
 using distoptim::testing::run_ranks;
 using namespace std::chrono_literals;
@@ -330,6 +330,6 @@ TEST(StoreRound, WaitForKnowsAfterEveryPollWhoHadNotArrived) {
       bounded());
 }
 
-}  // namespace
+}  // namespace store_round_test
 }  // namespace comm
 }  // namespace distoptim

@@ -31,7 +31,7 @@
 #include "support/tensor_files.h"
 #include "support/test_util.h"
 
-namespace {
+namespace checkpoint_test {
 
 namespace comm = distoptim::comm;
 namespace dp = distoptim::data_parallel;
@@ -366,4 +366,4 @@ TEST(Checkpoint, NoCheckpointInAnEmptyOrMissingDirectory) {
   fs::remove_all(dir);
 }
 
-}  // namespace
+}  // namespace checkpoint_test

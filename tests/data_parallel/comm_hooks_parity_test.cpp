@@ -23,7 +23,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace comm_hooks_parity_test {
 
 namespace fs = std::filesystem;
 using distoptim::testing::load_tensor_list;
@@ -155,6 +155,6 @@ INSTANTIATE_TEST_SUITE_P(
                            /*batched=*/true)}),
     [](const ::testing::TestParamInfo<HookCase>& info) { return info.param.name; });
 
-}  // namespace
+}  // namespace comm_hooks_parity_test
 }  // namespace data_parallel
 }  // namespace distoptim

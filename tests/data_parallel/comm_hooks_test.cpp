@@ -9,7 +9,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace comm_hooks_test {
 
 // A group this process is not in: bad options must fail before the group is looked at.
 void expect_bad_power_sgd_options(const PowerSGDOptions& options, const std::string& named) {
@@ -57,6 +57,6 @@ TEST(CommHooksTest, RejectNullArguments) {
   EXPECT_NE(noop_hook(), nullptr);
 }
 
-}  // namespace
+}  // namespace comm_hooks_test
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -18,7 +18,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace distributed_data_parallel_test {
 
 using distoptim::testing::expect_error_containing;
 using distoptim::testing::run_ranks;
@@ -379,6 +379,6 @@ TEST(DistributedDataParallelFailure, DeadRankIsNamedByBackward) {
   expect_dead_rank_named_by_backward(/*share_host_memory=*/false);
 }
 
-}  // namespace
+}  // namespace distributed_data_parallel_test
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -20,7 +20,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace join_test {
 
 using distoptim::testing::expect_error_containing;
 using distoptim::testing::run_ranks;
@@ -270,6 +270,6 @@ TEST(Join, AJoinFailingInItsDestructorThrowsAtTheNextIteration) {
   });
 }
 
-}  // namespace
+}  // namespace join_test
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -21,7 +21,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace large_block_cache_test {
 
 using distoptim::testing::expect_error_containing;
 
@@ -257,6 +257,6 @@ TEST(LargeBlockCache, ThreadsAllocatingAndFreeingAtOnceKeepExactCounts) {
   EXPECT_EQ(now.live_bytes, start.live_bytes);
 }
 
-}  // namespace
+}  // namespace large_block_cache_test
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -25,7 +25,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace model_averaging_test {
 
 namespace fs = std::filesystem;
 using distoptim::testing::expect_error_containing;
@@ -576,6 +576,6 @@ TEST(ModelAveragingBadInput, PostLocalSGDOptimizer) {
   });
 }
 
-}  // namespace
+}  // namespace model_averaging_test
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -29,7 +29,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace post_local_sgd_parity_test {
 
 namespace fs = std::filesystem;
 using distoptim::testing::load_tensor_list;
@@ -167,6 +167,6 @@ INSTANTIATE_TEST_SUITE_P(
                    }}),
     [](const ::testing::TestParamInfo<ParityCase>& info) { return info.param.name; });
 
-}  // namespace
+}  // namespace post_local_sgd_parity_test
 }  // namespace data_parallel
 }  // namespace distoptim

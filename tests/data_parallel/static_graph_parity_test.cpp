@@ -23,7 +23,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace static_graph_parity_test {
 
 namespace fs = std::filesystem;
 using distoptim::testing::load_tensor_list;
@@ -198,6 +198,6 @@ TEST_F(StaticGraphParityTest, ALayerFirstUsedInTheSecondIterationFailsAsInPyTorc
   });
 }
 
-}  // namespace
+}  // namespace static_graph_parity_test
 }  // namespace data_parallel
 }  // namespace distoptim

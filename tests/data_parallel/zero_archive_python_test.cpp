@@ -22,7 +22,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace zero_archive_python_test {
 
 using namespace std::chrono_literals;
 
@@ -67,6 +67,6 @@ TEST(ZeroArchiveInPython, TorchLoadReadsEveryStateTensorAndOption) {
   if (!testing::in_rank_process()) std::filesystem::remove(archive);
 }
 
-}  // namespace
+}  // namespace zero_archive_python_test
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -26,7 +26,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace zero_parity_test {
 
 namespace fs = std::filesystem;
 using distoptim::testing::load_tensor_list;
@@ -184,6 +184,6 @@ TEST_F(ZeroParityTest, MatchesPyTorchWithStage2AndParametersAsBucketView) {
   expect_parity(ZeroRedundancyOptimizerOptions().stage(2).parameters_as_bucket_view(true));
 }
 
-}  // namespace
+}  // namespace zero_parity_test
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -31,7 +31,7 @@
 
 namespace distoptim {
 namespace data_parallel {
-namespace {
+namespace zero_redundancy_optimizer_test {
 
 using distoptim::testing::expect_error_containing;
 using distoptim::testing::expect_state_dicts_close;
@@ -1288,6 +1288,6 @@ TEST(ZeroRedundancyOptimizer, GroupOptionsAreCheckedAgreedAcrossRanksAndCheckpoi
   std::remove(file.c_str());
 }
 
-}  // namespace
+}  // namespace zero_redundancy_optimizer_test
 }  // namespace data_parallel
 }  // namespace distoptim

@@ -10,7 +10,7 @@
 namespace distoptim {
 namespace dist_autograd {
 namespace detail {
-namespace {
+namespace context_test {
 
 // Hands `grad` over as backward does (the last reference) and says whether the context kept that
 // very memory.
@@ -53,7 +53,7 @@ TEST(ContextAccumulate, CopiesAGradientSharedWithAnotherTensor) {
   EXPECT_FALSE(kept_as_is(grad));
 }
 
-}  // namespace
+}  // namespace context_test
 }  // namespace detail
 }  // namespace dist_autograd
 }  // namespace distoptim

@@ -26,7 +26,7 @@
 
 namespace distoptim {
 namespace dist_autograd {
-namespace {
+namespace ddp_dist_autograd_test {
 
 using namespace std::chrono_literals;
 using data_parallel::DistributedDataParallel;
@@ -270,6 +270,6 @@ TEST(DdpInDistAutogradContext, ASecondForwardBeforeTheFirstsBackwardFails) {
   });
 }
 
-}  // namespace
+}  // namespace ddp_dist_autograd_test
 }  // namespace dist_autograd
 }  // namespace distoptim

@@ -20,7 +20,7 @@
 
 namespace distoptim {
 namespace dist_autograd {
-namespace {
+namespace dist_autograd_test {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
@@ -629,6 +629,6 @@ TEST(DistAutograd, BackwardWithAStoppedWorkerTimesOutNamingIt) {
       testing::test_options(1500ms));
 }
 
-}  // namespace
+}  // namespace dist_autograd_test
 }  // namespace dist_autograd
 }  // namespace distoptim

@@ -26,7 +26,7 @@
 #include "support/tensor_files.h"
 
 namespace distoptim {
-namespace {
+namespace ddp_rpc_parity_test {
 
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
@@ -122,5 +122,5 @@ TEST_F(DdpRpcParityTest, LossesAndParametersMatchPyTorchs) {
       options);
 }
 
-}  // namespace
+}  // namespace ddp_rpc_parity_test
 }  // namespace distoptim

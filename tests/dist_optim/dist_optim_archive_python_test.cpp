@@ -24,7 +24,7 @@
 
 namespace distoptim {
 namespace dist_optim {
-namespace {
+namespace dist_optim_archive_python_test {
 
 using namespace std::chrono_literals;
 using optim::OptionBag;
@@ -103,6 +103,6 @@ TEST(DistributedOptimizerArchiveInPython, TorchLoadReadsEveryOwnersState) {
   if (!testing::in_rank_process()) std::filesystem::remove(archive);
 }
 
-}  // namespace
+}  // namespace dist_optim_archive_python_test
 }  // namespace dist_optim
 }  // namespace distoptim

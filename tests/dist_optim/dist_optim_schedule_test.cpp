@@ -26,7 +26,7 @@
 
 namespace distoptim {
 namespace dist_optim {
-namespace {
+namespace dist_optim_schedule_test {
 
 using namespace std::chrono_literals;
 using dist_autograd::ContextGuard;
@@ -60,18 +60,19 @@ at::Tensor input(int64_t step) {
 // The trainer's own parameter.
 at::Tensor initial_v() { return at::linspace(0.5, 1.5, 4, at::kDouble); }
 
-DISTOPTIM_RPC_FUNCTION("layer", [](const at::Tensor& x) { return layer(server_params(), x); });
-DISTOPTIM_RPC_FUNCTION("param_rrefs", [] {
+DISTOPTIM_RPC_FUNCTION("schedule_layer",
+                       [](const at::Tensor& x) { return layer(server_params(), x); });
+DISTOPTIM_RPC_FUNCTION("schedule_param_rrefs", [] {
   std::vector<RRef<at::Tensor>> rrefs;
   for (const at::Tensor& p : server_params()) rrefs.emplace_back(p);
   return rrefs;
 });
-DISTOPTIM_RPC_FUNCTION("params", [] {
+DISTOPTIM_RPC_FUNCTION("schedule_params", [] {
   std::vector<at::Tensor> copies;
   for (const at::Tensor& p : server_params()) copies.push_back(p.detach().clone());
   return copies;
 });
-DISTOPTIM_RPC_FUNCTION("set_params", [](const std::vector<at::Tensor>& values) {
+DISTOPTIM_RPC_FUNCTION("schedule_set_params", [](const std::vector<at::Tensor>& values) {
   rpc::InPlaceUpdateGuard guard;
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < values.size(); ++i) server_params()[i].copy_(values[i]);
@@ -111,7 +112,7 @@ at::Tensor loss_of(const at::Tensor& h, const at::Tensor& v) { return (h * v).po
 struct DistributedModel {
   at::Tensor v = initial_v().requires_grad_();
   std::vector<RRef<at::Tensor>> server =
-      rpc_sync<std::vector<RRef<at::Tensor>>>(worker(1), "param_rrefs");
+      rpc_sync<std::vector<RRef<at::Tensor>>>(worker(1), "schedule_param_rrefs");
 
   std::vector<RemoteParamGroup> groups(const OptionBag& first, const OptionBag& second) const {
     return {RemoteParamGroup({server[0], RRef<at::Tensor>(v)}, first),
@@ -120,18 +121,19 @@ struct DistributedModel {
   // One step of `optimizer` with the gradients of input `step`.
   void step(DistributedOptimizer& optimizer, int64_t step) const {
     ContextGuard context;
-    const at::Tensor h = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{input(step)});
+    const at::Tensor h = rpc_sync<at::Tensor>(worker(1), "schedule_layer", std::tuple{input(step)});
     dist_autograd::backward(context.id(), {loss_of(h, v)});
     optimizer.step(context.id());
   }
   // w, b, v.
   std::vector<at::Tensor> values() const {
-    std::vector<at::Tensor> out = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+    std::vector<at::Tensor> out = rpc_sync<std::vector<at::Tensor>>(worker(1), "schedule_params");
     out.push_back(v.detach().clone());
     return out;
   }
   void set_values(const std::vector<at::Tensor>& values) {
-    rpc_sync(worker(1), "set_params", std::tuple{std::vector<at::Tensor>{values[0], values[1]}});
+    rpc_sync(worker(1), "schedule_set_params",
+             std::tuple{std::vector<at::Tensor>{values[0], values[1]}});
     at::NoGradGuard no_grad;
     v.copy_(values[2]);
   }
@@ -383,7 +385,7 @@ TEST(DistributedOptimizerSchedule, StepWithAClosureTakesTheCurrentContext) {
       ++calls;
       const std::optional<int64_t> context = dist_autograd::current_context_id();
       EXPECT_TRUE(at::GradMode::is_enabled());
-      const at::Tensor h = rpc_sync<at::Tensor>(worker(1), "layer", std::tuple{input(0)});
+      const at::Tensor h = rpc_sync<at::Tensor>(worker(1), "schedule_layer", std::tuple{input(0)});
       last_loss = loss_of(h, model.v);
       dist_autograd::backward(*context, {last_loss});
       return last_loss;
@@ -461,6 +463,6 @@ TEST(DistributedOptimizerSchedule, ACheckpointCarriesTheScheduledOptions) {
   });
 }
 
-}  // namespace
+}  // namespace dist_optim_schedule_test
 }  // namespace dist_optim
 }  // namespace distoptim

@@ -25,7 +25,7 @@
 
 namespace distoptim {
 namespace dist_optim {
-namespace {
+namespace dist_optim_test {
 
 using namespace std::chrono_literals;
 using dist_autograd::ContextGuard;
@@ -579,6 +579,6 @@ TEST(DistributedOptimizer, RebindRefusalsNameTheParameterAndChangeNothing) {
   });
 }
 
-}  // namespace
+}  // namespace dist_optim_test
 }  // namespace dist_optim
 }  // namespace distoptim

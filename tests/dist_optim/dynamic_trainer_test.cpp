@@ -18,7 +18,7 @@
 
 namespace distoptim {
 namespace dist_optim {
-namespace {
+namespace dynamic_trainer_test {
 
 using namespace std::chrono_literals;
 using dist_autograd::ContextGuard;
@@ -129,6 +129,6 @@ TEST(DynamicTrainer, ALateTrainerStepsTheServerAsOneProcessWould) {
   });
 }
 
-}  // namespace
+}  // namespace dynamic_trainer_test
 }  // namespace dist_optim
 }  // namespace distoptim

@@ -25,7 +25,7 @@
 #include "support/test_util.h"
 
 namespace distoptim {
-namespace {
+namespace id_embedding_test {
 
 using rpc::ShardedIdEmbeddingBag;
 using rpc::ShardedIdEmbeddingBagOptions;
@@ -150,5 +150,5 @@ TEST(ShardedIdEmbeddingBag, ARowHandedToANewIdStepsFromANewAdagradState) {
   });
 }
 
-}  // namespace
+}  // namespace id_embedding_test
 }  // namespace distoptim

@@ -52,7 +52,7 @@
 
 namespace distoptim {
 namespace dist_optim {
-namespace {
+namespace kill_restart_loop_test {
 
 using namespace std::chrono_literals;
 using dist_autograd::ContextGuard;
@@ -576,6 +576,6 @@ TEST(KillRestartLoop, AFiftyTimesKilledTrainerLeavesTheServerAtItsBaseline) {
   }
 }
 
-}  // namespace
+}  // namespace kill_restart_loop_test
 }  // namespace dist_optim
 }  // namespace distoptim

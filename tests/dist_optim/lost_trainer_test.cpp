@@ -44,7 +44,7 @@
 
 namespace distoptim {
 namespace dist_optim {
-namespace {
+namespace lost_trainer_test {
 
 using namespace std::chrono_literals;
 using dist_autograd::ContextGuard;
@@ -457,6 +457,6 @@ INSTANTIATE_TEST_SUITE_P(KillPoints, LostTrainer,
                            return name_of(param.param);
                          });
 
-}  // namespace
+}  // namespace lost_trainer_test
 }  // namespace dist_optim
 }  // namespace distoptim

@@ -29,7 +29,7 @@
 
 namespace distoptim {
 namespace dist_optim {
-namespace {
+namespace max_staleness_test {
 
 using namespace std::chrono_literals;
 using dist_autograd::ContextGuard;
@@ -63,18 +63,18 @@ DISTOPTIM_RPC_FUNCTION("linear", [](int64_t step) {
   const std::vector<at::Tensor> c = coefficients(step, rpc::get_worker_info().id);
   return (my_params()[0] * c[0]).sum() + (my_params()[1] * c[1]).sum();
 });
-DISTOPTIM_RPC_FUNCTION("param_rrefs", [] {
+DISTOPTIM_RPC_FUNCTION("staleness_param_rrefs", [] {
   std::vector<RRef<at::Tensor>> rrefs;
   for (const at::Tensor& p : my_params()) rrefs.emplace_back(p);
   return rrefs;
 });
-DISTOPTIM_RPC_FUNCTION("params", [] {
+DISTOPTIM_RPC_FUNCTION("staleness_params", [] {
   rpc::InPlaceUpdateGuard guard;  // not torn by a step
   std::vector<at::Tensor> copies;
   for (const at::Tensor& p : my_params()) copies.push_back(p.detach().clone());
   return copies;
 });
-DISTOPTIM_RPC_FUNCTION("context_count",
+DISTOPTIM_RPC_FUNCTION("staleness_context_count",
                        [] { return static_cast<int64_t>(dist_autograd::context_count()); });
 
 // A gate every owner's step waits at (at most kBound) until the test opens it, and the count of
@@ -149,14 +149,14 @@ const optim::OptimizerRegistration kDyingOnWorker2(
     "dying_on_worker2",
     optim::typed_factory<DyingOnWorker2, optim::SGDOptions>(optim::SGDOptions(0.1)));
 std::atomic<bool> g_leave{false};
-DISTOPTIM_RPC_FUNCTION("leave", [] { g_leave = true; });
+DISTOPTIM_RPC_FUNCTION("staleness_leave", [] { g_leave = true; });
 
 void with_workers(int world_size, const std::function<void()>& trainer) {
   testing::with_workers(world_size, trainer, testing::test_options(60s));
 }
 
 std::vector<RRef<at::Tensor>> params_of(int rank) {
-  return rpc_sync<std::vector<RRef<at::Tensor>>>(worker(rank), "param_rrefs");
+  return rpc_sync<std::vector<RRef<at::Tensor>>>(worker(rank), "staleness_param_rrefs");
 }
 
 // One step's forward and backward through worker1 and worker2, in a context released as soon as
@@ -180,7 +180,7 @@ void expect_contexts_released() {
   const auto deadline = std::chrono::steady_clock::now() + kBound;
   for (int rank : {1, 2}) {
     int64_t held = 0;
-    while ((held = rpc_sync<int64_t>(worker(rank), "context_count")) != 0 &&
+    while ((held = rpc_sync<int64_t>(worker(rank), "staleness_context_count")) != 0 &&
            std::chrono::steady_clock::now() < deadline) {
       std::this_thread::sleep_for(10ms);
     }
@@ -218,7 +218,7 @@ TEST(MaxStaleness, StepsReturnBeforeTheyAreAppliedAndApplyInOrder) {
       std::vector<at::Tensor> local = make_params(rank);
       auto adam = optim::create_optimizer("adam", {optim::ParamGroup(local)}, options);
       for (int64_t step = 0; step < steps; ++step) adam->step(coefficients(step, rank));
-      const auto now = rpc_sync<std::vector<at::Tensor>>(worker(rank), "params");
+      const auto now = rpc_sync<std::vector<at::Tensor>>(worker(rank), "staleness_params");
       expect_equal(now[0], local[0].detach(), worker(rank) + "'s w");
       expect_equal(now[1], local[1].detach(), worker(rank) + "'s b");
     }
@@ -264,7 +264,7 @@ TEST(MaxStaleness, AFailedStepIsReportedByTheNextStepWhichSendsNothing) {
       expected[i] = expected[i].detach() - 0.1 * coefficients(0, 1)[i];
     }
     optimizer.flush();  // nothing outstanding, nothing failed
-    auto now = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+    auto now = rpc_sync<std::vector<at::Tensor>>(worker(1), "staleness_params");
     expect_equal(now[0], expected[0], "worker1's w after one step");
     // Taken again, it is sent; flush reports its failure on worker2 as step 2.
     optimizer.step(second.id());
@@ -282,7 +282,7 @@ TEST(MaxStaleness, AFailedStepIsReportedByTheNextStepWhichSendsNothing) {
     for (size_t i = 0; i < 2; ++i) {
       expected[i] = expected[i] - 0.1 * coefficients(1, 1)[i];
     }
-    now = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+    now = rpc_sync<std::vector<at::Tensor>>(worker(1), "staleness_params");
     expect_equal(now[0], expected[0], "worker1's w after two steps");
     expect_equal(now[1], expected[1], "worker1's b after two steps");
   });
@@ -328,13 +328,13 @@ TEST(MaxStaleness, AnOwnerLostWithAStepOutstandingIsNamedByFlush) {
           EXPECT_EQ(message.find("worker '" + worker(1) + "'"), std::string::npos) << message;
         }
         std::vector<at::Tensor> expected = make_params(1);
-        const auto now = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+        const auto now = rpc_sync<std::vector<at::Tensor>>(worker(1), "staleness_params");
         for (size_t i = 0; i < 2; ++i) {
           expect_equal(now[i], expected[i].detach() - 0.1 * coefficients(0, 1)[i],
                        "worker1's parameter " + std::to_string(i));
         }
         optimizer.flush();  // reported once
-        rpc_sync(worker(1), "leave");
+        rpc_sync(worker(1), "staleness_leave");
         rpc::shutdown(/*graceful=*/false);
       },
       options);
@@ -364,7 +364,7 @@ TEST(MaxStaleness, RefusedSettingsAndContextsChangeNothing) {
       EXPECT_NE(message.find("max_staleness 2"), std::string::npos) << message;
     }
     optimizer.flush();
-    const auto now = rpc_sync<std::vector<at::Tensor>>(worker(1), "params");
+    const auto now = rpc_sync<std::vector<at::Tensor>>(worker(1), "staleness_params");
     expect_equal(now[0], make_params(1)[0].detach(), "worker1's w");
     // Back to synchronous steps.
     optimizer.set_max_staleness(0);
@@ -372,6 +372,6 @@ TEST(MaxStaleness, RefusedSettingsAndContextsChangeNothing) {
   });
 }
 
-}  // namespace
+}  // namespace max_staleness_test
 }  // namespace dist_optim
 }  // namespace distoptim

@@ -50,7 +50,7 @@ DISTOPTIM_RPC_FUNCTION(
     });
 
 namespace distoptim {
-namespace {
+namespace remote_module_training_test {
 
 using rpc::RemoteModule;
 using rpc::RRef;
@@ -177,5 +177,5 @@ TEST(RemoteModuleTraining, ASparseEmbeddingTrainsThroughContextsAndSparseAdam) {
   });
 }
 
-}  // namespace
+}  // namespace remote_module_training_test
 }  // namespace distoptim

@@ -48,7 +48,7 @@
 
 namespace distoptim {
 namespace dist_optim {
-namespace {
+namespace server_restart_test {
 
 namespace fs = std::filesystem;
 using namespace std::chrono_literals;
@@ -757,6 +757,6 @@ TEST(ServerRestart, ABackupTakesOverALostServerAtOnceWithEveryStepThatReturned) 
   run_replicated_death(kHotTurns, "ps1_may_join_again", train_hot_standby, train_late_hot_standby);
 }
 
-}  // namespace
+}  // namespace server_restart_test
 }  // namespace dist_optim
 }  // namespace distoptim

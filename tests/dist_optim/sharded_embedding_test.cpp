@@ -19,7 +19,7 @@
 #include "support/test_util.h"
 
 namespace distoptim {
-namespace {
+namespace sharded_embedding_test {
 
 using rpc::RRef;
 using rpc::ShardedEmbeddingBag;
@@ -195,5 +195,5 @@ TEST(ShardedEmbeddingBag, HandlesFromShardModuleRrefsShareTheTable) {
   });
 }
 
-}  // namespace
+}  // namespace sharded_embedding_test
 }  // namespace distoptim

@@ -31,7 +31,7 @@
 #include "support/test_util.h"
 
 namespace distoptim {
-namespace {
+namespace shared_table_steps_test {
 
 using rpc::EmbeddingShard;
 using rpc::RRef;
@@ -636,5 +636,5 @@ TEST(SharedTableSteps, AReplacementTrainerTakesItsPredecessorsStateFromTheBackup
   });
 }
 
-}  // namespace
+}  // namespace shared_table_steps_test
 }  // namespace distoptim

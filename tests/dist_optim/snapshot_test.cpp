@@ -42,7 +42,7 @@ struct SnapshotLinear : torch::nn::LinearImpl {
 DISTOPTIM_REMOTE_MODULE(SnapshotLinear, int64_t, int64_t);
 
 namespace distoptim {
-namespace {
+namespace snapshot_test {
 
 namespace fs = std::filesystem;
 using dist_optim::DistributedOptimizer;
@@ -503,5 +503,5 @@ TEST(Snapshot, BadSnapshotsAreRefusedNamingTheFileAndTheOwnerAndChangeNothing) {
   });
 }
 
-}  // namespace
+}  // namespace snapshot_test
 }  // namespace distoptim

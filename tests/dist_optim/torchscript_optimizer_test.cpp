@@ -32,7 +32,7 @@
 
 namespace distoptim {
 namespace dist_optim {
-namespace {
+namespace torchscript_optimizer_test {
 
 namespace fs = std::filesystem;
 using distoptim::testing::load_tensor_list;
@@ -319,6 +319,6 @@ TEST_F(TorchScriptOptimizerTest, AZeroRedundancyOptimizerShardsItsState) {
   });
 }
 
-}  // namespace
+}  // namespace torchscript_optimizer_test
 }  // namespace dist_optim
 }  // namespace distoptim

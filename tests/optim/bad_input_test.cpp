@@ -13,7 +13,7 @@
 
 namespace distoptim {
 namespace optim {
-namespace {
+namespace bad_input_test {
 
 using testing::clone_all;
 using testing::expect_all_equal;
@@ -214,6 +214,6 @@ TEST(BadFunctionalCall, ListLengthsAndShapes) {
   EXPECT_TRUE(at::equal(params[0], at::zeros({3})));
 }
 
-}  // namespace
+}  // namespace bad_input_test
 }  // namespace optim
 }  // namespace distoptim

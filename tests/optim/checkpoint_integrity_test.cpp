@@ -29,7 +29,7 @@
 
 namespace distoptim {
 namespace optim {
-namespace {
+namespace checkpoint_integrity_test {
 
 using testing::expect_error_containing;
 
@@ -411,6 +411,6 @@ TEST_F(CheckpointFile, ASavedFileIsExactlyLibTorchsPickleOfTheState) {
   EXPECT_TRUE(written == expected);
 }
 
-}  // namespace
+}  // namespace checkpoint_integrity_test
 }  // namespace optim
 }  // namespace distoptim

@@ -12,7 +12,7 @@
 
 namespace dopt = distoptim::optim;
 
-namespace {
+namespace libtorch_optimizer_adapter_test {
 
 std::vector<at::Tensor> make_params() {
   torch::manual_seed(3);
@@ -131,4 +131,4 @@ TEST(LibTorchOptimizerAdapter, GroupsReachTheOptimizerAndStateStaysInside) {
                                 {"optimizer is null"});
 }
 
-}  // namespace
+}  // namespace libtorch_optimizer_adapter_test

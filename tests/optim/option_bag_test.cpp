@@ -14,7 +14,7 @@
 
 namespace distoptim {
 namespace optim {
-namespace {
+namespace option_bag_test {
 
 using testing::expect_error_containing;
 
@@ -124,6 +124,6 @@ TEST(OptionBag, ATupleIsABracedListOfNumbers) {
   EXPECT_EQ(options_from_bag<AdamOptions>(braced).betas(), std::make_tuple(0.9, 0.98));
 }
 
-}  // namespace
+}  // namespace option_bag_test
 }  // namespace optim
 }  // namespace distoptim

@@ -55,7 +55,7 @@
 
 namespace distoptim {
 namespace optim {
-namespace {
+namespace parity_test {
 
 namespace fs = std::filesystem;
 using distoptim::testing::CommandResult;
@@ -762,6 +762,6 @@ INSTANTIATE_TEST_SUITE_P(Reference, OptimizerParityTest, ::testing::ValuesIn(lis
 INSTANTIATE_TEST_SUITE_P(Reference, FunctionalParityTest, ::testing::ValuesIn(functional_cases()),
                          case_name);
 
-}  // namespace
+}  // namespace parity_test
 }  // namespace optim
 }  // namespace distoptim

@@ -12,7 +12,7 @@
 
 #include "qhm.h"
 
-namespace {
+namespace qhm_parity_test {
 
 c10::IValue run_reference(const c10::IValue& input, const std::string& tag) {
   const std::string dir = ::testing::TempDir();
@@ -112,4 +112,4 @@ INSTANTIATE_TEST_SUITE_P(
                       QhmCase{"direct_decay_float64", at::kDouble, 0.01, "direct"}),
     [](const auto& info) { return info.param.name; });
 
-}  // namespace
+}  // namespace qhm_parity_test

@@ -10,7 +10,7 @@
 
 namespace distoptim {
 namespace optim {
-namespace {
+namespace registry_test {
 
 using testing::expect_error_containing;
 
@@ -67,6 +67,6 @@ TEST(Registry, UserFactoryIsCalledWithGroupsAndBag) {
   EXPECT_TRUE(at::equal(p, at::full({2}, -0.5)));
 }
 
-}  // namespace
+}  // namespace registry_test
 }  // namespace optim
 }  // namespace distoptim

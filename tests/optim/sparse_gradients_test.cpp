@@ -29,7 +29,7 @@
 
 namespace distoptim {
 namespace optim {
-namespace {
+namespace sparse_gradients_test {
 
 namespace fs = std::filesystem;
 using Dict = c10::Dict<c10::IValue, c10::IValue>;
@@ -375,6 +375,6 @@ TEST(SparseGradients, ASparseEmbeddingTrainsThroughTheAdapter) {
   EXPECT_TRUE(at::equal(embedding->weight.detach(), reference));
 }
 
-}  // namespace
+}  // namespace sparse_gradients_test
 }  // namespace optim
 }  // namespace distoptim

@@ -18,7 +18,7 @@
 
 namespace distoptim {
 namespace optim {
-namespace {
+namespace sparse_rows_test {
 
 // SGD without momentum applies a sparse gradient as LibTorch 1.13's dense += sparse does for a
 // gradient with dense dimensions: entry after entry, a row named twice taking both in order
@@ -120,6 +120,6 @@ TEST(SparseRows, ALargeTableAdvisedToHugePagesKeepsItsValues) {
   EXPECT_EQ(sum.index({untouched}).abs().max().item<float>(), 0.0f);
 }
 
-}  // namespace
+}  // namespace sparse_rows_test
 }  // namespace optim
 }  // namespace distoptim

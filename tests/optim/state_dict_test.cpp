@@ -19,7 +19,7 @@
 
 namespace distoptim {
 namespace optim {
-namespace {
+namespace state_dict_test {
 
 using testing::clone_all;
 using testing::expect_all_equal;
@@ -254,6 +254,6 @@ TEST(ResetStateRows, BadArgumentsAreNamedAndChangeNothing) {
   EXPECT_TRUE(at::equal(optimizer->state(0).buffers[0], sum));
 }
 
-}  // namespace
+}  // namespace state_dict_test
 }  // namespace optim
 }  // namespace distoptim

@@ -27,7 +27,7 @@
 
 namespace dopt = distoptim::optim;
 
-namespace {
+namespace torch_adapter_test {
 
 constexpr int kSteps = 30;
 constexpr double kRtol = 1e-5;
@@ -883,4 +883,4 @@ TEST(TorchAdapterSerialize, CheckpointIsTheFunctionalStateDict) {
       torch::equal(dict.state.at(2).buffers.at("sum"), opt.functional().state(2).buffers[0]));
 }
 
-}  // namespace
+}  // namespace torch_adapter_test

@@ -19,7 +19,7 @@
 namespace distoptim {
 namespace optim {
 namespace kernels {
-namespace {
+namespace update_tasks_test {
 
 std::mutex seen_mutex;
 std::set<std::thread::id> seen_threads;
@@ -215,7 +215,7 @@ TEST(UpdateTasks, CachedStepsEqualStepsWithoutCacheAfterChanges) {
   }
 }
 
-}  // namespace
+}  // namespace update_tasks_test
 }  // namespace kernels
 }  // namespace optim
 }  // namespace distoptim

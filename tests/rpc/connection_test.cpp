@@ -28,7 +28,7 @@
 namespace distoptim {
 namespace rpc {
 namespace detail {
-namespace {
+namespace connection_test {
 
 // A frame as the test sends it and expects it back: its id, body and tensors' bytes.
 struct TestFrame {
@@ -376,7 +376,7 @@ TEST(RpcConnection, ABadFrameAfterGoodOnesInOneReadClosesAfterExactlyThose) {
   }
 }
 
-}  // namespace
+}  // namespace connection_test
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

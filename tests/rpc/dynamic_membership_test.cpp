@@ -29,7 +29,7 @@
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace dynamic_membership_test {
 
 using namespace std::chrono_literals;
 using testing::run_ranks;
@@ -598,6 +598,6 @@ TEST(DynamicMembershipOverEtcd, RankZeroIsNotSpecialItDiesAndIsReplacedAndAnyone
   if (!testing::in_rank_process()) ::unsetenv(kEtcdVariable);
 }
 
-}  // namespace
+}  // namespace dynamic_membership_test
 }  // namespace rpc
 }  // namespace distoptim

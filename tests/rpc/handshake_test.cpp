@@ -45,7 +45,7 @@
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace handshake_test {
 
 using namespace std::chrono_literals;
 using detail::DecodedMessage;
@@ -463,7 +463,7 @@ size_t resident_bytes_of(pid_t pid) {
   return resident * static_cast<size_t>(::sysconf(_SC_PAGESIZE));
 }
 
-DISTOPTIM_RPC_FUNCTION("resident_bytes",
+DISTOPTIM_RPC_FUNCTION("handshake_resident_bytes",
                        [] { return static_cast<int64_t>(resident_bytes_of(::getpid())); });
 
 TEST(RpcHandshake, ConnectionsWithoutProofRunNothing) {
@@ -994,7 +994,7 @@ TEST(RpcHandshake, HostileBytesBeforeTheHandshake) {
              options_with_secret("the-secret").handshake_timeout(20s));
     if (rank == 1) {
       const auto [address, port] = address_of_worker0();
-      const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
+      const int64_t resident_before = rpc_sync<int64_t>(worker(0), "handshake_resident_bytes");
       for (const Transport transport : {Transport::kTcp, Transport::kUnix}) {
         SCOPED_TRACE(name_of(transport));
         // Connect and close at once, many times.
@@ -1050,7 +1050,7 @@ TEST(RpcHandshake, HostileBytesBeforeTheHandshake) {
         EXPECT_TRUE(late.receive()) << name_of(transport);
       }
       EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
-      const int64_t resident_after = rpc_sync<int64_t>(worker(0), "resident_bytes");
+      const int64_t resident_after = rpc_sync<int64_t>(worker(0), "handshake_resident_bytes");
       EXPECT_LT(resident_after - resident_before, int64_t{64} << 20);
     }
     shutdown();
@@ -1201,7 +1201,7 @@ TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
         if (rank == 1) {
           const auto [address, port] = address_of_worker0();
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-          const int64_t resident_before = rpc_sync<int64_t>(worker(0), "resident_bytes");
+          const int64_t resident_before = rpc_sync<int64_t>(worker(0), "handshake_resident_bytes");
 #endif
           // Worker ids 0, 2 and 3 have no connection to worker 0 (workers 2 and 3 only shut down),
           // and their keys have leaked: the peers are members gone rogue.
@@ -1223,7 +1223,7 @@ TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
           // (The sanitizers' shadow memory grows with what is written: there the exact reservation
           // above is the check.)
-          const int64_t resident_during = rpc_sync<int64_t>(worker(0), "resident_bytes");
+          const int64_t resident_during = rpc_sync<int64_t>(worker(0), "handshake_resident_bytes");
           EXPECT_LT(resident_during - resident_before, kBudget + (int64_t{32} << 20));
 #endif
           // Each is closed in turn once its body stops arriving.
@@ -1570,6 +1570,6 @@ TEST(RpcHandshake, ConnectionsThatAnnounceABodyAndCloseCostNoMoreThanTheBudget) 
   });
 }
 
-}  // namespace
+}  // namespace handshake_test
 }  // namespace rpc
 }  // namespace distoptim

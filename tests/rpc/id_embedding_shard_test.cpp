@@ -16,7 +16,7 @@
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace id_embedding_shard_test {
 
 constexpr int64_t kFloat = static_cast<int64_t>(c10::ScalarType::Float);
 
@@ -148,6 +148,6 @@ TEST(IdEmbeddingShard, BadArgumentsAreNamed) {
   EXPECT_EQ(table.counters().at("pending_ids"), 0);
 }
 
-}  // namespace
+}  // namespace id_embedding_shard_test
 }  // namespace rpc
 }  // namespace distoptim

@@ -18,7 +18,7 @@
 namespace distoptim {
 namespace rpc {
 namespace detail {
-namespace {
+namespace id_rows_test {
 
 constexpr int64_t kNoRow = IdRows::kNoRow;
 
@@ -199,7 +199,7 @@ TEST(IdRows, ThreadsNeverReadARowThatChangedHands) {
   }
 }
 
-}  // namespace
+}  // namespace id_rows_test
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

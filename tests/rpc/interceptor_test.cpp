@@ -17,7 +17,7 @@
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace interceptor_test {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
@@ -122,6 +122,6 @@ TEST(RpcInterceptor, SeesEveryKindOfMessageOnBothSides) {
   });
 }
 
-}  // namespace
+}  // namespace interceptor_test
 }  // namespace rpc
 }  // namespace distoptim

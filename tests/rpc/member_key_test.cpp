@@ -19,7 +19,7 @@
 namespace distoptim {
 namespace rpc {
 namespace detail {
-namespace {
+namespace member_key_test {
 
 using ::testing::HasSubstr;
 
@@ -144,7 +144,7 @@ TEST(MemberKeys, LookupsAreAnsweredOnceEachBoundedAndStopped) {
   EXPECT_EQ(why, "this worker is stopping");
 }
 
-}  // namespace
+}  // namespace member_key_test
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

@@ -15,7 +15,7 @@
 namespace distoptim {
 namespace rpc {
 namespace detail {
-namespace {
+namespace message_test {
 
 // What a receiver does with what a sender encodes: copy each tensor into a fresh byte buffer
 // of the announced length (the transport's part), check the sizes, decode.
@@ -614,7 +614,7 @@ TEST(RpcMessage, SentTensorsAreDetachedAliases) {
   EXPECT_EQ(product.use_count(), 1u);
 }
 
-}  // namespace
+}  // namespace message_test
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

@@ -36,7 +36,7 @@
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace nested_test {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
@@ -83,12 +83,12 @@ DISTOPTIM_RPC_FUNCTION("hop_async", [](int64_t remaining, Path path) {
       });
 });
 
-DISTOPTIM_RPC_FUNCTION("fail", [](const std::string& why) -> int64_t {
+DISTOPTIM_RPC_FUNCTION("nested_fail", [](const std::string& why) -> int64_t {
   TORCH_CHECK_VALUE(false, "refusing: ", why);
 });
 // An async_execution function whose future fails.
 DISTOPTIM_RPC_FUNCTION("fail_async", [](const std::string& why) {
-  return rpc_async<int64_t>(other_worker(), "fail", std::tuple{why});
+  return rpc_async<int64_t>(other_worker(), "nested_fail", std::tuple{why});
 });
 DISTOPTIM_RPC_FUNCTION("add_async", [](int64_t a, int64_t b) {
   return rpc_async<int64_t>(other_worker(), "add_one", std::tuple{a}).then([b](int64_t a_plus_one) {
@@ -904,6 +904,6 @@ TEST(ExecutorUnit, PastTheBoundABlockedJobWaitsWithoutCompensation) {
   EXPECT_EQ(pool.thread_count(), 0);
 }
 
-}  // namespace
+}  // namespace nested_test
 }  // namespace rpc
 }  // namespace distoptim

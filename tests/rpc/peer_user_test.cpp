@@ -18,7 +18,7 @@
 namespace distoptim {
 namespace rpc {
 namespace detail {
-namespace {
+namespace peer_user_test {
 
 struct Fd {
   int fd = -1;
@@ -110,7 +110,7 @@ TEST(PeerUser, BothLookupsNameThisUserAtEitherEndOfALoopbackConnection) {
   EXPECT_GE(checked, 1);
 }
 
-}  // namespace
+}  // namespace peer_user_test
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

@@ -61,7 +61,7 @@ DISTOPTIM_REMOTE_MODULE(RefusesToBuild, int64_t);
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace remote_module_test {
 
 using distoptim::testing::expect_error_containing;
 using distoptim::testing::with_workers;
@@ -183,6 +183,6 @@ TEST(RemoteModule, AModuleThatFailsToBuildFailsItsFirstCall) {
   });
 }
 
-}  // namespace
+}  // namespace remote_module_test
 }  // namespace rpc
 }  // namespace distoptim

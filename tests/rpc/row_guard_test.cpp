@@ -23,7 +23,7 @@
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace row_guard_test {
 
 constexpr int64_t kRows = 48, kDim = 64;
 constexpr auto kBound = std::chrono::seconds(20);
@@ -260,6 +260,6 @@ TEST(RowGuards, BadRowsAreRefusedNamingThem) {
   ASSERT_EQ(dense.wait_for(kBound), std::future_status::ready);
 }
 
-}  // namespace
+}  // namespace row_guard_test
 }  // namespace rpc
 }  // namespace distoptim

@@ -31,7 +31,7 @@
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace rpc_test {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
@@ -999,6 +999,6 @@ TEST(RpcUnit, AResultNamesItsCallOnlyWhenItDoesNotConvert) {
   EXPECT_EQ(described, 2);
 }
 
-}  // namespace
+}  // namespace rpc_test
 }  // namespace rpc
 }  // namespace distoptim

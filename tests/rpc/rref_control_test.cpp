@@ -12,7 +12,7 @@
 namespace distoptim {
 namespace rpc {
 namespace detail {
-namespace {
+namespace rref_control_test {
 
 using ::testing::HasSubstr;
 
@@ -153,7 +153,7 @@ TEST(RRefControl, EveryCorruptionIsRefused) {
       encode_control(DeleteMessage{{0, 1}, {0, 2}}).args);
 }
 
-}  // namespace
+}  // namespace rref_control_test
 }  // namespace detail
 }  // namespace rpc
 }  // namespace distoptim

@@ -27,7 +27,7 @@
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace rref_test {
 
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
@@ -35,13 +35,13 @@ using distoptim::testing::test_options;
 using distoptim::testing::worker;
 
 // The callables, registered in every process.
-DISTOPTIM_RPC_FUNCTION("add", [](int64_t a, int64_t b) { return a + b; });
-DISTOPTIM_RPC_FUNCTION("scale",
+DISTOPTIM_RPC_FUNCTION("rref_add", [](int64_t a, int64_t b) { return a + b; });
+DISTOPTIM_RPC_FUNCTION("rref_scale",
                        [](const at::Tensor& tensor, double factor) { return tensor * factor; });
-DISTOPTIM_RPC_FUNCTION("fail", [](const std::string& why) -> int64_t {
+DISTOPTIM_RPC_FUNCTION("rref_fail", [](const std::string& why) -> int64_t {
   TORCH_CHECK_VALUE(false, "refusing: ", why);
 });
-DISTOPTIM_RPC_FUNCTION("sleep_ms", [](int64_t ms) {
+DISTOPTIM_RPC_FUNCTION("rref_sleep_ms", [](int64_t ms) {
   std::this_thread::sleep_for(std::chrono::milliseconds(ms));
   return ms;
 });
@@ -139,7 +139,7 @@ TEST(RRef, RemoteValuesOwnersAndUsers) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
-      RRef<int64_t> sum = remote<int64_t>("worker1", "add", std::tuple{40, 2});
+      RRef<int64_t> sum = remote<int64_t>("worker1", "rref_add", std::tuple{40, 2});
       EXPECT_EQ(sum.owner(), get_worker_info("worker1"));
       EXPECT_FALSE(sum.is_owner());
       EXPECT_EQ(sum.to_here(), 42);
@@ -147,11 +147,11 @@ TEST(RRef, RemoteValuesOwnersAndUsers) {
       EXPECT_THROW(sum.local_value(), c10::ValueError);
 
       at::Tensor t = at::arange(6, at::kFloat).view({2, 3});
-      auto scaled = remote<at::Tensor>(1, "scale", std::tuple{t, 3.0});  // by id
+      auto scaled = remote<at::Tensor>(1, "rref_scale", std::tuple{t, 3.0});  // by id
       EXPECT_TRUE(at::equal(scaled.to_here(), t * 3));
 
       // Owned here: remote() to itself, and RRef(value).
-      auto mine = remote<int64_t>("worker0", "add", std::tuple{1, 2});
+      auto mine = remote<int64_t>("worker0", "rref_add", std::tuple{1, 2});
       EXPECT_TRUE(mine.is_owner());
       EXPECT_EQ(mine.local_value(), 3);
       EXPECT_EQ(mine.to_here(), 3);
@@ -185,7 +185,7 @@ TEST(RRef, ForksToAThirdWorkerAndOnward) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
       at::Tensor t = at::randn({4, 5});
-      auto rref = remote<at::Tensor>("worker1", "scale", std::tuple{t, 2.0});
+      auto rref = remote<at::Tensor>("worker1", "rref_scale", std::tuple{t, 2.0});
       // A fork to worker2, which fetches from worker1 itself.
       EXPECT_TRUE(at::equal(rpc_sync<at::Tensor>("worker2", "fetch_later",
                                                  std::tuple{rref, std::string("worker1"), 0}),
@@ -200,7 +200,7 @@ TEST(RRef, ForksToAThirdWorkerAndOnward) {
       // fetch: nothing a test can wait on says the owner has handled a delete. Either order must
       // keep the value.
       RpcFuture<at::Tensor> later = [&] {
-        auto dropped = remote<at::Tensor>("worker1", "scale", std::tuple{t, 5.0});
+        auto dropped = remote<at::Tensor>("worker1", "rref_scale", std::tuple{t, 5.0});
         return rpc_async<at::Tensor>("worker2", "fetch_later",
                                      std::tuple{dropped, std::string("worker1"), 300});
       }();
@@ -218,7 +218,7 @@ TEST(RRef, CreatingAndDropping10000ValuesLeavesTheOwnerTableEmpty) {
     if (rank == 0) {
       std::vector<RRef<int64_t>> kept;
       for (int64_t i = 0; i < 10000; ++i) {
-        auto rref = remote<int64_t>("worker1", "add", std::tuple{i, 1});
+        auto rref = remote<int64_t>("worker1", "rref_add", std::tuple{i, 1});
         if (i % 1000 == 0) kept.push_back(rref);
       }
       for (size_t k = 0; k < kept.size(); ++k) {
@@ -237,7 +237,7 @@ TEST(RRef, CreationErrorsArriveAtToHere) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
-      auto failing = remote<int64_t>("worker1", "fail", std::tuple{std::string("no value")});
+      auto failing = remote<int64_t>("worker1", "rref_fail", std::tuple{std::string("no value")});
       try {
         failing.to_here();
         ADD_FAILURE() << "no error";
@@ -256,31 +256,32 @@ TEST(RRef, CreationErrorsArriveAtToHere) {
             std::string::npos)
             << error.remote_message();
       }
-      auto failing_here = remote<int64_t>("worker0", "fail", std::tuple{std::string("here")});
+      auto failing_here = remote<int64_t>("worker0", "rref_fail", std::tuple{std::string("here")});
       EXPECT_THROW(failing_here.local_value(), RemoteError);
-      auto wrong_type = remote<std::string>("worker1", "add", std::tuple{1, 2});
+      auto wrong_type = remote<std::string>("worker1", "rref_add", std::tuple{1, 2});
       EXPECT_THROW(wrong_type.to_here(), c10::TypeError);
       // remote() past its timeout: confirm() waits until the creation has failed (its own 100 ms
       // timeout ends it, long before confirm's 10 s bound) and throws that error; to_here then
       // reports it too, without asking the owner.
-      auto slow = remote<int64_t>("worker1", "sleep_ms", std::tuple{1500}, 100ms);
+      auto slow = remote<int64_t>("worker1", "rref_sleep_ms", std::tuple{1500}, 100ms);
       EXPECT_THROW(slow.confirm(10s), TimeoutError);
       EXPECT_FALSE(slow.confirmed_by_owner());
       EXPECT_THROW(slow.to_here(), TimeoutError);
       // to_here past its own timeout.
-      auto slower = remote<int64_t>("worker1", "sleep_ms", std::tuple{1500}, kNoTimeout);
+      auto slower = remote<int64_t>("worker1", "rref_sleep_ms", std::tuple{1500}, kNoTimeout);
       EXPECT_THROW(slower.to_here(100ms), TimeoutError);
       EXPECT_EQ(slower.to_here(10s), 1500);
       // Bad input, refused at once.
-      EXPECT_THROW(remote<int64_t>("nobody", "add", std::tuple{1, 2}), c10::ValueError);
-      EXPECT_THROW(remote<int64_t>("worker1", "add", std::tuple{1, 2}, -3ms), c10::ValueError);
+      EXPECT_THROW(remote<int64_t>("nobody", "rref_add", std::tuple{1, 2}), c10::ValueError);
+      EXPECT_THROW(remote<int64_t>("worker1", "rref_add", std::tuple{1, 2}, -3ms), c10::ValueError);
       EXPECT_THROW(remote<int64_t>("worker1", "__distoptim.rref.fetch"), c10::ValueError);
       EXPECT_THROW(RRef<int64_t>().to_here(), c10::ValueError);
-      EXPECT_THROW(rpc_sync("worker1", "add", std::tuple{RRef<int64_t>(), 1}), c10::ValueError);
+      EXPECT_THROW(rpc_sync("worker1", "rref_add", std::tuple{RRef<int64_t>(), 1}),
+                   c10::ValueError);
       EXPECT_THROW(rpc_sync("worker1", "__distoptim.rref.fetch", std::tuple{0, 0}), RemoteError);
       EXPECT_THROW(register_function("__distoptim.mine", [] { return 1; }), c10::ValueError);
       // The worker still serves.
-      EXPECT_EQ(remote<int64_t>("worker1", "add", std::tuple{2, 3}).to_here(), 5);
+      EXPECT_EQ(remote<int64_t>("worker1", "rref_add", std::tuple{2, 3}).to_here(), 5);
     }
     shutdown();
     EXPECT_EQ(detail::owned_rref_count(), 0u);
@@ -293,7 +294,7 @@ TEST(RRef, GracefulShutdownWaitsForPendingDeletes) {
     std::vector<RRef<int64_t>> kept;
     if (rank == 0) {
       for (int64_t i = 0; i < 200; ++i) {
-        auto rref = remote<int64_t>("worker1", "add", std::tuple{i, i});
+        auto rref = remote<int64_t>("worker1", "rref_add", std::tuple{i, i});
         if (i % 2 == 0) kept.push_back(rref);  // the others are dropped at once
       }
     }
@@ -315,7 +316,7 @@ TEST(RRef, TheOwnerForgetsTheForksOfADeadUser) {
         if (rank == 1) {
           std::vector<RRef<int64_t>> held;
           for (int64_t i = 0; i < 10; ++i) {
-            held.push_back(remote<int64_t>("worker0", "add", std::tuple{i, 1}));
+            held.push_back(remote<int64_t>("worker0", "rref_add", std::tuple{i, 1}));
           }
           EXPECT_EQ(held.back().to_here(), 10);
           ::_exit(7);  // Dies holding every reference.
@@ -580,7 +581,7 @@ TEST(RemoteClasses, ParameterServerModulesCreatedAndCalledThroughRRefs) {
                   std::string::npos)
             << error.remote_message();
       }
-      auto not_an_object = remote<int64_t>("ps", "add", std::tuple{1, 2});
+      auto not_an_object = remote<int64_t>("ps", "rref_add", std::tuple{1, 2});
       EXPECT_THROW(RRef<EmbeddingTable>(not_an_object.handle()).rpc_sync().method("forward", input),
                    RemoteError);
       // Objects never travel: fetching one is refused by the owner.
@@ -631,12 +632,12 @@ TEST(RRef, ConfirmShowsConstructionErrorsAtConstruction) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
-      auto good = remote<int64_t>("worker1", "sleep_ms", std::tuple{int64_t{200}});
+      auto good = remote<int64_t>("worker1", "rref_sleep_ms", std::tuple{int64_t{200}});
       EXPECT_EQ(good.owner_name(), "worker1");
       good.confirm();
       EXPECT_TRUE(good.confirmed_by_owner());
       EXPECT_EQ(good.to_here(), 200);
-      auto bad = remote<int64_t>("worker1", "fail", std::tuple{std::string("bad option")});
+      auto bad = remote<int64_t>("worker1", "rref_fail", std::tuple{std::string("bad option")});
       try {
         bad.confirm();
         ADD_FAILURE() << "confirm() did not throw";
@@ -707,7 +708,7 @@ TEST(RRef, CallsThroughAnRRefToItsOwnerAreSettledByTheirReply) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
       {
-        RRef<int64_t> sum = remote<int64_t>("worker1", "add", std::tuple{40, 2});
+        RRef<int64_t> sum = remote<int64_t>("worker1", "rref_add", std::tuple{40, 2});
         for (int i = 0; i < 20; ++i) {
           EXPECT_EQ(rpc_sync<int64_t>("worker1", "plus_one_on_owner", std::tuple{sum}), 43);
           EXPECT_EQ(pending_children(), 0) << "after call " << i;
@@ -742,7 +743,7 @@ TEST(RRef, KilledCreatorsRemotesDrain) {
         if (rank == 1) {
           std::vector<RRef<int64_t>> held;
           for (int64_t i = 0; i < 300; ++i) {
-            held.push_back(remote<int64_t>("worker0", "add", std::tuple{i, 1}));
+            held.push_back(remote<int64_t>("worker0", "rref_add", std::tuple{i, 1}));
           }
           ::_exit(9);  // Dies with creations in flight.
         }
@@ -770,7 +771,7 @@ TEST(RRef, TypeNamesAreCheckedAtTheOwner) {
   run_ranks(2, [](int rank, int world_size) {
     init_rpc(worker(rank), rank, world_size, test_options());
     if (rank == 0) {
-      auto number = remote<int64_t>("worker1", "add", std::tuple{int64_t{1}, int64_t{2}});
+      auto number = remote<int64_t>("worker1", "rref_add", std::tuple{int64_t{1}, int64_t{2}});
       number.confirm();
       EXPECT_EQ(rpc_sync<int64_t>("worker1", "plus_one_on_owner", std::tuple{number}), 4);
       RRef<std::string> wrong(number.handle());
@@ -802,6 +803,6 @@ TEST(RemoteClassesUnit, RegistrationIsCheckedAndObjectsConvertByType) {
   EXPECT_THROW(from_value<std::shared_ptr<EmbeddingTable>>(object, "x"), c10::TypeError);
 }
 
-}  // namespace
+}  // namespace rref_test
 }  // namespace rpc
 }  // namespace distoptim

@@ -18,7 +18,7 @@
 
 namespace distoptim {
 namespace rpc {
-namespace {
+namespace store_failure_test {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
@@ -153,6 +153,6 @@ TEST(RpcStoreFailure, GracefulShutdownNamesADeadStoreHostItNeverCalled) {
       run_options);
 }
 
-}  // namespace
+}  // namespace store_failure_test
 }  // namespace rpc
 }  // namespace distoptim
