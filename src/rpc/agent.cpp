@@ -5,6 +5,7 @@
 
 #include <distoptim/comm/errors.h>
 
+#include "debug_info_sources.h"
 #include "future_errors.h"
 #include "interception.h"
 #include "liveness.h"
@@ -134,6 +135,7 @@ Agent::~Agent() {
 std::map<std::string, int64_t> Agent::debug_info() {
   std::map<std::string, int64_t> info = peers_.debug_info();
   info.merge(rrefs_->debug_info());
+  info.merge(debug_info_from_sources());
   info["agent.num_pending_requests"] = static_cast<int64_t>(pending_.size());
   info["agent.num_requests_in_flight"] = dispatcher_.requests_in_flight();
   info["agent.num_dropped_requests"] = dispatcher_.dropped_requests();

@@ -3,6 +3,7 @@
 
 #include <distoptim/rpc/id_embedding_bag.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include <distoptim/rpc/detail/reassigned_rows.h>
 #include <distoptim/rpc/row_guard.h>
 
+#include "debug_info_sources.h"
 #include "id_rows.h"
 
 namespace distoptim {
@@ -123,9 +125,17 @@ struct IdRowLookup : torch::autograd::Function<IdRowLookup> {
 }  // namespace
 
 IdEmbeddingShard::IdEmbeddingShard(int64_t capacity, int64_t dim, int64_t dtype, int64_t seed,
-                                   int64_t admit_after, int64_t expire_after, int64_t max_pending)
+                                   int64_t admit_after, int64_t expire_after, int64_t max_pending,
+                                   double expire_after_seconds)
     : seed_(seed) {
   TORCH_CHECK_VALUE(dim >= 1, "IdEmbeddingShard: dim = ", dim, "; must be at least 1");
+  // At most 10^9 s (31 years): its microseconds fit the clock with room to spare.
+  TORCH_CHECK_VALUE(expire_after_seconds >= 0 && expire_after_seconds <= 1e9,
+                    "IdEmbeddingShard: expire_after_seconds = ", expire_after_seconds,
+                    "; must be from 0 (never) to 1e9");
+  TORCH_CHECK_VALUE(expire_after == 0 || expire_after_seconds == 0,
+                    "IdEmbeddingShard: expire_after = ", expire_after,
+                    " and expire_after_seconds = ", expire_after_seconds, "; give at most one");
   const auto type = static_cast<c10::ScalarType>(dtype);
   TORCH_CHECK_VALUE(type == c10::ScalarType::Float || type == c10::ScalarType::Double,
                     "IdEmbeddingShard: dtype ", dtype, " (float32 or float64)");
@@ -133,20 +143,45 @@ IdEmbeddingShard::IdEmbeddingShard(int64_t capacity, int64_t dim, int64_t dtype,
   options.capacity = capacity;
   options.admit_after = admit_after;
   options.expire_after = expire_after;
+  if (expire_after_seconds > 0) {
+    clock_in_microseconds_ = true;
+    options.expire_after = std::max<int64_t>(1, std::llround(expire_after_seconds * 1e6));
+  }
   options.max_pending = max_pending;
   rows_ = std::make_shared<Rows>(options);  // checks the rest
   weight =
       register_parameter("weight", at::zeros({capacity + 1, dim}, at::TensorOptions().dtype(type)));
+  // rpc::get_debug_info shows the counters of this process's shards, summed, as "id_table.<name>".
+  detail::add_debug_info_source(this, [this] {
+    detail::DebugCounters named{{"id_table.shards", 1}};
+    for (const auto& [name, value] : counters()) named["id_table." + name] = value;
+    return named;
+  });
 }
 
-IdEmbeddingShard::~IdEmbeddingShard() { detail::forget_reassigned_rows(weight); }
+IdEmbeddingShard::~IdEmbeddingShard() {
+  detail::remove_debug_info_source(this);
+  detail::forget_reassigned_rows(weight);
+}
 
 at::Tensor IdEmbeddingShard::forward(const at::Tensor& ids) {
   TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong,
                     "IdEmbeddingShard: ids must be a 1-D int64 tensor, got ", ids.scalar_type(),
                     " of shape ", ids.sizes());
-  const int64_t now = clock_.fetch_add(1, std::memory_order_relaxed) + 1;
-  return IdRowLookup::apply(weight, ids.contiguous(), rows_, now, seed_);
+  return IdRowLookup::apply(weight, ids.contiguous(), rows_, tick(), seed_);
+}
+
+int64_t IdEmbeddingShard::tick() {
+  if (!clock_in_microseconds_) return clock_.fetch_add(1, std::memory_order_relaxed) + 1;
+  const int64_t elapsed = std::chrono::duration_cast<std::chrono::microseconds>(
+                              std::chrono::steady_clock::now() - made_)
+                              .count();
+  int64_t last = clock_.load(std::memory_order_relaxed);
+  int64_t next = 0;
+  do {
+    next = std::max(last + 1, elapsed);
+  } while (!clock_.compare_exchange_weak(last, next, std::memory_order_relaxed));
+  return next;
 }
 
 int64_t IdEmbeddingShard::row_of(int64_t id) const {

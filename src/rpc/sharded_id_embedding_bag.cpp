@@ -57,7 +57,7 @@ ShardedIdEmbeddingBag::ShardedIdEmbeddingBag(const ShardedIdEmbeddingBagOptions&
         worker, kIdShardClass,
         std::tuple{options.rows_per_shard(), options.embedding_dim(),
                    static_cast<int64_t>(options.dtype()), options.seed(), options.admit_after(),
-                   options.expire_after(), options.max_pending()});
+                   options.expire_after(), options.max_pending(), options.expire_after_seconds()});
     shards_.push_back(RemoteModule<IdEmbeddingShard>::init_from_module_rref(worker, shard));
   }
   weights_.resize(shards_.size());
@@ -95,6 +95,12 @@ void ShardedIdEmbeddingBag::check_options() const {
   TORCH_CHECK_VALUE(o.expire_after() >= 0,
                     "ShardedIdEmbeddingBag: expire_after = ", o.expire_after(),
                     "; must be at least 0 (0: never)");
+  TORCH_CHECK_VALUE(o.expire_after_seconds() >= 0 && o.expire_after_seconds() <= 1e9,
+                    "ShardedIdEmbeddingBag: expire_after_seconds = ", o.expire_after_seconds(),
+                    "; must be from 0 (never) to 1e9");
+  TORCH_CHECK_VALUE(o.expire_after() == 0 || o.expire_after_seconds() == 0,
+                    "ShardedIdEmbeddingBag: expire_after = ", o.expire_after(),
+                    " and expire_after_seconds = ", o.expire_after_seconds(), "; give at most one");
   TORCH_CHECK_VALUE(o.max_pending() >= 0, "ShardedIdEmbeddingBag: max_pending = ", o.max_pending(),
                     "; must be at least 0 (0: rows_per_shard)");
   TORCH_CHECK_VALUE(o.dtype() == c10::ScalarType::Float || o.dtype() == c10::ScalarType::Double,
@@ -161,7 +167,7 @@ void register_id_embedding_shard() {
   static std::once_flag once;
   std::call_once(once, [] {
     register_internal_class<IdEmbeddingShard, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            int64_t>(kIdShardClass);
+                            int64_t, double>(kIdShardClass);
     register_module_methods<IdEmbeddingShard>(kIdShardClass);
     register_method<IdEmbeddingShard>(kIdShardClass, "counters", &IdEmbeddingShard::counters);
   });

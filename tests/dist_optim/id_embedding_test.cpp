@@ -2,7 +2,7 @@
 // ids over three servers train exactly as over one and as LibTorch's sparse EmbeddingBag over
 // one row per id (same initial rows; bit for bit), through distributed autograd and the
 // DistributedOptimizer; and a row handed to a new id steps from a new parameter's Adagrad state,
-// not from its predecessor's.
+// not from its predecessor's, with the server's debug info counting it.
 
 #include <algorithm>
 #include <map>
@@ -32,6 +32,9 @@ using rpc::ShardedIdEmbeddingBagOptions;
 
 constexpr int64_t kDim = 5, kBags = 10, kSeed = 7;
 constexpr double kLr = 0.1;
+
+// A worker's rpc::get_debug_info, asked for by another.
+DISTOPTIM_RPC_FUNCTION("id_table_debug_info", [] { return rpc::get_debug_info(); });
 
 // The initial row of every id in `ids`, computed here: a function of the id and the seed alone.
 at::Tensor initial_rows(const std::vector<int64_t>& ids) {
@@ -114,6 +117,11 @@ TEST(ShardedIdEmbeddingBag, ThreeServersTrainAsOneAndAsATableOfOneRowPerId) {
     testing::expect_error_containing(
         [&] { ShardedIdEmbeddingBag(options({worker(1)}).rows_per_shard(0)); },
         {"rows_per_shard = 0; must be at least 1"});
+    testing::expect_error_containing(
+        [&] {
+          ShardedIdEmbeddingBag(options({worker(1)}).expire_after(3).expire_after_seconds(1));
+        },
+        {"expire_after = 3 and expire_after_seconds = 1; give at most one"});
   });
 }
 
@@ -147,6 +155,15 @@ TEST(ShardedIdEmbeddingBag, ARowHandedToANewIdStepsFromANewAdagradState) {
     EXPECT_EQ(counters.at("admitted"), 3);
     EXPECT_EQ(counters.at("evicted"), 1);
     EXPECT_EQ(counters.at("live_rows"), 2);
+
+    // The server's debug info has the same counters, of its one shard; the trainer, whose own
+    // shard (initial_rows') is gone, has none.
+    const auto info =
+        rpc::rpc_sync<std::map<std::string, int64_t>>(worker(1), "id_table_debug_info");
+    EXPECT_EQ(info.at("id_table.shards"), 1);
+    for (const auto& [name, value] : counters)
+      EXPECT_EQ(info.at("id_table." + name), value) << name;
+    EXPECT_EQ(rpc::get_debug_info().count("id_table.shards"), 0u);
   });
 }
 

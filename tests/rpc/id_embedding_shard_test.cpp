@@ -5,7 +5,9 @@
 #include <distoptim/rpc/id_embedding_bag.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -13,6 +15,8 @@
 #include <gtest/gtest.h>
 
 #include <distoptim/rpc/detail/reassigned_rows.h>
+
+#include "debug_info_sources.h"
 
 namespace distoptim {
 namespace rpc {
@@ -144,8 +148,70 @@ TEST(IdEmbeddingShard, BadArgumentsAreNamed) {
     EXPECT_NE(std::string(e.what()).find("1-D int64"), std::string::npos) << e.what();
   }
   EXPECT_THROW(table.forward(at::zeros({2}, at::kInt)), c10::ValueError);
+  try {
+    IdEmbeddingShard(4, 4, kFloat, 1, 1, /*expire_after=*/5, 0, /*expire_after_seconds=*/2.5);
+    FAIL() << "no error";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("expire_after = 5 and expire_after_seconds = 2.5; give at "
+                                         "most one"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    IdEmbeddingShard(4, 4, kFloat, 1, 1, 0, 0, /*expire_after_seconds=*/-1);
+    FAIL() << "no error";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("expire_after_seconds = -1; must be from 0"),
+              std::string::npos)
+        << e.what();
+  }
   EXPECT_EQ(table.counters().at("live_rows"), 0);
   EXPECT_EQ(table.counters().at("pending_ids"), 0);
+}
+
+TEST(IdEmbeddingShard, RowsNotLookedUpForExpireAfterSecondsAreDropped) {
+  // The same lookups a quarter of a second apart: a table whose rows expire after 0.1 s drops the
+  // first id's row, one whose rows expire after an hour keeps it.
+  IdEmbeddingShard brief(8, 2, kFloat, 1, 1, 0, 0, /*expire_after_seconds=*/0.1);
+  IdEmbeddingShard lasting(8, 2, kFloat, 1, 1, 0, 0, /*expire_after_seconds=*/3600);
+  for (IdEmbeddingShard* table : {&brief, &lasting}) table->forward(ids_of({5}));
+  // The time that passes is what the test is about: a slower machine lets more pass.
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  for (IdEmbeddingShard* table : {&brief, &lasting}) table->forward(ids_of({6}));
+  EXPECT_EQ(brief.row_of(5), 0);
+  EXPECT_NE(brief.row_of(6), 0);
+  EXPECT_EQ(brief.counters().at("expired"), 1);
+  EXPECT_EQ(brief.counters().at("live_rows"), 1);
+  EXPECT_NE(lasting.row_of(5), 0);
+  EXPECT_EQ(lasting.counters().at("expired"), 0);
+  EXPECT_EQ(lasting.counters().at("live_rows"), 2);
+}
+
+TEST(IdEmbeddingShard, DebugInfoSumsTheLiveShardsWhileOthersComeAndGo) {
+  EXPECT_EQ(detail::debug_info_from_sources().count("id_table.shards"), 0u);
+  {
+    IdEmbeddingShard first = shard(4, 2, /*seed=*/1);
+    IdEmbeddingShard second = shard(4, 2, /*seed=*/1, /*admit_after=*/2);
+    first.forward(ids_of({1, 2, 3}));
+    second.forward(ids_of({7, 8}));
+    const detail::DebugCounters info = detail::debug_info_from_sources();
+    EXPECT_EQ(info.at("id_table.shards"), 2);
+    for (const auto& [name, value] : first.counters()) {
+      EXPECT_EQ(info.at("id_table." + name), value + second.counters().at(name)) << name;
+    }
+    // A thread makes and drops shards while this one reads the sums: each read sees the two
+    // shards above, and at most the one being made besides.
+    std::thread churn([] {
+      for (int i = 0; i < 100; ++i) shard(2, 2, /*seed=*/i).forward(ids_of({i}));
+    });
+    for (int i = 0; i < 100; ++i) {
+      const int64_t shards = detail::debug_info_from_sources().at("id_table.shards");
+      EXPECT_TRUE(shards == 2 || shards == 3) << shards;
+    }
+    churn.join();
+    EXPECT_EQ(detail::debug_info_from_sources().at("id_table.shards"), 2);
+  }
+  EXPECT_EQ(detail::debug_info_from_sources().count("id_table.shards"), 0u);
 }
 
 }  // namespace id_embedding_shard_test

@@ -271,8 +271,11 @@ std::vector<WorkerInfo> get_worker_infos();
 /// not registered the receiver yet). Its calls and requests: "agent.num_pending_requests" (calls
 /// made and not answered), "agent.num_requests_in_flight" (requests received and not finished) and
 /// "agent.num_dropped_requests" (requests never run because their caller's connection closed
-/// before they started: the caller died or stopped). Each value is a snapshot. Throws
-/// DistributedError if no agent runs.
+/// before they started: the caller died or stopped). The collisionless tables' shards held by this
+/// process (IdEmbeddingShard, rpc/id_embedding_bag.h), summed over them: "id_table.shards",
+/// "id_table.live_rows", "id_table.admitted", "id_table.expired", "id_table.evicted",
+/// "id_table.unadmitted_lookups" and "id_table.pending_ids" (absent where it holds none). Each
+/// value is a snapshot. Throws DistributedError if no agent runs.
 std::map<std::string, int64_t> get_debug_info();
 
 /// The result of an RPC: a thin typed view of a c10::ivalue::Future. Copies share one future.

@@ -2,8 +2,9 @@
 
 // A collisionless embedding table keyed by 64-bit ids, for id spaces that grow with the data
 // (recommendation features): each server holds an id -> row map and gives an id a row of its own
-// once the id has been seen admit_after times, drops rows not looked up for expire_after lookups,
-// and at its bound on rows drops the least recently used first (src/rpc/id_rows.h).
+// once the id has been seen admit_after times, drops rows not looked up for expire_after lookups
+// (or expire_after_seconds seconds), and at its bound on rows drops the least recently used first
+// (src/rpc/id_rows.h).
 //
 //   rpc::ShardedIdEmbeddingBag table(
 //       rpc::ShardedIdEmbeddingBagOptions(1'000'000, 32, {"ps0", "ps1"}).admit_after(2));
@@ -33,6 +34,7 @@
 // checked (the row's protection is that eviction takes the least recently used rows first).
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -58,11 +60,12 @@ namespace rpc {
 struct IdEmbeddingShard : torch::nn::Module {
   /// `capacity` rows at most (>= 1) of `dim` (>= 1) values of `dtype` (float32 or float64, as a
   /// c10::ScalarType's number); an id's row after its admit_after-th sighting (>= 1); rows not
-  /// looked up for expire_after lookups of this shard dropped (0: never); at most max_pending ids
+  /// looked up for expire_after lookups of this shard dropped (0: never), or, instead, for
+  /// expire_after_seconds seconds (0: never; at most one of the two); at most max_pending ids
   /// counted towards admission (0: capacity). Throws c10::ValueError naming an argument out of
   /// range.
   IdEmbeddingShard(int64_t capacity, int64_t dim, int64_t dtype, int64_t seed, int64_t admit_after,
-                   int64_t expire_after, int64_t max_pending);
+                   int64_t expire_after, int64_t max_pending, double expire_after_seconds = 0);
   ~IdEmbeddingShard() override;
 
   /// The rows of `ids` (1-D int64, any values), [ids, dim], with the sparse gradient above. Each
@@ -87,7 +90,14 @@ struct IdEmbeddingShard : torch::nn::Module {
  private:
   int64_t seed_;
   std::shared_ptr<Rows> rows_;
+  // The shard's clock: one tick per lookup, or, when rows expire after seconds, microseconds
+  // since the shard was made (and still one tick at least per lookup: the least recently used
+  // rows stay ordered by lookup).
   std::atomic<int64_t> clock_{0};
+  bool clock_in_microseconds_ = false;
+  std::chrono::steady_clock::time_point made_ = std::chrono::steady_clock::now();
+
+  int64_t tick();
 };
 
 struct ShardedIdEmbeddingBagOptions {
@@ -105,6 +115,8 @@ struct ShardedIdEmbeddingBagOptions {
   TORCH_ARG(int64_t, admit_after) = 1;
   /// A row not looked up for this many lookups of its shard is dropped (0: never).
   TORCH_ARG(int64_t, expire_after) = 0;
+  /// Or: a row not looked up for this many seconds is dropped (0: never; at most one of the two).
+  TORCH_ARG(double, expire_after_seconds) = 0;
   /// Ids each shard counts towards admission at most (0: rows_per_shard).
   TORCH_ARG(int64_t, max_pending) = 0;
   /// How a bag's rows are pooled, as LibTorch's EmbeddingBag (default kMean, as there).
