@@ -12,12 +12,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -292,6 +294,128 @@ bool stop_process(int pid, std::chrono::milliseconds limit) {
   return true;
 }
 
+namespace {
+
+// What rank `r` printed, for a failure's message.
+std::string output_of(const std::vector<Rank>& ranks, int r) {
+  const std::string header = "---- output of rank " + std::to_string(r) + " ----\n";
+  if (ranks[r].log_path.empty())
+    return header + "(it ran in the test process: its output is above)\n";
+  return header + read_file(ranks[r].log_path);
+}
+
+// Watches the ranks' processes until each has exited, one fails (it then kills the others) or the
+// deadline passes; returns the failure, "" when none. `rank0_running`, when given, says whether
+// rank 0, running in this process, has yet to finish: a deadline that passes names it too.
+std::string supervise(std::vector<Rank>& ranks, const RunRanksOptions& options,
+                      std::chrono::steady_clock::time_point deadline,
+                      const std::atomic<bool>* rank0_running) {
+  const int world_size = static_cast<int>(ranks.size());
+  auto expected_status = [&](int r) {
+    const auto it = options.expected_exit_codes.find(r);
+    return it == options.expected_exit_codes.end() ? 0 : it->second;
+  };
+  int remaining = 0;
+  for (const Rank& rank : ranks) remaining += rank.done ? 0 : 1;
+  std::string failure;
+  while (remaining > 0 && failure.empty()) {
+    for (int r = 0; r < world_size; ++r) {
+      if (ranks[r].done) continue;
+      if (::waitpid(ranks[r].pid, &ranks[r].status, WNOHANG) != ranks[r].pid) continue;
+      ranks[r].done = true;
+      --remaining;
+      const int status = ranks[r].status;
+      const auto signal = options.expected_signals.find(r);
+      const bool as_expected = signal != options.expected_signals.end()
+                                   ? WIFSIGNALED(status) && WTERMSIG(status) == signal->second
+                                   : WIFEXITED(status) && WEXITSTATUS(status) == expected_status(r);
+      if (!as_expected) {
+        // The failing rank's output first, then the others' up to now (they are killed next).
+        const std::string expected = signal != options.expected_signals.end()
+                                         ? std::string("signal ") + strsignal(signal->second)
+                                         : "status " + std::to_string(expected_status(r));
+        failure = "rank " + std::to_string(r) + " " + describe_status(status) + " (expected " +
+                  expected + ")\n" + output_of(ranks, r);
+        for (int other = 0; other < world_size; ++other) {
+          if (other != r) failure += "\n" + output_of(ranks, other);
+        }
+      }
+    }
+    if (failure.empty() && remaining > 0 && std::chrono::steady_clock::now() >= deadline) {
+      failure =
+          "deadline of " + std::to_string(options.deadline.count()) + " s passed; still running:";
+      if (rank0_running != nullptr && rank0_running->load()) failure += " rank 0 (this process)";
+      for (int r = 0; r < world_size; ++r) {
+        if (!ranks[r].done) failure += " rank " + std::to_string(r);
+      }
+      for (int r = 0; r < world_size; ++r) failure += "\n" + output_of(ranks, r);
+    }
+    if (failure.empty() && remaining > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  // A failure ends the others at once: a rank 0 running here then sees its peers lost.
+  if (!failure.empty()) kill_all(ranks);
+  return failure;
+}
+
+// Sets the variables a rank's process gets for as long as it lives, then puts back what was there.
+class RankVariables {
+ public:
+  RankVariables(int world_size, int port) {
+    for (const std::string& variable : rank_variables(0, world_size, port)) {
+      const size_t equals = variable.find('=');
+      const std::string name = variable.substr(0, equals);
+      const char* before = std::getenv(name.c_str());
+      saved_.emplace_back(name, before == nullptr ? std::nullopt : std::optional(before));
+      ::setenv(name.c_str(), variable.substr(equals + 1).c_str(), 1);
+    }
+  }
+  ~RankVariables() {
+    for (const auto& [name, before] : saved_) {
+      if (before) {
+        ::setenv(name.c_str(), before->c_str(), 1);
+      } else {
+        ::unsetenv(name.c_str());
+      }
+    }
+  }
+  RankVariables(const RankVariables&) = delete;
+  RankVariables& operator=(const RankVariables&) = delete;
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+// Runs rank 0's body in this process while a thread supervises the other ranks' processes;
+// returns the failure of either, "" when none. The variables are set before the supervisor starts
+// (no thread of this test reads the environment meanwhile) and put back after it ends.
+std::string run_rank0_here(std::vector<Rank>& ranks, const RunRanksOptions& options,
+                           std::chrono::steady_clock::time_point deadline, const std::string& dir,
+                           int port, const std::function<void(int, int)>& body) {
+  const int world_size = static_cast<int>(ranks.size());
+  RankVariables variables(world_size, port);
+  std::atomic<bool> running{true};
+  std::string others_failure;
+  std::thread supervisor([&] { others_failure = supervise(ranks, options, deadline, &running); });
+  std::string own_failure;
+  try {
+    start_together(dir, 0, world_size);
+    body(0, world_size);
+  } catch (const std::exception& e) {
+    own_failure = std::string("rank 0 (in the test process): C++ exception with description \"") +
+                  e.what() + "\" thrown in the rank's body.";
+  } catch (...) {
+    own_failure = "rank 0 (in the test process): unknown C++ exception thrown in the rank's body.";
+  }
+  running = false;
+  supervisor.join();
+  if (own_failure.empty()) return others_failure;
+  return others_failure.empty() ? own_failure : own_failure + "\n" + others_failure;
+}
+
+}  // namespace
+
 void run_ranks(int world_size, const std::function<void(int, int)>& body,
                const RunRanksOptions& options) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
@@ -319,7 +443,18 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
   ASSERT_NE(::mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
   const bool fork_ranks = may_fork_ranks();
+  // Rank 0 here only where every rank is started afresh anyway: a process that has run a body
+  // has threads, and could no longer fork its ranks.
+  const char* rank0_mode = std::getenv("DISTOPTIM_TEST_RANK0");
+  const bool rank0_own_process = rank0_mode != nullptr && std::string(rank0_mode) == "own-process";
+  const bool rank0_here = options.rank0_in_test_process && !rank0_own_process && !fork_ranks &&
+                          options.expected_exit_codes.count(0) == 0 &&
+                          options.expected_signals.count(0) == 0;
   for (int r = 0; r < world_size; ++r) {
+    if (r == 0 && rank0_here) {
+      ranks[0].done = true;  // nothing for the supervisor to wait for
+      continue;
+    }
     ranks[r].log_path = dir + "/rank" + std::to_string(r) + ".log";
     ranks[r].pid = fork_ranks ? fork_rank(call, r, world_size, port, ranks[r].log_path, body)
                               : spawn_rank(call, r, world_size, port, filter, ranks[r].log_path);
@@ -329,55 +464,16 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
     }
   }
 
-  auto expected_status = [&](int r) {
-    const auto it = options.expected_exit_codes.find(r);
-    return it == options.expected_exit_codes.end() ? 0 : it->second;
-  };
-  auto output_of = [&](int r) {
-    return "---- output of rank " + std::to_string(r) + " ----\n" + read_file(ranks[r].log_path);
-  };
-
   const auto deadline = std::chrono::steady_clock::now() + options.deadline;
-  int remaining = world_size;
   std::string failure;
-  while (remaining > 0 && failure.empty()) {
-    for (int r = 0; r < world_size; ++r) {
-      if (ranks[r].done) continue;
-      if (::waitpid(ranks[r].pid, &ranks[r].status, WNOHANG) != ranks[r].pid) continue;
-      ranks[r].done = true;
-      --remaining;
-      const int status = ranks[r].status;
-      const auto signal = options.expected_signals.find(r);
-      const bool as_expected = signal != options.expected_signals.end()
-                                   ? WIFSIGNALED(status) && WTERMSIG(status) == signal->second
-                                   : WIFEXITED(status) && WEXITSTATUS(status) == expected_status(r);
-      if (!as_expected) {
-        // The failing rank's output first, then the others' up to now (they are killed next).
-        const std::string expected = signal != options.expected_signals.end()
-                                         ? std::string("signal ") + strsignal(signal->second)
-                                         : "status " + std::to_string(expected_status(r));
-        failure = "rank " + std::to_string(r) + " " + describe_status(status) + " (expected " +
-                  expected + ")\n" + output_of(r);
-        for (int other = 0; other < world_size; ++other) {
-          if (other != r) failure += "\n" + output_of(other);
-        }
-      }
-    }
-    if (failure.empty() && remaining > 0 && std::chrono::steady_clock::now() >= deadline) {
-      failure =
-          "deadline of " + std::to_string(options.deadline.count()) + " s passed; still running:";
-      for (int r = 0; r < world_size; ++r) {
-        if (!ranks[r].done) failure += " rank " + std::to_string(r);
-      }
-      for (int r = 0; r < world_size; ++r) failure += "\n" + output_of(r);
-    }
-    if (failure.empty() && remaining > 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
+  if (rank0_here) {
+    failure = run_rank0_here(ranks, options, deadline, dir, port, body);
+  } else {
+    failure = supervise(ranks, options, deadline, nullptr);
   }
   kill_all(ranks);
   for (int r = 0; r < world_size; ++r) {
-    ::unlink(ranks[r].log_path.c_str());
+    if (!ranks[r].log_path.empty()) ::unlink(ranks[r].log_path.c_str());
     ::unlink(started_path(dir, r).c_str());
   }
   ::rmdir(dir.c_str());

@@ -16,7 +16,8 @@
 // after run_ranks that only the test process should run checks in_rank_process()). The parent
 // supervises the ranks: the first rank to fail (non-zero exit, signal) makes it kill the others
 // and fail the test at once with that rank's output, and ranks still running at the deadline are
-// killed and named. Nothing hangs.
+// killed and named. Nothing hangs. With RunRanksOptions::rank0_in_test_process, rank 0's body
+// runs in the test process itself where the ranks would be started afresh.
 
 #include <chrono>
 #include <functional>
@@ -34,6 +35,14 @@ struct RunRanksOptions {
   /// Ranks that end killed by a signal on purpose (one that sends itself SIGKILL, say), by rank:
   /// the signal expected.
   std::map<int, int> expected_signals;
+  /// Rank 0's body runs in the test process itself (its variables set meanwhile) while a thread
+  /// supervises the others, where the ranks are started afresh (the sanitizer builds): one
+  /// process start fewer per call, ~2 s of CPU under the sanitizers. Only for a rank 0 that
+  /// leaves the process as it found it (no exit, signal or process-wide setting; rpc shut down,
+  /// even when it fails: testing::with_workers does), with no expected exit code or signal (it
+  /// is then started as the others are). DISTOPTIM_TEST_RANK0=own-process starts it as the others
+  /// are anyway.
+  bool rank0_in_test_process = false;
 };
 
 /// Runs `body(rank, world_size)` in `world_size` processes; see the file comment.
