@@ -22,6 +22,7 @@
 #include "harness/etcd_server.h"
 #include "harness/multiprocess.h"
 #include "host_port.h"
+#include "support/scoped_env.h"
 #include "support/test_util.h"
 
 namespace distoptim {
@@ -30,35 +31,8 @@ namespace rendezvous_test {
 
 using distoptim::testing::expect_error_containing;
 using distoptim::testing::run_ranks;
+using distoptim::testing::ScopedEnv;
 using namespace std::chrono_literals;
-
-// Sets environment variables for one test and restores them after.
-class ScopedEnv {
- public:
-  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
-    for (const auto& [name, value] : vars) {
-      const char* old = std::getenv(name);
-      saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
-      if (value) {
-        ::setenv(name, value, 1);
-      } else {
-        ::unsetenv(name);
-      }
-    }
-  }
-  ~ScopedEnv() {
-    for (const auto& [name, value] : saved_) {
-      if (value) {
-        ::setenv(name.c_str(), value->c_str(), 1);
-      } else {
-        ::unsetenv(name.c_str());
-      }
-    }
-  }
-
- private:
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
 
 constexpr std::initializer_list<std::pair<const char*, const char*>> kNoLauncher = {
     {"RANK", nullptr},

@@ -19,12 +19,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
+
+#include "support/scoped_env.h"
 
 extern char** environ;
 
@@ -359,34 +360,6 @@ std::string supervise(std::vector<Rank>& ranks, const RunRanksOptions& options,
   return failure;
 }
 
-// Sets the variables a rank's process gets for as long as it lives, then puts back what was there.
-class RankVariables {
- public:
-  RankVariables(int world_size, int port) {
-    for (const std::string& variable : rank_variables(0, world_size, port)) {
-      const size_t equals = variable.find('=');
-      const std::string name = variable.substr(0, equals);
-      const char* before = std::getenv(name.c_str());
-      saved_.emplace_back(name, before == nullptr ? std::nullopt : std::optional(before));
-      ::setenv(name.c_str(), variable.substr(equals + 1).c_str(), 1);
-    }
-  }
-  ~RankVariables() {
-    for (const auto& [name, before] : saved_) {
-      if (before) {
-        ::setenv(name.c_str(), before->c_str(), 1);
-      } else {
-        ::unsetenv(name.c_str());
-      }
-    }
-  }
-  RankVariables(const RankVariables&) = delete;
-  RankVariables& operator=(const RankVariables&) = delete;
-
- private:
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
-
 // Runs rank 0's body in this process while a thread supervises the other ranks' processes;
 // returns the failure of either, "" when none. The variables are set before the supervisor starts
 // (no thread of this test reads the environment meanwhile) and put back after it ends.
@@ -394,7 +367,7 @@ std::string run_rank0_here(std::vector<Rank>& ranks, const RunRanksOptions& opti
                            std::chrono::steady_clock::time_point deadline, const std::string& dir,
                            int port, const std::function<void(int, int)>& body) {
   const int world_size = static_cast<int>(ranks.size());
-  RankVariables variables(world_size, port);
+  ScopedEnv variables(rank_variables(0, world_size, port));
   std::atomic<bool> running{true};
   std::string others_failure;
   std::thread supervisor([&] { others_failure = supervise(ranks, options, deadline, &running); });
