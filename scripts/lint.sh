@@ -69,7 +69,8 @@ check_rules() {
 
 check_naming() {
   cmake -S . -B "$LINT_DIR" -DCMAKE_BUILD_TYPE=Release -DCMAKE_EXPORT_COMPILE_COMMANDS=ON \
-    -DDISTOPTIM_UNITY_BUILD=OFF -DDISTOPTIM_PRECOMPILED_HEADERS=OFF >/dev/null
+    -DDISTOPTIM_UNITY_BUILD=OFF -DDISTOPTIM_TEST_UNITY_BATCH=1 -DDISTOPTIM_PRECOMPILED_HEADERS=OFF \
+    >/dev/null
   # The rpc sources include the header protoc generates: made here, as the build would.
   cmake --build "$LINT_DIR" --target distoptim_rpc_wire_header >/dev/null
   local files

@@ -25,6 +25,8 @@
 
 #include <gtest/gtest.h>
 
+#include <distoptim/comm/process_group.h>
+
 #include "support/scoped_env.h"
 
 extern char** environ;
@@ -226,9 +228,22 @@ void kill_all(std::vector<Rank>& ranks) {
   }
 }
 
+// What at_end_of_rank0_here registered, after the harness's own: the default process group,
+// destroyed last.
+std::vector<std::function<void()>>& rank0_cleanups() {
+  static std::vector<std::function<void()>> cleanups{[] {
+    if (comm::is_initialized()) comm::destroy_process_group();
+  }};
+  return cleanups;
+}
+
 }  // namespace
 
 bool in_rank_process() { return std::getenv(kChildVariable) != nullptr; }
+
+void at_end_of_rank0_here(std::function<void()> cleanup) {
+  rank0_cleanups().push_back(std::move(cleanup));
+}
 
 namespace {
 // The number of the run_ranks call within the current test: a rank process runs the body of the
@@ -362,11 +377,13 @@ std::string supervise(std::vector<Rank>& ranks, const RunRanksOptions& options,
 
 // Runs rank 0's body in this process while a thread supervises the other ranks' processes;
 // returns the failure of either, "" when none. The variables are set before the supervisor starts
-// (no thread of this test reads the environment meanwhile) and put back after it ends.
+// (no thread of this test reads the environment meanwhile), and the whole environment is put back
+// as it was after it ends (a body may set variables of its own).
 std::string run_rank0_here(std::vector<Rank>& ranks, const RunRanksOptions& options,
                            std::chrono::steady_clock::time_point deadline, const std::string& dir,
                            int port, const std::function<void(int, int)>& body) {
   const int world_size = static_cast<int>(ranks.size());
+  const SavedEnvironment environment;
   ScopedEnv variables(rank_variables(0, world_size, port));
   std::atomic<bool> running{true};
   std::string others_failure;
@@ -380,6 +397,17 @@ std::string run_rank0_here(std::vector<Rank>& ranks, const RunRanksOptions& opti
                   e.what() + "\" thrown in the rank's body.";
   } catch (...) {
     own_failure = "rank 0 (in the test process): unknown C++ exception thrown in the rank's body.";
+  }
+  // What the process of a rank would have ended by exiting, before the next body runs here: the
+  // registered cleanups, newest first.
+  const auto& cleanups = rank0_cleanups();
+  for (auto cleanup = cleanups.rbegin(); cleanup != cleanups.rend(); ++cleanup) {
+    try {
+      (*cleanup)();
+    } catch (const std::exception& e) {
+      own_failure += std::string(own_failure.empty() ? "" : "\n") +
+                     "rank 0 (in the test process): cleaning up after the body failed: " + e.what();
+    }
   }
   running = false;
   supervisor.join();

@@ -16,8 +16,8 @@
 // after run_ranks that only the test process should run checks in_rank_process()). The parent
 // supervises the ranks: the first rank to fail (non-zero exit, signal) makes it kill the others
 // and fail the test at once with that rank's output, and ranks still running at the deadline are
-// killed and named. Nothing hangs. With RunRanksOptions::rank0_in_test_process, rank 0's body
-// runs in the test process itself where the ranks would be started afresh.
+// killed and named. Nothing hangs. Where the ranks would be started afresh, rank 0's body runs in
+// the test process itself (RunRanksOptions::rank0_in_test_process).
 
 #include <chrono>
 #include <functional>
@@ -37,17 +37,26 @@ struct RunRanksOptions {
   std::map<int, int> expected_signals;
   /// Rank 0's body runs in the test process itself (its variables set meanwhile) while a thread
   /// supervises the others, where the ranks are started afresh (the sanitizer builds): one
-  /// process start fewer per call, ~2 s of CPU under the sanitizers. Only for a rank 0 that
-  /// leaves the process as it found it (no exit, signal or process-wide setting; rpc shut down,
-  /// even when it fails: testing::with_workers does), with no expected exit code or signal (it
-  /// is then started as the others are). DISTOPTIM_TEST_RANK0=own-process starts it as the others
-  /// are anyway.
-  bool rank0_in_test_process = false;
+  /// process start fewer per call, ~2 s of CPU under the sanitizers. What the exit of its own
+  /// process would have ended is ended after the body (at_end_of_rank0_here), and the environment
+  /// is put back as it was. Set false for a rank 0 that changes its process for good (its user,
+  /// a limit, malloc's settings) or measures it (resident memory, threads); a rank 0 with an
+  /// expected exit code or signal is started as the others are anyway, and so is every rank 0
+  /// with DISTOPTIM_TEST_RANK0=own-process.
+  bool rank0_in_test_process = true;
 };
 
 /// Runs `body(rank, world_size)` in `world_size` processes; see the file comment.
 void run_ranks(int world_size, const std::function<void(int rank, int world_size)>& body,
                const RunRanksOptions& options = {});
+
+/// Registers `cleanup` to run in the test process after each body of rank 0 run there
+/// (RunRanksOptions::rank0_in_test_process), whether it passed or not: what a rank's process
+/// would have ended by exiting. The harness itself destroys the default process group
+/// (comm::destroy_process_group) after the last of them; harness/rpc_cleanup.h stops a running
+/// rpc agent. They run in the reverse order of registration, as atexit's; what one throws fails
+/// the test. Register before the test runs (from a static initializer).
+void at_end_of_rank0_here(std::function<void()> cleanup);
 
 /// True inside a rank's process.
 bool in_rank_process();

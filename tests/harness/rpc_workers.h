@@ -12,6 +12,7 @@
 #include <distoptim/rpc.h>
 
 #include "multiprocess.h"
+#include "rpc_cleanup.h"
 
 namespace distoptim {
 namespace testing {
@@ -44,31 +45,13 @@ struct StoreTurns {
 };
 
 /// Runs `trainer` on rank 0 of `world_size` workers started with `options`; the others serve.
-/// Rank 0 runs in the test process where ranks are started afresh (RunRanksOptions::
-/// rank0_in_test_process): its agent is shut down even when `trainer` throws.
 inline void with_workers(int world_size, const std::function<void()>& trainer,
                          const rpc::RpcBackendOptions& options = test_options()) {
-  RunRanksOptions ranks;
-  ranks.rank0_in_test_process = true;
-  run_ranks(
-      world_size,
-      [&](int rank, int size) {
-        rpc::init_rpc(worker(rank), rank, size, options);
-        if (rank == 0) {
-          try {
-            trainer();
-          } catch (...) {
-            // Not graceful: the peers may be what failed. The trainer's error is the one to see.
-            try {
-              rpc::shutdown(/*graceful=*/false);
-            } catch (...) {
-            }
-            throw;
-          }
-        }
-        rpc::shutdown();
-      },
-      ranks);
+  run_ranks(world_size, [&](int rank, int size) {
+    rpc::init_rpc(worker(rank), rank, size, options);
+    if (rank == 0) trainer();
+    rpc::shutdown();
+  });
 }
 
 }  // namespace testing

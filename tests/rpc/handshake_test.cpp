@@ -56,10 +56,15 @@ using distoptim::testing::RunRanksOptions;
 using distoptim::testing::worker;
 using ::testing::HasSubstr;
 
-// How many times "record" ran in this process.
+// How many times "record" ran in this process: since rank 0 last ran a body in the test process
+// (which then counts anew, as a rank's own process would).
 std::atomic<int64_t> g_recorded{0};
 DISTOPTIM_RPC_FUNCTION("record", [] { return ++g_recorded; });
 DISTOPTIM_RPC_FUNCTION("recorded", [] { return g_recorded.load(); });
+const bool kRecordedCountsAnew = [] {
+  distoptim::testing::at_end_of_rank0_here([] { g_recorded = 0; });
+  return true;
+}();
 
 RpcBackendOptions options_with_secret(const std::string& secret) {
   return RpcBackendOptions("env://")

@@ -104,6 +104,13 @@ void tell_pid(const std::string& to) {
                     std::tuple{int64_t{get_worker_info().id}, static_cast<int64_t>(::getpid())});
 }
 
+// For a test that waits for rank 0's process to exit: rank 0 in a process of its own.
+distoptim::testing::RunRanksOptions rank0_exits() {
+  distoptim::testing::RunRanksOptions options;
+  options.rank0_in_test_process = false;
+  return options;
+}
+
 // Waits (at most `limit` in all) until rank `rank` has told this worker its pid and its process
 // has exited: a zombie until the harness reaps it, then gone. False when either never happened.
 bool wait_for_exit_of_rank(int rank, std::chrono::milliseconds limit) {
@@ -506,7 +513,7 @@ TEST(Rpc, KeepFreedMemoryReusesLargeBlocks) {
 // Graceful shutdown does not wait its whole timeout for a worker it already knows is dead: the
 // barrier fails with PeerLostError naming it (shutdown_timeout is far beyond the test's deadline).
 TEST(Rpc, GracefulShutdownFailsFastOnALostPeer) {
-  distoptim::testing::RunRanksOptions options;
+  distoptim::testing::RunRanksOptions options = rank0_exits();
   options.expected_exit_codes = {{2, 7}};
   options.deadline = std::chrono::seconds(60);
   run_ranks(
@@ -562,38 +569,43 @@ TEST(Rpc, InitWithAWorkerThatNeverArrivesNamesIt) {
 // shutdown_timeout with TimeoutError naming it (rank 0, the store's host, tells the others
 // before it stops the store), and stops their agents all the same.
 TEST(Rpc, GracefulShutdownWithAWorkerThatNeverCallsItNamesIt) {
-  run_ranks(3, [](int rank, int world_size) {
-    // Rank 0, which serves the store, gives up first: rank 1 would wait far longer, so it fails
-    // only by what rank 0 tells it, and it must still hear why (not just that the store is gone).
-    init_rpc(worker(rank), rank, world_size,
-             test_options().shutdown_timeout(rank == 1 ? 30000ms : 1500ms));
-    EXPECT_EQ(rpc_sync<int64_t>(worker((rank + 1) % 3), "add", std::tuple{1, 2}), 3);
-    if (rank == 2) {
-      // Past the others' shutdown: until both processes have exited.
-      EXPECT_TRUE(wait_for_exit_of_rank(0, 30s)) << "rank 0 did not exit";
-      EXPECT_TRUE(wait_for_exit_of_rank(1, 30s)) << "rank 1 did not exit";
-      shutdown(/*graceful=*/false);
-      return;
-    }
-    tell_pid(worker(2));
-    if (rank == 0) {
-      // Rank 0 enters the barrier once worker1 waits in it (worker1's key, the first thing its
-      // barrier sets), so that worker1 is there to be told when rank 0's 1.5 s have passed.
-      wait_for_agent_key("distoptim/rpc/shutdown/entered/1", 30s);
-    }
-    try {
-      shutdown();
-      ADD_FAILURE() << "shutdown() passed its barrier without worker2";
-    } catch (const TimeoutError& error) {
-      // Rank 0's own timeout; rank 1 heard it from rank 0.
-      EXPECT_NE(std::string(error.what()).find("worker 'worker0' waited 1500 ms"),
-                std::string::npos)
-          << error.what();
-      EXPECT_NE(std::string(error.what()).find("never arrived: 'worker2'"), std::string::npos)
-          << error.what();
-    }
-    EXPECT_THROW(rpc_sync<int64_t>(worker(1 - rank), "add", std::tuple{1, 2}), DistributedError);
-  });
+  run_ranks(
+      3,
+      [](int rank, int world_size) {
+        // Rank 0, which serves the store, gives up first: rank 1 would wait far longer, so it
+        // fails only by what rank 0 tells it, and it must still hear why (not just that the
+        // store is gone).
+        init_rpc(worker(rank), rank, world_size,
+                 test_options().shutdown_timeout(rank == 1 ? 30000ms : 1500ms));
+        EXPECT_EQ(rpc_sync<int64_t>(worker((rank + 1) % 3), "add", std::tuple{1, 2}), 3);
+        if (rank == 2) {
+          // Past the others' shutdown: until both processes have exited.
+          EXPECT_TRUE(wait_for_exit_of_rank(0, 30s)) << "rank 0 did not exit";
+          EXPECT_TRUE(wait_for_exit_of_rank(1, 30s)) << "rank 1 did not exit";
+          shutdown(/*graceful=*/false);
+          return;
+        }
+        tell_pid(worker(2));
+        if (rank == 0) {
+          // Rank 0 enters the barrier once worker1 waits in it (worker1's key, the first thing its
+          // barrier sets), so that worker1 is there to be told when rank 0's 1.5 s have passed.
+          wait_for_agent_key("distoptim/rpc/shutdown/entered/1", 30s);
+        }
+        try {
+          shutdown();
+          ADD_FAILURE() << "shutdown() passed its barrier without worker2";
+        } catch (const TimeoutError& error) {
+          // Rank 0's own timeout; rank 1 heard it from rank 0.
+          EXPECT_NE(std::string(error.what()).find("worker 'worker0' waited 1500 ms"),
+                    std::string::npos)
+              << error.what();
+          EXPECT_NE(std::string(error.what()).find("never arrived: 'worker2'"), std::string::npos)
+              << error.what();
+        }
+        EXPECT_THROW(rpc_sync<int64_t>(worker(1 - rank), "add", std::tuple{1, 2}),
+                     DistributedError);
+      },
+      rank0_exits());
 }
 
 // Without a shutdown_timeout (the default), graceful shutdown waits for a worker that is busy
@@ -615,41 +627,45 @@ TEST(Rpc, GracefulShutdownWaitsForAWorkerThatIsSlowButAlive) {
 // others' graceful shutdown fails with PeerLostError naming it once it has not answered a
 // liveness check in time (the test's deadline is 60 s; the liveness timeout 1 s).
 TEST(Rpc, GracefulShutdownNamesAStoppedWorkerAfterTheLivenessTimeout) {
-  run_ranks(3, [](int rank, int world_size) {
-    init_rpc(worker(rank), rank, world_size,
-             test_options().shutdown_timeout(0ms).liveness_timeout(1000ms));
-    if (rank == 2) {
-      // Stopped by rank 0 in here, and continued once rank 0's shutdown has failed.
-      EXPECT_TRUE(wait_for_exit_of_rank(0, 50s)) << "rank 0 did not exit";
-      EXPECT_TRUE(wait_for_exit_of_rank(1, 50s)) << "rank 1 did not exit";
-      shutdown(/*graceful=*/false);
-      return;
-    }
-    tell_pid(worker(2));
-    pid_t stopped = 0;
-    if (rank == 1) {
-      tell_pid(worker(0));  // after worker2 knows its pid
-    } else {
-      {
-        std::unique_lock<std::mutex> lock(g_pids_mutex);
-        ASSERT_TRUE(g_pids_noted.wait_for(lock, 30s, [] { return g_pids.count(1) != 0; }));
-      }
-      stopped = static_cast<pid_t>(rpc_sync<int64_t>(worker(2), "pid"));
-      ASSERT_TRUE(distoptim::testing::stop_process(stopped));
-    }
-    try {
-      shutdown();
-      ADD_FAILURE() << "shutdown() passed its barrier without worker2";
-    } catch (const PeerLostError& error) {
-      // Rank 1 either found it itself or heard it from rank 0, the store's host.
-      EXPECT_NE(std::string(error.what()).find("'worker2' (rank 2) is lost"), std::string::npos)
-          << error.what();
-      EXPECT_NE(std::string(error.what()).find("did not answer a liveness check within 1000 ms"),
-                std::string::npos)
-          << error.what();
-    }
-    if (stopped != 0) ::kill(stopped, SIGCONT);
-  });
+  run_ranks(
+      3,
+      [](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size,
+                 test_options().shutdown_timeout(0ms).liveness_timeout(1000ms));
+        if (rank == 2) {
+          // Stopped by rank 0 in here, and continued once rank 0's shutdown has failed.
+          EXPECT_TRUE(wait_for_exit_of_rank(0, 50s)) << "rank 0 did not exit";
+          EXPECT_TRUE(wait_for_exit_of_rank(1, 50s)) << "rank 1 did not exit";
+          shutdown(/*graceful=*/false);
+          return;
+        }
+        tell_pid(worker(2));
+        pid_t stopped = 0;
+        if (rank == 1) {
+          tell_pid(worker(0));  // after worker2 knows its pid
+        } else {
+          {
+            std::unique_lock<std::mutex> lock(g_pids_mutex);
+            ASSERT_TRUE(g_pids_noted.wait_for(lock, 30s, [] { return g_pids.count(1) != 0; }));
+          }
+          stopped = static_cast<pid_t>(rpc_sync<int64_t>(worker(2), "pid"));
+          ASSERT_TRUE(distoptim::testing::stop_process(stopped));
+        }
+        try {
+          shutdown();
+          ADD_FAILURE() << "shutdown() passed its barrier without worker2";
+        } catch (const PeerLostError& error) {
+          // Rank 1 either found it itself or heard it from rank 0, the store's host.
+          EXPECT_NE(std::string(error.what()).find("'worker2' (rank 2) is lost"), std::string::npos)
+              << error.what();
+          EXPECT_NE(
+              std::string(error.what()).find("did not answer a liveness check within 1000 ms"),
+              std::string::npos)
+              << error.what();
+        }
+        if (stopped != 0) ::kill(stopped, SIGCONT);
+      },
+      rank0_exits());
 }
 
 // A worker stopped (SIGSTOP) with calls to it pending: they fail with TimeoutError; once it is
@@ -888,22 +904,25 @@ TEST(Rpc, ExitingWithoutShutdownDoesNotWaitForABlockedRequest) {
   GTEST_SKIP() << "ThreadSanitizer reports the agent's threads that the bounded stop leaves "
                   "unjoined at exit, as it is meant to";
 #endif
-  run_ranks(2, [](int rank, int world_size) {
-    init_rpc(worker(rank), rank, world_size, test_options());
-    if (rank == 0) {
-      tell_pid(worker(1));
-      const auto until = std::chrono::steady_clock::now() + 20s;
-      while (g_blocked_requests == 0 && std::chrono::steady_clock::now() < until) {
-        std::this_thread::sleep_for(1ms);
-      }
-      ASSERT_EQ(g_blocked_requests.load(), 1);
-    } else {
-      auto blocked = rpc_async<int64_t>(worker(0), "block_40s", std::tuple{}, 60s);
-      // The bound and a margin for a slow machine, well short of the request's 40 s.
-      EXPECT_TRUE(wait_for_exit_of_rank(0, 30s)) << "worker0's exit waited for its request";
-      EXPECT_THROW(blocked.wait(), PeerLostError);
-    }
-  });
+  run_ranks(
+      2,
+      [](int rank, int world_size) {
+        init_rpc(worker(rank), rank, world_size, test_options());
+        if (rank == 0) {
+          tell_pid(worker(1));
+          const auto until = std::chrono::steady_clock::now() + 20s;
+          while (g_blocked_requests == 0 && std::chrono::steady_clock::now() < until) {
+            std::this_thread::sleep_for(1ms);
+          }
+          ASSERT_EQ(g_blocked_requests.load(), 1);
+        } else {
+          auto blocked = rpc_async<int64_t>(worker(0), "block_40s", std::tuple{}, 60s);
+          // The bound and a margin for a slow machine, well short of the request's 40 s.
+          EXPECT_TRUE(wait_for_exit_of_rank(0, 30s)) << "worker0's exit waited for its request";
+          EXPECT_THROW(blocked.wait(), PeerLostError);
+        }
+      },
+      rank0_exits());
 }
 
 TEST(RpcUnit, BadArgumentsAreRefused) {

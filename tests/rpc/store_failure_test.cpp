@@ -49,6 +49,8 @@ RpcBackendOptions options() {
 void shutdown_with_stopped_store_host(const RpcBackendOptions& rpc_options) {
   distoptim::testing::RunRanksOptions run_options;
   run_options.deadline = 60s;
+  // Rank 1 stops rank 0's whole process: a process of its own.
+  run_options.rank0_in_test_process = false;
   run_ranks(
       2,
       [&](int rank, int world_size) {
