@@ -257,6 +257,21 @@ std::vector<std::shared_ptr<Context>> Container::release_created_by(int worker) 
   return released;
 }
 
+std::vector<std::shared_ptr<Context>> Container::release_all() {
+  std::vector<std::shared_ptr<Context>> released;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [id, context] : contexts_) released.push_back(std::move(context));
+    contexts_.clear();
+    released_.clear();
+    release_order_.clear();
+  }
+  std::lock_guard<std::mutex> lock(serving_mutex_);
+  serving_.clear();
+  serving_size_.store(0);
+  return released;
+}
+
 std::vector<std::shared_ptr<Context>> Container::all() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<std::shared_ptr<Context>> out;

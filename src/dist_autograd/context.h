@@ -118,6 +118,10 @@ class Container {
   std::shared_ptr<Context> release(int64_t id);
   /// Removes every context `worker` created (it is gone).
   std::vector<std::shared_ptr<Context>> release_created_by(int worker);
+  /// Removes every context and forgets the released ids: the group they belonged to is gone and
+  /// the next one's workers start their ids again. New contexts keep counting up, so a guard
+  /// still held from before never releases one of them.
+  std::vector<std::shared_ptr<Context>> release_all();
   std::vector<std::shared_ptr<Context>> all() const;
   size_t size() const;
 

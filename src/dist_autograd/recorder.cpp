@@ -169,6 +169,18 @@ class Recorder : public rpc::Interceptor {
     }
   }
 
+  void on_agent_stopped() override {
+    for (const auto& context : Container::instance().release_all()) {
+      if (auto pass = context->running_pass()) {
+        pass->fail(std::make_exception_ptr(
+            DistributedError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                             "distributed autograd: rpc was shut down during the backward pass "
+                             "of context " +
+                                 std::to_string(context->id()))));
+      }
+    }
+  }
+
  private:
   static bool is_internal(const std::string& callable) {
     return callable.rfind(kInternalPrefix, 0) == 0;

@@ -24,6 +24,7 @@
 #include "agent.h"
 #include "calling_thread.h"
 #include "handshake.h"
+#include "interception.h"
 #include "registry_internal.h"
 #include "reply_snapshot.h"
 #include "transport/io_loop.h"
@@ -248,6 +249,9 @@ void shutdown(bool graceful) {
       g_agent.reset();
       g_owned_at_last_stop = agent->owned_at_stop();
     }
+  }
+  if (auto hook = detail::interceptor()) {
+    hook->on_agent_stopped();
   }
   if (failure) {
     std::rethrow_exception(failure);

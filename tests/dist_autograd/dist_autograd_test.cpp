@@ -6,6 +6,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -395,6 +398,54 @@ TEST(DistAutograd, MessagesRacingTheirContextsReleaseLeaveNothingBehind) {
       std::this_thread::sleep_for(10ms);
     }
     EXPECT_EQ(rpc_sync<int64_t>(worker(1), "context_count"), 0);
+  });
+}
+
+// A server outlives its group and serves the next one, whose trainer is a new process with the
+// old trainer's worker id, so its context ids are the ones the server saw released: they are the
+// new group's, and the server takes them.
+TEST(DistAutograd, ANewGroupsContextsAreTakenWhereTheOldGroupReleasedTheSameIds) {
+  run_ranks(3, [](int rank, int) {
+    const std::string port = std::getenv("MASTER_PORT");
+    const std::string ids_file = "/tmp/distoptim-regroup-ids-" + port;
+    const rpc::RpcBackendOptions second_group =
+        test_options().init_method("file:///tmp/distoptim-regroup-" + port);
+    if (rank == 0) {  // the server: the first group (env://), then the second
+      rpc::init_rpc(worker(0), 0, 2, test_options());
+      rpc::shutdown();  // after its trainer's
+      rpc::init_rpc(worker(0), 0, 2, second_group);
+      rpc::shutdown();
+      return;
+    }
+    at::Tensor x = leaf({3, 4}, 5);
+    std::vector<int64_t> ids;
+    auto train = [&] {
+      for (int step = 0; step < 3; ++step) {
+        ContextGuard context;
+        at::Tensor loss = rpc_sync<at::Tensor>(worker(0), "layer", std::tuple{x}).sum();
+        backward(context.id(), {loss});
+        Reference reference;
+        at::Tensor xr = x.detach().requires_grad_();
+        at::Tensor ref_loss = reference.layer_on(0, xr).sum();
+        expect_worker_grads(context.id(), reference, ref_loss, {0}, {x}, {xr});
+        ids.push_back(context.id());
+      }  // released here and on the server
+    };
+    if (rank == 1) {  // the first group's trainer
+      rpc::init_rpc(worker(1), 1, 2, test_options());
+      train();
+      std::ofstream(ids_file) << ids[0] << ' ' << ids[1] << ' ' << ids[2];
+      rpc::shutdown();
+      return;
+    }
+    // The second group's trainer: it meets the server once the first group has ended.
+    rpc::init_rpc(worker(1), 1, 2, second_group);
+    train();
+    std::vector<int64_t> first_ids(3);
+    std::ifstream(ids_file) >> first_ids[0] >> first_ids[1] >> first_ids[2];
+    EXPECT_EQ(ids, first_ids) << "the test's premise: both trainers used the same context ids";
+    rpc::shutdown();
+    std::remove(ids_file.c_str());
   });
 }
 

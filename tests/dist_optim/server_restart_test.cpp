@@ -630,10 +630,6 @@ void run_replicated_death(const char* turns_key, const char* second_joins_at, vo
   testing::RunRanksOptions run;
   run.deadline = 300s;
   run.expected_signals = {{1, SIGKILL}};
-  // ps0 (rank 0) joins the trainers' distributed autograd contexts, whose ids a fresh trainer
-  // numbers from 1: in the test process, a context of an earlier test with the same id would be
-  // remembered as released.
-  run.rank0_in_test_process = false;
   testing::run_ranks(
       5,
       [=](int rank, int) {

@@ -66,6 +66,10 @@ class Interceptor {
   /// A worker died or stopped (its connection closed); on one of the agent's threads, once per
   /// loss. Calls to it have failed or are failing with PeerLostError.
   virtual void on_peer_lost(int /*peer*/) {}
+  /// This process's agent stopped (shutdown): the group it belonged to is gone, and a later
+  /// init_rpc starts a new one whose workers may reuse its ids. On the thread that called
+  /// shutdown, after the agent's threads have stopped.
+  virtual void on_agent_stopped() {}
 };
 
 /// Installs this process's interceptor (null removes it). Thread-safe; messages already being
