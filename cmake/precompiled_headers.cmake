@@ -6,7 +6,8 @@
 #
 # GCC uses a precompiled header only where it was made with the same code-generation settings
 # (-fPIC, optimization level, -fopenmp, macros such as GTEST_HAS_PTHREAD): one is made for the
-# layers' libraries (position-independent) and one for the tests (executables, with GoogleTest).
+# layers' libraries (position-independent), one for the tests (executables, with GoogleTest) and
+# one for the programs (the examples and the launcher: executables, without GoogleTest).
 # Where the settings differ GCC falls back to reading the headers (-Winvalid-pch says so), so the
 # result is the same either way. distoptim_optim keeps its own flags (-fopenmp, per-instruction-set
 # kernels) and does without. The public-header checks (tests/headers) use the tests' set: with
@@ -27,9 +28,14 @@ set(DISTOPTIM_PCH_TEST_HEADERS
   <gtest/gtest.h>
   <torch/nn/module.h>
   <torch/optim/optimizer.h>)
+# And what the programs use: the tests' set without GoogleTest.
+set(DISTOPTIM_PCH_PROGRAM_HEADERS
+  ${DISTOPTIM_PCH_LIBRARY_HEADERS}
+  <torch/nn/module.h>
+  <torch/optim/optimizer.h>)
 
-# distoptim_precompiled_headers(TARGET library|test): TARGET uses the precompiled headers of its
-# kind, made once per build by a target of their own.
+# distoptim_precompiled_headers(TARGET library|test|program): TARGET uses the precompiled headers
+# of its kind, made once per build by a target of their own.
 function(distoptim_precompiled_headers target kind)
   if(NOT DISTOPTIM_PRECOMPILED_HEADERS)
     return()
@@ -48,8 +54,10 @@ function(distoptim_precompiled_headers target kind)
     elseif(kind STREQUAL "test")
       target_link_libraries(${maker} PRIVATE GTest::gtest)
       target_precompile_headers(${maker} PRIVATE ${DISTOPTIM_PCH_TEST_HEADERS})
+    elseif(kind STREQUAL "program")
+      target_precompile_headers(${maker} PRIVATE ${DISTOPTIM_PCH_PROGRAM_HEADERS})
     else()
-      message(FATAL_ERROR "distoptim_precompiled_headers: kind '${kind}' is neither library nor test")
+      message(FATAL_ERROR "distoptim_precompiled_headers: kind '${kind}' is not library, test or program")
     endif()
   endif()
   target_precompile_headers(${target} REUSE_FROM ${maker})
