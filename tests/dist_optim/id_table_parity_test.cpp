@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <iterator>
 #include <map>
 #include <random>
 #include <string>
@@ -190,7 +191,8 @@ TEST_P(IdTableParity, LiveRowsAndTheirStateArePyTorchsThroughAdmissionExpiryAndE
     // in play.
     const at::Tensor counted = expected.at(2 * kSteps);
     const std::map<std::string, int64_t> counters = table.shard_counters().at(0);
-    for (int64_t c = 0; c < 6; ++c) {
+    ASSERT_EQ(counted.numel(), static_cast<int64_t>(std::size(kCounters)));
+    for (size_t c = 0; c < std::size(kCounters); ++c) {
       EXPECT_EQ(counters.at(kCounters[c]), counted[c].item<int64_t>())
           << name << ": " << kCounters[c];
     }

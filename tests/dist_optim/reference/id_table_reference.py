@@ -172,7 +172,7 @@ def make_scenario(universe, args):
     return ids, targets
 
 
-def train(name, universe, initial, ids, targets, args):
+def train(name, initial, ids, targets, args):
     weight = torch.nn.Parameter(torch.zeros(args.capacity + 1, args.dim, dtype=torch.float64))
     optimizer = OPTIMIZERS[name]([weight])
     defaults = optimizer.defaults
@@ -224,7 +224,7 @@ def main():
     ids, targets = make_scenario(universe, args)
     torch.save([ids, targets], os.path.join(args.out, "scenario.pt"))
     for name in OPTIMIZERS:
-        expected = train(name, universe, initial, ids, targets, args)
+        expected = train(name, initial, ids, targets, args)
         torch.save(expected, os.path.join(args.out, "expected_%s.pt" % name))
         print("%s: counters after the last step %s" % (name, expected[2 * args.steps].tolist()))
 
