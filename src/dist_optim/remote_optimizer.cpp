@@ -101,11 +101,7 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   // Rows of a collisionless table handed to new ids since the last step start with a new
   // parameter's state (rpc/detail/reassigned_rows.h).
   for (size_t i = 0; i < optimizer_->params().size(); ++i) {
-    const std::vector<int64_t> reassigned =
-        rpc::detail::take_reassigned_rows(optimizer_->params()[i]);
-    if (!reassigned.empty()) {
-      optimizer_->reset_state_rows(static_cast<int64_t>(i), at::tensor(reassigned, at::kLong));
-    }
+    reset_reassigned_rows(static_cast<int64_t>(i));
   }
   const bool replicated = mirror_ && backup_ready(*mirror_);
   // Only what the step writes is locked: of a parameter whose sparse gradient's update is
@@ -370,6 +366,15 @@ void RemoteOptimizer::commit(int64_t index, bool with_value, bool with_state) {
   auto it = staged_.find(index);
   TORCH_CHECK_VALUE(it != staged_.end(), kLoadSnapshot, ": nothing was staged for parameter ",
                     index, " on worker '", rpc::get_worker_info().name, "'");
+  if (it->second.ids.defined()) {
+    TORCH_CHECK_VALUE(with_value && with_state, kLoadSnapshot,
+                      ": the rows of a collisionless table load with their state only (parameter ",
+                      index, " on worker '", rpc::get_worker_info().name, "')");
+    commit_id_rows(index, it->second);
+    staged_.erase(it);
+    staged_id_tables_.erase(index);
+    return;
+  }
   TORCH_CHECK_VALUE(it->second.value.defined() || !with_value, kLoadSnapshot,
                     ": no value was staged for parameter ", index, " on worker '",
                     rpc::get_worker_info().name, "'");
@@ -394,6 +399,15 @@ void RemoteOptimizer::commit(int64_t index, bool with_value, bool with_state) {
 void RemoteOptimizer::drop_staged(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   staged_.erase(index);
+  staged_id_tables_.erase(index);
+}
+
+void RemoteOptimizer::reset_reassigned_rows(int64_t index) {
+  const std::vector<int64_t> reassigned =
+      rpc::detail::take_reassigned_rows(optimizer_->params()[index]);
+  if (!reassigned.empty()) {
+    optimizer_->reset_state_rows(index, at::tensor(reassigned, at::kLong));
+  }
 }
 
 namespace {
@@ -415,6 +429,10 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::save_params);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "stage_table_rows",
                                         &RemoteOptimizer::stage_table_rows);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "save_id_rows",
+                                        &RemoteOptimizer::save_id_rows);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "stage_id_rows",
+                                        &RemoteOptimizer::stage_id_rows);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "stage_param",
                                         &RemoteOptimizer::stage_param);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "commit_staged",

@@ -13,6 +13,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <distoptim/optim/functional_optimizer.h>
+#include <distoptim/rpc/id_embedding_bag.h>
 #include <distoptim/rpc/rref.h>
 
 #include "snapshot_files.h"
@@ -115,6 +116,24 @@ class RemoteOptimizer {
   /// Forgets what was staged for `index`, if anything.
   void drop_staged(int64_t index);
 
+  // Collisionless tables (rpc::IdEmbeddingShard) in snapshots: remote_optimizer_id_tables.cpp.
+  // `table` is the shard (held here) whose weight is parameter `index`; c10::ValueError when it
+  // is another worker's or its weight is not that parameter.
+
+  /// Writes the shard's live rows with their ids and their rows of the optimizer's state, copied
+  /// while no id gains or loses a row and no step runs, as blocks of at most `rows_per_file` rows
+  /// named after `prefix` (shard `shard` of `shards`). Rows handed to new ids since the last step
+  /// are saved with a new parameter's state, as the next step would start them. Returns a dict:
+  /// has_state, step, buffers (names) and blocks (each block's rows).
+  c10::IValue save_id_rows(std::string prefix, int64_t index,
+                           rpc::RRef<rpc::IdEmbeddingShard> table, int64_t shard, int64_t shards,
+                           int64_t rows_per_file);
+  /// Reads from the blocks `paths` the rows of the ids that shard `shard` of `shards` holds
+  /// (ShardedIdEmbeddingBag::shard_of), with the state `state` (has_state, step, buffers) says,
+  /// for commit_staged. c10::ValueError when they are more than the shard's capacity.
+  void stage_id_rows(int64_t index, rpc::RRef<rpc::IdEmbeddingShard> table, int64_t shard,
+                     int64_t shards, std::vector<std::string> paths, c10::IValue state);
+
  private:
   /// Parameter `index`, checked to be one of this optimizer (and 2-D when `table`).
   const at::Tensor& param(int64_t index, const char* caller, bool table) const;
@@ -130,6 +149,16 @@ class RemoteOptimizer {
   void copy_param(int64_t index, ParamCopy& into) const;
   /// Keeps `copy` for commit_staged(index).
   void stage(int64_t index, ParamCopy copy);
+  /// The shard `table` refers to, checked to be here with parameter `index` as its weight.
+  std::shared_ptr<rpc::IdEmbeddingShard> id_table(int64_t index,
+                                                  const rpc::RRef<rpc::IdEmbeddingShard>& table,
+                                                  const char* caller);
+  /// Commits staged rows of a collisionless table (`copy.ids`) into parameter `index`: the
+  /// shard's rows replaced by the ids', their values and state rows loaded. Under mutex_.
+  void commit_id_rows(int64_t index, ParamCopy& copy);
+  /// Resets parameter `index`'s state at the rows handed to new ids since the last look
+  /// (rpc/detail/reassigned_rows.h). Under mutex_.
+  void reset_reassigned_rows(int64_t index);
   /// commit_staged (both), commit_staged_state (`with_state` alone) or commit_staged_value
   /// (`with_value` alone).
   void commit(int64_t index, bool with_value, bool with_state = true);
@@ -162,6 +191,8 @@ class RemoteOptimizer {
   // What stage_table_rows and stage_param read, by parameter index, until committed or dropped.
   // Guarded by mutex_.
   std::map<int64_t, ParamCopy> staged_;
+  // The collisionless tables whose rows were staged, by parameter index. Guarded by mutex_.
+  std::map<int64_t, std::shared_ptr<rpc::IdEmbeddingShard>> staged_id_tables_;
   // The memory of the last snapshot's copies, by parameter index: taken by the next snapshot (a
   // snapshot running meanwhile maps its own). Mapping fresh pages costs far more than writing
   // them on some machines (a virtual machine here mapped 0.13 GB/s), so an owner that snapshots

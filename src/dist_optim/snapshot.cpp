@@ -12,6 +12,7 @@
 #include <distoptim/rpc/detail/calls.h>
 
 #include "checkpoint_file.h"
+#include "id_table_snapshot.h"
 #include "owner_calls.h"
 #include "snapshot_calls.h"
 #include "snapshot_files.h"
@@ -40,6 +41,12 @@ std::string table_prefix(const std::string& directory, size_t table) {
 
 std::string params_file(size_t owner) { return "params-" + std::to_string(owner) + ".pt"; }
 
+// A table block's rows by default: 64 MiB of them.
+int64_t default_block_rows(int64_t dim, c10::ScalarType dtype) {
+  const int64_t row_bytes = dim * static_cast<int64_t>(c10::elementSize(dtype));
+  return std::max<int64_t>(1, kDefaultBlockBytes / row_bytes);
+}
+
 // A parameter's owner and index in that owner's optimizer.
 struct Slot {
   size_t owner = 0;
@@ -54,8 +61,34 @@ struct Layout {
   std::vector<int64_t> dense_positions;               // the others, in list order
 };
 
+// The shards' weights of every table, fixed-size tables first, each with its name in errors.
+struct TableShards {
+  std::string name;
+  std::vector<rpc::RRef<at::Tensor>> weights;
+};
+
+std::vector<TableShards> shards_of(const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
+                                   const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables,
+                                   const char* caller) {
+  std::vector<TableShards> out;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    TORCH_CHECK_VALUE(tables[t] != nullptr, caller, ": tables[", t, "] is null");
+    out.push_back({c10::str("tables[", t, "]"), tables[t]->remote_parameters()});
+  }
+  for (size_t t = 0; t < id_tables.size(); ++t) {
+    TORCH_CHECK_VALUE(id_tables[t] != nullptr, caller, ": id_tables[", t, "] is null");
+    out.push_back({c10::str("id_tables[", t, "]"), id_tables[t]->remote_parameters()});
+  }
+  return out;
+}
+
+// Where every parameter of `optimizer` lives; table_positions has the fixed-size tables, then
+// the collisionless ones.
 Layout layout_of(DistributedOptimizer& optimizer,
-                 const std::vector<const rpc::ShardedEmbeddingBag*>& tables, const char* caller) {
+                 const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
+                 const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables,
+                 const char* caller) {
+  const std::vector<TableShards> all_tables = shards_of(tables, id_tables, caller);
   Layout layout;
   layout.owners = OwnerAccess::owners(optimizer);
   std::map<std::string, size_t> owner_of;
@@ -72,14 +105,13 @@ Layout layout_of(DistributedOptimizer& optimizer,
   std::vector<std::pair<size_t, size_t>> asked;  // table, shard
   std::vector<std::string> workers;
   std::vector<rpc::RpcFuture<c10::IValue>> indices;
-  for (size_t t = 0; t < tables.size(); ++t) {
-    TORCH_CHECK_VALUE(tables[t] != nullptr, caller, ": tables[", t, "] is null");
-    const std::vector<rpc::RRef<at::Tensor>> shards = tables[t]->remote_parameters();
+  for (size_t t = 0; t < all_tables.size(); ++t) {
+    const std::vector<rpc::RRef<at::Tensor>>& shards = all_tables[t].weights;
     for (size_t s = 0; s < shards.size(); ++s) {
       const std::string worker = shards[s].owner_name();
       auto it = owner_of.find(worker);
-      TORCH_CHECK_VALUE(it != owner_of.end(), caller, ": shard ", s, " of tables[", t,
-                        "] (on worker '", worker, "') is not a parameter of the optimizer");
+      TORCH_CHECK_VALUE(it != owner_of.end(), caller, ": shard ", s, " of ", all_tables[t].name,
+                        " (on worker '", worker, "') is not a parameter of the optimizer");
       asked.emplace_back(t, s);
       workers.push_back(worker);
       indices.push_back(waited_method(layout.owners[it->second].optimizer, "index_of",
@@ -89,18 +121,18 @@ Layout layout_of(DistributedOptimizer& optimizer,
   const auto worker = [&workers](size_t i) -> const std::string& { return workers[i]; };
   const std::vector<c10::IValue> found =
       wait_all(indices, worker, std::string(caller) + " (finding the tables' shards)");
-  layout.table_positions.resize(tables.size());
+  layout.table_positions.resize(all_tables.size());
   std::set<int64_t> in_tables;
   for (size_t a = 0; a < asked.size(); ++a) {
     const auto [t, s] = asked[a];
     const int64_t index = found[a].isInt() ? found[a].toInt() : -1;
     const std::vector<int64_t>& positions = layout.owners[owner_of.at(workers[a])].positions;
     TORCH_CHECK_VALUE(index >= 0 && static_cast<size_t>(index) < positions.size(), caller,
-                      ": shard ", s, " of tables[", t, "] (on worker '", workers[a],
+                      ": shard ", s, " of ", all_tables[t].name, " (on worker '", workers[a],
                       "') is not a parameter of the optimizer");
     const int64_t position = positions[index];
-    TORCH_CHECK_VALUE(in_tables.insert(position).second, caller, ": tables[", t,
-                      "] shares its shard ", s, " with an earlier table (a table given twice)");
+    TORCH_CHECK_VALUE(in_tables.insert(position).second, caller, ": ", all_tables[t].name,
+                      " shares its shard ", s, " with an earlier table (a table given twice)");
     layout.table_positions[t].push_back(position);
   }
   for (size_t p = 0; p < layout.slots.size(); ++p) {
@@ -145,12 +177,6 @@ SavedShard saved_shard(const c10::IValue& value, int64_t first, int64_t end,
   return shard;
 }
 
-std::string shard_state_text(const StateSummary& state) {
-  return state.has_state ? c10::str("counted ", state.step, " steps (buffers ",
-                                    c10::Join(", ", state.buffers), ")")
-                         : std::string("has no optimizer state");
-}
-
 // Checks that `first_rows` split `rows` rows.
 void check_split(const std::vector<int64_t>& first_rows, int64_t rows, const std::string& path) {
   bool ok = first_rows.size() >= 2 && first_rows.front() == 0 && first_rows.back() == rows;
@@ -168,9 +194,11 @@ struct PendingSnapshot::Calls {
   std::string optimizer;
   int64_t params = 0;
   std::vector<const rpc::ShardedEmbeddingBag*> tables;
+  std::vector<const rpc::ShardedIdEmbeddingBag*> id_tables;
   std::vector<std::string> workers;                // per call, to name a failure
   std::vector<rpc::RpcFuture<c10::IValue>> calls;  // table shards (by table, by shard), then
-                                                   // one per owner of other parameters
+                                                   // collisionless tables' shards, then one
+                                                   // per owner of other parameters
   std::vector<std::pair<size_t, std::vector<int64_t>>> dense;  // owner, dense indices; per call
 };
 
@@ -188,16 +216,18 @@ bool PendingSnapshot::written() const {
 
 PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimizer& optimizer,
                                const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
+                               const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables,
                                int64_t rows_per_file, bool waited_only) {
   TORCH_CHECK_VALUE(rows_per_file >= 0, kSaveSnapshot, ": rows_per_file is ", rows_per_file,
                     "; it must be 0 (64 MiB of rows) or more");
-  const Layout layout = layout_of(optimizer, tables, kSaveSnapshot);
+  const Layout layout = layout_of(optimizer, tables, id_tables, kSaveSnapshot);
   auto calls = std::make_unique<PendingSnapshot::Calls>();
   // The owners resolve the path themselves: an absolute one names the same directory for all.
   calls->directory = fs::absolute(directory).string();
   calls->optimizer = optimizer.optimizer();
   calls->params = static_cast<int64_t>(layout.slots.size());
   calls->tables = tables;
+  calls->id_tables = id_tables;
   std::error_code error;
   fs::create_directories(calls->directory, error);
   TORCH_CHECK(!error, kSaveSnapshot, ": cannot create the directory '", directory,
@@ -208,12 +238,9 @@ PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimize
               "': ", error.message());
   for (size_t t = 0; t < tables.size(); ++t) {
     const rpc::ShardedEmbeddingBagOptions& options = tables[t]->options();
-    int64_t rows = rows_per_file;
-    if (rows == 0) {
-      const int64_t row_bytes =
-          options.embedding_dim() * static_cast<int64_t>(c10::elementSize(options.dtype()));
-      rows = std::max<int64_t>(1, kDefaultBlockBytes / row_bytes);
-    }
+    const int64_t rows = rows_per_file > 0
+                             ? rows_per_file
+                             : default_block_rows(options.embedding_dim(), options.dtype());
     const int64_t shards = static_cast<int64_t>(tables[t]->num_shards());
     for (int64_t s = 0; s < shards; ++s) {
       const Slot& slot = layout.slots[layout.table_positions[t][s]];
@@ -221,6 +248,23 @@ PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimize
       calls->calls.push_back(waited_method(layout.owners[slot.owner].optimizer, "save_table_rows",
                                            {table_prefix(calls->directory, t), slot.index, s,
                                             shards, tables[t]->shard_rows(s).first, rows},
+                                           waited_only));
+    }
+  }
+  for (size_t t = 0; t < id_tables.size(); ++t) {
+    const rpc::ShardedIdEmbeddingBagOptions& options = id_tables[t]->options();
+    const int64_t rows = rows_per_file > 0
+                             ? rows_per_file
+                             : default_block_rows(options.embedding_dim(), options.dtype());
+    const std::vector<rpc::RRef<rpc::IdEmbeddingShard>> modules =
+        id_tables[t]->shard_module_rrefs();
+    const int64_t shards = static_cast<int64_t>(modules.size());
+    for (int64_t s = 0; s < shards; ++s) {
+      const Slot& slot = layout.slots[layout.table_positions[tables.size() + t][s]];
+      calls->workers.push_back(layout.owners[slot.owner].worker);
+      calls->calls.push_back(waited_method(layout.owners[slot.owner].optimizer, "save_id_rows",
+                                           {id_table_prefix(calls->directory, t), slot.index,
+                                            rpc::detail::to_values(modules[s])[0], s, shards, rows},
                                            waited_only));
     }
   }
@@ -267,6 +311,12 @@ void PendingSnapshot::finish(std::optional<int64_t> step) {
     table.insert("shards", shards);
     tables.push_back(table);
   }
+  c10::impl::GenericList id_tables(c10::AnyType::get());
+  for (const rpc::ShardedIdEmbeddingBag* table : c.id_tables) {
+    id_tables.push_back(id_table_entry(
+        *table, c10::ArrayRef<c10::IValue>(replies).slice(call, table->num_shards()), from));
+    call += table->num_shards();
+  }
   // Other parameters by their order among them (dense index), each with its file.
   std::map<int64_t, GenericDict> dense_entries;
   for (const auto& [owner, positions] : c.dense) {
@@ -297,18 +347,21 @@ void PendingSnapshot::finish(std::optional<int64_t> step) {
   manifest.insert("params", c.params);
   manifest.insert("step", step.value_or(-1));
   manifest.insert("tables", tables);
+  manifest.insert("id_tables", id_tables);
   manifest.insert("dense", dense);
   optim::detail::write_pickle_file(manifest_path(c.directory), manifest, kSaveSnapshot);
 }
 
 void check_snapshot_tables(DistributedOptimizer& optimizer,
-                           const std::vector<const rpc::ShardedEmbeddingBag*>& tables) {
-  layout_of(optimizer, tables, kSaveSnapshot);
+                           const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
+                           const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables) {
+  layout_of(optimizer, tables, id_tables, kSaveSnapshot);
 }
 
 void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,
                         const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                        const std::string& only_worker, SnapshotPart part) {
+                        const std::string& only_worker, SnapshotPart part,
+                        const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables) {
   const std::string absolute = fs::absolute(directory).string();
   const std::string path = manifest_path(directory);
   const GenericDict manifest = dict_of(optim::detail::read_pickle_file(path, kLoadSnapshot), path);
@@ -319,7 +372,7 @@ void load_snapshot_into(const std::string& directory, DistributedOptimizer& opti
                     "' holds the state of optimizer '", name.toStringRef(), "', this one is '",
                     optimizer.optimizer(), "'");
   const std::vector<const rpc::ShardedEmbeddingBag*> const_tables(tables.begin(), tables.end());
-  const Layout layout = layout_of(optimizer, const_tables, kLoadSnapshot);
+  const Layout layout = layout_of(optimizer, const_tables, id_tables, kLoadSnapshot);
   const c10::ArrayRef<c10::IValue> saved_tables =
       list_field(manifest, "tables", path, static_cast<int64_t>(tables.size()));
   const c10::ArrayRef<c10::IValue> saved_dense =
@@ -394,6 +447,7 @@ void load_snapshot_into(const std::string& directory, DistributedOptimizer& opti
         kLoadSnapshot, ": '", path, "': a parameter's 'file' is no file name");
     dense[j] = {(fs::path(absolute) / file.toStringRef()).string(), state_summary(entry, path)};
   }
+  const std::vector<IdTableLoad> id_loads = id_table_loads(manifest, path, absolute, id_tables);
   for (size_t t = 0; t < tables.size(); ++t) {
     const TableLoad& load = loads[t];
     const size_t saved_shards = load.first_rows.size() - 1;
@@ -416,6 +470,26 @@ void load_snapshot_into(const std::string& directory, DistributedOptimizer& opti
       insert_state_summary(state, load.saved[load.same_split ? s : 0].state);
       const Slot& slot = layout.slots[layout.table_positions[t][s]];
       stage(slot, "stage_table_rows", {slot.index, first, blocks, state});
+    }
+  }
+  for (size_t t = 0; t < id_tables.size(); ++t) {
+    const IdTableLoad& load = id_loads[t];
+    const std::vector<rpc::RRef<rpc::IdEmbeddingShard>> modules =
+        id_tables[t]->shard_module_rrefs();
+    const int64_t shards = static_cast<int64_t>(modules.size());
+    const bool same_split = load.paths.size() == modules.size();
+    std::vector<std::string> every_block;
+    for (const std::vector<std::string>& paths : load.paths) {
+      every_block.insert(every_block.end(), paths.begin(), paths.end());
+    }
+    for (int64_t s = 0; s < shards; ++s) {
+      // Over the same split each shard holds the ids its saved shard held; over another, any.
+      GenericDict state = string_dict();
+      insert_state_summary(state, load.states[same_split ? s : 0]);
+      const Slot& slot = layout.slots[layout.table_positions[tables.size() + t][s]];
+      stage(slot, "stage_id_rows",
+            {slot.index, rpc::detail::to_values(modules[s])[0], s, shards,
+             c10::List<std::string>(same_split ? load.paths[s] : every_block), state});
     }
   }
   for (size_t j = 0; j < dense.size(); ++j) {
@@ -462,14 +536,18 @@ std::string snapshot_trainer(const std::string& directory) {
 
 void save_snapshot(const std::string& directory, DistributedOptimizer& optimizer,
                    const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
-                   int64_t rows_per_file) {
-  detail::begin_snapshot(directory, optimizer, tables, rows_per_file, /*waited_only=*/true)
+                   int64_t rows_per_file,
+                   const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables) {
+  detail::begin_snapshot(directory, optimizer, tables, id_tables, rows_per_file,
+                         /*waited_only=*/true)
       .finish(std::nullopt);
 }
 
 void load_snapshot(const std::string& directory, DistributedOptimizer& optimizer,
-                   const std::vector<rpc::ShardedEmbeddingBag*>& tables) {
-  detail::load_snapshot_into(directory, optimizer, tables);
+                   const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+                   const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables) {
+  detail::load_snapshot_into(directory, optimizer, tables, /*only_worker=*/{},
+                             detail::SnapshotPart::kEverything, id_tables);
 }
 
 }  // namespace dist_optim

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <distoptim/dist_optim/distributed_optimizer.h>
+#include <distoptim/rpc/id_embedding_bag.h>
 #include <distoptim/rpc/sharded_embedding_bag.h>
 
 namespace distoptim {
@@ -40,22 +41,26 @@ class PendingSnapshot {
 /// (written()) rather than waited for at once. Errors before any owner is asked: save_snapshot's.
 PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimizer& optimizer,
                                const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
+                               const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables,
                                int64_t rows_per_file, bool waited_only);
 
 /// Throws what save_snapshot throws for `tables` that are not the optimizer's.
 void check_snapshot_tables(DistributedOptimizer& optimizer,
-                           const std::vector<const rpc::ShardedEmbeddingBag*>& tables);
+                           const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
+                           const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables = {});
 
 /// What of a snapshot a load takes: everything, the optimizer's state alone (the parameters
 /// keep their values), or the parameters' values alone (the optimizer's state there stays).
 enum class SnapshotPart { kEverything, kState, kValues };
 
 /// load_snapshot; with `only_worker`, only what that owner holds is read and loaded (a restarted
-/// owner's parameters, recovery.h); `part`: what is loaded of it.
+/// owner's parameters, recovery.h); `part`: what is loaded of it (everything, for collisionless
+/// tables' rows).
 void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,
                         const std::vector<rpc::ShardedEmbeddingBag*>& tables,
                         const std::string& only_worker = {},
-                        SnapshotPart part = SnapshotPart::kEverything);
+                        SnapshotPart part = SnapshotPart::kEverything,
+                        const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables = {});
 
 /// The worker whose optimizer wrote the snapshot in `directory` (its manifest's "trainer"), or
 /// empty for a snapshot that does not say (written before it did). Errors: load_snapshot's for a

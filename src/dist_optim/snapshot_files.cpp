@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <map>
 #include <thread>
 #include <utility>
 
@@ -24,6 +25,7 @@ using c10::impl::GenericDict;
 
 constexpr const char* kBlockFormat = "distoptim.snapshot.table_block";
 constexpr const char* kParamsFormat = "distoptim.snapshot.params";
+constexpr const char* kIdBlockFormat = "distoptim.snapshot.id_block";
 
 // Rows [from, to) of `copy` (its value and buffers, whose first row is `first`): copies, so that
 // a pickle of them does not carry the whole shard's storage.
@@ -32,6 +34,7 @@ constexpr const char* kParamsFormat = "distoptim.snapshot.params";
 // copy and a clone would cost a copy through fresh pages. Valid while `table` lives.
 at::Tensor alias_of_rows(const at::Tensor& table, int64_t from, int64_t to) {
   const at::Tensor rows = table.slice(0, from, to);
+  if (from == to) return at::empty(rows.sizes(), rows.options());
   if (!table.is_contiguous()) return rows.clone(at::MemoryFormat::Contiguous);
   return at::from_blob(rows.data_ptr(), rows.sizes(), rows.options());
 }
@@ -99,6 +102,12 @@ void write_at_low_priority(const std::function<void()>& write) {
   });
   writer.join();
   if (failure) std::rethrow_exception(failure);
+}
+
+std::string shard_state_text(const StateSummary& state) {
+  return state.has_state ? c10::str("counted ", state.step, " steps (buffers ",
+                                    c10::Join(", ", state.buffers), ")")
+                         : std::string("has no optimizer state");
 }
 
 std::string block_path(const std::string& prefix, int64_t shard, int64_t shards, int64_t block) {
@@ -174,6 +183,88 @@ ParamCopy read_block_rows(const std::vector<BlockFile>& blocks, int64_t first_ro
     };
     take(rows_of(field(dict, "rows", block.path), "'rows'"), out.value);
     for (const auto& [name, buffer] : buffers) take(buffer, out.state.buffers.at(name));
+  }
+  return out;
+}
+
+std::vector<int64_t> write_id_blocks(const std::string& prefix, int64_t shard, int64_t shards,
+                                     const ParamCopy& part, int64_t rows_per_file) {
+  TORCH_INTERNAL_ASSERT(rows_per_file > 0 && part.ids.size(0) == part.value.size(0));
+  const int64_t live = part.ids.size(0);
+  std::vector<int64_t> counts;
+  for (int64_t first = 0; first < live || counts.empty(); first += rows_per_file) {
+    const int64_t end = std::min(live, first + rows_per_file);
+    GenericDict block = string_dict();
+    block.insert("format", std::string(kIdBlockFormat));
+    block.insert("version", kSnapshotVersion);
+    block.insert("shard", shard);
+    block.insert("ids", alias_of_rows(part.ids, first, end));
+    insert_rows(block, part, 0, first, end);
+    optim::detail::write_pickle_file(
+        block_path(prefix, shard, shards, static_cast<int64_t>(counts.size())), block,
+        kSaveSnapshot);
+    counts.push_back(end - first);
+  }
+  return counts;
+}
+
+ParamCopy read_id_blocks(const std::vector<std::string>& paths, int64_t dim, c10::ScalarType dtype,
+                         const StateSummary& state, const std::function<bool(int64_t)>& keep) {
+  std::vector<at::Tensor> ids, values;
+  std::map<std::string, std::vector<at::Tensor>> buffers_kept;
+  std::map<int64_t, std::string> seen;  // kept id -> its file
+  for (const std::string& path : paths) {
+    const GenericDict dict = dict_of(optim::detail::read_pickle_file(path, kLoadSnapshot), path);
+    check_format(dict, kIdBlockFormat, path);
+    const c10::IValue& ids_value = field(dict, "ids", path);
+    TORCH_CHECK_VALUE(ids_value.isTensor() && ids_value.toTensor().layout() == c10::kStrided &&
+                          ids_value.toTensor().dim() == 1 &&
+                          ids_value.toTensor().scalar_type() == at::kLong,
+                      kLoadSnapshot, ": '", path, "': 'ids' is not a 1-D int64 tensor");
+    const at::Tensor block_ids = ids_value.toTensor().contiguous();
+    const int64_t n = block_ids.size(0);
+    auto rows_of = [&](const c10::IValue& value, const std::string& what) {
+      TORCH_CHECK_VALUE(value.isTensor(), kLoadSnapshot, ": '", path, "': ", what,
+                        " is not a tensor");
+      const at::Tensor& t = value.toTensor();
+      TORCH_CHECK_VALUE(t.layout() == c10::kStrided && t.dim() == 2 && t.size(0) == n &&
+                            t.size(1) == dim && t.scalar_type() == dtype,
+                        kLoadSnapshot, ": '", path, "': ", what, " has shape ", t.sizes(),
+                        " and dtype ", t.scalar_type(), "; the block holds ", n, " rows of ", dim,
+                        " ", dtype);
+      return t;
+    };
+    const std::map<std::string, at::Tensor> buffers =
+        checked_buffers(dict, state, path, "the block", rows_of);
+    const at::Tensor rows = rows_of(field(dict, "rows", path), "'rows'");
+    std::vector<int64_t> kept;
+    const int64_t* id = block_ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      if (!keep(id[i])) continue;
+      const auto [it, fresh] = seen.emplace(id[i], path);
+      TORCH_CHECK_VALUE(fresh, kLoadSnapshot, ": '", path, "' holds id ", id[i], ", which '",
+                        it->second, "' holds too");
+      kept.push_back(i);
+    }
+    if (kept.empty()) continue;
+    const at::Tensor at_kept = at::tensor(kept, at::kLong);
+    ids.push_back(block_ids.index_select(0, at_kept));
+    values.push_back(rows.index_select(0, at_kept));
+    for (const auto& [name, buffer] : buffers) {
+      buffers_kept[name].push_back(buffer.index_select(0, at_kept));
+    }
+  }
+  ParamCopy out;
+  const at::TensorOptions options = at::TensorOptions().dtype(dtype);
+  out.ids = ids.empty() ? at::empty({0}, at::kLong) : at::cat(ids);
+  out.value = values.empty() ? at::empty({0, dim}, options) : at::cat(values);
+  out.has_state = state.has_state;
+  out.state.step = state.has_state ? state.step : 0;
+  if (state.has_state) {
+    for (const std::string& name : state.buffers) {
+      const std::vector<at::Tensor>& parts = buffers_kept[name];
+      out.state.buffers[name] = parts.empty() ? at::empty({0, dim}, options) : at::cat(parts);
+    }
   }
   return out;
 }

@@ -11,6 +11,8 @@
 // read_pickle_file: headers, every record's CRC-32).
 // - A block: format, version, shard, first_row, end_row (the table's rows it holds), rows,
 //   has_state, step, buffers (names) and buffers_values (each buffer's rows, by name).
+// - A collisionless table's block: format, version, shard, ids (1-D int64), rows (the ids' rows),
+//   has_state, step, buffers and buffers_values (the ids' rows of each buffer).
 // - An owner's parameters: format, version, params: a list of dicts with dense_index (the
 //   parameter's order among the DistributedOptimizer's parameters that are no table's shard),
 //   rows (its value), has_state, step, buffers (names) and buffers_values.
@@ -38,6 +40,8 @@ constexpr int64_t kSnapshotVersion = 1;
 /// optimizer or read from files.
 struct ParamCopy {
   at::Tensor value;
+  /// A collisionless table's live rows: each row's id (1-D int64); undefined otherwise.
+  at::Tensor ids;
   bool has_state = false;
   optim::OptimizerStateDict::State state;  // buffers shaped as `value`, by name
 };
@@ -82,6 +86,21 @@ struct StateSummary {
 ParamCopy read_block_rows(const std::vector<BlockFile>& blocks, int64_t first_row, int64_t end_row,
                           int64_t dim, c10::ScalarType dtype, const StateSummary& state);
 
+/// Writes `part`, the live rows of a collisionless table's shard `shard` of `shards` with their
+/// ids (part.ids), as blocks of at most `rows_per_file` rows named after `prefix`. Returns each
+/// block's number of rows (one empty block for a shard without rows). Errors: c10::Error naming
+/// the file that could not be written.
+std::vector<int64_t> write_id_blocks(const std::string& prefix, int64_t shard, int64_t shards,
+                                     const ParamCopy& part, int64_t rows_per_file);
+
+/// Reads the rows whose ids `keep` accepts from the id blocks `paths`, each block read, checked
+/// (rows of `dim` values of `dtype`, the state `state` says) and its kept rows copied out before
+/// the next is read, so this process holds the result and one block. The result's ids
+/// (ParamCopy::ids) in the order read. Errors: c10::Error / c10::ValueError naming the file and
+/// what is wrong with it, an id that two blocks hold included.
+ParamCopy read_id_blocks(const std::vector<std::string>& paths, int64_t dim, c10::ScalarType dtype,
+                         const StateSummary& state, const std::function<bool(int64_t)>& keep);
+
 /// Writes `params` (named by their dense indices) to `path`.
 void write_params_file(const std::string& path, const std::vector<int64_t>& dense_indices,
                        const std::vector<ParamCopy>& params);
@@ -93,6 +112,9 @@ ParamCopy read_param(const std::string& path, int64_t dense_index, const at::Ten
 
 /// An empty dict of string keys, as every dict of a snapshot is.
 c10::impl::GenericDict string_dict();
+
+/// "counted N steps (buffers ...)" or "has no optimizer state": a shard's state in errors.
+std::string shard_state_text(const StateSummary& state);
 
 /// The summary of `copy`'s state.
 StateSummary summary_of(const ParamCopy& copy);

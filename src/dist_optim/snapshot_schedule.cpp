@@ -50,10 +50,12 @@ struct SnapshotSchedule::Pending {
 
 SnapshotSchedule::SnapshotSchedule(SnapshotOptions options, DistributedOptimizer& optimizer,
                                    std::vector<const rpc::ShardedEmbeddingBag*> tables,
-                                   int64_t step)
+                                   int64_t step,
+                                   std::vector<const rpc::ShardedIdEmbeddingBag*> id_tables)
     : options_(std::move(options)),
       optimizer_(optimizer),
       tables_(std::move(tables)),
+      id_tables_(std::move(id_tables)),
       step_(step),
       last_begun_step_(step),
       last_begun_(std::chrono::steady_clock::now()) {
@@ -67,7 +69,7 @@ SnapshotSchedule::SnapshotSchedule(SnapshotOptions options, DistributedOptimizer
                     options_.rows_per_file(), "; it must be 0 (64 MiB of rows) or more");
   TORCH_CHECK_VALUE(!options_.directory().empty(), "SnapshotSchedule: the directory is empty");
   TORCH_CHECK_VALUE(step_ >= 0, "SnapshotSchedule: step is ", step_, "; it must be 0 or more");
-  detail::check_snapshot_tables(optimizer_, tables_);
+  detail::check_snapshot_tables(optimizer_, tables_, id_tables_);
 }
 
 SnapshotSchedule::~SnapshotSchedule() {
@@ -109,10 +111,10 @@ int64_t SnapshotSchedule::save_now() {
 
 void SnapshotSchedule::begin() {
   const std::string directory = detail::scheduled_snapshot_path(options_.directory(), step_);
-  pending_ = std::make_unique<Pending>(
-      Pending{detail::begin_snapshot(directory, optimizer_, tables_, options_.rows_per_file(),
-                                     /*waited_only=*/false),
-              step_});
+  pending_ = std::make_unique<Pending>(Pending{
+      detail::begin_snapshot(directory, optimizer_, tables_, id_tables_, options_.rows_per_file(),
+                             /*waited_only=*/false),
+      step_});
   last_begun_step_ = step_;
   last_begun_ = std::chrono::steady_clock::now();
 }
@@ -161,12 +163,13 @@ std::optional<SnapshotInfo> latest_snapshot(const std::string& directory) {
   return SnapshotInfo{newest->first, newest->second.string()};
 }
 
-std::optional<int64_t> load_latest_snapshot(const std::string& directory,
-                                            DistributedOptimizer& optimizer,
-                                            const std::vector<rpc::ShardedEmbeddingBag*>& tables) {
+std::optional<int64_t> load_latest_snapshot(
+    const std::string& directory, DistributedOptimizer& optimizer,
+    const std::vector<rpc::ShardedEmbeddingBag*>& tables,
+    const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables) {
   const std::optional<SnapshotInfo> latest = latest_snapshot(directory);
   if (!latest) return std::nullopt;
-  load_snapshot(latest->path, optimizer, tables);
+  load_snapshot(latest->path, optimizer, tables, id_tables);
   return latest->step;
 }
 

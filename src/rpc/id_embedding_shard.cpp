@@ -193,6 +193,29 @@ at::Tensor IdEmbeddingShard::initial_row(int64_t id) const {
   return initial_row_tensor(seed_, id, weight.size(1), weight.scalar_type());
 }
 
+void IdEmbeddingShard::read_live_rows(
+    const std::function<void(const at::Tensor& ids, const at::Tensor& rows)>& read) const {
+  rows_->map.read_live([&](const std::vector<int64_t>& ids, const std::vector<int64_t>& slots) {
+    // Slots are rows of `weight` from 1 on: row 0 is the default row.
+    read(at::tensor(ids, at::kLong), at::tensor(slots, at::kLong) + 1);
+  });
+}
+
+void IdEmbeddingShard::replace_rows(const at::Tensor& ids,
+                                    const std::function<void(const at::Tensor& rows)>& write) {
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong,
+                    "IdEmbeddingShard: ids must be a 1-D int64 tensor, got ", ids.scalar_type(),
+                    " of shape ", ids.sizes());
+  const at::Tensor contiguous = ids.contiguous();
+  const int64_t n = contiguous.numel();
+  TORCH_CHECK_VALUE(n <= capacity(), "IdEmbeddingShard: ", n, " ids for its capacity of ",
+                    capacity(), " rows");
+  rows_->map.replace(contiguous.data_ptr<int64_t>(), n, tick(), [&] {
+    // IdRows::replace gives ids[i] slot i, row i + 1 of `weight`.
+    write(at::arange(1, n + 1, at::kLong));
+  });
+}
+
 std::map<std::string, int64_t> IdEmbeddingShard::counters() const {
   const detail::IdRowsCounters c = rows_->map.counters();
   return {{"live_rows", c.live_rows},

@@ -124,6 +124,45 @@ std::vector<std::pair<int64_t, int64_t>> IdRows::live() const {
   return {row_of_.begin(), row_of_.end()};
 }
 
+void IdRows::read_live(const ReadLive& read) const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  std::vector<std::pair<int64_t, int64_t>> live(row_of_.begin(), row_of_.end());
+  std::sort(live.begin(), live.end());
+  std::vector<int64_t> ids, rows;
+  ids.reserve(live.size());
+  rows.reserve(live.size());
+  for (const auto& [id, row] : live) {
+    ids.push_back(id);
+    rows.push_back(row);
+  }
+  read(ids, rows);
+}
+
+void IdRows::replace(const int64_t* ids, int64_t n, int64_t now,
+                     const std::function<void()>& write) {
+  TORCH_CHECK_VALUE(n <= options_.capacity, "IdRows: ", n, " ids for a capacity of ",
+                    options_.capacity, " rows");
+  absl::flat_hash_map<int64_t, int64_t> row_of;
+  row_of.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(row_of.emplace(ids[i], i).second, "IdRows: id ", ids[i], " given twice");
+  }
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  row_of_ = std::move(row_of);
+  pending_.clear();
+  free_rows_.clear();
+  for (int64_t row = options_.capacity - 1; row >= 0; --row) {
+    live_[row] = row < n;
+    if (row < n) {
+      id_of_[row] = ids[row];
+      last_used_[row].store(now, std::memory_order_relaxed);
+    } else {
+      free_rows_.push_back(row);
+    }
+  }
+  if (write) write();
+}
+
 IdRowsCounters IdRows::counters() const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   IdRowsCounters counters;

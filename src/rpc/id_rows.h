@@ -87,6 +87,18 @@ class IdRows {
   /// Every live row: (id, row), in no particular order.
   std::vector<std::pair<int64_t, int64_t>> live() const;
 
+  /// Called with the live rows, ascending by id: ids[i] holds rows[i].
+  using ReadLive =
+      std::function<void(const std::vector<int64_t>& ids, const std::vector<int64_t>& rows)>;
+  /// Calls `read` with every live row while no id gains or loses one (under the shared lock:
+  /// lookups of ids with rows go on). A snapshot's copy.
+  void read_live(const ReadLive& read) const;
+  /// Drops every row and every id counted towards admission, gives `ids[0..n)` rows 0..n-1 as
+  /// used at `now`, and calls `write` under the exclusive lock (a snapshot's load: the caller
+  /// writes the rows' values and state there). Counters but live_rows and pending_ids stay.
+  /// c10::ValueError, changing nothing, for more ids than the capacity or an id given twice.
+  void replace(const int64_t* ids, int64_t n, int64_t now, const std::function<void()>& write);
+
   IdRowsCounters counters() const;
   const IdRowsOptions& options() const { return options_; }
 

@@ -107,8 +107,10 @@ void ShardedIdEmbeddingBag::check_options() const {
                     "ShardedIdEmbeddingBag: dtype ", o.dtype(), " (float32 or float64)");
 }
 
-size_t ShardedIdEmbeddingBag::shard_of(int64_t id) const {
-  return static_cast<size_t>(jump_bucket(mixed(id), static_cast<int64_t>(shards_.size())));
+size_t ShardedIdEmbeddingBag::shard_of(int64_t id) const { return shard_of(id, shards_.size()); }
+
+size_t ShardedIdEmbeddingBag::shard_of(int64_t id, size_t num_shards) {
+  return static_cast<size_t>(jump_bucket(mixed(id), static_cast<int64_t>(num_shards)));
 }
 
 at::Tensor ShardedIdEmbeddingBag::forward(const at::Tensor& input, const at::Tensor& offsets,

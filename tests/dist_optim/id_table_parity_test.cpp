@@ -32,6 +32,7 @@
 #include "harness/multiprocess.h"
 #include "harness/reference_run.h"
 #include "harness/rpc_workers.h"
+#include "id_table_rows.h"
 #include "support/tensor_files.h"
 
 namespace distoptim {
@@ -87,25 +88,7 @@ std::string initial_rows_file() {
   return ::testing::TempDir() + "/id_table_initial_" + std::to_string(::getpid()) + ".txt";
 }
 
-// On the shard's owner: the live ids among `ids`, ascending, the rows of the weight that hold
-// them, and those rows' values.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> live_rows(RRef<IdEmbeddingShard> shard,
-                                                         const at::Tensor& ids) {
-  const auto& local = shard.local_value();
-  std::vector<int64_t> sorted(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
-  std::sort(sorted.begin(), sorted.end());
-  std::vector<int64_t> live, rows;
-  for (int64_t id : sorted) {
-    if (const int64_t row = local->row_of(id); row != 0) {
-      live.push_back(id);
-      rows.push_back(row);
-    }
-  }
-  const at::Tensor row_index = at::tensor(rows, at::kLong);
-  at::NoGradGuard no_grad;
-  return {at::tensor(live, at::kLong), row_index, local->weight.index_select(0, row_index).clone()};
-}
-DISTOPTIM_RPC_FUNCTION("id_table_parity_test.live_rows", live_rows);
+DISTOPTIM_RPC_FUNCTION("id_table_parity_test.live_rows", id_table_test::live_rows);
 
 void expect_close(const at::Tensor& actual, const at::Tensor& expected, const std::string& what) {
   ASSERT_EQ(actual.sizes(), expected.sizes()) << what;

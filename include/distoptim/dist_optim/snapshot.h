@@ -57,6 +57,18 @@
 // table's, so they may move to other owners. Options and param groups are the loading
 // optimizer's own.
 //
+// Collisionless tables (rpc::ShardedIdEmbeddingBag), given as `id_tables`: each shard's owner
+// writes its live rows with their ids, their rows of the optimizer's state and its step count as
+// idtable-T.shard-S-of-N.block-B.pt blocks (format, version, shard, ids, rows and the state's
+// fields as a table block's), copied while no id gains or loses a row; a row handed to a new id
+// since the last step is saved with a new parameter's state, as that step would start it. A load
+// drops every row of the loading shards and gives each saved id a row on the shard that holds it
+// there (ShardedIdEmbeddingBag::shard_of), with its value and state rows: onto as many shards each
+// reads its own blocks, onto another number every block (one at a time), keeping its ids; a shard
+// that would receive more ids than its capacity refuses (nothing changes). Not saved: ids counted
+// towards admission, rows' last lookups (a loaded row counts as looked up at the load), counters.
+// A collisionless table's shards given as other parameters would be saved without their ids.
+//
 // Thread safety: a save, a load and a schedule's calls must not overlap a step of `optimizer`
 // or another load of the same parameters.
 
@@ -70,6 +82,7 @@
 #include <torch/arg.h>
 
 #include <distoptim/dist_optim/distributed_optimizer.h>
+#include <distoptim/rpc/id_embedding_bag.h>
 #include <distoptim/rpc/sharded_embedding_bag.h>
 
 namespace distoptim {
@@ -78,26 +91,30 @@ namespace dist_optim {
 /// Writes a snapshot of `optimizer`'s parameters and state into `directory` (created if
 /// needed), each parameter by its owner. `tables`: the ShardedEmbeddingBags whose shards are
 /// among the parameters (saved in blocks, reshardable); every other parameter is saved whole.
-/// `rows_per_file`: a table block's rows (0: 64 MiB of them). Errors: c10::ValueError for a
-/// table whose shard is not a parameter of `optimizer`, a table given twice, or a negative
-/// rows_per_file, before anything is written; c10::Error naming a directory that cannot be
-/// made; an owner's failure (a file it could not write) as RemoteError naming the owner and the
-/// file, PeerLostError naming a lost owner, after every owner has answered (no manifest then).
+/// `rows_per_file`: a table block's rows (0: 64 MiB of them). `id_tables`: the collisionless
+/// tables whose shards are among the parameters (saved by id, see above). Errors:
+/// c10::ValueError for a table whose shard is not a parameter of `optimizer`, a table given
+/// twice, or a negative rows_per_file, before anything is written; c10::Error naming a directory
+/// that cannot be made; an owner's failure (a file it could not write) as RemoteError naming the
+/// owner and the file, PeerLostError naming a lost owner, after every owner has answered (no
+/// manifest then).
 void save_snapshot(const std::string& directory, DistributedOptimizer& optimizer,
                    const std::vector<const rpc::ShardedEmbeddingBag*>& tables = {},
-                   int64_t rows_per_file = 0);
+                   int64_t rows_per_file = 0,
+                   const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables = {});
 
-/// Loads the snapshot in `directory` into `optimizer`'s parameters and state. `tables` as for
-/// save_snapshot, as many and in the same order as when it was saved (each of the same size, dim
-/// and dtype, on any number of shards). Errors, before anything changes: c10::Error /
-/// c10::ValueError naming the manifest and the field for a missing, damaged or foreign manifest,
-/// another optimizer, other tables, another number of other parameters, or shards with
-/// different step counts loaded into another split; RemoteError naming the owner and the file
-/// for a block or parameter file that is missing, damaged, or does not hold what the manifest
-/// says (a parameter of another shape included). Then every owner loads what it read; a failure
-/// then (RemoteError or PeerLostError naming the owner) may leave some parameters loaded.
+/// Loads the snapshot in `directory` into `optimizer`'s parameters and state. `tables` and
+/// `id_tables` as for save_snapshot, as many and in the same order as when it was saved (each of
+/// the same size (a fixed table), dim and dtype, on any number of shards). Errors, before anything
+/// changes: c10::Error / c10::ValueError naming the manifest and the field for a missing, damaged
+/// or foreign manifest, another optimizer, other tables, another number of other parameters, or
+/// shards with different step counts loaded into another split; RemoteError naming the owner and
+/// the file for a block or parameter file that is missing, damaged, or does not hold what the
+/// manifest says (a parameter of another shape included). Then every owner loads what it read; a
+/// failure then (RemoteError or PeerLostError naming the owner) may leave some parameters loaded.
 void load_snapshot(const std::string& directory, DistributedOptimizer& optimizer,
-                   const std::vector<rpc::ShardedEmbeddingBag*>& tables = {});
+                   const std::vector<rpc::ShardedEmbeddingBag*>& tables = {},
+                   const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables = {});
 
 struct SnapshotOptions {
   /* implicit */ SnapshotOptions(std::string directory) : directory_(std::move(directory)) {}
@@ -125,7 +142,8 @@ class SnapshotSchedule {
   /// Throws c10::ValueError naming the option for a negative every_steps, every or rows_per_file,
   /// or keep_last below 1, and what save_snapshot throws for the tables.
   SnapshotSchedule(SnapshotOptions options, DistributedOptimizer& optimizer,
-                   std::vector<const rpc::ShardedEmbeddingBag*> tables = {}, int64_t step = 0);
+                   std::vector<const rpc::ShardedEmbeddingBag*> tables = {}, int64_t step = 0,
+                   std::vector<const rpc::ShardedIdEmbeddingBag*> id_tables = {});
   /// Waits for a snapshot being written and finishes it; errors are logged, not thrown.
   ~SnapshotSchedule();
   SnapshotSchedule(const SnapshotSchedule&) = delete;
@@ -154,6 +172,7 @@ class SnapshotSchedule {
   SnapshotOptions options_;
   DistributedOptimizer& optimizer_;
   std::vector<const rpc::ShardedEmbeddingBag*> tables_;
+  std::vector<const rpc::ShardedIdEmbeddingBag*> id_tables_;
   int64_t step_;
   int64_t last_begun_step_;
   std::chrono::steady_clock::time_point last_begun_;
@@ -173,7 +192,8 @@ std::optional<SnapshotInfo> latest_snapshot(const std::string& directory);
 /// when there is none.
 std::optional<int64_t> load_latest_snapshot(
     const std::string& directory, DistributedOptimizer& optimizer,
-    const std::vector<rpc::ShardedEmbeddingBag*>& tables = {});
+    const std::vector<rpc::ShardedEmbeddingBag*>& tables = {},
+    const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables = {});
 
 }  // namespace dist_optim
 }  // namespace distoptim

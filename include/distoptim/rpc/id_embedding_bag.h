@@ -36,6 +36,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -80,6 +81,21 @@ struct IdEmbeddingShard : torch::nn::Module {
   /// Live rows, admitted, expired, evicted, lookups answered by the default row, ids counted
   /// towards admission: `<name>` -> count.
   std::map<std::string, int64_t> counters() const;
+
+  /// For snapshots (dist_optim/snapshot.h): calls `read(ids, rows)` with the ids that hold rows,
+  /// ascending (1-D int64), and their rows of `weight` (1 and up), while no id gains or loses a
+  /// row (lookups of ids with rows go on).
+  void read_live_rows(
+      const std::function<void(const at::Tensor& ids, const at::Tensor& rows)>& read) const;
+  /// For a snapshot's load: drops every row and every id counted towards admission, gives each of
+  /// `ids` (1-D int64, distinct, at most the capacity) a row as if just looked up, and calls
+  /// `write(rows)` with their rows of `weight` while no lookup runs: the caller writes the rows'
+  /// values and state (and must not throw). c10::ValueError, changing nothing, for ids that are
+  /// more than the capacity or repeat.
+  void replace_rows(const at::Tensor& ids,
+                    const std::function<void(const at::Tensor& rows)>& write);
+  /// The bound on rows.
+  int64_t capacity() const { return weight.size(0) - 1; }
 
   /// [capacity + 1, dim]: row 0 the default row, then the rows ids hold.
   at::Tensor weight;
@@ -148,6 +164,8 @@ class ShardedIdEmbeddingBag : public torch::nn::Module {
 
   /// The shard that holds `id`: its jump consistent hash over num_shards() buckets.
   size_t shard_of(int64_t id) const;
+  /// The shard that holds `id` in a table of `num_shards` (>= 1) shards.
+  static size_t shard_of(int64_t id, size_t num_shards);
   /// One RRef per shard, to its weight, in shard order: for the DistributedOptimizer. The same
   /// references on every call.
   std::vector<RRef<at::Tensor>> remote_parameters() const;
