@@ -63,7 +63,11 @@ RemoteOptimizer::RemoteOptimizer(std::string optimizer,
                                  std::vector<std::vector<rpc::RRef<at::Tensor>>> groups,
                                  c10::IValue options, std::vector<c10::IValue> overrides)
     : optimizer_(optim::create_optimizer(optimizer, local_groups(groups, overrides),
-                                         optim::OptionBag::from_ivalue(options))) {}
+                                         optim::OptionBag::from_ivalue(options))) {
+  for (const at::Tensor& param : optimizer_->params()) {
+    reassigned_.push_back(std::make_unique<rpc::detail::ReassignedRowsReader>(param));
+  }
+}
 
 void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   // Lock order: this optimizer's mutex, then the tensors' locks (row_guard.h).
@@ -403,9 +407,12 @@ void RemoteOptimizer::drop_staged(int64_t index) {
 }
 
 void RemoteOptimizer::reset_reassigned_rows(int64_t index) {
-  const std::vector<int64_t> reassigned =
-      rpc::detail::take_reassigned_rows(optimizer_->params()[index]);
-  if (!reassigned.empty()) {
+  bool everything = false;
+  const std::vector<int64_t> reassigned = reassigned_[index]->take(everything);
+  if (everything) {
+    // This optimizer fell too far behind the table's hand-outs to know which rows they were.
+    optimizer_->reset_state_rows(index, at::arange(optimizer_->params()[index].size(0), at::kLong));
+  } else if (!reassigned.empty()) {
     optimizer_->reset_state_rows(index, at::tensor(reassigned, at::kLong));
   }
 }

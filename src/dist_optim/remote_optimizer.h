@@ -13,6 +13,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <distoptim/optim/functional_optimizer.h>
+#include <distoptim/rpc/detail/reassigned_rows.h>
 #include <distoptim/rpc/id_embedding_bag.h>
 #include <distoptim/rpc/rref.h>
 
@@ -156,8 +157,8 @@ class RemoteOptimizer {
   /// Commits staged rows of a collisionless table (`copy.ids`) into parameter `index`: the
   /// shard's rows replaced by the ids', their values and state rows loaded. Under mutex_.
   void commit_id_rows(int64_t index, ParamCopy& copy);
-  /// Resets parameter `index`'s state at the rows handed to new ids since the last look
-  /// (rpc/detail/reassigned_rows.h). Under mutex_.
+  /// Resets parameter `index`'s state at the rows handed to new ids since this optimizer last
+  /// looked (rpc/detail/reassigned_rows.h). Under mutex_.
   void reset_reassigned_rows(int64_t index);
   /// commit_staged (both), commit_staged_state (`with_state` alone) or commit_staged_value
   /// (`with_value` alone).
@@ -199,6 +200,9 @@ class RemoteOptimizer {
   // keeps its parameters' size again, which every snapshot needs at its peak anyway. Guarded by
   // mutex_.
   std::map<int64_t, ParamCopy> kept_copies_;
+  // Per parameter, the rows of it a collisionless table handed to new ids since this optimizer
+  // last reset them (rpc/detail/reassigned_rows.h). Guarded by mutex_.
+  std::vector<std::unique_ptr<rpc::detail::ReassignedRowsReader>> reassigned_;
   // Where steps send their changes (set_backup); null: nowhere. Guarded by mutex_.
   std::unique_ptr<MirrorLink> mirror_;
 };

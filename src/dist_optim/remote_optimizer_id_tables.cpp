@@ -124,8 +124,12 @@ void RemoteOptimizer::commit_id_rows(int64_t index, ParamCopy& copy) {
   }
   module->replace_rows(copy.ids, [&](const at::Tensor& rows) {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
-    // Rows handed out before the load went with their ids.
-    rpc::detail::take_reassigned_rows(weight);
+    // Every row now holds another id for the other optimizers over the table, whose state the
+    // snapshot does not hold; this one's state is the snapshot's, whatever was noted before.
+    const int64_t* row = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows.numel(); ++i) rpc::detail::note_reassigned_row(weight, row[i]);
+    bool everything = false;
+    reassigned_[index]->take(everything);
     weight.index_copy_(0, rows, copy.value);
     const optim::ParamState& state = optimizer_->state(index);
     for (size_t slot = 0; slot < state.buffers.size(); ++slot) {

@@ -167,5 +167,43 @@ TEST(ShardedIdEmbeddingBag, ARowHandedToANewIdStepsFromANewAdagradState) {
   });
 }
 
+// Two optimizers over one table (two trainers' DistributedOptimizers, here in one process), each
+// with an Adagrad state of its own: a row handed to a new id starts afresh in both, whichever
+// steps first (once, only the first to step reset its state).
+TEST(ShardedIdEmbeddingBag, ARowHandedToANewIdStepsFromANewStateInEveryOptimizerOverIt) {
+  testing::with_workers(2, [] {
+    using testing::worker;
+    ShardedIdEmbeddingBag table(
+        ShardedIdEmbeddingBagOptions(2, kDim, {worker(1)}).mode(torch::kSum).seed(kSeed));
+    dist_optim::DistributedOptimizer first_trainer("adagrad", table.remote_parameters(),
+                                                   optim::OptionBag().set("lr", kLr));
+    dist_optim::DistributedOptimizer second_trainer("adagrad", table.remote_parameters(),
+                                                    optim::OptionBag().set("lr", kLr));
+    const int64_t first = 1001, second = -2002, third = 3003;
+    auto step_on = [&](const at::Tensor& ids) {
+      dist_autograd::ContextGuard context;
+      // Every row looked up gets a gradient of ones; both optimizers step it.
+      dist_autograd::backward(context.id(), {table.forward(ids.reshape({-1, 1})).sum()});
+      first_trainer.step(context.id());
+      second_trainer.step(context.id());
+    };
+    for (int step = 0; step < 3; ++step) step_on(at::tensor({first, second}, at::kLong));
+    step_on(at::tensor({third}, at::kLong));
+    const at::Tensor third_row = table.forward(at::tensor({third}, at::kLong).reshape({1, 1}));
+
+    // LibTorch: two Adagrads, each from a new state, one step each of a gradient of ones on
+    // third's initial row.
+    at::Tensor expected = initial_rows({third})[0].clone().requires_grad_(true);
+    torch::optim::Adagrad one({expected}, torch::optim::AdagradOptions(kLr));
+    torch::optim::Adagrad other({expected}, torch::optim::AdagradOptions(kLr));
+    expected.mutable_grad() = at::ones({kDim});
+    one.step();
+    other.step();
+    EXPECT_TRUE(at::allclose(third_row.detach()[0], expected.detach(), 1e-6, 1e-7))
+        << third_row << " against " << expected;
+    EXPECT_EQ(table.shard_counters().at(0).at("evicted"), 1);
+  });
+}
+
 }  // namespace id_embedding_test
 }  // namespace distoptim

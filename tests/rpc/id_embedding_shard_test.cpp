@@ -110,21 +110,57 @@ TEST(IdEmbeddingShard, AGradientMovesOnlyRowsThatStillBelongToTheirIds) {
   EXPECT_EQ(table.counters().at("live_rows"), 2);
 }
 
-// What the owner's optimizer reads before its next step: each row handed to a new id, once.
-TEST(IdEmbeddingShard, RowsHandedToNewIdsAreNotedOnceForTheOptimizer) {
+// What each optimizer over the table reads before its next step: each row handed to a new id,
+// once, whatever the other readers took.
+TEST(IdEmbeddingShard, RowsHandedToNewIdsAreNotedOnceForEveryOptimizer) {
   IdEmbeddingShard table = shard(2, 2, /*seed=*/9);
-  const auto noted = [&] { return detail::take_reassigned_rows(table.weight); };
+  detail::ReassignedRowsReader first(table.weight), second(table.weight);
+  bool everything = true;
+  const auto noted = [&](detail::ReassignedRowsReader& reader) {
+    std::vector<int64_t> rows = reader.take(everything);
+    EXPECT_FALSE(everything);
+    return rows;
+  };
   table.forward(ids_of({10, 20}));
   std::vector<int64_t> expected = {table.row_of(10), table.row_of(20)};
   std::sort(expected.begin(), expected.end());
-  EXPECT_EQ(noted(), expected);
-  EXPECT_EQ(noted(), std::vector<int64_t>{});
+  EXPECT_EQ(noted(first), expected);
+  EXPECT_EQ(noted(first), std::vector<int64_t>{});
   table.forward(ids_of({10, 20}));  // known ids: no row changes hands
-  EXPECT_EQ(noted(), std::vector<int64_t>{});
+  EXPECT_EQ(noted(first), std::vector<int64_t>{});
   table.forward(ids_of({30}));
-  EXPECT_EQ(noted(), std::vector<int64_t>{table.row_of(30)});
+  EXPECT_EQ(noted(first), std::vector<int64_t>{table.row_of(30)});
+  // The second reader took nothing yet: it gets every row noted since it began, each once.
+  std::vector<int64_t> all = expected;
+  EXPECT_EQ(noted(second), all);
   table.forward(ids_of({30}));
-  EXPECT_EQ(noted(), std::vector<int64_t>{});
+  EXPECT_EQ(noted(first), std::vector<int64_t>{});
+  EXPECT_EQ(noted(second), std::vector<int64_t>{});
+  // A reader that begins later sees only what is noted after.
+  detail::ReassignedRowsReader third(table.weight);
+  EXPECT_EQ(noted(third), std::vector<int64_t>{});
+}
+
+// A reader that falls behind by more than twice the table's rows is told to reset everything;
+// the others, which kept up, read their rows as before.
+TEST(IdEmbeddingShard, AReaderFarBehindIsToldEveryRowMayBeNew) {
+  IdEmbeddingShard table = shard(2, 2, /*seed=*/9);
+  detail::ReassignedRowsReader behind(table.weight), current(table.weight);
+  bool everything = false;
+  int64_t id = 100;
+  // Each new id takes a row of the 3 (2 and the default row): 7 hand-outs exceed 2 x 3 rows.
+  for (int i = 0; i < 7; ++i) {
+    table.forward(ids_of({id++}));
+    const std::vector<int64_t> rows = current.take(everything);
+    EXPECT_FALSE(everything);
+    EXPECT_EQ(rows.size(), 1u);
+  }
+  EXPECT_TRUE(behind.take(everything).empty());
+  EXPECT_TRUE(everything);
+  // Caught up, it reads rows again.
+  table.forward(ids_of({id++}));
+  EXPECT_EQ(behind.take(everything).size(), 1u);
+  EXPECT_FALSE(everything);
 }
 
 TEST(IdEmbeddingShard, BadArgumentsAreNamed) {

@@ -28,10 +28,11 @@
 // Gradients: a lookup's backward is a sparse COO gradient of the shard's weight with one entry
 // per looked-up id whose row, at backward time, is still the one its lookup read: an id that read
 // the default row, or whose row was since dropped or handed to another id, contributes nothing.
-// A row handed to a new id is noted for the owner's optimizer (rpc/detail/reassigned_rows.h),
-// which resets that row of its state (Adagrad's sum, Adam's moments) before its next step of the
-// table. What a step does to a row that changed hands between a backward and that step is not
-// checked (the row's protection is that eviction takes the least recently used rows first).
+// A row handed to a new id is noted for every optimizer over the table on its owner (one per
+// trainer: rpc/detail/reassigned_rows.h), each of which resets that row of its own state
+// (Adagrad's sum, Adam's moments) before its next step of the table. What a step does to a row that
+// changed hands between a backward and that step is not checked (the row's protection is that
+// eviction takes the least recently used rows first).
 
 #include <atomic>
 #include <chrono>
