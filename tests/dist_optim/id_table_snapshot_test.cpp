@@ -352,6 +352,45 @@ TEST(IdTableSnapshot, SparseAdamTableResumesOnTwoOtherShardsBitForBit) {
   });
 }
 
+// A row handed to a new id after the optimizer's last step still holds its previous id's state
+// in the optimizer (the reset waits for the next step): the snapshot saves the new id's row with a
+// new state, so a step after the load moves it bit for bit as the saved table's own next step.
+TEST(IdTableSnapshot, ARowHandedToANewIdAfterTheLastStepIsSavedWithANewState) {
+  testing::with_workers(2, [] {
+    using testing::worker;
+    TempDir dir;
+    const std::string snapshot = dir / "snapshot";
+    // One shard of 2 rows: a third id takes the row of one of the first two.
+    ShardedIdEmbeddingBag saved(options({worker(1)}, /*seed=*/5, /*capacity=*/2));
+    DistributedOptimizer optimizer("adagrad", saved.remote_parameters(),
+                                   optimizer_options("adagrad"));
+    const int64_t first = 3, second = 17, third = 42;
+    const auto step_on = [](ShardedIdEmbeddingBag& table, DistributedOptimizer& steps,
+                            const std::vector<int64_t>& ids) {
+      dist_autograd::ContextGuard context;
+      dist_autograd::backward(context.id(), {table.forward(ids_of(ids).reshape({-1, 1})).sum()});
+      steps.step(context.id());
+    };
+    sight(saved, {first, second});
+    for (int step = 0; step < 3; ++step) step_on(saved, optimizer, {first, second});
+    sight(saved, {third});
+    sight(saved, {third});  // admitted: evicts one of the first two
+    ASSERT_EQ(saved.shard_counters().at(0).at("evicted"), 1);
+    dist_optim::save_snapshot(snapshot, optimizer, {}, /*rows_per_file=*/0, {&saved});
+    step_on(saved, optimizer, {third});
+    const Observed expected = observe(saved, optimizer);
+
+    ShardedIdEmbeddingBag loaded(options({worker(1)}, /*seed=*/9, /*capacity=*/2));
+    DistributedOptimizer loaded_optimizer("adagrad", loaded.remote_parameters(),
+                                          optimizer_options("adagrad"));
+    dist_optim::load_snapshot(snapshot, loaded_optimizer, {}, {&loaded});
+    step_on(loaded, loaded_optimizer, {third});
+    const Observed actual = observe(loaded, loaded_optimizer);
+    ASSERT_EQ(expected.value.count(third), 1u);
+    expect_same(actual, expected, /*unchanged=*/false);
+  });
+}
+
 TEST(IdTableSnapshot, BadLoadsAreRefusedAndChangeNothing) {
   testing::with_workers(3, [] {
     using testing::worker;
