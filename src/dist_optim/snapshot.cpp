@@ -264,7 +264,7 @@ PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimize
       calls->workers.push_back(layout.owners[slot.owner].worker);
       calls->calls.push_back(waited_method(layout.owners[slot.owner].optimizer, "save_id_rows",
                                            {id_table_prefix(calls->directory, t), slot.index,
-                                            rpc::detail::to_values(modules[s])[0], s, shards, rows},
+                                            rpc::to_value(modules[s]), s, shards, rows},
                                            waited_only));
     }
   }
@@ -488,7 +488,7 @@ void load_snapshot_into(const std::string& directory, DistributedOptimizer& opti
       insert_state_summary(state, load.states[same_split ? s : 0]);
       const Slot& slot = layout.slots[layout.table_positions[tables.size() + t][s]];
       stage(slot, "stage_id_rows",
-            {slot.index, rpc::detail::to_values(modules[s])[0], s, shards,
+            {slot.index, rpc::to_value(modules[s]), s, shards,
              c10::List<std::string>(same_split ? load.paths[s] : every_block), state});
     }
   }

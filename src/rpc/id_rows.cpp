@@ -108,12 +108,6 @@ int64_t IdRows::find(int64_t id) const {
   return it == row_of_.end() ? kNoRow : it->second;
 }
 
-int64_t IdRows::place(int64_t id, int64_t now) {
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  if (const auto it = row_of_.find(id); it != row_of_.end()) return it->second;
-  return give_row(id, now);
-}
-
 void IdRows::expire(int64_t now) {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   expire_locked(now);

@@ -77,10 +77,6 @@ class IdRows {
   /// The row of `id`, kNoRow if it has none: no sighting counted, nothing allocated.
   int64_t find(int64_t id) const;
 
-  /// Gives `id` a row at tick `now` as if admitted (a snapshot's load), evicting at the bound;
-  /// returns the one it has if any. kNoRow when every row was looked up at `now`.
-  int64_t place(int64_t id, int64_t now);
-
   /// Drops the rows not looked up since `now - expire_after` (nothing when expire_after is 0).
   void expire(int64_t now);
 
