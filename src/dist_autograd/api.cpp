@@ -122,11 +122,11 @@ std::shared_ptr<void> hold_release(int64_t context_id) {
   });
 }
 
-c10::Dict<at::Tensor, at::Tensor> gradients_if_reached(int64_t context_id) {
+ReachedGradients gradients_if_reached(int64_t context_id) {
   if (auto context = Container::instance().find_unreleased(context_id)) {
-    return context->gradients();
+    return context->reached_gradients();
   }
-  return c10::Dict<at::Tensor, at::Tensor>();
+  return ReachedGradients();
 }
 
 }  // namespace detail

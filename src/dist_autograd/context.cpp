@@ -69,23 +69,45 @@ bool sole_holder(const at::Tensor& grad) {
 
 }  // namespace
 
-void Context::accumulate(const at::Tensor& variable, at::Tensor grad) {
+void Context::accumulate(const at::Tensor& variable, at::Tensor grad,
+                         const std::shared_ptr<const rpc::detail::ReassignedRowsPin>& pin) {
   // A gradient handed on by a node may be shared with others (an add passes one gradient to
   // both its inputs): keep it only when nothing else holds it, and never add in place. A sparse
   // one (an embedding's) is copied: its indices and values may be anyone's.
   const bool exclusive = sole_holder(grad);
+  const c10::TensorImpl* key = variable.unsafeGetTensorImpl();
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = gradients_.find(variable);
+  at::Tensor sum;
   if (it == gradients_.end()) {
-    gradients_.insert(variable, exclusive ? std::move(grad) : grad.clone());
+    sum = exclusive ? std::move(grad) : grad.clone();
   } else {
-    it->setValue(add_gradients(it->value(), grad));
+    at::Tensor before = it->value();
+    // Rows an earlier pass moved that have since been handed to new keys hold another key's
+    // row now: this pass's own rows were checked by its lookups' backward.
+    auto from = reassigned_from_.find(key);
+    if (from != reassigned_from_.end() && before.layout() == at::kSparse) {
+      before = rpc::detail::without_rows_reassigned_since(variable, before, from->second);
+    }
+    sum = add_gradients(before, grad);
   }
+  if (pin && sum.layout() == at::kSparse) {
+    if (!reassigned_pin_) reassigned_pin_ = pin;
+    reassigned_from_[key] = pin->position();
+  } else {
+    reassigned_from_.erase(key);
+  }
+  gradients_.insert_or_assign(variable, std::move(sum));
 }
 
 c10::Dict<at::Tensor, at::Tensor> Context::gradients() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return gradients_.copy();
+}
+
+ReachedGradients Context::reached_gradients() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {gradients_.copy(), reassigned_from_, reassigned_pin_};
 }
 
 at::Tensor Context::gradient(const at::Tensor& variable) const {
@@ -96,6 +118,7 @@ at::Tensor Context::gradient(const at::Tensor& variable) const {
 
 void Context::set_gradient(const at::Tensor& variable, at::Tensor grad) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (grad.layout() != at::kSparse) reassigned_from_.erase(variable.unsafeGetTensorImpl());
   gradients_.insert_or_assign(variable, std::move(grad));
 }
 

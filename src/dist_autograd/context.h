@@ -19,6 +19,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <distoptim/dist_autograd/detail/gradients.h>
+#include <distoptim/rpc/detail/reassigned_rows.h>
+
 #include "functions.h"
 
 namespace distoptim {
@@ -49,9 +52,15 @@ class Context : public std::enable_shared_from_this<Context> {
   std::vector<std::shared_ptr<RecvBackward>> recvs() const;
   std::set<int> workers() const;
 
-  /// Adds `grad` to the gradient of the leaf `variable`.
-  void accumulate(const at::Tensor& variable, at::Tensor grad);
+  /// Adds `grad` to the gradient of the leaf `variable`, in the pass that began here at `pin`'s
+  /// position in the rows handed to new keys (rpc/detail/reassigned_rows.h): a sparse gradient
+  /// then leaves out, from what earlier passes added, the rows handed out since their start, and
+  /// its step leaves out those handed out from `pin`'s position on (reached_gradients).
+  void accumulate(const at::Tensor& variable, at::Tensor grad,
+                  const std::shared_ptr<const rpc::detail::ReassignedRowsPin>& pin = nullptr);
   c10::Dict<at::Tensor, at::Tensor> gradients() const;
+  /// The gradients, with what a step needs to leave out the rows handed to new keys since.
+  ReachedGradients reached_gradients() const;
   /// The gradient of `variable`, or an undefined tensor.
   at::Tensor gradient(const at::Tensor& variable) const;
   /// Replaces the gradient of `variable`.
@@ -93,6 +102,10 @@ class Context : public std::enable_shared_from_this<Context> {
   std::vector<std::shared_ptr<RecvBackward>> recvs_;
   std::set<int> workers_;
   c10::Dict<at::Tensor, at::Tensor> gradients_;
+  // Of each sparse gradient, the start of the last pass that added to it (ReachedGradients), and
+  // the first such pass's pin, the oldest position: it keeps the rows handed out since.
+  std::unordered_map<const c10::TensorImpl*, int64_t> reassigned_from_;
+  std::shared_ptr<const rpc::detail::ReassignedRowsPin> reassigned_pin_;
   std::vector<PassCallback> pass_callbacks_;
   // With the variable, so that the TensorImpl stays the same object until a pass takes them.
   std::vector<std::pair<at::Tensor, std::function<void()>>> gradient_listeners_;

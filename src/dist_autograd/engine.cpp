@@ -62,7 +62,8 @@ BackwardPass::BackwardPass(std::shared_ptr<Context> context, int64_t id, bool re
     : context_(std::move(context)),
       id_(id),
       retain_graph_(retain_graph),
-      done_(c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get())) {}
+      done_(c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get())),
+      reassigned_rows_pin_(std::make_shared<const rpc::detail::ReassignedRowsPin>()) {}
 
 void BackwardPass::start(const torch::autograd::edge_list& roots, variable_list root_grads) {
   std::vector<Outgoing> outgoing;
@@ -282,7 +283,7 @@ void BackwardPass::execute(const std::shared_ptr<Node>& node, variable_list inpu
     if (inputs.size() == 1 && inputs[0].defined()) {
       at::Tensor grad =
           torch::autograd::AccumulateGrad::callHooks(accumulate->variable, std::move(inputs[0]));
-      context_->accumulate(accumulate->variable, std::move(grad));
+      context_->accumulate(accumulate->variable, std::move(grad), reassigned_rows_pin_);
       // The variable's gradient of this pass is complete: the node runs once per pass.
       auto listeners = listeners_.find(accumulate->variable.unsafeGetTensorImpl());
       if (listeners != listeners_.end()) {

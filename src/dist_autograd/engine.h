@@ -32,6 +32,8 @@
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
 
+#include <distoptim/rpc/detail/reassigned_rows.h>
+
 #include "functions.h"
 
 namespace distoptim {
@@ -137,6 +139,9 @@ class BackwardPass : public std::enable_shared_from_this<BackwardPass> {
   const int64_t id_;
   const bool retain_graph_;
   const c10::intrusive_ptr<c10::ivalue::Future> done_;
+  // Taken before any node runs here: the rows a table hands to new keys from then on may be
+  // named by the gradients this pass accumulates (Context::accumulate).
+  const std::shared_ptr<const rpc::detail::ReassignedRowsPin> reassigned_rows_pin_;
 
   mutable std::mutex mutex_;
   std::unordered_map<torch::autograd::Node*, Pending> nodes_;

@@ -77,13 +77,13 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
   // contexts go with it) and fails having changed nothing, options included; one that got its
   // gradients is applied whole, whatever becomes of its caller meanwhile. A context the backward
   // pass never brought here has no gradients for this owner: a step of nothing.
-  const c10::Dict<at::Tensor, at::Tensor> all =
+  const dist_autograd::detail::ReachedGradients reached =
       dist_autograd::detail::gradients_if_reached(context_id);
   std::vector<at::Tensor> gradients;
   gradients.reserve(optimizer_->params().size());
   for (const at::Tensor& param : optimizer_->params()) {
-    auto it = all.find(param);
-    gradients.push_back(it == all.end() ? at::Tensor() : it->value());
+    auto it = reached.gradients.find(param);
+    gradients.push_back(it == reached.gradients.end() ? at::Tensor() : it->value());
   }
   if (!changes.isNone()) {
     TORCH_CHECK_TYPE(changes.isList(), "DistributedOptimizer: option changes must be a list, got ",
@@ -120,6 +120,16 @@ void RemoteOptimizer::step(int64_t context_id, c10::IValue changes) {
     rows.push_back(rows_by_param[i]);  // undefined: the whole parameter
   }
   rpc::InPlaceRowUpdateGuard no_reply_reads_what_changes_meanwhile(params, rows);
+  // A collisionless table's rows handed to new ids since the backward pass that moved them hold
+  // another id now: their gradient is dropped. The guard keeps the rest from changing hands
+  // until the step is done (the table hands a row out under its row lock).
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const at::Tensor& param = optimizer_->params()[i];
+    auto from = reached.reassigned_from.find(param.unsafeGetTensorImpl());
+    if (gradients[i].defined() && from != reached.reassigned_from.end()) {
+      gradients[i] = rpc::detail::without_rows_reassigned_since(param, gradients[i], from->second);
+    }
+  }
   optimizer_->step(gradients);
   // A table shard's sparse rows go as rows even beside a dense parameter: whole, they would be
   // the shard and its state at every step.

@@ -2,12 +2,14 @@
 // ids over three servers train exactly as over one and as LibTorch's sparse EmbeddingBag over
 // one row per id (same initial rows; bit for bit), through distributed autograd and the
 // DistributedOptimizer; and a row handed to a new id steps from a new parameter's Adagrad state,
-// not from its predecessor's, with the server's debug info counting it.
+// not from its predecessor's, with the server's debug info counting it; and a step leaves out the
+// rows handed to new ids after the backward pass that moved them.
 
 #include <algorithm>
 #include <map>
 #include <random>
 #include <set>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -202,6 +204,74 @@ TEST(ShardedIdEmbeddingBag, ARowHandedToANewIdStepsFromANewStateInEveryOptimizer
     EXPECT_TRUE(at::allclose(third_row.detach()[0], expected.detach(), 1e-6, 1e-7))
         << third_row << " against " << expected;
     EXPECT_EQ(table.shard_counters().at(0).at("evicted"), 1);
+  });
+}
+
+// Another trainer's lookup may hand a row to a new id between a backward pass and its step (here
+// a lookup from another thread, outside the context): the step leaves that row as the new id
+// has it, and moves the rest as LibTorch's SGD would (SGD: a step moves a row by its whole
+// gradient, so a gradient left in shows). Over two passes into one context, the
+// first pass's rows handed out before the second are left out, and the second's own rows of the
+// new id are not.
+TEST(ShardedIdEmbeddingBag, AStepLeavesOutRowsHandedToNewIdsAfterItsBackward) {
+  testing::with_workers(2, [] {
+    using testing::worker;
+    ShardedIdEmbeddingBag table(
+        ShardedIdEmbeddingBagOptions(2, kDim, {worker(1)}).mode(torch::kSum).seed(kSeed));
+    dist_optim::DistributedOptimizer sgd("sgd", table.remote_parameters(),
+                                         optim::OptionBag().set("lr", kLr));
+    const int64_t first = 1001, second = -2002, third = 3003, fourth = 4004;
+    // Each lookup one tick of the shard's clock: of two rows, the one looked up first goes first.
+    auto lookup = [&](int64_t id) {
+      return table.forward(at::tensor({id}, at::kLong).reshape({1, 1}));
+    };
+    auto lookup_elsewhere = [&](int64_t id) { std::thread([&] { lookup(id); }).join(); };
+    auto row = [&](int64_t id) { return lookup(id).detach()[0]; };
+
+    // LibTorch's SGD over second's row and, later, fourth's.
+    at::Tensor second_expected = initial_rows({second})[0].clone().requires_grad_(true);
+    at::Tensor fourth_expected = initial_rows({fourth})[0].clone().requires_grad_(true);
+    torch::optim::SGD second_reference({second_expected}, torch::optim::SGDOptions(kLr));
+    torch::optim::SGD fourth_reference({fourth_expected}, torch::optim::SGDOptions(kLr));
+
+    {
+      dist_autograd::ContextGuard context;
+      const at::Tensor first_read = lookup(first), second_read = lookup(second);
+      dist_autograd::backward(context.id(), {first_read.sum() + second_read.sum()});
+      lookup_elsewhere(third);  // takes first's row
+      sgd.step(context.id());
+    }
+    second_expected.mutable_grad() = at::ones({kDim});
+    second_reference.step();
+    EXPECT_EQ(table.shard_counters().at(0).at("evicted"), 1);
+    const at::Tensor third_row = row(third);
+    at::Tensor second_row = row(second);
+    EXPECT_TRUE(at::equal(third_row, initial_rows({third})[0]))
+        << third_row << " against " << initial_rows({third})[0];
+    EXPECT_TRUE(at::allclose(second_row, second_expected.detach(), 1e-6, 1e-7))
+        << second_row << " against " << second_expected;
+
+    {
+      dist_autograd::ContextGuard context;
+      const at::Tensor third_read = lookup(third), second_read = lookup(second);
+      dist_autograd::backward(context.id(), {third_read.sum() + second_read.sum()},
+                              /*retain_graph=*/true);
+      lookup_elsewhere(fourth);  // takes third's row
+      const at::Tensor second_again = lookup(second), fourth_read = lookup(fourth);
+      dist_autograd::backward(context.id(), {second_again.sum() + fourth_read.sum()});
+      sgd.step(context.id());
+    }
+    second_expected.mutable_grad() = at::full({kDim}, 2.0);
+    second_reference.step();
+    fourth_expected.mutable_grad() = at::ones({kDim});
+    fourth_reference.step();
+    EXPECT_EQ(table.shard_counters().at(0).at("evicted"), 2);
+    const at::Tensor fourth_row = row(fourth);
+    second_row = row(second);
+    EXPECT_TRUE(at::allclose(fourth_row, fourth_expected.detach(), 1e-6, 1e-7))
+        << fourth_row << " against " << fourth_expected;
+    EXPECT_TRUE(at::allclose(second_row, second_expected.detach(), 1e-6, 1e-7))
+        << second_row << " against " << second_expected;
   });
 }
 

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -161,6 +162,50 @@ TEST(IdEmbeddingShard, AReaderFarBehindIsToldEveryRowMayBeNew) {
   table.forward(ids_of({id++}));
   EXPECT_EQ(behind.take(everything).size(), 1u);
   EXPECT_FALSE(everything);
+}
+
+// What a step reads of a gradient from before a hand-out: the rows handed out from a pin's
+// position on, kept while the pin lives though every reader took them, and the gradient without
+// them.
+TEST(IdEmbeddingShard, APinKeepsTheRowsHandedOutSinceItsPosition) {
+  IdEmbeddingShard table = shard(2, 2, /*seed=*/9);
+  detail::ReassignedRowsReader reader(table.weight);
+  bool everything = true;
+  table.forward(ids_of({10}));
+  table.forward(ids_of({20}));
+  const auto pin = std::make_unique<detail::ReassignedRowsPin>();
+  const int64_t row_of_10 = table.row_of(10), row_of_20 = table.row_of(20);
+  table.forward(ids_of({30}));  // takes 10's row, the least recently used
+  ASSERT_EQ(table.row_of(30), row_of_10);
+  // The reader takes the three hand-outs (two rows: 30 took 10's); the pin keeps the last.
+  EXPECT_EQ(reader.take(everything),
+            (std::vector<int64_t>{std::min(row_of_10, row_of_20), std::max(row_of_10, row_of_20)}));
+  EXPECT_EQ(detail::rows_reassigned_since(table.weight, pin->position(), everything),
+            std::vector<int64_t>{row_of_10});
+  EXPECT_FALSE(everything);
+  const detail::ReassignedRowsPin later;
+  EXPECT_TRUE(detail::rows_reassigned_since(table.weight, later.position(), everything).empty());
+  EXPECT_FALSE(everything);
+
+  // A gradient of both rows from before the hand-out keeps 20's entries only.
+  const at::Tensor gradient = at::_sparse_coo_tensor_unsafe(
+      at::tensor({row_of_10, row_of_20, row_of_10}, at::kLong).reshape({1, 3}),
+      at::arange(6, at::kFloat).reshape({3, 2}), table.weight.sizes());
+  const at::Tensor kept =
+      detail::without_rows_reassigned_since(table.weight, gradient, pin->position());
+  at::Tensor expected = at::zeros(table.weight.sizes());
+  expected[row_of_20] = at::tensor({2.0F, 3.0F});
+  EXPECT_TRUE(at::equal(kept.to_dense(), expected)) << kept.to_dense();
+  EXPECT_TRUE(detail::without_rows_reassigned_since(table.weight, gradient, later.position())
+                  .is_same(gradient));
+
+  // More hand-outs than the bound (twice the 3 rows) since the pin: every row may be new, and
+  // the gradient keeps nothing.
+  for (int64_t id = 100; id < 107; ++id) table.forward(ids_of({id}));
+  EXPECT_TRUE(detail::rows_reassigned_since(table.weight, pin->position(), everything).empty());
+  EXPECT_TRUE(everything);
+  EXPECT_EQ(detail::without_rows_reassigned_since(table.weight, gradient, pin->position())._nnz(),
+            0);
 }
 
 TEST(IdEmbeddingShard, BadArgumentsAreNamed) {

@@ -30,9 +30,10 @@
 // the default row, or whose row was since dropped or handed to another id, contributes nothing.
 // A row handed to a new id is noted for every optimizer over the table on its owner (one per
 // trainer: rpc/detail/reassigned_rows.h), each of which resets that row of its own state
-// (Adagrad's sum, Adam's moments) before its next step of the table. What a step does to a row that
-// changed hands between a backward and that step is not checked (the row's protection is that
-// eviction takes the least recently used rows first).
+// (Adagrad's sum, Adam's moments) before its next step of the table. A step leaves out of a
+// gradient the rows handed to new ids since the backward pass that moved them began on the owner
+// (another trainer's lookup may evict one meanwhile): dist_autograd's contexts keep each pass's
+// position in the hand-outs for the DistributedOptimizer's step (rpc/detail/reassigned_rows.h).
 
 #include <atomic>
 #include <chrono>

@@ -1,18 +1,24 @@
 #pragma once
 
-// Rows of a server's tensors handed to new keys, for every optimizer over the tensor: a
-// collisionless table (rpc/id_embedding_bag.h) notes each row it hands to a new id, and each
-// optimizer over the table's weight (dist_optim's owners, one per trainer) resets those rows of
-// its own state before its next step of the tensor, so that a new id's row never steps with its
-// predecessor's moments in any of them. The reset waits for that step because an optimizer's
-// state is its own lock's, which its steps take before any row's (the table hands rows out under
-// its row locks).
+// Rows of a server's tensors handed to new keys, for every optimizer over the tensor and every
+// gradient of it: a collisionless table (rpc/id_embedding_bag.h) notes each row it hands to a new
+// id, and
+//  - each optimizer over the table's weight (dist_optim's owners, one per trainer) resets those
+//    rows of its own state before its next step of the tensor, so that a new id's row never steps
+//    with its predecessor's moments in any of them. The reset waits for that step because an
+//    optimizer's state is its own lock's, which its steps take before any row's (the table hands
+//    rows out under its row locks).
+//  - a gradient of the tensor that a backward pass accumulated (dist_autograd's contexts) drops,
+//    when a step applies it, the rows handed out since that pass began: they hold another id now.
 //
-// Each optimizer reads the rows through a ReassignedRowsReader of its own: the rows noted since it
-// last took them, whatever the other readers took. Bound: per tensor, the rows noted since the
-// reader that took least recently, at most twice the tensor's rows; a reader that fell further
-// behind is told to treat every row as handed out anew. Nothing is kept for a tensor no reader
-// reads. Thread safety: every function may be called from any thread.
+// Every row noted gets a sequence number, one count for all tensors, so that a position taken
+// before anything is known of a tensor (a backward pass's start) holds for all of them. Each
+// optimizer reads the rows through a ReassignedRowsReader of its own: the rows noted since it
+// last took them, whatever the other readers took. A ReassignedRowsPin keeps, for as long as it
+// lives, every row noted from its position on, for rows_reassigned_since. Bound: per tensor, the
+// rows noted since the oldest reader's position or pin, at most twice the tensor's rows; a reader
+// or pin that fell further behind is told to treat every row as handed out anew. Nothing is kept
+// for a tensor no reader reads. Thread safety: every function may be called from any thread.
 
 #include <cstdint>
 #include <vector>
@@ -46,6 +52,33 @@ class ReassignedRowsReader {
   const void* key_;
   int64_t next_ = 0;  // the sequence number of the first row this reader has not taken
 };
+
+/// The position of the next row to be noted, of any tensor, kept while this lives: every row
+/// noted from it on stays readable by rows_reassigned_since (within the bound above).
+class ReassignedRowsPin {
+ public:
+  ReassignedRowsPin();
+  ~ReassignedRowsPin();
+  ReassignedRowsPin(const ReassignedRowsPin&) = delete;
+  ReassignedRowsPin& operator=(const ReassignedRowsPin&) = delete;
+
+  int64_t position() const { return position_; }
+
+ private:
+  int64_t position_;
+};
+
+/// The rows of `tensor` noted from `position` on (a live pin's, or a later one), ascending, each
+/// once; empty without a lock when no tensor has any noted. Sets `everything` when some of them
+/// are no longer kept (more than the bound were noted since): every row may have been handed out.
+std::vector<int64_t> rows_reassigned_since(const at::Tensor& tensor, int64_t position,
+                                           bool& everything);
+
+/// `gradient` (a sparse COO gradient of `tensor`) without its entries for rows handed to new keys
+/// from `position` on (rows_reassigned_since; with none of its entries when every row may have
+/// been): the same tensor when there are none.
+at::Tensor without_rows_reassigned_since(const at::Tensor& tensor, const at::Tensor& gradient,
+                                         int64_t position);
 
 }  // namespace detail
 }  // namespace rpc
