@@ -66,18 +66,26 @@ void wait_for_new_incarnation(const std::string& worker, int old_id, Clock::time
   }
 }
 
-// What the lost owner held: its table shards (with each shard's weight as the optimizer holds
-// it), its RemoteModules, and the optimizer's parameters there that are no shard, in order.
+// A lost shard of a table (a ShardedEmbeddingBag or a ShardedIdEmbeddingBag), with its weight as
+// the optimizer holds it.
+template <class Table>
+struct LostShard {
+  Table* table;
+  size_t shard;
+  rpc::RRef<at::Tensor> old_weight;
+};
+
+// What the lost owner held: its table shards, its RemoteModules, and the optimizer's parameters
+// there that are no shard, in order.
 struct LostParts {
-  struct Shard {
-    rpc::ShardedEmbeddingBag* table;
-    size_t shard;
-    rpc::RRef<at::Tensor> old_weight;
-  };
-  std::vector<Shard> shards;
+  std::vector<LostShard<rpc::ShardedEmbeddingBag>> shards;
+  std::vector<LostShard<rpc::ShardedIdEmbeddingBag>> id_shards;
   std::vector<rpc::RemoteModuleBase*> modules;
   std::vector<rpc::RRef<at::Tensor>> old_module_parameters;
 };
+
+// The collisionless tables as the snapshot functions take them.
+using IdTables = std::vector<const rpc::ShardedIdEmbeddingBag*>;
 
 // Where a lost owner's parts are made anew: on its new incarnation (`worker` its own name,
 // board "") or on its backup (hot standby: the backup's name, a board for the lost owner).
@@ -97,20 +105,54 @@ struct Bound {
 // Makes (the restorer) or takes (the others) the lost shards and modules at `place` and binds
 // the handles and the optimizer to them. `from_copies`: the rows are loaded at once from a
 // backup's copies, so the restorer's shards are made without drawing initial rows.
-Bound bind_anew(const std::string& lost_worker, const Place& place, bool restorer, bool from_copies,
-                DistributedOptimizer& optimizer, const LostParts& lost) {
-  Bound bound;
-  std::vector<rpc::RRef<rpc::EmbeddingShard>> shards;
-  for (const LostParts::Shard& l : lost.shards) {
+// The restorer makes each of `lost` with `make`; the others take what it published on the board.
+template <class Shard, class Table, class Make>
+std::vector<rpc::RRef<Shard>> make_or_take_shards(const Place& place, bool restorer,
+                                                  const std::vector<LostShard<Table>>& lost,
+                                                  Make make, Bound& bound) {
+  std::vector<rpc::RRef<Shard>> shards;
+  for (const LostShard<Table>& l : lost) {
     const std::string& key = l.table->shard_key(l.shard);
-    shards.push_back(
-        restorer ? l.table->make_shard(l.shard, place.worker, /*initial_rows=*/!from_copies)
-                 : rpc::remote<rpc::EmbeddingShard>(
-                       place.worker, kBoardObject, std::tuple{board_object_key(place.board, key)}));
+    shards.push_back(restorer ? make(l)
+                              : rpc::remote<Shard>(place.worker, kBoardObject,
+                                                   std::tuple{board_object_key(place.board, key)}));
     bound.keys.push_back(key);
     bound.param_keys.insert(key);
     bound.made.emplace_back(shards.back().handle());
   }
+  return shards;
+}
+
+// Binds each table of `lost` to its shard made anew, and notes the old and new weights.
+template <class Shard, class Table>
+void rebind_shards(const std::vector<LostShard<Table>>& lost,
+                   const std::vector<rpc::RRef<Shard>>& shards,
+                   std::vector<rpc::RRef<at::Tensor>>& old_params,
+                   std::vector<rpc::RRef<at::Tensor>>& new_params) {
+  for (const auto& shard : shards) shard.confirm();
+  for (size_t i = 0; i < lost.size(); ++i) {
+    lost[i].table->rebind_shard(lost[i].shard, shards[i]);
+    old_params.push_back(lost[i].old_weight);
+    new_params.push_back(lost[i].table->remote_parameters()[lost[i].shard]);
+  }
+}
+
+Bound bind_anew(const std::string& lost_worker, const Place& place, bool restorer, bool from_copies,
+                DistributedOptimizer& optimizer, const LostParts& lost) {
+  Bound bound;
+  const auto shards = make_or_take_shards<rpc::EmbeddingShard>(
+      place, restorer, lost.shards,
+      [&](const LostShard<rpc::ShardedEmbeddingBag>& l) {
+        return l.table->make_shard(l.shard, place.worker, /*initial_rows=*/!from_copies);
+      },
+      bound);
+  // A collisionless table's shard is made empty: its rows come with their ids.
+  const auto id_shards = make_or_take_shards<rpc::IdEmbeddingShard>(
+      place, restorer, lost.id_shards,
+      [&](const LostShard<rpc::ShardedIdEmbeddingBag>& l) {
+        return l.table->make_shard(l.shard, place.worker);
+      },
+      bound);
   for (rpc::RemoteModuleBase* module : lost.modules) {
     module->move_to(place.worker);
     if (restorer) {
@@ -121,13 +163,9 @@ Bound bind_anew(const std::string& lost_worker, const Place& place, bool restore
     }
     bound.keys.push_back(module->module_key());
   }
-  for (const auto& shard : shards) shard.confirm();
   std::vector<rpc::RRef<at::Tensor>> old_params, new_params;
-  for (size_t i = 0; i < lost.shards.size(); ++i) {
-    lost.shards[i].table->rebind_shard(lost.shards[i].shard, shards[i]);
-    old_params.push_back(lost.shards[i].old_weight);
-    new_params.push_back(lost.shards[i].table->remote_parameters()[lost.shards[i].shard]);
-  }
+  rebind_shards(lost.shards, shards, old_params, new_params);
+  rebind_shards(lost.id_shards, id_shards, old_params, new_params);
   std::vector<rpc::RRef<at::Tensor>> module_params;
   for (rpc::RemoteModuleBase* module : lost.modules) {
     const std::vector<rpc::RRef<at::Tensor>> params = module->owner_parameters();
@@ -162,12 +200,13 @@ bool holds_own_state(const std::string& path, bool restorer) {
 // directory; returns the step of the snapshot it loaded, if any.
 std::optional<int64_t> load_own_state(const std::string& worker, DistributedOptimizer& optimizer,
                                       const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                                      const RecoveryOptions& options, int64_t snapshot_step) {
+                                      const IdTables& id_tables, const RecoveryOptions& options,
+                                      int64_t snapshot_step) {
   if (!options.snapshot_directory().empty() && snapshot_step >= 0) {
     const std::string path = scheduled_snapshot_path(options.snapshot_directory(), snapshot_step);
     if (std::filesystem::exists(std::filesystem::path(path) / "manifest.pt") &&
         holds_own_state(path, /*restorer=*/false)) {
-      load_snapshot_into(path, optimizer, tables, worker, SnapshotPart::kState);
+      load_snapshot_into(path, optimizer, tables, worker, SnapshotPart::kState, id_tables);
       return snapshot_step;
     }
   }
@@ -177,7 +216,7 @@ std::optional<int64_t> load_own_state(const std::string& worker, DistributedOpti
   }
   const std::optional<SnapshotInfo> own = latest_snapshot(options.state_directory());
   if (!own) return std::nullopt;
-  load_snapshot_into(own->path, optimizer, tables, worker, SnapshotPart::kState);
+  load_snapshot_into(own->path, optimizer, tables, worker, SnapshotPart::kState, id_tables);
   return own->step;
 }
 
@@ -225,7 +264,7 @@ std::chrono::milliseconds since(Clock::time_point start) {
 RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOptimizer& optimizer,
                            const LostParts& lost,
                            const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-                           const RecoveryOptions& options) {
+                           const IdTables& id_tables, const RecoveryOptions& options) {
   const Clock::time_point start = Clock::now(), deadline = start + options.timeout();
   wait_for_new_incarnation(worker, old_id, deadline, options.timeout());
   RecoveredOwner result;
@@ -250,7 +289,8 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
       from_backup(/*with_value=*/false);
     } else {
       if (state.snapshot_step >= 0) result.snapshot_step = state.snapshot_step;
-      result.state_step = load_own_state(worker, optimizer, tables, options, state.snapshot_step);
+      result.state_step =
+          load_own_state(worker, optimizer, tables, id_tables, options, state.snapshot_step);
     }
     result.waited = since(start);
     return result;
@@ -269,14 +309,15 @@ RecoveredOwner recover_one(const std::string& worker, int old_id, DistributedOpt
       // Another trainer's optimizer state is not this one's: its values alone then.
       const bool own = holds_own_state(latest->path, /*restorer=*/true);
       load_snapshot_into(latest->path, optimizer, tables, worker,
-                         own ? SnapshotPart::kEverything : SnapshotPart::kValues);
+                         own ? SnapshotPart::kEverything : SnapshotPart::kValues, id_tables);
       result.snapshot_step = latest->step;
       if (own) result.state_step = latest->step;
     }
     return std::pair{std::move(bound), result.snapshot_step.value_or(-1)};
   });
   if (result.backup.empty() && !result.state_step) {
-    result.state_step = load_own_state(worker, optimizer, tables, options, /*snapshot_step=*/-1);
+    result.state_step =
+        load_own_state(worker, optimizer, tables, id_tables, options, /*snapshot_step=*/-1);
   }
   result.waited = since(start);
   return result;
@@ -338,7 +379,8 @@ RecoveredOwner take_over_on_backup(const std::string& worker, int old_id, const 
 
 std::vector<RecoveredOwner> recover_lost_owners(
     DistributedOptimizer& optimizer, const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-    const std::vector<rpc::RemoteModuleBase*>& modules, const RecoveryOptions& options) {
+    const std::vector<rpc::RemoteModuleBase*>& modules, const RecoveryOptions& options,
+    const std::vector<rpc::ShardedIdEmbeddingBag*>& id_tables) {
   TORCH_CHECK_VALUE(options.timeout().count() > 0, "recover_lost_owners: timeout of ",
                     options.timeout().count(), " ms (must be positive)");
   for (size_t t = 0; t < tables.size(); ++t) {
@@ -347,6 +389,10 @@ std::vector<RecoveredOwner> recover_lost_owners(
   for (size_t m = 0; m < modules.size(); ++m) {
     TORCH_CHECK_VALUE(modules[m] != nullptr, "recover_lost_owners: modules[", m, "] is null");
   }
+  for (size_t t = 0; t < id_tables.size(); ++t) {
+    TORCH_CHECK_VALUE(id_tables[t] != nullptr, "recover_lost_owners: id_tables[", t, "] is null");
+  }
+  const detail::IdTables const_id_tables(id_tables.begin(), id_tables.end());
   // Each owner's process as the optimizer knows it.
   std::map<std::string, int> owners;
   for (const rpc::RRef<at::Tensor>& param : optimizer.parameters()) {
@@ -364,6 +410,13 @@ std::vector<RecoveredOwner> recover_lost_owners(
         // The shard's weight as the optimizer holds it (remote_parameters keeps it).
         lost.shards.push_back({table, s, table->remote_parameters()[s]});
         shard_ids.insert(rpc::detail::rref_global_id(lost.shards.back().old_weight.handle()));
+      }
+    }
+    for (rpc::ShardedIdEmbeddingBag* table : id_tables) {
+      for (size_t s = 0; s < table->num_shards(); ++s) {
+        if (table->shard_owner(s) != worker) continue;
+        lost.id_shards.push_back({table, s, table->remote_parameters()[s]});
+        shard_ids.insert(rpc::detail::rref_global_id(lost.id_shards.back().old_weight.handle()));
       }
     }
     for (const rpc::RRef<at::Tensor>& param : optimizer.parameters()) {
@@ -392,11 +445,20 @@ std::vector<RecoveredOwner> recover_lost_owners(
                       "was given for it (give every table whose shards the optimizer steps, and "
                       "every RemoteModule whose parameters it steps)");
     auto backup = options.backups().find(worker);
+    // A backup's copies are rows by index: a collisionless table's rows without their ids.
+    TORCH_CHECK_VALUE(lost.id_shards.empty() || backup == options.backups().end(),
+                      "recover_lost_owners: worker '", worker, "' was lost holding ",
+                      lost.id_shards.size(),
+                      " shard(s) of a collisionless table, and RecoveryOptions::backups names "
+                      "its backup '",
+                      backup == options.backups().end() ? std::string() : backup->second,
+                      "': such tables come back from snapshots only");
     if (options.hot_standby() && backup != options.backups().end()) {
       recovered.push_back(detail::take_over_on_backup(worker, old_id, backup->second, optimizer,
                                                       lost, tables, modules, options));
     } else {
-      recovered.push_back(detail::recover_one(worker, old_id, optimizer, lost, tables, options));
+      recovered.push_back(
+          detail::recover_one(worker, old_id, optimizer, lost, tables, const_id_tables, options));
     }
   }
   return recovered;

@@ -381,9 +381,11 @@ void RemoteOptimizer::commit(int64_t index, bool with_value, bool with_state) {
   TORCH_CHECK_VALUE(it != staged_.end(), kLoadSnapshot, ": nothing was staged for parameter ",
                     index, " on worker '", rpc::get_worker_info().name, "'");
   if (it->second.ids.defined()) {
-    TORCH_CHECK_VALUE(with_value && with_state, kLoadSnapshot,
-                      ": the rows of a collisionless table load with their state only (parameter ",
+    TORCH_CHECK_VALUE(with_value, kLoadSnapshot,
+                      ": the state rows of a collisionless table load only with its ids and rows "
+                      "(parameter ",
                       index, " on worker '", rpc::get_worker_info().name, "')");
+    if (!with_state) it->second.has_state = false;  // this optimizer's state starts anew
     commit_id_rows(index, it->second);
     staged_.erase(it);
     staged_id_tables_.erase(index);

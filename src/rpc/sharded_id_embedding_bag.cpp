@@ -12,6 +12,7 @@
 #include <distoptim/rpc/classes.h>
 #include <distoptim/rpc/detail/internal_registry.h>
 #include <distoptim/rpc/detail/remote_module.h>
+#include <distoptim/rpc/detail/rref_calls.h>
 
 #include "embedding_bags.h"
 
@@ -52,33 +53,79 @@ int64_t jump_bucket(uint64_t key, int64_t buckets) {
 ShardedIdEmbeddingBag::ShardedIdEmbeddingBag(const ShardedIdEmbeddingBagOptions& options)
     : torch::nn::Module("ShardedIdEmbeddingBag"), options_(options) {
   check_options();
-  for (const std::string& worker : options.workers()) {
-    RRef<IdEmbeddingShard> shard = remote<IdEmbeddingShard>(
-        worker, kIdShardClass,
-        std::tuple{options.rows_per_shard(), options.embedding_dim(),
-                   static_cast<int64_t>(options.dtype()), options.seed(), options.admit_after(),
-                   options.expire_after(), options.max_pending(), options.expire_after_seconds()});
-    shards_.push_back(RemoteModule<IdEmbeddingShard>::init_from_module_rref(worker, shard));
+  for (size_t s = 0; s < options.workers().size(); ++s) {
+    RRef<IdEmbeddingShard> shard = make_shard(s, options.workers()[s]);
+    keys_.push_back(detail::rref_global_id(shard.handle()));
+    shards_.push_back(
+        RemoteModule<IdEmbeddingShard>::init_from_module_rref(options.workers()[s], shard));
   }
   weights_.resize(shards_.size());
 }
 
 ShardedIdEmbeddingBag::ShardedIdEmbeddingBag(const ShardedIdEmbeddingBagOptions& options,
-                                             std::vector<RRef<IdEmbeddingShard>> shards)
+                                             std::vector<RRef<IdEmbeddingShard>> shards,
+                                             std::vector<std::string> shard_keys)
     : torch::nn::Module("ShardedIdEmbeddingBag"), options_(options) {
   check_options();
   TORCH_CHECK_VALUE(shards.size() == options.workers().size(),
                     "ShardedIdEmbeddingBag: ", shards.size(), " shards for ",
                     options.workers().size(), " workers");
+  TORCH_CHECK_VALUE(shard_keys.empty() || shard_keys.size() == shards.size(),
+                    "ShardedIdEmbeddingBag: ", shard_keys.size(), " shard keys for ", shards.size(),
+                    " shards");
   for (size_t s = 0; s < shards.size(); ++s) {
     TORCH_CHECK_VALUE(shards[s].defined(), "ShardedIdEmbeddingBag: shard ", s, " is empty");
+    TORCH_CHECK_VALUE(shard_keys.empty() || !shard_keys[s].empty(),
+                      "ShardedIdEmbeddingBag: shard key ", s, " is empty");
   }
   for (auto& shard : shards) {
+    if (shard_keys.size() < shards.size()) keys_.push_back(detail::rref_global_id(shard.handle()));
     const std::string owner = shard.owner_name();
     shards_.push_back(
         RemoteModule<IdEmbeddingShard>::init_from_module_rref(owner, std::move(shard)));
   }
+  if (!shard_keys.empty()) keys_ = std::move(shard_keys);
   weights_.resize(shards_.size());
+}
+
+void ShardedIdEmbeddingBag::check_shard(size_t shard, const char* caller) const {
+  TORCH_CHECK_INDEX(shard < options_.workers().size(), "ShardedIdEmbeddingBag::", caller,
+                    ": shard ", shard, " of ", options_.workers().size());
+}
+
+const std::string& ShardedIdEmbeddingBag::shard_key(size_t shard) const {
+  check_shard(shard, "shard_key");
+  return keys_[shard];
+}
+
+const std::string& ShardedIdEmbeddingBag::shard_owner(size_t shard) const {
+  check_shard(shard, "shard_owner");
+  return shards_[shard]->remote_device().worker_name;
+}
+
+RRef<IdEmbeddingShard> ShardedIdEmbeddingBag::make_shard(size_t shard,
+                                                         const std::string& worker) const {
+  check_shard(shard, "make_shard");
+  // Before the constructor's handles exist, a shard's owner is the options' worker.
+  const std::string& owner = !worker.empty()          ? worker
+                             : shard < shards_.size() ? shards_[shard]->remote_device().worker_name
+                                                      : options_.workers()[shard];
+  const auto& o = options_;
+  return remote<IdEmbeddingShard>(
+      owner, kIdShardClass,
+      std::tuple{o.rows_per_shard(), o.embedding_dim(), static_cast<int64_t>(o.dtype()), o.seed(),
+                 o.admit_after(), o.expire_after(), o.max_pending(), o.expire_after_seconds()});
+}
+
+void ShardedIdEmbeddingBag::rebind_shard(size_t shard, RRef<IdEmbeddingShard> module) {
+  check_shard(shard, "rebind_shard");
+  TORCH_CHECK_VALUE(module.defined(), "ShardedIdEmbeddingBag::rebind_shard: shard ", shard,
+                    ": the reference is empty");
+  const std::string owner = module.owner_name();
+  auto handle = RemoteModule<IdEmbeddingShard>::init_from_module_rref(owner, std::move(module));
+  std::lock_guard<std::mutex> lock(weights_mutex_);
+  shards_[shard] = std::move(handle);
+  weights_[shard] = RRef<at::Tensor>();
 }
 
 void ShardedIdEmbeddingBag::check_options() const {

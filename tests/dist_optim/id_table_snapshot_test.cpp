@@ -6,13 +6,17 @@
 // the rows the saved table's own further step gives. Ids counted towards admission are not saved.
 // A snapshot of another dim or dtype, a shard that cannot hold the ids it would receive, and a
 // missing block file are refused before anything changes; a SnapshotSchedule's snapshots load.
+// A server SIGKILLed and started again under its name gets its shard of the latest snapshot back
+// through recover_lost_owners (suite IdTableRecovery).
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -24,12 +28,15 @@
 
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
+#include <distoptim/dist_optim/recovery.h>
 #include <distoptim/dist_optim/snapshot.h>
 #include <distoptim/rpc.h>
 #include <distoptim/rpc/id_embedding_bag.h>
 
+#include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"
 #include "id_table_rows.h"
+#include "support/process_memory.h"
 #include "support/test_util.h"
 
 namespace distoptim {
@@ -531,6 +538,232 @@ TEST(IdTableSnapshot, AScheduleWritesSnapshotsThatLoadLatestLoads) {
     EXPECT_EQ(dist_optim::load_latest_snapshot(dir / "none", resumed_optimizer, {}, {&resumed}),
               std::nullopt);
   });
+}
+
+// What `observed` holds of shard `shard` alone.
+Observed on_shard(const Observed& observed, size_t shard) {
+  Observed out;
+  for (const auto& [id, s] : observed.shard) {
+    if (s != shard) continue;
+    out.shard[id] = s;
+    out.row[id] = observed.row.at(id);
+    out.value[id] = observed.value.at(id);
+    if (observed.state.count(id) > 0) out.state[id] = observed.state.at(id);
+  }
+  if (observed.steps.count(shard) > 0) out.steps[shard] = observed.steps.at(shard);
+  return out;
+}
+
+// Whether a step fails as lost (the table names a server that died).
+bool step_fails_as_lost(ShardedIdEmbeddingBag& table, DistributedOptimizer& optimizer, int step) {
+  try {
+    train_step(table, optimizer, step);
+  } catch (const PeerLostError&) {
+    return true;
+  }
+  return false;
+}
+
+// The first trainer's references to its table, for the second trainer's handle.
+using References = std::tuple<std::vector<RRef<IdEmbeddingShard>>, std::vector<std::string>>;
+std::mutex g_references_mutex;
+References g_references;  // guarded by g_references_mutex
+References references() {
+  std::lock_guard<std::mutex> lock(g_references_mutex);
+  return g_references;
+}
+DISTOPTIM_RPC_FUNCTION("id_table_recovery.references", references);
+
+// The trainer: a table over ps0 and ps1 stepped with Adagrad, a snapshot after step 2; ps1 dies
+// after step 3, and its next incarnation gets ps1's shard of that snapshot back (its live ids,
+// their rows and this trainer's state of them, its step count), while ps0's shard keeps step 3;
+// training goes on over both.
+void train_through_a_restart(const std::string& directory) {
+  using namespace std::chrono_literals;
+  testing::StoreTurns turns(2, "test/id_table_recovery");
+  ASSERT_TRUE(testing::wait_until(
+      [] {
+        try {
+          rpc::get_worker_info("ps1");
+          return true;
+        } catch (const c10::ValueError&) {
+          return false;
+        }
+      },
+      30s));
+  ShardedIdEmbeddingBag table(options({"ps0", "ps1"}));
+  DistributedOptimizer optimizer("adagrad", table.remote_parameters(),
+                                 optimizer_options("adagrad"));
+  dist_optim::SnapshotSchedule snapshots(dist_optim::SnapshotOptions(directory), optimizer, {}, 0,
+                                         {&table});
+  sight(table, kPool);
+  Observed at_snapshot;
+  for (int step = 1; step <= 3; ++step) {
+    train_step(table, optimizer, step);
+    snapshots.step();
+    if (step == 2) {
+      ASSERT_EQ(snapshots.save_now(), 2);
+      at_snapshot = observe(table, optimizer);
+    }
+  }
+  const Observed before_death = observe(table, optimizer);
+  {
+    std::lock_guard<std::mutex> lock(g_references_mutex);
+    g_references = References{table.shard_module_rrefs(), table.shard_keys()};
+  }
+  turns.say("references");
+  turns.store->wait({"second_trainer_ready"}, 120s);
+  // The premise: both shards hold ids, and ps1's changed since the snapshot.
+  ASSERT_FALSE(on_shard(at_snapshot, 0).value.empty());
+  ASSERT_FALSE(on_shard(at_snapshot, 1).value.empty());
+  ASSERT_NE(on_shard(before_death, 1).steps.at(1), on_shard(at_snapshot, 1).steps.at(1));
+
+  turns.say("kill_ps1");
+  ASSERT_TRUE(testing::wait_until(
+      [] {
+        try {
+          rpc::rpc_sync<std::string>("ps1", "id_table_recovery.name", std::tuple<>{}, 5s);
+        } catch (const PeerLostError&) {
+          return true;
+        } catch (const c10::ValueError&) {  // already dropped
+          return true;
+        }
+        return false;
+      },
+      60s))
+      << "ps1 did not die";
+  EXPECT_TRUE(step_fails_as_lost(table, optimizer, 4)) << "the step after ps1's death did not fail";
+  turns.say("ps1_lost");
+  turns.store->wait({"second_trainer_failed"}, 120s);
+  // Without the collisionless table, ps1's shard counts as a parameter of no table: refused.
+  expect_value_error(
+      [&] {
+        dist_optim::recover_lost_owners(optimizer, {}, {},
+                                        dist_optim::RecoveryOptions(directory).timeout(60s));
+      },
+      {"worker 'ps1' was lost holding 1 parameter(s) of the optimizer that are no table's shard"});
+  const std::vector<dist_optim::RecoveredOwner> recovered = dist_optim::recover_lost_owners(
+      optimizer, {}, {}, dist_optim::RecoveryOptions(directory).timeout(60s), {&table});
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_EQ(recovered[0].worker, "ps1");
+  EXPECT_TRUE(recovered[0].restored_here);
+  EXPECT_EQ(recovered[0].snapshot_step.value_or(-1), 2);
+  EXPECT_EQ(recovered[0].state_step.value_or(-1), 2);
+  EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "id_table_recovery.name", std::tuple<>{}),
+            "second ps1");
+
+  const Observed after = observe(table, optimizer);
+  const Observed ps1_after = on_shard(after, 1), ps1_expected = on_shard(at_snapshot, 1);
+  expect_same(ps1_after, ps1_expected, /*unchanged=*/false);
+  EXPECT_EQ(ps1_after.steps, ps1_expected.steps);
+  expect_same(on_shard(after, 0), on_shard(before_death, 0), /*unchanged=*/true);
+  turns.say("restored");
+  turns.store->wait({"second_trainer_done"}, 120s);
+  // Training goes on over both shards: every live id's row moves.
+  train_step(table, optimizer, 4);
+  const Observed stepped = observe(table, optimizer);
+  for (const auto& [id, value] : after.value) {
+    EXPECT_FALSE(at::equal(stepped.value.at(id), value)) << "id " << id << " did not move";
+  }
+  turns.say("done");
+  rpc::shutdown();
+}
+
+// The second trainer: a handle built from the first trainer's references and keys, and an
+// Adagrad of its own that has not stepped when ps1 dies. It binds to the shard the first trainer
+// restored (by its key); its state there starts anew, as the snapshot holds the first trainer's.
+void train_beside(const std::string& directory) {
+  using namespace std::chrono_literals;
+  testing::StoreTurns turns(4, "test/id_table_recovery");
+  turns.store->wait({"references"}, 200s);
+  auto [shards, keys] = rpc::rpc_sync<References>("trainer", "id_table_recovery.references");
+  ShardedIdEmbeddingBag table(options({"ps0", "ps1"}), std::move(shards), keys);
+  EXPECT_EQ(table.shard_keys(), keys);
+  DistributedOptimizer optimizer("adagrad", table.remote_parameters(),
+                                 optimizer_options("adagrad"));
+  turns.say("second_trainer_ready");
+  turns.store->wait({"ps1_lost"}, 200s);
+  EXPECT_TRUE(step_fails_as_lost(table, optimizer, 10));
+  turns.say("second_trainer_failed");
+  turns.store->wait({"restored"}, 200s);
+  const std::vector<dist_optim::RecoveredOwner> recovered = dist_optim::recover_lost_owners(
+      optimizer, {}, {}, dist_optim::RecoveryOptions(directory).timeout(60s), {&table});
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_FALSE(recovered[0].restored_here);
+  EXPECT_EQ(recovered[0].snapshot_step.value_or(-1), 2);
+  EXPECT_FALSE(recovered[0].state_step.has_value());
+  EXPECT_EQ(table.shard_keys(), keys);
+  // A new Adagrad's state on the restored shard (no step, every sum at its initial value); one
+  // step later, stepped once.
+  const Observed bound = on_shard(observe(table, optimizer), 1);
+  ASSERT_FALSE(bound.value.empty());
+  EXPECT_EQ(bound.steps.at(1), 0);
+  ASSERT_EQ(bound.state.size(), bound.value.size());
+  for (const auto& [id, buffers] : bound.state) {
+    const at::Tensor& sum = buffers.at("sum");
+    EXPECT_TRUE(at::equal(sum, at::full_like(sum, 0.1))) << "id " << id << ": " << sum;
+  }
+  train_step(table, optimizer, 10);
+  EXPECT_EQ(observe(table, optimizer).steps.at(1), 1);
+  turns.say("second_trainer_done");
+  rpc::shutdown();
+}
+
+std::string g_name;
+DISTOPTIM_RPC_FUNCTION("id_table_recovery.name", [] { return g_name; });
+
+// Processes: rank 0 "ps0", the dynamic group's store host; rank 1 the first "ps1", which
+// SIGKILLs itself when told; rank 2 the trainer; rank 3 the second "ps1", which joins once the
+// trainer has seen the first lost; rank 4 the second trainer.
+TEST(IdTableRecovery, ALostServerGetsItsShardOfTheLatestSnapshotBack) {
+  using namespace std::chrono_literals;
+  testing::RunRanksOptions run;
+  run.deadline = 240s;
+  run.expected_signals = {{1, SIGKILL}};
+  testing::run_ranks(
+      5,
+      [](int rank, int) {
+        // The same directory in every rank: named after the run's MASTER_PORT.
+        const char* port = std::getenv("MASTER_PORT");
+        const std::string directory =
+            (fs::temp_directory_path() / ("id_table_recovery_" + std::string(port ? port : "0")))
+                .string();
+        rpc::RpcBackendOptions rpc_options = testing::test_options(30s).liveness_timeout(2s);
+        if (rank == 0) {
+          fs::remove_all(directory);  // before anyone can step: no earlier run's snapshots
+          g_name = "ps0";
+          rpc::init_rpc("ps0", 0, rpc_options);
+          testing::StoreTurns turns(0, "test/id_table_recovery");
+          turns.store->wait({"done"}, 200s);
+          rpc::shutdown();
+          fs::remove_all(directory);
+          return;
+        }
+        testing::StoreTurns turns(rank, "test/id_table_recovery");
+        if (rank == 1) {
+          g_name = "first ps1";
+          rpc::init_rpc("ps1", rpc::kAssignRank, rpc_options);
+          turns.store->wait({"kill_ps1"}, 200s);
+          ::kill(::getpid(), SIGKILL);
+          return;
+        }
+        if (rank == 2) {
+          rpc::init_rpc("trainer", rpc::kAssignRank, rpc_options);
+          train_through_a_restart(directory);
+          return;
+        }
+        if (rank == 4) {
+          rpc::init_rpc("trainer2", rpc::kAssignRank, rpc_options);
+          train_beside(directory);
+          return;
+        }
+        g_name = "second ps1";
+        turns.store->wait({"ps1_lost"}, 200s);
+        rpc::init_rpc("ps1", rpc::kAssignRank, rpc_options.name_wait(60s));
+        turns.store->wait({"done"}, 200s);
+        rpc::shutdown();
+      },
+      run);
 }
 
 }  // namespace id_table_snapshot_test

@@ -48,8 +48,9 @@
 // own backup is back loses the steps since (they were on one worker).
 //
 // Decided: what a lost owner held is made anew from the trainers' handles alone: a
-// ShardedEmbeddingBag's shards, and RemoteModules whose constructor's arguments the handle
-// knows (RemoteModule::make_anew_with). An owner holding other parameters of the optimizer is
+// ShardedEmbeddingBag's shards, a ShardedIdEmbeddingBag's (from snapshots only: a backup's copies
+// are rows without their ids), and RemoteModules whose constructor's arguments the handle knows
+// (RemoteModule::make_anew_with). An owner holding other parameters of the optimizer is
 // refused (c10::ValueError naming it). Each shard and module is known to every handle by a key,
 // its first reference's id (ShardedEmbeddingBag::shard_key, RemoteModule::module_key), kept when
 // the handle is bound again: hand out the keys with the references
@@ -68,6 +69,7 @@
 
 #include <distoptim/dist_optim/distributed_optimizer.h>
 #include <distoptim/dist_optim/replicas.h>
+#include <distoptim/rpc/id_embedding_bag.h>
 #include <distoptim/rpc/remote_module.h>
 #include <distoptim/rpc/sharded_embedding_bag.h>
 
@@ -123,20 +125,27 @@ struct RecoveredOwner {
   std::chrono::milliseconds waited{0};
 };
 
-/// Binds `optimizer`, `tables` and `modules` to every lost owner of the optimizer's parameters
-/// once it is back (see the top of this file); returns one entry per owner recovered, none when
-/// no owner was lost. `tables`: every ShardedEmbeddingBag whose shards are among the optimizer's
-/// parameters (as remote_parameters() gave them). `modules`: the RemoteModules whose parameters
-/// the optimizer holds; a lost owner's parameters that are no table's shard must be, in the
-/// optimizer's order, those of its modules in the order of `modules`. Not while another call
-/// uses these handles. Errors: TimeoutError naming the owner that did not come back, or the
-/// trainer whose restore did not finish, within `timeout`; c10::ValueError naming an owner
-/// holding parameters that are neither a table's shard nor a module's, or a module that cannot
-/// be made anew (make_anew's errors); the failures of loading the snapshot (load_snapshot's, for
-/// that owner).
+/// Binds `optimizer`, `tables`, `modules` and `id_tables` to every lost owner of the optimizer's
+/// parameters once it is back (see the top of this file); returns one entry per owner
+/// recovered, none when no owner was lost. `tables`: every ShardedEmbeddingBag whose shards are
+/// among the optimizer's parameters (as remote_parameters() gave them). `modules`: the
+/// RemoteModules whose parameters the optimizer holds; a lost owner's parameters that are no
+/// table's shard must be, in the optimizer's order, those of its modules in the order of
+/// `modules`. `id_tables`: every ShardedIdEmbeddingBag whose shards the optimizer holds (the
+/// snapshots' id_tables). A lost shard of one is made anew empty and gets the ids the snapshot
+/// holds on it, with their rows; with their state rows in the optimizer of the trainer that wrote
+/// the snapshot, and from a new state in every other trainer's (another trainer's state of ids
+/// is not its own, and its own snapshot's ids need not hold those rows: state_directory does
+/// not apply to them). Such tables come back from snapshots only (not from backups). Not while
+/// another call uses these handles. Errors: TimeoutError naming the owner that did not come
+/// back, or the trainer whose restore did not finish, within `timeout`; c10::ValueError naming
+/// an owner holding parameters that are neither a table's shard nor a module's, a module that
+/// cannot be made anew (make_anew's errors), or a collisionless table's owner given a backup;
+/// the failures of loading the snapshot (load_snapshot's, for that owner).
 std::vector<RecoveredOwner> recover_lost_owners(
     DistributedOptimizer& optimizer, const std::vector<rpc::ShardedEmbeddingBag*>& tables,
-    const std::vector<rpc::RemoteModuleBase*>& modules, const RecoveryOptions& options = {});
+    const std::vector<rpc::RemoteModuleBase*>& modules, const RecoveryOptions& options = {},
+    const std::vector<rpc::ShardedIdEmbeddingBag*>& id_tables = {});
 /// The same without modules.
 std::vector<RecoveredOwner> recover_lost_owners(
     DistributedOptimizer& optimizer, const std::vector<rpc::ShardedEmbeddingBag*>& tables,

@@ -152,10 +152,13 @@ class ShardedIdEmbeddingBag : public torch::nn::Module {
   /// (before anything is created) or no workers.
   explicit ShardedIdEmbeddingBag(const ShardedIdEmbeddingBagOptions& options);
   /// A second handle on a table that exists: `shards` are another handle's shard_module_rrefs(),
-  /// `options` the options it was built with. Creates nothing. Throws c10::ValueError when the
-  /// number of shards differs from options.workers()' or a reference is empty.
+  /// `options` the options it was built with, `shard_keys` that handle's shard_keys() (empty:
+  /// each shard's reference's id, right until a shard is made anew; as ShardedEmbeddingBag's).
+  /// Creates nothing. Throws c10::ValueError when the number of shards or keys differs from
+  /// options.workers()', a reference is empty or a key is empty.
   ShardedIdEmbeddingBag(const ShardedIdEmbeddingBagOptions& options,
-                        std::vector<RRef<IdEmbeddingShard>> shards);
+                        std::vector<RRef<IdEmbeddingShard>> shards,
+                        std::vector<std::string> shard_keys = {});
 
   /// `input`: 1-D int64 (or int32) ids, any values, with `offsets` (each bag's start), or 2-D
   /// [bags, ids per bag] without. `per_sample_weights` as LibTorch's (sum mode only). Returns
@@ -178,13 +181,32 @@ class ShardedIdEmbeddingBag : public torch::nn::Module {
   size_t num_shards() const { return shards_.size(); }
   const ShardedIdEmbeddingBagOptions& options() const { return options_; }
 
+  // After a shard's owner died and was started again under its name (dist_optim/recovery.h), as
+  // ShardedEmbeddingBag's:
+  /// A name of shard `shard` that every handle on this table gives: the id of the reference to
+  /// its first module, kept when the shard is rebound. c10::IndexError for a shard out of range.
+  const std::string& shard_key(size_t shard) const;
+  /// Every shard's shard_key, in shard order: to send with shard_module_rrefs().
+  const std::vector<std::string>& shard_keys() const { return keys_; }
+  /// The worker that holds shard `shard` now.
+  const std::string& shard_owner(size_t shard) const;
+  /// Creates shard `shard` anew, empty (no id holds a row), on `worker` (empty: its current
+  /// owner) and returns the reference to it; the handle is not changed.
+  RRef<IdEmbeddingShard> make_shard(size_t shard, const std::string& worker = {}) const;
+  /// Binds shard `shard` to `module` (make_shard's, or another handle's after it); its owner
+  /// becomes the shard's owner. c10::ValueError for an empty reference, c10::IndexError for a
+  /// shard out of range, changing nothing. Not while a forward of this handle runs.
+  void rebind_shard(size_t shard, RRef<IdEmbeddingShard> module);
+
  private:
   ShardedIdEmbeddingBagOptions options_;
   std::vector<std::shared_ptr<RemoteModule<IdEmbeddingShard>>> shards_;
+  std::vector<std::string> keys_;  // per shard: shard_key
   mutable std::mutex weights_mutex_;
   mutable std::vector<RRef<at::Tensor>> weights_;  // per shard, once fetched
 
   void check_options() const;
+  void check_shard(size_t shard, const char* caller) const;
 };
 
 }  // namespace rpc
