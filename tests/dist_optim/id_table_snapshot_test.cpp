@@ -642,6 +642,18 @@ void train_through_a_restart(const std::string& directory) {
                                         dist_optim::RecoveryOptions(directory).timeout(60s));
       },
       {"worker 'ps1' was lost holding 1 parameter(s) of the optimizer that are no table's shard"});
+  // A backup's copies are rows without their ids: such a table comes back from snapshots only.
+  expect_value_error(
+      [&] {
+        dist_optim::recover_lost_owners(optimizer, {}, {},
+                                        dist_optim::RecoveryOptions(directory)
+                                            .backups({{"ps1", "ps0"}})
+                                            .hot_standby(true)
+                                            .timeout(60s),
+                                        {&table});
+      },
+      {"worker 'ps1' was lost holding 1 shard(s) of a collisionless table",
+       "names its backup 'ps0': such tables come back from snapshots only"});
   const std::vector<dist_optim::RecoveredOwner> recovered = dist_optim::recover_lost_owners(
       optimizer, {}, {}, dist_optim::RecoveryOptions(directory).timeout(60s), {&table});
   ASSERT_EQ(recovered.size(), 1u);
