@@ -33,8 +33,20 @@
 // backup first takes the whole table in one message). The JSON then holds each side's iteration
 // (spread_row) and the ratio of the medians.
 //
+// --id-table measures the collisionless table (rpc/id_embedding_bag.h) instead: ours alone, the
+// same job with a ShardedIdEmbeddingBag of R rows on worker1 against a ShardedEmbeddingBag of R
+// rows there, alternating, both stepped by Adagrad (lr 0.01: a state row per row), at the same
+// batch. The fixed table reads the uniform ids as they are; the collisionless one reads them
+// spread over the 64-bit space (a bijection: R distinct raw ids), and every one of the R ids is
+// looked up once before the timed iterations, so that the table is full, as one at its bound:
+// its memory per live row is then what a table at its bound costs. The JSON holds each side's
+// iteration (spread_row), the ratio of the medians' samples/s (collisionless / fixed), and each
+// side's server memory growth per row (its resident set at the end above the one before the
+// table; the output also gives the peak's) against a row's and its Adagrad state's bytes.
+// Default sizes 1e5 and 1e6.
+//
 // Usage: sparse_ps_bench --json PATH [--rounds 3] [--steps W,T] [--rows R ...] [--quick]
-//        [--replica]
+//        [--replica | --id-table]
 
 #include <algorithm>
 #include <chrono>
@@ -43,6 +55,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -56,6 +69,7 @@
 #include <distoptim/dist_autograd.h>
 #include <distoptim/dist_optim.h>
 #include <distoptim/rpc.h>
+#include <distoptim/rpc/id_embedding_bag.h>
 
 #include "../common/ps_job.h"
 #include "../common/report.h"
@@ -139,10 +153,181 @@ Json train(int64_t rows, const Config& config, bool replicated) {
           {"intra_op_threads", at::get_num_threads()}};
 }
 
-void run_worker(int64_t rows, const Config& config, int world_size, bool replicated) {
+// --id-table: a batch's uniform ids in [0, rows) spread over the 64-bit space, one to one (an odd
+// multiplier and xor-shifts, each invertible modulo 2^64).
+at::Tensor raw_ids(const at::Tensor& ids) {
+  at::Tensor out = at::empty_like(ids);
+  const int64_t* in = ids.data_ptr<int64_t>();
+  int64_t* raw = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    uint64_t x = static_cast<uint64_t>(in[i]) * 0x9E3779B97F4A7C15ULL;
+    x ^= x >> 29;
+    x *= 0xBF58476D1CE4E5B9ULL;
+    raw[i] = static_cast<int64_t>(x ^ (x >> 32));
+  }
+  return out;
+}
+
+// worker0 of --id-table: the fixed table (`id_table` false) or the collisionless one, on worker1,
+// stepped by Adagrad; measures as train() does, and the server's live rows.
+Json train_table(int64_t rows, const Config& config, bool id_table) {
+  const auto [rss_before_kb, ignored] =
+      rpc::rpc_sync<std::tuple<int64_t, int64_t>>("worker1", "bench.ps_memory_kb");
+  (void)ignored;
+  std::unique_ptr<rpc::ShardedEmbeddingBag> fixed;
+  std::unique_ptr<rpc::ShardedIdEmbeddingBag> collisionless;
+  if (id_table) {
+    collisionless = std::make_unique<rpc::ShardedIdEmbeddingBag>(
+        rpc::ShardedIdEmbeddingBagOptions(rows, kPsDim, {"worker1"}).mode(torch::kSum));
+  } else {
+    fixed = std::make_unique<rpc::ShardedEmbeddingBag>(
+        rpc::ShardedEmbeddingBagOptions(rows, kPsDim, {"worker1"}).mode(torch::kSum));
+  }
+  dist_optim::DistributedOptimizer optimizer(
+      "adagrad", id_table ? collisionless->remote_parameters() : fixed->remote_parameters(),
+      optim::OptionBag().set("lr", kLr));
+  const at::Tensor offsets = ps_batch_offsets();
+  auto forward = [&](const at::Tensor& ids) {
+    return id_table ? collisionless->forward(raw_ids(ids), offsets) : fixed->forward(ids, offsets);
+  };
+  if (id_table) {
+    // Every id a row of its own: the table full, as one at its bound.
+    constexpr int64_t kFillChunk = kPsBags * kPsIdsPerBag;  // no more memory than a batch
+    for (int64_t first = 0; first < rows; first += kFillChunk) {
+      const at::Tensor ids = at::arange(first, std::min(rows, first + kFillChunk), at::kLong);
+      collisionless->forward(raw_ids(ids).reshape({-1, 1}));
+    }
+  }
+  auto generator = at::detail::createCPUGenerator(0);
+  std::vector<double> iteration;
+  double last_loss = 0;
+  for (int i = 0; i < config.warmup + config.timed; ++i) {
+    const at::Tensor ids = ps_batch_ids(rows, generator);
+    const auto begin = Clock::now();
+    {
+      dist_autograd::ContextGuard context;
+      const at::Tensor loss = forward(ids).pow(2).mean();
+      dist_autograd::backward(context.id(), {loss});
+      optimizer.step(context.id());
+      last_loss = loss.item<double>();
+    }
+    if (i >= config.warmup) iteration.push_back(ms_between(begin, Clock::now()));
+  }
+  const auto [rss_kb, peak_kb] =
+      rpc::rpc_sync<std::tuple<int64_t, int64_t>>("worker1", "bench.ps_memory_kb");
+  const int64_t live_rows = id_table ? collisionless->shard_counters().at(0).at("live_rows") : rows;
+  return {{"iteration_ms", median(iteration)},
+          {"ps_rss_before_mb", rss_before_kb / 1024.0},
+          {"ps_peak_mb", peak_kb / 1024.0},
+          {"ps_rss_mb", rss_kb / 1024.0},
+          {"live_rows", live_rows},
+          {"last_loss", last_loss}};
+}
+
+void run_worker(int64_t rows, const Config& config, int world_size, bool replicated,
+                const std::string& table) {
   const int rank = init_ps_worker(world_size, 60s, std::chrono::seconds(config.deadline_seconds));
-  if (rank == 0) print_result(train(rows, config, replicated));
+  if (rank == 0) {
+    print_result(table.empty() ? train(rows, config, replicated)
+                               : train_table(rows, config, table == "id"));
+  }
   rpc::shutdown();
+}
+
+// --id-table: ours with the fixed table and with the collisionless one, alternating; prints the
+// table and returns the results file's cases (or problems).
+Json compare_tables(const Config& config, const std::string& self, const std::string& counts,
+                    std::vector<std::string>& problems) {
+  const double load_at_start = load_average();
+  auto job = [&](int64_t rows, bool id_table) {
+    return run_side(id_table ? "our workers, collisionless table" : "our workers, fixed table",
+                    {DISTOPTIM_DISTRUN_PATH, "--nproc-per-node", std::to_string(kWorldSize), self,
+                     "--worker", "--worker-rows", std::to_string(rows), "--worker-table",
+                     id_table ? "id" : "fixed", "--steps", counts},
+                    config.deadline_seconds)
+        .front();
+  };
+  std::map<int64_t, std::pair<std::vector<Json>, std::vector<Json>>> runs;
+  for (int64_t rows : config.rows) {
+    runs[rows] = alternate_rounds(
+        "sparse_ps_bench", rows_label(rows) + " rows, fixed and collisionless tables",
+        config.rounds, [&] { return job(rows, false); }, [&] { return job(rows, true); });
+  }
+  const double load_at_end = load_average();
+  auto values = [](const std::vector<Json>& side, const char* key) {
+    std::vector<double> out;
+    for (const Json& run : side) out.push_back(run.at(key).get<double>());
+    return out;
+  };
+  // What a row and its Adagrad state hold: the bound a table's memory per row is measured against.
+  const double row_bytes = 2.0 * kPsDim * sizeof(float);
+  // The server's growth per row, at its peak or at the end (`at`), from before the table.
+  auto bytes_per_row = [&](const std::vector<Json>& side, const char* at) {
+    std::vector<double> out;
+    for (const Json& run : side) {
+      const double growth =
+          (run.at(at).get<double>() - run.at("ps_rss_before_mb").get<double>()) * 1024 * 1024;
+      out.push_back(growth / run.at("live_rows").get<double>());
+    }
+    return median(out);
+  };
+  fmt::print(
+      "\nsparse_ps_bench --id-table: the same job (trainer, parameter server) with a collisionless "
+      "table (ShardedIdEmbeddingBag, R rows, full: every one of R raw ids looked up once before "
+      "timing) and with a fixed one (ShardedEmbeddingBag, R rows), {} floats a row, sum, Adagrad "
+      "lr "
+      "{}; batch {} bags of {} uniform ids (spread over the 64-bit space for the collisionless "
+      "table); {} warm-up + {} timed iterations per run, {} rounds per size alternating; 1 "
+      "intra-op thread per process, {} RPC worker threads\n",
+      kPsDim, kLr, kPsBags, kPsIdsPerBag, config.warmup, config.timed, config.rounds,
+      kPsRpcThreads);
+  fmt::print("{}\n\n", machine_load_line(load_at_start, load_at_end));
+  fmt::print("{:<6} {:>26} {:>26} {:>18} {:>28} {:>28}\n", "rows", "fixed ms (min/med/max)",
+             "collisionless ms (min/med/max)", "samples/s id/fixed",
+             fmt::format("end B/row fixed, id ({:.0f})", row_bytes),
+             fmt::format("peak B/row fixed, id ({:.0f})", row_bytes));
+  Json cases = Json::array();
+  for (int64_t rows : config.rows) {
+    const auto& [fixed, ids] = runs[rows];
+    const Spread a = spread_of(values(fixed, "iteration_ms"));
+    const Spread b = spread_of(values(ids, "iteration_ms"));
+    const double fixed_bytes = bytes_per_row(fixed, "ps_rss_mb"),
+                 id_bytes = bytes_per_row(ids, "ps_rss_mb");
+    fmt::print("{:<6} {:>26} {:>26} {:>17.2f}x {:>28} {:>28}\n", rows_label(rows),
+               fmt::format("{:.2f}/{:.2f}/{:.2f}", a.min, a.median, a.max),
+               fmt::format("{:.2f}/{:.2f}/{:.2f}", b.min, b.median, b.max), a.median / b.median,
+               fmt::format("{:.0f}, {:.0f}", fixed_bytes, id_bytes),
+               fmt::format("{:.0f}, {:.0f}", bytes_per_row(fixed, "ps_peak_mb"),
+                           bytes_per_row(ids, "ps_peak_mb")));
+    const std::string label = rows_label(rows);
+    cases.push_back(spread_row("iteration, fixed table, " + label + " rows",
+                               values(fixed, "iteration_ms"), "ms", "lower"));
+    cases.push_back(spread_row("iteration, collisionless table, " + label + " rows",
+                               values(ids, "iteration_ms"), "ms", "lower"));
+    cases.push_back({{"case", "samples/s, collisionless / fixed table, " + label + " rows"},
+                     {"ours", a.median / b.median},
+                     {"unit", "x"},
+                     {"better", "higher"}});
+    cases.push_back({{"case",
+                      "memory per live row at the end / row and state bytes, "
+                      "collisionless, " +
+                          label + " rows"},
+                     {"ours", id_bytes / row_bytes},
+                     {"unit", "x"},
+                     {"better", "lower"}});
+    cases.push_back(
+        {{"case", "memory per row at the end / row and state bytes, fixed, " + label + " rows"},
+         {"ours", fixed_bytes / row_bytes},
+         {"unit", "x"},
+         {"better", "lower"}});
+    for (const Json& run : ids) {
+      if (run.at("live_rows").get<int64_t>() != rows) {
+        problems.push_back(fmt::format("the collisionless table held {} live rows of {}",
+                                       run.at("live_rows").get<int64_t>(), rows));
+      }
+    }
+  }
+  return cases;
 }
 
 // --replica: ours without and with one replica, alternating; prints the table and returns the
@@ -220,6 +405,8 @@ int run(int argc, char** argv) {
   bool worker = false;
   bool replica = false;
   bool worker_replicated = false;
+  bool id_table = false;
+  std::string worker_table;
   int worker_world_size = kWorldSize;
   int64_t worker_rows = 0;
   std::string python = DISTOPTIM_REFERENCE_PYTHON;
@@ -240,8 +427,12 @@ int run(int argc, char** argv) {
   app.add_option("--worker-rows", worker_rows)->group("");
   app.add_option("--worker-world-size", worker_world_size)->group("");
   app.add_flag("--worker-replicated", worker_replicated)->group("");
+  app.add_option("--worker-table", worker_table)->group("")->check(CLI::IsMember({"fixed", "id"}));
   app.add_flag("--replica", replica,
                "Measure one replica's cost (ours with and without) instead of PyTorch against us");
+  app.add_flag("--id-table", id_table,
+               "Measure the collisionless table against the fixed one (ours alone) instead")
+      ->excludes("--replica");
   CLI11_PARSE(app, argc, argv);
   if (!steps.empty()) {
     StepCounts counts{config.warmup, config.timed};
@@ -250,10 +441,10 @@ int run(int argc, char** argv) {
     config.timed = counts.timed;
   }
   if (worker) {
-    run_worker(worker_rows, config, worker_world_size, worker_replicated);
+    run_worker(worker_rows, config, worker_world_size, worker_replicated, worker_table);
     return 0;
   }
-  if (replica && app.count("--rows") == 0) config.rows = {100'000, 1'000'000};
+  if ((replica || id_table) && app.count("--rows") == 0) config.rows = {100'000, 1'000'000};
   if (quick) {
     config.rounds = 1;
     config.warmup = 2;
@@ -264,6 +455,11 @@ int run(int argc, char** argv) {
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
   const std::string counts = fmt::format("{},{}", config.warmup, config.timed);
   if (replica) return results_file.write_unless(compare_replica(config, self, counts), {});
+  if (id_table) {
+    std::vector<std::string> problems;
+    Json cases = compare_tables(config, self, counts, problems);
+    return results_file.write_unless(cases, problems);
+  }
   const double load_at_start = load_average();
 
   std::map<int64_t, std::vector<Json>> ours, pytorch;

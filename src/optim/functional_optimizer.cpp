@@ -411,9 +411,16 @@ void FunctionalOptimizer::reset_state_rows(int64_t i, const at::Tensor& rows) {
     at::Tensor& buffer = state.buffers[slot];
     if (!buffer.defined() || !buffer.sizes().equals(param.sizes())) continue;
     if (fresh.buffers[slot].defined()) {
+      // In chunks: a table's every row reset at once (a snapshot's load, a reader far behind)
+      // would otherwise make a copy of the new state as large as the state itself.
+      constexpr int64_t kChunk = 4096;
       std::vector<int64_t> shape = param.sizes().vec();
-      shape[0] = rows.numel();
-      buffer.index_copy_(0, rows, fresh.buffers[slot].expand(shape).contiguous());
+      shape[0] = std::min(kChunk, rows.numel());
+      const at::Tensor block = fresh.buffers[slot].expand(shape).contiguous();
+      for (int64_t first = 0; first < rows.numel(); first += kChunk) {
+        const int64_t n = std::min(kChunk, rows.numel() - first);
+        buffer.index_copy_(0, rows.narrow(0, first, n), block.narrow(0, 0, n));
+      }
     } else {
       buffer.index_fill_(0, rows, 0);
     }

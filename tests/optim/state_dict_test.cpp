@@ -230,6 +230,25 @@ TEST(ResetStateRows, TheRowsStartAfreshAndTheRestStays) {
   }
 }
 
+// More rows than the reset copies at a time (it goes in chunks of 4096): every one of them
+// starts afresh, in any order, and no other row changes.
+TEST(ResetStateRows, ManyRowsAtOnce) {
+  at::manual_seed(5);
+  const at::Tensor param = at::randn({10001, 2});
+  auto optimizer =
+      create_optimizer("adagrad", {ParamGroup({param})},
+                       OptionBag().set("lr", 0.1).set("initial_accumulator_value", 0.25));
+  optimizer->step({at::randn({10001, 2}).to_sparse()});
+  const at::Tensor kept = optimizer->state(0).buffers[0].clone();
+  // Every other row, from the last down.
+  const at::Tensor rows = at::arange(10000, -1, -2, at::kLong);
+  ASSERT_GT(rows.numel(), 4096);
+  optimizer->reset_state_rows(0, rows);
+  at::Tensor expected = kept.clone();
+  expected.index_fill_(0, rows, 0.25);
+  EXPECT_TRUE(at::equal(optimizer->state(0).buffers[0], expected));
+}
+
 TEST(ResetStateRows, BadArgumentsAreNamedAndChangeNothing) {
   const at::Tensor param = at::randn({4, 2});
   auto optimizer = create_optimizer("adagrad", {ParamGroup({param})}, OptionBag().set("lr", 0.1));
