@@ -103,6 +103,18 @@ struct Config {
   int deadline_seconds = 300;
 };
 
+// Each run's `key`, in the runs' order.
+std::vector<double> values_of(const std::vector<Json>& runs, const char* key) {
+  std::vector<double> out;
+  for (const Json& run : runs) out.push_back(run.at(key).get<double>());
+  return out;
+}
+
+// "min/median/max" of a spread, for the printed tables.
+std::string spread_text(const Spread& spread) {
+  return fmt::format("{:.2f}/{:.2f}/{:.2f}", spread.min, spread.median, spread.max);
+}
+
 // worker0: trains and measures; with `replicated`, the server's steps go to worker2 as well.
 Json train(int64_t rows, const Config& config, bool replicated) {
   const auto [rss_before_kb, ignored] =
@@ -254,11 +266,6 @@ Json compare_tables(const Config& config, const std::string& self, const std::st
         config.rounds, [&] { return job(rows, false); }, [&] { return job(rows, true); });
   }
   const double load_at_end = load_average();
-  auto values = [](const std::vector<Json>& side, const char* key) {
-    std::vector<double> out;
-    for (const Json& run : side) out.push_back(run.at(key).get<double>());
-    return out;
-  };
   // What a row and its Adagrad state hold: the bound a table's memory per row is measured against.
   const double row_bytes = 2.0 * kPsDim * sizeof(float);
   // The server's growth per row, at its peak or at the end (`at`), from before the table.
@@ -289,21 +296,20 @@ Json compare_tables(const Config& config, const std::string& self, const std::st
   Json cases = Json::array();
   for (int64_t rows : config.rows) {
     const auto& [fixed, ids] = runs[rows];
-    const Spread a = spread_of(values(fixed, "iteration_ms"));
-    const Spread b = spread_of(values(ids, "iteration_ms"));
+    const Spread a = spread_of(values_of(fixed, "iteration_ms"));
+    const Spread b = spread_of(values_of(ids, "iteration_ms"));
     const double fixed_bytes = bytes_per_row(fixed, "ps_rss_mb"),
                  id_bytes = bytes_per_row(ids, "ps_rss_mb");
-    fmt::print("{:<6} {:>26} {:>26} {:>17.2f}x {:>28} {:>28}\n", rows_label(rows),
-               fmt::format("{:.2f}/{:.2f}/{:.2f}", a.min, a.median, a.max),
-               fmt::format("{:.2f}/{:.2f}/{:.2f}", b.min, b.median, b.max), a.median / b.median,
+    fmt::print("{:<6} {:>26} {:>26} {:>17.2f}x {:>28} {:>28}\n", rows_label(rows), spread_text(a),
+               spread_text(b), a.median / b.median,
                fmt::format("{:.0f}, {:.0f}", fixed_bytes, id_bytes),
                fmt::format("{:.0f}, {:.0f}", bytes_per_row(fixed, "ps_peak_mb"),
                            bytes_per_row(ids, "ps_peak_mb")));
     const std::string label = rows_label(rows);
     cases.push_back(spread_row("iteration, fixed table, " + label + " rows",
-                               values(fixed, "iteration_ms"), "ms", "lower"));
+                               values_of(fixed, "iteration_ms"), "ms", "lower"));
     cases.push_back(spread_row("iteration, collisionless table, " + label + " rows",
-                               values(ids, "iteration_ms"), "ms", "lower"));
+                               values_of(ids, "iteration_ms"), "ms", "lower"));
     cases.push_back({{"case", "samples/s, collisionless / fixed table, " + label + " rows"},
                      {"ours", a.median / b.median},
                      {"unit", "x"},
@@ -358,11 +364,6 @@ Json compare_replica(const Config& config, const std::string& self, const std::s
         [&] { return job(rows, false); }, [&] { return job(rows, true); });
   }
   const double load_at_end = load_average();
-  auto values = [](const std::vector<Json>& side, const char* key) {
-    std::vector<double> out;
-    for (const Json& run : side) out.push_back(run.at(key).get<double>());
-    return out;
-  };
   fmt::print(
       "\nsparse_ps_bench --replica: the same job (3 processes: trainer, parameter server, its "
       "backup) with the server's steps copied to the backup before they return "
@@ -375,18 +376,17 @@ Json compare_replica(const Config& config, const std::string& self, const std::s
   Json cases = Json::array();
   for (int64_t rows : config.rows) {
     const auto& [without, with] = runs[rows];
-    const Spread a = spread_of(values(without, "iteration_ms"));
-    const Spread b = spread_of(values(with, "iteration_ms"));
-    fmt::print("{:<6} {:>26} {:>26} {:>9.2f}x {:>30}\n", rows_label(rows),
-               fmt::format("{:.2f}/{:.2f}/{:.2f}", a.min, a.median, a.max),
-               fmt::format("{:.2f}/{:.2f}/{:.2f}", b.min, b.median, b.max), b.median / a.median,
-               fmt::format("{:.2f} / {:.2f}", median(values(without, "step_ms")),
-                           median(values(with, "step_ms"))));
+    const Spread a = spread_of(values_of(without, "iteration_ms"));
+    const Spread b = spread_of(values_of(with, "iteration_ms"));
+    fmt::print("{:<6} {:>26} {:>26} {:>9.2f}x {:>30}\n", rows_label(rows), spread_text(a),
+               spread_text(b), b.median / a.median,
+               fmt::format("{:.2f} / {:.2f}", median(values_of(without, "step_ms")),
+                           median(values_of(with, "step_ms"))));
     const std::string label = rows_label(rows);
     cases.push_back(spread_row("iteration without a replica, " + label + " rows",
-                               values(without, "iteration_ms"), "ms", "lower"));
+                               values_of(without, "iteration_ms"), "ms", "lower"));
     cases.push_back(spread_row("iteration with one replica, " + label + " rows",
-                               values(with, "iteration_ms"), "ms", "lower"));
+                               values_of(with, "iteration_ms"), "ms", "lower"));
     cases.push_back({{"case", "replica cost (medians' ratio), " + label + " rows"},
                      {"ours", b.median / a.median},
                      {"unit", "x"},
@@ -485,9 +485,7 @@ int run(int argc, char** argv) {
 
   // Each side's iteration per table size, over the rounds.
   auto per_rows = [](const std::vector<Json>& runs, const char* key) {
-    std::vector<double> values;
-    for (const Json& run : runs) values.push_back(run.at(key).get<double>());
-    return spread_of(values);
+    return spread_of(values_of(runs, key));
   };
   fmt::print(
       "\nsparse_ps_bench: a parameter server's EmbeddingBag (R x {} floats, sum, sparse "
@@ -514,9 +512,8 @@ int run(int argc, char** argv) {
     auto growth = [&](const std::vector<Json>& runs) {
       return per_rows(runs, "ps_peak_mb").median - per_rows(runs, "ps_rss_before_mb").median;
     };
-    fmt::print("{:<6} {:>26} {:>26} {:>11.2f}x {:>22} {:>22}\n", rows_label(rows),
-               fmt::format("{:.2f}/{:.2f}/{:.2f}", o.min, o.median, o.max),
-               fmt::format("{:.2f}/{:.2f}/{:.2f}", p.min, p.median, p.max), p.median / o.median,
+    fmt::print("{:<6} {:>26} {:>26} {:>11.2f}x {:>22} {:>22}\n", rows_label(rows), spread_text(o),
+               spread_text(p), p.median / o.median,
                fmt::format("{:.0f}/{:.0f}", growth(ours[rows]), table_mb),
                fmt::format("{:.0f}/{:.0f}", growth(pytorch[rows]), table_mb));
     const std::string label = rows_label(rows);

@@ -79,7 +79,7 @@ ShardedIdEmbeddingBag::ShardedIdEmbeddingBag(const ShardedIdEmbeddingBagOptions&
                       "ShardedIdEmbeddingBag: shard key ", s, " is empty");
   }
   for (auto& shard : shards) {
-    if (shard_keys.size() < shards.size()) keys_.push_back(detail::rref_global_id(shard.handle()));
+    if (shard_keys.empty()) keys_.push_back(detail::rref_global_id(shard.handle()));
     const std::string owner = shard.owner_name();
     shards_.push_back(
         RemoteModule<IdEmbeddingShard>::init_from_module_rref(owner, std::move(shard)));
