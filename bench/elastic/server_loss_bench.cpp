@@ -153,6 +153,8 @@ Round run_round(const Config& config, bool replicas, const fs::path& out_dir) {
                            std::to_string(config.snapshot_every),
                            "--steps",
                            std::to_string(config.steps),
+                           "--table",
+                           "fixed",  // --replicas needs it: both modes on the same table
                            "--rows",
                            std::to_string(config.rows),
                            "--dim",

@@ -11,19 +11,27 @@
 // ("trainer0", ...); the default is 2 servers and 2 trainers on 4 ranks.
 //
 // The data are synthetic, from a fixed random teacher model (teacher.h): 26 categorical features
-// with Zipf-like ids over vocabularies of 10 to 100,000 ids, 13 dense normal features, and labels
-// drawn from the teacher's probabilities. So the best log loss any model can reach is known: the
-// mean entropy of the labels given the features on the held-out set, printed beside the model's.
-// Each trainer draws its own batches (its own seed); the held-out set is fixed by the seed.
+// whose values are raw 64-bit ids, drawn Zipf-like, half of them from static catalogues of 10 to
+// 832 items and half from catalogues that grow every step (new ids keep arriving and become the
+// popular ones, old ones fade, and most are seen rarely, as in click logs); 13 dense normal
+// features; and labels drawn from the teacher's probabilities. So the best log loss any model can
+// reach is known: the mean entropy of the labels given the features on the held-out set, printed
+// beside the model's. Each trainer draws its own batches (its own seed) at its step's time; the
+// held-out set is fixed by the seed and drawn at the last step's time (the traffic the model
+// will serve next).
 //
 // The model (model.h), and why it is laid out so:
-// - ONE ShardedEmbeddingBag of --rows x --dim (default 1M x 32) shared by all 26 features: each
-//   (feature, id) pair is hashed to a row (the hashing trick, as production CTR models and
-//   Criteo's own baselines do). One table means one lookup call per server per step for all 26
-//   features, a memory budget that does not grow with the features' vocabularies, and rows that
-//   frequent ids of every feature share fairly; the price is collisions, which --rows controls.
-//   The rows are split by ranges over the parameter servers; sum pooling over each feature's bag
-//   (one id per feature, as Criteo's features are single-valued).
+// - ONE table of --rows x --dim (default 1M x 32) shared by all 26 features (one lookup call per
+//   server per step for all of them), split over the parameter servers; sum pooling over each
+//   feature's bag (one id per feature, as Criteo's features are single-valued).
+//   --table id (the default): a collisionless ShardedIdEmbeddingBag. Each raw id gets a row of
+//   its own after --admit-after sightings (before, and for ids it has never seen, it reads a
+//   shared row of zeros), up to --rows live ids over all servers; at that bound the least
+//   recently used ids lose their rows first. Ids are spread over the servers by jump consistent
+//   hashing. The live rows are counted at each evaluation (CSV and plot).
+//   --table fixed: a ShardedEmbeddingBag of --rows rows, the raw ids hashed into them (the hashing
+//   trick, as PyTorch users do): the same parameter memory, every row live from the start, and
+//   unrelated ids that share a row learn their average.
 // - The MLP (the 26 embeddings concatenated with the dense features -> 256 -> 64 -> logit) is a
 //   RemoteModule on the first parameter server, so every trainer trains the same MLP.
 // - The first trainer creates the table's shards and the MLP, evaluates them, and then sends
@@ -39,10 +47,12 @@
 // parameters up to K of its own steps old. --slow-trainer T --slowdown F makes trainer T take F
 // times as long per step (a sleep after its step, as on a slower machine). Not with --elastic.
 //
-// The first trainer evaluates on the held-out set every --eval-every steps and prints a line
-// with the samples/s of all trainers, its recent training log loss, the held-out log loss and
-// AUC, and the teacher's; it writes them to <out>/click_through.csv and plots them to
-// <out>/click_through.png with gnuplot (when gnuplot is missing or fails, it says so and why).
+// The first trainer evaluates on the held-out set every --eval-every steps (the table in eval
+// mode: an evaluation admits no id and keeps none from eviction) and prints a line with the
+// samples/s of all trainers, its recent training log loss, the held-out log loss and AUC, the
+// teacher's, and the table's live rows; it writes them to <out>/click_through.csv and plots them
+// to <out>/click_through.png with gnuplot, the losses and AUC above and the live rows below (when
+// gnuplot is missing or fails, it says so and why).
 //
 // Trainers that die and come back: with --elastic the first server starts a dynamic RPC group,
 // creates the model itself and hands its references to every trainer that joins, so no trainer
@@ -90,8 +100,9 @@
 // to the next server (the last's to the first) before they return (dist_optim::replicate_steps),
 // and when a server dies its backup serves what it held at once, made there from its copies (hot
 // standby: dist_optim::RecoveryOptions::hot_standby); the trainers do not wait for the server to
-// come back. Meanwhile the backup steps on alone; the server distrun starts again becomes its
-// backup and takes everything whole at the next step.
+// come back. Only with --table fixed: a backup's copies are rows by index, without their ids, so
+// a collisionless table's servers come back from snapshots. Meanwhile the backup steps on alone;
+// the server distrun starts again becomes its backup and takes everything whole at the next step.
 // After each recovery and at its end, each trainer prints how many of its steps returned and how
 // many each server applied (from the optimizer state's step counts), and fails if a server holds
 // fewer than returned.
@@ -106,6 +117,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -141,7 +153,9 @@ struct Settings {
   int64_t servers = 2;
   int64_t steps = 1000;
   int64_t batch = 512;
+  click_through::TableKind table = click_through::TableKind::kId;
   int64_t rows = 1 << 20;
+  int64_t admit_after = 1;
   int64_t dim = 32;
   double lr = 0.1;
   double mlp_lr = 0.01;
@@ -213,6 +227,7 @@ struct Evaluation {
 // The model's held-out log loss and AUC, without gradients, in chunks.
 Evaluation evaluate(click_through::ClickModel& model, const click_through::Batch& held_out) {
   at::NoGradGuard no_grad;
+  const click_through::ClickModel::Evaluating evaluating(model);
   const int64_t n = held_out.labels.size(0), chunk = 4096;
   std::vector<at::Tensor> logits;
   for (int64_t first = 0; first < n; first += chunk) {
@@ -225,30 +240,50 @@ Evaluation evaluate(click_through::ClickModel& model, const click_through::Batch
           click_through::roc_auc(all, held_out.labels)};
 }
 
-// The gnuplot commands that draw the curves of `csv`.
-std::string plot_commands(const fs::path& csv) {
+// The gnuplot commands that draw the curves of `csv`: the losses and AUC above, the table's live
+// rows below, over the same samples.
+std::string plot_commands(const fs::path& csv, const std::string& table) {
   return fmt::format(
       "set datafile separator ','\n"
+      "set multiplot layout 2,1\n"
       "set xlabel 'thousands of samples trained (all trainers)'\n"
       "set ylabel 'log loss'\n"
       "set y2label 'held-out AUC'\n"
       "set ytics nomirror\n"
       "set y2tics\n"
       "set key right center\n"
-      "set title 'Click-through model: sharded embeddings + remote MLP, Adagrad'\n"
+      "set title 'Click-through model: {1} + remote MLP, Adagrad'\n"
       "set grid\n"
       "plot '{0}' using ($2/1000):5 every ::1 with lines lw 2 title 'train log loss', "
       "'{0}' using ($2/1000):6 with linespoints lw 2 title 'held-out log loss', "
       "'{0}' using ($2/1000):8 with lines dt 2 lw 2 title 'teacher (best possible)', "
-      "'{0}' using ($2/1000):7 axes x1y2 with linespoints lw 2 title 'held-out AUC'\n",
-      csv.string());
+      "'{0}' using ($2/1000):7 axes x1y2 with linespoints lw 2 title 'held-out AUC'\n"
+      "set title 'Rows that hold an id (all servers)'\n"
+      "set ylabel 'live rows'\n"
+      "unset y2label\n"
+      "unset y2tics\n"
+      "set key right bottom\n"
+      "plot '{0}' using ($2/1000):9 with linespoints lw 2 title 'live rows'\n"
+      "unset multiplot\n",
+      csv.string(), table);
+}
+
+// What the table is, for the plot's title and the first line.
+std::string table_description(const Settings& s) {
+  if (s.table == click_through::TableKind::kFixed) {
+    return fmt::format("a hashed table of {} rows", s.rows);
+  }
+  return fmt::format("a collisionless table of {} rows at most, ids admitted after {} sighting(s)",
+                     s.rows, s.admit_after);
 }
 
 click_through::ModelOptions model_options(const Settings& s,
                                           const std::vector<std::string>& servers) {
   click_through::ModelOptions options;
   options.servers = servers;
+  options.table = s.table;
   options.rows = s.rows;
+  options.admit_after = s.admit_after;
   options.dim = s.dim;
   options.seed = s.seed;
   return options;
@@ -348,16 +383,23 @@ void recover(const std::string& name, int64_t step, const distoptim::PeerLostErr
              click_through::ClickModel& model, const fs::path& snapshots,
              const distoptim::dist_optim::ReplicaOptions::Backups& backups,
              examples::StepCounts& counts, int& references_at) {
-  const auto recovered = examples::recover_servers(
-      name, step, lost,
-      {&optimizer, {&model.table()}, {&model.mlp()}, backups, /*hot_standby=*/!backups.empty()},
-      snapshots, [&](const std::string& worker) {
-        // Changed references: every incarnation of the first server must get them again. A lost
-        // first server gets them after the next step, once it is back: the trainer does not wait
-        // for it here (with hot standby its parts are served already).
-        references_at = -1;
-        if (worker != kFirstServer) hand_back_references(name, model, references_at);
-      });
+  const auto recovered =
+      examples::recover_servers(name, step, lost,
+                                {&optimizer,
+                                 model.fixed_tables(),
+                                 {&model.mlp()},
+                                 backups,
+                                 /*hot_standby=*/!backups.empty(),
+                                 model.id_tables()},
+                                snapshots, [&](const std::string& worker) {
+                                  // Changed references: every incarnation of the first server must
+                                  // get them again. A lost first server gets them after the next
+                                  // step, once it is back: the trainer does not wait for it here
+                                  // (with hot standby its parts are served already).
+                                  references_at = -1;
+                                  if (worker != kFirstServer)
+                                    hand_back_references(name, model, references_at);
+                                });
   // Without replicas: what each restore from a snapshot lost of this trainer's steps.
   if (backups.empty()) examples::account_restores(name, counts, optimizer, recovered);
 }
@@ -386,8 +428,11 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   const fs::path snapshots_dir = fs::path(s.out) / "snapshots";
   std::unique_ptr<distoptim::dist_optim::SnapshotSchedule> snapshots;
   if (s.elastic && trainer == 0) {
+    const auto fixed_tables = model->fixed_tables();
+    const auto id_tables = model->id_tables();
     snapshots = examples::snapshot_schedule(snapshots_dir, s.snapshot_every, optimizer,
-                                            {&model->table()}, resume.steps);
+                                            {fixed_tables.begin(), fixed_tables.end()},
+                                            resume.steps, {id_tables.begin(), id_tables.end()});
   }
   // --replicas: each server's steps are copied to the next server before they return.
   const distoptim::dist_optim::ReplicaOptions::Backups backups =
@@ -418,11 +463,11 @@ void train(const Settings& s, int rank, int trainer, int trainers,
       const auto replicas =
           distoptim::dist_optim::ReplicaOptions().backups(backups).continue_without_backup(true);
       if (resume.previous_worker.empty()) {
-        distoptim::dist_optim::replicate_steps(optimizer, {&model->table()}, {&model->mlp()},
+        distoptim::dist_optim::replicate_steps(optimizer, model->fixed_tables(), {&model->mlp()},
                                                replicas);
       } else {
         distoptim::dist_optim::take_over_replicated_state(
-            optimizer, {&model->table()}, {&model->mlp()}, replicas, resume.previous_worker);
+            optimizer, model->fixed_tables(), {&model->mlp()}, replicas, resume.previous_worker);
         counts = examples::adopted_step_counts(optimizer);
         fmt::print("{}: took over {}'s optimizer state from the servers' backups\n", name,
                    resume.previous_worker);
@@ -441,7 +486,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
     auto generator = at::detail::createCPUGenerator(
         static_cast<uint64_t>(s.seed) * 0x9E3779B1u +
         static_cast<uint64_t>(trainer + 1) * 0x85EBCA77u + static_cast<uint64_t>(step));
-    return teacher.draw(s.batch, generator);
+    return teacher.draw(s.batch, step, generator);
   };
   click_through::Batch held_out;
   double teacher_loss = NAN, teacher_auc = NAN;
@@ -450,16 +495,16 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   const int64_t eval_every = s.eval_every > 0 ? s.eval_every : std::max<int64_t>(1, s.steps / 10);
   if (reporter) {
     auto held_out_generator = at::detail::createCPUGenerator(static_cast<uint64_t>(s.seed * 1000));
-    held_out = teacher.draw(s.held_out, held_out_generator);
+    held_out = teacher.draw(s.held_out, s.steps, held_out_generator);
     teacher_loss = click_through::mean_entropy(held_out.probability);
     teacher_auc = click_through::roc_auc(held_out.probability, held_out.labels);
     fmt::print(
-        "click_through: {} trainer(s), {} parameter server(s); one table of {} rows x {} for 26 "
-        "hashed features, MLP on {}; adagrad lr {} (table) and {} (MLP); {} steps of {} samples "
-        "per trainer; held-out set of {} samples, the teacher's log loss on it {:.4f} (AUC "
-        "{:.4f}): the best any model can expect\n",
-        trainers, servers.size(), s.rows, s.dim, servers[0], s.lr, s.mlp_lr, s.steps, s.batch,
-        s.held_out, teacher_loss, teacher_auc);
+        "click_through: {} trainer(s), {} parameter server(s); {} x {} for the 26 features' raw "
+        "ids, MLP on {}; adagrad lr {} (table) and {} (MLP); {} steps of {} samples per "
+        "trainer; held-out set of {} samples, the teacher's log loss on it {:.4f} (AUC {:.4f}): "
+        "the best any model can expect\n",
+        trainers, servers.size(), table_description(s), s.dim, servers[0], s.lr, s.mlp_lr, s.steps,
+        s.batch, s.held_out, teacher_loss, teacher_auc);
     std::fflush(stdout);
     fs::create_directories(s.out);
     // A trainer restarted in the reporter's slot goes on with its predecessor's CSV.
@@ -468,7 +513,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
     TORCH_CHECK(csv_out, "cannot write ", csv.string());
     if (!append) {
       csv_out << "step,samples,seconds,samples_per_second,train_log_loss,held_out_log_loss,"
-                 "held_out_auc,teacher_log_loss\n";
+                 "held_out_auc,teacher_log_loss,live_rows\n";
     }
   }
 
@@ -503,15 +548,17 @@ void train(const Settings& s, int rank, int trainer, int trainers,
     }
     const double rate = seconds > 0 ? samples / seconds : 0;
     last_rate = rate;
-    csv_out << fmt::format("{},{},{:.3f},{:.1f},{:.6f},{:.6f},{:.6f},{:.6f}\n", step, samples,
-                           seconds, rate, train_loss, last.log_loss, last.auc, teacher_loss);
+    const int64_t live_rows = model->live_rows();
+    csv_out << fmt::format("{},{},{:.3f},{:.1f},{:.6f},{:.6f},{:.6f},{:.6f},{}\n", step, samples,
+                           seconds, rate, train_loss, last.log_loss, last.auc, teacher_loss,
+                           live_rows);
     csv_out.flush();
     fmt::print(
         "step {:5d}/{}  {:8d} samples  {:7.0f} samples/s  train log loss {}  held-out log loss "
-        "{:.4f}  AUC {:.4f}  (teacher {:.4f}, AUC {:.4f})\n",
+        "{:.4f}  AUC {:.4f}  (teacher {:.4f}, AUC {:.4f})  {} live rows\n",
         step, s.steps, samples, rate,
         train_loss_count > 0 ? fmt::format("{:.4f}", train_loss) : std::string("  -   "),
-        last.log_loss, last.auc, teacher_loss, teacher_auc);
+        last.log_loss, last.auc, teacher_loss, teacher_auc, live_rows);
     std::fflush(stdout);
     train_loss_sum = 0;
     train_loss_count = 0;
@@ -622,7 +669,10 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         "samples/s of all trainers\n",
         last.log_loss, last.auc, s.steps, first.log_loss, first_auc, teacher_loss, teacher_auc,
         gap > 0 ? 100 * (first.log_loss - last.log_loss) / gap : NAN, last_rate);
-    examples::plot_and_report(plot_commands(csv), csv, fs::path(s.out) / "click_through.png");
+    examples::plot_and_report(
+        plot_commands(csv, s.table == click_through::TableKind::kFixed ? "hashed table"
+                                                                       : "collisionless table"),
+        csv, fs::path(s.out) / "click_through.png");
   }
   // Whether the servers hold every step of this trainer that returned, and none twice.
   if (s.elastic) {
@@ -668,6 +718,11 @@ int run_example(const Settings& s) {
                     rank, ")");
   TORCH_CHECK_VALUE(s.kill_server_at <= s.steps, "--kill-server-at ", s.kill_server_at,
                     " is beyond --steps ", s.steps, " (rank ", rank, ")");
+  TORCH_CHECK_VALUE(!s.replicas || s.table == click_through::TableKind::kFixed,
+                    "--replicas needs --table fixed: a backup's copies are rows by index, "
+                    "without their ids, so a collisionless table's servers come back from "
+                    "snapshots (rank ",
+                    rank, ")");
   TORCH_CHECK_VALUE(!s.replicas || s.servers >= 2,
                     "--replicas needs two servers or more (each "
                     "server's backup is the next one), got --servers ",
@@ -730,7 +785,21 @@ int main(int argc, char** argv) {
       ->check(examples::above(0));
   app.add_option("--steps", s.steps, "steps per trainer")->check(examples::above(0));
   app.add_option("--batch", s.batch, "samples per step and trainer")->check(examples::above(0));
-  app.add_option("--rows", s.rows, "rows of the hashed embedding table")->check(examples::above(0));
+  app.add_option("--table", s.table,
+                 "the embedding table: 'id', collisionless (each raw id a row of its own, up to "
+                 "--rows live ids, the least recently used dropped first), or 'fixed', the ids "
+                 "hashed into --rows rows")
+      ->transform(CLI::CheckedTransformer(
+          std::map<std::string, click_through::TableKind>{
+              {"id", click_through::TableKind::kId}, {"fixed", click_through::TableKind::kFixed}},
+          CLI::ignore_case));
+  app.add_option("--rows", s.rows,
+                 "the table's rows: live ids at most (--table id) or hashed rows (--table fixed)")
+      ->check(examples::above(0));
+  app.add_option("--admit-after", s.admit_after,
+                 "--table id: sightings of an id before it gets a row of its own (1: at once); "
+                 "before, it reads a shared row of zeros")
+      ->check(examples::above(0));
   app.add_option("--dim", s.dim, "embedding size")->check(examples::above(0));
   app.add_option("--lr", s.lr, "Adagrad's learning rate for the embedding table")
       ->check(examples::above(0));

@@ -16,6 +16,7 @@ namespace click_through {
 
 namespace rpc = distoptim::rpc;
 using Shards = std::vector<rpc::RRef<rpc::EmbeddingShard>>;
+using IdShards = std::vector<rpc::RRef<rpc::IdEmbeddingShard>>;
 
 namespace {
 
@@ -31,9 +32,17 @@ torch::nn::Linear seeded_linear(int64_t in, int64_t out, int64_t seed) {
   return layer;
 }
 
-rpc::ShardedEmbeddingBagOptions table_options(const ModelOptions& options) {
+rpc::ShardedEmbeddingBagOptions fixed_table_options(const ModelOptions& options) {
   return rpc::ShardedEmbeddingBagOptions(options.rows, options.dim, options.servers)
       .mode(torch::kSum)
+      .seed(options.seed);
+}
+
+rpc::ShardedIdEmbeddingBagOptions id_table_options(const ModelOptions& options) {
+  const auto servers = static_cast<int64_t>(options.servers.size());
+  return rpc::ShardedIdEmbeddingBagOptions(options.rows / servers, options.dim, options.servers)
+      .mode(torch::kSum)
+      .admit_after(options.admit_after)
       .seed(options.seed);
 }
 
@@ -49,12 +58,12 @@ Inbox& inbox() {
   return *inbox;
 }
 
-bool take_model(Shards shards, std::vector<std::string> shard_keys, rpc::RRef<ClickMlp> mlp,
-                std::string mlp_key) {
+bool take_model(Shards shards, IdShards id_shards, std::vector<std::string> shard_keys,
+                rpc::RRef<ClickMlp> mlp, std::string mlp_key) {
   {
     std::lock_guard<std::mutex> lock(inbox().mutex);
-    inbox().model.emplace(std::move(shards), std::move(shard_keys), std::move(mlp),
-                          std::move(mlp_key));
+    inbox().model.emplace(std::move(shards), std::move(id_shards), std::move(shard_keys),
+                          std::move(mlp), std::move(mlp_key));
   }
   inbox().ready.notify_all();
   return true;
@@ -82,17 +91,34 @@ at::Tensor ClickMlp::forward(at::Tensor embeddings, at::Tensor dense) {
 
 ClickModel::ClickModel(const ModelOptions& options) : options_(options) {
   TORCH_CHECK_VALUE(!options.servers.empty(), "ClickModel: no parameter servers");
-  table_ = std::make_unique<rpc::ShardedEmbeddingBag>(table_options(options));
+  if (options.table == TableKind::kFixed) {
+    fixed_table_ = std::make_unique<rpc::ShardedEmbeddingBag>(fixed_table_options(options));
+    for (const auto& shard : fixed_table_->shard_module_rrefs()) shard.confirm();
+  } else {
+    id_table_ = std::make_unique<rpc::ShardedIdEmbeddingBag>(id_table_options(options));
+    for (const auto& shard : id_table_->shard_module_rrefs()) shard.confirm();
+  }
   mlp_ = std::make_shared<rpc::RemoteModule<ClickMlp>>(
       options.servers[0], std::tuple{kCategorical * options.dim, kDense, options.seed});
-  for (const auto& shard : table_->shard_module_rrefs()) shard.confirm();
   mlp_->module_rref().confirm();
 }
 
 ClickModel::ClickModel(const ModelOptions& options, References references) : options_(options) {
-  auto [shards, shard_keys, mlp, mlp_key] = std::move(references);
-  table_ = std::make_unique<rpc::ShardedEmbeddingBag>(table_options(options), std::move(shards),
-                                                      std::move(shard_keys));
+  auto [shards, id_shards, shard_keys, mlp, mlp_key] = std::move(references);
+  // The references say which table the model has; they must be the one these options name.
+  const bool fixed = options.table == TableKind::kFixed;
+  TORCH_CHECK_VALUE(shards.empty() != fixed && id_shards.empty() == fixed,
+                    "ClickModel: the model's references hold ", shards.size(),
+                    " fixed-table shard(s) and ", id_shards.size(),
+                    " collisionless-table shard(s), where the options name a ",
+                    fixed ? "fixed" : "collisionless", " table");
+  if (fixed) {
+    fixed_table_ = std::make_unique<rpc::ShardedEmbeddingBag>(
+        fixed_table_options(options), std::move(shards), std::move(shard_keys));
+  } else {
+    id_table_ = std::make_unique<rpc::ShardedIdEmbeddingBag>(
+        id_table_options(options), std::move(id_shards), std::move(shard_keys));
+  }
   // On the first server, or on the server that took it over (hot standby).
   const std::string mlp_owner = mlp.owner_name();
   mlp_ = rpc::RemoteModule<ClickMlp>::init_from_module_rref(mlp_owner, std::move(mlp), mlp_key);
@@ -117,7 +143,17 @@ void ClickModel::share(const std::string& trainer) const {
 }
 
 ClickModel::References ClickModel::references() const {
-  return {table_->shard_module_rrefs(), table_->shard_keys(), mlp_->module_rref(),
+  if (fixed_table_) {
+    return {fixed_table_->shard_module_rrefs(),
+            {},
+            fixed_table_->shard_keys(),
+            mlp_->module_rref(),
+            mlp_->module_key()};
+  }
+  return {{},
+          id_table_->shard_module_rrefs(),
+          id_table_->shard_keys(),
+          mlp_->module_rref(),
           mlp_->module_key()};
 }
 
@@ -130,14 +166,40 @@ at::Tensor ClickModel::forward(const at::Tensor& ids, const at::Tensor& dense) {
   const int64_t n = ids.size(0);
   // Every (sample, feature) a bag of its one id (the features are single-valued, as Criteo's),
   // all in one lookup: one call per shard for the whole batch.
-  const at::Tensor rows = hashed_rows(ids, options_.rows).reshape({-1});
-  const at::Tensor offsets = at::arange(rows.numel(), at::kLong);
-  const at::Tensor embeddings = table_->forward(rows, offsets).reshape({n, -1});
-  return mlp_->forward(embeddings, dense);
+  const at::Tensor offsets = at::arange(ids.numel(), at::kLong);
+  const at::Tensor embeddings =
+      fixed_table_ ? fixed_table_->forward(hashed_rows(ids, options_.rows).reshape({-1}), offsets)
+                   : id_table_->forward(ids.reshape({-1}), offsets);
+  return mlp_->forward(embeddings.reshape({n, -1}), dense);
+}
+
+ClickModel::Evaluating::Evaluating(ClickModel& model) : model_(model) {
+  if (model_.id_table_) model_.id_table_->eval();
+}
+
+ClickModel::Evaluating::~Evaluating() {
+  if (model_.id_table_) model_.id_table_->train();
 }
 
 std::vector<rpc::RRef<at::Tensor>> ClickModel::table_parameters() const {
-  return table_->remote_parameters();
+  return fixed_table_ ? fixed_table_->remote_parameters() : id_table_->remote_parameters();
+}
+
+std::vector<rpc::ShardedEmbeddingBag*> ClickModel::fixed_tables() const {
+  if (fixed_table_) return {fixed_table_.get()};
+  return {};
+}
+
+std::vector<rpc::ShardedIdEmbeddingBag*> ClickModel::id_tables() const {
+  if (id_table_) return {id_table_.get()};
+  return {};
+}
+
+int64_t ClickModel::live_rows() const {
+  if (fixed_table_) return options_.rows;
+  int64_t live = 0;
+  for (const auto& counters : id_table_->shard_counters()) live += counters.at("live_rows");
+  return live;
 }
 
 std::vector<rpc::RRef<at::Tensor>> ClickModel::mlp_parameters() const {

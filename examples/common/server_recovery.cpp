@@ -19,7 +19,8 @@ constexpr std::chrono::minutes kRecoveryDeadline{3};
 std::unique_ptr<dist_optim::SnapshotSchedule> snapshot_schedule(
     const std::filesystem::path& directory, int64_t every_steps,
     dist_optim::DistributedOptimizer& optimizer,
-    std::vector<const distoptim::rpc::ShardedEmbeddingBag*> tables, int64_t step) {
+    std::vector<const distoptim::rpc::ShardedEmbeddingBag*> tables, int64_t step,
+    std::vector<const distoptim::rpc::ShardedIdEmbeddingBag*> id_tables) {
   dist_optim::SnapshotOptions schedule(directory.string());
   if (every_steps > 0) {
     schedule.every_steps(every_steps);
@@ -27,7 +28,7 @@ std::unique_ptr<dist_optim::SnapshotSchedule> snapshot_schedule(
     schedule.every(kDefaultSnapshotPeriod);
   }
   return std::make_unique<dist_optim::SnapshotSchedule>(schedule, optimizer, std::move(tables),
-                                                        step);
+                                                        step, std::move(id_tables));
 }
 
 void take_snapshot_if_due(dist_optim::SnapshotSchedule& snapshots, const std::string& name,
@@ -57,7 +58,8 @@ std::vector<dist_optim::RecoveredOwner> recover_servers(
       recovered = dist_optim::recover_lost_owners(*held.optimizer, held.tables, held.modules,
                                                   dist_optim::RecoveryOptions(snapshots.string())
                                                       .backups(held.backups)
-                                                      .hot_standby(held.hot_standby));
+                                                      .hot_standby(held.hot_standby),
+                                                  held.id_tables);
       break;
     } catch (const distoptim::PeerLostError& again) {
       if (Clock::now() > deadline) throw;

@@ -31,11 +31,13 @@ namespace examples {
 constexpr std::chrono::seconds kDefaultSnapshotPeriod{30};
 
 /// The first trainer's snapshots of `optimizer`'s parameters into `directory`: every
-/// `every_steps` steps (0: every kDefaultSnapshotPeriod), counted from `step`.
+/// `every_steps` steps (0: every kDefaultSnapshotPeriod), counted from `step`. `tables` and
+/// `id_tables`: the model's sharded tables, fixed and collisionless.
 std::unique_ptr<distoptim::dist_optim::SnapshotSchedule> snapshot_schedule(
     const std::filesystem::path& directory, int64_t every_steps,
     distoptim::dist_optim::DistributedOptimizer& optimizer,
-    std::vector<const distoptim::rpc::ShardedEmbeddingBag*> tables, int64_t step);
+    std::vector<const distoptim::rpc::ShardedEmbeddingBag*> tables, int64_t step,
+    std::vector<const distoptim::rpc::ShardedIdEmbeddingBag*> id_tables = {});
 
 /// Counts a step in `snapshots`. A snapshot that failed (one written while a server died, say)
 /// is abandoned, said (by worker `name`), and training goes on: the next one is taken when due.
@@ -53,6 +55,8 @@ struct ServerHeld {
   /// With backups: a lost server's backup serves what it held at once, without waiting for the
   /// server to come back (RecoveryOptions::hot_standby).
   bool hot_standby = false;
+  /// The collisionless tables (from snapshots only: not with backups).
+  std::vector<distoptim::rpc::ShardedIdEmbeddingBag*> id_tables = {};
 };
 
 /// Each of `servers` backed up by the next, the last by the first: {{"ps0", "ps1"}, {"ps1",

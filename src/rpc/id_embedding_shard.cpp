@@ -184,6 +184,24 @@ int64_t IdEmbeddingShard::tick() {
   return next;
 }
 
+at::Tensor IdEmbeddingShard::read(const at::Tensor& ids) const {
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong,
+                    "IdEmbeddingShard: ids must be a 1-D int64 tensor, got ", ids.scalar_type(),
+                    " of shape ", ids.sizes());
+  const at::Tensor contiguous = ids.contiguous();
+  at::Tensor slots = at::empty({contiguous.numel()}, at::kLong);
+  at::Tensor out;
+  at::NoGradGuard no_gradient;
+  rows_->map.find_rows(contiguous.data_ptr<int64_t>(), contiguous.numel(),
+                       slots.data_ptr<int64_t>(), [&](const int64_t*) {
+                         // IdRows::kNoRow (-1) + 1 is the default row.
+                         const at::Tensor weight_rows = slots + 1;
+                         RowReadGuard rows_unchanged_meanwhile(weight, weight_rows);
+                         out = weight.index_select(0, weight_rows);
+                       });
+  return out;
+}
+
 int64_t IdEmbeddingShard::row_of(int64_t id) const {
   const int64_t slot = rows_->map.find(id);
   return slot == detail::IdRows::kNoRow ? kDefaultRow : slot + 1;

@@ -108,6 +108,15 @@ int64_t IdRows::find(int64_t id) const {
   return it == row_of_.end() ? kNoRow : it->second;
 }
 
+void IdRows::find_rows(const int64_t* ids, int64_t n, int64_t* rows, const ReadRows& read) const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto it = row_of_.find(ids[i]);
+    rows[i] = it == row_of_.end() ? kNoRow : it->second;
+  }
+  read(rows);
+}
+
 void IdRows::expire(int64_t now) {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   expire_locked(now);

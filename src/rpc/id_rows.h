@@ -76,6 +76,10 @@ class IdRows {
 
   /// The row of `id`, kNoRow if it has none: no sighting counted, nothing allocated.
   int64_t find(int64_t id) const;
+  /// The rows of `ids[0..n)` as they are, written to `rows` (kNoRow for an id without one), then
+  /// `read(rows)` under the same shared lock: no sighting counted, no recency moved, nothing
+  /// allocated (an evaluation's lookup).
+  void find_rows(const int64_t* ids, int64_t n, int64_t* rows, const ReadRows& read) const;
 
   /// Drops the rows not looked up since `now - expire_after` (nothing when expire_after is 0).
   void expire(int64_t now);

@@ -175,7 +175,11 @@ at::Tensor ShardedIdEmbeddingBag::forward(const at::Tensor& input, const at::Ten
     const at::Tensor at_shard = (shard_of_id == static_cast<int64_t>(s)).nonzero().reshape({-1});
     if (at_shard.numel() == 0) continue;
     positions.push_back(at_shard);
-    replies.push_back(shards_[s]->forward_async(ids.index_select(0, at_shard)));
+    const at::Tensor shard_ids = ids.index_select(0, at_shard);
+    // Eval mode: the shards only read (IdEmbeddingShard::read).
+    replies.push_back(is_training() ? shards_[s]->forward_async(shard_ids)
+                                    : shards_[s]->module_rref().rpc_async().method<at::Tensor>(
+                                          "read", shard_ids));
   }
   return detail::pool_replies(replies, positions, n, options_.embedding_dim(), options_.dtype(),
                               bags, options_.mode(), per_sample_weights,
@@ -219,6 +223,7 @@ void register_id_embedding_shard() {
                             int64_t, double>(kIdShardClass);
     register_module_methods<IdEmbeddingShard>(kIdShardClass);
     register_method<IdEmbeddingShard>(kIdShardClass, "counters", &IdEmbeddingShard::counters);
+    register_method<IdEmbeddingShard>(kIdShardClass, "read", &IdEmbeddingShard::read);
   });
 }
 

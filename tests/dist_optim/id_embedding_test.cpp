@@ -2,8 +2,9 @@
 // ids over three servers train exactly as over one and as LibTorch's sparse EmbeddingBag over
 // one row per id (same initial rows; bit for bit), through distributed autograd and the
 // DistributedOptimizer; and a row handed to a new id steps from a new parameter's Adagrad state,
-// not from its predecessor's, with the server's debug info counting it; and a step leaves out the
-// rows handed to new ids after the backward pass that moved them.
+// not from its predecessor's, with the server's debug info counting it; in eval mode a lookup
+// only reads; and a step leaves out the rows handed to new ids after the backward pass that moved
+// them.
 
 #include <algorithm>
 #include <map>
@@ -110,6 +111,19 @@ TEST(ShardedIdEmbeddingBag, ThreeServersTrainAsOneAndAsATableOfOneRowPerId) {
     int64_t live = 0;
     for (const auto& counters : three.shard_counters()) live += counters.at("live_rows");
     EXPECT_EQ(live, 40);
+
+    // In eval mode a lookup only reads: the trained rows, the default row (zeros) for ids
+    // without one, no gradient, and no counter moved (no id admitted, no sighting counted).
+    const auto counters_before = three.shard_counters();
+    three.eval();
+    const at::Tensor unseen =
+        at::tensor({static_cast<int64_t>(raw_ids()), static_cast<int64_t>(raw_ids())}, at::kLong);
+    const at::Tensor read = three.forward(at::cat({pool, unseen}).reshape({-1, 1}));
+    EXPECT_FALSE(read.requires_grad());
+    EXPECT_TRUE(at::equal(read.narrow(0, 0, 40), trained));
+    EXPECT_TRUE(at::equal(read.narrow(0, 40, 2), at::zeros({2, kDim})));
+    EXPECT_EQ(three.shard_counters(), counters_before);
+    three.train();
 
     testing::expect_error_containing(
         [&] {

@@ -1,6 +1,7 @@
 // examples/click_through's measures: the rank-based AUC against the definition (every
 // positive-negative pair, ties one half) on random scores with many ties, its edge cases, and the
-// teacher's data (labels drawn from the probabilities kept with them, hashed rows in range).
+// teacher's data (raw ids of items within their catalogues, growing ones growing, labels drawn
+// from the probabilities kept with them, hashed rows in range).
 
 #include <cmath>
 #include <cstdint>
@@ -65,12 +66,24 @@ TEST(ClickThroughMetrics, LogLossAndEntropy) {
 TEST(ClickThroughMetrics, TeacherLabelsFollowItsProbabilities) {
   const Teacher teacher(1);
   auto generator = at::detail::createCPUGenerator(5);
-  const Batch batch = teacher.draw(20000, generator);
+  constexpr int64_t kTime = 2000;
+  const Batch batch = teacher.draw(20000, kTime, generator);
   ASSERT_EQ(batch.ids.sizes(), (at::IntArrayRef{20000, kCategorical}));
+  ASSERT_EQ(batch.items.sizes(), (at::IntArrayRef{20000, kCategorical}));
   for (int64_t f = 0; f < kCategorical; ++f) {
-    const at::Tensor ids = batch.ids.select(1, f);
-    EXPECT_GE(ids.min().item<int64_t>(), 0);
-    EXPECT_LT(ids.max().item<int64_t>(), vocabulary_size(f));
+    const at::Tensor items = batch.items.select(1, f);
+    EXPECT_GE(items.min().item<int64_t>(), 0);
+    EXPECT_LT(items.max().item<int64_t>(), catalogue_size(f, kTime));
+    // Static catalogues keep their size; growing ones gain vocabulary_size / 1000 items a step.
+    EXPECT_EQ(catalogue_size(f, kTime),
+              vocabulary_size(f) + (f < kGrowingFrom ? 0 : kTime * (vocabulary_size(f) / 1000)))
+        << "feature " << f;
+  }
+  // Each id is its item's raw id: one to one over a sample's features.
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t f = 0; f < kCategorical; ++f) {
+      EXPECT_EQ(batch.ids[i][f].item<int64_t>(), raw_id(f, batch.items[i][f].item<int64_t>()));
+    }
   }
   // The labels' mean is the probabilities' mean, within 4 standard errors.
   const double p = batch.probability.mean().item<double>();
@@ -80,17 +93,21 @@ TEST(ClickThroughMetrics, TeacherLabelsFollowItsProbabilities) {
   EXPECT_GT(roc_auc(batch.probability, batch.labels), 0.75);
   EXPECT_NEAR(log_loss(at::logit(batch.probability), batch.labels), mean_entropy(batch.probability),
               0.02);
-  // Zipf-like: id 0 of the largest vocabulary is drawn far more often than uniform would.
-  const double head =
-      (batch.ids.select(1, kCategorical - 1) == 0).to(at::kDouble).mean().item<double>();
-  EXPECT_GT(head, 0.03);
+  // Zipf-like: item 0 of the largest static catalogue, and the newest item of the largest
+  // growing one, are drawn far more often than uniform would.
+  const auto share_of = [&](int64_t f, int64_t item) {
+    return (batch.items.select(1, f) == item).to(at::kDouble).mean().item<double>();
+  };
+  EXPECT_GT(share_of(kGrowingFrom - 1, 0), 0.05);
+  EXPECT_GT(share_of(kCategorical - 1, catalogue_size(kCategorical - 1, kTime) - 1), 0.03);
 
   const at::Tensor rows = hashed_rows(batch.ids, 1000);
   EXPECT_GE(rows.min().item<int64_t>(), 0);
   EXPECT_LT(rows.max().item<int64_t>(), 1000);
-  // Feature 0 and feature 1's id 0 land on different rows (the feature is hashed too).
-  const at::Tensor zeros = at::zeros({1, kCategorical}, at::kLong);
-  const at::Tensor hashed = hashed_rows(zeros, 1 << 20);
+  // Feature 0's and feature 1's item 0 are different ids, on different rows.
+  const at::Tensor first_items = at::tensor({raw_id(0, 0), raw_id(1, 0)}, at::kLong);
+  const at::Tensor hashed =
+      hashed_rows(first_items.repeat({kCategorical / 2}).reshape({1, -1}), 1 << 20);
   EXPECT_NE(hashed[0][0].item<int64_t>(), hashed[0][1].item<int64_t>());
 }
 

@@ -54,8 +54,11 @@ seed="${DISTOPTIM_SOAK_SEED:-$((($(date +%s) + $$) % 32768))}"
 source "$(dirname "$0")/restart_checks.sh"
 start_etcd
 example_exe=$(realpath "$example")
+# The fixed table: --replicas needs it, and both modes compare with one unkilled run (the
+# collisionless table's recovery from snapshots has click_through_server_restart_test.sh).
 settings=(--elastic --snapshot-every $snapshot_every --trainer-timeout 120 --steps $steps
-          --batch 512 --rows 16384 --dim 8 --held-out 4000 --eval-every $steps --seed 3)
+          --batch 512 --table fixed --rows 16384 --dim 8 --held-out 4000 --eval-every $steps
+          --seed 3)
 
 held_out_loss() { sed -n 's/^\[rank 2\] held-out log loss \([0-9.]*\) .* after .*/\1/p' "$1"; }
 

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# examples/click_through under distrun, small (2 parameter servers + 2 trainers, a table of 20,000
-# rows, 60 steps): it exits 0, writes a CSV with the expected columns and one row per evaluation,
-# the held-out log loss falls below its value before training, the held-out AUC ends above 0.6,
-# and the teacher's log loss (the best possible) is below the model's. Two more runs of one step
-# try the plot without gnuplot on PATH and with a gnuplot that fails: the example says the plot
-# was not written and why, and leaves no PNG; with gnuplot, the PNG is written. A run with
-# --max-staleness 3 and one trainer slowed (--slow-trainer 1) trains as well, and its last row
-# counts every trainer's samples.
+# examples/click_through under distrun, small (2 parameter servers + 2 trainers, a collisionless
+# table of 20,000 rows at most, 60 steps): it exits 0, writes a CSV with the expected columns and
+# one row per evaluation, the held-out log loss falls below its value before training, the
+# held-out AUC ends above 0.6, and the teacher's log loss (the best possible) is below the
+# model's; the table holds no row before training (the first evaluation admitted none), and some
+# rows but no more than its bound after. Two more runs of one step try the plot without gnuplot on
+# PATH and with a gnuplot that fails: the example says the plot was not written and why, and
+# leaves no PNG; with gnuplot, the PNG is written. A run with the fixed hashed table,
+# --max-staleness 3 and one trainer slowed (--slow-trainer 1) trains as well, its last row counts
+# every trainer's samples, and every row of its table is live. --replicas with the collisionless
+# table is refused before anything starts, saying why.
 # Usage: click_through_test.sh DISTRUN EXAMPLE WORKDIR
 set -euo pipefail
 distrun="$1" example="$2" work="$3"
@@ -30,10 +33,11 @@ run() {  # name, PATH, arguments...
 run a "$PATH" --steps 60 --batch 256 --eval-every 6
 run b "$work/no_gnuplot" --steps 1 --batch 64
 run c "$work/failing_gnuplot:$PATH" --steps 1 --batch 64
-run d "$PATH" --steps 30 --batch 256 --eval-every 30 --max-staleness 3 --slow-trainer 1
+run d "$PATH" --steps 30 --batch 256 --eval-every 30 --max-staleness 3 --slow-trainer 1 \
+  --table fixed
 
 csv="$work/a/click_through.csv"
-header="step,samples,seconds,samples_per_second,train_log_loss,held_out_log_loss,held_out_auc,teacher_log_loss"
+header="step,samples,seconds,samples_per_second,train_log_loss,held_out_log_loss,held_out_auc,teacher_log_loss,live_rows"
 [[ $(head -1 "$csv") == "$header" ]] || { echo "FAILED: CSV header: $(head -1 "$csv")"; exit 1; }
 rows=$(tail -n +2 "$csv" | wc -l)
 [[ $rows -eq 11 ]] || { cat "$csv"; echo "FAILED: expected 11 evaluations (steps 0, 6, ..., 60), got $rows"; exit 1; }
@@ -50,6 +54,12 @@ awk -v step="$last_step" -v n="$samples" -v a="$first_loss" -v b="$last_loss" -v
   echo "FAILED: step $last_step, $samples samples; held-out log loss $first_loss -> $last_loss," \
        "AUC $first_auc -> $last_auc, teacher $teacher"
   exit 1
+}
+# The collisionless table's live rows: none before training, then some, within its bound.
+read -r first_live < <(sed -n 2p "$csv" | awk -F, '{ print $9 }')
+read -r last_live < <(tail -1 "$csv" | awk -F, '{ print $9 }')
+[[ $first_live -eq 0 && $last_live -gt 0 && $last_live -le 20000 ]] || {
+  cat "$csv"; echo "FAILED: live rows $first_live before training, $last_live after (bound 20000)"; exit 1;
 }
 grep -q "held-out log loss .* after 60 steps per trainer, .* before training; the teacher's" \
   "$work/a.log" || { cat "$work/a.log"; echo "FAILED: no final summary"; exit 1; }
@@ -71,4 +81,12 @@ awk -v step="$d_step" -v n="$d_samples" -v a="$d_first_loss" -v b="$d_loss" \
        "$d_first_loss -> $d_loss"
   exit 1
 }
+# The fixed table: every row live at every evaluation.
+d_live=$(tail -n +2 "$work/d/click_through.csv" | awk -F, '{ print $9 }' | sort -u)
+[[ $d_live == 20000 ]] || { cat "$work/d/click_through.csv"; echo "FAILED: --table fixed: live rows $d_live"; exit 1; }
+# --replicas needs the fixed table: refused at once, before any process joins a group.
+status=0
+WORLD_SIZE=4 RANK=2 timeout 60 "$example" --elastic --replicas > "$work/e.log" 2>&1 || status=$?
+[[ $status -ne 0 ]] && grep -q -- "--replicas needs --table fixed: a backup's copies are rows by index" \
+  "$work/e.log" || { cat "$work/e.log"; echo "FAILED: --replicas with --table id: status $status"; exit 1; }
 echo "PASSED: held-out log loss $first_loss -> $last_loss (teacher $teacher), AUC $first_auc -> $last_auc"

@@ -76,6 +76,10 @@ struct IdEmbeddingShard : torch::nn::Module {
   /// rpc::RowReadGuard, so no row is read half-updated by a step or half-initialized.
   at::Tensor forward(const at::Tensor& ids);
 
+  /// The rows of `ids` as they are, [ids, dim], without a gradient: an id without a row reads
+  /// the default row. No sighting counted, no row's recency moved, no tick of the clock: an
+  /// evaluation's lookup (ShardedIdEmbeddingBag in eval mode). Under an rpc::RowReadGuard.
+  at::Tensor read(const at::Tensor& ids) const;
   /// The row that holds `id` in `weight` (1 and up), 0 when it has none: no sighting counted.
   int64_t row_of(int64_t id) const;
   /// The value a row handed to `id` starts at: [dim], the table's dtype.
@@ -163,7 +167,9 @@ class ShardedIdEmbeddingBag : public torch::nn::Module {
   /// `input`: 1-D int64 (or int32) ids, any values, with `offsets` (each bag's start), or 2-D
   /// [bags, ids per bag] without. `per_sample_weights` as LibTorch's (sum mode only). Returns
   /// [bags, embedding_dim]. Errors: c10::ValueError for inputs of the wrong shape or dtype; a
-  /// shard's failure as RemoteError naming its owner.
+  /// shard's failure as RemoteError naming its owner. In eval mode (`eval()`, as any LibTorch
+  /// module) a lookup only reads (IdEmbeddingShard::read): an evaluation admits no id, counts no
+  /// sighting and keeps no row from expiry or eviction; its result has no gradient.
   at::Tensor forward(const at::Tensor& input, const at::Tensor& offsets = {},
                      const at::Tensor& per_sample_weights = {});
 
