@@ -672,7 +672,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
     examples::plot_and_report(
         plot_commands(csv, s.table == click_through::TableKind::kFixed ? "hashed table"
                                                                        : "collisionless table"),
-        csv, fs::path(s.out) / "click_through.png");
+        csv, fs::path(s.out) / "click_through.png", /*height=*/800);
   }
   // Whether the servers hold every step of this trainer that returned, and none twice.
   if (s.elastic) {
@@ -852,10 +852,12 @@ int main(int argc, char** argv) {
   app.add_option("--slowdown", s.slowdown, "how much slower --slow-trainer is")
       ->check(CLI::Range(1.0, 100.0))
       ->needs(slow_trainer);
-  app.add_flag("--replicas", s.replicas,
-               "each server's steps are copied to the next server (the last's to the first) "
-               "before they return: a server that dies comes back from its backup with every step "
-               "that returned, not from the last snapshot (dist_optim::replicate_steps)")
+  app.add_flag(
+         "--replicas", s.replicas,
+         "each server's steps are copied to the next server (the last's to the first) "
+         "before they return: a server that dies comes back from its backup with every step "
+         "that returned, not from the last snapshot (dist_optim::replicate_steps); needs --table "
+         "fixed")
       ->needs(elastic);
   return examples::run(
       app, argc, argv,

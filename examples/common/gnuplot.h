@@ -18,13 +18,15 @@
 namespace examples {
 
 /// Runs gnuplot on `commands` (everything after the terminal and output lines, which this
-/// writes) to draw `png`, 900x500. Returns an empty string if `png` was written, else why not.
-inline std::string plot_png(const std::string& commands, const std::filesystem::path& png) {
+/// writes) to draw `png`, 900 pixels wide and `height` high. Returns an empty string if `png` was
+/// written, else why not.
+inline std::string plot_png(const std::string& commands, const std::filesystem::path& png,
+                            int height = 500) {
   namespace fs = std::filesystem;
   std::error_code ignored;
   fs::remove(png, ignored);  // a PNG from an earlier run must not pass for this one's
-  const std::string script =
-      fmt::format("set terminal png size 900,500\nset output '{}'\n{}", png.string(), commands);
+  const std::string script = fmt::format("set terminal png size 900,{}\nset output '{}'\n{}",
+                                         height, png.string(), commands);
   // A gnuplot that exits before reading its input must not kill this process with SIGPIPE: its
   // exit status says what happened.
   struct sigaction ignore = {};
@@ -59,9 +61,9 @@ inline std::string plot_png(const std::string& commands, const std::filesystem::
 /// one line that says what was written: "wrote CSV and PNG", or "wrote CSV; the plot PNG was not
 /// written: why".
 inline void plot_and_report(const std::string& commands, const std::filesystem::path& csv,
-                            const std::filesystem::path& png) {
+                            const std::filesystem::path& png, int height = 500) {
   namespace fs = std::filesystem;
-  const std::string error = plot_png(commands, png);
+  const std::string error = plot_png(commands, png, height);
   if (error.empty()) {
     fmt::print("wrote {} and {}\n", fs::absolute(csv).string(), fs::absolute(png).string());
   } else {
