@@ -144,6 +144,8 @@ c10::IValue RemoteOptimizer::state_dict() {
 
 void RemoteOptimizer::load_state_dict(c10::IValue state) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // Rows handed to new keys from now on reset the loaded state too.
+  for (const auto& reader : reassigned_) reader->start();
   optimizer_->load_state_dict(optim::OptimizerStateDict::from_ivalue(state));
 }
 
@@ -405,7 +407,9 @@ void RemoteOptimizer::commit(int64_t index, bool with_value, bool with_state) {
   {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     at::NoGradGuard no_grad;
-    // Checked first: on error nothing changed.
+    // Checked first: on error nothing changed. Rows handed to new keys from now on reset the
+    // loaded state.
+    if (with_state) reassigned_[index]->start();
     if (with_state) optimizer_->load_param_state(index, state);
     if (with_value) target.copy_(it->second.value);
   }

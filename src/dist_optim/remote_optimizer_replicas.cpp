@@ -245,6 +245,7 @@ void RemoteOptimizer::take_state(rpc::RRef<RemoteOptimizer> from, std::vector<in
   for (const int64_t index : to_indices) param(index, "DistributedOptimizer::rebind", false);
   for (const int64_t index : to_indices) {
     auto it = taken.find(index);
+    reassigned_[index]->start();  // rows handed to new keys from now on reset the taken state
     optimizer_->load_param_state(
         index, it == taken.end()
                    ? std::nullopt

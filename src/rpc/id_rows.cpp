@@ -1,8 +1,10 @@
 #include "id_rows.h"
 
 #include <algorithm>
+#include <limits>
 #include <mutex>
 
+#include <absl/hash/hash.h>
 #include <c10/util/Exception.h>
 
 namespace distoptim {
@@ -19,8 +21,9 @@ constexpr int64_t kEvictShare = 64;
 IdRows::IdRows(const IdRowsOptions& options)
     : options_([&] {
         IdRowsOptions checked = options;
-        TORCH_CHECK_VALUE(checked.capacity >= 1, "IdRows: capacity = ", checked.capacity,
-                          "; must be at least 1");
+        TORCH_CHECK_VALUE(
+            checked.capacity >= 1 && checked.capacity <= std::numeric_limits<uint32_t>::max(),
+            "IdRows: capacity = ", checked.capacity, "; must be at least 1 and at most 2^32 - 1");
         TORCH_CHECK_VALUE(checked.admit_after >= 1, "IdRows: admit_after = ", checked.admit_after,
                           "; must be at least 1");
         TORCH_CHECK_VALUE(checked.expire_after >= 0,
@@ -32,14 +35,34 @@ IdRows::IdRows(const IdRowsOptions& options)
         return checked;
       }()),
       id_of_(options_.capacity, 0),
+      rows_(0, RowHash{&id_of_}, RowEq{&id_of_}),
       live_(options_.capacity, false),
       last_used_(new std::atomic<int64_t>[options_.capacity]) {
-  free_rows_.reserve(options_.capacity);
-  // Taken from the back: row 0 first.
-  for (int64_t row = options_.capacity - 1; row >= 0; --row) {
-    free_rows_.push_back(row);
+  // Every slot the capacity needs, at once: growing by doubling would hold the old and the new
+  // slots together at each step.
+  rows_.reserve(static_cast<size_t>(options_.capacity));
+  for (int64_t row = 0; row < options_.capacity; ++row) {
     last_used_[row].store(0, std::memory_order_relaxed);
   }
+  free_rows_from(0);  // row 0 taken first
+}
+
+size_t IdRows::RowHash::operator()(uint32_t row) const {
+  return absl::Hash<int64_t>{}((*ids)[row]);
+}
+
+size_t IdRows::RowHash::operator()(IdKey key) const { return absl::Hash<int64_t>{}(key.id); }
+
+int64_t IdRows::row_of(int64_t id) const {
+  const auto it = rows_.find(IdKey{id});
+  return it == rows_.end() ? kNoRow : static_cast<int64_t>(*it);
+}
+
+void IdRows::free_rows_from(int64_t first) {
+  for (int64_t row = first; row < options_.capacity; ++row) {
+    id_of_[row] = row + 1 < options_.capacity ? row + 1 : kNoRow;
+  }
+  free_head_ = first < options_.capacity ? first : kNoRow;
 }
 
 void IdRows::lookup(const int64_t* ids, int64_t n, int64_t now, int64_t* rows,
@@ -50,11 +73,11 @@ void IdRows::lookup(const int64_t* ids, int64_t n, int64_t now, int64_t* rows,
     std::shared_lock<std::shared_mutex> lock(mutex_);
     bool all_known = true;
     for (int64_t i = 0; i < n && all_known; ++i) {
-      const auto it = row_of_.find(ids[i]);
-      all_known = it != row_of_.end();
+      const int64_t row = row_of(ids[i]);
+      all_known = row != kNoRow;
       if (all_known) {
-        rows[i] = it->second;
-        last_used_[it->second].store(now, std::memory_order_relaxed);
+        rows[i] = row;
+        last_used_[row].store(now, std::memory_order_relaxed);
       }
     }
     if (all_known) {
@@ -73,19 +96,19 @@ void IdRows::lookup(const int64_t* ids, int64_t n, int64_t now, int64_t* rows,
   // Known ids first, so that admissions below never evict a row this lookup returns.
   std::vector<int64_t> unknown;  // positions in `ids`
   for (int64_t i = 0; i < n; ++i) {
-    const auto it = row_of_.find(ids[i]);
-    if (it == row_of_.end()) {
+    const int64_t row = row_of(ids[i]);
+    if (row == kNoRow) {
       unknown.push_back(i);
       continue;
     }
-    rows[i] = it->second;
-    last_used_[it->second].store(now, std::memory_order_relaxed);
+    rows[i] = row;
+    last_used_[row].store(now, std::memory_order_relaxed);
   }
   for (const int64_t i : unknown) {
     const int64_t id = ids[i];
     // Admitted earlier in this lookup (an id seen twice).
-    if (const auto it = row_of_.find(id); it != row_of_.end()) {
-      rows[i] = it->second;
+    if (const int64_t row = row_of(id); row != kNoRow) {
+      rows[i] = row;
       continue;
     }
     int64_t row = kNoRow;
@@ -104,16 +127,12 @@ void IdRows::lookup(const int64_t* ids, int64_t n, int64_t now, int64_t* rows,
 
 int64_t IdRows::find(int64_t id) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
-  const auto it = row_of_.find(id);
-  return it == row_of_.end() ? kNoRow : it->second;
+  return row_of(id);
 }
 
 void IdRows::find_rows(const int64_t* ids, int64_t n, int64_t* rows, const ReadRows& read) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
-  for (int64_t i = 0; i < n; ++i) {
-    const auto it = row_of_.find(ids[i]);
-    rows[i] = it == row_of_.end() ? kNoRow : it->second;
-  }
+  for (int64_t i = 0; i < n; ++i) rows[i] = row_of(ids[i]);
   read(rows);
 }
 
@@ -124,12 +143,17 @@ void IdRows::expire(int64_t now) {
 
 std::vector<std::pair<int64_t, int64_t>> IdRows::live() const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
-  return {row_of_.begin(), row_of_.end()};
+  std::vector<std::pair<int64_t, int64_t>> live;
+  live.reserve(rows_.size());
+  for (const uint32_t row : rows_) live.emplace_back(id_of_[row], row);
+  return live;
 }
 
 void IdRows::read_live(const ReadLive& read) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
-  std::vector<std::pair<int64_t, int64_t>> live(row_of_.begin(), row_of_.end());
+  std::vector<std::pair<int64_t, int64_t>> live;
+  live.reserve(rows_.size());
+  for (const uint32_t row : rows_) live.emplace_back(id_of_[row], row);
   std::sort(live.begin(), live.end());
   std::vector<int64_t> ids, rows;
   ids.reserve(live.size());
@@ -145,31 +169,33 @@ void IdRows::replace(const int64_t* ids, int64_t n, int64_t now,
                      const std::function<void()>& write) {
   TORCH_CHECK_VALUE(n <= options_.capacity, "IdRows: ", n, " ids for a capacity of ",
                     options_.capacity, " rows");
-  absl::flat_hash_map<int64_t, int64_t> row_of;
-  row_of.reserve(n);
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(row_of.emplace(ids[i], i).second, "IdRows: id ", ids[i], " given twice");
+  {
+    absl::flat_hash_set<int64_t> distinct;
+    distinct.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK_VALUE(distinct.insert(ids[i]).second, "IdRows: id ", ids[i], " given twice");
+    }
   }
   std::unique_lock<std::shared_mutex> lock(mutex_);
-  row_of_ = std::move(row_of);
+  rows_.clear();  // frees a large table's slots: reserved again below
+  rows_.reserve(static_cast<size_t>(options_.capacity));
   pending_.clear();
-  free_rows_.clear();
-  for (int64_t row = options_.capacity - 1; row >= 0; --row) {
+  for (int64_t row = 0; row < options_.capacity; ++row) {
     live_[row] = row < n;
     if (row < n) {
       id_of_[row] = ids[row];
+      rows_.insert(static_cast<uint32_t>(row));
       last_used_[row].store(now, std::memory_order_relaxed);
-    } else {
-      free_rows_.push_back(row);
     }
   }
+  free_rows_from(n);
   if (write) write();
 }
 
 IdRowsCounters IdRows::counters() const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   IdRowsCounters counters;
-  counters.live_rows = static_cast<int64_t>(row_of_.size());
+  counters.live_rows = static_cast<int64_t>(rows_.size());
   counters.admitted = admitted_;
   counters.expired = expired_;
   counters.evicted = evicted_;
@@ -182,25 +208,25 @@ int64_t IdRows::give_row(int64_t id, int64_t now) {
   const int64_t row = take_row(now);
   if (row == kNoRow) return kNoRow;
   pending_.erase(id);
-  row_of_.emplace(id, row);
-  id_of_[row] = id;
+  id_of_[row] = id;  // first: the map hashes the row by it
+  rows_.insert(static_cast<uint32_t>(row));
   live_[row] = true;
   last_used_[row].store(now, std::memory_order_relaxed);
   return row;
 }
 
 int64_t IdRows::take_row(int64_t now) {
-  if (free_rows_.empty()) evict_least_recent(now);
-  if (free_rows_.empty()) return kNoRow;
-  const int64_t row = free_rows_.back();
-  free_rows_.pop_back();
+  if (free_head_ == kNoRow) evict_least_recent(now);
+  if (free_head_ == kNoRow) return kNoRow;
+  const int64_t row = free_head_;
+  free_head_ = id_of_[row];
   return row;
 }
 
 void IdRows::evict_least_recent(int64_t now) {
   // (last use, row) of every live row not used at `now`: this lookup's rows stay.
   std::vector<std::pair<int64_t, int64_t>> candidates;
-  candidates.reserve(row_of_.size());
+  candidates.reserve(rows_.size());
   for (int64_t row = 0; row < options_.capacity; ++row) {
     const int64_t used = last_used_[row].load(std::memory_order_relaxed);
     if (live_[row] && used < now) candidates.emplace_back(used, row);
@@ -217,9 +243,10 @@ void IdRows::evict_least_recent(int64_t now) {
 }
 
 void IdRows::drop_row(int64_t row) {
-  row_of_.erase(id_of_[row]);
+  rows_.erase(static_cast<uint32_t>(row));  // hashed by its id, still in id_of_
   live_[row] = false;
-  free_rows_.push_back(row);
+  id_of_[row] = free_head_;
+  free_head_ = row;
 }
 
 void IdRows::expire_locked(int64_t now) {

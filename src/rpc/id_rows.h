@@ -16,6 +16,12 @@
 // Bounds: at most `capacity` rows and `max_pending` ids counted towards admission (at the bound
 // the half seen least recently are forgotten), so what hostile or unbounded id streams can make
 // a server hold is fixed by the options.
+//
+// Memory per row, beside the caller's storage: the row's id, its last use and a bit (17 bytes),
+// and the id -> row map's slots, reserved for the capacity at construction (so no rehash doubles
+// it on the way): a set of 4-byte rows hashed and compared by the id each holds, about 10 bytes a
+// row at 1e6 (a map of id -> row pairs would take 16 bytes a slot). A free row's id field holds
+// the next free row.
 
 #include <atomic>
 #include <cstdint>
@@ -26,6 +32,7 @@
 #include <vector>
 
 #include <absl/container/flat_hash_map.h>
+#include <absl/container/flat_hash_set.h>
 
 namespace distoptim {
 namespace rpc {
@@ -107,6 +114,25 @@ class IdRows {
     int64_t sightings = 0;
     int64_t last_seen = 0;
   };
+  // The map's key when looking up an id (its elements are rows).
+  struct IdKey {
+    int64_t id;
+  };
+  // Hashes and compares rows by the id each holds in `ids`, and ids as themselves.
+  struct RowHash {
+    using is_transparent = void;  // NOLINT(readability-identifier-naming): Abseil looks it up
+    const std::vector<int64_t>* ids;
+    size_t operator()(uint32_t row) const;
+    size_t operator()(IdKey key) const;
+  };
+  struct RowEq {
+    using is_transparent = void;  // NOLINT(readability-identifier-naming): Abseil looks it up
+    const std::vector<int64_t>* ids;
+    bool operator()(uint32_t a, uint32_t b) const { return a == b; }
+    bool operator()(uint32_t row, IdKey key) const { return (*ids)[row] == key.id; }
+    bool operator()(IdKey key, uint32_t row) const { return (*ids)[row] == key.id; }
+  };
+  using RowSet = absl::flat_hash_set<uint32_t, RowHash, RowEq>;
 
   // Under the exclusive lock: a row for `id`, which has none, used at `now` (kNoRow if every
   // row was used at `now`).
@@ -121,14 +147,20 @@ class IdRows {
   // Under the exclusive lock: counts a sighting of unknown `id`; whether it is admitted now.
   bool sighted(int64_t id, int64_t now);
 
+  // Under the exclusive lock: the live row of `id`, kNoRow if none.
+  int64_t row_of(int64_t id) const;
+  // Under the exclusive lock: makes rows [first, capacity) the free list, `first` on top.
+  void free_rows_from(int64_t first);
+
   const IdRowsOptions options_;
   mutable std::shared_mutex mutex_;
-  absl::flat_hash_map<int64_t, int64_t> row_of_;
+  // Per row: its id while it is live; while it is free, the next free row (kNoRow: the last).
+  std::vector<int64_t> id_of_;
+  RowSet rows_;  // the live rows, by their ids: the id -> row map
   absl::flat_hash_map<int64_t, Pending> pending_;
-  std::vector<int64_t> id_of_;                         // per row; meaningful while the row is live
   std::vector<bool> live_;                             // per row
   std::unique_ptr<std::atomic<int64_t>[]> last_used_;  // per row, the tick of its last lookup
-  std::vector<int64_t> free_rows_;
+  int64_t free_head_ = kNoRow;                         // the free row taken next
   std::atomic<int64_t> next_expiry_{0};
   int64_t admitted_ = 0;
   int64_t expired_ = 0;

@@ -83,6 +83,13 @@ void note_reassigned_row(const at::Tensor& tensor, int64_t row) {
   const auto it = all.logs.find(tensor.unsafeGetTensorImpl());
   if (it == all.logs.end() || it->second.readers.empty()) return;  // no optimizer to tell
   RowLog& log = it->second;
+  // Kept only for a pin (every live pin's position is at or before this row) or a reader that
+  // has started (a reader that has not takes nothing noted before its start).
+  const bool kept = !all.pins.empty() ||
+                    std::any_of(log.readers.begin(), log.readers.end(), [](const int64_t* next) {
+                      return *next != ReassignedRowsReader::kNotStarted;
+                    });
+  if (!kept) return;
   log.rows.push_back({sequence, row});
   all.noted.fetch_add(1, std::memory_order_relaxed);
   const auto limit = static_cast<size_t>(2 * std::max<int64_t>(1, tensor.size(0)));
@@ -111,9 +118,7 @@ ReassignedRowsReader::ReassignedRowsReader(const at::Tensor& tensor)
     : key_(tensor.unsafeGetTensorImpl()) {
   ReassignedRows& all = reassigned();
   std::lock_guard<std::mutex> lock(all.mutex);
-  RowLog& log = all.logs[key_];
-  next_ = all.next_sequence;
-  log.readers.push_back(&next_);
+  all.logs[key_].readers.push_back(&next_);
 }
 
 ReassignedRowsReader::~ReassignedRowsReader() {
@@ -134,13 +139,23 @@ ReassignedRowsReader::~ReassignedRowsReader() {
 std::vector<int64_t> ReassignedRowsReader::take(bool& everything) {
   everything = false;
   ReassignedRows& all = reassigned();
-  if (all.noted.load(std::memory_order_relaxed) == 0) return {};
+  if (next_ != kNotStarted && all.noted.load(std::memory_order_relaxed) == 0) return {};
   std::lock_guard<std::mutex> lock(all.mutex);
+  if (next_ == kNotStarted) {
+    next_ = all.next_sequence;
+    return {};
+  }
   RowLog& log = all.logs.at(key_);
   std::vector<int64_t> rows = rows_from(log, next_, everything);
   next_ = all.next_sequence;
   drop_taken(all, log);
   return rows;
+}
+
+void ReassignedRowsReader::start() {
+  ReassignedRows& all = reassigned();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  if (next_ == kNotStarted) next_ = all.next_sequence;
 }
 
 ReassignedRowsPin::ReassignedRowsPin() {

@@ -111,11 +111,13 @@ TEST(IdEmbeddingShard, AGradientMovesOnlyRowsThatStillBelongToTheirIds) {
   EXPECT_EQ(table.counters().at("live_rows"), 2);
 }
 
-// What each optimizer over the table reads before its next step: each row handed to a new id,
-// once, whatever the other readers took.
+// What each optimizer over the table reads before its next step: each row handed to a new id
+// since it started, once, whatever the other readers took.
 TEST(IdEmbeddingShard, RowsHandedToNewIdsAreNotedOnceForEveryOptimizer) {
   IdEmbeddingShard table = shard(2, 2, /*seed=*/9);
   detail::ReassignedRowsReader first(table.weight), second(table.weight);
+  first.start();
+  second.start();
   bool everything = true;
   const auto noted = [&](detail::ReassignedRowsReader& reader) {
     std::vector<int64_t> rows = reader.take(everything);
@@ -137,9 +139,14 @@ TEST(IdEmbeddingShard, RowsHandedToNewIdsAreNotedOnceForEveryOptimizer) {
   table.forward(ids_of({30}));
   EXPECT_EQ(noted(first), std::vector<int64_t>{});
   EXPECT_EQ(noted(second), std::vector<int64_t>{});
-  // A reader that begins later sees only what is noted after.
+  // A reader that has not started (its optimizer has no state yet) keeps nothing: its first
+  // take starts it and returns nothing, and it sees only what is noted after.
   detail::ReassignedRowsReader third(table.weight);
+  table.forward(ids_of({40}));
+  EXPECT_EQ(noted(first), std::vector<int64_t>{table.row_of(40)});
   EXPECT_EQ(noted(third), std::vector<int64_t>{});
+  table.forward(ids_of({50}));
+  EXPECT_EQ(noted(third), std::vector<int64_t>{table.row_of(50)});
 }
 
 // A reader that falls behind by more than twice the table's rows is told to reset everything;
@@ -147,6 +154,8 @@ TEST(IdEmbeddingShard, RowsHandedToNewIdsAreNotedOnceForEveryOptimizer) {
 TEST(IdEmbeddingShard, AReaderFarBehindIsToldEveryRowMayBeNew) {
   IdEmbeddingShard table = shard(2, 2, /*seed=*/9);
   detail::ReassignedRowsReader behind(table.weight), current(table.weight);
+  behind.start();
+  current.start();
   bool everything = false;
   int64_t id = 100;
   // Each new id takes a row of the 3 (2 and the default row): 7 hand-outs exceed 2 x 3 rows.
@@ -170,6 +179,7 @@ TEST(IdEmbeddingShard, AReaderFarBehindIsToldEveryRowMayBeNew) {
 TEST(IdEmbeddingShard, APinKeepsTheRowsHandedOutSinceItsPosition) {
   IdEmbeddingShard table = shard(2, 2, /*seed=*/9);
   detail::ReassignedRowsReader reader(table.weight);
+  reader.start();
   bool everything = true;
   table.forward(ids_of({10}));
   table.forward(ids_of({20}));

@@ -146,7 +146,10 @@ TEST(IdRows, OptionsOutOfRangeAreNamed) {
     }
     return std::string("no error");
   };
-  EXPECT_EQ(message(options(0)), "IdRows: capacity = 0; must be at least 1");
+  EXPECT_EQ(message(options(0)), "IdRows: capacity = 0; must be at least 1 and at most 2^32 - 1");
+  // Rows are 4-byte entries of the id map: refused before anything is allocated.
+  EXPECT_EQ(message(options(int64_t{1} << 32)),
+            "IdRows: capacity = 4294967296; must be at least 1 and at most 2^32 - 1");
   EXPECT_EQ(message(options(4, 0)), "IdRows: admit_after = 0; must be at least 1");
   EXPECT_EQ(message(options(4, 1, -1)), "IdRows: expire_after = -1; must be at least 0 (0: never)");
   EXPECT_EQ(message(options(4, 1, 0, -3)),

@@ -18,7 +18,9 @@
 // lives, every row noted from its position on, for rows_reassigned_since. Bound: per tensor, the
 // rows noted since the oldest reader's position or pin, at most twice the tensor's rows; a reader
 // or pin that fell further behind is told to treat every row as handed out anew. Nothing is kept
-// for a tensor no reader reads. Thread safety: every function may be called from any thread.
+// for a tensor no reader reads, nor while no pin lives and no reader has started (a new
+// optimizer's state is every row's initial one: nothing to reset, so a table filled before the
+// first step logs nothing). Thread safety: every function may be called from any thread.
 
 #include <cstdint>
 #include <vector>
@@ -34,23 +36,31 @@ void note_reassigned_row(const at::Tensor& tensor, int64_t row);
 /// Forgets every row of `tensor` noted (its table is gone; its memory may hold another tensor).
 void forget_reassigned_rows(const at::Tensor& tensor);
 
-/// One optimizer's view of the rows of `tensor` handed to new keys: from its construction on.
+/// One optimizer's view of the rows of `tensor` handed to new keys: from its start on, which is
+/// its first take() or start(), whichever comes first. Before it, its optimizer holds no state of
+/// the tensor to reset; one that writes state other than by a step (a load) calls start() first.
 class ReassignedRowsReader {
  public:
+  /// A reader's position before its start.
+  static constexpr int64_t kNotStarted = INT64_MAX;
+
   explicit ReassignedRowsReader(const at::Tensor& tensor);
   ~ReassignedRowsReader();
   ReassignedRowsReader(const ReassignedRowsReader&) = delete;
   ReassignedRowsReader& operator=(const ReassignedRowsReader&) = delete;
 
-  /// The rows noted since the last call (or the construction), ascending, each once; empty
-  /// without a lock or an allocation when no tensor has any noted (every step asks). Sets
-  /// `everything` when this reader fell behind by more than the bound: every row may have been
-  /// handed out anew.
+  /// The rows noted since the last call (or the start), ascending, each once; empty without a
+  /// lock or an allocation when no tensor has any noted (every step asks). Sets `everything` when
+  /// this reader fell behind by more than the bound: every row may have been handed out anew.
+  /// The first call starts the reader and returns nothing.
   std::vector<int64_t> take(bool& everything);
+  /// Starts the reader (nothing if it has started): rows noted from now on are kept for it.
+  void start();
 
  private:
   const void* key_;
-  int64_t next_ = 0;  // the sequence number of the first row this reader has not taken
+  // The sequence number of the first row this reader has not taken (kNotStarted: none kept).
+  int64_t next_ = kNotStarted;
 };
 
 /// The position of the next row to be noted, of any tensor, kept while this lives: every row
