@@ -199,7 +199,7 @@ def render_spread(cases, path):
 
 RENDERERS = {"optim": render_optim, "elastic": render_ours_alone, "snapshot": render_ours_alone,
              "server_loss": render_ours_alone, "server_loss_first": render_ours_alone,
-             "staleness": render_ours_alone,
+             "staleness": render_ours_alone, "click_through": render_ours_alone,
              "zero": render_ours_and_pytorch,
              "zero_mmap_thp": render_ours_and_pytorch,
              "dist_optim": render_ours_and_pytorch, "rpc": render_rpc,

@@ -1,8 +1,8 @@
 // staleness_bench: what bounded staleness (DistributedOptimizer::set_max_staleness) gives a
-// training job, measured on examples/click_through (two servers holding a 1M x 32 table
-// sharded over both and the MLP on the first, two trainers, Adagrad) with one trainer slowed
-// (--slow-trainer 1 --slowdown 2: it sleeps after each step as long as the step took, as on a
-// machine half as fast).
+// training job, measured on examples/click_through (two servers holding a collisionless table of
+// at most 1M x 32 sharded over both and the MLP on the first, two trainers, Adagrad) with one
+// trainer slowed (--slow-trainer 1 --slowdown 2: it sleeps after each step as long as the step
+// took, as on a machine half as fast).
 //
 // Each round runs the job once per bound k (0, 1, 4 by default; 0 is the synchronous step, as
 // PyTorch's), alternating, so that the machine's drift falls on every k alike. From the first
@@ -150,7 +150,8 @@ int run(int argc, char** argv) {
   }
   const std::string settings = fmt::format(
       "examples/click_through: 2 servers + {} trainers on one machine, the example's defaults "
-      "(a 1M x 32 table over both servers, the MLP on the first, Adagrad, batch 512), {} steps "
+      "(a collisionless table of at most 1M x 32 over both servers, the MLP on the first, "
+      "Adagrad, batch 512), {} steps "
       "each, {}; max_staleness {}, alternating in each round",
       config.trainers, config.steps,
       config.slow_trainer >= 0

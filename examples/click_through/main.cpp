@@ -482,11 +482,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   // with deaths trains on the batches of one without (less those of the steps that failed).
   const int restarts = examples::restart_count();
   const auto batch_of_step = [&](int64_t step) {
-    // The generator keeps only the low 32 bits of its seed: the slot and the step move those.
-    auto generator = at::detail::createCPUGenerator(
-        static_cast<uint64_t>(s.seed) * 0x9E3779B1u +
-        static_cast<uint64_t>(trainer + 1) * 0x85EBCA77u + static_cast<uint64_t>(step));
-    return teacher.draw(s.batch, step, generator);
+    return teacher.training_batch(s.seed, trainer, step, s.batch);
   };
   click_through::Batch held_out;
   double teacher_loss = NAN, teacher_auc = NAN;
@@ -494,8 +490,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   const fs::path csv = fs::path(s.out) / "click_through.csv";
   const int64_t eval_every = s.eval_every > 0 ? s.eval_every : std::max<int64_t>(1, s.steps / 10);
   if (reporter) {
-    auto held_out_generator = at::detail::createCPUGenerator(static_cast<uint64_t>(s.seed * 1000));
-    held_out = teacher.draw(s.held_out, s.steps, held_out_generator);
+    held_out = teacher.held_out(s.seed, s.steps, s.held_out);
     teacher_loss = click_through::mean_entropy(held_out.probability);
     teacher_auc = click_through::roc_auc(held_out.probability, held_out.labels);
     fmt::print(

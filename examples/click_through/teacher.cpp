@@ -105,6 +105,19 @@ Batch Teacher::draw(int64_t n, int64_t time, at::Generator& generator) const {
   return batch;
 }
 
+Batch Teacher::training_batch(int64_t run_seed, int64_t trainer, int64_t step, int64_t n) const {
+  // The generator keeps only the low 32 bits of its seed: the trainer and the step move those.
+  auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(run_seed) * 0x9E3779B1u +
+                                                  static_cast<uint64_t>(trainer + 1) * 0x85EBCA77u +
+                                                  static_cast<uint64_t>(step));
+  return draw(n, step, generator);
+}
+
+Batch Teacher::held_out(int64_t run_seed, int64_t steps, int64_t n) const {
+  auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(run_seed * 1000));
+  return draw(n, steps, generator);
+}
+
 at::Tensor hashed_rows(const at::Tensor& ids, int64_t rows) {
   TORCH_CHECK_VALUE(rows >= 1, "hashed_rows: rows ", rows);
   TORCH_CHECK_VALUE(ids.dim() == 2 && ids.size(1) == kCategorical && ids.scalar_type() == at::kLong,

@@ -63,6 +63,12 @@ class Teacher {
   explicit Teacher(uint64_t seed);
   /// `n` samples drawn at `time` with `generator` (items, dense features, then labels).
   Batch draw(int64_t n, int64_t time, at::Generator& generator) const;
+  /// The example's batches, drawn from (run_seed, trainer, step) alone, so that a trainer
+  /// started again draws its slot's batches and a benchmark of another implementation can read
+  /// the same: trainer `trainer`'s (from 0) `n` samples of step `step` (from 1), at time `step`.
+  Batch training_batch(int64_t run_seed, int64_t trainer, int64_t step, int64_t n) const;
+  /// The held-out set of a run of `steps` steps: `n` samples at the last step's time.
+  Batch held_out(int64_t run_seed, int64_t steps, int64_t n) const;
 
  private:
   uint64_t seed_;
