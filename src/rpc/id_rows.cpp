@@ -34,21 +34,17 @@ IdRows::IdRows(const IdRowsOptions& options)
         if (checked.max_pending == 0) checked.max_pending = checked.capacity;
         return checked;
       }()),
-      id_of_(options_.capacity, 0),
-      rows_(0, RowHash{&id_of_}, RowEq{&id_of_}),
-      live_(options_.capacity, false),
-      last_used_(new std::atomic<int64_t>[options_.capacity]) {
+      info_(new RowInfo[options_.capacity]),
+      rows_(0, RowHash{info_.get()}, RowEq{info_.get()}),
+      live_(options_.capacity, false) {
   // Every slot the capacity needs, at once: growing by doubling would hold the old and the new
   // slots together at each step.
   rows_.reserve(static_cast<size_t>(options_.capacity));
-  for (int64_t row = 0; row < options_.capacity; ++row) {
-    last_used_[row].store(0, std::memory_order_relaxed);
-  }
   free_rows_from(0);  // row 0 taken first
 }
 
 size_t IdRows::RowHash::operator()(uint32_t row) const {
-  return absl::Hash<int64_t>{}((*ids)[row]);
+  return absl::Hash<int64_t>{}(info[row].id);
 }
 
 size_t IdRows::RowHash::operator()(IdKey key) const { return absl::Hash<int64_t>{}(key.id); }
@@ -60,7 +56,7 @@ int64_t IdRows::row_of(int64_t id) const {
 
 void IdRows::free_rows_from(int64_t first) {
   for (int64_t row = first; row < options_.capacity; ++row) {
-    id_of_[row] = row + 1 < options_.capacity ? row + 1 : kNoRow;
+    info_[row].id = row + 1 < options_.capacity ? row + 1 : kNoRow;
   }
   free_head_ = first < options_.capacity ? first : kNoRow;
 }
@@ -77,7 +73,7 @@ void IdRows::lookup(const int64_t* ids, int64_t n, int64_t now, int64_t* rows,
       all_known = row != kNoRow;
       if (all_known) {
         rows[i] = row;
-        last_used_[row].store(now, std::memory_order_relaxed);
+        info_[row].last_used.store(now, std::memory_order_relaxed);
       }
     }
     if (all_known) {
@@ -102,7 +98,7 @@ void IdRows::lookup(const int64_t* ids, int64_t n, int64_t now, int64_t* rows,
       continue;
     }
     rows[i] = row;
-    last_used_[row].store(now, std::memory_order_relaxed);
+    info_[row].last_used.store(now, std::memory_order_relaxed);
   }
   for (const int64_t i : unknown) {
     const int64_t id = ids[i];
@@ -145,7 +141,7 @@ std::vector<std::pair<int64_t, int64_t>> IdRows::live() const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   std::vector<std::pair<int64_t, int64_t>> live;
   live.reserve(rows_.size());
-  for (const uint32_t row : rows_) live.emplace_back(id_of_[row], row);
+  for (const uint32_t row : rows_) live.emplace_back(info_[row].id, row);
   return live;
 }
 
@@ -153,7 +149,7 @@ void IdRows::read_live(const ReadLive& read) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   std::vector<std::pair<int64_t, int64_t>> live;
   live.reserve(rows_.size());
-  for (const uint32_t row : rows_) live.emplace_back(id_of_[row], row);
+  for (const uint32_t row : rows_) live.emplace_back(info_[row].id, row);
   std::sort(live.begin(), live.end());
   std::vector<int64_t> ids, rows;
   ids.reserve(live.size());
@@ -183,9 +179,9 @@ void IdRows::replace(const int64_t* ids, int64_t n, int64_t now,
   for (int64_t row = 0; row < options_.capacity; ++row) {
     live_[row] = row < n;
     if (row < n) {
-      id_of_[row] = ids[row];
+      info_[row].id = ids[row];
       rows_.insert(static_cast<uint32_t>(row));
-      last_used_[row].store(now, std::memory_order_relaxed);
+      info_[row].last_used.store(now, std::memory_order_relaxed);
     }
   }
   free_rows_from(n);
@@ -208,10 +204,10 @@ int64_t IdRows::give_row(int64_t id, int64_t now) {
   const int64_t row = take_row(now);
   if (row == kNoRow) return kNoRow;
   pending_.erase(id);
-  id_of_[row] = id;  // first: the map hashes the row by it
+  info_[row].id = id;  // first: the map hashes the row by it
   rows_.insert(static_cast<uint32_t>(row));
   live_[row] = true;
-  last_used_[row].store(now, std::memory_order_relaxed);
+  info_[row].last_used.store(now, std::memory_order_relaxed);
   return row;
 }
 
@@ -219,7 +215,7 @@ int64_t IdRows::take_row(int64_t now) {
   if (free_head_ == kNoRow) evict_least_recent(now);
   if (free_head_ == kNoRow) return kNoRow;
   const int64_t row = free_head_;
-  free_head_ = id_of_[row];
+  free_head_ = info_[row].id;
   return row;
 }
 
@@ -228,7 +224,7 @@ void IdRows::evict_least_recent(int64_t now) {
   std::vector<std::pair<int64_t, int64_t>> candidates;
   candidates.reserve(rows_.size());
   for (int64_t row = 0; row < options_.capacity; ++row) {
-    const int64_t used = last_used_[row].load(std::memory_order_relaxed);
+    const int64_t used = info_[row].last_used.load(std::memory_order_relaxed);
     if (live_[row] && used < now) candidates.emplace_back(used, row);
   }
   if (candidates.empty()) return;
@@ -243,9 +239,9 @@ void IdRows::evict_least_recent(int64_t now) {
 }
 
 void IdRows::drop_row(int64_t row) {
-  rows_.erase(static_cast<uint32_t>(row));  // hashed by its id, still in id_of_
+  rows_.erase(static_cast<uint32_t>(row));  // hashed by its id, still in info_
   live_[row] = false;
-  id_of_[row] = free_head_;
+  info_[row].id = free_head_;
   free_head_ = row;
 }
 
@@ -253,7 +249,7 @@ void IdRows::expire_locked(int64_t now) {
   if (options_.expire_after == 0) return;
   for (int64_t row = 0; row < options_.capacity; ++row) {
     if (live_[row] &&
-        last_used_[row].load(std::memory_order_relaxed) < now - options_.expire_after) {
+        info_[row].last_used.load(std::memory_order_relaxed) < now - options_.expire_after) {
       drop_row(row);
       ++expired_;
     }

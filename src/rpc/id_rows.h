@@ -17,7 +17,8 @@
 // the half seen least recently are forgotten), so what hostile or unbounded id streams can make
 // a server hold is fixed by the options.
 //
-// Memory per row, beside the caller's storage: the row's id, its last use and a bit (17 bytes),
+// Memory per row, beside the caller's storage: the row's id and last use side by side and a bit
+// (17 bytes),
 // and the id -> row map's slots, reserved for the capacity at construction (so no rehash doubles
 // it on the way): a set of 4-byte rows hashed and compared by the id each holds, about 10 bytes a
 // row at 1e6 (a map of id -> row pairs would take 16 bytes a slot). A free row's id field holds
@@ -118,19 +119,26 @@ class IdRows {
   struct IdKey {
     int64_t id;
   };
-  // Hashes and compares rows by the id each holds in `ids`, and ids as themselves.
+  // What the table keeps per row, side by side, so that a lookup's read of the id that confirms
+  // its row brings the row's last use into the cache with it.
+  struct RowInfo {
+    // Its id while the row is live; while it is free, the next free row (kNoRow: the last).
+    int64_t id = 0;
+    std::atomic<int64_t> last_used{0};  // the tick of its last lookup
+  };
+  // Hashes and compares rows by the id each holds in `info`, and ids as themselves.
   struct RowHash {
     using is_transparent = void;  // NOLINT(readability-identifier-naming): Abseil looks it up
-    const std::vector<int64_t>* ids;
+    const RowInfo* info;
     size_t operator()(uint32_t row) const;
     size_t operator()(IdKey key) const;
   };
   struct RowEq {
     using is_transparent = void;  // NOLINT(readability-identifier-naming): Abseil looks it up
-    const std::vector<int64_t>* ids;
+    const RowInfo* info;
     bool operator()(uint32_t a, uint32_t b) const { return a == b; }
-    bool operator()(uint32_t row, IdKey key) const { return (*ids)[row] == key.id; }
-    bool operator()(IdKey key, uint32_t row) const { return (*ids)[row] == key.id; }
+    bool operator()(uint32_t row, IdKey key) const { return info[row].id == key.id; }
+    bool operator()(IdKey key, uint32_t row) const { return info[row].id == key.id; }
   };
   using RowSet = absl::flat_hash_set<uint32_t, RowHash, RowEq>;
 
@@ -147,20 +155,18 @@ class IdRows {
   // Under the exclusive lock: counts a sighting of unknown `id`; whether it is admitted now.
   bool sighted(int64_t id, int64_t now);
 
-  // Under the exclusive lock: the live row of `id`, kNoRow if none.
+  // Under the lock (shared or exclusive): the live row of `id`, kNoRow if none.
   int64_t row_of(int64_t id) const;
   // Under the exclusive lock: makes rows [first, capacity) the free list, `first` on top.
   void free_rows_from(int64_t first);
 
   const IdRowsOptions options_;
   mutable std::shared_mutex mutex_;
-  // Per row: its id while it is live; while it is free, the next free row (kNoRow: the last).
-  std::vector<int64_t> id_of_;
-  RowSet rows_;  // the live rows, by their ids: the id -> row map
+  std::unique_ptr<RowInfo[]> info_;  // per row
+  RowSet rows_;                      // the live rows, by their ids: the id -> row map
   absl::flat_hash_map<int64_t, Pending> pending_;
-  std::vector<bool> live_;                             // per row
-  std::unique_ptr<std::atomic<int64_t>[]> last_used_;  // per row, the tick of its last lookup
-  int64_t free_head_ = kNoRow;                         // the free row taken next
+  std::vector<bool> live_;      // per row
+  int64_t free_head_ = kNoRow;  // the free row taken next
   std::atomic<int64_t> next_expiry_{0};
   int64_t admitted_ = 0;
   int64_t expired_ = 0;
