@@ -284,6 +284,19 @@ int run(int argc, char** argv) {
       spread_of(fixed_over_pytorch).median, spread_text(spread_of(id_over_fixed), "{:.2f}"),
       spread_text(spread_of(id_over_pytorch), "{:.2f}"),
       spread_text(spread_of(fixed_over_pytorch), "{:.2f}"));
+  // What the table buys, per round (the table's rows round them to two decimals).
+  const auto differences = [&](double Run::*field, const std::string& b) {
+    std::vector<double> out;
+    for (int r = 0; r < config.rounds; ++r)
+      out.push_back(runs[sides[0]][r].*field - runs[b][r].*field);
+    return out;
+  };
+  for (const std::string& other : {sides[1], sides[2]}) {
+    cases.push_back(spread_row("held-out AUC, collisionless minus " + other,
+                               differences(&Run::auc, other), "AUC", "higher"));
+    cases.push_back(spread_row("held-out log loss, collisionless minus " + other,
+                               differences(&Run::log_loss, other), "log loss", "lower"));
+  }
   cases.push_back(
       spread_row("samples/s, collisionless over hashed", id_over_fixed, "ratio", "higher"));
   cases.push_back(spread_row("samples/s, collisionless over PyTorch's hashed", id_over_pytorch,
