@@ -54,6 +54,21 @@ at::Tensor initial_row_tensor(int64_t seed, int64_t id, int64_t dim, c10::Scalar
   return at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(dtype);
 }
 
+// `weight`'s rows of `slots` (IdRows's: kNoRow for an id without a row), copied out under a
+// row read guard. Called while the map's lock is held, so no row changes hands meanwhile.
+at::Tensor copy_rows(const at::Tensor& weight, const at::Tensor& slots) {
+  // IdRows::kNoRow (-1) + 1 is the default row.
+  const at::Tensor weight_rows = slots + 1;
+  RowReadGuard rows_unchanged_meanwhile(weight, weight_rows);
+  return weight.index_select(0, weight_rows);
+}
+
+void check_ids(const at::Tensor& ids) {
+  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong,
+                    "IdEmbeddingShard: ids must be a 1-D int64 tensor, got ", ids.scalar_type(),
+                    " of shape ", ids.sizes());
+}
+
 // The table's id -> row map as a value autograd can keep until the backward.
 struct SavedIdRows : torch::CustomClassHolder {
   explicit SavedIdRows(std::shared_ptr<IdEmbeddingShard::Rows> rows) : rows(std::move(rows)) {}
@@ -81,12 +96,7 @@ struct IdRowLookup : torch::autograd::Function<IdRowLookup> {
           // The owner's optimizer resets the row's state before its next step of the weight.
           detail::note_reassigned_row(weight, slot + 1);
         },
-        [&](const int64_t*) {
-          // IdRows::kNoRow (-1) + 1 is the default row.
-          const at::Tensor weight_rows = slots + 1;
-          RowReadGuard rows_unchanged_meanwhile(weight, weight_rows);
-          out = weight.index_select(0, weight_rows);
-        });
+        [&](const int64_t*) { out = copy_rows(weight, slots); });
     context->saved_data["ids"] = ids;
     context->saved_data["slots"] = slots;
     context->saved_data["weight_rows"] = weight.size(0);
@@ -165,9 +175,7 @@ IdEmbeddingShard::~IdEmbeddingShard() {
 }
 
 at::Tensor IdEmbeddingShard::forward(const at::Tensor& ids) {
-  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong,
-                    "IdEmbeddingShard: ids must be a 1-D int64 tensor, got ", ids.scalar_type(),
-                    " of shape ", ids.sizes());
+  check_ids(ids);
   return IdRowLookup::apply(weight, ids.contiguous(), rows_, tick(), seed_);
 }
 
@@ -185,20 +193,14 @@ int64_t IdEmbeddingShard::tick() {
 }
 
 at::Tensor IdEmbeddingShard::read(const at::Tensor& ids) const {
-  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong,
-                    "IdEmbeddingShard: ids must be a 1-D int64 tensor, got ", ids.scalar_type(),
-                    " of shape ", ids.sizes());
+  check_ids(ids);
   const at::Tensor contiguous = ids.contiguous();
   at::Tensor slots = at::empty({contiguous.numel()}, at::kLong);
   at::Tensor out;
   at::NoGradGuard no_gradient;
   rows_->map.find_rows(contiguous.data_ptr<int64_t>(), contiguous.numel(),
-                       slots.data_ptr<int64_t>(), [&](const int64_t*) {
-                         // IdRows::kNoRow (-1) + 1 is the default row.
-                         const at::Tensor weight_rows = slots + 1;
-                         RowReadGuard rows_unchanged_meanwhile(weight, weight_rows);
-                         out = weight.index_select(0, weight_rows);
-                       });
+                       slots.data_ptr<int64_t>(),
+                       [&](const int64_t*) { out = copy_rows(weight, slots); });
   return out;
 }
 
@@ -221,9 +223,7 @@ void IdEmbeddingShard::read_live_rows(
 
 void IdEmbeddingShard::replace_rows(const at::Tensor& ids,
                                     const std::function<void(const at::Tensor& rows)>& write) {
-  TORCH_CHECK_VALUE(ids.dim() == 1 && ids.scalar_type() == at::kLong,
-                    "IdEmbeddingShard: ids must be a 1-D int64 tensor, got ", ids.scalar_type(),
-                    " of shape ", ids.sizes());
+  check_ids(ids);
   const at::Tensor contiguous = ids.contiguous();
   const int64_t n = contiguous.numel();
   TORCH_CHECK_VALUE(n <= capacity(), "IdEmbeddingShard: ", n, " ids for its capacity of ",

@@ -139,6 +139,10 @@ void IdRows::expire(int64_t now) {
 
 std::vector<std::pair<int64_t, int64_t>> IdRows::live() const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
+  return live_locked();
+}
+
+std::vector<std::pair<int64_t, int64_t>> IdRows::live_locked() const {
   std::vector<std::pair<int64_t, int64_t>> live;
   live.reserve(rows_.size());
   for (const uint32_t row : rows_) live.emplace_back(info_[row].id, row);
@@ -147,9 +151,7 @@ std::vector<std::pair<int64_t, int64_t>> IdRows::live() const {
 
 void IdRows::read_live(const ReadLive& read) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
-  std::vector<std::pair<int64_t, int64_t>> live;
-  live.reserve(rows_.size());
-  for (const uint32_t row : rows_) live.emplace_back(info_[row].id, row);
+  std::vector<std::pair<int64_t, int64_t>> live = live_locked();
   std::sort(live.begin(), live.end());
   std::vector<int64_t> ids, rows;
   ids.reserve(live.size());

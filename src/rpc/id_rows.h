@@ -157,6 +157,8 @@ class IdRows {
 
   // Under the lock (shared or exclusive): the live row of `id`, kNoRow if none.
   int64_t row_of(int64_t id) const;
+  // Under the lock: every live row, (id, row), in no particular order.
+  std::vector<std::pair<int64_t, int64_t>> live_locked() const;
   // Under the exclusive lock: makes rows [first, capacity) the free list, `first` on top.
   void free_rows_from(int64_t first);
 
