@@ -383,12 +383,12 @@ void RemoteOptimizer::commit(int64_t index, bool with_value, bool with_state) {
   TORCH_CHECK_VALUE(it != staged_.end(), kLoadSnapshot, ": nothing was staged for parameter ",
                     index, " on worker '", rpc::get_worker_info().name, "'");
   if (it->second.ids.defined()) {
-    TORCH_CHECK_VALUE(with_value, kLoadSnapshot,
-                      ": the state rows of a collisionless table load only with its ids and rows "
-                      "(parameter ",
-                      index, " on worker '", rpc::get_worker_info().name, "')");
-    if (!with_state) it->second.has_state = false;  // this optimizer's state starts anew
-    commit_id_rows(index, it->second);
+    if (!with_value) {
+      commit_id_state(index, it->second);
+    } else {
+      if (!with_state) it->second.has_state = false;  // this optimizer's state starts anew
+      commit_id_rows(index, it->second);
+    }
     staged_.erase(it);
     staged_id_tables_.erase(index);
     return;

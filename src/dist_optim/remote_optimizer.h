@@ -157,6 +157,17 @@ class RemoteOptimizer {
   /// Commits staged rows of a collisionless table (`copy.ids`) into parameter `index`: the
   /// shard's rows replaced by the ids', their values and state rows loaded. Under mutex_.
   void commit_id_rows(int64_t index, ParamCopy& copy);
+  /// Commits the staged state rows of a collisionless table alone into parameter `index`'s
+  /// state: each id's state rows where the id holds a row now, every other row's state anew (the
+  /// rows themselves unchanged). Under mutex_.
+  void commit_id_state(int64_t index, const ParamCopy& copy);
+  /// Parameter `index`'s state as a new parameter's at every row, with `copy`'s step count (none
+  /// when `copy` holds no state). Under mutex_.
+  void load_id_state_anew(int64_t index, const ParamCopy& copy);
+  /// Writes `copy`'s state rows (those at positions `of`, all when undefined) at `rows` of
+  /// parameter `index`'s state; nothing when `copy` holds no state. Under mutex_.
+  void write_id_state_rows(int64_t index, const ParamCopy& copy, const at::Tensor& rows,
+                           const at::Tensor& of);
   /// Resets parameter `index`'s state at the rows handed to new ids since this optimizer last
   /// looked (rpc/detail/reassigned_rows.h). Under mutex_.
   void reset_reassigned_rows(int64_t index);

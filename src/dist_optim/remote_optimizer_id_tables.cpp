@@ -1,6 +1,7 @@
 // The collisionless tables' side of a RemoteOptimizer's snapshots (remote_optimizer.h,
 // snapshot.h): a shard's live rows saved with their ids and state rows, and loaded onto a shard
-// of any split, each id's rows where the loading shard gives it a row.
+// of any split, each id's rows where the loading shard gives it a row; or one optimizer's state
+// rows alone (recovery.h: a trainer that did not restore the shard), where its ids hold rows now.
 //
 // Locks, in the order taken: this optimizer's mutex, then the shard's id map (rpc::IdRows), then
 // the process's update guard. Lookups take the id map and then row guards, and steps the mutex
@@ -110,18 +111,9 @@ void RemoteOptimizer::commit_id_rows(int64_t index, ParamCopy& copy) {
   const std::shared_ptr<rpc::IdEmbeddingShard> module = staged_id_tables_.at(index);
   const at::Tensor& weight = optimizer_->params()[index];
   at::NoGradGuard no_grad;
-  // The state first, every row as a new parameter's (checked by the optimizer: on error nothing
-  // changed); the rows the ids get are then written over it.
-  if (copy.has_state) {
-    optim::OptimizerStateDict::State fresh;
-    fresh.step = copy.state.step;
-    for (const auto& [name, rows] : copy.state.buffers)
-      fresh.buffers[name] = at::zeros_like(weight);
-    optimizer_->load_param_state(index, fresh);
-    optimizer_->reset_state_rows(index, at::arange(weight.size(0), at::kLong));
-  } else {
-    optimizer_->load_param_state(index, std::nullopt);
-  }
+  // The state first, every row as a new parameter's; the rows the ids get are then written over
+  // it.
+  load_id_state_anew(index, copy);
   module->replace_rows(copy.ids, [&](const at::Tensor& rows) {
     rpc::InPlaceUpdateGuard no_reply_reads_meanwhile;
     // Every row now holds another id for the other optimizers over the table, whose state the
@@ -131,13 +123,50 @@ void RemoteOptimizer::commit_id_rows(int64_t index, ParamCopy& copy) {
     bool everything = false;
     reassigned_[index]->take(everything);
     weight.index_copy_(0, rows, copy.value);
-    const optim::ParamState& state = optimizer_->state(index);
-    for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
-      auto it = copy.state.buffers.find(optimizer_->state_names()[slot]);
-      if (state.buffers[slot].defined() && it != copy.state.buffers.end()) {
-        state.buffers[slot].index_copy_(0, rows, it->second);
-      }
+    write_id_state_rows(index, copy, rows, /*of=*/{});
+  });
+}
+
+void RemoteOptimizer::write_id_state_rows(int64_t index, const ParamCopy& copy,
+                                          const at::Tensor& rows, const at::Tensor& of) {
+  if (!copy.has_state) return;
+  at::NoGradGuard no_grad;
+  const optim::ParamState& state = optimizer_->state(index);
+  for (size_t slot = 0; slot < state.buffers.size(); ++slot) {
+    auto it = copy.state.buffers.find(optimizer_->state_names()[slot]);
+    if (state.buffers[slot].defined() && it != copy.state.buffers.end()) {
+      state.buffers[slot].index_copy_(0, rows,
+                                      of.defined() ? it->second.index_select(0, of) : it->second);
     }
+  }
+}
+
+void RemoteOptimizer::load_id_state_anew(int64_t index, const ParamCopy& copy) {
+  at::NoGradGuard no_grad;
+  // Checked by the optimizer: on error nothing changed.
+  if (!copy.has_state) {
+    optimizer_->load_param_state(index, std::nullopt);
+    return;
+  }
+  const at::Tensor& weight = optimizer_->params()[index];
+  optim::OptimizerStateDict::State fresh;
+  fresh.step = copy.state.step;
+  for (const auto& [name, rows] : copy.state.buffers) fresh.buffers[name] = at::zeros_like(weight);
+  optimizer_->load_param_state(index, fresh);
+  optimizer_->reset_state_rows(index, at::arange(weight.size(0), at::kLong));
+}
+
+void RemoteOptimizer::commit_id_state(int64_t index, const ParamCopy& copy) {
+  const std::shared_ptr<rpc::IdEmbeddingShard> module = staged_id_tables_.at(index);
+  load_id_state_anew(index, copy);
+  module->read_rows_of(copy.ids, [&](const at::Tensor& rows) {
+    // No row changes hands meanwhile, so the rows handed to new ids so far hold their ids now:
+    // their state is either loaded below or new already. Those handed on later reset it.
+    bool everything = false;
+    reassigned_[index]->take(everything);
+    // The snapshot's ids that hold a row now; the others were dropped since it was taken.
+    const at::Tensor held = rows.nonzero().squeeze(1);
+    write_id_state_rows(index, copy, rows.index_select(0, held), held);
   });
 }
 

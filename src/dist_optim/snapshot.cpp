@@ -482,9 +482,10 @@ void load_snapshot_into(const std::string& directory, DistributedOptimizer& opti
     for (const std::vector<std::string>& paths : load.paths) {
       every_block.insert(every_block.end(), paths.begin(), paths.end());
     }
-    // A collisionless table's state rows are its ids' (the rows change hands): they load with
-    // the ids or not at all. The state alone (another trainer's ids hold the rows) starts anew.
-    for (int64_t s = 0; s < shards && part != SnapshotPart::kState; ++s) {
+    // A collisionless table's state rows are its ids' (the rows change hands): with the ids
+    // they load into the rows the ids get; alone (a trainer that did not restore the shard),
+    // into the rows the ids hold now.
+    for (int64_t s = 0; s < shards; ++s) {
       // Over the same split each shard holds the ids its saved shard held; over another, any.
       GenericDict state = string_dict();
       insert_state_summary(state, load.states[same_split ? s : 0]);

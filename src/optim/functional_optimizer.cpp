@@ -381,6 +381,7 @@ void FunctionalOptimizer::load_param_state(int64_t i,
                       ".load_param_state: parameter ", i, " but the optimizer has ", params_.size(),
                       " parameters");
     own.buffers.resize(state_names_.size());
+    init_state(param_group_[i], params_[i], own);
   }
   states_[i] = std::move(own);
   // New buffers may reuse the addresses of the old ones: no cached entry may match them.

@@ -221,6 +221,18 @@ void IdEmbeddingShard::read_live_rows(
   });
 }
 
+void IdEmbeddingShard::read_rows_of(const at::Tensor& ids,
+                                    const std::function<void(const at::Tensor& rows)>& read) const {
+  check_ids(ids);
+  const at::Tensor contiguous = ids.contiguous();
+  at::Tensor slots = at::empty({contiguous.numel()}, at::kLong);
+  rows_->map.find_rows(contiguous.data_ptr<int64_t>(), contiguous.numel(),
+                       slots.data_ptr<int64_t>(), [&](const int64_t*) {
+                         // Slot kNoRow (-1) is the default row 0; slot s is row s + 1.
+                         read(slots + 1);
+                       });
+}
+
 void IdEmbeddingShard::replace_rows(const at::Tensor& ids,
                                     const std::function<void(const at::Tensor& rows)>& write) {
   check_ids(ids);

@@ -577,8 +577,10 @@ DISTOPTIM_RPC_FUNCTION("id_table_recovery.references", references);
 // The trainer: a table over ps0 and ps1 stepped with Adagrad, a snapshot after step 2; ps1 dies
 // after step 3, and its next incarnation gets ps1's shard of that snapshot back (its live ids,
 // their rows and this trainer's state of them, its step count), while ps0's shard keeps step 3;
-// training goes on over both.
-void train_through_a_restart(const std::string& directory) {
+// training goes on over both. With `writer_restores` this trainer, which wrote the snapshot,
+// makes the shard anew and loads it; else the second trainer does (the values alone), and this
+// one binds to it and loads its own state there, id by id.
+void train_through_a_restart(const std::string& directory, bool writer_restores) {
   using namespace std::chrono_literals;
   testing::StoreTurns turns(2, "test/id_table_recovery");
   ASSERT_TRUE(testing::wait_until(
@@ -654,11 +656,15 @@ void train_through_a_restart(const std::string& directory) {
       },
       {"worker 'ps1' was lost holding 1 shard(s) of a collisionless table",
        "names its backup 'ps0': such tables come back from snapshots only"});
+  if (!writer_restores) {
+    turns.say("restore_first");
+    turns.store->wait({"restored"}, 120s);
+  }
   const std::vector<dist_optim::RecoveredOwner> recovered = dist_optim::recover_lost_owners(
       optimizer, {}, {}, dist_optim::RecoveryOptions(directory).timeout(60s), {&table});
   ASSERT_EQ(recovered.size(), 1u);
   EXPECT_EQ(recovered[0].worker, "ps1");
-  EXPECT_TRUE(recovered[0].restored_here);
+  EXPECT_EQ(recovered[0].restored_here, writer_restores);
   EXPECT_EQ(recovered[0].snapshot_step.value_or(-1), 2);
   EXPECT_EQ(recovered[0].state_step.value_or(-1), 2);
   EXPECT_EQ(rpc::rpc_sync<std::string>("ps1", "id_table_recovery.name", std::tuple<>{}),
@@ -669,7 +675,7 @@ void train_through_a_restart(const std::string& directory) {
   expect_same(ps1_after, ps1_expected, /*unchanged=*/false);
   EXPECT_EQ(ps1_after.steps, ps1_expected.steps);
   expect_same(on_shard(after, 0), on_shard(before_death, 0), /*unchanged=*/true);
-  turns.say("restored");
+  turns.say(writer_restores ? "restored" : "first_trainer_bound");
   turns.store->wait({"second_trainer_done"}, 120s);
   // Training goes on over both shards: every live id's row moves.
   train_step(table, optimizer, 4);
@@ -683,8 +689,9 @@ void train_through_a_restart(const std::string& directory) {
 
 // The second trainer: a handle built from the first trainer's references and keys, and an
 // Adagrad of its own that has not stepped when ps1 dies. It binds to the shard the first trainer
-// restored (by its key); its state there starts anew, as the snapshot holds the first trainer's.
-void train_beside(const std::string& directory) {
+// restored (by its key), or with `writer_restores` false restores it itself; either way its state
+// there starts anew, as the snapshot holds the first trainer's.
+void train_beside(const std::string& directory, bool writer_restores) {
   using namespace std::chrono_literals;
   testing::StoreTurns turns(4, "test/id_table_recovery");
   turns.store->wait({"references"}, 200s);
@@ -697,11 +704,11 @@ void train_beside(const std::string& directory) {
   turns.store->wait({"ps1_lost"}, 200s);
   EXPECT_TRUE(step_fails_as_lost(table, optimizer, 10));
   turns.say("second_trainer_failed");
-  turns.store->wait({"restored"}, 200s);
+  turns.store->wait({writer_restores ? "restored" : "restore_first"}, 200s);
   const std::vector<dist_optim::RecoveredOwner> recovered = dist_optim::recover_lost_owners(
       optimizer, {}, {}, dist_optim::RecoveryOptions(directory).timeout(60s), {&table});
   ASSERT_EQ(recovered.size(), 1u);
-  EXPECT_FALSE(recovered[0].restored_here);
+  EXPECT_EQ(recovered[0].restored_here, !writer_restores);
   EXPECT_EQ(recovered[0].snapshot_step.value_or(-1), 2);
   EXPECT_FALSE(recovered[0].state_step.has_value());
   EXPECT_EQ(table.shard_keys(), keys);
@@ -715,6 +722,11 @@ void train_beside(const std::string& directory) {
     const at::Tensor& sum = buffers.at("sum");
     EXPECT_TRUE(at::equal(sum, at::full_like(sum, 0.1))) << "id " << id << ": " << sum;
   }
+  if (!writer_restores) {
+    // The first trainer binds and checks the shard as the snapshot left it before this one steps.
+    turns.say("restored");
+    turns.store->wait({"first_trainer_bound"}, 200s);
+  }
   train_step(table, optimizer, 10);
   EXPECT_EQ(observe(table, optimizer).steps.at(1), 1);
   turns.say("second_trainer_done");
@@ -726,15 +738,19 @@ DISTOPTIM_RPC_FUNCTION("id_table_recovery.name", [] { return g_name; });
 
 // Processes: rank 0 "ps0", the dynamic group's store host; rank 1 the first "ps1", which
 // SIGKILLs itself when told; rank 2 the trainer; rank 3 the second "ps1", which joins once the
-// trainer has seen the first lost; rank 4 the second trainer.
-TEST(IdTableRecovery, ALostServerGetsItsShardOfTheLatestSnapshotBack) {
+// trainer has seen the first lost; rank 4 the second trainer. The parameter: whether the trainer
+// that wrote the snapshot restores the shard (else the other one does first).
+class IdTableRecovery : public ::testing::TestWithParam<bool> {};
+
+TEST_P(IdTableRecovery, ALostServerGetsItsShardOfTheLatestSnapshotBack) {
   using namespace std::chrono_literals;
+  const bool writer_restores = GetParam();
   testing::RunRanksOptions run;
   run.deadline = 240s;
   run.expected_signals = {{1, SIGKILL}};
   testing::run_ranks(
       5,
-      [](int rank, int) {
+      [writer_restores](int rank, int) {
         // The same directory in every rank: named after the run's MASTER_PORT.
         const char* port = std::getenv("MASTER_PORT");
         const std::string directory =
@@ -761,12 +777,12 @@ TEST(IdTableRecovery, ALostServerGetsItsShardOfTheLatestSnapshotBack) {
         }
         if (rank == 2) {
           rpc::init_rpc("trainer", rpc::kAssignRank, rpc_options);
-          train_through_a_restart(directory);
+          train_through_a_restart(directory, writer_restores);
           return;
         }
         if (rank == 4) {
           rpc::init_rpc("trainer2", rpc::kAssignRank, rpc_options);
-          train_beside(directory);
+          train_beside(directory, writer_restores);
           return;
         }
         g_name = "second ps1";
@@ -777,6 +793,12 @@ TEST(IdTableRecovery, ALostServerGetsItsShardOfTheLatestSnapshotBack) {
       },
       run);
 }
+
+INSTANTIATE_TEST_SUITE_P(WhoRestores, IdTableRecovery, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("TheSnapshotsWriter")
+                                             : std::string("AnotherTrainer");
+                         });
 
 }  // namespace id_table_snapshot_test
 }  // namespace distoptim

@@ -157,10 +157,11 @@ class FunctionalOptimizer {
   /// after it returns, load_state_dict(dict) can fail only by running out of memory.
   void check_state_dict(const OptimizerStateDict& dict) const;
   /// Replaces parameter `param_index`'s state alone with `state` (copied into this optimizer's
-  /// own storage), or with none (nullopt: as before its first step); the other parameters' state
-  /// and every option stay. What load_state_dict checks of one parameter is checked first; on
-  /// error nothing changes. A lost server's parameters loaded into an optimizer that holds others
-  /// too (dist_optim's recoveries) cost their own size, not the whole state's.
+  /// own storage), or with a new parameter's (nullopt: as before its first step, so Adagrad's sum
+  /// at its initial value and no step); the other parameters' state and every option stay. What
+  /// load_state_dict checks of one parameter is checked first; on error nothing changes. A lost
+  /// server's parameters loaded into an optimizer that holds others too (dist_optim's recoveries)
+  /// cost their own size, not the whole state's.
   void load_param_state(int64_t param_index, const std::optional<OptimizerStateDict::State>& state);
   /// Sets the rows `rows` (1-D int64, along the parameter's first dimension) of every state
   /// buffer of parameter `param_index` that is laid out like the parameter to what a new

@@ -93,6 +93,11 @@ struct IdEmbeddingShard : torch::nn::Module {
   /// row (lookups of ids with rows go on).
   void read_live_rows(
       const std::function<void(const at::Tensor& ids, const at::Tensor& rows)>& read) const;
+  /// For a load of one optimizer's state alone (dist_optim/recovery.h: a trainer that did not
+  /// restore the shard): calls `read(rows)` with the rows of `ids` (1-D int64) in `weight`, 0 for
+  /// an id without one, while no id gains or loses a row (lookups of ids with rows go on).
+  void read_rows_of(const at::Tensor& ids,
+                    const std::function<void(const at::Tensor& rows)>& read) const;
   /// For a snapshot's load: drops every row and every id counted towards admission, gives each of
   /// `ids` (1-D int64, distinct, at most the capacity) a row as if just looked up, and calls
   /// `write(rows)` with their rows of `weight` while no lookup runs: the caller writes the rows'
