@@ -119,7 +119,7 @@ void RemoteOptimizer::commit_id_rows(int64_t index, ParamCopy& copy) {
     // Every row now holds another id for the other optimizers over the table, whose state the
     // snapshot does not hold; this one's state is the snapshot's, whatever was noted before.
     const int64_t* row = rows.data_ptr<int64_t>();
-    for (int64_t i = 0; i < rows.numel(); ++i) rpc::detail::note_reassigned_row(weight, row[i]);
+    rpc::detail::note_reassigned_rows(weight, row, rows.numel());
     bool everything = false;
     reassigned_[index]->take(everything);
     weight.index_copy_(0, rows, copy.value);

@@ -8,9 +8,11 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/core/PhiloxRNGEngine.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/custom_class.h>
 
 #include <distoptim/rpc/detail/reassigned_rows.h>
@@ -69,6 +71,29 @@ void check_ids(const at::Tensor& ids) {
                     " of shape ", ids.sizes());
 }
 
+// Sets rows `rows` of `weight` to the initial values of `ids` (as initial_row_tensor, rounded to
+// the weight's dtype), under one row guard, and notes them for every optimizer over the weight,
+// which resets their state before its next step. One pass for all of a lookup's new ids: no
+// tensor and no lock per id.
+void write_initial_rows(const at::Tensor& weight, const std::vector<int64_t>& ids,
+                        const std::vector<int64_t>& rows, int64_t seed) {
+  TORCH_INTERNAL_ASSERT(weight.is_contiguous(), "an id table's weight is contiguous");
+  const int64_t dim = weight.size(1);
+  {
+    InPlaceRowUpdateGuard writing({weight}, {at::tensor(rows, at::kLong)});
+    AT_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "write_initial_rows", [&] {
+      scalar_t* data = weight.data_ptr<scalar_t>();
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const std::vector<double> values = initial_values(seed, ids[i], dim);
+        scalar_t* row = data + rows[i] * dim;
+        for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<scalar_t>(values[d]);
+      }
+    });
+  }
+  torch::autograd::impl::bump_version(weight);  // written in place, as copy_ would say
+  detail::note_reassigned_rows(weight, rows.data(), static_cast<int64_t>(rows.size()));
+}
+
 // The table's id -> row map as a value autograd can keep until the backward.
 struct SavedIdRows : torch::CustomClassHolder {
   explicit SavedIdRows(std::shared_ptr<IdEmbeddingShard::Rows> rows) : rows(std::move(rows)) {}
@@ -86,17 +111,20 @@ struct IdRowLookup : torch::autograd::Function<IdRowLookup> {
     const int64_t n = ids.numel();
     at::Tensor slots = at::empty({n}, at::kLong);
     at::Tensor out;
-    const int64_t dim = weight.size(1);
+    // The ids this lookup gives rows, and those rows of `weight`: written all at once before any
+    // row is read. The exclusive lock that hands them out is held until then, so no other lookup
+    // reads them first, and a lookup hands a row out once (rows used now are never evicted).
+    std::vector<int64_t> new_ids, new_rows;
     rows->map.lookup(
         ids.data_ptr<int64_t>(), n, now, slots.data_ptr<int64_t>(),
         [&](int64_t id, int64_t slot) {
-          const at::Tensor row = at::tensor({slot + 1}, at::kLong);
-          InPlaceRowUpdateGuard writing({weight}, {row});
-          weight[slot + 1].copy_(initial_row_tensor(seed, id, dim, weight.scalar_type()));
-          // The owner's optimizer resets the row's state before its next step of the weight.
-          detail::note_reassigned_row(weight, slot + 1);
+          new_ids.push_back(id);
+          new_rows.push_back(slot + 1);
         },
-        [&](const int64_t*) { out = copy_rows(weight, slots); });
+        [&](const int64_t*) {
+          if (!new_rows.empty()) write_initial_rows(weight, new_ids, new_rows, seed);
+          out = copy_rows(weight, slots);
+        });
     context->saved_data["ids"] = ids;
     context->saved_data["slots"] = slots;
     context->saved_data["weight_rows"] = weight.size(0);
@@ -112,15 +140,11 @@ struct IdRowLookup : torch::autograd::Function<IdRowLookup> {
     const auto saved =
         c10::static_intrusive_pointer_cast<SavedIdRows>(context->saved_data["id_rows"].toCapsule());
     const int64_t n = ids.numel();
-    const int64_t* id = ids.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
-    std::vector<int64_t> positions, rows;
-    for (int64_t i = 0; i < n; ++i) {
-      if (slot[i] != detail::IdRows::kNoRow && saved->rows->map.find(id[i]) == slot[i]) {
-        positions.push_back(i);
-        rows.push_back(slot[i] + 1);
-      }
-    }
+    const std::vector<int64_t> positions =
+        saved->rows->map.still_held(ids.data_ptr<int64_t>(), slot, n);
+    std::vector<int64_t> rows(positions.size());
+    for (size_t k = 0; k < positions.size(); ++k) rows[k] = slot[positions[k]] + 1;
     const at::Tensor grad = grads[0].reshape({n, -1});
     const int64_t dim = grad.size(1);
     const int64_t kept = static_cast<int64_t>(rows.size());

@@ -132,6 +132,18 @@ void IdRows::find_rows(const int64_t* ids, int64_t n, int64_t* rows, const ReadR
   read(rows);
 }
 
+std::vector<int64_t> IdRows::still_held(const int64_t* ids, const int64_t* rows, int64_t n) const {
+  std::vector<int64_t> positions;
+  positions.reserve(static_cast<size_t>(n));
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = rows[i];
+    // A free row's id field holds the next free row, so liveness is checked first.
+    if (row != kNoRow && live_[row] && info_[row].id == ids[i]) positions.push_back(i);
+  }
+  return positions;
+}
+
 void IdRows::expire(int64_t now) {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   expire_locked(now);

@@ -6,7 +6,8 @@
 // dropped, and at the bound on rows the least recently used rows go first (a share of them at
 // once, so that a full table pays one pass over its rows per capacity/64 admissions, not per
 // admission). Rows are slots [0, capacity) of storage the caller preallocates; whoever hands a
-// slot to a new id sets its value and optimizer state (on_assign) before any lookup returns it.
+// slot to a new id sets its value and optimizer state (on_assign, or the read that follows under
+// the same lock) before any lookup returns it.
 //
 // Locks: a lookup whose ids all have rows runs under a shared lock, so such lookups run together
 // (their last-use ticks are atomics); one with an id without a row runs under the exclusive
@@ -88,6 +89,11 @@ class IdRows {
   /// `read(rows)` under the same shared lock: no sighting counted, no recency moved, nothing
   /// allocated (an evaluation's lookup).
   void find_rows(const int64_t* ids, int64_t n, int64_t* rows, const ReadRows& read) const;
+
+  /// The positions i in [0, n) whose `rows[i]` is still the row of `ids[i]` (an earlier lookup's
+  /// rows, kNoRow for an id that had none), ascending, under one shared lock: a row read per id,
+  /// no search of the map. A lookup's backward keeps only those.
+  std::vector<int64_t> still_held(const int64_t* ids, const int64_t* rows, int64_t n) const;
 
   /// Drops the rows not looked up since `now - expire_after` (nothing when expire_after is 0).
   void expire(int64_t now);

@@ -77,27 +77,34 @@ std::vector<int64_t> rows_from(const RowLog& log, int64_t from, bool& everything
 }  // namespace
 
 void note_reassigned_row(const at::Tensor& tensor, int64_t row) {
+  note_reassigned_rows(tensor, &row, 1);
+}
+
+void note_reassigned_rows(const at::Tensor& tensor, const int64_t* rows, int64_t n) {
   ReassignedRows& all = reassigned();
   std::lock_guard<std::mutex> lock(all.mutex);
-  const int64_t sequence = all.next_sequence++;
+  const int64_t first_sequence = all.next_sequence;
+  all.next_sequence += n;  // one each, in order
   const auto it = all.logs.find(tensor.unsafeGetTensorImpl());
   if (it == all.logs.end() || it->second.readers.empty()) return;  // no optimizer to tell
   RowLog& log = it->second;
-  // Kept only for a pin (every live pin's position is at or before this row) or a reader that
+  // Kept only for a pin (every live pin's position is at or before these rows) or a reader that
   // has started (a reader that has not takes nothing noted before its start).
   const bool kept = !all.pins.empty() ||
                     std::any_of(log.readers.begin(), log.readers.end(), [](const int64_t* next) {
                       return *next != ReassignedRowsReader::kNotStarted;
                     });
   if (!kept) return;
-  log.rows.push_back({sequence, row});
-  all.noted.fetch_add(1, std::memory_order_relaxed);
   const auto limit = static_cast<size_t>(2 * std::max<int64_t>(1, tensor.size(0)));
-  if (log.rows.size() > limit) {
-    // A reader or pin this far behind is told to reset everything (take's `everything`).
-    log.dropped_before = log.rows.front().sequence + 1;
-    log.rows.pop_front();
-    all.noted.fetch_sub(1, std::memory_order_relaxed);
+  for (int64_t i = 0; i < n; ++i) {
+    log.rows.push_back({first_sequence + i, rows[i]});
+    all.noted.fetch_add(1, std::memory_order_relaxed);
+    if (log.rows.size() > limit) {
+      // A reader or pin this far behind is told to reset everything (take's `everything`).
+      log.dropped_before = log.rows.front().sequence + 1;
+      log.rows.pop_front();
+      all.noted.fetch_sub(1, std::memory_order_relaxed);
+    }
   }
 }
 

@@ -128,6 +128,32 @@ TEST(IdRows, RowsUnusedForTheExpiryAreDropped) {
   EXPECT_EQ(rows.counters().live_rows, 1);
 }
 
+// A backward keeps the rows its lookup read that still hold their ids: not a row dropped since
+// (whose id field now chains free rows, here to the number the dropped id was), nor a row handed
+// to another id.
+TEST(IdRows, StillHeldKeepsOnlyRowsThatStillHoldTheirIds) {
+  IdRows rows(options(4, 1, /*expire_after=*/10));
+  const int64_t dropped = 3;
+  const int64_t read[] = {look(rows, dropped, 1), look(rows, 11, 6), look(rows, 12, 6), kNoRow};
+  // The premise: rows are handed out from row 0 up, so that row 3 is the free row after them.
+  ASSERT_EQ(read[0], 0);
+  ASSERT_EQ(read[1], 1);
+  ASSERT_EQ(read[2], 2);
+  const int64_t ids[] = {dropped, 11, 12, 99};
+  EXPECT_EQ(rows.still_held(ids, read, 4), (std::vector<int64_t>{0, 1, 2}));
+  // Tick 15 expires `dropped` (last used at 1), not 11 and 12 (at 6), which are used again.
+  ASSERT_EQ(look(rows, 11, 15), 1);
+  ASSERT_EQ(look(rows, 12, 15), 2);
+  ASSERT_EQ(rows.find(dropped), kNoRow);
+  EXPECT_EQ(rows.still_held(ids, read, 4), (std::vector<int64_t>{1, 2}));
+  // Row 0 goes to a new id.
+  ASSERT_EQ(look(rows, 20, 16), 0);
+  EXPECT_EQ(rows.still_held(ids, read, 4), (std::vector<int64_t>{1, 2}));
+  const int64_t now_read[] = {0};
+  const int64_t new_id[] = {20};
+  EXPECT_EQ(rows.still_held(new_id, now_read, 1), (std::vector<int64_t>{0}));
+}
+
 TEST(IdRows, IdsCountedTowardsAdmissionAreBounded) {
   IdRows rows(options(16, /*admit_after=*/2, 0, /*max_pending=*/4));
   for (int64_t id = 1; id <= 4; ++id) EXPECT_EQ(look(rows, id, id), kNoRow);

@@ -33,6 +33,9 @@ namespace detail {
 
 /// Notes that `row` of `tensor` now holds a new key.
 void note_reassigned_row(const at::Tensor& tensor, int64_t row);
+/// Notes that `rows[0..n)` of `tensor` now hold new keys, in that order: as many calls of
+/// note_reassigned_row, under one lock.
+void note_reassigned_rows(const at::Tensor& tensor, const int64_t* rows, int64_t n);
 /// Forgets every row of `tensor` noted (its table is gone; its memory may hold another tensor).
 void forget_reassigned_rows(const at::Tensor& tensor);
 
