@@ -300,6 +300,8 @@ TEST(ShardedTableCheckpoint, AShardWithoutStateLoadsIntoTheSameSplit) {
   });
 }
 
+namespace {  // as SnapshotLinear, which its field names
+
 // A table and a RemoteModule over its pooled rows, trained by one optimizer of two groups.
 struct Model {
   Model(const std::vector<std::string>& table_workers, const std::string& linear_worker,
@@ -333,6 +335,8 @@ struct Model {
   std::shared_ptr<rpc::RemoteModule<SnapshotLinear>> linear;
   DistributedOptimizer optimizer;
 };
+
+}  // namespace
 
 TEST(Snapshot, ATableAndAModuleResumeOnOtherOwnersBitForBit) {
   testing::with_workers(4, [] {
