@@ -56,13 +56,11 @@ at::Tensor initial_row_tensor(int64_t seed, int64_t id, int64_t dim, c10::Scalar
   return at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(dtype);
 }
 
-// `weight`'s rows of `slots` (IdRows's: kNoRow for an id without a row), copied out under a
-// row read guard. Called while the map's lock is held, so no row changes hands meanwhile.
-at::Tensor copy_rows(const at::Tensor& weight, const at::Tensor& slots) {
-  // IdRows::kNoRow (-1) + 1 is the default row.
-  const at::Tensor weight_rows = slots + 1;
-  RowReadGuard rows_unchanged_meanwhile(weight, weight_rows);
-  return weight.index_select(0, weight_rows);
+// Rows `rows` of `weight`, copied out under a row read guard. Called while the map's lock is
+// held, so no row changes hands meanwhile.
+at::Tensor copy_rows(const at::Tensor& weight, const at::Tensor& rows) {
+  RowReadGuard rows_unchanged_meanwhile(weight, rows);
+  return weight.index_select(0, rows);
 }
 
 void check_ids(const at::Tensor& ids) {
@@ -123,7 +121,8 @@ struct IdRowLookup : torch::autograd::Function<IdRowLookup> {
         },
         [&](const int64_t*) {
           if (!new_rows.empty()) write_initial_rows(weight, new_ids, new_rows, seed);
-          out = copy_rows(weight, slots);
+          // IdRows::kNoRow (-1) + 1 is the default row.
+          out = copy_rows(weight, slots + 1);
         });
     context->saved_data["ids"] = ids;
     context->saved_data["slots"] = slots;
@@ -217,14 +216,9 @@ int64_t IdEmbeddingShard::tick() {
 }
 
 at::Tensor IdEmbeddingShard::read(const at::Tensor& ids) const {
-  check_ids(ids);
-  const at::Tensor contiguous = ids.contiguous();
-  at::Tensor slots = at::empty({contiguous.numel()}, at::kLong);
   at::Tensor out;
   at::NoGradGuard no_gradient;
-  rows_->map.find_rows(contiguous.data_ptr<int64_t>(), contiguous.numel(),
-                       slots.data_ptr<int64_t>(),
-                       [&](const int64_t*) { out = copy_rows(weight, slots); });
+  read_rows_of(ids, [&](const at::Tensor& rows) { out = copy_rows(weight, rows); });
   return out;
 }
 
