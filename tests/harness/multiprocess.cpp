@@ -27,6 +27,7 @@
 
 #include <distoptim/comm/process_group.h>
 
+#include "rank_zygote.h"
 #include "support/scoped_env.h"
 
 extern char** environ;
@@ -99,11 +100,12 @@ int openblas_pool_threads() {
 // initialized once, not once per rank); one with other threads would leave the copies with locks
 // held by threads that do not exist there. DISTOPTIM_TEST_RANKS=exec starts every rank afresh.
 //
-// Under the sanitizers every rank starts afresh: a forked rank copies, page by page as it writes
-// them, the shadow pages its parent filled loading LibTorch, and where a page copy costs a TLB
-// shootdown (virtual machines) that costs more than loading LibTorch again. Measured on a 2-core
-// virtual machine, A/B alternated: five ZeRO tests under ASan took 50 s of CPU forked, 40 s
-// started afresh; the Rpc suite under ThreadSanitizer 285 s and 240 s.
+// Under the sanitizers the test process is never forked: a forked rank copies, page by page as it
+// writes them, the shadow pages its parent filled since it started, and where a page copy costs
+// a TLB shootdown (virtual machines) that costs more than loading LibTorch again. Measured on a
+// 2-core virtual machine, A/B alternated: five ZeRO tests under ASan took 50 s of CPU forked, 40
+// s started afresh; the Rpc suite under ThreadSanitizer 285 s and 240 s. Ranks are forked from
+// the rank zygote there instead (rank_zygote.h), which has touched next to nothing.
 bool may_fork_ranks() {
   const char* mode = std::getenv("DISTOPTIM_TEST_RANKS");
   if (mode != nullptr && std::string(mode) == "exec") return false;
@@ -176,12 +178,14 @@ pid_t spawn_rank(int call, int rank, int world_size, int port, const std::string
   for (std::string& variable : rank_variables(rank, world_size, port)) {
     env_strings.push_back(std::move(variable));
   }
+  std::string exe = "/proc/self/exe";
+  std::string filter_arg = "--gtest_filter=" + filter;
+  const pid_t from_zygote = start_from_rank_zygote({exe, filter_arg}, env_strings, log_path);
+  if (from_zygote > 0) return from_zygote;
+
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
-
-  std::string exe = "/proc/self/exe";
-  std::string filter_arg = "--gtest_filter=" + filter;
   std::vector<char*> argv = {exe.data(), filter_arg.data(), nullptr};
 
   posix_spawn_file_actions_t actions;

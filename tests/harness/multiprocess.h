@@ -12,8 +12,9 @@
 // while the test process has a single thread (besides OpenBLAS's), it forks the ranks (LibTorch is
 // then loaded and initialized once per test, not once per rank); otherwise (multiprocess.cpp says
 // why), or with DISTOPTIM_TEST_RANKS=exec, it re-runs its own executable per rank, filtered to
-// the current test, where run_ranks calls the body (and the rest of the test body runs too: code
-// after run_ranks that only the test process should run checks in_rank_process()). The parent
+// the current test (under the sanitizers, as a fork of the rank zygote: rank_zygote.h), where
+// run_ranks calls the body (and the rest of the test body runs too: code after run_ranks that
+// only the test process should run checks in_rank_process()). The parent
 // supervises the ranks: the first rank to fail (non-zero exit, signal) makes it kill the others
 // and fail the test at once with that rank's output, and ranks still running at the deadline are
 // killed and named. Nothing hangs. Where the ranks would be started afresh, rank 0's body runs in
