@@ -38,7 +38,7 @@ namespace testing {
 namespace {
 
 // Set in a rank's environment: the rank's own process runs the body instead of supervising.
-constexpr const char* kChildVariable = "DISTOPTIM_TEST_RANK_PROCESS";
+constexpr const char* kChildVariable = kRankProcessVariable;
 // The folder of a started rank's log, where it says it has started (start_together).
 constexpr const char* kRanksDirVariable = "DISTOPTIM_TEST_RANKS_DIR";
 
@@ -165,11 +165,11 @@ pid_t spawn_rank(int call, int rank, int world_size, int port, const std::string
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string entry = *e;
     // The launcher's variables of an enclosing job must not leak into the ranks.
-    bool ours = false;
-    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                             "MASTER_PORT", kChildVariable, kRanksDirVariable}) {
-      if (entry.rfind(std::string(name) + "=", 0) == 0) ours = true;
-    }
+    const auto named = [&entry](const char* name) {
+      return entry.rfind(std::string(name) + "=", 0) == 0;
+    };
+    bool ours = named(kChildVariable) || named(kRanksDirVariable);
+    for (const char* name : kLauncherVariables) ours = ours || named(name);
     if (!ours) env_strings.push_back(entry);
   }
   env_strings.push_back(std::string(kChildVariable) + "=" + std::to_string(call));

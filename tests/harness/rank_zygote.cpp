@@ -41,9 +41,8 @@ std::map<std::string, std::string> parse_environment(const std::vector<std::stri
 // Variables a process reads as it runs, not only at start: a rank may differ in them from the
 // zygote. The harness's own, the launcher's a rank is given, and the library's.
 bool read_while_running(const std::string& name) {
-  for (const char* ours :
-       {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) {
-    if (name == ours) return true;
+  for (const char* launcher : kLauncherVariables) {
+    if (name == launcher) return true;
   }
   return name.rfind("DISTOPTIM_", 0) == 0;
 }
@@ -161,7 +160,7 @@ void start_rank_zygote() {
   const char* mode = std::getenv("DISTOPTIM_TEST_RANKS");
   if (mode != nullptr && std::string(mode) == "exec") return;
   // A rank's own process starts no zygote: it starts no ranks.
-  if (std::getenv("DISTOPTIM_TEST_RANK_PROCESS") != nullptr) return;
+  if (std::getenv(kRankProcessVariable) != nullptr) return;
   int sockets[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sockets) != 0) return;
   std::vector<std::string> entries;

@@ -22,6 +22,12 @@
 namespace distoptim {
 namespace testing {
 
+/// Set in a rank's environment: the rank's own process runs the body (multiprocess.cpp).
+inline constexpr const char* kRankProcessVariable = "DISTOPTIM_TEST_RANK_PROCESS";
+/// The launcher's variables a rank is given (multiprocess.cpp), which it reads as it runs.
+inline constexpr const char* kLauncherVariables[] = {
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+
 /// From main, before anything else: forks the zygote where it serves (see the file comment).
 void start_rank_zygote();
 
