@@ -154,8 +154,9 @@ pid_t fork_rank(int call, int rank, int world_size, int port, const std::string&
     if (result->GetTestPartResult(i).failed()) failed = true;
   }
   std::cout.flush();
-  // exit, not _Exit: the process ends as a started rank's does (static destructors, and the
-  // LeakSanitizer's check in sanitizer builds).
+  // exit, not _Exit: the process ends as a started rank's does (test_main.cpp's
+  // end_rank_process: the binary's static destructors and exit handlers, and the LeakSanitizer's
+  // check in sanitizer builds).
   std::exit(failed ? 1 : 0);
 }
 
