@@ -1,10 +1,9 @@
 // The main of every test binary: the rank zygote first (rank_zygote.h), while this process has
-// one thread and has done nothing but load, then GoogleTest. A rank process ends without the
-// shared libraries' static destructors (end_rank_process below).
+// one thread and has done nothing but load, then GoogleTest. The process ends without the shared
+// libraries' static destructors (end_without_library_destructors below).
 #include <unistd.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -17,13 +16,12 @@ namespace {
 
 // Registered before any static object of the test binary is made, so it runs at exit after the
 // binary's own static destructors and every exit handler registered since (the RPC agent's stop
-// at exit, OpenSSL's clean-up), and before those of the shared libraries. In a rank's process it
-// ends the process there: LibTorch's static destructors unregister every operator, which under
-// ThreadSanitizer took about 70% of a rank's CPU (perf, StoreRound's ranks), and they are
-// LibTorch's, not ours. Under AddressSanitizer the leak check the process would have run after
-// them runs here, before _exit. The test process itself ends as usual.
-void end_rank_process(int status, void*) {
-  if (std::getenv(distoptim::testing::kRankProcessVariable) == nullptr) return;
+// at exit, OpenSSL's clean-up), and before those of the shared libraries. It ends the process
+// there, a rank's and the test process alike: LibTorch's static destructors unregister every
+// operator, which under ThreadSanitizer took about 70% of a rank's CPU (perf, StoreRound's ranks),
+// and they are LibTorch's, not ours. Under AddressSanitizer the leak check the process would have
+// run after them runs here, before _exit.
+void end_without_library_destructors(int status, void*) {
   std::cout.flush();
   std::cerr.flush();
   std::fflush(nullptr);
@@ -33,8 +31,8 @@ void end_rank_process(int status, void*) {
   ::_exit(status);
 }
 
-__attribute__((constructor(101))) void register_end_rank_process() {
-  ::on_exit(end_rank_process, nullptr);
+__attribute__((constructor(101))) void register_end_without_library_destructors() {
+  ::on_exit(end_without_library_destructors, nullptr);
 }
 
 }  // namespace
