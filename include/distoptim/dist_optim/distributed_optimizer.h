@@ -16,12 +16,14 @@
 // name), holds the state of that owner's parameters. step() runs every owner's optimizer at once
 // with that owner's gradients in the context and returns when all are done. On each owner, the
 // steps of one DistributedOptimizer are serialized by its own lock. Two trainers may build two
-// optimizers over the same parameters: a step whose gradients are all sparse and whose update
-// moves only their rows (SGD without momentum, Adagrad, SparseAdam) runs under
-// rpc::InPlaceRowUpdateGuard on those rows, so steps of disjoint rows run at once and steps of
-// shared rows take turns; any other step runs under rpc::InPlaceUpdateGuard, alone. Either way no
-// update is lost, and a reply carrying a parameter or rows of it (an embedding lookup) never
-// mixes values from before and after a step.
+// optimizers over the same parameters: a step locks only what it writes, under
+// rpc::InPlaceRowUpdateGuard (row_guard.h): of a parameter whose gradient is sparse and whose
+// update moves only its rows (SGD without momentum, Adagrad, SparseAdam), those rows; of any
+// other parameter with a gradient, all of it. Steps of disjoint rows or of other parameters run at
+// once, and lookups of them go on; steps of shared rows or parameters take turns (a parameter
+// that is a view into a larger storage takes the process-wide rpc::InPlaceUpdateGuard). Either
+// way no update is lost, and a reply carrying a parameter or rows of it (an embedding lookup)
+// never mixes values from before and after a step.
 //
 // Beyond PyTorch's: param groups with options of their own, options that change between steps
 // (set_group_options), and a torch::optim::Optimizer face, so LibTorch's LR schedulers drive it:
