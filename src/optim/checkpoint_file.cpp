@@ -21,6 +21,8 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
+#include "file_writer.h"
+
 namespace distoptim {
 namespace optim {
 namespace detail {
@@ -402,54 +404,6 @@ int create_temporary(const std::string& path, std::string* tmp_path, const char*
   }
 }
 
-// Writes to a file descriptor through a buffer that gathers small pieces (the zip writer's headers
-// and padding); large pieces go straight from their memory. Remembers the first failure's errno
-// rather than throwing.
-class FileSink {
- public:
-  explicit FileSink(int fd) : fd_(fd) { buffer_.reserve(kBufferBytes); }
-
-  bool write(const void* data, size_t size) {
-    if (error_ != 0) return false;
-    const char* bytes = static_cast<const char*>(data);
-    if (buffer_.size() + size <= kBufferBytes) {
-      buffer_.insert(buffer_.end(), bytes, bytes + size);
-      return true;
-    }
-    return flush() && write_all(bytes, size);
-  }
-
-  bool flush() {
-    if (error_ != 0) return false;
-    const bool written = write_all(buffer_.data(), buffer_.size());
-    buffer_.clear();
-    return written;
-  }
-
-  int error() const { return error_; }
-
- private:
-  static constexpr size_t kBufferBytes = 1 << 20;
-
-  bool write_all(const char* bytes, size_t size) {
-    size_t done = 0;
-    while (done < size) {
-      const ssize_t n = ::write(fd_, bytes + done, size - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        error_ = n < 0 ? errno : EIO;
-        return false;
-      }
-      done += static_cast<size_t>(n);
-    }
-    return true;
-  }
-
-  int fd_;
-  int error_ = 0;
-  std::vector<char> buffer_;
-};
-
 }  // namespace
 
 void write_checkpoint_file(const std::string& path, const std::vector<char>& bytes,
@@ -480,16 +434,17 @@ void write_checkpoint_file(const std::string& path, const char* caller,
     const int err = errno;
     fail(err, "setting the permissions of '" + tmp_path + "'");
   }
-  FileSink sink(fd.get());
+  FileWriter writer(fd.get());
   try {
-    produce([&sink](const void* data, size_t size) { return sink.write(data, size); });
+    produce([&writer](const void* data, size_t size) { return writer.write(data, size); });
   } catch (...) {
-    if (sink.error() != 0) fail(sink.error(), "writing '" + tmp_path + "'");
+    writer.abandon();  // no chunk in flight once the descriptor closes
+    if (writer.error() != 0) fail(writer.error(), "writing '" + tmp_path + "'");
     fd.close();
     ::unlink(tmp_path.c_str());
     throw;
   }
-  if (!sink.flush()) fail(sink.error(), "writing '" + tmp_path + "'");
+  if (!writer.finish()) fail(writer.error(), "writing '" + tmp_path + "'");
   if (::fsync(fd.get()) != 0) {
     const int err = errno;
     fail(err, "syncing '" + tmp_path + "'");

@@ -24,6 +24,7 @@
 
 #include <distoptim/optim/adam.h>
 
+#include "support/file_size_limit.h"
 #include "support/state_dicts.h"
 #include "support/test_util.h"
 
@@ -124,26 +125,7 @@ std::string difference(const OptimizerStateDict& loaded, const OptimizerStateDic
   return "";
 }
 
-// Restores a resource limit when it goes out of scope.
-class FileSizeLimit {
- public:
-  explicit FileSizeLimit(rlim_t bytes) {
-    ::getrlimit(RLIMIT_FSIZE, &saved_);
-    // Without this, going over the limit ends the process instead of failing the write.
-    previous_handler_ = ::signal(SIGXFSZ, SIG_IGN);
-    rlimit limit = saved_;
-    limit.rlim_cur = bytes;
-    ::setrlimit(RLIMIT_FSIZE, &limit);
-  }
-  ~FileSizeLimit() {
-    ::setrlimit(RLIMIT_FSIZE, &saved_);
-    ::signal(SIGXFSZ, previous_handler_);
-  }
-
- private:
-  rlimit saved_{};
-  void (*previous_handler_)(int) = nullptr;
-};
+using testing::FileSizeLimit;
 
 class CheckpointFile : public ::testing::Test {
  protected:

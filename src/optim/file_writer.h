@@ -1,0 +1,66 @@
+#pragma once
+
+// Writes a file's bytes, in order, through its descriptor, for write_checkpoint_file. Small pieces
+// (the zip writer's headers and padding) are gathered; large ones go out without a copy of their
+// own. A file that grows past kDirectAfterBytes (a snapshot's block of a table is 128 MB; an
+// optimizer's state dict is mostly less) goes on around the page cache (O_DIRECT), in aligned
+// chunks, one written by a thread of the writer's while the next is filled: the writing thread then
+// pays a copy into the chunk, not the kernel's page-cache copy and writeback, which on a parameter
+// server ran at the trainers' priority whatever the writer's and took their CPU. Where the file
+// system refuses O_DIRECT (or a direct write), the file is written through the page cache as
+// before; the bytes written are the same either way.
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+namespace distoptim {
+namespace optim {
+namespace detail {
+
+/// A file up to this size is written through the page cache alone.
+constexpr size_t kDirectAfterBytes = size_t{8} << 20;
+
+class DirectChunks;
+
+class FileWriter {
+ public:
+  /// `fd`: open for writing, at offset 0, not shared with another writer meanwhile.
+  explicit FileWriter(int fd);
+  ~FileWriter();
+  FileWriter(const FileWriter&) = delete;
+  FileWriter& operator=(const FileWriter&) = delete;
+
+  /// Appends `size` bytes; false once a write has failed (error() says why). Never throws.
+  bool write(const void* data, size_t size);
+  /// Writes out what is gathered and waits for every chunk in flight; false on failure. The
+  /// descriptor is left open and not synced (the caller fsyncs it).
+  bool finish();
+  /// Waits for the chunk in flight and writes nothing more: before the descriptor is closed on a
+  /// failure.
+  void abandon();
+  /// The errno of the first failed write, or 0.
+  int error() const { return error_; }
+  /// Bytes that went around the page cache (0 where the file system refused O_DIRECT).
+  size_t direct_bytes() const;
+
+ private:
+  bool flush_gathered();
+  bool write_all(const char* bytes, size_t size);
+  // Starts writing around the page cache at the current offset (which must be aligned); false
+  // when the file system refuses it (the file goes on through the page cache).
+  bool start_direct();
+
+  int fd_;
+  int error_ = 0;
+  size_t offset_ = 0;  // bytes handed to the kernel through the page cache
+  bool direct_tried_ = false;
+  std::vector<char> gathered_;
+  std::unique_ptr<DirectChunks> direct_;
+};
+
+}  // namespace detail
+}  // namespace optim
+}  // namespace distoptim

@@ -1,0 +1,170 @@
+// The file writer under write_checkpoint_file (src/optim/file_writer.h): whatever the sizes of
+// the pieces it is given, the file holds exactly their bytes, through the page cache up to
+// kDirectAfterBytes and around it past them where the file system takes O_DIRECT; a write that
+// fails past the threshold (a file-size limit, as a full disk) is reported with its errno.
+#include <fcntl.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "file_writer.h"
+#include "support/file_size_limit.h"
+
+namespace distoptim {
+namespace optim {
+namespace file_writer_test {
+
+using detail::FileWriter;
+using detail::kDirectAfterBytes;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+class FileWriterTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string base = ::testing::TempDir();
+    if (!base.empty() && base.back() == '/') base.pop_back();
+    std::string pattern = base + "/distoptim_file_writer_XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // Whether this directory's file system takes O_DIRECT at all.
+  bool takes_direct_io() const {
+    const std::string probe = dir_ + "/probe";
+    const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_DIRECT, 0600);
+    if (fd < 0) return false;
+    ::close(fd);
+    ::unlink(probe.c_str());
+    return true;
+  }
+
+  // `total` bytes that differ from one offset to the next (a shifted or repeated piece shows).
+  static std::vector<char> pattern_bytes(size_t total) {
+    std::vector<char> bytes(total);
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    for (size_t i = 0; i < total; ++i) {
+      x ^= x << 13;
+      x ^= x >> 7;
+      x ^= x << 17;
+      bytes[i] = static_cast<char>(x);
+    }
+    return bytes;
+  }
+
+  static std::vector<char> read_file(const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+  }
+
+  std::string dir_;
+};
+
+// Pieces of the given sizes in turn, the last repeated until `total` bytes are given.
+TEST_F(FileWriterTest, TheFileHoldsExactlyThePiecesWhateverTheirSizes) {
+  struct Case {
+    const char* name;
+    size_t total;
+    std::vector<size_t> pieces;
+  };
+  const std::vector<Case> cases = {
+      {"small pieces, under the threshold", kDirectAfterBytes, {1, 7, 4096, 100}},
+      {"one piece past the threshold",
+       3 * kDirectAfterBytes + 12345,
+       {3 * kDirectAfterBytes + 12345}},
+      {"small pieces across it", kDirectAfterBytes + 9 * kMiB + 3, {1000, 1, 4097, 333}},
+      {"large unaligned pieces",
+       5 * kDirectAfterBytes + 1,
+       {kDirectAfterBytes - 1, 3, 9 * kMiB + 5}},
+      {"ending on a chunk's edge", 2 * kDirectAfterBytes + 4 * kMiB, {kMiB + 1, 64}},
+  };
+  const bool direct_io = takes_direct_io();
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::vector<char> bytes = pattern_bytes(c.total);
+    const std::string path = dir_ + "/file";
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    ASSERT_GE(fd, 0);
+    FileWriter writer(fd);
+    size_t given = 0;
+    for (size_t i = 0; given < c.total; i = std::min(i + 1, c.pieces.size() - 1)) {
+      const size_t piece = std::min(c.pieces[i], c.total - given);
+      ASSERT_TRUE(writer.write(bytes.data() + given, piece)) << "at byte " << given;
+      given += piece;
+    }
+    ASSERT_TRUE(writer.finish()) << std::strerror(writer.error());
+    ::close(fd);
+    const std::vector<char> written = read_file(path);
+    ASSERT_EQ(written.size(), bytes.size());
+    EXPECT_TRUE(written == bytes);
+    if (c.total <= kDirectAfterBytes || !direct_io) {
+      EXPECT_EQ(writer.direct_bytes(), 0u);
+    } else {
+      // Everything from the piece that took the file past the threshold (or the next aligned
+      // offset) on, but the last unaligned block.
+      EXPECT_GE(writer.direct_bytes(), c.total - kDirectAfterBytes - 2 * 4096);
+      EXPECT_LE(writer.direct_bytes(), c.total);
+    }
+  }
+}
+
+using testing::FileSizeLimit;
+// A write refused past the threshold (the file may not grow beyond 20 MiB): write() or finish()
+// returns false with EFBIG, the bytes before the limit are in the file, and nothing after.
+TEST_F(FileWriterTest, AWriteRefusedPastTheThresholdIsReportedWithItsErrno) {
+  const size_t limit = 20 * kMiB + 512;
+  const std::vector<char> bytes = pattern_bytes(40 * kMiB);
+  const std::string path = dir_ + "/limited";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  bool finished = false;
+  {
+    FileSizeLimit limited(limit);
+    FileWriter writer(fd);
+    bool accepted = true;
+    for (size_t given = 0; accepted && given < bytes.size(); given += kMiB + 7) {
+      accepted = writer.write(bytes.data() + given, std::min(kMiB + 7, bytes.size() - given));
+    }
+    finished = accepted && writer.finish();
+    EXPECT_EQ(writer.error(), EFBIG) << std::strerror(writer.error());
+  }
+  ::close(fd);
+  EXPECT_FALSE(finished);
+  const std::vector<char> written = read_file(path);
+  ASSERT_LE(written.size(), limit);
+  EXPECT_TRUE(std::equal(written.begin(), written.end(), bytes.begin()));
+}
+
+// A producer that stops half-way (an exception in the zip writer, say): abandon() waits for the
+// chunk in flight, so the descriptor may be closed at once; nothing more is written after it.
+TEST_F(FileWriterTest, AbandonedMidwayWritesNothingMore) {
+  const std::vector<char> bytes = pattern_bytes(30 * kMiB);
+  const std::string path = dir_ + "/abandoned";
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  ASSERT_GE(fd, 0);
+  FileWriter writer(fd);
+  ASSERT_TRUE(writer.write(bytes.data(), bytes.size()));
+  writer.abandon();
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  ::close(fd);
+  EXPECT_LE(static_cast<size_t>(size), bytes.size());
+  const std::vector<char> written = read_file(path);
+  EXPECT_EQ(written.size(), static_cast<size_t>(size));
+  EXPECT_TRUE(std::equal(written.begin(), written.end(), bytes.begin()));
+}
+
+}  // namespace file_writer_test
+}  // namespace optim
+}  // namespace distoptim
