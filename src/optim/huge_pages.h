@@ -23,6 +23,11 @@ constexpr size_t kHugePageMinBytes = size_t{32} << 20;
 /// refusal leaves the small pages, which work as before.
 void advise_huge_pages(const at::Tensor& tensor);
 
+/// The same for a tensor just made, none of whose pages is touched yet (at::empty): MADV_HUGEPAGE
+/// alone, so that its first writes fault in huge pages, one fault for 2 MB where 4 KB pages take
+/// 512 (on a virtual machine a fault costs far more than the page's copy).
+void advise_huge_pages_before_first_touch(const at::Tensor& tensor);
+
 }  // namespace detail
 }  // namespace optim
 }  // namespace distoptim
