@@ -120,7 +120,16 @@ class DirectChunks {
   }
 
   /// Waits for the chunk in flight and ends the writing thread; what is being filled is dropped.
-  void abandon() { stop(); }
+  void stop() {
+    if (!writer_.joinable()) return;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      written_cv_.wait(lock, [this] { return pending_ == nullptr; });
+      stopping_ = true;
+      pending_cv_.notify_one();
+    }
+    writer_.join();
+  }
 
   int error() const { return error_; }
   size_t direct_bytes() const { return direct_bytes_; }
@@ -163,18 +172,6 @@ class DirectChunks {
       pending_ = nullptr;
       written_cv_.notify_one();
     }
-  }
-
-  // Waits for the chunk in flight and ends the writing thread.
-  void stop() {
-    if (!writer_.joinable()) return;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      written_cv_.wait(lock, [this] { return pending_ == nullptr; });
-      stopping_ = true;
-      pending_cv_.notify_one();
-    }
-    writer_.join();
   }
 
   const int fd_;
@@ -228,7 +225,7 @@ bool FileWriter::finish() {
 }
 
 void FileWriter::abandon() {
-  if (direct_) direct_->abandon();
+  if (direct_) direct_->stop();
 }
 
 size_t FileWriter::direct_bytes() const { return direct_ ? direct_->direct_bytes() : 0; }
@@ -247,10 +244,9 @@ bool FileWriter::write_all(const char* bytes, size_t size) {
   return error_ == 0;
 }
 
-bool FileWriter::start_direct() {
+void FileWriter::start_direct() {
   direct_tried_ = true;
   direct_ = DirectChunks::start(fd_);
-  return direct_ != nullptr;
 }
 
 }  // namespace detail

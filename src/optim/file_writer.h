@@ -49,9 +49,9 @@ class FileWriter {
  private:
   bool flush_gathered();
   bool write_all(const char* bytes, size_t size);
-  // Starts writing around the page cache at the current offset (which must be aligned); false
-  // when the file system refuses it (the file goes on through the page cache).
-  bool start_direct();
+  // Starts writing around the page cache at the current offset (which must be aligned); where the
+  // file system refuses it, the file goes on through the page cache.
+  void start_direct();
 
   int fd_;
   int error_ = 0;
