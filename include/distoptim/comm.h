@@ -6,4 +6,5 @@
 #include <distoptim/comm/process_group.h>
 #include <distoptim/comm/rendezvous.h>
 #include <distoptim/comm/store_round.h>
+#include <distoptim/comm/store_server.h>
 #include <distoptim/comm/store_wait.h>

@@ -48,10 +48,12 @@ struct RoundOutcome {
 
 /// One node's side of the coordination; the supervisor of that node drives it round by round.
 ///
-/// The store: a c10d TCPStore that node 0's distrun serves on --master-port (on every address
-/// of node 0), reached at --master-addr; every operation goes through comm::DeadlineStore, so
-/// none waits longer than kAnswerTimeout for an answer. The ranks never use it: each round gets
-/// a MASTER_PORT of its own, which node 0 picks free on node 0 and publishes.
+/// The store: a comm::StoreServer that node 0's distrun serves on --master-port (on every
+/// address of node 0; a node whose link goes down in the middle of a query stops no other node's
+/// queries), reached at --master-addr with c10d's TCPStore client; every operation goes through
+/// comm::DeadlineStore, so none waits longer than kAnswerTimeout for an answer. The ranks never
+/// use it: each round gets a MASTER_PORT of its own, which node 0 picks free on node 0 and
+/// publishes.
 ///
 /// Keys: `claim/N` (node N's distrun, once per job), `round/K/node/N` (node N joined round K,
 /// with its options), `round/K/port`, `round/K/failure` (the first failure published in round K:

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -21,6 +22,7 @@
 #include <distoptim/comm/etcd_store.h>
 #include <distoptim/comm/rendezvous.h>
 #include <distoptim/comm/store_round.h>
+#include <distoptim/comm/store_server.h>
 #include <distoptim/comm/store_wait.h>
 
 #include "distrun/node_coordination.h"
@@ -85,15 +87,13 @@ class StoreCoordinator final : public NodeCoordinator {
     // link is down, would print ten lines a second. distrun says itself what went wrong.
     FLAGS_minloglevel = google::GLOG_FATAL;
     if (options_.node_rank != 0) return;
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<uint16_t>(options_.master_port);
-    store_options.isServer = true;
-    store_options.waitWorkers = false;
-    store_options.timeout = kSocketTimeout;
     // The server listens on every address of node 0; its own client stays on loopback, which no
-    // link going down can cut.
+    // link going down can cut. It is ours, not LibTorch's: LibTorch's stops for every client
+    // while one client's query is half-way (a node whose link went down between two writes).
+    comm::StoreServerOptions server_options;
+    server_options.port = options_.master_port;
     try {
-      server_ = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_options);
+      server_ = std::make_unique<comm::StoreServer>(server_options);
     } catch (const std::exception& e) {
       throw CoordinationError(
           fmt::format("node 0 cannot serve the launchers' store on port {} (--master-port): {}",
@@ -488,7 +488,7 @@ class StoreCoordinator final : public NodeCoordinator {
   const LaunchOptions options_;
   const std::string address_;
   const Clock::duration timeout_;
-  c10::intrusive_ptr<c10d::TCPStore> server_;      // node 0 only
+  std::unique_ptr<comm::StoreServer> server_;      // node 0 only
   c10::intrusive_ptr<comm::DeadlineStore> store_;  // null while not connected
   bool lost_ = false;       // the store failed and has not been reached since
   std::string last_error_;  // the last failure to reach it or of an operation
