@@ -52,7 +52,9 @@ sanitized_tests() {
 
 sanitizer_tests() {
   # LeakSanitizer stays on: LibTorch is not built with ASan, but what it keeps for the life of
-  # the process stays reachable from its globals, so the unit tests report no leaks. The options
+  # the process stays reachable from its globals, so the unit tests report no leaks. It checks
+  # the test processes (rank 0 of a multi-process test among them), not the other ranks'
+  # processes unless DISTOPTIM_RANK_LEAK_CHECK=1 (tests/harness/test_main.cpp says why). The options
   # must hold while building too: each test binary runs once when built, to list its suites.
   export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:halt_on_error=1:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1}"
   export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
