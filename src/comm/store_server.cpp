@@ -165,17 +165,21 @@ class StoreServer::Loop {
       polled.clear();
       ids.clear();
       polled.push_back({wake_fd_, POLLIN, 0});
-      polled.push_back({listen_fd_, POLLIN, 0});
+      // While accepting is paused the listening socket is left out (a negative descriptor is
+      // skipped by poll), or its queued connection would wake poll at once, again and again.
+      const bool accepting = Clock::now() >= accept_paused_until_;
+      polled.push_back({accepting ? listen_fd_ : -1, POLLIN, 0});
       for (auto& [id, client] : clients_) {
         const bool unsent = client.out.size() > client.out_sent;
         polled.push_back({client.fd, static_cast<short>(POLLIN | (unsent ? POLLOUT : 0)), 0});
         ids.push_back(id);
       }
       const int ready = ::poll(polled.data(), polled.size(), poll_timeout_ms());
-      if (ready < 0 && errno != EINTR) break;
       if (stopping_.load()) break;
+      // poll fails only for want of memory (EINTR aside): a while later the loop tries again.
+      if (ready < 0 && errno != EINTR) std::this_thread::sleep_for(kAcceptPause);
       if (ready > 0) {
-        if (polled[1].revents != 0 && Clock::now() >= accept_paused_until_) accept_clients();
+        if (polled[1].revents != 0) accept_clients();
         for (size_t i = 0; i < ids.size(); ++i) {
           const short events = polled[i + 2].revents;
           if (events == 0) continue;
@@ -222,14 +226,29 @@ class StoreServer::Loop {
         ::close(fd);
         continue;
       }
-      const int on = 1;
-      (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);
+      keep_alive(fd);
       Client client;
       client.id = next_id_++;
       client.fd = fd;
       clients_.emplace(client.id, std::move(client));
       ++accepted_;
     }
+  }
+
+  // Answers go out at once; and a client whose host or link went away for good (it never
+  // closed its connection) is found by keepalive probes within about 45 s and its connection
+  // closed, rather than held until max_clients are.
+  static void keep_alive(int fd) {
+    const int on = 1;
+    const int idle_s = 30, interval_s = 5, probes = 3;
+    const unsigned int unacknowledged_ms = 45000;
+    (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &on, sizeof on);
+    (void)::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+    (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof idle_s);
+    (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval_s, sizeof interval_s);
+    (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+    (void)::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &unacknowledged_ms,
+                       sizeof unacknowledged_ms);
   }
 
   void receive(Client& client) {
@@ -266,7 +285,7 @@ class StoreServer::Loop {
       if (parsed == Parse::kWhole) why = answer(client, query);
       if (!why.empty()) return drop(client, why);
       consumed += parser.consumed();
-      ++answered_;
+      if (client.missing == 0) ++answered_;  // a wait is counted when it is answered
     }
     if (consumed == 0) return;
     client.in.erase(0, consumed);

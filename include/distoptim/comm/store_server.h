@@ -33,7 +33,9 @@ struct StoreServerOptions {
   /// would pass it is disconnected (one that sends without reading its answers, many clients each
   /// holding a partial query).
   size_t max_buffered_bytes = size_t{64} << 20;
-  /// Connections open at once; a connection beyond them is closed when accepted.
+  /// Connections open at once; a connection beyond them is closed when accepted. A connection
+  /// whose peer went away without closing it (its host died, its link stayed down) is found by
+  /// TCP keepalive within about 45 s and closed.
   size_t max_clients = 1024;
   /// How long a query may take to arrive from its first byte: a client that stalls in the middle
   /// of one for longer is disconnected, so its partial query does not hold the budget above.
