@@ -6,7 +6,6 @@
 
 #include <distoptim/comm/store_server.h>
 
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
