@@ -89,28 +89,44 @@ timeout 900 "$distrun" --nproc-per-node 4 --restart-policy rank --max-restarts "
 run_pid=$!
 csv="$work/out/loss.csv"
 
-# The process of rank RANK of this run (empty while it is being started again).
+# The process of rank RANK of this run (empty while it is being started again). Bash builtins
+# only (-ef compares the files /proc/PID/exe and the example are): /proc holds hundreds of
+# processes, and a command forked for each made this driver a third of the soak's CPU.
 pid_of_rank() {
-  local p
+  local p variable variables run rank
   for p in /proc/[0-9]*; do
-    [[ $(readlink "$p/exe" 2> /dev/null) == "$example_exe" ]] || continue
-    local environment
-    environment=$(tr '\0' '\n' < "$p/environ" 2> /dev/null) || continue
-    grep -qxF "DISTOPTIM_SOAK_RUN=$work" <<< "$environment" || continue
-    grep -qxF "RANK=$1" <<< "$environment" && { echo "${p#/proc/}"; return 0; }
+    [[ $p/exe -ef $example_exe ]] || continue
+    mapfile -d '' -t variables 2> /dev/null < "$p/environ" || continue
+    run=0 rank=0
+    for variable in "${variables[@]}"; do
+      [[ $variable == "DISTOPTIM_SOAK_RUN=$work" ]] && run=1
+      [[ $variable == "RANK=$1" ]] && rank=1
+    done
+    ((run && rank)) && { echo "${p#/proc/}"; return 0; }
   done
   return 0
 }
 resident_mb() { awk '/^VmRSS:/ { printf "%d", $2 / 1024 }' "/proc/$1/status" 2> /dev/null || true; }
-# Steps recorded in the server's log after line $1: "<global step> <steps of slot 2> <of slot 3>".
+# From the server's log, in one pass: the global step, the steps of slots 2 and 3 after line $1
+# ("<global step> <steps of slot 2> <of slot 3>"), each slot's count 2 once it has finished all
+# its steps (its trainer has then exited: no step of it comes again, and there is no process of
+# its rank to kill), then whether slots 2 and 3 have finished (1 or 0).
 progress_since() {
   awk -F, -v from="$1" 'NR > from && $2 == "step" { g = $6; n[$3]++ }
-                        END { printf "%d %d %d\n", g, n[2], n[3] }' "$csv" 2> /dev/null || echo "0 0 0"
+                        $2 == "finish" { f[$3] = 1 }
+                        END { if (f[2]) n[2] = 2
+                              if (f[3]) n[3] = 2
+                              printf "%d %d %d %d %d\n", g, n[2], n[3], f[2], f[3] }' \
+    "$csv" 2> /dev/null || echo "0 0 0 0 0"
 }
-
-# Whether trainer slot $1 has finished all its steps (its trainer has then exited: no step of it
-# comes again, and there is no process of its rank to kill).
+# Whether trainer slot $1 has finished all its steps.
 slot_finished() { awk -F, -v slot="$1" '$2 == "finish" && $3 == slot { f = 1 } END { exit !f }' "$csv" 2> /dev/null; }
+
+# Sleeps $1 seconds without starting a process: the driver polls ten times a second, and on a
+# virtual machine each fork of a command costs milliseconds of CPU. A read with a timeout on a
+# pipe whose writer never writes (this shell holds both ends).
+exec {nap_fd}<> <(:)
+nap() { read -rt "$1" -u "$nap_fd" || true; }
 
 RANDOM=$seed
 # The kills spread over the first 80% of the steps: a trainer killed often falls behind the other,
@@ -133,34 +149,34 @@ newest_snapshot() {
 }
 # The trainers whose optimizers copied everything to server $1 since line $2 of the run's log.
 resynced_trainers() {
-  tail -n +"$(($2 + 1))" "$work/run.log" |
-    sed -n "s/.*copied everything of trainer '\([^']*\)' to its backup 'ps$1'.*/\1/p" | sort -u | grep -c . || true
+  awk -v from="$2" -v head="copied everything of trainer '" -v tail="' to its backup 'ps$1'" '
+    NR > from && (i = index($0, head)) && (j = index($0, tail)) > i {
+      name = substr($0, i + length(head), j - i - length(head))
+      if (!(name in seen)) { seen[name] = 1; n++ }
+    }
+    END { print n + 0 }' "$work/run.log"
 }
 for ((k = 1; k <= kills; ++k)); do
   target=$((k * spacing + RANDOM % (spacing / 2)))
   deadline=$((SECONDS + 240))
   while :; do
     kill -0 "$run_pid" 2> /dev/null || fail "the job ended before kill $k (after $last_kill)"
-    read -r global slot2 slot3 < <(progress_since "$mark")
-    slot_finished 2 && slot2=2
-    slot_finished 3 && slot3=2
+    read -r global slot2 slot3 finished2 finished3 < <(progress_since "$mark")
     resynced=ok
     if [[ -n "$resync_of" ]]; then
-      unfinished=2
-      slot_finished 2 && unfinished=$((unfinished - 1))
-      slot_finished 3 && unfinished=$((unfinished - 1))
+      unfinished=$((2 - finished2 - finished3))
       [[ $(resynced_trainers "$resync_of" "$log_mark") -ge $unfinished ]] || resynced=no
     fi
     [[ $global -ge $target && $slot2 -ge 2 && $slot3 -ge 2 && $resynced == ok ]] && break
     [[ $SECONDS -lt $deadline ]] ||
       fail "after $last_kill the trainers did not step again within 240 s (global step $global," \
            "steps since: slot 2 $slot2, slot 3 $slot3; copies on the killed server: $resynced)"
-    sleep 0.1
+    nap 0.1
   done
   if [[ $k -eq 1 ]]; then
     for rank in 0 1; do baseline_mb[$rank]=$(resident_mb "$(pid_of_rank $rank)"); done
   fi
-  sleep "0.$((RANDOM % 10))"
+  nap "0.$((RANDOM % 10))"
   rank=$((RANDOM % 4))
   # A trainer whose slot finished has exited: a server dies in its place (trainer0 holds slot 2
   # and rank 2, trainer1 slot 3 and rank 3).
@@ -189,9 +205,9 @@ for ((k = 1; k <= kills; ++k)); do
 done
 # The servers' memory once the trainers are near the end (before the servers leave).
 while kill -0 "$run_pid" 2> /dev/null; do
-  read -r global _ _ < <(progress_since 0)
+  read -r global _ < <(progress_since 0)
   [[ $global -ge $((2 * steps * 19 / 20)) ]] && break
-  sleep 0.1
+  nap 0.1
 done
 declare -A end_mb
 for rank in 0 1; do end_mb[$rank]=$(resident_mb "$(pid_of_rank $rank)"); done
