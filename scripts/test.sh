@@ -6,23 +6,26 @@
 #      but those of step 3, save the ones that feed a worker hostile bytes (tests/CMakeLists.txt);
 #   3. a ThreadSanitizer build of the comm, rpc and dist_autograd layers (build-tsan) running their
 #      tests (tsan);
-#   4. the Release build (build) of everything but the unit tests, which ran under the sanitizers
-#      in steps 2 and 3, running the rest of the suite (parity with PyTorch, the fuzz test, the
-#      example, the install test); the public headers are checked there. CTest's summary is
-#      printed last.
-# `scripts/test.sh release` (make test) runs the whole suite in the Release build.
+#   4. an optimized build (build-check) of everything but the unit tests, which ran under the
+#      sanitizers in steps 2 and 3, running the rest of the suite (parity with PyTorch, the fuzz
+#      test, the examples, the soaks, the install test); the public headers are checked there.
+#      It is the Release build at -O1 (the update kernels keep their -O3): a quarter less compile
+#      time than -O3, and what it checks does not depend on the level (the unit tests run at -Og
+#      under the sanitizers). CTest's summary is printed last.
+# `scripts/test.sh release` (make test) runs the whole suite in the Release build (build, -O3).
 # Stops with a non-zero exit status at the first step that fails. Works from any directory.
 #
 # Usage: bash scripts/test.sh [all|asan|tsan|release]   (default all; the Makefile uses the others)
 #
-# Environment (all optional): DISTOPTIM_BUILD_DIR (default build), DISTOPTIM_ASAN_BUILD_DIR
-# (default build-asan), DISTOPTIM_TSAN_BUILD_DIR (default build-tsan), DISTOPTIM_JOBS (parallel
-# compile jobs, default 2), ASAN_OPTIONS, UBSAN_OPTIONS and TSAN_OPTIONS (replace the defaults
-# below).
+# Environment (all optional): DISTOPTIM_BUILD_DIR (default build), DISTOPTIM_CHECK_BUILD_DIR
+# (default build-check), DISTOPTIM_ASAN_BUILD_DIR (default build-asan), DISTOPTIM_TSAN_BUILD_DIR
+# (default build-tsan), DISTOPTIM_JOBS (parallel compile jobs, default 2), ASAN_OPTIONS,
+# UBSAN_OPTIONS and TSAN_OPTIONS (replace the defaults below).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BUILD_DIR="${DISTOPTIM_BUILD_DIR:-build}"
+CHECK_BUILD_DIR="${DISTOPTIM_CHECK_BUILD_DIR:-build-check}"
 ASAN_BUILD_DIR="${DISTOPTIM_ASAN_BUILD_DIR:-build-asan}"
 TSAN_BUILD_DIR="${DISTOPTIM_TSAN_BUILD_DIR:-build-tsan}"
 JOBS="${DISTOPTIM_JOBS:-2}"
@@ -69,23 +72,24 @@ thread_sanitizer_tests() {
   sanitized_tests "ThreadSanitizer" "$TSAN_BUILD_DIR" thread tsan
 }
 
-# Builds in Release, with the unit tests and the benchmarks when $1 is ON (no test runs a
-# benchmark: `make bench` builds them), and runs every test it built.
+# Builds in Release in $1, with the unit tests and the benchmarks when $2 is ON (no test runs a
+# benchmark: `make bench` builds them) and optimizing at $3, and runs every test it built.
 release_tests() {
-  local unit_tests="$1"
-  phase "Release build in $BUILD_DIR"
-  cmake -S . -B "$BUILD_DIR" \
+  local dir="$1" unit_tests="$2" level="$3"
+  phase "Release build (${level}) in $dir"
+  cmake -S . -B "$dir" \
     -DCMAKE_BUILD_TYPE=Release \
+    "-DCMAKE_CXX_FLAGS_RELEASE=${level} -DNDEBUG" \
     -DDISTOPTIM_SANITIZE=OFF \
     -DDISTOPTIM_BUILD_TESTS=ON \
     -DDISTOPTIM_BUILD_UNIT_TESTS="$unit_tests" \
     -DDISTOPTIM_BUILD_BENCH="$unit_tests" \
     -DDISTOPTIM_BUILD_EXAMPLES=ON
-  cmake --build "$BUILD_DIR" -j"$JOBS"
-  phase "tests (Release)"
+  cmake --build "$dir" -j"$JOBS"
+  phase "tests (Release, ${level})"
   # Two at a time, as the sanitizer runs: every test bounds its own waits and none depends on
   # speed, and the whole run stays within the hour on 2 cores.
-  ctest --test-dir "$BUILD_DIR" --output-on-failure --no-tests=error -j"$JOBS"
+  ctest --test-dir "$dir" --output-on-failure --no-tests=error -j"$JOBS"
 }
 
 case "$WHAT" in
@@ -109,7 +113,7 @@ if [[ "$WHAT" == all || "$WHAT" == tsan ]]; then
   (thread_sanitizer_tests)
 fi
 if [[ "$WHAT" == all ]]; then
-  release_tests OFF
+  release_tests "$CHECK_BUILD_DIR" OFF -O1
 elif [[ "$WHAT" == release ]]; then
-  release_tests ON
+  release_tests "$BUILD_DIR" ON -O3
 fi
