@@ -43,7 +43,7 @@ namespace detail {
 /// and is held from a call's registration to its hand-off to Peers, so that calls reach a
 /// connection in the order they were made; it is never taken inside another room's lock, and no
 /// future is completed and no user code runs while it is held.
-class Agent : public RRefChannel, public std::enable_shared_from_this<Agent> {
+class Agent final : public RRefChannel, public std::enable_shared_from_this<Agent> {
  public:
   /// Meets the other workers and starts serving (init_rpc). Throws as init_rpc documents; on
   /// error nothing is left running.

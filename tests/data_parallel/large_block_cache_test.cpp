@@ -17,6 +17,7 @@
 
 #include <distoptim/data_parallel/large_block_cache.h>
 
+#include "support/sanitizers.h"
 #include "support/test_util.h"
 
 namespace distoptim {
@@ -207,7 +208,7 @@ TEST(LargeBlockCache, WhatTheKernelRefusesIsAnErrorNamingTheSize) {
 // Under AddressSanitizer a cached block is poisoned, so a tensor's memory used after it was freed
 // is still reported; handed out again, it is usable.
 TEST(LargeBlockCache, UnderAddressSanitizerACachedBlockIsPoisoned) {
-#if defined(__SANITIZE_ADDRESS__)
+#if DISTOPTIM_UNDER_ASAN
   fresh_cache();
   void* data = nullptr;
   {

@@ -28,6 +28,7 @@
 #include <distoptim/comm/process_group.h>
 
 #include "rank_zygote.h"
+#include "support/sanitizers.h"
 #include "support/scoped_env.h"
 
 extern char** environ;
@@ -109,7 +110,7 @@ int openblas_pool_threads() {
 bool may_fork_ranks() {
   const char* mode = std::getenv("DISTOPTIM_TEST_RANKS");
   if (mode != nullptr && std::string(mode) == "exec") return false;
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if DISTOPTIM_UNDER_ASAN || DISTOPTIM_UNDER_TSAN
   return false;
 #endif
   return thread_count() <= 1 + openblas_pool_threads();
@@ -429,7 +430,7 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
   const int call = next_call_of_test(filter);
   if (in_rank_process()) {
     if (std::atoi(std::getenv(kChildVariable)) == call) {
-#if defined(__SANITIZE_THREAD__)
+#if DISTOPTIM_UNDER_TSAN
       // ThreadSanitizer starts its background thread at the process's first new thread: have it
       // now, so that a body counting its threads counts them steadily.
       std::thread([] {}).join();

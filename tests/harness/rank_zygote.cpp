@@ -1,4 +1,5 @@
 #include "rank_zygote.h"
+#include "support/sanitizers.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -156,7 +157,7 @@ bool read_strings(int fd, std::vector<std::string>& strings) {
 }  // namespace
 
 void start_rank_zygote() {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if DISTOPTIM_UNDER_ASAN || DISTOPTIM_UNDER_TSAN
   const char* mode = std::getenv("DISTOPTIM_TEST_RANKS");
   if (mode != nullptr && std::string(mode) == "exec") return;
   // A rank's own process starts no zygote: it starts no ranks.

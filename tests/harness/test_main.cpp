@@ -8,7 +8,9 @@
 #include <iostream>
 #include <string>
 
-#if defined(__SANITIZE_ADDRESS__)
+#include "support/sanitizers.h"
+
+#if DISTOPTIM_UNDER_ASAN
 #include <sanitizer/lsan_interface.h>
 #endif
 
@@ -31,7 +33,7 @@ void end_without_library_destructors(int status, void*) {
   std::cout.flush();
   std::cerr.flush();
   std::fflush(nullptr);
-#if defined(__SANITIZE_ADDRESS__)
+#if DISTOPTIM_UNDER_ASAN
   const char* rank_check = std::getenv("DISTOPTIM_RANK_LEAK_CHECK");
   if (std::getenv(distoptim::testing::kRankProcessVariable) == nullptr ||
       (rank_check != nullptr && std::string(rank_check) == "1")) {

@@ -43,6 +43,7 @@
 #include "message.h"
 #include "peers.h"
 #include "store_seal.h"
+#include "support/sanitizers.h"
 
 namespace distoptim {
 namespace rpc {
@@ -1027,7 +1028,7 @@ TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
                      .frame_stall_timeout(1s));
         if (rank == 1) {
           const auto [address, port] = address_of_worker0();
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !DISTOPTIM_UNDER_ASAN && !DISTOPTIM_UNDER_TSAN
           const int64_t resident_before = rpc_sync<int64_t>(worker(0), "handshake_resident_bytes");
 #endif
           // Worker ids 0, 2 and 3 have no connection to worker 0 (workers 2 and 3 only shut down),
@@ -1047,7 +1048,7 @@ TEST(RpcHandshake, ProvenPeersStallingMidFrameShareOneBudget) {
           // One announced body is allocated; the other two wait for the budget.
           ASSERT_TRUE(worker0_reserves(kAnnounced));
           EXPECT_EQ(rpc_sync<int64_t>(worker(0), "record", std::tuple{}), 1);
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !DISTOPTIM_UNDER_ASAN && !DISTOPTIM_UNDER_TSAN
           // (The sanitizers' shadow memory grows with what is written: there the exact reservation
           // above is the check.)
           const int64_t resident_during = rpc_sync<int64_t>(worker(0), "handshake_resident_bytes");
@@ -1103,7 +1104,7 @@ DISTOPTIM_RPC_FUNCTION("numel_of", [](at::Tensor tensor) { return tensor.numel()
 // is read whole and answered.
 TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
   run_ranks(2, [](int rank, int world_size) {
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !DISTOPTIM_UNDER_ASAN && !DISTOPTIM_UNDER_TSAN
     if (rank == 0) {
       // Worker 0 may map 4 GiB more than it does now (the sanitizers' shadow memory needs more
       // than any such limit: there the 12 GiB frame below is allocated lazily and stalls).
@@ -1142,7 +1143,7 @@ TEST(RpcHandshake, HostileBytesAfterTheHandshake) {
           {"a 4 GiB body", header_of(0xffffffffu, 0), "a body of 4294967295 bytes"},
           {"2^32 - 1 tensors", header_of(0, 0xffffffffu), "4294967295 tensors"},
       };
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !DISTOPTIM_UNDER_ASAN && !DISTOPTIM_UNDER_TSAN
       // Only where the address-space limit above holds: under the sanitizers the allocation
       // succeeds (lazily) and the frame stalls, which ProvenPeersStallingMidFrameShareOneBudget
       // covers; freeing 12 GiB there also outlasted this test's bounds on a loaded machine.
@@ -1358,7 +1359,7 @@ TEST(RpcHandshake, ConnectionsThatAnnounceABodyAndCloseCostNoMoreThanTheBudget) 
       EXPECT_TRUE(debug_info_reaches("connections.accepted", accepted_before))
           << "the closed connections still hold their places";
       EXPECT_TRUE(debug_info_reaches("receive_budget.reserved_bytes", 0));
-#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+#if !DISTOPTIM_UNDER_ASAN && !DISTOPTIM_UNDER_TSAN
       // (The sanitizers' shadow memory grows with what is written: there the places and the
       // reservation above are the check.) Without the bound, each closed body stays resident.
       EXPECT_LT(peak_resident_bytes() - peak_before, kBudget + (int64_t{32} << 20));

@@ -28,6 +28,7 @@
 
 #include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"
+#include "support/sanitizers.h"
 
 namespace distoptim {
 namespace rpc {
@@ -401,7 +402,7 @@ TEST(Rpc, FloodingCallerIsHeldBackAndLosesNothing) {
           for (auto& [expected, future] : futures) {
             EXPECT_EQ(future.wait(), expected);
           }
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if DISTOPTIM_UNDER_ASAN || DISTOPTIM_UNDER_TSAN
           // Under ASan freed memory stays resident in its quarantine (256 MiB by default), under
           // TSan every byte has shadow memory: the resident size says nothing about the queue bound
           // there. The Release suite checks it.
@@ -491,7 +492,7 @@ long page_faults_of_third_round(size_t bytes) {
 // 64 MiB at most: these three make 72) and each round maps and zeroes the pages afresh. Each
 // setting in a process of its own: mallopt is global.
 TEST(Rpc, KeepFreedMemoryReusesLargeBlocks) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if DISTOPTIM_UNDER_ASAN || DISTOPTIM_UNDER_TSAN
   GTEST_SKIP() << "the sanitizers' allocators replace glibc's malloc, which mallopt tunes";
 #endif
   constexpr size_t kBytes = size_t{24} << 20;
@@ -900,7 +901,7 @@ DISTOPTIM_RPC_FUNCTION("block_40s", [] {
 });
 
 TEST(Rpc, ExitingWithoutShutdownDoesNotWaitForABlockedRequest) {
-#if defined(__SANITIZE_THREAD__)
+#if DISTOPTIM_UNDER_TSAN
   GTEST_SKIP() << "ThreadSanitizer reports the agent's threads that the bounded stop leaves "
                   "unjoined at exit, as it is meant to";
 #endif

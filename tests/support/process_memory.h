@@ -12,22 +12,14 @@
 #include <cstdio>
 #include <thread>
 
+#include "support/sanitizers.h"
+
 namespace distoptim {
 namespace testing {
 
 /// False under AddressSanitizer, whose allocator keeps freed memory in quarantine and does not
 /// answer mallinfo2: memory bounds are checked only without it.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kChecksMemory = false;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kChecksMemory = false;
-#else
-constexpr bool kChecksMemory = true;
-#endif
-#else
-constexpr bool kChecksMemory = true;
-#endif
+constexpr bool kChecksMemory = !DISTOPTIM_UNDER_ASAN;
 
 /// The process's resident memory in bytes (-1 if unknown), malloc trimmed first: freed memory
 /// the allocator still keeps would read as held.

@@ -159,8 +159,13 @@ DiagAnswer ask_sock_diag(const Endpoint& local, const Endpoint& remote) {
   const ssize_t received = ::recv(netlink.fd, buffer, sizeof(buffer), 0);
   if (received <= 0) return answer;
   const auto* reply = reinterpret_cast<const nlmsghdr*>(buffer);
-  int length = static_cast<int>(received);
-  if (!NLMSG_OK(reply, length)) return answer;
+  // NLMSG_OK's test, without its comparison of signed and unsigned: the header arrived whole and
+  // the length it claims lies within what arrived.
+  const auto length = static_cast<size_t>(received);
+  if (length < sizeof(nlmsghdr) || reply->nlmsg_len < sizeof(nlmsghdr) ||
+      reply->nlmsg_len > length) {
+    return answer;
+  }
   if (reply->nlmsg_type == NLMSG_ERROR) {
     if (reply->nlmsg_len < NLMSG_LENGTH(sizeof(nlmsgerr))) return answer;
     const auto* error = static_cast<const nlmsgerr*>(NLMSG_DATA(reply));
