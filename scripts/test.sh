@@ -2,10 +2,11 @@
 # All setup, then every test:
 #   1. scripts/setup.sh (installs the Debian 12 packages; fast when they are there), then the
 #      format and house-rules checks (scripts/lint.sh format, then scripts/lint.sh rules);
-#   2. an AddressSanitizer + UndefinedBehaviorSanitizer build (build-asan) running the unit tests
-#      but those of step 3, save the ones that feed a worker hostile bytes (tests/CMakeLists.txt);
-#   3. a ThreadSanitizer build of the comm, rpc and dist_autograd layers (build-tsan) running their
-#      tests (tsan);
+#   2. an AddressSanitizer + UndefinedBehaviorSanitizer build, with clang (build-asan), running
+#      the unit tests but those of step 3, save the ones that feed a worker hostile bytes
+#      (tests/CMakeLists.txt);
+#   3. a ThreadSanitizer build, with clang, of the comm, rpc and dist_autograd layers
+#      (build-tsan) running their tests (tsan);
 #   4. an optimized build (build-check) of everything but the unit tests, which ran under the
 #      sanitizers in steps 2 and 3, running the rest of the suite (parity with PyTorch, the fuzz
 #      test, the examples, the soaks, the install test); the public headers are checked there.
@@ -19,7 +20,8 @@
 #
 # Environment (all optional): DISTOPTIM_BUILD_DIR (default build), DISTOPTIM_CHECK_BUILD_DIR
 # (default build-check), DISTOPTIM_ASAN_BUILD_DIR (default build-asan), DISTOPTIM_TSAN_BUILD_DIR
-# (default build-tsan), DISTOPTIM_JOBS (parallel compile jobs, default 2), ASAN_OPTIONS,
+# (default build-tsan), DISTOPTIM_SANITIZER_CXX (the sanitizer builds' compiler, default
+# clang++-14), DISTOPTIM_JOBS (parallel compile jobs, default 2), ASAN_OPTIONS,
 # UBSAN_OPTIONS and TSAN_OPTIONS (replace the defaults below).
 set -euo pipefail
 
@@ -29,6 +31,9 @@ CHECK_BUILD_DIR="${DISTOPTIM_CHECK_BUILD_DIR:-build-check}"
 ASAN_BUILD_DIR="${DISTOPTIM_ASAN_BUILD_DIR:-build-asan}"
 TSAN_BUILD_DIR="${DISTOPTIM_TSAN_BUILD_DIR:-build-tsan}"
 JOBS="${DISTOPTIM_JOBS:-2}"
+# The sanitizer builds use clang (scripts/setup.sh installs it): they compile in less CPU time
+# than with GCC. The Release builds use the system's c++ (GCC), as a user's build does.
+SANITIZER_CXX="${DISTOPTIM_SANITIZER_CXX:-clang++-14}"
 WHAT="${1:-all}"
 
 start=$SECONDS
@@ -41,7 +46,19 @@ phase() {
 sanitized_tests() {
   local what="$1" dir="$2" sanitize="$3" label="$4"
   phase "$what build in $dir"
+  # A build directory configured with another compiler (GCC, before the sanitizer builds used
+  # clang) starts afresh: CMake would drop its cache itself, and with it the options below.
+  local compiler
+  compiler=$(command -v "$SANITIZER_CXX") || {
+    echo "test.sh: the sanitizer builds' compiler '$SANITIZER_CXX' is not installed" >&2
+    exit 1
+  }
+  if [[ -f "$dir/CMakeCache.txt" ]] &&
+    [[ "$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$dir/CMakeCache.txt")" != "$compiler" ]]; then
+    rm -rf "$dir/CMakeCache.txt" "$dir/CMakeFiles"
+  fi
   cmake -S . -B "$dir" \
+    -DCMAKE_CXX_COMPILER="$compiler" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DDISTOPTIM_SANITIZE="$sanitize" \
     -DDISTOPTIM_BUILD_TESTS=ON \
