@@ -7,7 +7,8 @@
 # GCC uses a precompiled header only where it was made with the same code-generation settings
 # (-fPIC, optimization level, -fopenmp, macros such as GTEST_HAS_PTHREAD): one is made for the
 # layers' libraries (position-independent), one for the tests (executables, with GoogleTest) and
-# one for the programs (the examples and the launcher: executables, without GoogleTest).
+# one for the programs (the examples and the programs the tests run: executables, without
+# GoogleTest).
 # Where the settings differ GCC falls back to reading the headers (-Winvalid-pch says so), so the
 # result is the same either way. distoptim_optim keeps its own flags (-fopenmp, per-instruction-set
 # kernels) and does without. The public-header checks (tests/headers) use the tests' set: with
