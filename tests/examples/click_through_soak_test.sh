@@ -46,7 +46,7 @@ case "$mode" in
   *) echo "unknown mode '$mode' (replicas, snapshots or unkilled)"; exit 2 ;;
 esac
 rm -rf "$work" && mkdir -p "$work"
-steps=2500 snapshot_every=10
+steps=1500 snapshot_every=10
 seed="${DISTOPTIM_SOAK_SEED:-$((($(date +%s) + $$) % 32768))}"
 [[ "$mode" == unkilled ]] ||
   echo "soak: seed $seed (replay with DISTOPTIM_SOAK_SEED=$seed), $kills kills, mode $mode"
