@@ -18,7 +18,7 @@ namespace distoptim {
 namespace data_parallel {
 namespace {
 
-constexpr const char* kName = "install_large_block_cache";
+constexpr const char* kInstall = "install_large_block_cache";
 constexpr std::size_t kPageBytes = 4096;
 constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
 
@@ -206,7 +206,7 @@ void LargeBlockCache::release(void* data) {
 }  // namespace
 
 void install_large_block_cache(const LargeBlockCacheOptions& options) {
-  TORCH_CHECK_VALUE(options.min_block_bytes() >= kPageBytes, kName,
+  TORCH_CHECK_VALUE(options.min_block_bytes() >= kPageBytes, kInstall,
                     ": min_block_bytes = ", options.min_block_bytes(),
                     " is below one page (4096 bytes)");
   std::lock_guard<std::mutex> lock(install_mutex);
@@ -216,10 +216,10 @@ void install_large_block_cache(const LargeBlockCacheOptions& options) {
     installed->set_options(options);
     return;
   }
-  TORCH_CHECK(installed == nullptr, kName,
+  TORCH_CHECK(installed == nullptr, kInstall,
               ": LibTorch's CPU allocator was replaced after the cache was installed; the cache "
               "cannot wrap a second one");
-  TORCH_CHECK(current->raw_deleter() != nullptr, kName,
+  TORCH_CHECK(current->raw_deleter() != nullptr, kInstall,
               ": LibTorch's current CPU allocator cannot free a buffer by its pointer alone (no "
               "raw_deleter), so the cache cannot serve its small buffers through it");
   auto* cache = new LargeBlockCache(current);
@@ -230,7 +230,7 @@ void install_large_block_cache(const LargeBlockCacheOptions& options) {
     // Never current, so nothing was allocated through it.
     the_cache.store(nullptr);
     delete cache;
-    TORCH_CHECK(false, kName,
+    TORCH_CHECK(false, kInstall,
                 ": an allocator set with a higher priority keeps LibTorch's CPU allocator");
   }
 }

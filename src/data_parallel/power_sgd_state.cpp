@@ -72,7 +72,7 @@ std::tuple<double, int64_t, int64_t> PowerSGDState::compression_stats() const {
 
 namespace {
 
-constexpr const char* kLoad = "PowerSGDState::load_state_dict";
+constexpr const char* kLoadStateDict = "PowerSGDState::load_state_dict";
 
 c10::Dict<int64_t, at::Tensor> copies(const std::unordered_map<size_t, at::Tensor>& tensors) {
   c10::Dict<int64_t, at::Tensor> out;
@@ -98,13 +98,13 @@ c10::impl::GenericDict options_dict(const PowerSGDOptions& options) {
 // The entry `key` of a state dict, or c10::ValueError naming it.
 c10::IValue entry(const c10::impl::GenericDict& dict, const std::string& key) {
   const auto it = dict.find(key);
-  TORCH_CHECK_VALUE(it != dict.end(), kLoad, ": the state lacks '", key, "'");
+  TORCH_CHECK_VALUE(it != dict.end(), kLoadStateDict, ": the state lacks '", key, "'");
   return it->value();
 }
 
 int64_t count(const c10::impl::GenericDict& dict, const std::string& key) {
   const c10::IValue value = entry(dict, key);
-  TORCH_CHECK_VALUE(value.isInt() && value.toInt() >= 0, kLoad, ": '", key,
+  TORCH_CHECK_VALUE(value.isInt() && value.toInt() >= 0, kLoadStateDict, ": '", key,
                     "' must be a count, got ", value.tagKind());
   return value.toInt();
 }
@@ -112,12 +112,12 @@ int64_t count(const c10::impl::GenericDict& dict, const std::string& key) {
 std::unordered_map<size_t, at::Tensor> tensors_by_bucket(const c10::impl::GenericDict& dict,
                                                          const std::string& key) {
   const c10::IValue value = entry(dict, key);
-  TORCH_CHECK_VALUE(value.isGenericDict(), kLoad, ": '", key, "' must be a dict, got ",
+  TORCH_CHECK_VALUE(value.isGenericDict(), kLoadStateDict, ": '", key, "' must be a dict, got ",
                     value.tagKind());
   std::unordered_map<size_t, at::Tensor> out;
   for (const auto& item : value.toGenericDict()) {
     TORCH_CHECK_VALUE(item.key().isInt() && item.key().toInt() >= 0 && item.value().isTensor(),
-                      kLoad, ": '", key, "' must map bucket indices to tensors");
+                      kLoadStateDict, ": '", key, "' must map bucket indices to tensors");
     out[static_cast<size_t>(item.key().toInt())] = item.value().toTensor().detach().clone();
   }
   return out;
@@ -147,15 +147,16 @@ c10::IValue PowerSGDState::state_dict() const {
 }
 
 void PowerSGDState::load_state_dict(const c10::IValue& state) {
-  TORCH_CHECK_VALUE(state.isGenericDict(), kLoad, ": expected a dict, got ", state.tagKind());
+  TORCH_CHECK_VALUE(state.isGenericDict(), kLoadStateDict, ": expected a dict, got ",
+                    state.tagKind());
   const c10::impl::GenericDict dict = state.toGenericDict();
   const c10::IValue saved_options = entry(dict, "options");
-  TORCH_CHECK_VALUE(saved_options.isGenericDict(), kLoad, ": 'options' must be a dict");
+  TORCH_CHECK_VALUE(saved_options.isGenericDict(), kLoadStateDict, ": 'options' must be a dict");
   for (const auto& item : options_dict(options_)) {
     const auto saved = saved_options.toGenericDict().find(item.key());
-    TORCH_CHECK_VALUE(saved != saved_options.toGenericDict().end(), kLoad,
+    TORCH_CHECK_VALUE(saved != saved_options.toGenericDict().end(), kLoadStateDict,
                       ": the state lacks option '", item.key().toStringRef(), "'");
-    TORCH_CHECK_VALUE(saved->value() == item.value(), kLoad, ": the state has ",
+    TORCH_CHECK_VALUE(saved->value() == item.value(), kLoadStateDict, ": the state has ",
                       item.key().toStringRef(), " = ", saved->value(), ", this PowerSGDState ",
                       item.value(), " (a state loads into a PowerSGDState of the same options)");
   }
@@ -164,21 +165,23 @@ void PowerSGDState::load_state_dict(const c10::IValue& state) {
   loaded.total_numel_before_compression = count(dict, "total_numel_before_compression");
   loaded.total_numel_after_compression = count(dict, "total_numel_after_compression");
   const c10::IValue rng = entry(dict, "rng");
-  TORCH_CHECK_VALUE(rng.isString(), kLoad, ": 'rng' must be a string, got ", rng.tagKind());
+  TORCH_CHECK_VALUE(rng.isString(), kLoadStateDict, ": 'rng' must be a string, got ",
+                    rng.tagKind());
   std::istringstream rng_text(rng.toStringRef());
   rng_text >> loaded.rng;
-  TORCH_CHECK_VALUE(!rng_text.fail(), kLoad, ": 'rng' is not the state of a Mersenne Twister");
+  TORCH_CHECK_VALUE(!rng_text.fail(), kLoadStateDict,
+                    ": 'rng' is not the state of a Mersenne Twister");
   loaded.error_dict = tensors_by_bucket(dict, "error_dict");
   loaded.p_memory_dict = tensors_by_bucket(dict, "p_memory_dict");
   loaded.q_memory_dict = tensors_by_bucket(dict, "q_memory_dict");
   const c10::IValue layouts = entry(dict, "bucket_layouts");
-  TORCH_CHECK_VALUE(layouts.isGenericDict(), kLoad, ": 'bucket_layouts' must be a dict");
+  TORCH_CHECK_VALUE(layouts.isGenericDict(), kLoadStateDict, ": 'bucket_layouts' must be a dict");
   for (const auto& item : layouts.toGenericDict()) {
     const bool shapes =
         item.value().isList() &&
         std::all_of(item.value().toListRef().begin(), item.value().toListRef().end(),
                     [](const c10::IValue& shape) { return shape.isIntList(); });
-    TORCH_CHECK_VALUE(item.key().isInt() && item.key().toInt() >= 0 && shapes, kLoad,
+    TORCH_CHECK_VALUE(item.key().isInt() && item.key().toInt() >= 0 && shapes, kLoadStateDict,
                       ": 'bucket_layouts' must map bucket indices to lists of shapes");
     std::vector<std::vector<int64_t>> layout;
     for (const c10::IValue& shape : item.value().toListRef()) layout.push_back(shape.toIntVector());

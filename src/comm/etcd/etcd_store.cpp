@@ -46,11 +46,11 @@ constexpr std::chrono::milliseconds kLongestPause{1000};
 using detail::keys_text;
 using detail::seconds_text;
 
-std::string to_string(const std::vector<uint8_t>& bytes) {
+std::string as_text(const std::vector<uint8_t>& bytes) {
   return std::string(bytes.begin(), bytes.end());
 }
 
-std::vector<uint8_t> to_bytes(const std::string& text) {
+std::vector<uint8_t> as_bytes(const std::string& text) {
   return std::vector<uint8_t>(text.begin(), text.end());
 }
 
@@ -402,7 +402,7 @@ void EtcdStore::set(const std::string& key, const std::vector<uint8_t>& value) {
   check_value_size(what, value.size());
   impl_->post("/v3/kv/put",
               {{"key", etcd::base64_encode(impl_->prefix + key)},
-               {"value", etcd::base64_encode(to_string(value))}},
+               {"value", etcd::base64_encode(as_text(value))}},
               what, impl_->request_deadline());
 }
 
@@ -411,9 +411,9 @@ std::vector<uint8_t> EtcdStore::compareSet(const std::string& key,
                                            const std::vector<uint8_t>& desired_value) {
   const std::string what = "compareSet(" + key + ")";
   check_value_size(what, desired_value.size());
-  const std::string expected = to_string(expected_value);
-  const std::string desired = to_string(desired_value);
-  return to_bytes(impl_->read_modify_write(
+  const std::string expected = as_text(expected_value);
+  const std::string desired = as_text(desired_value);
+  return as_bytes(impl_->read_modify_write(
       key, what,
       [&](const std::optional<std::string>& current) -> Impl::Decision {
         // TCPStore (1.13): an absent key is created only when `expected` is empty; otherwise
@@ -432,7 +432,7 @@ std::vector<uint8_t> EtcdStore::get(const std::string& key) {
   const std::chrono::milliseconds timeout = impl_->timeout_of(*this);
   const auto start = Clock::now();
   while (true) {
-    if (auto found = impl_->range(impl_->prefix + key, what)) return to_bytes(found->value);
+    if (auto found = impl_->range(impl_->prefix + key, what)) return as_bytes(found->value);
     // Also when the key was deleted between the wait and the read: wait again, up to the same
     // deadline.
     impl_->wait_for({key}, start, timeout, what);
