@@ -32,7 +32,7 @@ CXX_SOURCES = $(shell git ls-files --cached --others --exclude-standard -- \
 all: build
 
 configure:
-	cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DDISTOPTIM_SANITIZE=OFF \
+	bash scripts/configure.sh $(BUILD_DIR) -DCMAKE_BUILD_TYPE=Release -DDISTOPTIM_SANITIZE=OFF \
 	  -DDISTOPTIM_BUILD_UNIT_TESTS=ON -DDISTOPTIM_BUILD_BENCH=ON -DDISTOPTIM_BUILD_EXAMPLES=ON \
 	  -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
 

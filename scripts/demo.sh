@@ -20,7 +20,7 @@ RESTARTS="${DISTOPTIM_RESTARTS:-}"
 bash scripts/setup.sh
 
 echo "==== demo.sh: building rnn_parameter_server and distrun (Release) in $BUILD_DIR"
-cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DDISTOPTIM_SANITIZE=OFF \
+bash scripts/configure.sh "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DDISTOPTIM_SANITIZE=OFF \
   -DDISTOPTIM_BUILD_EXAMPLES=ON -DDISTOPTIM_BUILD_TOOLS=ON
 cmake --build "$BUILD_DIR" -j"$JOBS" --target rnn_parameter_server distrun
 

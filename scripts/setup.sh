@@ -9,10 +9,12 @@ set -euo pipefail
 
 # Package names are Debian 12's. Recommends are not installed (--no-install-recommends): checked
 # with `apt-get install -s` from a minimal system, they would add about 140 packages (GTK, Qt,
-# systemd, ninja, pybind11, ...) of which the build, the tests and the benchmarks use none.
+# systemd, pybind11, ...) of which the build, the tests and the benchmarks use none.
 PACKAGES=(
   # Toolchain. g++ brings libasan8 and libubsan1 for the sanitizer build.
   build-essential cmake git pkg-config
+  # Ninja: the builds' generator (scripts/configure.sh says why).
+  ninja-build
   # LibTorch 1.13: headers, libraries and the CMake package `Torch`.
   libtorch-dev
   # The reference oracle: PyTorch 1.13 under /usr/bin/python3 (pulls python3 itself).

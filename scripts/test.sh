@@ -46,18 +46,14 @@ phase() {
 sanitized_tests() {
   local what="$1" dir="$2" sanitize="$3" label="$4"
   phase "$what build in $dir"
-  # A build directory configured with another compiler (GCC, before the sanitizer builds used
-  # clang) starts afresh: CMake would drop its cache itself, and with it the options below.
   local compiler
   compiler=$(command -v "$SANITIZER_CXX") || {
     echo "test.sh: the sanitizer builds' compiler '$SANITIZER_CXX' is not installed" >&2
     exit 1
   }
-  if [[ -f "$dir/CMakeCache.txt" ]] &&
-    [[ "$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$dir/CMakeCache.txt")" != "$compiler" ]]; then
-    rm -rf "$dir/CMakeCache.txt" "$dir/CMakeFiles"
-  fi
-  cmake -S . -B "$dir" \
+  # scripts/configure.sh: the Ninja generator, and a directory configured with another compiler
+  # (GCC, before the sanitizer builds used clang) or generator starts afresh.
+  bash scripts/configure.sh "$dir" \
     -DCMAKE_CXX_COMPILER="$compiler" \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DDISTOPTIM_SANITIZE="$sanitize" \
@@ -94,7 +90,7 @@ thread_sanitizer_tests() {
 release_tests() {
   local dir="$1" unit_tests="$2" level="$3"
   phase "Release build (${level}) in $dir"
-  cmake -S . -B "$dir" \
+  bash scripts/configure.sh "$dir" \
     -DCMAKE_BUILD_TYPE=Release \
     "-DCMAKE_CXX_FLAGS_RELEASE=${level} -DNDEBUG" \
     -DDISTOPTIM_SANITIZE=OFF \
