@@ -2,6 +2,7 @@
 # Configures a build directory with CMake's Ninja generator, as the test command, the demo and
 # the Makefile do:
 #   bash scripts/configure.sh DIR [CMAKE_ARGS...]
+# from any directory; a relative DIR is taken from the repository root, as the callers give it.
 #
 # Ninja rather than Make: with Ninja a target's files compile while the libraries it links are
 # still being built (only its link waits for them); with Make a test binary's files wait until
