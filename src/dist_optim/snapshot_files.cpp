@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 
 #include "checkpoint_file.h"
+#include "huge_pages.h"
 
 namespace distoptim {
 namespace dist_optim {
@@ -143,16 +144,27 @@ ParamCopy read_block_rows(const std::vector<BlockFile>& blocks, int64_t first_ro
   TORCH_INTERNAL_ASSERT(!blocks.empty() && blocks.front().first_row <= first_row &&
                         blocks.back().end_row >= end_row);
   ParamCopy out;
-  out.value = at::empty({end_row - first_row, dim}, at::TensorOptions().dtype(dtype));
   out.has_state = state.has_state;
   out.state.step = state.has_state ? state.step : 0;
-  if (state.has_state) {
-    for (const std::string& name : state.buffers)
-      out.state.buffers[name] = at::empty_like(out.value);
+  // A block holding exactly the rows asked for is taken as read (its tensors share the file's
+  // memory, which they keep); otherwise the rows are copied into memory of their own, in huge
+  // pages where the kernel gives them (one fault per 2 MB where 4 KB pages take 512).
+  const bool whole_block =
+      blocks.size() == 1 && blocks[0].first_row == first_row && blocks[0].end_row == end_row;
+  auto fresh_rows = [&] {
+    at::Tensor rows = at::empty({end_row - first_row, dim}, at::TensorOptions().dtype(dtype));
+    optim::detail::advise_huge_pages_before_first_touch(rows);
+    return rows;
+  };
+  if (!whole_block) {
+    out.value = fresh_rows();
+    if (state.has_state) {
+      for (const std::string& name : state.buffers) out.state.buffers[name] = fresh_rows();
+    }
   }
   for (const BlockFile& block : blocks) {
     const GenericDict dict =
-        dict_of(optim::detail::read_pickle_file(block.path, kLoadSnapshot), block.path);
+        dict_of(optim::detail::read_pickle_file_in_place(block.path, kLoadSnapshot), block.path);
     check_format(dict, kBlockFormat, block.path);
     const int64_t shard = int_field(dict, "shard", block.path);
     const int64_t first = int_field(dict, "first_row", block.path);
@@ -177,11 +189,17 @@ ParamCopy read_block_rows(const std::vector<BlockFile>& blocks, int64_t first_ro
     // The rows of this block that [first_row, end_row) takes.
     const int64_t from = std::max(first, first_row), to = std::min(end, end_row);
     if (from >= to) continue;
+    const at::Tensor rows = rows_of(field(dict, "rows", block.path), "'rows'");
+    if (whole_block) {
+      out.value = rows;
+      out.state.buffers = buffers;
+      continue;
+    }
     auto take = [&](const at::Tensor& source, at::Tensor& target) {
       target.slice(0, from - first_row, to - first_row)
           .copy_(source.slice(0, from - first, to - first));
     };
-    take(rows_of(field(dict, "rows", block.path), "'rows'"), out.value);
+    take(rows, out.value);
     for (const auto& [name, buffer] : buffers) take(buffer, out.state.buffers.at(name));
   }
   return out;
@@ -214,7 +232,8 @@ ParamCopy read_id_blocks(const std::vector<std::string>& paths, int64_t dim, c10
   std::map<std::string, std::vector<at::Tensor>> buffers_kept;
   std::map<int64_t, std::string> seen;  // kept id -> its file
   for (const std::string& path : paths) {
-    const GenericDict dict = dict_of(optim::detail::read_pickle_file(path, kLoadSnapshot), path);
+    const GenericDict dict =
+        dict_of(optim::detail::read_pickle_file_in_place(path, kLoadSnapshot), path);
     check_format(dict, kIdBlockFormat, path);
     const c10::IValue& ids_value = field(dict, "ids", path);
     TORCH_CHECK_VALUE(ids_value.isTensor() && ids_value.toTensor().layout() == c10::kStrided &&
@@ -292,7 +311,8 @@ void write_params_file(const std::string& path, const std::vector<int64_t>& dens
 
 ParamCopy read_param(const std::string& path, int64_t dense_index, const at::Tensor& like,
                      const StateSummary& state) {
-  const GenericDict file = dict_of(optim::detail::read_pickle_file(path, kLoadSnapshot), path);
+  const GenericDict file =
+      dict_of(optim::detail::read_pickle_file_in_place(path, kLoadSnapshot), path);
   check_format(file, kParamsFormat, path);
   for (const c10::IValue& item : list_field(file, "params", path)) {
     TORCH_CHECK_VALUE(item.isGenericDict(), kLoadSnapshot, ": '", path,

@@ -3,25 +3,31 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <zip.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
 #include <memory>
-#include <sstream>
 #include <system_error>
 #include <utility>
 
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/serialize.h>
 
+#include "checkpoint_archive.h"
 #include "file_writer.h"
+#include "huge_pages.h"
 
 namespace distoptim {
 namespace optim {
@@ -37,6 +43,7 @@ class Descriptor {
   explicit Descriptor(int fd) : fd_(fd) {}
   Descriptor(const Descriptor&) = delete;
   Descriptor& operator=(const Descriptor&) = delete;
+  Descriptor(Descriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
   ~Descriptor() {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -53,302 +60,12 @@ class Descriptor {
   int fd_;
 };
 
-struct ZipDiscard {
-  void operator()(zip_t* archive) const { zip_discard(archive); }
-};
-struct ZipFileClose {
-  void operator()(zip_file_t* file) const { zip_fclose(file); }
-};
-
-// Reads every record of the archive in `bytes` through libzip, which compares each record's data
-// with the CRC-32 stored for it. LibTorch's own reader (miniz) checks no CRC, so without this a
-// flipped byte in a tensor's data would load silently as another value.
-void verify_archive(const std::vector<char>& bytes, const std::string& path, const char* caller) {
-  zip_error_t error;
-  zip_error_init(&error);
-  zip_source_t* source = zip_source_buffer_create(bytes.data(), bytes.size(), 0, &error);
-  std::unique_ptr<zip_t, ZipDiscard> archive;
-  if (source != nullptr) {
-    // ZIP_CHECKCONS: every local header must agree with the central directory.
-    archive.reset(zip_open_from_source(source, ZIP_RDONLY | ZIP_CHECKCONS, &error));
-    if (!archive) zip_source_free(source);
-  }
-  if (!archive) {
-    const std::string reason = zip_error_strerror(&error);
-    zip_error_fini(&error);
-    TORCH_CHECK(false, caller, ": '", path, "' is not a valid checkpoint (", bytes.size(),
-                " bytes; a zip archive as LibTorch's serialization writes it): ", reason);
-  }
-  zip_error_fini(&error);
-
-  const zip_int64_t count = zip_get_num_entries(archive.get(), 0);
-  TORCH_CHECK(count > 0, caller, ": '", path,
-              "' is not a valid checkpoint: its zip archive holds no records");
-  std::array<char, 1 << 16> chunk;
-  for (zip_int64_t i = 0; i < count; ++i) {
-    const auto index = static_cast<zip_uint64_t>(i);
-    zip_stat_t stat;
-    zip_stat_init(&stat);
-    TORCH_CHECK(zip_stat_index(archive.get(), index, ZIP_FL_ENC_RAW, &stat) == 0, caller, ": '",
-                path, "' is corrupted: record ", i,
-                " cannot be read: ", zip_strerror(archive.get()));
-    const std::string name = (stat.valid & ZIP_STAT_NAME) ? stat.name : std::to_string(i);
-    // LibTorch allocates a record's uncompressed size when it reads it; stored records keep that
-    // within the file's size. LibTorch and PyTorch never compress a record.
-    TORCH_CHECK((stat.valid & ZIP_STAT_COMP_METHOD) && stat.comp_method == ZIP_CM_STORE, caller,
-                ": '", path, "' is not a valid checkpoint: record '", name,
-                "' is compressed (method ", stat.comp_method,
-                "); LibTorch's serialization stores records uncompressed");
-    std::unique_ptr<zip_file_t, ZipFileClose> file(zip_fopen_index(archive.get(), index, 0));
-    TORCH_CHECK(file, caller, ": '", path, "' is corrupted: record '", name,
-                "' cannot be read: ", zip_strerror(archive.get()));
-    zip_int64_t n = 0;
-    while ((n = zip_fread(file.get(), chunk.data(), chunk.size())) > 0) {
-    }
-    if (n < 0) {
-      zip_error_t* file_error = zip_file_get_error(file.get());
-      TORCH_CHECK(zip_error_code_zip(file_error) != ZIP_ER_CRC, caller, ": '", path,
-                  "' is corrupted: the data of record '", name,
-                  "' does not match its CRC-32; the file is damaged");
-      TORCH_CHECK(false, caller, ": '", path, "' is corrupted: record '", name,
-                  "' cannot be read: ", zip_error_strerror(file_error));
-    }
-  }
-}
-
-// The fields of the archive that decide what LibTorch's zip reader (miniz, as LibTorch 1.13
-// builds it) reads, checked against what LibTorch's writer (caffe2::serialize::PyTorchStreamWriter,
-// also behind Python's torch.save) produces. verify_archive has already compared every local
-// header with its central directory entry and every record's data with its CRC-32, as libzip sees
-// the archive; this follows the fields the way miniz does, where it decides on one differently.
-//
-// Decided here, field by field (everything else is read by neither reader, or cannot change which
-// bytes miniz hands to the unpickler):
-// - end of central directory: must be the file's last 22 bytes, without a comment. miniz takes
-//   the last signature it finds, so a comment could hold a second directory only it would read.
-//   Its disk numbers: miniz refuses values other than 0 and 1, and reads the same with either.
-// - zip64 end of central directory and its locator (LibTorch writes both): when the locator's
-//   signature is where miniz looks, miniz takes the entry count and the directory's size and
-//   offset from the zip64 record only, so they must agree with the 32-bit record (or the latter
-//   says 0xFFFF/0xFFFFFFFF); the record (size field 44, no extensible data) must end where the
-//   locator starts, and the locator must count one disk. Its versions: miniz never reads them;
-//   its and the locator's disk numbers: as the 32-bit record's.
-// - the central directory: `count` entries must fill it exactly, ending where the trailer starts.
-// - each entry's general-purpose flags: only data descriptor (0x8) and UTF-8 name (0x800), as
-//   LibTorch writes them. miniz refuses encrypted records (0x1, 0x40), patch data (0x20) and
-//   masked headers (0x2000); LibTorch sets no other bit, and several change how a zip reader
-//   takes the data.
-// - compression method: 0 (stored), in the entry and its local header; miniz allocates and
-//   reads the central directory's uncompressed size.
-// - CRC-32: verify_archive compares every record's data with it (miniz, as LibTorch builds it,
-//   does not).
-// - sizes: compressed equals uncompressed (libzip reads the one, miniz the other), zip64 values
-//   as miniz takes them, and the data inside the file before the central directory.
-// - name: not empty, no trailing '/' (miniz reads such a record as an empty directory), unique
-//   ignoring case (miniz looks records up ignoring case; libzip only refuses exact duplicates),
-//   and equal to its local header's.
-// - external attributes: the MS-DOS directory bit (0x10) unset; miniz reads such a record as an
-//   empty directory, the caller's buffer left as it was allocated. miniz reads no other bit.
-// - local header offset: a local header there, whose name and extra lengths give where the data
-//   starts for both readers (libzip checked the CRC-32 of exactly those bytes).
-// Cannot change what is loaded: versions made by and needed (miniz never reads them), times,
-// internal attributes, disk number start (miniz refuses the values it cannot read, reads the
-// others the same), the comment (skipped by its length, which the fill check covers), extra
-// fields other than zip64's (miniz reads no other), the local header's flags, times, CRC and
-// sizes (miniz takes all of them from the central directory; libzip compared them), and the data
-// descriptors (neither reader reads them back).
-class ZipFields {
- public:
-  ZipFields(const std::vector<char>& bytes, const std::string& path, const char* caller)
-      : bytes_(bytes), path_(path), caller_(caller) {}
-
-  void verify() const {
-    const uint64_t size = bytes_.size();
-    require(size >= kEocdSize, "too short for a zip archive's end record");
-    const uint64_t eocd = size - kEocdSize;
-    require(u32(eocd) == kEocdSig,
-            "its last 22 bytes are not an end of central directory record (LibTorch writes no "
-            "archive comment)");
-    require(u16(eocd + 20) == 0, "its end of central directory record has a comment");
-    uint64_t count = u16(eocd + 10);
-    uint64_t cd_size = u32(eocd + 12);
-    uint64_t cd_offset = u32(eocd + 16);
-    uint64_t trailer = eocd;
-    // miniz's test for zip64: the locator's signature right before the end record, and the
-    // zip64 record's signature where the locator points.
-    if (eocd >= kLocatorSize && u32(eocd - kLocatorSize) == kLocatorSig) {
-      const uint64_t locator = eocd - kLocatorSize;
-      const uint64_t zip64 = u64(locator + 8);
-      if (size >= kZip64EocdSize && zip64 <= size - kZip64EocdSize && u32(zip64) == kZip64EocdSig) {
-        require(u32(locator + 16) == 1, "its zip64 locator gives ", u32(locator + 16),
-                " disks (a checkpoint is one file)");
-        require(u64(zip64 + 4) == kZip64EocdSize - 12 && zip64 + kZip64EocdSize == locator,
-                "its zip64 end of central directory record does not end where its locator starts");
-        require(u64(zip64 + 24) == u64(zip64 + 32), "its zip64 end record counts ", u64(zip64 + 32),
-                " records in all but ", u64(zip64 + 24), " on its one disk");
-        const uint64_t count64 = u64(zip64 + 32);
-        const uint64_t size64 = u64(zip64 + 40);
-        const uint64_t offset64 = u64(zip64 + 48);
-        require(agrees(count, count64, 0xFFFF) && agrees(u16(eocd + 8), count64, 0xFFFF) &&
-                    agrees(cd_size, size64, 0xFFFFFFFF) && agrees(cd_offset, offset64, 0xFFFFFFFF),
-                "its end of central directory records disagree (", count, " records, ", cd_size,
-                " bytes at ", cd_offset, " against zip64's ", count64, " records, ", size64,
-                " bytes at ", offset64, ")");
-        count = count64;
-        cd_size = size64;
-        cd_offset = offset64;
-        trailer = zip64;
-      }
-    }
-    if (trailer == eocd) {
-      require(u16(eocd + 8) == count, "its end of central directory record counts ", count,
-              " records in all but ", u16(eocd + 8), " on its one disk");
-    }
-    require(cd_offset <= trailer && cd_size == trailer - cd_offset, "its central directory (",
-            cd_size, " bytes at ", cd_offset, ") does not end where its end record starts (",
-            trailer, ")");
-
-    std::vector<std::string> names;
-    uint64_t at = cd_offset;
-    for (uint64_t i = 0; i < count; ++i) {
-      require(trailer - at >= kCentralSize && u32(at) == kCentralSig, "central directory entry ", i,
-              " of ", count, " is missing or damaged");
-      const uint64_t name_length = u16(at + 28);
-      const uint64_t extra_length = u16(at + 30);
-      const uint64_t next = at + kCentralSize + name_length + extra_length + u16(at + 32);
-      require(next <= trailer, "central directory entry ", i, " runs past the directory's end");
-      const std::string name(bytes_.data() + at + kCentralSize, name_length);
-      const std::string record =
-          "record '" + name + "' (central directory entry " + std::to_string(i) + ")";
-      check_entry(at, name, record, extra_length, cd_offset);
-      names.push_back(lowercase(name));
-      at = next;
-    }
-    require(at == trailer, "its central directory holds ", trailer - at,
-            " bytes after its last entry (", count, " entries)");
-    std::sort(names.begin(), names.end());
-    const auto twin = std::adjacent_find(names.begin(), names.end());
-    require(twin == names.end(), "two records are named '", twin == names.end() ? "" : *twin,
-            "' (ignoring case, as LibTorch's reader looks names up)");
-  }
-
- private:
-  static constexpr uint32_t kEocdSig = 0x06054b50;
-  static constexpr uint32_t kLocatorSig = 0x07064b50;
-  static constexpr uint32_t kZip64EocdSig = 0x06064b50;
-  static constexpr uint32_t kCentralSig = 0x02014b50;
-  static constexpr uint32_t kLocalSig = 0x04034b50;
-  static constexpr uint64_t kEocdSize = 22;
-  static constexpr uint64_t kLocatorSize = 20;
-  static constexpr uint64_t kZip64EocdSize = 56;
-  static constexpr uint64_t kCentralSize = 46;
-  static constexpr uint64_t kLocalSize = 30;
-  static constexpr uint16_t kDataDescriptorFlag = 0x0008;
-  static constexpr uint16_t kUtf8NameFlag = 0x0800;
-  static constexpr uint32_t kDosDirectoryAttribute = 0x10;
-
-  // The central directory entry at `at`, named `name`, and the local header it points to.
-  void check_entry(uint64_t at, const std::string& name, const std::string& record,
-                   uint64_t extra_length, uint64_t cd_offset) const {
-    const uint64_t flags = u16(at + 8);
-    require((flags & ~uint64_t{kDataDescriptorFlag | kUtf8NameFlag}) == 0, record,
-            " has general-purpose flags 0x", hex(flags),
-            "; LibTorch's writer sets only 0x8 (data descriptor) and 0x800 (UTF-8 name)",
-            (flags & 0x41) ? ", and 0x1 and 0x40 mean encrypted" : "");
-    require(u16(at + 10) == 0, record, " is compressed (method ", u16(at + 10),
-            "); LibTorch's serialization stores records uncompressed");
-    const uint64_t attributes = u32(at + 38);
-    require((attributes & kDosDirectoryAttribute) == 0, record, " has external attributes 0x",
-            hex(attributes),
-            ": the MS-DOS directory bit 0x10, which LibTorch's reader takes for a directory and "
-            "reads as no data; LibTorch's writer sets no attribute");
-    require(!name.empty() && name.back() != '/', record,
-            " has a directory's name (empty or ending in '/'), which LibTorch's reader reads as "
-            "no data");
-
-    // The zip64 extended information field replaces each 32-bit field saturated at 0xFFFFFFFF,
-    // in this order, as miniz reads it.
-    uint64_t uncompressed = u32(at + 24);
-    uint64_t compressed = u32(at + 20);
-    uint64_t local = u32(at + 42);
-    if (uncompressed == 0xFFFFFFFF || compressed == 0xFFFFFFFF || local == 0xFFFFFFFF) {
-      uint64_t field = at + kCentralSize + name.size();
-      const uint64_t end = field + extra_length;
-      bool found = false;
-      while (!found && field + 4 <= end) {
-        const uint64_t id = u16(field);
-        const uint64_t length = u16(field + 2);
-        require(field + 4 + length <= end, record, " has a damaged extra field");
-        if (id == 0x0001) {
-          uint64_t value = field + 4;
-          for (uint64_t* saturated : {&uncompressed, &compressed, &local}) {
-            if (*saturated != 0xFFFFFFFF) continue;
-            require(value + 8 <= field + 4 + length, record,
-                    " has a zip64 field too short for its sizes and offset");
-            *saturated = u64(value);
-            value += 8;
-          }
-          found = true;
-        }
-        field += 4 + length;
-      }
-      require(found, record, " has a size or offset of 0xFFFFFFFF and no zip64 field");
-    }
-    require(compressed == uncompressed, record, " is stored with a compressed size of ", compressed,
-            " bytes but an uncompressed size of ", uncompressed);
-
-    require(local <= cd_offset && cd_offset - local >= kLocalSize && u32(local) == kLocalSig,
-            record, " has no local header at its offset ", local);
-    require(u16(local + 8) == 0, record, "'s local header says compression method ",
-            u16(local + 8));
-    const uint64_t local_name_length = u16(local + 26);
-    const uint64_t data = local + kLocalSize + local_name_length + u16(local + 28);
-    require(data <= cd_offset, record, "'s local header at ", local,
-            " runs into the central directory");
-    require(std::string(bytes_.data() + local + kLocalSize, local_name_length) == name, record,
-            "'s local header at ", local, " names another record");
-    require(uncompressed <= cd_offset - data, record, "'s data (", uncompressed, " bytes at ", data,
-            ") runs into the central directory at ", cd_offset);
-  }
-
-  static bool agrees(uint64_t narrow, uint64_t wide, uint64_t saturated) {
-    return narrow == wide || narrow == saturated;
-  }
-
-  static std::string lowercase(std::string s) {
-    for (char& c : s) {
-      if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
-    }
-    return s;
-  }
-
-  static std::string hex(uint64_t value) {
-    std::ostringstream out;
-    out << std::hex << value;
-    return out.str();
-  }
-
-  uint64_t byte(uint64_t at) const {
-    require(at < bytes_.size(), "a header runs past the end of the file");
-    return static_cast<uint8_t>(bytes_[at]);
-  }
-  uint64_t u16(uint64_t at) const { return byte(at) | byte(at + 1) << 8; }
-  uint64_t u32(uint64_t at) const { return u16(at) | u16(at + 2) << 16; }
-  uint64_t u64(uint64_t at) const { return u32(at) | u32(at + 4) << 32; }
-
-  template <typename... Args>
-  void require(bool ok, const Args&... what) const {
-    TORCH_CHECK(ok, caller_, ": '", path_, "' is not a valid checkpoint: ", what...);
-  }
-
-  const std::vector<char>& bytes_;
-  const std::string& path_;
-  const char* caller_;
-};
-
 }  // namespace
 
-std::vector<char> read_checkpoint_file(const std::string& path, const char* caller) {
+namespace {
+
+// Opens `path` for reading, checked to be a non-empty regular file; its size in `*size`.
+Descriptor open_checkpoint(const std::string& path, const char* caller, size_t* size) {
   // O_NONBLOCK: opening a FIFO by mistake must not wait for a writer (a regular file ignores it).
   Descriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
   TORCH_CHECK(fd.get() >= 0, caller, ": cannot open '", path, "': ", errno_text(errno));
@@ -358,20 +75,176 @@ std::vector<char> read_checkpoint_file(const std::string& path, const char* call
   TORCH_CHECK(!S_ISDIR(st.st_mode), caller, ": '", path, "' is a directory, not a checkpoint file");
   TORCH_CHECK(S_ISREG(st.st_mode), caller, ": '", path, "' is not a regular file");
   TORCH_CHECK(st.st_size > 0, caller, ": '", path, "' is empty, not a checkpoint");
+  *size = static_cast<size_t>(st.st_size);
+  return fd;
+}
 
-  std::vector<char> bytes(static_cast<size_t>(st.st_size));
+// Reads exactly `size` bytes of `fd` into `out`.
+void read_exactly(const Descriptor& fd, char* out, size_t size, const std::string& path,
+                  const char* caller) {
   size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::read(fd.get(), bytes.data() + done, bytes.size() - done);
+  while (done < size) {
+    const ssize_t n = ::read(fd.get(), out + done, size - done);
     if (n < 0 && errno == EINTR) continue;
     TORCH_CHECK(n >= 0, caller, ": reading '", path, "' failed: ", errno_text(errno));
-    TORCH_CHECK(n > 0, caller, ": '", path, "' shrank from ", bytes.size(), " to ", done,
+    TORCH_CHECK(n > 0, caller, ": '", path, "' shrank from ", size, " to ", done,
                 " bytes while it was read");
     done += static_cast<size_t>(n);
   }
-  verify_archive(bytes, path, caller);
-  ZipFields(bytes, path, caller).verify();
+}
+
+// LibTorch's zip reader over bytes in memory.
+class MemoryReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit MemoryReadAdapter(c10::ArrayRef<char> bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    n = std::min<size_t>(n, bytes_.size() - pos);
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  c10::ArrayRef<char> bytes_;
+};
+
+// The data of each record a storage was made from, by where it starts: its name and size.
+using RecordsRead = std::map<const void*, std::pair<std::string, uint64_t>>;
+
+// LibTorch's unpickler takes a storage's size and a tensor's offset, sizes and strides from the
+// pickle as they are: checks that every strided tensor of `value` lies inside its storage, and
+// every storage made from a record of `records` inside that record.
+void check_tensor_extents(const c10::IValue& value, const RecordsRead& records) {
+  value.visit([&](const c10::IValue& item) {
+    if (!item.isTensor()) return false;
+    const at::Tensor& tensor = item.toTensor();
+    if (tensor.layout() != c10::kStrided || !tensor.has_storage()) return false;
+    const c10::Storage& storage = tensor.storage();
+    const auto record = records.find(storage.data());
+    TORCH_CHECK(record == records.end() || storage.nbytes() <= record->second.second,
+                "a storage of ", storage.nbytes(), " bytes is made from record '",
+                record->second.first, "', which holds ", record->second.second);
+    if (tensor.numel() == 0) return false;
+    // In elements: the last one the tensor reaches, which must lie inside the storage.
+    uint64_t last = static_cast<uint64_t>(tensor.storage_offset());
+    bool in_range = tensor.storage_offset() >= 0;
+    for (int64_t d = 0; d < tensor.dim(); ++d) {
+      in_range = in_range && tensor.stride(d) >= 0;
+      last += static_cast<uint64_t>(tensor.size(d) - 1) * static_cast<uint64_t>(tensor.stride(d));
+    }
+    const uint64_t elements = storage.nbytes() / tensor.dtype().itemsize();
+    TORCH_CHECK(in_range && last < elements, "a tensor of shape ", tensor.sizes(), ", strides ",
+                tensor.strides(), " and offset ", tensor.storage_offset(),
+                " reaches past its storage of ", elements, " elements");
+    return false;
+  });
+}
+
+template <typename Load>
+c10::IValue unpickled(const std::string& path, const char* caller, const Load& load) {
+  try {
+    return load();
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, caller, ": '", path,
+                "' holds no readable pickle: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, caller, ": '", path, "' holds no readable pickle: ", e.what());
+  }
+}
+
+}  // namespace
+
+std::vector<char> read_checkpoint_file(const std::string& path, const char* caller) {
+  size_t size = 0;
+  const Descriptor fd = open_checkpoint(path, caller, &size);
+  std::vector<char> bytes(size);
+  read_exactly(fd, bytes.data(), size, path, caller);
+  verify_checkpoint_archive(bytes, path, caller);
   return bytes;
+}
+
+namespace {
+
+// Where and how large a record's data is in a checkpoint's bytes.
+struct RecordData {
+  uint64_t offset;
+  uint64_t size;
+};
+
+// Unpickles the checkpoint in `bytes` (verified; `data_sizes` from verify_checkpoint) as
+// torch::pickle_load does, but with each tensor's storage from `storage_data`, and every tensor
+// checked to lie inside its record.
+c10::IValue unpickle_checkpoint(c10::ArrayRef<char> bytes,
+                                const std::map<uint64_t, uint64_t>& data_sizes,
+                                const std::function<at::DataPtr(const RecordData&)>& storage_data) {
+  caffe2::serialize::PyTorchStreamReader reader(std::make_shared<MemoryReadAdapter>(bytes));
+  const auto [pickle, pickle_size] = reader.getRecord("data.pkl");
+  size_t pickle_read = 0;
+  auto read_pickle = [&, data = static_cast<const char*>(pickle.get()), pickle_size = pickle_size](
+                         char* out, size_t n) -> size_t {
+    n = std::min(n, pickle_size - pickle_read);
+    std::memcpy(out, data + pickle_read, n);
+    pickle_read += n;
+    return n;
+  };
+  RecordsRead records;
+  auto read_record = [&](const std::string& key) {
+    // Where torch::pickle_load's reader finds a tensor's record.
+    const std::string name = "data/" + key;
+    const uint64_t offset = reader.getRecordOffset(name);
+    const auto size = data_sizes.find(offset);
+    TORCH_CHECK(size != data_sizes.end(), "record '", name, "' has no data at ", offset);
+    at::DataPtr data = storage_data({offset, size->second});
+    records[data.get()] = {name, size->second};
+    return data;
+  };
+  torch::jit::Unpickler unpickler(read_pickle, nullptr, nullptr, read_record, c10::nullopt);
+  unpickler.set_version(reader.version());
+  c10::IValue value = unpickler.parse_ivalue();
+  check_tensor_extents(value, records);
+  return value;
+}
+
+}  // namespace
+
+c10::IValue read_pickle_file(const std::string& path, const char* caller,
+                             std::vector<char>* bytes) {
+  size_t size = 0;
+  const Descriptor fd = open_checkpoint(path, caller, &size);
+  std::vector<char> read(size);
+  read_exactly(fd, read.data(), size, path, caller);
+  const std::map<uint64_t, uint64_t> data_sizes = verify_checkpoint_archive(read, path, caller);
+  c10::IValue value = unpickled(path, caller, [&] {
+    // As LibTorch's reader: each storage a copy of its record.
+    return unpickle_checkpoint(read, data_sizes, [&](const RecordData& record) {
+      at::DataPtr data = c10::GetCPUAllocator()->allocate(record.size);
+      if (record.size > 0) std::memcpy(data.get(), read.data() + record.offset, record.size);
+      return data;
+    });
+  });
+  if (bytes != nullptr) *bytes = std::move(read);
+  return value;
+}
+
+c10::IValue read_pickle_file_in_place(const std::string& path, const char* caller) {
+  size_t size = 0;
+  const Descriptor fd = open_checkpoint(path, caller, &size);
+  // Never zeroed, and in huge pages where the kernel gives them: its first touch is the read.
+  const at::Tensor file = at::empty({static_cast<int64_t>(size)}, at::kChar);
+  advise_huge_pages_before_first_touch(file);
+  char* const base = static_cast<char*>(file.data_ptr());
+  read_exactly(fd, base, size, path, caller);
+  const c10::ArrayRef<char> bytes(base, size);
+  const std::map<uint64_t, uint64_t> data_sizes = verify_checkpoint_archive(bytes, path, caller);
+  return unpickled(path, caller, [&] {
+    // Each storage is its record's data where it lies in `file`, which the storage keeps alive.
+    return unpickle_checkpoint(bytes, data_sizes, [&](const RecordData& record) {
+      return at::DataPtr(
+          base + record.offset, new c10::Storage(file.storage()),
+          [](void* owner) { delete static_cast<c10::Storage*>(owner); }, at::kCPU);
+    });
+  });
 }
 
 namespace {
@@ -462,21 +335,6 @@ void write_checkpoint_file(const std::string& path, const char* caller,
   if (dir_fd.get() < 0 || ::fsync(dir_fd.get()) != 0) {
     const int err = errno;
     save_failed(caller, path, "written, but syncing its directory '" + dir + "' failed", err);
-  }
-}
-
-c10::IValue read_pickle_file(const std::string& path, const char* caller,
-                             std::vector<char>* bytes) {
-  std::vector<char> read = read_checkpoint_file(path, caller);
-  try {
-    c10::IValue value = torch::pickle_load(read);
-    if (bytes != nullptr) *bytes = std::move(read);
-    return value;
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, caller, ": '", path,
-                "' holds no readable pickle: ", e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, caller, ": '", path, "' holds no readable pickle: ", e.what());
   }
 }
 

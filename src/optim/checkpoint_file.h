@@ -42,10 +42,18 @@ void write_checkpoint_file(const std::string& path, const char* caller,
                            const std::function<void(const ByteSink&)>& produce);
 
 /// read_checkpoint_file, then LibTorch's unpickling of its bytes (kept in `*bytes` when not
-/// null); a file that passes the checks but holds no pickle LibTorch can read is a `c10::Error`
-/// `caller: 'path' holds no readable pickle: ...`.
+/// null); a file that passes the checks but holds no pickle LibTorch can read, or a tensor that
+/// reaches past its storage, is a `c10::Error` `caller: 'path' holds no readable pickle: ...`.
 c10::IValue read_pickle_file(const std::string& path, const char* caller,
                              std::vector<char>* bytes = nullptr);
+
+/// read_pickle_file for a caller that copies what it keeps of the tensors and drops them: the
+/// file is read once into memory of its own (never zeroed first, in huge pages where the kernel
+/// gives them) and each tensor's storage is its record's data there, not a copy (LibTorch's
+/// reader copies each record into fresh memory: on a virtual machine the page faults of a large
+/// file's copies cost more than reading it). Any tensor of the result keeps the whole file's
+/// memory. The same checks and errors, and each storage is checked to lie inside its record.
+c10::IValue read_pickle_file_in_place(const std::string& path, const char* caller);
 
 /// `value` pickled by LibTorch, byte for byte as torch::pickle_save (Python's torch.load reads
 /// it), streamed to the file with write_checkpoint_file: each tensor's storage goes from its own

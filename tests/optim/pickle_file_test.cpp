@@ -1,0 +1,173 @@
+// The library's pickle files read two ways: as LibTorch reads them (each tensor a copy of its
+// record) and in place (each tensor's storage its record's data in the file's memory, for the
+// snapshots a recovering server reads). Both give the saved values, and both refuse a file whose
+// pickle claims more of a record than the record holds, which LibTorch's reader would read past.
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/TensorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/serialize.h>
+
+#include "checkpoint_file.h"
+#include "support/test_util.h"
+
+namespace distoptim {
+namespace optim {
+namespace pickle_file_test {
+
+using testing::expect_error_containing;
+
+class PickleFile : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string base = ::testing::TempDir();
+    if (!base.empty() && base.back() == '/') base.pop_back();
+    std::string pattern = base + "/distoptim_pickle_XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    dir_ = pattern;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // Writes an archive as torch::pickle_save lays one out, but with `records` as the tensors'
+  // data in place of what the pickle of `value` says they hold.
+  std::string write_with_records(const c10::IValue& value, const std::vector<at::Tensor>& records,
+                                 const std::string& name) {
+    std::vector<char> pickle;
+    torch::jit::Pickler pickler(
+        [&](const char* data, size_t size) { pickle.insert(pickle.end(), data, data + size); });
+    pickler.protocol();
+    pickler.pushIValue(value);
+    pickler.stop();
+    EXPECT_EQ(pickler.tensorData().size(), records.size());
+    std::vector<char> bytes;
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
+      bytes.insert(bytes.end(), static_cast<const char*>(data),
+                   static_cast<const char*>(data) + size);
+      return size;
+    });
+    torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), records, writer);
+    writer.writeEndOfFile();
+    const std::string path = dir_ + "/" + name;
+    detail::write_checkpoint_file(path, bytes, "test");
+    return path;
+  }
+
+  std::string dir_;
+};
+
+c10::Dict<std::string, at::Tensor> sample_tensors() {
+  at::manual_seed(11);
+  const at::Tensor base = at::randn({6, 5});
+  c10::Dict<std::string, at::Tensor> tensors;
+  tensors.insert("rows", at::randn({64, 8}));
+  tensors.insert("ids", at::arange(100, at::kLong));
+  tensors.insert("view", base.slice(0, 2, 5));  // a view: offset 10 into a storage of 30
+  tensors.insert("transposed", base.t());
+  tensors.insert("empty", at::empty({0, 4}));
+  tensors.insert("scalar", at::scalar_tensor(3.5, at::kDouble));
+  return tensors;
+}
+
+void expect_same_tensors(const c10::IValue& loaded,
+                         const c10::Dict<std::string, at::Tensor>& saved) {
+  ASSERT_TRUE(loaded.isGenericDict());
+  const c10::impl::GenericDict dict = loaded.toGenericDict();
+  ASSERT_EQ(dict.size(), saved.size());
+  for (const auto& entry : saved) {
+    const c10::IValue& value = dict.at(entry.key());
+    ASSERT_TRUE(value.isTensor()) << entry.key();
+    const at::Tensor& t = value.toTensor();
+    EXPECT_EQ(t.scalar_type(), entry.value().scalar_type()) << entry.key();
+    EXPECT_EQ(t.sizes(), entry.value().sizes()) << entry.key();
+    EXPECT_EQ(t.strides(), entry.value().strides()) << entry.key();
+    EXPECT_TRUE(at::equal(t, entry.value())) << entry.key();
+  }
+}
+
+// Both readers refuse the file at `path` with an error holding `reason`.
+void expect_both_readers_refuse(const std::string& path, const std::string& reason) {
+  for (const bool in_place : {false, true}) {
+    SCOPED_TRACE(in_place ? "in place" : "LibTorch's way");
+    expect_error_containing(
+        [&] {
+          in_place ? detail::read_pickle_file_in_place(path, "test")
+                   : detail::read_pickle_file(path, "test");
+        },
+        {"test: '" + path + "' holds no readable pickle", reason});
+  }
+}
+
+TEST_F(PickleFile, InPlaceReadGivesTheSavedTensorsSharingTheFilesMemory) {
+  const c10::Dict<std::string, at::Tensor> saved = sample_tensors();
+  const std::string path = dir_ + "/tensors.pt";
+  detail::write_pickle_file(path, saved, "test");
+
+  expect_same_tensors(detail::read_pickle_file(path, "test"), saved);
+  const c10::IValue in_place = detail::read_pickle_file_in_place(path, "test");
+  expect_same_tensors(in_place, saved);
+
+  // Every storage lies in one buffer of the file's size: the tensors were not copied.
+  const auto file_size = static_cast<int64_t>(std::filesystem::file_size(path));
+  const c10::impl::GenericDict dict = in_place.toGenericDict();
+  const char* low = nullptr;
+  const char* high = nullptr;
+  for (const auto& entry : dict) {
+    const at::Tensor& t = entry.value().toTensor();
+    if (t.numel() == 0) continue;
+    const auto* begin = static_cast<const char*>(t.storage().data());
+    const char* end = begin + t.storage().nbytes();
+    low = low == nullptr ? begin : std::min(low, begin);
+    high = high == nullptr ? end : std::max(high, end);
+  }
+  ASSERT_NE(low, nullptr);
+  EXPECT_LE(high - low, file_size);
+
+  // A tensor kept alone keeps its data: the rest of the result is gone.
+  at::Tensor kept;
+  {
+    const c10::IValue again = detail::read_pickle_file_in_place(path, "test");
+    kept = again.toGenericDict().at("rows").toTensor();
+  }
+  EXPECT_TRUE(at::equal(kept, saved.at("rows")));
+}
+
+// The pickle says the storage holds 64 floats; its record holds 32.
+TEST_F(PickleFile, StorageLargerThanItsRecordIsRefusedByBothReaders) {
+  c10::Dict<std::string, at::Tensor> value;
+  value.insert("rows", at::randn({8, 8}));
+  const std::string path = write_with_records(value, {at::randn({32})}, "short_record.pt");
+  expect_both_readers_refuse(
+      path, "a storage of 256 bytes is made from record 'data/0', which holds 128");
+}
+
+// A tensor of 8 floats over a storage of 4, as no LibTorch operation makes one but a pickle
+// can say.
+TEST_F(PickleFile, TensorReachingPastItsStorageIsRefusedByBothReaders) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 4 * sizeof(float),
+                       c10::GetCPUAllocator()->allocate(4 * sizeof(float)), nullptr,
+                       /*resizable=*/false);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage),
+                                                   c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                   caffe2::TypeMeta::Make<float>());
+  impl->set_sizes_contiguous({8});
+  const at::Tensor overreaching(std::move(impl));
+  c10::Dict<std::string, at::Tensor> value;
+  value.insert("rows", overreaching);
+  const std::string path = write_with_records(value, {at::zeros({4})}, "past_storage.pt");
+  expect_both_readers_refuse(
+      path,
+      "a tensor of shape [8], strides [1] and offset 0 reaches past its storage of 4 elements");
+}
+
+}  // namespace pickle_file_test
+}  // namespace optim
+}  // namespace distoptim
