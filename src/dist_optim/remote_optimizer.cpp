@@ -194,9 +194,8 @@ std::vector<ParamCopy> RemoteOptimizer::copy_targets(const std::vector<int64_t>&
   };
   auto touched_like = [&](const at::Tensor& memory, const at::Tensor& like) {
     if (fits(memory, like)) return memory;
-    at::Tensor fresh = at::empty(like.sizes(), like.options().requires_grad(false));
-    optim::detail::advise_huge_pages_before_first_touch(fresh);
-    return fresh.zero_();
+    return optim::detail::empty_with_huge_pages(like.sizes(), like.options().requires_grad(false))
+        .zero_();
   };
   for (size_t i = 0; i < indices.size(); ++i) {
     copies[i].value = touched_like(copies[i].value, likes[i].first);

@@ -15,6 +15,7 @@
 #include <distoptim/rpc/api.h>
 #include <distoptim/rpc/row_guard.h>
 
+#include "huge_pages.h"
 #include "remote_optimizer.h"
 
 namespace distoptim {
@@ -115,7 +116,7 @@ std::vector<MirrorUpdate> RemoteOptimizer::everything_whole(const MirrorLink& li
   at::NoGradGuard no_grad;
   std::vector<MirrorUpdate> updates;
   auto value = [with_values](const at::Tensor& t) {
-    return with_values ? t.clone() : at::Tensor();
+    return with_values ? optim::detail::clone_with_huge_pages(t) : at::Tensor();
   };
   for (size_t i = 0; i < link.size(); ++i) {
     updates.push_back({link.param_key(i), at::Tensor(), value(optimizer_->params()[i])});
@@ -185,7 +186,7 @@ void RemoteOptimizer::send_to_backup(const std::vector<at::Tensor>& gradients,
           mirror_->sent_whole(key)) {
         updates.push_back({key, changed, value.index_select(0, changed)});
       } else {
-        updates.push_back({key, at::Tensor(), value.clone()});
+        updates.push_back({key, at::Tensor(), optim::detail::clone_with_huge_pages(value)});
       }
     };
     update(mirror_->param_key(i), param);

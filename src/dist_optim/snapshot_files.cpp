@@ -152,9 +152,8 @@ ParamCopy read_block_rows(const std::vector<BlockFile>& blocks, int64_t first_ro
   const bool whole_block =
       blocks.size() == 1 && blocks[0].first_row == first_row && blocks[0].end_row == end_row;
   auto fresh_rows = [&] {
-    at::Tensor rows = at::empty({end_row - first_row, dim}, at::TensorOptions().dtype(dtype));
-    optim::detail::advise_huge_pages_before_first_touch(rows);
-    return rows;
+    return optim::detail::empty_with_huge_pages({end_row - first_row, dim},
+                                                at::TensorOptions().dtype(dtype));
   };
   if (!whole_block) {
     out.value = fresh_rows();

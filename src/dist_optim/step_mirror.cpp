@@ -12,6 +12,8 @@
 #include <distoptim/rpc/detail/internal_registry.h>
 #include <distoptim/rpc/values.h>
 
+#include "huge_pages.h"
+
 namespace distoptim {
 namespace dist_optim {
 namespace detail {
@@ -87,8 +89,9 @@ c10::IValue on_apply(const std::string& primary, const std::vector<std::string>&
     if (whole[i] != 0) {
       // Copied into memory of the copy's own, every page written now: the message's memory may
       // be mapped lazily, and the steps' rows, spread over the whole copy, would then each fault
-      // a page in (at 3e6 rows that took a step 20 ms for dozens of steps).
-      held[keys[i]] = values[i].clone(at::MemoryFormat::Contiguous);
+      // a page in (at 3e6 rows that took a step 20 ms for dozens of steps). In huge pages: the
+      // rows a step changes stay within the TLB's reach, as on the primary.
+      held[keys[i]] = optim::detail::clone_with_huge_pages(values[i]);
     } else {
       held[keys[i]].index_copy_(0, rows[i], values[i]);
     }
@@ -114,7 +117,8 @@ c10::IValue on_copy(const std::string& primary, const std::string& key) {
   if (it == c.by_primary.end()) return c10::IValue();
   auto copy = it->second.find(key);
   if (copy == it->second.end()) return c10::IValue();
-  return copy->second.clone();  // the reply's own: later updates do not reach it
+  // The reply's own: later updates do not reach it.
+  return optim::detail::clone_with_huge_pages(copy->second);
 }
 
 // Drops every copy of trainer `trainer`'s state that `primary` sent; returns how many.

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include <ATen/ATen.h>
+
 // Linux 6.1's value; older C libraries do not name it (older kernels refuse it with EINVAL).
 #ifdef MADV_COLLAPSE
 constexpr int kMadviseCollapse = MADV_COLLAPSE;
@@ -48,6 +50,16 @@ void advise_huge_pages(const at::Tensor& tensor) {
 void advise_huge_pages_before_first_touch(const at::Tensor& tensor) {
   with_storage_pages(
       tensor, [](void* start, size_t length) { (void)::madvise(start, length, MADV_HUGEPAGE); });
+}
+
+at::Tensor empty_with_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor tensor = at::empty(sizes, options.memory_format(at::MemoryFormat::Contiguous));
+  advise_huge_pages_before_first_touch(tensor);
+  return tensor;
+}
+
+at::Tensor clone_with_huge_pages(const at::Tensor& tensor) {
+  return empty_with_huge_pages(tensor.sizes(), tensor.options()).copy_(tensor);
 }
 
 }  // namespace detail

@@ -28,6 +28,15 @@ void advise_huge_pages(const at::Tensor& tensor);
 /// 512 (on a virtual machine a fault costs far more than the page's copy).
 void advise_huge_pages_before_first_touch(const at::Tensor& tensor);
 
+/// at::empty(sizes, options), contiguous, advised as above when it is large enough: its first
+/// writes fault in huge pages.
+at::Tensor empty_with_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+/// A contiguous copy of `tensor` in memory of its own, made with empty_with_huge_pages: for the
+/// large copies a server keeps or sends (a backup's copy of a shard), whose pages would
+/// otherwise fault in 4 KB at a time as the copy writes them.
+at::Tensor clone_with_huge_pages(const at::Tensor& tensor);
+
 }  // namespace detail
 }  // namespace optim
 }  // namespace distoptim
