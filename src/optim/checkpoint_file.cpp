@@ -60,10 +60,6 @@ class Descriptor {
   int fd_;
 };
 
-}  // namespace
-
-namespace {
-
 // Opens `path` for reading, checked to be a non-empty regular file; its size in `*size`.
 Descriptor open_checkpoint(const std::string& path, const char* caller, size_t* size) {
   // O_NONBLOCK: opening a FIFO by mistake must not wait for a writer (a regular file ignores it).
@@ -113,8 +109,9 @@ class MemoryReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
 using RecordsRead = std::map<const void*, std::pair<std::string, uint64_t>>;
 
 // LibTorch's unpickler takes a storage's size and a tensor's offset, sizes and strides from the
-// pickle as they are: checks that every strided tensor of `value` lies inside its storage, and
-// every storage made from a record of `records` inside that record.
+// pickle as they are: checks that every strided tensor of `value` that holds elements has a
+// storage made from a record of `records` and lies inside it, and every such storage inside its
+// record.
 void check_tensor_extents(const c10::IValue& value, const RecordsRead& records) {
   value.visit([&](const c10::IValue& item) {
     if (!item.isTensor()) return false;
@@ -126,12 +123,19 @@ void check_tensor_extents(const c10::IValue& value, const RecordsRead& records) 
                 "a storage of ", storage.nbytes(), " bytes is made from record '",
                 record->second.first, "', which holds ", record->second.second);
     if (tensor.numel() == 0) return false;
+    // A storage is made from a record only when the pickle says it holds elements: one said to
+    // hold none has no memory at all, whatever the tensor over it says.
+    TORCH_CHECK(record != records.end(), "a tensor of shape ", tensor.sizes(), " has a storage of ",
+                storage.nbytes(), " bytes made from no record");
     // In elements: the last one the tensor reaches, which must lie inside the storage.
     uint64_t last = static_cast<uint64_t>(tensor.storage_offset());
     bool in_range = tensor.storage_offset() >= 0;
     for (int64_t d = 0; d < tensor.dim(); ++d) {
-      in_range = in_range && tensor.stride(d) >= 0;
-      last += static_cast<uint64_t>(tensor.size(d) - 1) * static_cast<uint64_t>(tensor.stride(d));
+      uint64_t reach = 0;  // the pickle's sizes and strides may overflow it
+      in_range = in_range && tensor.stride(d) >= 0 &&
+                 !__builtin_mul_overflow(static_cast<uint64_t>(tensor.size(d) - 1),
+                                         static_cast<uint64_t>(tensor.stride(d)), &reach) &&
+                 !__builtin_add_overflow(last, reach, &last);
     }
     const uint64_t elements = storage.nbytes() / tensor.dtype().itemsize();
     TORCH_CHECK(in_range && last < elements, "a tensor of shape ", tensor.sizes(), ", strides ",
@@ -172,7 +176,7 @@ struct RecordData {
   uint64_t size;
 };
 
-// Unpickles the checkpoint in `bytes` (verified; `data_sizes` from verify_checkpoint) as
+// Unpickles the checkpoint in `bytes` (verified; `data_sizes` from verify_checkpoint_archive) as
 // torch::pickle_load does, but with each tensor's storage from `storage_data`, and every tensor
 // checked to lie inside its record.
 c10::IValue unpickle_checkpoint(c10::ArrayRef<char> bytes,
@@ -231,8 +235,8 @@ c10::IValue read_pickle_file_in_place(const std::string& path, const char* calle
   size_t size = 0;
   const Descriptor fd = open_checkpoint(path, caller, &size);
   // Never zeroed, and in huge pages where the kernel gives them: its first touch is the read.
-  const at::Tensor file = at::empty({static_cast<int64_t>(size)}, at::kChar);
-  advise_huge_pages_before_first_touch(file);
+  const at::Tensor file =
+      empty_with_huge_pages({static_cast<int64_t>(size)}, at::TensorOptions().dtype(at::kChar));
   char* const base = static_cast<char*>(file.data_ptr());
   read_exactly(fd, base, size, path, caller);
   const c10::ArrayRef<char> bytes(base, size);

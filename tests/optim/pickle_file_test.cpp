@@ -5,7 +5,9 @@
 
 #include <stdlib.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,9 +40,11 @@ class PickleFile : public ::testing::Test {
   void TearDown() override { std::filesystem::remove_all(dir_); }
 
   // Writes an archive as torch::pickle_save lays one out, but with `records` as the tensors'
-  // data in place of what the pickle of `value` says they hold.
-  std::string write_with_records(const c10::IValue& value, const std::vector<at::Tensor>& records,
-                                 const std::string& name) {
+  // data in place of what the pickle of `value` says they hold, and the pickle changed by
+  // `change` (its CRC-32 then the changed pickle's, as a writer's would be).
+  std::string write_with_records(
+      const c10::IValue& value, const std::vector<at::Tensor>& records, const std::string& name,
+      const std::function<void(std::vector<char>&)>& change = [](std::vector<char>&) {}) {
     std::vector<char> pickle;
     torch::jit::Pickler pickler(
         [&](const char* data, size_t size) { pickle.insert(pickle.end(), data, data + size); });
@@ -48,6 +52,7 @@ class PickleFile : public ::testing::Test {
     pickler.pushIValue(value);
     pickler.stop();
     EXPECT_EQ(pickler.tensorData().size(), records.size());
+    change(pickle);
     std::vector<char> bytes;
     caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
       bytes.insert(bytes.end(), static_cast<const char*>(data),
@@ -166,6 +171,28 @@ TEST_F(PickleFile, TensorReachingPastItsStorageIsRefusedByBothReaders) {
   expect_both_readers_refuse(
       path,
       "a tensor of shape [8], strides [1] and offset 0 reaches past its storage of 4 elements");
+}
+
+// The pickle says the storage holds no elements: LibTorch then reads no record, and the tensor's
+// 4 floats would have no memory at all.
+TEST_F(PickleFile, StorageOfNoElementsUnderATensorOfSomeIsRefusedByBothReaders) {
+  c10::Dict<std::string, at::Tensor> value;
+  value.insert("rows", at::randn({4}));
+  const std::string path =
+      write_with_records(value, {at::randn({4})}, "empty_storage.pt", [](std::vector<char>& p) {
+        // The storage's element count follows its device: "cpu", maybe memoized (BINPUT and a
+        // byte), then BININT1 and the count, 4, which becomes 0.
+        const std::string cpu = "cpu";
+        auto at = std::search(p.begin(), p.end(), cpu.begin(), cpu.end());
+        ASSERT_NE(at, p.end());
+        at += static_cast<std::ptrdiff_t>(cpu.size());
+        if (*at == 'q') at += 2;
+        ASSERT_EQ(*at, 'K');
+        ASSERT_EQ(*(at + 1), 4);
+        *(at + 1) = 0;
+      });
+  expect_both_readers_refuse(path,
+                             "a tensor of shape [4] has a storage of 0 bytes made from no record");
 }
 
 }  // namespace pickle_file_test
