@@ -89,7 +89,8 @@ void read_exactly(const Descriptor& fd, char* out, size_t size, const std::strin
   }
 }
 
-// LibTorch's zip reader over bytes in memory.
+// LibTorch's zip reader over bytes in memory. Not LibTorch's own caffe2::serialize::
+// MemoryReadAdapter: it copies whatever range miniz asks for, unbounded.
 class MemoryReadAdapter final : public caffe2::serialize::ReadAdapterInterface {
  public:
   explicit MemoryReadAdapter(c10::ArrayRef<char> bytes) : bytes_(bytes) {}
@@ -159,12 +160,23 @@ c10::IValue unpickled(const std::string& path, const char* caller, const Load& l
 
 }  // namespace
 
-std::vector<char> read_checkpoint_file(const std::string& path, const char* caller) {
+namespace {
+
+// The whole file at `path` in `*bytes`, verified; the size of each record's data by its offset.
+std::map<uint64_t, uint64_t> read_verified(const std::string& path, const char* caller,
+                                           std::vector<char>* bytes) {
   size_t size = 0;
   const Descriptor fd = open_checkpoint(path, caller, &size);
-  std::vector<char> bytes(size);
-  read_exactly(fd, bytes.data(), size, path, caller);
-  verify_checkpoint_archive(bytes, path, caller);
+  bytes->resize(size);
+  read_exactly(fd, bytes->data(), size, path, caller);
+  return verify_checkpoint_archive(*bytes, path, caller);
+}
+
+}  // namespace
+
+std::vector<char> read_checkpoint_file(const std::string& path, const char* caller) {
+  std::vector<char> bytes;
+  read_verified(path, caller, &bytes);
   return bytes;
 }
 
@@ -214,11 +226,8 @@ c10::IValue unpickle_checkpoint(c10::ArrayRef<char> bytes,
 
 c10::IValue read_pickle_file(const std::string& path, const char* caller,
                              std::vector<char>* bytes) {
-  size_t size = 0;
-  const Descriptor fd = open_checkpoint(path, caller, &size);
-  std::vector<char> read(size);
-  read_exactly(fd, read.data(), size, path, caller);
-  const std::map<uint64_t, uint64_t> data_sizes = verify_checkpoint_archive(read, path, caller);
+  std::vector<char> read;
+  const std::map<uint64_t, uint64_t> data_sizes = read_verified(path, caller, &read);
   c10::IValue value = unpickled(path, caller, [&] {
     // As LibTorch's reader: each storage a copy of its record.
     return unpickle_checkpoint(read, data_sizes, [&](const RecordData& record) {
