@@ -36,8 +36,11 @@
 // alone; each figure is given as the min/median/max over the rounds, and so are the ratios
 // during / without of each round's p50 and p99. The snapshot: its duration from begin to
 // finished, its bytes and their rate; the blocking save's wall time and rate. The machine's disk:
-// dd writing 1 GiB with conv=fdatasync into the snapshot directory's file system, once, timed as
-// a whole (the snapshot's files are fsynced too), beside them.
+// in every round, once its snapshots are removed and synced, dd writes as many MiB as the
+// snapshot's bytes with conv=fdatasync into the snapshot directory's file system, timed as a
+// whole (the snapshot's files are fsynced too); the snapshot's rate over dd's of the same round
+// is the ratio (a virtual disk's rate drifts between minutes, so one probe beside three
+// rounds says little).
 //
 // There is no PyTorch side: PyTorch has no snapshot of a parameter server (its
 // DistributedOptimizer has no state dict), so ours during a snapshot is compared with ours
@@ -91,7 +94,6 @@ using namespace std::chrono_literals;
 
 constexpr double kLr = 0.01;
 constexpr auto kRpcTimeout = 300s;
-constexpr int64_t kDdMiB = 1024;
 
 struct Config {
   int warmup = 20;
@@ -126,6 +128,21 @@ Json step_figures(const std::vector<double>& ms) {
               {"max_at", longest - ms.begin() + 1},
               {"total_s", std::accumulate(ms.begin(), ms.end(), 0.0) / 1e3},
               {"steps", ms.size()}};
+}
+
+// dd's write of `mib` MiB with conv=fdatasync into `directory`, timed as a whole: MB/s.
+double disk_write_mb_per_s(const fs::path& directory, int64_t mib) {
+  const fs::path file = directory / "dd.tmp";
+  const auto begin = Clock::now();
+  const ChildResult dd =
+      run_child({"/usr/bin/dd", "if=/dev/zero", "of=" + file.string(), "bs=1M",
+                 "count=" + std::to_string(mib), "conv=fdatasync", "status=none"},
+                "");
+  const double seconds = ms_between(begin, Clock::now()) / 1e3;
+  fs::remove(file);
+  TORCH_CHECK(dd.exit_code == 0, "snapshot_bench: dd into ", directory.string(),
+              " exited with status ", dd.exit_code);
+  return static_cast<double>(mib) * 1024.0 * 1024.0 / 1e6 / seconds;
 }
 
 // worker0: trains, snapshots, measures.
@@ -195,6 +212,9 @@ class Trainer {
     fs::remove_all(scheduled);
     fs::remove_all(blocking);
     ::sync();
+    // The disk's rate now, for as many bytes as the snapshot wrote.
+    const int64_t mib = (result.at("snapshot_bytes").get<int64_t>() + (1 << 20) - 1) >> 20;
+    result["dd_mb_s"] = disk_write_mb_per_s(config_.directory, mib);
     return result;
   }
 
@@ -245,21 +265,6 @@ void run_worker(const Config& config) {
 }
 
 // --- the driver ------------------------------------------------------------------------------
-
-// dd's write of 1 GiB with conv=fdatasync into `directory`, timed as a whole: MB/s.
-double disk_write_mb_per_s(const fs::path& directory) {
-  const fs::path file = directory / "dd.tmp";
-  const auto begin = Clock::now();
-  const ChildResult dd =
-      run_child({"/usr/bin/dd", "if=/dev/zero", "of=" + file.string(), "bs=1M",
-                 "count=" + std::to_string(kDdMiB), "conv=fdatasync", "status=none"},
-                "");
-  const double seconds = ms_between(begin, Clock::now()) / 1e3;
-  fs::remove(file);
-  TORCH_CHECK(dd.exit_code == 0, "snapshot_bench: dd into ", directory.string(),
-              " exited with status ", dd.exit_code);
-  return kDdMiB * 1024.0 * 1024.0 / 1e6 / seconds;
-}
 
 int run(int argc, char** argv) {
   Config config;
@@ -313,17 +318,16 @@ int run(int argc, char** argv) {
   ResultsFile results_file(json_path, "snapshot_bench");
   const double load_at_start = load_average();
   // Room for one snapshot at a time (the parameters and their Adagrad sums, plus headers), and
-  // for dd's 1 GiB.
+  // for dd's as many bytes after it.
   const double state_gb = 2.0 * config.rows * kPsDim * 4 / 1e9;
   // A directory of this run's own under --dir, so that nothing else in --dir is removed.
   config.directory =
       (fs::absolute(config.directory) / fmt::format("snapshot_bench.{}", ::getpid())).string();
   fs::create_directories(config.directory);
   const double free_gb = static_cast<double>(fs::space(config.directory).available) / 1e9;
-  const double needed_gb = 1.1 * state_gb + kDdMiB * 1.048576e-3 + 1.0;
+  const double needed_gb = 1.1 * state_gb + 1.0;
   TORCH_CHECK(free_gb >= needed_gb, "snapshot_bench: ", config.directory, " has ", free_gb,
               " GB free; a snapshot of ", config.rows, " rows needs about ", needed_gb);
-  const double disk_mb_s = disk_write_mb_per_s(config.directory);
 
   const std::string self = fs::read_symlink("/proc/self/exe").string();
   const Json job =
@@ -363,6 +367,10 @@ int run(int argc, char** argv) {
     blocking_s.push_back(round.at("blocking_s").get<double>());
     blocking_mb_s.push_back(round.at("blocking_bytes").get<double>() / 1e6 / blocking_s.back());
   }
+  const std::vector<double> dd_mb_s =
+      per_round([](const Json& r) { return r.at("dd_mb_s").get<double>(); });
+  std::vector<double> of_dd;
+  for (size_t r = 0; r < dd_mb_s.size(); ++r) of_dd.push_back(snapshot_mb_s[r] / dd_mb_s[r]);
   const std::vector<double> written_steps =
       per_round([](const Json& r) { return r.at("while_written").at("steps").get<double>(); });
   const std::vector<double> finished_in_phase =
@@ -374,8 +382,8 @@ int run(int argc, char** argv) {
       "state on the server(s); batch {} bags of {} uniform random ids; {} intra-op thread per "
       "process, {} RPC threads, {} s RPC timeout; {} round(s) of without / during, the blocking "
       "save in the last {}; W = {} warm-up and T = {} timed steps per phase; snapshots in {} "
-      "(local disk, removed after each round); disk: dd of 1 GiB with conv=fdatasync there, "
-      "once, timed whole",
+      "(local disk, removed after each round); disk: dd of the snapshot's bytes with "
+      "conv=fdatasync there after each round's snapshots are removed, timed whole",
       config.servers, rows_label(config.rows), kPsDim, kLr, state_gb, kPsBags, kPsIdsPerBag,
       job.value("intra_op_threads", kPsIntraOpThreads), kPsRpcThreads, kRpcTimeout.count(),
       config.rounds, config.blocking_rounds, config.warmup, config.timed, config.directory);
@@ -434,7 +442,10 @@ int run(int argc, char** argv) {
     cases.push_back(
         spread_row("blocking save_snapshot: write throughput", blocking_mb_s, "MB/s", "higher"));
   }
-  cases.push_back(spread_row("disk: dd 1 GiB conv=fdatasync, once", {disk_mb_s}, "MB/s", "higher"));
+  cases.push_back(
+      spread_row("disk: dd of the snapshot's bytes, conv=fdatasync", dd_mb_s, "MB/s", "higher"));
+  cases.push_back(
+      spread_row("snapshot's write rate / dd's (same round)", of_dd, "ratio", "higher"));
   fmt::print("\n{:<56} {:>9} {:>9} {:>9}  {}\n", "case", "min", "median", "max", "unit");
   for (size_t i = phase_rows; i < cases.size(); ++i) {
     const Json& row = cases[i];
