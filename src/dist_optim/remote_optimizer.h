@@ -140,7 +140,7 @@ class RemoteOptimizer {
   const at::Tensor& param(int64_t index, const char* caller, bool table) const;
   /// Memory for copies of the parameters `indices` and their state buffers, shaped as they are
   /// now and written once, so that the copy under the locks moves bytes only: the last snapshot's
-  /// (kept_copies_) where it still fits, else new. Takes mutex_.
+  /// (kept_copies_) where it still fits, else new, made at low priority. Takes mutex_.
   std::vector<ParamCopy> copy_targets(const std::vector<int64_t>& indices);
   /// Keeps the memory of `copies` (of the parameters `indices`) for the next snapshot's
   /// copy_targets. Takes mutex_.

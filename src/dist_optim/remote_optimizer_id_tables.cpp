@@ -73,7 +73,7 @@ c10::IValue RemoteOptimizer::save_id_rows(std::string prefix, int64_t index,
     });
   }
   std::vector<int64_t> blocks;
-  write_at_low_priority(
+  run_at_low_priority(
       [&] { blocks = write_id_blocks(prefix, shard, shards, copy, rows_per_file); });
   c10::impl::GenericDict summary = string_dict();
   insert_state_summary(summary, summary_of(copy));

@@ -90,13 +90,13 @@ std::map<std::string, at::Tensor> checked_buffers(const GenericDict& dict,
 
 }  // namespace
 
-void write_at_low_priority(const std::function<void()>& write) {
+void run_at_low_priority(const std::function<void()>& work) {
   std::exception_ptr failure;
   std::thread writer([&] {
     // The thread's own nice value (Linux schedules threads apart); if refused, it writes anyway.
     (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 10);
     try {
-      write();
+      work();
     } catch (...) {
       failure = std::current_exception();
     }

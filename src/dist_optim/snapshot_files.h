@@ -46,12 +46,13 @@ struct ParamCopy {
   optim::OptimizerStateDict::State state;  // buffers shaped as `value`, by name
 };
 
-/// Runs `write` on a thread of its own at a low CPU priority (nice 10) and waits for it,
-/// rethrowing what it throws: a snapshot's writing (much of it the kernel's copy into the page
-/// cache) then yields to the owner's requests and the trainers beside it instead of delaying
-/// their steps, yet keeps about a tenth of a core the others contend for (nice 19 would keep
-/// a sixtieth, and a busy server might then not finish a snapshot for minutes).
-void write_at_low_priority(const std::function<void()>& write);
+/// Runs `work` on a thread of its own at a low CPU priority (nice 10) and waits for it,
+/// rethrowing what it throws: a snapshot's writing, and the first touch of its copies' fresh
+/// memory (on a virtual machine a fresh page costs far more than its copy: 2.56 GB took about
+/// 5 s here), then yield to the owner's requests and the trainers beside it instead of delaying
+/// their steps, yet keep about a tenth of a core the others contend for (nice 19 would keep a
+/// sixtieth, and a busy server might then not finish a snapshot for minutes).
+void run_at_low_priority(const std::function<void()>& work);
 
 /// PREFIX.shard-S-of-N.block-B.pt
 std::string block_path(const std::string& prefix, int64_t shard, int64_t shards, int64_t block);

@@ -35,18 +35,18 @@
 // owner reaches (one host, or a shared file system); a relative path is made absolute in the
 // calling process.
 //
-// What one snapshot is: each owner copies its parameters and their state under its update lock
-// (no step of any optimizer is half in the copy; a copy at memory speed, the only time steps
-// wait for a snapshot) and writes the copy holding no lock, while steps go on: streamed from the
-// copy's memory to the files, on a thread of low CPU priority (nice 10) so that the writing
-// yields to the steps the owner serves. An owner keeps the copy's memory for its next snapshot
-// (its parameters' and state's size again, which every snapshot needs at its peak): a first
-// snapshot maps that memory, which on some virtual machines costs more than the write. Every step
-// of `optimizer` that returned before the snapshot began is in it, on every server, and none that
-// began after: a consistent cut of this trainer's steps. Steps of other trainers' optimizers
-// over the same parameters that run meanwhile may be in one server's copy and not another's (a
-// cut per server, as Monolith's per-server snapshots); their optimizers' own state is in their
-// own snapshots.
+// What one snapshot is: each owner copies its parameters and their state under its update lock (no
+// step of any optimizer is half in the copy; a copy at memory speed, the only time steps wait for a
+// snapshot) and writes the copy holding no lock, while steps go on: streamed from the copy's memory
+// to the files, on a thread of low CPU priority (nice 10) so that the writing yields to the steps
+// the owner serves. An owner keeps the copy's memory for its next snapshot (its parameters' and
+// state's size again, which every snapshot needs at its peak): a first snapshot maps that memory,
+// at the same low priority and before the copy, which on some virtual machines costs more than the
+// write. Every step of `optimizer` that returned before the snapshot began is in it, on every
+// server, and none that began after: a consistent cut of this trainer's steps. Steps of other
+// trainers' optimizers over the same parameters that run meanwhile may be in one server's copy and
+// not another's (a cut per server, as Monolith's per-server snapshots); their optimizers' own state
+// is in their own snapshots.
 //
 // Loading: every owner reads and checks what it will hold (a table shard reads only the blocks
 // that overlap its rows, one at a time; another parameter reads its old owner's file), and keeps
