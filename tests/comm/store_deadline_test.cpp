@@ -22,27 +22,18 @@
 #include <distoptim/comm.h>
 
 #include "harness/multiprocess.h"
+#include "support/wait_until.h"
 
 namespace distoptim {
 namespace comm {
 namespace store_deadline_test {
 
 using distoptim::testing::run_ranks;
+using distoptim::testing::wait_until;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 std::string master_port() { return std::getenv("MASTER_PORT"); }
-
-// Polls `ready` every 10 ms for at most `limit`.
-template <class F>
-bool eventually(F ready, std::chrono::milliseconds limit) {
-  const auto until = Clock::now() + limit;
-  while (!ready()) {
-    if (Clock::now() >= until) return false;
-    std::this_thread::sleep_for(10ms);
-  }
-  return true;
-}
 
 void expect_contains(const std::string& text, const std::string& part) {
   EXPECT_NE(text.find(part), std::string::npos) << "'" << part << "' not in: " << text;
@@ -72,13 +63,13 @@ TEST(StoreDeadline, RendezvousWithStoppedStoreHostTimesOut) {
           // until rank 1 has exited.
           pid_t waiter = 0;
           ASSERT_TRUE(
-              eventually([&] { return bool(std::ifstream(pid_file + ".1") >> waiter); }, 20s));
+              wait_until([&] { return bool(std::ifstream(pid_file + ".1") >> waiter); }, 20s));
           ::unlink((pid_file + ".1").c_str());
           EXPECT_TRUE(testing::wait_for_process_state(waiter, "Z?", 30s));
           return;
         }
         pid_t pid = 0;
-        ASSERT_TRUE(eventually([&] { return bool(std::ifstream(pid_file) >> pid); }, 20s));
+        ASSERT_TRUE(wait_until([&] { return bool(std::ifstream(pid_file) >> pid); }, 20s));
         ::unlink(pid_file.c_str());
         ASSERT_TRUE(testing::wait_for_process_state(pid, "T", 20s));
         const auto start = Clock::now();
@@ -182,7 +173,7 @@ TEST(DeadlineStore, TimesOutFailsFastAfterwardsAndRecovers) {
   EXPECT_LT(Clock::now() - start, 10s);
   blocking->release();
   // Once it returns, the store answers again.
-  const bool answers = eventually(
+  const bool answers = wait_until(
       [&] {
         try {
           return store.check({"a"});

@@ -23,22 +23,15 @@
 
 #include <distoptim/comm.h>
 
+#include "support/wait_until.h"
+
 namespace distoptim {
 namespace comm {
 namespace store_server_test {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
-
-template <class F>
-bool eventually(F ready, std::chrono::milliseconds limit) {
-  const auto until = Clock::now() + limit;
-  while (!ready()) {
-    if (Clock::now() >= until) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
+using distoptim::testing::wait_until;
 
 std::vector<uint8_t> bytes_of(const std::string& text) { return {text.begin(), text.end()}; }
 std::string text_of(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
@@ -277,7 +270,7 @@ TEST(StoreServer, ConnectAndCloseLeavesTheListener) {
   auto store = client_of(server.port());
   store->set("after", bytes_of("1"));
   EXPECT_EQ(text_of(store->get("after")), "1");
-  EXPECT_TRUE(eventually([&] { return server.counts().connections_accepted >= 201; }, 20000ms));
+  EXPECT_TRUE(wait_until([&] { return server.counts().connections_accepted >= 201; }, 20000ms));
 }
 
 TEST(StoreServer, ConnectionsBeyondMaxClientsAreClosed) {
@@ -286,7 +279,7 @@ TEST(StoreServer, ConnectionsBeyondMaxClientsAreClosed) {
   StoreServer server(options);
   std::vector<std::unique_ptr<RawClient>> held;
   for (int i = 0; i < 3; ++i) held.push_back(std::make_unique<RawClient>(server.port()));
-  ASSERT_TRUE(eventually([&] { return server.counts().connections_accepted == 3; }, 20000ms));
+  ASSERT_TRUE(wait_until([&] { return server.counts().connections_accepted == 3; }, 20000ms));
   RawClient extra(server.port());
   EXPECT_TRUE(extra.closed_by_server(20000ms));
   EXPECT_EQ(server.counts().connections_refused, 1u);
@@ -305,7 +298,7 @@ TEST(StoreServer, AClientThatNeverReadsItsAnswersIsDropped) {
   // 200 gets of 256 KiB, 50 MiB of answers: more than the kernel's socket buffers and the
   // server's budget hold.
   for (int i = 0; i < 200; ++i) greedy.byte(kGet).field(wire_key("large"));
-  EXPECT_TRUE(eventually([&] { return server.counts().clients_dropped == 1; }, 20000ms));
+  EXPECT_TRUE(wait_until([&] { return server.counts().clients_dropped == 1; }, 20000ms));
   EXPECT_EQ(server.counts().last_drop,
             "its bytes would pass max_buffered_bytes (1048576) with those of every client");
   EXPECT_EQ(store->get("large").size(), options.max_value_bytes);

@@ -24,6 +24,7 @@
 
 #include "harness/multiprocess.h"
 #include "harness/rpc_workers.h"
+#include "support/wait_until.h"
 
 namespace distoptim {
 namespace rpc {
@@ -32,6 +33,7 @@ namespace rref_test {
 using namespace std::chrono_literals;
 using distoptim::testing::run_ranks;
 using distoptim::testing::test_options;
+using distoptim::testing::wait_until;
 using distoptim::testing::worker;
 
 // The callables, registered in every process.
@@ -381,17 +383,6 @@ DISTOPTIM_RPC_FUNCTION("send_hold_and_touch", [] {
   return int64_t{0};
 });
 
-// Waits until `done` holds, at most `limit`; false if it never did.
-template <typename Done>
-bool wait_until(Done done, std::chrono::milliseconds limit = 20s) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() >= deadline) return false;
-    std::this_thread::sleep_for(5ms);
-  }
-  return true;
-}
-
 TEST(RRef, QueuedRequestsOfADeadUserNeverRun) {
   // Worker 0 runs requests on one pool thread besides the I/O loop's. Worker 0 has worker 1
   // send held calls one at a time until both threads that run requests are busy or one waits in
@@ -420,33 +411,35 @@ TEST(RRef, QueuedRequestsOfADeadUserNeverRun) {
             return info["agent.num_requests_in_flight"] == count;
           };
         };
-        ASSERT_TRUE(wait_until([] { return g_user_ready.load(); }));
-        ASSERT_TRUE(wait_until(in_flight(0)));
+        ASSERT_TRUE(wait_until([] { return g_user_ready.load(); }, 20s));
+        ASSERT_TRUE(wait_until(in_flight(0), 20s));
         pid_t user = 0;
         int64_t sent = 0;
         while (sent < 20) {
           user = static_cast<pid_t>(rpc_sync<int64_t>("worker1", "send_call",
                                                       std::tuple{std::string("hold"), int64_t{0}}));
           ++sent;
-          ASSERT_TRUE(wait_until(in_flight(sent))) << info["agent.num_requests_in_flight"];
+          ASSERT_TRUE(wait_until(in_flight(sent), 20s)) << info["agent.num_requests_in_flight"];
           (void)wait_until([&] { return g_holding.load() == sent; }, 200ms);
           if (g_holding.load() == 2 || g_holding.load() < sent) break;
         }
         ASSERT_TRUE(g_holding.load() == 2 || g_holding.load() < sent) << sent << " sent";
         (void)rpc_sync<int64_t>("worker1", "send_hold_and_touch", std::tuple{});
-        ASSERT_TRUE(wait_until(in_flight(sent + 2))) << info["agent.num_requests_in_flight"];
+        ASSERT_TRUE(wait_until(in_flight(sent + 2), 20s)) << info["agent.num_requests_in_flight"];
         ASSERT_EQ(::kill(user, SIGKILL), 0);
-        EXPECT_TRUE(wait_until([&] { return get_debug_info()["connections"] == 0; }))
+        EXPECT_TRUE(wait_until([&] { return get_debug_info()["connections"] == 0; }, 20s))
             << "worker 0 never saw worker 1's connections end";
         // Every call that had not started is dropped.
         const int64_t started = g_holding.load();
         g_released = ~uint64_t{0};
-        (void)wait_until([&] {
-          info = get_debug_info();
-          return info["num_owner_rrefs"] == 0 && info["num_forks"] == 0 &&
-                 info["agent.num_requests_in_flight"] == 0 &&
-                 info["agent.num_dropped_requests"] == sent + 2 - started;
-        });
+        (void)wait_until(
+            [&] {
+              info = get_debug_info();
+              return info["num_owner_rrefs"] == 0 && info["num_forks"] == 0 &&
+                     info["agent.num_requests_in_flight"] == 0 &&
+                     info["agent.num_dropped_requests"] == sent + 2 - started;
+            },
+            20s);
         EXPECT_EQ(info["num_owner_rrefs"], 0);
         EXPECT_EQ(info["num_forks"], 0);
         EXPECT_EQ(info["agent.num_requests_in_flight"], 0);
@@ -473,15 +466,15 @@ TEST(RequestOrder, RequestsStartInTheOrderTheyArrived) {
       auto in_flight = [](int64_t count) {
         return [count] { return get_debug_info()["agent.num_requests_in_flight"] == count; };
       };
-      ASSERT_TRUE(wait_until(in_flight(0)));
+      ASSERT_TRUE(wait_until(in_flight(0), 20s));
       send("hold", 1);
-      ASSERT_TRUE(wait_until([] { return g_holding.load() == 1; }));
+      ASSERT_TRUE(wait_until([] { return g_holding.load() == 1; }, 20s));
       send("hold", 2);  // on whichever of the two threads is free
-      ASSERT_TRUE(wait_until([] { return g_holding.load() == 2; }));
+      ASSERT_TRUE(wait_until([] { return g_holding.load() == 2; }, 20s));
       send("note", 3);  // queued: both threads are busy
-      ASSERT_TRUE(wait_until(in_flight(3)));
+      ASSERT_TRUE(wait_until(in_flight(3), 20s));
       g_released |= uint64_t{1} << 1;
-      ASSERT_TRUE(wait_until([] { return g_holding.load() == 1; }));
+      ASSERT_TRUE(wait_until([] { return g_holding.load() == 1; }, 20s));
       // Makes it likely that the freed thread is back waiting for work before 4 arrives: that wait
       // is inside the library's pool and I/O loop, which report no idle thread to wait for.
       std::this_thread::sleep_for(50ms);
@@ -490,10 +483,12 @@ TEST(RequestOrder, RequestsStartInTheOrderTheyArrived) {
       // in vain: the order holds either way).
       (void)wait_until(in_flight(3), 1s);
       g_released |= uint64_t{1} << 2;
-      ASSERT_TRUE(wait_until([&] {
-        std::lock_guard<std::mutex> lock(g_started_mutex);
-        return g_started.size() == 4;
-      }));
+      ASSERT_TRUE(wait_until(
+          [&] {
+            std::lock_guard<std::mutex> lock(g_started_mutex);
+            return g_started.size() == 4;
+          },
+          20s));
       std::lock_guard<std::mutex> lock(g_started_mutex);
       EXPECT_EQ(g_started, (std::vector<int64_t>{1, 2, 3, 4}));
     }

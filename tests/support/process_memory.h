@@ -1,8 +1,8 @@
 #pragma once
 
 // What this process holds in memory, for tests that check that a long-running worker (a
-// parameter server outliving its trainers) returns to a baseline, and a bounded poll for the
-// state they wait for.
+// parameter server outliving its trainers) returns to a baseline; with the bounded poll they wait
+// for it with (wait_until.h).
 
 #include <malloc.h>
 #include <unistd.h>
@@ -10,9 +10,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <thread>
 
 #include "support/sanitizers.h"
+#include "support/wait_until.h"
 
 namespace distoptim {
 namespace testing {
@@ -39,17 +39,6 @@ inline int64_t resident_bytes() {
 inline int64_t allocated_bytes() {
   const struct mallinfo2 m = mallinfo2();
   return static_cast<int64_t>(m.uordblks + m.hblkhd);
-}
-
-/// Calls `done` every 10 ms until it returns true (then true) or `limit` passes (then false).
-template <class Predicate>
-bool wait_until(Predicate done, std::chrono::milliseconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return true;
 }
 
 }  // namespace testing
