@@ -1,5 +1,5 @@
 // snapshot_bench: what a snapshot of a parameter server's table costs the trainer that goes on
-// stepping while the server writes it. The question: are trainers stopped for a snapshot
+// stepping while the server writes it. The question it answers: are trainers stopped for a snapshot
 // beyond a stated bound? A step's p50, p99 and max during a snapshot of a 1e7-row table, against
 // the same steps without one.
 //
@@ -39,8 +39,8 @@
 // in every round, once its snapshots are removed and synced, dd writes as many MiB as the
 // snapshot's bytes with conv=fdatasync into the snapshot directory's file system, timed as a
 // whole (the snapshot's files are fsynced too); the snapshot's rate over dd's of the same round
-// is the ratio (a virtual disk's rate drifts between minutes, so one probe beside three
-// rounds says little).
+// says whether the background write keeps up with the disk (a virtual disk's rate drifts
+// between minutes, so one probe beside three rounds says little).
 //
 // There is no PyTorch side: PyTorch has no snapshot of a parameter server (its
 // DistributedOptimizer has no state dict), so ours during a snapshot is compared with ours
