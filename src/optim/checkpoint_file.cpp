@@ -158,10 +158,6 @@ c10::IValue unpickled(const std::string& path, const char* caller, const Load& l
   }
 }
 
-}  // namespace
-
-namespace {
-
 // The whole file at `path` in `*bytes`, verified; the size of each record's data by its offset.
 std::map<uint64_t, uint64_t> read_verified(const std::string& path, const char* caller,
                                            std::vector<char>* bytes) {
