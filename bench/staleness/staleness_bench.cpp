@@ -12,7 +12,10 @@
 // and max over the rounds, and per round k's samples/s over k = 0's and its held-out log loss
 // against k = 0's (in percent). There is no PyTorch side: PyTorch's DistributedOptimizer has no
 // bounded staleness (its step is k = 0). Each round's output stays in staleness_bench_runs/ beside
-// the JSON results.
+// the JSON results. Each k's rows also give the watched trainer's (the slowed one) mean forward
+// and backward and its optimizer step, as the example prints them; at the baseline k, the step's
+// share of the three and the samples/s any bound could give over the baseline were the step's
+// wait hidden whole (1 / (1 - that share)): what staleness hides is that wait and nothing else.
 
 #include <algorithm>
 #include <cmath>
@@ -52,6 +55,9 @@ struct Config {
 struct Run {
   double samples_per_second = NAN;
   double held_out_log_loss = NAN;
+  // The watched trainer's (the slowed one, else the first) mean times per step, in ms.
+  double forward_and_backward_ms = NAN;
+  double optimizer_step_ms = NAN;
 };
 
 Run run_job(const Config& config, int bound, const fs::path& out_dir) {
@@ -87,7 +93,18 @@ Run run_job(const Config& config, int bound, const fs::path& out_dir) {
   TORCH_CHECK(std::regex_search(child.stdout_text, m, kLast),
               "staleness_bench: the job with --max-staleness ", bound,
               " printed no last line; its output:\n", child.stdout_text);
-  return {std::stod(m[2]), std::stod(m[1])};
+  Run run{std::stod(m[2]), std::stod(m[1])};
+  // "trainerT: N steps, each on average: forward F ms, backward B ms, optimizer step S ms (...)"
+  const int watched = std::max(config.slow_trainer, 0);
+  const std::regex phases(fmt::format(
+      R"(trainer{}: [0-9]+ steps, each on average: forward ([0-9.]+) ms, backward ([0-9.]+) ms, optimizer step ([0-9.]+) ms)",
+      watched));
+  TORCH_CHECK(std::regex_search(child.stdout_text, m, phases), "staleness_bench: trainer", watched,
+              " of the job with --max-staleness ", bound, " printed no step times; its output:\n",
+              child.stdout_text);
+  run.forward_and_backward_ms = std::stod(m[1]) + std::stod(m[2]);
+  run.optimizer_step_ms = std::stod(m[3]);
+  return run;
 }
 
 int run(int argc, char** argv) {
@@ -128,11 +145,14 @@ int run(int argc, char** argv) {
   }
   const int base = config.bounds.front();
   Json cases = Json::array();
+  const std::string watched = fmt::format("trainer {}", std::max(config.slow_trainer, 0));
   for (int bound : config.bounds) {
-    std::vector<double> rate, loss, speedup, loss_change;
+    std::vector<double> rate, loss, speedup, loss_change, work_ms, step_ms;
     for (int r = 0; r < config.rounds; ++r) {
       rate.push_back(runs[bound][r].samples_per_second);
       loss.push_back(runs[bound][r].held_out_log_loss);
+      work_ms.push_back(runs[bound][r].forward_and_backward_ms);
+      step_ms.push_back(runs[bound][r].optimizer_step_ms);
       speedup.push_back(runs[bound][r].samples_per_second / runs[base][r].samples_per_second);
       loss_change.push_back(
           100 * (runs[bound][r].held_out_log_loss / runs[base][r].held_out_log_loss - 1));
@@ -140,6 +160,26 @@ int run(int argc, char** argv) {
     const std::string k = fmt::format("max_staleness {}", bound);
     cases.push_back(spread_row(k + ": samples/s", rate, "samples/s", "higher"));
     cases.push_back(spread_row(k + ": held-out log loss", loss, "log loss", "lower"));
+    cases.push_back(spread_row(fmt::format("{}: {}'s forward and backward", k, watched), work_ms,
+                               "ms", "lower"));
+    cases.push_back(
+        spread_row(fmt::format("{}: {}'s optimizer step", k, watched), step_ms, "ms", "lower"));
+    if (bound == base) {
+      // Staleness hides the optimizer step's wait and nothing else: were the wait gone whole,
+      // the watched trainer's step would take its forward and backward alone.
+      std::vector<double> share, bound_of_gain;
+      for (int r = 0; r < config.rounds; ++r) {
+        share.push_back(100 * step_ms[r] / (work_ms[r] + step_ms[r]));
+        bound_of_gain.push_back((work_ms[r] + step_ms[r]) / work_ms[r]);
+      }
+      cases.push_back(
+          spread_row(fmt::format("{}: the optimizer step's share of {}'s step", k, watched), share,
+                     "%", "higher"));
+      cases.push_back(spread_row(
+          fmt::format("{}: samples/s any bound could give over it (the step's wait hidden whole)",
+                      k),
+          bound_of_gain, "ratio", "higher"));
+    }
     if (bound != base) {
       cases.push_back(spread_row(fmt::format("{}: samples/s over max_staleness {}", k, base),
                                  speedup, "ratio", "higher"));

@@ -46,6 +46,8 @@
 // outstanding on any server (DistributedOptimizer::set_max_staleness): its next forward reads
 // parameters up to K of its own steps old. --slow-trainer T --slowdown F makes trainer T take F
 // times as long per step (a sleep after its step, as on a slower machine). Not with --elastic.
+// Each trainer prints at its end where its steps spent their time: the forward, the backward and
+// the optimizer step, whose wait is what staleness hides.
 //
 // The first trainer evaluates on the held-out set every --eval-every steps (the table in eval
 // mode: an evaluation admits no id and keeps none from eviction) and prints a line with the
@@ -218,6 +220,26 @@ DISTOPTIM_RPC_FUNCTION("click_through.shared_model",
                        examples::published<click_through::ClickModel::References>);
 DISTOPTIM_RPC_FUNCTION("click_through.publish_model",
                        examples::publish<click_through::ClickModel::References>);
+
+// Where a trainer's steps spend their time (the sleep of --slow-trainer apart): what bounded
+// staleness can hide is the optimizer step's wait alone, so its share bounds the gain.
+struct PhaseTimes {
+  int64_t steps = 0;
+  Clock::duration forward{}, backward{}, step{};
+
+  void print(const std::string& name) const {
+    if (steps == 0) return;
+    const auto ms = [&](Clock::duration d) {
+      return std::chrono::duration<double, std::milli>(d).count() / static_cast<double>(steps);
+    };
+    const double all = ms(forward) + ms(backward) + ms(step);
+    fmt::print(
+        "{}: {} steps, each on average: forward {:.2f} ms, backward {:.2f} ms, optimizer step "
+        "{:.2f} ms ({:.1f}% of the three)\n",
+        name, steps, ms(forward), ms(backward), ms(step), 100 * ms(step) / all);
+    std::fflush(stdout);
+  }
+};
 
 struct Evaluation {
   double log_loss;
@@ -572,6 +594,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
                             trainer == (s.kill_trainer < 0 ? trainers - 1 : s.kill_trainer) &&
                             restarts == 0;
   int64_t failed_in_a_row = 0;
+  PhaseTimes phases;  // of the steps that returned
   for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
     const click_through::Batch batch = batch_of_step(step);
     bool returned = false;
@@ -582,7 +605,9 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         distoptim::dist_autograd::ContextGuard context;
         const at::Tensor loss = at::binary_cross_entropy_with_logits(
             model->forward(batch.ids, batch.dense), batch.labels);
+        const auto forward_done = Clock::now();
         distoptim::dist_autograd::backward(context.id(), {loss});
+        const auto backward_done = Clock::now();
         if (kills_itself && step == s.kill_trainer_at) {
           // The fault --kill-trainer-at injects: gradients on the servers, the step not taken.
           examples::report_kill(kFirstServer, rank, name, step);
@@ -590,6 +615,10 @@ void train(const Settings& s, int rank, int trainer, int trainers,
           ::raise(SIGKILL);
         }
         optimizer.step(context.id());
+        phases.forward += forward_done - began;
+        phases.backward += backward_done - forward_done;
+        phases.step += Clock::now() - backward_done;
+        ++phases.steps;
         returned = true;
         ++counts.returned;
         loss_value = loss.item<double>();
@@ -636,6 +665,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   }
   optimizer.flush();  // --max-staleness: the last steps applied before the last evaluation
   steps_applied = true;
+  phases.print(name);
   if (snapshots) {
     try {
       snapshots->flush();
