@@ -219,6 +219,21 @@ std::vector<ParamCopy> RemoteOptimizer::copy_targets(const std::vector<int64_t>&
   return copies;
 }
 
+int64_t RemoteOptimizer::reserve_copies(std::vector<int64_t> indices) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t index : indices) param(index, "SnapshotSchedule", /*table=*/false);
+  }
+  std::vector<ParamCopy> copies = copy_targets(indices);
+  int64_t bytes = 0;
+  for (const ParamCopy& copy : copies) {
+    bytes += copy.value.nbytes();
+    for (const auto& [name, buffer] : copy.state.buffers) bytes += buffer.nbytes();
+  }
+  keep_copies(indices, std::move(copies));
+  return bytes;
+}
+
 void RemoteOptimizer::keep_copies(const std::vector<int64_t>& indices,
                                   std::vector<ParamCopy> copies) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -459,6 +474,8 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::load_state_dict);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "index_of",
                                         &RemoteOptimizer::index_of);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "reserve_copies",
+                                        &RemoteOptimizer::reserve_copies);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "save_table_rows",
                                         &RemoteOptimizer::save_table_rows);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "save_params",

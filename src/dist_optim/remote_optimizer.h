@@ -87,6 +87,11 @@ class RemoteOptimizer {
 
   /// The index of the parameter `param` (a reference owned here) among this optimizer's, or -1.
   int64_t index_of(rpc::RRef<at::Tensor> param);
+  /// Maps the memory a snapshot copies the parameters `indices` and their state into, and keeps
+  /// it for the first snapshot (SnapshotSchedule, before any is due), so that the first copies
+  /// and writes as fast as the later ones; at low priority. Returns the bytes kept for these
+  /// parameters. c10::ValueError naming an index this optimizer does not have, changing nothing.
+  int64_t reserve_copies(std::vector<int64_t> indices);
   /// Writes parameter `index`, shard `shard` of `shards` of a table whose first row is the
   /// table's `first_row`, and its state, as blocks of at most `rows_per_file` rows named after
   /// `prefix`. Returns a dict: has_state, step, buffers (names) and blocks (each block's first

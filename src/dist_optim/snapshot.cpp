@@ -8,6 +8,7 @@
 
 #include <ATen/core/Dict.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
 
 #include <distoptim/rpc/detail/calls.h>
 
@@ -352,10 +353,41 @@ void PendingSnapshot::finish(std::optional<int64_t> step) {
   optim::detail::write_pickle_file(manifest_path(c.directory), manifest, kSaveSnapshot);
 }
 
-void check_snapshot_tables(DistributedOptimizer& optimizer,
-                           const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
-                           const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables) {
-  layout_of(optimizer, tables, id_tables, kSaveSnapshot);
+std::map<std::string, int64_t> reserve_snapshot_copies(
+    DistributedOptimizer& optimizer, const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
+    const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables) {
+  const Layout layout = layout_of(optimizer, tables, id_tables, kSaveSnapshot);
+  std::map<size_t, std::vector<int64_t>> indices_by_owner;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    for (int64_t position : layout.table_positions[t]) {
+      const Slot& slot = layout.slots[position];
+      indices_by_owner[slot.owner].push_back(slot.index);
+    }
+  }
+  for (const auto& [owner, params] : dense_by_owner(layout)) {
+    std::vector<int64_t>& indices = indices_by_owner[owner];
+    indices.insert(indices.end(), params.second.begin(), params.second.end());
+  }
+  std::vector<std::string> workers;
+  std::vector<rpc::RpcFuture<c10::IValue>> calls;
+  for (const auto& [owner, indices] : indices_by_owner) {
+    workers.push_back(layout.owners[owner].worker);
+    calls.push_back(waited_method(layout.owners[owner].optimizer, "reserve_copies",
+                                  {c10::List<int64_t>(indices)}));
+  }
+  const Replies replies =
+      wait_each(calls, [&workers](size_t i) -> const std::string& { return workers[i]; });
+  if (!replies.failures.empty()) {
+    LOG(WARNING) << "SnapshotSchedule: the memory of the snapshots' copies was not kept on"
+                 << replies.failures << "; their first snapshot maps it";
+  }
+  std::map<std::string, int64_t> reserved;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    if (replies.ok[i] && replies.values[i].isInt()) {
+      reserved[workers[i]] = replies.values[i].toInt();
+    }
+  }
+  return reserved;
 }
 
 void load_snapshot_into(const std::string& directory, DistributedOptimizer& optimizer,

@@ -5,6 +5,7 @@
 // so that a SnapshotSchedule lets its trainer step in between; and the load.
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -44,10 +45,14 @@ PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimize
                                const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables,
                                int64_t rows_per_file, bool waited_only);
 
-/// Throws what save_snapshot throws for `tables` that are not the optimizer's.
-void check_snapshot_tables(DistributedOptimizer& optimizer,
-                           const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
-                           const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables = {});
+/// Throws what save_snapshot throws for `tables` that are not the optimizer's; then has every
+/// owner map and keep the memory its snapshots copy into (RemoteOptimizer::reserve_copies): the
+/// fixed-size tables' shards and every parameter no table holds (a collisionless table's copy
+/// takes its live rows, which each snapshot counts anew). Returns the bytes kept by each owner
+/// (worker name); an owner that failed is logged and missing.
+std::map<std::string, int64_t> reserve_snapshot_copies(
+    DistributedOptimizer& optimizer, const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
+    const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables);
 
 /// What of a snapshot a load takes: everything, the optimizer's state alone (the parameters
 /// keep their values), or the parameters' values alone (the optimizer's state there stays).

@@ -69,7 +69,7 @@ SnapshotSchedule::SnapshotSchedule(SnapshotOptions options, DistributedOptimizer
                     options_.rows_per_file(), "; it must be 0 (64 MiB of rows) or more");
   TORCH_CHECK_VALUE(!options_.directory().empty(), "SnapshotSchedule: the directory is empty");
   TORCH_CHECK_VALUE(step_ >= 0, "SnapshotSchedule: step is ", step_, "; it must be 0 or more");
-  detail::check_snapshot_tables(optimizer_, tables_, id_tables_);
+  reserved_bytes_ = detail::reserve_snapshot_copies(optimizer_, tables_, id_tables_);
 }
 
 SnapshotSchedule::~SnapshotSchedule() {

@@ -1,7 +1,8 @@
 // Snapshots that the parameters' owners write and read themselves, across real processes on
 // loopback. A table with a RemoteModule beside it resumes on other owners bit for bit; a
 // SnapshotSchedule keeps the last snapshots and the latest loads as it was taken; damaged
-// snapshots are refused naming the file and the owner that read it. The sharded table's
+// snapshots are refused naming the file and the owner that read it; a schedule has every owner
+// map the memory of its copies when it is made. The sharded table's
 // checkpoints (save_sharded_table, a snapshot of one table alone): a run checkpointed with 3 shards
 // (in one block per shard, or in blocks of 7 rows) and resumed with 2 or 1 (or 3) continues bit for
 // bit as the uninterrupted 3-shard run, with Adagrad (lr_decay, so the step count matters) and
@@ -31,6 +32,7 @@
 #include <distoptim/rpc.h>
 
 #include "harness/rpc_workers.h"
+#include "support/process_memory.h"
 #include "support/test_util.h"
 
 namespace {
@@ -40,6 +42,8 @@ struct SnapshotLinear : torch::nn::LinearImpl {
 };
 }  // namespace
 DISTOPTIM_REMOTE_MODULE(SnapshotLinear, int64_t, int64_t);
+DISTOPTIM_RPC_FUNCTION("snapshot_test.resident_bytes",
+                       [] { return distoptim::testing::resident_bytes(); });
 
 namespace distoptim {
 namespace snapshot_test {
@@ -420,6 +424,61 @@ TEST(Snapshot, AScheduleKeepsTheLastSnapshotsAndTheLatestLoadsAsTaken) {
   });
 }
 
+TEST(Snapshot, AScheduleHasEveryOwnerMapTheMemoryOfItsCopiesWhenMade) {
+  testing::with_workers(3, [] {
+    using testing::worker;
+    TempDir dir;
+    // 32 MB of rows over two owners, and as much of Adagrad's sums: far above what an owner's
+    // resident memory moves by otherwise.
+    constexpr int64_t kRowsHeld = int64_t{1} << 19, kWidth = 16;
+    ShardedEmbeddingBag table(
+        ShardedEmbeddingBagOptions(kRowsHeld, kWidth, {worker(1), worker(2)}).mode(torch::kSum));
+    auto linear = std::make_shared<rpc::RemoteModule<SnapshotLinear>>(
+        worker(2), std::tuple{kWidth, int64_t{2}});
+    DistributedOptimizer optimizer("adagrad",
+                                   {{table.remote_parameters(), optim::OptionBag()},
+                                    {linear->remote_parameters(), optim::OptionBag()}},
+                                   optim::OptionBag().set("lr", 0.1));
+    const auto resident = [](const std::string& owner) {
+      return rpc::rpc_sync<int64_t>(owner, "snapshot_test.resident_bytes", std::tuple{});
+    };
+    const std::map<std::string, int64_t> before{{worker(1), resident(worker(1))},
+                                                {worker(2), resident(worker(2))}};
+    dist_optim::SnapshotSchedule schedule(
+        dist_optim::SnapshotOptions(dir / "reserved").every_steps(100), optimizer, {&table});
+
+    // Each owner keeps a copy of its parameters and of Adagrad's sum of each.
+    std::map<std::string, int64_t> expected;
+    for (size_t s = 0; s < 2; ++s) {
+      const auto [first, end] = table.shard_rows(s);
+      expected[worker(1 + static_cast<int>(s))] +=
+          2 * (end - first) * kWidth * static_cast<int64_t>(sizeof(float));
+    }
+    expected[worker(2)] += 2 * (2 * kWidth + 2) * static_cast<int64_t>(sizeof(float));
+    EXPECT_EQ(schedule.reserved_bytes(), expected);
+    // ... and holds it from now on, not from the first snapshot.
+    for (const auto& [owner, bytes] : expected) {
+      EXPECT_GE(resident(owner) - before.at(owner), bytes * 9 / 10) << owner;
+    }
+
+    // The first snapshot copies into that memory and loads as the table was.
+    const at::Tensor rows = table.weight();
+    EXPECT_EQ(schedule.save_now(), 0);
+    ShardedEmbeddingBag loaded(
+        ShardedEmbeddingBagOptions(kRowsHeld, kWidth, {worker(2)}).mode(torch::kSum).seed(9));
+    auto loaded_linear = std::make_shared<rpc::RemoteModule<SnapshotLinear>>(
+        worker(1), std::tuple{kWidth, int64_t{2}});
+    DistributedOptimizer loaded_optimizer(
+        "adagrad",
+        {{loaded.remote_parameters(), optim::OptionBag()},
+         {loaded_linear->remote_parameters(), optim::OptionBag()}},
+        optim::OptionBag().set("lr", 0.1));
+    EXPECT_EQ(dist_optim::load_latest_snapshot(dir / "reserved", loaded_optimizer, {&loaded}),
+              std::optional<int64_t>(0));
+    EXPECT_TRUE(at::equal(loaded.weight(), rows));
+  });
+}
+
 TEST(Snapshot, BadSnapshotsAreRefusedNamingTheFileAndTheOwnerAndChangeNothing) {
   testing::with_workers(3, [] {
     using testing::worker;
@@ -461,6 +520,19 @@ TEST(Snapshot, BadSnapshotsAreRefusedNamingTheFileAndTheOwnerAndChangeNothing) {
       EXPECT_NE(std::string(error.what()).find(block), std::string::npos) << error.what();
     }
     EXPECT_FALSE(fs::exists(blocked + "/manifest.pt"));
+    // The same where a shard's blocks are written two at a time: the block that failed is named.
+    const std::string blocked_later = dir / "blocked_later";
+    const std::string later_block = blocked_later + "/table-0.shard-1-of-2.block-2.pt";
+    fs::create_directories(later_block);
+    try {
+      dist_optim::save_snapshot(blocked_later, model.optimizer, {&model.table},
+                                /*rows_per_file=*/16);
+      ADD_FAILURE() << "a snapshot whose third block could not be written was saved";
+    } catch (const rpc::RemoteError& error) {
+      EXPECT_EQ(error.worker_name(), worker(2));
+      EXPECT_NE(std::string(error.what()).find(later_block), std::string::npos) << error.what();
+    }
+    EXPECT_FALSE(fs::exists(blocked_later + "/manifest.pt"));
 
     Model other({worker(1)}, worker(1), /*seed=*/9);
     const std::vector<at::Tensor> before = other.values();

@@ -40,13 +40,16 @@
 // snapshot) and writes the copy holding no lock, while steps go on: streamed from the copy's memory
 // to the files, on a thread of low CPU priority (nice 10) so that the writing yields to the steps
 // the owner serves. An owner keeps the copy's memory for its next snapshot (its parameters' and
-// state's size again, which every snapshot needs at its peak): a first snapshot maps that memory,
-// at the same low priority and before the copy, which on some virtual machines costs more than the
-// write. Every step of `optimizer` that returned before the snapshot began is in it, on every
-// server, and none that began after: a consistent cut of this trainer's steps. Steps of other
-// trainers' optimizers over the same parameters that run meanwhile may be in one server's copy and
-// not another's (a cut per server, as Monolith's per-server snapshots); their optimizers' own state
-// is in their own snapshots.
+// state's size again, which every snapshot needs at its peak). A SnapshotSchedule has every owner
+// map that memory when it is made (at the same low priority; a save_snapshot with none made
+// before maps it itself, before its copy), so that the first snapshot writes as fast as the later
+// ones: fresh memory costs a kernel far more than a copy, and on some virtual machines as much as
+// the write. A collisionless table's copy is of its live rows, made at each snapshot. Every step of
+// `optimizer` that returned before the snapshot began is in it, on every server, and none that
+// began after: a consistent cut of this trainer's steps. Steps of other trainers' optimizers over
+// the same parameters that run meanwhile may be in one server's copy and not another's (a cut per
+// server, as Monolith's per-server snapshots); their optimizers' own state is in their own
+// snapshots.
 //
 // Loading: every owner reads and checks what it will hold (a table shard reads only the blocks
 // that overlap its rows, one at a time; another parameter reads its old owner's file), and keeps
@@ -74,6 +77,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -140,7 +144,11 @@ struct SnapshotOptions {
 class SnapshotSchedule {
  public:
   /// Throws c10::ValueError naming the option for a negative every_steps, every or rows_per_file,
-  /// or keep_last below 1, and what save_snapshot throws for the tables.
+  /// or keep_last below 1, and what save_snapshot throws for the tables. Then has every owner map
+  /// and keep the memory its snapshots copy into (the parameters' and their state's size; a
+  /// collisionless table's apart) and waits for it, at the owners' low priority: seconds for
+  /// gigabytes. An owner that cannot (lost, out of memory) is logged, not thrown: its first
+  /// snapshot maps the memory itself, and fails as it would have.
   SnapshotSchedule(SnapshotOptions options, DistributedOptimizer& optimizer,
                    std::vector<const rpc::ShardedEmbeddingBag*> tables = {}, int64_t step = 0,
                    std::vector<const rpc::ShardedIdEmbeddingBag*> id_tables = {});
@@ -163,6 +171,9 @@ class SnapshotSchedule {
   int64_t steps() const { return step_; }
   /// The step of the snapshot being written (begun, not yet finished), if any.
   std::optional<int64_t> writing() const;
+  /// The bytes each owner (by worker name) kept for the snapshots' copies when the schedule was
+  /// made; an owner that failed to is missing.
+  const std::map<std::string, int64_t>& reserved_bytes() const { return reserved_bytes_; }
 
  private:
   struct Pending;
@@ -177,6 +188,7 @@ class SnapshotSchedule {
   int64_t last_begun_step_;
   std::chrono::steady_clock::time_point last_begun_;
   std::unique_ptr<Pending> pending_;
+  std::map<std::string, int64_t> reserved_bytes_;
 };
 
 /// The newest complete snapshot (one with its manifest) a SnapshotSchedule wrote into
