@@ -18,13 +18,15 @@
 //            through a dist_optim::SnapshotSchedule: the schedule is made at the start of the
 //            round, counts every step of both phases, and is due every 2W + T + 1 steps, so it
 //            begins exactly one, at the first timed step of this phase (the public API has no
-//            call that begins one snapshot in the background without waiting for it). Each
-//            step's time is kept, and whether the snapshot was being written during it: from
-//            the first timed step (whose schedule.step() begins it) to the step whose
-//            schedule.step() finishes it (returns its step; if the T steps end first, flush()
-//            finishes it, the trainer waiting). The snapshot's duration is the time from that
-//            begin to that finish (seen at step granularity), its size the bytes of the files
-//            under the schedule's directory (the manifest and blocks, and what it writes beside);
+//            call that begins one snapshot in the background without waiting for it); making
+//            it has the servers map the memory of their copies (kept from then on: in the first
+//            round only), timed apart. Each step's time is kept, and whether the snapshot was
+//            being written during it: from the first timed step (whose schedule.step() begins
+//            it) to the step whose schedule.step() finishes it (returns its step; if the T steps
+//            end first, flush() finishes it, the trainer waiting). The snapshot's duration is
+//            the time from that begin to that finish (seen at step granularity), its size the
+//            bytes of the files under the schedule's directory (the manifest and blocks, and
+//            what it writes beside);
 //   blocking: in the last --blocking-rounds rounds (1), one save_snapshot of the same optimizer
 //            and table: what a trainer waits for with the synchronous API (at 1e7 rows it takes
 //            as long as the rest of a round, hence not in every round by default).
@@ -37,10 +39,13 @@
 // during / without of each round's p50 and p99. The snapshot: its duration from begin to
 // finished, its bytes and their rate; the blocking save's wall time and rate. The machine's disk:
 // in every round, once its snapshots are removed and synced, dd writes as many MiB as the
-// snapshot's bytes with conv=fdatasync into the snapshot directory's file system, timed as a
-// whole (the snapshot's files are fsynced too); the snapshot's rate over dd's of the same round
-// says whether the background write keeps up with the disk (a virtual disk's rate drifts
-// between minutes, so one probe beside three rounds says little).
+// snapshot's bytes into the snapshot directory's file system with conv=fdatasync, timed as a
+// whole (the snapshot's files are fsynced too), twice: through the page cache in 1 MiB writes
+// (the common dd probe of a disk), then around it with oflag=direct in 4 MiB writes, as the
+// snapshot writes (a disk may take direct writes far faster than the page cache hands it
+// buffered ones); the snapshot's rate over each dd's of the same round says whether the
+// background write keeps up with the disk (a virtual disk's rate drifts between minutes, so one
+// probe beside three rounds says little).
 //
 // There is no PyTorch side: PyTorch has no snapshot of a parameter server (its
 // DistributedOptimizer has no state dict), so ours during a snapshot is compared with ours
@@ -130,14 +135,23 @@ Json step_figures(const std::vector<double>& ms) {
               {"steps", ms.size()}};
 }
 
-// dd's write of `mib` MiB with conv=fdatasync into `directory`, timed as a whole: MB/s.
-double disk_write_mb_per_s(const fs::path& directory, int64_t mib) {
+// dd's write of `mib` MiB into `directory`, timed as a whole, then synced (conv=fdatasync):
+// MB/s. `direct`: around the page cache (oflag=direct) in 4 MiB writes, as the snapshot writes its
+// files; else through it in 1 MiB writes, the common dd probe of a disk.
+double disk_write_mb_per_s(const fs::path& directory, int64_t mib, bool direct) {
   const fs::path file = directory / "dd.tmp";
+  const int64_t block_mib = direct ? 4 : 1;
+  std::vector<std::string> argv = {"/usr/bin/dd",
+                                   "if=/dev/zero",
+                                   "of=" + file.string(),
+                                   fmt::format("bs={}M", block_mib),
+                                   "count=" + std::to_string((mib + block_mib - 1) / block_mib),
+                                   "conv=fdatasync",
+                                   "status=none"};
+  if (direct) argv.push_back("oflag=direct");
+  mib = (mib + block_mib - 1) / block_mib * block_mib;
   const auto begin = Clock::now();
-  const ChildResult dd =
-      run_child({"/usr/bin/dd", "if=/dev/zero", "of=" + file.string(), "bs=1M",
-                 "count=" + std::to_string(mib), "conv=fdatasync", "status=none"},
-                "");
+  const ChildResult dd = run_child(argv, "");
   const double seconds = ms_between(begin, Clock::now()) / 1e3;
   fs::remove(file);
   TORCH_CHECK(dd.exit_code == 0, "snapshot_bench: dd into ", directory.string(),
@@ -162,9 +176,11 @@ class Trainer {
     const int64_t begin_at = 2 * config_.warmup + config_.timed + 1;
     Json result;
     {
+      const auto made_at = Clock::now();
       dist_optim::SnapshotSchedule schedule(
           dist_optim::SnapshotOptions(scheduled.string()).every_steps(begin_at), optimizer_,
           {&table_});
+      const double schedule_made_s = ms_between(made_at, Clock::now()) / 1e3;
       std::vector<double> without;
       for (int i = 0; i < config_.warmup + config_.timed; ++i) {
         const double ms = step(schedule, nullptr);
@@ -200,6 +216,7 @@ class Trainer {
                 {"while_written", step_figures(while_written)},
                 {"finished_in_phase", finished_in_phase},
                 {"snapshot_s", seconds},
+                {"schedule_made_s", schedule_made_s},
                 {"snapshot_bytes", bytes},
                 {"last_loss", last_loss_}};
       if (index > config_.rounds - config_.blocking_rounds) {
@@ -214,7 +231,8 @@ class Trainer {
     ::sync();
     // The disk's rate now, for as many bytes as the snapshot wrote.
     const int64_t mib = (result.at("snapshot_bytes").get<int64_t>() + (1 << 20) - 1) >> 20;
-    result["dd_mb_s"] = disk_write_mb_per_s(config_.directory, mib);
+    result["dd_mb_s"] = disk_write_mb_per_s(config_.directory, mib, /*direct=*/false);
+    result["dd_direct_mb_s"] = disk_write_mb_per_s(config_.directory, mib, /*direct=*/true);
     return result;
   }
 
@@ -369,8 +387,13 @@ int run(int argc, char** argv) {
   }
   const std::vector<double> dd_mb_s =
       per_round([](const Json& r) { return r.at("dd_mb_s").get<double>(); });
-  std::vector<double> of_dd;
-  for (size_t r = 0; r < dd_mb_s.size(); ++r) of_dd.push_back(snapshot_mb_s[r] / dd_mb_s[r]);
+  const std::vector<double> dd_direct_mb_s =
+      per_round([](const Json& r) { return r.at("dd_direct_mb_s").get<double>(); });
+  std::vector<double> of_dd, of_dd_direct;
+  for (size_t r = 0; r < dd_mb_s.size(); ++r) {
+    of_dd.push_back(snapshot_mb_s[r] / dd_mb_s[r]);
+    of_dd_direct.push_back(snapshot_mb_s[r] / dd_direct_mb_s[r]);
+  }
   const std::vector<double> written_steps =
       per_round([](const Json& r) { return r.at("while_written").at("steps").get<double>(); });
   const std::vector<double> finished_in_phase =
@@ -383,7 +406,8 @@ int run(int argc, char** argv) {
       "process, {} RPC threads, {} s RPC timeout; {} round(s) of without / during, the blocking "
       "save in the last {}; W = {} warm-up and T = {} timed steps per phase; snapshots in {} "
       "(local disk, removed after each round); disk: dd of the snapshot's bytes with "
-      "conv=fdatasync there after each round's snapshots are removed, timed whole",
+      "conv=fdatasync there after each round's snapshots are removed, timed whole, through the "
+      "page cache (bs=1M) and around it (oflag=direct bs=4M)",
       config.servers, rows_label(config.rows), kPsDim, kLr, state_gb, kPsBags, kPsIdsPerBag,
       job.value("intra_op_threads", kPsIntraOpThreads), kPsRpcThreads, kRpcTimeout.count(),
       config.rounds, config.blocking_rounds, config.warmup, config.timed, config.directory);
@@ -430,6 +454,10 @@ int run(int argc, char** argv) {
       spread_row("T steps' total time, during", over_rounds("during", "total_s"), "s", "lower"));
   cases.push_back(spread_row("during: the longest step's place (1: the first)",
                              over_rounds("during", "max_at"), "step", "lower"));
+  cases.push_back(
+      spread_row("making the schedule (the servers map the copies' memory in the first round)",
+                 per_round([](const Json& r) { return r.at("schedule_made_s").get<double>(); }),
+                 "s", "lower"));
   cases.push_back(spread_row("snapshot: begin to finished", snapshot_s, "s", "lower"));
   cases.push_back(spread_row("snapshot: bytes written", snapshot_mb, "MB", "lower"));
   cases.push_back(spread_row("snapshot: write throughput", snapshot_mb_s, "MB/s", "higher"));
@@ -446,6 +474,10 @@ int run(int argc, char** argv) {
       spread_row("disk: dd of the snapshot's bytes, conv=fdatasync", dd_mb_s, "MB/s", "higher"));
   cases.push_back(
       spread_row("snapshot's write rate / dd's (same round)", of_dd, "ratio", "higher"));
+  cases.push_back(spread_row("disk: dd of the snapshot's bytes, oflag=direct bs=4M", dd_direct_mb_s,
+                             "MB/s", "higher"));
+  cases.push_back(spread_row("snapshot's write rate / dd oflag=direct's (same round)", of_dd_direct,
+                             "ratio", "higher"));
   fmt::print("\n{:<56} {:>9} {:>9} {:>9}  {}\n", "case", "min", "median", "max", "unit");
   for (size_t i = phase_rows; i < cases.size(); ++i) {
     const Json& row = cases[i];
