@@ -141,22 +141,22 @@ Json step_figures(const std::vector<double>& ms) {
 double disk_write_mb_per_s(const fs::path& directory, int64_t mib, bool direct) {
   const fs::path file = directory / "dd.tmp";
   const int64_t block_mib = direct ? 4 : 1;
+  const int64_t blocks = (mib + block_mib - 1) / block_mib;
   std::vector<std::string> argv = {"/usr/bin/dd",
                                    "if=/dev/zero",
                                    "of=" + file.string(),
                                    fmt::format("bs={}M", block_mib),
-                                   "count=" + std::to_string((mib + block_mib - 1) / block_mib),
+                                   "count=" + std::to_string(blocks),
                                    "conv=fdatasync",
                                    "status=none"};
   if (direct) argv.push_back("oflag=direct");
-  mib = (mib + block_mib - 1) / block_mib * block_mib;
   const auto begin = Clock::now();
   const ChildResult dd = run_child(argv, "");
   const double seconds = ms_between(begin, Clock::now()) / 1e3;
   fs::remove(file);
   TORCH_CHECK(dd.exit_code == 0, "snapshot_bench: dd into ", directory.string(),
               " exited with status ", dd.exit_code);
-  return static_cast<double>(mib) * 1024.0 * 1024.0 / 1e6 / seconds;
+  return static_cast<double>(blocks * block_mib) * 1024.0 * 1024.0 / 1e6 / seconds;
 }
 
 // worker0: trains, snapshots, measures.

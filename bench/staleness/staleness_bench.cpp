@@ -53,10 +53,13 @@ struct Config {
   int deadline_seconds = 600;
 };
 
+// The trainer whose step times the table gives: the slowed one, else the first.
+int watched_trainer(const Config& config) { return std::max(config.slow_trainer, 0); }
+
 struct Run {
   double samples_per_second = NAN;
   double held_out_log_loss = NAN;
-  // The watched trainer's (the slowed one, else the first) mean times per step, in ms.
+  // The watched trainer's mean times per step, in ms.
   double forward_and_backward_ms = NAN;
   double optimizer_step_ms = NAN;
 };
@@ -96,7 +99,7 @@ Run run_job(const Config& config, int bound, const fs::path& out_dir) {
               " printed no last line; its output:\n", child.stdout_text);
   Run run{std::stod(m[2]), std::stod(m[1])};
   // "trainerT: N steps, each on average: forward F ms, backward B ms, optimizer step S ms (...)"
-  const int watched = std::max(config.slow_trainer, 0);
+  const int watched = watched_trainer(config);
   const std::regex phases(fmt::format(
       R"(trainer{}: [0-9]+ steps, each on average: forward ([0-9.]+) ms, backward ([0-9.]+) ms, optimizer step ([0-9.]+) ms)",
       watched));
@@ -146,7 +149,7 @@ int run(int argc, char** argv) {
   }
   const int base = config.bounds.front();
   Json cases = Json::array();
-  const std::string watched = fmt::format("trainer {}", std::max(config.slow_trainer, 0));
+  const std::string watched = fmt::format("trainer {}", watched_trainer(config));
   for (int bound : config.bounds) {
     std::vector<double> rate, loss, speedup, loss_change, work_ms, step_ms;
     for (int r = 0; r < config.rounds; ++r) {
