@@ -40,6 +40,8 @@ PACKAGES=(
   etcd-server
   # libzip: checkpoint files are verified record by record (CRC-32) before they are loaded.
   libzip-dev
+  # ISA-L: the CRC-32 of every record a checkpoint or snapshot file holds, at memory speed.
+  libisal-dev
   # Abseil's flat_hash_map: a collisionless table's id -> row map on each parameter server.
   libabsl-dev
   # libFuzzer for the rpc message decoder's fuzz test (clang's runtime; the build stays on g++).

@@ -25,6 +25,7 @@
 #include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/serialize.h>
 
+#include "archive_writer.h"
 #include "checkpoint_archive.h"
 #include "file_writer.h"
 #include "huge_pages.h"
@@ -357,6 +358,11 @@ void write_pickle_file(const std::string& path, const c10::IValue& value, const 
     pickler.protocol();
     pickler.pushIValue(value);
     pickler.stop();
+    if (fits_without_zip64(pickle.size(), pickler.tensorData())) {
+      write_pickle_archive(pickle, pickler.tensorData(), sink);
+      return;
+    }
+    // Past 4 GiB or 65535 records, LibTorch's writer and its zip64 fields.
     caffe2::serialize::PyTorchStreamWriter writer(
         [&](const void* data, size_t size) { return sink(data, size) ? size : 0; });
     torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), pickler.tensorData(),

@@ -55,10 +55,13 @@ c10::IValue read_pickle_file(const std::string& path, const char* caller,
 /// memory. The same checks and errors, and each storage is checked to lie inside its record.
 c10::IValue read_pickle_file_in_place(const std::string& path, const char* caller);
 
-/// `value` pickled by LibTorch, byte for byte as torch::pickle_save (Python's torch.load reads
-/// it), streamed to the file with write_checkpoint_file: each tensor's storage goes from its own
-/// memory to the file. Pickling writes a tensor's whole storage, so a view of a larger tensor
-/// should be given a storage of its own (see alias_of_rows in dist_optim) rather than cloned.
+/// `value` pickled by LibTorch in torch::pickle_save's archive (Python's torch.load reads it),
+/// streamed to the file with write_checkpoint_file: each tensor's storage goes from its own
+/// memory to the file. Byte for byte LibTorch's archive but for the padding before a storage of a
+/// megabyte or more, which lines it up with its memory for a direct write (archive_writer.h);
+/// past 4 GiB or 65535 records, LibTorch's own writer. Pickling writes a tensor's whole storage,
+/// so a view of a larger tensor should be given a storage of its own (see alias_of_rows in
+/// dist_optim) rather than cloned.
 void write_pickle_file(const std::string& path, const c10::IValue& value, const char* caller);
 
 }  // namespace detail

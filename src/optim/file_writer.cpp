@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -23,9 +24,7 @@ using Chunk = std::unique_ptr<char, FreeChunk>;
 
 namespace {
 
-// O_DIRECT wants the memory, the file offset and the length aligned to the file system's logical
-// block: 512 or 4096 bytes on Linux's block devices.
-constexpr size_t kAlignBytes = 4096;
+constexpr size_t kAlignBytes = kDirectAlignBytes;
 // Long enough that the disk's time dwarfs the copy into a chunk (27 ms at 150 MB/s, against well
 // under a millisecond), short enough that two stay small beside what a large file holds.
 constexpr size_t kChunkBytes = size_t{4} << 20;
@@ -88,15 +87,18 @@ class DirectChunks {
 
   /// False once a write failed (error() says why).
   bool append(const char* bytes, size_t size) {
-    while (size > 0) {
-      const size_t n = std::min(size, kChunkBytes - filled_);
-      std::memcpy(chunks_[filling_].get() + filled_, bytes, n);
-      filled_ += n;
-      bytes += n;
-      size -= n;
-      if (filled_ == kChunkBytes && !hand_over()) return false;
+    // The file offset is the chunk's, which starts on a block: filled_ says where in a block the
+    // next byte goes.
+    const auto address = reinterpret_cast<uintptr_t>(bytes);
+    if (size >= kInPlaceMinBytes && address % kAlignBytes == filled_ % kAlignBytes) {
+      const size_t head = (kAlignBytes - address % kAlignBytes) % kAlignBytes;
+      if (!copy_in(bytes, head)) return false;
+      const size_t whole = (size - head) / kAlignBytes * kAlignBytes;
+      if (!write_in_place(bytes + head, whole)) return false;
+      bytes += head + whole;
+      size -= head + whole;
     }
-    return true;
+    return copy_in(bytes, size);
   }
 
   /// Waits for the chunk in flight, then writes the last one (its whole blocks around the page
@@ -133,12 +135,48 @@ class DirectChunks {
 
   int error() const { return error_; }
   size_t direct_bytes() const { return direct_bytes_; }
+  size_t in_place_bytes() const { return in_place_bytes_; }
 
  private:
   DirectChunks(int fd, Chunk first, Chunk second) : fd_(fd) {
     chunks_[0] = std::move(first);
     chunks_[1] = std::move(second);
     writer_ = std::thread([this] { run(); });
+  }
+
+  // Copies `size` bytes into the chunks, handing each full one to the writing thread.
+  bool copy_in(const char* bytes, size_t size) {
+    while (size > 0) {
+      const size_t n = std::min(size, kChunkBytes - filled_);
+      std::memcpy(chunks_[filling_].get() + filled_, bytes, n);
+      filled_ += n;
+      bytes += n;
+      size -= n;
+      if (filled_ == kChunkBytes && !hand_over()) return false;
+    }
+    return true;
+  }
+
+  // Writes, on the caller's thread, the chunk being filled (whole blocks) and then `size` bytes
+  // (whole blocks, aligned in memory) from where they lie, once the chunk in flight is written:
+  // they are written when it returns, so the caller may free them.
+  bool write_in_place(const char* bytes, size_t size) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    written_cv_.wait(lock, [this] { return pending_ == nullptr; });
+    if (error_ != 0) return false;
+    bool direct = direct_;
+    lock.unlock();  // the writing thread waits for a chunk, which only this thread hands it
+    int error = write_fully(fd_, chunks_[filling_].get(), filled_, &direct);
+    if (error == 0) error = write_fully(fd_, bytes, size, &direct);
+    lock.lock();
+    if (direct) {
+      direct_bytes_ += filled_ + size;
+      in_place_bytes_ += size;
+    }
+    direct_ = direct;
+    error_ = error;
+    filled_ = 0;
+    return error_ == 0;
   }
 
   // Hands the full chunk to the writing thread once the one before is written; the caller fills
@@ -187,6 +225,7 @@ class DirectChunks {
   int error_ = 0;
   bool direct_ = true;  // false once a write around the page cache was refused
   size_t direct_bytes_ = 0;
+  size_t in_place_bytes_ = 0;  // the caller's thread's alone
   std::thread writer_;
 };
 
@@ -229,6 +268,8 @@ void FileWriter::abandon() {
 }
 
 size_t FileWriter::direct_bytes() const { return direct_ ? direct_->direct_bytes() : 0; }
+
+size_t FileWriter::in_place_bytes() const { return direct_ ? direct_->in_place_bytes() : 0; }
 
 bool FileWriter::flush_gathered() {
   const bool written = write_all(gathered_.data(), gathered_.size());

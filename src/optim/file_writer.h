@@ -6,8 +6,9 @@
 // optimizer's state dict is mostly less) goes on around the page cache (O_DIRECT), in aligned
 // chunks, one written by a thread of the writer's while the next is filled: the writing thread then
 // pays a copy into the chunk, not the kernel's page-cache copy and writeback, which on a parameter
-// server ran at the trainers' priority whatever the writer's and took their CPU. Where the file
-// system refuses O_DIRECT (or a direct write), the file is written through the page cache as
+// server ran at the trainers' priority whatever the writer's and took their CPU. A large piece
+// whose memory lines up with its file offset is not copied at all (kInPlaceMinBytes). Where the
+// file system refuses O_DIRECT (or a direct write), the file is written through the page cache as
 // before; the bytes written are the same either way.
 
 #include <sys/types.h>
@@ -22,6 +23,13 @@ namespace detail {
 
 /// A file up to this size is written through the page cache alone.
 constexpr size_t kDirectAfterBytes = size_t{8} << 20;
+/// O_DIRECT's alignment of memory, file offsets and lengths (Linux's block devices want 512 or
+/// 4096 bytes).
+constexpr size_t kDirectAlignBytes = 4096;
+/// A piece of at least this size whose memory lines up with the file offset it goes to (the same
+/// offset within a kDirectAlignBytes block: write_pickle_archive lays its large records so) is
+/// written from where it lies, its whole blocks around the page cache, not copied into a chunk.
+constexpr size_t kInPlaceMinBytes = size_t{1} << 20;
 
 class DirectChunks;
 
@@ -33,7 +41,8 @@ class FileWriter {
   FileWriter(const FileWriter&) = delete;
   FileWriter& operator=(const FileWriter&) = delete;
 
-  /// Appends `size` bytes; false once a write has failed (error() says why). Never throws.
+  /// Appends `size` bytes; false once a write has failed (error() says why). Never throws. The
+  /// bytes are written or copied before it returns.
   bool write(const void* data, size_t size);
   /// Writes out what is gathered and waits for every chunk in flight; false on failure. The
   /// descriptor is left open and not synced (the caller fsyncs it).
@@ -45,6 +54,8 @@ class FileWriter {
   int error() const { return error_; }
   /// Bytes that went around the page cache (0 where the file system refused O_DIRECT).
   size_t direct_bytes() const;
+  /// Of those, the bytes written from the caller's memory rather than copied into a chunk.
+  size_t in_place_bytes() const;
 
  private:
   bool flush_gathered();

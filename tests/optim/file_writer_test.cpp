@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -163,6 +165,49 @@ TEST_F(FileWriterTest, AbandonedMidwayWritesNothingMore) {
   const std::vector<char> written = read_file(path);
   EXPECT_EQ(written.size(), static_cast<size_t>(size));
   EXPECT_TRUE(std::equal(written.begin(), written.end(), bytes.begin()));
+}
+
+// A large piece whose memory lines up with the file offset it goes to (the same offset within a
+// block) is written from where it lies, its whole blocks; the same piece one byte off is copied
+// into the chunks. The file holds exactly the bytes either way.
+TEST_F(FileWriterTest, ALargePieceLinedUpWithItsFileOffsetIsWrittenFromItsOwnMemory) {
+  const size_t total = 3 * kDirectAfterBytes + 777;
+  const std::vector<char> bytes = pattern_bytes(total);
+  const bool direct_io = takes_direct_io();
+  for (const size_t shift : {size_t{0}, size_t{1}}) {
+    SCOPED_TRACE(shift == 0 ? "lined up" : "one byte off");
+    // The bytes at `shift` past a block's start, so that byte i lies at i + shift in a block.
+    std::unique_ptr<char, decltype(&std::free)> memory(
+        static_cast<char*>(std::aligned_alloc(
+            detail::kDirectAlignBytes,
+            (total / detail::kDirectAlignBytes + 2) * detail::kDirectAlignBytes)),
+        &std::free);
+    char* data = memory.get() + shift;
+    std::memcpy(data, bytes.data(), total);
+    const std::string path = dir_ + "/in_place";
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    ASSERT_GE(fd, 0);
+    FileWriter writer(fd);
+    // A header's worth, then a large piece (which takes the file past the threshold), then
+    // another that ends in a partial block.
+    const size_t header = 100;
+    const size_t large = 2 * kDirectAfterBytes + 5000;
+    ASSERT_TRUE(writer.write(data, header));
+    ASSERT_TRUE(writer.write(data + header, large));
+    ASSERT_TRUE(writer.write(data + header + large, total - header - large));
+    ASSERT_TRUE(writer.finish()) << std::strerror(writer.error());
+    ::close(fd);
+    const std::vector<char> written = read_file(path);
+    ASSERT_EQ(written.size(), bytes.size());
+    EXPECT_TRUE(written == bytes);
+    if (shift == 0 && direct_io) {
+      // All of both large pieces but their partial blocks.
+      EXPECT_GE(writer.in_place_bytes(), total - header - 3 * detail::kDirectAlignBytes);
+      EXPECT_LE(writer.in_place_bytes(), total - header);
+    } else {
+      EXPECT_EQ(writer.in_place_bytes(), 0u);
+    }
+  }
 }
 
 }  // namespace file_writer_test

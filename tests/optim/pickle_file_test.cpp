@@ -2,24 +2,35 @@
 // record) and in place (each tensor's storage its record's data in the file's memory, for the
 // snapshots a recovering server reads). Both give the saved values, and both refuse a file whose
 // pickle claims more of a record than the record holds, which LibTorch's reader would read past.
+// And as they are written (archive_writer.h): byte for byte LibTorch's archive where every record
+// is small; large records lined up with their memory, which LibTorch, PyTorch and libzip read.
 
 #include <stdlib.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/TensorImpl.h>
+#include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
+#include "archive_writer.h"
 #include "checkpoint_file.h"
+#include "file_writer.h"
+#include "support/tensor_files.h"
 #include "support/test_util.h"
 
 namespace distoptim {
@@ -27,6 +38,36 @@ namespace optim {
 namespace pickle_file_test {
 
 using testing::expect_error_containing;
+
+// LibTorch's pickle of `value` and the tensors whose storages it names, in order.
+struct Pickled {
+  std::vector<char> bytes;
+  std::vector<at::Tensor> tensors;
+};
+Pickled pickle_of(const c10::IValue& value) {
+  Pickled out;
+  torch::jit::Pickler pickler(
+      [&](const char* data, size_t size) { out.bytes.insert(out.bytes.end(), data, data + size); });
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  out.tensors = pickler.tensorData();
+  return out;
+}
+
+// The archive LibTorch's writer makes of `pickle` and `records` (torch::pickle_save's layout).
+std::vector<char> libtorch_archive(const std::vector<char>& pickle,
+                                   const std::vector<at::Tensor>& records) {
+  std::vector<char> bytes;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
+    bytes.insert(bytes.end(), static_cast<const char*>(data),
+                 static_cast<const char*>(data) + size);
+    return size;
+  });
+  torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), records, writer);
+  writer.writeEndOfFile();
+  return bytes;
+}
 
 class PickleFile : public ::testing::Test {
  protected:
@@ -45,22 +86,10 @@ class PickleFile : public ::testing::Test {
   std::string write_with_records(
       const c10::IValue& value, const std::vector<at::Tensor>& records, const std::string& name,
       const std::function<void(std::vector<char>&)>& change = [](std::vector<char>&) {}) {
-    std::vector<char> pickle;
-    torch::jit::Pickler pickler(
-        [&](const char* data, size_t size) { pickle.insert(pickle.end(), data, data + size); });
-    pickler.protocol();
-    pickler.pushIValue(value);
-    pickler.stop();
-    EXPECT_EQ(pickler.tensorData().size(), records.size());
-    change(pickle);
-    std::vector<char> bytes;
-    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t size) {
-      bytes.insert(bytes.end(), static_cast<const char*>(data),
-                   static_cast<const char*>(data) + size);
-      return size;
-    });
-    torch::jit::writeArchiveAndTensors("data", pickle.data(), pickle.size(), records, writer);
-    writer.writeEndOfFile();
+    Pickled pickled = pickle_of(value);
+    EXPECT_EQ(pickled.tensors.size(), records.size());
+    change(pickled.bytes);
+    const std::vector<char> bytes = libtorch_archive(pickled.bytes, records);
     const std::string path = dir_ + "/" + name;
     detail::write_checkpoint_file(path, bytes, "test");
     return path;
@@ -143,6 +172,94 @@ TEST_F(PickleFile, InPlaceReadGivesTheSavedTensorsSharingTheFilesMemory) {
     kept = again.toGenericDict().at("rows").toTensor();
   }
   EXPECT_TRUE(at::equal(kept, saved.at("rows")));
+}
+
+std::vector<char> file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST_F(PickleFile, AnArchiveOfSmallRecordsIsLibTorchsByteForByte) {
+  const c10::Dict<std::string, at::Tensor> saved = sample_tensors();
+  const std::string path = dir_ + "/small.pt";
+  detail::write_pickle_file(path, saved, "test");
+  const Pickled pickled = pickle_of(saved);
+  EXPECT_TRUE(file_bytes(path) == libtorch_archive(pickled.bytes, pickled.tensors));
+
+  // A dict with no tensor at all: the pickle and the version alone.
+  c10::impl::GenericDict plain(c10::StringType::get(), c10::AnyType::get());
+  plain.insert("step", int64_t{7});
+  plain.insert("name", std::string("adagrad"));
+  const std::string plain_path = dir_ + "/plain.pt";
+  detail::write_pickle_file(plain_path, plain, "test");
+  EXPECT_TRUE(file_bytes(plain_path) == libtorch_archive(pickle_of(plain).bytes, {}));
+}
+
+// Memory of `bytes` bytes starting `offset` bytes past a direct-write block's start, filled with
+// a sequence that differs from byte to byte, as an int tensor (its storage exactly that memory).
+at::Tensor tensor_at_offset(size_t offset, size_t bytes, uint32_t seed) {
+  void* block = std::aligned_alloc(detail::kDirectAlignBytes,
+                                   (offset + bytes + detail::kDirectAlignBytes - 1) /
+                                       detail::kDirectAlignBytes * detail::kDirectAlignBytes);
+  char* memory = static_cast<char*>(block) + offset;
+  uint32_t x = seed;
+  for (size_t i = 0; i < bytes; ++i) {
+    x = x * 1664525u + 1013904223u;
+    memory[i] = static_cast<char>(x >> 24);
+  }
+  return at::from_blob(
+      memory, {static_cast<int64_t>(bytes / sizeof(int32_t))}, [block](void*) { std::free(block); },
+      at::TensorOptions().dtype(at::kInt));
+}
+
+// Large records whose memory starts on a block, 64 bytes past one and 3 KB past one, of sizes
+// that are and are not whole blocks, beside small ones, in a file past the size where writes go
+// around the page cache: each large record's data starts in the file at its memory's offset in a
+// block, and LibTorch's reader, the library's two readers (libzip checking every CRC-32) and
+// PyTorch 1.13's torch.load all read the values saved.
+TEST_F(PickleFile, LargeRecordsLineUpWithTheirMemoryAndReadEverywhere) {
+  const size_t mib = size_t{1} << 20;
+  c10::Dict<std::string, at::Tensor> saved;
+  saved.insert("aligned", tensor_at_offset(0, 4 * mib, 1));
+  saved.insert("past_64", tensor_at_offset(64, 3 * mib + 4096 + 4, 2));
+  saved.insert("past_3k", tensor_at_offset(3072, 2 * mib + 100, 3));
+  saved.insert("small", at::arange(10, at::kFloat));
+  saved.insert("just_under", tensor_at_offset(0, detail::kInPlaceMinBytes - 4, 4));
+  ASSERT_GT(4 * mib + 3 * mib + 2 * mib + detail::kInPlaceMinBytes, detail::kDirectAfterBytes);
+  const std::string path = dir_ + "/large.pt";
+  detail::write_pickle_file(path, saved, "test");
+
+  // Where each record's data starts, as LibTorch's reader finds it.
+  const std::vector<at::Tensor> tensors = pickle_of(saved).tensors;
+  ASSERT_EQ(tensors.size(), saved.size());
+  caffe2::serialize::PyTorchStreamReader reader(path);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const size_t offset = reader.getRecordOffset("data/" + std::to_string(i));
+    const auto address = reinterpret_cast<uintptr_t>(tensors[i].storage().data());
+    SCOPED_TRACE("record data/" + std::to_string(i));
+    EXPECT_EQ(offset % 64, 0u);
+    if (tensors[i].storage().nbytes() >= detail::kInPlaceMinBytes) {
+      EXPECT_EQ(offset % detail::kDirectAlignBytes, address % detail::kDirectAlignBytes);
+    }
+  }
+
+  expect_same_tensors(detail::read_pickle_file(path, "test"), saved);
+  expect_same_tensors(detail::read_pickle_file_in_place(path, "test"), saved);
+  std::vector<char> bytes = file_bytes(path);
+  expect_same_tensors(torch::pickle_load(bytes), saved);
+
+  // PyTorch reads it with torch.load and saves what it read with its own writer.
+  const std::string python_copy = dir_ + "/large_as_read_by_python.pt";
+  const std::string script = "import sys, torch; torch.save(torch.load(sys.argv[1]), sys.argv[2])";
+  // The paths are the test's own (mkdtemp's, no quote in them); Python's output goes to a file.
+  const std::string log = dir_ + "/python.log";
+  const std::string command = std::string("timeout 120 ") + DISTOPTIM_REFERENCE_PYTHON + " -c '" +
+                              script + "' '" + path + "' '" + python_copy + "' > '" + log +
+                              "' 2>&1";
+  const int status = std::system(command.c_str());
+  const std::vector<char> output = file_bytes(log);
+  ASSERT_EQ(status, 0) << command << "\n" << std::string(output.begin(), output.end());
+  expect_same_tensors(testing::load_pickle(python_copy), saved);
 }
 
 // The pickle says the storage holds 64 floats; its record holds 32.
