@@ -240,14 +240,15 @@ void RemoteOptimizer::keep_copies(const std::vector<int64_t>& indices,
   for (size_t i = 0; i < indices.size(); ++i) kept_copies_[indices[i]] = std::move(copies[i]);
 }
 
-void RemoteOptimizer::copy_param(int64_t index, ParamCopy& into) const {
+void RemoteOptimizer::copy_param(int64_t index, ParamCopy& into, int64_t piece_rows,
+                                 RowsCopied* copied) const {
   at::NoGradGuard no_grad;
   const at::Tensor& param = optimizer_->params()[index];
-  if (!into.value.defined() || !into.value.sizes().equals(param.sizes())) {
-    into.value = param.detach().clone();
-  } else {
-    into.value.copy_(param);
-  }
+  const bool fits = into.value.defined() && into.value.sizes().equals(param.sizes());
+  TORCH_INTERNAL_ASSERT(fits || copied == nullptr, "a shard's copy is read while it is made");
+  if (!fits) into.value = at::empty_like(param);
+  // Each tensor copied, its source beside it.
+  std::vector<std::pair<at::Tensor, at::Tensor>> pairs{{into.value, param}};
   const optim::ParamState& state = optimizer_->state(index);
   into.has_state = !state.empty();
   into.state.step = state.step;
@@ -257,15 +258,24 @@ void RemoteOptimizer::copy_param(int64_t index, ParamCopy& into) const {
     if (!buffer.defined()) continue;
     const std::string& name = optimizer_->state_names()[slot];
     auto it = into.state.buffers.find(name);
-    // A buffer created since copy_targets looked (a first step in between) is copied here.
-    if (it != into.state.buffers.end() && it->second.sizes().equals(buffer.sizes()) &&
-        it->second.scalar_type() == buffer.scalar_type()) {
-      buffers[name] = it->second.copy_(buffer);
-    } else {
-      buffers[name] = buffer.clone();
-    }
+    // A buffer created since copy_targets looked (a first step in between) gets memory here.
+    const bool kept = it != into.state.buffers.end() && it->second.sizes().equals(buffer.sizes()) &&
+                      it->second.scalar_type() == buffer.scalar_type();
+    buffers[name] = kept ? it->second : at::empty_like(buffer);
+    pairs.emplace_back(buffers[name], buffer);
   }
   into.state.buffers = std::move(buffers);
+  const int64_t rows = param.dim() > 0 ? param.size(0) : 0;
+  if (piece_rows <= 0 || rows == 0) {
+    for (auto& [target, source] : pairs) target.copy_(source);
+    if (copied != nullptr) copied->advance(rows);
+    return;
+  }
+  for (int64_t from = 0; from < rows; from += piece_rows) {
+    const int64_t to = std::min(rows, from + piece_rows);
+    for (auto& [target, source] : pairs) target.slice(0, from, to).copy_(source.slice(0, from, to));
+    if (copied != nullptr) copied->advance(to);
+  }
 }
 
 namespace {
@@ -307,14 +317,21 @@ c10::IValue RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, 
     param(index, kSaveSnapshot, /*table=*/true);
   }
   ParamCopy copy = std::move(copy_targets({index}).front());
-  {
+  // The first blocks are written while the rest of the shard is copied, each once its rows are.
+  RowsCopied copied;
+  std::vector<int64_t> blocks;
+  LowPriorityThread writing([&] {
+    blocks = write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file, &copied);
+  });
+  try {
     std::lock_guard<std::mutex> lock(mutex_);
     rpc::InPlaceUpdateGuard no_step_meanwhile;
-    copy_param(index, copy);
+    copy_param(index, copy, rows_per_file, &copied);
+  } catch (...) {
+    copied.abandon();  // the writer stops; its error says less than this one
+    throw;
   }
-  std::vector<int64_t> blocks;
-  run_at_low_priority(
-      [&] { blocks = write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file); });
+  writing.join();
   c10::impl::GenericDict summary = summary_dict(summary_of(copy));
   summary.insert("blocks", c10::List<int64_t>(blocks));
   std::vector<ParamCopy> kept;

@@ -151,8 +151,11 @@ class RemoteOptimizer {
   /// copy_targets. Takes mutex_.
   void keep_copies(const std::vector<int64_t>& indices, std::vector<ParamCopy> copies);
   /// Copies parameter `index` and its state into `into` (into copy_targets' memory where it
-  /// fits); under mutex_ and an InPlaceUpdateGuard.
-  void copy_param(int64_t index, ParamCopy& into) const;
+  /// fits); under mutex_ and an InPlaceUpdateGuard. With `copied`, `into.value` must already be
+  /// shaped as the parameter (a writer reads it meanwhile): the rows are copied `piece_rows` at a
+  /// time, value and buffers, `copied` advanced after each piece.
+  void copy_param(int64_t index, ParamCopy& into, int64_t piece_rows = 0,
+                  RowsCopied* copied = nullptr) const;
   /// Keeps `copy` for commit_staged(index).
   void stage(int64_t index, ParamCopy copy);
   /// The shard `table` refers to, checked to be here with parameter `index` as its weight.

@@ -17,9 +17,13 @@
 //   parameter's order among the DistributedOptimizer's parameters that are no table's shard),
 //   rows (its value), has_state, step, buffers (names) and buffers_values.
 
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/core/Dict.h>
@@ -46,25 +50,61 @@ struct ParamCopy {
   optim::OptimizerStateDict::State state;  // buffers shaped as `value`, by name
 };
 
-/// Runs `work` on a thread of its own at a low CPU priority (nice 10) and waits for it,
-/// rethrowing what it throws: a snapshot's writing, and the first touch of its copies' fresh
-/// memory (on a virtual machine a fresh page costs far more than its copy: 2.56 GB took about
-/// 5 s here), then yield to the owner's requests and the trainers beside it instead of delaying
-/// their steps, yet keep about a tenth of a core the others contend for (nice 19 would keep a
-/// sixtieth, and a busy server might then not finish a snapshot for minutes).
+/// Runs `work` on a thread of its own at a low CPU priority (nice 10), on one CPU (the last the
+/// process may run on), and waits for it, rethrowing what it throws: a snapshot's writing, and
+/// the first touch of its copies' fresh memory (on a virtual machine a fresh page costs far more
+/// than its copy: 2.56 GB took about 5 s here), then yield to the owner's requests and the
+/// trainers beside it instead of delaying their steps, yet keep about a tenth of a core the
+/// others contend for (nice 19 would keep a sixtieth, and a busy server might then not finish a
+/// snapshot for minutes). Threads the work starts inherit both.
 void run_at_low_priority(const std::function<void()>& work);
+
+/// run_at_low_priority's thread for work beside the caller's: started by the constructor,
+/// waited for by join(), which rethrows what the work threw (the destructor waits and drops it).
+class LowPriorityThread {
+ public:
+  explicit LowPriorityThread(std::function<void()> work);
+  ~LowPriorityThread();
+  LowPriorityThread(const LowPriorityThread&) = delete;
+  LowPriorityThread& operator=(const LowPriorityThread&) = delete;
+  void join();
+
+ private:
+  std::exception_ptr failure_;
+  std::thread thread_;
+};
+
+/// How many of a shard's rows an owner has copied for a snapshot, so that the shard's first
+/// blocks are written while it copies the rest (under its locks, the steps waiting).
+class RowsCopied {
+ public:
+  /// The first `rows` rows are copied.
+  void advance(int64_t rows);
+  /// The copy stopped short (it failed): every wait returns false.
+  void abandon();
+  /// Waits until the first `rows` rows are copied: true, or false once the copy is abandoned.
+  /// The copy runs on the caller's process under no lock a writer holds, so it ends either way.
+  bool wait_for(int64_t rows) const;
+
+ private:
+  mutable std::mutex mutex_;
+  mutable std::condition_variable copied_cv_;
+  int64_t rows_ = 0;
+  bool abandoned_ = false;
+};
 
 /// PREFIX.shard-S-of-N.block-B.pt
 std::string block_path(const std::string& prefix, int64_t shard, int64_t shards, int64_t block);
 
 /// Writes `part`, rows [first_row, first_row + part.value.size(0)) of a table and shard `shard`
 /// of `shards`, as blocks of at most `rows_per_file` rows named after `prefix`, two at a time (the
-/// second by a thread of the caller's priority). Returns the first row of each block, then the
-/// shard's end. Errors: c10::Error naming the first file that could not be written; no block is
-/// begun after it.
+/// second by a thread of the caller's priority), each once `copied` (when given) says its rows
+/// are in `part`. Returns the first row of each block, then the shard's end. Errors: c10::Error
+/// naming the first file that could not be written; no block is begun after it (nor after the
+/// copy is abandoned).
 std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard, int64_t shards,
                                         int64_t first_row, const ParamCopy& part,
-                                        int64_t rows_per_file);
+                                        int64_t rows_per_file, const RowsCopied* copied = nullptr);
 
 /// One block file a load reads: who wrote it and which rows of the table it holds.
 struct BlockFile {

@@ -1,0 +1,126 @@
+// A table shard's snapshot blocks written while the owner still copies the shard
+// (src/dist_optim/snapshot_files.h): a block is begun only once its rows are copied, and a copy
+// that stops short leaves the blocks before it written and none after, with an error naming the
+// first block it kept from being written.
+
+#include <unistd.h>
+
+#include <chrono>
+#include <exception>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "snapshot_files.h"
+
+namespace distoptim {
+namespace dist_optim {
+namespace snapshot_blocks_test {
+
+namespace fs = std::filesystem;
+using detail::ParamCopy;
+using detail::RowsCopied;
+
+constexpr int64_t kRows = 40;
+constexpr int64_t kDim = 6;
+constexpr int64_t kFirstRow = 100;    // the shard's first row in its table
+constexpr int64_t kRowsPerFile = 16;  // blocks of rows [100, 116), [116, 132), [132, 140)
+
+class SnapshotBlocks : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("snapshot_blocks_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    at::manual_seed(3);
+    table_ = at::randn({kRows, kDim});
+    sums_ = at::rand({kRows, kDim});
+    // The copy's memory, zero until copied (as copy_targets leaves it).
+    part_.value = at::zeros({kRows, kDim});
+    part_.has_state = true;
+    part_.state.step = 9;
+    part_.state.buffers["sum"] = at::zeros({kRows, kDim});
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string prefix() const { return (dir_ / "table-0").string(); }
+  std::string block(int64_t b) const { return detail::block_path(prefix(), 0, 1, b); }
+
+  // Copies rows [from, to) of the shard into the copy, then says so.
+  void copy_rows(int64_t from, int64_t to, RowsCopied& copied) {
+    part_.value.slice(0, from, to).copy_(table_.slice(0, from, to));
+    part_.state.buffers["sum"].slice(0, from, to).copy_(sums_.slice(0, from, to));
+    copied.advance(to);
+  }
+
+  // Waits (at most a minute) for `path` to exist: the writer renames a block into place whole.
+  static bool appears(const std::string& path) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+    while (!fs::exists(path)) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return true;
+  }
+
+  fs::path dir_;
+  at::Tensor table_, sums_;
+  ParamCopy part_;
+};
+
+TEST_F(SnapshotBlocks, ABlockIsWrittenOnlyOnceItsRowsAreCopied) {
+  RowsCopied copied;
+  std::vector<int64_t> firsts;
+  std::exception_ptr failure;
+  std::thread writer([&] {
+    try {
+      firsts = detail::write_shard_blocks(prefix(), 0, 1, kFirstRow, part_, kRowsPerFile, &copied);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  copy_rows(0, kRowsPerFile, copied);
+  ASSERT_TRUE(appears(block(0))) << "the first block, its rows copied, was not written";
+  // The second block's rows are not copied yet: no writer may have begun it.
+  EXPECT_FALSE(fs::exists(block(1)));
+  copy_rows(kRowsPerFile, kRows, copied);
+  writer.join();
+  ASSERT_FALSE(failure);
+  EXPECT_EQ(firsts, (std::vector<int64_t>{100, 116, 132, 140}));
+
+  // Every block holds the copied rows and state, none of the zeros the copy began as.
+  std::vector<detail::BlockFile> blocks;
+  for (int64_t b = 0; b < 3; ++b) blocks.push_back({block(b), 0, firsts[b], firsts[b + 1]});
+  detail::StateSummary state{true, 9, {"sum"}};
+  const ParamCopy read =
+      detail::read_block_rows(blocks, kFirstRow, kFirstRow + kRows, kDim, at::kFloat, state);
+  EXPECT_TRUE(at::equal(read.value, table_));
+  EXPECT_TRUE(at::equal(read.state.buffers.at("sum"), sums_));
+  EXPECT_EQ(read.state.step, 9);
+}
+
+TEST_F(SnapshotBlocks, ACopyThatStopsShortLeavesNoLaterBlockAndNamesTheFirst) {
+  RowsCopied copied;
+  copy_rows(0, kRowsPerFile + 3, copied);  // the first block's rows and some of the second's
+  copied.abandon();
+  try {
+    detail::write_shard_blocks(prefix(), 0, 1, kFirstRow, part_, kRowsPerFile, &copied);
+    ADD_FAILURE() << "blocks were written past where the copy stopped";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what())
+                  .find("save_snapshot: the copy of shard 0 stopped before its block 1"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_TRUE(fs::exists(block(0)));
+  EXPECT_FALSE(fs::exists(block(1)));
+  EXPECT_FALSE(fs::exists(block(2)));
+}
+
+}  // namespace snapshot_blocks_test
+}  // namespace dist_optim
+}  // namespace distoptim
