@@ -4,6 +4,7 @@
 
 #include "remote_optimizer.h"
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <optional>

@@ -1,7 +1,4 @@
 #include "snapshot_files.h"
-#include <sched.h>
-#include <cstdio>
-#include <cstdlib>
 
 #include <sched.h>
 #include <sys/resource.h>
