@@ -205,6 +205,18 @@ std::vector<ParamCopy> RemoteOptimizer::copy_targets(const std::vector<int64_t>&
     std::memset(made.data_ptr(), 0, made.nbytes());
     return made;
   };
+  // Kept memory that fits needs no thread: a snapshot's owner goes straight on to its copy, taking
+  // its locks before a step the trainer sends after beginning the snapshot can (see save_params).
+  bool all_fit = true;
+  for (size_t i = 0; i < indices.size() && all_fit; ++i) {
+    all_fit = fits(copies[i].value, likes[i].first) &&
+              copies[i].state.buffers.size() == likes[i].second.size();
+    for (const auto& [name, buffer] : likes[i].second) {
+      auto kept = copies[i].state.buffers.find(name);
+      all_fit = all_fit && kept != copies[i].state.buffers.end() && fits(kept->second, buffer);
+    }
+  }
+  if (all_fit) return copies;
   run_at_low_priority([&] {
     for (size_t i = 0; i < indices.size(); ++i) {
       copies[i].value = touched_like(copies[i].value, likes[i].first);
@@ -319,20 +331,22 @@ c10::IValue RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, 
   }
   ParamCopy copy = std::move(copy_targets({index}).front());
   // The first blocks are written while the rest of the shard is copied, each once its rows are.
+  // The writer starts once the locks are taken, so that its start delays them in no way.
   RowsCopied copied;
   std::vector<int64_t> blocks;
-  LowPriorityThread writing([&] {
-    blocks = write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file, &copied);
-  });
+  std::optional<LowPriorityThread> writing;
   try {
     std::lock_guard<std::mutex> lock(mutex_);
     rpc::InPlaceUpdateGuard no_step_meanwhile;
+    writing.emplace([&] {
+      blocks = write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file, &copied);
+    });
     copy_param(index, copy, rows_per_file, &copied);
   } catch (...) {
     copied.abandon();  // the writer stops; its error says less than this one
     throw;
   }
-  writing.join();
+  writing->join();
   c10::impl::GenericDict summary = summary_dict(summary_of(copy));
   summary.insert("blocks", c10::List<int64_t>(blocks));
   std::vector<ParamCopy> kept;
