@@ -38,18 +38,21 @@
 // What one snapshot is: each owner copies its parameters and their state under its update lock (no
 // step of any optimizer is half in the copy; a copy at memory speed, the only time steps wait for a
 // snapshot) and writes the copy holding no lock, while steps go on: streamed from the copy's memory
-// to the files, on a thread of low CPU priority (nice 10) so that the writing yields to the steps
-// the owner serves. An owner keeps the copy's memory for its next snapshot (its parameters' and
-// state's size again, which every snapshot needs at its peak). A SnapshotSchedule has every owner
-// map that memory when it is made (at the same low priority; a save_snapshot with none made
-// before maps it itself, before its copy), so that the first snapshot writes as fast as the later
-// ones: fresh memory costs a kernel far more than a copy, and on some virtual machines as much as
-// the write. A collisionless table's copy is of its live rows, made at each snapshot. Every step of
-// `optimizer` that returned before the snapshot began is in it, on every server, and none that
-// began after: a consistent cut of this trainer's steps. Steps of other trainers' optimizers over
-// the same parameters that run meanwhile may be in one server's copy and not another's (a cut per
-// server, as Monolith's per-server snapshots); their optimizers' own state is in their own
-// snapshots.
+// to the files, on threads of low CPU priority (nice 10) kept to one CPU, so that the writing
+// yields to the steps the owner serves. An owner keeps the copy's memory for its next snapshot (its
+// parameters' and state's size again, which every snapshot needs at its peak). A SnapshotSchedule
+// has every owner map that memory when it is made (at the same low priority; a save_snapshot with
+// none made before maps it itself, before its copy), so that the first snapshot writes as fast as
+// the later ones: fresh memory costs a kernel far more than a copy, and on some virtual machines as
+// much as the write. A collisionless table's copy is of its live rows, made at each snapshot. Every
+// step of `optimizer` that returned before the snapshot began is in it, on every server, and none
+// that began after: a consistent cut of this trainer's steps, provided each owner's copy takes its
+// lock before the trainer's next step reaches that owner. The owners' calls are sent before that
+// step and copy at once, but nothing yet enforces the order: on a heavily loaded machine a step has
+// been seen to win it (a save_snapshot, which the trainer waits for, is always a cut). Steps of
+// other trainers' optimizers over the same parameters that run meanwhile may be in one server's
+// copy and not another's (a cut per server, as Monolith's per-server snapshots); their optimizers'
+// own state is in their own snapshots.
 //
 // Loading: every owner reads and checks what it will hold (a table shard reads only the blocks
 // that overlap its rows, one at a time; another parameter reads its old owner's file), and keeps
@@ -135,11 +138,12 @@ struct SnapshotOptions {
 };
 
 /// Takes snapshots of one trainer's DistributedOptimizer on a schedule, in the background: a
-/// snapshot is begun by step() when due and finished (its manifest written,
-/// old ones removed) by the first step() after every owner has written its files, so the
-/// trainer waits only for the owners' copies. A snapshot due while another is being written is
-/// begun once that one is finished. Steps are counted from `step` (the step a resumed run starts
-/// at: load_latest_snapshot's). Not thread-safe: one trainer's loop calls it. The optimizer and
+/// snapshot is begun by step() when due and finished (its manifest written, old ones removed) by
+/// the first step() after every owner has written its files, so the trainer does not wait for the
+/// writing (its next step waits for an owner's copy where it reaches one still copying; on the
+/// order of the two, see above). A snapshot due while another is being written is begun once
+/// that one is finished. Steps are counted from `step` (the step a resumed run starts at:
+/// load_latest_snapshot's). Not thread-safe: one trainer's loop calls it. The optimizer and
 /// tables must outlive it.
 class SnapshotSchedule {
  public:
