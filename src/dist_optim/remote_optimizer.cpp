@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -320,60 +321,72 @@ int64_t RemoteOptimizer::index_of(rpc::RRef<at::Tensor> param) {
   return -1;
 }
 
-c10::IValue RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, int64_t shard,
-                                             int64_t shards, int64_t first_row,
-                                             int64_t rows_per_file) {
+int64_t RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, int64_t shard,
+                                         int64_t shards, int64_t first_row, int64_t rows_per_file) {
   TORCH_CHECK_VALUE(rows_per_file > 0, kSaveSnapshot, ": rows_per_file is ", rows_per_file,
                     "; it must be at least 1");
   {
     std::lock_guard<std::mutex> lock(mutex_);
     param(index, kSaveSnapshot, /*table=*/true);
   }
-  ParamCopy copy = std::move(copy_targets({index}).front());
+  // The copy and what its writer reads, kept alive by the writer beyond this call.
+  struct ShardCopy {
+    ParamCopy copy;
+    RowsCopied copied;
+  };
+  auto shard_copy = std::make_shared<ShardCopy>();
+  shard_copy->copy = std::move(copy_targets({index}).front());
   // The first blocks are written while the rest of the shard is copied, each once its rows are.
   // The writer starts once the locks are taken, so that its start delays them in no way.
-  RowsCopied copied;
-  std::vector<int64_t> blocks;
-  std::optional<LowPriorityThread> writing;
+  std::optional<int64_t> ticket;
   try {
     std::lock_guard<std::mutex> lock(mutex_);
     rpc::InPlaceUpdateGuard no_step_meanwhile;
-    writing.emplace([&] {
-      blocks = write_shard_blocks(prefix, shard, shards, first_row, copy, rows_per_file, &copied);
+    ticket = snapshot_writes_.start([this, shard_copy, prefix, index, shard, shards, first_row,
+                                     rows_per_file]() -> c10::IValue {
+      const std::vector<int64_t> blocks = write_shard_blocks(
+          prefix, shard, shards, first_row, shard_copy->copy, rows_per_file, &shard_copy->copied);
+      c10::impl::GenericDict summary = summary_dict(summary_of(shard_copy->copy));
+      summary.insert("blocks", c10::List<int64_t>(blocks));
+      std::vector<ParamCopy> kept;
+      kept.push_back(std::move(shard_copy->copy));
+      keep_copies({index}, std::move(kept));
+      return summary;
     });
-    copy_param(index, copy, rows_per_file, &copied);
+    copy_param(index, shard_copy->copy, rows_per_file, &shard_copy->copied);
   } catch (...) {
-    copied.abandon();  // the writer stops; its error says less than this one
+    shard_copy->copied.abandon();  // the writer stops; its error says less than this one
+    if (ticket) snapshot_writes_.drop(*ticket);
     throw;
   }
-  writing->join();
-  c10::impl::GenericDict summary = summary_dict(summary_of(copy));
-  summary.insert("blocks", c10::List<int64_t>(blocks));
-  std::vector<ParamCopy> kept;
-  kept.push_back(std::move(copy));
-  keep_copies({index}, std::move(kept));
-  return summary;
+  return *ticket;
 }
 
-c10::IValue RemoteOptimizer::save_params(std::string path, std::vector<int64_t> indices,
-                                         std::vector<int64_t> dense_indices) {
+int64_t RemoteOptimizer::save_params(std::string path, std::vector<int64_t> indices,
+                                     std::vector<int64_t> dense_indices) {
   TORCH_CHECK_VALUE(indices.size() == dense_indices.size(), kSaveSnapshot, ": ", indices.size(),
                     " parameters named by ", dense_indices.size(), " indices");
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (int64_t index : indices) param(index, kSaveSnapshot, /*table=*/false);
   }
-  std::vector<ParamCopy> copies = copy_targets(indices);
+  auto copies = std::make_shared<std::vector<ParamCopy>>(copy_targets(indices));
   {
     std::lock_guard<std::mutex> lock(mutex_);
     rpc::InPlaceUpdateGuard no_step_meanwhile;
-    for (size_t i = 0; i < indices.size(); ++i) copy_param(indices[i], copies[i]);
+    for (size_t i = 0; i < indices.size(); ++i) copy_param(indices[i], (*copies)[i]);
   }
-  run_at_low_priority([&] { write_params_file(path, dense_indices, copies); });
-  c10::impl::GenericList summaries(c10::AnyType::get());
-  for (const ParamCopy& copy : copies) summaries.push_back(summary_dict(summary_of(copy)));
-  keep_copies(indices, std::move(copies));
-  return summaries;
+  return snapshot_writes_.start([this, copies, path, indices, dense_indices]() -> c10::IValue {
+    write_params_file(path, dense_indices, *copies);
+    c10::impl::GenericList summaries(c10::AnyType::get());
+    for (const ParamCopy& copy : *copies) summaries.push_back(summary_dict(summary_of(copy)));
+    keep_copies(indices, std::move(*copies));
+    return summaries;
+  });
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> RemoteOptimizer::snapshot_written(int64_t ticket) {
+  return snapshot_writes_.claim(ticket, rpc::get_worker_info().name);
 }
 
 void RemoteOptimizer::stage_table_rows(int64_t index, int64_t first_row, c10::IValue blocks,
@@ -512,6 +525,8 @@ bool register_remote_optimizer() {
                                         &RemoteOptimizer::save_table_rows);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "save_params",
                                         &RemoteOptimizer::save_params);
+  rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "snapshot_written",
+                                        &RemoteOptimizer::snapshot_written);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "stage_table_rows",
                                         &RemoteOptimizer::stage_table_rows);
   rpc::register_method<RemoteOptimizer>(kRemoteOptimizerClass, "save_id_rows",

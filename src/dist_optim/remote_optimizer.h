@@ -18,6 +18,7 @@
 #include <distoptim/rpc/rref.h>
 
 #include "snapshot_files.h"
+#include "snapshot_writes.h"
 #include "step_mirror.h"
 
 namespace distoptim {
@@ -81,9 +82,12 @@ class RemoteOptimizer {
   // The owner's side of a snapshot (snapshot.h). A copy is taken under this optimizer's mutex
   // and an rpc::InPlaceUpdateGuard, so that no optimizer's step is half in it (the parameters
   // at one point between steps), and written to files holding no lock, so steps go on while
-  // they are written. A load reads and checks its files first, changing nothing, and keeps what
-  // it read for commit_staged. Errors: c10::ValueError naming a parameter index this optimizer
-  // does not have; what snapshot_files.h's functions throw, naming the file.
+  // they are written. Each save_* call answers once its copy is taken, with a ticket; the write
+  // goes on (snapshot_writes.h), and snapshot_written(ticket) answers once it is done, with what
+  // the manifest says of it. A load reads and checks its files first, changing nothing, and keeps
+  // what it read for commit_staged. Errors: c10::ValueError naming a parameter index this
+  // optimizer does not have; what snapshot_files.h's functions throw, naming the file (from
+  // snapshot_written when a write fails).
 
   /// The index of the parameter `param` (a reference owned here) among this optimizer's, or -1.
   int64_t index_of(rpc::RRef<at::Tensor> param);
@@ -94,15 +98,18 @@ class RemoteOptimizer {
   int64_t reserve_copies(std::vector<int64_t> indices);
   /// Writes parameter `index`, shard `shard` of `shards` of a table whose first row is the
   /// table's `first_row`, and its state, as blocks of at most `rows_per_file` rows named after
-  /// `prefix`. Returns a dict: has_state, step, buffers (names) and blocks (each block's first
-  /// row, then the shard's end).
-  c10::IValue save_table_rows(std::string prefix, int64_t index, int64_t shard, int64_t shards,
-                              int64_t first_row, int64_t rows_per_file);
+  /// `prefix`. Its write's result: a dict: has_state, step, buffers (names) and blocks (each
+  /// block's first row, then the shard's end).
+  int64_t save_table_rows(std::string prefix, int64_t index, int64_t shard, int64_t shards,
+                          int64_t first_row, int64_t rows_per_file);
   /// Writes the parameters `indices` (named in the file by `dense_indices`) and their state to
-  /// the file `path`, copied at one point. Returns one dict per parameter: has_state, step and
-  /// buffers.
-  c10::IValue save_params(std::string path, std::vector<int64_t> indices,
-                          std::vector<int64_t> dense_indices);
+  /// the file `path`, copied at one point. Its write's result: one dict per parameter:
+  /// has_state, step and buffers.
+  int64_t save_params(std::string path, std::vector<int64_t> indices,
+                      std::vector<int64_t> dense_indices);
+  /// The future of the write that a save_* call answered `ticket` for: its result once its files
+  /// are written (async: no request thread waits for it). SnapshotWrites::claim's errors.
+  c10::intrusive_ptr<c10::ivalue::Future> snapshot_written(int64_t ticket);
   /// Reads parameter `index`'s rows (the table's rows from `first_row` on, as many as the
   /// parameter has) and their state from `blocks`, a list of [path, shard, first_row, end_row]
   /// in row order, each block holding the state `state` (a dict: has_state, step, buffers) says.
@@ -130,10 +137,9 @@ class RemoteOptimizer {
   /// while no id gains or loses a row and no step runs, as blocks of at most `rows_per_file` rows
   /// named after `prefix` (shard `shard` of `shards`). Rows handed to new ids since the last step
   /// are saved with a new parameter's state, as the next step would start them. Returns a dict:
-  /// has_state, step, buffers (names) and blocks (each block's rows).
-  c10::IValue save_id_rows(std::string prefix, int64_t index,
-                           rpc::RRef<rpc::IdEmbeddingShard> table, int64_t shard, int64_t shards,
-                           int64_t rows_per_file);
+  /// has_state, step, buffers (names) and blocks (each block's rows), as its write's result.
+  int64_t save_id_rows(std::string prefix, int64_t index, rpc::RRef<rpc::IdEmbeddingShard> table,
+                       int64_t shard, int64_t shards, int64_t rows_per_file);
   /// Reads from the blocks `paths` the rows of the ids that shard `shard` of `shards` holds
   /// (ShardedIdEmbeddingBag::shard_of), with the state `state` (has_state, step, buffers) says,
   /// for commit_staged. c10::ValueError when they are more than the shard's capacity.
@@ -224,6 +230,9 @@ class RemoteOptimizer {
   std::vector<std::unique_ptr<rpc::detail::ReassignedRowsReader>> reassigned_;
   // Where steps send their changes (set_backup); null: nowhere. Guarded by mutex_.
   std::unique_ptr<MirrorLink> mirror_;
+  // Snapshot writes going on after their copies: last, so that they end before the members they
+  // use (keep_copies) are destroyed.
+  SnapshotWrites snapshot_writes_;
 };
 
 }  // namespace detail

@@ -40,13 +40,14 @@ std::shared_ptr<rpc::IdEmbeddingShard> RemoteOptimizer::id_table(
   return shard;
 }
 
-c10::IValue RemoteOptimizer::save_id_rows(std::string prefix, int64_t index,
-                                          rpc::RRef<rpc::IdEmbeddingShard> table, int64_t shard,
-                                          int64_t shards, int64_t rows_per_file) {
+int64_t RemoteOptimizer::save_id_rows(std::string prefix, int64_t index,
+                                      rpc::RRef<rpc::IdEmbeddingShard> table, int64_t shard,
+                                      int64_t shards, int64_t rows_per_file) {
   TORCH_CHECK_VALUE(rows_per_file > 0, kSaveSnapshot, ": rows_per_file is ", rows_per_file,
                     "; it must be at least 1");
   const std::shared_ptr<rpc::IdEmbeddingShard> module = id_table(index, table, kSaveSnapshot);
-  ParamCopy copy;
+  auto shared_copy = std::make_shared<ParamCopy>();
+  ParamCopy& copy = *shared_copy;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     module->read_live_rows([&](const at::Tensor& ids, const at::Tensor& rows) {
@@ -72,13 +73,15 @@ c10::IValue RemoteOptimizer::save_id_rows(std::string prefix, int64_t index,
       }
     });
   }
-  std::vector<int64_t> blocks;
-  run_at_low_priority(
-      [&] { blocks = write_id_blocks(prefix, shard, shards, copy, rows_per_file); });
-  c10::impl::GenericDict summary = string_dict();
-  insert_state_summary(summary, summary_of(copy));
-  summary.insert("blocks", c10::List<int64_t>(blocks));
-  return summary;
+  return snapshot_writes_.start(
+      [shared_copy, prefix, shard, shards, rows_per_file]() -> c10::IValue {
+        const std::vector<int64_t> blocks =
+            write_id_blocks(prefix, shard, shards, *shared_copy, rows_per_file);
+        c10::impl::GenericDict summary = string_dict();
+        insert_state_summary(summary, summary_of(*shared_copy));
+        summary.insert("blocks", c10::List<int64_t>(blocks));
+        return summary;
+      });
 }
 
 void RemoteOptimizer::stage_id_rows(int64_t index, rpc::RRef<rpc::IdEmbeddingShard> table,

@@ -110,13 +110,14 @@ int64_t SnapshotSchedule::save_now() {
 }
 
 void SnapshotSchedule::begin() {
+  // Counted as begun even if it fails: the next is due a period later, not at the next step.
+  last_begun_step_ = step_;
+  last_begun_ = std::chrono::steady_clock::now();
   const std::string directory = detail::scheduled_snapshot_path(options_.directory(), step_);
   pending_ = std::make_unique<Pending>(Pending{
       detail::begin_snapshot(directory, optimizer_, tables_, id_tables_, options_.rows_per_file(),
                              /*waited_only=*/false),
       step_});
-  last_begun_step_ = step_;
-  last_begun_ = std::chrono::steady_clock::now();
 }
 
 std::optional<int64_t> SnapshotSchedule::finish() {

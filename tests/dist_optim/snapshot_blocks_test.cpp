@@ -1,13 +1,18 @@
 // A table shard's snapshot blocks written while the owner still copies the shard
 // (src/dist_optim/snapshot_files.h): a block is begun only once its rows are copied, and a copy
 // that stops short leaves the blocks before it written and none after, with an error naming the
-// first block it kept from being written.
+// first block it kept from being written. And an owner's writes that go on after it answered
+// (snapshot_writes.h): each claimed once by its ticket, its result or error in the claim's future,
+// a dropped one waited for and unclaimable.
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <exception>
 #include <filesystem>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -16,6 +21,7 @@
 #include <gtest/gtest.h>
 
 #include "snapshot_files.h"
+#include "snapshot_writes.h"
 
 namespace distoptim {
 namespace dist_optim {
@@ -119,6 +125,74 @@ TEST_F(SnapshotBlocks, ACopyThatStopsShortLeavesNoLaterBlockAndNamesTheFirst) {
   EXPECT_TRUE(fs::exists(block(0)));
   EXPECT_FALSE(fs::exists(block(1)));
   EXPECT_FALSE(fs::exists(block(2)));
+}
+
+// Whether `call` throws a c10::ValueError whose message holds `part`.
+template <class Call>
+void expect_value_error(const Call& call, const std::string& part) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one with: " << part;
+  } catch (const c10::ValueError& error) {
+    EXPECT_NE(std::string(error.what()).find(part), std::string::npos) << error.what();
+  }
+}
+
+TEST(SnapshotWrites, AWriteIsClaimedOnceAndItsFutureCompletesWithItsResult) {
+  detail::SnapshotWrites writes;
+  std::mutex mutex;
+  std::condition_variable cv;
+  bool go = false;
+  const int64_t ticket = writes.start([&] {
+    std::unique_lock<std::mutex> lock(mutex);
+    cv.wait(lock, [&] { return go; });
+    return c10::IValue(int64_t{7});
+  });
+  const int64_t other = writes.start([] { return c10::IValue(std::string("other")); });
+  EXPECT_NE(ticket, other);
+  // Claimed while it is still being written: the future completes later.
+  const auto written = writes.claim(ticket, "owner");
+  EXPECT_FALSE(written->completed());
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    go = true;
+  }
+  cv.notify_all();
+  written->wait();
+  EXPECT_EQ(written->value().toInt(), 7);
+  const auto other_written = writes.claim(other, "owner");
+  other_written->waitAndThrow();
+  EXPECT_EQ(other_written->value().toStringRef(), "other");
+  expect_value_error([&] { writes.claim(ticket, "owner"); },
+                     "save_snapshot: worker 'owner' has no snapshot write numbered " +
+                         std::to_string(ticket) + " to claim");
+  expect_value_error([&] { writes.claim(other + 100, "ps1"); },
+                     "worker 'ps1' has no snapshot write numbered " + std::to_string(other + 100));
+}
+
+TEST(SnapshotWrites, AFailedWriteFailsItsClaimWithItsError) {
+  detail::SnapshotWrites writes;
+  const int64_t ticket =
+      writes.start([]() -> c10::IValue { TORCH_CHECK(false, "cannot write 'block-3.pt'"); });
+  const auto written = writes.claim(ticket, "owner");
+  written->wait();
+  ASSERT_TRUE(written->hasError());
+  EXPECT_NE(written->tryRetrieveErrorMessage().find("cannot write 'block-3.pt'"),
+            std::string::npos);
+}
+
+TEST(SnapshotWrites, ADroppedWriteIsWaitedForAndCannotBeClaimed) {
+  detail::SnapshotWrites writes;
+  std::atomic<bool> ended{false};
+  const int64_t ticket = writes.start([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ended = true;
+    return c10::IValue();
+  });
+  writes.drop(ticket);
+  EXPECT_TRUE(ended);
+  expect_value_error([&] { writes.claim(ticket, "owner"); },
+                     "has no snapshot write numbered " + std::to_string(ticket));
 }
 
 }  // namespace snapshot_blocks_test

@@ -424,6 +424,76 @@ TEST(Snapshot, AScheduleKeepsTheLastSnapshotsAndTheLatestLoadsAsTaken) {
   });
 }
 
+// A scheduled snapshot is a cut of its trainer's steps however slow an owner is to copy: here the
+// first snapshot's copies need fresh memory for SparseAdam's state (none existed when the schedule
+// reserved its copies), which an owner maps before it copies, while the trainer's next step is
+// sent at once. And steps still outstanding (max_staleness) are in the snapshot begun after them.
+TEST(Snapshot, AStepTakenRightAfterASnapshotBeganIsNotInItNorOneBeforeItLeftOut) {
+  testing::with_workers(3, [] {
+    using testing::worker;
+    TempDir dir;
+    // 64 MB of rows over two owners: each maps 64 MB for the state's two buffers of its shard.
+    constexpr int64_t kRowsHeld = int64_t{1} << 20, kWidth = 16;
+    const auto table_options = [](int64_t seed) {
+      return ShardedEmbeddingBagOptions(kRowsHeld, kWidth, {worker(1), worker(2)})
+          .mode(torch::kSum)
+          .seed(seed);
+    };
+    struct Trained {
+      explicit Trained(ShardedEmbeddingBagOptions options)
+          : table(std::move(options)),
+            optimizer("sparse_adam", table.remote_parameters(),
+                      optim::OptionBag().set("lr", 0.01)) {}
+      // Step `step`'s bags, spread over both shards.
+      void step(int step) {
+        const Batch b = batch(step);
+        auto generator = at::detail::createCPUGenerator(200 + step);
+        dist_autograd::ContextGuard context;
+        const at::Tensor out = table.forward(b.ids * (kRowsHeld / kRows), b.offsets);
+        dist_autograd::backward(context.id(),
+                                {at::mse_loss(out, at::randn({kBags, kWidth}, generator))});
+        optimizer.step(context.id());
+      }
+      ShardedEmbeddingBag table;
+      DistributedOptimizer optimizer;
+    };
+    // The snapshot in `path` loaded into a table of other rows holds `expected`, and its state
+    // too: step `then` from it gives `expected_then`.
+    const auto expect_loads_as = [&](const std::string& path, const at::Tensor& expected, int then,
+                                     const at::Tensor& expected_then) {
+      Trained resumed(table_options(/*seed=*/9));
+      dist_optim::load_snapshot(path, resumed.optimizer, {&resumed.table});
+      EXPECT_TRUE(at::equal(resumed.table.weight(), expected));
+      resumed.step(then);
+      EXPECT_TRUE(at::equal(resumed.table.weight(), expected_then));
+    };
+
+    Trained trained(table_options(/*seed=*/5));
+    dist_optim::SnapshotSchedule schedule(dist_optim::SnapshotOptions(dir / "cut").every_steps(1),
+                                          trained.optimizer, {&trained.table});
+    trained.step(0);
+    const at::Tensor after_first = trained.table.weight();
+    EXPECT_EQ(schedule.step(), std::nullopt);
+    ASSERT_EQ(schedule.writing(), std::optional<int64_t>(1));
+    trained.step(1);
+    EXPECT_EQ(schedule.flush(), std::optional<int64_t>(1));
+    // The first step, without the second.
+    expect_loads_as(dist_optim::latest_snapshot(dir / "cut")->path, after_first, 1,
+                    trained.table.weight());
+
+    // Steps that returned before their owners applied them are in the snapshot begun next.
+    trained.optimizer.set_max_staleness(2);
+    trained.step(2);
+    trained.step(3);
+    dist_optim::save_snapshot(dir / "stale", trained.optimizer, {&trained.table});
+    trained.optimizer.flush();
+    const at::Tensor after_fourth = trained.table.weight();
+    trained.step(4);
+    trained.optimizer.flush();
+    expect_loads_as(dir / "stale", after_fourth, 4, trained.table.weight());
+  });
+}
+
 TEST(Snapshot, AScheduleHasEveryOwnerMapTheMemoryOfItsCopiesWhenMade) {
   testing::with_workers(3, [] {
     using testing::worker;

@@ -46,13 +46,12 @@
 // the later ones: fresh memory costs a kernel far more than a copy, and on some virtual machines as
 // much as the write. A collisionless table's copy is of its live rows, made at each snapshot. Every
 // step of `optimizer` that returned before the snapshot began is in it, on every server, and none
-// that began after: a consistent cut of this trainer's steps, provided each owner's copy takes its
-// lock before the trainer's next step reaches that owner. The owners' calls are sent before that
-// step and copy at once, but nothing yet enforces the order: on a heavily loaded machine a step has
-// been seen to win it (a save_snapshot, which the trainer waits for, is always a cut). Steps of
-// other trainers' optimizers over the same parameters that run meanwhile may be in one server's
-// copy and not another's (a cut per server, as Monolith's per-server snapshots); their optimizers'
-// own state is in their own snapshots.
+// that began after: a consistent cut of this trainer's steps. Beginning a snapshot first waits for
+// the optimizer's outstanding steps (max_staleness > 0), then for every owner's copy (each owner
+// answers once its copy is taken and writes on; the trainer's next step comes after that), not
+// for the files. Steps of other trainers' optimizers over the same parameters that run meanwhile
+// may be in one server's copy and not another's (a cut per server, as Monolith's per-server
+// snapshots); their optimizers' own state is in their own snapshots.
 //
 // Loading: every owner reads and checks what it will hold (a table shard reads only the blocks
 // that overlap its rows, one at a time; another parameter reads its old owner's file), and keeps
@@ -139,9 +138,9 @@ struct SnapshotOptions {
 
 /// Takes snapshots of one trainer's DistributedOptimizer on a schedule, in the background: a
 /// snapshot is begun by step() when due and finished (its manifest written, old ones removed) by
-/// the first step() after every owner has written its files, so the trainer does not wait for the
-/// writing (its next step waits for an owner's copy where it reaches one still copying; on the
-/// order of the two, see above). A snapshot due while another is being written is begun once
+/// the first step() after every owner has written its files, so the trainer waits for the owners'
+/// copies (the step() that begins a snapshot returns once every owner has copied), not for the
+/// writing. A snapshot due while another is being written is begun once
 /// that one is finished. Steps are counted from `step` (the step a resumed run starts at:
 /// load_latest_snapshot's). Not thread-safe: one trainer's loop calls it. The optimizer and
 /// tables must outlive it.
@@ -164,8 +163,9 @@ class SnapshotSchedule {
   /// Counts one step of the optimizer (call it after each step): finishes the snapshot being
   /// written if its owners are done, and begins one if due. Returns the step of the snapshot it
   /// finished, if any. Errors of a snapshot (as save_snapshot's) are thrown by the step() that
-  /// finishes it; that snapshot is then abandoned (no manifest: never the latest) and the next
-  /// one is begun when due.
+  /// finishes it, or by the one that begins it when an owner fails to copy (the optimizer's
+  /// outstanding steps' failures too, as its flush() throws them); that snapshot is then abandoned
+  /// (no manifest: never the latest) and the next one is begun when due.
   std::optional<int64_t> step();
   /// Waits for the snapshot being written, if any, and finishes it; returns its step.
   std::optional<int64_t> flush();
