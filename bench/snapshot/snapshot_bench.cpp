@@ -56,7 +56,7 @@
 // Settings: 1 intra-op thread per process, 16 RPC worker threads, a 300 s RPC timeout (a
 // server's write of its shard is one call). The output states them with the load average.
 //
-// Usage: snapshot_bench --json PATH [--rounds 3] [--steps W,T] [--rows R] [--servers 1|2]
+// Usage: snapshot_bench --json PATH [--rounds 6] [--steps W,T] [--rows R] [--servers 1|2]
 //                       [--blocking-rounds 1] [--dir DIR] [--quick]
 
 #include <unistd.h>
@@ -105,7 +105,10 @@ constexpr auto kRpcTimeout = 300s;
 struct Config {
   int warmup = 20;
   int timed = 3000;
-  int rounds = 3;
+  // Six: a round's snapshot is written over about 200 steps, so the p99 while written means
+  // little but pooled, and pooled over three rounds (about 600 steps, three of them the copies'
+  // waits) it swung from 1.1x to 2.0x between runs of one build.
+  int rounds = 6;
   int64_t rows = 10'000'000;
   int servers = 1;
   // The blocking save_snapshot in the last this many rounds (each writes the whole table again:
