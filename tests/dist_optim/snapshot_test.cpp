@@ -3,12 +3,13 @@
 // SnapshotSchedule keeps the last snapshots and the latest loads as it was taken; a step taken
 // right after a snapshot began is not in it, however slow an owner is to copy, and steps still
 // outstanding (max_staleness) are; damaged snapshots are refused naming the file and the owner
-// that read it; a schedule has every owner map the memory of its copies when it is made. The sharded table's
-// checkpoints (save_sharded_table, a snapshot of one table alone): a run checkpointed with 3 shards
-// (in one block per shard, or in blocks of 7 rows) and resumed with 2 or 1 (or 3) continues bit for
-// bit as the uninterrupted 3-shard run, with Adagrad (lr_decay, so the step count matters) and
-// SparseAdam; a shard without optimizer state loads into the same split; bad checkpoints are
-// refused naming the file (and the owner that read it), the table and optimizer unchanged.
+// that read it; a schedule has every owner map the memory of its copies when it is made. The
+// sharded table's checkpoints (save_sharded_table, a snapshot of one table alone): a run
+// checkpointed with 3 shards (in one block per shard, or in blocks of 7 rows) and resumed with 2 or
+// 1 (or 3) continues bit for bit as the uninterrupted 3-shard run, with Adagrad (lr_decay, so the
+// step count matters) and SparseAdam; a shard without optimizer state loads into the same split;
+// bad checkpoints are refused naming the file (and the owner that read it), the table and optimizer
+// unchanged.
 
 #include <unistd.h>
 
