@@ -206,8 +206,8 @@ std::vector<ParamCopy> RemoteOptimizer::copy_targets(const std::vector<int64_t>&
     std::memset(made.data_ptr(), 0, made.nbytes());
     return made;
   };
-  // Kept memory that fits needs no thread: a snapshot's owner goes straight on to its copy, taking
-  // its locks before a step the trainer sends after beginning the snapshot can (see save_params).
+  // Kept memory that fits needs no thread: a snapshot's owner goes straight on to its copy, which
+  // the trainer waits for (snapshot.h).
   bool all_fit = true;
   for (size_t i = 0; i < indices.size() && all_fit; ++i) {
     all_fit = fits(copies[i].value, likes[i].first) &&

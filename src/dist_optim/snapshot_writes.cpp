@@ -22,7 +22,7 @@ int64_t SnapshotWrites::start(std::function<c10::IValue()> write) {
   std::lock_guard<std::mutex> lock(mutex_);
   const int64_t ticket = next_ticket_++;
   writes_[ticket] = entry;
-  // The thread holds the entry's future, not the entry, which owns the thread.
+  // The thread holds its entry by a plain pointer: the entry owns the thread, so outlives it.
   Write* raw = entry.get();
   entry->thread = std::make_unique<LowPriorityThread>(
       [written = entry->written, raw, write = std::move(write)] {
