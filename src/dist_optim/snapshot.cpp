@@ -23,8 +23,23 @@ namespace dist_optim {
 namespace detail {
 
 namespace {
+
 namespace fs = std::filesystem;
 using c10::impl::GenericDict;
+
+// The other parameters of each owner: their dense indices (order among the parameters that are
+// no table's, what names them in a snapshot), and their indices in the owner's optimizer.
+std::map<size_t, std::pair<std::vector<int64_t>, std::vector<int64_t>>> dense_by_owner(
+    const Layout& layout) {
+  std::map<size_t, std::pair<std::vector<int64_t>, std::vector<int64_t>>> out;
+  for (size_t j = 0; j < layout.dense_positions.size(); ++j) {
+    const Slot& slot = layout.slots[layout.dense_positions[j]];
+    out[slot.owner].first.push_back(static_cast<int64_t>(j));
+    out[slot.owner].second.push_back(slot.index);
+  }
+  return out;
+}
+
 }  // namespace
 
 // A snapshot whose owners have been asked to write their files: the calls, and what the

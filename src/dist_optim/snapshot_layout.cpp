@@ -115,17 +115,6 @@ Layout layout_of(DistributedOptimizer& optimizer,
   return layout;
 }
 
-std::map<size_t, std::pair<std::vector<int64_t>, std::vector<int64_t>>> dense_by_owner(
-    const Layout& layout) {
-  std::map<size_t, std::pair<std::vector<int64_t>, std::vector<int64_t>>> out;
-  for (size_t j = 0; j < layout.dense_positions.size(); ++j) {
-    const Slot& slot = layout.slots[layout.dense_positions[j]];
-    out[slot.owner].first.push_back(static_cast<int64_t>(j));
-    out[slot.owner].second.push_back(slot.index);
-  }
-  return out;
-}
-
 SavedShard saved_shard(const c10::IValue& value, int64_t first, int64_t end,
                        const std::string& path) {
   TORCH_CHECK_VALUE(value.isGenericDict(), kLoadSnapshot, ": '", path,

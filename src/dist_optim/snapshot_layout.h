@@ -6,9 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
@@ -58,11 +56,6 @@ Layout layout_of(DistributedOptimizer& optimizer,
                  const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
                  const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables,
                  const char* caller);
-
-/// The other parameters of each owner: their dense indices (order among the parameters that are
-/// no table's, what names them in a snapshot), and their indices in the owner's optimizer.
-std::map<size_t, std::pair<std::vector<int64_t>, std::vector<int64_t>>> dense_by_owner(
-    const Layout& layout);
 
 /// What the manifest says of one saved table shard.
 struct SavedShard {
