@@ -74,18 +74,6 @@ std::vector<std::string> rank_variables(int rank, int world_size, int port) {
           "MASTER_PORT=" + std::to_string(port)};
 }
 
-// The number of threads of this process.
-int thread_count() {
-  int threads = 0;
-  if (DIR* tasks = ::opendir("/proc/self/task")) {
-    while (const dirent* entry = ::readdir(tasks)) {
-      if (entry->d_name[0] != '.') ++threads;
-    }
-    ::closedir(tasks);
-  }
-  return threads;
-}
-
 // The threads OpenBLAS starts when it is loaded (its pool less the calling thread), or 0 when
 // LibTorch's BLAS is not OpenBLAS. OpenBLAS stops them before a fork (pthread_atfork) and starts
 // them again when next needed, so they do not make a fork unsafe.
@@ -485,6 +473,31 @@ void run_ranks(int world_size, const std::function<void(int, int)>& body,
   }
   ::rmdir(dir.c_str());
   if (!failure.empty()) FAIL() << failure;
+}
+
+std::set<int> thread_ids() {
+  std::set<int> ids;
+  if (DIR* tasks = ::opendir("/proc/self/task")) {
+    while (const dirent* entry = ::readdir(tasks)) {
+      if (entry->d_name[0] != '.') ids.insert(std::atoi(entry->d_name));
+    }
+    ::closedir(tasks);
+  }
+  return ids;
+}
+
+int thread_count() { return static_cast<int>(thread_ids().size()); }
+
+std::set<int> threads_started_since(const std::set<int>& before, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    std::set<int> started;
+    for (const int id : thread_ids()) {
+      if (before.count(id) == 0) started.insert(id);
+    }
+    if (started.empty() || std::chrono::steady_clock::now() >= until) return started;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
 }
 
 }  // namespace testing

@@ -23,6 +23,7 @@
 #include <chrono>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 
 namespace distoptim {
@@ -76,6 +77,19 @@ bool wait_for_process_state(int pid, const std::string& states, std::chrono::mil
 /// Sends SIGSTOP to process `pid` and waits (at most `limit`) until every thread of it is
 /// stopped, so that nothing it was about to do runs after this returns; false when one never was.
 bool stop_process(int pid, std::chrono::milliseconds limit = std::chrono::seconds(10));
+
+/// The ids of this process's threads (/proc/self/task).
+std::set<int> thread_ids();
+
+/// The number of this process's threads.
+int thread_count();
+
+/// Polls (every 10 ms, at most `limit`) until every thread of this process is one of `before`
+/// (thread_ids() taken earlier) and returns the ids of those that are not: empty once every
+/// thread started since has ended. Threads of `before` that ended meanwhile do not count, so a
+/// thread someone else left running while it exits cannot make the answer wrong.
+std::set<int> threads_started_since(const std::set<int>& before,
+                                    std::chrono::milliseconds limit = std::chrono::seconds(5));
 
 }  // namespace testing
 }  // namespace distoptim

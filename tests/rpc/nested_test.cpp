@@ -6,8 +6,6 @@
 // compensation and the I/O loop's turns (a job keeping the loop, losing it, leading it while it
 // waits). Every wait is bounded.
 
-#include <dirent.h>
-
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -145,15 +143,8 @@ distoptim::testing::RunRanksOptions generous_deadline() {
   return options;
 }
 
-int thread_count() {
-  int count = 0;
-  if (DIR* dir = ::opendir("/proc/self/task")) {
-    while (dirent* entry = ::readdir(dir)) count += entry->d_name[0] != '.';
-    ::closedir(dir);
-  }
-  return count;
-}
-DISTOPTIM_RPC_FUNCTION("thread_count", [] { return static_cast<int64_t>(thread_count()); });
+DISTOPTIM_RPC_FUNCTION("thread_count",
+                       [] { return static_cast<int64_t>(distoptim::testing::thread_count()); });
 
 TEST(NestedCalls, BlockingChainsOutnumberingThePool) {
   run_ranks(

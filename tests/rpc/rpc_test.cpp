@@ -2,7 +2,6 @@
 // remote errors, timeouts, nested calls, concurrency, large and strided tensors, a killed
 // worker, shutdown. Every rank is its own process; every wait is bounded.
 
-#include <dirent.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -14,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -142,17 +142,6 @@ void wait_for_agent_key(const std::string& key, std::chrono::milliseconds limit)
   auto store = c10::make_intrusive<c10d::TCPStore>(std::getenv("MASTER_ADDR"), store_options);
   c10d::PrefixStore rendezvous("distoptim/rpc/rendezvous/", store);
   rendezvous.wait({key}, limit);
-}
-
-int thread_count() {
-  int count = 0;
-  if (DIR* dir = ::opendir("/proc/self/task")) {
-    while (dirent* entry = ::readdir(dir)) {
-      count += entry->d_name[0] != '.';
-    }
-    ::closedir(dir);
-  }
-  return count;
 }
 
 TEST(Rpc, CallsCarryEveryValueKind) {
@@ -817,7 +806,7 @@ TEST(Rpc, KilledWorkerFailsPendingAndNewCalls) {
 TEST(Rpc, GracefulShutdownWaitsForOutstandingWorkAndLeavesNoThread) {
   run_ranks(2, [](int rank, int world_size) {
     (void)at::ones({8}).sum();  // Start LibTorch's own pools before counting.
-    const int threads_before = thread_count();
+    const std::set<int> threads_before = distoptim::testing::thread_ids();
     init_rpc(worker(rank), rank, world_size, test_options());
     std::optional<RpcFuture<int64_t>> outstanding;
     if (rank == 1) {
@@ -829,11 +818,11 @@ TEST(Rpc, GracefulShutdownWaitsForOutstandingWorkAndLeavesNoThread) {
       EXPECT_EQ(outstanding->wait(), 300);
     }
     // The store's operations run on detached threads (comm::DeadlineStore) that may still be
-    // exiting after they answered: give them a bounded moment (they take longer under sanitizers).
-    for (int i = 0; i < 500 && thread_count() > threads_before; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    EXPECT_EQ(thread_count(), threads_before);
+    // exiting after they answered: they get a bounded moment (longer under sanitizers). The
+    // threads are compared by id: one that was running before (a sanitizer's, an earlier test's)
+    // may end meanwhile.
+    const std::set<int> left = distoptim::testing::threads_started_since(threads_before);
+    EXPECT_TRUE(left.empty()) << left.size() << " threads started by the agent are still running";
     EXPECT_THROW(rpc_sync(worker(0), "add", std::tuple{1, 2}), DistributedError);
     // And an agent can start again afterwards (fresh rendezvous keys by a new prefix).
   });
