@@ -26,6 +26,7 @@
 #include <distoptim/rpc/detail/reassigned_rows.h>
 #include <distoptim/rpc/row_guard.h>
 
+#include "archive_writer.h"
 #include "huge_pages.h"
 
 namespace distoptim {
@@ -254,12 +255,31 @@ void RemoteOptimizer::keep_copies(const std::vector<int64_t>& indices,
   for (size_t i = 0; i < indices.size(); ++i) kept_copies_[indices[i]] = std::move(copies[i]);
 }
 
+namespace {
+
+// Copies `source` into `target`; where both lie contiguous in memory with one dtype, byte for
+// byte, with the CRC-32 of the copy's bytes kept in `crcs` for the file that will hold them.
+void copy_taking_crc(const at::Tensor& target, const at::Tensor& source,
+                     optim::detail::KnownCrcs& crcs) {
+  if (!target.is_contiguous() || !source.is_contiguous() ||
+      target.scalar_type() != source.scalar_type() || !target.sizes().equals(source.sizes()) ||
+      target.is_sparse() || source.is_sparse()) {
+    target.copy_(source);
+    return;
+  }
+  const size_t bytes = target.nbytes();
+  crcs[{target.data_ptr(), bytes}] =
+      optim::detail::copy_with_crc(target.data_ptr(), source.data_ptr(), bytes);
+}
+
+}  // namespace
+
 void RemoteOptimizer::copy_param(int64_t index, ParamCopy& into, int64_t piece_rows,
                                  RowsCopied* copied) const {
   at::NoGradGuard no_grad;
   const at::Tensor& param = optimizer_->params()[index];
   const bool fits = into.value.defined() && into.value.sizes().equals(param.sizes());
-  TORCH_INTERNAL_ASSERT(fits || copied == nullptr, "a shard's copy is read while it is made");
+  TORCH_INTERNAL_ASSERT(fits || piece_rows <= 0, "a shard's copy is read while it is made");
   if (!fits) into.value = at::empty_like(param);
   // Each tensor copied, its source beside it.
   std::vector<std::pair<at::Tensor, at::Tensor>> pairs{{into.value, param}};
@@ -281,14 +301,18 @@ void RemoteOptimizer::copy_param(int64_t index, ParamCopy& into, int64_t piece_r
   into.state.buffers = std::move(buffers);
   const int64_t rows = param.dim() > 0 ? param.size(0) : 0;
   if (piece_rows <= 0 || rows == 0) {
-    for (auto& [target, source] : pairs) target.copy_(source);
-    if (copied != nullptr) copied->advance(rows);
+    optim::detail::KnownCrcs crcs;
+    for (auto& [target, source] : pairs) copy_taking_crc(target, source, crcs);
+    if (copied != nullptr) copied->advance(rows, crcs);
     return;
   }
   for (int64_t from = 0; from < rows; from += piece_rows) {
     const int64_t to = std::min(rows, from + piece_rows);
-    for (auto& [target, source] : pairs) target.slice(0, from, to).copy_(source.slice(0, from, to));
-    if (copied != nullptr) copied->advance(to);
+    optim::detail::KnownCrcs crcs;
+    for (auto& [target, source] : pairs) {
+      copy_taking_crc(target.slice(0, from, to), source.slice(0, from, to), crcs);
+    }
+    if (copied != nullptr) copied->advance(to, crcs);
   }
 }
 
@@ -371,18 +395,23 @@ int64_t RemoteOptimizer::save_params(std::string path, std::vector<int64_t> indi
     for (int64_t index : indices) param(index, kSaveSnapshot, /*table=*/false);
   }
   auto copies = std::make_shared<std::vector<ParamCopy>>(copy_targets(indices));
+  auto copied = std::make_shared<RowsCopied>();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     rpc::InPlaceUpdateGuard no_step_meanwhile;
-    for (size_t i = 0; i < indices.size(); ++i) copy_param(indices[i], (*copies)[i]);
+    for (size_t i = 0; i < indices.size(); ++i) {
+      copy_param(indices[i], (*copies)[i], 0, copied.get());
+    }
   }
-  return snapshot_writes_.start([this, copies, path, indices, dense_indices]() -> c10::IValue {
-    write_params_file(path, dense_indices, *copies);
-    c10::impl::GenericList summaries(c10::AnyType::get());
-    for (const ParamCopy& copy : *copies) summaries.push_back(summary_dict(summary_of(copy)));
-    keep_copies(indices, std::move(*copies));
-    return summaries;
-  });
+  return snapshot_writes_.start(
+      [this, copies, copied, path, indices, dense_indices]() -> c10::IValue {
+        const optim::detail::KnownCrcs crcs = copied->crcs();
+        write_params_file(path, dense_indices, *copies, &crcs);
+        c10::impl::GenericList summaries(c10::AnyType::get());
+        for (const ParamCopy& copy : *copies) summaries.push_back(summary_dict(summary_of(copy)));
+        keep_copies(indices, std::move(*copies));
+        return summaries;
+      });
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> RemoteOptimizer::snapshot_written(int64_t ticket) {

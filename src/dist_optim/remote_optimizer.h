@@ -157,9 +157,10 @@ class RemoteOptimizer {
   /// copy_targets. Takes mutex_.
   void keep_copies(const std::vector<int64_t>& indices, std::vector<ParamCopy> copies);
   /// Copies parameter `index` and its state into `into` (into copy_targets' memory where it
-  /// fits); under mutex_ and an InPlaceUpdateGuard. With `copied`, `into.value` must already be
-  /// shaped as the parameter (a writer reads it meanwhile): the rows are copied `piece_rows` at a
-  /// time, value and buffers, `copied` advanced after each piece.
+  /// fits); under mutex_ and an InPlaceUpdateGuard. With `piece_rows`, `into.value` must already
+  /// be shaped as the parameter (a writer reads it meanwhile): the rows are copied `piece_rows` at
+  /// a time, value and buffers, `copied` (when given) advanced after each piece with the CRC-32s
+  /// taken of it (after the whole copy without `piece_rows`).
   void copy_param(int64_t index, ParamCopy& into, int64_t piece_rows = 0,
                   RowsCopied* copied = nullptr) const;
   /// Keeps `copy` for commit_staged(index).

@@ -93,11 +93,11 @@ std::map<std::string, at::Tensor> checked_buffers(const GenericDict& dict,
 
 // Keeps the calling thread, and the threads it starts, to the last CPU the process may run on
 // (when it may run on more than one): the steps keep the others whole. A snapshot's writing needs
-// little CPU (a CRC-32 at memory speed, the system calls of its direct writes), and where it ran
-// on every CPU a step that woke beside it waited for it now and then (a 2.56 GB snapshot beside a
-// trainer on 2 CPUs, three runs of three rounds each way: the steps' p99 while it was written
-// 1.4-3.1x that without it, run medians 2.0-2.2x; on one CPU 1.0-2.3x, run medians 1.3-2.0x;
-// written as fast). If refused, the thread runs anywhere.
+// little CPU (the system calls of its direct writes; the CRC-32s, where the copy took none), and
+// where it ran on every CPU a step that woke beside it waited for it now and then (a 2.56 GB
+// snapshot beside a trainer on 2 CPUs, three runs of three rounds each way: the steps' p99 while it
+// was written 1.4-3.1x that without it, run medians 2.0-2.2x; on one CPU 1.0-2.3x, run
+// medians 1.3-2.0x; written as fast). If refused, the thread runs anywhere.
 void keep_to_one_cpu() {
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
@@ -137,10 +137,11 @@ void LowPriorityThread::join() {
 
 void run_at_low_priority(const std::function<void()>& work) { LowPriorityThread(work).join(); }
 
-void RowsCopied::advance(int64_t rows) {
+void RowsCopied::advance(int64_t rows, const optim::detail::KnownCrcs& crcs) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     rows_ = std::max(rows_, rows);
+    crcs_.insert(crcs.begin(), crcs.end());
   }
   copied_cv_.notify_all();
 }
@@ -157,6 +158,11 @@ bool RowsCopied::wait_for(int64_t rows) const {
   std::unique_lock<std::mutex> lock(mutex_);
   copied_cv_.wait(lock, [&] { return rows_ >= rows || abandoned_; });
   return rows_ >= rows;
+}
+
+optim::detail::KnownCrcs RowsCopied::crcs() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return crcs_;
 }
 
 std::string shard_state_text(const StateSummary& state) {
@@ -188,8 +194,10 @@ std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard
     block.insert("first_row", firsts[b]);
     block.insert("end_row", firsts[b + 1]);
     insert_rows(block, part, first_row, firsts[b], firsts[b + 1]);
+    const optim::detail::KnownCrcs crcs =
+        copied != nullptr ? copied->crcs() : optim::detail::KnownCrcs{};
     optim::detail::write_pickle_file(block_path(prefix, shard, shards, static_cast<int64_t>(b)),
-                                     block, kSaveSnapshot);
+                                     block, kSaveSnapshot, &crcs);
   };
   // Two blocks at a time, each by a thread of this one's priority and CPU: one thread's checksum,
   // fsync and rename leave the disk idle between its writes; two keep a write in flight (a
@@ -366,7 +374,8 @@ ParamCopy read_id_blocks(const std::vector<std::string>& paths, int64_t dim, c10
 }
 
 void write_params_file(const std::string& path, const std::vector<int64_t>& dense_indices,
-                       const std::vector<ParamCopy>& params) {
+                       const std::vector<ParamCopy>& params,
+                       const optim::detail::KnownCrcs* known) {
   TORCH_INTERNAL_ASSERT(dense_indices.size() == params.size());
   c10::impl::GenericList entries(c10::AnyType::get());
   for (size_t i = 0; i < params.size(); ++i) {
@@ -383,7 +392,7 @@ void write_params_file(const std::string& path, const std::vector<int64_t>& dens
   file.insert("format", std::string(kParamsFormat));
   file.insert("version", kSnapshotVersion);
   file.insert("params", entries);
-  optim::detail::write_pickle_file(path, file, kSaveSnapshot);
+  optim::detail::write_pickle_file(path, file, kSaveSnapshot, known);
 }
 
 ParamCopy read_param(const std::string& path, int64_t dense_index, const at::Tensor& like,

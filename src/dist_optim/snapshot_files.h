@@ -32,6 +32,8 @@
 
 #include <distoptim/optim/functional_optimizer.h>
 
+#include "checkpoint_file.h"
+
 namespace distoptim {
 namespace dist_optim {
 namespace detail {
@@ -75,21 +77,25 @@ class LowPriorityThread {
 };
 
 /// How many of a shard's rows an owner has copied for a snapshot, so that the shard's first
-/// blocks are written while it copies the rest (under its locks, the steps waiting).
+/// blocks are written while it copies the rest (under its locks, the steps waiting), and the
+/// CRC-32s it took of its copy's pieces on the way (the files' writer reads no byte of them again).
 class RowsCopied {
  public:
-  /// The first `rows` rows are copied.
-  void advance(int64_t rows);
+  /// The first `rows` rows are copied, and `crcs` taken of pieces of the copy.
+  void advance(int64_t rows, const optim::detail::KnownCrcs& crcs = {});
   /// The copy stopped short (it failed): every wait returns false.
   void abandon();
   /// Waits until the first `rows` rows are copied: true, or false once the copy is abandoned.
   /// The copy runs on the caller's process under no lock a writer holds, so it ends either way.
   bool wait_for(int64_t rows) const;
+  /// The CRC-32s taken so far.
+  optim::detail::KnownCrcs crcs() const;
 
  private:
   mutable std::mutex mutex_;
   mutable std::condition_variable copied_cv_;
   int64_t rows_ = 0;
+  optim::detail::KnownCrcs crcs_;
   bool abandoned_ = false;
 };
 
@@ -99,9 +105,9 @@ std::string block_path(const std::string& prefix, int64_t shard, int64_t shards,
 /// Writes `part`, rows [first_row, first_row + part.value.size(0)) of a table and shard `shard`
 /// of `shards`, as blocks of at most `rows_per_file` rows named after `prefix`, two at a time (the
 /// second by a thread of the caller's priority), each once `copied` (when given) says its rows
-/// are in `part`. Returns the first row of each block, then the shard's end. Errors: c10::Error
-/// naming the first file that could not be written; no block is begun after it (nor after the
-/// copy is abandoned).
+/// are in `part`, with the CRC-32s it took. Returns the first row of each block, then the shard's
+/// end. Errors: c10::Error naming the first file that could not be written; no block is begun after
+/// it (nor after the copy is abandoned).
 std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard, int64_t shards,
                                         int64_t first_row, const ParamCopy& part,
                                         int64_t rows_per_file, const RowsCopied* copied = nullptr);
@@ -143,9 +149,11 @@ std::vector<int64_t> write_id_blocks(const std::string& prefix, int64_t shard, i
 ParamCopy read_id_blocks(const std::vector<std::string>& paths, int64_t dim, c10::ScalarType dtype,
                          const StateSummary& state, const std::function<bool(int64_t)>& keep);
 
-/// Writes `params` (named by their dense indices) to `path`.
+/// Writes `params` (named by their dense indices) to `path`, with the CRC-32s `known` holds of
+/// them (when given).
 void write_params_file(const std::string& path, const std::vector<int64_t>& dense_indices,
-                       const std::vector<ParamCopy>& params);
+                       const std::vector<ParamCopy>& params,
+                       const optim::detail::KnownCrcs* known = nullptr);
 
 /// Reads the parameter of dense index `dense_index` from the file at `path`, checked to be
 /// `like`'s shape and dtype and to hold the state `state` says. Errors as read_block_rows'.

@@ -13,6 +13,7 @@
 // three.
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -35,8 +36,15 @@ bool fits_without_zip64(size_t pickle_bytes, const std::vector<at::Tensor>& tens
 /// alignment starts at a file offset congruent with its address modulo kDirectAlignBytes; every
 /// other record's data on a 64-byte boundary, as LibTorch's. False once the sink refused a piece
 /// (nothing more is written). Requires fits_without_zip64.
+/// A storage whose address and size `known` holds gets its CRC-32 from there.
 bool write_pickle_archive(const std::vector<char>& pickle, const std::vector<at::Tensor>& tensors,
-                          const ByteSink& sink);
+                          const ByteSink& sink, const KnownCrcs* known = nullptr);
+
+/// Copies `bytes` from `source` to `target` (apart) and returns their CRC-32 (zip's), taken of
+/// each piece of the copy while it is still in the cache: a file that is to hold the copy gets
+/// its CRC-32 without the bytes read from memory again (a snapshot's writer shares the memory
+/// bus with the trainers' steps; its second read of every byte was most of what slowed them).
+uint32_t copy_with_crc(void* target, const void* source, size_t bytes);
 
 }  // namespace detail
 }  // namespace optim

@@ -348,7 +348,8 @@ void write_checkpoint_file(const std::string& path, const char* caller,
   }
 }
 
-void write_pickle_file(const std::string& path, const c10::IValue& value, const char* caller) {
+void write_pickle_file(const std::string& path, const c10::IValue& value, const char* caller,
+                       const KnownCrcs* known) {
   write_checkpoint_file(path, caller, [&](const ByteSink& sink) {
     // As torch::pickle_save lays it out: the pickle as the archive's "data" record, then each
     // tensor's storage as a record of its own.
@@ -359,7 +360,7 @@ void write_pickle_file(const std::string& path, const c10::IValue& value, const 
     pickler.pushIValue(value);
     pickler.stop();
     if (fits_without_zip64(pickle.size(), pickler.tensorData())) {
-      write_pickle_archive(pickle, pickler.tensorData(), sink);
+      write_pickle_archive(pickle, pickler.tensorData(), sink, known);
       return;
     }
     // Past 4 GiB or 65535 records, LibTorch's writer and its zip64 fields.

@@ -4,8 +4,12 @@
 // through these functions (the optimizers' state dicts, the data-parallel checkpoints), so each one
 // is verified on load and replaced atomically on save.
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
@@ -55,14 +59,21 @@ c10::IValue read_pickle_file(const std::string& path, const char* caller,
 /// memory. The same checks and errors, and each storage is checked to lie inside its record.
 c10::IValue read_pickle_file_in_place(const std::string& path, const char* caller);
 
+/// CRC-32s (zip's) already taken of memory a file is to hold, by its address and size: the
+/// writer takes them as given rather than reading those bytes once more. Whoever fills it vouches
+/// that the bytes have not changed since (copy_with_crc in archive_writer.h takes them).
+using KnownCrcs = std::map<std::pair<const void*, size_t>, uint32_t>;
+
 /// `value` pickled by LibTorch in torch::pickle_save's archive (Python's torch.load reads it),
 /// streamed to the file with write_checkpoint_file: each tensor's storage goes from its own
 /// memory to the file. Byte for byte LibTorch's archive but for the padding before a storage of a
 /// megabyte or more, which lines it up with its memory for a direct write (archive_writer.h);
 /// past 4 GiB or 65535 records, LibTorch's own writer. Pickling writes a tensor's whole storage,
 /// so a view of a larger tensor should be given a storage of its own (see alias_of_rows in
-/// dist_optim) rather than cloned.
-void write_pickle_file(const std::string& path, const c10::IValue& value, const char* caller);
+/// dist_optim) rather than cloned. A storage whose memory and size `known` holds gets that CRC-32
+/// (an archive past 4 GiB or 65535 records takes every CRC-32 anew).
+void write_pickle_file(const std::string& path, const c10::IValue& value, const char* caller,
+                       const KnownCrcs* known = nullptr);
 
 }  // namespace detail
 }  // namespace optim

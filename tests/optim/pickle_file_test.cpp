@@ -262,6 +262,54 @@ TEST_F(PickleFile, LargeRecordsLineUpWithTheirMemoryAndReadEverywhere) {
   expect_same_tensors(testing::load_pickle(python_copy), saved);
 }
 
+// copy_with_crc's copy and CRC-32, and a writer given them: the file is byte for byte the one
+// written without them (so the CRC-32 taken piece by piece during the copy is the one the writer
+// takes of the whole), and a CRC-32 given for a storage is written as given, not taken again (a
+// wrong one makes the file unreadable), where one given for the same address with another size
+// is not used.
+TEST_F(PickleFile, CrcsTakenDuringACopyAreTheWritersOwnAndTakenAsGiven) {
+  const size_t mib = size_t{1} << 20;
+  // Sizes below, at and past copy_with_crc's pieces, a copy's memory at several offsets.
+  const std::vector<std::pair<size_t, size_t>> offsets_and_bytes{
+      {0, 2 * mib + 4}, {64, 300 * 1024 + 8}, {4096, 128 * 1024}, {0, 100}, {128, 4}};
+  c10::Dict<std::string, at::Tensor> copies;
+  detail::KnownCrcs known;
+  for (size_t i = 0; i < offsets_and_bytes.size(); ++i) {
+    const auto [offset, bytes] = offsets_and_bytes[i];
+    const at::Tensor source = tensor_at_offset(0, bytes, static_cast<uint32_t>(i + 7));
+    const at::Tensor copy = tensor_at_offset(offset, bytes, 99);  // other bytes before the copy
+    known[{copy.data_ptr(), bytes}] =
+        detail::copy_with_crc(copy.data_ptr(), source.data_ptr(), bytes);
+    EXPECT_TRUE(at::equal(copy, source)) << bytes << " bytes";
+    copies.insert("copy_" + std::to_string(i), copy);
+  }
+  const std::string plain = dir_ + "/plain.pt";
+  const std::string given = dir_ + "/given.pt";
+  detail::write_pickle_file(plain, copies, "test");
+  detail::write_pickle_file(given, copies, "test", &known);
+  EXPECT_TRUE(file_bytes(given) == file_bytes(plain));
+  expect_same_tensors(detail::read_pickle_file(given, "test"), copies);
+
+  // The storages are the records data/0.. in the dict's order. (No tensor is held here beyond
+  // the dict: the pickler memoizes a tensor held twice, which would change the pickle's bytes.)
+  const std::pair<const void*, size_t> first{copies.at("copy_0").data_ptr(),
+                                             offsets_and_bytes[0].second};
+  detail::KnownCrcs wrong = known;
+  ASSERT_EQ(wrong.count(first), 1u);
+  wrong[first] ^= 1;
+  const std::string wrong_path = dir_ + "/wrong.pt";
+  detail::write_pickle_file(wrong_path, copies, "test", &wrong);
+  expect_error_containing([&] { detail::read_checkpoint_file(wrong_path, "test"); },
+                          {"test: '" + wrong_path + "' is corrupted: the data of record",
+                           "data/0' does not match its CRC-32"});
+
+  detail::KnownCrcs other_size;
+  other_size[{first.first, first.second - 4}] = 0;
+  const std::string other_path = dir_ + "/other_size.pt";
+  detail::write_pickle_file(other_path, copies, "test", &other_size);
+  EXPECT_TRUE(file_bytes(other_path) == file_bytes(plain));
+}
+
 // The pickle says the storage holds 64 floats; its record holds 32.
 TEST_F(PickleFile, StorageLargerThanItsRecordIsRefusedByBothReaders) {
   c10::Dict<std::string, at::Tensor> value;
