@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -50,10 +51,17 @@ bool set_direct(int fd, bool on) {
 // write(2) until all of `size` is written: 0, or the errno of the failure. Where a write around
 // the page cache is refused (EINVAL: the file system wants a larger alignment, or a short write
 // left the offset unaligned), `*direct` turns false and the rest goes through the page cache.
+// This thread's ScopedWriteRests share (0: none).
+thread_local double t_rest_share = 0;
+
 int write_fully(int fd, const char* bytes, size_t size, bool* direct) {
   size_t done = 0;
   while (done < size) {
+    const auto began = std::chrono::steady_clock::now();
     const ssize_t n = ::write(fd, bytes + done, size - done);
+    if (n > 0 && t_rest_share > 0) {
+      std::this_thread::sleep_for((std::chrono::steady_clock::now() - began) * t_rest_share);
+    }
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EINVAL && *direct) {
       if (!set_direct(fd, false)) return EINVAL;
@@ -289,6 +297,10 @@ void FileWriter::start_direct() {
   direct_tried_ = true;
   direct_ = DirectChunks::start(fd_);
 }
+
+ScopedWriteRests::ScopedWriteRests(double share) : previous_(t_rest_share) { t_rest_share = share; }
+
+ScopedWriteRests::~ScopedWriteRests() { t_rest_share = previous_; }
 
 }  // namespace detail
 }  // namespace optim

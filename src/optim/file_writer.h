@@ -72,6 +72,22 @@ class FileWriter {
   std::unique_ptr<DirectChunks> direct_;
 };
 
+/// While one lives, every write(2) a FileWriter makes on this thread is followed by a rest of
+/// `share` times that write's duration. For a background writer that shares the machine with
+/// latency-bound work: the disk's DMA reads every byte from memory, and a writer that keeps it
+/// busy without a pause holds the memory bus the other work waits on (dist_optim's snapshots;
+/// docs/benchmarks.md has the measurements). A second writing thread keeps the disk busy meanwhile.
+class ScopedWriteRests {
+ public:
+  explicit ScopedWriteRests(double share);
+  ~ScopedWriteRests();
+  ScopedWriteRests(const ScopedWriteRests&) = delete;
+  ScopedWriteRests& operator=(const ScopedWriteRests&) = delete;
+
+ private:
+  double previous_;
+};
+
 }  // namespace detail
 }  // namespace optim
 }  // namespace distoptim
