@@ -37,9 +37,11 @@
 //
 // What one snapshot is: each owner copies its parameters and their state under its update lock (no
 // step of any optimizer is half in the copy; a copy at memory speed, the only time steps wait for a
-// snapshot) and writes the copy holding no lock, while steps go on: streamed from the copy's memory
-// to the files, on threads of low CPU priority (nice 10) kept to one CPU, so that the writing
-// yields to the steps the owner serves. An owner keeps the copy's memory for its next snapshot (its
+// snapshot; it takes each file record's CRC-32 on the way, from the cache) and writes the copy
+// holding no lock, while steps go on: streamed from the copy's memory to the files, on threads of
+// low CPU priority (nice 10) kept to one CPU that rest a fifth of each write's time after it, so
+// that the writing yields to the steps the owner serves (the CPU, and the memory bus the disk's
+// DMA shares with them). An owner keeps the copy's memory for its next snapshot (its
 // parameters' and state's size again, which every snapshot needs at its peak). A SnapshotSchedule
 // has every owner map that memory when it is made (at the same low priority; a save_snapshot with
 // none made before maps it itself, before its copy), so that the first snapshot writes as fast as
