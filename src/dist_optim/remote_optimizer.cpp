@@ -261,9 +261,10 @@ namespace {
 // byte, with the CRC-32 of the copy's bytes kept in `crcs` for the file that will hold them.
 void copy_taking_crc(const at::Tensor& target, const at::Tensor& source,
                      optim::detail::KnownCrcs& crcs) {
-  if (!target.is_contiguous() || !source.is_contiguous() ||
-      target.scalar_type() != source.scalar_type() || !target.sizes().equals(source.sizes()) ||
-      target.is_sparse() || source.is_sparse()) {
+  // Sparse first: a sparse tensor has no is_contiguous().
+  if (target.is_sparse() || source.is_sparse() || !target.is_contiguous() ||
+      !source.is_contiguous() || target.scalar_type() != source.scalar_type() ||
+      !target.sizes().equals(source.sizes())) {
     target.copy_(source);
     return;
   }

@@ -200,8 +200,8 @@ std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard
     optim::detail::write_pickle_file(block_path(prefix, shard, shards, static_cast<int64_t>(b)),
                                      block, kSaveSnapshot, &crcs);
   };
-  // Two blocks at a time, each by a thread of this one's priority and CPU: one thread's checksum,
-  // fsync and rename leave the disk idle between its writes; two keep a write in flight (a
+  // Two blocks at a time, each by a thread of this one's priority and CPU: one thread's fsyncs,
+  // renames and rests leave the disk idle between its writes; two keep a write in flight (a
   // 2.56 GB shard beside a trainer's steps, when every byte was still copied into the direct
   // writes' chunks: 1.1 GB/s written by one thread, 1.45 by two).
   std::atomic<size_t> next{0};

@@ -48,12 +48,13 @@ bool set_direct(int fd, bool on) {
   return ::fcntl(fd, F_SETFL, on ? (flags | O_DIRECT) : (flags & ~O_DIRECT)) == 0;
 }
 
-// write(2) until all of `size` is written: 0, or the errno of the failure. Where a write around
-// the page cache is refused (EINVAL: the file system wants a larger alignment, or a short write
-// left the offset unaligned), `*direct` turns false and the rest goes through the page cache.
 // This thread's ScopedWriteRests share (0: none).
 thread_local double t_rest_share = 0;
 
+// write(2) until all of `size` is written: 0, or the errno of the failure. Where a write around
+// the page cache is refused (EINVAL: the file system wants a larger alignment, or a short write
+// left the offset unaligned), `*direct` turns false and the rest goes through the page cache.
+// A write that wrote something is followed by this thread's ScopedWriteRests rest.
 int write_fully(int fd, const char* bytes, size_t size, bool* direct) {
   size_t done = 0;
   while (done < size) {
