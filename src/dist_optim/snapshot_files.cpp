@@ -206,7 +206,9 @@ std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard
   // writes' chunks: 1.1 GB/s written by one thread, 1.45 by two).
   std::atomic<size_t> next{0};
   std::mutex failure_mutex;
+  // The failure of the first block that failed: the two threads may fail in either order.
   std::exception_ptr failure;
+  size_t failed_block = blocks;
   auto write_blocks = [&] {
     const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare);
     for (size_t b = next++; b < blocks; b = next++) {
@@ -214,7 +216,10 @@ std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard
         write_block(b);
       } catch (...) {
         std::lock_guard<std::mutex> lock(failure_mutex);
-        if (!failure) failure = std::current_exception();
+        if (b < failed_block) {
+          failed_block = b;
+          failure = std::current_exception();
+        }
         next = blocks;
       }
     }
