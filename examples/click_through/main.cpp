@@ -42,12 +42,14 @@
 //   --mlp-lr). As in PyTorch, each trainer's DistributedOptimizer keeps Adagrad state of its own
 //   on every owner; the owners serialize the steps of all of them.
 //
-// --max-staleness K lets each trainer's step return once sent, with at most K of its steps
-// outstanding on any server (DistributedOptimizer::set_max_staleness): its next forward reads
-// parameters up to K of its own steps old. --slow-trainer T --slowdown F makes trainer T take F
-// times as long per step (a sleep after its step, as on a slower machine). Not with --elastic.
-// Each trainer prints at its end where its steps spent their time: the forward, the backward and
-// the optimizer step, whose wait is what staleness hides.
+// --max-staleness K lets each trainer's forward read parameters up to K of its own steps old:
+// its next forward runs while its last backward and optimizer step are under way (two steps in
+// flight, pipelined_steps.h), and its optimizer step returns once sent, with at most K - 1 of its
+// steps outstanding on any server (DistributedOptimizer::set_max_staleness). --slow-trainer T
+// --slowdown F makes trainer T take F times as long per step (before each next step it sleeps
+// F - 1 times as long as the last took, as on a slower machine). Not with --elastic. Each trainer
+// prints at its end where its steps spent their time: the forward, the backward and the optimizer
+// step.
 //
 // The first trainer evaluates on the held-out set every --eval-every steps (the table in eval
 // mode: an evaluation admits no id and keeps none from eviction) and prints a line with the
@@ -139,6 +141,7 @@
 #include "gnuplot.h"
 #include "metrics.h"
 #include "model.h"
+#include "pipelined_steps.h"
 #include "rpc_worker.h"
 #include "server_recovery.h"
 #include "teacher.h"
@@ -220,26 +223,6 @@ DISTOPTIM_RPC_FUNCTION("click_through.shared_model",
                        examples::published<click_through::ClickModel::References>);
 DISTOPTIM_RPC_FUNCTION("click_through.publish_model",
                        examples::publish<click_through::ClickModel::References>);
-
-// Where a trainer's steps spend their time (the sleep of --slow-trainer apart): what bounded
-// staleness can hide is the optimizer step's wait alone, so its share bounds the gain.
-struct PhaseTimes {
-  int64_t steps = 0;
-  Clock::duration forward{}, backward{}, step{};
-
-  void print(const std::string& name) const {
-    if (steps == 0) return;
-    const auto ms = [&](Clock::duration d) {
-      return std::chrono::duration<double, std::milli>(d).count() / static_cast<double>(steps);
-    };
-    const double all = ms(forward) + ms(backward) + ms(step);
-    fmt::print(
-        "{}: {} steps, each on average: forward {:.2f} ms, backward {:.2f} ms, optimizer step "
-        "{:.2f} ms ({:.1f}% of the three)\n",
-        name, steps, ms(forward), ms(backward), ms(step), 100 * ms(step) / all);
-    std::fflush(stdout);
-  }
-};
 
 struct Evaluation {
   double log_loss;
@@ -444,7 +427,10 @@ void train(const Settings& s, int rank, int trainer, int trainers,
   distoptim::dist_optim::DistributedOptimizer optimizer(
       "adagrad", {{model->table_parameters(), OptionBag().set("lr", s.lr)},
                   {model->mlp_parameters(), OptionBag().set("lr", s.mlp_lr)}});
-  optimizer.set_max_staleness(s.max_staleness);
+  // --max-staleness K: the next forward runs during the last step's backward (one step of
+  // staleness), the optimizer leaves at most K - 1 steps outstanding (pipelined_steps.h).
+  const bool pipelined = s.max_staleness > 0;
+  optimizer.set_max_staleness(pipelined ? s.max_staleness - 1 : s.max_staleness);
   // --elastic: the first trainer snapshots the servers' state, from which a server started again
   // gets back its shard.
   const fs::path snapshots_dir = fs::path(s.out) / "snapshots";
@@ -594,73 +580,100 @@ void train(const Settings& s, int rank, int trainer, int trainers,
                             trainer == (s.kill_trainer < 0 ? trainers - 1 : s.kill_trainer) &&
                             restarts == 0;
   int64_t failed_in_a_row = 0;
-  PhaseTimes phases;  // of the steps that returned
-  for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
-    const click_through::Batch batch = batch_of_step(step);
-    bool returned = false;
-    const auto began = Clock::now();
-    try {
-      double loss_value;
-      {
-        distoptim::dist_autograd::ContextGuard context;
-        const at::Tensor loss = at::binary_cross_entropy_with_logits(
-            model->forward(batch.ids, batch.dense), batch.labels);
-        const auto forward_done = Clock::now();
-        distoptim::dist_autograd::backward(context.id(), {loss});
-        const auto backward_done = Clock::now();
-        if (kills_itself && step == s.kill_trainer_at) {
-          // The fault --kill-trainer-at injects: gradients on the servers, the step not taken.
-          examples::report_kill(kFirstServer, rank, name, step);
-          std::fflush(stdout);
-          ::raise(SIGKILL);
-        }
-        optimizer.step(context.id());
-        phases.forward += forward_done - began;
-        phases.backward += backward_done - forward_done;
-        phases.step += Clock::now() - backward_done;
-        ++phases.steps;
-        returned = true;
-        ++counts.returned;
-        loss_value = loss.item<double>();
-      }
-      if (trainer == s.slow_trainer) {
-        // A slower machine: this step's work takes --slowdown times as long (a sleep, so the
-        // others keep the cores).
-        std::this_thread::sleep_for((Clock::now() - began) * (s.slowdown - 1));
-      }
-      if (snapshots) {
-        examples::take_snapshot_if_due(*snapshots, name, step);
-        examples::note_snapshot_begun(*snapshots, counts);
-      }
+  click_through::PhaseTimes phases;  // of the steps that returned
+  if (pipelined) {
+    // Two steps in flight; the reporter's evaluations see no forward running.
+    const auto evaluates = [&](int64_t step) {
+      return reporter && step % eval_every == 0 && step < s.steps;
+    };
+    click_through::StepParts parts;
+    parts.forward = [&](int64_t step) {
+      const click_through::Batch batch = batch_of_step(step);
+      return at::binary_cross_entropy_with_logits(model->forward(batch.ids, batch.dense),
+                                                  batch.labels);
+    };
+    parts.backward = [](int64_t, int64_t context_id, const at::Tensor& loss) {
+      distoptim::dist_autograd::backward(context_id, {loss});
+    };
+    parts.optimizer_step = [&](int64_t, int64_t context_id) { optimizer.step(context_id); };
+    parts.after = [&](int64_t step, const at::Tensor& loss) {
       samples_trained += s.batch;
-      train_loss_sum += loss_value;
+      train_loss_sum += loss.item<double>();
       ++train_loss_count;
-      if (s.elastic) {
-        // A first server that died waits here until it is back: then it gets the references.
-        examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
-        if (first_server_id() != references_at) hand_back_references(name, *model, references_at);
+      if (evaluates(step)) report(step);
+    };
+    parts.drains = evaluates;
+    click_through::PipelineOptions options;
+    if (trainer == s.slow_trainer) options.slowdown = s.slowdown;
+    phases = click_through::run_pipelined(resume.steps + 1, s.steps, parts, options);
+  } else {
+    for (int64_t step = resume.steps + 1; step <= s.steps; ++step) {
+      const click_through::Batch batch = batch_of_step(step);
+      bool returned = false;
+      const auto began = Clock::now();
+      try {
+        double loss_value;
+        {
+          distoptim::dist_autograd::ContextGuard context;
+          const at::Tensor loss = at::binary_cross_entropy_with_logits(
+              model->forward(batch.ids, batch.dense), batch.labels);
+          const auto forward_done = Clock::now();
+          distoptim::dist_autograd::backward(context.id(), {loss});
+          const auto backward_done = Clock::now();
+          if (kills_itself && step == s.kill_trainer_at) {
+            // The fault --kill-trainer-at injects: gradients on the servers, the step not taken.
+            examples::report_kill(kFirstServer, rank, name, step);
+            std::fflush(stdout);
+            ::raise(SIGKILL);
+          }
+          optimizer.step(context.id());
+          phases.forward += forward_done - began;
+          phases.backward += backward_done - forward_done;
+          phases.step += Clock::now() - backward_done;
+          ++phases.steps;
+          returned = true;
+          ++counts.returned;
+          loss_value = loss.item<double>();
+        }
+        if (trainer == s.slow_trainer) {
+          // A slower machine: this step's work takes --slowdown times as long (a sleep, so the
+          // others keep the cores).
+          std::this_thread::sleep_for((Clock::now() - began) * (s.slowdown - 1));
+        }
+        if (snapshots) {
+          examples::take_snapshot_if_due(*snapshots, name, step);
+          examples::note_snapshot_begun(*snapshots, counts);
+        }
+        samples_trained += s.batch;
+        train_loss_sum += loss_value;
+        ++train_loss_count;
+        if (s.elastic) {
+          // A first server that died waits here until it is back: then it gets the references.
+          examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
+          if (first_server_id() != references_at) hand_back_references(name, *model, references_at);
+        }
+        if (reporter && step % eval_every == 0 && step < s.steps) report(step);
+        failed_in_a_row = 0;
+      } catch (const distoptim::PeerLostError& lost) {
+        if (!s.elastic) throw;
+        // The batch is dropped: its step may have reached the servers that lived.
+        if (!returned) ++counts.failed;
+        recover(name, step, lost, optimizer, *model, snapshots_dir, backups, counts, references_at);
+        // --replicas: the restored server holds every step of this trainer that returned.
+        if (s.replicas) {
+          while_servers_come_back(step,
+                                  [&] { examples::check_applied_steps(name, counts, optimizer); });
+        }
+      } catch (const rpc::RemoteError& error) {
+        // --replicas: a server whose backup died after answering its own part of the step fails
+        // the step (applied there, not copied); the backup's loss shows at the next step. The
+        // batch is dropped; a server that keeps failing ends the trainer.
+        if (!s.replicas || returned || ++failed_in_a_row > 10) throw;
+        ++counts.failed;
+        fmt::print("{}: step {} failed on a server: {}\n", name, step,
+                   examples::one_line(error.what_without_backtrace()));
+        std::fflush(stdout);
       }
-      if (reporter && step % eval_every == 0 && step < s.steps) report(step);
-      failed_in_a_row = 0;
-    } catch (const distoptim::PeerLostError& lost) {
-      if (!s.elastic) throw;
-      // The batch is dropped: its step may have reached the servers that lived.
-      if (!returned) ++counts.failed;
-      recover(name, step, lost, optimizer, *model, snapshots_dir, backups, counts, references_at);
-      // --replicas: the restored server holds every step of this trainer that returned.
-      if (s.replicas) {
-        while_servers_come_back(step,
-                                [&] { examples::check_applied_steps(name, counts, optimizer); });
-      }
-    } catch (const rpc::RemoteError& error) {
-      // --replicas: a server whose backup died after answering its own part of the step fails
-      // the step (applied there, not copied); the backup's loss shows at the next step. The
-      // batch is dropped; a server that keeps failing ends the trainer.
-      if (!s.replicas || returned || ++failed_in_a_row > 10) throw;
-      ++counts.failed;
-      fmt::print("{}: step {} failed on a server: {}\n", name, step,
-                 examples::one_line(error.what_without_backtrace()));
-      std::fflush(stdout);
     }
   }
   optimizer.flush();  // --max-staleness: the last steps applied before the last evaluation
@@ -864,9 +877,10 @@ int main(int argc, char** argv) {
       ->check(examples::at_least(0))
       ->needs(elastic);
   app.add_option("--max-staleness", s.max_staleness,
-                 "each trainer's step returns once sent, with at most this many of its steps "
-                 "outstanding on any server (DistributedOptimizer::set_max_staleness; 0: "
-                 "synchronous steps, as PyTorch's)")
+                 "each trainer's forward reads parameters at most this many of its own steps "
+                 "old: its next forward runs during its last backward and optimizer step, which "
+                 "returns once sent with at most K - 1 steps outstanding on any server "
+                 "(DistributedOptimizer::set_max_staleness; 0: synchronous steps, as PyTorch's)")
       ->check(examples::at_least(0))
       ->excludes(elastic);
   CLI::Option* slow_trainer =
