@@ -1,22 +1,25 @@
 // staleness_bench: what bounded staleness (DistributedOptimizer::set_max_staleness) gives a
 // training job, measured on examples/click_through (two servers holding a collisionless table of
 // at most 1M x 32 sharded over both and the MLP on the first, two trainers, Adagrad) with one
-// trainer slowed (--slow-trainer 1 --slowdown 2: it sleeps after each step as long as the step
-// took, as on a machine half as fast).
+// trainer slowed (--slow-trainer 1 --slowdown 2: before each next step it sleeps as long as the
+// last took, as on a machine half as fast).
 //
 // Each round runs the job once per bound k (0, 1, 4 by default; 0 is the synchronous step, as
-// PyTorch's), alternating, so that the machine's drift falls on every k alike. From the first
-// trainer's last line: all trainers' samples per second from its start until every trainer has
-// applied its last step, and the held-out log loss then (every trainer takes the same steps on the
-// same batches, so each k has trained on the same samples). The table gives each k's min, median
-// and max over the rounds, and per round k's samples/s over k = 0's and its held-out log loss
-// against k = 0's (in percent). There is no PyTorch side: PyTorch's DistributedOptimizer has no
-// bounded staleness (its step is k = 0). Each round's output stays in staleness_bench_runs/ beside
-// the JSON results. Each k's rows also give the watched trainer's (the slowed one) mean forward
-// and backward and its optimizer step, as the example prints them; at the baseline k, the step's
-// share of the three, and how much faster the watched trainer would step were that wait hidden
-// whole (1 / (1 - that share)): what staleness hides is that wait and nothing else, so the
-// samples/s of all trainers, which end with the slowed one's, gain about that much at most.
+// PyTorch's), alternating, so that the machine's drift falls on every k alike. The example's
+// --max-staleness k (k >= 1) lets each trainer's forward read parameters up to k of its own steps
+// old: its next forward runs while its last backward and optimizer step are under way (one step),
+// and its optimizer leaves at most k - 1 steps outstanding (set_max_staleness(k - 1)). From the
+// first trainer's last line: all trainers' samples per second from its start until every trainer
+// has applied its last step, and the held-out log loss then (every trainer takes the same steps on
+// the same batches, so each k has trained on the same samples). The table gives each k's min,
+// median and max over the rounds, and per round k's samples/s over k = 0's and its held-out log
+// loss against k = 0's (in percent). There is no PyTorch side: PyTorch's DistributedOptimizer has
+// no bounded staleness (its step is k = 0). Each round's output stays in staleness_bench_runs/
+// beside the JSON results. Each k's rows also give the watched trainer's (the slowed one) mean
+// forward and backward and its optimizer step, as the example prints them; at the baseline k, the
+// step's share of the three, and how much faster the watched trainer would step were that wait
+// hidden whole (1 / (1 - that share)): what the optimizer's bound alone can give, without the next
+// forward running beside the last backward.
 
 #include <algorithm>
 #include <cmath>
@@ -169,8 +172,8 @@ int run(int argc, char** argv) {
     cases.push_back(
         spread_row(fmt::format("{}: {}'s optimizer step", k, watched), step_ms, "ms", "lower"));
     if (bound == base) {
-      // Staleness hides the optimizer step's wait and nothing else: were the wait gone whole,
-      // the watched trainer's step would take its forward and backward alone.
+      // The optimizer's bound alone hides the optimizer step's wait and nothing else: were the
+      // wait gone whole, the watched trainer's step would take its forward and backward alone.
       std::vector<double> share, speedup_if_hidden;
       for (int r = 0; r < config.rounds; ++r) {
         share.push_back(100 * step_ms[r] / (work_ms[r] + step_ms[r]));
@@ -197,7 +200,8 @@ int run(int argc, char** argv) {
       "examples/click_through: 2 servers + {} trainers on one machine, the example's defaults "
       "(a collisionless table of at most 1M x 32 over both servers, the MLP on the first, "
       "Adagrad, batch 512), {} steps "
-      "each, {}; max_staleness {}, alternating in each round",
+      "each, {}; max_staleness {}, alternating in each round (k >= 1: the next forward beside "
+      "the last backward and optimizer step, the optimizer's own bound k - 1)",
       config.trainers, config.steps,
       config.slow_trainer >= 0
           ? fmt::format("trainer {} slowed {}x", config.slow_trainer, config.slowdown)
