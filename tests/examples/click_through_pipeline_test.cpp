@@ -159,6 +159,20 @@ StepParts logged_parts(DistributedOptimizer& optimizer, Log& log,
   return parts;
 }
 
+// A DistributedOptimizer (SGD) over the owner's weight, with the log of its steps' parts.
+struct LoggedTrainer {
+  DistributedOptimizer optimizer{"sgd",
+                                 {rpc_sync<RRef<at::Tensor>>(worker(1), "pipeline_weight_rref")},
+                                 distoptim::optim::OptionBag().set("lr", kLr)};
+  Log log;
+  std::map<int64_t, int64_t> contexts;  // each step's context, as its forward saw it
+  std::mutex contexts_mutex;
+
+  StepParts parts(const std::function<void(Part, int64_t)>& hold) {
+    return logged_parts(optimizer, log, contexts, contexts_mutex, hold);
+  }
+};
+
 void with_workers(const std::function<void()>& trainer) {
   distoptim::testing::with_workers(2, trainer, distoptim::testing::test_options(60s));
 }
@@ -168,26 +182,21 @@ TEST(PipelinedSteps, TwoStepsInFlightInTheirOrderAndEveryStepAppliedOnce) {
     for (const int64_t staleness : {1, 3}) {
       SCOPED_TRACE("max staleness " + std::to_string(staleness));
       const at::Tensor before = rpc_sync<at::Tensor>(worker(1), "pipeline_weight");
-      DistributedOptimizer optimizer(
-          "sgd", {rpc_sync<RRef<at::Tensor>>(worker(1), "pipeline_weight_rref")},
-          distoptim::optim::OptionBag().set("lr", kLr));
-      optimizer.set_max_staleness(staleness - 1);
-      Log log;
-      std::map<int64_t, int64_t> contexts;
-      std::mutex contexts_mutex;
+      LoggedTrainer trainer;
+      trainer.optimizer.set_max_staleness(staleness - 1);
+      Log& log = trainer.log;
       constexpr int64_t kFirst = 3, kLast = 12, kDraining = 7;
-      StepParts parts =
-          logged_parts(optimizer, log, contexts, contexts_mutex, [&](Part part, int64_t n) {
-            // Step 5's backward goes on only once step 6's forward has begun.
-            if (part == Part::kBackward && n == 5) {
-              TORCH_CHECK(log.wait_for_forward(6),
-                          "step 6's forward never began during step 5's "
-                          "backward");
-            }
-          });
+      StepParts parts = trainer.parts([&](Part part, int64_t n) {
+        // Step 5's backward goes on only once step 6's forward has begun.
+        if (part == Part::kBackward && n == 5) {
+          TORCH_CHECK(log.wait_for_forward(6),
+                      "step 6's forward never began during step 5's "
+                      "backward");
+        }
+      });
       parts.drains = [](int64_t n) { return n == kDraining; };
       const PhaseTimes phases = run_pipelined(kFirst, kLast, parts, PipelineOptions());
-      optimizer.flush();
+      trainer.optimizer.flush();
       EXPECT_EQ(phases.steps, kLast - kFirst + 1);
 
       std::vector<int64_t> expected_afters;
@@ -200,7 +209,7 @@ TEST(PipelinedSteps, TwoStepsInFlightInTheirOrderAndEveryStepAppliedOnce) {
         if (n > kFirst) {
           EXPECT_GT(forward_begins, log.at(Part::kForward, n - 1, false));
           EXPECT_GT(log.at(Part::kStep, n, true), log.at(Part::kAfter, n - 1, false));
-          EXPECT_NE(contexts.at(n), contexts.at(n - 1));
+          EXPECT_NE(trainer.contexts.at(n), trainer.contexts.at(n - 1));
         }
         if (n > kFirst + 1) {
           EXPECT_GT(forward_begins, log.at(Part::kAfter, n - 2, false));
@@ -221,16 +230,11 @@ TEST(PipelinedSteps, TwoStepsInFlightInTheirOrderAndEveryStepAppliedOnce) {
 
 TEST(PipelinedSteps, AFailedStepEndsBothThreadsAndIsRethrown) {
   with_workers([] {
-    DistributedOptimizer optimizer("sgd",
-                                   {rpc_sync<RRef<at::Tensor>>(worker(1), "pipeline_weight_rref")},
-                                   distoptim::optim::OptionBag().set("lr", kLr));
-    Log log;
-    std::map<int64_t, int64_t> contexts;
-    std::mutex contexts_mutex;
-    const StepParts parts =
-        logged_parts(optimizer, log, contexts, contexts_mutex, [](Part part, int64_t n) {
-          TORCH_CHECK_VALUE(!(part == Part::kStep && n == 5), "the test refuses step 5");
-        });
+    LoggedTrainer trainer;
+    Log& log = trainer.log;
+    const StepParts parts = trainer.parts([](Part part, int64_t n) {
+      TORCH_CHECK_VALUE(!(part == Part::kStep && n == 5), "the test refuses step 5");
+    });
     try {
       run_pipelined(1, 20, parts, PipelineOptions());
       ADD_FAILURE() << "run_pipelined returned";
@@ -246,17 +250,12 @@ TEST(PipelinedSteps, AFailedStepEndsBothThreadsAndIsRethrown) {
 
 TEST(PipelinedSteps, ATurnWaitedForTooLongNamesTheStepWaitedFor) {
   with_workers([] {
-    DistributedOptimizer optimizer("sgd",
-                                   {rpc_sync<RRef<at::Tensor>>(worker(1), "pipeline_weight_rref")},
-                                   distoptim::optim::OptionBag().set("lr", kLr));
-    Log log;
-    std::map<int64_t, int64_t> contexts;
-    std::mutex contexts_mutex;
+    LoggedTrainer trainer;
+    Log& log = trainer.log;
     // Step 2's backward stalls five times the turn's bound: step 3 waits for its optimizer step.
-    const StepParts parts =
-        logged_parts(optimizer, log, contexts, contexts_mutex, [](Part part, int64_t n) {
-          if (part == Part::kBackward && n == 2) std::this_thread::sleep_for(5s);
-        });
+    const StepParts parts = trainer.parts([](Part part, int64_t n) {
+      if (part == Part::kBackward && n == 2) std::this_thread::sleep_for(5s);
+    });
     PipelineOptions options;
     options.turn_timeout = 1s;
     try {
