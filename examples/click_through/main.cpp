@@ -877,8 +877,8 @@ int main(int argc, char** argv) {
       ->check(examples::at_least(0))
       ->needs(elastic);
   app.add_option("--max-staleness", s.max_staleness,
-                 "each trainer's forward reads parameters at most this many of its own steps "
-                 "old: its next forward runs during its last backward and optimizer step, which "
+                 "K: each trainer's forward reads parameters at most K of its own steps old: "
+                 "its next forward runs during its last backward and optimizer step, which "
                  "returns once sent with at most K - 1 steps outstanding on any server "
                  "(DistributedOptimizer::set_max_staleness; 0: synchronous steps, as PyTorch's)")
       ->check(examples::at_least(0))
