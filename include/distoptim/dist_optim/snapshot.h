@@ -39,21 +39,21 @@
 // step of any optimizer is half in the copy; a copy at memory speed, the only time steps wait for a
 // snapshot; it takes each file record's CRC-32 on the way, from the cache) and writes the copy
 // holding no lock, while steps go on: streamed from the copy's memory to the files, on threads of
-// low CPU priority (nice 10) kept to one CPU that write at most 16 MiB at once and rest 0.3 of
-// each write's time after it, so that the writing yields to the steps the owner serves (the CPU,
-// and the memory bus the disk's DMA shares with them). An owner keeps the copy's memory for its
-// next snapshot (its parameters' and state's size again, which every snapshot needs at its peak). A
-// SnapshotSchedule has every owner map that memory when it is made (at the same low priority; a
-// save_snapshot with none made before maps it itself, before its copy), so that the first snapshot
-// writes as fast as the later ones: fresh memory costs a kernel far more than a copy, and on some
-// virtual machines as much as the write. A collisionless table's copy is of its live rows, made at
-// each snapshot. Every step of `optimizer` that returned before the snapshot began is in it, on
-// every server, and none that began after: a consistent cut of this trainer's steps. Beginning a
-// snapshot first waits for the optimizer's outstanding steps (max_staleness > 0), then for every
-// owner's copy (each owner answers once its copy is taken and writes on; the trainer's next step
-// comes after that), not for the files. Steps of other trainers' optimizers over the same
-// parameters that run meanwhile may be in one server's copy and not another's (a cut per server, as
-// Monolith's per-server snapshots); their optimizers' own state is in their own snapshots.
+// low CPU priority (nice 10) kept to one CPU that rest a fifth of each write's time after it, so
+// that the writing yields to the steps the owner serves (the CPU, and the memory bus the disk's
+// DMA shares with them). An owner keeps the copy's memory for its next snapshot (its
+// parameters' and state's size again, which every snapshot needs at its peak). A SnapshotSchedule
+// has every owner map that memory when it is made (at the same low priority; a save_snapshot with
+// none made before maps it itself, before its copy), so that the first snapshot writes as fast as
+// the later ones: fresh memory costs a kernel far more than a copy, and on some virtual machines as
+// much as the write. A collisionless table's copy is of its live rows, made at each snapshot. Every
+// step of `optimizer` that returned before the snapshot began is in it, on every server, and none
+// that began after: a consistent cut of this trainer's steps. Beginning a snapshot first waits for
+// the optimizer's outstanding steps (max_staleness > 0), then for every owner's copy (each owner
+// answers once its copy is taken and writes on; the trainer's next step comes after that), not
+// for the files. Steps of other trainers' optimizers over the same parameters that run meanwhile
+// may be in one server's copy and not another's (a cut per server, as Monolith's per-server
+// snapshots); their optimizers' own state is in their own snapshots.
 //
 // Loading: every owner reads and checks what it will hold (a table shard reads only the blocks
 // that overlap its rows, one at a time; another parameter reads its old owner's file), and keeps
