@@ -581,17 +581,19 @@ void train(const Settings& s, int rank, int trainer, int trainers,
                             restarts == 0;
   int64_t failed_in_a_row = 0;
   click_through::PhaseTimes phases;  // of the steps that returned
+  // The training loss of a batch, in the distributed autograd context current on this thread.
+  const auto loss_of = [&](const click_through::Batch& batch) {
+    return at::binary_cross_entropy_with_logits(model->forward(batch.ids, batch.dense),
+                                                batch.labels);
+  };
+  // Whether the reporter evaluates after this step (the last step's evaluation comes later).
+  const auto evaluates = [&](int64_t step) {
+    return reporter && step % eval_every == 0 && step < s.steps;
+  };
   if (pipelined) {
     // Two steps in flight; the reporter's evaluations see no forward running.
-    const auto evaluates = [&](int64_t step) {
-      return reporter && step % eval_every == 0 && step < s.steps;
-    };
     click_through::StepParts parts;
-    parts.forward = [&](int64_t step) {
-      const click_through::Batch batch = batch_of_step(step);
-      return at::binary_cross_entropy_with_logits(model->forward(batch.ids, batch.dense),
-                                                  batch.labels);
-    };
+    parts.forward = [&](int64_t step) { return loss_of(batch_of_step(step)); };
     parts.backward = [](int64_t, int64_t context_id, const at::Tensor& loss) {
       distoptim::dist_autograd::backward(context_id, {loss});
     };
@@ -615,8 +617,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
         double loss_value;
         {
           distoptim::dist_autograd::ContextGuard context;
-          const at::Tensor loss = at::binary_cross_entropy_with_logits(
-              model->forward(batch.ids, batch.dense), batch.labels);
+          const at::Tensor loss = loss_of(batch);
           const auto forward_done = Clock::now();
           distoptim::dist_autograd::backward(context.id(), {loss});
           const auto backward_done = Clock::now();
@@ -652,7 +653,7 @@ void train(const Settings& s, int rank, int trainer, int trainers,
           examples::report_step(kFirstServer, rank, name, step, step * s.batch, loss_value);
           if (first_server_id() != references_at) hand_back_references(name, *model, references_at);
         }
-        if (reporter && step % eval_every == 0 && step < s.steps) report(step);
+        if (evaluates(step)) report(step);
         failed_in_a_row = 0;
       } catch (const distoptim::PeerLostError& lost) {
         if (!s.elastic) throw;

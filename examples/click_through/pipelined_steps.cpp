@@ -37,9 +37,10 @@ class Turns {
   Turns(int64_t first, const PipelineOptions& options)
       : forwards_done_(first - 1), steps_done_(first - 1), timeout_(options.turn_timeout) {}
 
-  // Waits until step n's forward may start; returns when it could, or nullopt once the other
-  // thread failed. `drained`: whether step n-1's `after` must have returned too.
-  std::optional<Clock::time_point> wait_to_forward(int64_t n, bool drained) {
+  // Waits until step n's forward may start; returns the time since step n-1's forward began (the
+  // last step's length, for the slowdown), or nullopt once the other thread failed. `drained`:
+  // whether step n-1's `after` must have returned too.
+  std::optional<Clock::duration> wait_to_forward(int64_t n, bool drained) {
     std::unique_lock<std::mutex> lock(mutex_);
     const int64_t steps_needed = drained ? n - 1 : n - 2;
     wait(
@@ -48,14 +49,8 @@ class Turns {
           return forwards_done_ < n - 1 ? fmt::format("step {}'s forward", n - 1)
                                         : fmt::format("step {}'s optimizer step", steps_needed);
         });
-    if (failed_) return std::nullopt;
-    return Clock::now();
-  }
-
-  // The time step n-1's forward began (step n's own start for the first step).
-  Clock::time_point last_forward_began() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return last_forward_began_;
+    if (failure_) return std::nullopt;
+    return Clock::now() - last_forward_began_;
   }
 
   void forward_done(int64_t n, Clock::time_point began) {
@@ -71,7 +66,7 @@ class Turns {
     wait(
         lock, n, [&] { return steps_done_ >= n - 1; },
         [&] { return fmt::format("step {}'s optimizer step", n - 1); });
-    return !failed_;
+    return !failure_;
   }
 
   void step_done(int64_t n) {
@@ -83,16 +78,11 @@ class Turns {
   // The first failure is kept; the other thread stops at its next wait.
   void fail(std::exception_ptr failure) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!failed_) failure_ = std::move(failure);
-    failed_ = true;
+    if (!failure_) failure_ = std::move(failure);
     changed_.notify_all();
   }
 
-  bool failed() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return failed_;
-  }
-
+  // The first failure, if any.
   std::exception_ptr failure() {
     std::lock_guard<std::mutex> lock(mutex_);
     return failure_;
@@ -101,7 +91,7 @@ class Turns {
  private:
   template <typename Ready, typename Missing>
   void wait(std::unique_lock<std::mutex>& lock, int64_t n, Ready ready, Missing missing) {
-    const bool in_time = changed_.wait_for(lock, timeout_, [&] { return failed_ || ready(); });
+    const bool in_time = changed_.wait_for(lock, timeout_, [&] { return failure_ || ready(); });
     TORCH_CHECK(in_time, "click_through: step ", n, " waited ", timeout_.count(), " s for ",
                 missing(), ", which the trainer's other thread had not finished");
   }
@@ -111,8 +101,7 @@ class Turns {
   int64_t forwards_done_;  // the last step whose forward returned
   int64_t steps_done_;     // the last step whose optimizer step and `after` returned
   Clock::time_point last_forward_began_ = Clock::now();
-  bool failed_ = false;
-  std::exception_ptr failure_;
+  std::exception_ptr failure_;  // set once: the first part that threw
   const std::chrono::seconds timeout_;
 };
 
@@ -121,10 +110,10 @@ void take_turns(int64_t first, int64_t last, int64_t pipeline_first, const StepP
                 const PipelineOptions& options, Turns& turns, PhaseTimes& phases) {
   for (int64_t n = first; n <= last; n += 2) {
     const bool drained = n > pipeline_first && parts.drains && parts.drains(n - 1);
-    const std::optional<Clock::time_point> ready = turns.wait_to_forward(n, drained);
-    if (!ready) return;
+    const std::optional<Clock::duration> last_took = turns.wait_to_forward(n, drained);
+    if (!last_took) return;
     if (options.slowdown > 1 && n > pipeline_first) {
-      std::this_thread::sleep_for((*ready - turns.last_forward_began()) * (options.slowdown - 1));
+      std::this_thread::sleep_for(*last_took * (options.slowdown - 1));
     }
     const auto began = Clock::now();
     at::Tensor loss;
@@ -167,7 +156,7 @@ PhaseTimes run_pipelined(int64_t first, int64_t last, const StepParts& parts,
   std::thread second(body, 1);
   body(0);
   second.join();
-  if (turns.failed()) std::rethrow_exception(turns.failure());
+  if (const std::exception_ptr failure = turns.failure()) std::rethrow_exception(failure);
   PhaseTimes all;
   for (const PhaseTimes& p : phases) {
     all.steps += p.steps;
