@@ -13,41 +13,41 @@
 // context's release, and SnapshotSchedule::step().
 //
 // Each round (--rounds) runs, in this order:
-//   without: W warm-up steps, then T timed steps;
-//   during:  W warm-up steps, then the same T timed steps, the first of which begins one snapshot
-//            through a dist_optim::SnapshotSchedule: the schedule is made at the start of the
-//            round, counts every step of both phases, and is due every 2W + T + 1 steps, so it
-//            begins exactly one, at the first timed step of this phase (the public API has no
-//            call that begins one snapshot in the background without waiting for it); making
-//            it has the servers map the memory of their copies (kept from then on: in the first
-//            round only), timed apart. Each step's time is kept, and whether the snapshot was
-//            being written during it: from the first timed step (whose schedule.step() begins
-//            it) to the step whose schedule.step() finishes it (returns its step; if the T steps
-//            end first, flush() finishes it, the trainer waiting). The snapshot's duration is
-//            the time from that begin to that finish (seen at step granularity), its size the
-//            bytes of the files under the schedule's directory (the manifest and blocks, and
-//            what it writes beside);
+//   without: W warm-up steps, then T timed steps, each calling step() of a schedule that never
+//            begins a snapshot (made at the round's start, timed apart: making a schedule has the
+//            servers map the memory of their copies, kept from then on, so in the first round
+//            only);
+//   during:  W warm-up steps as above, then the same T timed steps counted by a second
+//            dist_optim::SnapshotSchedule (every_steps P, keep_last 1) made just before them: a
+//            snapshot begins at timed steps P, 2P, ... (5 at the defaults, each written over a
+//            few hundred steps here), so that the steps while written number over a thousand a
+//            round. Each step's time is kept, and whether a snapshot was being written during
+//            it: from the step whose schedule.step() begins it (the trainer waits there for the
+//            servers' copies) to the one whose schedule.step() finishes it (if the T steps end
+//            first, flush() finishes the last, the trainer waiting); the rest of the phase's
+//            steps are "between snapshots". A snapshot's duration is the time from that begin
+//            to that finish (seen at step granularity), its size the bytes of its directory
+//            (the manifest and blocks);
 //   blocking: in the last --blocking-rounds rounds (1), one save_snapshot of the same optimizer
-//            and table: what a trainer waits for with the synchronous API (at 1e7 rows it takes
-//            as long as the rest of a round, hence not in every round by default).
+//            and table: what a trainer waits for with the synchronous API.
 // The round's snapshot directories are removed at its end, and the page cache synced, so no
 // round's writes spill into the next. Phases alternate within and across rounds (without,
 // during, without, ...), so the machine's drift falls on both alike. The figures of a phase: the
-// p50 (median), p99 (nearest rank) and max of its T steps' times, which step was the longest,
-// their total, and for "during" the same of the steps while the snapshot was being written
-// alone; each figure is given as the min/median/max over the rounds, and so are the ratios
-// during / without of each round's p50 and p99; the p99 ratio while written / without is also
-// given over every round's steps pooled (a round's snapshot is written over a few hundred steps,
-// whose p99 is their second or third longest). The snapshot: its duration from begin to
-// finished, its bytes and their rate; the blocking save's wall time and rate. The machine's disk:
-// in every round, once its snapshots are removed and synced, dd writes as many MiB as the
-// snapshot's bytes into the snapshot directory's file system with conv=fdatasync, timed as a
-// whole (the snapshot's files are fsynced too), twice: through the page cache in 1 MiB writes
-// (the common dd probe of a disk), then around it with oflag=direct in 4 MiB writes, as the
-// snapshot writes (a disk may take direct writes far faster than the page cache hands it
-// buffered ones); the snapshot's rate over each dd's of the same round says whether the
-// background write keeps up with the disk (a virtual disk's rate drifts between minutes, so one
-// probe beside three rounds says little).
+// p50 (median), p99 (nearest rank) and max of its steps' times, which step was the longest, their
+// total, and for "during" the same of the steps while written and of those between; each figure
+// is given as the min/median/max over the rounds, and so are the ratios of each round's p50 and
+// p99: during / without, while written / without, and while written / between (the last two
+// interleaved within one phase, so the slower drift of a shared machine falls on both); the p99
+// ratio while written / without is also given over every round's steps pooled, the headline
+// figure. Each snapshot: its duration from begin to finished, its bytes and their rate; the
+// blocking save's wall time and rate. The machine's disk: in every round, once its snapshots are
+// removed and synced, dd writes as many MiB as a snapshot's bytes into the snapshot directory's
+// file system with conv=fdatasync, timed as a whole (the snapshot's files are fsynced too),
+// twice: through the page cache in 1 MiB writes (the common dd probe of a disk), then around it
+// with oflag=direct in 4 MiB writes, as the snapshot writes (a disk may take direct writes far
+// faster than the page cache hands it buffered ones); each snapshot's rate over each dd's of its
+// round says whether the background write keeps up with the disk (a virtual disk's rate drifts
+// between minutes, so one probe beside three rounds says little).
 //
 // There is no PyTorch side: PyTorch has no snapshot of a parameter server (its
 // DistributedOptimizer has no state dict), so ours during a snapshot is compared with ours
@@ -56,8 +56,8 @@
 // Settings: 1 intra-op thread per process, 16 RPC worker threads, a 300 s RPC timeout (a
 // server's write of its shard is one call). The output states them with the load average.
 //
-// Usage: snapshot_bench --json PATH [--rounds 6] [--steps W,T] [--rows R] [--servers 1|2]
-//                       [--blocking-rounds 1] [--dir DIR] [--quick]
+// Usage: snapshot_bench --json PATH [--rounds 6] [--steps W,T] [--every-steps P] [--rows R]
+//                       [--servers 1|2] [--blocking-rounds 1] [--dir DIR] [--quick]
 
 #include <unistd.h>
 
@@ -105,9 +105,12 @@ constexpr auto kRpcTimeout = 300s;
 struct Config {
   int warmup = 20;
   int timed = 3000;
-  // Six: a round's snapshot is written over about 200 steps, so the p99 while written means
-  // little but pooled, and pooled over three rounds (about 600 steps, three of them the copies'
-  // waits) it swung from 1.1x to 2.0x between runs of one build.
+  // A snapshot begins every this many timed steps of the "during" phase (at P, 2P, ... <= T): 5
+  // at the defaults, each written over about 230 steps here, so that a round's p99 while
+  // written rests on about 1150 steps. (One snapshot a round, about 230 steps, made its p99
+  // their second or third longest, and the ratio of one build swung from 1.1x to 2.5x between
+  // runs.)
+  int every = 520;
   int rounds = 6;
   int64_t rows = 10'000'000;
   int servers = 1;
@@ -178,56 +181,73 @@ class Trainer {
   Json round(int index) {
     const fs::path scheduled = fs::path(config_.directory) / fmt::format("round-{}", index);
     const fs::path blocking = fs::path(config_.directory) / fmt::format("round-{}-save", index);
-    const int64_t begin_at = 2 * config_.warmup + config_.timed + 1;
     Json result;
     {
+      // Counts the steps outside the snapshots' timed steps and never begins one, so that every
+      // step calls a schedule's step() alike; making it maps the servers' copies' memory.
       const auto made_at = Clock::now();
-      dist_optim::SnapshotSchedule schedule(
-          dist_optim::SnapshotOptions(scheduled.string()).every_steps(begin_at), optimizer_,
-          {&table_});
+      dist_optim::SnapshotSchedule idle(dist_optim::SnapshotOptions(scheduled.string()), optimizer_,
+                                        {&table_});
       const double schedule_made_s = ms_between(made_at, Clock::now()) / 1e3;
       std::vector<double> without;
       for (int i = 0; i < config_.warmup + config_.timed; ++i) {
-        const double ms = step(schedule, nullptr);
+        const double ms = step(idle).ms;
         if (i >= config_.warmup) without.push_back(ms);
       }
-      for (int i = 0; i < config_.warmup; ++i) step(schedule, nullptr);
+      for (int i = 0; i < config_.warmup; ++i) step(idle);
 
-      std::vector<double> during, while_written;
-      std::optional<int64_t> finished;
-      Clock::time_point begun, done;
+      // The timed steps count from 0 here: a snapshot begins at timed steps P, 2P, ...
+      dist_optim::SnapshotSchedule schedule(
+          dist_optim::SnapshotOptions(scheduled.string()).every_steps(config_.every).keep_last(1),
+          optimizer_, {&table_});
+      std::vector<double> during, while_written, between;
+      Json snapshots = Json::array();
+      Clock::time_point begun;
+      int64_t begun_count = 0;
+      // The snapshot just finished: its time and bytes (the next one to finish removes it).
+      auto record = [&](int64_t finished_step, Clock::time_point done, bool in_phase) {
+        const std::optional<dist_optim::SnapshotInfo> latest =
+            dist_optim::latest_snapshot(scheduled.string());
+        TORCH_CHECK(latest && latest->step == finished_step,
+                    "snapshot_bench: the schedule finished the snapshot of step ", finished_step,
+                    " but the latest complete one is ", latest ? latest->step : -1);
+        snapshots.push_back({{"step", finished_step},
+                             {"seconds", ms_between(begun, done) / 1e3},
+                             {"bytes", bytes_under(latest->path)},
+                             {"finished_in_phase", in_phase}});
+      };
       for (int i = 0; i < config_.timed; ++i) {
-        const bool writing = !finished;
-        Clock::time_point schedule_call;
-        const double ms = step(schedule, &finished, &schedule_call);
-        if (i == 0) begun = schedule_call;
-        if (writing && finished) done = Clock::now();
-        during.push_back(ms);
-        if (writing) while_written.push_back(ms);
+        const bool writing_before = schedule.writing().has_value();
+        const Step timed = step(schedule);
+        if (timed.finished) record(*timed.finished, Clock::now(), true);
+        const bool begins = schedule.writing() && (!writing_before || timed.finished.has_value());
+        if (begins) {
+          begun = timed.schedule_called;
+          ++begun_count;
+        }
+        during.push_back(timed.ms);
+        (writing_before || schedule.writing() ? while_written : between).push_back(timed.ms);
       }
+      if (schedule.writing()) {
+        const int64_t last = *schedule.flush();
+        record(last, Clock::now(), false);
+      }
+      TORCH_CHECK(static_cast<int64_t>(snapshots.size()) == begun_count && begun_count > 0,
+                  "snapshot_bench: ", begun_count, " snapshots begun in the timed steps and ",
+                  snapshots.size(), " finished");
       pooled_without_.insert(pooled_without_.end(), without.begin(), without.end());
       pooled_written_.insert(pooled_written_.end(), while_written.begin(), while_written.end());
-      const bool finished_in_phase = finished.has_value();
-      if (!finished) {
-        finished = schedule.flush();
-        done = Clock::now();
-      }
-      TORCH_CHECK(finished == begin_at,
-                  "snapshot_bench: the schedule finished the snapshot of step ",
-                  finished.value_or(-1), ", expected one of step ", begin_at);
-      const int64_t bytes = bytes_under(scheduled);
-      const double seconds = ms_between(begun, done) / 1e3;
+      pooled_between_.insert(pooled_between_.end(), between.begin(), between.end());
 
-      const double pooled_p99_ratio =
-          percentile(pooled_written_, 99) / percentile(pooled_without_, 99);
+      const double pooled_written_p99 = percentile(pooled_written_, 99);
       result = {{"without", step_figures(without)},
                 {"during", step_figures(during)},
                 {"while_written", step_figures(while_written)},
-                {"finished_in_phase", finished_in_phase},
-                {"snapshot_s", seconds},
-                {"pooled_p99_ratio", pooled_p99_ratio},
+                {"between", step_figures(between)},
+                {"snapshots", snapshots},
+                {"pooled_p99_ratio", pooled_written_p99 / percentile(pooled_without_, 99)},
+                {"pooled_p99_ratio_between", pooled_written_p99 / percentile(pooled_between_, 99)},
                 {"schedule_made_s", schedule_made_s},
-                {"snapshot_bytes", bytes},
                 {"last_loss", last_loss_}};
       if (index > config_.rounds - config_.blocking_rounds) {
         const auto save_begin = Clock::now();
@@ -239,18 +259,22 @@ class Trainer {
     fs::remove_all(scheduled);
     fs::remove_all(blocking);
     ::sync();
-    // The disk's rate now, for as many bytes as the snapshot wrote.
-    const int64_t mib = (result.at("snapshot_bytes").get<int64_t>() + (1 << 20) - 1) >> 20;
+    // The disk's rate now, for as many bytes as a snapshot wrote.
+    const int64_t mib =
+        (result.at("snapshots").at(0).at("bytes").get<int64_t>() + (1 << 20) - 1) >> 20;
     result["dd_mb_s"] = disk_write_mb_per_s(config_.directory, mib, /*direct=*/false);
     result["dd_direct_mb_s"] = disk_write_mb_per_s(config_.directory, mib, /*direct=*/true);
     return result;
   }
 
  private:
-  // One step and the schedule's count of it; returns its time (ms). A snapshot the schedule
-  // finishes goes to `finished`; `schedule_call` gets the time the schedule was called.
-  double step(dist_optim::SnapshotSchedule& schedule, std::optional<int64_t>* finished,
-              Clock::time_point* schedule_call = nullptr) {
+  struct Step {
+    double ms;                          // the whole step, schedule.step() included
+    std::optional<int64_t> finished;    // the snapshot schedule.step() finished, if any
+    Clock::time_point schedule_called;  // when schedule.step() was called
+  };
+  // One step and the schedule's count of it.
+  Step step(dist_optim::SnapshotSchedule& schedule) {
     const at::Tensor ids = ps_batch_ids(config_.rows, generator_);
     const auto begin = Clock::now();
     {
@@ -260,16 +284,16 @@ class Trainer {
       optimizer_.step(context.id());
       last_loss_ = loss.item<double>();
     }
-    if (schedule_call) *schedule_call = Clock::now();
-    const std::optional<int64_t> done = schedule.step();
-    TORCH_CHECK(finished || !done, "snapshot_bench: a snapshot finished outside the timed steps");
-    if (done) *finished = done;
-    return ms_between(begin, Clock::now());
+    Step result;
+    result.schedule_called = Clock::now();
+    result.finished = schedule.step();
+    result.ms = ms_between(begin, Clock::now());
+    return result;
   }
 
   const Config& config_;
-  // Every round's timed steps so far, without a snapshot and while one was written.
-  std::vector<double> pooled_without_, pooled_written_;
+  // Every round's timed steps so far: without a snapshot, while one was written, between.
+  std::vector<double> pooled_without_, pooled_written_, pooled_between_;
   rpc::ShardedEmbeddingBag table_;
   dist_optim::DistributedOptimizer optimizer_;
   at::Generator generator_;
@@ -308,6 +332,9 @@ int run(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "W,T: warm-up and timed steps per phase (default 20,3000)");
+  app.add_option("--every-steps", config.every,
+                 "P: a snapshot begins every P timed steps of the during phase (default 520)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--rows", config.rows, "Rows of the table")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -331,6 +358,7 @@ int run(int argc, char** argv) {
     config.rounds = 1;
     config.warmup = 5;
     config.timed = 500;
+    if (app.count("--every-steps") == 0) config.every = 90;
     if (app.count("--rows") == 0) config.rows = 1'000'000;
   }
   if (!steps.empty()) {
@@ -340,6 +368,8 @@ int run(int argc, char** argv) {
     config.timed = counts.timed;
   }
   config.blocking_rounds = std::min(config.blocking_rounds, config.rounds);
+  TORCH_CHECK_VALUE(config.every <= config.timed, "--every-steps: ", config.every,
+                    " is more than the ", config.timed, " timed steps: no snapshot would begin");
   if (worker) {
     run_worker(config);
     return 0;
@@ -347,7 +377,7 @@ int run(int argc, char** argv) {
 
   ResultsFile results_file(json_path, "snapshot_bench");
   const double load_at_start = load_average();
-  // Room for one snapshot at a time (the parameters and their Adagrad sums, plus headers), and
+  // Room for two snapshots at a time (the parameters and their Adagrad sums, plus headers), and
   // for dd's as many bytes after it.
   const double state_gb = 2.0 * config.rows * kPsDim * 4 / 1e9;
   // A directory of this run's own under --dir, so that nothing else in --dir is removed.
@@ -355,21 +385,36 @@ int run(int argc, char** argv) {
       (fs::absolute(config.directory) / fmt::format("snapshot_bench.{}", ::getpid())).string();
   fs::create_directories(config.directory);
   const double free_gb = static_cast<double>(fs::space(config.directory).available) / 1e9;
-  const double needed_gb = 1.1 * state_gb + 1.0;
+  // keep_last 1: the last complete snapshot stays until the next is complete.
+  const double needed_gb = 2.2 * state_gb + 1.0;
   TORCH_CHECK(free_gb >= needed_gb, "snapshot_bench: ", config.directory, " has ", free_gb,
               " GB free; a snapshot of ", config.rows, " rows needs about ", needed_gb);
 
   const std::string self = fs::read_symlink("/proc/self/exe").string();
-  const Json job =
-      run_side("the job (distrun)",
-               {DISTOPTIM_DISTRUN_PATH, "--nproc-per-node", std::to_string(1 + config.servers),
-                self, "--worker", "--rows", std::to_string(config.rows), "--servers",
-                std::to_string(config.servers), "--rounds", std::to_string(config.rounds),
-                "--blocking-rounds", std::to_string(config.blocking_rounds), "--steps",
-                fmt::format("{},{}", config.warmup, config.timed), "--dir", config.directory,
-                "--deadline-seconds", std::to_string(config.deadline_seconds)},
-               config.deadline_seconds)
-          .front();
+  const Json job = run_side("the job (distrun)",
+                            {DISTOPTIM_DISTRUN_PATH,
+                             "--nproc-per-node",
+                             std::to_string(1 + config.servers),
+                             self,
+                             "--worker",
+                             "--rows",
+                             std::to_string(config.rows),
+                             "--servers",
+                             std::to_string(config.servers),
+                             "--rounds",
+                             std::to_string(config.rounds),
+                             "--blocking-rounds",
+                             std::to_string(config.blocking_rounds),
+                             "--steps",
+                             fmt::format("{},{}", config.warmup, config.timed),
+                             "--every-steps",
+                             std::to_string(config.every),
+                             "--dir",
+                             config.directory,
+                             "--deadline-seconds",
+                             std::to_string(config.deadline_seconds)},
+                            config.deadline_seconds)
+                       .front();
   fs::remove_all(config.directory);
   const double load_at_end = load_average();
 
@@ -384,13 +429,19 @@ int run(int argc, char** argv) {
     for (const Json& round : rounds) values.push_back(of(round));
     return values;
   };
-  const std::vector<double> snapshot_s =
-      per_round([](const Json& r) { return r.at("snapshot_s").get<double>(); });
-  const std::vector<double> snapshot_mb =
-      per_round([](const Json& r) { return r.at("snapshot_bytes").get<double>() / 1e6; });
-  const std::vector<double> snapshot_mb_s = per_round([](const Json& r) {
-    return r.at("snapshot_bytes").get<double>() / 1e6 / r.at("snapshot_s").get<double>();
-  });
+  // Every snapshot of every round; its rate also over its round's dd's.
+  std::vector<double> snapshot_s, snapshot_mb, snapshot_mb_s, of_dd, of_dd_direct;
+  double finished_in_phase = 0;
+  for (const Json& round : rounds) {
+    for (const Json& snapshot : round.at("snapshots")) {
+      snapshot_s.push_back(snapshot.at("seconds").get<double>());
+      snapshot_mb.push_back(snapshot.at("bytes").get<double>() / 1e6);
+      snapshot_mb_s.push_back(snapshot_mb.back() / snapshot_s.back());
+      of_dd.push_back(snapshot_mb_s.back() / round.at("dd_mb_s").get<double>());
+      of_dd_direct.push_back(snapshot_mb_s.back() / round.at("dd_direct_mb_s").get<double>());
+      finished_in_phase += snapshot.at("finished_in_phase").get<bool>() ? 1 : 0;
+    }
+  }
   std::vector<double> blocking_s, blocking_mb_s;
   for (const Json& round : rounds) {
     if (!round.contains("blocking_s")) continue;
@@ -401,28 +452,24 @@ int run(int argc, char** argv) {
       per_round([](const Json& r) { return r.at("dd_mb_s").get<double>(); });
   const std::vector<double> dd_direct_mb_s =
       per_round([](const Json& r) { return r.at("dd_direct_mb_s").get<double>(); });
-  std::vector<double> of_dd, of_dd_direct;
-  for (size_t r = 0; r < dd_mb_s.size(); ++r) {
-    of_dd.push_back(snapshot_mb_s[r] / dd_mb_s[r]);
-    of_dd_direct.push_back(snapshot_mb_s[r] / dd_direct_mb_s[r]);
-  }
   const std::vector<double> written_steps =
       per_round([](const Json& r) { return r.at("while_written").at("steps").get<double>(); });
-  const std::vector<double> finished_in_phase =
-      per_round([](const Json& r) { return r.at("finished_in_phase").get<bool>() ? 1.0 : 0.0; });
-
+  const std::vector<double> snapshots_per_round =
+      per_round([](const Json& r) { return static_cast<double>(r.at("snapshots").size()); });
   const std::string settings = fmt::format(
       "1 trainer + {} parameter server(s) on one machine (loopback, distrun); "
       "ShardedEmbeddingBag of {} rows x {} floats (sum), adagrad lr {}: {:.2f} GB of rows and "
       "state on the server(s); batch {} bags of {} uniform random ids; {} intra-op thread per "
       "process, {} RPC threads, {} s RPC timeout; {} round(s) of without / during, the blocking "
-      "save in the last {}; W = {} warm-up and T = {} timed steps per phase; snapshots in {} "
+      "save in the last {}; W = {} warm-up and T = {} timed steps per phase, a snapshot begun "
+      "every P = {} timed steps of the during phase (keep_last 1); snapshots in {} "
       "(local disk, removed after each round); disk: dd of the snapshot's bytes with "
       "conv=fdatasync there after each round's snapshots are removed, timed whole, through the "
       "page cache (bs=1M) and around it (oflag=direct bs=4M)",
       config.servers, rows_label(config.rows), kPsDim, kLr, state_gb, kPsBags, kPsIdsPerBag,
       job.value("intra_op_threads", kPsIntraOpThreads), kPsRpcThreads, kRpcTimeout.count(),
-      config.rounds, config.blocking_rounds, config.warmup, config.timed, config.directory);
+      config.rounds, config.blocking_rounds, config.warmup, config.timed, config.every,
+      config.directory);
   const std::string no_pytorch =
       "no PyTorch side: PyTorch has no snapshot of a parameter server (its DistributedOptimizer "
       "has no state dict); ours during a snapshot against ours without";
@@ -432,7 +479,8 @@ int run(int argc, char** argv) {
   Json cases = Json::array();
   const char* phases[][2] = {{"without", "without a snapshot"},
                              {"during", "during (all T steps)"},
-                             {"while_written", "during, while written"}};
+                             {"while_written", "during, while written"},
+                             {"between", "during, between snapshots"}};
   fmt::print("{:<24} {:>22} {:>22} {:>24} {:>14}\n", "step ms, phase", "p50 (min/med/max)",
              "p99 (min/med/max)", "max (min/med/max)", "steps (med)");
   for (const auto& [phase, label] : phases) {
@@ -448,23 +496,31 @@ int run(int argc, char** argv) {
   }
   // The rest, ours alone over the rounds, as one table below the phases'.
   const size_t phase_rows = cases.size();
+  struct Ratio {
+    const char* phase;
+    const char* over;
+    const char* label;
+  };
+  const Ratio ratios[] = {{"during", "without", "during (all T) / without"},
+                          {"while_written", "without", "while written / without"},
+                          {"while_written", "between", "while written / between snapshots"}};
   for (const char* figure : {"p50", "p99"}) {
-    for (const char* phase : {"during", "while_written"}) {
-      std::vector<double> ratios;
-      const std::vector<double> with = over_rounds(phase, figure);
-      const std::vector<double> without = over_rounds("without", figure);
-      for (size_t r = 0; r < with.size(); ++r) ratios.push_back(with[r] / without[r]);
-      cases.push_back(spread_row(
-          fmt::format("step {} ratio, {} / without", figure,
-                      std::string(phase) == "during" ? "during (all T)" : "while written"),
-          ratios, "ratio", "lower"));
+    for (const Ratio& ratio : ratios) {
+      std::vector<double> values;
+      const std::vector<double> with = over_rounds(ratio.phase, figure);
+      const std::vector<double> over = over_rounds(ratio.over, figure);
+      for (size_t r = 0; r < with.size(); ++r) values.push_back(with[r] / over[r]);
+      cases.push_back(spread_row(fmt::format("step {} ratio, {}", figure, ratio.label), values,
+                                 "ratio", "lower"));
     }
   }
-  // A round's snapshot is written over a few hundred steps, whose p99 is then their second or
-  // third longest: the same ratio over every round's steps pooled (the last round's figure)
-  // rests on more of them.
+  // The same ratio over every round's steps pooled (the last round's figure) rests on more of
+  // them: a run's headline figure.
   cases.push_back(spread_row("step p99 ratio, while written / without, rounds pooled",
                              {rounds.back().at("pooled_p99_ratio").get<double>()}, "ratio",
+                             "lower"));
+  cases.push_back(spread_row("step p99 ratio, while written / between snapshots, rounds pooled",
+                             {rounds.back().at("pooled_p99_ratio_between").get<double>()}, "ratio",
                              "lower"));
   cases.push_back(spread_row("T steps' total time, without a snapshot",
                              over_rounds("without", "total_s"), "s", "lower"));
@@ -476,26 +532,28 @@ int run(int argc, char** argv) {
       spread_row("making the schedule (the servers map the copies' memory in the first round)",
                  per_round([](const Json& r) { return r.at("schedule_made_s").get<double>(); }),
                  "s", "lower"));
-  cases.push_back(spread_row("snapshot: begin to finished", snapshot_s, "s", "lower"));
-  cases.push_back(spread_row("snapshot: bytes written", snapshot_mb, "MB", "lower"));
-  cases.push_back(spread_row("snapshot: write throughput", snapshot_mb_s, "MB/s", "higher"));
+  cases.push_back(spread_row("a snapshot: begin to finished", snapshot_s, "s", "lower"));
+  cases.push_back(spread_row("a snapshot: bytes written", snapshot_mb, "MB", "lower"));
+  cases.push_back(spread_row("a snapshot: write throughput", snapshot_mb_s, "MB/s", "higher"));
+  cases.push_back(spread_row("snapshots per round", snapshots_per_round, "snapshots", "higher"));
   cases.push_back(
-      spread_row("snapshot: timed steps while written", written_steps, "steps", "higher"));
-  cases.push_back(spread_row("snapshot: finished within the T steps", finished_in_phase,
-                             "0 no, 1 yes", "higher"));
+      spread_row("timed steps while written, per round", written_steps, "steps", "higher"));
+  cases.push_back(spread_row("snapshots finished within the T steps, of all",
+                             {finished_in_phase / static_cast<double>(snapshot_s.size())}, "share",
+                             "higher"));
   if (!blocking_s.empty()) {
     cases.push_back(spread_row("blocking save_snapshot: wall time", blocking_s, "s", "lower"));
     cases.push_back(
         spread_row("blocking save_snapshot: write throughput", blocking_mb_s, "MB/s", "higher"));
   }
   cases.push_back(
-      spread_row("disk: dd of the snapshot's bytes, conv=fdatasync", dd_mb_s, "MB/s", "higher"));
+      spread_row("disk: dd of a snapshot's bytes, conv=fdatasync", dd_mb_s, "MB/s", "higher"));
   cases.push_back(
-      spread_row("snapshot's write rate / dd's (same round)", of_dd, "ratio", "higher"));
-  cases.push_back(spread_row("disk: dd of the snapshot's bytes, oflag=direct bs=4M", dd_direct_mb_s,
+      spread_row("a snapshot's write rate / dd's (its round's)", of_dd, "ratio", "higher"));
+  cases.push_back(spread_row("disk: dd of a snapshot's bytes, oflag=direct bs=4M", dd_direct_mb_s,
                              "MB/s", "higher"));
-  cases.push_back(spread_row("snapshot's write rate / dd oflag=direct's (same round)", of_dd_direct,
-                             "ratio", "higher"));
+  cases.push_back(spread_row("a snapshot's write rate / dd oflag=direct's (its round's)",
+                             of_dd_direct, "ratio", "higher"));
   fmt::print("\n{:<56} {:>9} {:>9} {:>9}  {}\n", "case", "min", "median", "max", "unit");
   for (size_t i = phase_rows; i < cases.size(); ++i) {
     const Json& row = cases[i];
