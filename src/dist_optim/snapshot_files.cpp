@@ -210,7 +210,8 @@ std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard
   std::exception_ptr failure;
   size_t failed_block = blocks;
   auto write_blocks = [&] {
-    const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare);
+    const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare,
+                                                kSnapshotMaxDirectWriteBytes);
     for (size_t b = next++; b < blocks; b = next++) {
       try {
         write_block(b);
@@ -300,7 +301,8 @@ ParamCopy read_block_rows(const std::vector<BlockFile>& blocks, int64_t first_ro
 std::vector<int64_t> write_id_blocks(const std::string& prefix, int64_t shard, int64_t shards,
                                      const ParamCopy& part, int64_t rows_per_file) {
   TORCH_INTERNAL_ASSERT(rows_per_file > 0 && part.ids.size(0) == part.value.size(0));
-  const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare);
+  const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare,
+                                              kSnapshotMaxDirectWriteBytes);
   const int64_t live = part.ids.size(0);
   std::vector<int64_t> counts;
   for (int64_t first = 0; first < live || counts.empty(); first += rows_per_file) {
@@ -400,7 +402,8 @@ void write_params_file(const std::string& path, const std::vector<int64_t>& dens
   file.insert("format", std::string(kParamsFormat));
   file.insert("version", kSnapshotVersion);
   file.insert("params", entries);
-  const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare);
+  const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare,
+                                              kSnapshotMaxDirectWriteBytes);
   optim::detail::write_pickle_file(path, file, kSaveSnapshot, known);
 }
 

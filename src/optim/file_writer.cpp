@@ -14,6 +14,8 @@
 #include <mutex>
 #include <thread>
 
+#include <c10/util/Exception.h>
+
 namespace distoptim {
 namespace optim {
 namespace detail {
@@ -48,18 +50,24 @@ bool set_direct(int fd, bool on) {
   return ::fcntl(fd, F_SETFL, on ? (flags | O_DIRECT) : (flags & ~O_DIRECT)) == 0;
 }
 
-// This thread's ScopedWriteRests share (0: none).
+// This thread's ScopedWriteRests share (0: none) and largest write around the page cache (0: no
+// limit).
 thread_local double t_rest_share = 0;
+thread_local size_t t_max_direct_write = 0;
 
 // write(2) until all of `size` is written: 0, or the errno of the failure. Where a write around
 // the page cache is refused (EINVAL: the file system wants a larger alignment, or a short write
 // left the offset unaligned), `*direct` turns false and the rest goes through the page cache.
-// A write that wrote something is followed by this thread's ScopedWriteRests rest.
-int write_fully(int fd, const char* bytes, size_t size, bool* direct) {
+// A write that wrote something is followed by this thread's ScopedWriteRests rest; around the
+// page cache, no write is larger than its ScopedWriteRests limit. `writes`, if given, counts the
+// calls.
+int write_fully(int fd, const char* bytes, size_t size, bool* direct, size_t* writes = nullptr) {
   size_t done = 0;
   while (done < size) {
     const auto began = std::chrono::steady_clock::now();
-    const ssize_t n = ::write(fd, bytes + done, size - done);
+    const size_t limit = *direct && t_max_direct_write > 0 ? t_max_direct_write : size;
+    const ssize_t n = ::write(fd, bytes + done, std::min(size - done, limit));
+    if (writes != nullptr) ++*writes;
     if (n > 0 && t_rest_share > 0) {
       std::this_thread::sleep_for((std::chrono::steady_clock::now() - began) * t_rest_share);
     }
@@ -145,6 +153,7 @@ class DirectChunks {
   int error() const { return error_; }
   size_t direct_bytes() const { return direct_bytes_; }
   size_t in_place_bytes() const { return in_place_bytes_; }
+  size_t in_place_writes() const { return in_place_writes_; }
 
  private:
   DirectChunks(int fd, Chunk first, Chunk second) : fd_(fd) {
@@ -176,11 +185,13 @@ class DirectChunks {
     bool direct = direct_;
     lock.unlock();  // the writing thread waits for a chunk, which only this thread hands it
     int error = write_fully(fd_, chunks_[filling_].get(), filled_, &direct);
-    if (error == 0) error = write_fully(fd_, bytes, size, &direct);
+    size_t writes = 0;
+    if (error == 0) error = write_fully(fd_, bytes, size, &direct, &writes);
     lock.lock();
     if (direct) {
       direct_bytes_ += filled_ + size;
       in_place_bytes_ += size;
+      in_place_writes_ += writes;
     }
     direct_ = direct;
     error_ = error;
@@ -234,7 +245,8 @@ class DirectChunks {
   int error_ = 0;
   bool direct_ = true;  // false once a write around the page cache was refused
   size_t direct_bytes_ = 0;
-  size_t in_place_bytes_ = 0;  // the caller's thread's alone
+  size_t in_place_bytes_ = 0;   // the caller's thread's alone
+  size_t in_place_writes_ = 0;  // the write(2) calls that wrote them
   std::thread writer_;
 };
 
@@ -280,6 +292,8 @@ size_t FileWriter::direct_bytes() const { return direct_ ? direct_->direct_bytes
 
 size_t FileWriter::in_place_bytes() const { return direct_ ? direct_->in_place_bytes() : 0; }
 
+size_t FileWriter::in_place_writes() const { return direct_ ? direct_->in_place_writes() : 0; }
+
 bool FileWriter::flush_gathered() {
   const bool written = write_all(gathered_.data(), gathered_.size());
   gathered_.clear();
@@ -299,9 +313,19 @@ void FileWriter::start_direct() {
   direct_ = DirectChunks::start(fd_);
 }
 
-ScopedWriteRests::ScopedWriteRests(double share) : previous_(t_rest_share) { t_rest_share = share; }
+ScopedWriteRests::ScopedWriteRests(double share, size_t max_direct_write)
+    : previous_share_(t_rest_share), previous_max_direct_write_(t_max_direct_write) {
+  TORCH_CHECK_VALUE(share >= 0, "ScopedWriteRests: share ", share, " is negative");
+  TORCH_CHECK_VALUE(max_direct_write % kAlignBytes == 0, "ScopedWriteRests: max_direct_write ",
+                    max_direct_write, " is not a multiple of ", kAlignBytes, " bytes");
+  t_rest_share = share;
+  t_max_direct_write = max_direct_write;
+}
 
-ScopedWriteRests::~ScopedWriteRests() { t_rest_share = previous_; }
+ScopedWriteRests::~ScopedWriteRests() {
+  t_rest_share = previous_share_;
+  t_max_direct_write = previous_max_direct_write_;
+}
 
 }  // namespace detail
 }  // namespace optim

@@ -56,6 +56,8 @@ class FileWriter {
   size_t direct_bytes() const;
   /// Of those, the bytes written from the caller's memory rather than copied into a chunk.
   size_t in_place_bytes() const;
+  /// The write(2) calls that wrote them (more where ScopedWriteRests cuts the writes).
+  size_t in_place_writes() const;
 
  private:
   bool flush_gathered();
@@ -73,19 +75,23 @@ class FileWriter {
 };
 
 /// While one lives, every write(2) a FileWriter makes on this thread is followed by a rest of
-/// `share` times that write's duration. For a background writer that shares the machine with
-/// latency-bound work: the disk's DMA reads every byte from memory, and a writer that keeps it
-/// busy without a pause holds the memory bus the other work waits on (dist_optim's snapshots;
-/// docs/benchmarks.md has the measurements). A second writing thread keeps the disk busy meanwhile.
+/// `share` times that write's duration, and no write around the page cache is larger than
+/// `max_direct_write` bytes (0: as large as the piece written from the caller's memory). For a
+/// background writer that shares the machine with latency-bound work: the disk's DMA reads every
+/// byte from memory, and a writer that hands the disk a record of many megabytes at once (a burst
+/// of a dozen requests or more, where dd's probe queues one) holds the memory bus the other work
+/// waits on (dist_optim's snapshots; docs/benchmarks.md has the measurements). c10::ValueError for
+/// a negative share or a limit that is not a multiple of kDirectAlignBytes.
 class ScopedWriteRests {
  public:
-  explicit ScopedWriteRests(double share);
+  explicit ScopedWriteRests(double share, size_t max_direct_write = 0);
   ~ScopedWriteRests();
   ScopedWriteRests(const ScopedWriteRests&) = delete;
   ScopedWriteRests& operator=(const ScopedWriteRests&) = delete;
 
  private:
-  double previous_;
+  double previous_share_;
+  size_t previous_max_direct_write_;
 };
 
 }  // namespace detail

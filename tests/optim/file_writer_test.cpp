@@ -16,8 +16,10 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 #include "file_writer.h"
@@ -208,6 +210,69 @@ TEST_F(FileWriterTest, ALargePieceLinedUpWithItsFileOffsetIsWrittenFromItsOwnMem
       EXPECT_EQ(writer.in_place_bytes(), 0u);
     }
   }
+}
+
+// A thread's ScopedWriteRests limit cuts the writes of a large piece from the caller's memory
+// into writes of at most that many bytes; the file's bytes are the same. A limit that is not a
+// multiple of the alignment, or a negative share, is refused naming the value, and the thread's
+// writes stay uncut.
+TEST_F(FileWriterTest, ALimitedThreadCutsItsWritesAroundThePageCacheAndWritesTheSameBytes) {
+  const size_t total = 3 * kDirectAfterBytes + 777;
+  const size_t limit = 64 * 1024;
+  const std::vector<char> bytes = pattern_bytes(total);
+  std::unique_ptr<char, decltype(&std::free)> memory(
+      static_cast<char*>(
+          std::aligned_alloc(detail::kDirectAlignBytes,
+                             (total / detail::kDirectAlignBytes + 1) * detail::kDirectAlignBytes)),
+      &std::free);
+  std::memcpy(memory.get(), bytes.data(), total);
+  // A header's worth, then the rest in one piece lined up with its file offset: the in-place
+  // writes and their count.
+  const auto write_file = [&](const std::string& name) {
+    const std::string path = dir_ + "/" + name;
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    EXPECT_GE(fd, 0);
+    FileWriter writer(fd);
+    EXPECT_TRUE(writer.write(memory.get(), detail::kDirectAlignBytes));
+    EXPECT_TRUE(
+        writer.write(memory.get() + detail::kDirectAlignBytes, total - detail::kDirectAlignBytes));
+    EXPECT_TRUE(writer.finish()) << std::strerror(writer.error());
+    ::close(fd);
+    EXPECT_TRUE(read_file(path) == bytes) << name;
+    return std::pair<size_t, size_t>(writer.in_place_bytes(), writer.in_place_writes());
+  };
+  const auto uncut = write_file("uncut");
+  std::pair<size_t, size_t> cut;
+  {
+    const detail::ScopedWriteRests limited(0, limit);
+    cut = write_file("cut");
+  }
+  EXPECT_EQ(cut.first, uncut.first);
+  if (takes_direct_io()) {
+    ASSERT_GT(uncut.first, 2 * kDirectAfterBytes);
+    EXPECT_GE(cut.second, (cut.first + limit - 1) / limit);
+    EXPECT_LT(uncut.second, cut.second / 4);
+  } else {
+    EXPECT_EQ(cut.second, 0u);
+  }
+  try {
+    const detail::ScopedWriteRests refused(0, 1000);
+    ADD_FAILURE() << "a limit of 1000 bytes was taken";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find(
+                  "ScopedWriteRests: max_direct_write 1000 is not a multiple of 4096 bytes"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    const detail::ScopedWriteRests refused(-1, limit);
+    ADD_FAILURE() << "a share of -1 was taken";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("ScopedWriteRests: share -1 is negative"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(write_file("after the refusals"), uncut);
 }
 
 }  // namespace file_writer_test
