@@ -347,9 +347,11 @@ int64_t RemoteOptimizer::index_of(rpc::RRef<at::Tensor> param) {
 }
 
 int64_t RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, int64_t shard,
-                                         int64_t shards, int64_t first_row, int64_t rows_per_file) {
+                                         int64_t shards, int64_t first_row, int64_t rows_per_file,
+                                         double disk_share) {
   TORCH_CHECK_VALUE(rows_per_file > 0, kSaveSnapshot, ": rows_per_file is ", rows_per_file,
                     "; it must be at least 1");
+  SnapshotWrites::check_disk_share(disk_share, rpc::get_worker_info().name);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     param(index, kSaveSnapshot, /*table=*/true);
@@ -367,17 +369,20 @@ int64_t RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, int6
   try {
     std::lock_guard<std::mutex> lock(mutex_);
     rpc::InPlaceUpdateGuard no_step_meanwhile;
-    ticket = snapshot_writes_.start([this, shard_copy, prefix, index, shard, shards, first_row,
-                                     rows_per_file]() -> c10::IValue {
-      const std::vector<int64_t> blocks = write_shard_blocks(
-          prefix, shard, shards, first_row, shard_copy->copy, rows_per_file, &shard_copy->copied);
-      c10::impl::GenericDict summary = summary_dict(summary_of(shard_copy->copy));
-      summary.insert("blocks", c10::List<int64_t>(blocks));
-      std::vector<ParamCopy> kept;
-      kept.push_back(std::move(shard_copy->copy));
-      keep_copies({index}, std::move(kept));
-      return summary;
-    });
+    ticket = snapshot_writes_.start(
+        [this, shard_copy, prefix, index, shard, shards, first_row,
+         rows_per_file]() -> c10::IValue {
+          const std::vector<int64_t> blocks =
+              write_shard_blocks(prefix, shard, shards, first_row, shard_copy->copy, rows_per_file,
+                                 &shard_copy->copied);
+          c10::impl::GenericDict summary = summary_dict(summary_of(shard_copy->copy));
+          summary.insert("blocks", c10::List<int64_t>(blocks));
+          std::vector<ParamCopy> kept;
+          kept.push_back(std::move(shard_copy->copy));
+          keep_copies({index}, std::move(kept));
+          return summary;
+        },
+        disk_share);
     copy_param(index, shard_copy->copy, rows_per_file, &shard_copy->copied);
   } catch (...) {
     shard_copy->copied.abandon();  // the writer stops; its error says less than this one
@@ -388,9 +393,10 @@ int64_t RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, int6
 }
 
 int64_t RemoteOptimizer::save_params(std::string path, std::vector<int64_t> indices,
-                                     std::vector<int64_t> dense_indices) {
+                                     std::vector<int64_t> dense_indices, double disk_share) {
   TORCH_CHECK_VALUE(indices.size() == dense_indices.size(), kSaveSnapshot, ": ", indices.size(),
                     " parameters named by ", dense_indices.size(), " indices");
+  SnapshotWrites::check_disk_share(disk_share, rpc::get_worker_info().name);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (int64_t index : indices) param(index, kSaveSnapshot, /*table=*/false);
@@ -412,7 +418,8 @@ int64_t RemoteOptimizer::save_params(std::string path, std::vector<int64_t> indi
         for (const ParamCopy& copy : *copies) summaries.push_back(summary_dict(summary_of(copy)));
         keep_copies(indices, std::move(*copies));
         return summaries;
-      });
+      },
+      disk_share);
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> RemoteOptimizer::snapshot_written(int64_t ticket) {

@@ -99,14 +99,16 @@ class RemoteOptimizer {
   /// Writes parameter `index`, shard `shard` of `shards` of a table whose first row is the
   /// table's `first_row`, and its state, as blocks of at most `rows_per_file` rows named after
   /// `prefix`. Its write's result: a dict: has_state, step, buffers (names) and blocks (each
-  /// block's first row, then the shard's end).
+  /// block's first row, then the shard's end). Every save_* writes keeping the disk busy at most
+  /// `disk_share` of the time (SnapshotOptions::disk_share; SnapshotWrites::check_disk_share's
+  /// error, before anything is copied).
   int64_t save_table_rows(std::string prefix, int64_t index, int64_t shard, int64_t shards,
-                          int64_t first_row, int64_t rows_per_file);
+                          int64_t first_row, int64_t rows_per_file, double disk_share);
   /// Writes the parameters `indices` (named in the file by `dense_indices`) and their state to
   /// the file `path`, copied at one point. Its write's result: one dict per parameter:
   /// has_state, step and buffers.
   int64_t save_params(std::string path, std::vector<int64_t> indices,
-                      std::vector<int64_t> dense_indices);
+                      std::vector<int64_t> dense_indices, double disk_share);
   /// The future of the write that a save_* call answered `ticket` for: its result once its files
   /// are written (async: no request thread waits for it). SnapshotWrites::claim's errors.
   c10::intrusive_ptr<c10::ivalue::Future> snapshot_written(int64_t ticket);
@@ -139,7 +141,7 @@ class RemoteOptimizer {
   /// are saved with a new parameter's state, as the next step would start them. Returns a dict:
   /// has_state, step, buffers (names) and blocks (each block's rows), as its write's result.
   int64_t save_id_rows(std::string prefix, int64_t index, rpc::RRef<rpc::IdEmbeddingShard> table,
-                       int64_t shard, int64_t shards, int64_t rows_per_file);
+                       int64_t shard, int64_t shards, int64_t rows_per_file, double disk_share);
   /// Reads from the blocks `paths` the rows of the ids that shard `shard` of `shards` holds
   /// (ShardedIdEmbeddingBag::shard_of), with the state `state` (has_state, step, buffers) says,
   /// for commit_staged. c10::ValueError when they are more than the shard's capacity.

@@ -42,9 +42,10 @@ std::shared_ptr<rpc::IdEmbeddingShard> RemoteOptimizer::id_table(
 
 int64_t RemoteOptimizer::save_id_rows(std::string prefix, int64_t index,
                                       rpc::RRef<rpc::IdEmbeddingShard> table, int64_t shard,
-                                      int64_t shards, int64_t rows_per_file) {
+                                      int64_t shards, int64_t rows_per_file, double disk_share) {
   TORCH_CHECK_VALUE(rows_per_file > 0, kSaveSnapshot, ": rows_per_file is ", rows_per_file,
                     "; it must be at least 1");
+  SnapshotWrites::check_disk_share(disk_share, rpc::get_worker_info().name);
   const std::shared_ptr<rpc::IdEmbeddingShard> module = id_table(index, table, kSaveSnapshot);
   auto shared_copy = std::make_shared<ParamCopy>();
   ParamCopy& copy = *shared_copy;
@@ -81,7 +82,8 @@ int64_t RemoteOptimizer::save_id_rows(std::string prefix, int64_t index,
         insert_state_summary(summary, summary_of(*shared_copy));
         summary.insert("blocks", c10::List<int64_t>(blocks));
         return summary;
-      });
+      },
+      disk_share);
 }
 
 void RemoteOptimizer::stage_id_rows(int64_t index, rpc::RRef<rpc::IdEmbeddingShard> table,

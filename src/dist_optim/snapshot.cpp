@@ -73,7 +73,7 @@ bool PendingSnapshot::written() const {
 PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimizer& optimizer,
                                const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
                                const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables,
-                               int64_t rows_per_file, bool waited_only) {
+                               int64_t rows_per_file, bool waited_only, double disk_share) {
   TORCH_CHECK_VALUE(rows_per_file >= 0, kSaveSnapshot, ": rows_per_file is ", rows_per_file,
                     "; it must be 0 (64 MiB of rows) or more");
   const Layout layout = layout_of(optimizer, tables, id_tables, kSaveSnapshot);
@@ -113,7 +113,7 @@ PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimize
       const Slot& slot = layout.slots[layout.table_positions[t][s]];
       ask(slot.owner, "save_table_rows",
           {table_prefix(calls->directory, t), slot.index, s, shards, tables[t]->shard_rows(s).first,
-           rows});
+           rows, disk_share});
     }
   }
   for (size_t t = 0; t < id_tables.size(); ++t) {
@@ -128,13 +128,13 @@ PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimize
       const Slot& slot = layout.slots[layout.table_positions[tables.size() + t][s]];
       ask(slot.owner, "save_id_rows",
           {id_table_prefix(calls->directory, t), slot.index, rpc::to_value(modules[s]), s, shards,
-           rows});
+           rows, disk_share});
     }
   }
   for (const auto& [owner, params] : dense_by_owner(layout)) {
     ask(owner, "save_params",
         {(fs::path(calls->directory) / params_file(owner)).string(),
-         c10::List<int64_t>(params.second), c10::List<int64_t>(params.first)});
+         c10::List<int64_t>(params.second), c10::List<int64_t>(params.first), disk_share});
     calls->dense.emplace_back(owner, params.first);
   }
   const auto worker = [&calls](size_t i) -> const std::string& { return calls->workers[i]; };
@@ -276,7 +276,7 @@ void save_snapshot(const std::string& directory, DistributedOptimizer& optimizer
                    int64_t rows_per_file,
                    const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables) {
   detail::begin_snapshot(directory, optimizer, tables, id_tables, rows_per_file,
-                         /*waited_only=*/true)
+                         /*waited_only=*/true, /*disk_share=*/1)
       .finish(std::nullopt);
 }
 

@@ -39,11 +39,12 @@ class PendingSnapshot {
 
 /// Asks every owner of `optimizer`'s parameters to copy them and write them into `directory`
 /// (save_snapshot's arguments). `waited_only`: false when the snapshot's calls are polled
-/// (written()) rather than waited for at once. Errors before any owner is asked: save_snapshot's.
+/// (written()) rather than waited for at once. `disk_share`: SnapshotOptions::disk_share (each
+/// owner checks it). Errors before any owner is asked: save_snapshot's.
 PendingSnapshot begin_snapshot(const std::string& directory, DistributedOptimizer& optimizer,
                                const std::vector<const rpc::ShardedEmbeddingBag*>& tables,
                                const std::vector<const rpc::ShardedIdEmbeddingBag*>& id_tables,
-                               int64_t rows_per_file, bool waited_only);
+                               int64_t rows_per_file, bool waited_only, double disk_share);
 
 /// Throws what save_snapshot throws for `tables` that are not the optimizer's; then has every
 /// owner map and keep the memory its snapshots copy into (RemoteOptimizer::reserve_copies): the

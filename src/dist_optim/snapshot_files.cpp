@@ -6,11 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <exception>
 #include <map>
 #include <mutex>
-#include <thread>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -185,7 +183,9 @@ std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard
   for (int64_t first = first_row; first < end_row; first += rows_per_file) firsts.push_back(first);
   const size_t blocks = firsts.size();
   firsts.push_back(end_row);
-  auto write_block = [&](size_t b) {
+  // One block after another on this thread: paced by the caller (SnapshotWrites), which keeps
+  // one write in flight.
+  for (size_t b = 0; b < blocks; ++b) {
     TORCH_CHECK(copied == nullptr || copied->wait_for(firsts[b + 1] - first_row), kSaveSnapshot,
                 ": the copy of shard ", shard, " stopped before its block ", b);
     GenericDict block = string_dict();
@@ -199,37 +199,7 @@ std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard
         copied != nullptr ? copied->crcs() : optim::detail::KnownCrcs{};
     optim::detail::write_pickle_file(block_path(prefix, shard, shards, static_cast<int64_t>(b)),
                                      block, kSaveSnapshot, &crcs);
-  };
-  // Two blocks at a time, each by a thread of this one's priority and CPU: one thread's fsyncs,
-  // renames and rests leave the disk idle between its writes; two keep a write in flight (a
-  // 2.56 GB shard beside a trainer's steps, when every byte was still copied into the direct
-  // writes' chunks: 1.1 GB/s written by one thread, 1.45 by two).
-  std::atomic<size_t> next{0};
-  std::mutex failure_mutex;
-  // The failure of the first block that failed: the two threads may fail in either order.
-  std::exception_ptr failure;
-  size_t failed_block = blocks;
-  auto write_blocks = [&] {
-    const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare,
-                                                kSnapshotMaxDirectWriteBytes);
-    for (size_t b = next++; b < blocks; b = next++) {
-      try {
-        write_block(b);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(failure_mutex);
-        if (b < failed_block) {
-          failed_block = b;
-          failure = std::current_exception();
-        }
-        next = blocks;
-      }
-    }
-  };
-  std::thread second;
-  if (blocks > 1) second = std::thread(write_blocks);
-  write_blocks();
-  if (second.joinable()) second.join();
-  if (failure) std::rethrow_exception(failure);
+  }
   return firsts;
 }
 
@@ -301,8 +271,6 @@ ParamCopy read_block_rows(const std::vector<BlockFile>& blocks, int64_t first_ro
 std::vector<int64_t> write_id_blocks(const std::string& prefix, int64_t shard, int64_t shards,
                                      const ParamCopy& part, int64_t rows_per_file) {
   TORCH_INTERNAL_ASSERT(rows_per_file > 0 && part.ids.size(0) == part.value.size(0));
-  const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare,
-                                              kSnapshotMaxDirectWriteBytes);
   const int64_t live = part.ids.size(0);
   std::vector<int64_t> counts;
   for (int64_t first = 0; first < live || counts.empty(); first += rows_per_file) {
@@ -402,8 +370,6 @@ void write_params_file(const std::string& path, const std::vector<int64_t>& dens
   file.insert("format", std::string(kParamsFormat));
   file.insert("version", kSnapshotVersion);
   file.insert("params", entries);
-  const optim::detail::ScopedWriteRests rests(kSnapshotWriteRestShare,
-                                              kSnapshotMaxDirectWriteBytes);
   optim::detail::write_pickle_file(path, file, kSaveSnapshot, known);
 }
 

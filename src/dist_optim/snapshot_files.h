@@ -99,16 +99,10 @@ class RowsCopied {
   bool abandoned_ = false;
 };
 
-/// How a snapshot's writing thread paces its writes (optim::detail::ScopedWriteRests): a rest of
-/// 0.3 of each write's time after it, and no write around the page cache larger than 16 MiB (a
-/// block's record would otherwise go to the disk in one write of up to 64 MiB). A 2.56 GB snapshot
-/// beside a trainer's steps, four rounds a run, alternating in one sitting: the steps' p99 while
-/// written / without, rounds pooled, 1.12x and 1.15x, written at 2.12-2.20 GB/s (1.00x dd's direct
-/// rate of the same rounds); with a rest of 0.2 and whole records, 1.52x, 1.68x and 2.45x at
-/// 2.13-2.42 GB/s; with 16 MiB writes and a rest of 0.2, 1.28x-1.75x (five runs); 8 MiB, 1.39x and
-/// 1.48x. Two threads write, so the disk rests little.
-constexpr double kSnapshotWriteRestShare = 0.3;
-constexpr size_t kSnapshotMaxDirectWriteBytes = size_t{16} << 20;
+/// The largest write around the page cache a snapshot's writer makes (optim::detail::
+/// ScopedWriteRests, set by SnapshotWrites): 4 MiB, as dd's probe of a disk writes, so that the
+/// disk gets one request at a time rather than a block's record of up to 64 MiB at once.
+constexpr size_t kSnapshotMaxDirectWriteBytes = size_t{4} << 20;
 
 /// PREFIX.shard-S-of-N.block-B.pt
 std::string block_path(const std::string& prefix, int64_t shard, int64_t shards, int64_t block);

@@ -67,6 +67,9 @@ SnapshotSchedule::SnapshotSchedule(SnapshotOptions options, DistributedOptimizer
                     options_.keep_last(), "; it must be at least 1");
   TORCH_CHECK_VALUE(options_.rows_per_file() >= 0, "SnapshotSchedule: rows_per_file is ",
                     options_.rows_per_file(), "; it must be 0 (64 MiB of rows) or more");
+  TORCH_CHECK_VALUE(options_.disk_share() > 0 && options_.disk_share() <= 1,
+                    "SnapshotSchedule: disk_share is ", options_.disk_share(),
+                    "; it must be more than 0 and at most 1");
   TORCH_CHECK_VALUE(!options_.directory().empty(), "SnapshotSchedule: the directory is empty");
   TORCH_CHECK_VALUE(step_ >= 0, "SnapshotSchedule: step is ", step_, "; it must be 0 or more");
   reserved_bytes_ = detail::reserve_snapshot_copies(optimizer_, tables_, id_tables_);
@@ -116,7 +119,7 @@ void SnapshotSchedule::begin() {
   const std::string directory = detail::scheduled_snapshot_path(options_.directory(), step_);
   pending_ = std::make_unique<Pending>(Pending{
       detail::begin_snapshot(directory, optimizer_, tables_, id_tables_, options_.rows_per_file(),
-                             /*waited_only=*/false),
+                             /*waited_only=*/false, options_.disk_share()),
       step_});
 }
 

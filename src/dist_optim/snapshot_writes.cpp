@@ -6,6 +6,8 @@
 #include <ATen/core/jit_type.h>
 #include <c10/util/Exception.h>
 
+#include "file_writer.h"
+
 namespace distoptim {
 namespace dist_optim {
 namespace detail {
@@ -16,7 +18,12 @@ SnapshotWrites::~SnapshotWrites() {
   writes_.clear();
 }
 
-int64_t SnapshotWrites::start(std::function<c10::IValue()> write) {
+void SnapshotWrites::check_disk_share(double disk_share, const std::string& worker) {
+  TORCH_CHECK_VALUE(disk_share > 0 && disk_share <= 1, kSaveSnapshot, ": disk_share is ",
+                    disk_share, " on worker '", worker, "'; it must be more than 0 and at most 1");
+}
+
+int64_t SnapshotWrites::start(std::function<c10::IValue()> write, double disk_share) {
   auto entry = std::make_shared<Write>();
   entry->written = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
   std::lock_guard<std::mutex> lock(mutex_);
@@ -24,23 +31,25 @@ int64_t SnapshotWrites::start(std::function<c10::IValue()> write) {
   writes_[ticket] = entry;
   // The thread holds its entry by a plain pointer: the entry owns the thread, so outlives it.
   Write* raw = entry.get();
-  entry->thread = std::make_unique<LowPriorityThread>(
-      [written = entry->written, raw, write = std::move(write)] {
-        c10::IValue result;
-        std::exception_ptr failure;
-        try {
-          result = write();
-        } catch (...) {
-          failure = std::current_exception();
-        }
-        raw->ended = std::chrono::steady_clock::now();
-        // A claim's reply goes out from here (the future's callbacks run on this thread).
-        if (failure) {
-          written->setError(failure);
-        } else {
-          written->markCompleted(std::move(result));
-        }
-      });
+  entry->thread = std::make_unique<LowPriorityThread>([written = entry->written, raw,
+                                                       write = std::move(write), disk_share] {
+    c10::IValue result;
+    std::exception_ptr failure;
+    try {
+      // Busy `disk_share` of the time: a write of t, then a rest of (1 / share - 1) t.
+      const optim::detail::ScopedWriteRests rests(1 / disk_share - 1, kSnapshotMaxDirectWriteBytes);
+      result = write();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    raw->ended = std::chrono::steady_clock::now();
+    // A claim's reply goes out from here (the future's callbacks run on this thread).
+    if (failure) {
+      written->setError(failure);
+    } else {
+      written->markCompleted(std::move(result));
+    }
+  });
   return ticket;
 }
 

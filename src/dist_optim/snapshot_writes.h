@@ -34,9 +34,14 @@ class SnapshotWrites {
   /// Waits for every write still going on.
   ~SnapshotWrites();
 
+  /// c10::ValueError naming `disk_share` and `worker` unless 0 < disk_share <= 1 (a value from
+  /// the wire: NaN and infinities included).
+  static void check_disk_share(double disk_share, const std::string& worker);
   /// Starts `write` on a LowPriorityThread; returns its ticket. What it returns (or throws) is
-  /// what claim(ticket)'s future completes with.
-  int64_t start(std::function<c10::IValue()> write);
+  /// what claim(ticket)'s future completes with. Its writes around the page cache go 4 MiB at a
+  /// time (kSnapshotMaxDirectWriteBytes), each followed by a rest that keeps the disk busy with
+  /// them `disk_share` of the time (SnapshotOptions::disk_share; checked by the caller).
+  int64_t start(std::function<c10::IValue()> write, double disk_share);
   /// The copy the write reads failed: waits for the write to end and forgets it.
   void drop(int64_t ticket);
   /// The future of the write numbered `ticket`, which completes once it is written; each ticket

@@ -9,9 +9,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <exception>
 #include <filesystem>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -143,12 +145,14 @@ TEST(SnapshotWrites, AWriteIsClaimedOnceAndItsFutureCompletesWithItsResult) {
   std::mutex mutex;
   std::condition_variable cv;
   bool go = false;
-  const int64_t ticket = writes.start([&] {
-    std::unique_lock<std::mutex> lock(mutex);
-    cv.wait(lock, [&] { return go; });
-    return c10::IValue(int64_t{7});
-  });
-  const int64_t other = writes.start([] { return c10::IValue(std::string("other")); });
+  const int64_t ticket = writes.start(
+      [&] {
+        std::unique_lock<std::mutex> lock(mutex);
+        cv.wait(lock, [&] { return go; });
+        return c10::IValue(int64_t{7});
+      },
+      1);
+  const int64_t other = writes.start([] { return c10::IValue(std::string("other")); }, 0.5);
   EXPECT_NE(ticket, other);
   // Claimed while it is still being written: the future completes later.
   const auto written = writes.claim(ticket, "owner");
@@ -173,7 +177,7 @@ TEST(SnapshotWrites, AWriteIsClaimedOnceAndItsFutureCompletesWithItsResult) {
 TEST(SnapshotWrites, AFailedWriteFailsItsClaimWithItsError) {
   detail::SnapshotWrites writes;
   const int64_t ticket =
-      writes.start([]() -> c10::IValue { TORCH_CHECK(false, "cannot write 'block-3.pt'"); });
+      writes.start([]() -> c10::IValue { TORCH_CHECK(false, "cannot write 'block-3.pt'"); }, 1);
   const auto written = writes.claim(ticket, "owner");
   written->wait();
   ASSERT_TRUE(written->hasError());
@@ -184,15 +188,31 @@ TEST(SnapshotWrites, AFailedWriteFailsItsClaimWithItsError) {
 TEST(SnapshotWrites, ADroppedWriteIsWaitedForAndCannotBeClaimed) {
   detail::SnapshotWrites writes;
   std::atomic<bool> ended{false};
-  const int64_t ticket = writes.start([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    ended = true;
-    return c10::IValue();
-  });
+  const int64_t ticket = writes.start(
+      [&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        ended = true;
+        return c10::IValue();
+      },
+      1);
   writes.drop(ticket);
   EXPECT_TRUE(ended);
   expect_value_error([&] { writes.claim(ticket, "owner"); },
                      "has no snapshot write numbered " + std::to_string(ticket));
+}
+
+// The share of the disk's time an owner's writer may take comes from the wire
+// (SnapshotOptions::disk_share): anything but 0 < share <= 1 is refused naming it and the owner.
+TEST(SnapshotWrites, ADiskShareOutsideZeroToOneIsRefusedNamingTheOwner) {
+  for (const double share :
+       {0.0, -0.5, 1.5, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(share);
+    expect_value_error([&] { detail::SnapshotWrites::check_disk_share(share, "ps1"); },
+                       c10::str("save_snapshot: disk_share is ", share,
+                                " on worker 'ps1'; it must be more than 0 and at most 1"));
+  }
+  detail::SnapshotWrites::check_disk_share(1, "ps1");
+  detail::SnapshotWrites::check_disk_share(1e-3, "ps1");
 }
 
 }  // namespace snapshot_blocks_test

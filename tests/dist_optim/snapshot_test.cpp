@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -376,9 +377,11 @@ TEST(Snapshot, AScheduleKeepsTheLastSnapshotsAndTheLatestLoadsAsTaken) {
     std::map<int64_t, std::vector<at::Tensor>> values{{0, model.values()}};
     std::vector<int64_t> finished;
     {
+      // Written a third of the time at most (each write followed by a rest twice its length):
+      // the same files.
       dist_optim::SnapshotSchedule schedule(
-          dist_optim::SnapshotOptions(snapshots).every_steps(2).keep_last(2), model.optimizer,
-          {&model.table});
+          dist_optim::SnapshotOptions(snapshots).every_steps(2).keep_last(2).disk_share(1.0 / 3),
+          model.optimizer, {&model.table});
       for (int step = 0; step < 9; ++step) {
         model.step(step);
         values[step + 1] = model.values();
@@ -578,6 +581,15 @@ TEST(Snapshot, BadSnapshotsAreRefusedNamingTheFileAndTheOwnerAndChangeNothing) {
                                        model.optimizer, {&model.table});
         },
         {"SnapshotSchedule: keep_last is 0; it must be at least 1"});
+    for (const double share : {0.0, 1.5, std::nan("")}) {
+      testing::expect_error_containing(
+          [&] {
+            dist_optim::SnapshotSchedule(dist_optim::SnapshotOptions(dir / "x").disk_share(share),
+                                         model.optimizer, {&model.table});
+          },
+          {c10::str("SnapshotSchedule: disk_share is ", share,
+                    "; it must be more than 0 and at most 1")});
+    }
 
     // An owner that cannot write its file (a directory stands where its block goes): named with
     // the file, and no manifest is written.

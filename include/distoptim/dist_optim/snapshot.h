@@ -38,10 +38,11 @@
 // What one snapshot is: each owner copies its parameters and their state under its update lock (no
 // step of any optimizer is half in the copy; a copy at memory speed, the only time steps wait for a
 // snapshot; it takes each file record's CRC-32 on the way, from the cache) and writes the copy
-// holding no lock, while steps go on: streamed from the copy's memory to the files, on threads of
-// low CPU priority (nice 10) kept to one CPU that rest a fifth of each write's time after it, so
-// that the writing yields to the steps the owner serves (the CPU, and the memory bus the disk's
-// DMA shares with them). An owner keeps the copy's memory for its next snapshot (its
+// holding no lock, while steps go on: streamed from the copy's memory to the files, by one thread
+// per call of low CPU priority (nice 10) kept to one CPU, 4 MiB at a time with one write in
+// flight, as a dd probe of the disk writes, so that the writing yields to the steps the owner
+// serves (the CPU, and the memory bus the disk's DMA shares with them); SnapshotOptions::disk_share
+// slows it further. An owner keeps the copy's memory for its next snapshot (its
 // parameters' and state's size again, which every snapshot needs at its peak). A SnapshotSchedule
 // has every owner map that memory when it is made (at the same low priority; a save_snapshot with
 // none made before maps it itself, before its copy), so that the first snapshot writes as fast as
@@ -136,6 +137,12 @@ struct SnapshotOptions {
   TORCH_ARG(int64_t, keep_last) = 2;
   /// A table block's rows (0: 64 MiB of them).
   TORCH_ARG(int64_t, rows_per_file) = 0;
+  /// The share of the time each owner's writer keeps its disk busy (more than 0, at most 1): below
+  /// 1, every write is followed by a rest of (1 / disk_share - 1) times its duration. The steps an
+  /// owner serves while it writes slow with its write rate (the disk's DMA and a virtual disk's
+  /// host share the memory bus with them): 0.5 writes a snapshot in about twice the time and
+  /// leaves the steps' tail about half as long (docs/benchmarks.md, snapshot).
+  TORCH_ARG(double, disk_share) = 1;
 };
 
 /// Takes snapshots of one trainer's DistributedOptimizer on a schedule, in the background: a
@@ -149,7 +156,8 @@ struct SnapshotOptions {
 class SnapshotSchedule {
  public:
   /// Throws c10::ValueError naming the option for a negative every_steps, every or rows_per_file,
-  /// or keep_last below 1, and what save_snapshot throws for the tables. Then has every owner map
+  /// keep_last below 1 or disk_share outside (0, 1], and what save_snapshot throws for the
+  /// tables. Then has every owner map
   /// and keep the memory its snapshots copy into (the parameters' and their state's size; a
   /// collisionless table's apart) and waits for it, at the owners' low priority: seconds for
   /// gigabytes. An owner that cannot (lost, out of memory) is logged, not thrown: its first
