@@ -57,7 +57,8 @@
 // server's write of its shard is one call). The output states them with the load average.
 //
 // Usage: snapshot_bench --json PATH [--rounds 6] [--steps W,T] [--every-steps P] [--rows R]
-//                       [--servers 1|2] [--blocking-rounds 1] [--dir DIR] [--quick]
+//                       [--servers 1|2] [--disk-share D] [--blocking-rounds 1] [--dir DIR]
+//                       [--quick]
 
 #include <unistd.h>
 
@@ -111,6 +112,8 @@ struct Config {
   // their second or third longest, and the ratio of one build swung from 1.1x to 2.5x between
   // runs.)
   int every = 520;
+  // SnapshotOptions::disk_share of the scheduled snapshots.
+  double disk_share = 1;
   int rounds = 6;
   int64_t rows = 10'000'000;
   int servers = 1;
@@ -197,9 +200,11 @@ class Trainer {
       for (int i = 0; i < config_.warmup; ++i) step(idle);
 
       // The timed steps count from 0 here: a snapshot begins at timed steps P, 2P, ...
-      dist_optim::SnapshotSchedule schedule(
-          dist_optim::SnapshotOptions(scheduled.string()).every_steps(config_.every).keep_last(1),
-          optimizer_, {&table_});
+      dist_optim::SnapshotSchedule schedule(dist_optim::SnapshotOptions(scheduled.string())
+                                                .every_steps(config_.every)
+                                                .keep_last(1)
+                                                .disk_share(config_.disk_share),
+                                            optimizer_, {&table_});
       std::vector<double> during, while_written, between;
       Json snapshots = Json::array();
       Clock::time_point begun;
@@ -335,6 +340,10 @@ int run(int argc, char** argv) {
   app.add_option("--every-steps", config.every,
                  "P: a snapshot begins every P timed steps of the during phase (default 520)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--disk-share", config.disk_share,
+                 "SnapshotOptions::disk_share of the scheduled snapshots (0 < D <= 1)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   app.add_option("--rows", config.rows, "Rows of the table")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -409,6 +418,8 @@ int run(int argc, char** argv) {
                              fmt::format("{},{}", config.warmup, config.timed),
                              "--every-steps",
                              std::to_string(config.every),
+                             "--disk-share",
+                             fmt::format("{}", config.disk_share),
                              "--dir",
                              config.directory,
                              "--deadline-seconds",
@@ -462,14 +473,14 @@ int run(int argc, char** argv) {
       "state on the server(s); batch {} bags of {} uniform random ids; {} intra-op thread per "
       "process, {} RPC threads, {} s RPC timeout; {} round(s) of without / during, the blocking "
       "save in the last {}; W = {} warm-up and T = {} timed steps per phase, a snapshot begun "
-      "every P = {} timed steps of the during phase (keep_last 1); snapshots in {} "
+      "every P = {} timed steps of the during phase (keep_last 1, disk_share {}); snapshots in {} "
       "(local disk, removed after each round); disk: dd of the snapshot's bytes with "
       "conv=fdatasync there after each round's snapshots are removed, timed whole, through the "
       "page cache (bs=1M) and around it (oflag=direct bs=4M)",
       config.servers, rows_label(config.rows), kPsDim, kLr, state_gb, kPsBags, kPsIdsPerBag,
       job.value("intra_op_threads", kPsIntraOpThreads), kPsRpcThreads, kRpcTimeout.count(),
       config.rounds, config.blocking_rounds, config.warmup, config.timed, config.every,
-      config.directory);
+      config.disk_share, config.directory);
   const std::string no_pytorch =
       "no PyTorch side: PyTorch has no snapshot of a parameter server (its DistributedOptimizer "
       "has no state dict); ours during a snapshot against ours without";
