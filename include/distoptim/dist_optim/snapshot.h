@@ -140,8 +140,9 @@ struct SnapshotOptions {
   /// The share of the time each owner's writer keeps its disk busy (more than 0, at most 1): below
   /// 1, every write is followed by a rest of (1 / disk_share - 1) times its duration. The steps an
   /// owner serves while it writes slow with its write rate (the disk's DMA and a virtual disk's
-  /// host share the memory bus with them): 0.5 writes a snapshot in about twice the time and
-  /// leaves the steps' tail about half as long (docs/benchmarks.md, snapshot).
+  /// host share the memory bus with them): on a 2-core virtual machine, 0.5 took about twice as
+  /// long to write a snapshot and left the steps' p99 while it wrote at 1.07-1.28x the steps'
+  /// without one, against 1.22-1.60x at 1 (docs/benchmarks.md, snapshot).
   TORCH_ARG(double, disk_share) = 1;
 };
 
