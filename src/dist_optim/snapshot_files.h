@@ -108,11 +108,11 @@ constexpr size_t kSnapshotMaxDirectWriteBytes = size_t{4} << 20;
 std::string block_path(const std::string& prefix, int64_t shard, int64_t shards, int64_t block);
 
 /// Writes `part`, rows [first_row, first_row + part.value.size(0)) of a table and shard `shard`
-/// of `shards`, as blocks of at most `rows_per_file` rows named after `prefix`, two at a time (the
-/// second by a thread of the caller's priority), each once `copied` (when given) says its rows
-/// are in `part`, with the CRC-32s it took. Returns the first row of each block, then the shard's
-/// end. Errors: c10::Error naming the first file that could not be written; no block is begun after
-/// it (nor after the copy is abandoned).
+/// of `shards`, as blocks of at most `rows_per_file` rows named after `prefix`, one after another
+/// on the caller's thread, each once `copied` (when given) says its rows are in `part`, with the
+/// CRC-32s it took. Returns the first row of each block, then the shard's end. Errors: c10::Error
+/// naming the first file that could not be written; no block is begun after it (nor after the
+/// copy is abandoned).
 std::vector<int64_t> write_shard_blocks(const std::string& prefix, int64_t shard, int64_t shards,
                                         int64_t first_row, const ParamCopy& part,
                                         int64_t rows_per_file, const RowsCopied* copied = nullptr);

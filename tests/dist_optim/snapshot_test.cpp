@@ -604,7 +604,7 @@ TEST(Snapshot, BadSnapshotsAreRefusedNamingTheFileAndTheOwnerAndChangeNothing) {
       EXPECT_NE(std::string(error.what()).find(block), std::string::npos) << error.what();
     }
     EXPECT_FALSE(fs::exists(blocked + "/manifest.pt"));
-    // The same where a shard's blocks are written two at a time: the block that failed is named.
+    // The same for a shard's third block: the block that failed is named.
     const std::string blocked_later = dir / "blocked_later";
     const std::string later_block = blocked_later + "/table-0.shard-1-of-2.block-2.pt";
     fs::create_directories(later_block);
