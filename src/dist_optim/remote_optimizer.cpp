@@ -369,20 +369,18 @@ int64_t RemoteOptimizer::save_table_rows(std::string prefix, int64_t index, int6
   try {
     std::lock_guard<std::mutex> lock(mutex_);
     rpc::InPlaceUpdateGuard no_step_meanwhile;
-    ticket = snapshot_writes_.start(
-        [this, shard_copy, prefix, index, shard, shards, first_row,
-         rows_per_file]() -> c10::IValue {
-          const std::vector<int64_t> blocks =
-              write_shard_blocks(prefix, shard, shards, first_row, shard_copy->copy, rows_per_file,
-                                 &shard_copy->copied);
-          c10::impl::GenericDict summary = summary_dict(summary_of(shard_copy->copy));
-          summary.insert("blocks", c10::List<int64_t>(blocks));
-          std::vector<ParamCopy> kept;
-          kept.push_back(std::move(shard_copy->copy));
-          keep_copies({index}, std::move(kept));
-          return summary;
-        },
-        disk_share);
+    auto write = [this, shard_copy, prefix, index, shard, shards, first_row,
+                  rows_per_file]() -> c10::IValue {
+      const std::vector<int64_t> blocks = write_shard_blocks(
+          prefix, shard, shards, first_row, shard_copy->copy, rows_per_file, &shard_copy->copied);
+      c10::impl::GenericDict summary = summary_dict(summary_of(shard_copy->copy));
+      summary.insert("blocks", c10::List<int64_t>(blocks));
+      std::vector<ParamCopy> kept;
+      kept.push_back(std::move(shard_copy->copy));
+      keep_copies({index}, std::move(kept));
+      return summary;
+    };
+    ticket = snapshot_writes_.start(disk_share, std::move(write));
     copy_param(index, shard_copy->copy, rows_per_file, &shard_copy->copied);
   } catch (...) {
     shard_copy->copied.abandon();  // the writer stops; its error says less than this one
@@ -411,15 +409,14 @@ int64_t RemoteOptimizer::save_params(std::string path, std::vector<int64_t> indi
     }
   }
   return snapshot_writes_.start(
-      [this, copies, copied, path, indices, dense_indices]() -> c10::IValue {
+      disk_share, [this, copies, copied, path, indices, dense_indices]() -> c10::IValue {
         const optim::detail::KnownCrcs crcs = copied->crcs();
         write_params_file(path, dense_indices, *copies, &crcs);
         c10::impl::GenericList summaries(c10::AnyType::get());
         for (const ParamCopy& copy : *copies) summaries.push_back(summary_dict(summary_of(copy)));
         keep_copies(indices, std::move(*copies));
         return summaries;
-      },
-      disk_share);
+      });
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> RemoteOptimizer::snapshot_written(int64_t ticket) {

@@ -75,15 +75,14 @@ int64_t RemoteOptimizer::save_id_rows(std::string prefix, int64_t index,
     });
   }
   return snapshot_writes_.start(
-      [shared_copy, prefix, shard, shards, rows_per_file]() -> c10::IValue {
+      disk_share, [shared_copy, prefix, shard, shards, rows_per_file]() -> c10::IValue {
         const std::vector<int64_t> blocks =
             write_id_blocks(prefix, shard, shards, *shared_copy, rows_per_file);
         c10::impl::GenericDict summary = string_dict();
         insert_state_summary(summary, summary_of(*shared_copy));
         summary.insert("blocks", c10::List<int64_t>(blocks));
         return summary;
-      },
-      disk_share);
+      });
 }
 
 void RemoteOptimizer::stage_id_rows(int64_t index, rpc::RRef<rpc::IdEmbeddingShard> table,

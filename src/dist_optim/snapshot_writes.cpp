@@ -23,7 +23,7 @@ void SnapshotWrites::check_disk_share(double disk_share, const std::string& work
                     disk_share, " on worker '", worker, "'; it must be more than 0 and at most 1");
 }
 
-int64_t SnapshotWrites::start(std::function<c10::IValue()> write, double disk_share) {
+int64_t SnapshotWrites::start(double disk_share, std::function<c10::IValue()> write) {
   auto entry = std::make_shared<Write>();
   entry->written = c10::make_intrusive<c10::ivalue::Future>(c10::AnyType::get());
   std::lock_guard<std::mutex> lock(mutex_);

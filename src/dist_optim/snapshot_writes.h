@@ -41,7 +41,7 @@ class SnapshotWrites {
   /// what claim(ticket)'s future completes with. Its writes around the page cache go 4 MiB at a
   /// time (kSnapshotMaxDirectWriteBytes), each followed by a rest that keeps the disk busy with
   /// them `disk_share` of the time (SnapshotOptions::disk_share; checked by the caller).
-  int64_t start(std::function<c10::IValue()> write, double disk_share);
+  int64_t start(double disk_share, std::function<c10::IValue()> write);
   /// The copy the write reads failed: waits for the write to end and forgets it.
   void drop(int64_t ticket);
   /// The future of the write numbered `ticket`, which completes once it is written; each ticket

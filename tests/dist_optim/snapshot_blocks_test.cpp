@@ -145,14 +145,12 @@ TEST(SnapshotWrites, AWriteIsClaimedOnceAndItsFutureCompletesWithItsResult) {
   std::mutex mutex;
   std::condition_variable cv;
   bool go = false;
-  const int64_t ticket = writes.start(
-      [&] {
-        std::unique_lock<std::mutex> lock(mutex);
-        cv.wait(lock, [&] { return go; });
-        return c10::IValue(int64_t{7});
-      },
-      1);
-  const int64_t other = writes.start([] { return c10::IValue(std::string("other")); }, 0.5);
+  const int64_t ticket = writes.start(1, [&] {
+    std::unique_lock<std::mutex> lock(mutex);
+    cv.wait(lock, [&] { return go; });
+    return c10::IValue(int64_t{7});
+  });
+  const int64_t other = writes.start(0.5, [] { return c10::IValue(std::string("other")); });
   EXPECT_NE(ticket, other);
   // Claimed while it is still being written: the future completes later.
   const auto written = writes.claim(ticket, "owner");
@@ -177,7 +175,7 @@ TEST(SnapshotWrites, AWriteIsClaimedOnceAndItsFutureCompletesWithItsResult) {
 TEST(SnapshotWrites, AFailedWriteFailsItsClaimWithItsError) {
   detail::SnapshotWrites writes;
   const int64_t ticket =
-      writes.start([]() -> c10::IValue { TORCH_CHECK(false, "cannot write 'block-3.pt'"); }, 1);
+      writes.start(1, []() -> c10::IValue { TORCH_CHECK(false, "cannot write 'block-3.pt'"); });
   const auto written = writes.claim(ticket, "owner");
   written->wait();
   ASSERT_TRUE(written->hasError());
@@ -188,13 +186,11 @@ TEST(SnapshotWrites, AFailedWriteFailsItsClaimWithItsError) {
 TEST(SnapshotWrites, ADroppedWriteIsWaitedForAndCannotBeClaimed) {
   detail::SnapshotWrites writes;
   std::atomic<bool> ended{false};
-  const int64_t ticket = writes.start(
-      [&] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        ended = true;
-        return c10::IValue();
-      },
-      1);
+  const int64_t ticket = writes.start(1, [&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    ended = true;
+    return c10::IValue();
+  });
   writes.drop(ticket);
   EXPECT_TRUE(ended);
   expect_value_error([&] { writes.claim(ticket, "owner"); },

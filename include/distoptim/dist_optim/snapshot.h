@@ -158,11 +158,10 @@ class SnapshotSchedule {
  public:
   /// Throws c10::ValueError naming the option for a negative every_steps, every or rows_per_file,
   /// keep_last below 1 or disk_share outside (0, 1], and what save_snapshot throws for the
-  /// tables. Then has every owner map
-  /// and keep the memory its snapshots copy into (the parameters' and their state's size; a
-  /// collisionless table's apart) and waits for it, at the owners' low priority: seconds for
-  /// gigabytes. An owner that cannot (lost, out of memory) is logged, not thrown: its first
-  /// snapshot maps the memory itself, and fails as it would have.
+  /// tables. Then has every owner map and keep the memory its snapshots copy into (the parameters'
+  /// and their state's size; a collisionless table's apart) and waits for it, at the owners' low
+  /// priority: seconds for gigabytes. An owner that cannot (lost, out of memory) is logged, not
+  /// thrown: its first snapshot maps the memory itself, and fails as it would have.
   SnapshotSchedule(SnapshotOptions options, DistributedOptimizer& optimizer,
                    std::vector<const rpc::ShardedEmbeddingBag*> tables = {}, int64_t step = 0,
                    std::vector<const rpc::ShardedIdEmbeddingBag*> id_tables = {});
